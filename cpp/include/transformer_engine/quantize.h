@@ -1,0 +1,57 @@
+/* Transformer Engine core: quantization to FP8 and back.
+ *
+ * Conversion to FP8 rounds to nearest even, saturates to the format's finite maximum
+ * (infinities included) and keeps NaN a NaN; the CPU and CUDA paths give identical bits.
+ * Tensors are viewed as matrices [M, K]: K is the last dimension, M the product of the rest.
+ */
+#ifndef TRANSFORMER_ENGINE_QUANTIZE_H_
+#define TRANSFORMER_ENGINE_QUANTIZE_H_
+
+#include "transformer_engine/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Options of scale computation, shared by current scaling and block scaling. */
+typedef struct {
+  int32_t force_pow2_scales; /* nonzero: round each scale down to a power of two */
+  float amax_epsilon;        /* amax is raised to at least this before the scale is taken */
+} te_quantize_config;
+
+/* Quantizes [in] input (fp32/fp16/bf16, slot DATA) into [out] output, whose dtype (the
+ * FP8 format: E4M3 or E5M2) is that of its DATA or COLUMNWISE_DATA slot; at least one of
+ * the two must be set, and both are written in one pass when both are.
+ *   TENSOR mode:  reads output SCALE; writes SCALE_INV = 1/scale and, when set, AMAX = max|input|
+ *                 (NaN if any input is NaN). COLUMNWISE_DATA is the transpose [K, M].
+ *   block modes:  writes the scale_inv slots of the data slots that are set (see tensor.h for
+ *                 shapes); the scale of a block is computed as te_compute_scale_from_amax does
+ *                 for that block's amax; AMAX, when set, receives the amax of the whole input.
+ * [in] config may be NULL (defaults: no power-of-two rounding, epsilon 0); it applies to the
+ * block modes (MXFP8 scales are powers of two by construction). */
+te_status te_quantize(const te_tensor *input, te_tensor *output, const te_quantize_config *config,
+                      te_stream stream);
+
+/* Dequantizes [in] input (FP8 in slot DATA, with its scale_inv by mode) into [out] output
+ * (fp32/fp16/bf16 in slot DATA, the same shape): output = fp8_value * scale_inv, rounded to
+ * nearest even. */
+te_status te_dequantize(const te_tensor *input, te_tensor *output, te_stream stream);
+
+/* Writes max|x| over [in] input's DATA (fp32/fp16/bf16) into [out] output's AMAX slot
+ * ([1] fp32). NaN anywhere gives NaN; an empty input gives 0. */
+te_status te_compute_amax(const te_tensor *input, te_tensor *output, te_stream stream);
+
+/* Current scaling: from [in,out] tensor's AMAX computes SCALE and SCALE_INV for its FP8 dtype
+ * (that of its DATA or COLUMNWISE_DATA slot):
+ *   a = max(amax, amax_epsilon); scale = fp8_max / a; an infinite scale becomes FLT_MAX;
+ *   a = 0, NaN or Inf gives scale 1; with force_pow2_scales the scale is rounded down to a
+ *   power of two; scale_inv = 1 / scale.
+ * [in] config may be NULL. */
+te_status te_compute_scale_from_amax(te_tensor *tensor, const te_quantize_config *config,
+                                     te_stream stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* TRANSFORMER_ENGINE_QUANTIZE_H_ */

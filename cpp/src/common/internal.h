@@ -1,0 +1,99 @@
+// Internals shared by the C entry points: the handle's layout, error reporting, validation.
+#ifndef TRANSFORMER_ENGINE_SRC_COMMON_INTERNAL_H_
+#define TRANSFORMER_ENGINE_SRC_COMMON_INTERNAL_H_
+
+#include <cstdint>
+#include <string>
+
+#include "transformer_engine/tensor.h"
+
+struct te_tensor_s {
+  te_scaling_mode scaling_mode;
+  bool present[TE_SLOT_COUNT];
+  te_buffer slots[TE_SLOT_COUNT];
+};
+
+namespace te {
+
+// Records "<op>: <message>" as this thread's last error and returns code.
+te_status fail(te_status code, const char *op, const std::string &message);
+
+// Runs body (returning te_status) and turns any C++ exception into TE_ERROR_RUNTIME, so that
+// no exception crosses the C boundary.
+template <typename Body>
+te_status guarded(const char *op, Body &&body) noexcept {
+  try {
+    return body();
+  } catch (const std::exception &e) {
+    return fail(TE_ERROR_RUNTIME, op, std::string("internal error: ") + e.what());
+  } catch (...) {
+    return fail(TE_ERROR_RUNTIME, op, "internal error");
+  }
+}
+
+const char *slot_name(te_tensor_slot slot);
+const char *device_name(te_device_type device);
+const char *scaling_mode_name(te_scaling_mode mode);
+
+// "bfloat16 [2, 3] on cuda:0".
+std::string describe(const te_buffer &buffer);
+std::string shape_string(const int64_t *shape, int ndim);
+
+int64_t numel(const te_buffer &buffer);
+// Rows of the [M, K] matrix view: product of all dimensions but the last (1 for rank 0).
+int64_t rows_of(const te_buffer &buffer);
+// Columns of the [M, K] matrix view: the last dimension (1 for rank 0).
+int64_t cols_of(const te_buffer &buffer);
+
+bool is_high_precision(te_dtype dtype);  // fp32, fp16, bf16
+bool is_fp8(te_dtype dtype);             // E4M3, E5M2
+float fp8_max(te_dtype dtype);           // 448 or 57344
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A read-only view of a slot; null when the slot is empty.
+inline const te_buffer *slot(const te_tensor *t, te_tensor_slot s) {
+  return (t != nullptr && t->present[s]) ? &t->slots[s] : nullptr;
+}
+
+// Validation of a call's arguments. Each check records the error and returns false, so that
+// an entry point reads as a list of requirements followed by the work.
+class Checker {
+ public:
+  explicit Checker(const char *op) : op_(op) {}
+
+  bool handle(const void *tensor, const char *name);
+  // The slot must be set. what names it in messages, e.g. "output.scale".
+  bool present(const te_buffer *buffer, const char *what);
+  bool dtype_in(const te_buffer &buffer, const char *what, bool (*pred)(te_dtype),
+                const char *expected);
+  bool dtype_is(const te_buffer &buffer, const char *what, te_dtype dtype);
+  bool numel_is(const te_buffer &buffer, const char *what, int64_t n);
+  bool matrix_is(const te_buffer &buffer, const char *what, int64_t rows, int64_t cols);
+  // Same device type and id as the first buffer checked with this call.
+  bool same_device(const te_buffer &buffer, const char *what);
+  bool fail(te_status code, const std::string &message);
+  // fail() for an entry point's return statement.
+  te_status reject(te_status code, const std::string &message) {
+    fail(code, message);
+    return status_;
+  }
+
+  te_status status() const { return status_; }
+  te_device_type device() const { return device_; }
+  int device_id() const { return device_id_; }
+
+ private:
+  const char *op_;
+  te_status status_ = TE_SUCCESS;
+  bool have_device_ = false;
+  te_device_type device_ = TE_DEVICE_CPU;
+  int device_id_ = 0;
+};
+
+// Error for a CUDA buffer reaching a core built without CUDA.
+te_status no_cuda_build(const char *op);
+
+}  // namespace te
+
+#endif  // TRANSFORMER_ENGINE_SRC_COMMON_INTERNAL_H_

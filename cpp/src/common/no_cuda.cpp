@@ -1,0 +1,21 @@
+// Stand-ins for the CUDA launchers in a CPU-only build (CMake drops this file when the
+// kernels are compiled): a CUDA buffer gets a clear error instead of a missing symbol.
+#include "common/internal.h"
+#include "quantize/quantize_impl.h"
+#include "scaling/scaling_impl.h"
+#include "transpose/transpose_impl.h"
+
+namespace te {
+
+te_status quantize_cuda(const QuantizeArgs &, te_stream) { return no_cuda_build("quantize"); }
+te_status dequantize_cuda(const DequantizeArgs &, te_stream) { return no_cuda_build("dequantize"); }
+te_status compute_amax_cuda(const AmaxArgs &, te_stream) { return no_cuda_build("compute_amax"); }
+te_status scale_from_amax_cuda(const ScaleFromAmaxArgs &, te_stream) {
+  return no_cuda_build("compute_scale_from_amax");
+}
+te_status delayed_scaling_update_cuda(const DelayedScalingArgs &, te_stream) {
+  return no_cuda_build("delayed_scaling_update");
+}
+te_status transpose_cuda(const TransposeArgs &, te_stream) { return no_cuda_build("transpose"); }
+
+}  // namespace te

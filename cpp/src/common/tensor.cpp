@@ -1,0 +1,249 @@
+// The tensor handle, error reporting and the validation helpers of the C entry points.
+#include <cstdarg>
+#include <cstdio>
+#include <new>
+#include <string>
+
+#include "common/internal.h"
+#include "transformer_engine/tensor.h"
+
+namespace te {
+namespace {
+
+thread_local std::string last_error;
+
+const char *const kDtypeNames[TE_DTYPE_COUNT] = {
+    "float32", "float16", "bfloat16", "float8_e4m3", "float8_e5m2", "float8_e8m0",
+    "int8",    "uint8",   "int16",    "int32",       "int64"};
+const size_t kDtypeSizes[TE_DTYPE_COUNT] = {4, 2, 2, 1, 1, 1, 1, 1, 2, 4, 8};
+
+}  // namespace
+
+te_status fail(te_status code, const char *op, const std::string &message) {
+  last_error = std::string(op) + ": " + message;
+  return code;
+}
+
+const char *slot_name(te_tensor_slot slot) {
+  switch (slot) {
+    case TE_SLOT_DATA: return "data";
+    case TE_SLOT_COLUMNWISE_DATA: return "columnwise_data";
+    case TE_SLOT_SCALE: return "scale";
+    case TE_SLOT_SCALE_INV: return "scale_inv";
+    case TE_SLOT_COLUMNWISE_SCALE_INV: return "columnwise_scale_inv";
+    case TE_SLOT_AMAX: return "amax";
+    default: return "invalid slot";
+  }
+}
+
+const char *device_name(te_device_type device) {
+  return device == TE_DEVICE_CPU ? "cpu" : device == TE_DEVICE_CUDA ? "cuda" : "invalid device";
+}
+
+const char *scaling_mode_name(te_scaling_mode mode) {
+  switch (mode) {
+    case TE_SCALING_TENSOR: return "tensor";
+    case TE_SCALING_BLOCK_1X128: return "block_1x128";
+    case TE_SCALING_BLOCK_128X128: return "block_128x128";
+    case TE_SCALING_MXFP8: return "mxfp8";
+    default: return "invalid scaling mode";
+  }
+}
+
+std::string shape_string(const int64_t *shape, int ndim) {
+  std::string s = "[";
+  for (int i = 0; i < ndim; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+std::string describe(const te_buffer &b) {
+  std::string s = std::string(te_dtype_name(b.dtype)) + " " + shape_string(b.shape, b.ndim) +
+                  " on " + device_name(b.device);
+  if (b.device == TE_DEVICE_CUDA) s += ":" + std::to_string(b.device_id);
+  return s;
+}
+
+int64_t numel(const te_buffer &b) {
+  int64_t n = 1;
+  for (int i = 0; i < b.ndim; ++i) n *= b.shape[i];
+  return n;
+}
+
+int64_t cols_of(const te_buffer &b) { return b.ndim == 0 ? 1 : b.shape[b.ndim - 1]; }
+
+int64_t rows_of(const te_buffer &b) {
+  int64_t n = 1;
+  for (int i = 0; i + 1 < b.ndim; ++i) n *= b.shape[i];
+  return n;
+}
+
+bool is_high_precision(te_dtype d) {
+  return d == TE_DTYPE_FLOAT32 || d == TE_DTYPE_FLOAT16 || d == TE_DTYPE_BFLOAT16;
+}
+
+bool is_fp8(te_dtype d) { return d == TE_DTYPE_FLOAT8_E4M3 || d == TE_DTYPE_FLOAT8_E5M2; }
+
+float fp8_max(te_dtype d) { return d == TE_DTYPE_FLOAT8_E4M3 ? 448.0f : 57344.0f; }
+
+bool Checker::fail(te_status code, const std::string &message) {
+  if (status_ == TE_SUCCESS) {
+    status_ = code;
+    te::fail(code, op_, message);
+  }
+  return false;
+}
+
+bool Checker::handle(const void *tensor, const char *name) {
+  if (tensor != nullptr) return true;
+  return fail(TE_ERROR_VALUE, std::string(name) + " must be a tensor handle, got NULL");
+}
+
+bool Checker::present(const te_buffer *buffer, const char *what) {
+  if (buffer != nullptr) return true;
+  return fail(TE_ERROR_VALUE, std::string(what) + " must be set, got nothing");
+}
+
+bool Checker::dtype_in(const te_buffer &b, const char *what, bool (*pred)(te_dtype),
+                       const char *expected) {
+  if (pred(b.dtype)) return true;
+  return fail(TE_ERROR_TYPE, std::string(what) + " must be " + expected + ", got " + describe(b));
+}
+
+bool Checker::dtype_is(const te_buffer &b, const char *what, te_dtype dtype) {
+  if (b.dtype == dtype) return true;
+  return fail(TE_ERROR_TYPE,
+              std::string(what) + " must be " + te_dtype_name(dtype) + ", got " + describe(b));
+}
+
+bool Checker::numel_is(const te_buffer &b, const char *what, int64_t n) {
+  if (numel(b) == n) return true;
+  return fail(TE_ERROR_VALUE, std::string(what) + " must have " + std::to_string(n) +
+                                  (n == 1 ? " element" : " elements") + ", got " + describe(b));
+}
+
+bool Checker::matrix_is(const te_buffer &b, const char *what, int64_t rows, int64_t cols) {
+  if (rows_of(b) == rows && cols_of(b) == cols && b.ndim >= 1) return true;
+  return fail(TE_ERROR_VALUE, std::string(what) + " must have shape [" + std::to_string(rows) +
+                                  ", " + std::to_string(cols) + "], got " + describe(b));
+}
+
+bool Checker::same_device(const te_buffer &b, const char *what) {
+  if (!have_device_) {
+    have_device_ = true;
+    device_ = b.device;
+    device_id_ = b.device_id;
+    return true;
+  }
+  if (b.device == device_ && (b.device == TE_DEVICE_CPU || b.device_id == device_id_)) return true;
+  std::string expected = device_name(device_);
+  if (device_ == TE_DEVICE_CUDA) expected += ":" + std::to_string(device_id_);
+  return fail(TE_ERROR_VALUE, std::string(what) + " must be on " + expected +
+                                  " like the other arguments, got " + describe(b));
+}
+
+te_status no_cuda_build(const char *op) {
+  return fail(TE_ERROR_UNSUPPORTED, op,
+              "arguments are on cuda, but this build of the core has no CUDA kernels "
+              "(rebuild with a CUDA toolkit, or pass CPU arrays)");
+}
+
+}  // namespace te
+
+extern "C" {
+
+te_status te_tensor_create(te_scaling_mode scaling_mode, te_tensor **tensor) {
+  if (tensor == nullptr) return te::fail(TE_ERROR_VALUE, "tensor_create", "tensor must be a pointer, got NULL");
+  if (static_cast<unsigned>(scaling_mode) > TE_SCALING_MXFP8) {
+    return te::fail(TE_ERROR_VALUE, "tensor_create",
+                    "scaling_mode must be one of tensor, block_1x128, block_128x128, mxfp8, got " +
+                        std::to_string(static_cast<int>(scaling_mode)));
+  }
+  te_tensor *t = new (std::nothrow) te_tensor_s();
+  if (t == nullptr) return te::fail(TE_ERROR_RUNTIME, "tensor_create", "out of host memory");
+  t->scaling_mode = scaling_mode;
+  *tensor = t;
+  return TE_SUCCESS;
+}
+
+void te_tensor_destroy(te_tensor *tensor) { delete tensor; }
+
+te_status te_tensor_set(te_tensor *tensor, te_tensor_slot slot, const te_buffer *buffer) {
+  const char *op = "tensor_set";
+  if (tensor == nullptr) return te::fail(TE_ERROR_VALUE, op, "tensor must be a tensor handle, got NULL");
+  if (static_cast<unsigned>(slot) >= TE_SLOT_COUNT) {
+    return te::fail(TE_ERROR_VALUE, op, "slot must be in [0, " + std::to_string(TE_SLOT_COUNT) +
+                                            "), got " + std::to_string(static_cast<int>(slot)));
+  }
+  if (buffer == nullptr) {
+    tensor->present[slot] = false;
+    return TE_SUCCESS;
+  }
+  const std::string what = std::string(te::slot_name(slot));
+  if (static_cast<unsigned>(buffer->dtype) >= TE_DTYPE_COUNT) {
+    return te::fail(TE_ERROR_TYPE, op, what + " dtype must be a te_dtype, got " +
+                                           std::to_string(static_cast<int>(buffer->dtype)));
+  }
+  if (buffer->ndim < 0 || buffer->ndim > TE_MAX_DIMS) {
+    return te::fail(TE_ERROR_VALUE, op, what + " ndim must be in [0, " +
+                                            std::to_string(TE_MAX_DIMS) + "], got " +
+                                            std::to_string(buffer->ndim));
+  }
+  for (int i = 0; i < buffer->ndim; ++i) {
+    if (buffer->shape[i] < 0) {
+      return te::fail(TE_ERROR_VALUE, op, what + " shape must be non-negative, got " +
+                                              te::shape_string(buffer->shape, buffer->ndim));
+    }
+  }
+  if (buffer->device != TE_DEVICE_CPU && buffer->device != TE_DEVICE_CUDA) {
+    return te::fail(TE_ERROR_VALUE, op, what + " device must be cpu or cuda, got " +
+                                            std::to_string(static_cast<int>(buffer->device)));
+  }
+  if (buffer->data == nullptr && te::numel(*buffer) != 0) {
+    return te::fail(TE_ERROR_VALUE, op, what + " data must be non-NULL for " +
+                                            te::describe(*buffer));
+  }
+  tensor->slots[slot] = *buffer;
+  tensor->present[slot] = true;
+  return TE_SUCCESS;
+}
+
+te_status te_tensor_get(const te_tensor *tensor, te_tensor_slot slot, te_buffer *buffer) {
+  const char *op = "tensor_get";
+  if (tensor == nullptr || buffer == nullptr) {
+    return te::fail(TE_ERROR_VALUE, op, "tensor and buffer must be non-NULL, got NULL");
+  }
+  if (static_cast<unsigned>(slot) >= TE_SLOT_COUNT || !tensor->present[slot]) {
+    return te::fail(TE_ERROR_VALUE, op, "slot must be set, got an empty slot");
+  }
+  *buffer = tensor->slots[slot];
+  return TE_SUCCESS;
+}
+
+te_scaling_mode te_tensor_scaling_mode(const te_tensor *tensor) {
+  return tensor == nullptr ? TE_SCALING_TENSOR : tensor->scaling_mode;
+}
+
+const char *te_last_error(void) { return te::last_error.c_str(); }
+
+const char *te_dtype_name(te_dtype dtype) {
+  return static_cast<unsigned>(dtype) < TE_DTYPE_COUNT ? te::kDtypeNames[dtype] : "invalid";
+}
+
+size_t te_dtype_size(te_dtype dtype) {
+  return static_cast<unsigned>(dtype) < TE_DTYPE_COUNT ? te::kDtypeSizes[dtype] : 0;
+}
+
+int te_built_with_cuda(void) {
+#ifdef TE_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+const char *te_version(void) { return TE_VERSION_STRING; }
+
+}  // extern "C"

@@ -1,0 +1,188 @@
+// C entry points te_quantize and te_dequantize: validate every argument, then dispatch to the
+// CPU reference or the CUDA kernels by the device of the buffers.
+#include <cmath>
+#include <string>
+
+#include "common/internal.h"
+#include "quantize/quantize_impl.h"
+#include "transformer_engine/quantize.h"
+
+namespace te {
+namespace {
+
+bool is_e8m0(te_dtype d) { return d == TE_DTYPE_FLOAT8_E8M0; }
+bool is_fp32(te_dtype d) { return d == TE_DTYPE_FLOAT32; }
+
+// Shape [rows, cols] of the row-wise scale_inv of a [m, k] matrix in a block mode.
+void block_scale_shape(te_scaling_mode mode, int64_t m, int64_t k, int64_t *rows, int64_t *cols) {
+  switch (mode) {
+    case TE_SCALING_BLOCK_1X128: *rows = m; *cols = ceil_div(k, 128); break;
+    case TE_SCALING_BLOCK_128X128: *rows = ceil_div(m, 128); *cols = ceil_div(k, 128); break;
+    default: *rows = m; *cols = ceil_div(k, 32); break;  // MXFP8
+  }
+}
+
+// Checks a block-mode scale_inv slot against the data it scales.
+bool check_block_scale_inv(Checker &check, const te_buffer *b, const char *what,
+                           te_scaling_mode mode, int64_t rows, int64_t cols) {
+  if (!check.present(b, what) || !check.same_device(*b, what)) return false;
+  const bool mx = mode == TE_SCALING_MXFP8;
+  if (!check.dtype_in(*b, what, mx ? is_e8m0 : is_fp32, mx ? "float8_e8m0" : "float32")) return false;
+  return check.matrix_is(*b, what, rows, cols);
+}
+
+bool check_fp32_scalar(Checker &check, const te_buffer *b, const char *what) {
+  return check.present(b, what) && check.same_device(*b, what) &&
+         check.dtype_is(*b, what, TE_DTYPE_FLOAT32) && check.numel_is(*b, what, 1);
+}
+
+bool check_quantize(Checker &check, const te_tensor *input, te_tensor *output,
+                    const te_quantize_config *config, QuantizeArgs *args) {
+  if (!check.handle(input, "input") || !check.handle(output, "output")) return false;
+  const te_buffer *in = slot(input, TE_SLOT_DATA);
+  if (!check.present(in, "input.data") || !check.same_device(*in, "input.data") ||
+      !check.dtype_in(*in, "input.data", is_high_precision, "float32, float16 or bfloat16")) {
+    return false;
+  }
+  const int64_t m = rows_of(*in), k = cols_of(*in);
+  const te_scaling_mode mode = output->scaling_mode;
+  const te_buffer *row = slot(output, TE_SLOT_DATA);
+  const te_buffer *col = slot(output, TE_SLOT_COLUMNWISE_DATA);
+  if (row == nullptr && col == nullptr) {
+    return check.fail(TE_ERROR_VALUE, "output.data or output.columnwise_data must be set, got neither");
+  }
+  if (row != nullptr) {
+    if (!check.same_device(*row, "output.data") ||
+        !check.dtype_in(*row, "output.data", is_fp8, "float8_e4m3 or float8_e5m2") ||
+        !check.matrix_is(*row, "output.data", m, k)) {
+      return false;
+    }
+  }
+  if (col != nullptr) {
+    if (!check.same_device(*col, "output.columnwise_data") ||
+        !check.dtype_in(*col, "output.columnwise_data", is_fp8, "float8_e4m3 or float8_e5m2")) {
+      return false;
+    }
+    if (row != nullptr && col->dtype != row->dtype) {
+      return check.fail(TE_ERROR_TYPE, std::string("output.columnwise_data must have the dtype of output.data (") +
+                                           te_dtype_name(row->dtype) + "), got " + describe(*col));
+    }
+    if (mode == TE_SCALING_MXFP8) {
+      if (!check.matrix_is(*col, "output.columnwise_data", m, k)) return false;
+    } else if (col->ndim < 1 || col->shape[0] != k || numel(*col) != m * k) {
+      return check.fail(TE_ERROR_VALUE, "output.columnwise_data must be the transpose, shape [" +
+                                            std::to_string(k) + ", " + std::to_string(m) +
+                                            "], got " + describe(*col));
+    }
+  }
+  *args = QuantizeArgs{};
+  args->mode = mode;
+  args->input = in->data;
+  args->input_dtype = in->dtype;
+  args->rows = m;
+  args->cols = k;
+  args->fp8_dtype = row != nullptr ? row->dtype : col->dtype;
+  args->rowwise = row != nullptr ? static_cast<uint8_t *>(row->data) : nullptr;
+  args->columnwise = col != nullptr ? static_cast<uint8_t *>(col->data) : nullptr;
+  if (mode == TE_SCALING_TENSOR) {
+    const te_buffer *scale = slot(output, TE_SLOT_SCALE);
+    const te_buffer *scale_inv = slot(output, TE_SLOT_SCALE_INV);
+    if (!check_fp32_scalar(check, scale, "output.scale") ||
+        !check_fp32_scalar(check, scale_inv, "output.scale_inv")) {
+      return false;
+    }
+    args->scale = static_cast<const float *>(scale->data);
+    args->scale_inv = static_cast<float *>(scale_inv->data);
+  } else {
+    int64_t sr = 0, sc = 0;
+    if (row != nullptr) {
+      block_scale_shape(mode, m, k, &sr, &sc);
+      const te_buffer *b = slot(output, TE_SLOT_SCALE_INV);
+      if (!check_block_scale_inv(check, b, "output.scale_inv", mode, sr, sc)) return false;
+      args->rowwise_scale_inv = b->data;
+    }
+    if (col != nullptr) {
+      if (mode == TE_SCALING_MXFP8) {
+        sr = ceil_div(m, 32);
+        sc = k;
+      } else {
+        block_scale_shape(mode, k, m, &sr, &sc);  // the transpose, blocked like a row-wise tensor
+      }
+      const te_buffer *b = slot(output, TE_SLOT_COLUMNWISE_SCALE_INV);
+      if (!check_block_scale_inv(check, b, "output.columnwise_scale_inv", mode, sr, sc)) return false;
+      args->columnwise_scale_inv = b->data;
+    }
+  }
+  const te_buffer *amax = slot(output, TE_SLOT_AMAX);
+  if (amax != nullptr) {
+    if (!check_fp32_scalar(check, amax, "output.amax")) return false;
+    args->amax = static_cast<float *>(amax->data);
+  }
+  if (config != nullptr) {
+    if (!(config->amax_epsilon >= 0.0f) || !std::isfinite(config->amax_epsilon)) {
+      return check.fail(TE_ERROR_VALUE, "config.amax_epsilon must be finite and >= 0, got " +
+                                            std::to_string(config->amax_epsilon));
+    }
+    args->pow2 = config->force_pow2_scales != 0;
+    args->epsilon = config->amax_epsilon;
+  }
+  return true;
+}
+
+bool check_dequantize(Checker &check, const te_tensor *input, te_tensor *output, DequantizeArgs *args) {
+  if (!check.handle(input, "input") || !check.handle(output, "output")) return false;
+  const te_buffer *in = slot(input, TE_SLOT_DATA);
+  const te_buffer *out = slot(output, TE_SLOT_DATA);
+  if (!check.present(in, "input.data") || !check.same_device(*in, "input.data") ||
+      !check.dtype_in(*in, "input.data", is_fp8, "float8_e4m3 or float8_e5m2")) {
+    return false;
+  }
+  const int64_t m = rows_of(*in), k = cols_of(*in);
+  if (!check.present(out, "output.data") || !check.same_device(*out, "output.data") ||
+      !check.dtype_in(*out, "output.data", is_high_precision, "float32, float16 or bfloat16") ||
+      !check.matrix_is(*out, "output.data", m, k)) {
+    return false;
+  }
+  const te_scaling_mode mode = input->scaling_mode;
+  const te_buffer *sinv = slot(input, TE_SLOT_SCALE_INV);
+  if (mode == TE_SCALING_TENSOR) {
+    if (!check_fp32_scalar(check, sinv, "input.scale_inv")) return false;
+  } else {
+    int64_t sr = 0, sc = 0;
+    block_scale_shape(mode, m, k, &sr, &sc);
+    if (!check_block_scale_inv(check, sinv, "input.scale_inv", mode, sr, sc)) return false;
+  }
+  *args = DequantizeArgs{mode, static_cast<const uint8_t *>(in->data), in->dtype, sinv->data,
+                         m, k, out->data, out->dtype};
+  return true;
+}
+
+}  // namespace
+}  // namespace te
+
+extern "C" {
+
+te_status te_quantize(const te_tensor *input, te_tensor *output, const te_quantize_config *config,
+                      te_stream stream) {
+  return te::guarded("quantize", [&]() -> te_status {
+    te::Checker check("quantize");
+    te::QuantizeArgs args;
+    if (!te::check_quantize(check, input, output, config, &args)) return check.status();
+    if (check.device() == TE_DEVICE_CUDA) return te::quantize_cuda(args, stream);
+    te::quantize_ref(args);
+    return TE_SUCCESS;
+  });
+}
+
+te_status te_dequantize(const te_tensor *input, te_tensor *output, te_stream stream) {
+  return te::guarded("dequantize", [&]() -> te_status {
+    te::Checker check("dequantize");
+    te::DequantizeArgs args;
+    if (!te::check_dequantize(check, input, output, &args)) return check.status();
+    if (check.device() == TE_DEVICE_CUDA) return te::dequantize_cuda(args, stream);
+    te::dequantize_ref(args);
+    return TE_SUCCESS;
+  });
+}
+
+}  // extern "C"
