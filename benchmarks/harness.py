@@ -1,0 +1,126 @@
+"""Benchmark harness: CUDA-event timing with warm-up and medians, L2-defeating input
+rotation, and one JSON result file per benchmark under ``benchmarks/results/``.
+
+A benchmark never asserts; it measures the project and its peers side by side in one
+process and records what it saw, with the device, the versions and the shapes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# Measured device-to-device copy of this H200 (BASELINES.md): the ceiling that bandwidth
+# figures are reported against. Each run also measures its own copy, recorded beside it.
+H200_COPY_TBPS = 4.24
+
+
+def time_cuda(
+    fn: Callable[[int], object],
+    *,
+    batch: int = 10,
+    repeats: int = 15,
+    warmup: int = 3,
+) -> dict:
+    """Times ``fn(i)`` on the current CUDA stream and returns milliseconds per call.
+
+    ``fn`` receives the call index so that it can rotate through several input sets (more
+    bytes than the L2 holds), so no call reads what the previous one left in the cache.
+    Calls are timed in batches between two CUDA events, so host-side launch overhead
+    overlaps the GPU work as it does in a training step; the result is the median (and
+    min/max) over ``repeats`` batches.
+    """
+    for i in range(warmup * batch):
+        fn(i)
+    torch.cuda.synchronize()
+    per_call = []
+    for r in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(batch):
+            fn(r * batch + i)
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / batch)
+    return {
+        "median_ms": statistics.median(per_call),
+        "min_ms": min(per_call),
+        "max_ms": max(per_call),
+        "batches": repeats,
+        "calls_per_batch": batch,
+    }
+
+
+def measure_copy_tbps(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth (read + write counted), the reference ceiling."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    t = time_cuda(lambda i: dst.copy_(src), batch=5, repeats=10, warmup=2)
+    return 2 * nbytes / (t["median_ms"] * 1e-3) / 1e12
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict:
+    """Device, driver-visible versions and date of this run."""
+    import transformer_engine.common as te_common
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())),
+        "torch": torch.__version__,
+        "cuda_runtime_of_torch": torch.version.cuda,
+        "transformer_engine": te_common.__version__,
+        "python": platform.python_version(),
+        "git_commit": _git_commit(),
+    }
+    try:
+        import torchao
+
+        env["torchao"] = torchao.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def write_result(name: str, payload: dict) -> Path:
+    """Writes ``payload`` (plus the environment) to ``benchmarks/results/<name>.json``.
+
+    The directory may be redirected with ``TE_BENCH_RESULTS`` (for runs whose output is
+    collected elsewhere); this only moves files, it never changes what is measured.
+    """
+    out_dir = Path(os.environ.get("TE_BENCH_RESULTS", RESULTS_DIR))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    data = {"benchmark": name, "environment": environment(), **payload}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def rotating(make: Callable[[], Sequence[torch.Tensor]], min_bytes: int = 400 << 20) -> list:
+    """Builds enough input sets (each from ``make()``) to exceed ``min_bytes`` in total."""
+    sets = [make()]
+    per_set = sum(t.numel() * t.element_size() for t in sets[0])
+    while len(sets) * per_set < min_bytes:
+        sets.append(make())
+    return sets

@@ -1,0 +1,62 @@
+"""Renders a benchmark's JSON result as a grouped bar chart (PNG beside the JSON).
+
+    python benchmarks/plot.py benchmarks/results/quantize.json [--metric effective_tbps]
+
+Rows with the same (op, shape) form a group; each implementation is one bar. A dashed line
+marks the result's ``target_tbps`` (or ``target``) when it has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def plot(path: Path, metric: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(path.read_text())
+    rows = [r for r in data["results"] if metric in r and "impl" in r]
+    groups = list(dict.fromkeys(f"{r['op']}\n{'x'.join(map(str, r['shape']))}" for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    width = 0.8 / len(impls)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    for j, impl in enumerate(impls):
+        values = []
+        for g in groups:
+            match = [r[metric] for r in rows
+                     if r["impl"] == impl and f"{r['op']}\n{'x'.join(map(str, r['shape']))}" == g]
+            values.append(match[0] if match else 0.0)
+        xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(groups))]
+        bars = ax.bar(xs, values, width, label=impl)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    target = data.get("target_tbps", data.get("target"))
+    if target is not None:
+        ax.axhline(target, linestyle="--", color="gray", linewidth=1, label=f"target {target}")
+    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+    ax.set_ylabel(metric)
+    env = data.get("environment", {})
+    ax.set_title(f"{data['benchmark']} on {env.get('device', '?')} ({env.get('date', '')[:10]})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json", type=Path, nargs="+")
+    parser.add_argument("--metric", default="effective_tbps")
+    args = parser.parse_args()
+    for p in args.json:
+        plot(p, args.metric)
+
+
+if __name__ == "__main__":
+    main()
