@@ -41,6 +41,17 @@ TE_HOST_DEVICE bool is_finite_float(float x) {
   return (float_bits(x) & 0x7F800000u) != 0x7F800000u;
 }
 
+// NaN results of fp32 arithmetic that reach an output are written as this one quiet NaN, on
+// both paths: CPUs and GPUs differ in which NaN an operation returns (x86 passes an operand's
+// NaN through or writes 0xFFC00000; the GPU writes 0x7FFFFFFF), so the bits are pinned here.
+constexpr uint32_t kCanonicalNaN = 0x7FC00000u;
+
+TE_HOST_DEVICE float canonical(float x) {
+  return is_nan_bits(float_bits(x)) ? bits_float(kCanonicalNaN) : x;
+}
+TE_HOST_DEVICE float canonical_mul(float a, float b) { return canonical(a * b); }
+TE_HOST_DEVICE float canonical_div(float a, float b) { return canonical(a / b); }
+
 // Rounds a non-negative float to the nearest integer, ties to even, for 0 <= x < 2^22.
 // (Adding 2^23 pushes the fraction out of the mantissa; the add itself rounds to even.)
 TE_HOST_DEVICE uint32_t round_half_even_small(float x) {
@@ -100,10 +111,10 @@ TE_HOST_DEVICE float e5m2_to_float(uint8_t v) {
 
 TE_HOST_DEVICE float bf16_to_float(uint16_t v) { return bits_float(static_cast<uint32_t>(v) << 16); }
 
-// fp32 -> bf16, round to nearest even; NaN -> the quiet NaN 0x7FC0 with the input's sign.
+// fp32 -> bf16, round to nearest even; NaN -> the quiet NaN 0x7FC0.
 TE_HOST_DEVICE uint16_t float_to_bf16(float x) {
   const uint32_t u = float_bits(x);
-  if (is_nan_bits(u)) return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7FC0u);
+  if (is_nan_bits(u)) return 0x7FC0u;
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -119,12 +130,12 @@ TE_HOST_DEVICE float fp16_to_float(uint16_t v) {
   return bits_float(sign | ((exp + 127 - 15) << 23) | (mant << 13));
 }
 
-// fp32 -> fp16, round to nearest even, overflow to infinity; NaN -> 0x7E00 with the sign.
+// fp32 -> fp16, round to nearest even, overflow to infinity; NaN -> the quiet NaN 0x7E00.
 TE_HOST_DEVICE uint16_t float_to_fp16(float x) {
   const uint32_t u = float_bits(x);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return sign | 0x7E00u;
+  if (a > 0x7F800000u) return 0x7E00u;
   // 65520 = 65504 + half an ulp: from there on, round to nearest even gives infinity.
   if (a >= 0x477FF000u) return sign | 0x7C00u;
   if (a < 0x38800000u) {  // below 2^-14: subnormal, multiples of 2^-24

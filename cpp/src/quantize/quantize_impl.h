@@ -42,6 +42,10 @@ void dequantize_ref(const DequantizeArgs &args);
 // CUDA launchers (in a CPU-only build they report that the build has no CUDA kernels).
 te_status quantize_cuda(const QuantizeArgs &args, te_stream stream);
 te_status dequantize_cuda(const DequantizeArgs &args, te_stream stream);
+// CUDA builds only (quantize_block.cu): the tiled kernels behind quantize_cuda for the block
+// modes, for TENSOR mode with column-wise output of shapes the fast kernel does not take, and
+// for empty tensors.
+te_status quantize_tiled_cuda(const QuantizeArgs &args, te_stream stream);
 
 }  // namespace te
 

@@ -39,7 +39,7 @@ void quantize_block(const QuantizeArgs &a, int64_t r0, int64_t r1, int64_t c0, i
 void quantize_tensor_ref(const QuantizeArgs &a) {
   const float scale = *a.scale;
   quantize_block(a, 0, a.rows, 0, a.cols, scale, a.rowwise, a.columnwise);
-  *a.scale_inv = 1.0f / scale;
+  *a.scale_inv = canonical_div(1.0f, scale);
 }
 
 // 1x128 blocks along the rows (row-wise) and along the columns (column-wise, written
@@ -55,7 +55,7 @@ void quantize_block_1x128_ref(const QuantizeArgs &a) {
         const int64_t c0 = b * kb, c1 = std::min(a.cols, c0 + kb);
         const float s = scale_from_amax(block_amax(a, r, r + 1, c0, c1), fmax, a.epsilon, a.pow2);
         quantize_block(a, r, r + 1, c0, c1, s, a.rowwise, nullptr);
-        sinv[r * nb + b] = 1.0f / s;
+        sinv[r * nb + b] = canonical_div(1.0f, s);
       }
     }
   }
@@ -67,7 +67,7 @@ void quantize_block_1x128_ref(const QuantizeArgs &a) {
         const int64_t r0 = b * kb, r1 = std::min(a.rows, r0 + kb);
         const float s = scale_from_amax(block_amax(a, r0, r1, c, c + 1), fmax, a.epsilon, a.pow2);
         quantize_block(a, r0, r1, c, c + 1, s, nullptr, a.columnwise);
-        sinv[c * nb + b] = 1.0f / s;
+        sinv[c * nb + b] = canonical_div(1.0f, s);
       }
     }
   }
@@ -84,8 +84,8 @@ void quantize_block_128x128_ref(const QuantizeArgs &a) {
       const int64_t c0 = bc * kb, c1 = std::min(a.cols, c0 + kb);
       const float s = scale_from_amax(block_amax(a, r0, r1, c0, c1), fmax, a.epsilon, a.pow2);
       quantize_block(a, r0, r1, c0, c1, s, a.rowwise, a.columnwise);
-      if (a.rowwise != nullptr) static_cast<float *>(a.rowwise_scale_inv)[br * nbc + bc] = 1.0f / s;
-      if (a.columnwise != nullptr) static_cast<float *>(a.columnwise_scale_inv)[bc * nbr + br] = 1.0f / s;
+      if (a.rowwise != nullptr) static_cast<float *>(a.rowwise_scale_inv)[br * nbc + bc] = canonical_div(1.0f, s);
+      if (a.columnwise != nullptr) static_cast<float *>(a.columnwise_scale_inv)[bc * nbr + br] = canonical_div(1.0f, s);
     }
   }
 }
@@ -152,7 +152,7 @@ void dequantize_ref(const DequantizeArgs &a) {
           break;
       }
       const int64_t i = r * a.cols + c;
-      store_hp(a.output, i, a.output_dtype, from_fp8(a.input[i], a.fp8_dtype) * scale_inv);
+      store_hp(a.output, i, a.output_dtype, canonical_mul(scale_inv, from_fp8(a.input[i], a.fp8_dtype)));
     }
   }
 }

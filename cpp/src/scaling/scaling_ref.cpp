@@ -17,7 +17,7 @@ void compute_amax_ref(const AmaxArgs &a) {
 void scale_from_amax_ref(const ScaleFromAmaxArgs &a) {
   const float s = scale_from_amax(*a.amax, a.fp8_max, a.epsilon, a.pow2);
   *a.scale = s;
-  *a.scale_inv = 1.0f / s;
+  *a.scale_inv = canonical_div(1.0f, s);
 }
 
 void delayed_scaling_update_ref(const DelayedScalingArgs &a) {
@@ -32,7 +32,7 @@ void delayed_scaling_update_ref(const DelayedScalingArgs &a) {
       }
       const float s = delayed_scale(bits_float(m), grp.scale[j], a.fp8_max, a.margin);
       grp.scale[j] = s;
-      grp.scale_inv[j] = 1.0f / s;
+      grp.scale_inv[j] = canonical_div(1.0f, s);
       const float first = col[0];
       for (int64_t i = 0; i + 1 < h; ++i) col[i * n] = col[(i + 1) * n];
       col[(h - 1) * n] = first;

@@ -1,0 +1,297 @@
+// Helpers shared by the CUDA kernels: stream and error plumbing, dtype dispatch, vector loads
+// and stores, max reductions on amax bits, the fp32 -> FP8 conversion, the 8x8 byte transpose.
+//
+// Every value that a kernel writes must equal, bit for bit, what the CPU reference writes. The
+// conversions themselves come from common/numerics.h; this file adds only what the GPU needs
+// on top: the hardware FP8 conversion, with its NaN pattern pinned to the reference's.
+#ifndef TRANSFORMER_ENGINE_SRC_COMMON_CUDA_UTILS_CUH_
+#define TRANSFORMER_ENGINE_SRC_COMMON_CUDA_UTILS_CUH_
+
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "common/internal.h"
+#include "common/numerics.h"
+#include "transformer_engine/tensor.h"
+
+namespace te {
+
+// ---------------------------------------------------------------------------------------------
+// Host side: streams, errors, device facts, dtype dispatch.
+
+inline cudaStream_t cuda_stream(te_stream stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+inline te_status cuda_status(const char *op, cudaError_t err) {
+  if (err == cudaSuccess) return TE_SUCCESS;
+  return fail(TE_ERROR_RUNTIME, op,
+              std::string("CUDA error ") + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+}
+
+// Status of the launches just made (cudaGetLastError also clears a pending launch error).
+inline te_status launch_status(const char *op) { return cuda_status(op, cudaGetLastError()); }
+
+// Number of SMs of the current device, queried once per device (grid sizing only).
+inline te_status sm_count(const char *op, int *count) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  int device = 0;
+  if (te_status s = cuda_status(op, cudaGetDevice(&device))) return s;
+  if (device >= 0 && device < kMaxDevices) {
+    const int cached = cache[device].load(std::memory_order_relaxed);
+    if (cached > 0) {
+      *count = cached;
+      return TE_SUCCESS;
+    }
+  }
+  int n = 0;
+  if (te_status s = cuda_status(op, cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device))) {
+    return s;
+  }
+  if (device >= 0 && device < kMaxDevices) cache[device].store(n, std::memory_order_relaxed);
+  *count = n;
+  return TE_SUCCESS;
+}
+
+// ceil_div for device code (internal.h's is host-only).
+__host__ __device__ __forceinline__ int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline bool aligned(const void *p, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+
+template <te_dtype kDtype>
+using DtypeTag = std::integral_constant<te_dtype, kDtype>;
+
+// Calls body(DtypeTag<d>{}) for a high-precision dtype d (the entry points checked it).
+template <typename Body>
+te_status with_hp_dtype(te_dtype dtype, Body &&body) {
+  switch (dtype) {
+    case TE_DTYPE_FLOAT32: return body(DtypeTag<TE_DTYPE_FLOAT32>{});
+    case TE_DTYPE_FLOAT16: return body(DtypeTag<TE_DTYPE_FLOAT16>{});
+    default: return body(DtypeTag<TE_DTYPE_BFLOAT16>{});
+  }
+}
+
+// Calls body(DtypeTag<d>{}) for an FP8 dtype d (E4M3 or E5M2).
+template <typename Body>
+te_status with_fp8_dtype(te_dtype dtype, Body &&body) {
+  if (dtype == TE_DTYPE_FLOAT8_E4M3) return body(DtypeTag<TE_DTYPE_FLOAT8_E4M3>{});
+  return body(DtypeTag<TE_DTYPE_FLOAT8_E5M2>{});
+}
+
+// ---------------------------------------------------------------------------------------------
+// High-precision elements: storage type, decode (as load_hp does), encode (as store_hp does).
+
+template <te_dtype kDtype>
+struct Hp;
+
+template <>
+struct Hp<TE_DTYPE_FLOAT32> {
+  using Storage = float;
+  static __device__ __forceinline__ float decode(float v) { return v; }
+  static __device__ __forceinline__ float encode(float v) { return v; }
+};
+
+template <>
+struct Hp<TE_DTYPE_BFLOAT16> {
+  using Storage = uint16_t;
+  static __device__ __forceinline__ float decode(uint16_t v) { return bf16_to_float(v); }
+  static __device__ __forceinline__ uint16_t encode(float v) { return float_to_bf16(v); }
+};
+
+template <>
+struct Hp<TE_DTYPE_FLOAT16> {
+  using Storage = uint16_t;
+  static __device__ __forceinline__ float decode(uint16_t v) { return fp16_to_float(v); }
+  static __device__ __forceinline__ uint16_t encode(float v) { return float_to_fp16(v); }
+};
+
+// Element i of a high-precision array, decoded.
+template <te_dtype kIn>
+__device__ __forceinline__ float load_hp1(const void *p, int64_t i) {
+  using S = typename Hp<kIn>::Storage;
+  return Hp<kIn>::decode(static_cast<const S *>(p)[i]);
+}
+
+// Elements [i, i + 4), decoded; p + i must be 4-element aligned (8 bytes for 16-bit types,
+// 16 bytes for fp32), so the load is one 64-bit or 128-bit access.
+template <te_dtype kIn>
+__device__ __forceinline__ void load_hp4(const void *p, int64_t i, float (&x)[4]) {
+  if constexpr (kIn == TE_DTYPE_FLOAT32) {
+    const float4 v = *reinterpret_cast<const float4 *>(static_cast<const float *>(p) + i);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2 *>(static_cast<const uint16_t *>(p) + i);
+    // Little endian: the element with the lower index is the lower half of each word.
+    x[0] = Hp<kIn>::decode(static_cast<uint16_t>(v.x)), x[1] = Hp<kIn>::decode(static_cast<uint16_t>(v.x >> 16));
+    x[2] = Hp<kIn>::decode(static_cast<uint16_t>(v.y)), x[3] = Hp<kIn>::decode(static_cast<uint16_t>(v.y >> 16));
+  }
+}
+
+// Elements [i, i + 8), decoded; p + i must be 16-byte aligned: one 128-bit load for 16-bit
+// types, two for fp32.
+template <te_dtype kIn>
+__device__ __forceinline__ void load_hp8(const void *p, int64_t i, float (&x)[8]) {
+  if constexpr (kIn == TE_DTYPE_FLOAT32) {
+    const float4 *q = reinterpret_cast<const float4 *>(static_cast<const float *>(p) + i);
+    const float4 a = q[0], b = q[1];
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+    x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+  } else {
+    const uint4 v = *reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(p) + i);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      x[2 * k] = Hp<kIn>::decode(static_cast<uint16_t>(w[k]));
+      x[2 * k + 1] = Hp<kIn>::decode(static_cast<uint16_t>(w[k] >> 16));
+    }
+  }
+}
+
+__device__ __forceinline__ void store_u64(uint8_t *p, uint32_t lo, uint32_t hi) {
+  *reinterpret_cast<uint2 *>(p) = make_uint2(lo, hi);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Max reductions on amax bits (see abs_bits: the uint32 order of |x| is the float order, NaN on
+// top, so these propagate NaN with exactly the bits the CPU's std::max picks).
+
+__device__ __forceinline__ uint32_t warp_max(uint32_t v) { return __reduce_max_sync(0xFFFFFFFFu, v); }
+
+// Max over lanes that differ only in the low bits of the lane id (groups of kWidth lanes).
+template <int kWidth>
+__device__ __forceinline__ uint32_t group_max(uint32_t v) {
+#pragma unroll
+  for (int d = 1; d < kWidth; d *= 2) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, d));
+  return v;
+}
+
+// Max over the block; every thread must call it, and all get the result. scratch: one word per
+// warp. Ends with a barrier, so scratch may be reused right after.
+template <int kThreads>
+__device__ __forceinline__ uint32_t block_max(uint32_t v, uint32_t *scratch) {
+  constexpr int kWarps = kThreads / 32;
+  v = warp_max(v);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  uint32_t m = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) m = max(m, scratch[w]);
+  __syncthreads();
+  return m;
+}
+
+// Folds amax bits into an fp32 amax that the launcher zeroed on the stream first.
+__device__ __forceinline__ void atomic_max_amax(float *amax, uint32_t bits) {
+  if (bits != 0) atomicMax(reinterpret_cast<unsigned int *>(amax), bits);
+}
+
+// ---------------------------------------------------------------------------------------------
+// fp32 -> FP8, four values packed into a word (the first in the lowest byte).
+//
+// sm_89+ has the conversion in hardware (F2FP, cvt.rn.satfinite): round to nearest even,
+// saturation of finite values and infinities to the finite max, like float_to_fp8_bits. Its NaN
+// pattern, however, is not the reference's single kFp8NaN (0x7F): it may keep the sign (0xFF) and,
+// for E5M2, part of the payload (0x7E, 0xFE, ...). Since satfinite never turns a non-NaN into a
+// NaN or an infinity, a byte whose magnitude is above the largest finite code (0x7E for E4M3,
+// 0x7B for E5M2; 0x7C is never produced) came from a NaN and is set to 0x7F, four bytes at a
+// time with integer SIMD-within-a-word: no branch, a handful of integer ops per 4 bytes.
+
+template <te_dtype kFp8>
+__device__ __forceinline__ uint32_t canonical_fp8_nan(uint32_t w) {
+  // Adding this to a byte's magnitude sets its bit 7 exactly when the byte is a NaN code.
+  constexpr uint32_t kNanBias = kFp8 == TE_DTYPE_FLOAT8_E4M3 ? 0x01010101u : 0x03030303u;
+  const uint32_t nan_top = ((w & 0x7F7F7F7Fu) + kNanBias) & 0x80808080u;
+  // In NaN bytes: clear the sign, set the low 7 bits (0x80 - 0x01 = 0x7F per byte, no borrow).
+  return (w & ~nan_top) | (nan_top - (nan_top >> 7));
+}
+
+template <te_dtype kFp8>
+__device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  constexpr __nv_fp8_interpretation_t kKind = kFp8 == TE_DTYPE_FLOAT8_E4M3 ? __NV_E4M3 : __NV_E5M2;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kKind);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kKind);
+  return canonical_fp8_nan<kFp8>(lo | (hi << 16));
+#else
+  // sm_80: no FP8 hardware; the reference's own bit-level conversion.
+  auto q = [](float x) -> uint32_t {
+    return kFp8 == TE_DTYPE_FLOAT8_E4M3 ? float_to_e4m3(x) : float_to_e5m2(x);
+  };
+  return q(a) | (q(b) << 8) | (q(c) << 16) | (q(d) << 24);
+#endif
+}
+
+// One value; the same instruction as fp8x4, so scalar and vector paths agree.
+template <te_dtype kFp8>
+__device__ __forceinline__ uint8_t fp8x1(float a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return static_cast<uint8_t>(fp8x4<kFp8>(a, 0.0f, 0.0f, 0.0f));
+#else
+  return kFp8 == TE_DTYPE_FLOAT8_E4M3 ? float_to_e4m3(a) : float_to_e5m2(a);
+#endif
+}
+
+template <te_dtype kFp8>
+__device__ __forceinline__ float fp8_decode(uint8_t v) {
+  return kFp8 == TE_DTYPE_FLOAT8_E4M3 ? e4m3_to_float(v) : e5m2_to_float(v);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8x8 byte transpose in registers: row i of the patch is (lo[i], hi[i]) (bytes 0-3, 4-7);
+// column c comes out as t[c] = (bytes of rows 0-3, bytes of rows 4-7). 32 byte permutes.
+
+// 4x4 transpose of bytes: a[i] byte k -> b[k] byte i.
+__device__ __forceinline__ void transpose4x4(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t &b0, uint32_t &b1, uint32_t &b2, uint32_t &b3) {
+  // Interleave pairs of rows: (a0.k, a1.k) for k = 0, 1 and k = 2, 3; same for a2, a3.
+  const uint32_t t0 = __byte_perm(a0, a1, 0x5140), t1 = __byte_perm(a0, a1, 0x7362);
+  const uint32_t t2 = __byte_perm(a2, a3, 0x5140), t3 = __byte_perm(a2, a3, 0x7362);
+  b0 = __byte_perm(t0, t2, 0x5410);
+  b1 = __byte_perm(t0, t2, 0x7632);
+  b2 = __byte_perm(t1, t3, 0x5410);
+  b3 = __byte_perm(t1, t3, 0x7632);
+}
+
+__device__ __forceinline__ void transpose8x8(const uint32_t (&lo)[8], const uint32_t (&hi)[8], uint2 (&t)[8]) {
+  transpose4x4(lo[0], lo[1], lo[2], lo[3], t[0].x, t[1].x, t[2].x, t[3].x);
+  transpose4x4(lo[4], lo[5], lo[6], lo[7], t[0].y, t[1].y, t[2].y, t[3].y);
+  transpose4x4(hi[0], hi[1], hi[2], hi[3], t[4].x, t[5].x, t[6].x, t[7].x);
+  transpose4x4(hi[4], hi[5], hi[6], hi[7], t[4].y, t[5].y, t[6].y, t[7].y);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The staging of a transposed 128x128 byte tile in shared memory, shared by the fast
+// quantize+transpose and the FP8 transpose: 128 rows (input columns) of 128 bytes, written as
+// 8-byte chunks (one 8x8 patch column each) and read back as 16-byte units.
+//
+// A row is exactly the 32 banks, so without care the 16 chunks that a half-warp writes (16
+// patches of one patch-row, i.e. 16 different tile rows, same chunk index) would all hit the
+// same two banks. XOR-ing the chunk index with the patch column (row / 8) spreads them over all
+// 32 banks, with no padding, so rows stay 16-byte aligned for the read-back.
+
+struct __align__(16) TransposeStage {
+  uint2 chunk[128][16];
+};
+
+// Chunk k (input rows 8k..8k+7) of tile row r.
+__device__ __forceinline__ void stage_put(TransposeStage &s, int r, int k, uint2 v) {
+  s.chunk[r][k ^ ((r >> 3) & 15)] = v;
+}
+
+// 16-byte unit q (input rows 16q..16q+15) of tile row r: logical chunks 2q and 2q+1 sit in
+// physical unit q ^ (x >> 1), swapped when x (the XOR key) is odd.
+__device__ __forceinline__ uint4 stage_get(const TransposeStage &s, int r, int q) {
+  const int x = (r >> 3) & 15;
+  const uint4 u = reinterpret_cast<const uint4 *>(s.chunk[r])[q ^ (x >> 1)];
+  return (x & 1) ? make_uint4(u.z, u.w, u.x, u.y) : u;
+}
+
+}  // namespace te
+
+#endif  // TRANSFORMER_ENGINE_SRC_COMMON_CUDA_UTILS_CUH_

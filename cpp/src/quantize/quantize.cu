@@ -1,0 +1,237 @@
+// CUDA quantization with one per-tensor scale (TENSOR mode): the row-wise cast (+ amax) and the
+// fused cast + transpose, the two kernels that every FP8 linear layer runs on its activations.
+//
+// Design. Both kernels are bandwidth-bound; what matters is keeping enough 128-bit loads in
+// flight and writing full sectors.
+//   quantize_kernel (row-wise only): the tensor as a flat array; each thread takes 4 groups of
+//     8 elements per iteration (4 independent 128-bit loads for 16-bit inputs, 8 for fp32, all
+//     issued before the first use), writes 8 FP8 bytes per group with one 64-bit store, and
+//     keeps a running amax; the grid is one wave (4 blocks of 256 per SM, guaranteed resident
+//     by the launch bounds) striding over the tensor, so each block does one atomicMax. A
+//     scalar grid-stride path serves misaligned pointers, and block 0 does the < 8 tail.
+//   quantize_transpose_kernel (column-wise, with or without row-wise): a 128x128 tile per
+//     block; each of the 256 threads owns an 8x8 patch (16 patch columns per tile row, so a
+//     half-warp reads 256 contiguous bytes of a row), loads it with 8 (fp32: 16) 128-bit loads,
+//     converts it, writes its 8 row-wise rows with 64-bit stores, transposes the 8x8 bytes in
+//     registers (__byte_perm) and stages them in an XOR-swizzled 16 KiB shared tile (see
+//     TransposeStage), from which the block writes the transposed tile with 128-bit stores,
+//     8 threads per 128-byte output row. Needs rows % 16 == 0, cols % 8 == 0 and aligned
+//     pointers; other shapes go to the tiled kernel of quantize_block.cu, which takes any shape.
+// Numerics: x * scale is one fp32 multiply as in the reference (--fmad=false keeps it so), the
+// conversion is fp8x4 (see cuda_utils.cuh), amax is the max of abs_bits(x) over the decoded
+// input, and scale_inv = 1 / scale is written once, by block 0.
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "common/cuda_utils.cuh"
+#include "quantize/quantize_impl.h"
+
+namespace te {
+namespace {
+
+constexpr const char *kOp = "quantize";
+
+// --- Row-wise only ---------------------------------------------------------------------------
+
+constexpr int kFlatThreads = 256;
+constexpr int kFlatUnroll = 4;       // groups of 8 elements in flight per thread
+constexpr int kFlatBlocksPerSm = 4;  // resident together (launch bounds), so the grid is one wave
+
+template <te_dtype kIn, te_dtype kFp8>
+__global__ void __launch_bounds__(kFlatThreads, kFlatBlocksPerSm)
+    quantize_kernel(const void *__restrict__ input, uint8_t *__restrict__ output,
+                    const float *__restrict__ scale_ptr, float *__restrict__ scale_inv,
+                    float *__restrict__ amax, int64_t n, bool vectorized) {
+  __shared__ uint32_t scratch[kFlatThreads / 32];
+  const float scale = *scale_ptr;
+  uint32_t m = 0;
+  if (vectorized) {
+    const int64_t groups = n / 8;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kFlatThreads * kFlatUnroll;
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * kFlatThreads * kFlatUnroll + threadIdx.x;
+         base < groups; base += stride) {
+      float x[kFlatUnroll][8];
+#pragma unroll
+      for (int u = 0; u < kFlatUnroll; ++u) {
+        const int64_t g = base + u * kFlatThreads;
+        if (g < groups) {
+          load_hp8<kIn>(input, g * 8, x[u]);
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) x[u][k] = 0.0f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kFlatUnroll; ++u) {
+        const int64_t g = base + u * kFlatThreads;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) m = max(m, abs_bits(x[u][k]));
+        if (g < groups) {
+          const float *v = x[u];
+          store_u64(output + g * 8, fp8x4<kFp8>(v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale),
+                    fp8x4<kFp8>(v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale));
+        }
+      }
+    }
+    // The last n % 8 elements.
+    const int64_t i = groups * 8 + threadIdx.x;
+    if (blockIdx.x == 0 && i < n) {
+      const float v = load_hp1<kIn>(input, i);
+      m = max(m, abs_bits(v));
+      output[i] = fp8x1<kFp8>(v * scale);
+    }
+  } else {
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kFlatThreads;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x; i < n; i += stride) {
+      const float v = load_hp1<kIn>(input, i);
+      m = max(m, abs_bits(v));
+      output[i] = fp8x1<kFp8>(v * scale);
+    }
+  }
+  if (amax != nullptr) {
+    m = block_max<kFlatThreads>(m, scratch);
+    if (threadIdx.x == 0) atomic_max_amax(amax, m);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = canonical_div(1.0f, scale);
+}
+
+// --- Row-wise + column-wise (transposed) -----------------------------------------------------
+
+constexpr int kTile = 128;             // tile rows and columns
+constexpr int kTileThreads = 256;      // one 8x8 patch each: 16 x 16 patches
+constexpr int kPatchesPerRow = kTile / 8;
+
+// bf16 fits 3 blocks per SM (<= 85 registers, no spill), a third more loads in flight; fp16
+// (a longer decode) and fp32 (twice the registers for the loaded patch) take 2.
+template <te_dtype kIn>
+constexpr int kTileBlocksPerSm = kIn == TE_DTYPE_BFLOAT16 ? 3 : 2;
+
+template <te_dtype kIn, te_dtype kFp8>
+__global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm<kIn>)
+    quantize_transpose_kernel(const void *__restrict__ input, uint8_t *__restrict__ rowwise,
+                              uint8_t *__restrict__ columnwise, const float *__restrict__ scale_ptr,
+                              float *__restrict__ scale_inv, float *__restrict__ amax, int64_t rows,
+                              int64_t cols, int64_t tiles_c, int64_t num_tiles) {
+  __shared__ TransposeStage stage;
+  __shared__ uint32_t warp_amax[kTileThreads / 32];
+  const float scale = *scale_ptr;
+  const int pr = threadIdx.x / kPatchesPerRow, pc = threadIdx.x % kPatchesPerRow;
+  uint32_t m = 0;
+
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    if (tile != blockIdx.x) __syncthreads();  // the previous tile's stage has been read
+    const int64_t r0 = (tile / tiles_c) * kTile, c0 = (tile % tiles_c) * kTile;
+    const int64_t prow = r0 + pr * 8, pcol = c0 + pc * 8;
+    // rows % 8 == 0 and cols % 8 == 0, so a patch is wholly inside the matrix or wholly outside.
+    const bool valid = prow < rows && pcol < cols;
+
+    float x[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (valid) {
+        load_hp8<kIn>(input, (prow + i) * cols + pcol, x[i]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) x[i][k] = 0.0f;
+      }
+    }
+
+    uint32_t lo[8], hi[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) m = max(m, abs_bits(x[i][k]));
+      lo[i] = fp8x4<kFp8>(x[i][0] * scale, x[i][1] * scale, x[i][2] * scale, x[i][3] * scale);
+      hi[i] = fp8x4<kFp8>(x[i][4] * scale, x[i][5] * scale, x[i][6] * scale, x[i][7] * scale);
+    }
+    if (valid && rowwise != nullptr) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) store_u64(rowwise + (prow + i) * cols + pcol, lo[i], hi[i]);
+    }
+
+    uint2 t[8];
+    transpose8x8(lo, hi, t);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) stage_put(stage, pc * 8 + c, pr, t[c]);
+    __syncthreads();
+
+    // Tile row R of the stage is output row c0 + R; 16-byte unit q covers input rows
+    // r0 + 16q .. r0 + 16q + 15 (rows % 16 == 0: wholly inside or outside).
+#pragma unroll
+    for (int k = 0; k < kTile * kTile / 16 / kTileThreads; ++k) {
+      const int R = k * (kTileThreads / 8) + threadIdx.x / 8, q = threadIdx.x % 8;
+      const int64_t orow = c0 + R, ocol = r0 + q * 16;
+      if (orow < cols && ocol < rows) {
+        *reinterpret_cast<uint4 *>(columnwise + orow * rows + ocol) = stage_get(stage, R, q);
+      }
+    }
+  }
+
+  if (amax != nullptr) {
+    m = warp_max(m);
+    if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t b = warp_amax[0];
+#pragma unroll
+      for (int w = 1; w < kTileThreads / 32; ++w) b = max(b, warp_amax[w]);
+      atomic_max_amax(amax, b);
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = canonical_div(1.0f, scale);
+}
+
+template <te_dtype kIn, te_dtype kFp8>
+te_status launch_rowwise(const QuantizeArgs &a, cudaStream_t stream, int sms) {
+  const int64_t n = a.rows * a.cols;
+  const bool vectorized = aligned(a.input, 16) && aligned(a.rowwise, 8);
+  const int64_t per_block = static_cast<int64_t>(kFlatThreads) * (vectorized ? 8 * kFlatUnroll : 1);
+  const int64_t blocks = std::min<int64_t>(ceil_div(n, per_block), static_cast<int64_t>(sms) * kFlatBlocksPerSm);
+  quantize_kernel<kIn, kFp8><<<static_cast<unsigned>(std::max<int64_t>(blocks, 1)), kFlatThreads, 0, stream>>>(
+      a.input, a.rowwise, a.scale, a.scale_inv, a.amax, n, vectorized);
+  return launch_status(kOp);
+}
+
+template <te_dtype kIn, te_dtype kFp8>
+te_status launch_transpose(const QuantizeArgs &a, cudaStream_t stream) {
+  const int64_t tiles_c = ceil_div(a.cols, kTile);
+  const int64_t num_tiles = ceil_div(a.rows, kTile) * tiles_c;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(num_tiles, INT_MAX));
+  quantize_transpose_kernel<kIn, kFp8><<<blocks, kTileThreads, 0, stream>>>(
+      a.input, a.rowwise, a.columnwise, a.scale, a.scale_inv, a.amax, a.rows, a.cols, tiles_c, num_tiles);
+  return launch_status(kOp);
+}
+
+// The fast cast + transpose needs whole 8x8 patches, whole 16-byte units of the transposed rows,
+// and aligned vectors.
+bool transpose_fast_path(const QuantizeArgs &a) {
+  return a.rows % 16 == 0 && a.cols % 8 == 0 && aligned(a.input, 16) &&
+         (a.rowwise == nullptr || aligned(a.rowwise, 8)) && aligned(a.columnwise, 16);
+}
+
+}  // namespace
+
+te_status quantize_cuda(const QuantizeArgs &a, te_stream stream_handle) {
+  const int64_t n = a.rows * a.cols;
+  // Block modes, odd shapes and empty tensors: the tiled kernels of quantize_block.cu.
+  if (a.mode != TE_SCALING_TENSOR || n == 0 || (a.columnwise != nullptr && !transpose_fast_path(a))) {
+    return quantize_tiled_cuda(a, stream_handle);
+  }
+  const cudaStream_t stream = cuda_stream(stream_handle);
+  int sms = 0;
+  if (te_status s = sm_count(kOp, &sms)) return s;
+  // amax is overwritten, not accumulated: zero it on the stream, then blocks atomicMax into it.
+  if (a.amax != nullptr) {
+    if (te_status s = cuda_status(kOp, cudaMemsetAsync(a.amax, 0, sizeof(float), stream))) return s;
+  }
+  return with_hp_dtype(a.input_dtype, [&](auto in) {
+    return with_fp8_dtype(a.fp8_dtype, [&](auto fp8) {
+      constexpr te_dtype kIn = decltype(in)::value, kFp8 = decltype(fp8)::value;
+      return a.columnwise == nullptr ? launch_rowwise<kIn, kFp8>(a, stream, sms)
+                                     : launch_transpose<kIn, kFp8>(a, stream);
+    });
+  });
+}
+
+}  // namespace te
