@@ -114,7 +114,7 @@ te_buffer to_buffer(const char *op, const std::string &what, nb::handle obj, boo
   if (!nb::try_cast(obj, a, /*convert=*/false)) {
     throw nb::type_error((std::string(op) + ": " + what +
                           " must be an array (DLPack or buffer protocol), got " +
-                          nb::inst_name(obj.type()).c_str())
+                          nb::inst_name(obj).c_str())
                              .c_str());
   }
   void *data = const_cast<void *>(a.data());
@@ -132,8 +132,11 @@ te_buffer to_buffer(const char *op, const std::string &what, nb::handle obj, boo
                            std::to_string(TE_MAX_DIMS) + " dimensions, got " + std::to_string(a.ndim()))
                               .c_str());
   }
+  // An empty array has no layout to speak of (frameworks give it arbitrary strides).
+  bool empty = false;
+  for (size_t i = 0; i < a.ndim(); ++i) empty = empty || a.shape(i) == 0;
   int64_t expected_stride = 1;
-  for (size_t i = a.ndim(); i-- > 0;) {
+  for (size_t i = a.ndim(); !empty && i-- > 0;) {
     if (a.shape(i) != 1 && a.stride(i) != expected_stride) {
       throw nb::value_error((std::string(op) + ": " + what + " must be C-contiguous, got shape " +
                              array_description(a) + " with non-contiguous strides")

@@ -169,6 +169,9 @@ TE_HOST_DEVICE float delayed_scale(float amax, float old_scale, float fp8_max_va
 TE_HOST_DEVICE uint8_t e8m0_scale_inv_from_amax(float amax, float fp8_max_value) {
   if (!is_finite_float(amax) || is_nan_bits(float_bits(amax))) return 0xFF;
   const uint32_t t = float_bits(amax / fp8_max_value);
+  // Below the normal range the smallest scale, 2^-127 (byte 0), covers t up to 2^-127 itself.
+  if (t <= 0x00400000u) return 0;
+  if (t < 0x00800000u) return 1;
   uint32_t exp = t >> 23;
   if ((t & 0x7FFFFFu) != 0) exp += 1;  // round up to the next power of two
   return static_cast<uint8_t>(exp > 254u ? 254u : exp);
