@@ -133,6 +133,18 @@ __device__ __forceinline__ void load_hp4(const void *p, int64_t i, float (&x)[4]
   }
 }
 
+// The 8 elements of a 16-bit type packed in v, decoded (little endian: the element with the
+// lower index is the lower half of each word).
+template <te_dtype kIn>
+__device__ __forceinline__ void decode_hp8(const uint4 &v, float (&x)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    x[2 * k] = Hp<kIn>::decode(static_cast<uint16_t>(w[k]));
+    x[2 * k + 1] = Hp<kIn>::decode(static_cast<uint16_t>(w[k] >> 16));
+  }
+}
+
 // Elements [i, i + 8), decoded; p + i must be 16-byte aligned: one 128-bit load for 16-bit
 // types, two for fp32.
 template <te_dtype kIn>
@@ -143,15 +155,35 @@ __device__ __forceinline__ void load_hp8(const void *p, int64_t i, float (&x)[8]
     x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
     x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
   } else {
-    const uint4 v = *reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(p) + i);
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      x[2 * k] = Hp<kIn>::decode(static_cast<uint16_t>(w[k]));
-      x[2 * k + 1] = Hp<kIn>::decode(static_cast<uint16_t>(w[k] >> 16));
-    }
+    decode_hp8<kIn>(*reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(p) + i), x);
   }
 }
+
+// 8 consecutive high-precision elements as loaded, decoded later: loads are issued before any
+// arithmetic, and 16-bit types stay packed (4 registers) until then.
+template <te_dtype kIn>
+struct Packed8 {
+  uint4 raw;
+  __device__ __forceinline__ void load(const void *p, int64_t i) {
+    raw = *reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(p) + i);
+  }
+  __device__ __forceinline__ void zero() { raw = make_uint4(0, 0, 0, 0); }
+  __device__ __forceinline__ void decode(float (&x)[8]) const { decode_hp8<kIn>(raw, x); }
+};
+
+template <>
+struct Packed8<TE_DTYPE_FLOAT32> {
+  float4 a, b;
+  __device__ __forceinline__ void load(const void *p, int64_t i) {
+    const float4 *q = reinterpret_cast<const float4 *>(static_cast<const float *>(p) + i);
+    a = q[0];
+    b = q[1];
+  }
+  __device__ __forceinline__ void zero() { a = b = make_float4(0.f, 0.f, 0.f, 0.f); }
+  __device__ __forceinline__ void decode(float (&x)[8]) const {
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+  }
+};
 
 __device__ __forceinline__ void store_u64(uint8_t *p, uint32_t lo, uint32_t hi) {
   *reinterpret_cast<uint2 *>(p) = make_uint2(lo, hi);

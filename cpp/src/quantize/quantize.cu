@@ -3,16 +3,16 @@
 //
 // Design. Both kernels are bandwidth-bound; what matters is keeping enough 128-bit loads in
 // flight and writing full sectors.
-//   quantize_kernel (row-wise only): the tensor as a flat array; each thread takes 4 groups of
-//     8 elements per iteration (4 independent 128-bit loads for 16-bit inputs, 8 for fp32, all
-//     issued before the first use), writes 8 FP8 bytes per group with one 64-bit store, and
-//     keeps a running amax; the grid is one wave (4 blocks of 256 per SM, guaranteed resident
+//   quantize_kernel (row-wise only): the tensor as a flat array; each thread takes 8 groups of
+//     8 elements per iteration (8 independent 128-bit loads for 16-bit inputs kept packed until
+//     used; 4 groups, 8 loads, for fp32), all issued before the first use, writes 8 FP8 bytes
+//     per group with one 64-bit store, and keeps a running amax; the grid is one wave (4 blocks of 256 per SM, guaranteed resident
 //     by the launch bounds) striding over the tensor, so each block does one atomicMax. A
 //     scalar grid-stride path serves misaligned pointers, and block 0 does the < 8 tail.
 //   quantize_transpose_kernel (column-wise, with or without row-wise): a 128x128 tile per
 //     block; each of the 256 threads owns an 8x8 patch (16 patch columns per tile row, so a
-//     half-warp reads 256 contiguous bytes of a row), loads it with 8 (fp32: 16) 128-bit loads,
-//     converts it, writes its 8 row-wise rows with 64-bit stores, transposes the 8x8 bytes in
+//     half-warp reads 256 contiguous bytes of a row), loads it with 8 (fp32: 16) 128-bit loads
+//     (16-bit inputs stay packed, so 4 blocks of 256 fit per SM), converts it, writes its 8 row-wise rows with 64-bit stores, transposes the 8x8 bytes in
 //     registers (__byte_perm) and stages them in an XOR-swizzled 16 KiB shared tile (see
 //     TransposeStage), from which the block writes the transposed tile with 128-bit stores,
 //     8 threads per 128-byte output row. Needs rows % 16 == 0, cols % 8 == 0 and aligned
@@ -35,7 +35,10 @@ constexpr const char *kOp = "quantize";
 // --- Row-wise only ---------------------------------------------------------------------------
 
 constexpr int kFlatThreads = 256;
-constexpr int kFlatUnroll = 4;       // groups of 8 elements in flight per thread
+// Groups of 8 elements in flight per thread: 16-bit inputs stay packed until used, so 8 fit in
+// the 64 registers that 4 blocks per SM allow; fp32 takes 4.
+template <te_dtype kIn>
+constexpr int kFlatUnroll = kIn == TE_DTYPE_FLOAT32 ? 4 : 8;
 constexpr int kFlatBlocksPerSm = 4;  // resident together (launch bounds), so the grid is one wave
 
 template <te_dtype kIn, te_dtype kFp8>
@@ -43,32 +46,33 @@ __global__ void __launch_bounds__(kFlatThreads, kFlatBlocksPerSm)
     quantize_kernel(const void *__restrict__ input, uint8_t *__restrict__ output,
                     const float *__restrict__ scale_ptr, float *__restrict__ scale_inv,
                     float *__restrict__ amax, int64_t n, bool vectorized) {
+  constexpr int kUnroll = kFlatUnroll<kIn>;
   __shared__ uint32_t scratch[kFlatThreads / 32];
   const float scale = *scale_ptr;
   uint32_t m = 0;
   if (vectorized) {
     const int64_t groups = n / 8;
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * kFlatThreads * kFlatUnroll;
-    for (int64_t base = static_cast<int64_t>(blockIdx.x) * kFlatThreads * kFlatUnroll + threadIdx.x;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kFlatThreads * kUnroll;
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * kFlatThreads * kUnroll + threadIdx.x;
          base < groups; base += stride) {
-      float x[kFlatUnroll][8];
+      Packed8<kIn> in[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kFlatUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
         const int64_t g = base + u * kFlatThreads;
         if (g < groups) {
-          load_hp8<kIn>(input, g * 8, x[u]);
+          in[u].load(input, g * 8);
         } else {
-#pragma unroll
-          for (int k = 0; k < 8; ++k) x[u][k] = 0.0f;
+          in[u].zero();
         }
       }
 #pragma unroll
-      for (int u = 0; u < kFlatUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
         const int64_t g = base + u * kFlatThreads;
+        float v[8];
+        in[u].decode(v);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) m = max(m, abs_bits(x[u][k]));
+        for (int k = 0; k < 8; ++k) m = max(m, abs_bits(v[k]));
         if (g < groups) {
-          const float *v = x[u];
           store_u64(output + g * 8, fp8x4<kFp8>(v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale),
                     fp8x4<kFp8>(v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale));
         }
@@ -102,10 +106,11 @@ constexpr int kTile = 128;             // tile rows and columns
 constexpr int kTileThreads = 256;      // one 8x8 patch each: 16 x 16 patches
 constexpr int kPatchesPerRow = kTile / 8;
 
-// bf16 fits 3 blocks per SM (<= 85 registers, no spill), a third more loads in flight; fp16
-// (a longer decode) and fp32 (twice the registers for the loaded patch) take 2.
+// 16-bit inputs keep the loaded patch packed (32 registers) and decode it a row at a time, so
+// 4 blocks fit per SM (<= 64 registers): the more loads in flight, the closer to the copy
+// bandwidth. fp32 holds twice the bytes per patch and takes 2.
 template <te_dtype kIn>
-constexpr int kTileBlocksPerSm = kIn == TE_DTYPE_BFLOAT16 ? 3 : 2;
+constexpr int kTileBlocksPerSm = kIn == TE_DTYPE_FLOAT32 ? 2 : 4;
 
 template <te_dtype kIn, te_dtype kFp8>
 __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm<kIn>)
@@ -126,24 +131,25 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm<kIn>)
     // rows % 8 == 0 and cols % 8 == 0, so a patch is wholly inside the matrix or wholly outside.
     const bool valid = prow < rows && pcol < cols;
 
-    float x[8][8];
+    Packed8<kIn> patch[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if (valid) {
-        load_hp8<kIn>(input, (prow + i) * cols + pcol, x[i]);
+        patch[i].load(input, (prow + i) * cols + pcol);
       } else {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) x[i][k] = 0.0f;
+        patch[i].zero();
       }
     }
 
     uint32_t lo[8], hi[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
+      float x[8];
+      patch[i].decode(x);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) m = max(m, abs_bits(x[i][k]));
-      lo[i] = fp8x4<kFp8>(x[i][0] * scale, x[i][1] * scale, x[i][2] * scale, x[i][3] * scale);
-      hi[i] = fp8x4<kFp8>(x[i][4] * scale, x[i][5] * scale, x[i][6] * scale, x[i][7] * scale);
+      for (int k = 0; k < 8; ++k) m = max(m, abs_bits(x[k]));
+      lo[i] = fp8x4<kFp8>(x[0] * scale, x[1] * scale, x[2] * scale, x[3] * scale);
+      hi[i] = fp8x4<kFp8>(x[4] * scale, x[5] * scale, x[6] * scale, x[7] * scale);
     }
     if (valid && rowwise != nullptr) {
 #pragma unroll
@@ -186,7 +192,7 @@ template <te_dtype kIn, te_dtype kFp8>
 te_status launch_rowwise(const QuantizeArgs &a, cudaStream_t stream, int sms) {
   const int64_t n = a.rows * a.cols;
   const bool vectorized = aligned(a.input, 16) && aligned(a.rowwise, 8);
-  const int64_t per_block = static_cast<int64_t>(kFlatThreads) * (vectorized ? 8 * kFlatUnroll : 1);
+  const int64_t per_block = static_cast<int64_t>(kFlatThreads) * (vectorized ? 8 * kFlatUnroll<kIn> : 1);
   const int64_t blocks = std::min<int64_t>(ceil_div(n, per_block), static_cast<int64_t>(sms) * kFlatBlocksPerSm);
   quantize_kernel<kIn, kFp8><<<static_cast<unsigned>(std::max<int64_t>(blocks, 1)), kFlatThreads, 0, stream>>>(
       a.input, a.rowwise, a.scale, a.scale_inv, a.amax, n, vectorized);
