@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU checks of the project, for a CUDA machine with torch installed (no network needed):
+# builds and installs the core with its CUDA kernels into the current Python, runs the C++
+# tests, the CUDA tests (pytest -m cuda), records the kernels' SASS instruction counts, runs
+# the benchmarks, then the CUDA tests again under compute-sanitizer memcheck. Logs and JSON go to $1.
+#
+#   bash scripts/gpu_check.sh OUT_DIR [pytest args...]
+set -uo pipefail
+out=${1:?usage: gpu_check.sh OUT_DIR [pytest args...]}
+shift
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+status=0
+step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, remembers a failure
+  local name=$1; shift
+  echo "== $name: $*"
+  "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 15 "$out/$name.log"
+  [ $rc -eq 0 ] || { echo "== $name FAILED (exit $rc)"; status=1; }
+  return $rc
+}
+
+nvidia-smi -L
+step install python3 -m pip install --no-build-isolation --no-deps --force-reinstall \
+  -C cmake.define.TE_WITH_CUDA=ON ./common ./pytorch ./jax || exit 1
+step ctest bash -c "cmake -S cpp -B build/gpu-ctest -G Ninja -DTE_BUILD_TESTS=ON -DTE_WITH_CUDA=ON \
+  -DTE_CUDA_ARCHITECTURES=90a \
+  && cmake --build build/gpu-ctest && ctest --test-dir build/gpu-ctest --output-on-failure"
+step pytest_cuda python3 -m pytest -p no:cacheprovider -m cuda tests -q -rfE "$@"
+lib=$(python3 -c "import transformer_engine.common as c, pathlib; print(next(pathlib.Path(c.__file__).parent.glob('lib/libtransformer_engine.so*')))")
+step sass bash -c "for arch in sm_90a sm_89 sm_80; do echo \$arch: \
+  F2FP=\$(cuobjdump -arch \$arch -sass $lib | grep -c F2FP) \
+  LDG128=\$(cuobjdump -arch \$arch -sass $lib | grep -c 'LDG.E.128') \
+  STG128=\$(cuobjdump -arch \$arch -sass $lib | grep -c 'STG.E.128'); done"
+for bench in benchmarks/bench_*.py; do
+  step "$(basename "$bench" .py)" env TE_BENCH_RESULTS="$out" python3 "$bench"
+done
+step memcheck timeout ${TE_MEMCHECK_TIMEOUT:-240} compute-sanitizer --tool memcheck --error-exitcode 1 \
+  python3 -m pytest -p no:cacheprovider -m "cuda and not slow" -q -x "$@" tests/common/test_quantize.py \
+  tests/common/test_block_quantize.py tests/common/test_scaling.py tests/common/test_transpose.py
+exit $status
