@@ -45,36 +45,64 @@ def bench_shape(m: int, k: int, compiled: dict) -> list[dict]:
     qt = torch.empty(k, m, dtype=torch.uint8, device="cuda")
     scale_inv = torch.empty(1, device="cuda")
     amax = torch.empty(1, device="cuda")
-    rowwise = _core.Tensor(q, dtype=_core.DType.float8_e4m3, scale=scale, scale_inv=scale_inv,
-                           amax=amax)
-    both = _core.Tensor(q, dtype=_core.DType.float8_e4m3, scale=scale, scale_inv=scale_inv,
-                        amax=amax, columnwise_data=qt)
+    rowwise = _core.Tensor(
+        q, dtype=_core.DType.float8_e4m3, scale=scale, scale_inv=scale_inv, amax=amax
+    )
+    both = _core.Tensor(
+        q,
+        dtype=_core.DType.float8_e4m3,
+        scale=scale,
+        scale_inv=scale_inv,
+        amax=amax,
+        columnwise_data=qt,
+    )
 
     cases = {
-        ("quantize", "transformer_engine"): lambda i: _core.quantize(inputs[i % n], rowwise, stream=stream),
+        ("quantize", "transformer_engine"): lambda i: _core.quantize(
+            inputs[i % n], rowwise, stream=stream
+        ),
         ("quantize", "torch_eager"): lambda i: torch_cast(inputs[i % n], scale),
         ("quantize", "torch_compile"): lambda i: compiled["cast"](inputs[i % n], scale),
-        ("quantize_transpose", "transformer_engine"): lambda i: _core.quantize(inputs[i % n], both, stream=stream),
+        ("quantize_transpose", "transformer_engine"): lambda i: _core.quantize(
+            inputs[i % n], both, stream=stream
+        ),
         ("quantize_transpose", "torch_eager"): lambda i: torch_cast_transpose(inputs[i % n], scale),
-        ("quantize_transpose", "torch_compile"): lambda i: compiled["cast_transpose"](inputs[i % n], scale),
+        ("quantize_transpose", "torch_compile"): lambda i: compiled["cast_transpose"](
+            inputs[i % n], scale
+        ),
     }
     rows = []
     for (op, impl), fn in cases.items():
         t = time_cuda(fn)
         nbytes = m * k * (2 + 1 + (1 if op == "quantize_transpose" else 0))
         tbps = nbytes / (t["median_ms"] * 1e-3) / 1e12
-        rows.append({"op": op, "impl": impl, "shape": [m, k], "input_dtype": "bfloat16",
-                     "output_dtype": "float8_e4m3", "bytes_moved": nbytes, **t,
-                     "effective_tbps": tbps, "percent_of_h200_copy": 100 * tbps / H200_COPY_TBPS})
+        rows.append(
+            {
+                "op": op,
+                "impl": impl,
+                "shape": [m, k],
+                "input_dtype": "bfloat16",
+                "output_dtype": "float8_e4m3",
+                "bytes_moved": nbytes,
+                **t,
+                "effective_tbps": tbps,
+                "percent_of_h200_copy": 100 * tbps / H200_COPY_TBPS,
+            }
+        )
         print(f"{op:20s} {impl:20s} {m}x{k}: {t['median_ms']:.4f} ms  {tbps:.2f} TB/s")
     # The core's bits must equal torch's cast, else the comparison is meaningless.
     _core.quantize(inputs[0], both, stream=stream)
     ref_q, ref_qt, ref_amax = torch_cast_transpose(inputs[0], scale)
     torch.cuda.synchronize()
-    rows.append({"op": "check", "shape": [m, k],
-                 "rowwise_equal_to_torch": bool(torch.equal(q, ref_q.view(torch.uint8))),
-                 "columnwise_equal_to_torch": bool(torch.equal(qt, ref_qt.view(torch.uint8))),
-                 "amax_equal_to_torch": bool(torch.equal(amax, ref_amax.reshape(1)))})
+    rows.append(
+        {
+            "op": "check",
+            "shape": [m, k],
+            "rowwise_equal_to_torch": bool(torch.equal(q, ref_q.view(torch.uint8))),
+            "columnwise_equal_to_torch": bool(torch.equal(qt, ref_qt.view(torch.uint8))),
+            "amax_equal_to_torch": bool(torch.equal(amax, ref_amax.reshape(1))),
+        }
+    )
     return rows
 
 
@@ -82,19 +110,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", default="quantize")
     args = parser.parse_args()
-    compiled = {"cast": torch.compile(torch_cast), "cast_transpose": torch.compile(torch_cast_transpose)}
+    compiled = {
+        "cast": torch.compile(torch_cast),
+        "cast_transpose": torch.compile(torch_cast_transpose),
+    }
     copy_tbps = measure_copy_tbps()
     print(f"device copy: {copy_tbps:.2f} TB/s")
     rows = []
     for m, k in SHAPES:
         rows += bench_shape(m, k, compiled)
-    write_result(args.name, {
-        "description": "FP8 E4M3 quantize (+amax) and quantize+transpose of bf16, per-tensor scale",
-        "target_tbps": 3.6,
-        "h200_copy_tbps_baseline": H200_COPY_TBPS,
-        "measured_copy_tbps": copy_tbps,
-        "results": rows,
-    })
+    write_result(
+        args.name,
+        {
+            "description": "FP8 E4M3 quantize (+amax) and quantize+transpose of bf16, "
+            "per-tensor scale",
+            "target_tbps": 3.6,
+            "h200_copy_tbps_baseline": H200_COPY_TBPS,
+            "measured_copy_tbps": copy_tbps,
+            "results": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,11 @@ def plot(path: Path, metric: str) -> Path:
     for j, impl in enumerate(impls):
         values = []
         for g in groups:
-            match = [r[metric] for r in rows
-                     if r["impl"] == impl and f"{r['op']}\n{'x'.join(map(str, r['shape']))}" == g]
+            match = [
+                r[metric]
+                for r in rows
+                if r["impl"] == impl and f"{r['op']}\n{'x'.join(map(str, r['shape']))}" == g
+            ]
             values.append(match[0] if match else 0.0)
         xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(groups))]
         bars = ax.bar(xs, values, width, label=impl)
@@ -40,7 +43,9 @@ def plot(path: Path, metric: str) -> Path:
     ax.set_xticks(range(len(groups)), groups, fontsize=8)
     ax.set_ylabel(metric)
     env = data.get("environment", {})
-    ax.set_title(f"{data['benchmark']} on {env.get('device', '?')} ({env.get('date', '')[:10]})", fontsize=9)
+    ax.set_title(
+        f"{data['benchmark']} on {env.get('device', '?')} ({env.get('date', '')[:10]})", fontsize=9
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     out = path.with_suffix(".png")

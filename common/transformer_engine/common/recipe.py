@@ -54,12 +54,14 @@ class Format(enum.Enum):
     * ``HYBRID``: E4M3 forward, E5M2 for gradients, whose range is wider; the usual choice.
 
     Each member has these properties:
-        max_fwd: largest finite value of the forward format; the ``fp8_max`` of forward scales.
-        max_bwd: largest finite value of the backward format; the ``fp8_max`` of gradient scales.
-        fwd_dtype_name: ``"float8_e4m3"`` or ``"float8_e5m2"``, the forward element format. The
-            names are framework-neutral; the framework packages map them to their dtypes
-            (``torch.float8_e4m3fn``, ``jnp.float8_e4m3fn``, ...).
-        bwd_dtype_name: the same for the backward element format.
+
+    * ``max_fwd``: largest finite value of the forward format; the ``fp8_max`` of forward scales.
+    * ``max_bwd``: largest finite value of the backward format; the ``fp8_max`` of gradient
+      scales.
+    * ``fwd_dtype_name``: ``"float8_e4m3"`` or ``"float8_e5m2"``, the forward element format.
+      The names are framework-neutral; the framework packages map them to their dtypes
+      (``torch.float8_e4m3fn``, ``jnp.float8_e4m3fn``, ...).
+    * ``bwd_dtype_name``: the same for the backward element format.
     """
 
     E4M3 = "E4M3"

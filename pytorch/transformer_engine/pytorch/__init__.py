@@ -1,0 +1,5 @@
+"""Transformer Engine for PyTorch."""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]
