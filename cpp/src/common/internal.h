@@ -70,6 +70,11 @@ class Checker {
   bool dtype_is(const te_buffer &buffer, const char *what, te_dtype dtype);
   bool numel_is(const te_buffer &buffer, const char *what, int64_t n);
   bool matrix_is(const te_buffer &buffer, const char *what, int64_t rows, int64_t cols);
+  // A set slot holding one fp32 value on the call's device (a scale, scale_inv or amax).
+  bool fp32_scalar(const te_buffer *buffer, const char *what) {
+    return present(buffer, what) && same_device(*buffer, what) &&
+           dtype_is(*buffer, what, TE_DTYPE_FLOAT32) && numel_is(*buffer, what, 1);
+  }
   // Same device type and id as the first buffer checked with this call.
   bool same_device(const te_buffer &buffer, const char *what);
   bool fail(te_status code, const std::string &message);

@@ -31,11 +31,6 @@ bool check_block_scale_inv(Checker &check, const te_buffer *b, const char *what,
   return check.matrix_is(*b, what, rows, cols);
 }
 
-bool check_fp32_scalar(Checker &check, const te_buffer *b, const char *what) {
-  return check.present(b, what) && check.same_device(*b, what) &&
-         check.dtype_is(*b, what, TE_DTYPE_FLOAT32) && check.numel_is(*b, what, 1);
-}
-
 bool check_quantize(Checker &check, const te_tensor *input, te_tensor *output,
                     const te_quantize_config *config, QuantizeArgs *args) {
   if (!check.handle(input, "input") || !check.handle(output, "output")) return false;
@@ -87,8 +82,8 @@ bool check_quantize(Checker &check, const te_tensor *input, te_tensor *output,
   if (mode == TE_SCALING_TENSOR) {
     const te_buffer *scale = slot(output, TE_SLOT_SCALE);
     const te_buffer *scale_inv = slot(output, TE_SLOT_SCALE_INV);
-    if (!check_fp32_scalar(check, scale, "output.scale") ||
-        !check_fp32_scalar(check, scale_inv, "output.scale_inv")) {
+    if (!check.fp32_scalar(scale, "output.scale") ||
+        !check.fp32_scalar(scale_inv, "output.scale_inv")) {
       return false;
     }
     args->scale = static_cast<const float *>(scale->data);
@@ -115,7 +110,7 @@ bool check_quantize(Checker &check, const te_tensor *input, te_tensor *output,
   }
   const te_buffer *amax = slot(output, TE_SLOT_AMAX);
   if (amax != nullptr) {
-    if (!check_fp32_scalar(check, amax, "output.amax")) return false;
+    if (!check.fp32_scalar(amax, "output.amax")) return false;
     args->amax = static_cast<float *>(amax->data);
   }
   if (config != nullptr) {
@@ -146,7 +141,7 @@ bool check_dequantize(Checker &check, const te_tensor *input, te_tensor *output,
   const te_scaling_mode mode = input->scaling_mode;
   const te_buffer *sinv = slot(input, TE_SLOT_SCALE_INV);
   if (mode == TE_SCALING_TENSOR) {
-    if (!check_fp32_scalar(check, sinv, "input.scale_inv")) return false;
+    if (!check.fp32_scalar(sinv, "input.scale_inv")) return false;
   } else {
     int64_t sr = 0, sc = 0;
     block_scale_shape(mode, m, k, &sr, &sc);

@@ -11,11 +11,6 @@
 namespace te {
 namespace {
 
-bool check_fp32_scalar(Checker &check, const te_buffer *b, const char *what) {
-  return check.present(b, what) && check.same_device(*b, what) &&
-         check.dtype_is(*b, what, TE_DTYPE_FLOAT32) && check.numel_is(*b, what, 1);
-}
-
 bool check_fp32_buffer(Checker &check, const te_tensor *t, const std::string &what, int64_t n,
                        const te_buffer **out) {
   const te_buffer *b = slot(t, TE_SLOT_DATA);
@@ -58,7 +53,7 @@ te_status te_compute_amax(const te_tensor *input, te_tensor *output, te_stream s
       return check.status();
     }
     const te_buffer *amax = te::slot(output, TE_SLOT_AMAX);
-    if (!te::check_fp32_scalar(check, amax, "output.amax")) return check.status();
+    if (!check.fp32_scalar(amax, "output.amax")) return check.status();
     te::AmaxArgs args{in->data, in->dtype, te::numel(*in), static_cast<float *>(amax->data)};
     if (check.device() == TE_DEVICE_CUDA) return te::compute_amax_cuda(args, stream);
     te::compute_amax_ref(args);
@@ -79,9 +74,9 @@ te_status te_compute_scale_from_amax(te_tensor *tensor, const te_quantize_config
     const te_buffer *amax = te::slot(tensor, TE_SLOT_AMAX);
     const te_buffer *scale = te::slot(tensor, TE_SLOT_SCALE);
     const te_buffer *scale_inv = te::slot(tensor, TE_SLOT_SCALE_INV);
-    if (!te::check_fp32_scalar(check, amax, "tensor.amax") ||
-        !te::check_fp32_scalar(check, scale, "tensor.scale") ||
-        !te::check_fp32_scalar(check, scale_inv, "tensor.scale_inv")) {
+    if (!check.fp32_scalar(amax, "tensor.amax") ||
+        !check.fp32_scalar(scale, "tensor.scale") ||
+        !check.fp32_scalar(scale_inv, "tensor.scale_inv")) {
       return check.status();
     }
     te::ScaleFromAmaxArgs args{static_cast<const float *>(amax->data), static_cast<float *>(scale->data),
