@@ -2,10 +2,7 @@
 the same cast in torch eager and under torch.compile.
 
 Effective bandwidth counts the bytes a fused kernel must move: the bf16 input read (2 B per
-element) plus the FP8 output written (1 B, and 1 B more for the transposed copy). Every
-contender is timed twice: as the GPU time of a replayed CUDA graph of its calls (the figure
-reported as effective_tbps), and by plain launches (launch_effective_tbps), which includes
-whatever host overhead the GPU waits for.
+element) plus the FP8 output written (1 B, and 1 B more for the transposed copy).
 
     python benchmarks/bench_quantize.py            # writes benchmarks/results/quantize.json
 """
@@ -16,14 +13,7 @@ import argparse
 
 import torch
 
-from harness import (
-    H200_COPY_TBPS,
-    measure_copy_tbps,
-    rotating,
-    time_cuda,
-    time_cuda_graph,
-    write_result,
-)
+from harness import H200_COPY_TBPS, measure_copy_tbps, rotating, time_cuda, write_result
 from transformer_engine.common import core
 
 SHAPES = [(8192, 8192), (16384, 4096)]
@@ -43,9 +33,7 @@ def torch_cast_transpose(x: torch.Tensor, scale: torch.Tensor):
 
 def bench_shape(m: int, k: int, compiled: dict) -> list[dict]:
     _core = core()
-
-    def stream():  # read at call time: a graph capture runs on its own stream
-        return torch.cuda.current_stream().cuda_stream
+    stream = torch.cuda.current_stream().cuda_stream
     scale = torch.tensor([3.0], device="cuda")
 
     def make():
@@ -71,12 +59,12 @@ def bench_shape(m: int, k: int, compiled: dict) -> list[dict]:
 
     cases = {
         ("quantize", "transformer_engine"): lambda i: _core.quantize(
-            inputs[i % n], rowwise, stream=stream()
+            inputs[i % n], rowwise, stream=stream
         ),
         ("quantize", "torch_eager"): lambda i: torch_cast(inputs[i % n], scale),
         ("quantize", "torch_compile"): lambda i: compiled["cast"](inputs[i % n], scale),
         ("quantize_transpose", "transformer_engine"): lambda i: _core.quantize(
-            inputs[i % n], both, stream=stream()
+            inputs[i % n], both, stream=stream
         ),
         ("quantize_transpose", "torch_eager"): lambda i: torch_cast_transpose(inputs[i % n], scale),
         ("quantize_transpose", "torch_compile"): lambda i: compiled["cast_transpose"](
@@ -85,16 +73,9 @@ def bench_shape(m: int, k: int, compiled: dict) -> list[dict]:
     }
     rows = []
     for (op, impl), fn in cases.items():
-        launch = time_cuda(fn)
-        try:
-            t = time_cuda_graph(fn)
-            timing = "cuda_graph"
-        except RuntimeError as err:  # a peer that cannot be captured is timed by launches
-            print(f"{op} {impl}: no CUDA graph ({err}); timing launches")
-            t, timing = launch, "launches"
+        t = time_cuda(fn)
         nbytes = m * k * (2 + 1 + (1 if op == "quantize_transpose" else 0))
         tbps = nbytes / (t["median_ms"] * 1e-3) / 1e12
-        launch_tbps = nbytes / (launch["median_ms"] * 1e-3) / 1e12
         rows.append(
             {
                 "op": op,
@@ -104,19 +85,13 @@ def bench_shape(m: int, k: int, compiled: dict) -> list[dict]:
                 "output_dtype": "float8_e4m3",
                 "bytes_moved": nbytes,
                 **t,
-                "timing": timing,
                 "effective_tbps": tbps,
-                "launch_median_ms": launch["median_ms"],
-                "launch_effective_tbps": launch_tbps,
                 "percent_of_h200_copy": 100 * tbps / H200_COPY_TBPS,
             }
         )
-        print(
-            f"{op:20s} {impl:20s} {m}x{k}: {t['median_ms']:.4f} ms  {tbps:.2f} TB/s "
-            f"({timing}; by launches {launch_tbps:.2f} TB/s)"
-        )
+        print(f"{op:20s} {impl:20s} {m}x{k}: {t['median_ms']:.4f} ms  {tbps:.2f} TB/s")
     # The core's bits must equal torch's cast, else the comparison is meaningless.
-    _core.quantize(inputs[0], both, stream=stream())
+    _core.quantize(inputs[0], both, stream=stream)
     ref_q, ref_qt, ref_amax = torch_cast_transpose(inputs[0], scale)
     torch.cuda.synchronize()
     rows.append(

@@ -62,46 +62,6 @@ def time_cuda(
     }
 
 
-def time_cuda_graph(
-    fn: Callable[[int], object],
-    *,
-    batch: int = 10,
-    repeats: int = 15,
-    warmup: int = 3,
-) -> dict:
-    """Like ``time_cuda``, but replays a CUDA graph of ``batch`` calls: the GPU time alone,
-    with no host launch overhead in it (what the kernels would take inside a captured
-    training step). ``fn`` must launch on the current stream, read at call time."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(warmup):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(batch):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) / batch)
-    return {
-        "median_ms": statistics.median(per_call),
-        "min_ms": min(per_call),
-        "max_ms": max(per_call),
-        "batches": repeats,
-        "calls_per_batch": batch,
-    }
-
-
 def measure_copy_tbps(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth (read + write counted), the reference ceiling."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
