@@ -189,19 +189,17 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", default=False)
 def gpu(session: nox.Session) -> None:
-    """On a GPU machine, offline: install into its Python, run `pytest -m cuda` and benchmarks.
+    """On a GPU machine, offline: build with CUDA, ctest, `pytest -m cuda`, memcheck, benchmarks.
 
-    Uses the machine's Python and packages (no environment is created): the project is
-    installed with --no-build-isolation --no-deps, the core built with TE_WITH_CUDA=ON.
-    Arguments after `--` go to pytest.
+    Uses the machine's Python and packages (no environment is created) and runs
+    scripts/gpu_check.sh: the project is installed with --no-build-isolation --no-deps and the
+    core built with TE_WITH_CUDA=ON. Logs go to build/gpu-check, benchmark results to
+    benchmarks/results. Arguments after `--` go to pytest.
     """
     session.run("python", "-c", "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'")
-    pip = ("python", "-m", "pip", "install", "--no-build-isolation", "--no-deps")
-    session.run(*pip, "--force-reinstall", "-C", "cmake.define.TE_WITH_CUDA=ON", "./common")
-    session.run(*pip, "--force-reinstall", *(f"./{p}" for p in PROJECTS if p != "common"))
-    session.run("python", "-m", "pytest", "-m", "cuda", "tests", *session.posargs)
-    for bench in sorted((ROOT / "benchmarks").glob("bench_*.py")):
-        session.run("python", str(bench.relative_to(ROOT)))
-        result = ROOT / "benchmarks/results" / f"{bench.stem.removeprefix('bench_')}.json"
-        if result.is_file() and importlib.util.find_spec("matplotlib") is not None:
+    results = ROOT / "benchmarks/results"
+    session.run("bash", "scripts/gpu_check.sh", "build/gpu-check", *session.posargs,
+                env={"TE_BENCH_RESULTS": str(results)})
+    if importlib.util.find_spec("matplotlib") is not None:
+        for result in sorted(results.glob("*.json")):
             session.run("python", "benchmarks/plot.py", str(result.relative_to(ROOT)))

@@ -2,7 +2,8 @@
 # The GPU checks of the project, for a CUDA machine with torch installed (no network needed):
 # builds and installs the core with its CUDA kernels into the current Python, runs the C++
 # tests, the CUDA tests (pytest -m cuda), records the kernels' SASS instruction counts, runs
-# the benchmarks, then the CUDA tests again under compute-sanitizer memcheck. Logs and JSON go to $1.
+# the benchmarks, then the CUDA tests again under compute-sanitizer memcheck. Logs go to $1,
+# benchmark JSON to $TE_BENCH_RESULTS (default: $1).
 #
 #   bash scripts/gpu_check.sh OUT_DIR [pytest args...]
 set -uo pipefail
@@ -35,7 +36,7 @@ step sass bash -c "for arch in sm_90a sm_89 sm_80; do echo \$arch: \
   LDG128=\$(cuobjdump -arch \$arch -sass $lib | grep -c 'LDG.E.128') \
   STG128=\$(cuobjdump -arch \$arch -sass $lib | grep -c 'STG.E.128'); done"
 for bench in benchmarks/bench_*.py; do
-  step "$(basename "$bench" .py)" env TE_BENCH_RESULTS="$out" python3 "$bench"
+  step "$(basename "$bench" .py)" env TE_BENCH_RESULTS="${TE_BENCH_RESULTS:-$out}" python3 "$bench"
 done
 step memcheck timeout ${TE_MEMCHECK_TIMEOUT:-240} compute-sanitizer --tool memcheck --error-exitcode 1 \
   python3 -m pytest -p no:cacheprovider -m "cuda and not slow" -q -x "$@" tests/common/test_quantize.py \
