@@ -248,4 +248,37 @@ TEST_CASE(transpose_of_bytes) {
   CHECK_ERROR(te_transpose(in, out, nullptr), TE_ERROR_VALUE, "transpose", "[3, 2]");
 }
 
+TEST_CASE(overlapping_outputs_are_rejected) {
+  std::vector<float> x(8, 1.0f);
+  std::vector<uint8_t> q(8, 0xAA);
+  float buf[2] = {2.0f, 0.0f};  // scale and scale_inv side by side; amax aliasing scale_inv
+  TensorHandle in, out;
+  in.set(TE_SLOT_DATA, x.data(), TE_DTYPE_FLOAT32, {2, 4});
+  out.set(TE_SLOT_DATA, q.data(), TE_DTYPE_FLOAT8_E4M3, {2, 4});
+  out.set(TE_SLOT_SCALE, &buf[0], TE_DTYPE_FLOAT32, {1});
+  out.set(TE_SLOT_SCALE_INV, &buf[1], TE_DTYPE_FLOAT32, {1});
+  CHECK(te_quantize(in, out, nullptr, nullptr) == TE_SUCCESS);  // adjacent is fine
+  out.set(TE_SLOT_AMAX, &buf[1], TE_DTYPE_FLOAT32, {1});
+  CHECK_ERROR(te_quantize(in, out, nullptr, nullptr), TE_ERROR_VALUE, "quantize",
+              "output.scale_inv must not overlap output.amax");
+  te_tensor_set(out, TE_SLOT_AMAX, nullptr);
+  out.set(TE_SLOT_SCALE_INV, &buf[0], TE_DTYPE_FLOAT32, {1});
+  CHECK_ERROR(te_quantize(in, out, nullptr, nullptr), TE_ERROR_VALUE, "must not overlap the input output.scale");
+  out.set(TE_SLOT_SCALE_INV, &buf[1], TE_DTYPE_FLOAT32, {1});
+  out.set(TE_SLOT_DATA, reinterpret_cast<uint8_t *>(x.data()), TE_DTYPE_FLOAT8_E4M3, {2, 4});
+  CHECK_ERROR(te_quantize(in, out, nullptr, nullptr), TE_ERROR_VALUE, "output.data must not overlap the input input.data");
+  // Two delayed-scaling groups sharing one scale buffer.
+  float h0 = 1, h1 = 2, s = 1, i0 = 0, i1 = 0;
+  TensorHandle H0, H1, S, I0, I1;
+  H0.set(TE_SLOT_DATA, &h0, TE_DTYPE_FLOAT32, {1});
+  H1.set(TE_SLOT_DATA, &h1, TE_DTYPE_FLOAT32, {1});
+  S.set(TE_SLOT_DATA, &s, TE_DTYPE_FLOAT32, {1});
+  I0.set(TE_SLOT_DATA, &i0, TE_DTYPE_FLOAT32, {1});
+  I1.set(TE_SLOT_DATA, &i1, TE_DTYPE_FLOAT32, {1});
+  te_tensor *hs[] = {H0, H1}, *ss[] = {S, S}, *is[] = {I0, I1};
+  CHECK_ERROR(te_delayed_scaling_update(hs, ss, is, 2, TE_DTYPE_FLOAT8_E4M3, TE_AMAX_COMPUTE_MAX, 0, nullptr),
+              TE_ERROR_VALUE, "scales[0] must not overlap scales[1]");
+  CHECK(h0 == 1 && h1 == 2 && s == 1);
+}
+
 int main() { return te_test::run_all(); }

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "transformer_engine/tensor.h"
 
@@ -77,6 +78,14 @@ class Checker {
   }
   // Same device type and id as the first buffer checked with this call.
   bool same_device(const te_buffer &buffer, const char *what);
+  // Every output shares no byte with another output or with an input: the CUDA kernels write
+  // them concurrently, so an overlap would be a race that the CPU's sequential order hides.
+  // Null entries (unset slots) are skipped.
+  struct Named {
+    const te_buffer *buffer;
+    std::string name;
+  };
+  bool disjoint(const std::vector<Named> &outputs, const std::vector<Named> &inputs);
   bool fail(te_status code, const std::string &message);
   // fail() for an entry point's return statement.
   te_status reject(te_status code, const std::string &message) {

@@ -144,6 +144,40 @@ bool Checker::same_device(const te_buffer &b, const char *what) {
                                   " like the other arguments, got " + describe(b));
 }
 
+namespace {
+
+bool overlap(const te_buffer &a, const te_buffer &b) {
+  if (a.device != b.device || (a.device == TE_DEVICE_CUDA && a.device_id != b.device_id)) return false;
+  const auto begin_a = reinterpret_cast<uintptr_t>(a.data), begin_b = reinterpret_cast<uintptr_t>(b.data);
+  const uintptr_t end_a = begin_a + static_cast<uintptr_t>(numel(a)) * te_dtype_size(a.dtype);
+  const uintptr_t end_b = begin_b + static_cast<uintptr_t>(numel(b)) * te_dtype_size(b.dtype);
+  return begin_a < end_b && begin_b < end_a;  // empty ranges never overlap
+}
+
+}  // namespace
+
+bool Checker::disjoint(const std::vector<Named> &outputs, const std::vector<Named> &inputs) {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (outputs[i].buffer == nullptr) continue;
+    auto clash = [&](const Named &other) {
+      return other.buffer != nullptr && overlap(*outputs[i].buffer, *other.buffer);
+    };
+    for (size_t j = i + 1; j < outputs.size(); ++j) {
+      if (clash(outputs[j])) {
+        return fail(TE_ERROR_VALUE, outputs[i].name + " must not overlap " + outputs[j].name +
+                                        " (both are written), got overlapping memory");
+      }
+    }
+    for (const Named &in : inputs) {
+      if (clash(in)) {
+        return fail(TE_ERROR_VALUE, outputs[i].name + " must not overlap the input " + in.name +
+                                        ", got overlapping memory");
+      }
+    }
+  }
+  return true;
+}
+
 te_status no_cuda_build(const char *op) {
   return fail(TE_ERROR_UNSUPPORTED, op,
               "arguments are on cuda, but this build of the core has no CUDA kernels "

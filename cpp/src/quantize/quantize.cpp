@@ -113,6 +113,18 @@ bool check_quantize(Checker &check, const te_tensor *input, te_tensor *output,
     if (!check.fp32_scalar(amax, "output.amax")) return false;
     args->amax = static_cast<float *>(amax->data);
   }
+  const bool tensor_mode = mode == TE_SCALING_TENSOR;
+  if (!check.disjoint({{row, "output.data"},
+                       {col, "output.columnwise_data"},
+                       {tensor_mode || row != nullptr ? slot(output, TE_SLOT_SCALE_INV) : nullptr,
+                        "output.scale_inv"},
+                       {!tensor_mode && col != nullptr ? slot(output, TE_SLOT_COLUMNWISE_SCALE_INV) : nullptr,
+                        "output.columnwise_scale_inv"},
+                       {amax, "output.amax"}},
+                      {{in, "input.data"},
+                       {tensor_mode ? slot(output, TE_SLOT_SCALE) : nullptr, "output.scale"}})) {
+    return false;
+  }
   if (config != nullptr) {
     if (!(config->amax_epsilon >= 0.0f) || !std::isfinite(config->amax_epsilon)) {
       return check.fail(TE_ERROR_VALUE, "config.amax_epsilon must be finite and >= 0, got " +
@@ -146,6 +158,9 @@ bool check_dequantize(Checker &check, const te_tensor *input, te_tensor *output,
     int64_t sr = 0, sc = 0;
     block_scale_shape(mode, m, k, &sr, &sc);
     if (!check_block_scale_inv(check, sinv, "input.scale_inv", mode, sr, sc)) return false;
+  }
+  if (!check.disjoint({{out, "output.data"}}, {{in, "input.data"}, {sinv, "input.scale_inv"}})) {
+    return false;
   }
   *args = DequantizeArgs{mode, static_cast<const uint8_t *>(in->data), in->dtype, sinv->data,
                          m, k, out->data, out->dtype};

@@ -54,6 +54,7 @@ te_status te_compute_amax(const te_tensor *input, te_tensor *output, te_stream s
     }
     const te_buffer *amax = te::slot(output, TE_SLOT_AMAX);
     if (!check.fp32_scalar(amax, "output.amax")) return check.status();
+    if (!check.disjoint({{amax, "output.amax"}}, {{in, "input.data"}})) return check.status();
     te::AmaxArgs args{in->data, in->dtype, te::numel(*in), static_cast<float *>(amax->data)};
     if (check.device() == TE_DEVICE_CUDA) return te::compute_amax_cuda(args, stream);
     te::compute_amax_ref(args);
@@ -77,6 +78,10 @@ te_status te_compute_scale_from_amax(te_tensor *tensor, const te_quantize_config
     if (!check.fp32_scalar(amax, "tensor.amax") ||
         !check.fp32_scalar(scale, "tensor.scale") ||
         !check.fp32_scalar(scale_inv, "tensor.scale_inv")) {
+      return check.status();
+    }
+    if (!check.disjoint({{scale, "tensor.scale"}, {scale_inv, "tensor.scale_inv"}},
+                        {{amax, "tensor.amax"}})) {
       return check.status();
     }
     te::ScaleFromAmaxArgs args{static_cast<const float *>(amax->data), static_cast<float *>(scale->data),
@@ -116,6 +121,7 @@ te_status te_delayed_scaling_update(te_tensor *const *amax_histories, te_tensor 
       return check.reject(TE_ERROR_VALUE, "amax_histories, scales and scale_invs must be arrays, got NULL");
     }
     std::vector<te::DelayedScalingGroup> groups(num_tensors);
+    std::vector<te::Checker::Named> written;  // every history, scale and scale_inv
     for (size_t i = 0; i < num_tensors; ++i) {
       const std::string idx = "[" + std::to_string(i) + "]";
       if (!check.handle(amax_histories[i], ("amax_histories" + idx).c_str()) ||
@@ -137,9 +143,13 @@ te_status te_delayed_scaling_update(te_tensor *const *amax_histories, te_tensor 
           !te::check_fp32_buffer(check, scale_invs[i], "scale_invs" + idx, n, &si)) {
         return check.status();
       }
+      written.push_back({h, hname});
+      written.push_back({s, "scales" + idx});
+      written.push_back({si, "scale_invs" + idx});
       groups[i] = te::DelayedScalingGroup{static_cast<float *>(h->data), h->shape[0], n,
                                           static_cast<float *>(s->data), static_cast<float *>(si->data)};
     }
+    if (!check.disjoint(written, {})) return check.status();
     te::DelayedScalingArgs args{groups.data(), groups.size(), te::fp8_max(fp8_dtype), algo, margin};
     if (num_tensors == 0) return TE_SUCCESS;
     if (check.device() == TE_DEVICE_CUDA) return te::delayed_scaling_update_cuda(args, stream);

@@ -21,6 +21,7 @@ extern "C" te_status te_transpose(const te_tensor *input, te_tensor *output, te_
                                               std::to_string(k) + ", " + std::to_string(m) +
                                               "], got " + te::describe(*out));
     }
+    if (!check.disjoint({{out, "output.data"}}, {{in, "input.data"}})) return check.status();
     te::TransposeArgs args{in->data, out->data, m, k, te_dtype_size(in->dtype)};
     if (check.device() == TE_DEVICE_CUDA) return te::transpose_cuda(args, stream);
     te::transpose_ref(args);
