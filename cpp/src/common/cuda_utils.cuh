@@ -324,6 +324,35 @@ __device__ __forceinline__ uint4 stage_get(const TransposeStage &s, int r, int q
   return (x & 1) ? make_uint4(u.z, u.w, u.x, u.y) : u;
 }
 
+// A thread's 8x8 byte patch (patch row pr, patch column pc of the tile; its rows as lo/hi
+// words) goes into the stage transposed. Sync the block before stage_store_transposed.
+__device__ __forceinline__ void stage_put_patch(TransposeStage &s, int pr, int pc,
+                                                const uint32_t (&lo)[8], const uint32_t (&hi)[8]) {
+  uint2 t[8];
+  transpose8x8(lo, hi, t);
+#pragma unroll
+  for (int c = 0; c < 8; ++c) stage_put(s, pc * 8 + c, pr, t[c]);
+}
+
+// The block (256 threads) writes the staged tile of input rows r0.. and columns c0.. into the
+// transposed [cols, rows] output: tile row R is output row c0 + R, 16-byte unit q covers input
+// rows r0 + 16q .. r0 + 16q + 15 (rows % 16 == 0: wholly inside or outside), 8 threads per
+// 128-byte output row.
+constexpr int kStageThreads = 256;
+
+__device__ __forceinline__ void stage_store_transposed(const TransposeStage &s, uint8_t *out,
+                                                       int64_t r0, int64_t c0, int64_t rows,
+                                                       int64_t cols) {
+#pragma unroll
+  for (int k = 0; k < 128 * 128 / 16 / kStageThreads; ++k) {
+    const int R = k * (kStageThreads / 8) + threadIdx.x / 8, q = threadIdx.x % 8;
+    const int64_t orow = c0 + R, ocol = r0 + q * 16;
+    if (orow < cols && ocol < rows) {
+      *reinterpret_cast<uint4 *>(out + orow * rows + ocol) = stage_get(s, R, q);
+    }
+  }
+}
+
 }  // namespace te
 
 #endif  // TRANSFORMER_ENGINE_SRC_COMMON_CUDA_UTILS_CUH_

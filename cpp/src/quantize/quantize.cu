@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kFlatThreads, kFlatBlocksPerSm)
 // --- Row-wise + column-wise (transposed) -----------------------------------------------------
 
 constexpr int kTile = 128;             // tile rows and columns
-constexpr int kTileThreads = 256;      // one 8x8 patch each: 16 x 16 patches
+constexpr int kTileThreads = kStageThreads;  // one 8x8 patch each: 16 x 16 patches
 constexpr int kPatchesPerRow = kTile / 8;
 
 // 16-bit inputs keep the loaded patch packed (32 registers) and decode it a row at a time, so
@@ -156,22 +156,9 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm<kIn>)
       for (int i = 0; i < 8; ++i) store_u64(rowwise + (prow + i) * cols + pcol, lo[i], hi[i]);
     }
 
-    uint2 t[8];
-    transpose8x8(lo, hi, t);
-#pragma unroll
-    for (int c = 0; c < 8; ++c) stage_put(stage, pc * 8 + c, pr, t[c]);
+    stage_put_patch(stage, pr, pc, lo, hi);
     __syncthreads();
-
-    // Tile row R of the stage is output row c0 + R; 16-byte unit q covers input rows
-    // r0 + 16q .. r0 + 16q + 15 (rows % 16 == 0: wholly inside or outside).
-#pragma unroll
-    for (int k = 0; k < kTile * kTile / 16 / kTileThreads; ++k) {
-      const int R = k * (kTileThreads / 8) + threadIdx.x / 8, q = threadIdx.x % 8;
-      const int64_t orow = c0 + R, ocol = r0 + q * 16;
-      if (orow < cols && ocol < rows) {
-        *reinterpret_cast<uint4 *>(columnwise + orow * rows + ocol) = stage_get(stage, R, q);
-      }
-    }
+    stage_store_transposed(stage, columnwise, r0, c0, rows, cols);
   }
 
   if (amax != nullptr) {

@@ -21,7 +21,7 @@ namespace te {
 namespace {
 
 constexpr const char *kOp = "transpose";
-constexpr int kThreads = 256;
+constexpr int kThreads = kStageThreads;  // the byte kernel stages with all of them
 constexpr int kByteTile = 128;
 constexpr int kTile = 32;
 
@@ -42,19 +42,9 @@ __global__ void __launch_bounds__(kThreads)
       lo[i] = v.x;
       hi[i] = v.y;
     }
-    uint2 t[8];
-    transpose8x8(lo, hi, t);
-#pragma unroll
-    for (int c = 0; c < 8; ++c) stage_put(stage, pc * 8 + c, pr, t[c]);
+    stage_put_patch(stage, pr, pc, lo, hi);
     __syncthreads();
-#pragma unroll
-    for (int k = 0; k < kByteTile * kByteTile / 16 / kThreads; ++k) {
-      const int R = k * (kThreads / 8) + threadIdx.x / 8, q = threadIdx.x % 8;
-      const int64_t orow = c0 + R, ocol = r0 + q * 16;
-      if (orow < cols && ocol < rows) {
-        *reinterpret_cast<uint4 *>(output + orow * rows + ocol) = stage_get(stage, R, q);
-      }
-    }
+    stage_store_transposed(stage, output, r0, c0, rows, cols);
   }
 }
 
