@@ -1,0 +1,73 @@
+/* Transformer Engine core: matrix multiplication (cuBLASLt on CUDA, a blocked FP32 loop on
+ * the CPU).
+ *
+ *   D = op(A) @ op(B) [+ bias] [then GELU]      (row-major, every matrix C-contiguous)
+ *
+ * op(A) is A when transpose_a is 0 (A stored [M, K]) and A^T when it is 1 (A stored [K, M]);
+ * op(B) is B^T when transpose_b is 1 (B stored [N, K]) and B when it is 0 (B stored [K, N]).
+ * A may have more than two dimensions when transpose_a is 0: it is then viewed as [M, K]
+ * (M = product of all dimensions but the last), and D as [M, N].
+ *
+ * The three GEMMs of a linear layer (output = input @ weight^T) in this form:
+ *   forward  output[M, N]     = input[M, K]  @ weight[N, K]^T          A = input,       B = weight
+ *   dgrad    grad_input[M, K] = grad_output[M, N] @ weight[N, K]       A = grad_output, B = weight^T [K, N]
+ *   wgrad    grad_weight[N, K] = grad_output^T @ input                 A = grad_output^T [N, M], B = input^T [K, M]
+ * With transpose_a = 0 and transpose_b = 1 every operand is K-major ("TN"), the only layout
+ * Hopper's FP8 tensor cores take: FP8 GEMMs require it, and get the transposed operands from
+ * the column-wise data that quantization writes (never from a transpose of high-precision data).
+ *
+ * Operands (slot DATA of a and b):
+ *   - high precision: both fp32, both fp16 or both bf16; D has their dtype, or fp32;
+ *   - FP8: E4M3 x E4M3, E4M3 x E5M2 or E5M2 x E4M3 (E5M2 x E5M2 has no tensor-core kernel),
+ *     each with its SCALE_INV by the tensor's scaling mode:
+ *       TENSOR x TENSOR:          scale_inv [1] fp32 each; D in fp32/bf16/fp16, or FP8;
+ *       BLOCK_1X128 x BLOCK_128X128, BLOCK_1X128 x BLOCK_1X128 (a x b): scale_inv in the
+ *         layout of tensor.h for the stored [rows, K] matrix; D in fp32 or bf16 (Hopper only).
+ *     M, N and K must be multiples of 16 for FP8 (the tensor cores' granule; the error names
+ *     the dimension). Accumulation is in fp32.
+ * D (slot DATA of d): [M, N]. When D is FP8, d's SCALE [1] is read (D = scale * result,
+ * rounded to nearest even and saturated) and, when set, d's SCALE_INV receives 1/scale. When
+ * d's AMAX slot is set ([1] fp32) it receives max|result| before any FP8 cast (FP8 operands only).
+ * bias (may be NULL): [N], added to every row. Its dtype: D's dtype when D is fp16/bf16; bf16
+ * when the operands are FP8 and D is fp32 or FP8 (cuBLASLt's rule); fp32 for fp32 operands.
+ * pre_gelu_out (may be NULL; required with config.gelu): [M, N] in D's dtype (D must then be
+ * high precision): receives op(A) @ op(B) + bias, before GELU (the tanh approximation).
+ */
+#ifndef TRANSFORMER_ENGINE_GEMM_H_
+#define TRANSFORMER_ENGINE_GEMM_H_
+
+#include "transformer_engine/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+  int32_t transpose_a;           /* 0: A is [M, K]; 1: A is [K, M] (high precision only) */
+  int32_t transpose_b;           /* 1: B is [N, K] (FP8 requires it); 0: B is [K, N] */
+  int32_t accumulate;            /* nonzero: D += result (D high precision; weight-gradient accumulation) */
+  int32_t use_split_accumulator; /* FP8: promote partial sums to fp32 often (more accurate, a bit
+                                    slower; TE uses it for dgrad and wgrad); 0 = fast accumulation */
+  int32_t gelu;                  /* nonzero: D = gelu(result + bias), pre_gelu_out = result + bias */
+} te_gemm_config;
+
+/* Bytes of CUDA workspace that te_gemm wants (cuBLASLt's heuristics and the block-scale
+ * layouts); the CPU path needs none. */
+size_t te_gemm_workspace_size(void);
+
+/* D = op(A) @ op(B) (+ bias, + GELU) as described above.
+ * [in] a, b: operands; [in,out] d: output (read too when config->accumulate);
+ * [in] bias: may be NULL; [out] pre_gelu_out: may be NULL unless config->gelu;
+ * [in] config: NULL means transpose_b = 1 and every other field 0;
+ * [in] workspace, workspace_size: CUDA device memory for the CUDA path (may be NULL / 0,
+ *   which limits the algorithms cuBLASLt may pick and rejects block-scaled GEMMs).
+ * Every buffer must be on the same device. */
+te_status te_gemm(const te_tensor *a, const te_tensor *b, te_tensor *d, const te_tensor *bias,
+                  te_tensor *pre_gelu_out, const te_gemm_config *config, void *workspace,
+                  size_t workspace_size, te_stream stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* TRANSFORMER_ENGINE_GEMM_H_ */
