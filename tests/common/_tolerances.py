@@ -58,8 +58,9 @@ FAST_FP8_ACCUMULATION = 2.0**-10
 OUTPUT_HALF_ULP = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 
-def gemm_bound(abs_product: np.ndarray, want: np.ndarray, k: int, out_dtype: str,
-               fast_fp8: bool = False) -> np.ndarray:
+def gemm_bound(
+    abs_product: np.ndarray, want: np.ndarray, k: int, out_dtype: str, fast_fp8: bool = False
+) -> np.ndarray:
     """Largest |got - want| allowed per element of a GEMM output: abs_product is |A| @ |B| of
     the (dequantized) operands in float64, want the float64 result."""
     acc = FP32_ACCUMULATION * max(k, 1) + (FAST_FP8_ACCUMULATION if fast_fp8 else 0.0)

@@ -58,7 +58,9 @@ class Operand:
         put = {k: device.put(v) for k, v in self.arrays.items()}
         if self.dtype is None:
             return put["data"]
-        return core.Tensor(dtype=self.dtype, scaling_mode=getattr(core.ScalingMode, self.mode), **put)
+        return core.Tensor(
+            dtype=self.dtype, scaling_mode=getattr(core.ScalingMode, self.mode), **put
+        )
 
 
 def hp_operand(x: np.ndarray, dtype: str) -> Operand:
@@ -90,8 +92,20 @@ def gelu_tanh(x):
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def run_gemm(device, workspaces, a: Operand, b: Operand, out_dtype: str, *, transpose_a=False,
-             transpose_b=True, bias=None, gelu=False, accumulate_into=None, split=True):
+def run_gemm(
+    device,
+    workspaces,
+    a: Operand,
+    b: Operand,
+    out_dtype: str,
+    *,
+    transpose_a=False,
+    transpose_b=True,
+    bias=None,
+    gelu=False,
+    accumulate_into=None,
+    split=True,
+):
     """Runs the core's GEMM; returns (d, pre_gelu or None) as float64 numpy arrays."""
     av = a.value.T if transpose_a else a.value
     bv = b.value.T if transpose_b else b.value
@@ -99,16 +113,27 @@ def run_gemm(device, workspaces, a: Operand, b: Operand, out_dtype: str, *, tran
     d0 = accumulate_into if accumulate_into is not None else np.full((m, n), np.nan, np.float32)
     d = device.put(d0.astype(HP[out_dtype]))
     pre = device.put(np.full((m, n), np.nan, HP[out_dtype])) if gelu else None
-    core.gemm(a.on(device), b.on(device), d, bias=None if bias is None else device.put(bias),
-              pre_gelu_out=pre, transpose_a=transpose_a, transpose_b=transpose_b,
-              accumulate=accumulate_into is not None, use_split_accumulator=split, gelu=gelu,
-              workspace=workspaces(device), stream=device.stream)
+    core.gemm(
+        a.on(device),
+        b.on(device),
+        d,
+        bias=None if bias is None else device.put(bias),
+        pre_gelu_out=pre,
+        transpose_a=transpose_a,
+        transpose_b=transpose_b,
+        accumulate=accumulate_into is not None,
+        use_split_accumulator=split,
+        gelu=gelu,
+        workspace=workspaces(device),
+        stream=device.stream,
+    )
     got = device.get(d).astype(np.float64)
     return got, (device.get(pre).astype(np.float64) if gelu else None)
 
 
-def reference(a: Operand, b: Operand, *, transpose_a=False, transpose_b=True, bias=None,
-              accumulate_into=None):
+def reference(
+    a: Operand, b: Operand, *, transpose_a=False, transpose_b=True, bias=None, accumulate_into=None
+):
     av = a.value.T if transpose_a else a.value
     bv = b.value.T if transpose_b else b.value
     want = av @ bv
@@ -142,9 +167,18 @@ def test_high_precision(device, workspaces, dtype, transpose_a, transpose_b, mnk
     a = hp_operand(random_matrix(rng, (k, m) if transpose_a else (m, k)), dtype)
     b = hp_operand(random_matrix(rng, (n, k) if transpose_b else (k, n)), dtype)
     for out in {dtype, "float32"}:
-        got, _ = run_gemm(device, workspaces, a, b, out, transpose_a=bool(transpose_a),
-                          transpose_b=bool(transpose_b))
-        want, absp, kk = reference(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b))
+        got, _ = run_gemm(
+            device,
+            workspaces,
+            a,
+            b,
+            out,
+            transpose_a=bool(transpose_a),
+            transpose_b=bool(transpose_b),
+        )
+        want, absp, kk = reference(
+            a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b)
+        )
         assert_within(got, want, tol.gemm_bound(absp, want, kk, out), f"{dtype} -> {out}")
 
 
@@ -191,11 +225,20 @@ def test_fp8_output_scale_amax(device, workspaces, out_fmt):
     }
     on = {name: device.put(v) for name, v in arrays.items()}
     d = core.Tensor(dtype=fp8_dtype(out_fmt), **on)
-    core.gemm(a.on(device), b.on(device), d, use_split_accumulator=True,
-              workspace=workspaces(device), stream=device.stream)
+    core.gemm(
+        a.on(device),
+        b.on(device),
+        d,
+        use_split_accumulator=True,
+        workspace=workspaces(device),
+        stream=device.stream,
+    )
     got = {name: device.get(v) for name, v in on.items()}
     bound = tol.gemm_bound(absp, want, k, "float32")
-    assert abs(got["amax"][0] - np.abs(want).max()) <= bound.max(), (got["amax"], np.abs(want).max())
+    assert abs(got["amax"][0] - np.abs(want).max()) <= bound.max(), (
+        got["amax"],
+        np.abs(want).max(),
+    )
     assert got["scale_inv"][0] == np.float32(1) / scale
     # Each FP8 value is the scaled result rounded once: within half an FP8 ulp (relative
     # 2^-(mantissa+1)) of the exact scaled value, plus the GEMM's own error, plus the
@@ -213,7 +256,11 @@ def test_bias_and_gelu(device, workspaces, kind, gelu):
     m, n, k = 48, 64, 32
     x, w = random_matrix(rng, (m, k), 0.3), random_matrix(rng, (n, k), 0.3)
     if kind == "fp8":
-        a, b, out = fp8_tensor_operand(x, "e4m3", rng), fp8_tensor_operand(w, "e4m3", rng), "bfloat16"
+        a, b, out = (
+            fp8_tensor_operand(x, "e4m3", rng),
+            fp8_tensor_operand(w, "e4m3", rng),
+            "bfloat16",
+        )
     else:
         a, b, out = hp_operand(x, kind), hp_operand(w, kind), kind
     bias = random_matrix(rng, (n,)).astype(HP[out])
@@ -294,15 +341,18 @@ def test_cuda_matches_cpu_at_a_model_shape(cuda_device, cpu, workspaces):
 
 
 def fp8_arrays(device, shape, fmt="e4m3"):
-    return core.Tensor(device.put(np.zeros(shape, np.uint8)), dtype=fp8_dtype(fmt),
-                       scale_inv=device.put(np.ones(1, np.float32)))
+    return core.Tensor(
+        device.put(np.zeros(shape, np.uint8)),
+        dtype=fp8_dtype(fmt),
+        scale_inv=device.put(np.ones(1, np.float32)),
+    )
 
 
 def expect(exc, match, *args, **kwargs):
     before = [np.array(a, copy=True) if isinstance(a, np.ndarray) else None for a in args]
     with pytest.raises(exc, match=match):
         core.gemm(*args, **kwargs)
-    for a, b in zip(args, before):
+    for a, b in zip(args, before, strict=True):
         if b is not None:
             np.testing.assert_array_equal(a, b)  # nothing written on failure
 
@@ -310,54 +360,156 @@ def expect(exc, match, *args, **kwargs):
 def test_errors(cpu):
     f32 = np.float32
     d = np.full((32, 48), 7, f32)
-    expect(ValueError, r"^gemm: M \(rows of a\) must be a multiple of 16 for FP8 operands.*got 40",
-           fp8_arrays(cpu, (40, 32)), fp8_arrays(cpu, (48, 32)), np.zeros((40, 48), f32))
-    expect(ValueError, r"^gemm: K \(columns of a and b\) must be a multiple of 16.*got 24",
-           fp8_arrays(cpu, (32, 24)), fp8_arrays(cpu, (48, 24)), d)
-    expect(ValueError, r"transpose_a = 0 and transpose_b = 1 for FP8",
-           fp8_arrays(cpu, (32, 32)), fp8_arrays(cpu, (32, 48)), d, transpose_b=False)
-    expect(TypeError, r"must not both be float8_e5m2",
-           fp8_arrays(cpu, (32, 32), "e5m2"), fp8_arrays(cpu, (48, 32), "e5m2"), d)
-    expect(TypeError, r"^gemm: b.data must have the dtype of a.data \(float32",
-           np.zeros((32, 8), f32), np.zeros((48, 8), np.float16), d)
-    expect(ValueError, r"^gemm: b.data must have K = 8 .*got float32 \[48, 9\]",
-           np.zeros((32, 8), f32), np.zeros((48, 9), f32), d)
-    expect(ValueError, r"^gemm: d.data must have shape \[32, 48\], got float32 \[48, 32\]",
-           np.zeros((32, 8), f32), np.zeros((48, 8), f32), np.zeros((48, 32), f32))
-    expect(ValueError, r"^gemm: bias.data must have shape \[48\]",
-           np.zeros((32, 8), f32), np.zeros((48, 8), f32), d, bias=np.zeros(47, f32))
-    expect(TypeError, r"^gemm: bias.data must be float32",
-           np.zeros((32, 8), f32), np.zeros((48, 8), f32), d, bias=np.zeros(48, np.float16))
-    expect(ValueError, r"^gemm: pre_gelu_out must be a tensor handle",
-           np.zeros((32, 8), f32), np.zeros((48, 8), f32), d, gelu=True)
-    expect(ValueError, r"pre_gelu_out must be NULL unless config.gelu",
-           np.zeros((32, 8), f32), np.zeros((48, 8), f32), d, pre_gelu_out=np.zeros((32, 48), f32))
-    expect(ValueError, r"d.amax must be unset unless a and b are FP8",
-           np.zeros((32, 8), f32), np.zeros((48, 8), f32), core.Tensor(d, amax=np.zeros(1, f32)))
-    expect(ValueError, r"^gemm: d.scale must be set",
-           fp8_arrays(cpu, (32, 32)), fp8_arrays(cpu, (48, 32)),
-           core.Tensor(np.zeros((32, 48), np.uint8), dtype=core.DType.float8_e4m3))
-    expect(ValueError, r"scaling modes of a and b must be tensor x tensor",
-           fp8_arrays(cpu, (32, 128)),
-           core.Tensor(np.zeros((48, 128), np.uint8), dtype=core.DType.float8_e4m3,
-                       scaling_mode=core.ScalingMode.block_128x128,
-                       scale_inv=np.ones((1, 1), f32)), d)
-    expect(ValueError, r"^gemm: b.scale_inv must have shape \[1, 1\]",
-           core.Tensor(np.zeros((32, 128), np.uint8), dtype=core.DType.float8_e4m3,
-                       scaling_mode=core.ScalingMode.block_1x128, scale_inv=np.ones((32, 1), f32)),
-           core.Tensor(np.zeros((48, 128), np.uint8), dtype=core.DType.float8_e4m3,
-                       scaling_mode=core.ScalingMode.block_128x128, scale_inv=np.ones((2, 1), f32)), d)
+    expect(
+        ValueError,
+        r"^gemm: M \(rows of a\) must be a multiple of 16 for FP8 operands.*got 40",
+        fp8_arrays(cpu, (40, 32)),
+        fp8_arrays(cpu, (48, 32)),
+        np.zeros((40, 48), f32),
+    )
+    expect(
+        ValueError,
+        r"^gemm: K \(columns of a and b\) must be a multiple of 16.*got 24",
+        fp8_arrays(cpu, (32, 24)),
+        fp8_arrays(cpu, (48, 24)),
+        d,
+    )
+    expect(
+        ValueError,
+        r"transpose_a = 0 and transpose_b = 1 for FP8",
+        fp8_arrays(cpu, (32, 32)),
+        fp8_arrays(cpu, (32, 48)),
+        d,
+        transpose_b=False,
+    )
+    expect(
+        TypeError,
+        r"must not both be float8_e5m2",
+        fp8_arrays(cpu, (32, 32), "e5m2"),
+        fp8_arrays(cpu, (48, 32), "e5m2"),
+        d,
+    )
+    expect(
+        TypeError,
+        r"^gemm: b.data must have the dtype of a.data \(float32",
+        np.zeros((32, 8), f32),
+        np.zeros((48, 8), np.float16),
+        d,
+    )
+    expect(
+        ValueError,
+        r"^gemm: b.data must have K = 8 .*got float32 \[48, 9\]",
+        np.zeros((32, 8), f32),
+        np.zeros((48, 9), f32),
+        d,
+    )
+    expect(
+        ValueError,
+        r"^gemm: d.data must have shape \[32, 48\], got float32 \[48, 32\]",
+        np.zeros((32, 8), f32),
+        np.zeros((48, 8), f32),
+        np.zeros((48, 32), f32),
+    )
+    expect(
+        ValueError,
+        r"^gemm: bias.data must have shape \[48\]",
+        np.zeros((32, 8), f32),
+        np.zeros((48, 8), f32),
+        d,
+        bias=np.zeros(47, f32),
+    )
+    expect(
+        TypeError,
+        r"^gemm: bias.data must be float32",
+        np.zeros((32, 8), f32),
+        np.zeros((48, 8), f32),
+        d,
+        bias=np.zeros(48, np.float16),
+    )
+    expect(
+        ValueError,
+        r"^gemm: pre_gelu_out must be a tensor handle",
+        np.zeros((32, 8), f32),
+        np.zeros((48, 8), f32),
+        d,
+        gelu=True,
+    )
+    expect(
+        ValueError,
+        r"pre_gelu_out must be NULL unless config.gelu",
+        np.zeros((32, 8), f32),
+        np.zeros((48, 8), f32),
+        d,
+        pre_gelu_out=np.zeros((32, 48), f32),
+    )
+    expect(
+        ValueError,
+        r"d.amax must be unset unless a and b are FP8",
+        np.zeros((32, 8), f32),
+        np.zeros((48, 8), f32),
+        core.Tensor(d, amax=np.zeros(1, f32)),
+    )
+    expect(
+        ValueError,
+        r"^gemm: d.scale must be set",
+        fp8_arrays(cpu, (32, 32)),
+        fp8_arrays(cpu, (48, 32)),
+        core.Tensor(np.zeros((32, 48), np.uint8), dtype=core.DType.float8_e4m3),
+    )
+    expect(
+        ValueError,
+        r"scaling modes of a and b must be tensor x tensor",
+        fp8_arrays(cpu, (32, 128)),
+        core.Tensor(
+            np.zeros((48, 128), np.uint8),
+            dtype=core.DType.float8_e4m3,
+            scaling_mode=core.ScalingMode.block_128x128,
+            scale_inv=np.ones((1, 1), f32),
+        ),
+        d,
+    )
+    expect(
+        ValueError,
+        r"^gemm: b.scale_inv must have shape \[1, 1\]",
+        core.Tensor(
+            np.zeros((32, 128), np.uint8),
+            dtype=core.DType.float8_e4m3,
+            scaling_mode=core.ScalingMode.block_1x128,
+            scale_inv=np.ones((32, 1), f32),
+        ),
+        core.Tensor(
+            np.zeros((48, 128), np.uint8),
+            dtype=core.DType.float8_e4m3,
+            scaling_mode=core.ScalingMode.block_128x128,
+            scale_inv=np.ones((2, 1), f32),
+        ),
+        d,
+    )
     shared = np.zeros((32, 32), f32)
-    expect(ValueError, r"^gemm: d.data must not overlap the input a.data", shared, np.zeros((32, 32), f32), shared)
+    expect(
+        ValueError,
+        r"^gemm: d.data must not overlap the input a.data",
+        shared,
+        np.zeros((32, 32), f32),
+        shared,
+    )
 
 
 @pytest.mark.cuda
 def test_block_scaled_needs_workspace(cuda_device):
-    a = core.Tensor(cuda_device.put(np.zeros((128, 128), np.uint8)), dtype=core.DType.float8_e4m3,
-                    scaling_mode=core.ScalingMode.block_1x128,
-                    scale_inv=cuda_device.put(np.ones((128, 1), np.float32)))
-    b = core.Tensor(cuda_device.put(np.zeros((128, 128), np.uint8)), dtype=core.DType.float8_e4m3,
-                    scaling_mode=core.ScalingMode.block_128x128,
-                    scale_inv=cuda_device.put(np.ones((1, 1), np.float32)))
+    a = core.Tensor(
+        cuda_device.put(np.zeros((128, 128), np.uint8)),
+        dtype=core.DType.float8_e4m3,
+        scaling_mode=core.ScalingMode.block_1x128,
+        scale_inv=cuda_device.put(np.ones((128, 1), np.float32)),
+    )
+    b = core.Tensor(
+        cuda_device.put(np.zeros((128, 128), np.uint8)),
+        dtype=core.DType.float8_e4m3,
+        scaling_mode=core.ScalingMode.block_128x128,
+        scale_inv=cuda_device.put(np.ones((1, 1), np.float32)),
+    )
     with pytest.raises(ValueError, match=r"^gemm: workspace must be given for block-scaled"):
-        core.gemm(a, b, cuda_device.put(np.zeros((128, 128), np.float32)), stream=cuda_device.stream)
+        core.gemm(
+            a, b, cuda_device.put(np.zeros((128, 128), np.float32)), stream=cuda_device.stream
+        )
