@@ -302,8 +302,10 @@ te_status run(const GemmArgs &g, cudaStream_t stream) {
     cache.emplace(key, algo);
   }
   const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
-  // With beta = 0, C is not read; it still needs a valid pointer of its layout.
-  TE_CUBLAS(cublasLtMatmul(handle, desc.desc, &alpha, g.b.data, lx.layout, g.a.data, ly.layout, &beta, g.d,
+  // C is D when accumulating (same layout: in place). With beta = 0 it is not read, and a C
+  // that aliased D under another type (FP8 D, 16-bit C) would be rejected, so it is NULL then.
+  const void *c = c_dtype == g.d_dtype ? g.d : nullptr;
+  TE_CUBLAS(cublasLtMatmul(handle, desc.desc, &alpha, g.b.data, lx.layout, g.a.data, ly.layout, &beta, c,
                            lc.layout, g.d, ld.layout, &algo, cublas_ws,
                            std::min<size_t>(cublas_ws_size, kCublasWorkspace), stream),
             "cublasLtMatmul");
