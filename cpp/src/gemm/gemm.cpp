@@ -240,7 +240,10 @@ te_status te_gemm(const te_tensor *a, const te_tensor *b, te_tensor *d, const te
     g.workspace = workspace;
     g.workspace_size = workspace != nullptr ? workspace_size : 0;
     g.device = check.device_id();
-    if (check.device() == TE_DEVICE_CUDA) return te::gemm_cuda(g, stream);
+    if (check.device() == TE_DEVICE_CUDA) {
+      te::CudaDeviceScope on_device(check.device_id());
+      return te::gemm_cuda(g, stream);
+    }
     te::gemm_ref(g);
     return TE_SUCCESS;
   });
