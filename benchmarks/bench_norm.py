@@ -144,7 +144,8 @@ def bench(norm: str, compiled: dict) -> list[dict]:
                 }
             )
             print(
-                f"{norm:9s} {op:22s} {impl:20s} {timing:10s}: {t['median_ms']:.4f} ms {tbps:.2f} TB/s"
+                f"{norm:9s} {op:22s} {impl:20s} {timing:10s}: {t['median_ms']:.4f} ms "
+                f"{tbps:.2f} TB/s"
             )
     # The comparison counts only if the results agree with torch's.
     ours(True)(0)
@@ -181,8 +182,8 @@ def main() -> None:
     write_result(
         args.name,
         {
-            "description": "LayerNorm / RMSNorm of 16384x8192 bf16 with FP8 E4M3 output (+ transpose) and "
-            "the backward, vs torch eager and torch.compile",
+            "description": "LayerNorm / RMSNorm of 16384x8192 bf16 with FP8 E4M3 output "
+            "(+ transpose) and the backward, vs torch eager and torch.compile",
             "target_tbps": 3.4,
             "h200_copy_tbps_baseline": H200_COPY_TBPS,
             "measured_copy_tbps": copy_tbps,
