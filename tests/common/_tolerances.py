@@ -43,3 +43,25 @@ def round_trip_bound(x: np.ndarray, scale_inv: np.ndarray, fmt_name: str) -> np.
     b = ROUND_TRIP[fmt_name]
     ax = np.abs(x.astype(np.float64))
     return ax * (b.relative + FLOAT32_SLACK) + b.absolute_scaled * scale_inv.astype(np.float64)
+
+
+# ---------------------------------------------------------------- GEMM
+# A GEMM is compared with a float64 product of the same (dequantized) operands. Summing K
+# products in float32 errs by at most about K * 2^-24 times sum_k |a_ik b_kj| (the classic
+# recursive-summation bound; blocked or tree orders only lower it), so the bound below is that
+# with a factor 2 of room, plus half an ulp of the output dtype for the final rounding.
+# FP8 with fast accumulation (no periodic promotion to float32) keeps partial sums in the tensor
+# cores' reduced-precision accumulator (about 2^-13 relative on Hopper); 2^-10 of sum |a b| covers
+# it with room.
+FP32_ACCUMULATION = 2.0**-23
+FAST_FP8_ACCUMULATION = 2.0**-10
+OUTPUT_HALF_ULP = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def gemm_bound(
+    abs_product: np.ndarray, want: np.ndarray, k: int, out_dtype: str, fast_fp8: bool = False
+) -> np.ndarray:
+    """Largest |got - want| allowed per element of a GEMM output: abs_product is |A| @ |B| of
+    the (dequantized) operands in float64, want the float64 result."""
+    acc = FP32_ACCUMULATION * max(k, 1) + (FAST_FP8_ACCUMULATION if fast_fp8 else 0.0)
+    return acc * abs_product + OUTPUT_HALF_ULP[out_dtype] * np.abs(want) + 1e-30

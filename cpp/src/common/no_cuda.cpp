@@ -1,6 +1,7 @@
 // Stand-ins for the CUDA launchers in a CPU-only build (CMake drops this file when the
 // kernels are compiled): a CUDA buffer gets a clear error instead of a missing symbol.
 #include "common/internal.h"
+#include "gemm/gemm_impl.h"
 #include "quantize/quantize_impl.h"
 #include "scaling/scaling_impl.h"
 #include "transpose/transpose_impl.h"
@@ -17,5 +18,7 @@ te_status delayed_scaling_update_cuda(const DelayedScalingArgs &, te_stream) {
   return no_cuda_build("delayed_scaling_update");
 }
 te_status transpose_cuda(const TransposeArgs &, te_stream) { return no_cuda_build("transpose"); }
+te_status gemm_cuda(const GemmArgs &, te_stream) { return no_cuda_build("gemm"); }
+size_t gemm_workspace_size() { return 0; }
 
 }  // namespace te

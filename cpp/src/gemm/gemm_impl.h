@@ -1,0 +1,53 @@
+// The resolved arguments of te_gemm, shared by the C entry point, the CPU path and the
+// cuBLASLt path. The entry point has checked every pointer, dtype and shape.
+#ifndef TRANSFORMER_ENGINE_SRC_GEMM_GEMM_IMPL_H_
+#define TRANSFORMER_ENGINE_SRC_GEMM_GEMM_IMPL_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "transformer_engine/gemm.h"
+
+namespace te {
+
+// One operand as stored: a row-major matrix [rows, cols] (cols is the contiguous dimension).
+struct GemmOperand {
+  const void *data;
+  te_dtype dtype;
+  int64_t rows, cols;
+  bool transposed;        // op(X) uses X^T (see gemm.h)
+  te_scaling_mode mode;   // TENSOR, BLOCK_1X128 or BLOCK_128X128 (FP8 only)
+  const float *scale_inv; // FP8 only: [1], or the block layout of tensor.h for [rows, cols]
+};
+
+struct GemmArgs {
+  int64_t m, n, k;
+  GemmOperand a, b;
+  bool fp8;                  // both operands are FP8
+  void *d;                   // [m, n]
+  te_dtype d_dtype;
+  const float *d_scale;      // FP8 output: [1]
+  float *d_scale_inv;        // FP8 output, optional: receives 1/scale
+  float *d_amax;             // optional: max|result| before the FP8 cast
+  const void *bias;          // [n] or null
+  te_dtype bias_dtype;
+  void *pre_gelu;            // [m, n] in d_dtype, with gelu
+  bool gelu;
+  bool accumulate;
+  bool split_accumulator;
+  void *workspace;
+  size_t workspace_size;
+  int device;                // CUDA device of the buffers
+};
+
+void gemm_ref(const GemmArgs &args);
+
+// CUDA launcher (cuBLASLt; in a CPU-only build it reports that the build has no CUDA path).
+te_status gemm_cuda(const GemmArgs &args, te_stream stream);
+
+// Workspace bytes for cuBLASLt's algorithms, and for the block-scale layouts it wants.
+size_t gemm_workspace_size();
+
+}  // namespace te
+
+#endif  // TRANSFORMER_ENGINE_SRC_GEMM_GEMM_IMPL_H_
