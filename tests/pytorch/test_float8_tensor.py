@@ -1,0 +1,131 @@
+"""Float8Tensor: values, repr, device moves, pickling, fallback ops; fp8_model_init."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from te_torch_tests import _reference as ref
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+from transformer_engine.pytorch import Float8Tensor
+
+
+@pytest.mark.parametrize("fp8_dtype", ["float8_e4m3", "float8_e5m2"])
+def test_quantize_and_dequantize_match_the_reference(fp8_dtype, device):
+    x = torch.randn(32, 48, device=device) * 3
+    q = Float8Tensor.quantize(x, fp8_dtype)
+    assert isinstance(q, Float8Tensor) and q.dtype == torch.float32 and q.shape == x.shape
+    assert q._data.dtype == torch.uint8 and q._data.element_size() == 1
+    # the exact float64 product rounded once to fp32 is what the core's fp32 multiply gives
+    want = ref.quantize_current(x.cpu(), fp8_dtype).float()
+    assert torch.equal(q.dequantize().cpu(), want)
+
+
+def test_native_float8_storage_is_accepted():
+    x = torch.randn(16, 16)
+    native = (x * 8).to(torch.float8_e4m3fn)
+    q = Float8Tensor(native, torch.tensor([0.125]), dtype=torch.bfloat16)
+    assert q._fp8_dtype == "float8_e4m3" and q.dtype == torch.bfloat16
+    assert torch.equal(q.dequantize(torch.float32), native.float() * 0.125)
+    with pytest.raises(ValueError, match="fp8_dtype must match"):
+        Float8Tensor(native, torch.tensor([1.0]), "float8_e5m2")
+    with pytest.raises(TypeError, match="data must be uint8"):
+        Float8Tensor(torch.zeros(4), torch.tensor([1.0]), "float8_e4m3")
+
+
+def test_repr_names_format_mode_and_values():
+    q = Float8Tensor.quantize(torch.ones(4, 16))
+    text = repr(q)
+    for part in ("Float8Tensor(", "fp8_dtype=float8_e4m3", "scaling_mode=tensor",
+                 "shape=[4, 16]", "dtype=torch.float32", "values=[1.0"):
+        assert part in text, text
+
+
+def test_other_ops_see_dequantized_values():
+    x = torch.randn(8, 16)
+    q = Float8Tensor.quantize(x)
+    deq = q.dequantize()
+    out = q * 2 + 1
+    assert type(out) is torch.Tensor
+    assert torch.equal(out, deq * 2 + 1)
+    assert torch.equal(torch.matmul(q, x.t()), deq @ x.t())
+    assert type(q.detach()) is Float8Tensor and type(q.clone()) is Float8Tensor
+    assert q.to(torch.bfloat16).dtype == torch.bfloat16  # another dtype: plain values
+
+
+def test_in_place_ops_stay_fp8():
+    x = torch.randn(8, 16)
+    q = Float8Tensor.quantize(x)
+    data = q._data
+    q.add_(torch.ones_like(x))
+    assert type(q) is Float8Tensor and q._data is data  # same bytes, rewritten
+    want = ref.quantize_current(ref.quantize_current(x, "float8_e4m3").float() + 1,
+                                "float8_e4m3")  # current scaling of the updated values
+    assert torch.equal(q.dequantize(), want.float())
+
+
+def test_torch_save_and_load_round_trip():
+    q = Float8Tensor.quantize(torch.randn(16, 32), "float8_e5m2", with_transpose=True)
+    buf = io.BytesIO()
+    torch.save({"q": q}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)["q"]  # weights_only=True: the rebuild function is allow-listed
+    assert type(loaded) is Float8Tensor and loaded._fp8_dtype == "float8_e5m2"
+    assert torch.equal(loaded._data, q._data) and torch.equal(loaded._scale_inv, q._scale_inv)
+    assert torch.equal(loaded._transpose, q._transpose)
+
+
+@pytest.mark.cuda
+def test_moves_between_devices():
+    q = Float8Tensor.quantize(torch.randn(16, 32), with_transpose=True)
+    on_gpu = q.cuda()
+    assert type(on_gpu) is Float8Tensor and on_gpu.device.type == "cuda"
+    assert on_gpu._data.is_cuda and on_gpu._scale_inv.is_cuda and on_gpu._transpose.is_cuda
+    back = on_gpu.to("cpu")
+    assert type(back) is Float8Tensor and torch.equal(back._data, q._data)
+    assert torch.equal(on_gpu.dequantize().cpu(), q.dequantize())
+
+
+def test_to_cpu_keeps_the_bytes():
+    q = Float8Tensor.quantize(torch.randn(16, 32))
+    moved = q.cpu()
+    assert type(moved) is Float8Tensor and torch.equal(moved._data, q._data)
+
+
+@pytest.mark.parametrize("r,mode", [(recipe.DelayedScaling(), "tensor"),
+                                    (recipe.Float8BlockScaling(), "block_128x128")])
+def test_fp8_model_init_keeps_one_byte_parameters(r, mode):
+    with te.fp8_model_init(recipe=r):
+        layer = te.Linear(128, 64, device="cpu")
+    w = layer.weight
+    assert isinstance(w, Float8Tensor) and isinstance(w, torch.nn.Parameter)
+    assert w._scaling_mode == mode and w.requires_grad
+    assert w._data.element_size() == 1 and w._data.numel() == 128 * 64
+    assert w._transpose is None  # no second copy until a backward needs it
+    x = torch.randn(32, 128)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with te.fp8_autocast(fp8_recipe=r):
+        loss = layer(x).square().mean()
+    loss.backward()
+    before = w.dequantize()
+    opt.step()
+    assert type(layer.weight) is Float8Tensor and layer.weight._data.element_size() == 1
+    assert not torch.equal(layer.weight.dequantize(), before)  # the update landed in FP8
+
+
+def test_fp8_model_init_weights_load_back_byte_for_byte():
+    with te.fp8_model_init():
+        a = te.Linear(64, 32, device="cpu")
+        b = te.Linear(64, 32, device="cpu")
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf))
+    assert torch.equal(b.weight._data, a.weight._data)
+    assert torch.equal(b.weight._scale_inv, a.weight._scale_inv)
+    plain = te.Linear(64, 32, device="cpu")  # into a high-precision module: dequantized
+    plain.load_state_dict(a.state_dict())
+    assert torch.equal(plain.weight, a.weight.dequantize())
