@@ -59,7 +59,15 @@ class FP8Module(torch.nn.Module):
     def _fit_fp8_meta(self, recipe: DelayedScaling) -> None:
         """Meets a delayed recipe: a new history length starts the histories afresh."""
         self._recipe_summary = recipe_summary(recipe)
-        if self.amax_history_fwd.shape[0] != recipe.amax_history_len:
+        length = self.amax_history_fwd.shape[0]
+        if length != recipe.amax_history_len:
+            if torch.compiler.is_compiling():
+                # New buffers in the middle of a traced graph would not be the module's.
+                raise RuntimeError(
+                    f"{type(self).__name__}: the recipe's amax_history_len="
+                    f"{recipe.amax_history_len} differs from this module's delayed-scaling "
+                    f"state ({length} steps), which cannot be reallocated inside "
+                    "torch.compile; run one eager forward under this recipe first")
             self._make_fp8_meta(recipe.amax_history_len, self.amax_history_fwd.device)
 
     def get_extra_state(self) -> dict:
