@@ -230,7 +230,7 @@ class Linear(FP8Module):
 def _check_fp8_shape(inp: torch.Tensor, k: int, n: int) -> None:
     m = inp.numel() // k if k else 0
     for name, value in (("in_features", k), ("out_features", n),
-                        ("the number of tokens (input.numel() // in_features)", m)):
+                        ("tokens (input.numel() // in_features)", m)):
         if value % _FP8_GRANULE:
             raise ValueError(f"te.Linear: FP8 GEMMs need dimensions that are multiples of "
                              f"{_FP8_GRANULE}; {name} must be a multiple of {_FP8_GRANULE}, "
