@@ -72,12 +72,14 @@ def test_resumed_run_takes_a_bit_identical_next_step():
     resumed.load_state_dict(checkpoint["model"])
     resumed_opt = torch.optim.Adam(resumed.parameters(), lr=1e-2)
     resumed_opt.load_state_dict(checkpoint["opt"])
-    for a, b in zip(resumed.state_dict().values(), reference.state_dict().values()):
+    for a, b in zip(resumed.state_dict().values(), reference.state_dict().values(),
+                    strict=True):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b)
     resumed_losses = [_step(resumed, resumed_opt, *_data(step)) for step in (3, 4)]
     assert [x.item() for x in resumed_losses] == [x.item() for x in losses]
-    for (name, a), b in zip(resumed.state_dict().items(), model.state_dict().values()):
+    for (name, a), b in zip(resumed.state_dict().items(), model.state_dict().values(),
+                                strict=True):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b), name
         else:

@@ -30,18 +30,20 @@ def test_compiled_fp8_training_step_matches_eager(r):
         x = torch.randn(32, 32)
         target = torch.randn(32, 16)
         losses = []
-        for model, module in ((eager, eager), (compiled, compiled_model)):
+        for model in (eager, compiled):
             with te.fp8_autocast(fp8_recipe=r):
                 loss = torch.nn.functional.mse_loss(model(x), target)
             loss.backward()
             losses.append(loss.detach())
         torch.testing.assert_close(losses[1], losses[0], rtol=COMPILE_RTOL, atol=0)
-        for (name, a), b in zip(compiled_model.named_parameters(), eager.parameters()):
+        pairs = zip(compiled_model.named_parameters(), eager.parameters(), strict=True)
+        for (name, a), b in pairs:
+            where = f"{name} grad at step {step}"
             torch.testing.assert_close(a.grad, b.grad, rtol=COMPILE_RTOL, atol=1e-7,
-                                       msg=lambda m: f"{name} grad at step {step}: {m}")
+                                       msg=lambda m, where=where: f"{where}: {m}")
             with torch.no_grad():  # the same SGD step on both, in eager
                 a.sub_(0.1 * a.grad)
                 b.sub_(0.1 * b.grad)
             a.grad = b.grad = None
-        for a, b in zip(compiled_model.buffers(), eager.buffers()):
+        for a, b in zip(compiled_model.buffers(), eager.buffers(), strict=True):
             assert torch.equal(a, b)  # amax histories and scales, bit for bit

@@ -12,8 +12,8 @@ Example (the seed example; on a machine without a GPU use device="cpu"):
 >>> out.sum().backward()  # doctest: +SKIP
 """
 
-from .fp8 import autocast, fp8_autocast, fp8_model_init, is_fp8_available
 from .float8_tensor import Float8Tensor
+from .fp8 import autocast, fp8_autocast, fp8_model_init, is_fp8_available
 from .module import Linear
 
 __version__ = "0.1.0"

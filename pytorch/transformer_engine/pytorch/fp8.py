@@ -54,7 +54,8 @@ def is_fp8_available() -> tuple[bool, str]:
     capability 8.9 (Ada) or newer and a core built with its CUDA kernels.
     """
     if not torch.cuda.is_available():
-        return True, "no CUDA device: FP8 is emulated by the core's CPU path (FP8 values, fp32 math)"
+        return True, ("no CUDA device: FP8 is emulated by the core's CPU path "
+                      "(FP8 values, fp32 math)")
     major, minor = torch.cuda.get_device_capability()
     name = torch.cuda.get_device_name()
     if (major, minor) < (8, 9):
@@ -195,7 +196,7 @@ def update_scales(entries: list, dtype_of, fp8_max_of) -> None:
             continue
         key = (dtype_of(recipe), recipe.amax_compute_algo, recipe.margin, history.device)
         lists = calls.setdefault(key, ([], [], []))
-        for target, t in zip(lists, (history, scale, scale_inv)):
+        for target, t in zip(lists, (history, scale, scale_inv), strict=True):
             target.append(t)
     for (fp8_dtype, algo, margin, _), (h, s, si) in calls.items():
         ops.delayed_scaling_update(h, s, si, fp8_dtype, algo, margin)

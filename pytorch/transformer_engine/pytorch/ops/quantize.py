@@ -12,7 +12,14 @@ from __future__ import annotations
 import torch
 
 from ._backend import (
-    block_grid, check_fp8_dtype, check_mode, core, placeholder, stream_of, te_dtype, te_mode,
+    block_grid,
+    check_fp8_dtype,
+    check_mode,
+    core,
+    placeholder,
+    stream_of,
+    te_dtype,
+    te_mode,
 )
 
 _NS = "transformer_engine"
