@@ -129,3 +129,17 @@ def test_fp8_model_init_weights_load_back_byte_for_byte():
     plain = te.Linear(64, 32, device="cpu")  # into a high-precision module: dequantized
     plain.load_state_dict(a.state_dict())
     assert torch.equal(plain.weight, a.weight.dequantize())
+
+
+def test_fp8_weights_get_gradients_outside_fp8_autocast():
+    """In high precision an FP8 weight takes part through its dequantized values, and its
+    gradient still reaches it."""
+    with te.fp8_model_init():
+        layer = te.Linear(32, 16, device="cpu")
+    x = torch.randn(8, 32)
+    y = layer(x)
+    w = layer.weight.dequantize()
+    assert torch.equal(y, torch.nn.functional.linear(x, w, layer.bias))
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert torch.allclose(layer.weight.grad, g.t() @ x, rtol=1e-6, atol=1e-6)

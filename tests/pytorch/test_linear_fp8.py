@@ -132,3 +132,17 @@ def test_weight_cache_across_microbatches():
         fresh = layer(x, is_first_microbatch=None)
     torch.testing.assert_close(reused, first, rtol=0, atol=0)
     assert not torch.allclose(fresh, first)
+
+
+def test_leading_dimensions_are_tokens():
+    """[B, S, K] input: the same numbers as its [B*S, K] view, gradients in the input shape."""
+    layer = te.Linear(32, 16, device="cpu")
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    x2 = x.detach().reshape(48, 32).requires_grad_()
+    r = recipe.Float8CurrentScaling()
+    g = torch.randn(2, 24, 16)
+    y = _step(layer, r, x, g)
+    y2 = _step(layer, r, x2, g.reshape(48, 16))
+    assert y.shape == (2, 24, 16) and x.grad.shape == x.shape
+    assert torch.equal(y.reshape(48, 16), y2)
+    assert torch.equal(x.grad.reshape(48, 32), x2.grad)

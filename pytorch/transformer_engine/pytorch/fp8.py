@@ -53,6 +53,16 @@ def is_fp8_available() -> tuple[bool, str]:
     numerics can be developed and tested on a CPU. On CUDA, FP8 tensor cores need compute
     capability 8.9 (Ada) or newer and a core built with its CUDA kernels.
     """
+    index = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    if index not in _AVAILABLE:
+        _AVAILABLE[index] = _fp8_availability()
+    return _AVAILABLE[index]
+
+
+_AVAILABLE: dict = {}  # device index (-1: no CUDA) -> (bool, reason); devices do not change
+
+
+def _fp8_availability() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return True, ("no CUDA device: FP8 is emulated by the core's CPU path "
                       "(FP8 values, fp32 math)")

@@ -168,8 +168,8 @@ class Linear(FP8Module):
         else:
             if state.calibrating and state.recipe.delayed():
                 self._calibrate(inp, weight, state.recipe)
-            if isinstance(weight, Float8Tensor):
-                weight = weight.dequantize(inp.dtype)
+            # .to() (a no-op for the same dtype) keeps autograd's link to the parameter; a
+            # Float8Tensor weight dequantizes in it (__torch_dispatch__).
             out = F.linear(inp, weight.to(inp.dtype),
                            None if gemm_bias is None else gemm_bias.to(inp.dtype))
         return (out, bias) if self.return_bias else out
