@@ -19,6 +19,7 @@ def _mlp():
 
 # The default history length: the modules' delayed-scaling state is allocated for it, a
 # different one is reallocated at the first eager forward (not inside a compiled graph).
+@pytest.mark.slow  # inductor compiles C++ for each graph
 @pytest.mark.parametrize("r", [recipe.DelayedScaling(),
                                recipe.Float8CurrentScaling()], ids=["delayed", "current"])
 def test_compiled_fp8_training_step_matches_eager(r):
