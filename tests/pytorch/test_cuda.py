@@ -98,3 +98,34 @@ def test_compiled_step_on_cuda_matches_eager():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
     for a, b in zip(compiled_model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_module_moved_to_cuda_runs_fp8_there():
+    """.cuda() moves the parameters and the delayed-scaling buffers; FP8 weights stay FP8."""
+    layer = te.Linear(64, 32, device="cpu").cuda()
+    with te.fp8_model_init():
+        fp8_layer = te.Linear(64, 32, device="cpu")
+    fp8_layer = fp8_layer.cuda()
+    assert type(fp8_layer.weight) is te.Float8Tensor and fp8_layer.weight._data.is_cuda
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    for module in (layer, fp8_layer):
+        assert all(b.is_cuda for b in module.buffers())
+        with te.fp8_autocast():
+            y = module(x)
+        y.sum().backward()
+        assert module.weight.grad.is_cuda and module.scale_fwd.ne(1.0).any()
+
+
+def test_cuda_and_cpu_give_the_same_fp8_step():
+    """The CPU path is the GPU's reference: the same FP8 operands, the same values (up to
+    the GEMMs' fp32 summation order)."""
+    cpu = te.Linear(128, 64, device="cpu")
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(64, 128)
+    outs = []
+    for module, inp in ((cpu, x), (gpu, x.cuda())):
+        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+            outs.append(module(inp).cpu())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(gpu.amax_history_fwd.cpu(), cpu.amax_history_fwd)
+    assert torch.equal(gpu.scale_fwd.cpu(), cpu.scale_fwd)

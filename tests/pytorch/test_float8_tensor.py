@@ -105,7 +105,7 @@ def test_fp8_model_init_keeps_one_byte_parameters(r, mode):
     assert w._scaling_mode == mode and w.requires_grad
     assert w._data.element_size() == 1 and w._data.numel() == 128 * 64
     assert w._transpose is None  # no second copy until a backward needs it
-    x = torch.randn(32, 128)
+    x = torch.randn(32, 128, requires_grad=True)  # dgrad reads the weight's transpose
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     with te.fp8_autocast(fp8_recipe=r):
         loss = layer(x).square().mean()
@@ -114,6 +114,18 @@ def test_fp8_model_init_keeps_one_byte_parameters(r, mode):
     opt.step()
     assert type(layer.weight) is Float8Tensor and layer.weight._data.element_size() == 1
     assert not torch.equal(layer.weight.dequantize(), before)  # the update landed in FP8
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_transposed_tiles_equal_a_columnwise_quantization():
+    """A 128x128 tensor's lazily transposed copy has the bytes that quantizing with the
+    transpose gives (same tiles, same scales)."""
+    x = torch.randn(200, 144)
+    lazy = Float8Tensor.quantize(x, scaling_mode="block_128x128")
+    eager = Float8Tensor.quantize(x, scaling_mode="block_128x128", with_transpose=True)
+    data, scale_inv = lazy.transpose_data()
+    assert torch.equal(data, eager._transpose)
+    assert torch.equal(scale_inv, eager._transpose_scale_inv)
 
 
 def test_fp8_model_init_weights_load_back_byte_for_byte():

@@ -111,14 +111,19 @@ class Float8Tensor(torch.Tensor):
         return out.view(self.shape)
 
     def transpose_data(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The column-wise copy [K, M] and its scale_inv, made (and kept) on first use; only
-        per-tensor data can be transposed byte for byte."""
+        """The column-wise copy [K, M] and its scale_inv, made (and kept) on first use.
+
+        Per-tensor data and 128x128 tiles transpose byte for byte (a tile holds the same
+        elements in the matrix and in its transpose, so its scale moves with it); 1x128 runs
+        do not, such a tensor must be quantized ``with_transpose=True``."""
         if self._transpose is None:
-            if self._scaling_mode != "tensor":
-                raise ValueError("Float8Tensor.transpose_data: a block-scaled tensor must be "
-                                 "quantized with_transpose=True, its blocks follow the layout")
+            if self._scaling_mode == "block_1x128":
+                raise ValueError("Float8Tensor.transpose_data: 1x128 blocks run along rows, "
+                                 "so the column-wise copy must come from quantization "
+                                 "(with_transpose=True)")
             self._transpose = ops.transpose(self._data.reshape(-1, self._data.shape[-1]))
-            self._transpose_scale_inv = self._scale_inv
+            self._transpose_scale_inv = (self._scale_inv if self._scaling_mode == "tensor"
+                                         else self._scale_inv.t().contiguous())
         return self._transpose, self._transpose_scale_inv
 
     def __repr__(self, *, tensor_contents=None) -> str:
