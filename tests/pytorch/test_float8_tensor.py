@@ -53,7 +53,11 @@ def test_other_ops_see_dequantized_values():
     assert torch.equal(out, deq * 2 + 1)
     assert torch.equal(torch.matmul(q, x.t()), deq @ x.t())
     assert type(q.detach()) is Float8Tensor and type(q.clone()) is Float8Tensor
-    assert q.to(torch.bfloat16).dtype == torch.bfloat16  # another dtype: plain values
+    as_bf16 = q.to(torch.bfloat16)  # the same bytes, dequantizing to bf16
+    assert type(as_bf16) is Float8Tensor and as_bf16.dtype == torch.bfloat16
+    assert torch.equal(as_bf16._data, q._data)
+    assert torch.equal(as_bf16.dequantize(), deq.to(torch.bfloat16))
+    assert type(q.double()) is torch.Tensor and torch.equal(q.double(), deq.double())
 
 
 def test_in_place_ops_stay_fp8():
@@ -141,6 +145,19 @@ def test_fp8_model_init_weights_load_back_byte_for_byte():
     plain = te.Linear(64, 32, device="cpu")  # into a high-precision module: dequantized
     plain.load_state_dict(a.state_dict())
     assert torch.equal(plain.weight, a.weight.dequantize())
+
+
+def test_module_dtype_conversion_keeps_fp8_weights():
+    with te.fp8_model_init():
+        layer = te.Linear(32, 16, device="cpu")
+    data = layer.weight._data.clone()
+    layer.bfloat16()
+    w = layer.weight
+    assert type(w) is Float8Tensor and w.dtype == torch.bfloat16 and torch.equal(w._data, data)
+    assert layer.bias.dtype == torch.bfloat16
+    with te.fp8_autocast():
+        y = layer(torch.randn(16, 32, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16
 
 
 def test_fp8_weights_get_gradients_outside_fp8_autocast():

@@ -123,3 +123,18 @@ def test_is_fp8_available_explains_itself():
     assert isinstance(ok, bool) and reason
     if not torch.cuda.is_available():
         assert ok and "emulated" in reason
+
+
+def test_dtype_conversion_keeps_the_scaling_state_fp32():
+    layer = te.Linear(32, 16, device="cpu")
+    with te.fp8_autocast():
+        layer(torch.randn(16, 32))
+    scale = layer.scale_fwd.clone()
+    layer.bfloat16()
+    assert layer.weight.dtype == torch.bfloat16
+    for name in ("amax_history_fwd", "scale_fwd", "scale_inv_fwd", "amax_history_bwd",
+                 "scale_bwd", "scale_inv_bwd"):
+        assert getattr(layer, name).dtype == torch.float32, name
+    assert torch.equal(layer.scale_fwd, scale)
+    with te.fp8_autocast():
+        assert layer(torch.randn(16, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16

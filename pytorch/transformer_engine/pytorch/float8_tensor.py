@@ -217,13 +217,17 @@ def _unwrap(x: Any) -> Any:
 
 
 def _to_copy(t: Float8Tensor, dtype=None, device=None, **_ignored) -> torch.Tensor:
-    if dtype is not None and dtype != t.dtype:
-        return t.dequantize(dtype).to(device=device)  # another dtype: plain values
-    if device is None:
-        return t._with()
-    move = lambda x: None if x is None else x.to(device)  # noqa: E731
-    return t._with(data=move(t._data), scale_inv=move(t._scale_inv),
-                   transpose=move(t._transpose), transpose_scale_inv=move(t._transpose_scale_inv))
+    """Device moves keep the FP8 bytes; so does a change to another high-precision dtype (the
+    dtype it dequantizes to), which is what ``module.bfloat16()`` asks of an FP8 weight. Any
+    other dtype gets plain values."""
+    if dtype is not None and dtype not in _HIGH:
+        return t.dequantize(torch.float32).to(device=device, dtype=dtype)
+    fields = {"dtype": dtype or t.dtype}
+    if device is not None:
+        for name in ("data", "scale_inv", "transpose", "transpose_scale_inv"):
+            value = getattr(t, "_" + name)
+            fields[name] = None if value is None else value.to(device)
+    return t._with(**fields)
 
 
 def _rebuild(data, scale_inv, fp8_dtype, dtype, mode, transpose, transpose_scale_inv,

@@ -70,6 +70,17 @@ class FP8Module(torch.nn.Module):
                     "torch.compile; run one eager forward under this recipe first")
             self._make_fp8_meta(recipe.amax_history_len, self.amax_history_fwd.device)
 
+    def _apply(self, fn, recurse=True):
+        # module.half() / .to(dtype) would cast the scaling state too; it stays fp32 (the
+        # core's ops take nothing else) and only follows the module to its device.
+        saved = {name: self._buffers[name] for name in _META}
+        result = super()._apply(fn, recurse)
+        for name, old in saved.items():
+            new = self._buffers[name]
+            if new.dtype != torch.float32:
+                self._buffers[name] = old.to(new.device)
+        return result
+
     def get_extra_state(self) -> dict:
         state: dict[str, Any] = {"version": EXTRA_STATE_VERSION,
                                  "recipe": dict(self._recipe_summary)}
