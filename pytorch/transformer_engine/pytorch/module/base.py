@@ -27,8 +27,19 @@ _META = {
 }
 
 
+_SUMMARIES: dict = {}
+
+
 def recipe_summary(recipe: Recipe) -> dict:
-    """Plain values that describe a recipe (no callables), for checkpoints and reprs."""
+    """Plain values that describe a recipe (no callables), for checkpoints; made once per
+    recipe (forward calls it every step). Callers must not modify it."""
+    summary = _SUMMARIES.get(recipe)
+    if summary is None:
+        summary = _SUMMARIES[recipe] = _summarize(recipe)
+    return summary
+
+
+def _summarize(recipe: Recipe) -> dict:
     summary = {"recipe": type(recipe).__name__}
     for name, value in vars(recipe).items():
         if isinstance(value, (bool, int, float, str)):
