@@ -48,3 +48,24 @@ def test_compiled_fp8_training_step_matches_eager(r):
             a.grad = b.grad = None
         for a, b in zip(compiled_model.buffers(), eager.buffers(), strict=True):
             assert torch.equal(a, b)  # amax histories and scales, bit for bit
+
+
+@pytest.mark.slow
+def test_compiled_step_with_fp8_weights_matches_eager():
+    """Float8Tensor parameters (fp8_model_init) trace through torch.compile as well."""
+    torch._dynamo.reset()
+    with te.fp8_model_init():
+        eager = _mlp()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    x = torch.randn(32, 32, requires_grad=True)
+    grads = []
+    for model in (eager, compiled):
+        x.grad = None
+        with te.fp8_autocast():
+            loss = model(x).square().mean()
+        loss.backward()
+        grads.append((loss.detach(), x.grad, *(p.grad for p in model.parameters())))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=COMPILE_RTOL, atol=1e-7)
+    assert type(compiled_model[0].weight) is te.Float8Tensor

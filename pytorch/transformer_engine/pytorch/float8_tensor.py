@@ -110,21 +110,25 @@ class Float8Tensor(torch.Tensor):
                              dtype or self.dtype)
         return out.view(self.shape)
 
-    def transpose_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def transpose_data(self, cache: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The column-wise copy [K, M] and its scale_inv, made (and kept) on first use.
 
         Per-tensor data and 128x128 tiles transpose byte for byte (a tile holds the same
         elements in the matrix and in its transpose, so its scale moves with it); 1x128 runs
-        do not, such a tensor must be quantized ``with_transpose=True``."""
-        if self._transpose is None:
-            if self._scaling_mode == "block_1x128":
-                raise ValueError("Float8Tensor.transpose_data: 1x128 blocks run along rows, "
-                                 "so the column-wise copy must come from quantization "
-                                 "(with_transpose=True)")
-            self._transpose = ops.transpose(self._data.reshape(-1, self._data.shape[-1]))
-            self._transpose_scale_inv = (self._scale_inv if self._scaling_mode == "tensor"
-                                         else self._scale_inv.t().contiguous())
-        return self._transpose, self._transpose_scale_inv
+        do not, such a tensor must be quantized ``with_transpose=True``. ``cache=False``
+        leaves the tensor as it is (torch.compile traces no change to a tensor's parts)."""
+        if self._transpose is not None:
+            return self._transpose, self._transpose_scale_inv
+        if self._scaling_mode == "block_1x128":
+            raise ValueError("Float8Tensor.transpose_data: 1x128 blocks run along rows, so "
+                             "the column-wise copy must come from quantization "
+                             "(with_transpose=True)")
+        data = ops.transpose(self._data.reshape(-1, self._data.shape[-1]))
+        scale_inv = (self._scale_inv if self._scaling_mode == "tensor"
+                     else self._scale_inv.t().contiguous())
+        if cache:
+            self._transpose, self._transpose_scale_inv = data, scale_inv
+        return data, scale_inv
 
     def __repr__(self, *, tensor_contents=None) -> str:
         extra = ", with transpose" if self._transpose is not None else ""

@@ -211,7 +211,8 @@ class Linear(FP8Module):
         if (isinstance(weight, Float8Tensor) and weight._fp8_dtype == plan.fwd_dtype
                 and weight._scaling_mode == plan.weight_mode):
             empty = weight._data.new_empty(0)
-            col, col_sinv = weight.transpose_data() if need_col else (empty, empty)
+            cache = not torch.compiler.is_compiling()
+            col, col_sinv = weight.transpose_data(cache) if need_col else (empty, empty)
             return Operand(weight._data, weight._scale_inv, col, col_sinv, plan.fwd_dtype,
                            plan.weight_mode)
         cached = self._weight_cache
