@@ -71,6 +71,14 @@ def test_in_place_ops_stay_fp8():
     assert torch.equal(q.dequantize(), want.float())
 
 
+def test_updates_through_an_alias_keep_the_transpose_in_step():
+    q = Float8Tensor.quantize(torch.randn(16, 32))
+    q.transpose_data()  # cached
+    q.detach().mul_(3.0)  # e.g. an update through .data
+    data, _ = q.transpose_data()
+    assert torch.equal(data, q._data.t())
+
+
 def test_torch_save_and_load_round_trip():
     q = Float8Tensor.quantize(torch.randn(16, 32), "float8_e5m2", with_transpose=True)
     buf = io.BytesIO()

@@ -175,13 +175,19 @@ class Float8Tensor(torch.Tensor):
         self._copy_from(fresh)
 
     def _copy_from(self, src: "Float8Tensor") -> None:
+        """Writes src's bytes and scales into this tensor's buffers, in place: its aliases
+        (``detach()``, ``.data``) share the buffers and must see the new values too."""
         self._data.copy_(src._data)
         self._scale_inv.copy_(src._scale_inv)
-        if src._transpose is not None and self._transpose is not None:
-            self._transpose.copy_(src._transpose)
-            self._transpose_scale_inv.copy_(src._transpose_scale_inv)
-        else:
-            self._transpose = self._transpose_scale_inv = None  # stale: remade on use
+        if self._transpose is None:
+            return
+        if src._transpose is None and src._scaling_mode == "block_1x128":
+            self._transpose = self._transpose_scale_inv = None  # cannot follow; remade
+            return
+        col, col_sinv = src.transpose_data(cache=False)
+        self._transpose.copy_(col)
+        if self._transpose_scale_inv is not self._scale_inv:  # per tensor they are one
+            self._transpose_scale_inv.copy_(col_sinv)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
