@@ -2,7 +2,8 @@
 
 Contenders, at 16384 tokens 8192 -> 8192 and at the seed's 2048 tokens 768 -> 3072, bf16:
   - te.Linear under fp8_autocast: DelayedScaling, Float8CurrentScaling, Float8BlockScaling,
-    by launches and (DelayedScaling, Float8CurrentScaling) replayed as a CUDA graph;
+    by launches and (DelayedScaling, Float8CurrentScaling) replayed as a CUDA graph, and
+    DelayedScaling under torch.compile (which removes the module's Python, not the GEMMs');
   - nn.Linear bf16, eager and under torch.compile;
   - torchao Float8Linear (tensorwise) under torch.compile, when torchao is importable;
   - the floor: the three FP8 GEMMs alone as torch._scaled_mm on operands quantized beforehand.
@@ -106,6 +107,9 @@ def bench_shape(m: int, k: int, n: int, quick: bool) -> list[dict]:
         cases[(f"te.Linear {name}", "launches")] = _step_fn(layer, x, grad_out, r)
     for name in GRAPHED:
         cases[(f"te.Linear {name}", "cuda_graph")] = _step_fn(layer, x, grad_out, RECIPES[name])
+    te_compiled = torch.compile(layer, fullgraph=True, dynamic=False)  # the Python glue fused
+    cases[("te.Linear DelayedScaling torch.compile", "launches")] = _step_fn(
+        te_compiled, x, grad_out, RECIPES["DelayedScaling"])
     cases[("nn.Linear bf16 eager", "launches")] = _step_fn(base, x, grad_out)
     compiled = torch.compile(copy.deepcopy(base), dynamic=False)
     cases[("nn.Linear bf16 torch.compile", "launches")] = _step_fn(compiled, x, grad_out)
