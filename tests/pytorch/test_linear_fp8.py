@@ -146,3 +146,13 @@ def test_leading_dimensions_are_tokens():
     assert y.shape == (2, 24, 16) and x.grad.shape == x.shape
     assert torch.equal(y.reshape(48, 16), y2)
     assert torch.equal(x.grad.reshape(48, 32), x2.grad)
+
+
+def test_torch_autocast_sets_the_activation_dtype():
+    layer = te.Linear(32, 16, device="cpu")  # fp32 parameters
+    x = torch.randn(16, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), te.fp8_autocast():
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32

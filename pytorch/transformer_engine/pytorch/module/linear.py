@@ -184,6 +184,9 @@ class Linear(FP8Module):
 
     def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch):
         plan = _plan(recipe)
+        device_type = inp.device.type
+        if torch.is_autocast_enabled(device_type):  # torch.autocast picks the activation dtype
+            inp = inp.to(torch.get_autocast_dtype(device_type))
         _check_fp8_shape(inp, self.in_features, self.out_features)
         if inp.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"te.Linear: input must be float32, bfloat16 or float16 in FP8, "
