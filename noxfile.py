@@ -187,7 +187,7 @@ def demo(session: nox.Session) -> None:
     Runs on the CPU (FP8 emulated by the core) unless a GPU is there; arguments after `--` go
     to examples/train_mlp_fp8.py (e.g. `nox -s demo -- --recipe block`).
     """
-    # The torch pin of the test sessions: the CPU build where pip is set up for it.
+    # The tests' torch pin: the CPU build where pip is set up for it.
     _install(session, "pytorch", "-r", "tests/requirements-torch.txt")
     session.run("python", "examples/train_mlp_fp8.py", *session.posargs)
 

@@ -1,4 +1,4 @@
-"""Fixtures of the PyTorch tests: the device a test runs on, and the helper modules beside them.
+"""Fixtures of the PyTorch tests: the device a test runs on, and the shared modules beside them.
 
 Tests that take ``device`` run on the CPU (the core's CPU path emulates FP8 exactly) and on
 CUDA; the CUDA run is marked ``cuda`` and skipped on machines without a GPU.
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# pytest imports test files by path (--import-mode=importlib), so the helpers beside them
+# pytest imports test files by path (--import-mode=importlib), so the shared modules beside them
 # (_reference, _tolerances) become the package `te_torch_tests`, a name nothing else uses.
 if "te_torch_tests" not in sys.modules:
     _package = types.ModuleType("te_torch_tests")
