@@ -91,8 +91,9 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False,
 
     Args:
         enabled: compute in FP8 (False: high precision, e.g. to switch FP8 off in a region).
-        calibrating: compute in high precision but record the amaxes of delayed scaling, so
-            the scales are ready when FP8 is switched on.
+        calibrating: with ``enabled=False``, compute in high precision but record the
+            forward amaxes of delayed scaling, so the scales are ready when FP8 is switched
+            on (with FP8 enabled they are recorded anyway).
         fp8_recipe: how tensors are scaled; ``DelayedScaling()`` when None.
         fp8_group: process group whose ranks share amaxes (all-reduce MAX) before the scale
             update, when the recipe has ``reduce_amax``; None means no reduction.
