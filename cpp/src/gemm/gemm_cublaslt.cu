@@ -56,23 +56,6 @@ cudaDataType_t cuda_type(te_dtype d) {
   }
 }
 
-// Sets the device of the buffers for the call and restores the caller's afterwards.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
-      changed_ = cudaSetDevice(device) == cudaSuccess;
-    }
-  }
-  ~DeviceGuard() {
-    if (changed_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  bool changed_ = false;
-};
-
 // One cuBLASLt handle per device, made on first use and kept for the process.
 te_status handle_for(int device, cublasLtHandle_t *out) {
   constexpr int kMaxDevices = 64;
@@ -302,8 +285,10 @@ te_status run(const GemmArgs &g, cudaStream_t stream) {
     cache.emplace(key, algo);
   }
   const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
-  // With beta = 0, C is not read; it still needs a valid pointer of its layout.
-  TE_CUBLAS(cublasLtMatmul(handle, desc.desc, &alpha, g.b.data, lx.layout, g.a.data, ly.layout, &beta, g.d,
+  // C is D when accumulating (same layout: in place). With beta = 0 it is not read, and a C
+  // that aliased D under another type (FP8 D, 16-bit C) would be rejected, so it is NULL then.
+  const void *c = c_dtype == g.d_dtype ? g.d : nullptr;
+  TE_CUBLAS(cublasLtMatmul(handle, desc.desc, &alpha, g.b.data, lx.layout, g.a.data, ly.layout, &beta, c,
                            lc.layout, g.d, ld.layout, &algo, cublas_ws,
                            std::min<size_t>(cublas_ws_size, kCublasWorkspace), stream),
             "cublasLtMatmul");
@@ -319,7 +304,6 @@ te_status run(const GemmArgs &g, cudaStream_t stream) {
 size_t gemm_workspace_size() { return kScaleWorkspace + kCublasWorkspace; }
 
 te_status gemm_cuda(const GemmArgs &g, te_stream stream) {
-  DeviceGuard guard(g.device);
   cudaStream_t s = cuda_stream(stream);
   if (g.m == 0 || g.n == 0) {  // nothing to multiply; the amax of nothing is 0
     if (g.d_amax != nullptr) {
