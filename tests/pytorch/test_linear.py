@@ -138,3 +138,16 @@ def test_dtype_conversion_keeps_the_scaling_state_fp32():
     assert torch.equal(layer.scale_fwd, scale)
     with te.fp8_autocast():
         assert layer(torch.randn(16, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_ops_take_non_contiguous_inputs():
+    """The ops hand the core bare pointers; a strided input is made contiguous first."""
+    from transformer_engine.pytorch import ops
+
+    x = torch.randn(32, 48)
+    want = ops.quantize(x.t().contiguous(), torch.ones(1), "float8_e4m3", True, True)
+    got = ops.quantize(x.t(), torch.ones(1), "float8_e4m3", True, True)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        ops._backend.raw(x.t())

@@ -49,6 +49,32 @@ def te_mode(mode: str):
     return getattr(core().ScalingMode, mode)
 
 
+_TORCH_TO_TE = {
+    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+    torch.uint8: "uint8", torch.int8: "int8", torch.float8_e4m3fn: "float8_e4m3",
+    torch.float8_e5m2: "float8_e5m2",
+}
+_te_dtypes: dict = {}
+
+
+def raw(t: torch.Tensor) -> tuple:
+    """The binding's fast form of a tensor, ``(data_ptr, DType, shape, device)``: ~1 us
+    instead of a DLPack export (~7 us). It carries no strides, so the tensor must be
+    C-contiguous (checked), and the caller must keep it alive until the core call returns:
+    the tuple holds a bare pointer. A view's offset is in its data_ptr."""
+    if not t.is_contiguous():
+        raise ValueError(f"transformer_engine: tensors must be C-contiguous for the core, got "
+                         f"shape {list(t.shape)} with strides {t.stride()}")
+    dtype = _te_dtypes.get(t.dtype)
+    if dtype is None:
+        name = _TORCH_TO_TE.get(t.dtype)
+        if name is None:
+            raise TypeError(f"transformer_engine: tensors of dtype {t.dtype} cannot go to the "
+                            "core")
+        dtype = _te_dtypes[t.dtype] = getattr(core().DType, name)
+    return (t.data_ptr(), dtype, tuple(t.shape), t.device.index if t.is_cuda else -1)
+
+
 def stream_of(t: torch.Tensor) -> int:
     """The ``stream=`` argument of the core: torch's current stream on t's CUDA device, so the
     core's kernels are ordered with torch's (and captured by a CUDA graph), 0 on the CPU."""

@@ -6,14 +6,14 @@ from typing import Optional
 
 import torch
 
-from ._backend import check_mode, core, stream_of, te_dtype, te_mode, workspace_for
+from ._backend import check_mode, core, raw, stream_of, te_dtype, te_mode, workspace_for
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _operand(c, data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: str, mode: str):
-    return c.Tensor(data, dtype=te_dtype(fp8_dtype), scaling_mode=te_mode(mode),
-                    scale_inv=scale_inv)
+    return c.Tensor(raw(data), dtype=te_dtype(fp8_dtype), scaling_mode=te_mode(mode),
+                    scale_inv=raw(scale_inv))
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> None:
@@ -41,10 +41,15 @@ def gemm_fp8(
     c = core()
     d = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
     ws = workspace_for(a.device)
-    c.gemm(_operand(c, a.contiguous(), a_scale_inv, a_fp8_dtype, a_scaling_mode),
-           _operand(c, b.contiguous(), b_scale_inv, b_fp8_dtype, b_scaling_mode), d,
-           bias=bias, transpose_a=False, transpose_b=True,
-           use_split_accumulator=use_split_accumulator, workspace=ws, stream=stream_of(a))
+    # Locals keep every tensor alive across the call: raw() holds bare pointers.
+    a, b = a.contiguous(), b.contiguous()
+    a_scale_inv, b_scale_inv = a_scale_inv.contiguous(), b_scale_inv.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    c.gemm(_operand(c, a, a_scale_inv, a_fp8_dtype, a_scaling_mode),
+           _operand(c, b, b_scale_inv, b_fp8_dtype, b_scaling_mode), raw(d),
+           bias=None if bias is None else raw(bias), transpose_a=False, transpose_b=True,
+           use_split_accumulator=use_split_accumulator,
+           workspace=None if ws is None else raw(ws), stream=stream_of(a))
     return d
 
 

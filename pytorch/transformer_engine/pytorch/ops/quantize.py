@@ -17,6 +17,7 @@ from ._backend import (
     check_mode,
     core,
     placeholder,
+    raw,
     stream_of,
     te_dtype,
     te_mode,
@@ -54,11 +55,13 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, rowwise: bool
     _check_matrix("quantize", x, rowwise, columnwise)
     check_fp8_dtype("quantize", fp8_dtype)
     c = core()
+    x = x.contiguous()  # kept alive across the call: raw() holds only its pointer
     data, col = _fp8_outputs(x, rowwise, columnwise)
     scale_inv, amax = _scalar(x), _scalar(x)
-    out = c.Tensor(data if rowwise else None, dtype=te_dtype(fp8_dtype), scale=scale,
-                   scale_inv=scale_inv, amax=amax, columnwise_data=col if columnwise else None)
-    c.quantize(x.contiguous(), out, stream=stream_of(x))
+    out = c.Tensor(raw(data) if rowwise else None, dtype=te_dtype(fp8_dtype), scale=raw(scale),
+                   scale_inv=raw(scale_inv), amax=raw(amax),
+                   columnwise_data=raw(col) if columnwise else None)
+    c.quantize(raw(x), out, stream=stream_of(x))
     return data, col, scale_inv, amax
 
 
@@ -85,15 +88,17 @@ def quantize_current(
     stream = stream_of(x)
     data, col = _fp8_outputs(x, rowwise, columnwise)
     scale, scale_inv, amax = _scalar(x), _scalar(x), _scalar(x)
-    c.compute_amax(x, c.Tensor(amax=amax), stream=stream)
-    out = c.Tensor(data if rowwise else None, dtype=te_dtype(fp8_dtype), scale=scale,
-                   scale_inv=scale_inv, amax=amax, columnwise_data=col if columnwise else None)
+    c.compute_amax(raw(x), c.Tensor(amax=raw(amax)), stream=stream)
+    fmt = te_dtype(fp8_dtype)
+    rdata, rcol = (raw(data) if rowwise else None), (raw(col) if columnwise else None)
+    out = c.Tensor(rdata, dtype=fmt, scale=raw(scale), scale_inv=raw(scale_inv),
+                   amax=raw(amax), columnwise_data=rcol)
     c.compute_scale_from_amax(out, force_pow2_scales=force_pow2_scales,
                               amax_epsilon=amax_epsilon, stream=stream)
     # amax is left out here: it is already known, the cast need not reduce it again.
-    cast = c.Tensor(data if rowwise else None, dtype=te_dtype(fp8_dtype), scale=scale,
-                    scale_inv=scale_inv, columnwise_data=col if columnwise else None)
-    c.quantize(x, cast, stream=stream)
+    cast = c.Tensor(rdata, dtype=fmt, scale=raw(scale), scale_inv=raw(scale_inv),
+                    columnwise_data=rcol)
+    c.quantize(raw(x), cast, stream=stream)
     return data, col, scale, scale_inv, amax
 
 
@@ -129,13 +134,14 @@ def quantize_block(
         raise ValueError("quantize_block: scaling_mode must be 'block_1x128' or "
                          f"'block_128x128', got {scaling_mode!r}")
     c = core()
+    x = x.contiguous()
     data, sinv, col, col_sinv = _block_outputs(x, scaling_mode, rowwise, columnwise)
-    out = c.Tensor(data if rowwise else None, dtype=te_dtype(fp8_dtype),
-                   scaling_mode=te_mode(scaling_mode), scale_inv=sinv if rowwise else None,
-                   columnwise_data=col if columnwise else None,
-                   columnwise_scale_inv=col_sinv if columnwise else None)
-    c.quantize(x.contiguous(), out, force_pow2_scales=force_pow2_scales,
-               amax_epsilon=amax_epsilon, stream=stream_of(x))
+    out = c.Tensor(raw(data) if rowwise else None, dtype=te_dtype(fp8_dtype),
+                   scaling_mode=te_mode(scaling_mode), scale_inv=raw(sinv) if rowwise else None,
+                   columnwise_data=raw(col) if columnwise else None,
+                   columnwise_scale_inv=raw(col_sinv) if columnwise else None)
+    c.quantize(raw(x), out, force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon,
+               stream=stream_of(x))
     return data, sinv, col, col_sinv
 
 
@@ -156,9 +162,10 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: str, scal
     check_mode("dequantize", scaling_mode)
     c = core()
     out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
-    src = c.Tensor(data.contiguous(), dtype=te_dtype(fp8_dtype),
-                   scaling_mode=te_mode(scaling_mode), scale_inv=scale_inv.contiguous())
-    c.dequantize(src, out, stream=stream_of(data))
+    data, scale_inv = data.contiguous(), scale_inv.contiguous()
+    src = c.Tensor(raw(data), dtype=te_dtype(fp8_dtype), scaling_mode=te_mode(scaling_mode),
+                   scale_inv=raw(scale_inv))
+    c.dequantize(src, raw(out), stream=stream_of(data))
     return out
 
 
@@ -173,7 +180,8 @@ def transpose(data: torch.Tensor) -> torch.Tensor:
     if data.dim() != 2:
         raise ValueError(f"transpose: data must be a matrix [M, K], got shape {list(data.shape)}")
     out = data.new_empty((data.shape[1], data.shape[0]))
-    core().transpose(data.contiguous(), out, stream=stream_of(data))
+    data = data.contiguous()
+    core().transpose(raw(data), raw(out), stream=stream_of(data))
     return out
 
 
@@ -187,7 +195,8 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """max|x| as [1] fp32 (NaN when x holds a NaN)."""
     c = core()
     out = _scalar(x)
-    c.compute_amax(x.contiguous(), c.Tensor(amax=out), stream=stream_of(x))
+    x = x.contiguous()
+    c.compute_amax(raw(x), c.Tensor(amax=raw(out)), stream=stream_of(x))
     return out
 
 

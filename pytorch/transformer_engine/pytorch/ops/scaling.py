@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import check_fp8_dtype, core, stream_of, te_dtype
+from ._backend import check_fp8_dtype, core, raw, stream_of, te_dtype
 
 
 @torch.library.custom_op(
@@ -24,7 +24,8 @@ def delayed_scaling_update(amax_histories: list[torch.Tensor], scales: list[torc
     if algo not in ("max", "most_recent"):
         raise ValueError("delayed_scaling_update: algo must be 'max' or 'most_recent', "
                          f"got {algo!r}")
-    c.delayed_scaling_update(list(amax_histories), list(scales), list(scale_invs),
+    c.delayed_scaling_update([raw(h) for h in amax_histories], [raw(s) for s in scales],
+                             [raw(s) for s in scale_invs],
                              fp8_dtype=te_dtype(fp8_dtype), algo=getattr(c.AmaxComputeAlgo, algo),
                              margin=margin, stream=stream_of(amax_histories[0]))
 
