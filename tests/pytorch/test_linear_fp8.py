@@ -3,6 +3,8 @@ of operands quantized by the reference (torch's float8 casts), never by the core
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from te_torch_tests import _reference as ref
@@ -57,7 +59,7 @@ def _step(layer, r, x, g):
     return y
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_fp8_linear_matches_gemms_of_quantized_operands(name, dtype, device):
     r = RECIPES[name]
@@ -156,3 +158,26 @@ def test_torch_autocast_sets_the_activation_dtype():
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["delayed-hybrid", "block-e4m3"])
+def test_backward_keeps_only_fp8_copies(name):
+    """What autograd saves for the backward: FP8 bytes (the column-wise input and weight)
+    and their fp32 scales, never the high-precision input or weight."""
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    layer = te.Linear(K, N, params_dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with te.fp8_autocast(fp8_recipe=RECIPES[name]):
+            y = layer(x)
+    y.sum().backward()
+    assert (torch.uint8, (K, M)) in saved and (torch.uint8, (K, N)) in saved
+    assert all(dtype in (torch.uint8, torch.float32) for dtype, _ in saved), saved
+    # fp32 only for scales: one per tensor or per block, far fewer than the data's elements
+    scales = [math.prod(shape) for dtype, shape in saved if dtype == torch.float32]
+    assert all(n <= M * K // 128 for n in scales), saved
