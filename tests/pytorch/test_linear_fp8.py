@@ -178,6 +178,7 @@ def test_backward_keeps_only_fp8_copies(name):
     y.sum().backward()
     assert (torch.uint8, (K, M)) in saved and (torch.uint8, (K, N)) in saved
     assert all(dtype in (torch.uint8, torch.float32) for dtype, _ in saved), saved
-    # fp32 only for scales: one per tensor or per block, far fewer than the data's elements
+    # fp32 only for scales: one per tensor or per 128-element block (at most one per row
+    # here), far fewer than the FP8 elements
     scales = [math.prod(shape) for dtype, shape in saved if dtype == torch.float32]
-    assert all(n <= M * K // 128 for n in scales), saved
+    assert all(n <= M * K // 16 for n in scales), saved
