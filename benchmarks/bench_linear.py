@@ -120,7 +120,8 @@ def bench_shape(m: int, k: int, n: int, quick: bool) -> list[dict]:
     rows = []
     flops = 6.0 * m * n * k
     for (impl, how), fn in cases.items():
-        row = {"impl": impl, "timing": how, "tokens": m, "in_features": k, "out_features": n}
+        row = {"op": "linear_fwd_dgrad_wgrad", "impl": impl, "shape_mkn": [m, k, n],
+               "timing": how}
         if isinstance(fn, str):
             rows.append({**row, "skipped": fn})
             print(f"{impl:48s} {m}x{k}->{n}: skipped ({fn})")
@@ -133,12 +134,12 @@ def bench_shape(m: int, k: int, n: int, quick: bool) -> list[dict]:
             print(f"{impl:48s} {m}x{k}->{n} {how}: {type(err).__name__}: {err}")
             continue
         tflops = flops / (t["median_ms"] * 1e-3) / 1e12
-        rows.append({**row, **t, "tflops_of_3_gemms": tflops})
+        rows.append({**row, **t, "tflops": tflops})  # of the three GEMMs, 6 M N K
         print(f"{impl:48s} {m}x{k}->{n} {how:10s}: {t['median_ms']:8.3f} ms {tflops:7.1f} TFLOP/s")
     for name, r in RECIPES.items():
         errors = _errors(layer, base, x, grad_out, r)
-        rows.append({"impl": f"te.Linear {name}", "check": "vs nn.Linear bf16", "tokens": m,
-                     "in_features": k, "out_features": n, **errors})
+        rows.append({"op": "check_vs_nn_linear_bf16", "impl": f"te.Linear {name}",
+                     "shape_mkn": [m, k, n], **errors})
         print(f"te.Linear {name} vs bf16: {errors}")
     return rows
 
