@@ -25,8 +25,9 @@ _BLOCK_OUT = (torch.float32, torch.bfloat16)
 
 def fp8_gemm(a, a_sinv, b, b_sinv, a_dtype: str, b_dtype: str, a_mode: str, b_mode: str,
              out_dtype: torch.dtype, bias: Optional[torch.Tensor], split: bool) -> torch.Tensor:
-    """``a @ b^T (+ bias)`` in out_dtype; the bias rides in the GEMM's epilogue when its dtype
-    is the output's (cuBLASLt's rule for FP8 operands), otherwise it is added in out_dtype."""
+    """``a @ b^T (+ bias)`` in out_dtype. With a bf16/fp16 output the bias rides in the GEMM's
+    epilogue in that dtype; with an fp32 output the epilogue would take only a bf16 bias
+    (cuBLASLt's rule for FP8 operands, gemm.h), so the bias is added afterwards in fp32."""
     block = a_mode != "tensor"
     gemm_dtype = out_dtype if not block or out_dtype in _BLOCK_OUT else torch.float32
     fused = bias is not None and gemm_dtype in (torch.bfloat16, torch.float16)
@@ -42,11 +43,10 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     Forward arguments: input [..., K]; weight [N, K] (only its dtype and autograd identity are
     used, its FP8 copy comes as w_data [N, K], w_scale_inv, w_col [K, N], w_col_scale_inv,
-    None when it is w_scale_inv);
-    bias [N] or None; the delayed-scaling buffers (forward history and scales, backward
-    history, scale, scale_inv); the plan; for the backward scale update, the recipe when it
-    holds user callables or amaxes are reduced over a group (else None) and the group;
-    whether dgrad and wgrad are needed.
+    None when it is w_scale_inv); bias [N] or None; the delayed-scaling buffers (forward
+    history and scales, backward history, scale, scale_inv); the plan; for the backward scale
+    update, the recipe when it holds user callables or amaxes are reduced over a group (else
+    None) and the group; whether dgrad and wgrad are needed.
     """
 
     @staticmethod
