@@ -20,8 +20,8 @@ def _mlp():
 # The default history length: the modules' delayed-scaling state is allocated for it, a
 # different one is reallocated at the first eager forward (not inside a compiled graph).
 @pytest.mark.slow  # inductor compiles C++ for each graph
-@pytest.mark.parametrize("r", [recipe.DelayedScaling(),
-                               recipe.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("r", [recipe.DelayedScaling(), recipe.Float8CurrentScaling(),
+                               recipe.Float8BlockScaling()], ids=["delayed", "current", "block"])
 def test_compiled_fp8_training_step_matches_eager(r):
     torch._dynamo.reset()
     eager = _mlp()
