@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import time
 
 import torch
 
@@ -91,7 +92,7 @@ def _errors(layer, base, x, grad_out, fp8_recipe) -> dict:
             for name, a, b in zip(("output", "dgrad", "wgrad"), *results, strict=True)}
 
 
-def bench_shape(m: int, k: int, n: int, quick: bool) -> list[dict]:
+def bench_shape(m: int, k: int, n: int, quick: bool, compile_: bool) -> list[dict]:
     torch.manual_seed(0)
     bf16 = torch.bfloat16
     x = torch.randn(m, k, device="cuda", dtype=bf16, requires_grad=True)
@@ -107,14 +108,19 @@ def bench_shape(m: int, k: int, n: int, quick: bool) -> list[dict]:
         cases[(f"te.Linear {name}", "launches")] = _step_fn(layer, x, grad_out, r)
     for name in GRAPHED:
         cases[(f"te.Linear {name}", "cuda_graph")] = _step_fn(layer, x, grad_out, RECIPES[name])
-    te_compiled = torch.compile(layer, fullgraph=True, dynamic=False)  # the Python glue fused
-    cases[("te.Linear DelayedScaling torch.compile", "launches")] = _step_fn(
-        te_compiled, x, grad_out, RECIPES["DelayedScaling"])
     cases[("nn.Linear bf16 eager", "launches")] = _step_fn(base, x, grad_out)
-    compiled = torch.compile(copy.deepcopy(base), dynamic=False)
-    cases[("nn.Linear bf16 torch.compile", "launches")] = _step_fn(compiled, x, grad_out)
-    ao_step, ao_error = _torchao_step(base, x, grad_out)
-    cases[("torchao Float8Linear tensorwise torch.compile", "launches")] = ao_step or ao_error
+    compiled_names = ("te.Linear DelayedScaling torch.compile", "nn.Linear bf16 torch.compile",
+                      "torchao Float8Linear tensorwise torch.compile")
+    if compile_:
+        te_compiled = torch.compile(layer, fullgraph=True, dynamic=False)  # the Python glue
+        bf16_compiled = torch.compile(copy.deepcopy(base), dynamic=False)
+        ao_step, ao_error = _torchao_step(base, x, grad_out)
+        steps = (_step_fn(te_compiled, x, grad_out, RECIPES["DelayedScaling"]),
+                 _step_fn(bf16_compiled, x, grad_out), ao_step or ao_error)
+    else:
+        steps = ("skipped: --no-compile",) * 3
+    for name, step in zip(compiled_names, steps, strict=True):
+        cases[(name, "launches")] = step
     cases[("torch._scaled_mm x3 (GEMM floor)", "launches")] = _scaled_mm_floor(m, k, n)
 
     rows = []
@@ -127,6 +133,7 @@ def bench_shape(m: int, k: int, n: int, quick: bool) -> list[dict]:
             print(f"{impl:48s} {m}x{k}->{n}: skipped ({fn})")
             continue
         timer = time_cuda_graph if how == "cuda_graph" else time_cuda
+        start = time.perf_counter()
         try:
             t = timer(fn, **timing)
         except Exception as err:  # noqa: BLE001 - a contender that cannot run here is recorded
@@ -135,7 +142,8 @@ def bench_shape(m: int, k: int, n: int, quick: bool) -> list[dict]:
             continue
         tflops = flops / (t["median_ms"] * 1e-3) / 1e12
         rows.append({**row, **t, "tflops": tflops})  # of the three GEMMs, 6 M N K
-        print(f"{impl:48s} {m}x{k}->{n} {how:10s}: {t['median_ms']:8.3f} ms {tflops:7.1f} TFLOP/s")
+        print(f"{impl:48s} {m}x{k}->{n} {how:10s}: {t['median_ms']:8.3f} ms {tflops:7.1f} "
+              f"TFLOP/s  ({time.perf_counter() - start:.0f} s with compilation)")
     for name, r in RECIPES.items():
         errors = _errors(layer, base, x, grad_out, r)
         rows.append({"op": "check_vs_nn_linear_bf16", "impl": f"te.Linear {name}",
@@ -148,10 +156,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", default="linear")
     parser.add_argument("--quick", action="store_true", help="fewer timed repeats")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip the torch.compile contenders (their compilation dominates)")
     args = parser.parse_args()
     rows = []
+    start = time.perf_counter()
     for m, k, n in SHAPES:
-        rows += bench_shape(m, k, n, args.quick)
+        rows += bench_shape(m, k, n, args.quick, not args.no_compile)
+    print(f"all contenders in {time.perf_counter() - start:.0f} s")
     write_result(args.name, {
         "description": "one linear layer's training step (forward + dgrad + wgrad), bf16 "
                        "activations: te.Linear per FP8 recipe (launches and CUDA graph replay) "
