@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence, Tuple, Union
 
 import flax.linen as nn
@@ -20,6 +21,14 @@ Initializer = Callable[..., jax.Array]
 
 def _as_tuple(v) -> tuple:
     return tuple(v) if isinstance(v, Sequence) else (v,)
+
+
+def _as_matrix_init(init: Initializer, n_in: int) -> Initializer:
+    def matrix_init(key, shape, dtype):
+        flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:])) if n_in else (math.prod(shape),)
+        return jnp.reshape(init(key, flat, dtype), shape)
+
+    return matrix_init
 
 
 class DenseGeneral(nn.Module):
@@ -69,7 +78,10 @@ class DenseGeneral(nn.Module):
         if len(set(axis)) != len(axis):
             raise ValueError(f"DenseGeneral: axis must not repeat an axis, got {self.axis}")
         kernel_shape = tuple(inputs.shape[a] for a in axis) + features
-        kernel_init, bias_init = self.kernel_init, self.bias_init
+        # Initialized as the [in, out] matrix, then reshaped: fan-in is the product of the
+        # contracted dims (as flax's DenseGeneral computes it).
+        kernel_init = _as_matrix_init(self.kernel_init, len(axis))
+        bias_init = _as_matrix_init(self.bias_init, 0)
         if self.kernel_axes:
             kernel_init = nn.with_logical_partitioning(kernel_init, self.kernel_axes)
         if self.bias_axes:
