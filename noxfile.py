@@ -111,7 +111,8 @@ def _wheels(session: nox.Session, cuda: str = "OFF") -> list[Path]:
     session.run(*pip_wheel, str(DIST), *common, "./common")
     # The jax wheel's FFI extension compiles against the core's headers and links its library,
     # which it finds in the installed common wheel.
-    session.install("--no-deps", "--force-reinstall", *map(str, DIST.glob("transformer_engine_common-*.whl")))
+    common_wheel = DIST.glob("transformer_engine_common-*.whl")
+    session.install("--no-deps", "--force-reinstall", *map(str, common_wheel))
     session.run(*pip_wheel, str(DIST), *(f"./{p}" for p in PROJECTS if p != "common"))
     wheels = sorted(DIST.glob("*.whl"))
     if len(wheels) != len(PROJECTS):

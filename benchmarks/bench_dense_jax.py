@@ -130,8 +130,9 @@ def bench_gemm_alone(m, k, n, timing) -> list[dict]:
     bf16 = jax.jit(lambda a, b: ops.gemm(a, b, transpose_b=True))
     xla_bf16 = jax.jit(lambda a, b: a @ b.T)
     rows = []
-    for name, fn, args in (("te_gemm_fp8_e4m3", fp8, (qx.data, qw.data, qx.scale_inv, qw.scale_inv)),
-                           ("te_gemm_bf16", bf16, (x, w)), ("xla_dot_bf16", xla_bf16, (x, w))):
+    cases = (("te_gemm_fp8_e4m3", fp8, (qx.data, qw.data, qx.scale_inv, qw.scale_inv)),
+             ("te_gemm_bf16", bf16, (x, w)), ("xla_dot_bf16", xla_bf16, (x, w)))
+    for name, fn, args in cases:
         t = time_jax(lambda fn=fn, args=args: fn(*args), **timing)
         rows.append({"name": name, "shape_mnk": [m, n, k], **t,
                      "tflops": 2 * m * n * k / (t["median_ms"] * 1e-3) / 1e12})
@@ -147,28 +148,33 @@ def check_seed_example() -> dict:
                                                ns["inp"]).compile().as_text()
     result = {"te_fp8_gemms_in_hlo": hlo.count_fp8_gemms(text),
               "custom_call_targets": dict(hlo.target_counts(text))}
+    found = "YES" if result["te_fp8_gemms_in_hlo"] else "NO"
     print(f"seed example: compiled HLO holds {result['te_fp8_gemms_in_hlo']} FP8 GEMM custom "
-          f"call(s) of ours (te_gemm_ffi with FP8 operands): "
-          f"{'YES' if result['te_fp8_gemms_in_hlo'] else 'NO'}; targets {result['custom_call_targets']}")
+          f"call(s) of ours (te_gemm_ffi with FP8 operands): {found}; "
+          f"targets {result['custom_call_targets']}")
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check-seed", action="store_true", help="only the seed example's HLO check")
+    parser.add_argument("--check-seed", action="store_true",
+                        help="only the seed example's HLO check")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, print, write nothing")
     args = parser.parse_args()
     seed = check_seed_example()
     if args.check_seed:
         return
     tokens, hidden = (64, 128) if args.smoke else (16384, 8192)
-    timing = dict(batch=2, repeats=2, warmup=1) if args.smoke else dict(batch=5, repeats=10, warmup=2)
+    timing = dict(batch=5, repeats=10, warmup=2)
+    if args.smoke:
+        timing = dict(batch=2, repeats=2, warmup=1)
     x = jax.random.normal(jax.random.PRNGKey(2), (tokens, hidden), jnp.bfloat16)
     steps = []
     for name, (model, use_te_fp8) in contenders(hidden).items():
         row = bench_step(name, model, use_te_fp8, x, timing)
         print(f"{name:24s} {row['median_ms']:8.3f} ms  {row['gemm_tflops']:7.1f} TFLOP/s  "
-              f"FP8 GEMMs: ours {row['te_fp8_gemms_in_hlo']}, cuBLAS {row['cublas_fp8_gemms_in_hlo']}")
+              f"FP8 GEMMs: ours {row['te_fp8_gemms_in_hlo']}, "
+              f"cuBLAS {row['cublas_fp8_gemms_in_hlo']}")
         steps.append(row)
     gemms = bench_gemm_alone(tokens, hidden, hidden, timing)
     for row in gemms:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-FP8 = {"float8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "float8_e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
+FP8 = {"float8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0),
+       "float8_e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
 FLT_MAX = float(np.finfo(np.float32).max)
 
 

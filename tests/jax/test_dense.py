@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
+from te_jax_tests import _reference as ref
+from te_jax_tests._tolerances import assert_close, assert_relative_max_error
 
 import transformer_engine.jax as te
 from transformer_engine.common import recipe
 from transformer_engine.jax import hlo
 from transformer_engine.jax.flax import DenseGeneral
-from te_jax_tests import _reference as ref
-from te_jax_tests._tolerances import assert_close, assert_relative_max_error
 
 M, K, N = 32, 48, 64
 
@@ -53,7 +53,7 @@ def test_dense_matches_flax_dense(dtype, use_bias):
     expected, vjp_theirs = jax.vjp(theirs, x, params)
     assert out.dtype == jnp.dtype(dtype) and out.shape == (2, M // 2, N)
     assert_close(out, expected, dtype)
-    for a, e in zip(jax.tree.leaves(vjp_ours(dy)), jax.tree.leaves(vjp_theirs(dy))):
+    for a, e in zip(jax.tree.leaves(vjp_ours(dy)), jax.tree.leaves(vjp_theirs(dy)), strict=True):
         assert a.dtype == e.dtype
         assert_close(a, e, dtype)
 
@@ -77,7 +77,7 @@ def test_dense_general_matches_flax_dense_general_over_two_axes():
     assert_close(ours.apply(variables, x), theirs.apply(variables, x), "float32")
     g_ours = jax.grad(lambda p: _loss(ours.apply({"params": p}, x)))(variables["params"])
     g_theirs = jax.grad(lambda p: _loss(theirs.apply({"params": p}, x)))(variables["params"])
-    for a, e in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_theirs)):
+    for a, e in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_theirs), strict=True):
         assert_close(a, e, "float32")
 
 
@@ -144,7 +144,7 @@ def test_fp8_dense_general_is_close_to_fp32(fp8_recipe):
     assert_relative_max_error(out, layer.apply({"params": params}, x), "fp8_forward_vs_fp32")
     (g, _) = jax.jit(jax.grad(fp8_loss, argnums=(0, 1)))(params, state)
     g_ref = jax.grad(fp32_loss)(params)
-    for a, e in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+    for a, e in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
         assert_relative_max_error(a, e, "fp8_backward_vs_fp32")
 
 

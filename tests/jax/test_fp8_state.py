@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from te_jax_tests import _reference as ref
+from te_jax_tests._tolerances import assert_close
 
 import transformer_engine.jax as te
 from transformer_engine.common import recipe
 from transformer_engine.jax.flax import DenseGeneral
-from te_jax_tests import _reference as ref
-from te_jax_tests._tolerances import assert_close
 
 M, K, N = 32, 48, 16
 STEPS = 5
@@ -20,8 +20,8 @@ STEPS = 5
 
 def _recipes():
     yield "hybrid-max", recipe.DelayedScaling(amax_history_len=3, margin=1)
-    yield "e4m3-most-recent", recipe.DelayedScaling(fp8_format=recipe.Format.E4M3,
-                                                    amax_history_len=2, amax_compute_algo="most_recent")
+    yield "e4m3-most-recent", recipe.DelayedScaling(
+        fp8_format=recipe.Format.E4M3, amax_history_len=2, amax_compute_algo="most_recent")
     # Callables (written with jax ops) take the jnp path of the same rule.
     yield "callable", recipe.DelayedScaling(
         amax_history_len=3, amax_compute_algo=lambda h: jnp.max(h, axis=0),
@@ -66,8 +66,8 @@ def test_fp8_metas_follow_the_recipe(name, fp8_recipe):
             history, scale = model[r]
             history = history.copy()
             history[0] = amaxes[r]
-            model[r] = ref.delayed_update(history, scale, fmts[r], fp8_recipe.margin,
-                                          "most_recent" if fp8_recipe.amax_compute_algo == "most_recent" else "max")
+            algo = "most_recent" if fp8_recipe.amax_compute_algo == "most_recent" else "max"
+            model[r] = ref.delayed_update(history, scale, fmts[r], fp8_recipe.margin, algo)
             np.testing.assert_array_equal(np.asarray(new_metas[f"{r}_amax_history"]), model[r][0])
             np.testing.assert_allclose(float(new_metas[f"{r}_scale"][0]), model[r][1], rtol=1e-6)
         metas = te.update_collections({"fp8_metas": new_metas}, {"fp8_metas": metas})["fp8_metas"]

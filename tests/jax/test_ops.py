@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from te_jax_tests import _reference as ref
+from te_jax_tests._tolerances import assert_close
 
 import transformer_engine.jax  # noqa: F401  (registers the targets)
 from transformer_engine.jax import ops
-from te_jax_tests import _reference as ref
-from te_jax_tests._tolerances import assert_close
 
 FORMATS = {"float8_e4m3": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
 
@@ -116,7 +116,8 @@ def test_high_precision_gemm(transpose_a, transpose_b, dtype):
     d = ops.gemm(jnp.asarray(a), jnp.asarray(b), transpose_a=transpose_a,
                  transpose_b=transpose_b, bias=jnp.asarray(bias))
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    expected = (a64.T if transpose_a else a64) @ (b64.T if transpose_b else b64) + bias.astype(np.float64)
+    op_a, op_b = (a64.T if transpose_a else a64), (b64.T if transpose_b else b64)
+    expected = op_a @ op_b + bias.astype(np.float64)
     assert d.dtype == jnp.dtype(dtype) and d.shape == (m, n)
     assert_close(np.asarray(d, np.float64), expected, dtype)
 

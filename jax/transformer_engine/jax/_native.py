@@ -9,7 +9,6 @@ jax keeps the registration until a plugin for that platform appears.
 from __future__ import annotations
 
 import jax
-
 from transformer_engine.jax._version import __version__
 
 __all__ = ["TARGETS", "load"]

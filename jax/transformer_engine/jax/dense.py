@@ -26,10 +26,14 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-
 from transformer_engine.jax import ops
-from transformer_engine.jax.quantizer import (QuantizerSet, make_quantizer_set, quantize_role,
-                                              role_mode, updated_state)
+from transformer_engine.jax.quantizer import (
+    QuantizerSet,
+    make_quantizer_set,
+    quantize_role,
+    role_mode,
+    updated_state,
+)
 
 __all__ = ["dense"]
 
@@ -88,7 +92,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
         raise ValueError(f"dense: x must have rank >= 1 and kernel rank >= 2, got shapes "
                          f"{x.shape} and {kernel.shape}")
     x_dims, k_dims = _normalize_dims(contracting_dims, x.ndim, kernel.ndim)
-    for xd, kd in zip(x_dims, k_dims):
+    for xd, kd in zip(x_dims, k_dims, strict=True):
         if x.shape[xd] != kernel.shape[kd]:
             raise ValueError(f"dense: contracted dims must match, got x dim {xd} of size "
                              f"{x.shape[xd]} and kernel dim {kd} of size {kernel.shape[kd]} "
@@ -106,7 +110,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     k_free = [d for d in range(kernel.ndim) if d not in k_dims]
     batch_shape = tuple(x.shape[d] for d in x_free)
     feature_shape = tuple(kernel.shape[d] for d in k_free)
-    m, k, n = math.prod(batch_shape), math.prod(x.shape[d] for d in x_dims), math.prod(feature_shape)
+    m, n = math.prod(batch_shape), math.prod(feature_shape)
+    k = math.prod(x.shape[d] for d in x_dims)
     if quantizer_set.recipe is not None and (m % 16 or k % 16 or n % 16):
         raise ValueError(
             f"dense: FP8 GEMMs need every dimension to be a multiple of 16, got M={m} (x's "

@@ -14,10 +14,10 @@ import enum
 import math
 from typing import NamedTuple, Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
+import jax
+import jax.numpy as jnp
 from transformer_engine.jax._native import TARGETS, load
 
 __all__ = ["ScalingMode", "QuantizedTensor", "fp8_dtype", "quantize", "dequantize",
@@ -169,7 +169,8 @@ def delayed_scaling_update(amax_histories: Sequence[jax.Array], scales: Sequence
         return [], [], []
     algos = {"max": 0, "most_recent": 1}
     if algo not in algos:
-        raise ValueError(f"delayed_scaling_update: algo must be 'max' or 'most_recent', got {algo!r}")
+        raise ValueError("delayed_scaling_update: algo must be 'max' or 'most_recent', "
+                         f"got {algo!r}")
     results = ([jax.ShapeDtypeStruct(h.shape, _F32) for h in amax_histories]
                + [jax.ShapeDtypeStruct(s.shape, _F32) for s in scales]
                + [jax.ShapeDtypeStruct(s.shape, _F32) for s in scales])

@@ -16,7 +16,6 @@ from typing import Mapping, Optional
 
 import jax
 import jax.numpy as jnp
-
 from transformer_engine.common.recipe import DelayedScaling, Recipe
 from transformer_engine.jax import ops
 from transformer_engine.jax.autocast import get_fp8_recipe
@@ -88,7 +87,8 @@ def _check_state(recipe: DelayedScaling, state: Mapping) -> None:
     for role in ROLES:
         if role not in state or set(state[role]) != {"scale", "amax_history"}:
             raise ValueError(f"make_quantizer_set: state must map each of {ROLES} to a dict with "
-                             f"'scale' and 'amax_history', got {jax.tree_util.tree_structure(state)}")
+                             "'scale' and 'amax_history', got "
+                             f"{jax.tree_util.tree_structure(state)}")
         scale, history = state[role]["scale"], state[role]["amax_history"]
         if jnp.shape(scale) != (1,) or jnp.shape(history) != (recipe.amax_history_len,):
             raise ValueError(
@@ -127,7 +127,8 @@ def quantize_role(x2: jax.Array, qset: QuantizerSet, role: str) -> ops.Quantized
         q = ops.quantize(x2, scale, dtype, rowwise=True, columnwise=True, compute_amax=False)
         return q._replace(amax=amax)
     if recipe.float8_block_scaling():
-        q = ops.quantize(x2, None, dtype, scaling_mode=role_mode(recipe, role), rowwise=True, columnwise=True,
+        q = ops.quantize(x2, None, dtype, scaling_mode=role_mode(recipe, role), rowwise=True,
+                         columnwise=True,
                          compute_amax=False, force_pow2_scales=recipe.power_2_scale,
                          amax_epsilon=recipe.amax_epsilon)
         return q
@@ -151,7 +152,7 @@ def updated_state(recipe: DelayedScaling, state: Mapping, amaxes: Mapping) -> di
                                                  [scales[r] for r in roles], dtype,
                                                  algo=recipe.amax_compute_algo,
                                                  margin=recipe.margin)
-            for r, hr, sr in zip(roles, h, s):
+            for r, hr, sr in zip(roles, h, s, strict=True):
                 new[r] = {"scale": sr, "amax_history": hr}
         return new
     # User callables are written with jax ops (the recipe's contract): same rule, in jnp.

@@ -6,13 +6,17 @@ import math
 from typing import Any, Callable, Sequence, Tuple, Union
 
 import flax.linen as nn
+
 import jax
 import jax.numpy as jnp
-
 from transformer_engine.jax.autocast import get_fp8_recipe
 from transformer_engine.jax.dense import dense
-from transformer_engine.jax.quantizer import (FP8_COLLECTION, ROLES, make_quantizer_set,
-                                              new_fp8_state)
+from transformer_engine.jax.quantizer import (
+    FP8_COLLECTION,
+    ROLES,
+    make_quantizer_set,
+    new_fp8_state,
+)
 
 __all__ = ["DenseGeneral"]
 
