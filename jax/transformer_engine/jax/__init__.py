@@ -11,27 +11,24 @@ for the CPU and CUDA platforms.
 * :mod:`transformer_engine.jax.ops`: the custom calls themselves.
 """
 
-from transformer_engine.jax._native import load as _load
+# Importing ops loads the extension and registers its targets (a clear ImportError if absent).
+from transformer_engine.jax import ops
 from transformer_engine.jax._version import __version__
-
-_load()
-
-from transformer_engine.jax import ops  # noqa: E402
-from transformer_engine.jax.autocast import (  # noqa: E402
-                                             MeshResource,
-                                             autocast,
-                                             fp8_autocast,
-                                             get_fp8_recipe,
-                                             get_mesh_resource,
-                                             is_fp8_enabled,
+from transformer_engine.jax.autocast import (
+    MeshResource,
+    autocast,
+    fp8_autocast,
+    get_fp8_recipe,
+    get_mesh_resource,
+    is_fp8_enabled,
 )
-from transformer_engine.jax.dense import dense  # noqa: E402
-from transformer_engine.jax.quantizer import (  # noqa: E402
-                                             FP8_COLLECTION,
-                                             QuantizerSet,
-                                             make_quantizer_set,
-                                             new_fp8_state,
-                                             update_collections,
+from transformer_engine.jax.dense import dense
+from transformer_engine.jax.quantizer import (
+    FP8_COLLECTION,
+    QuantizerSet,
+    make_quantizer_set,
+    new_fp8_state,
+    update_collections,
 )
 
 __all__ = ["__version__", "MeshResource", "fp8_autocast", "autocast", "get_fp8_recipe",
