@@ -102,3 +102,29 @@ def test_autocast_nesting_and_arguments():
     with pytest.raises(TypeError, match="recipe"):
         with te.fp8_autocast(enabled=True, fp8_recipe="delayed"):
             pass
+
+
+def test_delayed_scaling_under_vmap_updates_the_state_like_one_call_on_the_batch():
+    fp8_recipe = recipe.DelayedScaling(amax_history_len=2)
+    state = te.new_fp8_state(fp8_recipe)
+    ranges = jnp.array([1.0, 5.0, 2.0])[:, None, None]
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, 16, 32)) * ranges
+    w = jax.random.normal(jax.random.PRNGKey(1), (32, 16))
+
+    def mapped(state, x):
+        qset = te.make_quantizer_set(fp8_recipe, state)
+        return _loss(jax.vmap(lambda xi: te.dense(xi, w, quantizer_set=qset))(x))
+
+    def whole(state, x):
+        return _loss(te.dense(x, w, quantizer_set=te.make_quantizer_set(fp8_recipe, state)))
+
+    (l_mapped, g_mapped), (l_whole, g_whole) = (jax.jit(jax.value_and_grad(f))(state, x)
+                                                 for f in (mapped, whole))
+    assert_close(l_mapped, l_whole, "fp8_exact")
+    for a, e in zip(jax.tree.leaves(g_mapped), jax.tree.leaves(g_whole), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+    assert float(g_whole["x"]["amax_history"][1]) == float(jnp.max(jnp.abs(x)))
+
+
+def _loss(out):
+    return jnp.sum(jnp.sin(out))

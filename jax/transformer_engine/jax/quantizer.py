@@ -135,12 +135,32 @@ def quantize_role(x2: jax.Array, qset: QuantizerSet, role: str) -> ops.Quantized
     raise NotImplementedError(f"quantize_role: recipe {type(recipe).__name__} is not supported")
 
 
+@jax.custom_batching.custom_vmap
+def _amax_of_all_mapped(amax):
+    """The identity, except under ``jax.vmap``: the max over the mapped axis, unmapped.
+
+    The FP8 state is shared by every mapped call (it is not mapped), so its update must see
+    the amax of all of them, as one call on the whole batch would; and an unmapped new state
+    is also what keeps jax from summing the mapped calls' states as if they were gradients.
+    """
+    return amax
+
+
+@_amax_of_all_mapped.def_vmap
+def _amax_of_all_mapped_vmap(axis_size, in_batched, amax):
+    del axis_size
+    if not in_batched[0]:
+        return amax, False
+    return jnp.max(amax, axis=0), False
+
+
 def updated_state(recipe: DelayedScaling, state: Mapping, amaxes: Mapping) -> dict:
     """The delayed-scaling state after a step whose amaxes were ``amaxes`` (role -> [1]).
 
     Each role's amax goes into slot 0 of its history, then the recipe's update runs: the
     new scale from the history, and the history rolled by one with slot 0 cleared.
     """
+    amaxes = {r: _amax_of_all_mapped(amaxes[r]) for r in ROLES}
     histories = {r: state[r]["amax_history"].at[0].set(amaxes[r][0]) for r in ROLES}
     scales = {r: state[r]["scale"] for r in ROLES}
     new = {}
