@@ -151,3 +151,23 @@ def test_core_errors_reach_python_with_the_core_message():
 def test_gemm_shape_mismatch_is_caught_at_trace_time():
     with pytest.raises(ValueError, match="contraction dimensions"):
         jax.jit(lambda a, b: ops.gemm(a, b)).lower(jnp.ones((4, 8)), jnp.ones((6, 4)))
+
+
+def test_a_missing_extension_gives_an_import_error_that_says_how_to_install(monkeypatch):
+    import sys
+
+    from transformer_engine.jax import _native
+
+    monkeypatch.setattr(_native, "_module", None)
+    monkeypatch.delattr(transformer_engine.jax, "_te_jax")
+    monkeypatch.setitem(sys.modules, "transformer_engine.jax._te_jax", None)
+    with pytest.raises(ImportError, match="Install the wheel 'transformer-engine-jax'"):
+        _native.load()
+
+
+def test_every_target_is_registered_for_cpu_and_cuda():
+    from transformer_engine.jax import _native
+
+    registrations = _native.load().registrations()
+    assert set(registrations) == set(_native.TARGETS.values())
+    assert all(set(p) == {"cpu", "CUDA"} for p in registrations.values())
