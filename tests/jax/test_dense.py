@@ -247,6 +247,6 @@ def test_cuda_dense_matches_the_cpu_path():
     gpu, cpu = jax.devices("gpu")[0], jax.devices("cpu")[0]
     out_gpu = jax.jit(f)(*jax.device_put((x, w, b), gpu))
     out_cpu = jax.jit(f)(*jax.device_put((x, w, b), cpu))
-    assert_close(np.asarray(out_gpu), np.asarray(out_cpu), "fp8_exact")
+    assert_close(np.asarray(out_gpu), np.asarray(out_cpu), "fp8_cuda_vs_cpu")
     text = jax.jit(f).lower(*jax.device_put((x, w, b), gpu)).compile().as_text()
     assert hlo.count_fp8_gemms(text) == 1
