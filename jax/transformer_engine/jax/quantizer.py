@@ -161,7 +161,8 @@ def updated_state(recipe: DelayedScaling, state: Mapping, amaxes: Mapping) -> di
     new scale from the history, and the history rolled by one with slot 0 cleared.
     """
     amaxes = {r: _amax_of_all_mapped(amaxes[r]) for r in ROLES}
-    histories = {r: state[r]["amax_history"].at[0].set(amaxes[r][0]) for r in ROLES}
+    # max with slot 0 (cleared by the last update): NaN propagates, as in the PyTorch package.
+    histories = {r: state[r]["amax_history"].at[0].max(amaxes[r][0]) for r in ROLES}
     scales = {r: state[r]["scale"] for r in ROLES}
     new = {}
     if isinstance(recipe.amax_compute_algo, str) and recipe.scaling_factor_compute_algo is None:
