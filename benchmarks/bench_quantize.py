@@ -13,7 +13,14 @@ import argparse
 
 import torch
 
-from harness import H200_COPY_TBPS, measure_copy_tbps, rotating, time_cuda, write_result
+from harness import (
+    H200_COPY_TBPS,
+    measure_copy_tbps,
+    rotating,
+    time_cuda,
+    time_cuda_graph,
+    write_result,
+)
 from transformer_engine.common import core
 
 SHAPES = [(8192, 8192), (16384, 4096)]
@@ -33,7 +40,10 @@ def torch_cast_transpose(x: torch.Tensor, scale: torch.Tensor):
 
 def bench_shape(m: int, k: int, compiled: dict) -> list[dict]:
     _core = core()
-    stream = torch.cuda.current_stream().cuda_stream
+
+    def stream() -> int:  # read at call time: CUDA graph capture runs on a side stream
+        return torch.cuda.current_stream().cuda_stream
+
     scale = torch.tensor([3.0], device="cuda")
 
     def make():
@@ -59,12 +69,12 @@ def bench_shape(m: int, k: int, compiled: dict) -> list[dict]:
 
     cases = {
         ("quantize", "transformer_engine"): lambda i: _core.quantize(
-            inputs[i % n], rowwise, stream=stream
+            inputs[i % n], rowwise, stream=stream()
         ),
         ("quantize", "torch_eager"): lambda i: torch_cast(inputs[i % n], scale),
         ("quantize", "torch_compile"): lambda i: compiled["cast"](inputs[i % n], scale),
         ("quantize_transpose", "transformer_engine"): lambda i: _core.quantize(
-            inputs[i % n], both, stream=stream
+            inputs[i % n], both, stream=stream()
         ),
         ("quantize_transpose", "torch_eager"): lambda i: torch_cast_transpose(inputs[i % n], scale),
         ("quantize_transpose", "torch_compile"): lambda i: compiled["cast_transpose"](
@@ -73,25 +83,29 @@ def bench_shape(m: int, k: int, compiled: dict) -> list[dict]:
     }
     rows = []
     for (op, impl), fn in cases.items():
-        t = time_cuda(fn)
-        nbytes = m * k * (2 + 1 + (1 if op == "quantize_transpose" else 0))
-        tbps = nbytes / (t["median_ms"] * 1e-3) / 1e12
-        rows.append(
-            {
-                "op": op,
-                "impl": impl,
-                "shape": [m, k],
-                "input_dtype": "bfloat16",
-                "output_dtype": "float8_e4m3",
-                "bytes_moved": nbytes,
-                **t,
-                "effective_tbps": tbps,
-                "percent_of_h200_copy": 100 * tbps / H200_COPY_TBPS,
-            }
-        )
-        print(f"{op:20s} {impl:20s} {m}x{k}: {t['median_ms']:.4f} ms  {tbps:.2f} TB/s")
+        for timing, timer in (("launches", time_cuda), ("cuda_graph", time_cuda_graph)):
+            t = timer(fn)
+            nbytes = m * k * (2 + 1 + (1 if op == "quantize_transpose" else 0))
+            tbps = nbytes / (t["median_ms"] * 1e-3) / 1e12
+            rows.append(
+                {
+                    "op": op,
+                    "impl": impl,
+                    "timing": timing,
+                    "shape": [m, k],
+                    "input_dtype": "bfloat16",
+                    "output_dtype": "float8_e4m3",
+                    "bytes_moved": nbytes,
+                    **t,
+                    "effective_tbps": tbps,
+                    "percent_of_h200_copy": 100 * tbps / H200_COPY_TBPS,
+                }
+            )
+            print(
+                f"{op:20s} {impl:20s} {m}x{k} {timing:10s}: {t['median_ms']:.4f} ms {tbps:.2f} TB/s"
+            )
     # The core's bits must equal torch's cast, else the comparison is meaningless.
-    _core.quantize(inputs[0], both, stream=stream)
+    _core.quantize(inputs[0], both, stream=stream())
     ref_q, ref_qt, ref_amax = torch_cast_transpose(inputs[0], scale)
     torch.cuda.synchronize()
     rows.append(

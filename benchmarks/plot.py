@@ -2,7 +2,8 @@
 
     python benchmarks/plot.py benchmarks/results/quantize.json [--metric effective_tbps]
 
-Rows with the same (op, shape) form a group; each implementation is one bar. A dashed line
+Rows with the same (op, shape, timing) form a group; each implementation is one bar. The
+metric is the first of METRICS that the rows carry, unless --metric names one. A dashed line
 marks the result's ``target_tbps`` (or ``target``) when it has one.
 """
 
@@ -12,6 +13,20 @@ import argparse
 import json
 from pathlib import Path
 
+METRICS = ("effective_tbps", "tflops", "speedup", "median_ms")
+
+
+def _shape(row: dict) -> str:
+    for key, value in row.items():
+        if key.startswith("shape"):
+            return "x".join(map(str, value)) if isinstance(value, list) else str(value)
+    return ""
+
+
+def _group(row: dict) -> str:
+    label = f"{row['op']}\n{_shape(row)}"
+    return label + (f"\n{row['timing']}" if "timing" in row else "")
+
 
 def plot(path: Path, metric: str) -> Path:
     import matplotlib
@@ -20,27 +35,26 @@ def plot(path: Path, metric: str) -> Path:
     import matplotlib.pyplot as plt
 
     data = json.loads(path.read_text())
-    rows = [r for r in data["results"] if metric in r and "impl" in r]
-    groups = list(dict.fromkeys(f"{r['op']}\n{'x'.join(map(str, r['shape']))}" for r in rows))
+    rows = [r for r in data["results"] if "impl" in r]
+    if metric == "auto":
+        metric = next((m for m in METRICS if any(m in r for r in rows)), METRICS[0])
+    rows = [r for r in rows if metric in r]
+    groups = list(dict.fromkeys(_group(r) for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     width = 0.8 / len(impls)
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    fig, ax = plt.subplots(figsize=(min(24, max(6, 0.9 * len(groups))), 5))
     for j, impl in enumerate(impls):
         values = []
         for g in groups:
-            match = [
-                r[metric]
-                for r in rows
-                if r["impl"] == impl and f"{r['op']}\n{'x'.join(map(str, r['shape']))}" == g
-            ]
+            match = [r[metric] for r in rows if r["impl"] == impl and _group(r) == g]
             values.append(match[0] if match else 0.0)
         xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(groups))]
         bars = ax.bar(xs, values, width, label=impl)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.bar_label(bars, fmt="%.4g", fontsize=6)
     target = data.get("target_tbps", data.get("target"))
     if target is not None:
         ax.axhline(target, linestyle="--", color="gray", linewidth=1, label=f"target {target}")
-    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+    ax.set_xticks(range(len(groups)), groups, fontsize=6, rotation=60, ha="right")
     ax.set_ylabel(metric)
     env = data.get("environment", {})
     ax.set_title(
@@ -57,7 +71,7 @@ def plot(path: Path, metric: str) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", type=Path, nargs="+")
-    parser.add_argument("--metric", default="effective_tbps")
+    parser.add_argument("--metric", default="auto")
     args = parser.parse_args()
     for p in args.json:
         plot(p, args.metric)

@@ -40,5 +40,6 @@ for bench in benchmarks/bench_*.py; do
 done
 step memcheck timeout ${TE_MEMCHECK_TIMEOUT:-240} compute-sanitizer --tool memcheck --error-exitcode 1 \
   python3 -m pytest -p no:cacheprovider -m "cuda and not slow" -q -x "$@" tests/common/test_quantize.py \
-  tests/common/test_block_quantize.py tests/common/test_scaling.py tests/common/test_transpose.py
+  tests/common/test_block_quantize.py tests/common/test_scaling.py tests/common/test_transpose.py \
+  tests/common/test_gemm.py
 exit $status

@@ -43,3 +43,27 @@ def round_trip_bound(x: np.ndarray, scale_inv: np.ndarray, fmt_name: str) -> np.
     b = ROUND_TRIP[fmt_name]
     ax = np.abs(x.astype(np.float64))
     return ax * (b.relative + FLOAT32_SLACK) + b.absolute_scaled * scale_inv.astype(np.float64)
+
+
+# ---------------------------------------------------------------- GEMM
+# A GEMM is compared with a float64 product of the same (dequantized) operands. Summing K
+# products in float32 errs by at most about K * 2^-24 times sum_k |a_ik b_kj| (the classic
+# recursive-summation bound; blocked or tree orders only lower it), so the bound below is that
+# with a factor 2 of room, plus half an ulp of the output dtype for the final rounding.
+# FP8 operands go through Hopper's FP8 tensor cores, whose MMA accumulates with only about 14
+# significant bits before partial sums are promoted to float32 (the DeepSeek-V3 report measured
+# this on H800); the split accumulator promotes more often but cannot undo it within one MMA.
+# On the H200 the error reached 2^-10.5 of sum |a b| (torch._scaled_mm gives the same bits);
+# 2^-9 gives that three times the room. It also covers fast accumulation at the tests' K <= 512.
+FP32_ACCUMULATION = 2.0**-23
+FP8_TENSOR_CORE_ACCUMULATION = 2.0**-9
+OUTPUT_HALF_ULP = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def gemm_bound(
+    abs_product: np.ndarray, want: np.ndarray, k: int, out_dtype: str, fp8: bool = False
+) -> np.ndarray:
+    """Largest |got - want| allowed per element of a GEMM output: abs_product is |A| @ |B| of
+    the (dequantized) operands in float64, want the float64 result."""
+    acc = FP32_ACCUMULATION * max(k, 1) + (FP8_TENSOR_CORE_ACCUMULATION if fp8 else 0.0)
+    return acc * abs_product + OUTPUT_HALF_ULP[out_dtype] * np.abs(want) + 1e-30

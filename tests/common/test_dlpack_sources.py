@@ -202,3 +202,41 @@ def test_torch_float8_natively_on_cuda(cuda_device):
     want = ref.quantize_blocks(x, "mxfp8", ref.E4M3)
     np.testing.assert_array_equal(sinv.view(torch.uint8).cpu().numpy(), want["scale_inv"])
     ref.assert_fp8_equal(data.view(torch.uint8).cpu().numpy(), want["data"], ref.E4M3)
+
+
+def test_raw_buffer_tuples_match_arrays():
+    """The fast (data_ptr, DType, shape, device) form reads and writes the same memory."""
+    x = np.arange(-6, 6, dtype=np.float32).reshape(3, 4)
+    amax = np.zeros(1, np.float32)
+    raw_x = (x.ctypes.data, core.DType.float32, (3, 4), -1)
+    core.compute_amax(raw_x, core.Tensor(amax=(amax.ctypes.data, core.DType.float32, (1,), -1)))
+    assert amax[0] == 6.0
+    d = np.zeros((3, 3), np.float32)
+    core.gemm(raw_x, raw_x, (d.ctypes.data, core.DType.float32, (3, 3), -1))
+    np.testing.assert_array_equal(d, x @ x.T)
+
+
+def test_raw_buffer_tuple_of_another_form_is_a_type_error():
+    with pytest.raises(TypeError, match=r"^compute_amax: input.data must be an array or a "
+                                        r"\(data_ptr, DType, shape tuple, device\) tuple"):
+        core.compute_amax((0, "float32", (1,)), core.Tensor(amax=np.zeros(1, np.float32)))
+
+
+@pytest.mark.cuda
+def test_cupy_arrays_on_cuda(cuda_device):
+    """cupy speaks DLPack too: its arrays and its stream work like torch's."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 48)).astype(np.float32)
+    scale = np.array([4.0], np.float32)
+    want = ref.quantize_tensor(x, scale[0], ref.E4M3)
+    data = cp.zeros((64, 48), cp.uint8)
+    scale_inv = cp.zeros(1, cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = core.Tensor(data, dtype=core.DType.float8_e4m3, scale=cp.asarray(scale),
+                          scale_inv=scale_inv)
+        core.quantize(cp.asarray(x), out, stream=stream.ptr)
+    stream.synchronize()
+    ref.assert_fp8_equal(cp.asnumpy(data), want["data"], ref.E4M3, "cupy data")
+    assert cp.asnumpy(scale_inv)[0] == want["scale_inv"]

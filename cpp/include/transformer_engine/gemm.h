@@ -20,7 +20,8 @@
  *   - high precision: both fp32, both fp16 or both bf16; D has their dtype, or fp32;
  *   - FP8: E4M3 x E4M3, E4M3 x E5M2 or E5M2 x E4M3 (E5M2 x E5M2 has no tensor-core kernel),
  *     each with its SCALE_INV by the tensor's scaling mode:
- *       TENSOR x TENSOR:          scale_inv [1] fp32 each; D in fp32/bf16/fp16, or FP8;
+ *       TENSOR x TENSOR:          scale_inv [1] fp32 each; D in fp32/bf16/fp16, or FP8 (E5M2
+ *                                 only when an operand is E5M2);
  *       BLOCK_1X128 x BLOCK_128X128, BLOCK_1X128 x BLOCK_1X128 (a x b): scale_inv in the
  *         layout of tensor.h for the stored [rows, K] matrix; D in fp32 or bf16 (Hopper only).
  *     M, N and K must be multiples of 16 for FP8 (the tensor cores' granule; the error names

@@ -105,6 +105,20 @@ class Checker {
   int device_id_ = 0;
 };
 
+// Makes the buffers' CUDA device current for one call and restores the caller's afterwards:
+// the caller's stream and our kernels must run on the device that holds the memory, whatever
+// device the calling thread had selected. A no-op in a CPU-only build.
+class CudaDeviceScope {
+ public:
+  explicit CudaDeviceScope(int device);
+  ~CudaDeviceScope();
+  CudaDeviceScope(const CudaDeviceScope &) = delete;
+  CudaDeviceScope &operator=(const CudaDeviceScope &) = delete;
+
+ private:
+  int previous_ = -1;  // the caller's device when it was changed, else -1
+};
+
 // Error for a CUDA buffer reaching a core built without CUDA.
 te_status no_cuda_build(const char *op);
 

@@ -20,5 +20,7 @@ te_status delayed_scaling_update_cuda(const DelayedScalingArgs &, te_stream) {
 te_status transpose_cuda(const TransposeArgs &, te_stream) { return no_cuda_build("transpose"); }
 te_status gemm_cuda(const GemmArgs &, te_stream) { return no_cuda_build("gemm"); }
 size_t gemm_workspace_size() { return 0; }
+CudaDeviceScope::CudaDeviceScope(int) {}
+CudaDeviceScope::~CudaDeviceScope() {}
 
 }  // namespace te

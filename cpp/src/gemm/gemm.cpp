@@ -138,6 +138,12 @@ bool check_output(Checker &check, te_tensor *d, const te_tensor *bias, te_tensor
   g->d = dd->data;
   g->d_dtype = dd->dtype;
   const bool fp8_out = is_fp8(dd->dtype);
+  if (dd->dtype == TE_DTYPE_FLOAT8_E5M2 && g->a.dtype != TE_DTYPE_FLOAT8_E5M2 &&
+      g->b.dtype != TE_DTYPE_FLOAT8_E5M2) {
+    return check.fail(TE_ERROR_TYPE, std::string("d.data may be float8_e5m2 only when a or b is "
+                                                 "float8_e5m2 (cuBLASLt's FP8 rule), got a ") +
+                                         te_dtype_name(g->a.dtype) + " and b " + te_dtype_name(g->b.dtype));
+  }
   if (fp8_out) {
     const te_buffer *s = slot(d, TE_SLOT_SCALE);
     if (!check.fp32_scalar(s, "d.scale")) return false;
@@ -234,7 +240,10 @@ te_status te_gemm(const te_tensor *a, const te_tensor *b, te_tensor *d, const te
     g.workspace = workspace;
     g.workspace_size = workspace != nullptr ? workspace_size : 0;
     g.device = check.device_id();
-    if (check.device() == TE_DEVICE_CUDA) return te::gemm_cuda(g, stream);
+    if (check.device() == TE_DEVICE_CUDA) {
+      te::CudaDeviceScope on_device(check.device_id());
+      return te::gemm_cuda(g, stream);
+    }
     te::gemm_ref(g);
     return TE_SUCCESS;
   });

@@ -167,7 +167,8 @@ void gemm_ref(const GemmArgs &g) {
   // Rows are split into even-sized chunks (pairs stay together), one thread per chunk; small
   // products stay on the calling thread.
   const double flops = 2.0 * static_cast<double>(g.m) * g.n * g.k;
-  const int64_t hw = std::max(1u, std::thread::hardware_concurrency());
+  // Asked once: the query reads a file on Linux, which would cost more than a small GEMM.
+  static const int64_t hw = std::max(1u, std::thread::hardware_concurrency());
   const int64_t threads = std::min<int64_t>({hw, ceil_div(g.m, 2), flops > 2e7 ? hw : 1});
   if (threads <= 1) {
     compute_rows(g, p, 0, g.m, raw.data());

@@ -178,7 +178,10 @@ te_status te_quantize(const te_tensor *input, te_tensor *output, const te_quanti
     te::Checker check("quantize");
     te::QuantizeArgs args;
     if (!te::check_quantize(check, input, output, config, &args)) return check.status();
-    if (check.device() == TE_DEVICE_CUDA) return te::quantize_cuda(args, stream);
+    if (check.device() == TE_DEVICE_CUDA) {
+      te::CudaDeviceScope on_device(check.device_id());
+      return te::quantize_cuda(args, stream);
+    }
     te::quantize_ref(args);
     return TE_SUCCESS;
   });
@@ -189,7 +192,10 @@ te_status te_dequantize(const te_tensor *input, te_tensor *output, te_stream str
     te::Checker check("dequantize");
     te::DequantizeArgs args;
     if (!te::check_dequantize(check, input, output, &args)) return check.status();
-    if (check.device() == TE_DEVICE_CUDA) return te::dequantize_cuda(args, stream);
+    if (check.device() == TE_DEVICE_CUDA) {
+      te::CudaDeviceScope on_device(check.device_id());
+      return te::dequantize_cuda(args, stream);
+    }
     te::dequantize_ref(args);
     return TE_SUCCESS;
   });

@@ -56,7 +56,10 @@ te_status te_compute_amax(const te_tensor *input, te_tensor *output, te_stream s
     if (!check.fp32_scalar(amax, "output.amax")) return check.status();
     if (!check.disjoint({{amax, "output.amax"}}, {{in, "input.data"}})) return check.status();
     te::AmaxArgs args{in->data, in->dtype, te::numel(*in), static_cast<float *>(amax->data)};
-    if (check.device() == TE_DEVICE_CUDA) return te::compute_amax_cuda(args, stream);
+    if (check.device() == TE_DEVICE_CUDA) {
+      te::CudaDeviceScope on_device(check.device_id());
+      return te::compute_amax_cuda(args, stream);
+    }
     te::compute_amax_ref(args);
     return TE_SUCCESS;
   });
@@ -94,7 +97,10 @@ te_status te_compute_scale_from_amax(te_tensor *tensor, const te_quantize_config
       args.epsilon = config->amax_epsilon;
       args.pow2 = config->force_pow2_scales != 0;
     }
-    if (check.device() == TE_DEVICE_CUDA) return te::scale_from_amax_cuda(args, stream);
+    if (check.device() == TE_DEVICE_CUDA) {
+      te::CudaDeviceScope on_device(check.device_id());
+      return te::scale_from_amax_cuda(args, stream);
+    }
     te::scale_from_amax_ref(args);
     return TE_SUCCESS;
   });
@@ -152,7 +158,10 @@ te_status te_delayed_scaling_update(te_tensor *const *amax_histories, te_tensor 
     if (!check.disjoint(written, {})) return check.status();
     te::DelayedScalingArgs args{groups.data(), groups.size(), te::fp8_max(fp8_dtype), algo, margin};
     if (num_tensors == 0) return TE_SUCCESS;
-    if (check.device() == TE_DEVICE_CUDA) return te::delayed_scaling_update_cuda(args, stream);
+    if (check.device() == TE_DEVICE_CUDA) {
+      te::CudaDeviceScope on_device(check.device_id());
+      return te::delayed_scaling_update_cuda(args, stream);
+    }
     te::delayed_scaling_update_ref(args);
     return TE_SUCCESS;
   });

@@ -23,7 +23,10 @@ extern "C" te_status te_transpose(const te_tensor *input, te_tensor *output, te_
     }
     if (!check.disjoint({{out, "output.data"}}, {{in, "input.data"}})) return check.status();
     te::TransposeArgs args{in->data, out->data, m, k, te_dtype_size(in->dtype)};
-    if (check.device() == TE_DEVICE_CUDA) return te::transpose_cuda(args, stream);
+    if (check.device() == TE_DEVICE_CUDA) {
+      te::CudaDeviceScope on_device(check.device_id());
+      return te::transpose_cuda(args, stream);
+    }
     te::transpose_ref(args);
     return TE_SUCCESS;
   });

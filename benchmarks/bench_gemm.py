@@ -1,0 +1,160 @@
+"""The core's GEMM (cuBLASLt) side by side with torch's at the shapes of BASELINES.md.
+
+Contenders, each D[M, N] = A[M, K] @ B[N, K]^T with a bf16 output:
+  - transformer_engine FP8 E4M3 per-tensor (fast accumulation, as for a forward GEMM, and
+    split accumulation, as for dgrad/wgrad), and block-scaled FP8 (1x128 x 128x128);
+  - torch._scaled_mm (cuBLASLt itself: the ceiling of a per-tensor FP8 GEMM);
+  - transformer_engine bf16 and torch bf16 (`a @ b.t()`).
+Each is timed by launches (host cost overlapping, as in training) and by CUDA graph replay
+(GPU time alone). Results are checked against torch before they are written.
+
+    python benchmarks/bench_gemm.py       # writes benchmarks/results/gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from harness import time_cuda, time_cuda_graph, write_result
+from transformer_engine.common import core
+
+SHAPES = [(8192, 8192, 8192), (16384, 8192, 8192), (4096, 4096, 4096), (2048, 3072, 768)]
+
+
+def stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def fp8_operand(_core, x: torch.Tensor):
+    """Per-tensor E4M3 of x through the core (scale = 448 / amax)."""
+    scale = (448.0 / x.abs().amax().float()).reshape(1)
+    data = torch.empty(x.shape, dtype=torch.uint8, device="cuda")
+    t = _core.Tensor(
+        data, dtype=_core.DType.float8_e4m3, scale=scale, scale_inv=torch.empty(1, device="cuda")
+    )
+    _core.quantize(x, t, stream=stream())
+    return t
+
+
+def block_operand(_core, x: torch.Tensor, mode: str):
+    m, k = x.shape
+    rows = m if mode == "block_1x128" else -(-m // 128)
+    data = torch.empty(x.shape, dtype=torch.uint8, device="cuda")
+    t = _core.Tensor(
+        data,
+        dtype=_core.DType.float8_e4m3,
+        scaling_mode=getattr(_core.ScalingMode, mode),
+        scale_inv=torch.empty(rows, -(-k // 128), device="cuda"),
+    )
+    _core.quantize(x, t, stream=stream())
+    return t
+
+
+def bench_shape(m: int, n: int, k: int, workspace: torch.Tensor) -> list[dict]:
+    _core = core()
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    qa, qb = fp8_operand(_core, a), fp8_operand(_core, b)
+    ba, bb = block_operand(_core, a, "block_1x128"), block_operand(_core, b, "block_128x128")
+    a8 = qa.data.view(torch.float8_e4m3fn)
+    b8 = qb.data.view(torch.float8_e4m3fn)
+    d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def ours(x, y, split=False):
+        return lambda i: _core.gemm(
+            x, y, d, use_split_accumulator=split, workspace=workspace, stream=stream()
+        )
+
+    def scaled_mm(fast):
+        return lambda i: torch._scaled_mm(
+            a8, b8.t(), qa.scale_inv, qb.scale_inv, out_dtype=torch.bfloat16, use_fast_accum=fast
+        )
+
+    cases = {
+        ("fp8_tensor_fast_accum", "transformer_engine"): ours(qa, qb),
+        ("fp8_tensor_fast_accum", "torch._scaled_mm"): scaled_mm(True),
+        ("fp8_tensor_split_accum", "transformer_engine"): ours(qa, qb, split=True),
+        ("fp8_tensor_split_accum", "torch._scaled_mm"): scaled_mm(False),
+        ("fp8_block_1x128_128x128", "transformer_engine"): ours(ba, bb),
+        ("bf16", "transformer_engine"): ours(a, b),
+        ("bf16", "torch"): lambda i: torch.matmul(a, b.t()),
+    }
+    rows = []
+    flops = 2.0 * m * n * k
+    for (op, impl), fn in cases.items():
+        for timing, timer in (("launches", time_cuda), ("cuda_graph", time_cuda_graph)):
+            try:
+                t = timer(fn)
+            except RuntimeError as err:  # a contender this device or build cannot run
+                rows.append({"op": op, "impl": impl, "shape_mnk": [m, n, k], "error": str(err)})
+                print(f"{op:26s} {impl:20s} {m}x{n}x{k}: {err}")
+                break
+            tflops = flops / (t["median_ms"] * 1e-3) / 1e12
+            rows.append(
+                {
+                    "op": op,
+                    "impl": impl,
+                    "shape_mnk": [m, n, k],
+                    "timing": timing,
+                    "output_dtype": "bfloat16",
+                    **t,
+                    "tflops": tflops,
+                }
+            )
+            print(
+                f"{op:26s} {impl:20s} {m}x{n}x{k} {timing:10s}: {t['median_ms']:.4f} ms "
+                f"{tflops:7.1f} TFLOP/s"
+            )
+    # The comparison only counts if the results agree.
+    _core.gemm(qa, qb, d, workspace=workspace, stream=stream())
+    ref = scaled_mm(True)(0).float()
+    ours_fp8 = d.float()
+    _core.gemm(ba, bb, d, workspace=workspace, stream=stream())
+    ours_block = d.float()
+    exact = a.float() @ b.float().t()
+    scale = exact.abs().max().item()
+    rows.append(
+        {
+            "op": "check",
+            "shape_mnk": [m, n, k],
+            "fp8_tensor_max_abs_diff_vs_scaled_mm_relative": (ours_fp8 - ref).abs().max().item()
+            / scale,
+            "fp8_tensor_max_abs_err_vs_bf16_inputs_fp32_relative": (ours_fp8 - exact)
+            .abs()
+            .max()
+            .item()
+            / scale,
+            "fp8_block_max_abs_err_vs_bf16_inputs_fp32_relative": (ours_block - exact)
+            .abs()
+            .max()
+            .item()
+            / scale,
+        }
+    )
+    print(rows[-1])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--name", default="gemm")
+    args = parser.parse_args()
+    _core = core()
+    workspace = torch.empty(_core.gemm_workspace_size(), dtype=torch.uint8, device="cuda")
+    rows = []
+    for m, n, k in SHAPES:
+        rows += bench_shape(m, n, k, workspace)
+    write_result(
+        args.name,
+        {
+            "description": "D = A @ B^T, bf16 output: the core's cuBLASLt GEMM (FP8 per-tensor, "
+            "FP8 block-scaled, bf16) beside torch._scaled_mm and torch bf16",
+            "results": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+// Binding of quantize.h, scaling.h and transpose.h.
+#include <nanobind/stl/vector.h>
+
+#include <vector>
+
+#include "binding_util.h"
+
+namespace te_binding {
+
+using namespace nb::literals;
+
+void register_quantize(nb::module_ &m) {
+  m.def(
+      "quantize",
+      [](nb::handle input, nb::handle output, bool force_pow2_scales, float amax_epsilon,
+         uintptr_t stream) {
+        Handle in = make_handle("quantize", "input", input, 0);
+        Handle out = make_handle("quantize", "output", output, kAllSlots & ~(1u << TE_SLOT_SCALE));
+        const te_quantize_config config{force_pow2_scales ? 1 : 0, amax_epsilon};
+        nb::gil_scoped_release release;
+        check_status(te_quantize(in.get(), out.get(), &config, as_stream(stream)));
+      },
+      "input"_a, "output"_a, nb::kw_only(), "force_pow2_scales"_a = false, "amax_epsilon"_a = 0.0f,
+      "stream"_a = 0, "Quantizes input (array or Tensor) into the FP8 Tensor output.");
+
+  m.def(
+      "dequantize",
+      [](nb::handle input, nb::handle output, uintptr_t stream) {
+        Handle in = make_handle("dequantize", "input", input, 0);
+        Handle out = make_handle("dequantize", "output", output, kAllSlots);
+        nb::gil_scoped_release release;
+        check_status(te_dequantize(in.get(), out.get(), as_stream(stream)));
+      },
+      "input"_a, "output"_a, nb::kw_only(), "stream"_a = 0,
+      "Dequantizes the FP8 Tensor input into output (array or Tensor).");
+
+  m.def(
+      "compute_amax",
+      [](nb::handle input, nb::handle output, uintptr_t stream) {
+        Handle in = make_handle("compute_amax", "input", input, 0);
+        Handle out = make_handle("compute_amax", "output", output, 1u << TE_SLOT_AMAX);
+        nb::gil_scoped_release release;
+        check_status(te_compute_amax(in.get(), out.get(), as_stream(stream)));
+      },
+      "input"_a, "output"_a, nb::kw_only(), "stream"_a = 0,
+      "Writes max|input| into output.amax.");
+
+  m.def(
+      "compute_scale_from_amax",
+      [](nb::handle tensor, bool force_pow2_scales, float amax_epsilon, uintptr_t stream) {
+        Handle t = make_handle("compute_scale_from_amax", "tensor", tensor,
+                               (1u << TE_SLOT_SCALE) | (1u << TE_SLOT_SCALE_INV));
+        const te_quantize_config config{force_pow2_scales ? 1 : 0, amax_epsilon};
+        nb::gil_scoped_release release;
+        check_status(te_compute_scale_from_amax(t.get(), &config, as_stream(stream)));
+      },
+      "tensor"_a, nb::kw_only(), "force_pow2_scales"_a = false, "amax_epsilon"_a = 0.0f,
+      "stream"_a = 0, "Current scaling: tensor.scale and tensor.scale_inv from tensor.amax.");
+
+  m.def(
+      "transpose",
+      [](nb::handle input, nb::handle output, uintptr_t stream) {
+        Handle in = make_handle("transpose", "input", input, 0);
+        Handle out = make_handle("transpose", "output", output, kAllSlots);
+        nb::gil_scoped_release release;
+        check_status(te_transpose(in.get(), out.get(), as_stream(stream)));
+      },
+      "input"_a, "output"_a, nb::kw_only(), "stream"_a = 0,
+      "Writes the transpose of input ([M, K] view) into output ([K, M]).");
+
+  m.def(
+      "delayed_scaling_update",
+      [](const std::vector<nb::object> &amax_histories, const std::vector<nb::object> &scales,
+         const std::vector<nb::object> &scale_invs, te_dtype fp8_dtype, te_amax_compute_algo algo,
+         int32_t margin, uintptr_t stream) {
+        const char *op = "delayed_scaling_update";
+        if (scales.size() != amax_histories.size() || scale_invs.size() != amax_histories.size()) {
+          throw nb::value_error((std::string(op) + ": scales and scale_invs must have one entry per "
+                                 "amax history (" + std::to_string(amax_histories.size()) + "), got " +
+                                 std::to_string(scales.size()) + " and " + std::to_string(scale_invs.size()))
+                                    .c_str());
+        }
+        std::vector<Handle> owned;
+        std::vector<te_tensor *> h, s, si;
+        for (size_t i = 0; i < amax_histories.size(); ++i) {
+          const std::string idx = "[" + std::to_string(i) + "]";
+          owned.push_back(plain_handle(op, "amax_histories" + idx, amax_histories[i], true));
+          h.push_back(owned.back().get());
+          owned.push_back(plain_handle(op, "scales" + idx, scales[i], true));
+          s.push_back(owned.back().get());
+          owned.push_back(plain_handle(op, "scale_invs" + idx, scale_invs[i], true));
+          si.push_back(owned.back().get());
+        }
+        nb::gil_scoped_release release;
+        check_status(te_delayed_scaling_update(h.data(), s.data(), si.data(), h.size(), fp8_dtype,
+                                               algo, margin, as_stream(stream)));
+      },
+      "amax_histories"_a, "scales"_a, "scale_invs"_a, nb::kw_only(), "fp8_dtype"_a,
+      "algo"_a = TE_AMAX_COMPUTE_MAX, "margin"_a = 0, "stream"_a = 0,
+      "Delayed scaling: updates the scales of many amax histories in one call.");
+}
+
+}  // namespace te_binding
