@@ -89,6 +89,14 @@ def test_dense_general_computes_in_its_dtype():
     assert layer.apply(variables, x).dtype == jnp.bfloat16
 
 
+def test_dense_general_records_logical_axes():
+    layer = DenseGeneral(features=32, kernel_axes=("embed", "mlp"), bias_axes=("mlp",))
+    variables = layer.init(jax.random.PRNGKey(0), jnp.ones((16, 64)))
+    specs = nn.get_partition_spec(variables)["params"]
+    assert tuple(specs["kernel"]) == ("embed", "mlp") and tuple(specs["bias"]) == ("mlp",)
+    assert layer.apply(variables, jnp.ones((16, 64))).shape == (16, 32)
+
+
 def _current_scaling_reference(x, w, dy):
     """fp64 results of the three GEMMs on the FP8 values that current scaling makes."""
     x2 = np.asarray(x, np.float32).reshape(-1, K)
