@@ -62,6 +62,7 @@ def contenders(features: int) -> dict:
     common = dict(features=features, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.float32)
     return {
         "te_dense_general_fp8": (DenseGeneral(**common), True),
+        "te_dense_general_bf16": (DenseGeneral(**common), False),  # our GEMM, no FP8
         "flax_dense_bf16": (nn.Dense(**common), False),
         "flax_dense_fp8_qdq": (nn.Dense(**common, dot_general_cls=fp8_ops.Fp8DotGeneralOp), False),
         "flax_dense_fp8_direct": (nn.Dense(**common, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp),
