@@ -1,6 +1,6 @@
 """Fixtures and hooks of the JAX tests.
 
-pytest imports test files by path (--import-mode=importlib), so the helpers beside them
+pytest imports test files by path (--import-mode=importlib), so the shared modules beside them
 (_reference, _tolerances) become the package ``te_jax_tests``, a name nothing else uses.
 
 Tests marked ``cuda`` here also need jax itself to see a GPU: the repository-wide hook asks
