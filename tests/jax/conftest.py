@@ -3,7 +3,8 @@
 pytest imports test files by path (--import-mode=importlib), so the shared modules beside them
 (_reference, _tolerances) become the package ``te_jax_tests``, a name nothing else uses.
 
-Tests marked ``cuda`` here also need jax itself to see a GPU: the repository-wide hook asks
+References computed by XLA use full fp32 matmuls (no TF32 on a GPU). Tests marked ``cuda``
+here also need jax itself to see a GPU: the repository-wide hook asks
 torch, which may see a GPU that a CPU-only jaxlib cannot use.
 """
 
@@ -21,6 +22,14 @@ if "te_jax_tests" not in sys.modules:
     sys.modules["te_jax_tests"] = _package
 
 _HERE = Path(__file__).resolve().parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The references that XLA computes (flax's layers, jnp matmuls) in full fp32: on a GPU
+    # jax's default lets fp32 dots use TF32, and the core's fp32 GEMM never does.
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def _jax_has_gpu() -> bool:
