@@ -121,8 +121,9 @@ def test_delayed_scaling_under_vmap_updates_the_state_like_one_call_on_the_batch
     (l_mapped, g_mapped), (l_whole, g_whole) = (jax.jit(jax.value_and_grad(f))(state, x)
                                                  for f in (mapped, whole))
     assert_close(l_mapped, l_whole, "fp8_exact")
+    # Equal on the CPU; on a GPU the mapped and the whole-batch GEMMs may round differently.
     for a, e in zip(jax.tree.leaves(g_mapped), jax.tree.leaves(g_whole), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+        assert_close(a, e, "fp8_exact")
     assert float(g_whole["x"]["amax_history"][1]) == float(jnp.max(jnp.abs(x)))
 
 
