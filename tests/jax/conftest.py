@@ -10,11 +10,17 @@ torch, which may see a GPU that a CPU-only jaxlib cannot use.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from pathlib import Path
 
 import pytest
+
+# jax would take 75% of the GPU's memory when its GPU backend starts; in a pytest process that
+# also runs torch's CUDA tests (nox -s gpu) the two must share the device. Only allocation
+# changes, no numerics. Set at collection, before any test starts a jax backend.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 if "te_jax_tests" not in sys.modules:
     _package = types.ModuleType("te_jax_tests")
