@@ -109,6 +109,10 @@ def _wheels(session: nox.Session, cuda: str = "OFF") -> list[Path]:
     common = ("-C", f"cmake.define.TE_WITH_CUDA={cuda}", "-C", f"build-dir={build_dir}")
     pip_wheel = ("python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w")
     session.run(*pip_wheel, str(DIST), *common, "./common")
+    # The jax wheel's FFI extension compiles against the core's headers and links its library,
+    # which it finds in the installed common wheel.
+    common_wheel = DIST.glob("transformer_engine_common-*.whl")
+    session.install("--no-deps", "--force-reinstall", *map(str, common_wheel))
     session.run(*pip_wheel, str(DIST), *(f"./{p}" for p in PROJECTS if p != "common"))
     wheels = sorted(DIST.glob("*.whl"))
     if len(wheels) != len(PROJECTS):
