@@ -6,6 +6,9 @@
 # benchmark JSON to $TE_BENCH_RESULTS (default: $1).
 #
 #   bash scripts/gpu_check.sh OUT_DIR [pytest args...]
+#
+# TE_GPU_SKIP names steps to leave out (e.g. "ctest sass memcheck"), TE_BENCHES the benchmarks
+# to run (default: every benchmarks/bench_*.py), so a short run can pick what it needs.
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR [pytest args...]}
 shift
@@ -24,22 +27,29 @@ step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, remembers a fa
 }
 
 nvidia-smi -L
-step install python3 -m pip install --no-build-isolation --no-deps --force-reinstall \
-  -C cmake.define.TE_WITH_CUDA=ON ./common ./pytorch ./jax || exit 1
-step ctest bash -c "cmake -S cpp -B build/gpu-ctest -G Ninja -DTE_BUILD_TESTS=ON -DTE_WITH_CUDA=ON \
+skip() { [[ " ${TE_GPU_SKIP:-} " == *" $1 "* ]]; }
+# The common wheel first: the jax wheel's FFI extension compiles against the installed core.
+step install bash -c "python3 -m pip install --no-build-isolation --no-deps --force-reinstall \
+  -C cmake.define.TE_WITH_CUDA=ON ./common && python3 -m pip install --no-build-isolation \
+  --no-deps --force-reinstall ./pytorch ./jax" || exit 1
+skip ctest || step ctest bash -c "cmake -S cpp -B build/gpu-ctest -G Ninja -DTE_BUILD_TESTS=ON -DTE_WITH_CUDA=ON \
   -DTE_CUDA_ARCHITECTURES=90a \
   && cmake --build build/gpu-ctest && ctest --test-dir build/gpu-ctest --output-on-failure"
 step pytest_cuda python3 -m pytest -p no:cacheprovider -m cuda tests -q -rfE "$@"
+# On a GPU, jax runs every test of tests/jax on the device: the CUDA handlers throughout.
+step pytest_jax_on_gpu python3 -m pytest -p no:cacheprovider -m "not cuda" tests/jax -q -rfE "$@"
+step seed_pytorch python3 examples/pytorch_linear_fp8.py
+step seed_jax python3 jax/examples/jax_dense_fp8.py
 lib=$(python3 -c "import transformer_engine.common as c, pathlib; print(next(pathlib.Path(c.__file__).parent.glob('lib/libtransformer_engine.so*')))")
-step sass bash -c "for arch in sm_90a sm_89 sm_80; do echo \$arch: \
+skip sass || step sass bash -c "for arch in sm_90a sm_89 sm_80; do echo \$arch: \
   F2FP=\$(cuobjdump -arch \$arch -sass $lib | grep -c F2FP) \
   LDG128=\$(cuobjdump -arch \$arch -sass $lib | grep -c 'LDG.E.128') \
   STG128=\$(cuobjdump -arch \$arch -sass $lib | grep -c 'STG.E.128'); done"
-for bench in benchmarks/bench_*.py; do
+for bench in ${TE_BENCHES:-benchmarks/bench_*.py}; do
   step "$(basename "$bench" .py)" env TE_BENCH_RESULTS="${TE_BENCH_RESULTS:-$out}" python3 "$bench"
 done
-step memcheck timeout ${TE_MEMCHECK_TIMEOUT:-240} compute-sanitizer --tool memcheck --error-exitcode 1 \
+skip memcheck || step memcheck timeout ${TE_MEMCHECK_TIMEOUT:-240} compute-sanitizer --tool memcheck --error-exitcode 1 \
   python3 -m pytest -p no:cacheprovider -m "cuda and not slow" -q -x "$@" tests/common/test_quantize.py \
   tests/common/test_block_quantize.py tests/common/test_scaling.py tests/common/test_transpose.py \
-  tests/common/test_gemm.py
+  tests/common/test_gemm.py tests/common/test_norm.py
 exit $status
