@@ -68,7 +68,7 @@ te_status te_activation_forward(te_activation act, const te_tensor *input, te_te
  *   [out] grad_input   [M, K], of the same two kinds as te_activation_forward's output
  *                      (FP8: DATA and/or the transpose [K, M] in COLUMNWISE_DATA, SCALE read,
  *                      SCALE_INV and optional AMAX written). Gated: columns [0, N) hold
- *                      d/da = grad_output * b * act'(a), columns [N, 2N) d/db = grad_output * act(a).
+ *                      d/da = (grad_output * act'(a)) * b, columns [N, 2N) d/db = grad_output * act(a).
  *   [out] dbias        NULL, or DATA fp32/fp16/bf16 [K]: the column sums of grad_input in
  *                      fp32, before any rounding or scaling. The order of the sums is fixed
  *                      by the shape alone, so the result is deterministic and identical on
