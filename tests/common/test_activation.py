@@ -125,7 +125,9 @@ def expected(act, direction, x, g=None):
                 return f * b, rel_f * np.abs(f * b) + (BOUNDS.tiny + BOUNDS.subnormal) * np.abs(b)
             g = ref.matrix(ref.as_float32(g)).astype(np.float64)
             da, db = g * b * d, g * f
-            bound_a = err_d * np.abs(g * b) + BOUNDS.tiny * np.abs(g * b) + BOUNDS.subnormal * np.abs(b)
+            bound_a = (
+                err_d * np.abs(g * b) + BOUNDS.tiny * np.abs(g * b) + BOUNDS.subnormal * np.abs(b)
+            )
             bound_b = rel_f * np.abs(db) + BOUNDS.tiny * np.abs(g)
             return np.hstack([da, db]), np.hstack([bound_a, bound_b])
         f, d, rel_f, err_d = _eval_error(act, x)
@@ -142,7 +144,9 @@ def assert_close(got, want, bound, out_dtype, what):
     rel, absolute = OUTPUT_ROUNDING[out_dtype]
     with np.errstate(all="ignore"):
         want_out = want.astype(DTYPES[out_dtype]).astype(np.float64)
-        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{what}: NaN positions")
+        np.testing.assert_array_equal(
+            np.isnan(got), np.isnan(want), err_msg=f"{what}: NaN positions"
+        )
         inf = np.isinf(want_out)
         np.testing.assert_array_equal(got[inf], want_out[inf], err_msg=f"{what}: infinities")
         fin = ~inf & ~np.isnan(want)
@@ -176,8 +180,18 @@ def fp8_dtype(fmt):
     return getattr(core.DType, "float8_" + fmt.name)
 
 
-def run(device, act, direction, x, g=None, out_dtype="float32", fmt=None, scale=1.0,
-        layout="both", dbias_dtype=None):
+def run(
+    device,
+    act,
+    direction,
+    x,
+    g=None,
+    out_dtype="float32",
+    fmt=None,
+    scale=1.0,
+    layout="both",
+    dbias_dtype=None,
+):
     """One call on device into fresh sentinel-filled outputs; returns every output as numpy."""
     rows, cols = ref.matrix(x).shape
     if direction == "forward" and act in GATED:
@@ -202,8 +216,9 @@ def run(device, act, direction, x, g=None, out_dtype="float32", fmt=None, scale=
     if direction == "forward":
         core.activation_forward(activation(act), device.put(x), out, stream=device.stream)
     else:
-        core.activation_backward(activation(act), device.put(g), device.put(x), out,
-                                 dbias=dbias, stream=device.stream)
+        core.activation_backward(
+            activation(act), device.put(g), device.put(x), out, dbias=dbias, stream=device.stream
+        )
     got = {k: device.get(v) for k, v in on_device.items()}
     if dbias is not None:
         got["dbias"] = device.get(dbias)
@@ -289,9 +304,13 @@ def test_half_precision_outputs(device, act, direction, out_dtype):
     want, bound = expected(act, direction, x, g)
     assert_close(got["data"], want, bound, out_dtype, f"{act} {direction} {out_dtype}")
     with np.errstate(over="ignore"):
-        ref.assert_float_equal(got["data"], wide["data"].astype(DTYPES[out_dtype]), "data = fp32 rounded")
+        ref.assert_float_equal(
+            got["data"], wide["data"].astype(DTYPES[out_dtype]), "data = fp32 rounded"
+        )
         if dbias_dtype:
-            ref.assert_float_equal(got["dbias"], wide["dbias"].astype(DTYPES[out_dtype]), "dbias rounded")
+            ref.assert_float_equal(
+                got["dbias"], wide["dbias"].astype(DTYPES[out_dtype]), "dbias rounded"
+            )
     ref.assert_float_equal(got["amax"], wide["amax"], "amax of the fp32 values")
     check_cuda_matches_cpu(device, got, again)
 
@@ -314,14 +333,18 @@ def test_fp8_outputs_equal_quantize_of_fp32(device, act, direction, shape, layou
     scale = np.float32(fmt.max / a * 1.3) if a > 0 and np.isfinite(a) else np.float32(0.75)
 
     def again(d):
-        return run(d, act, direction, x, g, fmt=fmt, scale=scale, layout=layout, dbias_dtype=with_dbias)
+        return run(
+            d, act, direction, x, g, fmt=fmt, scale=scale, layout=layout, dbias_dtype=with_dbias
+        )
 
     got = again(device)
     want = ref.quantize_tensor(wide["data"], scale, fmt)
     if "data" in got:
         ref.assert_fp8_equal(got["data"], want["data"], fmt, "data")
     if "columnwise_data" in got:
-        ref.assert_fp8_equal(got["columnwise_data"], want["columnwise_data"], fmt, "columnwise_data")
+        ref.assert_fp8_equal(
+            got["columnwise_data"], want["columnwise_data"], fmt, "columnwise_data"
+        )
     ref.assert_float_equal(got["scale_inv"], np.array([want["scale_inv"]]), "scale_inv")
     ref.assert_float_equal(got["amax"], np.array([want["amax"]]), "amax")
     if with_dbias:
@@ -337,7 +360,7 @@ def test_large_and_tiny_magnitudes(device, act, direction):
     shape = (16, 64)
     x = random_values(rng, input_shape(act, shape), np.float32, -44, 38)
     if act in GATED:  # b moderate: a product of three extremes over- or underflows in fp32
-        x[:, shape[1]:] = random_values(rng, shape, np.float32, -3, 3)
+        x[:, shape[1] :] = random_values(rng, shape, np.float32, -3, 3)
     g = random_values(rng, shape, np.float32, -10, 10) if direction == "backward" else None
 
     def again(d):
@@ -350,8 +373,30 @@ def test_large_and_tiny_magnitudes(device, act, direction):
 
 
 SPECIAL = np.array(
-    [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, 1e30, -1e30, 20.5, -20.5,
-     88.8, -88.8, 104.5, -104.5, 1e-20, -1e-20, -0.75, 1.0, -1.0],
+    [
+        np.nan,
+        np.inf,
+        -np.inf,
+        0.0,
+        -0.0,
+        1e-45,
+        -1e-45,
+        3.4e38,
+        -3.4e38,
+        1e30,
+        -1e30,
+        20.5,
+        -20.5,
+        88.8,
+        -88.8,
+        104.5,
+        -104.5,
+        1e-20,
+        -1e-20,
+        -0.75,
+        1.0,
+        -1.0,
+    ],
     np.float32,
 )
 
@@ -363,8 +408,12 @@ def test_nan_and_inf(device, act, direction):
     n = SPECIAL.size
     x = SPECIAL.reshape(1, n)
     if act in GATED:  # every special value as a, and as b with a = 1.5
-        x = np.hstack([np.concatenate([SPECIAL, np.full(n, 1.5, np.float32)]).reshape(1, -1),
-                       np.concatenate([np.full(n, 1.5, np.float32), SPECIAL]).reshape(1, -1)])
+        x = np.hstack(
+            [
+                np.concatenate([SPECIAL, np.full(n, 1.5, np.float32)]).reshape(1, -1),
+                np.concatenate([np.full(n, 1.5, np.float32), SPECIAL]).reshape(1, -1),
+            ]
+        )
     g = np.full((1, x.shape[1] // (2 if act in GATED else 1)), 1.5, np.float32)
     g = g if direction == "backward" else None
 
@@ -395,8 +444,14 @@ def test_identity_backward_needs_no_input(device):
         "amax": device.put(np.zeros(1, np.float32)),
     }
     dbias = device.put(np.zeros(40, np.float32))
-    core.activation_backward(core.Activation.identity, device.put(g), None,
-                             core.Tensor(dtype=fp8_dtype(fmt), **out), dbias=dbias, stream=device.stream)
+    core.activation_backward(
+        core.Activation.identity,
+        device.put(g),
+        None,
+        core.Tensor(dtype=fp8_dtype(fmt), **out),
+        dbias=dbias,
+        stream=device.stream,
+    )
     want = ref.quantize_tensor(g, scale, fmt)
     for name in ("data", "columnwise_data"):
         ref.assert_fp8_equal(device.get(out[name]), want[name], fmt, name)
@@ -411,7 +466,12 @@ def test_known_values(cpu):
         "silu": [0.7310585975646973, -0.2689414322376251, 1.7615941762924194, 0.0],
         "relu": [1.0, 0.0, 2.0, 0.0],
         "srelu": [1.0, 0.0, 4.0, 0.0],
-        "qgelu": [1 / (1 + np.exp(-1.702)), -1 / (1 + np.exp(1.702)), 2 / (1 + np.exp(-3.404)), 0.0],
+        "qgelu": [
+            1 / (1 + np.exp(-1.702)),
+            -1 / (1 + np.exp(1.702)),
+            2 / (1 + np.exp(-3.404)),
+            0.0,
+        ],
     }
     for act, values in want.items():
         got = run(cpu, act, "forward", x)["data"]
@@ -422,8 +482,11 @@ def test_known_values(cpu):
 
 
 def _fp8_out(device, shape, **extra):
-    arrays = {"data": np.full(shape, SENTINEL, np.uint8), "scale": np.ones(1, np.float32),
-              "scale_inv": np.full(1, -1.0, np.float32)}
+    arrays = {
+        "data": np.full(shape, SENTINEL, np.uint8),
+        "scale": np.ones(1, np.float32),
+        "scale_inv": np.full(1, -1.0, np.float32),
+    }
     arrays.update(extra)
     return {k: device.put(v) for k, v in arrays.items()}
 
@@ -431,25 +494,44 @@ def _fp8_out(device, shape, **extra):
 def test_errors_name_op_and_argument_and_write_nothing(cpu):
     x = np.ones((3, 10), np.float32)
     out = cpu.put(np.full((3, 4), 7.0, np.float32))
-    with pytest.raises(ValueError, match=r"activation_forward: output.data must have shape \[3, 5\], "
-                                         r"got float32 \[3, 4\] on cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"activation_forward: output.data must have shape \[3, 5\], "
+        r"got float32 \[3, 4\] on cpu",
+    ):
         core.activation_forward(core.Activation.geglu, x, out)
-    with pytest.raises(ValueError, match="activation_forward: input.data must have an even last "
-                                         "dimension .* for swiglu, got float32 \\[3, 9\\]"):
+    with pytest.raises(
+        ValueError,
+        match="activation_forward: input.data must have an even last "
+        "dimension .* for swiglu, got float32 \\[3, 9\\]",
+    ):
         core.activation_forward(core.Activation.swiglu, np.ones((3, 9), np.float32), out)
     np.testing.assert_array_equal(out, 7.0)
     arrays = _fp8_out(cpu, (3, 10))
     del arrays["scale"]
     with pytest.raises(ValueError, match="activation_forward: output.scale must be set"):
-        core.activation_forward(core.Activation.gelu, x, core.Tensor(dtype=core.DType.float8_e4m3, **arrays))
+        core.activation_forward(
+            core.Activation.gelu, x, core.Tensor(dtype=core.DType.float8_e4m3, **arrays)
+        )
     assert np.all(arrays["data"] == SENTINEL) and arrays["scale_inv"][0] == -1.0
-    with pytest.raises(ValueError, match="output.columnwise_data must be unset when output.data is high"):
-        core.activation_forward(core.Activation.gelu, x, core.Tensor(
-            np.zeros((3, 10), np.float32), columnwise_data=np.zeros((10, 3), np.uint8)))
+    with pytest.raises(
+        ValueError, match="output.columnwise_data must be unset when output.data is high"
+    ):
+        core.activation_forward(
+            core.Activation.gelu,
+            x,
+            core.Tensor(np.zeros((3, 10), np.float32), columnwise_data=np.zeros((10, 3), np.uint8)),
+        )
     with pytest.raises(RuntimeError, match="output must have scaling mode tensor, got block_1x128"):
-        core.activation_forward(core.Activation.gelu, x, core.Tensor(
-            np.zeros((3, 10), np.uint8), dtype=core.DType.float8_e4m3,
-            scaling_mode=core.ScalingMode.block_1x128))
+        core.activation_forward(
+            core.Activation.gelu,
+            x,
+            core.Tensor(
+                np.zeros((3, 10), np.uint8),
+                dtype=core.DType.float8_e4m3,
+                scaling_mode=core.ScalingMode.block_1x128,
+            ),
+        )
     with pytest.raises(ValueError, match="must not overlap the input input.data"):
         core.activation_forward(core.Activation.relu, x, x)
 
@@ -458,13 +540,22 @@ def test_backward_errors(cpu):
     g = np.ones((4, 6), np.float32)
     x = np.ones((4, 12), np.float32)
     gi = np.full((4, 12), 7.0, np.float32)
-    with pytest.raises(TypeError, match=r"activation_backward: input.data must be float16, got float32 \[4, 12\]"):
+    with pytest.raises(
+        TypeError, match=r"activation_backward: input.data must be float16, got float32 \[4, 12\]"
+    ):
         core.activation_backward(core.Activation.geglu, g.astype(np.float16), x, gi)
-    with pytest.raises(ValueError, match=r"activation_backward: dbias.data must have shape \[12\], got float32 \[6\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"activation_backward: dbias.data must have shape \[12\], got float32 \[6\]",
+    ):
         core.activation_backward(core.Activation.geglu, g, x, gi, dbias=np.zeros(6, np.float32))
-    with pytest.raises(ValueError, match="activation_backward: input must be a tensor handle, got NULL"):
+    with pytest.raises(
+        ValueError, match="activation_backward: input must be a tensor handle, got NULL"
+    ):
         core.activation_backward(core.Activation.gelu, g, None, np.zeros((4, 6), np.float32))
-    with pytest.raises(ValueError, match=r"grad_input.data must have shape \[4, 12\], got float32 \[4, 6\]"):
+    with pytest.raises(
+        ValueError, match=r"grad_input.data must have shape \[4, 12\], got float32 \[4, 6\]"
+    ):
         core.activation_backward(core.Activation.swiglu, g, x, np.zeros((4, 6), np.float32))
     with pytest.raises(ValueError, match="must not overlap dbias.data"):
         core.activation_backward(core.Activation.geglu, g, x, gi, dbias=gi.reshape(-1)[:12])
