@@ -3,6 +3,7 @@
 #include "activation/activation_impl.h"
 #include "common/internal.h"
 #include "gemm/gemm_impl.h"
+#include "norm/norm_impl.h"
 #include "quantize/quantize_impl.h"
 #include "scaling/scaling_impl.h"
 #include "transpose/transpose_impl.h"
@@ -22,6 +23,8 @@ te_status delayed_scaling_update_cuda(const DelayedScalingArgs &, te_stream) {
 te_status transpose_cuda(const TransposeArgs &, te_stream) { return no_cuda_build("transpose"); }
 te_status gemm_cuda(const GemmArgs &, te_stream) { return no_cuda_build("gemm"); }
 size_t gemm_workspace_size() { return 0; }
+te_status norm_forward_cuda(const NormForwardArgs &, te_stream) { return no_cuda_build("norm_forward"); }
+te_status norm_backward_cuda(const NormBackwardArgs &, te_stream) { return no_cuda_build("norm_backward"); }
 CudaDeviceScope::CudaDeviceScope(int) {}
 CudaDeviceScope::~CudaDeviceScope() {}
 
