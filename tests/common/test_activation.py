@@ -564,3 +564,22 @@ def test_backward_errors(cpu):
 
 def test_activation_enum_names():
     assert [a.name for a in core.Activation] == ACTS
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(2048, 2304), (2047, 2300)], ids=["fast", "masked"])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("act", ["gelu", "swiglu", "identity"])
+def test_many_tiles_per_block_on_cuda(cuda_device, act, direction, shape):
+    """More tiles than the one-wave grid has blocks, so each block strides over several (the
+    shapes above are single-tile per block): every output still equals the CPU's bits."""
+    x, g = make_inputs(act, direction, shape, "bfloat16", 7)
+    fmt = ref.E4M3 if direction == "forward" else ref.E5M2
+    with_dbias = "float32" if direction == "backward" else None
+
+    def again(d):
+        return run(d, act, direction, x, g, fmt=fmt, scale=np.float32(1.5), dbias_dtype=with_dbias)
+
+    got = again(cuda_device)
+    check_cuda_matches_cpu(cuda_device, got, again)
