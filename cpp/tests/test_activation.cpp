@@ -64,6 +64,30 @@ TEST_CASE(swiglu_forward_and_backward_by_hand) {
   for (int c = 0; c < 4; ++c) CHECK(db[c] == gi[c]);  // one row: the sums are the values
 }
 
+TEST_CASE(gated_backward_shares_the_sigmoid_bit_for_bit) {
+  // The fused value-and-derivative of the gated backward equals the separate functions.
+  const float xs[] = {-1e30f, -300.0f, -150.0f, -25.0f, -20.0f, -3.0f, -0.5f, 0.0f, 1e-20f, 0.7f, 19.0f, 21.0f, 500.0f};
+  for (float x : xs) {
+    float f, d;
+    te::act::gated_value_and_derivative<TE_ACTIVATION_GEGLU>(x, &f, &d);
+    CHECK(te::float_bits(f) == te::float_bits(te::act::gelu(x)) && te::float_bits(d) == te::float_bits(te::act::dgelu(x)));
+    te::act::gated_value_and_derivative<TE_ACTIVATION_SWIGLU>(x, &f, &d);
+    CHECK(te::float_bits(f) == te::float_bits(te::act::silu(x)) && te::float_bits(d) == te::float_bits(te::act::dsilu(x)));
+  }
+  // And across the whole fp32 range (every 4099th bit pattern, NaNs compared canonically).
+  int mismatches = 0;
+  for (uint64_t u = 0; u <= 0xFFFFFFFFull; u += 4099) {
+    const float x = te::bits_float(static_cast<uint32_t>(u));
+    float f, d;
+    auto same = [](float a, float b) { return te::float_bits(te::canonical(a)) == te::float_bits(te::canonical(b)); };
+    te::act::gated_value_and_derivative<TE_ACTIVATION_GEGLU>(x, &f, &d);
+    mismatches += !same(f, te::act::gelu(x)) || !same(d, te::act::dgelu(x));
+    te::act::gated_value_and_derivative<TE_ACTIVATION_SWIGLU>(x, &f, &d);
+    mismatches += !same(f, te::act::silu(x)) || !same(d, te::act::dsilu(x));
+  }
+  CHECK(mismatches == 0);
+}
+
 TEST_CASE(fp8_output_with_transpose_and_amax) {
   // relu of [[1, -1, 2], [-3, 4, 0.5]] * scale 2 in E4M3; transpose [3, 2].
   std::vector<float> x = {1, -1, 2, -3, 4, 0.5f};

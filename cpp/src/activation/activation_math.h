@@ -168,12 +168,36 @@ TE_HOST_DEVICE float backward_value(float g, float x) {
   }
 }
 
-// Backward, gated: d/da = (g * act'(a)) * b, d/db = g * act(a). |act'| <= ~1.13 (srelu aside),
-// so g * act'(a) cannot overflow where g does not, and a zero derivative gives 0 whatever b.
+// The activation of a gated one and its derivative from one sigmoid: beyond the derivative's
+// clamp the sigmoid is exactly 0 or 1 already, so the clamped argument gives the forward's
+// sigmoid too, bit for bit (gated backward needs both, and exp is most of the cost).
+template <te_activation kAct>
+TE_HOST_DEVICE void gated_value_and_derivative(float x, float *f, float *d) {
+  if constexpr (kAct == TE_ACTIVATION_GEGLU) {
+    const float xc = clamp(x, -20.0f, 20.0f);
+    const Sigmoid s = sigmoid_pair(gelu_z(xc));
+    const float dz = kGelu2C * (1.0f + (3.0f * kGeluA) * (xc * xc));
+    *f = (x < -kFloatMax ? -kFloatMax : x) * s.s;
+    *d = s.s * (1.0f + xc * (s.one_minus_s * dz));
+  } else if constexpr (kAct == TE_ACTIVATION_SWIGLU) {
+    const float xc = clamp(x, -200.0f, 200.0f);
+    const Sigmoid s = sigmoid_pair(xc);
+    *f = (x < -kFloatMax ? -kFloatMax : x) * s.s;
+    *d = s.s * (1.0f + xc * s.one_minus_s);
+  } else {
+    *f = forward<kAct>(x);
+    *d = derivative<kAct>(x);
+  }
+}
+
+// Backward, gated: d/da = (g * act'(a)) * b, d/db = g * act(a). |act'| <= ~1.13, so
+// g * act'(a) cannot overflow where g does not, and a zero derivative gives 0 whatever b.
 template <te_activation kAct>
 TE_HOST_DEVICE void gated_backward_values(float g, float a, float b, float *da, float *db) {
-  *da = canonical((g * derivative<kAct>(a)) * b);
-  *db = canonical(g * forward<kAct>(a));
+  float f, d;
+  gated_value_and_derivative<kAct>(a, &f, &d);
+  *da = canonical((g * d) * b);
+  *db = canonical(g * f);
 }
 
 }  // namespace act
