@@ -14,9 +14,12 @@
  *   QGELU     x sigmoid(1.702 x)                                 ("quick GELU")
  *   SRELU     max(x, 0)^2                                        (squared ReLU)
  *   GEGLU     gelu(a) * b,  SWIGLU  silu(a) * b,  REGLU  relu(a) * b    -> output [M, N]
- * NaN in gives NaN out (forward and backward); an infinite input gives the function's limit
- * (gelu(-inf) = -0, silu(+inf) = +inf, d gelu/dx at -inf = 0, ...). A NaN written as fp32 is
- * the quiet NaN 0x7FC00000.
+ * A NaN operand makes NaN every value computed from it (forward and backward); an infinite
+ * input gives the function's limit (gelu(-inf) = -0, silu(+inf) = +inf, d gelu/dx at -inf = 0,
+ * ...), and products of the gated forms follow IEEE rules (inf * 0 = NaN). A NaN written as
+ * fp32 is the quiet NaN 0x7FC00000. Accuracy: within a few fp32 ulp of the exact function,
+ * plus the conditioning of exp(z) at large |z| (z is rounded in fp32 and exp amplifies that:
+ * a few ulp per unit of |z|).
  */
 #ifndef TRANSFORMER_ENGINE_ACTIVATION_H_
 #define TRANSFORMER_ENGINE_ACTIVATION_H_
@@ -68,7 +71,8 @@ te_status te_activation_forward(te_activation act, const te_tensor *input, te_te
  *   [out] grad_input   [M, K], of the same two kinds as te_activation_forward's output
  *                      (FP8: DATA and/or the transpose [K, M] in COLUMNWISE_DATA, SCALE read,
  *                      SCALE_INV and optional AMAX written). Gated: columns [0, N) hold
- *                      d/da = (grad_output * act'(a)) * b, columns [N, 2N) d/db = grad_output * act(a).
+ *                      d/da = (grad_output * act'(a)) * b, columns [N, 2N) hold
+ *                      d/db = grad_output * act(a).
  *   [out] dbias        NULL, or DATA fp32/fp16/bf16 [K]: the column sums of grad_input in
  *                      fp32, before any rounding or scaling. The order of the sums is fixed
  *                      by the shape alone, so the result is deterministic and identical on
