@@ -34,10 +34,13 @@
 namespace te {
 namespace activation_detail {
 
-// Instantiated in activation_<dtype>.cu.
-extern template te_status launch_act<TE_DTYPE_FLOAT32>(const ActParams &, te_activation, bool, cudaStream_t, int);
-extern template te_status launch_act<TE_DTYPE_FLOAT16>(const ActParams &, te_activation, bool, cudaStream_t, int);
-extern template te_status launch_act<TE_DTYPE_BFLOAT16>(const ActParams &, te_activation, bool, cudaStream_t, int);
+// Instantiated in activation_<dtype>_<direction>.cu.
+extern template te_status launch_act<TE_DTYPE_FLOAT32, false>(const ActParams &, te_activation, cudaStream_t, int);
+extern template te_status launch_act<TE_DTYPE_FLOAT32, true>(const ActParams &, te_activation, cudaStream_t, int);
+extern template te_status launch_act<TE_DTYPE_FLOAT16, false>(const ActParams &, te_activation, cudaStream_t, int);
+extern template te_status launch_act<TE_DTYPE_FLOAT16, true>(const ActParams &, te_activation, cudaStream_t, int);
+extern template te_status launch_act<TE_DTYPE_BFLOAT16, false>(const ActParams &, te_activation, cudaStream_t, int);
+extern template te_status launch_act<TE_DTYPE_BFLOAT16, true>(const ActParams &, te_activation, cudaStream_t, int);
 
 namespace {
 
@@ -99,7 +102,8 @@ te_status activation_cuda(const ActivationArgs &a, te_stream stream_handle) {
     p.partial = static_cast<float *>(w);
   }
   te_status status = with_hp_dtype(a.in_dtype, [&](auto in) {
-    return launch_act<decltype(in)::value>(p, a.act, a.backward, stream, sms);
+    constexpr te_dtype kIn = decltype(in)::value;
+    return a.backward ? launch_act<kIn, true>(p, a.act, stream, sms) : launch_act<kIn, false>(p, a.act, stream, sms);
   });
   if (status == TE_SUCCESS && a.dbias != nullptr && p.out_cols > 0) {
     const int64_t blocks = std::min<int64_t>(ceil_div(p.out_cols, 256), static_cast<int64_t>(sms) * 8);

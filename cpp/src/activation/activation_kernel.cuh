@@ -1,6 +1,7 @@
 // The fused activation kernel and its per-activation launchers (see activation.cu for the
-// design). Each input dtype instantiates them in its own file (activation_<dtype>.cu), so
-// that the instantiations compile in parallel; activation.cu holds the host launcher.
+// design). Each input dtype and direction instantiates them in its own file
+// (activation_<dtype>_<direction>.cu), so that the instantiations compile in parallel;
+// activation.cu holds the host launcher.
 #ifndef TRANSFORMER_ENGINE_SRC_ACTIVATION_ACTIVATION_KERNEL_CUH_
 #define TRANSFORMER_ENGINE_SRC_ACTIVATION_ACTIVATION_KERNEL_CUH_
 
@@ -289,24 +290,20 @@ te_status launch(const ActParams &p, cudaStream_t stream, int sms) {
   return launch_status(kOp);
 }
 
-template <te_dtype kIn, te_activation kAct>
-te_status launch_direction(const ActParams &p, bool backward, cudaStream_t stream, int sms) {
-  return backward ? launch<kIn, kAct, true>(p, stream, sms) : launch<kIn, kAct, false>(p, stream, sms);
-}
-
-// Launches the kernel of act and direction for input dtype kIn (instantiated per dtype).
-template <te_dtype kIn>
-te_status launch_act(const ActParams &p, te_activation act, bool backward, cudaStream_t stream, int sms) {
+// Launches the kernel of act and direction for input dtype kIn (instantiated per dtype and
+// direction, one file each).
+template <te_dtype kIn, bool kBackward>
+te_status launch_act(const ActParams &p, te_activation act, cudaStream_t stream, int sms) {
   switch (act) {
-    case TE_ACTIVATION_GELU: return launch_direction<kIn, TE_ACTIVATION_GELU>(p, backward, stream, sms);
-    case TE_ACTIVATION_RELU: return launch_direction<kIn, TE_ACTIVATION_RELU>(p, backward, stream, sms);
-    case TE_ACTIVATION_SILU: return launch_direction<kIn, TE_ACTIVATION_SILU>(p, backward, stream, sms);
-    case TE_ACTIVATION_QGELU: return launch_direction<kIn, TE_ACTIVATION_QGELU>(p, backward, stream, sms);
-    case TE_ACTIVATION_SRELU: return launch_direction<kIn, TE_ACTIVATION_SRELU>(p, backward, stream, sms);
-    case TE_ACTIVATION_GEGLU: return launch_direction<kIn, TE_ACTIVATION_GEGLU>(p, backward, stream, sms);
-    case TE_ACTIVATION_SWIGLU: return launch_direction<kIn, TE_ACTIVATION_SWIGLU>(p, backward, stream, sms);
-    case TE_ACTIVATION_REGLU: return launch_direction<kIn, TE_ACTIVATION_REGLU>(p, backward, stream, sms);
-    default: return launch_direction<kIn, TE_ACTIVATION_IDENTITY>(p, backward, stream, sms);
+    case TE_ACTIVATION_GELU: return launch<kIn, TE_ACTIVATION_GELU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_RELU: return launch<kIn, TE_ACTIVATION_RELU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_SILU: return launch<kIn, TE_ACTIVATION_SILU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_QGELU: return launch<kIn, TE_ACTIVATION_QGELU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_SRELU: return launch<kIn, TE_ACTIVATION_SRELU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_GEGLU: return launch<kIn, TE_ACTIVATION_GEGLU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_SWIGLU: return launch<kIn, TE_ACTIVATION_SWIGLU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_REGLU: return launch<kIn, TE_ACTIVATION_REGLU, kBackward>(p, stream, sms);
+    default: return launch<kIn, TE_ACTIVATION_IDENTITY, kBackward>(p, stream, sms);
   }
 }
 
