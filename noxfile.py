@@ -109,6 +109,10 @@ def _wheels(session: nox.Session, cuda: str = "OFF") -> list[Path]:
     common = ("-C", f"cmake.define.TE_WITH_CUDA={cuda}", "-C", f"build-dir={build_dir}")
     pip_wheel = ("python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w")
     session.run(*pip_wheel, str(DIST), *common, "./common")
+    # The jax wheel's FFI extension compiles against the core's headers and links its library,
+    # which it finds in the installed common wheel.
+    common_wheel = DIST.glob("transformer_engine_common-*.whl")
+    session.install("--no-deps", "--force-reinstall", *map(str, common_wheel))
     session.run(*pip_wheel, str(DIST), *(f"./{p}" for p in PROJECTS if p != "common"))
     wheels = sorted(DIST.glob("*.whl"))
     if len(wheels) != len(PROJECTS):
@@ -182,9 +186,14 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The quantize demo: FP8 round trips of a tensor in every format and scaling mode."""
-    _install(session, "", "numpy>=1.26,<3")
-    session.run("python", "examples/quantize_demo.py", *session.posargs)
+    """The training demo: an MLP of te.Linear trained in FP8 and in high precision, compared.
+
+    Runs on the CPU (FP8 emulated by the core) unless a GPU is there; arguments after `--` go
+    to examples/train_mlp_fp8.py (e.g. `nox -s demo -- --recipe block`).
+    """
+    # The tests' torch pin: the CPU build where pip is set up for it.
+    _install(session, "pytorch", "-r", "tests/requirements-torch.txt")
+    session.run("python", "examples/train_mlp_fp8.py", *session.posargs)
 
 
 @nox.session(venv_backend="none", default=False)

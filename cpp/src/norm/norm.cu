@@ -63,6 +63,15 @@ __device__ __forceinline__ void store_any(void *p, int64_t i, te_dtype d, float 
   }
 }
 
+// Elements [i, i + 8) of a weight vector, decoded; p + i must be 16-byte aligned.
+__device__ __forceinline__ void load_any8(const void *p, int64_t i, te_dtype d, float (&v)[8]) {
+  switch (d) {
+    case TE_DTYPE_FLOAT32: load_hp8<TE_DTYPE_FLOAT32>(p, i, v); break;
+    case TE_DTYPE_FLOAT16: load_hp8<TE_DTYPE_FLOAT16>(p, i, v); break;
+    default: load_hp8<TE_DTYPE_BFLOAT16>(p, i, v); break;
+  }
+}
+
 // 8 elements at p + i (16-byte aligned), encoded in dtype d.
 __device__ __forceinline__ void store_any8(void *p, int64_t i, te_dtype d, const float (&v)[8]) {
   if (d == TE_DTYPE_FLOAT32) {
@@ -136,7 +145,7 @@ struct RowVectors {
 
 template <te_dtype kIn, int kVecs>
 __global__ void __launch_bounds__(kThreads)
-    norm_forward_kernel(const NormForwardArgs a) {
+    norm_forward_kernel(const NormForwardArgs a, bool vector_weights) {
   __shared__ float scratch[kNormLanes];
   __shared__ uint32_t amax_scratch[kThreads / 32];
   const bool ln = a.type == TE_NORM_LAYERNORM;
@@ -177,16 +186,23 @@ __global__ void __launch_bounds__(kThreads)
   const float scale = a.fp8 != nullptr ? *a.scale : 1.0f;
   uint32_t amax_bits = 0;
   v.each([&](int j) {
-    float x[8], y[8];
+    float x[8], y[8], g[8], b[8];
     v.get(j, x);
     const int64_t i0 = v.start(j);
+    if (vector_weights && i0 + 8 <= n) {
+      load_any8(a.gamma, i0, a.weight_dtype, g);
+      if (ln) load_any8(a.beta, i0, a.weight_dtype, b);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        g[e] = valid(i0 + e) ? load_any(a.gamma, i0 + e, a.weight_dtype) : 0.0f;
+        b[e] = valid(i0 + e) && ln ? load_any(a.beta, i0 + e, a.weight_dtype) : 0.0f;
+      }
+    }
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const int64_t i = i0 + e;
-      const float g = valid(i) ? norm_gain(load_any(a.gamma, i, a.weight_dtype), a.zero_centered) : 0.0f;
-      const float b = valid(i) && ln ? load_any(a.beta, i, a.weight_dtype) : 0.0f;
-      y[e] = norm_output(norm_xhat(x[e], mu, rsigma, ln), g, b, ln);
-      if (valid(i)) amax_bits = max(amax_bits, abs_bits(y[e]));
+      y[e] = norm_output(norm_xhat(x[e], mu, rsigma, ln), norm_gain(g[e], a.zero_centered), ln ? b[e] : 0.0f, ln);
+      if (valid(i0 + e)) amax_bits = max(amax_bits, abs_bits(y[e]));
     }
     const int64_t base = r * n + i0;
     const bool whole = vector_io && i0 + 8 <= n;
@@ -323,22 +339,25 @@ int vecs_for(int64_t n, bool vector_io) {
   return 0;
 }
 
-template <template <te_dtype, int> class Launch, te_dtype kIn, typename... A>
+// Launch<kIn, vecs>::run(args...) for vecs in {1, 2, 4, ..., kMax} or 0.
+template <template <te_dtype, int> class Launch, te_dtype kIn, int kMax, typename... A>
 te_status dispatch_vecs(int vecs, A &&...args) {
   switch (vecs) {
     case 1: return Launch<kIn, 1>::run(args...);
     case 2: return Launch<kIn, 2>::run(args...);
     case 4: return Launch<kIn, 4>::run(args...);
     case 8: return Launch<kIn, 8>::run(args...);
-    case 16: return Launch<kIn, 16>::run(args...);
+    case 16:
+      if constexpr (kMax >= 16) return Launch<kIn, 16>::run(args...);
+      [[fallthrough]];
     default: return Launch<kIn, 0>::run(args...);
   }
 }
 
 template <te_dtype kIn, int kVecs>
 struct ForwardLaunch {
-  static te_status run(const NormForwardArgs &a, cudaStream_t s) {
-    norm_forward_kernel<kIn, kVecs><<<static_cast<unsigned>(a.rows), kThreads, 0, s>>>(a);
+  static te_status run(const NormForwardArgs &a, bool vector_weights, cudaStream_t s) {
+    norm_forward_kernel<kIn, kVecs><<<static_cast<unsigned>(a.rows), kThreads, 0, s>>>(a, vector_weights);
     return launch_status("norm_forward");
   }
 };
@@ -381,8 +400,10 @@ te_status norm_forward_cuda(const NormForwardArgs &a, te_stream stream) {
                            (a.output == nullptr || rows_aligned(a.output, a.cols, te_dtype_size(a.output_dtype))) &&
                            (a.fp8 == nullptr || rows_aligned(a.fp8, a.cols, 1));
     const int vecs = vecs_for(a.cols, vector_io);
+    const bool vector_weights = a.cols % kNormVec == 0 && aligned(a.gamma, 16) &&
+                                (a.beta == nullptr || aligned(a.beta, 16));
     te_status st = with_hp_dtype(a.input_dtype, [&](auto in) {
-      return dispatch_vecs<ForwardLaunch, decltype(in)::value>(vecs, a, s);
+      return dispatch_vecs<ForwardLaunch, decltype(in)::value, kMaxVecs>(vecs, a, vector_weights, s);
     });
     if (st != TE_SUCCESS) return st;
   }
@@ -416,7 +437,7 @@ te_status norm_backward_cuda(const NormBackwardArgs &a, te_stream stream) {
     int vecs = vecs_for(a.cols, vector_io);
     if (vecs > 8) vecs = 0;  // two rows (x and dy) must fit in registers
     te_status st = with_hp_dtype(a.input_dtype, [&](auto in) {
-      return dispatch_vecs<BackwardLaunch, decltype(in)::value>(vecs, a, partials, groups, smem, s);
+      return dispatch_vecs<BackwardLaunch, decltype(in)::value, 8>(vecs, a, partials, groups, smem, s);
     });
     if (st != TE_SUCCESS) return st;
   }

@@ -1,5 +1,36 @@
-"""Transformer Engine for JAX."""
+"""Transformer Engine for JAX: FP8 dense layers over the core's XLA FFI custom calls.
 
-__version__ = "0.1.0"
+Importing this package loads the native extension and registers its custom-call targets
+for the CPU and CUDA platforms.
 
-__all__ = ["__version__"]
+* :func:`fp8_autocast` / :func:`autocast`: the recipe in effect while a model is traced.
+* :func:`dense`: a linear layer (``jax.custom_vjp``) in FP8 or the inputs' dtype.
+* :class:`QuantizerSet`, :func:`make_quantizer_set`, :func:`new_fp8_state`: the recipe and
+  FP8 state that ``dense`` quantizes with; :func:`update_collections` merges the new state.
+* :mod:`transformer_engine.jax.flax`: the ``DenseGeneral`` linen module.
+* :mod:`transformer_engine.jax.ops`: the custom calls themselves.
+"""
+
+# Importing ops loads the extension and registers its targets (a clear ImportError if absent).
+from transformer_engine.jax import ops
+from transformer_engine.jax._version import __version__
+from transformer_engine.jax.autocast import (
+    MeshResource,
+    autocast,
+    fp8_autocast,
+    get_fp8_recipe,
+    get_mesh_resource,
+    is_fp8_enabled,
+)
+from transformer_engine.jax.dense import dense
+from transformer_engine.jax.quantizer import (
+    FP8_COLLECTION,
+    QuantizerSet,
+    make_quantizer_set,
+    new_fp8_state,
+    update_collections,
+)
+
+__all__ = ["__version__", "MeshResource", "fp8_autocast", "autocast", "get_fp8_recipe",
+           "get_mesh_resource", "is_fp8_enabled", "dense", "QuantizerSet", "make_quantizer_set",
+           "new_fp8_state", "update_collections", "FP8_COLLECTION", "ops"]

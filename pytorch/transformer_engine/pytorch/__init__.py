@@ -1,5 +1,22 @@
-"""Transformer Engine for PyTorch."""
+"""Transformer Engine for PyTorch: FP8 linear layers, autocast and the FP8 tensor.
+
+Example (the seed example; on a machine without a GPU use device="cpu"):
+
+>>> import torch  # doctest: +SKIP
+>>> import transformer_engine.pytorch as te  # doctest: +SKIP
+>>> from transformer_engine.common import recipe  # doctest: +SKIP
+>>> model = te.Linear(768, 3072, bias=True)  # doctest: +SKIP
+>>> inp = torch.randn(2048, 768, device="cuda")  # doctest: +SKIP
+>>> with te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling()):  # doctest: +SKIP
+...     out = model(inp)
+>>> out.sum().backward()  # doctest: +SKIP
+"""
+
+from .float8_tensor import Float8Tensor
+from .fp8 import autocast, fp8_autocast, fp8_model_init, is_fp8_available
+from .module import Linear
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["Float8Tensor", "Linear", "__version__", "autocast", "fp8_autocast",
+           "fp8_model_init", "is_fp8_available"]

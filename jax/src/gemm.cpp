@@ -1,0 +1,90 @@
+// XLA FFI handler of the core GEMM (te_gemm): D = op(A) @ op(B) (+ bias), high precision or
+// FP8 with per-tensor or block scales, optionally with the amax of D.
+//
+// On CUDA the workspace comes from XLA's scratch allocator (freed when the handler returns;
+// XLA orders its reuse after this call's work on the same stream); the CPU path needs none.
+#include "ffi_common.h"
+#include "handlers.h"
+#include "transformer_engine/gemm.h"
+
+namespace te_jax {
+namespace {
+
+bool is_fp8(ffi::DataType t) {
+  return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2;
+}
+
+ffi::Error operand(const char *what, const ffi::AnyBuffer &data, const ffi::AnyBuffer &scale_inv,
+                   int32_t scaling_mode, const Device &dev, Tensor *t) {
+  constexpr const char *op = "gemm";
+  const std::optional<te_scaling_mode> mode = scaling_mode_of(scaling_mode);
+  if (!mode) return invalid(op, std::string(what) + " scaling_mode must be 0..3, got " +
+                                    std::to_string(scaling_mode));
+  TE_JAX_RETURN_IF_ERROR(t->init(op, *mode));
+  TE_JAX_RETURN_IF_ERROR(t->set(TE_SLOT_DATA, what, data, dev));
+  if (is_fp8(data.element_type())) {
+    TE_JAX_RETURN_IF_ERROR(t->set(TE_SLOT_SCALE_INV, "scale_inv", scale_inv, dev));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmImpl(ffi::AnyBuffer a,
+                    ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b, ffi::AnyBuffer b_scale_inv,
+                    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> d,
+                    ffi::Result<ffi::AnyBuffer> d_amax, bool transpose_a, bool transpose_b,
+                    int32_t a_scaling_mode, int32_t b_scaling_mode, bool use_bias,
+                    bool compute_amax, bool use_split_accumulator, ffi::ScratchAllocator scratch,
+                    Device dev) {
+  constexpr const char *op = "gemm";
+  Tensor ta, tb, td, tbias;
+  TE_JAX_RETURN_IF_ERROR(operand("a", a, a_scale_inv, a_scaling_mode, dev, &ta));
+  TE_JAX_RETURN_IF_ERROR(operand("b", b, b_scale_inv, b_scaling_mode, dev, &tb));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "d", *d, dev, &td));
+  if (compute_amax) TE_JAX_RETURN_IF_ERROR(td.set(TE_SLOT_AMAX, "d_amax", *d_amax, dev));
+  if (use_bias) TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "bias", bias, dev, &tbias));
+  te_gemm_config config{};
+  config.transpose_a = transpose_a ? 1 : 0;
+  config.transpose_b = transpose_b ? 1 : 0;
+  config.use_split_accumulator = use_split_accumulator ? 1 : 0;
+  void *workspace = nullptr;
+  size_t workspace_size = 0;
+  if (dev.type == TE_DEVICE_CUDA) {
+    workspace_size = te_gemm_workspace_size();
+    if (workspace_size > 0) {
+      std::optional<void *> w = scratch.Allocate(workspace_size, 256);
+      if (!w) {
+        return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                          "gemm: could not allocate " + std::to_string(workspace_size) +
+                              " bytes of workspace from XLA's scratch allocator");
+      }
+      workspace = *w;
+    }
+  }
+  return from_status(te_gemm(ta.get(), tb.get(), td.get(), use_bias ? tbias.get() : nullptr,
+                             nullptr, &config, workspace, workspace_size, dev.stream));
+}
+
+auto TeGemmBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()  // a
+      .Arg<ffi::AnyBuffer>()  // a_scale_inv (read when a is FP8)
+      .Arg<ffi::AnyBuffer>()  // b
+      .Arg<ffi::AnyBuffer>()  // b_scale_inv (read when b is FP8)
+      .Arg<ffi::AnyBuffer>()  // bias [N] (read when use_bias)
+      .Ret<ffi::AnyBuffer>()  // d [M, N] (or a's leading dims and N)
+      .Ret<ffi::AnyBuffer>()  // d_amax fp32 [1] (written when compute_amax)
+      .Attr<bool>("transpose_a")
+      .Attr<bool>("transpose_b")
+      .Attr<int32_t>("a_scaling_mode")
+      .Attr<int32_t>("b_scaling_mode")
+      .Attr<bool>("use_bias")
+      .Attr<bool>("compute_amax")
+      .Attr<bool>("use_split_accumulator")
+      .Ctx<ffi::ScratchAllocator>();
+}
+
+}  // namespace
+
+TE_JAX_DEFINE_HANDLERS(TeGemm, GemmImpl);
+
+}  // namespace te_jax

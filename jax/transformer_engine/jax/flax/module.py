@@ -1,0 +1,120 @@
+"""``DenseGeneral``: a flax linen dense layer over :func:`transformer_engine.jax.dense`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence, Tuple, Union
+
+import flax.linen as nn
+
+import jax
+import jax.numpy as jnp
+from transformer_engine.jax.autocast import get_fp8_recipe
+from transformer_engine.jax.dense import dense
+from transformer_engine.jax.quantizer import (
+    FP8_COLLECTION,
+    ROLES,
+    make_quantizer_set,
+    new_fp8_state,
+)
+
+__all__ = ["DenseGeneral"]
+
+Initializer = Callable[..., jax.Array]
+
+
+def _as_tuple(v) -> tuple:
+    return tuple(v) if isinstance(v, Sequence) else (v,)
+
+
+def _as_matrix_init(init: Initializer, n_in: int) -> Initializer:
+    def matrix_init(key, shape, dtype):
+        flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:])) if n_in else (math.prod(shape),)
+        return jnp.reshape(init(key, flat, dtype), shape)
+
+    return matrix_init
+
+
+class DenseGeneral(nn.Module):
+    """A dense layer over any input axes, in FP8 inside ``fp8_autocast``.
+
+    The kernel has shape ``(*x.shape[axis], *features)`` (flax's [in, out] layout). Inside an
+    enabled ``fp8_autocast`` the three GEMMs run in FP8 with the autocast's recipe; outside,
+    in ``dtype`` through the same core GEMM. Under delayed scaling the layer keeps, per
+    tensor role ``x``, ``kernel`` and ``grad``, a ``<role>_scale`` [1] and a
+    ``<role>_amax_history`` [amax_history_len] in the ``fp8_metas`` collection; their
+    gradient is the next state (merge it with ``update_collections``).
+
+    Attributes:
+        features: output size(s).
+        axis: input axis or axes contracted with the kernel.
+        use_bias: add a bias of shape ``features``.
+        kernel_init: initializer of the kernel (flax's ``lecun_normal`` default).
+        bias_init: initializer of the bias.
+        dtype: the dtype of the computation (inputs and parameters are cast to it).
+        param_dtype: the dtype of the parameters.
+        kernel_axes: logical axis names of the kernel (recorded for sharding).
+        bias_axes: logical axis names of the bias.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from transformer_engine.jax.flax import DenseGeneral
+        >>> layer = DenseGeneral(features=32)
+        >>> variables = layer.init(jax.random.PRNGKey(0), jnp.ones((16, 64)))
+        >>> layer.apply(variables, jnp.ones((16, 64))).shape
+        (16, 32)
+    """
+
+    features: Union[int, Sequence[int]]
+    axis: Union[int, Sequence[int]] = -1
+    use_bias: bool = True
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    kernel_axes: Tuple[str, ...] = ()
+    bias_axes: Tuple[str, ...] = ()
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        features = _as_tuple(self.features)
+        axis = tuple(a % inputs.ndim for a in _as_tuple(self.axis))
+        if len(set(axis)) != len(axis):
+            raise ValueError(f"DenseGeneral: axis must not repeat an axis, got {self.axis}")
+        kernel_shape = tuple(inputs.shape[a] for a in axis) + features
+        # Initialized as the [in, out] matrix, then reshaped: fan-in is the product of the
+        # contracted dims (as flax's DenseGeneral computes it).
+        kernel_init = _as_matrix_init(self.kernel_init, len(axis))
+        bias_init = _as_matrix_init(self.bias_init, 0)
+        if self.kernel_axes:
+            kernel_init = nn.with_logical_partitioning(kernel_init, self.kernel_axes)
+        if self.bias_axes:
+            bias_init = nn.with_logical_partitioning(bias_init, self.bias_axes)
+        kernel = self.param("kernel", kernel_init, kernel_shape, self.param_dtype)
+        bias = self.param("bias", bias_init, features, self.param_dtype) if self.use_bias else None
+        recipe = get_fp8_recipe()
+        state = None
+        if recipe is not None and recipe.delayed():
+            state = self._fp8_state(recipe)
+        quantizer_set = make_quantizer_set(recipe, state, use_autocast=False)
+        x = inputs.astype(self.dtype)
+        kernel = kernel.astype(self.dtype)
+        bias = None if bias is None else bias.astype(self.dtype)
+        contracting = (axis, tuple(range(len(axis))))
+        return dense(x, kernel, bias, contracting_dims=contracting, quantizer_set=quantizer_set)
+
+    def _fp8_state(self, recipe) -> dict:
+        initial = new_fp8_state(recipe)
+        state = {}
+        for role in ROLES:
+            state[role] = {}
+            for key in ("scale", "amax_history"):
+                name = f"{role}_{key}"
+                if not self.is_initializing() and not self.has_variable(FP8_COLLECTION, name):
+                    raise ValueError(
+                        f"DenseGeneral: the '{FP8_COLLECTION}' collection has no '{name}'; "
+                        "initialize the model (model.init) inside the same fp8_autocast as "
+                        "the apply, and pass its 'fp8_metas' collection to apply")
+                var = self.variable(FP8_COLLECTION, name, lambda v=initial[role][key]: v)
+                state[role][key] = var.value
+        return state

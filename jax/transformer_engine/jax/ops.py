@@ -1,0 +1,222 @@
+"""The core's operations as jax functions: each is one XLA FFI custom call (``_te_jax``).
+
+These are the building blocks of :func:`transformer_engine.jax.dense`; they have no VJP of
+their own. Shapes follow the core (``tensor.h``): a tensor is viewed as a matrix [M, K] (K
+its last dimension), its column-wise FP8 copy is the transpose [K, M], and the scale
+inverses of the block modes are laid out per block of that view.
+
+Under ``jax.vmap`` every op runs once per element of the mapped axis (``sequential``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from transformer_engine.jax._native import TARGETS, load
+
+__all__ = ["ScalingMode", "QuantizedTensor", "fp8_dtype", "quantize", "dequantize",
+           "compute_amax", "scale_from_amax", "delayed_scaling_update", "gemm"]
+
+load()
+
+_VMAP = "sequential"
+_F32 = jnp.float32
+
+
+class ScalingMode(enum.IntEnum):
+    """How FP8 data is scaled (the core's te_scaling_mode)."""
+
+    TENSOR = 0
+    BLOCK_1X128 = 1
+    BLOCK_128X128 = 2
+    MXFP8 = 3
+
+
+# The core's te_dtype codes of the FP8 formats, and their jax dtypes.
+_TE_DTYPE = {jnp.dtype(jnp.float8_e4m3fn): 3, jnp.dtype(jnp.float8_e5m2): 4}
+_BY_NAME = {"float8_e4m3": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
+
+
+def fp8_dtype(name: str):
+    """The jax dtype of a recipe's format name (``"float8_e4m3"`` or ``"float8_e5m2"``)."""
+    return jnp.dtype(_BY_NAME[name])
+
+
+def _te_fp8(dtype) -> np.int32:
+    dtype = jnp.dtype(dtype)
+    if dtype not in _TE_DTYPE:
+        raise TypeError(f"FP8 dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    return np.int32(_TE_DTYPE[dtype])
+
+
+def _empty(dtype=_F32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((0,), dtype)
+
+
+class QuantizedTensor(NamedTuple):
+    """The FP8 buffers of one tensor; a slot that was not asked for is an empty array.
+
+    ``data``: the row-wise FP8 data (the input's shape); ``columnwise_data``: the transpose
+    [K, M] (MXFP8: the input's layout); ``scale_inv``: 1/scale [1] in TENSOR mode, else the
+    row-wise block scale inverses; ``columnwise_scale_inv``: those of the column-wise data
+    (block modes); ``amax``: max|input| [1].
+    """
+
+    data: jax.Array
+    columnwise_data: jax.Array
+    scale_inv: jax.Array
+    columnwise_scale_inv: jax.Array
+    amax: jax.Array
+
+
+def _block_scale_shape(mode: ScalingMode, m: int, k: int) -> tuple[int, int]:
+    if mode == ScalingMode.BLOCK_1X128:
+        return m, -(-k // 128)
+    if mode == ScalingMode.BLOCK_128X128:
+        return -(-m // 128), -(-k // 128)
+    return m, -(-k // 32)
+
+
+def quantize(x: jax.Array, scale: Optional[jax.Array], dtype, *,
+             scaling_mode: ScalingMode = ScalingMode.TENSOR, rowwise: bool = True,
+             columnwise: bool = False, compute_amax: bool = True,
+             force_pow2_scales: bool = False, amax_epsilon: float = 0.0) -> QuantizedTensor:
+    """Quantizes ``x`` (fp32/fp16/bf16) to FP8 ``dtype`` in one pass: the row-wise data, the
+    column-wise (transposed) data, or both, and the amax.
+
+    ``scale`` ([1] fp32) is the TENSOR mode's scale; the block modes compute theirs per block
+    (with ``force_pow2_scales`` and ``amax_epsilon``) and take ``scale=None``.
+    """
+    mode = ScalingMode(scaling_mode)
+    if x.ndim < 1:
+        raise ValueError(f"quantize: x must have at least 1 dimension, got shape {x.shape}")
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    fp8 = jnp.dtype(dtype)
+    _te_fp8(fp8)
+    col_shape = x.shape if mode == ScalingMode.MXFP8 else (k, m)
+    if mode == ScalingMode.TENSOR:
+        if scale is None:
+            raise ValueError("quantize: scale must be a [1] float32 array in TENSOR mode, got None")
+        si = jax.ShapeDtypeStruct((1,), _F32)
+        csi = _empty()
+    else:
+        scale = jnp.zeros((0,), _F32)
+        sdt = jnp.float8_e8m0fnu if mode == ScalingMode.MXFP8 else _F32
+        si = jax.ShapeDtypeStruct(_block_scale_shape(mode, m, k), sdt) if rowwise else _empty(sdt)
+        if mode == ScalingMode.MXFP8:
+            cshape = (-(-m // 32), k)
+        else:
+            cshape = _block_scale_shape(mode, k, m)
+        csi = jax.ShapeDtypeStruct(cshape, sdt) if columnwise else _empty(sdt)
+    results = (
+        jax.ShapeDtypeStruct(x.shape, fp8) if rowwise else _empty(fp8),
+        jax.ShapeDtypeStruct(col_shape, fp8) if columnwise else _empty(fp8),
+        si,
+        csi,
+        jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty(),
+    )
+    call = jax.ffi.ffi_call(TARGETS["quantize"], results, vmap_method=_VMAP)
+    out = call(x, scale, scaling_mode=np.int32(mode), rowwise=bool(rowwise),
+               columnwise=bool(columnwise), compute_amax=bool(compute_amax),
+               force_pow2_scales=bool(force_pow2_scales), amax_epsilon=np.float32(amax_epsilon))
+    return QuantizedTensor(*out)
+
+
+def dequantize(data: jax.Array, scale_inv: jax.Array, dtype=_F32, *,
+               scaling_mode: ScalingMode = ScalingMode.TENSOR) -> jax.Array:
+    """FP8 ``data`` times its ``scale_inv`` (per tensor or per block), in ``dtype``."""
+    call = jax.ffi.ffi_call(TARGETS["dequantize"], jax.ShapeDtypeStruct(data.shape, dtype),
+                            vmap_method=_VMAP)
+    return call(data, scale_inv, scaling_mode=np.int32(ScalingMode(scaling_mode)))
+
+
+def compute_amax(x: jax.Array) -> jax.Array:
+    """max|x| as a [1] float32 array (NaN if any element is NaN)."""
+    call = jax.ffi.ffi_call(TARGETS["compute_amax"], jax.ShapeDtypeStruct((1,), _F32),
+                            vmap_method=_VMAP)
+    return call(x)
+
+
+def scale_from_amax(amax: jax.Array, dtype, *, force_pow2_scales: bool = False,
+                    amax_epsilon: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """Current scaling: (scale, scale_inv), each [1] float32, from ``amax`` for FP8 ``dtype``."""
+    call = jax.ffi.ffi_call(TARGETS["scale_from_amax"], (jax.ShapeDtypeStruct((1,), _F32),) * 2,
+                            vmap_method=_VMAP)
+    return call(amax, fp8_dtype=_te_fp8(dtype), force_pow2_scales=bool(force_pow2_scales),
+                amax_epsilon=np.float32(amax_epsilon))
+
+
+def delayed_scaling_update(amax_histories: Sequence[jax.Array], scales: Sequence[jax.Array],
+                           dtype, *, algo: str = "max", margin: int = 0
+                           ) -> tuple[list, list, list]:
+    """Delayed scaling of several tensors of one FP8 ``dtype`` in one call.
+
+    Returns the rolled histories (slot 0 zeroed for the next amax), the new scales and the
+    scale inverses. Each history is [H] or [H, n] float32 (slot 0: the amax of the step
+    that just ran), each scale [n] float32.
+    """
+    n = len(amax_histories)
+    if len(scales) != n:
+        raise ValueError(f"delayed_scaling_update: scales must have one entry per history ({n}), "
+                         f"got {len(scales)}")
+    if n == 0:
+        return [], [], []
+    algos = {"max": 0, "most_recent": 1}
+    if algo not in algos:
+        raise ValueError("delayed_scaling_update: algo must be 'max' or 'most_recent', "
+                         f"got {algo!r}")
+    results = ([jax.ShapeDtypeStruct(h.shape, _F32) for h in amax_histories]
+               + [jax.ShapeDtypeStruct(s.shape, _F32) for s in scales]
+               + [jax.ShapeDtypeStruct(s.shape, _F32) for s in scales])
+    # The core updates histories and scales in place: XLA gives it copies (the aliases).
+    call = jax.ffi.ffi_call(TARGETS["delayed_scaling_update"], results, vmap_method=_VMAP,
+                            input_output_aliases={i: i for i in range(2 * n)})
+    out = call(*amax_histories, *scales, fp8_dtype=_te_fp8(dtype), algo=np.int32(algos[algo]),
+               margin=np.int32(margin))
+    return list(out[:n]), list(out[n:2 * n]), list(out[2 * n:])
+
+
+def gemm(a: jax.Array, b: jax.Array, *, a_scale_inv: Optional[jax.Array] = None,
+         b_scale_inv: Optional[jax.Array] = None,
+         a_scaling_mode: ScalingMode = ScalingMode.TENSOR,
+         b_scaling_mode: ScalingMode = ScalingMode.TENSOR, transpose_a: bool = False,
+         transpose_b: bool = False, bias: Optional[jax.Array] = None, out_dtype=None,
+         compute_amax: bool = False, use_split_accumulator: bool = False):
+    """D = op(a) @ op(b) (+ bias) with the core GEMM (see the core's gemm.h for the rules).
+
+    op(a) is a [M, K] (any rank; D then keeps a's leading dimensions) or, with
+    ``transpose_a``, a^T of a 2-D [K, M]; op(b) is b [K, N] or, with ``transpose_b``, b^T of
+    [N, K]. FP8 operands need ``a_scale_inv``/``b_scale_inv``, ``transpose_a=False`` and
+    ``transpose_b=True``. Returns D, or (D, amax of D) with ``compute_amax``.
+    """
+    if b.ndim != 2:
+        raise ValueError(f"gemm: b must be 2-D, got shape {b.shape}")
+    if transpose_a and a.ndim != 2:
+        raise ValueError(f"gemm: a must be 2-D with transpose_a, got shape {a.shape}")
+    n = b.shape[0] if transpose_b else b.shape[1]
+    k_b = b.shape[1] if transpose_b else b.shape[0]
+    k_a = a.shape[0] if transpose_a else a.shape[-1]
+    if k_a != k_b:
+        raise ValueError(f"gemm: the contraction dimensions of a ({k_a}, shape {a.shape}) and b "
+                         f"({k_b}, shape {b.shape}) must match")
+    lead = (a.shape[1],) if transpose_a else a.shape[:-1]
+    out_dtype = jnp.dtype(out_dtype if out_dtype is not None else a.dtype)
+    empty = jnp.zeros((0,), _F32)
+    results = (jax.ShapeDtypeStruct((*lead, n), out_dtype),
+               jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
+    call = jax.ffi.ffi_call(TARGETS["gemm"], results, vmap_method=_VMAP)
+    d, amax = call(a, a_scale_inv if a_scale_inv is not None else empty, b,
+                   b_scale_inv if b_scale_inv is not None else empty,
+                   bias if bias is not None else jnp.zeros((0,), out_dtype),
+                   transpose_a=bool(transpose_a), transpose_b=bool(transpose_b),
+                   a_scaling_mode=np.int32(ScalingMode(a_scaling_mode)),
+                   b_scaling_mode=np.int32(ScalingMode(b_scaling_mode)),
+                   use_bias=bias is not None, compute_amax=bool(compute_amax),
+                   use_split_accumulator=bool(use_split_accumulator))
+    return (d, amax) if compute_amax else d

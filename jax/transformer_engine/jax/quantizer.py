@@ -1,0 +1,220 @@
+"""FP8 quantization of the three tensors of a dense layer by recipe, and the FP8 state.
+
+The roles are ``x`` (the input), ``kernel`` (the weight) and ``grad`` (the gradient of the
+output). Delayed scaling keeps, per role, a ``scale`` [1] and an ``amax_history`` [H]
+(float32) in the flax collection ``fp8_metas``; current and block scaling keep nothing.
+
+A :class:`QuantizerSet` carries the recipe (static) and that state (arrays) into
+:func:`transformer_engine.jax.dense`, whose VJP returns the updated state as the cotangent
+of the state: ``jax.grad`` with respect to the state *is* the next state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+from transformer_engine.common.recipe import DelayedScaling, Recipe
+from transformer_engine.jax import ops
+from transformer_engine.jax.autocast import get_fp8_recipe
+
+__all__ = ["ROLES", "FP8_COLLECTION", "QuantizerSet", "new_fp8_state", "make_quantizer_set",
+           "update_collections"]
+
+ROLES = ("x", "kernel", "grad")
+FP8_COLLECTION = "fp8_metas"
+
+
+def new_fp8_state(recipe: Optional[Recipe]) -> dict:
+    """The initial FP8 state of one dense layer: scale 1 and an all-zero history per role
+    for delayed scaling, ``{}`` for every other recipe (and for no recipe)."""
+    if recipe is None or not recipe.delayed():
+        return {}
+    return {role: {"scale": jnp.ones((1,), jnp.float32),
+                   "amax_history": jnp.zeros((recipe.amax_history_len,), jnp.float32)}
+            for role in ROLES}
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class QuantizerSet:
+    """How :func:`~transformer_engine.jax.dense` quantizes: a recipe (None: no FP8, the
+    GEMMs run in the inputs' dtype) and the FP8 state that the recipe needs."""
+
+    recipe: Optional[Recipe] = None
+    state: Mapping = dataclasses.field(default_factory=dict)
+
+    def tree_flatten(self):
+        return (dict(self.state),), self.recipe
+
+    @classmethod
+    def tree_unflatten(cls, recipe, children):
+        return cls(recipe, children[0])
+
+
+def make_quantizer_set(recipe: Optional[Recipe] = None, state: Optional[Mapping] = None,
+                       *, use_autocast: bool = True) -> QuantizerSet:
+    """A quantizer set for ``recipe`` (default: the autocast's, when ``use_autocast``).
+
+    Delayed scaling needs ``state`` (a mapping as :func:`new_fp8_state` returns, usually
+    read from the ``fp8_metas`` collection); the other recipes take none.
+    """
+    if recipe is None and use_autocast:
+        recipe = get_fp8_recipe()
+    if recipe is None:
+        return QuantizerSet(None, {})
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"make_quantizer_set: recipe must be a Recipe, got {type(recipe).__name__}")
+    if recipe.mxfp8():
+        raise NotImplementedError(
+            "make_quantizer_set: MXFP8BlockScaling needs MXFP8 GEMMs (Blackwell); the core's "
+            "GEMM takes per-tensor and 1x128/128x128 block scales: use DelayedScaling, "
+            "Float8CurrentScaling or Float8BlockScaling")
+    if recipe.delayed():
+        if state is None:
+            raise ValueError(
+                "make_quantizer_set: DelayedScaling needs the FP8 state (scale and amax_history "
+                "of x, kernel and grad); create it with new_fp8_state(recipe) and keep it in "
+                "the 'fp8_metas' collection, or use transformer_engine.jax.flax.DenseGeneral")
+        _check_state(recipe, state)
+        return QuantizerSet(recipe, {r: dict(state[r]) for r in ROLES})
+    return QuantizerSet(recipe, {})
+
+
+def _check_state(recipe: DelayedScaling, state: Mapping) -> None:
+    for role in ROLES:
+        if role not in state or set(state[role]) != {"scale", "amax_history"}:
+            raise ValueError(f"make_quantizer_set: state must map each of {ROLES} to a dict with "
+                             "'scale' and 'amax_history', got "
+                             f"{jax.tree_util.tree_structure(state)}")
+        scale, history = state[role]["scale"], state[role]["amax_history"]
+        if jnp.shape(scale) != (1,) or jnp.shape(history) != (recipe.amax_history_len,):
+            raise ValueError(
+                f"make_quantizer_set: state[{role!r}] must have scale [1] and amax_history "
+                f"[{recipe.amax_history_len}] (the recipe's amax_history_len), got "
+                f"{jnp.shape(scale)} and {jnp.shape(history)}")
+
+
+def role_dtype(recipe: Recipe, role: str):
+    fmt = recipe.fp8_format
+    return ops.fp8_dtype(fmt.bwd_dtype_name if role == "grad" else fmt.fwd_dtype_name)
+
+
+def role_mode(recipe: Recipe, role: str) -> ops.ScalingMode:
+    """The scaling mode of ``role``'s FP8 data under ``recipe``."""
+    if not recipe.float8_block_scaling():
+        return ops.ScalingMode.TENSOR
+    dim = {"x": recipe.x_block_scaling_dim, "kernel": recipe.w_block_scaling_dim,
+           "grad": recipe.grad_block_scaling_dim}[role]
+    return ops.ScalingMode.BLOCK_1X128 if dim == 1 else ops.ScalingMode.BLOCK_128X128
+
+
+def quantize_role(x2: jax.Array, qset: QuantizerSet, role: str) -> ops.QuantizedTensor:
+    """Quantizes the [M, K] matrix ``x2`` of ``role`` into row-wise and column-wise FP8
+    data (one fused pass), by the set's recipe; the TENSOR modes also give the amax."""
+    recipe = qset.recipe
+    dtype = role_dtype(recipe, role)
+    if recipe.delayed():
+        scale = qset.state[role]["scale"]
+        q = ops.quantize(x2, scale, dtype, rowwise=True, columnwise=True, compute_amax=True)
+        return q
+    if recipe.float8_current_scaling():
+        amax = ops.compute_amax(x2)
+        scale, _ = ops.scale_from_amax(amax, dtype, force_pow2_scales=recipe.power_2_scale,
+                                       amax_epsilon=recipe.amax_epsilon)
+        q = ops.quantize(x2, scale, dtype, rowwise=True, columnwise=True, compute_amax=False)
+        return q._replace(amax=amax)
+    if recipe.float8_block_scaling():
+        q = ops.quantize(x2, None, dtype, scaling_mode=role_mode(recipe, role), rowwise=True,
+                         columnwise=True,
+                         compute_amax=False, force_pow2_scales=recipe.power_2_scale,
+                         amax_epsilon=recipe.amax_epsilon)
+        return q
+    raise NotImplementedError(f"quantize_role: recipe {type(recipe).__name__} is not supported")
+
+
+@jax.custom_batching.custom_vmap
+def _amax_of_all_mapped(amax):
+    """The identity, except under ``jax.vmap``: the max over the mapped axis, unmapped.
+
+    The FP8 state is shared by every mapped call (it is not mapped), so its update must see
+    the amax of all of them, as one call on the whole batch would; and an unmapped new state
+    is also what keeps jax from summing the mapped calls' states as if they were gradients.
+    """
+    return amax
+
+
+@_amax_of_all_mapped.def_vmap
+def _amax_of_all_mapped_vmap(axis_size, in_batched, amax):
+    del axis_size
+    if not in_batched[0]:
+        return amax, False
+    return jnp.max(amax, axis=0), False
+
+
+def updated_state(recipe: DelayedScaling, state: Mapping, amaxes: Mapping) -> dict:
+    """The delayed-scaling state after a step whose amaxes were ``amaxes`` (role -> [1]).
+
+    Each role's amax goes into slot 0 of its history, then the recipe's update runs: the
+    new scale from the history, and the history rolled by one with slot 0 cleared.
+    """
+    amaxes = {r: _amax_of_all_mapped(amaxes[r]) for r in ROLES}
+    # max with slot 0 (cleared by the last update): NaN propagates, as in the PyTorch package.
+    histories = {r: state[r]["amax_history"].at[0].max(amaxes[r][0]) for r in ROLES}
+    scales = {r: state[r]["scale"] for r in ROLES}
+    new = {}
+    if isinstance(recipe.amax_compute_algo, str) and recipe.scaling_factor_compute_algo is None:
+        # One core call per FP8 format (input and weight share the forward one).
+        for roles in (("x", "kernel"), ("grad",)):
+            dtype = role_dtype(recipe, roles[0])
+            h, s, _ = ops.delayed_scaling_update([histories[r] for r in roles],
+                                                 [scales[r] for r in roles], dtype,
+                                                 algo=recipe.amax_compute_algo,
+                                                 margin=recipe.margin)
+            for r, hr, sr in zip(roles, h, s, strict=True):
+                new[r] = {"scale": sr, "amax_history": hr}
+        return new
+    # User callables are written with jax ops (the recipe's contract): same rule, in jnp.
+    for r in ROLES:
+        new[r] = _update_with_callables(recipe, histories[r], scales[r], role_dtype(recipe, r))
+    return new
+
+
+def _update_with_callables(recipe: DelayedScaling, history, scale, dtype) -> dict:
+    algo = recipe.amax_compute_algo
+    if callable(algo):
+        amax = jnp.reshape(algo(history), (1,)).astype(jnp.float32)
+    elif algo == "max":
+        amax = jnp.max(history, keepdims=True)
+    else:
+        amax = history[:1]
+    fp8_max = float(jnp.finfo(dtype).max)
+    if recipe.scaling_factor_compute_algo is not None:
+        new_scale = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
+    else:
+        computed = (fp8_max / amax) / (2.0 ** recipe.margin)
+        computed = jnp.where(jnp.isinf(computed), jnp.finfo(jnp.float32).max, computed)
+        new_scale = jnp.where(jnp.isfinite(amax) & (amax > 0), computed, scale)
+    history = jnp.roll(history, -1, axis=0).at[0].set(0.0)
+    return {"scale": jnp.asarray(new_scale, jnp.float32).reshape(1), "amax_history": history}
+
+
+def update_collections(new: Mapping, original: Mapping):
+    """``original`` (flax variables) with each collection of ``new`` put in its place.
+
+    Typical use, after ``grads, new_vars = jax.grad(loss, argnums=(0, 1))(params, variables)``:
+    ``variables = update_collections(new_vars, variables)`` (the ``fp8_metas`` gradient is
+    the next FP8 state).
+    """
+    merged = dict(original)
+    merged.update(dict(new))
+    try:  # keep flax's FrozenDict when the original is one
+        from flax.core import FrozenDict
+
+        if isinstance(original, FrozenDict):
+            return FrozenDict(merged)
+    except ImportError:  # pragma: no cover - flax is a dependency
+        pass
+    return merged

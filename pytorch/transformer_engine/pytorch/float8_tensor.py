@@ -1,0 +1,250 @@
+"""``Float8Tensor``: a torch tensor whose storage is FP8.
+
+It looks like a high-precision tensor (its ``dtype`` is the dtype it dequantizes to) but holds
+FP8 bytes plus their ``scale_inv`` (per tensor, or per block), the FP8 format, and optionally
+the transposed ("column-wise") copy that the backward GEMMs read. te modules use the bytes
+directly; any other torch op sees the dequantized values (``__torch_dispatch__`` falls back to
+high precision). In-place ops (an optimizer step, ``copy_`` from ``load_state_dict``) compute
+in high precision and quantize the result back into the same bytes, with a scale from its own
+amax, so the tensor stays FP8 throughout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from . import ops
+from .ops._backend import FP8_DTYPES, SCALING_MODES, TORCH_FP8, as_bytes
+
+__all__ = ["Float8Tensor"]
+
+_aten = torch.ops.aten
+_HIGH = (torch.float32, torch.bfloat16, torch.float16)
+_PASSTHROUGH = {_aten.detach.default, _aten.alias.default}
+
+
+def _fp8_name(data: torch.Tensor, fp8_dtype: Optional[str]) -> str:
+    for name, native in TORCH_FP8.items():
+        if data.dtype == native:
+            if fp8_dtype not in (None, name):
+                raise ValueError(f"Float8Tensor: fp8_dtype must match the data's dtype "
+                                 f"{data.dtype}, got {fp8_dtype!r}")
+            return name
+    if data.dtype != torch.uint8:
+        raise TypeError(f"Float8Tensor: data must be uint8 bytes or a torch float8 tensor, "
+                        f"got {data.dtype}")
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"Float8Tensor: fp8_dtype must be one of {FP8_DTYPES} for uint8 "
+                         f"data, got {fp8_dtype!r}")
+    return fp8_dtype
+
+
+class Float8Tensor(torch.Tensor):
+    """FP8 data with its scale_inv, seen by torch as a ``dtype`` tensor of the same shape.
+
+    Args:
+        data: the FP8 values as uint8 bytes, or a ``torch.float8_e4m3fn`` / ``float8_e5m2``
+            tensor (then ``fp8_dtype`` may be omitted).
+        scale_inv: fp32; [1] for per-tensor scaling, the block grid of tensor.h otherwise.
+        fp8_dtype: ``"float8_e4m3"`` or ``"float8_e5m2"``.
+        dtype: the high-precision dtype the tensor presents and dequantizes to.
+        scaling_mode: ``"tensor"``, ``"block_1x128"`` or ``"block_128x128"``.
+        transpose, transpose_scale_inv: optional column-wise copy ([K, M] of the [M, K] view)
+            and its scale_inv (per-tensor: the same as ``scale_inv``).
+
+    Example:
+        >>> x = torch.randn(32, 64)
+        >>> q = Float8Tensor.quantize(x)  # doctest: +SKIP
+        >>> (q.dequantize() - x).abs().max() < 0.1 * x.abs().max()  # doctest: +SKIP
+    """
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: Optional[str] = None,
+                dtype: torch.dtype = torch.float32, scaling_mode: str = "tensor",
+                transpose: Optional[torch.Tensor] = None,
+                transpose_scale_inv: Optional[torch.Tensor] = None, requires_grad: bool = False):
+        fp8_dtype = _fp8_name(data, fp8_dtype)
+        if dtype not in _HIGH:
+            raise TypeError(f"Float8Tensor: dtype must be one of {_HIGH}, got {dtype}")
+        if scaling_mode not in SCALING_MODES:
+            raise ValueError(f"Float8Tensor: scaling_mode must be one of {SCALING_MODES}, "
+                             f"got {scaling_mode!r}")
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, dtype=dtype, device=data.device, requires_grad=requires_grad)
+        self._data = as_bytes(data)
+        self._scale_inv = scale_inv
+        self._fp8_dtype = fp8_dtype
+        self._scaling_mode = scaling_mode
+        self._transpose = None if transpose is None else as_bytes(transpose)
+        self._transpose_scale_inv = transpose_scale_inv
+        return self
+
+    # ------------------------------------------------------------ making and reading
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor, fp8_dtype: str = "float8_e4m3", *,
+                 scaling_mode: str = "tensor", with_transpose: bool = False,
+                 force_pow2_scales: bool = False) -> "Float8Tensor":
+        """Quantizes ``x`` with a scale from its own amax (per tensor) or per block."""
+        x = x.detach()
+        m = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+        if scaling_mode == "tensor":
+            data, col, _, sinv, _ = ops.quantize_current(m, fp8_dtype, True, with_transpose,
+                                                          force_pow2_scales, 0.0)
+            col_sinv = sinv if with_transpose else None
+        else:
+            data, sinv, col, col_sinv = ops.quantize_block(
+                m, fp8_dtype, scaling_mode, True, with_transpose, force_pow2_scales, 0.0)
+            col_sinv = col_sinv if with_transpose else None
+        return cls(data.view(x.shape), sinv, fp8_dtype, x.dtype, scaling_mode,
+                   col if with_transpose else None, col_sinv)
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The high-precision values, as a plain tensor of ``dtype`` (default: self.dtype)."""
+        data = self._data.reshape(-1, self._data.shape[-1]) if self._data.dim() else \
+            self._data.reshape(1, 1)
+        out = ops.dequantize(data, self._scale_inv, self._fp8_dtype, self._scaling_mode,
+                             dtype or self.dtype)
+        return out.view(self.shape)
+
+    def transpose_data(self, cache: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The column-wise copy [K, M] and its scale_inv, made (and kept) on first use.
+
+        Per-tensor data and 128x128 tiles transpose byte for byte (a tile holds the same
+        elements in the matrix and in its transpose, so its scale moves with it); 1x128 runs
+        do not, such a tensor must be quantized ``with_transpose=True``. ``cache=False``
+        leaves the tensor as it is (torch.compile traces no change to a tensor's parts)."""
+        if self._transpose is not None:
+            return self._transpose, self._transpose_scale_inv
+        if self._scaling_mode == "block_1x128":
+            raise ValueError("Float8Tensor.transpose_data: 1x128 blocks run along rows, so "
+                             "the column-wise copy must come from quantization "
+                             "(with_transpose=True)")
+        data = ops.transpose(self._data.reshape(-1, self._data.shape[-1]))
+        scale_inv = (self._scale_inv if self._scaling_mode == "tensor"
+                     else self._scale_inv.t().contiguous())
+        if cache:
+            self._transpose, self._transpose_scale_inv = data, scale_inv
+        return data, scale_inv
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        extra = ", with transpose" if self._transpose is not None else ""
+        return (f"Float8Tensor(fp8_dtype={self._fp8_dtype}, scaling_mode={self._scaling_mode}, "
+                f"shape={list(self.shape)}, dtype={self.dtype}, device={self.device}{extra}, "
+                f"scale_inv={self._scale_inv.flatten()[:4].tolist()}, "
+                f"values={self.dequantize().flatten()[:6].tolist()})")
+
+    # ------------------------------------------------------------ torch.compile, pickling
+
+    def __tensor_flatten__(self):
+        names = ["_data", "_scale_inv"]
+        if self._transpose is not None:
+            names += ["_transpose", "_transpose_scale_inv"]
+        return names, (self._fp8_dtype, self.dtype, self._scaling_mode, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        fp8_dtype, dtype, mode, requires_grad = meta
+        return Float8Tensor(inner["_data"], inner["_scale_inv"], fp8_dtype, dtype, mode,
+                            inner.get("_transpose"), inner.get("_transpose_scale_inv"),
+                            requires_grad=requires_grad)
+
+    def __reduce_ex__(self, protocol):
+        return _rebuild, (self._data, self._scale_inv, self._fp8_dtype, self.dtype,
+                          self._scaling_mode, self._transpose, self._transpose_scale_inv,
+                          self.requires_grad)
+
+    # ------------------------------------------------------------ dispatch
+
+    def _with(self, **changes) -> "Float8Tensor":
+        fields = dict(data=self._data, scale_inv=self._scale_inv, fp8_dtype=self._fp8_dtype,
+                      dtype=self.dtype, scaling_mode=self._scaling_mode,
+                      transpose=self._transpose, transpose_scale_inv=self._transpose_scale_inv)
+        fields.update(changes)
+        return Float8Tensor(**fields)
+
+    def _assign(self, values: torch.Tensor) -> None:
+        """Quantizes ``values`` into this tensor's own buffers (current scaling)."""
+        fresh = Float8Tensor.quantize(values.to(self.dtype), self._fp8_dtype,
+                                      scaling_mode=self._scaling_mode,
+                                      with_transpose=self._scaling_mode != "tensor"
+                                      and self._transpose is not None)
+        self._copy_from(fresh)
+
+    def _copy_from(self, src: "Float8Tensor") -> None:
+        """Writes src's bytes and scales into this tensor's buffers, in place: its aliases
+        (``detach()``, ``.data``) share the buffers and must see the new values too."""
+        self._data.copy_(src._data)
+        self._scale_inv.copy_(src._scale_inv)
+        if self._transpose is None:
+            return
+        if src._transpose is None and src._scaling_mode == "block_1x128":
+            self._transpose = self._transpose_scale_inv = None  # cannot follow; remade
+            return
+        col, col_sinv = src.transpose_data(cache=False)
+        self._transpose.copy_(col)
+        if self._transpose_scale_inv is not self._scale_inv:  # per tensor they are one
+            self._transpose_scale_inv.copy_(col_sinv)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PASSTHROUGH:
+            return args[0]._with()
+        if func is _aten.clone.default:
+            t = args[0]
+            clone = lambda x: None if x is None else x.clone()  # noqa: E731
+            return t._with(data=t._data.clone(), scale_inv=t._scale_inv.clone(),
+                           transpose=clone(t._transpose),
+                           transpose_scale_inv=clone(t._transpose_scale_inv))
+        if func is _aten._to_copy.default:
+            return _to_copy(args[0], **kwargs)
+        if func is _aten.copy_.default and isinstance(args[0], Float8Tensor):
+            dst, src = args[0], args[1]
+            same = (isinstance(src, Float8Tensor) and src._fp8_dtype == dst._fp8_dtype
+                    and src._scaling_mode == dst._scaling_mode)
+            if same:  # byte for byte: a checkpoint loads back exactly
+                dst._copy_from(_to_copy(src, device=dst.device))
+            else:
+                dst._assign(_unwrap(src).to(dst.device))
+            return dst
+        unwrapped_args = tree_map(_unwrap, args)
+        unwrapped_kwargs = tree_map(_unwrap, kwargs)
+        out = func(*unwrapped_args, **unwrapped_kwargs)
+        target = args[0] if args else None
+        if func._schema.is_mutable and isinstance(target, Float8Tensor):
+            # An in-place op (optimizer step): it ran on a high-precision copy; store it back.
+            target._assign(unwrapped_args[0])
+            return target
+        return out
+
+
+def _unwrap(x: Any) -> Any:
+    return x.dequantize() if isinstance(x, Float8Tensor) else x
+
+
+def _to_copy(t: Float8Tensor, dtype=None, device=None, **_ignored) -> torch.Tensor:
+    """Device moves keep the FP8 bytes; so does a change to another high-precision dtype (the
+    dtype it dequantizes to), which is what ``module.bfloat16()`` asks of an FP8 weight. Any
+    other dtype gets plain values."""
+    if dtype is not None and dtype not in _HIGH:
+        return t.dequantize(torch.float32).to(device=device, dtype=dtype)
+    fields = {"dtype": dtype or t.dtype}
+    if device is not None:
+        for name in ("data", "scale_inv", "transpose", "transpose_scale_inv"):
+            value = getattr(t, "_" + name)
+            fields[name] = None if value is None else value.to(device)
+    return t._with(**fields)
+
+
+def _rebuild(data, scale_inv, fp8_dtype, dtype, mode, transpose, transpose_scale_inv,
+             requires_grad):
+    return Float8Tensor(data, scale_inv, fp8_dtype, dtype, mode, transpose, transpose_scale_inv,
+                        requires_grad=requires_grad)
+
+
+# torch.load defaults to weights_only=True, which loads only allow-listed globals.
+torch.serialization.add_safe_globals([_rebuild, Float8Tensor])

@@ -1,0 +1,226 @@
+"""FP8 autocast: which recipe the modules use, and the delayed-scaling update at its exit.
+
+``fp8_autocast`` / ``autocast`` set a process-wide state that ``te`` modules read in their
+forward. Contexts nest; the innermost one decides how a module runs. Modules that recorded
+amaxes under delayed scaling register here, and when the OUTERMOST context exits their
+forward scales (``input``, ``weight``) are updated together: the amaxes are all-reduced
+(MAX) over the group when one is given, then one ``delayed_scaling_update`` call per FP8
+format and device covers every module's history. Backward scales are updated in each
+module's backward, right after the gradient's amax is recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator, Optional
+
+import torch
+
+from transformer_engine.common.recipe import DelayedScaling, Recipe
+
+from . import ops
+
+__all__ = ["autocast", "fp8_autocast", "fp8_model_init", "is_fp8_available"]
+
+
+@dataclasses.dataclass
+class _State:
+    enabled: bool = False
+    calibrating: bool = False
+    recipe: Optional[Recipe] = None
+    group: Any = None  # torch.distributed ProcessGroup or None
+    depth: int = 0
+    # id(module) -> (module, recipe, group): forward amaxes waiting for the exit update.
+    pending: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _ModelInit:
+    enabled: bool = False
+    recipe: Optional[Recipe] = None
+
+
+STATE = _State()
+MODEL_INIT = _ModelInit()
+
+
+def is_fp8_available() -> tuple[bool, str]:
+    """Whether te modules can run in FP8 here, and why (or why not).
+
+    On a machine without CUDA the answer is True: the core's CPU path quantizes and multiplies
+    FP8 operands exactly as the GPU would (FP8 values, fp32 accumulation), only slowly, so FP8
+    numerics can be developed and tested on a CPU. On CUDA, FP8 tensor cores need compute
+    capability 8.9 (Ada) or newer and a core built with its CUDA kernels.
+    """
+    index = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    if index not in _AVAILABLE:
+        _AVAILABLE[index] = _fp8_availability()
+    return _AVAILABLE[index]
+
+
+_AVAILABLE: dict = {}  # device index (-1: no CUDA) -> (bool, reason); devices do not change
+
+
+def _fp8_availability() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return True, ("no CUDA device: FP8 is emulated by the core's CPU path "
+                      "(FP8 values, fp32 math)")
+    major, minor = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    if (major, minor) < (8, 9):
+        return False, f"{name} has compute capability {major}.{minor}; FP8 needs 8.9 or newer"
+    if not ops._backend.core().built_with_cuda():
+        return False, "the core (transformer-engine-common) was built without its CUDA kernels"
+    return True, f"{name} (compute capability {major}.{minor}) has FP8 tensor cores"
+
+
+def _check_recipe(recipe: Any) -> Recipe:
+    if recipe is None:
+        return DelayedScaling()
+    if not isinstance(recipe, Recipe):
+        raise TypeError("fp8_autocast: fp8_recipe must be a transformer_engine.common.recipe "
+                        f"recipe or None, got {type(recipe).__name__}")
+    return recipe
+
+
+@contextlib.contextmanager
+def fp8_autocast(enabled: bool = True, calibrating: bool = False,
+                 fp8_recipe: Optional[Recipe] = None, fp8_group: Any = None) -> Iterator[None]:
+    """Runs te modules in FP8 inside the block.
+
+    Args:
+        enabled: compute in FP8 (False: high precision, e.g. to switch FP8 off in a region).
+        calibrating: with ``enabled=False``, compute in high precision but record the
+            forward amaxes of delayed scaling, so the scales are ready when FP8 is switched
+            on (with FP8 enabled they are recorded anyway).
+        fp8_recipe: how tensors are scaled; ``DelayedScaling()`` when None.
+        fp8_group: process group whose ranks share amaxes (all-reduce MAX) before the scale
+            update, when the recipe has ``reduce_amax``; None means no reduction.
+
+    Example:
+        >>> with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):  # doctest: +SKIP
+        ...     out = model(inp)
+        >>> out.sum().backward()  # doctest: +SKIP
+    """
+    recipe = _check_recipe(fp8_recipe)
+    if enabled:
+        ok, reason = is_fp8_available()
+        if not ok:
+            raise RuntimeError(f"fp8_autocast: FP8 is not available: {reason}")
+    saved = (STATE.enabled, STATE.calibrating, STATE.recipe, STATE.group)
+    STATE.enabled, STATE.calibrating, STATE.recipe, STATE.group = (
+        bool(enabled), bool(calibrating), recipe, fp8_group)
+    STATE.depth += 1
+    try:
+        yield
+    finally:
+        STATE.depth -= 1
+        STATE.enabled, STATE.calibrating, STATE.recipe, STATE.group = saved
+        if STATE.depth == 0:
+            pending, STATE.pending = STATE.pending, {}
+            update_forward_scales(list(pending.values()))
+
+
+@contextlib.contextmanager
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
+             amax_reduction_group: Any = None) -> Iterator[None]:
+    """The same as :func:`fp8_autocast`, with the newer argument names."""
+    with fp8_autocast(enabled, calibrating, recipe, amax_reduction_group):
+        yield
+
+
+@contextlib.contextmanager
+def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None) -> Iterator[None]:
+    """Modules built inside keep their weights only as FP8 :class:`Float8Tensor` parameters
+    (1 byte per element; no high-precision copy), quantized as ``recipe`` asks for weights
+    (per-tensor for delayed and current scaling, 128x128 blocks for block scaling). The
+    optimizer updates them in place: the update runs in high precision and is quantized back.
+    """
+    saved = (MODEL_INIT.enabled, MODEL_INIT.recipe)
+    MODEL_INIT.enabled, MODEL_INIT.recipe = bool(enabled), _check_recipe(recipe)
+    try:
+        yield
+    finally:
+        MODEL_INIT.enabled, MODEL_INIT.recipe = saved
+
+
+def register_forward_amaxes(module: torch.nn.Module, recipe: Recipe) -> None:
+    """Called by a module's forward after it wrote amaxes into its forward history."""
+    STATE.pending[id(module)] = (module, recipe, STATE.group)
+
+
+# ------------------------------------------------------------------ the scale update
+
+
+def _reduce_amaxes(histories: list[torch.Tensor], group: Any) -> None:
+    """All-reduce (MAX) the newest row of every history over ``group``, in one collective."""
+    import torch.distributed as dist
+
+    rows = torch.cat([h[0] for h in histories])
+    dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=group)
+    offset = 0
+    for h in histories:
+        h[0].copy_(rows[offset:offset + h.shape[1]])
+        offset += h.shape[1]
+
+
+def _python_update(history, scale, scale_inv, fp8_max: float, recipe: DelayedScaling) -> None:
+    """The update for recipes with user callables (their math is the user's, in torch ops)."""
+    algo = recipe.amax_compute_algo
+    if callable(algo):
+        amax = algo(history)
+    elif algo == "max":
+        amax = history.amax(dim=0)
+    else:
+        amax = history[0]
+    if recipe.scaling_factor_compute_algo is not None:
+        new = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
+    else:
+        valid = torch.isfinite(amax) & (amax > 0)
+        new = (fp8_max / amax) / 2.0**recipe.margin
+        new = torch.where(torch.isinf(new), torch.finfo(torch.float32).max, new)
+        new = torch.where(valid, new, scale)
+    scale.copy_(new)
+    scale_inv.copy_(1.0 / scale)
+    history.copy_(torch.roll(history, -1, dims=0))
+    history[0].zero_()
+
+
+def update_scales(entries: list, dtype_of, fp8_max_of) -> None:
+    """Updates the delayed scales of many ((history, scale, scale_inv), recipe, group) entries.
+
+    ``dtype_of(recipe)`` names the FP8 format of the scales, ``fp8_max_of(recipe)`` its max.
+    Histories are all-reduced per group first, then grouped by (format, algo, margin, device)
+    into one core call each.
+    """
+    by_group: dict = {}
+    for (history, _, _), recipe, group in entries:
+        if group is not None and recipe.reduce_amax:
+            by_group.setdefault(id(group), (group, []))[1].append(history)
+    for group, histories in by_group.values():
+        _reduce_amaxes(histories, group)
+    calls: dict = {}
+    for (history, scale, scale_inv), recipe, _ in entries:
+        if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
+            _python_update(history, scale, scale_inv, fp8_max_of(recipe), recipe)
+            continue
+        key = (dtype_of(recipe), recipe.amax_compute_algo, recipe.margin, history.device)
+        lists = calls.setdefault(key, ([], [], []))
+        for target, t in zip(lists, (history, scale, scale_inv), strict=True):
+            target.append(t)
+    for (fp8_dtype, algo, margin, _), (h, s, si) in calls.items():
+        ops.delayed_scaling_update(h, s, si, fp8_dtype, algo, margin)
+
+
+def update_forward_scales(entries: list) -> None:
+    """The exit update: forward scales of (module, recipe, group) entries."""
+    update_scales([((m.amax_history_fwd, m.scale_fwd, m.scale_inv_fwd), r, g)
+                   for m, r, g in entries],
+                  lambda r: r.fp8_format.fwd_dtype_name, lambda r: r.fp8_format.max_fwd)
+
+
+def update_backward_scales(tensors: tuple, recipe: Recipe, group: Any) -> None:
+    """A module's backward update of its grad_output scale."""
+    update_scales([(tensors, recipe, group)], lambda r: r.fp8_format.bwd_dtype_name,
+                  lambda r: r.fp8_format.max_bwd)

@@ -1,0 +1,113 @@
+"""The autograd function of an FP8 linear layer: three FP8 GEMMs through the core.
+
+    forward  output      = input @ weight^T        A = input (row-wise),  B = weight (row-wise)
+    dgrad    grad_input  = grad_output @ weight    A = grad_output,       B = weight column-wise
+    wgrad    grad_weight = grad_output^T @ input   A = grad_output col.,  B = input column-wise
+
+Every GEMM is "TN" (both operands K-major), so the backward reads the column-wise copies that
+quantization wrote in the same pass as the row-wise data; the input is saved for the backward
+as its FP8 column-wise copy only. The weight arrives already quantized (the module caches it
+per step or microbatch); the input and grad_output are quantized here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from . import fp8, ops
+from .quantization import Plan, quantize, record_amax
+
+# The block-scaled GEMM writes fp32 or bf16 only (gemm.h).
+_BLOCK_OUT = (torch.float32, torch.bfloat16)
+
+
+def fp8_gemm(a, a_sinv, b, b_sinv, a_dtype: str, b_dtype: str, a_mode: str, b_mode: str,
+             out_dtype: torch.dtype, bias: Optional[torch.Tensor], split: bool) -> torch.Tensor:
+    """``a @ b^T (+ bias)`` in out_dtype. With a bf16/fp16 output the bias rides in the GEMM's
+    epilogue in that dtype; with an fp32 output the epilogue would take only a bf16 bias
+    (cuBLASLt's rule for FP8 operands, gemm.h), so the bias is added afterwards in fp32."""
+    block = a_mode != "tensor"
+    gemm_dtype = out_dtype if not block or out_dtype in _BLOCK_OUT else torch.float32
+    fused = bias is not None and gemm_dtype in (torch.bfloat16, torch.float16)
+    out = ops.gemm_fp8(a, a_sinv, a_dtype, a_mode, b, b_sinv, b_dtype, b_mode, gemm_dtype,
+                       bias.to(gemm_dtype) if fused else None, split)
+    if bias is not None and not fused:
+        out = out + bias.to(out.dtype)
+    return out.to(out_dtype)
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """``output = input @ weight^T + bias`` with FP8 operands (see the module docstring).
+
+    Forward arguments: input [..., K]; weight [N, K] (only its dtype and autograd identity are
+    used, its FP8 copy comes as w_data [N, K], w_scale_inv, w_col [K, N], w_col_scale_inv,
+    None when it is w_scale_inv); bias [N] or None; the delayed-scaling buffers (forward
+    history and scales, backward history, scale, scale_inv); the plan; for the backward scale
+    update, the recipe when it holds user callables or amaxes are reduced over a group (else
+    None) and the group; whether dgrad and wgrad are needed.
+    """
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias, w_data, w_scale_inv, w_col, w_col_scale_inv,
+                history_fwd, scale_fwd, history_bwd, scale_bwd, scale_inv_bwd, plan: Plan,
+                recipe: Any, group: Any, need_dgrad: bool, need_wgrad: bool):
+        k = inp.shape[-1]
+        x = inp.reshape(-1, k)
+        q_in, amax = quantize(plan, "input", x, True, need_wgrad, scale_fwd[0:1])
+        if amax is not None:
+            record_amax(history_fwd, 0, amax)
+        out = fp8_gemm(q_in.data, q_in.scale_inv, w_data, w_scale_inv, plan.fwd_dtype,
+                       plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype, bias, False)
+        # The FP8 column-wise input is all the backward keeps of the activation.
+        if w_col_scale_inv is None:  # per-tensor: shared with the row-wise copy
+            w_col_scale_inv = w_scale_inv
+        ctx.save_for_backward(q_in.columnwise, q_in.columnwise_scale_inv, w_col,
+                              w_col_scale_inv)
+        # Attributes, not saved tensors: the backward updates them in place, and a second
+        # forward's backward must not trip over the version counter of the first.
+        ctx.bwd_meta = (history_bwd, scale_bwd, scale_inv_bwd)
+        ctx.plan, ctx.recipe, ctx.group = plan, recipe, group
+        ctx.need = (need_dgrad, need_wgrad, bias is not None)
+        ctx.dtypes = (inp.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.input_shape = inp.shape
+        return out.view(*inp.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        in_col, in_col_sinv, w_col, w_col_sinv = ctx.saved_tensors
+        plan = ctx.plan
+        need_dgrad, need_wgrad, has_bias = ctx.need
+        in_dtype, w_dtype, b_dtype = ctx.dtypes
+        g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+        grad_input = grad_weight = grad_bias = None
+        if need_dgrad or need_wgrad:
+            history, scale, scale_inv = ctx.bwd_meta
+            q_g, amax = quantize(plan, "grad_output", g, need_dgrad, need_wgrad, scale[0:1])
+            if amax is not None:
+                record_amax(history, 0, amax)
+                _update_backward(ctx, plan)
+            if need_dgrad:
+                grad_input = fp8_gemm(q_g.data, q_g.scale_inv, w_col, w_col_sinv,
+                                      plan.bwd_dtype, plan.fwd_dtype, plan.grad_mode,
+                                      plan.weight_mode, in_dtype, None, True)
+                grad_input = grad_input.view(ctx.input_shape)
+            if need_wgrad:
+                grad_weight = fp8_gemm(q_g.columnwise, q_g.columnwise_scale_inv, in_col,
+                                       in_col_sinv, plan.bwd_dtype, plan.fwd_dtype,
+                                       plan.grad_mode, plan.input_mode, w_dtype, None, True)
+        if has_bias:
+            grad_bias = g.sum(0, dtype=torch.float32).to(b_dtype)
+        return (grad_input, grad_weight, grad_bias) + (None,) * 14
+
+
+def _update_backward(ctx, plan: Plan) -> None:
+    """Delayed scaling: the grad_output scale for the next step, right after this step's amax
+    was recorded. The core call covers the one module; user callables run in torch ops."""
+    history, scale, scale_inv = ctx.bwd_meta
+    if ctx.recipe is not None:  # user callables or an amax group: the general path
+        fp8.update_backward_scales(ctx.bwd_meta, ctx.recipe, ctx.group)
+        return
+    ops.delayed_scaling_update([history], [scale], [scale_inv], plan.bwd_dtype, plan.algo,
+                               plan.margin)

@@ -1,0 +1,5 @@
+"""te modules."""
+
+from .linear import Linear
+
+__all__ = ["Linear"]

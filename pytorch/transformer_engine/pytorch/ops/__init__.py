@@ -1,0 +1,12 @@
+"""The custom ops through which the PyTorch package reaches the core (``transformer_engine::``).
+
+Each is a ``torch.library.custom_op`` with a fake implementation, so that torch.compile traces
+it without running it, and takes the CUDA stream from torch, so that CUDA graphs capture it.
+"""
+
+from .gemm import gemm_fp8
+from .quantize import amax, dequantize, quantize, quantize_block, quantize_current, transpose
+from .scaling import delayed_scaling_update
+
+__all__ = ["amax", "delayed_scaling_update", "dequantize", "gemm_fp8", "quantize",
+           "quantize_block", "quantize_current", "transpose"]

@@ -1,0 +1,115 @@
+"""What every op module needs from the core: the binding, FP8 dtype names, the CUDA stream
+and the GEMM workspace.
+
+FP8 data travels between the ops as uint8 tensors; the FP8 format rides beside it as the
+recipe's framework-neutral name (``"float8_e4m3"`` / ``"float8_e5m2"``), which is also the
+name of the core's ``DType`` member.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from transformer_engine.common import core as _load_core
+
+FP8_DTYPES = ("float8_e4m3", "float8_e5m2")
+SCALING_MODES = ("tensor", "block_1x128", "block_128x128")
+# torch's own FP8 dtypes, for data given natively instead of as bytes.
+TORCH_FP8 = {"float8_e4m3": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+FP8_MAX = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
+BLOCK = 128
+
+_core = None
+_workspaces: dict[int, torch.Tensor] = {}
+
+
+def core():
+    """The native binding, loaded on first use (importing the package never needs it)."""
+    global _core
+    if _core is None:
+        _core = _load_core()
+    return _core
+
+
+def check_fp8_dtype(op: str, fp8_dtype: str) -> None:
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"{op}: fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype!r}")
+
+
+def check_mode(op: str, mode: str) -> None:
+    if mode not in SCALING_MODES:
+        raise ValueError(f"{op}: scaling_mode must be one of {SCALING_MODES}, got {mode!r}")
+
+
+def te_dtype(fp8_dtype: str):
+    return getattr(core().DType, fp8_dtype)
+
+
+def te_mode(mode: str):
+    return getattr(core().ScalingMode, mode)
+
+
+_TORCH_TO_TE = {
+    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+    torch.uint8: "uint8", torch.int8: "int8", torch.float8_e4m3fn: "float8_e4m3",
+    torch.float8_e5m2: "float8_e5m2",
+}
+_te_dtypes: dict = {}
+
+
+def raw(t: torch.Tensor) -> tuple:
+    """The binding's fast form of a tensor, ``(data_ptr, DType, shape, device)``: ~1 us
+    instead of a DLPack export (~7 us). It carries no strides, so the tensor must be
+    C-contiguous (checked), and the caller must keep it alive until the core call returns:
+    the tuple holds a bare pointer. A view's offset is in its data_ptr."""
+    if not t.is_contiguous():
+        raise ValueError(f"transformer_engine: tensors must be C-contiguous for the core, got "
+                         f"shape {list(t.shape)} with strides {t.stride()}")
+    dtype = _te_dtypes.get(t.dtype)
+    if dtype is None:
+        name = _TORCH_TO_TE.get(t.dtype)
+        if name is None:
+            raise TypeError(f"transformer_engine: tensors of dtype {t.dtype} cannot go to the "
+                            "core")
+        dtype = _te_dtypes[t.dtype] = getattr(core().DType, name)
+    return (t.data_ptr(), dtype, tuple(t.shape), t.device.index if t.is_cuda else -1)
+
+
+def stream_of(t: torch.Tensor) -> int:
+    """The ``stream=`` argument of the core: torch's current stream on t's CUDA device, so the
+    core's kernels are ordered with torch's (and captured by a CUDA graph), 0 on the CPU."""
+    if t.is_cuda:
+        return torch.cuda.current_stream(t.device).cuda_stream
+    return 0
+
+
+def workspace_for(device: torch.device) -> torch.Tensor | None:
+    """One cached uint8 workspace per CUDA device of ``gemm_workspace_size()`` bytes; None on
+    the CPU, whose GEMM needs none. Allocated on first use: run one eager step before
+    capturing a CUDA graph (as warm-up always requires), so it is not a graph allocation."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ws = _workspaces.get(index)
+    if ws is None:
+        size = max(int(core().gemm_workspace_size()), 1)
+        ws = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
+        _workspaces[index] = ws
+    return ws
+
+
+def block_grid(rows: int, cols: int, mode: str) -> tuple[int, int]:
+    """Shape of the scale_inv of a [rows, cols] matrix in a block mode (tensor.h)."""
+    if mode == "block_1x128":
+        return rows, -(-cols // BLOCK)
+    return -(-rows // BLOCK), -(-cols // BLOCK)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 data as uint8 (a view when t is a native torch float8 tensor)."""
+    return t.view(torch.uint8) if t.dtype in TORCH_FP8.values() else t
+
+
+def placeholder(like: torch.Tensor) -> torch.Tensor:
+    """Stands for an output that was not asked for (custom ops cannot return None)."""
+    return like.new_empty(0, dtype=torch.uint8)

@@ -1,0 +1,205 @@
+"""Quantization custom ops (``transformer_engine::*``): per-tensor with a given scale (delayed
+scaling), per-tensor from the tensor's own amax (current scaling), block-scaled, and back.
+
+Every op is functional (fresh outputs, no argument mutated), so torch.compile traces it as
+one node and a CUDA graph captures it; the ``register_fake`` beside each gives the output
+shapes from the input shapes alone. Inputs are matrices [M, K] (callers flatten leading
+dimensions). An output that was not asked for comes back as an empty uint8 tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import (
+    block_grid,
+    check_fp8_dtype,
+    check_mode,
+    core,
+    placeholder,
+    raw,
+    stream_of,
+    te_dtype,
+    te_mode,
+)
+
+_NS = "transformer_engine"
+
+
+def _fp8_outputs(x: torch.Tensor, rowwise: bool, columnwise: bool):
+    m, k = x.shape
+    data = x.new_empty((m, k), dtype=torch.uint8) if rowwise else placeholder(x)
+    col = x.new_empty((k, m), dtype=torch.uint8) if columnwise else placeholder(x)
+    return data, col
+
+
+def _check_matrix(op: str, x: torch.Tensor, rowwise: bool, columnwise: bool) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{op}: input must be a matrix [M, K], got shape {list(x.shape)}")
+    if not (rowwise or columnwise):
+        raise ValueError(f"{op}: rowwise or columnwise must be True, got both False")
+
+
+def _scalar(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(1, dtype=torch.float32)
+
+
+# ------------------------------------------------------------ per-tensor, given scale
+
+
+@torch.library.custom_op(f"{_NS}::quantize", mutates_args=())
+def quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, rowwise: bool,
+             columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 data of ``x * scale`` (row-wise [M, K] and/or column-wise [K, M], written in one
+    pass), ``scale_inv = 1/scale`` and ``amax = max|x|``; ``scale`` is [1] fp32."""
+    _check_matrix("quantize", x, rowwise, columnwise)
+    check_fp8_dtype("quantize", fp8_dtype)
+    c = core()
+    x = x.contiguous()  # kept alive across the call: raw() holds only its pointer
+    data, col = _fp8_outputs(x, rowwise, columnwise)
+    scale_inv, amax = _scalar(x), _scalar(x)
+    out = c.Tensor(raw(data) if rowwise else None, dtype=te_dtype(fp8_dtype), scale=raw(scale),
+                   scale_inv=raw(scale_inv), amax=raw(amax),
+                   columnwise_data=raw(col) if columnwise else None)
+    c.quantize(raw(x), out, stream=stream_of(x))
+    return data, col, scale_inv, amax
+
+
+@quantize.register_fake
+def _(x, scale, fp8_dtype, rowwise, columnwise):
+    _check_matrix("quantize", x, rowwise, columnwise)
+    return (*_fp8_outputs(x, rowwise, columnwise), _scalar(x), _scalar(x))
+
+
+# ------------------------------------------------------------ per-tensor, current scaling
+
+
+@torch.library.custom_op(f"{_NS}::quantize_current", mutates_args=())
+def quantize_current(
+    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool, force_pow2_scales: bool,
+    amax_epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling: amax of ``x``, the scale from it (``compute_scale_from_amax``) and the
+    FP8 data with that scale. Returns (data, columnwise_data, scale, scale_inv, amax)."""
+    _check_matrix("quantize_current", x, rowwise, columnwise)
+    check_fp8_dtype("quantize_current", fp8_dtype)
+    c = core()
+    x = x.contiguous()
+    stream = stream_of(x)
+    data, col = _fp8_outputs(x, rowwise, columnwise)
+    scale, scale_inv, amax = _scalar(x), _scalar(x), _scalar(x)
+    c.compute_amax(raw(x), c.Tensor(amax=raw(amax)), stream=stream)
+    fmt = te_dtype(fp8_dtype)
+    rdata, rcol = (raw(data) if rowwise else None), (raw(col) if columnwise else None)
+    out = c.Tensor(rdata, dtype=fmt, scale=raw(scale), scale_inv=raw(scale_inv),
+                   amax=raw(amax), columnwise_data=rcol)
+    c.compute_scale_from_amax(out, force_pow2_scales=force_pow2_scales,
+                              amax_epsilon=amax_epsilon, stream=stream)
+    # amax is left out here: it is already known, the cast need not reduce it again.
+    cast = c.Tensor(rdata, dtype=fmt, scale=raw(scale), scale_inv=raw(scale_inv),
+                    columnwise_data=rcol)
+    c.quantize(raw(x), cast, stream=stream)
+    return data, col, scale, scale_inv, amax
+
+
+@quantize_current.register_fake
+def _(x, fp8_dtype, rowwise, columnwise, force_pow2_scales, amax_epsilon):
+    _check_matrix("quantize_current", x, rowwise, columnwise)
+    return (*_fp8_outputs(x, rowwise, columnwise), _scalar(x), _scalar(x), _scalar(x))
+
+
+# ------------------------------------------------------------ block scaling
+
+
+def _block_outputs(x: torch.Tensor, mode: str, rowwise: bool, columnwise: bool):
+    m, k = x.shape
+    data, col = _fp8_outputs(x, rowwise, columnwise)
+    f32 = torch.float32
+    sinv = x.new_empty(block_grid(m, k, mode), dtype=f32) if rowwise else placeholder(x)
+    col_sinv = x.new_empty(block_grid(k, m, mode), dtype=f32) if columnwise else placeholder(x)
+    return data, sinv, col, col_sinv
+
+
+@torch.library.custom_op(f"{_NS}::quantize_block", mutates_args=())
+def quantize_block(
+    x: torch.Tensor, fp8_dtype: str, scaling_mode: str, rowwise: bool, columnwise: bool,
+    force_pow2_scales: bool, amax_epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block-scaled FP8 (``block_1x128`` or ``block_128x128``): returns (data, scale_inv,
+    columnwise_data, columnwise_scale_inv), the column-wise copy being the transpose [K, M]
+    blocked like row-wise data (tensor.h)."""
+    _check_matrix("quantize_block", x, rowwise, columnwise)
+    check_fp8_dtype("quantize_block", fp8_dtype)
+    if scaling_mode not in ("block_1x128", "block_128x128"):
+        raise ValueError("quantize_block: scaling_mode must be 'block_1x128' or "
+                         f"'block_128x128', got {scaling_mode!r}")
+    c = core()
+    x = x.contiguous()
+    data, sinv, col, col_sinv = _block_outputs(x, scaling_mode, rowwise, columnwise)
+    out = c.Tensor(raw(data) if rowwise else None, dtype=te_dtype(fp8_dtype),
+                   scaling_mode=te_mode(scaling_mode), scale_inv=raw(sinv) if rowwise else None,
+                   columnwise_data=raw(col) if columnwise else None,
+                   columnwise_scale_inv=raw(col_sinv) if columnwise else None)
+    c.quantize(raw(x), out, force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon,
+               stream=stream_of(x))
+    return data, sinv, col, col_sinv
+
+
+@quantize_block.register_fake
+def _(x, fp8_dtype, scaling_mode, rowwise, columnwise, force_pow2_scales, amax_epsilon):
+    _check_matrix("quantize_block", x, rowwise, columnwise)
+    return _block_outputs(x, scaling_mode, rowwise, columnwise)
+
+
+# ------------------------------------------------------------ back to high precision
+
+
+@torch.library.custom_op(f"{_NS}::dequantize", mutates_args=())
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: str, scaling_mode: str,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_value * scale_inv`` in ``out_dtype`` (fp32/fp16/bf16), data of any shape."""
+    check_fp8_dtype("dequantize", fp8_dtype)
+    check_mode("dequantize", scaling_mode)
+    c = core()
+    out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
+    data, scale_inv = data.contiguous(), scale_inv.contiguous()
+    src = c.Tensor(raw(data), dtype=te_dtype(fp8_dtype), scaling_mode=te_mode(scaling_mode),
+                   scale_inv=raw(scale_inv))
+    c.dequantize(src, raw(out), stream=stream_of(data))
+    return out
+
+
+@dequantize.register_fake
+def _(data, scale_inv, fp8_dtype, scaling_mode, out_dtype):
+    return torch.empty(data.shape, dtype=out_dtype, device=data.device)
+
+
+@torch.library.custom_op(f"{_NS}::transpose", mutates_args=())
+def transpose(data: torch.Tensor) -> torch.Tensor:
+    """The transpose [K, M] of a [M, K] matrix of raw elements (FP8 bytes keep their scale)."""
+    if data.dim() != 2:
+        raise ValueError(f"transpose: data must be a matrix [M, K], got shape {list(data.shape)}")
+    out = data.new_empty((data.shape[1], data.shape[0]))
+    data = data.contiguous()
+    core().transpose(raw(data), raw(out), stream=stream_of(data))
+    return out
+
+
+@transpose.register_fake
+def _(data):
+    return data.new_empty((data.shape[1], data.shape[0]))
+
+
+@torch.library.custom_op(f"{_NS}::amax", mutates_args=())
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max|x| as [1] fp32 (NaN when x holds a NaN)."""
+    c = core()
+    out = _scalar(x)
+    x = x.contiguous()
+    c.compute_amax(raw(x), c.Tensor(amax=raw(out)), stream=stream_of(x))
+    return out
+
+
+@amax.register_fake
+def _(x):
+    return _scalar(x)

@@ -1,0 +1,53 @@
+"""numpy models of what the core computes, written from the recipe's formulas (independent
+of the code under test): FP8 quantization, current and delayed scaling."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+FP8 = {"float8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0),
+       "float8_e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def quantize(x, scale: float, fmt: str) -> np.ndarray:
+    """FP8 values of x * scale (fp32 product, saturated to the finite max, nearest even)."""
+    dtype, fmax = FP8[fmt]
+    y = np.asarray(x, np.float32) * np.float32(scale)
+    y = np.where(np.isnan(y), y, np.clip(y, -fmax, fmax))
+    return y.astype(dtype)
+
+
+def fake_quantize(x, scale: float, fmt: str) -> np.ndarray:
+    """The fp64 value an FP8 GEMM sees for x: quantize, then multiply by 1/scale."""
+    return quantize(x, scale, fmt).astype(np.float64) * (1.0 / np.float32(scale)).astype(np.float64)
+
+
+def scale_from_amax(amax: float, fmt: str, epsilon: float = 0.0, pow2: bool = False) -> float:
+    """Current scaling's scale (recipe.Float8CurrentScaling)."""
+    fmax = FP8[fmt][1]
+    a = np.float32(max(amax, epsilon))
+    if a == 0 or not np.isfinite(a):
+        return 1.0
+    s = np.float32(fmax) / a
+    if np.isinf(s):
+        s = np.float32(FLT_MAX)
+    if pow2:
+        s = np.float32(2.0 ** np.floor(np.log2(s)))
+    return float(s)
+
+
+def delayed_update(history: np.ndarray, scale: float, fmt: str, margin: int = 0,
+                   algo: str = "max") -> tuple[np.ndarray, float]:
+    """recipe.DelayedScaling's update of one tensor: (rolled history, new scale)."""
+    fmax = FP8[fmt][1]
+    amax = np.float32(history.max() if algo == "max" else history[0])
+    new_scale = np.float32(scale)
+    if np.isfinite(amax) and amax > 0:
+        new_scale = (np.float32(fmax) / amax) / np.float32(2.0 ** margin)
+        if np.isinf(new_scale):
+            new_scale = np.float32(FLT_MAX)
+    rolled = np.roll(history, -1)
+    rolled[0] = 0.0
+    return rolled.astype(np.float32), float(new_scale)

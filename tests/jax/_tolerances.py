@@ -1,0 +1,58 @@
+"""One table of tolerances for the JAX tests, by what is compared.
+
+* ``float32``: our GEMM and XLA's dot both accumulate in fp32, only in a different order:
+  a few ulps of the largest partial sums at K <= 256.
+* ``float16`` / ``bfloat16``: both round the fp32 result to the output dtype once; a
+  different accumulation order can move it by one ulp (2^-11 / 2^-8 relative), so we allow
+  two ulps of the output's magnitude.
+* ``fp8_exact``: an FP8 GEMM against the fp64 product of the same FP8 values (the numpy
+  model): exact products, fp32 accumulation, so again only the order differs.
+* ``fp8_cuda_vs_cpu``: the same FP8 values on both, but Hopper's FP8 tensor cores accumulate
+  with about 14 significant bits before partial sums reach fp32: the core's GEMM tests bound
+  the error by 2^-9 of sum |a b| (2^-10.5 measured on the H200). For the random operands
+  here (K <= 256) sum |a b| stays within about 3x the largest |output|, so 1e-2 of the
+  largest output holds it with room. ``fp8_exact`` becomes this when the tests run on a GPU
+  (jax's default backend).
+* ``fp8_step_cuda_vs_cpu``: a whole FP8 training step: the forward outputs differ by the
+  fast accumulation above, so a few elements of the gradient land on the other side of an
+  E5M2 rounding boundary (a step of 2^-2 relative) before the backward GEMMs; summed over
+  >= 128 tokens that stays below 3% of the largest gradient.
+* ``fp8_vs_fp32``: an FP8 layer against the fp32 layer; relative to the largest output,
+  E4M3 rounds each input by up to 2^-4, E5M2 (gradients) by 2^-3, and the errors average
+  over K; 10% / 20% of the largest value bounds them with a wide margin at these sizes.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+TOLERANCES = {
+    "float32": dict(rtol=2e-5, atol=2e-5),
+    "float16": dict(rtol=2 * 2.0**-11, atol=2 * 2.0**-11),
+    "bfloat16": dict(rtol=2 * 2.0**-8, atol=2 * 2.0**-8),
+    "fp8_exact": dict(rtol=1e-5, atol=1e-5),
+    "fp8_cuda_vs_cpu": dict(rtol=1e-2, atol=1e-2),
+    "fp8_step_cuda_vs_cpu": 0.03,
+    "fp8_forward_vs_fp32": 0.10,
+    "fp8_backward_vs_fp32": 0.20,
+}
+
+
+def assert_close(actual, expected, kind: str) -> None:
+    """Elementwise closeness, scaled by the largest |expected| for the atol part."""
+    if kind == "fp8_exact" and jax.default_backend() == "gpu":
+        kind = "fp8_cuda_vs_cpu"
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    tol = TOLERANCES[kind]
+    scale = max(1.0, float(np.max(np.abs(expected)))) if expected.size else 1.0
+    np.testing.assert_allclose(actual, expected, rtol=tol["rtol"], atol=tol["atol"] * scale)
+
+
+def assert_relative_max_error(actual, expected, kind: str) -> None:
+    """max|actual - expected| / max|expected| below the table's bound."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    err = float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+    assert err < TOLERANCES[kind], f"relative max error {err:.4f} >= {TOLERANCES[kind]} ({kind})"

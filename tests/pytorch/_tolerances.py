@@ -1,0 +1,43 @@
+"""The one table of tolerances of the PyTorch tests, with the reason for each entry.
+
+GEMM results are compared with a reference computed in float64 from the very FP8 (or
+high-precision) operands the layer used, so the only differences are rounding in the GEMM:
+fp32 accumulation of K products and the final rounding to the output dtype. Both are bounded
+relative to ``sum_k |a_k| |b_k|`` (the "magnitude" of each output element), which is what the
+tolerance multiplies; a bound relative to the result itself would fail on cancellation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Relative to sum_k |a_k||b_k|, for K <= 256:
+#   fp32: a sequential fp32 sum errs by at most (K - 1) * 2^-24 of the magnitude (1.5e-5 for
+#         K = 256); 2e-5 adds the roundings of the scale_inv products.
+#   bf16: the result is rounded once to 8 significant bits: 2^-9 of |result| <= magnitude,
+#         plus the fp32 accumulation: 2^-8 covers both with room.
+#   fp16: 11 significant bits: 2^-11 of the result, doubled for the accumulation.
+GEMM_RTOL = {torch.float32: 2e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
+# On CUDA, FP8 operands go through Hopper's FP8 tensor cores, whose MMA keeps only about 14
+# significant bits before partial sums reach fp32: the core's GEMM tests measured up to
+# 2^-10.5 of sum |a||b| on the H200; 2^-9 more (as they allow) leaves three times the room.
+FP8_TENSOR_CORE_RTOL = 2.0**-9
+
+# A compiled step against the eager one: the same FP8 ops run in both, but inductor may
+# reorder the high-precision reductions around them (the bias gradient, the loss), so sums
+# differ by a few fp32 ulps; the loss itself is compared with this relative tolerance.
+COMPILE_RTOL = 1e-5
+
+
+def assert_gemm_close(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor,
+                      dtype: torch.dtype, what: str) -> None:
+    """|got - want| <= rtol * magnitude elementwise (all float64 on the CPU), rtol being
+    GEMM_RTOL[dtype], plus FP8_TENSOR_CORE_RTOL when ``got`` was computed on CUDA."""
+    rtol = GEMM_RTOL[dtype] + (FP8_TENSOR_CORE_RTOL if got.is_cuda else 0.0)
+    got64 = got.detach().double().cpu()
+    want64, mag = want.double().cpu(), magnitude.double().cpu()
+    assert got64.shape == want64.shape, (what, got64.shape, want64.shape)
+    err = (got64 - want64).abs()
+    bound = rtol * mag + 1e-30
+    worst = (err / bound).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"{what}: error {worst:.3g}x the {dtype} tolerance"

@@ -1,0 +1,71 @@
+"""torch.compile(fullgraph=True) of an FP8 training step: no graph break, same as eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from te_torch_tests._tolerances import COMPILE_RTOL
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+
+
+def _mlp():
+    return torch.nn.Sequential(te.Linear(32, 64, device="cpu"), torch.nn.ReLU(),
+                               te.Linear(64, 16, device="cpu"))
+
+
+# The default history length: the modules' delayed-scaling state is allocated for it, a
+# different one is reallocated at the first eager forward (not inside a compiled graph).
+@pytest.mark.slow  # inductor compiles C++ for each graph
+@pytest.mark.parametrize("r", [recipe.DelayedScaling(), recipe.Float8CurrentScaling(),
+                               recipe.Float8BlockScaling()], ids=["delayed", "current", "block"])
+def test_compiled_fp8_training_step_matches_eager(r):
+    torch._dynamo.reset()
+    eager = _mlp()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True)  # a graph break raises
+    for step in range(3):
+        x = torch.randn(32, 32)
+        target = torch.randn(32, 16)
+        losses = []
+        for model in (eager, compiled):
+            with te.fp8_autocast(fp8_recipe=r):
+                loss = torch.nn.functional.mse_loss(model(x), target)
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=COMPILE_RTOL, atol=0)
+        pairs = zip(compiled_model.named_parameters(), eager.parameters(), strict=True)
+        for (name, a), b in pairs:
+            where = f"{name} grad at step {step}"
+            torch.testing.assert_close(a.grad, b.grad, rtol=COMPILE_RTOL, atol=1e-7,
+                                       msg=lambda m, where=where: f"{where}: {m}")
+            with torch.no_grad():  # the same SGD step on both, in eager
+                a.sub_(0.1 * a.grad)
+                b.sub_(0.1 * b.grad)
+            a.grad = b.grad = None
+        for a, b in zip(compiled_model.buffers(), eager.buffers(), strict=True):
+            assert torch.equal(a, b)  # amax histories and scales, bit for bit
+
+
+@pytest.mark.slow
+def test_compiled_step_with_fp8_weights_matches_eager():
+    """Float8Tensor parameters (fp8_model_init) trace through torch.compile as well."""
+    torch._dynamo.reset()
+    with te.fp8_model_init():
+        eager = _mlp()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    x = torch.randn(32, 32, requires_grad=True)
+    grads = []
+    for model in (eager, compiled):
+        x.grad = None
+        with te.fp8_autocast():
+            loss = model(x).square().mean()
+        loss.backward()
+        grads.append((loss.detach(), x.grad, *(p.grad for p in model.parameters())))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=COMPILE_RTOL, atol=1e-7)
+    assert type(compiled_model[0].weight) is te.Float8Tensor

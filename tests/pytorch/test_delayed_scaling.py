@@ -1,0 +1,104 @@
+"""Delayed scaling's state over several steps against a plain-Python model of the recipe,
+and how the autocast orchestrates the update: outermost exit, one core call, calibration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from te_torch_tests import _reference as ref
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+from transformer_engine.pytorch import fp8, ops
+
+
+def _as_list(t: torch.Tensor) -> list:
+    return t.detach().cpu().tolist()
+
+
+@pytest.mark.parametrize("algo,margin,fmt", [("max", 0, recipe.Format.HYBRID),
+                                             ("most_recent", 2, recipe.Format.E4M3)])
+def test_state_sequence_matches_the_recipe_model(algo, margin, fmt, device):
+    r = recipe.DelayedScaling(amax_history_len=3, amax_compute_algo=algo, margin=margin,
+                              fp8_format=fmt)
+    layer = te.Linear(32, 16, device=device)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    model = ref.DelayedScalingModel(3, fmt.max_fwd, fmt.max_bwd, algo, margin)
+    for step in range(5):  # 5 > history length: the history wraps around
+        x = torch.randn(16, 32, device=device) * 2.0**step
+        g = torch.randn(16, 16, device=device) * 4.0**-step
+        amax_w = layer.weight.detach().abs().max().item()
+        with te.fp8_autocast(fp8_recipe=r):
+            y = layer(x)
+        model.forward(x.abs().max().item(), amax_w)
+        inv_fwd = model.autocast_exit()
+        (y * g).sum().backward()
+        inv_bwd = model.backward(g.abs().max().item())
+        opt.step()
+        opt.zero_grad()
+        assert _as_list(layer.amax_history_fwd) == model.history_fwd, step
+        assert _as_list(layer.scale_fwd) == model.scale_fwd, step
+        assert _as_list(layer.scale_inv_fwd) == inv_fwd, step
+        assert _as_list(layer.amax_history_bwd) == model.history_bwd, step
+        assert _as_list(layer.scale_bwd) == model.scale_bwd, step
+        assert _as_list(layer.scale_inv_bwd) == inv_bwd, step
+
+
+def test_update_runs_once_at_the_outermost_exit_in_one_call(monkeypatch):
+    calls = []
+    real = ops.delayed_scaling_update
+
+    def spy(histories, scales, scale_invs, fp8_dtype, algo, margin):
+        calls.append((len(histories), fp8_dtype))
+        return real(histories, scales, scale_invs, fp8_dtype, algo, margin)
+
+    monkeypatch.setattr(fp8.ops, "delayed_scaling_update", spy)
+    layers = [te.Linear(32, 32, device="cpu") for _ in range(3)]
+    x = torch.randn(16, 32)
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+        x = layers[0](x)
+        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):  # nested: no update here
+            x = layers[1](x)
+        assert calls == []
+        with te.fp8_autocast(enabled=False):  # high precision inside: nothing recorded
+            x = layers[2](x)
+    assert calls == [(2, "float8_e4m3")]  # one call over both modules that ran in FP8
+    assert layers[2].scale_fwd.tolist() == [1.0, 1.0]
+    assert layers[0].scale_fwd.ne(1.0).all() and layers[1].scale_fwd.ne(1.0).all()
+
+
+def test_two_forwards_in_one_autocast_record_the_larger_amax():
+    layer = te.Linear(32, 16, device="cpu")
+    r = recipe.DelayedScaling(amax_history_len=2, amax_compute_algo="most_recent")
+    small, large = torch.full((16, 32), 0.5), torch.full((16, 32), 3.0)
+    with te.fp8_autocast(fp8_recipe=r):
+        layer(large)
+        layer(small)
+    # the exit rolled the history: the amax written at slot 0 sits at the end
+    assert layer.amax_history_fwd[-1, 0].item() == 3.0
+    assert layer.scale_fwd[0].item() == pytest.approx(448.0 / 3.0)
+
+
+def test_calibration_records_amaxes_and_computes_in_high_precision():
+    layer = te.Linear(32, 16, device="cpu")
+    x = torch.randn(16, 32) * 10
+    with te.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe.DelayedScaling()):
+        y = layer(x)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias),
+                               rtol=0, atol=0)
+    want = [448.0 / x.abs().max().item(), 448.0 / layer.weight.abs().max().item()]
+    torch.testing.assert_close(layer.scale_fwd, torch.tensor(want), rtol=1e-6, atol=0)
+
+
+def test_user_callables_run_in_python():
+    """amax_compute_algo / scaling_factor_compute_algo callables replace the core's rule."""
+    r = recipe.DelayedScaling(
+        amax_history_len=2, amax_compute_algo=lambda h: h.amax(dim=0) * 2,
+        scaling_factor_compute_algo=lambda amax, scale, fmax, rc: fmax / amax / 2**rc.margin)
+    layer = te.Linear(32, 16, device="cpu")
+    x = torch.full((16, 32), 4.0, requires_grad=True)
+    with te.fp8_autocast(fp8_recipe=r):
+        y = layer(x)
+    y.backward(torch.ones_like(y))
+    assert layer.scale_fwd[0].item() == pytest.approx(448.0 / 8.0)
+    assert layer.scale_bwd.item() == pytest.approx(57344.0 / 2.0)
