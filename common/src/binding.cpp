@@ -78,6 +78,7 @@ NB_MODULE(_core, m) {
 
   te_binding::register_quantize(m);
   te_binding::register_gemm(m);
+  te_binding::register_activation(m);
   te_binding::register_norm(m);
 
   m.def("built_with_cuda", []() { return te_built_with_cuda() != 0; },

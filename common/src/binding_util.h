@@ -59,6 +59,7 @@ inline te_stream as_stream(uintptr_t stream) { return reinterpret_cast<te_stream
 // The op groups, one file each.
 void register_quantize(nb::module_ &m);
 void register_gemm(nb::module_ &m);
+void register_activation(nb::module_ &m);
 void register_norm(nb::module_ &m);
 
 }  // namespace te_binding

@@ -3,6 +3,7 @@
 #define TRANSFORMER_ENGINE_TRANSFORMER_ENGINE_H_
 
 #include "transformer_engine/tensor.h"
+#include "transformer_engine/activation.h"
 #include "transformer_engine/gemm.h"
 #include "transformer_engine/norm.h"
 #include "transformer_engine/quantize.h"

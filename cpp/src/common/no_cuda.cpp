@@ -1,5 +1,6 @@
 // Stand-ins for the CUDA launchers in a CPU-only build (CMake drops this file when the
 // kernels are compiled): a CUDA buffer gets a clear error instead of a missing symbol.
+#include "activation/activation_impl.h"
 #include "common/internal.h"
 #include "gemm/gemm_impl.h"
 #include "norm/norm_impl.h"
@@ -9,6 +10,7 @@
 
 namespace te {
 
+te_status activation_cuda(const ActivationArgs &, te_stream) { return no_cuda_build("activation"); }
 te_status quantize_cuda(const QuantizeArgs &, te_stream) { return no_cuda_build("quantize"); }
 te_status dequantize_cuda(const DequantizeArgs &, te_stream) { return no_cuda_build("dequantize"); }
 te_status compute_amax_cuda(const AmaxArgs &, te_stream) { return no_cuda_build("compute_amax"); }

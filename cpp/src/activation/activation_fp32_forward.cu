@@ -1,0 +1,10 @@
+// The fused activation kernels for fp32 inputs, forward (see activation_kernel.cuh).
+#include "activation/activation_kernel.cuh"
+
+namespace te {
+namespace activation_detail {
+
+template te_status launch_act<TE_DTYPE_FLOAT32, false>(const ActParams &, te_activation, cudaStream_t, int);
+
+}  // namespace activation_detail
+}  // namespace te
