@@ -1,8 +1,9 @@
 // XLA FFI handler of the core GEMM (te_gemm): D = op(A) @ op(B) (+ bias), high precision or
 // FP8 with per-tensor or block scales, optionally with the amax of D.
 //
-// On CUDA the workspace comes from XLA's scratch allocator (freed when the handler returns;
-// XLA orders its reuse after this call's work on the same stream); the CPU path needs none.
+// The CUDA workspace is a third result of the call, never read by the caller: XLA's buffer
+// assignment then allocates (and reuses) it like any temporary, which works inside command
+// buffers too (XLA's own GEMMs do the same). The CPU path ignores it.
 #include "ffi_common.h"
 #include "handlers.h"
 #include "transformer_engine/gemm.h"
@@ -31,10 +32,10 @@ ffi::Error operand(const char *what, const ffi::AnyBuffer &data, const ffi::AnyB
 ffi::Error GemmImpl(ffi::AnyBuffer a,
                     ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b, ffi::AnyBuffer b_scale_inv,
                     ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> d,
-                    ffi::Result<ffi::AnyBuffer> d_amax, bool transpose_a, bool transpose_b,
-                    int32_t a_scaling_mode, int32_t b_scaling_mode, bool use_bias,
-                    bool compute_amax, bool use_split_accumulator, ffi::ScratchAllocator scratch,
-                    Device dev) {
+                    ffi::Result<ffi::AnyBuffer> d_amax, ffi::Result<ffi::AnyBuffer> workspace,
+                    bool transpose_a, bool transpose_b, int32_t a_scaling_mode,
+                    int32_t b_scaling_mode, bool use_bias, bool compute_amax,
+                    bool use_split_accumulator, Device dev) {
   constexpr const char *op = "gemm";
   Tensor ta, tb, td, tbias;
   TE_JAX_RETURN_IF_ERROR(operand("a", a, a_scale_inv, a_scaling_mode, dev, &ta));
@@ -46,22 +47,14 @@ ffi::Error GemmImpl(ffi::AnyBuffer a,
   config.transpose_a = transpose_a ? 1 : 0;
   config.transpose_b = transpose_b ? 1 : 0;
   config.use_split_accumulator = use_split_accumulator ? 1 : 0;
-  void *workspace = nullptr;
-  size_t workspace_size = 0;
+  void *ws = nullptr;
+  size_t ws_size = 0;
   if (dev.type == TE_DEVICE_CUDA) {
-    workspace_size = te_gemm_workspace_size();
-    if (workspace_size > 0) {
-      std::optional<void *> w = scratch.Allocate(workspace_size, 256);
-      if (!w) {
-        return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                          "gemm: could not allocate " + std::to_string(workspace_size) +
-                              " bytes of workspace from XLA's scratch allocator");
-      }
-      workspace = *w;
-    }
+    ws = workspace->untyped_data();
+    ws_size = workspace->size_bytes();
   }
   return from_status(te_gemm(ta.get(), tb.get(), td.get(), use_bias ? tbias.get() : nullptr,
-                             nullptr, &config, workspace, workspace_size, dev.stream));
+                             nullptr, &config, ws, ws_size, dev.stream));
 }
 
 auto TeGemmBinding() {
@@ -73,14 +66,14 @@ auto TeGemmBinding() {
       .Arg<ffi::AnyBuffer>()  // bias [N] (read when use_bias)
       .Ret<ffi::AnyBuffer>()  // d [M, N] (or a's leading dims and N)
       .Ret<ffi::AnyBuffer>()  // d_amax fp32 [1] (written when compute_amax)
+      .Ret<ffi::AnyBuffer>()  // workspace uint8 [te_gemm_workspace_size()] (CUDA scratch)
       .Attr<bool>("transpose_a")
       .Attr<bool>("transpose_b")
       .Attr<int32_t>("a_scaling_mode")
       .Attr<int32_t>("b_scaling_mode")
       .Attr<bool>("use_bias")
       .Attr<bool>("compute_amax")
-      .Attr<bool>("use_split_accumulator")
-      .Ctx<ffi::ScratchAllocator>();
+      .Attr<bool>("use_split_accumulator");
 }
 
 }  // namespace

@@ -342,7 +342,7 @@ def test_errors(cpu):
 def test_backward_needs_workspace_on_cuda(cuda_device):
     put = cuda_device.put
     x = put(np.zeros((64, 8), np.float32))
-    with pytest.raises(ValueError, match=r"^norm_backward: workspace must have at least 512 bytes"):
+    with pytest.raises(ValueError, match=r"^norm_backward: workspace must have at least 128 bytes"):
         core.norm_backward(
             core.Norm.rmsnorm,
             x,

@@ -136,6 +136,7 @@ bool check_forward(Checker &check, const te_norm_config *config, const te_tensor
         (amax != nullptr && !check.fp32_scalar(amax, "output_fp8.amax"))) {
       return false;
     }
+    a->has_fp8 = true;
     a->fp8 = static_cast<uint8_t *>(q->data);
     a->fp8_dtype = q->dtype;
     a->scale = static_cast<const float *>(scale->data);

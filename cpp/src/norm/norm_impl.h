@@ -30,7 +30,8 @@ struct NormForwardArgs {
   te_dtype weight_dtype;
   void *output;  // [rows, cols] high precision, or null
   te_dtype output_dtype;
-  uint8_t *fp8;            // [rows, cols] or null
+  bool has_fp8;            // output_fp8 given (its data pointer is null when it is empty)
+  uint8_t *fp8;            // [rows, cols]
   uint8_t *fp8_transpose;  // [cols, rows] or null (only with fp8)
   te_dtype fp8_dtype;
   const float *scale;

@@ -25,7 +25,7 @@ float row_sum(int64_t n, F &&f) {
 void norm_forward_ref(const NormForwardArgs &a) {
   const bool ln = a.type == TE_NORM_LAYERNORM;
   const int64_t n = a.cols;
-  const float scale = a.fp8 != nullptr ? *a.scale : 1.0f;
+  const float scale = a.has_fp8 ? *a.scale : 1.0f;
   uint32_t amax_bits = 0;
   std::vector<float> x(static_cast<size_t>(n)), g(static_cast<size_t>(n)), b(static_cast<size_t>(n), 0.0f);
   for (int64_t j = 0; j < n; ++j) {
@@ -46,7 +46,7 @@ void norm_forward_ref(const NormForwardArgs &a) {
     for (int64_t j = 0; j < n; ++j) {
       const float y = norm_output(norm_xhat(x[j], mu, rsigma, ln), g[j], b[j], ln);
       if (a.output != nullptr) store_hp(a.output, r * n + j, a.output_dtype, y);
-      if (a.fp8 != nullptr) {
+      if (a.has_fp8) {
         const uint8_t q = to_fp8(y * scale, a.fp8_dtype);
         a.fp8[r * n + j] = q;
         if (a.fp8_transpose != nullptr) a.fp8_transpose[j * a.rows + r] = q;
@@ -54,7 +54,7 @@ void norm_forward_ref(const NormForwardArgs &a) {
       }
     }
   }
-  if (a.fp8 != nullptr) {
+  if (a.has_fp8) {
     *a.scale_inv = canonical_div(1.0f, scale);
     if (a.amax != nullptr) *a.amax = bits_float(amax_bits);
   }

@@ -182,6 +182,14 @@ def delayed_scaling_update(amax_histories: Sequence[jax.Array], scales: Sequence
     return list(out[:n]), list(out[n:2 * n]), list(out[2 * n:])
 
 
+def _gemm_workspace_bytes() -> int:
+    """The CUDA workspace of the core's GEMM (0 in a CPU-only build): XLA allocates it as an
+    extra result of the call, so it is planned and reused like any temporary."""
+    from transformer_engine.common import core
+
+    return int(core().gemm_workspace_size())
+
+
 def gemm(a: jax.Array, b: jax.Array, *, a_scale_inv: Optional[jax.Array] = None,
          b_scale_inv: Optional[jax.Array] = None,
          a_scaling_mode: ScalingMode = ScalingMode.TENSOR,
@@ -209,9 +217,10 @@ def gemm(a: jax.Array, b: jax.Array, *, a_scale_inv: Optional[jax.Array] = None,
     out_dtype = jnp.dtype(out_dtype if out_dtype is not None else a.dtype)
     empty = jnp.zeros((0,), _F32)
     results = (jax.ShapeDtypeStruct((*lead, n), out_dtype),
-               jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
+               jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty(),
+               jax.ShapeDtypeStruct((_gemm_workspace_bytes(),), jnp.uint8))
     call = jax.ffi.ffi_call(TARGETS["gemm"], results, vmap_method=_VMAP)
-    d, amax = call(a, a_scale_inv if a_scale_inv is not None else empty, b,
+    d, amax, _ = call(a, a_scale_inv if a_scale_inv is not None else empty, b,
                    b_scale_inv if b_scale_inv is not None else empty,
                    bias if bias is not None else jnp.zeros((0,), out_dtype),
                    transpose_a=bool(transpose_a), transpose_b=bool(transpose_b),
