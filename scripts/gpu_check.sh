@@ -7,8 +7,9 @@
 #
 #   bash scripts/gpu_check.sh OUT_DIR [pytest args...]
 #
-# TE_GPU_SKIP names steps to leave out (e.g. "ctest sass memcheck"), TE_BENCHES the benchmarks
-# to run (default: every benchmarks/bench_*.py), so a short run can pick what it needs.
+# TE_GPU_SKIP names steps to leave out (e.g. "ctest sass memcheck pytest_jax_on_gpu"),
+# TE_BENCHES the benchmarks to run (default: every benchmarks/bench_*.py), TE_GPU_ARCHS the
+# CUDA architectures to build (default: the core's list), so a short run can pick what it needs.
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR [pytest args...]}
 shift
@@ -30,16 +31,17 @@ nvidia-smi -L
 skip() { [[ " ${TE_GPU_SKIP:-} " == *" $1 "* ]]; }
 # The common wheel first: the jax wheel's FFI extension compiles against the installed core.
 step install bash -c "python3 -m pip install --no-build-isolation --no-deps --force-reinstall \
-  -C cmake.define.TE_WITH_CUDA=ON ./common && python3 -m pip install --no-build-isolation \
+  -C cmake.define.TE_WITH_CUDA=ON ${TE_GPU_ARCHS:+-C cmake.define.TE_CUDA_ARCHITECTURES=$TE_GPU_ARCHS} \
+  ./common && python3 -m pip install --no-build-isolation \
   --no-deps --force-reinstall ./pytorch ./jax" || exit 1
 skip ctest || step ctest bash -c "cmake -S cpp -B build/gpu-ctest -G Ninja -DTE_BUILD_TESTS=ON -DTE_WITH_CUDA=ON \
   -DTE_CUDA_ARCHITECTURES=90a \
   && cmake --build build/gpu-ctest && ctest --test-dir build/gpu-ctest --output-on-failure"
 step pytest_cuda python3 -m pytest -p no:cacheprovider -m cuda tests -q -rfE "$@"
 # On a GPU, jax runs every test of tests/jax on the device: the CUDA handlers throughout.
-step pytest_jax_on_gpu python3 -m pytest -p no:cacheprovider -m "not cuda" tests/jax -q -rfE "$@"
-step seed_pytorch python3 examples/pytorch_linear_fp8.py
-step seed_jax python3 jax/examples/jax_dense_fp8.py
+skip pytest_jax_on_gpu || step pytest_jax_on_gpu python3 -m pytest -p no:cacheprovider -m "not cuda" tests/jax -q -rfE "$@"
+skip seed_pytorch || step seed_pytorch python3 examples/pytorch_linear_fp8.py
+skip seed_jax || step seed_jax python3 jax/examples/jax_dense_fp8.py
 lib=$(python3 -c "import transformer_engine.common as c, pathlib; print(next(pathlib.Path(c.__file__).parent.glob('lib/libtransformer_engine.so*')))")
 skip sass || step sass bash -c "for arch in sm_90a sm_89 sm_80; do echo \$arch: \
   F2FP=\$(cuobjdump -arch \$arch -sass $lib | grep -c F2FP) \
@@ -51,5 +53,5 @@ done
 skip memcheck || step memcheck timeout ${TE_MEMCHECK_TIMEOUT:-240} compute-sanitizer --tool memcheck --error-exitcode 1 \
   python3 -m pytest -p no:cacheprovider -m "cuda and not slow" -q -x "$@" tests/common/test_quantize.py \
   tests/common/test_block_quantize.py tests/common/test_scaling.py tests/common/test_transpose.py \
-  tests/common/test_gemm.py tests/common/test_norm.py
+  tests/common/test_gemm.py tests/common/test_norm.py tests/common/test_activation.py
 exit $status
