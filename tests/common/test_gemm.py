@@ -515,3 +515,17 @@ def test_block_scaled_needs_workspace(cuda_device):
         core.gemm(
             a, b, cuda_device.put(np.zeros((128, 128), np.float32)), stream=cuda_device.stream
         )
+
+
+@pytest.mark.parametrize("out", ["float32", "bfloat16"])
+def test_fp8_amax_of_a_high_precision_output(device, workspaces, out):
+    """With a high-precision D, d.amax is max|D| of D as stored (gemm.h)."""
+    rng = np.random.default_rng(19)
+    a = fp8_tensor_operand(random_matrix(rng, (32, 64)), "e4m3", rng)
+    b = fp8_tensor_operand(random_matrix(rng, (48, 64)), "e5m2", rng)
+    d = device.put(np.zeros((32, 48), HP[out]))
+    amax = device.put(np.full(1, -1, np.float32))
+    core.gemm(a.on(device), b.on(device), core.Tensor(d, amax=amax), workspace=workspaces(device),
+              stream=device.stream)
+    stored = device.get(d).astype(np.float32)
+    assert device.get(amax)[0] == np.abs(stored).max()

@@ -28,7 +28,8 @@
  *     the dimension). Accumulation is in fp32.
  * D (slot DATA of d): [M, N]. When D is FP8, d's SCALE [1] is read (D = scale * result,
  * rounded to nearest even and saturated) and, when set, d's SCALE_INV receives 1/scale. When
- * d's AMAX slot is set ([1] fp32) it receives max|result| before any FP8 cast (FP8 operands only).
+ * d's AMAX slot is set ([1] fp32) it receives max|result|: of the fp32 result before the cast
+ * for an FP8 D, of D as stored for a high-precision D (FP8 operands only).
  * bias (may be NULL): [N], added to every row. Its dtype: D's dtype when D is fp16/bf16; bf16
  * when the operands are FP8 and D is fp32 or FP8 (cuBLASLt's rule); fp32 for fp32 operands.
  * pre_gelu_out (may be NULL; required with config.gelu): [M, N] in D's dtype (D must then be

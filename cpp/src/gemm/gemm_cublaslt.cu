@@ -25,6 +25,7 @@
 
 #include "common/cuda_utils.cuh"
 #include "gemm/gemm_impl.h"
+#include "scaling/scaling_impl.h"
 
 namespace te {
 namespace {
@@ -211,7 +212,8 @@ te_status run(const GemmArgs &g, cudaStream_t stream) {
     if (fp8_out) {
       TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, static_cast<const void *>(g.d_scale)), "set D_SCALE");
     }
-    if (g.d_amax != nullptr) {
+    // cuBLASLt's AMAX_D is for FP8 outputs; a high-precision D gets its amax from our kernel.
+    if (g.d_amax != nullptr && fp8_out) {
       TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, static_cast<void *>(g.d_amax)), "set AMAX_D");
     }
   }
@@ -292,6 +294,9 @@ te_status run(const GemmArgs &g, cudaStream_t stream) {
                            lc.layout, g.d, ld.layout, &algo, cublas_ws,
                            std::min<size_t>(cublas_ws_size, kCublasWorkspace), stream),
             "cublasLtMatmul");
+  if (g.d_amax != nullptr && !fp8_out) {
+    return compute_amax_cuda(AmaxArgs{g.d, g.d_dtype, g.m * g.n, g.d_amax}, stream);
+  }
   if (g.d_scale_inv != nullptr) {
     reciprocal_kernel<<<1, 1, 0, stream>>>(g.d_scale, g.d_scale_inv);
     return launch_status(kOp);

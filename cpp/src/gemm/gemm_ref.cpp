@@ -143,11 +143,12 @@ void epilogue(const GemmArgs &g, const std::vector<float> &raw) {
         store_hp(g.pre_gelu, idx, g.d_dtype, v);
         v = gelu_tanh(v);
       }
-      amax_bits = std::max(amax_bits, abs_bits(v));
       if (fp8_out) {
+        amax_bits = std::max(amax_bits, abs_bits(v));
         static_cast<uint8_t *>(g.d)[idx] = to_fp8(v * d_scale, g.d_dtype);
       } else {
         store_hp(g.d, idx, g.d_dtype, v);
+        amax_bits = std::max(amax_bits, abs_bits(load_hp(g.d, idx, g.d_dtype)));
       }
     }
   }
