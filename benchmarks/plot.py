@@ -28,6 +28,18 @@ def _group(row: dict) -> str:
     return label + (f"\n{row['timing']}" if "timing" in row else "")
 
 
+def _rows(data: dict) -> list[dict]:
+    """The result rows: data["results"], or, for results grouped under other keys (lists of
+    rows with a "name"), those rows with the key as their op and the name as their impl."""
+    if "results" in data:
+        return data["results"]
+    rows = []
+    for key, value in data.items():
+        if isinstance(value, list):
+            rows += [{"op": key, "impl": r["name"], **r} for r in value if "name" in r]
+    return rows
+
+
 def plot(path: Path, metric: str) -> Path:
     import matplotlib
 
@@ -35,7 +47,7 @@ def plot(path: Path, metric: str) -> Path:
     import matplotlib.pyplot as plt
 
     data = json.loads(path.read_text())
-    rows = [r for r in data["results"] if "impl" in r]
+    rows = [r for r in _rows(data) if "impl" in r]
     if metric == "auto":
         metric = next((m for m in METRICS if any(m in r for r in rows)), METRICS[0])
     rows = [r for r in rows if metric in r]
