@@ -8,7 +8,10 @@ name of the core's ``DType`` member.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from transformer_engine.common import core as _load_core
 
@@ -113,3 +116,38 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def placeholder(like: torch.Tensor) -> torch.Tensor:
     """Stands for an output that was not asked for (custom ops cannot return None)."""
     return like.new_empty(0, dtype=torch.uint8)
+
+
+def _plain_eager(args) -> bool:
+    """True when a call can run its implementation directly: not traced (torch.compile, an
+    active dispatch mode such as FakeTensorMode or make_fx) and no tensor subclass among the
+    arguments."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    return all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
+
+
+def custom_op(name: str, *, mutates_args=()):
+    """``torch.library.custom_op`` whose eager calls skip the dispatcher.
+
+    Tracing (torch.compile, fake tensors) goes through the registered op, which is what makes
+    the op one graph node with its fake implementation. An eager call with plain tensors runs
+    the same implementation directly: the custom-op machinery costs ~100 us of host time per
+    call, more than the kernels of a small layer, and in eager mode it adds nothing (the ops
+    have no autograd formula of their own; autograd.Functions call them).
+    """
+
+    def wrap(fn):
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if _plain_eager(args) and _plain_eager(kwargs.values()):
+                return fn(*args, **kwargs)
+            return op(*args, **kwargs)
+
+        call.register_fake = op.register_fake
+        call.op = op
+        return call
+
+    return wrap

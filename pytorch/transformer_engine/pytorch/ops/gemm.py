@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ._backend import check_mode, core, raw, stream_of, te_dtype, te_mode, workspace_for
+from ._backend import check_mode, core, custom_op, raw, stream_of, te_dtype, te_mode, workspace_for
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -27,7 +27,7 @@ def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> None:
         raise TypeError(f"gemm: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
 
 
-@torch.library.custom_op("transformer_engine::gemm_fp8", mutates_args=())
+@custom_op("transformer_engine::gemm_fp8", mutates_args=())
 def gemm_fp8(
     a: torch.Tensor, a_scale_inv: torch.Tensor, a_fp8_dtype: str, a_scaling_mode: str,
     b: torch.Tensor, b_scale_inv: torch.Tensor, b_fp8_dtype: str, b_scaling_mode: str,

@@ -16,6 +16,7 @@ from ._backend import (
     check_fp8_dtype,
     check_mode,
     core,
+    custom_op,
     placeholder,
     raw,
     stream_of,
@@ -47,7 +48,7 @@ def _scalar(x: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------ per-tensor, given scale
 
 
-@torch.library.custom_op(f"{_NS}::quantize", mutates_args=())
+@custom_op(f"{_NS}::quantize", mutates_args=())
 def quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, rowwise: bool,
              columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 data of ``x * scale`` (row-wise [M, K] and/or column-wise [K, M], written in one
@@ -74,7 +75,7 @@ def _(x, scale, fp8_dtype, rowwise, columnwise):
 # ------------------------------------------------------------ per-tensor, current scaling
 
 
-@torch.library.custom_op(f"{_NS}::quantize_current", mutates_args=())
+@custom_op(f"{_NS}::quantize_current", mutates_args=())
 def quantize_current(
     x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool, force_pow2_scales: bool,
     amax_epsilon: float,
@@ -120,7 +121,7 @@ def _block_outputs(x: torch.Tensor, mode: str, rowwise: bool, columnwise: bool):
     return data, sinv, col, col_sinv
 
 
-@torch.library.custom_op(f"{_NS}::quantize_block", mutates_args=())
+@custom_op(f"{_NS}::quantize_block", mutates_args=())
 def quantize_block(
     x: torch.Tensor, fp8_dtype: str, scaling_mode: str, rowwise: bool, columnwise: bool,
     force_pow2_scales: bool, amax_epsilon: float,
@@ -154,7 +155,7 @@ def _(x, fp8_dtype, scaling_mode, rowwise, columnwise, force_pow2_scales, amax_e
 # ------------------------------------------------------------ back to high precision
 
 
-@torch.library.custom_op(f"{_NS}::dequantize", mutates_args=())
+@custom_op(f"{_NS}::dequantize", mutates_args=())
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: str, scaling_mode: str,
                out_dtype: torch.dtype) -> torch.Tensor:
     """``fp8_value * scale_inv`` in ``out_dtype`` (fp32/fp16/bf16), data of any shape."""
@@ -174,7 +175,7 @@ def _(data, scale_inv, fp8_dtype, scaling_mode, out_dtype):
     return torch.empty(data.shape, dtype=out_dtype, device=data.device)
 
 
-@torch.library.custom_op(f"{_NS}::transpose", mutates_args=())
+@custom_op(f"{_NS}::transpose", mutates_args=())
 def transpose(data: torch.Tensor) -> torch.Tensor:
     """The transpose [K, M] of a [M, K] matrix of raw elements (FP8 bytes keep their scale)."""
     if data.dim() != 2:
@@ -190,7 +191,7 @@ def _(data):
     return data.new_empty((data.shape[1], data.shape[0]))
 
 
-@torch.library.custom_op(f"{_NS}::amax", mutates_args=())
+@custom_op(f"{_NS}::amax", mutates_args=())
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max|x| as [1] fp32 (NaN when x holds a NaN)."""
     c = core()

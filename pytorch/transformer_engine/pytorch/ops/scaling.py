@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import check_fp8_dtype, core, raw, stream_of, te_dtype
+from ._backend import check_fp8_dtype, core, custom_op, raw, stream_of, te_dtype
 
 
-@torch.library.custom_op(
+@custom_op(
     "transformer_engine::delayed_scaling_update",
     mutates_args=("amax_histories", "scales", "scale_invs"),
 )
