@@ -88,8 +88,81 @@ def _errors(layer, base, x, grad_out, fp8_recipe) -> dict:
         y.backward(grad_out)
         results.append((y.float(), xi.grad.float(), module.weight.grad.float()))
     rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
-    return {f"{name}_rel_err": rel(a, b)
-            for name, a, b in zip(("output", "dgrad", "wgrad"), *results, strict=True)}
+    return {
+        f"{name}_rel_err": rel(a, b)
+        for name, a, b in zip(("output", "dgrad", "wgrad"), *results, strict=True)
+    }
+
+
+def _host_forward_us(layer, x, fp8_recipe=None, calls: int = 200) -> float:
+    """Host time of one training-mode forward, in microseconds: calls are issued back to back
+    and timed before the GPU is waited for, so at small shapes (GPU work of a few microseconds)
+    this is the Python + launch cost alone."""
+
+    def forward():
+        with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+            return layer(x)
+
+    for _ in range(20):
+        forward()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        forward()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def _peak_step_bytes(step) -> int:
+    """Peak of CUDA memory allocated during one training step, above what was held before."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(0)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def host_and_memory(m: int, k: int, n: int) -> list[dict]:
+    """Host overhead of a forward (te.Linear FP8 vs nn.Linear) and peak memory of a step (FP8
+    vs bf16), plus the bytes per element of fp8_model_init weights."""
+    bf16 = torch.bfloat16
+    x = torch.randn(m, k, device="cuda", dtype=bf16, requires_grad=True)
+    grad_out = torch.randn(m, n, device="cuda", dtype=bf16)
+    base = torch.nn.Linear(k, n, device="cuda", dtype=bf16)
+    layer = te.Linear(k, n, params_dtype=bf16)
+    rows = []
+    for impl, module, r in (
+        ("te.Linear DelayedScaling", layer, RECIPES["DelayedScaling"]),
+        ("te.Linear Float8CurrentScaling", layer, RECIPES["Float8CurrentScaling"]),
+        ("nn.Linear bf16 eager", base, None),
+    ):
+        us = _host_forward_us(module, x, r)
+        peak = _peak_step_bytes(_step_fn(module, x, grad_out, r))
+        rows.append({"op": "host_forward_us", "impl": impl, "shape_mkn": [m, k, n], "host_us": us})
+        rows.append(
+            {"op": "peak_step_memory", "impl": impl, "shape_mkn": [m, k, n], "peak_bytes": peak}
+        )
+        print(
+            f"{impl:40s} {m}x{k}->{n}: forward host {us:.1f} us, step peak {peak / 2**20:.1f} MiB"
+        )
+    with te.fp8_model_init():
+        fp8_layer = te.Linear(k, n, params_dtype=bf16)
+    w = fp8_layer.weight
+    data = getattr(w, "_data", None)
+    nbytes = data.untyped_storage().nbytes() if data is not None else w.untyped_storage().nbytes()
+    rows.append(
+        {
+            "op": "fp8_model_init_weight",
+            "impl": "te.Linear",
+            "shape_mkn": [m, k, n],
+            "weight_type": type(w).__name__,
+            "bytes_per_element": nbytes / w.numel(),
+        }
+    )
+    print(f"fp8_model_init weight: {type(w).__name__}, {nbytes / w.numel():.3f} bytes per element")
+    return rows
 
 
 def bench_shape(m: int, k: int, n: int, quick: bool, compile_: bool) -> list[dict]:
@@ -109,14 +182,20 @@ def bench_shape(m: int, k: int, n: int, quick: bool, compile_: bool) -> list[dic
     for name in GRAPHED:
         cases[(f"te.Linear {name}", "cuda_graph")] = _step_fn(layer, x, grad_out, RECIPES[name])
     cases[("nn.Linear bf16 eager", "launches")] = _step_fn(base, x, grad_out)
-    compiled_names = ("te.Linear DelayedScaling torch.compile", "nn.Linear bf16 torch.compile",
-                      "torchao Float8Linear tensorwise torch.compile")
+    compiled_names = (
+        "te.Linear DelayedScaling torch.compile",
+        "nn.Linear bf16 torch.compile",
+        "torchao Float8Linear tensorwise torch.compile",
+    )
     if compile_:
         te_compiled = torch.compile(layer, fullgraph=True, dynamic=False)  # the Python glue
         bf16_compiled = torch.compile(copy.deepcopy(base), dynamic=False)
         ao_step, ao_error = _torchao_step(base, x, grad_out)
-        steps = (_step_fn(te_compiled, x, grad_out, RECIPES["DelayedScaling"]),
-                 _step_fn(bf16_compiled, x, grad_out), ao_step or ao_error)
+        steps = (
+            _step_fn(te_compiled, x, grad_out, RECIPES["DelayedScaling"]),
+            _step_fn(bf16_compiled, x, grad_out),
+            ao_step or ao_error,
+        )
     else:
         steps = ("skipped: --no-compile",) * 3
     for name, step in zip(compiled_names, steps, strict=True):
@@ -126,8 +205,7 @@ def bench_shape(m: int, k: int, n: int, quick: bool, compile_: bool) -> list[dic
     rows = []
     flops = 6.0 * m * n * k
     for (impl, how), fn in cases.items():
-        row = {"op": "linear_fwd_dgrad_wgrad", "impl": impl, "shape_mkn": [m, k, n],
-               "timing": how}
+        row = {"op": "linear_fwd_dgrad_wgrad", "impl": impl, "shape_mkn": [m, k, n], "timing": how}
         if isinstance(fn, str):
             rows.append({**row, "skipped": fn})
             print(f"{impl:48s} {m}x{k}->{n}: skipped ({fn})")
@@ -142,12 +220,20 @@ def bench_shape(m: int, k: int, n: int, quick: bool, compile_: bool) -> list[dic
             continue
         tflops = flops / (t["median_ms"] * 1e-3) / 1e12
         rows.append({**row, **t, "tflops": tflops})  # of the three GEMMs, 6 M N K
-        print(f"{impl:48s} {m}x{k}->{n} {how:10s}: {t['median_ms']:8.3f} ms {tflops:7.1f} "
-              f"TFLOP/s  ({time.perf_counter() - start:.0f} s with compilation)")
+        print(
+            f"{impl:48s} {m}x{k}->{n} {how:10s}: {t['median_ms']:8.3f} ms {tflops:7.1f} "
+            f"TFLOP/s  ({time.perf_counter() - start:.0f} s with compilation)"
+        )
     for name, r in RECIPES.items():
         errors = _errors(layer, base, x, grad_out, r)
-        rows.append({"op": "check_vs_nn_linear_bf16", "impl": f"te.Linear {name}",
-                     "shape_mkn": [m, k, n], **errors})
+        rows.append(
+            {
+                "op": "check_vs_nn_linear_bf16",
+                "impl": f"te.Linear {name}",
+                "shape_mkn": [m, k, n],
+                **errors,
+            }
+        )
         print(f"te.Linear {name} vs bf16: {errors}")
     return rows
 
@@ -156,21 +242,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", default="linear")
     parser.add_argument("--quick", action="store_true", help="fewer timed repeats")
-    parser.add_argument("--no-compile", action="store_true",
-                        help="skip the torch.compile contenders (their compilation dominates)")
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="skip the torch.compile contenders (their compilation dominates)",
+    )
     args = parser.parse_args()
     rows = []
     start = time.perf_counter()
     for m, k, n in SHAPES:
+        rows += host_and_memory(m, k, n)
         rows += bench_shape(m, k, n, args.quick, not args.no_compile)
     print(f"all contenders in {time.perf_counter() - start:.0f} s")
-    write_result(args.name, {
-        "description": "one linear layer's training step (forward + dgrad + wgrad), bf16 "
-                       "activations: te.Linear per FP8 recipe (launches and CUDA graph replay) "
-                       "beside nn.Linear bf16 (eager, torch.compile), torchao Float8Linear "
-                       "tensorwise (torch.compile) and the three torch._scaled_mm GEMMs alone",
-        "results": rows,
-    })
+    write_result(
+        args.name,
+        {
+            "description": "one linear layer's training step (forward + dgrad + wgrad), bf16 "
+            "activations: te.Linear per FP8 recipe (launches and CUDA graph replay) "
+            "beside nn.Linear bf16 (eager, torch.compile), torchao Float8Linear "
+            "tensorwise (torch.compile) and the three torch._scaled_mm GEMMs alone",
+            "results": rows,
+        },
+    )
 
 
 if __name__ == "__main__":
