@@ -5,6 +5,9 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 #include "common/numerics.h"
 #include "test_util.h"
@@ -236,6 +239,27 @@ TEST_CASE(current_scaling_scale) {
   te_quantize_config neg{0, -1.0f};
   CHECK_ERROR(te_compute_scale_from_amax(t, &neg, nullptr), TE_ERROR_VALUE, "amax_epsilon");
 }
+
+#if defined(__x86_64__)
+TEST_CASE(results_do_not_depend_on_the_callers_flush_to_zero_mode) {
+  // A subnormal amax: 448 / 2^-140 overflows to infinity, so the scale is FLT_MAX. With
+  // subnormals flushed the amax would read as 0 and give scale 1; the core runs in IEEE mode.
+  float amax = std::ldexp(1.0f, -140), scale = 0, scale_inv = 0;
+  uint8_t q = 0;
+  TensorHandle t;
+  t.set(TE_SLOT_DATA, &q, TE_DTYPE_FLOAT8_E4M3, {1});
+  t.set(TE_SLOT_AMAX, &amax, TE_DTYPE_FLOAT32, {1});
+  t.set(TE_SLOT_SCALE, &scale, TE_DTYPE_FLOAT32, {1});
+  t.set(TE_SLOT_SCALE_INV, &scale_inv, TE_DTYPE_FLOAT32, {1});
+  const unsigned saved = _mm_getcsr();
+  _mm_setcsr(saved | (1u << 15) | (1u << 6));  // FTZ and DAZ, as XLA's CPU runtime sets them
+  const te_status s = te_compute_scale_from_amax(t, nullptr, nullptr);
+  const unsigned after = _mm_getcsr();
+  _mm_setcsr(saved);
+  CHECK(s == TE_SUCCESS && scale == FLT_MAX);
+  CHECK(after == (saved | (1u << 15) | (1u << 6)));  // the caller's mode is back
+}
+#endif
 
 TEST_CASE(transpose_of_bytes) {
   std::vector<uint8_t> a = {1, 2, 3, 4, 5, 6}, b(6);

@@ -19,11 +19,27 @@ namespace te {
 // Records "<op>: <message>" as this thread's last error and returns code.
 te_status fail(te_status code, const char *op, const std::string &message);
 
+// IEEE floating-point mode for the duration of a call: callers may run with subnormals
+// flushed to zero (XLA's CPU runtime does, and so do fast-math builds), which would change the
+// CPU reference's results (a subnormal amax, say) and part them from the CUDA path's. The
+// caller's mode is restored on return. A no-op where the mode is not known (non-x86).
+class IeeeFpScope {
+ public:
+  IeeeFpScope();
+  ~IeeeFpScope();
+  IeeeFpScope(const IeeeFpScope &) = delete;
+  IeeeFpScope &operator=(const IeeeFpScope &) = delete;
+
+ private:
+  unsigned saved_ = 0;
+};
+
 // Runs body (returning te_status) and turns any C++ exception into TE_ERROR_RUNTIME, so that
 // no exception crosses the C boundary.
 template <typename Body>
 te_status guarded(const char *op, Body &&body) noexcept {
   try {
+    IeeeFpScope ieee;
     return body();
   } catch (const std::exception &e) {
     return fail(TE_ERROR_RUNTIME, op, std::string("internal error: ") + e.what());

@@ -1,5 +1,8 @@
 // The tensor handle, error reporting and the validation helpers of the C entry points.
 #include <cstdarg>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
 #include <cstdio>
 #include <new>
 #include <string>
@@ -177,6 +180,20 @@ bool Checker::disjoint(const std::vector<Named> &outputs, const std::vector<Name
   }
   return true;
 }
+
+#if defined(__x86_64__) || defined(_M_X64)
+// MXCSR bits: flush-to-zero (15) and denormals-are-zero (6).
+constexpr unsigned kFlushBits = (1u << 15) | (1u << 6);
+IeeeFpScope::IeeeFpScope() : saved_(_mm_getcsr()) {
+  if (saved_ & kFlushBits) _mm_setcsr(saved_ & ~kFlushBits);
+}
+IeeeFpScope::~IeeeFpScope() {
+  if (saved_ & kFlushBits) _mm_setcsr(saved_);
+}
+#else
+IeeeFpScope::IeeeFpScope() {}
+IeeeFpScope::~IeeeFpScope() {}
+#endif
 
 te_status no_cuda_build(const char *op) {
   return fail(TE_ERROR_UNSUPPORTED, op,
