@@ -25,6 +25,17 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 H200_COPY_TBPS = 4.24
 
 
+def _summary(per_call: list[float], batch: int) -> dict:
+    """Milliseconds per call over the timed batches: median, min, max, and how they were made."""
+    return {
+        "median_ms": statistics.median(per_call),
+        "min_ms": min(per_call),
+        "max_ms": max(per_call),
+        "batches": len(per_call),
+        "calls_per_batch": batch,
+    }
+
+
 def time_cuda(
     fn: Callable[[int], object],
     *,
@@ -53,13 +64,7 @@ def time_cuda(
         end.record()
         end.synchronize()
         per_call.append(start.elapsed_time(end) / batch)
-    return {
-        "median_ms": statistics.median(per_call),
-        "min_ms": min(per_call),
-        "max_ms": max(per_call),
-        "batches": repeats,
-        "calls_per_batch": batch,
-    }
+    return _summary(per_call, batch)
 
 
 def time_cuda_graph(
@@ -98,14 +103,7 @@ def time_cuda_graph(
         end.record()
         end.synchronize()
         per_call.append(start.elapsed_time(end) / batch)
-    return {
-        "median_ms": statistics.median(per_call),
-        "min_ms": min(per_call),
-        "max_ms": max(per_call),
-        "batches": repeats,
-        "calls_per_batch": batch,
-        "timing": "cuda_graph_replay",
-    }
+    return {**_summary(per_call, batch), "timing": "cuda_graph_replay"}
 
 
 def measure_copy_tbps(nbytes: int = 2 << 30) -> float:

@@ -17,15 +17,8 @@ void register_gemm(nb::module_ &m) {
         Handle hd = make_handle(op, "d", d, kAllSlots & ~(1u << TE_SLOT_SCALE));
         Handle hbias = bias.is_none() ? Handle() : make_handle(op, "bias", bias, 0);
         Handle hpre = pre_gelu_out.is_none() ? Handle() : make_handle(op, "pre_gelu_out", pre_gelu_out, kAllSlots);
-        void *ws = nullptr;
         size_t ws_size = 0;
-        if (!workspace.is_none()) {
-          const te_buffer w = to_buffer(op, "workspace", workspace, true, std::nullopt);
-          int64_t n = 1;
-          for (int i = 0; i < w.ndim; ++i) n *= w.shape[i];
-          ws = w.data;
-          ws_size = static_cast<size_t>(n) * te_dtype_size(w.dtype);
-        }
+        void *ws = workspace_of(op, workspace, &ws_size);
         const te_gemm_config config{transpose_a ? 1 : 0, transpose_b ? 1 : 0, accumulate ? 1 : 0,
                                     use_split_accumulator ? 1 : 0, gelu ? 1 : 0};
         nb::gil_scoped_release release;

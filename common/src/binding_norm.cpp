@@ -58,15 +58,8 @@ void register_norm(nb::module_ &m) {
         Handle dx = make_handle(op, "grad_input", grad_input, kAllSlots);
         Handle dg = make_handle(op, "grad_gamma", grad_gamma, kAllSlots);
         Handle db = optional_handle(op, "grad_beta", grad_beta, kAllSlots);
-        void *ws = nullptr;
         size_t ws_size = 0;
-        if (!workspace.is_none()) {
-          const te_buffer w = to_buffer(op, "workspace", workspace, true, std::nullopt);
-          int64_t n = 1;
-          for (int i = 0; i < w.ndim; ++i) n *= w.shape[i];
-          ws = w.data;
-          ws_size = static_cast<size_t>(n) * te_dtype_size(w.dtype);
-        }
+        void *ws = workspace_of(op, workspace, &ws_size);
         const te_norm_config config{norm, 0.0f, zero_centered_gamma ? 1 : 0};
         nb::gil_scoped_release release;
         check_status(te_norm_backward(&config, dy.get(), x.get(), hm.get(), hr.get(), g.get(), dx.get(),

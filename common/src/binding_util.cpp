@@ -217,4 +217,14 @@ Handle plain_handle(const char *op, const std::string &what, nb::handle obj, boo
   return h;
 }
 
+void *workspace_of(const char *op, nb::handle workspace, size_t *bytes) {
+  *bytes = 0;
+  if (workspace.is_none()) return nullptr;
+  const te_buffer w = to_buffer(op, "workspace", workspace, true, std::nullopt);
+  int64_t n = 1;
+  for (int i = 0; i < w.ndim; ++i) n *= w.shape[i];
+  *bytes = static_cast<size_t>(n) * te_dtype_size(w.dtype);
+  return w.data;
+}
+
 }  // namespace te_binding

@@ -54,6 +54,9 @@ Handle make_handle(const char *op, const char *name, nb::handle obj, unsigned wr
 // A plain handle (slot DATA only) for one array.
 Handle plain_handle(const char *op, const std::string &what, nb::handle obj, bool writable);
 
+// The memory of a writable scratch array (None: NULL and 0 bytes).
+void *workspace_of(const char *op, nb::handle workspace, size_t *bytes);
+
 inline te_stream as_stream(uintptr_t stream) { return reinterpret_cast<te_stream>(stream); }
 
 // The op groups, one file each.
