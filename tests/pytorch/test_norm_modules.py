@@ -216,3 +216,25 @@ def test_custom_ops_pass_opcheck(norm):
     _, mu, rsigma = ops.norm_forward(*args)
     torch.library.opcheck(ops.norm_backward.op,
                           (torch.randn(6, 20), x, mu, rsigma, gamma, norm, True))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_cuda_matches_cpu_bit_for_bit(norm):
+    """norm.h sums in one fixed order on both devices: equal outputs and gradients."""
+    from transformer_engine.common import core
+
+    if not core().built_with_cuda():
+        pytest.skip("this build of the core has no CUDA kernels")
+    cpu = _make(norm, 1000, torch.bfloat16, "cpu", zero_centered_gamma=True)
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(70, 1000).to(torch.bfloat16)
+    dy = torch.randn(70, 1000).to(torch.bfloat16)
+    results = []
+    for module, device in ((cpu, "cpu"), (gpu, "cuda")):
+        inp = x.to(device).requires_grad_()
+        out = module(inp)
+        out.backward(dy.to(device))
+        results.append([t.cpu() for t in (out, inp.grad, *(p.grad for p in module.parameters()))])
+    for got, want in zip(results[1], results[0], strict=True):
+        assert torch.equal(got, want)
