@@ -41,3 +41,34 @@ def assert_gemm_close(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Te
     bound = rtol * mag + 1e-30
     worst = (err / bound).max().item() if err.numel() else 0.0
     assert worst <= 1.0, f"{what}: error {worst:.3g}x the {dtype} tolerance"
+
+
+# LayerNorm / RMSNorm (te.LayerNorm, te.RMSNorm) against torch's norms in float64 from the
+# same input, weight and bias values. The core computes in fp32 and sums a row in 128 lanes of
+# at most ceil(N / 1024) * 8 sequential terms, then 7 pairwise levels: for N <= 1024 a row sum
+# errs by at most ~15 * 2^-24 of sum |terms|; mean, variance, rsqrt and the products add a few
+# ulps each, so xhat = (x - mu) * rsigma is off by < 50 * 2^-24 ~ 3e-6 of (|xhat| + 1) (the
+# "+ 1" is the mean's error times rsigma, mean|x| * rsigma being O(1) for the test data).
+# Each error is bounded relative to a magnitude computed beside the reference:
+#   forward        y:  (|xhat| + 1) * |g| + |beta|
+#   grad_input     dx: rsigma * (|dy g| + mean|dy g| + (|xhat| + 1) * mean|dy g xhat|)
+#   grad_gamma:        sum over rows of |dy| (|xhat| + 1)
+#   grad_beta:         sum over rows of |dy|
+#   (the column sums take 32 + M / 32 sequential terms, in groups of 32 rows: a few ulps for
+#   the M <= 64 rows of the tests)
+# fp32: 5e-6 (~84 ulps) is above that estimate; the measured worst is ~3 ulps. bf16: every
+# output is rounded once to 8 significant bits, up to half an ulp = 2^-8 of a value bounded by
+# its magnitude (measured: 0.92 of that), plus the fp32 errors; 2^-7 covers both twice (the
+# reference starts from the same bf16 values, so the inputs themselves add nothing).
+NORM_RTOL = {torch.float32: 5e-6, torch.bfloat16: 2.0**-7}
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor, rtol: float,
+                  what: str) -> None:
+    """|got - want| <= rtol * magnitude elementwise, in float64 on the CPU."""
+    got64 = got.detach().double().cpu()
+    want64, mag = want.detach().double().cpu(), magnitude.detach().double().cpu()
+    assert got64.shape == want64.shape, (what, got64.shape, want64.shape)
+    err = (got64 - want64).abs()
+    worst = (err / (rtol * mag + 1e-30)).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"{what}: error {worst:.3g}x the tolerance {rtol:.3g}"

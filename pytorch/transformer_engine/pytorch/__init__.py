@@ -14,9 +14,9 @@ Example (the seed example; on a machine without a GPU use device="cpu"):
 
 from .float8_tensor import Float8Tensor
 from .fp8 import autocast, fp8_autocast, fp8_model_init, is_fp8_available
-from .module import Linear
+from .module import LayerNorm, Linear, RMSNorm
 
 __version__ = "0.1.0"
 
-__all__ = ["Float8Tensor", "Linear", "__version__", "autocast", "fp8_autocast",
-           "fp8_model_init", "is_fp8_available"]
+__all__ = ["Float8Tensor", "LayerNorm", "Linear", "RMSNorm", "__version__", "autocast",
+           "fp8_autocast", "fp8_model_init", "is_fp8_available"]

@@ -1,5 +1,6 @@
 """te modules."""
 
+from .layernorm import LayerNorm, RMSNorm
 from .linear import Linear
 
-__all__ = ["Linear"]
+__all__ = ["LayerNorm", "Linear", "RMSNorm"]

@@ -5,8 +5,9 @@ it without running it, and takes the CUDA stream from torch, so that CUDA graphs
 """
 
 from .gemm import gemm_fp8
+from .norm import norm_backward, norm_forward
 from .quantize import amax, dequantize, quantize, quantize_block, quantize_current, transpose
 from .scaling import delayed_scaling_update
 
-__all__ = ["amax", "delayed_scaling_update", "dequantize", "gemm_fp8", "quantize",
-           "quantize_block", "quantize_current", "transpose"]
+__all__ = ["amax", "delayed_scaling_update", "dequantize", "gemm_fp8", "norm_backward",
+           "norm_forward", "quantize", "quantize_block", "quantize_current", "transpose"]

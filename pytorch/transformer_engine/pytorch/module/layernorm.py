@@ -1,0 +1,145 @@
+"""``te.LayerNorm`` and ``te.RMSNorm``: normalization over the last dimension by the core's
+norm kernels (statistics in fp32, one fixed summation order on the CPU and CUDA; norm.h).
+
+Both run in high precision inside and outside ``fp8_autocast``: the output has the input's
+dtype. The parameters may be float32 or the input's dtype as they are; any other dtype is cast
+to the input's for the kernels (autograd casts the gradient back).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .. import ops
+from .linear import _default_device
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _NormFunction(torch.autograd.Function):
+    """``y = norm(input) * g (+ beta)`` over the last dimension of ``input`` (any rank);
+    saves the input (as the [M, N] matrix), mu, rsigma and the weight for the backward."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias, norm: str, eps: float, zero_centered_gamma: bool):
+        x = inp.reshape(-1, inp.shape[-1])
+        y, mu, rsigma = ops.norm_forward(x, weight, bias, norm, eps, zero_centered_gamma)
+        ctx.save_for_backward(x, mu, rsigma, weight)
+        ctx.norm, ctx.zero_centered_gamma = norm, zero_centered_gamma
+        ctx.has_bias = bias is not None
+        return y.view(inp.shape)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, mu, rsigma, weight = ctx.saved_tensors
+        dy = grad_output.reshape(x.shape).to(x.dtype).contiguous()
+        dx, dgamma, dbeta = ops.norm_backward(dy, x, mu, rsigma, weight, ctx.norm,
+                                              ctx.zero_centered_gamma)
+        return (dx.view(grad_output.shape), dgamma, dbeta if ctx.has_bias else None,
+                None, None, None)
+
+
+class _Norm(torch.nn.Module):
+    _norm = ""
+    _name = ""
+
+    def __init__(self, hidden_size: int, eps: float, zero_centered_gamma: bool,
+                 params_dtype: Optional[torch.dtype], device, sequence_parallel: bool,
+                 bias: bool) -> None:
+        super().__init__()
+        if int(hidden_size) <= 0:
+            raise ValueError(f"{self._name}: hidden_size must be positive, got {hidden_size}")
+        if eps < 0:
+            raise ValueError(f"{self._name}: eps must be >= 0, got {eps}")
+        dtype = params_dtype or torch.get_default_dtype()
+        if dtype not in _DTYPES:
+            raise TypeError(f"{self._name}: params_dtype must be float32, bfloat16 or float16, "
+                            f"got {dtype}")
+        device = _default_device(device)
+        self.hidden_size, self.eps = int(hidden_size), float(eps)
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.weight = torch.nn.Parameter(torch.empty(self.hidden_size, dtype=dtype, device=device))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(self.hidden_size, dtype=dtype,
+                                                       device=device))
+        else:
+            self.register_parameter("bias", None)
+        for p in self.parameters():
+            # With sequence parallelism every rank sees a slice of the tokens: the gradients of
+            # these replicated parameters must be summed over the group by whoever drives it.
+            p.sequence_parallel = self.sequence_parallel
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """weight = 1 (0 with zero_centered_gamma, which stores g - 1), bias = 0."""
+        with torch.no_grad():
+            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden_size}, eps={self.eps}, "
+                f"zero_centered_gamma={self.zero_centered_gamma}")
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        """``inp`` [..., hidden_size] -> the same shape and dtype, normalized over the last
+        dimension."""
+        if inp.dim() == 0 or inp.shape[-1] != self.hidden_size:
+            raise ValueError(f"{self._name}: input must have hidden_size={self.hidden_size} "
+                             f"as its last dimension, got shape {list(inp.shape)}")
+        if inp.dtype not in _DTYPES:
+            raise TypeError(f"{self._name}: input must be float32, bfloat16 or float16, got "
+                            f"{inp.dtype}")
+        weight, bias = self.weight, self.bias
+        if weight.dtype not in (inp.dtype, torch.float32):
+            weight = weight.to(inp.dtype)
+            bias = None if bias is None else bias.to(inp.dtype)
+        return _NormFunction.apply(inp, weight, bias, self._norm, self.eps,
+                                   self.zero_centered_gamma)
+
+
+class LayerNorm(_Norm):
+    """``y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias`` over the last dimension,
+    like ``torch.nn.LayerNorm(hidden_size, eps)``.
+
+    Args:
+        hidden_size: size of the last dimension, normalized over.
+        eps: added to the variance.
+        zero_centered_gamma: ``weight`` holds ``gamma - 1`` (initialized to 0), so the scale
+            is ``1 + weight``: better precision near 1 in low-precision parameters.
+        params_dtype: dtype of the parameters (default: ``torch.get_default_dtype()``).
+        device: where the parameters live (default: the current CUDA device when there is
+            one, else the CPU).
+        sequence_parallel: marks the parameters (``param.sequence_parallel``) for a caller
+            that sums their gradients over a sequence-parallel group; the module itself
+            computes on the tokens it is given.
+    """
+
+    _norm, _name = "layernorm", "te.LayerNorm"
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *, zero_centered_gamma: bool = False,
+                 params_dtype: Optional[torch.dtype] = None,
+                 device: Union[torch.device, str, None] = None,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__(hidden_size, eps, zero_centered_gamma, params_dtype, device,
+                         sequence_parallel, bias=True)
+
+
+class RMSNorm(_Norm):
+    """``y = x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, like
+    ``torch.nn.RMSNorm(hidden_size, eps)``; the arguments are those of :class:`LayerNorm`
+    (there is no bias)."""
+
+    _norm, _name = "rmsnorm", "te.RMSNorm"
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *, zero_centered_gamma: bool = False,
+                 params_dtype: Optional[torch.dtype] = None,
+                 device: Union[torch.device, str, None] = None,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__(hidden_size, eps, zero_centered_gamma, params_dtype, device,
+                         sequence_parallel, bias=False)
