@@ -18,7 +18,8 @@ from transformer_engine.jax.flax import LayerNorm
 EPS = 1e-6
 # Hidden sizes 1, 17 (not a multiple of anything) and 1024; ranks 2 and 3.
 SHAPES = [(6, 1), (2, 3, 17), (2, 4, 1024)]
-TOL = {jnp.dtype(jnp.float32): "norm_float32", jnp.dtype(jnp.bfloat16): "bfloat16"}
+TOL = {jnp.dtype(jnp.float32): "norm_float32", jnp.dtype(jnp.bfloat16): "bfloat16",
+       jnp.dtype(jnp.float16): "float16"}
 
 
 def _inputs(shape, dtype, seed=0):
@@ -80,8 +81,9 @@ def test_matches_flax_values_and_gradients(norm_type, dtype, shape):
 
 
 @pytest.mark.parametrize("norm_type,dtype",
-                         [("layernorm", jnp.float32), ("rmsnorm", jnp.bfloat16)],
-                         ids=["ln-fp32", "rms-bf16"])
+                         [("layernorm", jnp.float32), ("rmsnorm", jnp.bfloat16),
+                          ("layernorm", jnp.float16)],
+                         ids=["ln-fp32", "rms-bf16", "ln-fp16"])
 def test_zero_centered_gamma(norm_type, dtype):
     _check(norm_type, dtype, (3, 5, 64), zero_centered=True)
 
@@ -92,6 +94,12 @@ def test_zero_centered_gamma_of_zeros_is_identity_scale():
     centered = jax.jit(lambda x, g, b: te.layernorm(x, g, b, zero_centered_gamma=True))(
         x, jnp.zeros(32), beta)
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(centered))
+
+
+def test_vmap_matches_the_batched_call():
+    x, gamma, beta, _ = _inputs((3, 4, 16), jnp.float32)
+    mapped = jax.jit(jax.vmap(te.layernorm, in_axes=(0, None, None)))(x, gamma, beta)
+    np.testing.assert_array_equal(np.asarray(mapped), np.asarray(te.layernorm(x, gamma, beta)))
 
 
 def test_float32_weights_with_bfloat16_input():
