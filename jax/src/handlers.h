@@ -12,7 +12,9 @@
   X("te_compute_amax_ffi", TeComputeAmax)             \
   X("te_scale_from_amax_ffi", TeScaleFromAmax)        \
   X("te_delayed_scaling_update_ffi", TeDelayedScalingUpdate) \
-  X("te_gemm_ffi", TeGemm)
+  X("te_gemm_ffi", TeGemm)                            \
+  X("te_norm_forward_ffi", TeNormForward)             \
+  X("te_norm_backward_ffi", TeNormBackward)
 
 namespace te_jax {
 #define TE_JAX_DECLARE_HANDLER(target, prefix)                       \

@@ -5,9 +5,10 @@ for the CPU and CUDA platforms.
 
 * :func:`fp8_autocast` / :func:`autocast`: the recipe in effect while a model is traced.
 * :func:`dense`: a linear layer (``jax.custom_vjp``) in FP8 or the inputs' dtype.
+* :func:`layernorm`: LayerNorm / RMSNorm over the last axis (``jax.custom_vjp``).
 * :class:`QuantizerSet`, :func:`make_quantizer_set`, :func:`new_fp8_state`: the recipe and
   FP8 state that ``dense`` quantizes with; :func:`update_collections` merges the new state.
-* :mod:`transformer_engine.jax.flax`: the ``DenseGeneral`` linen module.
+* :mod:`transformer_engine.jax.flax`: the ``DenseGeneral`` and ``LayerNorm`` linen modules.
 * :mod:`transformer_engine.jax.ops`: the custom calls themselves.
 """
 
@@ -23,6 +24,7 @@ from transformer_engine.jax.autocast import (
     is_fp8_enabled,
 )
 from transformer_engine.jax.dense import dense
+from transformer_engine.jax.layernorm import layernorm
 from transformer_engine.jax.quantizer import (
     FP8_COLLECTION,
     QuantizerSet,
@@ -32,5 +34,5 @@ from transformer_engine.jax.quantizer import (
 )
 
 __all__ = ["__version__", "MeshResource", "fp8_autocast", "autocast", "get_fp8_recipe",
-           "get_mesh_resource", "is_fp8_enabled", "dense", "QuantizerSet", "make_quantizer_set",
-           "new_fp8_state", "update_collections", "FP8_COLLECTION", "ops"]
+           "get_mesh_resource", "is_fp8_enabled", "dense", "layernorm", "QuantizerSet",
+           "make_quantizer_set", "new_fp8_state", "update_collections", "FP8_COLLECTION", "ops"]

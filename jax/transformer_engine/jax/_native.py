@@ -21,6 +21,8 @@ TARGETS = {
     "scale_from_amax": "te_scale_from_amax_ffi",
     "delayed_scaling_update": "te_delayed_scaling_update_ffi",
     "gemm": "te_gemm_ffi",
+    "norm_forward": "te_norm_forward_ffi",
+    "norm_backward": "te_norm_backward_ffi",
 }
 
 _INSTALL_HINT = (

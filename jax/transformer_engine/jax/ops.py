@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from transformer_engine.jax._native import TARGETS, load
 
 __all__ = ["ScalingMode", "QuantizedTensor", "fp8_dtype", "quantize", "dequantize",
-           "compute_amax", "scale_from_amax", "delayed_scaling_update", "gemm"]
+           "compute_amax", "scale_from_amax", "delayed_scaling_update", "gemm", "NormType",
+           "norm_forward", "norm_backward"]
 
 load()
 
@@ -229,3 +230,65 @@ def gemm(a: jax.Array, b: jax.Array, *, a_scale_inv: Optional[jax.Array] = None,
                    use_bias=bias is not None, compute_amax=bool(compute_amax),
                    use_split_accumulator=bool(use_split_accumulator))
     return (d, amax) if compute_amax else d
+
+
+class NormType(enum.IntEnum):
+    """The core's te_norm_type."""
+
+    LAYERNORM = 0
+    RMSNORM = 1
+
+
+def _norm_backward_workspace_bytes(rows: int, cols: int) -> int:
+    """The CUDA workspace of the core's norm backward for [rows, cols] (an extra result of
+    the call, like the GEMM's; the CPU path ignores it)."""
+    from transformer_engine.common import core
+
+    return int(core().norm_backward_workspace_size(rows, cols))
+
+
+def norm_forward(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array], *,
+                 norm_type: NormType = NormType.LAYERNORM, epsilon: float = 1e-6,
+                 zero_centered_gamma: bool = False):
+    """LayerNorm or RMSNorm of ``x`` [.., N] over its last dimension (the core's norm.h).
+
+    ``gamma`` and ``beta`` ([N], LayerNorm only) have x's dtype or float32. Returns
+    ``(y, mu, rsigma)``: y in x's dtype, mu and rsigma [M] float32 (M the product of x's
+    leading dims); mu is a zero-size array for RMSNorm.
+    """
+    kind = NormType(norm_type)
+    m = math.prod(x.shape[:-1])
+    ln = kind == NormType.LAYERNORM
+    if ln and beta is None:
+        raise ValueError("norm_forward: LayerNorm needs beta, got None")
+    results = (jax.ShapeDtypeStruct(x.shape, x.dtype),
+               jax.ShapeDtypeStruct((m,), _F32) if ln else _empty(),
+               jax.ShapeDtypeStruct((m,), _F32))
+    call = jax.ffi.ffi_call(TARGETS["norm_forward"], results, vmap_method=_VMAP)
+    return call(x, gamma, beta if ln else jnp.zeros((0,), gamma.dtype), norm_type=np.int32(kind),
+                eps=np.float32(epsilon), zero_centered_gamma=bool(zero_centered_gamma))
+
+
+def norm_backward(dy: jax.Array, x: jax.Array, mu: jax.Array, rsigma: jax.Array,
+                  gamma: jax.Array, *, norm_type: NormType = NormType.LAYERNORM,
+                  epsilon: float = 1e-6, zero_centered_gamma: bool = False):
+    """The gradients ``(dx, dgamma, dbeta)`` of :func:`norm_forward`, from its mu and rsigma.
+
+    dx has x's dtype, dgamma and dbeta gamma's; dbeta is a zero-size array for RMSNorm.
+    """
+    kind = NormType(norm_type)
+    m, n = math.prod(x.shape[:-1]), x.shape[-1]
+    ln = kind == NormType.LAYERNORM
+    results = (jax.ShapeDtypeStruct(x.shape, x.dtype),
+               jax.ShapeDtypeStruct((n,), gamma.dtype),
+               jax.ShapeDtypeStruct((n,), gamma.dtype) if ln else _empty(gamma.dtype),
+               jax.ShapeDtypeStruct((_norm_backward_workspace_bytes(m, n),), jnp.uint8))
+    call = jax.ffi.ffi_call(TARGETS["norm_backward"], results, vmap_method=_VMAP)
+    dx, dgamma, dbeta, _ = call(dy, x, mu if ln else _zeros_f32(), rsigma, gamma,
+                                norm_type=np.int32(kind), eps=np.float32(epsilon),
+                                zero_centered_gamma=bool(zero_centered_gamma))
+    return dx, dgamma, dbeta
+
+
+def _zeros_f32() -> jax.Array:
+    return jnp.zeros((0,), _F32)

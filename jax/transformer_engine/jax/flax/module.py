@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
 
@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from transformer_engine.jax.autocast import get_fp8_recipe
 from transformer_engine.jax.dense import dense
+from transformer_engine.jax.layernorm import layernorm
 from transformer_engine.jax.quantizer import (
     FP8_COLLECTION,
     ROLES,
@@ -18,7 +19,7 @@ from transformer_engine.jax.quantizer import (
     new_fp8_state,
 )
 
-__all__ = ["DenseGeneral"]
+__all__ = ["DenseGeneral", "LayerNorm"]
 
 Initializer = Callable[..., jax.Array]
 
@@ -118,3 +119,55 @@ class DenseGeneral(nn.Module):
                 var = self.variable(FP8_COLLECTION, name, lambda v=initial[role][key]: v)
                 state[role][key] = var.value
         return state
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm or RMSNorm over the last axis, over :func:`transformer_engine.jax.layernorm`.
+
+    Parameters: ``scale`` [N] and, for LayerNorm, ``ln_bias`` [N] (N = the input's last axis).
+
+    Attributes:
+        epsilon: added to the variance (or mean square).
+        layernorm_type: ``"layernorm"`` or ``"rmsnorm"``.
+        zero_centered_gamma: ``scale`` stores g - 1 (the layer multiplies by 1 + scale).
+        scale_init: initializer of ``scale``; default ones, or zeros with
+            ``zero_centered_gamma`` (g = 1 either way).
+        bias_init: initializer of ``ln_bias``.
+        dtype: the dtype of the computation and the output (the input is cast to it).
+        param_dtype: the dtype of the parameters.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from transformer_engine.jax.flax import LayerNorm
+        >>> layer = LayerNorm()
+        >>> variables = layer.init(jax.random.PRNGKey(0), jnp.ones((4, 8)))
+        >>> layer.apply(variables, jnp.ones((4, 8))).shape
+        (4, 8)
+    """
+
+    epsilon: float = 1e-6
+    layernorm_type: str = "layernorm"
+    zero_centered_gamma: bool = False
+    scale_init: Optional[Initializer] = None
+    bias_init: Initializer = nn.initializers.zeros
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.layernorm_type not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"LayerNorm: layernorm_type must be 'layernorm' or 'rmsnorm', got "
+                             f"{self.layernorm_type!r}")
+        x = jnp.asarray(x)
+        if x.ndim < 1:
+            raise ValueError(f"LayerNorm: the input must have rank >= 1, got shape {x.shape}")
+        n = x.shape[-1]
+        scale_init = self.scale_init
+        if scale_init is None:
+            scale_init = nn.initializers.zeros if self.zero_centered_gamma else nn.initializers.ones
+        scale = self.param("scale", scale_init, (n,), self.param_dtype)
+        bias = None
+        if self.layernorm_type == "layernorm":
+            bias = self.param("ln_bias", self.bias_init, (n,), self.param_dtype)
+        return layernorm(x.astype(self.dtype), scale, bias, norm_type=self.layernorm_type,
+                         zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon)

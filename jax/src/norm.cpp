@@ -1,0 +1,116 @@
+// XLA FFI handlers of the core's LayerNorm and RMSNorm (te_norm_forward, te_norm_backward).
+//
+// The input is viewed as [M, N] (N its last dimension). RMSNorm has no mu and no beta: the
+// Python side passes and receives zero-size buffers in their places, which are not read or
+// written here. The CUDA workspace of the backward pass (partial column sums of dgamma and
+// dbeta) is an extra result of the call, as in gemm.cpp, so that XLA plans it like any
+// temporary; the CPU path ignores it.
+#include "ffi_common.h"
+#include "handlers.h"
+#include "transformer_engine/norm.h"
+
+namespace te_jax {
+namespace {
+
+ffi::Error norm_config(const char *op, int32_t norm_type, float eps, bool zero_centered_gamma,
+                       te_norm_config *config) {
+  if (norm_type != TE_NORM_LAYERNORM && norm_type != TE_NORM_RMSNORM) {
+    return invalid(op, "norm_type must be 0 (LayerNorm) or 1 (RMSNorm), got " +
+                           std::to_string(norm_type));
+  }
+  *config = te_norm_config{};
+  config->type = static_cast<te_norm_type>(norm_type);
+  config->eps = eps;
+  config->zero_centered_gamma = zero_centered_gamma ? 1 : 0;
+  return ffi::Error::Success();
+}
+
+ffi::Error NormForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
+                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mu,
+                           ffi::Result<ffi::AnyBuffer> rsigma, int32_t norm_type, float eps,
+                           bool zero_centered_gamma, Device dev) {
+  constexpr const char *op = "norm_forward";
+  te_norm_config config;
+  TE_JAX_RETURN_IF_ERROR(norm_config(op, norm_type, eps, zero_centered_gamma, &config));
+  const bool ln = config.type == TE_NORM_LAYERNORM;
+  Tensor tx, tgamma, tbeta, ty, tmu, trsigma;
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "x", x, dev, &tx));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "gamma", gamma, dev, &tgamma));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "y", *y, dev, &ty));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "rsigma", *rsigma, dev, &trsigma));
+  if (ln) {
+    TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "beta", beta, dev, &tbeta));
+    TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "mu", *mu, dev, &tmu));
+  }
+  return from_status(te_norm_forward(&config, tx.get(), tgamma.get(), ln ? tbeta.get() : nullptr,
+                                     ty.get(), nullptr, ln ? tmu.get() : nullptr, trsigma.get(),
+                                     dev.stream));
+}
+
+auto TeNormForwardBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()  // x [.., N]
+      .Arg<ffi::AnyBuffer>()  // gamma [N]
+      .Arg<ffi::AnyBuffer>()  // beta [N] (LayerNorm; zero-size for RMSNorm)
+      .Ret<ffi::AnyBuffer>()  // y, x's shape and dtype
+      .Ret<ffi::AnyBuffer>()  // mu fp32 [M] (LayerNorm; zero-size for RMSNorm)
+      .Ret<ffi::AnyBuffer>()  // rsigma fp32 [M]
+      .Attr<int32_t>("norm_type")
+      .Attr<float>("eps")
+      .Attr<bool>("zero_centered_gamma");
+}
+
+ffi::Error NormBackwardImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mu,
+                            ffi::AnyBuffer rsigma, ffi::AnyBuffer gamma,
+                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
+                            ffi::Result<ffi::AnyBuffer> dbeta,
+                            ffi::Result<ffi::AnyBuffer> workspace, int32_t norm_type, float eps,
+                            bool zero_centered_gamma, Device dev) {
+  constexpr const char *op = "norm_backward";
+  te_norm_config config;
+  TE_JAX_RETURN_IF_ERROR(norm_config(op, norm_type, eps, zero_centered_gamma, &config));
+  const bool ln = config.type == TE_NORM_LAYERNORM;
+  Tensor tdy, tx, tmu, trsigma, tgamma, tdx, tdgamma, tdbeta;
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dy", dy, dev, &tdy));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "x", x, dev, &tx));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "rsigma", rsigma, dev, &trsigma));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "gamma", gamma, dev, &tgamma));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dx", *dx, dev, &tdx));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dgamma", *dgamma, dev, &tdgamma));
+  if (ln) {
+    TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "mu", mu, dev, &tmu));
+    TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dbeta", *dbeta, dev, &tdbeta));
+  }
+  void *ws = nullptr;
+  size_t ws_size = 0;
+  if (dev.type == TE_DEVICE_CUDA) {
+    ws = workspace->untyped_data();
+    ws_size = workspace->size_bytes();
+  }
+  return from_status(te_norm_backward(&config, tdy.get(), tx.get(), ln ? tmu.get() : nullptr,
+                                      trsigma.get(), tgamma.get(), tdx.get(), tdgamma.get(),
+                                      ln ? tdbeta.get() : nullptr, ws, ws_size, dev.stream));
+}
+
+auto TeNormBackwardBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()  // dy, x's shape and dtype
+      .Arg<ffi::AnyBuffer>()  // x [.., N]
+      .Arg<ffi::AnyBuffer>()  // mu fp32 [M] (LayerNorm; zero-size for RMSNorm)
+      .Arg<ffi::AnyBuffer>()  // rsigma fp32 [M]
+      .Arg<ffi::AnyBuffer>()  // gamma [N]
+      .Ret<ffi::AnyBuffer>()  // dx, x's shape
+      .Ret<ffi::AnyBuffer>()  // dgamma [N], gamma's dtype
+      .Ret<ffi::AnyBuffer>()  // dbeta [N], gamma's dtype (LayerNorm; zero-size for RMSNorm)
+      .Ret<ffi::AnyBuffer>()  // workspace uint8 [te_norm_backward_workspace_size(M, N)]
+      .Attr<int32_t>("norm_type")
+      .Attr<float>("eps")
+      .Attr<bool>("zero_centered_gamma");
+}
+
+}  // namespace
+
+TE_JAX_DEFINE_HANDLERS(TeNormForward, NormForwardImpl);
+TE_JAX_DEFINE_HANDLERS(TeNormBackward, NormBackwardImpl);
+
+}  // namespace te_jax
