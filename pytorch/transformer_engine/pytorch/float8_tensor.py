@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_map
 
 from . import ops
@@ -132,9 +133,14 @@ class Float8Tensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         extra = ", with transpose" if self._transpose is not None else ""
-        return (f"Float8Tensor(fp8_dtype={self._fp8_dtype}, scaling_mode={self._scaling_mode}, "
-                f"shape={list(self.shape)}, dtype={self.dtype}, device={self.device}{extra}, "
-                f"scale_inv={self._scale_inv.flatten()[:4].tolist()}, "
+        head = (f"Float8Tensor(fp8_dtype={self._fp8_dtype}, scaling_mode={self._scaling_mode}, "
+                f"shape={list(self.shape)}, dtype={self.dtype}, device={self.device}{extra}")
+        # Values only for real data: under tracing (torch.compile formats tensors in messages
+        # and logs) reading them would be a data-dependent op in the traced graph.
+        if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+                or type(self._data) is not torch.Tensor):
+            return head + ")"
+        return (head + f", scale_inv={self._scale_inv.flatten()[:4].tolist()}, "
                 f"values={self.dequantize().flatten()[:6].tolist()})")
 
     # ------------------------------------------------------------ torch.compile, pickling
