@@ -4,6 +4,8 @@ training step, and FP8 availability. Every test here is marked ``cuda``."""
 from __future__ import annotations
 
 import copy
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,22 +26,23 @@ def test_fp8_is_available_on_this_gpu():
 
 
 def test_seed_example_as_written():
-    in_features, out_features, hidden_size = 768, 3072, 2048
-    model = te.Linear(in_features, out_features, bias=True)
-    inp = torch.randn(hidden_size, in_features, device="cuda")
-    fp8_recipe = recipe.DelayedScaling(margin=0, fp8_format=recipe.Format.E4M3)
-    with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
-        out = model(inp)
-    loss = out.sum()
-    loss.backward()
+    # The file users were given, run as it is; its globals are what it computed.
+    seed = runpy.run_path(
+        str(Path(__file__).resolve().parents[2] / "examples/pytorch_linear_fp8.py")
+    )
+    model, inp, out = seed["model"], seed["inp"], seed["out"]
+    hidden_size, out_features = seed["hidden_size"], seed["out_features"]
     assert model.weight.is_cuda and out.is_cuda and out.shape == (hidden_size, out_features)
     hp = torch.nn.functional.linear(inp, model.weight, model.bias)
     assert (out - hp).abs().max() < 0.1 * hp.abs().max()
     assert torch.isfinite(model.weight.grad).all()
 
 
-@pytest.mark.parametrize("r", [recipe.DelayedScaling(), recipe.Float8CurrentScaling(),
-                               recipe.Float8BlockScaling()], ids=["delayed", "current", "block"])
+@pytest.mark.parametrize(
+    "r",
+    [recipe.DelayedScaling(), recipe.Float8CurrentScaling(), recipe.Float8BlockScaling()],
+    ids=["delayed", "current", "block"],
+)
 def test_cuda_graph_replays_an_fp8_training_step(r):
     """fwd + bwd (and delayed scaling's exit update) captured once, replayed on new data,
     gives what the same steps give in eager: no host sync, no host-side branching on values."""
