@@ -13,11 +13,20 @@ Tensors are viewed as matrices [M, K]: K is the last dimension, M the product of
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import ml_dtypes
 import numpy as np
 
 FLT_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def stable_seed(*parts) -> int:
+    """A seed from a test's parameters that is the same in every process (Python's hash of
+    strings is salted per process, so it would make each run draw other data)."""
+    return zlib.crc32(repr(parts).encode())
+
+
 F32 = np.float32
 
 

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from te_common_tests import _reference as ref
+from te_common_tests._reference import stable_seed
 
 from transformer_engine.common import _core as core
 
@@ -23,6 +24,8 @@ SLOW_SHAPES = [(4, 16384), (3, 20000)]  # rows held in 16 vectors; rows too long
 # that on to y relative to (1 + |xhat|) |g|. 4x room; plus half an ulp of the output dtype.
 SUM_SLACK = 4 * 2.0**-24
 HALF_ULP = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+# Below the smallest normal the output grid is uniform: half its smallest subnormal, absolute.
+HALF_SUBNORMAL = {"float32": 2.0**-150, "float16": 2.0**-25, "bfloat16": 2.0**-134}
 
 
 def make_inputs(rng, shape, dtype, weight_dtype):
@@ -107,9 +110,11 @@ def run_forward(
 def check_forward_values(got, x, gamma, beta, norm, out_dtype, eps=1e-5, zero_centered=False):
     y, xhat, mu, g = forward_reference(x, gamma, beta, norm, eps, zero_centered)
     n = x.shape[-1]
-    bound = SUM_SLACK * max(n, 1) * 8 * (1 + np.abs(xhat)) * np.abs(g) + HALF_ULP[
-        out_dtype
-    ] * np.abs(y)
+    bound = (
+        SUM_SLACK * max(n, 1) * 8 * (1 + np.abs(xhat)) * np.abs(g)
+        + HALF_ULP[out_dtype] * np.abs(y)
+        + HALF_SUBNORMAL[out_dtype]
+    )
     err = np.abs(got["y"].astype(np.float64).reshape(y.shape) - y)
     assert (err <= bound + 1e-30).all(), (
         f"y: max err {err.max()} (bound there {bound.flat[err.argmax()]})"
@@ -129,7 +134,7 @@ def bits(a):
 @pytest.mark.parametrize("dtype", list(HP))
 @pytest.mark.parametrize("shape", SHAPES)
 def test_forward(device, norm, dtype, shape):
-    rng = np.random.default_rng(abs(hash((norm, dtype, shape))) % 2**32)
+    rng = np.random.default_rng(stable_seed(norm, dtype, shape))
     x, gamma, beta = make_inputs(rng, shape, dtype, dtype)
     got = run_forward(device, x, gamma, beta, norm, out_dtype=dtype)
     check_forward_values(got, x, gamma, beta, norm, dtype)
@@ -145,7 +150,7 @@ def test_forward(device, norm, dtype, shape):
 @pytest.mark.parametrize("transpose", [False, True])
 def test_forward_fp8(device, norm, fp8, shape, transpose):
     """The FP8 output is the fp32 y (the float32 output of the same call) times scale, cast."""
-    rng = np.random.default_rng(abs(hash((norm, fp8, shape))) % 2**32)
+    rng = np.random.default_rng(stable_seed(norm, fp8, shape))
     x, gamma, beta = make_inputs(rng, shape, "bfloat16", "float32")
     got = run_forward(device, x, gamma, beta, norm, fp8=fp8, transpose=transpose, scale=8.0)
     fmt = ref.FORMATS[fp8]
@@ -238,7 +243,7 @@ def run_backward(device, dy, x, gamma, norm, mu, rsigma, zero_centered=False):
 )
 @pytest.mark.parametrize("zero_centered", [False, True])
 def test_backward(device, norm, dtype, shape, zero_centered):
-    rng = np.random.default_rng(abs(hash((norm, dtype, shape, zero_centered))) % 2**32)
+    rng = np.random.default_rng(stable_seed(norm, dtype, shape, zero_centered))
     x, gamma, _ = make_inputs(rng, shape, dtype, dtype)
     dy = rng.standard_normal(shape).astype(np.float32).astype(HP[dtype])
     eps = 1e-5
@@ -252,7 +257,9 @@ def test_backward(device, norm, dtype, shape, zero_centered):
     rows = dx.shape[0]
     # dx: sums of N terms of |dyg| (1 + |xhat|) scaled by rsigma; the column sums of M terms.
     scale_dx = rsigma * (abs_dyg + abs_dyg.mean(1, keepdims=True) * 4) * 4
-    bound_dx = SUM_SLACK * max(n, 1) * 8 * scale_dx + HALF_ULP[dtype] * np.abs(dx)
+    bound_dx = (
+        SUM_SLACK * max(n, 1) * 8 * scale_dx + HALF_ULP[dtype] * np.abs(dx) + HALF_SUBNORMAL[dtype]
+    )
     err = np.abs(got["dx"].astype(np.float64).reshape(dx.shape) - dx)
     assert (err <= bound_dx + 1e-30).all(), f"dx: max err {err.max()}"
     col_bound = SUM_SLACK * max(rows, 1) * 8 * (abs_dy * 6).sum(0) + HALF_ULP[dtype] * np.abs(
