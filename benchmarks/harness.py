@@ -36,6 +36,21 @@ def _summary(per_call: list[float], batch: int) -> dict:
     }
 
 
+def _event_timed(run_batch: Callable[[int], object], repeats: int, batch: int) -> list[float]:
+    """Milliseconds per call of ``repeats`` batches, each ``run_batch(r)`` timed between two
+    CUDA events on the current stream."""
+    per_call = []
+    for r in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        run_batch(r)
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / batch)
+    return per_call
+
+
 def time_cuda(
     fn: Callable[[int], object],
     *,
@@ -54,17 +69,11 @@ def time_cuda(
     for i in range(warmup * batch):
         fn(i)
     torch.cuda.synchronize()
-    per_call = []
-    for r in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
+    def run_batch(r: int) -> None:
         for i in range(batch):
             fn(r * batch + i)
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) / batch)
-    return _summary(per_call, batch)
+
+    return _summary(_event_timed(run_batch, repeats, batch), batch)
 
 
 def time_cuda_graph(
@@ -94,15 +103,7 @@ def time_cuda_graph(
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
-    per_call = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) / batch)
+    per_call = _event_timed(lambda r: graph.replay(), repeats, batch)
     return {**_summary(per_call, batch), "timing": "cuda_graph_replay"}
 
 
