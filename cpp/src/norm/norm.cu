@@ -1,13 +1,14 @@
 // CUDA LayerNorm / RMSNorm.
 //
-// Forward: one row per block of 128 threads, thread t being lane t of norm.h's row-sum order: it
-// holds the 8-element vectors t, t + 128, ... of its row in registers (kVecs of them, packed
-// 16-bit values stay packed), sums them in increasing order, and the block adds the 128 lane
-// sums pairwise exactly as norm_lane_tree does. Mean, variance, rsigma and every output element
-// then follow the shared formulas of norm_impl.h, so the bits equal the CPU reference's. Rows
-// too long for registers, or not 16-byte aligned, take the same path reading global memory on
-// each pass (kVecs = 0). The FP8 transpose, when asked for, is the FP8 transpose kernel run on
-// the row-wise FP8 output (a row-wise kernel cannot write a transposed tile coalesced).
+// Forward: a row is reduced by a block of 128 threads, thread t being lane t of norm.h's row-sum
+// order: it takes the 8-element vectors t, t + 128, ... of its row, sums them in increasing
+// order, and the block adds the 128 lane sums pairwise exactly as norm_lane_tree does. Mean,
+// variance, rsigma and every output element then follow the shared formulas of norm_impl.h, so
+// the bits equal the CPU reference's. Whole, aligned rows are staged through shared memory by
+// a persistent grid that loads the next rows while it reduces this one; other rows (8 does not
+// divide cols, misaligned, too long) take one block per row reading global memory on each pass.
+// The FP8 transpose, when asked for, is the FP8 transpose kernel run on the row-wise FP8 output
+// (a row-wise kernel cannot write a transposed tile coalesced).
 //
 // Backward: one block per group of 32 rows (norm.h's column-sum groups), rows in order; the
 // gains and the group's partial column sums of grad_gamma / grad_beta live in shared memory,
@@ -16,6 +17,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "common/cuda_utils.cuh"
 #include "norm/norm_impl.h"
@@ -25,7 +29,7 @@ namespace te {
 namespace {
 
 constexpr int kThreads = kNormLanes;  // one lane per thread
-constexpr int kMaxVecs = 16;          // registers hold rows up to 16 * 8 * 128 = 16384 elements
+constexpr int kMaxVecs = 8;  // the backward holds rows of x and dy up to 8 * 8 * 128 elements in registers
 
 // Lane sums of the block added as norm_lane_tree does; every thread gets the total.
 // scratch: kNormLanes floats; ends with a barrier, so scratch may be reused.
@@ -143,18 +147,41 @@ struct RowVectors {
   }
 };
 
-template <te_dtype kIn, int kVecs>
-__global__ void __launch_bounds__(kThreads)
-    norm_forward_kernel(const NormForwardArgs a, bool vector_weights) {
-  __shared__ float scratch[kNormLanes];
-  __shared__ uint32_t amax_scratch[kThreads / 32];
-  const bool ln = a.type == TE_NORM_LAYERNORM;
-  const int64_t r = blockIdx.x, n = a.cols;
-  const bool vector_io = kVecs > 0;
-  RowVectors<kIn, kVecs> v;
-  v.load(static_cast<const char *>(a.input) + r * n * sizeof(typename Hp<kIn>::Storage), n);
-  auto valid = [&](int64_t i) { return i < n; };
+// The 8-element vectors of a row staged in shared memory by cp.async (rows with 8 | cols and
+// 16-byte aligned starts only); the same interface as RowVectors.
+template <te_dtype kIn>
+struct StagedRow {
+  const unsigned char *buf;
+  int64_t cols;
 
+  __device__ __forceinline__ int count() const {
+    const int64_t left = cols / kNormVec - threadIdx.x;
+    return left > 0 ? static_cast<int>(div_up(left, kThreads)) : 0;
+  }
+  template <typename F>
+  __device__ __forceinline__ void each(F &&f) const {
+    const int c = count();
+    for (int j = 0; j < c; ++j) f(j);
+  }
+  __device__ __forceinline__ int64_t start(int j) const {
+    return (threadIdx.x + static_cast<int64_t>(kThreads) * j) * kNormVec;
+  }
+  __device__ __forceinline__ void get(int j, float (&x)[8]) const {
+    Packed8<kIn> p;
+    p.load(buf, start(j));
+    p.decode(x);
+  }
+};
+
+// One row of the forward: statistics, then the outputs, from the vectors of `v` (RowVectors or
+// StagedRow); kVector: every vector is whole and 16-byte aligned in memory (8 | cols).
+template <bool kVector, typename Row>
+__device__ __forceinline__ void norm_forward_row(const NormForwardArgs &a, int64_t r, const Row &v,
+                                                 bool vector_weights, float scale, uint32_t &amax_bits,
+                                                 float *scratch) {
+  const bool ln = a.type == TE_NORM_LAYERNORM;
+  const int64_t n = a.cols;
+  auto valid = [&](int64_t i) { return i < n; };
   float mu = 0.0f;
   if (ln) {
     float acc = 0.0f;
@@ -183,8 +210,6 @@ __global__ void __launch_bounds__(kThreads)
     if (ln) a.mu[r] = mu;
     a.rsigma[r] = rsigma;
   }
-  const float scale = a.has_fp8 ? *a.scale : 1.0f;
-  uint32_t amax_bits = 0;
   v.each([&](int j) {
     float x[8], y[8], g[8], b[8];
     v.get(j, x);
@@ -205,7 +230,7 @@ __global__ void __launch_bounds__(kThreads)
       if (valid(i0 + e)) amax_bits = max(amax_bits, abs_bits(y[e]));
     }
     const int64_t base = r * n + i0;
-    const bool whole = vector_io && i0 + 8 <= n;
+    const bool whole = kVector && i0 + 8 <= n;
     if (a.output != nullptr) {
       if (whole) {
         store_any8(a.output, base, a.output_dtype, y);
@@ -235,13 +260,85 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   });
-  if (a.has_fp8) {
-    if (a.amax != nullptr) {
-      const uint32_t m = block_max<kThreads>(amax_bits, amax_scratch);
-      if (threadIdx.x == 0) atomic_max_amax(a.amax, m);
-    }
-    if (r == 0 && threadIdx.x == 0) *a.scale_inv = canonical_div(1.0f, scale);
+}
+
+// The block's amax into a.amax, and scale_inv (by one thread of the grid).
+__device__ __forceinline__ void norm_forward_finish(const NormForwardArgs &a, float scale, uint32_t amax_bits,
+                                                    uint32_t *amax_scratch) {
+  if (!a.has_fp8) return;
+  if (a.amax != nullptr) {
+    const uint32_t m = block_max<kThreads>(amax_bits, amax_scratch);
+    if (threadIdx.x == 0) atomic_max_amax(a.amax, m);
   }
+  if (blockIdx.x == 0 && threadIdx.x == 0) *a.scale_inv = canonical_div(1.0f, scale);
+}
+
+// Any row: one block per row, reading global memory on every pass.
+template <te_dtype kIn>
+__global__ void __launch_bounds__(kThreads) norm_forward_kernel(const NormForwardArgs a, bool vector_weights) {
+  __shared__ float scratch[kNormLanes];
+  __shared__ uint32_t amax_scratch[kThreads / 32];
+  const int64_t r = blockIdx.x;
+  RowVectors<kIn, 0> v;
+  v.load(static_cast<const char *>(a.input) + r * a.cols * sizeof(typename Hp<kIn>::Storage), a.cols);
+  const float scale = a.has_fp8 ? *a.scale : 1.0f;
+  uint32_t amax_bits = 0;
+  norm_forward_row<false>(a, r, v, vector_weights, scale, amax_bits, scratch);
+  norm_forward_finish(a, scale, amax_bits, amax_scratch);
+}
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Whole, aligned rows (8 | cols): a persistent grid, block b taking rows b, b + grid, ...; each
+// row is copied into one of kStages shared-memory buffers kStages - 1 rows ahead of its use, so
+// the loads of the next rows are in flight while this one is reduced (one row per block at a
+// time leaves too little memory traffic in flight otherwise). Each thread copies exactly the
+// vectors it reads later, so its own cp.async wait is all the ordering a buffer needs.
+template <te_dtype kIn, int kStages>
+__global__ void __launch_bounds__(kThreads)
+    norm_forward_staged_kernel(const NormForwardArgs a, bool vector_weights) {
+  extern __shared__ __align__(16) unsigned char stages[];
+  __shared__ float scratch[kNormLanes];
+  __shared__ uint32_t amax_scratch[kThreads / 32];
+  const size_t row_bytes = static_cast<size_t>(a.cols) * sizeof(typename Hp<kIn>::Storage);
+  const int64_t chunks = static_cast<int64_t>(row_bytes / 16);
+  constexpr int kChunksPerVec = sizeof(typename Hp<kIn>::Storage) * kNormVec / 16;
+  const int64_t step = gridDim.x;
+  auto issue = [&](int64_t row, int stage) {
+    if (row < a.rows) {
+      const unsigned char *src = static_cast<const unsigned char *>(a.input) + row * row_bytes;
+      unsigned char *dst = stages + stage * row_bytes;
+      for (int64_t v = threadIdx.x; v * kChunksPerVec < chunks; v += kThreads) {
+#pragma unroll
+        for (int c = 0; c < kChunksPerVec; ++c) {
+          const int64_t off = (v * kChunksPerVec + c) * 16;
+          cp_async16(dst + off, src + off);
+        }
+      }
+    }
+    cp_async_commit();  // an empty group past the last row keeps the group count uniform
+  };
+  int64_t r = blockIdx.x;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue(r + s * step, s);
+  const float scale = a.has_fp8 ? *a.scale : 1.0f;
+  uint32_t amax_bits = 0;
+  for (int k = 0; r < a.rows; ++k, r += step) {
+    issue(r + (kStages - 1) * step, (k + kStages - 1) % kStages);
+    cp_async_wait<kStages - 1>();
+    const StagedRow<kIn> v{stages + (k % kStages) * row_bytes, a.cols};
+    norm_forward_row<true>(a, r, v, vector_weights, scale, amax_bits, scratch);
+  }
+  cp_async_wait<0>();
+  norm_forward_finish(a, scale, amax_bits, amax_scratch);
 }
 
 template <te_dtype kIn, int kVecs>
@@ -355,14 +452,6 @@ te_status dispatch_vecs(int vecs, A &&...args) {
 }
 
 template <te_dtype kIn, int kVecs>
-struct ForwardLaunch {
-  static te_status run(const NormForwardArgs &a, bool vector_weights, cudaStream_t s) {
-    norm_forward_kernel<kIn, kVecs><<<static_cast<unsigned>(a.rows), kThreads, 0, s>>>(a, vector_weights);
-    return launch_status("norm_forward");
-  }
-};
-
-template <te_dtype kIn, int kVecs>
 struct BackwardLaunch {
   static te_status run(const NormBackwardArgs &a, float *partials, int64_t groups, size_t smem, cudaStream_t s) {
     auto kernel = norm_backward_kernel<kIn, kVecs>;
@@ -376,6 +465,45 @@ struct BackwardLaunch {
     return launch_status("norm_backward");
   }
 };
+
+// Shared memory the staged forward may take for its row buffers per block: two buffers when
+// rows are long (so that 6 or more blocks stay resident per SM, each with a row in flight), three
+// when they are short (little traffic per row).
+constexpr size_t kStagedRowBytes = 96 * 1024;
+constexpr size_t kThreeStageBytes = 32 * 1024;
+
+// Launches a staged forward kernel on as many blocks as the device keeps resident (the blocks
+// loop over the rows); the residency per (device, kernel, buffer size) is asked for once.
+template <typename Kernel>
+te_status launch_staged(Kernel kernel, size_t smem, const NormForwardArgs &a, bool vector_weights, cudaStream_t s) {
+  constexpr const char *kOp = "norm_forward";
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void *, size_t>, int> resident;
+  int device = 0, sms = 0;
+  if (te_status st = cuda_status(kOp, cudaGetDevice(&device))) return st;
+  if (te_status st = sm_count(kOp, &sms)) return st;
+  int per_sm = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto key = std::make_tuple(device, reinterpret_cast<const void *>(kernel), smem);
+    auto it = resident.find(key);
+    if (it == resident.end()) {
+      if (te_status st = cuda_status(kOp, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                               static_cast<int>(smem)))) {
+        return st;
+      }
+      if (te_status st = cuda_status(kOp, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
+                                                                                         smem))) {
+        return st;
+      }
+      it = resident.emplace(key, std::max(per_sm, 1)).first;
+    }
+    per_sm = it->second;
+  }
+  const int64_t grid = std::min<int64_t>(a.rows, static_cast<int64_t>(sms) * per_sm);
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, s>>>(a, vector_weights);
+  return launch_status(kOp);
+}
 
 // Rows can be moved as whole 8-element vectors: 8 | cols and every row start 16-byte aligned
 // (8-byte for the FP8 output).
@@ -399,11 +527,19 @@ te_status norm_forward_cuda(const NormForwardArgs &a, te_stream stream) {
     const bool vector_io = rows_aligned(a.input, a.cols, es) &&
                            (a.output == nullptr || rows_aligned(a.output, a.cols, te_dtype_size(a.output_dtype))) &&
                            (!a.has_fp8 || rows_aligned(a.fp8, a.cols, 1));
-    const int vecs = vecs_for(a.cols, vector_io);
     const bool vector_weights = a.cols % kNormVec == 0 && aligned(a.gamma, 16) &&
                                 (a.beta == nullptr || aligned(a.beta, 16));
+    const size_t row_bytes = static_cast<size_t>(a.cols) * es;
     te_status st = with_hp_dtype(a.input_dtype, [&](auto in) {
-      return dispatch_vecs<ForwardLaunch, decltype(in)::value, kMaxVecs>(vecs, a, vector_weights, s);
+      constexpr te_dtype kIn = decltype(in)::value;
+      if (vector_io && 3 * row_bytes <= kThreeStageBytes) {
+        return launch_staged(norm_forward_staged_kernel<kIn, 3>, 3 * row_bytes, a, vector_weights, s);
+      }
+      if (vector_io && row_bytes <= kStagedRowBytes / 2) {
+        return launch_staged(norm_forward_staged_kernel<kIn, 2>, 2 * row_bytes, a, vector_weights, s);
+      }
+      norm_forward_kernel<kIn><<<static_cast<unsigned>(a.rows), kThreads, 0, s>>>(a, vector_weights);
+      return launch_status(kOp);
     });
     if (st != TE_SUCCESS) return st;
   }
