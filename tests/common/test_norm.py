@@ -168,6 +168,17 @@ def test_forward_fp8(device, norm, fp8, shape, transpose):
 
 
 @pytest.mark.parametrize("norm", list(NORMS))
+def test_row_lengths_in_any_order(device, norm):
+    """Long, short, then long rows again through one process: the CUDA kernels size their
+    shared memory per call, and a short row must not leave a limit the next long one trips on."""
+    for n in (1024, 256, 1024, 4096, 8):
+        rng = np.random.default_rng(stable_seed(norm, n))
+        x, gamma, beta = make_inputs(rng, (16, n), "float32", "float32")
+        got = run_forward(device, x, gamma, beta, norm, out_dtype="float32")
+        check_forward_values(got, x, gamma, beta, norm, "float32")
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
 def test_zero_centered_gamma_and_fp32_weights(device, norm):
     rng = np.random.default_rng(1)
     x, gamma, beta = make_inputs(rng, (8, 96), "bfloat16", "float32")

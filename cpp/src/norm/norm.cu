@@ -175,13 +175,19 @@ struct StagedRow {
 
 // One row of the forward: statistics, then the outputs, from the vectors of `v` (RowVectors or
 // StagedRow); kVector: every vector is whole and 16-byte aligned in memory (8 | cols).
-template <bool kVector, typename Row>
+// kLn: LayerNorm (else RMSNorm), kZc: zero-centered gamma; compile-time so that no element
+// pays for a select between the variants (the kernel is bound by instruction issue).
+// kW: the weights' dtype, or kAnyWeight to read it at run time (rows off the vector path).
+constexpr te_dtype kAnyWeight = TE_DTYPE_COUNT;
+
+template <bool kVector, te_dtype kW, bool kLn, bool kZc, typename Row>
 __device__ __forceinline__ void norm_forward_row(const NormForwardArgs &a, int64_t r, const Row &v,
                                                  bool vector_weights, float scale, uint32_t &amax_bits,
                                                  float *scratch) {
-  const bool ln = a.type == TE_NORM_LAYERNORM;
+  constexpr bool ln = kLn;
   const int64_t n = a.cols;
-  auto valid = [&](int64_t i) { return i < n; };
+  // Whole vectors need no per-element bound check.
+  auto valid = [&](int64_t i) { return kVector || i < n; };
   float mu = 0.0f;
   if (ln) {
     float acc = 0.0f;
@@ -214,7 +220,10 @@ __device__ __forceinline__ void norm_forward_row(const NormForwardArgs &a, int64
     float x[8], y[8], g[8], b[8];
     v.get(j, x);
     const int64_t i0 = v.start(j);
-    if (vector_weights && i0 + 8 <= n) {
+    if constexpr (kW != kAnyWeight) {
+      load_hp8<kW>(a.gamma, i0, g);
+      if (ln) load_hp8<kW>(a.beta, i0, b);
+    } else if (vector_weights && i0 + 8 <= n) {
       load_any8(a.gamma, i0, a.weight_dtype, g);
       if (ln) load_any8(a.beta, i0, a.weight_dtype, b);
     } else {
@@ -226,11 +235,11 @@ __device__ __forceinline__ void norm_forward_row(const NormForwardArgs &a, int64
     }
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      y[e] = norm_output(norm_xhat(x[e], mu, rsigma, ln), norm_gain(g[e], a.zero_centered), ln ? b[e] : 0.0f, ln);
+      y[e] = norm_output(norm_xhat(x[e], mu, rsigma, ln), norm_gain(g[e], kZc), ln ? b[e] : 0.0f, ln);
       if (valid(i0 + e)) amax_bits = max(amax_bits, abs_bits(y[e]));
     }
     const int64_t base = r * n + i0;
-    const bool whole = kVector && i0 + 8 <= n;
+    const bool whole = kVector;  // else the row path checks each element
     if (a.output != nullptr) {
       if (whole) {
         store_any8(a.output, base, a.output_dtype, y);
@@ -262,6 +271,37 @@ __device__ __forceinline__ void norm_forward_row(const NormForwardArgs &a, int64
   });
 }
 
+// Calls norm_forward_row with the row's variant as template arguments (uniform branches). On
+// the vector path the weights' dtype is fixed at compile time too: the input's or fp32.
+template <bool kVector, te_dtype kIn, te_dtype kW, typename Row>
+__device__ __forceinline__ void norm_forward_row_variant(const NormForwardArgs &a, int64_t r, const Row &v,
+                                                         bool vector_weights, float scale, uint32_t &amax_bits,
+                                                         float *scratch) {
+  const bool ln = a.type == TE_NORM_LAYERNORM;
+  if (ln && a.zero_centered) {
+    norm_forward_row<kVector, kW, true, true>(a, r, v, vector_weights, scale, amax_bits, scratch);
+  } else if (ln) {
+    norm_forward_row<kVector, kW, true, false>(a, r, v, vector_weights, scale, amax_bits, scratch);
+  } else if (a.zero_centered) {
+    norm_forward_row<kVector, kW, false, true>(a, r, v, vector_weights, scale, amax_bits, scratch);
+  } else {
+    norm_forward_row<kVector, kW, false, false>(a, r, v, vector_weights, scale, amax_bits, scratch);
+  }
+}
+
+template <bool kVector, te_dtype kIn, typename Row>
+__device__ __forceinline__ void norm_forward_row_any(const NormForwardArgs &a, int64_t r, const Row &v,
+                                                     bool vector_weights, float scale, uint32_t &amax_bits,
+                                                     float *scratch) {
+  if constexpr (!kVector) {
+    norm_forward_row_variant<false, kIn, kAnyWeight>(a, r, v, vector_weights, scale, amax_bits, scratch);
+  } else if (a.weight_dtype == TE_DTYPE_FLOAT32) {
+    norm_forward_row_variant<true, kIn, TE_DTYPE_FLOAT32>(a, r, v, vector_weights, scale, amax_bits, scratch);
+  } else {
+    norm_forward_row_variant<true, kIn, kIn>(a, r, v, vector_weights, scale, amax_bits, scratch);
+  }
+}
+
 // The block's amax into a.amax, and scale_inv (by one thread of the grid).
 __device__ __forceinline__ void norm_forward_finish(const NormForwardArgs &a, float scale, uint32_t amax_bits,
                                                     uint32_t *amax_scratch) {
@@ -283,7 +323,7 @@ __global__ void __launch_bounds__(kThreads) norm_forward_kernel(const NormForwar
   v.load(static_cast<const char *>(a.input) + r * a.cols * sizeof(typename Hp<kIn>::Storage), a.cols);
   const float scale = a.has_fp8 ? *a.scale : 1.0f;
   uint32_t amax_bits = 0;
-  norm_forward_row<false>(a, r, v, vector_weights, scale, amax_bits, scratch);
+  norm_forward_row_any<false, kIn>(a, r, v, vector_weights, scale, amax_bits, scratch);
   norm_forward_finish(a, scale, amax_bits, amax_scratch);
 }
 
@@ -335,7 +375,7 @@ __global__ void __launch_bounds__(kThreads)
     issue(r + (kStages - 1) * step, (k + kStages - 1) % kStages);
     cp_async_wait<kStages - 1>();
     const StagedRow<kIn> v{stages + (k % kStages) * row_bytes, a.cols};
-    norm_forward_row<true>(a, r, v, vector_weights, scale, amax_bits, scratch);
+    norm_forward_row_any<true, kIn>(a, r, v, vector_weights, scale, amax_bits, scratch);
   }
   cp_async_wait<0>();
   norm_forward_finish(a, scale, amax_bits, amax_scratch);
@@ -466,36 +506,40 @@ struct BackwardLaunch {
   }
 };
 
-// Shared memory the staged forward may take for its row buffers per block: two buffers when
-// rows are long (so that 6 or more blocks stay resident per SM, each with a row in flight), three
-// when they are short (little traffic per row).
+// Shared memory the staged forward may take for its two row buffers per block (6 or more blocks
+// stay resident per SM at rows of 8192 16-bit elements, each with a row in flight).
 constexpr size_t kStagedRowBytes = 96 * 1024;
-constexpr size_t kThreeStageBytes = 32 * 1024;
 
 // Launches a staged forward kernel on as many blocks as the device keeps resident (the blocks
 // loop over the rows); the residency per (device, kernel, buffer size) is asked for once.
+// Launches a staged forward kernel (taking up to max_smem bytes of buffers) on as many blocks
+// as the device keeps resident with smem bytes each: the blocks loop over the rows. The kernel's
+// shared-memory limit is raised to max_smem once per device (raising it per call to the size
+// at hand would lower it for a later, larger call); residency is asked for once per size.
 template <typename Kernel>
-te_status launch_staged(Kernel kernel, size_t smem, const NormForwardArgs &a, bool vector_weights, cudaStream_t s) {
+te_status launch_staged(Kernel kernel, size_t max_smem, size_t smem, const NormForwardArgs &a, bool vector_weights,
+                        cudaStream_t s) {
   constexpr const char *kOp = "norm_forward";
   static std::mutex mutex;
-  static std::map<std::tuple<int, const void *, size_t>, int> resident;
+  static std::map<std::tuple<int, const void *, size_t>, int> resident;  // 0: the limit is set
   int device = 0, sms = 0;
   if (te_status st = cuda_status(kOp, cudaGetDevice(&device))) return st;
   if (te_status st = sm_count(kOp, &sms)) return st;
   int per_sm = 0;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    const auto key = std::make_tuple(device, reinterpret_cast<const void *>(kernel), smem);
+    const void *fn = reinterpret_cast<const void *>(kernel);
+    if (resident.count(std::make_tuple(device, fn, size_t{0})) == 0) {
+      const cudaError_t err =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_smem));
+      if (err != cudaSuccess) return cuda_status("norm_forward (raising the shared-memory limit)", err);
+      resident[std::make_tuple(device, fn, size_t{0})] = 0;
+    }
+    const auto key = std::make_tuple(device, fn, smem);
     auto it = resident.find(key);
     if (it == resident.end()) {
-      if (te_status st = cuda_status(kOp, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                               static_cast<int>(smem)))) {
-        return st;
-      }
-      if (te_status st = cuda_status(kOp, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
-                                                                                         smem))) {
-        return st;
-      }
+      const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
+      if (err != cudaSuccess) return cuda_status("norm_forward (occupancy query)", err);
       it = resident.emplace(key, std::max(per_sm, 1)).first;
     }
     per_sm = it->second;
@@ -532,11 +576,8 @@ te_status norm_forward_cuda(const NormForwardArgs &a, te_stream stream) {
     const size_t row_bytes = static_cast<size_t>(a.cols) * es;
     te_status st = with_hp_dtype(a.input_dtype, [&](auto in) {
       constexpr te_dtype kIn = decltype(in)::value;
-      if (vector_io && 3 * row_bytes <= kThreeStageBytes) {
-        return launch_staged(norm_forward_staged_kernel<kIn, 3>, 3 * row_bytes, a, vector_weights, s);
-      }
-      if (vector_io && row_bytes <= kStagedRowBytes / 2) {
-        return launch_staged(norm_forward_staged_kernel<kIn, 2>, 2 * row_bytes, a, vector_weights, s);
+      if (vector_io && vector_weights && row_bytes <= kStagedRowBytes / 2) {
+        return launch_staged(norm_forward_staged_kernel<kIn, 2>, kStagedRowBytes, 2 * row_bytes, a, vector_weights, s);
       }
       norm_forward_kernel<kIn><<<static_cast<unsigned>(a.rows), kThreads, 0, s>>>(a, vector_weights);
       return launch_status(kOp);
