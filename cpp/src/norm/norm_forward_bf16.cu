@@ -1,0 +1,10 @@
+// The CUDA norm forward for bf16 inputs (see norm_forward.cuh).
+#include "norm/norm_forward.cuh"
+
+namespace te {
+namespace norm_cuda {
+
+template te_status forward<TE_DTYPE_BFLOAT16>(const NormForwardArgs &, bool, bool, cudaStream_t);
+
+}  // namespace norm_cuda
+}  // namespace te

@@ -1,0 +1,10 @@
+// The CUDA norm forward for fp32 inputs (see norm_forward.cuh).
+#include "norm/norm_forward.cuh"
+
+namespace te {
+namespace norm_cuda {
+
+template te_status forward<TE_DTYPE_FLOAT32>(const NormForwardArgs &, bool, bool, cudaStream_t);
+
+}  // namespace norm_cuda
+}  // namespace te
