@@ -28,8 +28,14 @@ from .layernorm_linear import (
     norm_params,
     register_norm_params,
 )
-from .linear import _default_device, check_fp8_shape, check_unsupported, init_bias, init_weight
-from .linear import plan_of
+from .linear import (
+    _default_device,
+    check_fp8_shape,
+    check_unsupported,
+    init_bias,
+    init_weight,
+    plan_of,
+)
 
 __all__ = ["LayerNormMLP"]
 
