@@ -110,11 +110,13 @@ def test_high_precision_matches_the_unfused_block(act):
 def test_fp8_forward_within_the_quantization_bound(name, act):
     r = RECIPES[name]
     mlp = _mlp(act)
-    x = torch.randn(B, S, H)
+    x = torch.randn(B, S, H, requires_grad=True)
     g = torch.randn(B, S, H) * 1e-2
     _step(mlp, x, g, r)  # delayed: the second step quantizes with scales from amaxes
+    for p in (x, *mlp.parameters()):
+        p.grad = None
     y = _step(mlp, x, g, r)
-    want, _, ln, h, a = _reference(mlp, x, g)
+    want, grads, ln, h, a = _reference(mlp, x, g)
     bound = _bound(mlp, ln, h, a, r.fp8_format.fwd_dtype_name)
     assert_bounded(y.reshape(-1, H), want.reshape(-1, H), bound, f"{name} {act} forward")
     # The bound is the worst case, where every rounding errs its most in one direction; in
@@ -123,6 +125,14 @@ def test_fp8_forward_within_the_quantization_bound(name, act):
     # activation) errs by O(1) of it: 2 FP8_EPS tells them apart.
     rel = ((y.double() - want).norm() / want.norm()).item()
     assert rel < 2 * FP8_EPS[r.fp8_format.fwd_dtype_name], rel
+    # Gradients, by the same norm check: each passes through at most two E5M2 (grad_output
+    # of FC2 and of FC1) and two E4M3 roundings, 2 * 2^-3 + 2 * 2^-4 = 3 FP8_EPS[e5m2] in
+    # all (measured: up to 1.3 FP8_EPS, reglu, whose derivative jumps where FP8 moves fc1_out
+    # across 0); a wrong gradient errs by O(1).
+    for n, got, exp in zip(["input", *NAMES], [x.grad, *[p.grad for p in mlp.parameters()]],
+                           grads, strict=True):
+        rel = ((got.double() - exp).norm() / exp.norm()).item()
+        assert rel < 3 * FP8_EPS[r.fp8_format.bwd_dtype_name], (n, rel)
 
 
 class _Unfused(torch.nn.Module):
