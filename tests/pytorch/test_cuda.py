@@ -221,3 +221,53 @@ def test_layernorm_linear_on_cuda_matches_the_cpu():
     magnitude += cpu.bias.detach().abs().double()
     assert_gemm_close(y_gpu, y_cpu, magnitude, torch.float32, "CUDA vs CPU forward")
     assert torch.equal(gpu.amax_history_fwd.cpu(), cpu.amax_history_fwd)
+
+
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+@pytest.mark.parametrize(
+    "r",
+    [recipe.DelayedScaling(), recipe.Float8CurrentScaling(), recipe.Float8BlockScaling()],
+    ids=["delayed", "current", "block"],
+)
+def test_cuda_graph_replays_a_layernorm_mlp_step(r, act):
+    """The fused block's fwd + bwd (with both GEMMs' scale updates) captures into a CUDA
+    graph, so nothing in it syncs with the host or branches on values; replays give what
+    eager steps give."""
+    mlp = te.LayerNormMLP(256, 512, activation=act, params_dtype=torch.bfloat16)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+
+    def step(module, inp):
+        with te.fp8_autocast(fp8_recipe=r):
+            y = module(inp)
+        y.backward(g)
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(mlp, x)
+    torch.cuda.current_stream().wait_stream(side)
+    twin = copy.deepcopy(mlp)
+    for p in (*mlp.parameters(), *twin.parameters(), x):
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = step(mlp, x)
+    x_grad, w1_grad = x.grad, mlp.fc1_weight.grad
+    for i in range(2):
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x) * (i + 1))
+            g.copy_(torch.randn_like(g))
+        graph.replay()
+        x_twin = x.detach().clone().requires_grad_()
+        for p in twin.parameters():
+            p.grad = None
+        y_eager = step(twin, x_twin)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y_static, y_eager, rtol=1e-6, atol=0)
+        torch.testing.assert_close(x_grad, x_twin.grad, rtol=1e-6, atol=0)
+        torch.testing.assert_close(w1_grad, twin.fc1_weight.grad, rtol=1e-6, atol=0)
+        for a, b in zip(mlp.buffers(), twin.buffers(), strict=True):
+            assert torch.equal(a, b), i
