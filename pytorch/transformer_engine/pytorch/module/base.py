@@ -180,8 +180,8 @@ class FP8Module(torch.nn.Module):
             columns = per_gemm * self._num_gemms
             if t.dim() == 0 or t.shape[-1] != columns:
                 raise ValueError(f"{type(self).__name__}.set_extra_state: {name} must have "
-                                 f"{columns} columns ({self._num_gemms} GEMMs), got shape "
-                                 f"{list(t.shape)}")
+                                 f"{columns} columns ({per_gemm} per GEMM of this module), got "
+                                 f"shape {list(t.shape)}")
             self.register_buffer(name, t.to(device, torch.float32).clone(), persistent=False)
         self._recipe_summary = dict(state.get("recipe", {}))
 

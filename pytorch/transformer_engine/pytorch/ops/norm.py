@@ -114,6 +114,10 @@ def norm_forward_fp8(
         raise ValueError(f"norm_forward_fp8: eps must be >= 0, got {eps}")
     y, data, col, scale_inv, amax = _fp8_outputs(x, columnwise, with_output)
     mu, rsigma = _stats(x, norm)
+    if x.numel() == 0:  # no rows: nothing to normalize, the amax of nothing is 0
+        amax.zero_()
+        torch.reciprocal(scale.float(), out=scale_inv)
+        return y, data, col, scale_inv, amax, mu, rsigma
     c = core()
     x, gamma, scale = x.contiguous(), gamma.contiguous(), scale.contiguous()
     beta = None if beta is None else beta.contiguous()
