@@ -123,6 +123,7 @@ class _LinearBase(FP8Module):
         bias = self.bias is not None or bool(getattr(self, "bias_names", None))
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
+
 class Linear(_LinearBase):
     """``y = x @ weight^T + bias``; in FP8 under :func:`fp8_autocast`, else like nn.Linear.
 
@@ -157,7 +158,7 @@ class Linear(_LinearBase):
                  parallel_mode: Optional[str] = None, sequence_parallel: bool = False,
                  fuse_wgrad_accumulation: bool = False, name: Optional[str] = None) -> None:
         check_unsupported(tp_group, tp_size, parallel_mode, sequence_parallel,
-                           fuse_wgrad_accumulation, self._name)
+                          fuse_wgrad_accumulation, self._name)
         device = _default_device(device)
         super().__init__(device)
         self.return_bias, self.name = return_bias, name
