@@ -126,6 +126,7 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
                                           need_wgrad2, has_b2)
         if amax2 is not None:
             record_amax(history, 1, amax2)
+        recorded = amax2 is not None
         grad_act = None
         if q_g2 is not None:
             grad_act, grad_w2 = backward_gemms(plan, q_g2, w2_col, w2_col_sinv, a_col,
@@ -137,13 +138,14 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
                                               need_dgrad, need_wgrad1, has_b1)
             if amax1 is not None:
                 record_amax(history, 0, amax1)
+                recorded = True
             if q_g1 is not None:
                 d_ln, grad_w1 = backward_gemms(plan, q_g1, w1_col, w1_col_sinv, ln_col,
                                                ln_col_sinv, x.dtype, w1_dtype, need_dgrad,
                                                need_wgrad1)
             if has_b1:
                 grad_b1 = dbias1.to(b1_dtype)
-        if plan.kind == "delayed":  # one update of both columns, after both were recorded
+        if recorded:  # delayed scaling: one update of both columns, after both were recorded
             update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
         if need_dgrad:
             if grad_ln_out is not None:
