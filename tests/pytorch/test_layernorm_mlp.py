@@ -296,3 +296,25 @@ def test_bad_inputs_give_clear_errors():
         mlp(torch.randn(4, 8))
     with te.fp8_autocast(), pytest.raises(ValueError, match="out_features must be a multiple"):
         mlp(torch.randn(16, H))
+
+
+@pytest.mark.parametrize("trainable", [("fc2_weight", "fc2_bias"), ("fc1_bias",),
+                                       ("layer_norm_weight", "fc1_weight")])
+@pytest.mark.parametrize("name", ["delayed", "block"])
+def test_frozen_parameters_get_the_same_gradients(name, trainable):
+    """With parts of the block frozen (and an input that needs no gradient) the backward
+    skips their GEMMs; what it computes is what the full backward computes."""
+    r = RECIPES[name]
+    full = _mlp("swiglu")
+    part = copy.deepcopy(full)
+    for n, p in part.named_parameters():
+        p.requires_grad_(n in trainable)
+    x = torch.randn(B, S, H)
+    g = torch.randn(B, S, H) * 1e-2
+    _step(full, x.clone().requires_grad_(), g, r)
+    _step(part, x, g, r)
+    for n, p in part.named_parameters():
+        if n in trainable:
+            assert torch.equal(p.grad, dict(full.named_parameters())[n].grad), n
+        else:
+            assert p.grad is None, n
