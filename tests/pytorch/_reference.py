@@ -106,3 +106,44 @@ class DelayedScalingModel:
     def backward(self, amax_grad: float) -> list:
         self.history_bwd[0][0] = max(self.history_bwd[0][0], amax_grad)
         return self._update(self.history_bwd, self.scale_bwd, self.bwd_max)
+
+
+# ---------------------------------------------------------------- the fused blocks, unfused
+
+
+def norm64(x: torch.Tensor, gamma: torch.Tensor, beta, norm: str, eps: float,
+           zero_centered_gamma: bool = False) -> torch.Tensor:
+    """torch's own LayerNorm / RMSNorm in float64 (gamma stored as g - 1 when zero-centered)."""
+    x, g = x.double(), gamma.double() + (1.0 if zero_centered_gamma else 0.0)
+    n = x.shape[-1]
+    if norm == "layernorm":
+        return torch.nn.functional.layer_norm(x, (n,), g, beta.double(), eps)
+    return torch.nn.functional.rms_norm(x, (n,), g, eps)
+
+
+_ACT64 = {
+    "gelu": lambda h: torch.nn.functional.gelu(h, approximate="tanh"),
+    "relu": torch.relu,
+    "silu": torch.nn.functional.silu,
+    "qgelu": lambda h: h * torch.sigmoid(1.702 * h),
+    "srelu": lambda h: torch.relu(h).square(),
+}
+GATED = {"geglu": "gelu", "swiglu": "silu", "reglu": "relu"}
+
+
+def act64(h: torch.Tensor, act: str) -> torch.Tensor:
+    """The activations of activation.h by torch ops; gated ones take [a, b] halves."""
+    if act in GATED:
+        a, b = h.chunk(2, dim=-1)
+        return _ACT64[GATED[act]](a) * b
+    return _ACT64[act](h)
+
+
+def mlp64(x, gamma, beta, w1, b1, w2, b2, norm: str, act: str, eps: float,
+          zero_centered_gamma: bool = False):
+    """(output, ln_out, fc1_out, act_out) of the MLP block, unfused, in float64."""
+    ln = norm64(x, gamma, beta, norm, eps, zero_centered_gamma)
+    h = torch.nn.functional.linear(ln, w1.double(), None if b1 is None else b1.double())
+    a = act64(h, act)
+    out = torch.nn.functional.linear(a, w2.double(), None if b2 is None else b2.double())
+    return out, ln, h, a

@@ -72,3 +72,55 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor
     err = (got64 - want64).abs()
     worst = (err / (rtol * mag + 1e-30)).max().item() if err.numel() else 0.0
     assert worst <= 1.0, f"{what}: error {worst:.3g}x the tolerance {rtol:.3g}"
+
+
+# FP8 blocks against an unfused float64 reference (te.LayerNormLinear, te.LayerNormMLP): the
+# error of every quantized operand is bounded elementwise and carried through the block.
+# Quantization rounds to nearest even and saturates (quantize.h): a value whose scaled
+# magnitude is normal is off by at most half an ulp, 2^-4 of it for E4M3 (3 mantissa bits) and
+# 2^-3 for E5M2 (2 bits); a subnormal one by half the smallest subnormal (2^-10 resp. 2^-17)
+# over the scale. Every scale in these tests is at least fp8_max / (4 amax): current scaling
+# takes fp8_max / amax (a power of two at most halves it), a block's amax is at most the
+# tensor's, delayed scaling with margin 1 takes (fp8_max / amax') / 2 from the previous step's
+# amax' of nearly the same tensor (which margin 1 also keeps from saturating).
+FP8_EPS = {"float8_e4m3": 2.0**-4, "float8_e5m2": 2.0**-3}
+_FP8_TINY = {"float8_e4m3": 2.0**-10 / 448.0, "float8_e5m2": 2.0**-17 / 57344.0}
+# sup |act'| of gelu (tanh form, 1.129), silu and qgelu (1.100), relu (1); srelu's is 2|x|.
+ACT_LIPSCHITZ = 1.13
+# The activations evaluate within a few fp32 ulp (activation.h): 2^-20 of the value.
+ACT_RTOL = 2.0**-20
+
+
+def fp8_error(v: torch.Tensor, err: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
+    """Bound on |q - v| elementwise, where q is the FP8 rounding of a v' within err of v."""
+    size = v.abs() + err
+    return err + FP8_EPS[fp8_dtype] * size + 4.0 * size.max() * _FP8_TINY[fp8_dtype]
+
+
+def gemm_error(a, ea, b, eb, bias, dtype: torch.dtype) -> torch.Tensor:
+    """Bound on the error of ``a' @ b'^T + bias`` for operands within ea, eb of a, b (float64),
+    plus the GEMM's own rounding (GEMM_RTOL of the magnitude)."""
+    a, b = a.abs(), b.abs()
+    mag = (a + ea) @ (b + eb).t() + (0.0 if bias is None else bias.abs())
+    return ea @ b.t() + a @ eb.t() + ea @ eb.t() + GEMM_RTOL[dtype] * mag
+
+
+def act_error(h: torch.Tensor, eh: torch.Tensor, act: str, gated_base) -> torch.Tensor:
+    """Bound on |act(h') - act(h)| for h' within eh of h; ``gated_base`` is the activation of a
+    gated one (its input is [a, b]) or None."""
+    def lipschitz(x, e, name):
+        return 2.0 * (x.abs() + e) if name == "srelu" else ACT_LIPSCHITZ
+
+    if gated_base is None:
+        return lipschitz(h, eh, act) * eh + ACT_RTOL * (h.abs() + eh) * lipschitz(h, eh, act)
+    (a, b), (ea, eb) = h.chunk(2, dim=-1), eh.chunk(2, dim=-1)
+    fa = lipschitz(a, ea, gated_base) * (a.abs() + ea)  # |f(a)| <= L |a| for these f
+    return lipschitz(a, ea, gated_base) * ea * (b.abs() + eb) + fa * eb \
+        + ACT_RTOL * fa * (b.abs() + eb)
+
+
+def assert_bounded(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str) -> None:
+    """|got - want| <= bound elementwise (float64 on the CPU)."""
+    err = (got.detach().double().cpu() - want.detach().double().cpu()).abs()
+    worst = (err / (bound.double().cpu() + 1e-30)).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"{what}: error {worst:.3g}x its bound"

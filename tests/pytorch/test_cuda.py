@@ -136,3 +136,138 @@ def test_cuda_and_cpu_give_the_same_fp8_step():
     assert_gemm_close(outs[1], outs[0], magnitude, torch.float32, "CUDA vs CPU forward")
     assert torch.equal(gpu.amax_history_fwd.cpu(), cpu.amax_history_fwd)
     assert torch.equal(gpu.scale_fwd.cpu(), cpu.scale_fwd)
+
+
+def _saved_step(module, inp, r):
+    """One forward + backward under r; returns the output and what autograd saved (in the
+    order of the autograd function's save_for_backward)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    x = inp.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with te.fp8_autocast(fp8_recipe=r):
+            y = module(x)
+    y.square().mean().backward()
+    return y.detach(), saved, x.grad
+
+
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+def test_layernorm_mlp_on_cuda_matches_the_cpu(act):
+    """The norm and activation kernels give the CPU's bits: the FP8 ln_out (FC1's input) and
+    the FP8 FC1 weight the CUDA step saves equal the CPU's byte for byte, and its FP8 FC2 input
+    is what the CPU kernel makes of the CUDA fc1_out. fc1_out itself comes from a GEMM, which
+    the tensor cores accumulate differently (FP8_TENSOR_CORE_RTOL): the output is compared
+    within that difference carried through the activation (with one FP8 rounding flip) and
+    FC2 (_tolerances)."""
+    from te_torch_tests._tolerances import FP8_EPS, GEMM_RTOL, act_error, assert_bounded
+    from te_torch_tests._tolerances import FP8_TENSOR_CORE_RTOL as TC
+
+    from transformer_engine.pytorch import ops
+
+    torch.manual_seed(0)
+    cpu = te.LayerNormMLP(256, 512, activation=act, device="cpu")
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(128, 256)
+    r = recipe.DelayedScaling()
+    a_scale = gpu.scale_fwd[2:3].clone()
+    y_cpu, s_cpu, _ = _saved_step(cpu, x, r)
+    y_gpu, s_gpu, g_gpu = _saved_step(gpu, x.cuda(), r)
+    # save_for_backward: x, mu, rsigma, gamma, ln_col, ln_col_sinv, w1_col, w1_col_sinv, h,
+    # a_col, a_col_sinv, w2_col, w2_col_sinv
+    for i in (1, 2, 4, 5, 6, 7, 11, 12):
+        assert torch.equal(s_gpu[i].cpu(), s_cpu[i]), i
+    h_gpu = s_gpu[8]
+    _, a_col, _, _ = ops.activation_forward_fp8(h_gpu.cpu(), act, a_scale.cpu(), "float8_e4m3",
+                                                False, True)
+    assert torch.equal(s_gpu[9].cpu(), a_col)
+    assert torch.equal(gpu.amax_history_fwd[:, [0, 1, 3]].cpu(), cpu.amax_history_fwd[:, [0, 1, 3]])
+    h = s_cpu[8].double()
+    ln = ops.norm_forward(x, cpu.layer_norm_weight.detach(), cpu.layer_norm_bias.detach(),
+                          "layernorm", 1e-5, False)[0].double()
+    w1, w2 = cpu.fc1_weight.detach().double(), cpu.fc2_weight.detach().double()
+    a = ops.activation_forward(s_cpu[8], act).double()
+    e_h = (TC + GEMM_RTOL[torch.float32]) * 1.1 * (ln.abs() @ w1.abs().t())
+    base = {"swiglu": "silu"}.get(act)
+    e_a = act_error(h, e_h, act, base)
+    e_a = e_a + 2 * FP8_EPS["float8_e4m3"] * (a.abs() + e_a)
+    bound = 1.1 * e_a @ w2.abs().t() + (TC + GEMM_RTOL[torch.float32]) * 1.1 * (
+        (a.abs() + e_a) @ w2.abs().t())
+    assert_bounded(y_gpu, y_cpu, bound, "CUDA vs CPU LayerNormMLP output")
+    assert torch.isfinite(g_gpu).all()
+
+
+def test_layernorm_linear_on_cuda_matches_the_cpu():
+    """The FP8 ln_out (written by the norm kernel) is the CPU's byte for byte; the output
+    differs by the tensor cores' accumulation only."""
+    torch.manual_seed(0)
+    cpu = te.LayerNormLinear(256, 512, normalization="RMSNorm", device="cpu")
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(128, 256)
+    r = recipe.DelayedScaling()
+    y_cpu, s_cpu, _ = _saved_step(cpu, x, r)
+    y_gpu, s_gpu, _ = _saved_step(gpu, x.cuda(), r)
+    # save_for_backward: x, mu, rsigma, gamma, ln_col, ln_col_sinv, w_col, w_col_sinv
+    for i in range(1, 8):
+        assert torch.equal(s_gpu[i].cpu(), s_cpu[i]), i
+    from transformer_engine.pytorch import ops
+
+    ln = ops.norm_forward(x, cpu.layer_norm_weight.detach(), None, "rmsnorm", 1e-5, False)[0]
+    # |q(ln)| @ |q(w)|^T is within 1.1x of the high-precision magnitude (FP8 rounds by <= 2^-4)
+    magnitude = 1.1 * (ln.abs().double() @ cpu.weight.detach().abs().double().t())
+    magnitude += cpu.bias.detach().abs().double()
+    assert_gemm_close(y_gpu, y_cpu, magnitude, torch.float32, "CUDA vs CPU forward")
+    assert torch.equal(gpu.amax_history_fwd.cpu(), cpu.amax_history_fwd)
+
+
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+@pytest.mark.parametrize(
+    "r",
+    [recipe.DelayedScaling(), recipe.Float8CurrentScaling(), recipe.Float8BlockScaling()],
+    ids=["delayed", "current", "block"],
+)
+def test_cuda_graph_replays_a_layernorm_mlp_step(r, act):
+    """The fused block's fwd + bwd (with both GEMMs' scale updates) captures into a CUDA
+    graph, so nothing in it syncs with the host or branches on values; replays give what
+    eager steps give."""
+    mlp = te.LayerNormMLP(256, 512, activation=act, params_dtype=torch.bfloat16)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+
+    def step(module, inp):
+        with te.fp8_autocast(fp8_recipe=r):
+            y = module(inp)
+        y.backward(g)
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(mlp, x)
+    torch.cuda.current_stream().wait_stream(side)
+    twin = copy.deepcopy(mlp)
+    for p in (*mlp.parameters(), *twin.parameters(), x):
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = step(mlp, x)
+    x_grad, w1_grad = x.grad, mlp.fc1_weight.grad
+    for i in range(2):
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x) * (i + 1))
+            g.copy_(torch.randn_like(g))
+        graph.replay()
+        x_twin = x.detach().clone().requires_grad_()
+        for p in twin.parameters():
+            p.grad = None
+        y_eager = step(twin, x_twin)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y_static, y_eager, rtol=1e-6, atol=0)
+        torch.testing.assert_close(x_grad, x_twin.grad, rtol=1e-6, atol=0)
+        torch.testing.assert_close(w1_grad, twin.fc1_weight.grad, rtol=1e-6, atol=0)
+        for a, b in zip(mlp.buffers(), twin.buffers(), strict=True):
+            assert torch.equal(a, b), i

@@ -12,11 +12,13 @@ Example (the seed example; on a machine without a GPU use device="cpu"):
 >>> out.sum().backward()  # doctest: +SKIP
 """
 
+from .checkpoint import checkpoint
 from .float8_tensor import Float8Tensor
 from .fp8 import autocast, fp8_autocast, fp8_model_init, is_fp8_available
-from .module import LayerNorm, Linear, RMSNorm
+from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 
 __version__ = "0.1.0"
 
-__all__ = ["Float8Tensor", "LayerNorm", "Linear", "RMSNorm", "__version__", "autocast",
-           "fp8_autocast", "fp8_model_init", "is_fp8_available"]
+__all__ = ["Float8Tensor", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm",
+           "__version__", "autocast", "checkpoint", "fp8_autocast", "fp8_model_init",
+           "is_fp8_available"]

@@ -41,8 +41,45 @@ class _ModelInit:
     recipe: Optional[Recipe] = None
 
 
+@dataclasses.dataclass
+class _Recompute:
+    """The activation checkpoint in progress (checkpoint.py), as delayed-scaling modules see it.
+
+    While its function first runs, ``recording`` collects a copy of the forward scales each
+    delayed-scaling forward quantized with, in call order; the recompute in the backward
+    (``replay``) hands the same copies back in the same order, and its modules record no amax.
+    """
+
+    recording: Optional[list] = None
+    replay: Optional[list] = None
+    index: int = 0
+
+    @property
+    def replaying(self) -> bool:
+        return self.replay is not None
+
+
 STATE = _State()
 MODEL_INIT = _ModelInit()
+RECOMPUTE = _Recompute()
+
+
+def checkpoint_scales(scale_fwd: torch.Tensor) -> torch.Tensor:
+    """The forward scales a delayed-scaling forward uses: ``scale_fwd`` itself, or inside an
+    activation checkpoint's recompute the copy its first run took (the autocast exit has
+    updated ``scale_fwd`` since; quantizing with the new scales would change the bytes)."""
+    r = RECOMPUTE
+    if r.replay is not None:
+        if r.index >= len(r.replay):
+            raise RuntimeError("te.checkpoint: the recompute ran more FP8 forwards under "
+                               f"delayed scaling than the first run ({len(r.replay)}); the "
+                               "checkpointed function must run the same modules each time")
+        scales = r.replay[r.index]
+        r.index += 1
+        return scales
+    if r.recording is not None:
+        r.recording.append(scale_fwd.detach().clone())
+    return scale_fwd
 
 
 def is_fp8_available() -> tuple[bool, str]:
@@ -146,7 +183,10 @@ def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None) -> Ite
 
 
 def register_forward_amaxes(module: torch.nn.Module, recipe: Recipe) -> None:
-    """Called by a module's forward after it wrote amaxes into its forward history."""
+    """Called by a module's forward after it wrote amaxes into its forward history (not in a
+    checkpoint's recompute, which writes none: the first run registered already)."""
+    if RECOMPUTE.replaying:
+        return
     STATE.pending[id(module)] = (module, recipe, STATE.group)
 
 

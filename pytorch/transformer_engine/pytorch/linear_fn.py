@@ -56,7 +56,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         k = inp.shape[-1]
         x = inp.reshape(-1, k)
         q_in, amax = quantize(plan, "input", x, True, need_wgrad, scale_fwd[0:1])
-        if amax is not None:
+        if amax is not None and history_fwd is not None:  # None: a checkpoint's recompute
             record_amax(history_fwd, 0, amax)
         out = fp8_gemm(q_in.data, q_in.scale_inv, w_data, w_scale_inv, plan.fwd_dtype,
                        plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype, bias, False)
@@ -87,27 +87,42 @@ class Fp8LinearFunction(torch.autograd.Function):
             q_g, amax = quantize(plan, "grad_output", g, need_dgrad, need_wgrad, scale[0:1])
             if amax is not None:
                 record_amax(history, 0, amax)
-                _update_backward(ctx, plan)
-            if need_dgrad:
-                grad_input = fp8_gemm(q_g.data, q_g.scale_inv, w_col, w_col_sinv,
-                                      plan.bwd_dtype, plan.fwd_dtype, plan.grad_mode,
-                                      plan.weight_mode, in_dtype, None, True)
+                update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
+            grad_input, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
+                                                     in_col_sinv, in_dtype, w_dtype,
+                                                     need_dgrad, need_wgrad)
+            if grad_input is not None:
                 grad_input = grad_input.view(ctx.input_shape)
-            if need_wgrad:
-                grad_weight = fp8_gemm(q_g.columnwise, q_g.columnwise_scale_inv, in_col,
-                                       in_col_sinv, plan.bwd_dtype, plan.fwd_dtype,
-                                       plan.grad_mode, plan.input_mode, w_dtype, None, True)
         if has_bias:
             grad_bias = g.sum(0, dtype=torch.float32).to(b_dtype)
         return (grad_input, grad_weight, grad_bias) + (None,) * 14
 
 
-def _update_backward(ctx, plan: Plan) -> None:
-    """Delayed scaling: the grad_output scale for the next step, right after this step's amax
-    was recorded. The core call covers the one module; user callables run in torch ops."""
-    history, scale, scale_inv = ctx.bwd_meta
-    if ctx.recipe is not None:  # user callables or an amax group: the general path
-        fp8.update_backward_scales(ctx.bwd_meta, ctx.recipe, ctx.group)
+def backward_gemms(plan: Plan, q_g, w_col, w_col_sinv, in_col, in_col_sinv,
+                   in_dtype: torch.dtype, w_dtype: torch.dtype, need_dgrad: bool,
+                   need_wgrad: bool):
+    """dgrad (from q_g's row-wise data) and wgrad (from its column-wise data) of one linear
+    layer with the FP8 grad_output ``q_g``: (grad_input [M, K] or None, grad_weight [N, K] or
+    None)."""
+    grad_input = grad_weight = None
+    if need_dgrad:
+        grad_input = fp8_gemm(q_g.data, q_g.scale_inv, w_col, w_col_sinv, plan.bwd_dtype,
+                              plan.fwd_dtype, plan.grad_mode, plan.weight_mode, in_dtype, None,
+                              True)
+    if need_wgrad:
+        grad_weight = fp8_gemm(q_g.columnwise, q_g.columnwise_scale_inv, in_col, in_col_sinv,
+                               plan.bwd_dtype, plan.fwd_dtype, plan.grad_mode, plan.input_mode,
+                               w_dtype, None, True)
+    return grad_input, grad_weight
+
+
+def update_backward(bwd_meta: tuple, plan: Plan, recipe: Any, group: Any) -> None:
+    """Delayed scaling: the grad_output scales for the next step, right after this step's
+    amaxes were recorded. The core call covers the one module (all its GEMMs); user callables
+    or an amax group take the general path."""
+    history, scale, scale_inv = bwd_meta
+    if recipe is not None:
+        fp8.update_backward_scales(bwd_meta, recipe, group)
         return
     ops.delayed_scaling_update([history], [scale], [scale_inv], plan.bwd_dtype, plan.algo,
                                plan.margin)

@@ -1,10 +1,15 @@
 """What every te module shares: its delayed-scaling state and how it is checkpointed.
 
-Delayed scaling keeps, per module, amax histories and scales of the forward roles (column 0
-``input``, column 1 ``weight``) and of the backward role (``grad_output``). They are
-non-persistent buffers, so they move with ``.to()`` / ``.cuda()``; checkpoints carry them in
-the module's versioned extra state (``get_extra_state``), together with a summary of the
-recipe that produced them.
+Delayed scaling keeps, per module, amax histories and scales of the forward roles and of the
+backward role of each of its GEMMs: GEMM g (0 for a single linear layer; FC1 = 0, FC2 = 1 in
+an MLP) owns forward columns 2g (``input``) and 2g + 1 (``weight``) and backward column g
+(``grad_output``), so each FP8 operand has its own history. They are non-persistent buffers,
+so they move with ``.to()`` / ``.cuda()``; checkpoints carry them in the module's versioned
+extra state (``get_extra_state``), together with a summary of the recipe that produced them.
+
+Inside :func:`transformer_engine.pytorch.checkpoint` a module's forward runs twice; the
+second run (the recompute in the backward) must quantize with the scales of the first and
+record nothing: :meth:`FP8Module._forward_scales` and :meth:`_forward_history` give it those.
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ import torch
 
 from transformer_engine.common.recipe import DelayedScaling, Recipe
 
+from .. import fp8
+from ..float8_tensor import Float8Tensor
+from ..quantization import Operand, Plan, quantize, record_amax
+
 EXTRA_STATE_VERSION = 1
-# name -> (rows of the history or None for a scale vector, columns)
+# name -> (kind, columns per GEMM)
 _META = {
     "amax_history_fwd": ("history", 2),
     "scale_fwd": ("scale", 2),
@@ -51,21 +60,78 @@ def _summarize(recipe: Recipe) -> dict:
     return summary
 
 
-class FP8Module(torch.nn.Module):
-    """Base of te modules: delayed-scaling buffers and the extra state that saves them."""
+def fp8_weight_param(t: torch.Tensor, plan_of) -> torch.nn.Parameter:
+    """A weight parameter, kept only as FP8 (a Float8Tensor quantized as the recipe of an
+    enclosing ``fp8_model_init`` asks for weights) when there is one; ``plan_of(recipe)``
+    gives the recipe's plan."""
+    init = fp8.MODEL_INIT
+    if not init.enabled:
+        return torch.nn.Parameter(t)
+    plan = plan_of(init.recipe)
+    return torch.nn.Parameter(Float8Tensor.quantize(t, plan.fwd_dtype,
+                                                    scaling_mode=plan.weight_mode))
 
-    def __init__(self, device: torch.device, history_len: int | None = None) -> None:
+
+class FP8Module(torch.nn.Module):
+    """Base of te modules: delayed-scaling buffers of ``num_gemms`` GEMMs, the extra state
+    that saves them, and the FP8 copies of the weights."""
+
+    def __init__(self, device: torch.device, history_len: int | None = None,
+                 num_gemms: int = 1) -> None:
         super().__init__()
         self._recipe_summary: dict = {}
+        self._num_gemms = int(num_gemms)
+        self._weight_caches: dict[int, Operand] = {}
         self._make_fp8_meta(history_len or DelayedScaling().amax_history_len, device)
 
     def _make_fp8_meta(self, history_len: int, device: torch.device) -> None:
-        for name, (kind, columns) in _META.items():
+        for name, (kind, per_gemm) in _META.items():
+            columns = per_gemm * self._num_gemms
             if kind == "history":
                 t = torch.zeros(history_len, columns, dtype=torch.float32, device=device)
             else:
                 t = torch.ones(columns, dtype=torch.float32, device=device)
             self.register_buffer(name, t, persistent=False)
+
+    # ------------------------------------------------------------ forward scales and amaxes
+
+    def _forward_scales(self) -> torch.Tensor:
+        """The forward scales this forward quantizes with: the buffer itself, except in the
+        recompute of an activation checkpoint, which gets the copy its first run took."""
+        return fp8.checkpoint_scales(self.scale_fwd)
+
+    def _forward_history(self) -> torch.Tensor | None:
+        """Where this forward records its amaxes: None in a checkpoint's recompute (the first
+        run recorded them; a second record would count the step twice)."""
+        return None if fp8.RECOMPUTE.replaying else self.amax_history_fwd
+
+    def _weight_operand(self, plan: Plan, weight, need_col: bool, is_first_microbatch,
+                        scales: torch.Tensor, history: torch.Tensor | None,
+                        gemm: int = 0) -> Operand:
+        """The FP8 copy of GEMM ``gemm``'s weight: the Float8Tensor's own bytes, the copy kept
+        since the first microbatch, or a fresh quantization (recording its amax)."""
+        if (isinstance(weight, Float8Tensor) and weight._fp8_dtype == plan.fwd_dtype
+                and weight._scaling_mode == plan.weight_mode):
+            empty = weight._data.new_empty(0)
+            cache = not torch.compiler.is_compiling()
+            col, col_sinv = weight.transpose_data(cache) if need_col else (empty, empty)
+            return Operand(weight._data, weight._scale_inv, col, col_sinv, plan.fwd_dtype,
+                           plan.weight_mode)
+        cached = self._weight_caches.get(gemm)
+        if (is_first_microbatch is False and cached is not None and cached.mode == plan.weight_mode
+                and cached.fp8_dtype == plan.fwd_dtype
+                and (cached.columnwise.numel() > 0 or not need_col)):
+            return cached
+        w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight.detach()
+        column = 2 * gemm + 1
+        op, amax = quantize(plan, "weight", w, True, need_col, scales[column:column + 1])
+        if amax is not None and history is not None:
+            record_amax(history, column, amax)
+        if is_first_microbatch is not None:
+            self._weight_caches[gemm] = op
+        else:
+            self._weight_caches.pop(gemm, None)
+        return op
 
     def _fit_fp8_meta(self, recipe: DelayedScaling) -> None:
         """Meets a delayed recipe: a new history length starts the histories afresh."""
@@ -109,9 +175,14 @@ class FP8Module(torch.nn.Module):
             raise ValueError(f"{type(self).__name__}.set_extra_state: state version must be "
                              f"{EXTRA_STATE_VERSION}, got {state['version']!r}")
         device = self.amax_history_fwd.device
-        for name in _META:
-            self.register_buffer(name, state[name].to(device, torch.float32).clone(),
-                                 persistent=False)
+        for name, (_, per_gemm) in _META.items():
+            t = state[name]
+            columns = per_gemm * self._num_gemms
+            if t.dim() == 0 or t.shape[-1] != columns:
+                raise ValueError(f"{type(self).__name__}.set_extra_state: {name} must have "
+                                 f"{columns} columns ({per_gemm} per GEMM of this module), got "
+                                 f"shape {list(t.shape)}")
+            self.register_buffer(name, t.to(device, torch.float32).clone(), persistent=False)
         self._recipe_summary = dict(state.get("recipe", {}))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

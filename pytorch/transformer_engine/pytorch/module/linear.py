@@ -13,8 +13,8 @@ from transformer_engine.common.recipe import Recipe
 from .. import fp8, ops
 from ..float8_tensor import Float8Tensor
 from ..linear_fn import Fp8LinearFunction
-from ..quantization import Operand, Plan, make_plan, quantize, record_amax
-from .base import FP8Module, recipe_summary
+from ..quantization import Plan, make_plan, record_amax
+from .base import FP8Module, fp8_weight_param, recipe_summary
 
 __all__ = ["Linear"]
 
@@ -23,7 +23,8 @@ _PLANS: dict = {}
 _FP8_GRANULE = 16
 
 
-def _plan(recipe: Recipe) -> Plan:
+def plan_of(recipe: Recipe) -> Plan:
+    """The (cached) plan of a recipe."""
     plan = _PLANS.get(recipe)
     if plan is None:
         plan = _PLANS[recipe] = make_plan(recipe)
@@ -38,7 +39,27 @@ def _default_device(device) -> torch.device:
     return torch.device("cpu")
 
 
-def _split_sizes(out_features: int, parameters_split) -> Optional[dict[str, int]]:
+def init_weight(out_features: int, in_features: int, dtype: torch.dtype, device,
+                init_method: Optional[Callable[[torch.Tensor], None]]) -> torch.Tensor:
+    """An [out, in] weight: ``init_method(weight)``, or nn.Linear's Kaiming uniform."""
+    weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
+    with torch.no_grad():
+        if init_method is None:
+            torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        else:
+            init_method(weight)
+    return weight
+
+
+def init_bias(out_features: int, in_features: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """nn.Linear's bias: uniform in +-1/sqrt(in_features)."""
+    bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
+    bias = torch.empty(out_features, dtype=dtype, device=device)
+    torch.nn.init.uniform_(bias, -bound, bound)
+    return bias
+
+
+def _split_sizes(out_features: int, parameters_split, name: str) -> Optional[dict[str, int]]:
     if parameters_split is None:
         return None
     if isinstance(parameters_split, dict):
@@ -46,16 +67,64 @@ def _split_sizes(out_features: int, parameters_split) -> Optional[dict[str, int]
     else:
         names = list(parameters_split)
         if not names or out_features % len(names):
-            raise ValueError(f"te.Linear: parameters_split must split out_features="
+            raise ValueError(f"{name}: parameters_split must split out_features="
                              f"{out_features} evenly, got {len(names)} names")
         sizes = {str(n): out_features // len(names) for n in names}
     if sum(sizes.values()) != out_features:
-        raise ValueError(f"te.Linear: parameters_split sizes must sum to out_features="
+        raise ValueError(f"{name}: parameters_split sizes must sum to out_features="
                          f"{out_features}, got {sizes}")
     return sizes
 
 
-class Linear(FP8Module):
+class _LinearBase(FP8Module):
+    """What te.Linear and te.LayerNormLinear share: the [out, in] weight (optionally split
+    into named row blocks) and the bias."""
+
+    _name = "te.Linear"
+
+    def _setup_linear(self, in_features: int, out_features: int, bias: bool, params_dtype,
+                      device: torch.device, init_method, parameters_split) -> None:
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        dtype = params_dtype or torch.get_default_dtype()
+        weight = init_weight(out_features, in_features, dtype, device, init_method)
+        full_bias = init_bias(out_features, in_features, dtype, device) if bias else None
+        self._splits = _split_sizes(out_features, parameters_split, self._name)
+        self._register_params(weight, full_bias)
+
+    def _register_params(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        def param(t: torch.Tensor) -> torch.nn.Parameter:
+            return fp8_weight_param(t, plan_of)
+
+        if self._splits is None:
+            self.weight = param(weight)
+            self.bias = None if bias is None else torch.nn.Parameter(bias)
+            return
+        self.weight_names, self.bias_names = [], []
+        start = 0
+        for split, size in self._splits.items():
+            rows = slice(start, start + size)
+            start += size
+            setattr(self, f"{split}_weight", param(weight[rows].clone()))
+            self.weight_names.append(f"{split}_weight")
+            if bias is not None:
+                setattr(self, f"{split}_bias", torch.nn.Parameter(bias[rows].clone()))
+                self.bias_names.append(f"{split}_bias")
+        self.register_parameter("bias", None) if bias is None else None
+
+    def _weight_and_bias(self):
+        if self._splits is None:
+            return self.weight, self.bias
+        weight = torch.cat([getattr(self, n) for n in self.weight_names])
+        bias = torch.cat([getattr(self, n) for n in self.bias_names]) if self.bias_names \
+            else None
+        return weight, bias
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None or bool(getattr(self, "bias_names", None))
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
+
+class Linear(_LinearBase):
     """``y = x @ weight^T + bias``; in FP8 under :func:`fp8_autocast`, else like nn.Linear.
 
     Args:
@@ -88,66 +157,14 @@ class Linear(FP8Module):
                  parameters_split=None, tp_group=None, tp_size: int = 1,
                  parallel_mode: Optional[str] = None, sequence_parallel: bool = False,
                  fuse_wgrad_accumulation: bool = False, name: Optional[str] = None) -> None:
-        _check_unsupported(tp_group, tp_size, parallel_mode, sequence_parallel,
-                           fuse_wgrad_accumulation)
+        check_unsupported(tp_group, tp_size, parallel_mode, sequence_parallel,
+                          fuse_wgrad_accumulation, self._name)
         device = _default_device(device)
         super().__init__(device)
-        self.in_features, self.out_features = int(in_features), int(out_features)
         self.return_bias, self.name = return_bias, name
         self.parallel_mode = parallel_mode
-        dtype = params_dtype or torch.get_default_dtype()
-        weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
-        with torch.no_grad():
-            if init_method is None:
-                torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-            else:
-                init_method(weight)
-        full_bias = None
-        if bias:
-            bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
-            full_bias = torch.empty(out_features, dtype=dtype, device=device)
-            torch.nn.init.uniform_(full_bias, -bound, bound)
-        self._splits = _split_sizes(out_features, parameters_split)
-        self._register_params(weight, full_bias)
-        self._weight_cache: Optional[Operand] = None
-
-    def _register_params(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-        init = fp8.MODEL_INIT
-        fp8_mode = _plan(init.recipe).weight_mode if init.enabled else None
-
-        def param(t: torch.Tensor) -> torch.nn.Parameter:
-            if fp8_mode is None:
-                return torch.nn.Parameter(t)
-            q = Float8Tensor.quantize(t, _plan(init.recipe).fwd_dtype, scaling_mode=fp8_mode)
-            return torch.nn.Parameter(q)
-
-        if self._splits is None:
-            self.weight = param(weight)
-            self.bias = None if bias is None else torch.nn.Parameter(bias)
-            return
-        self.weight_names, self.bias_names = [], []
-        start = 0
-        for split, size in self._splits.items():
-            rows = slice(start, start + size)
-            start += size
-            setattr(self, f"{split}_weight", param(weight[rows].clone()))
-            self.weight_names.append(f"{split}_weight")
-            if bias is not None:
-                setattr(self, f"{split}_bias", torch.nn.Parameter(bias[rows].clone()))
-                self.bias_names.append(f"{split}_bias")
-        self.register_parameter("bias", None) if bias is None else None
-
-    def _weight_and_bias(self):
-        if self._splits is None:
-            return self.weight, self.bias
-        weight = torch.cat([getattr(self, n) for n in self.weight_names])
-        bias = torch.cat([getattr(self, n) for n in self.bias_names]) if self.bias_names \
-            else None
-        return weight, bias
-
-    def extra_repr(self) -> str:
-        bias = self.bias is not None or bool(getattr(self, "bias_names", None))
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+        self._setup_linear(in_features, out_features, bias, params_dtype, device, init_method,
+                           parameters_split)
 
     # ------------------------------------------------------------------ forward
 
@@ -183,22 +200,24 @@ class Linear(FP8Module):
         fp8.register_forward_amaxes(self, recipe)
 
     def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch):
-        plan = _plan(recipe)
+        plan = plan_of(recipe)
         device_type = inp.device.type
         if torch.is_autocast_enabled(device_type):  # torch.autocast picks the activation dtype
             inp = inp.to(torch.get_autocast_dtype(device_type))
-        _check_fp8_shape(inp, self.in_features, self.out_features)
+        check_fp8_shape(inp, self.in_features, self.out_features, self._name)
         if inp.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"te.Linear: input must be float32, bfloat16 or float16 in FP8, "
                             f"got {inp.dtype}")
         self._recipe_summary = recipe_summary(recipe)
+        scales, history = self.scale_fwd, self.amax_history_fwd
         if plan.kind == "delayed":
             self._fit_fp8_meta(recipe)
             fp8.register_forward_amaxes(self, recipe)
+            scales, history = self._forward_scales(), self._forward_history()
         grad = torch.is_grad_enabled()
         need_dgrad = grad and inp.requires_grad
         need_wgrad = grad and weight.requires_grad
-        w = self._weight_operand(plan, weight, need_dgrad, is_first_microbatch)
+        w = self._weight_operand(plan, weight, need_dgrad, is_first_microbatch, scales, history)
         # Per-tensor scaling shares one scale_inv between the copies; autograd.Function under
         # torch.compile takes no tensor twice, so the column-wise one goes as None.
         col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
@@ -206,54 +225,34 @@ class Linear(FP8Module):
         general = plan.kind == "delayed" and (plan.algo == "callable" or group is not None)
         return Fp8LinearFunction.apply(
             inp, weight, bias, w.data, w.scale_inv, w.columnwise, col_sinv,
-            self.amax_history_fwd, self.scale_fwd, self.amax_history_bwd, self.scale_bwd,
+            history, scales, self.amax_history_bwd, self.scale_bwd,
             self.scale_inv_bwd, plan, recipe if general else None, group, need_dgrad,
             need_wgrad)
 
-    def _weight_operand(self, plan: Plan, weight, need_col: bool, is_first_microbatch):
-        if (isinstance(weight, Float8Tensor) and weight._fp8_dtype == plan.fwd_dtype
-                and weight._scaling_mode == plan.weight_mode):
-            empty = weight._data.new_empty(0)
-            cache = not torch.compiler.is_compiling()
-            col, col_sinv = weight.transpose_data(cache) if need_col else (empty, empty)
-            return Operand(weight._data, weight._scale_inv, col, col_sinv, plan.fwd_dtype,
-                           plan.weight_mode)
-        cached = self._weight_cache
-        if (is_first_microbatch is False and cached is not None and cached.mode == plan.weight_mode
-                and cached.fp8_dtype == plan.fwd_dtype
-                and (cached.columnwise.numel() > 0 or not need_col)):
-            return cached
-        w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight.detach()
-        op, amax = quantize(plan, "weight", w, True, need_col, self.scale_fwd[1:2])
-        if amax is not None:
-            record_amax(self.amax_history_fwd, 1, amax)
-        self._weight_cache = op if is_first_microbatch is not None else None
-        return op
 
-
-def _check_fp8_shape(inp: torch.Tensor, k: int, n: int) -> None:
+def check_fp8_shape(inp: torch.Tensor, k: int, n: int, op: str) -> None:
     m = inp.numel() // k if k else 0
     for name, value in (("in_features", k), ("out_features", n),
                         ("tokens (input.numel() // in_features)", m)):
         if value % _FP8_GRANULE:
-            raise ValueError(f"te.Linear: FP8 GEMMs need dimensions that are multiples of "
+            raise ValueError(f"{op}: FP8 GEMMs need dimensions that are multiples of "
                              f"{_FP8_GRANULE}; {name} must be a multiple of {_FP8_GRANULE}, "
                              f"got {value} (input shape {list(inp.shape)})")
 
 
-def _check_unsupported(tp_group, tp_size, parallel_mode, sequence_parallel,
-                       fuse_wgrad_accumulation) -> None:
+def check_unsupported(tp_group, tp_size, parallel_mode, sequence_parallel,
+                      fuse_wgrad_accumulation, op: str) -> None:
     if parallel_mode not in (None, "column", "row"):
-        raise ValueError(f"te.Linear: parallel_mode must be None, 'column' or 'row', got "
+        raise ValueError(f"{op}: parallel_mode must be None, 'column' or 'row', got "
                          f"{parallel_mode!r}")
     group_size = tp_group.size() if tp_group is not None and hasattr(tp_group, "size") else 1
     if tp_size != 1 or group_size != 1:
         raise NotImplementedError(
-            f"te.Linear: tensor parallelism is not implemented yet; tp_size must be 1, got "
+            f"{op}: tensor parallelism is not implemented yet; tp_size must be 1, got "
             f"{tp_size} (tp_group of size {group_size})")
     if sequence_parallel:
-        raise NotImplementedError("te.Linear: sequence_parallel=True is not implemented yet "
+        raise NotImplementedError(f"{op}: sequence_parallel=True is not implemented yet "
                                   "(it needs tensor parallelism)")
     if fuse_wgrad_accumulation:
-        raise NotImplementedError("te.Linear: fuse_wgrad_accumulation=True is not implemented "
+        raise NotImplementedError(f"{op}: fuse_wgrad_accumulation=True is not implemented "
                                   "yet")

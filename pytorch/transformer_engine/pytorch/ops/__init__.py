@@ -4,10 +4,18 @@ Each is a ``torch.library.custom_op`` with a fake implementation, so that torch.
 it without running it, and takes the CUDA stream from torch, so that CUDA graphs capture it.
 """
 
+from .activation import (
+    activation_backward,
+    activation_backward_fp8,
+    activation_forward,
+    activation_forward_fp8,
+)
 from .gemm import gemm_fp8
-from .norm import norm_backward, norm_forward
+from .norm import norm_backward, norm_forward, norm_forward_fp8
 from .quantize import amax, dequantize, quantize, quantize_block, quantize_current, transpose
 from .scaling import delayed_scaling_update
 
-__all__ = ["amax", "delayed_scaling_update", "dequantize", "gemm_fp8", "norm_backward",
-           "norm_forward", "quantize", "quantize_block", "quantize_current", "transpose"]
+__all__ = ["activation_backward", "activation_backward_fp8", "activation_forward",
+           "activation_forward_fp8", "amax", "delayed_scaling_update", "dequantize", "gemm_fp8",
+           "norm_backward", "norm_forward", "norm_forward_fp8", "quantize", "quantize_block",
+           "quantize_current", "transpose"]

@@ -6,6 +6,10 @@ outputs, no argument mutated) with fake implementations for tracing. The statist
 forward, ``mu`` and ``rsigma`` ([M] fp32), are what the backward reads; RMSNorm has no
 ``mu``, and its ``mu`` and ``grad_beta`` come back as empty tensors (custom ops cannot return
 None). Semantics, dtypes and the deterministic summation order: ``norm.h`` of the core.
+
+``norm_forward_fp8`` writes the normalized output directly as per-tensor FP8 with a given
+scale (delayed scaling), and its transpose and amax, in the same pass: the input of the GEMM
+that follows, row-wise for the forward and column-wise for its wgrad.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ._backend import core, custom_op, raw, stream_of
+from ._backend import check_fp8_dtype, core, custom_op, placeholder, raw, stream_of, te_dtype
 
 _NS = "transformer_engine"
 NORMS = ("layernorm", "rmsnorm")
@@ -82,6 +86,56 @@ def norm_forward(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tens
 def _(x, gamma, beta, norm, eps, zero_centered_gamma):
     _check("norm_forward", x, gamma, beta, norm, True)
     return (torch.empty_like(x, memory_format=torch.contiguous_format), *_stats(x, norm))
+
+
+def _fp8_outputs(x: torch.Tensor, columnwise: bool, with_output: bool):
+    m, n = x.shape
+    y = torch.empty_like(x, memory_format=torch.contiguous_format) if with_output \
+        else placeholder(x)
+    data = x.new_empty((m, n), dtype=torch.uint8)
+    col = x.new_empty((n, m), dtype=torch.uint8) if columnwise else placeholder(x)
+    return y, data, col, x.new_empty(1, dtype=torch.float32), x.new_empty(1, dtype=torch.float32)
+
+
+@custom_op(f"{_NS}::norm_forward_fp8", mutates_args=())
+def norm_forward_fp8(
+    x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor], norm: str, eps: float,
+    zero_centered_gamma: bool, scale: torch.Tensor, fp8_dtype: str, columnwise: bool,
+    with_output: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """The normalized output as FP8 ``y * scale`` ([M, N] and, with ``columnwise``, its
+    transpose [N, M]), computed from the same fp32 y as the high-precision output (in x's
+    dtype, only ``with_output``; else an empty tensor). ``scale`` is [1] fp32. Returns
+    (y, data, col, scale_inv, amax = max|y|, mu, rsigma)."""
+    _check("norm_forward_fp8", x, gamma, beta, norm, True)
+    check_fp8_dtype("norm_forward_fp8", fp8_dtype)
+    if eps < 0:
+        raise ValueError(f"norm_forward_fp8: eps must be >= 0, got {eps}")
+    y, data, col, scale_inv, amax = _fp8_outputs(x, columnwise, with_output)
+    mu, rsigma = _stats(x, norm)
+    if x.numel() == 0:  # no rows: nothing to normalize, the amax of nothing is 0
+        amax.zero_()
+        torch.reciprocal(scale.float(), out=scale_inv)
+        return y, data, col, scale_inv, amax, mu, rsigma
+    c = core()
+    x, gamma, scale = x.contiguous(), gamma.contiguous(), scale.contiguous()
+    beta = None if beta is None else beta.contiguous()
+    out = c.Tensor(raw(data), dtype=te_dtype(fp8_dtype), scale=raw(scale),
+                   scale_inv=raw(scale_inv), amax=raw(amax),
+                   columnwise_data=raw(col) if columnwise else None)
+    c.norm_forward(_te_norm(norm), raw(x), raw(gamma), None if beta is None else raw(beta),
+                   output=raw(y) if with_output else None, output_fp8=out,
+                   mu=raw(mu) if norm == "layernorm" else None, rsigma=raw(rsigma), eps=eps,
+                   zero_centered_gamma=zero_centered_gamma, stream=stream_of(x))
+    return y, data, col, scale_inv, amax, mu, rsigma
+
+
+@norm_forward_fp8.register_fake
+def _(x, gamma, beta, norm, eps, zero_centered_gamma, scale, fp8_dtype, columnwise,
+      with_output):
+    _check("norm_forward_fp8", x, gamma, beta, norm, True)
+    return (*_fp8_outputs(x, columnwise, with_output), *_stats(x, norm))
 
 
 def _grads(x: torch.Tensor, gamma: torch.Tensor, norm: str):

@@ -1,0 +1,129 @@
+"""The autograd function of LayerNorm (or RMSNorm) followed by an FP8 linear layer.
+
+    forward   ln_out = norm(input)                 written as FP8 (row-wise and column-wise)
+              output = ln_out @ weight^T + bias     FP8 GEMM
+    backward  grad_output quantized (row-wise for dgrad, column-wise for wgrad)
+              grad_ln_out = grad_output @ weight   FP8 dgrad, high precision
+              grad_weight = grad_output^T @ ln_out FP8 wgrad
+              grad_input, grad_gamma, grad_beta = norm_backward(grad_ln_out)
+
+The point of the fusion is the forward: under delayed scaling the norm kernel writes the GEMM's
+FP8 input and its transpose (for wgrad) in its own pass with the module's input scale, so the
+high-precision ln_out never goes to memory. What the backward keeps is the norm's input and
+statistics (for the norm backward) and the FP8 column-wise ln_out (for wgrad).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from . import ops
+from .linear_fn import backward_gemms, fp8_gemm, update_backward
+from .quantization import Operand, Plan, quantize, record_amax
+
+
+class NormConfig(NamedTuple):
+    """The norm of a fused block, as plain values (a constant for torch.compile)."""
+
+    norm: str  # "layernorm" / "rmsnorm"
+    eps: float
+    zero_centered_gamma: bool
+    return_ln_out: bool
+
+
+def norm_to_fp8(plan: Plan, x: torch.Tensor, gamma, beta, cfg: NormConfig, scale: torch.Tensor,
+                columnwise: bool) -> tuple[Operand, Optional[torch.Tensor], torch.Tensor,
+                                           torch.Tensor, Optional[torch.Tensor]]:
+    """norm(x) as the FP8 ``input`` operand of the GEMM that follows: (operand, ln_out in x's
+    dtype when cfg.return_ln_out else None, mu, rsigma, amax for delayed scaling else None).
+
+    Delayed scaling knows the scale before the pass, so the norm kernel writes FP8 directly.
+    Current scaling needs the amax of the very values being written, known only once the
+    whole output exists, and block scaling computes a scale per block after reading it; a
+    fused kernel would have to keep the tensor somewhere and read it again either way, so for
+    them the norm writes high precision and the existing quantize reads it back.
+    """
+    if plan.kind == "delayed":
+        y, data, col, sinv, amax, mu, rsigma = ops.norm_forward_fp8(
+            x, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma, scale, plan.fwd_dtype,
+            columnwise, cfg.return_ln_out)
+        op = Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode)
+        return op, (y if cfg.return_ln_out else None), mu, rsigma, amax
+    y, mu, rsigma = ops.norm_forward(x, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
+    op, _ = quantize(plan, "input", y, True, columnwise)
+    return op, (y if cfg.return_ln_out else None), mu, rsigma, None
+
+
+def norm_backward(cfg: NormConfig, d_ln: torch.Tensor, x, mu, rsigma, gamma, has_beta: bool):
+    """(grad_input, grad_gamma, grad_beta or None) of the block's norm."""
+    dx, dgamma, dbeta = ops.norm_backward(d_ln.to(x.dtype).contiguous(), x, mu, rsigma, gamma,
+                                          cfg.norm, cfg.zero_centered_gamma)
+    return dx, dgamma, dbeta if has_beta else None
+
+
+class Fp8LayerNormLinearFunction(torch.autograd.Function):
+    """``norm(input) @ weight^T + bias`` with FP8 GEMMs (see the module docstring).
+
+    Forward arguments: input [..., K]; the norm's gamma [K] and beta [K] (None for RMSNorm);
+    weight [N, K] (its autograd identity and dtype; its FP8 copy comes as w_data [N, K],
+    w_scale_inv, w_col [K, N], w_col_scale_inv or None when it is w_scale_inv); bias [N] or
+    None; the delayed-scaling buffers (forward history, None in a checkpoint's recompute, and
+    scales; backward history, scale, scale_inv); the plan; the recipe (when the backward update
+    takes the general path) and the amax group; the NormConfig; whether the norm's inputs and
+    the weight need gradients. Returns the output, and ln_out too when cfg.return_ln_out.
+    """
+
+    @staticmethod
+    def forward(ctx, inp, gamma, beta, weight, bias, w_data, w_scale_inv, w_col, w_col_scale_inv,
+                history_fwd, scale_fwd, history_bwd, scale_bwd, scale_inv_bwd, plan: Plan,
+                recipe: Any, group: Any, cfg: NormConfig, need_dgrad: bool, need_wgrad: bool):
+        k = inp.shape[-1]
+        x = inp.reshape(-1, k)
+        q, ln_out, mu, rsigma, amax = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
+                                                  need_wgrad)
+        if amax is not None and history_fwd is not None:
+            record_amax(history_fwd, 0, amax)
+        out = fp8_gemm(q.data, q.scale_inv, w_data, w_scale_inv, plan.fwd_dtype, plan.fwd_dtype,
+                       plan.input_mode, plan.weight_mode, inp.dtype, bias, False)
+        if w_col_scale_inv is None:  # per-tensor: shared with the row-wise copy
+            w_col_scale_inv = w_scale_inv
+        ctx.save_for_backward(x, mu, rsigma, gamma, q.columnwise, q.columnwise_scale_inv, w_col,
+                              w_col_scale_inv)
+        ctx.bwd_meta = (history_bwd, scale_bwd, scale_inv_bwd)
+        ctx.plan, ctx.recipe, ctx.group, ctx.cfg = plan, recipe, group, cfg
+        ctx.need = (need_dgrad, need_wgrad, beta is not None, bias is not None)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.input_shape = inp.shape
+        out = out.view(*inp.shape[:-1], out.shape[-1])
+        if cfg.return_ln_out:
+            return out, ln_out.view(inp.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_ln_out=None):
+        x, mu, rsigma, gamma, in_col, in_col_sinv, w_col, w_col_sinv = ctx.saved_tensors
+        plan, cfg = ctx.plan, ctx.cfg
+        need_dgrad, need_wgrad, has_beta, has_bias = ctx.need
+        w_dtype, b_dtype = ctx.dtypes
+        g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+        d_ln = grad_weight = grad_bias = None
+        dx = dgamma = dbeta = None
+        if need_dgrad or need_wgrad:
+            history, scale, _ = ctx.bwd_meta
+            q_g, amax = quantize(plan, "grad_output", g, need_dgrad, need_wgrad, scale[0:1])
+            if amax is not None:
+                record_amax(history, 0, amax)
+                update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
+            d_ln, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
+                                               in_col_sinv, x.dtype, w_dtype, need_dgrad,
+                                               need_wgrad)
+        if need_dgrad:
+            if grad_ln_out is not None:  # ln_out was returned and used: its gradient joins
+                d_ln = d_ln + grad_ln_out.reshape(d_ln.shape).to(d_ln.dtype)
+            dx, dgamma, dbeta = norm_backward(cfg, d_ln, x, mu, rsigma, gamma, has_beta)
+            dx = dx.view(ctx.input_shape)
+        if has_bias:
+            grad_bias = g.sum(0, dtype=torch.float32).to(b_dtype)
+        return (dx, dgamma, dbeta, grad_weight, grad_bias) + (None,) * 15

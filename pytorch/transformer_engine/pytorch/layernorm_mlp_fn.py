@@ -1,0 +1,158 @@
+"""The autograd function of the MLP block: norm -> FC1 -> activation -> FC2, FP8 GEMMs.
+
+    forward   ln_out  = norm(input)                  FP8 (+ transpose), FC1's input scale
+              fc1_out = ln_out @ fc1_weight^T + b1    high precision (the activation reads it)
+              act_out = act(fc1_out)                 FP8 (+ transpose), FC2's input scale
+              output  = act_out @ fc2_weight^T + b2
+    backward  grad_output -> FP8 (+ transpose) with FC2's bias gradient, one pass
+              grad_act = grad_output @ fc2_weight    FC2 dgrad, high precision; FC2 wgrad
+              grad_fc1 = act'(fc1_out) * grad_act    FP8 (+ transpose) with FC1's bias
+                                                     gradient, one pass: FC1's grad_output
+              grad_ln  = grad_fc1 @ fc1_weight       FC1 dgrad; FC1 wgrad; norm backward
+
+Under delayed scaling the kernels that produce a GEMM operand write it in FP8 themselves (the
+norm, the activation, the activation's backward), so only fc1_out exists in high precision
+between the GEMMs. The other recipes compute their scales from the values, so those kernels
+write high precision and the recipe's quantize follows (see layernorm_linear_fn.norm_to_fp8).
+State columns (base.py): FC1 is GEMM 0, FC2 is GEMM 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import ops
+from .layernorm_linear_fn import NormConfig, norm_backward, norm_to_fp8
+from .linear_fn import backward_gemms, fp8_gemm, update_backward
+from .quantization import Operand, Plan, quantize, record_amax
+
+
+def act_to_fp8(plan: Plan, h: torch.Tensor, act: str, scale: torch.Tensor, columnwise: bool):
+    """act(h) as FC2's FP8 ``input`` operand: (operand, amax for delayed scaling else None)."""
+    if plan.kind == "delayed":
+        data, col, sinv, amax = ops.activation_forward_fp8(h, act, scale, plan.fwd_dtype, True,
+                                                           columnwise)
+        return Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode), amax
+    op, _ = quantize(plan, "input", ops.activation_forward(h, act), True, columnwise)
+    return op, None
+
+
+def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str, scale: torch.Tensor,
+                rowwise: bool, columnwise: bool, with_dbias: bool):
+    """``act'(h) * dy`` as a GEMM's FP8 ``grad_output`` with the fp32 column sums (the bias
+    gradient) of the unquantized values: (operand or None, amax or None, dbias or None).
+    ``act="identity"`` (h = dy) is a linear layer's "bias gradient + cast + transpose"."""
+    if not (rowwise or columnwise):  # no GEMM needs it: only the bias gradient, if any
+        if act == "identity":
+            return None, None, dy.sum(0, dtype=torch.float32) if with_dbias else None
+        dh, dbias = ops.activation_backward(dy, h, act, with_dbias)
+        return None, None, dbias if with_dbias else None
+    if plan.kind == "delayed":
+        data, col, sinv, amax, dbias = ops.activation_backward_fp8(
+            dy, h, act, scale, plan.bwd_dtype, rowwise, columnwise, with_dbias)
+        op = Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode)
+        return op, amax, dbias if with_dbias else None
+    if act == "identity":
+        dh, dbias = dy, dy.sum(0, dtype=torch.float32) if with_dbias else None
+    else:
+        dh, dbias = ops.activation_backward(dy, h, act, with_dbias)
+    op, _ = quantize(plan, "grad_output", dh, rowwise, columnwise)
+    return op, None, dbias if with_dbias else None
+
+
+class Fp8LayerNormMLPFunction(torch.autograd.Function):
+    """The MLP block with FP8 GEMMs (see the module docstring).
+
+    Forward arguments: input [..., H]; gamma, beta (None for RMSNorm); per GEMM (FC1 then
+    FC2): the weight (autograd identity and dtype), the bias or None, and the weight's FP8
+    copy (data, scale_inv, column-wise data, column-wise scale_inv or None when per-tensor);
+    the delayed-scaling buffers (forward history, None in a checkpoint's recompute, and
+    scales; backward history, scale, scale_inv); the plan; the recipe (general backward
+    update) and the amax group; the NormConfig; the activation; ``need``: whether the norm's
+    inputs, FC1's parameters (weight), FC2's weight need gradients and whether anything before
+    FC2 does. Returns the output, and ln_out too when cfg.return_ln_out.
+    """
+
+    @staticmethod
+    def forward(ctx, inp, gamma, beta, w1, b1, w1_data, w1_sinv, w1_col, w1_col_sinv, w2, b2,
+                w2_data, w2_sinv, w2_col, w2_col_sinv, history_fwd, scale_fwd, history_bwd,
+                scale_bwd, scale_inv_bwd, plan: Plan, recipe: Any, group: Any, cfg: NormConfig,
+                act: str, need: tuple):
+        need_dgrad, need_wgrad1, need_wgrad2, _ = need
+        x = inp.reshape(-1, inp.shape[-1])
+        q1, ln_out, mu, rsigma, amax1 = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
+                                                    need_wgrad1)
+        h = fp8_gemm(q1.data, q1.scale_inv, w1_data, w1_sinv, plan.fwd_dtype, plan.fwd_dtype,
+                     plan.input_mode, plan.weight_mode, inp.dtype, b1, False)
+        q2, amax2 = act_to_fp8(plan, h, act, scale_fwd[2:3], need_wgrad2)
+        if history_fwd is not None and amax1 is not None:
+            record_amax(history_fwd, 0, amax1)
+            record_amax(history_fwd, 2, amax2)
+        out = fp8_gemm(q2.data, q2.scale_inv, w2_data, w2_sinv, plan.fwd_dtype, plan.fwd_dtype,
+                       plan.input_mode, plan.weight_mode, inp.dtype, b2, False)
+        # per-tensor: the column-wise copies share the row-wise scale_inv
+        w1_col_sinv = w1_sinv if w1_col_sinv is None else w1_col_sinv
+        w2_col_sinv = w2_sinv if w2_col_sinv is None else w2_col_sinv
+        ctx.save_for_backward(x, mu, rsigma, gamma, q1.columnwise, q1.columnwise_scale_inv,
+                              w1_col, w1_col_sinv, h, q2.columnwise, q2.columnwise_scale_inv,
+                              w2_col, w2_col_sinv)
+        ctx.bwd_meta = (history_bwd, scale_bwd, scale_inv_bwd)
+        ctx.plan, ctx.recipe, ctx.group, ctx.cfg, ctx.act = plan, recipe, group, cfg, act
+        ctx.need = need
+        ctx.has = (beta is not None, b1 is not None, b2 is not None)
+        ctx.dtypes = (w1.dtype, None if b1 is None else b1.dtype, w2.dtype,
+                      None if b2 is None else b2.dtype)
+        ctx.input_shape = inp.shape
+        out = out.view(*inp.shape[:-1], out.shape[-1])
+        if cfg.return_ln_out:
+            return out, ln_out.view(inp.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_ln_out=None):
+        (x, mu, rsigma, gamma, ln_col, ln_col_sinv, w1_col, w1_col_sinv, h, a_col, a_col_sinv,
+         w2_col, w2_col_sinv) = ctx.saved_tensors
+        plan, cfg = ctx.plan, ctx.cfg
+        need_dgrad, need_wgrad1, need_wgrad2, need_fc1 = ctx.need
+        has_beta, has_b1, has_b2 = ctx.has
+        w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
+        history, scale, _ = ctx.bwd_meta
+        g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+        grad_w1 = grad_b1 = grad_w2 = grad_b2 = dx = dgamma = dbeta = None
+        # FC2: its grad_output with its bias gradient in one pass (backward column 1)
+        q_g2, amax2, dbias2 = grad_to_fp8(plan, g, g, "identity", scale[1:2], need_fc1,
+                                          need_wgrad2, has_b2)
+        if amax2 is not None:
+            record_amax(history, 1, amax2)
+        recorded = amax2 is not None
+        grad_act = None
+        if q_g2 is not None:
+            grad_act, grad_w2 = backward_gemms(plan, q_g2, w2_col, w2_col_sinv, a_col,
+                                               a_col_sinv, h.dtype, w2_dtype, need_fc1,
+                                               need_wgrad2)
+        if need_fc1:
+            # FC1: d act + d bias + cast + transpose in one pass (backward column 0)
+            q_g1, amax1, dbias1 = grad_to_fp8(plan, grad_act, h, ctx.act, scale[0:1],
+                                              need_dgrad, need_wgrad1, has_b1)
+            if amax1 is not None:
+                record_amax(history, 0, amax1)
+                recorded = True
+            if q_g1 is not None:
+                d_ln, grad_w1 = backward_gemms(plan, q_g1, w1_col, w1_col_sinv, ln_col,
+                                               ln_col_sinv, x.dtype, w1_dtype, need_dgrad,
+                                               need_wgrad1)
+            if has_b1:
+                grad_b1 = dbias1.to(b1_dtype)
+        if recorded:  # delayed scaling: one update of both columns, after both were recorded
+            update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
+        if need_dgrad:
+            if grad_ln_out is not None:
+                d_ln = d_ln + grad_ln_out.reshape(d_ln.shape).to(d_ln.dtype)
+            dx, dgamma, dbeta = norm_backward(cfg, d_ln, x, mu, rsigma, gamma, has_beta)
+            dx = dx.view(ctx.input_shape)
+        if has_b2:
+            grad_b2 = dbias2.to(b2_dtype)
+        return (dx, dgamma, dbeta, grad_w1, grad_b1, None, None, None, None, grad_w2, grad_b2) \
+            + (None,) * 15

@@ -1,0 +1,192 @@
+"""``te.LayerNormLinear``: LayerNorm (or RMSNorm) then a linear layer, fused in FP8.
+
+In FP8 under delayed scaling the norm writes the GEMM's FP8 input and its transpose itself
+(``layernorm_linear_fn.py``); in high precision it is te.LayerNorm followed by nn.Linear.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from transformer_engine.common.recipe import Recipe
+
+from .. import fp8, ops
+from ..float8_tensor import Float8Tensor
+from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig
+from ..quantization import record_amax
+from .base import recipe_summary
+from .layernorm import _NormFunction
+from .linear import _default_device, _LinearBase, check_fp8_shape, check_unsupported, plan_of
+
+__all__ = ["LayerNormLinear"]
+
+NORMALIZATIONS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def norm_config(op: str, normalization: str, eps: float, zero_centered_gamma: bool,
+                return_layernorm_output: bool) -> NormConfig:
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"{op}: normalization must be one of {tuple(NORMALIZATIONS)}, got "
+                         f"{normalization!r}")
+    if eps < 0:
+        raise ValueError(f"{op}: eps must be >= 0, got {eps}")
+    return NormConfig(NORMALIZATIONS[normalization], float(eps), bool(zero_centered_gamma),
+                      bool(return_layernorm_output))
+
+
+def register_norm_params(module: torch.nn.Module, hidden: int, cfg: NormConfig,
+                         dtype: torch.dtype, device: torch.device) -> None:
+    """``layer_norm_weight`` (1, or 0 with zero_centered_gamma, which stores g - 1) and, for
+    LayerNorm, ``layer_norm_bias`` (0)."""
+    weight = torch.full((hidden,), 0.0 if cfg.zero_centered_gamma else 1.0, dtype=dtype,
+                        device=device)
+    module.layer_norm_weight = torch.nn.Parameter(weight)
+    if cfg.norm == "layernorm":
+        module.layer_norm_bias = torch.nn.Parameter(torch.zeros(hidden, dtype=dtype,
+                                                                device=device))
+    else:
+        module.register_parameter("layer_norm_bias", None)
+
+
+def norm_params(module: torch.nn.Module, dtype: torch.dtype):
+    """gamma and beta for the kernels, which take fp32 or the input's dtype (any other dtype
+    is cast; autograd casts the gradient back)."""
+    gamma, beta = module.layer_norm_weight, module.layer_norm_bias
+    if gamma.dtype not in (dtype, torch.float32):
+        gamma = gamma.to(dtype)
+        beta = None if beta is None else beta.to(dtype)
+    return gamma, beta
+
+
+def fp8_input(op: str, inp: torch.Tensor) -> torch.Tensor:
+    """The input in the activation dtype of an FP8 forward (torch.autocast picks it)."""
+    device_type = inp.device.type
+    if torch.is_autocast_enabled(device_type):
+        inp = inp.to(torch.get_autocast_dtype(device_type))
+    if inp.dtype not in _DTYPES:
+        raise TypeError(f"{op}: input must be float32, bfloat16 or float16 in FP8, got "
+                        f"{inp.dtype}")
+    return inp
+
+
+def check_input(op: str, inp: torch.Tensor, features: int) -> None:
+    if inp.dim() == 0 or inp.shape[-1] != features:
+        raise ValueError(f"{op}: input must have {features} features as its last dimension, "
+                         f"got shape {list(inp.shape)}")
+    if inp.dtype not in _DTYPES:
+        raise TypeError(f"{op}: input must be float32, bfloat16 or float16, got {inp.dtype}")
+
+
+class LayerNormLinear(_LinearBase):
+    """``norm(x) @ weight^T + bias`` with LayerNorm or RMSNorm over the last dimension; the
+    GEMMs in FP8 under :func:`fp8_autocast`.
+
+    Args:
+        in_features, out_features: sizes of the input (normalized over) and output features.
+        eps: added to the variance (LayerNorm) or mean square (RMSNorm).
+        bias: learn the linear layer's additive bias.
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"`` (no ``layer_norm_bias``).
+        zero_centered_gamma: ``layer_norm_weight`` holds ``gamma - 1`` (initialized to 0):
+            better precision near 1 in low-precision parameters.
+        return_layernorm_output: also return the norm's output (high precision; e.g. for a
+            residual taken after the norm). Its gradient joins the block's.
+        return_bias: return the bias instead of adding it (see te.Linear).
+        params_dtype, device, init_method, parameters_split, tp_group, tp_size,
+        parallel_mode, sequence_parallel, fuse_wgrad_accumulation, name: as te.Linear.
+
+    Returns ``output``, then the bias when ``return_bias``, then the norm's output when
+    ``return_layernorm_output``.
+
+    Example:
+        >>> layer = te.LayerNormLinear(1024, 3072, normalization="RMSNorm")  # doctest: +SKIP
+        >>> with te.fp8_autocast():  # doctest: +SKIP
+        ...     y = layer(torch.randn(2048, 1024, device=layer.weight.device))
+    """
+
+    _name = "te.LayerNormLinear"
+
+    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5,
+                 bias: bool = True, *, normalization: str = "LayerNorm",
+                 zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
+                 return_bias: bool = False, params_dtype: Optional[torch.dtype] = None,
+                 device: Union[torch.device, str, None] = None,
+                 init_method: Optional[Callable[[torch.Tensor], None]] = None,
+                 parameters_split=None, tp_group=None, tp_size: int = 1,
+                 parallel_mode: Optional[str] = None, sequence_parallel: bool = False,
+                 fuse_wgrad_accumulation: bool = False, name: Optional[str] = None) -> None:
+        check_unsupported(tp_group, tp_size, parallel_mode, sequence_parallel,
+                          fuse_wgrad_accumulation, self._name)
+        cfg = norm_config(self._name, normalization, eps, zero_centered_gamma,
+                               return_layernorm_output)
+        device = _default_device(device)
+        super().__init__(device)
+        self.cfg, self.normalization = cfg, normalization
+        self.return_bias, self.name, self.parallel_mode = return_bias, name, parallel_mode
+        dtype = params_dtype or torch.get_default_dtype()
+        register_norm_params(self, int(in_features), cfg, dtype, device)
+        self._setup_linear(in_features, out_features, bias, params_dtype, device, init_method,
+                           parameters_split)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, normalization={self.normalization}, eps={self.cfg.eps}"
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """``inp`` [..., in_features] -> [..., out_features] (see the class docstring for
+        what else comes back); ``is_first_microbatch`` as for te.Linear."""
+        check_input(self._name, inp, self.in_features)
+        weight, bias = self._weight_and_bias()
+        gemm_bias = None if self.return_bias else bias
+        state = fp8.STATE
+        if state.enabled:
+            out = self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch)
+        else:
+            out = self._hp_forward(inp, weight, gemm_bias, state)
+        if self.cfg.return_ln_out:
+            out, ln_out = out
+        else:
+            ln_out = None
+        result = (out,) + ((bias,) if self.return_bias else ()) + \
+            ((ln_out,) if ln_out is not None else ())
+        return result if len(result) > 1 else out
+
+    def _hp_forward(self, inp, weight, bias, state):
+        gamma, beta = norm_params(self, inp.dtype)
+        cfg = self.cfg
+        ln_out = _NormFunction.apply(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
+        if state.calibrating and state.recipe.delayed():
+            self._fit_fp8_meta(state.recipe)
+            w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
+            record_amax(self.amax_history_fwd, 0,
+                        ops.amax(ln_out.detach().reshape(-1, ln_out.shape[-1])))
+            record_amax(self.amax_history_fwd, 1, ops.amax(w.detach()))
+            fp8.register_forward_amaxes(self, state.recipe)
+        out = F.linear(ln_out, weight.to(inp.dtype), None if bias is None else bias.to(inp.dtype))
+        return (out, ln_out) if cfg.return_ln_out else out
+
+    def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch):
+        plan = plan_of(recipe)
+        inp = fp8_input(self._name, inp)
+        check_fp8_shape(inp, self.in_features, self.out_features, self._name)
+        self._recipe_summary = recipe_summary(recipe)
+        scales, history = self.scale_fwd, self.amax_history_fwd
+        if plan.kind == "delayed":
+            self._fit_fp8_meta(recipe)
+            fp8.register_forward_amaxes(self, recipe)
+            scales, history = self._forward_scales(), self._forward_history()
+        gamma, beta = norm_params(self, inp.dtype)
+        grad = torch.is_grad_enabled()
+        need_dgrad = grad and (inp.requires_grad or gamma.requires_grad
+                               or (beta is not None and beta.requires_grad))
+        need_wgrad = grad and weight.requires_grad
+        w = self._weight_operand(plan, weight, need_dgrad, is_first_microbatch, scales, history)
+        col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
+        group = fp8.STATE.group
+        general = plan.kind == "delayed" and (plan.algo == "callable" or group is not None)
+        return Fp8LayerNormLinearFunction.apply(
+            inp, gamma, beta, weight, bias, w.data, w.scale_inv, w.columnwise, col_sinv,
+            history, scales, self.amax_history_bwd, self.scale_bwd, self.scale_inv_bwd, plan,
+            recipe if general else None, group, self.cfg, need_dgrad, need_wgrad)

@@ -1,0 +1,204 @@
+"""``te.LayerNormMLP``: the Transformer's MLP block, norm -> FC1 -> activation -> FC2.
+
+In FP8 the whole block is one autograd function (``layernorm_mlp_fn.py``) whose kernels write
+the GEMM operands in FP8 themselves; in high precision it is te.LayerNorm, nn.Linear, the
+core's activation and nn.Linear, with the same activation formulas as the FP8 path.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from transformer_engine.common.recipe import Recipe
+
+from .. import fp8, ops
+from ..float8_tensor import Float8Tensor
+from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction
+from ..ops.activation import GATED
+from ..quantization import record_amax
+from .base import FP8Module, fp8_weight_param, recipe_summary
+from .layernorm import _NormFunction
+from .layernorm_linear import (
+    check_input,
+    fp8_input,
+    norm_config,
+    norm_params,
+    register_norm_params,
+)
+from .linear import (
+    _default_device,
+    check_fp8_shape,
+    check_unsupported,
+    init_bias,
+    init_weight,
+    plan_of,
+)
+
+__all__ = ["LayerNormMLP"]
+
+ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu")
+
+
+class _ActivationFunction(torch.autograd.Function):
+    """``act(h)`` over the last dimension of h (any rank) by the core's kernels."""
+
+    @staticmethod
+    def forward(ctx, h, act: str):
+        x = h.reshape(-1, h.shape[-1])
+        y = ops.activation_forward(x, act)
+        ctx.save_for_backward(x)
+        ctx.act, ctx.shape = act, h.shape
+        return y.view(*h.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        dy = grad_output.reshape(x.shape[0], -1).to(x.dtype).contiguous()
+        dx, _ = ops.activation_backward(dy, x, ctx.act, False)
+        return dx.view(ctx.shape), None
+
+
+class LayerNormMLP(FP8Module):
+    """``fc2(act(fc1(norm(x))))`` with the GEMMs in FP8 under :func:`fp8_autocast`.
+
+    Args:
+        hidden_size: the input's and the output's features (normalized over).
+        ffn_hidden_size: features between the GEMMs. A gated activation (geglu, swiglu,
+            reglu) takes FC1's output as [a, b] halves, so FC1 has 2 * ffn_hidden_size rows.
+        eps, normalization, zero_centered_gamma, return_layernorm_output: the norm's, as in
+            te.LayerNormLinear.
+        bias: learn FC1's and FC2's biases.
+        activation: one of ``gelu`` (tanh approximation), ``relu``, ``silu``, ``qgelu``
+            (x sigmoid(1.702 x)), ``srelu`` (relu(x)^2), ``geglu``, ``swiglu``, ``reglu``
+            (act(a) * b).
+        return_bias: return FC2's bias instead of adding it.
+        params_dtype, device: as te.Linear.
+        init_method, output_layer_init_method: initialize FC1's resp. FC2's weight in place
+            (default: nn.Linear's).
+        tp_group, tp_size, set_parallel_mode, sequence_parallel, fuse_wgrad_accumulation:
+            accepted for compatibility; only one rank and no wgrad fusion are implemented.
+
+    Returns ``output``, then FC2's bias when ``return_bias``, then the norm's output when
+    ``return_layernorm_output``.
+
+    Example:
+        >>> mlp = te.LayerNormMLP(1024, 4096, activation="swiglu")  # doctest: +SKIP
+        >>> with te.fp8_autocast():  # doctest: +SKIP
+        ...     y = mlp(torch.randn(2048, 1024, device=mlp.fc1_weight.device))
+    """
+
+    _name = "te.LayerNormMLP"
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
+                 bias: bool = True, *, normalization: str = "LayerNorm",
+                 activation: str = "gelu", zero_centered_gamma: bool = False,
+                 return_layernorm_output: bool = False, return_bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None,
+                 device: Union[torch.device, str, None] = None,
+                 init_method: Optional[Callable[[torch.Tensor], None]] = None,
+                 output_layer_init_method: Optional[Callable[[torch.Tensor], None]] = None,
+                 tp_group=None, tp_size: int = 1, set_parallel_mode: bool = False,
+                 sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
+                 name: Optional[str] = None) -> None:
+        check_unsupported(tp_group, tp_size, None, sequence_parallel, fuse_wgrad_accumulation,
+                          self._name)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{self._name}: activation must be one of {ACTIVATIONS}, got "
+                             f"{activation!r}")
+        cfg = norm_config(self._name, normalization, eps, zero_centered_gamma,
+                          return_layernorm_output)
+        device = _default_device(device)
+        super().__init__(device, num_gemms=2)
+        self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
+        self.activation, self.normalization, self.cfg = activation, normalization, cfg
+        self.return_bias, self.name, self.set_parallel_mode = return_bias, name, set_parallel_mode
+        dtype = params_dtype or torch.get_default_dtype()
+        register_norm_params(self, self.hidden_size, cfg, dtype, device)
+        fc1_out = self.ffn_hidden_size * (2 if activation in GATED else 1)
+        self.fc1_weight = fp8_weight_param(
+            init_weight(fc1_out, self.hidden_size, dtype, device, init_method), plan_of)
+        self.register_parameter("fc1_bias", torch.nn.Parameter(
+            init_bias(fc1_out, self.hidden_size, dtype, device)) if bias else None)
+        self.fc2_weight = fp8_weight_param(
+            init_weight(self.hidden_size, self.ffn_hidden_size, dtype, device,
+                        output_layer_init_method), plan_of)
+        self.register_parameter("fc2_bias", torch.nn.Parameter(
+            init_bias(self.hidden_size, self.ffn_hidden_size, dtype, device)) if bias else None)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"activation={self.activation}, normalization={self.normalization}, "
+                f"bias={self.fc1_bias is not None}")
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """``inp`` [..., hidden_size] -> [..., hidden_size] (see the class docstring for what
+        else comes back); ``is_first_microbatch`` as for te.Linear, for both weights."""
+        check_input(self._name, inp, self.hidden_size)
+        fc2_bias = None if self.return_bias else self.fc2_bias
+        state = fp8.STATE
+        if state.enabled:
+            out = self._fp8_forward(inp, fc2_bias, state.recipe, is_first_microbatch)
+        else:
+            out = self._hp_forward(inp, fc2_bias, state)
+        ln_out = None
+        if self.cfg.return_ln_out:
+            out, ln_out = out
+        result = (out,) + ((self.fc2_bias,) if self.return_bias else ()) + \
+            ((ln_out,) if ln_out is not None else ())
+        return result if len(result) > 1 else out
+
+    def _hp_forward(self, inp, fc2_bias, state):
+        cfg, dtype = self.cfg, inp.dtype
+        gamma, beta = norm_params(self, dtype)
+        ln_out = _NormFunction.apply(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
+        b1 = None if self.fc1_bias is None else self.fc1_bias.to(dtype)
+        h = F.linear(ln_out, self.fc1_weight.to(dtype), b1)
+        a = _ActivationFunction.apply(h, self.activation)
+        if state.calibrating and state.recipe.delayed():
+            self._calibrate(ln_out, a, state.recipe)
+        out = F.linear(a, self.fc2_weight.to(dtype), None if fc2_bias is None else
+                       fc2_bias.to(dtype))
+        return (out, ln_out) if cfg.return_ln_out else out
+
+    def _calibrate(self, ln_out, a, recipe: Recipe) -> None:
+        """Records the amaxes of the four forward operands (high-precision compute)."""
+        self._fit_fp8_meta(recipe)
+        for column, t in enumerate((ln_out, self.fc1_weight, a, self.fc2_weight)):
+            t = t.dequantize() if isinstance(t, Float8Tensor) else t
+            record_amax(self.amax_history_fwd, column,
+                        ops.amax(t.detach().reshape(-1, t.shape[-1])))
+        fp8.register_forward_amaxes(self, recipe)
+
+    def _fp8_forward(self, inp, fc2_bias, recipe: Recipe, is_first_microbatch):
+        plan = plan_of(recipe)
+        inp = fp8_input(self._name, inp)
+        w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
+        check_fp8_shape(inp, self.hidden_size, w1.shape[0], self._name)
+        check_fp8_shape(inp, self.hidden_size, self.ffn_hidden_size, self._name)
+        self._recipe_summary = recipe_summary(recipe)
+        scales, history = self.scale_fwd, self.amax_history_fwd
+        if plan.kind == "delayed":
+            self._fit_fp8_meta(recipe)
+            fp8.register_forward_amaxes(self, recipe)
+            scales, history = self._forward_scales(), self._forward_history()
+        gamma, beta = norm_params(self, inp.dtype)
+        grad = torch.is_grad_enabled()
+        need_dgrad = grad and (inp.requires_grad or gamma.requires_grad
+                               or (beta is not None and beta.requires_grad))
+        need_wgrad1 = grad and w1.requires_grad
+        need_fc1 = need_dgrad or need_wgrad1 or (grad and b1 is not None and b1.requires_grad)
+        need = (need_dgrad, need_wgrad1, grad and w2.requires_grad, need_fc1)
+        q1 = self._weight_operand(plan, w1, need_dgrad, is_first_microbatch, scales, history, 0)
+        q2 = self._weight_operand(plan, w2, need_fc1, is_first_microbatch, scales, history, 1)
+        per_tensor = plan.weight_mode == "tensor"
+        group = fp8.STATE.group
+        general = plan.kind == "delayed" and (plan.algo == "callable" or group is not None)
+        return Fp8LayerNormMLPFunction.apply(
+            inp, gamma, beta, w1, b1, q1.data, q1.scale_inv, q1.columnwise,
+            None if per_tensor else q1.columnwise_scale_inv, w2, fc2_bias, q2.data,
+            q2.scale_inv, q2.columnwise, None if per_tensor else q2.columnwise_scale_inv,
+            history, scales, self.amax_history_bwd, self.scale_bwd, self.scale_inv_bwd, plan,
+            recipe if general else None, group, self.cfg, self.activation, need)

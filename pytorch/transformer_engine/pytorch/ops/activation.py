@@ -1,0 +1,179 @@
+"""The MLP block's activations as custom ops (``transformer_engine::activation_*``).
+
+Inputs are matrices [M, K] (callers flatten leading dimensions). A gated activation
+(``geglu``, ``swiglu``, ``reglu``) reads its input as [a, b] halves of K = 2N and writes N
+columns. Each direction has a high-precision form and an FP8 form with a given per-tensor
+scale (delayed scaling), which writes the FP8 data, its transpose and the amax in the same
+pass: forward, the activation writes the next GEMM's input directly in FP8; backward, it
+writes the previous GEMM's grad_output in FP8 together with the bias gradient ("dbias +
+dactivation + cast + transpose"). ``identity`` makes the backward a linear layer's "dbias +
+cast + transpose" of its grad_output. Semantics and bit-exactness: ``activation.h``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._backend import check_fp8_dtype, core, custom_op, placeholder, raw, stream_of, te_dtype
+
+_NS = "transformer_engine"
+ACTIVATIONS = ("identity", "gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu",
+               "reglu")
+GATED = ("geglu", "swiglu", "reglu")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(op: str, x: torch.Tensor, act: str) -> int:
+    """The output's column count, after checking the input."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{op}: act must be one of {ACTIVATIONS}, got {act!r}")
+    if x.dim() != 2:
+        raise ValueError(f"{op}: input must be a matrix [M, K], got shape {list(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"{op}: input must be float32, bfloat16 or float16, got {x.dtype}")
+    if act in GATED:
+        if x.shape[1] % 2:
+            raise ValueError(f"{op}: a gated activation ({act}) needs an even number of "
+                             f"input columns [a, b], got shape {list(x.shape)}")
+        return x.shape[1] // 2
+    return x.shape[1]
+
+
+def _check_grad(op: str, dy: torch.Tensor, x: torch.Tensor, act: str) -> None:
+    n = _check(op, x, act)
+    if dy.shape != (x.shape[0], n) or dy.dtype != x.dtype:
+        raise ValueError(f"{op}: grad_output must be [{x.shape[0]}, {n}] in the input's dtype "
+                         f"{x.dtype}, got {list(dy.shape)}, {dy.dtype}")
+
+
+def _te_act(act: str):
+    return getattr(core().Activation, act)
+
+
+def _fp8_pair(x: torch.Tensor, m: int, n: int, rowwise: bool, columnwise: bool):
+    if not (rowwise or columnwise):
+        raise ValueError("activation: rowwise or columnwise must be True, got both False")
+    data = x.new_empty((m, n), dtype=torch.uint8) if rowwise else placeholder(x)
+    col = x.new_empty((n, m), dtype=torch.uint8) if columnwise else placeholder(x)
+    return data, col
+
+
+def _scalar(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(1, dtype=torch.float32)
+
+
+def _dbias(x: torch.Tensor, with_dbias: bool) -> torch.Tensor:
+    return x.new_empty((x.shape[1],) if with_dbias else (0,), dtype=torch.float32)
+
+
+def _fp8_tensor(c, data, col, scale, scale_inv, amax, fp8_dtype, rowwise, columnwise):
+    return c.Tensor(raw(data) if rowwise else None, dtype=te_dtype(fp8_dtype), scale=raw(scale),
+                    scale_inv=raw(scale_inv), amax=raw(amax),
+                    columnwise_data=raw(col) if columnwise else None)
+
+
+# ------------------------------------------------------------ forward
+
+
+@custom_op(f"{_NS}::activation_forward", mutates_args=())
+def activation_forward(x: torch.Tensor, act: str) -> torch.Tensor:
+    """``act(x)`` in x's dtype: [M, K] -> [M, K] (gated: [M, K / 2])."""
+    n = _check("activation_forward", x, act)
+    out = x.new_empty((x.shape[0], n))
+    if x.numel() == 0:
+        return out
+    x = x.contiguous()  # kept alive across the call: raw() holds only its pointer
+    core().activation_forward(_te_act(act), raw(x), raw(out), stream=stream_of(x))
+    return out
+
+
+@activation_forward.register_fake
+def _(x, act):
+    return x.new_empty((x.shape[0], _check("activation_forward", x, act)))
+
+
+@custom_op(f"{_NS}::activation_forward_fp8", mutates_args=())
+def activation_forward_fp8(
+    x: torch.Tensor, act: str, scale: torch.Tensor, fp8_dtype: str, rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 data of ``act(x) * scale`` (row-wise [M, N] and/or its transpose [N, M]),
+    ``scale_inv`` and ``amax = max|act(x)|`` of the fp32 values: (data, col, scale_inv, amax).
+    ``scale`` is [1] fp32."""
+    n = _check("activation_forward_fp8", x, act)
+    check_fp8_dtype("activation_forward_fp8", fp8_dtype)
+    data, col = _fp8_pair(x, x.shape[0], n, rowwise, columnwise)
+    scale_inv, amax = _scalar(x), _scalar(x)
+    c = core()
+    x, scale = x.contiguous(), scale.contiguous()
+    out = _fp8_tensor(c, data, col, scale, scale_inv, amax, fp8_dtype, rowwise, columnwise)
+    c.activation_forward(_te_act(act), raw(x), out, stream=stream_of(x))
+    return data, col, scale_inv, amax
+
+
+@activation_forward_fp8.register_fake
+def _(x, act, scale, fp8_dtype, rowwise, columnwise):
+    n = _check("activation_forward_fp8", x, act)
+    return (*_fp8_pair(x, x.shape[0], n, rowwise, columnwise), _scalar(x), _scalar(x))
+
+
+# ------------------------------------------------------------ backward
+
+
+def _input_arg(x: torch.Tensor, act: str) -> Optional[tuple]:
+    return None if act == "identity" else raw(x)
+
+
+@custom_op(f"{_NS}::activation_backward", mutates_args=())
+def activation_backward(dy: torch.Tensor, x: torch.Tensor, act: str, with_dbias: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grad_input = act'(x) * dy`` [M, K] in x's dtype, and with ``with_dbias`` its fp32
+    column sums [K] (else an empty tensor): (grad_input, dbias)."""
+    _check_grad("activation_backward", dy, x, act)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dbias = _dbias(x, with_dbias)
+    if x.shape[0] == 0:
+        dbias.zero_()
+        return dx, dbias
+    dy, x = dy.contiguous(), x.contiguous()
+    core().activation_backward(_te_act(act), raw(dy), _input_arg(x, act), raw(dx),
+                               dbias=raw(dbias) if with_dbias else None, stream=stream_of(x))
+    return dx, dbias
+
+
+@activation_backward.register_fake
+def _(dy, x, act, with_dbias):
+    _check_grad("activation_backward", dy, x, act)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), _dbias(x, with_dbias)
+
+
+@custom_op(f"{_NS}::activation_backward_fp8", mutates_args=())
+def activation_backward_fp8(
+    dy: torch.Tensor, x: torch.Tensor, act: str, scale: torch.Tensor, fp8_dtype: str,
+    rowwise: bool, columnwise: bool, with_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``grad_input = act'(x) * dy`` written as FP8 with ``scale`` (row-wise [M, K] and/or its
+    transpose [K, M]) in one pass with its amax and (``with_dbias``) the fp32 column sums of
+    the unscaled grad_input: (data, col, scale_inv, amax, dbias). For ``identity`` x is only
+    read for its shape (its values may be anything, e.g. dy itself)."""
+    _check_grad("activation_backward_fp8", dy, x, act)
+    check_fp8_dtype("activation_backward_fp8", fp8_dtype)
+    m, k = x.shape
+    data, col = _fp8_pair(x, m, k, rowwise, columnwise)
+    scale_inv, amax, dbias = _scalar(x), _scalar(x), _dbias(x, with_dbias)
+    c = core()
+    dy, x, scale = dy.contiguous(), x.contiguous(), scale.contiguous()
+    out = _fp8_tensor(c, data, col, scale, scale_inv, amax, fp8_dtype, rowwise, columnwise)
+    c.activation_backward(_te_act(act), raw(dy), _input_arg(x, act), out,
+                          dbias=raw(dbias) if with_dbias else None, stream=stream_of(x))
+    return data, col, scale_inv, amax, dbias
+
+
+@activation_backward_fp8.register_fake
+def _(dy, x, act, scale, fp8_dtype, rowwise, columnwise, with_dbias):
+    _check_grad("activation_backward_fp8", dy, x, act)
+    m, k = x.shape
+    return (*_fp8_pair(x, m, k, rowwise, columnwise), _scalar(x), _scalar(x),
+            _dbias(x, with_dbias))

@@ -1,0 +1,320 @@
+"""te.LayerNormMLP: against norm + nn.Linear + activation + nn.Linear in float64 (high
+precision, and FP8 within the carried quantization bound for every recipe), bit for bit
+against the unfused te modules in FP8, its options, state, torch.compile and errors."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from te_torch_tests import _reference as ref
+from te_torch_tests._tolerances import (
+    COMPILE_RTOL,
+    FP8_EPS,
+    GEMM_RTOL,
+    NORM_RTOL,
+    act_error,
+    assert_bounded,
+    assert_within,
+    fp8_error,
+    gemm_error,
+)
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+from transformer_engine.pytorch.module.layernorm_mlp import _ActivationFunction
+
+RECIPES = {
+    "delayed": recipe.DelayedScaling(margin=1, amax_history_len=4),
+    "current": recipe.Float8CurrentScaling(),
+    "block": recipe.Float8BlockScaling(),
+}
+ACTS = ["gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu"]
+# [B, S, H] with 48 tokens; H = 160 leaves a ragged 1x128 block; FFN = 144 a ragged tile.
+B, S, H, FFN = 2, 24, 160, 144
+NAMES = ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight",
+         "fc2_bias"]
+
+
+def _mlp(activation="gelu", normalization="LayerNorm", **kw):
+    mlp = te.LayerNormMLP(H, FFN, activation=activation, normalization=normalization,
+                          device="cpu", **kw)
+    with torch.no_grad():
+        mlp.layer_norm_weight.add_(torch.randn(H) * 0.3)
+        if mlp.layer_norm_bias is not None:
+            mlp.layer_norm_bias.normal_(0.0, 0.3)
+    return mlp
+
+
+def _step(module, x, g, r=None):
+    with te.fp8_autocast(enabled=r is not None, fp8_recipe=r):
+        y = module(x)
+    (y * g).sum().backward()
+    return y
+
+
+def _reference(mlp, x, g):
+    """float64 (output, grads of input and parameters, ln, fc1_out, act_out)."""
+    params = {n: p.detach().double().requires_grad_() for n, p in mlp.named_parameters()}
+    x64 = x.detach().double().requires_grad_()
+    out, ln, h, a = ref.mlp64(x64, params["layer_norm_weight"], params.get("layer_norm_bias"),
+                              params["fc1_weight"], params["fc1_bias"], params["fc2_weight"],
+                              params["fc2_bias"], mlp.cfg.norm, mlp.activation, mlp.cfg.eps)
+    grads = torch.autograd.grad((out * g.double()).sum(), [x64, *params.values()])
+    return out.detach(), grads, ln.detach(), h.detach(), a.detach()
+
+
+def _bound(mlp, ln, h, a, fwd_dtype):
+    """The forward's error bound: the norm's error, then (when fwd_dtype is an FP8 format)
+    each operand's quantization, carried through FC1, the activation and FC2 (_tolerances)."""
+    f32 = torch.float32
+    gamma, beta = mlp.layer_norm_weight.detach().double(), mlp.layer_norm_bias
+    b = torch.zeros_like(gamma) if beta is None else beta.detach().double()
+    ln, h, a = ln.reshape(-1, H), h.reshape(-1, h.shape[-1]), a.reshape(-1, FFN)
+    w1, w2 = mlp.fc1_weight.detach().double(), mlp.fc2_weight.detach().double()
+
+    def q(v, e):
+        return e if fwd_dtype is None else fp8_error(v, e, fwd_dtype)
+
+    e_ln = q(ln, NORM_RTOL[f32] * ((ln - b).abs() + gamma.abs() + b.abs()))
+    zero1, zero2 = torch.zeros_like(w1), torch.zeros_like(w2)
+    e_h = gemm_error(ln, e_ln, w1, q(w1, zero1), mlp.fc1_bias.detach().double(), f32)
+    base = ref.GATED.get(mlp.activation)
+    e_a = q(a, act_error(h, e_h, mlp.activation, base))
+    return gemm_error(a, e_a, w2, q(w2, zero2), mlp.fc2_bias.detach().double(), f32)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_high_precision_matches_the_unfused_block(act):
+    mlp = _mlp(act, "RMSNorm" if act in ("silu", "swiglu") else "LayerNorm")
+    x = torch.randn(B, S, H, requires_grad=True)
+    g = torch.randn(B, S, H)
+    y = _step(mlp, x, g)
+    want, grads, ln, h, a = _reference(mlp, x, g)
+    assert_bounded(y.reshape(-1, H), want.reshape(-1, H), _bound(mlp, ln, h, a, None),
+                   f"{act} forward")
+    # Gradients, relative to the largest element of each: four fp32 stages of sums over at
+    # most 2 FFN = 288 terms (2^-24 each of magnitudes within ~10x of that element here),
+    # so ~2e-5; 1e-4 leaves room. The kinks of relu-type activations are not met: a float64
+    # and an fp32 fc1_out straddle 0 with probability ~1e-6 per element.
+    got = [x.grad, *[p.grad for p in mlp.parameters()]]
+    for name, a_, b_ in zip(["input", *[n for n, _ in mlp.named_parameters()]], got, grads,
+                            strict=True):
+        assert_within(a_, b_, b_.abs().max().expand_as(b_), 1e-4, f"{act} grad of {name}")
+
+
+@pytest.mark.parametrize("name,act", [(n, a) for n in sorted(RECIPES) for a in ("gelu", "swiglu")]
+                         + [("current", "srelu"), ("delayed", "reglu")])
+def test_fp8_forward_within_the_quantization_bound(name, act):
+    r = RECIPES[name]
+    mlp = _mlp(act)
+    x = torch.randn(B, S, H, requires_grad=True)
+    g = torch.randn(B, S, H) * 1e-2
+    _step(mlp, x, g, r)  # delayed: the second step quantizes with scales from amaxes
+    for p in (x, *mlp.parameters()):
+        p.grad = None
+    y = _step(mlp, x, g, r)
+    want, grads, ln, h, a = _reference(mlp, x, g)
+    bound = _bound(mlp, ln, h, a, r.fp8_format.fwd_dtype_name)
+    assert_bounded(y.reshape(-1, H), want.reshape(-1, H), bound, f"{name} {act} forward")
+    # The bound is the worst case, where every rounding errs its most in one direction; in
+    # fact they are independent and cancel, and the error norm sits near FP8_EPS of the
+    # output's norm (measured 0.6 to 0.9 of it). A wrong operand (transposed, unscaled, another
+    # activation) errs by O(1) of it: 2 FP8_EPS tells them apart.
+    rel = ((y.double() - want).norm() / want.norm()).item()
+    assert rel < 2 * FP8_EPS[r.fp8_format.fwd_dtype_name], rel
+    # Gradients, by the same norm check: each passes through at most two E5M2 (grad_output
+    # of FC2 and of FC1) and two E4M3 roundings, 2 * 2^-3 + 2 * 2^-4 = 3 FP8_EPS[e5m2] in
+    # all (measured: up to 1.3 FP8_EPS, reglu, whose derivative jumps where FP8 moves fc1_out
+    # across 0); a wrong gradient errs by O(1).
+    for n, got, exp in zip(["input", *NAMES], [x.grad, *[p.grad for p in mlp.parameters()]],
+                           grads, strict=True):
+        rel = ((got.double() - exp).norm() / exp.norm()).item()
+        assert rel < 3 * FP8_EPS[r.fp8_format.bwd_dtype_name], (n, rel)
+
+
+class _Unfused(torch.nn.Module):
+    """te.LayerNorm, te.Linear, the core's activation, te.Linear: the block op by op."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.act = mlp.activation
+        self.norm = te.LayerNorm(H, device="cpu")
+        self.fc1 = te.Linear(H, mlp.fc1_weight.shape[0], device="cpu")
+        self.fc2 = te.Linear(FFN, H, device="cpu")
+        with torch.no_grad():
+            for dst, src in ((self.norm.weight, mlp.layer_norm_weight),
+                             (self.norm.bias, mlp.layer_norm_bias),
+                             (self.fc1.weight, mlp.fc1_weight), (self.fc1.bias, mlp.fc1_bias),
+                             (self.fc2.weight, mlp.fc2_weight), (self.fc2.bias, mlp.fc2_bias)):
+                dst.copy_(src)
+
+    def forward(self, x):
+        return self.fc2(_ActivationFunction.apply(self.fc1(self.norm(x)), self.act))
+
+
+@pytest.mark.parametrize("name,act,dtype", [
+    *[(n, a, torch.float32) for n in sorted(RECIPES) for a in ("gelu", "swiglu")],
+    ("current", "gelu", torch.bfloat16), ("block", "swiglu", torch.bfloat16)])
+def test_fp8_is_bit_identical_to_the_unfused_te_modules(name, act, dtype):
+    """The fused kernels write the FP8 bytes that te.Linear's quantize makes of the unfused
+    norm's and activation's outputs (forward) and of the gradients (backward), so outputs,
+    gradients and every delayed-scaling history and scale agree bit for bit. Except: the bias
+    gradients the fused backward takes from the activation kernel (FC1's; FC2's too under
+    delayed scaling) sum in the core's fixed order, torch's sum in its own (fp32, 48 rows:
+    within 48 * 2^-24 of sum |grad|); and with bf16 activations delayed scaling quantizes the
+    fp32 norm output, te.LayerNorm's is rounded to bf16 first (only close then)."""
+    r = RECIPES[name]
+    mlp = _mlp(act)
+    unfused = _Unfused(mlp)
+    mlp, unfused = mlp.to(dtype), unfused.to(dtype)
+    x = torch.randn(B, S, H, dtype=dtype)
+    g = (torch.randn(B, S, H) * 1e-2).to(dtype)
+    for _ in range(2):
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        ys = [_step(m, xi, g, r) for m, xi in zip((mlp, unfused), xs, strict=True)]
+        assert torch.equal(ys[0], ys[1])
+        assert torch.equal(xs[0].grad, xs[1].grad)
+        for n, a, b in zip(NAMES, mlp.parameters(), unfused.parameters(), strict=True):
+            if n.endswith("_bias") and n != "layer_norm_bias":
+                mag = (g if n == "fc2_bias" else b.grad).abs().double().sum() + b.grad.abs()
+                assert_within(a.grad, b.grad, mag.double(), 48 * 2.0**-24 + GEMM_RTOL[dtype]
+                              * (dtype != torch.float32), n)
+            else:
+                assert torch.equal(a.grad, b.grad), n
+            a.grad = b.grad = None
+        fc1, fc2 = unfused.fc1, unfused.fc2
+        assert torch.equal(mlp.amax_history_fwd,
+                           torch.cat([fc1.amax_history_fwd, fc2.amax_history_fwd], 1))
+        assert torch.equal(mlp.scale_fwd, torch.cat([fc1.scale_fwd, fc2.scale_fwd]))
+        assert torch.equal(mlp.amax_history_bwd,
+                           torch.cat([fc1.amax_history_bwd, fc2.amax_history_bwd], 1))
+        assert torch.equal(mlp.scale_bwd, torch.cat([fc1.scale_bwd, fc2.scale_bwd]))
+
+
+def test_gated_activations_double_fc1():
+    mlp = te.LayerNormMLP(H, FFN, activation="swiglu", device="cpu", bias=False)
+    assert mlp.fc1_weight.shape == (2 * FFN, H) and mlp.fc2_weight.shape == (H, FFN)
+    assert mlp.fc1_bias is None and "fc1_bias" not in dict(mlp.named_parameters())
+
+
+def test_returned_layernorm_output_and_bias():
+    mlp = _mlp("gelu", return_layernorm_output=True, return_bias=True)
+    x = torch.randn(B, S, H, requires_grad=True)
+    with te.fp8_autocast(fp8_recipe=RECIPES["block"]):
+        out, bias, ln_out = mlp(x)
+    assert bias is mlp.fc2_bias and out.shape == ln_out.shape == x.shape
+    want = ref.norm64(x, mlp.layer_norm_weight, mlp.layer_norm_bias, "layernorm", 1e-5)
+    torch.testing.assert_close(ln_out.double(), want, rtol=1e-5, atol=1e-5)
+    ln_out.sum().backward()  # only through ln_out: the norm's gradient of it
+    ln_only = torch.autograd.grad(want.sum(), x)[0]
+    torch.testing.assert_close(x.grad.double(), ln_only.double(), rtol=1e-4, atol=1e-5)
+
+
+def test_zero_centered_gamma():
+    mlp = te.LayerNormMLP(H, FFN, zero_centered_gamma=True, device="cpu")
+    plain = te.LayerNormMLP(H, FFN, device="cpu")
+    plain.load_state_dict(mlp.state_dict())
+    with torch.no_grad():
+        plain.layer_norm_weight.add_(1.0)
+    x = torch.randn(48, H)
+    assert torch.equal(mlp.layer_norm_weight, torch.zeros(H))
+    with te.fp8_autocast(fp8_recipe=RECIPES["current"]):
+        torch.testing.assert_close(mlp(x), plain(x), rtol=0, atol=0)
+
+
+def test_state_dict_round_trip_into_a_fresh_module():
+    mlp = _mlp("swiglu", "RMSNorm")
+    for _ in range(2):
+        with te.fp8_autocast(fp8_recipe=RECIPES["delayed"]):
+            mlp(torch.randn(48, H)).sum().backward()
+    buf = io.BytesIO()
+    torch.save(mlp.state_dict(), buf)
+    buf.seek(0)
+    fresh = te.LayerNormMLP(H, FFN, activation="swiglu", normalization="RMSNorm", device="cpu")
+    fresh.load_state_dict(torch.load(buf))
+    state = fresh.get_extra_state()
+    assert state["amax_history_fwd"].shape == (4, 4) and state["scale_bwd"].shape == (2,)
+    for key in ("amax_history_fwd", "scale_fwd", "amax_history_bwd", "scale_bwd"):
+        assert torch.equal(getattr(fresh, key), getattr(mlp, key)), key
+    for a, b in zip(fresh.parameters(), mlp.parameters(), strict=True):
+        assert torch.equal(a, b)
+    x = torch.randn(48, H)
+    with te.fp8_autocast(fp8_recipe=RECIPES["delayed"]):
+        assert torch.equal(fresh(x), mlp(x))
+
+
+def test_fp8_model_init_keeps_both_weights_fp8():
+    with te.fp8_model_init():
+        mlp = te.LayerNormMLP(H, FFN, device="cpu")
+    assert type(mlp.fc1_weight) is te.Float8Tensor and type(mlp.fc2_weight) is te.Float8Tensor
+    x = torch.randn(48, H, requires_grad=True)
+    with te.fp8_autocast():
+        mlp(x).sum().backward()
+    assert torch.isfinite(x.grad).all() and mlp.fc1_weight.grad is not None
+
+
+def _block():
+    return torch.nn.Sequential(te.LayerNormLinear(32, 64, device="cpu"),
+                               te.LayerNormMLP(64, 48, activation="swiglu", device="cpu"))
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_compiled_training_step_matches_eager(name):
+    """fullgraph=True: a graph break raises. aot_eager traces through dynamo and AOT autograd
+    (the custom ops by their fake implementations, the in-place updates of the FP8 buffers
+    functionalized) without inductor's C++ compile: ~15 s more per recipe on a 2-core CPU;
+    test_compile.py runs inductor on te.Linear, whose graph holds the same kinds of nodes."""
+    torch._dynamo.reset()
+    r = recipe.DelayedScaling() if name == "delayed" else RECIPES[name]
+    eager = _block()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    for _ in range(2 if name == "delayed" else 1):  # delayed: a step with updated scales
+        x = torch.randn(2, 16, 32)
+        losses = []
+        for model in (eager, compiled):
+            with te.fp8_autocast(fp8_recipe=r):
+                loss = model(x).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=COMPILE_RTOL, atol=0)
+        for a, b in zip(compiled_model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=COMPILE_RTOL, atol=1e-7)
+            a.grad = b.grad = None
+        for a, b in zip(compiled_model.buffers(), eager.buffers(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_bad_inputs_give_clear_errors():
+    with pytest.raises(ValueError, match="te.LayerNormMLP: activation must be one of"):
+        te.LayerNormMLP(H, FFN, activation="tanh")
+    mlp = te.LayerNormMLP(H, 40, device="cpu")
+    with pytest.raises(ValueError, match="te.LayerNormMLP: input must have 160 features"):
+        mlp(torch.randn(4, 8))
+    with te.fp8_autocast(), pytest.raises(ValueError, match="out_features must be a multiple"):
+        mlp(torch.randn(16, H))
+
+
+@pytest.mark.parametrize("trainable", [("fc2_weight", "fc2_bias"), ("fc1_bias",),
+                                       ("layer_norm_weight", "fc1_weight")])
+@pytest.mark.parametrize("name", ["delayed", "block"])
+def test_frozen_parameters_get_the_same_gradients(name, trainable):
+    """With parts of the block frozen (and an input that needs no gradient) the backward
+    skips their GEMMs; what it computes is what the full backward computes."""
+    r = RECIPES[name]
+    full = _mlp("swiglu")
+    part = copy.deepcopy(full)
+    for n, p in part.named_parameters():
+        p.requires_grad_(n in trainable)
+    x = torch.randn(B, S, H)
+    g = torch.randn(B, S, H) * 1e-2
+    _step(full, x.clone().requires_grad_(), g, r)
+    _step(part, x, g, r)
+    for n, p in part.named_parameters():
+        if n in trainable:
+            assert torch.equal(p.grad, dict(full.named_parameters())[n].grad), n
+        else:
+            assert p.grad is None, n
