@@ -5,8 +5,8 @@
 // row-wise FP8 output (a row-wise kernel cannot write a transposed tile coalesced).
 //
 // Backward: one block per group of 32 rows (norm.h's column-sum groups), rows in order; the
-// group's partial column sums of grad_gamma / grad_beta live in shared memory, each column
-// owned by one thread; a second kernel adds the groups' partials in group order.
+// gains and the group's partial column sums of grad_gamma / grad_beta live in shared memory,
+// each column owned by one thread; a second kernel adds the groups' partials in group order.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,29 +24,18 @@ using namespace norm_cuda;
 
 template <te_dtype kIn, int kVecs>
 __global__ void __launch_bounds__(kThreads)
-    norm_backward_kernel(const NormBackwardArgs a, float *partials, int64_t groups, bool vector_weights) {
-  extern __shared__ float smem[];  // partial dgamma [n], partial dbeta [n] (LayerNorm)
+    norm_backward_kernel(const NormBackwardArgs a, float *partials, int64_t groups) {
+  extern __shared__ float smem[];  // gains [n], partial dgamma [n], partial dbeta [n]
   __shared__ float scratch[kNormLanes];
   const bool ln = a.type == TE_NORM_LAYERNORM;
   const int64_t n = a.cols, grp = blockIdx.x;
-  float *part_g = smem, *part_b = smem + n;
-  // The gains come from global memory (L1 after the first row): in shared memory they would
-  // take a third of the block's footprint and leave fewer blocks resident.
-  auto gains = [&](int64_t i0, float (&g)[8]) {
-    if (vector_weights && i0 + 8 <= n) {
-      load_any8(a.gamma, i0, a.weight_dtype, g);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) g[e] = i0 + e < n ? load_any(a.gamma, i0 + e, a.weight_dtype) : 0.0f;
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) g[e] = norm_gain(g[e], a.zero_centered);
-  };
+  float *gain = smem, *part_g = smem + n, *part_b = smem + 2 * n;
   // Each thread initializes (and later owns) the columns of its own vectors.
   for (int64_t i0 = static_cast<int64_t>(threadIdx.x) * kNormVec; i0 < n; i0 += kThreads * kNormVec) {
     for (int e = 0; e < kNormVec && i0 + e < n; ++e) {
+      gain[i0 + e] = norm_gain(load_any(a.gamma, i0 + e, a.weight_dtype), a.zero_centered);
       part_g[i0 + e] = 0.0f;
-      if (ln) part_b[i0 + e] = 0.0f;
+      part_b[i0 + e] = 0.0f;
     }
   }
   const int64_t r1 = min(a.rows, (grp + 1) * kNormGroupRows);
@@ -58,15 +47,14 @@ __global__ void __launch_bounds__(kThreads)
     const float mu = ln ? a.mu[r] : 0.0f, rsigma = a.rsigma[r];
     float s1 = 0.0f, s2 = 0.0f;
     x.each([&](int j) {
-      float xv[8], dv[8], g[8];
+      float xv[8], dv[8];
       x.get(j, xv);
       dy.get(j, dv);
       const int64_t i0 = x.start(j);
-      gains(i0, g);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         if (i0 + e < n) {
-          const float dyg = dv[e] * g[e];
+          const float dyg = dv[e] * gain[i0 + e];
           s1 += dyg;
           s2 += dyg * norm_xhat(xv[e], mu, rsigma, ln);
         }
@@ -75,19 +63,18 @@ __global__ void __launch_bounds__(kThreads)
     const float m1 = ln ? block_lane_sum(s1, scratch) / static_cast<float>(n) : 0.0f;
     const float m2 = block_lane_sum(s2, scratch) / static_cast<float>(n);
     x.each([&](int j) {
-      float xv[8], dv[8], dx[8], g[8];
+      float xv[8], dv[8], dx[8];
       x.get(j, xv);
       dy.get(j, dv);
       const int64_t i0 = x.start(j);
-      gains(i0, g);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         dx[e] = 0.0f;
         if (i0 + e < n) {
           const float xhat = norm_xhat(xv[e], mu, rsigma, ln);
-          dx[e] = norm_grad_input(dv[e] * g[e], xhat, m1, m2, rsigma, ln);
+          dx[e] = norm_grad_input(dv[e] * gain[i0 + e], xhat, m1, m2, rsigma, ln);
           part_g[i0 + e] += dv[e] * xhat;
-          if (ln) part_b[i0 + e] += dv[e];
+          part_b[i0 + e] += dv[e];
         }
       }
       if (kVecs > 0 && i0 + 8 <= n) {
@@ -102,7 +89,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i0 = static_cast<int64_t>(threadIdx.x) * kNormVec; i0 < n; i0 += kThreads * kNormVec) {
     for (int e = 0; e < kNormVec && i0 + e < n; ++e) {
       partials[grp * n + i0 + e] = part_g[i0 + e];
-      if (ln) partials[(groups + grp) * n + i0 + e] = part_b[i0 + e];
+      partials[(groups + grp) * n + i0 + e] = part_b[i0 + e];
     }
   }
 }
@@ -112,10 +99,9 @@ __global__ void norm_backward_finalize_kernel(const NormBackwardArgs a, const fl
   const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (c >= a.cols) return;
   float g = 0.0f, b = 0.0f;
-  const bool ln = a.grad_beta != nullptr;  // RMSNorm leaves the dbeta partials unwritten
   for (int64_t k = 0; k < groups; ++k) {
     g += partials[k * a.cols + c];
-    if (ln) b += partials[(groups + k) * a.cols + c];
+    b += partials[(groups + k) * a.cols + c];
   }
   store_any(a.grad_gamma, c, a.weight_dtype, g);
   if (a.grad_beta != nullptr) store_any(a.grad_beta, c, a.weight_dtype, b);
@@ -156,8 +142,7 @@ struct BackwardLaunch {
         return st;
       }
     }
-    const bool vector_weights = a.cols % kNormVec == 0 && aligned(a.gamma, 16);
-    kernel<<<static_cast<unsigned>(groups), kThreads, smem, s>>>(a, partials, groups, vector_weights);
+    kernel<<<static_cast<unsigned>(groups), kThreads, smem, s>>>(a, partials, groups);
     return launch_status("norm_backward");
   }
 };
@@ -207,12 +192,11 @@ te_status norm_backward_cuda(const NormBackwardArgs &a, te_stream stream) {
   constexpr const char *kOp = "norm_backward";
   cudaStream_t s = cuda_stream(stream);
   const int64_t groups = div_up(a.rows, kNormGroupRows);
-  const size_t smem_per_col = (a.type == TE_NORM_LAYERNORM ? 2 : 1) * sizeof(float);
-  const size_t smem = static_cast<size_t>(a.cols) * smem_per_col;
+  const size_t smem = static_cast<size_t>(3 * a.cols) * sizeof(float);
   constexpr size_t kMaxSmem = 200 * 1024;
   if (smem > kMaxSmem) {
     return fail(TE_ERROR_UNSUPPORTED, kOp,
-                "input.data must have at most " + std::to_string(kMaxSmem / smem_per_col) +
+                "input.data must have at most " + std::to_string(kMaxSmem / 12) +
                     " columns on CUDA (the per-column sums live in shared memory), got " + std::to_string(a.cols));
   }
   float *partials = static_cast<float *>(a.workspace);
