@@ -637,7 +637,11 @@ int64_t lse_elements(const AttentionShape &s) { return s.batch * s.heads_q * s.s
 
 }  // namespace
 
-std::string cudnn_attention_forward_support(const AttentionForwardArgs &args) {
+// This file is compiled with hidden visibility (for the frontend's inline code); the entry
+// points stay visible like the rest of the core's internals, so a check program can call them.
+#define TE_CUDNN_ENTRY __attribute__((visibility("default")))
+
+TE_CUDNN_ENTRY std::string cudnn_attention_forward_support(const AttentionForwardArgs &args) {
   try {
     const Problem p = problem_of(args);
     CudaDeviceScope scope(args.device);
@@ -648,7 +652,7 @@ std::string cudnn_attention_forward_support(const AttentionForwardArgs &args) {
   }
 }
 
-std::string cudnn_attention_backward_support(const AttentionBackwardArgs &args) {
+TE_CUDNN_ENTRY std::string cudnn_attention_backward_support(const AttentionBackwardArgs &args) {
   try {
     const Problem p = problem_of(args);
     CudaDeviceScope scope(args.device);
@@ -659,7 +663,7 @@ std::string cudnn_attention_backward_support(const AttentionBackwardArgs &args) 
   }
 }
 
-size_t cudnn_attention_forward_workspace_size(const AttentionForwardArgs &args) {
+TE_CUDNN_ENTRY size_t cudnn_attention_forward_workspace_size(const AttentionForwardArgs &args) {
   try {
     CudaDeviceScope scope(args.device);
     const auto plan = plan_for(problem_of(args));
@@ -669,7 +673,7 @@ size_t cudnn_attention_forward_workspace_size(const AttentionForwardArgs &args) 
   }
 }
 
-size_t cudnn_attention_backward_workspace_size(const AttentionBackwardArgs &args) {
+TE_CUDNN_ENTRY size_t cudnn_attention_backward_workspace_size(const AttentionBackwardArgs &args) {
   try {
     CudaDeviceScope scope(args.device);
     const auto plan = plan_for(problem_of(args));
@@ -679,7 +683,7 @@ size_t cudnn_attention_backward_workspace_size(const AttentionBackwardArgs &args
   }
 }
 
-te_status cudnn_attention_forward(const AttentionForwardArgs &a, te_stream stream_handle) {
+TE_CUDNN_ENTRY te_status cudnn_attention_forward(const AttentionForwardArgs &a, te_stream stream_handle) {
   return guarded(kForwardOp, [&]() -> te_status {
     const Problem p = problem_of(a);
     CudaDeviceScope scope(a.device);
@@ -712,7 +716,7 @@ te_status cudnn_attention_forward(const AttentionForwardArgs &a, te_stream strea
   });
 }
 
-te_status cudnn_attention_backward(const AttentionBackwardArgs &a, te_stream stream_handle) {
+TE_CUDNN_ENTRY te_status cudnn_attention_backward(const AttentionBackwardArgs &a, te_stream stream_handle) {
   return guarded(kBackwardOp, [&]() -> te_status {
     const Problem p = problem_of(a);
     CudaDeviceScope scope(a.device);
