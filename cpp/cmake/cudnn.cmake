@@ -91,7 +91,7 @@ function(te_add_cudnn_backend)
   file(COPY "${TE_NVRTC_INCLUDE_DIR}/nvrtc.h" DESTINATION "${nvrtc_dir}")
 
   set(dir ${CMAKE_CURRENT_SOURCE_DIR}/src/attention/cudnn)
-  set(host_sources ${dir}/attention_cudnn.cpp ${dir}/cudnn_library.cpp)
+  set(host_sources ${dir}/attention_cudnn.cpp ${dir}/attention_cudnn_problem.cpp ${dir}/cudnn_library.cpp)
   target_sources(transformer_engine PRIVATE ${host_sources} ${dir}/attention_cudnn_aux.cu)
   # SYSTEM: the frontend's headers are not warning-clean under -Wall -Wextra.
   target_include_directories(transformer_engine SYSTEM PRIVATE

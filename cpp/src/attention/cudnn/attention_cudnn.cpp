@@ -14,11 +14,16 @@
 // window_right and left_bound = window_left + 1; bottom-right alignment is off = seqlen_kv -
 // seqlen_q, per sequence under padding. A window wider than both sequences is no window.
 //
-// Rows that are no query or key (at or past a sequence's length, and THD rows past the last
-// sequence) must read 0 in O (and dQ, dK, dV) and -inf in softmax_lse; cuDNN need not write
-// them, so with padding those outputs are filled first and cuDNN overwrites the rows it owns.
+// Rows without keys. attention_impl.h wants o = 0 and lse = -inf for a query row with no allowed
+// key and for rows that are no query (at or past a sequence's length; THD rows past the last
+// sequence), and zero gradients for positions that are no query or key. cuDNN need not write
+// such rows, nor write those values, so: a kernel sets them in o and softmax_lse after the
+// forward (THD's tail rows are zeroed before it); the gradients are zeroed before a backward
+// with padding; and the backward gives cuDNN a copy of softmax_lse with -inf turned into +inf,
+// whose probabilities exp(s - lse) are 0 where -inf would make them NaN.
 //
-// Workspace: [cuDNN's | sequence lengths | ragged offsets], each part 256-byte aligned.
+// Workspace: [cuDNN's | sequence lengths | ragged offsets | backward's softmax_lse copy], each
+// part 256-byte aligned.
 //
 // Built graphs are cached by everything that shapes them (the Problem below, the offset width
 // and the device's compute capability), failures included, so *_support, *_workspace_size and
@@ -47,22 +52,21 @@
 
 #include "attention/cudnn/attention_cudnn.h"
 #include "attention/cudnn/attention_cudnn_aux.h"
+#include "attention/cudnn/attention_cudnn_problem.h"
 #include "attention/cudnn/cudnn_library.h"
 #include "common/internal.h"
 
 namespace te {
 namespace {
 
+using namespace cudnn_attention;
 namespace fe = cudnn_frontend;
 namespace fg = cudnn_frontend::graph;
 using TensorPtr = std::shared_ptr<fg::Tensor_attributes>;
 
 constexpr const char *kForwardOp = "attention_forward";
 constexpr const char *kBackwardOp = "attention_backward";
-constexpr size_t kAlign = 256;
 constexpr size_t kMaxGraphs = 256;
-constexpr int64_t kMaxHeadDim = 256;   // cuDNN's SDPA kernels on sm_90 (sm_80: 128 for some versions)
-constexpr uintptr_t kOperandAlign = 16;  // cuDNN loads q/k/v/o with 16-byte vectors and TMA
 constexpr int kMaxDevices = 64;
 
 // Graph tensor ids; the variant pack of a call maps them to pointers.
@@ -74,116 +78,6 @@ enum Uid : int64_t {
   kAmaxDP, kAmaxDQ, kAmaxDK, kAmaxDV,
 };
 
-// Ragged offsets, one tensor per operand family: q (and dQ), k (dK), v (dV), o (dO).
-enum Family { kFamilyQ = 0, kFamilyK, kFamilyV, kFamilyO, kFamilies };
-
-size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
-// Everything about a call that shapes its graph.
-struct Problem {
-  bool backward = false;
-  AttnLayout layout = AttnLayout::BSHD;
-  AttentionShape shape{};
-  AttentionMask mask{};
-  float softmax_scale = 0.0f, dropout = 0.0f;
-  te_dtype qkv = TE_DTYPE_BFLOAT16, o = TE_DTYPE_BFLOAT16, grad = TE_DTYPE_BFLOAT16;
-  bool deterministic = false;
-  int device = -1;
-
-  bool fp8() const { return is_fp8(qkv); }
-  bool thd() const { return layout == AttnLayout::THD; }
-  bool padding() const { return mask.padding || thd(); }
-  bool dropout_on() const { return dropout > 0.0f; }
-  // Nothing to compute: no query row.
-  bool no_queries() const { return shape.batch == 0 || shape.seqlen_q == 0 || shape.total_q == 0 || shape.heads_q == 0; }
-  // No key at all: every row has o = 0, lse = -inf (and zero gradients).
-  bool no_keys() const { return shape.seqlen_kv == 0 || shape.total_kv == 0; }
-  // int64 ragged offsets once an offset can pass int32.
-  bool wide_offsets() const {
-    const int64_t d = std::max(shape.head_dim_qk, shape.head_dim_v);
-    return thd() && std::max(shape.total_q * shape.heads_q, shape.total_kv * shape.heads_kv) * d > INT32_MAX;
-  }
-};
-
-AttentionMask normalized(AttentionMask m, const AttentionShape &s) {
-  const int64_t reach = s.seqlen_q + s.seqlen_kv;
-  if (m.window_left < 0 || m.window_left >= reach) m.window_left = -1;
-  if (m.window_right < 0 || m.window_right >= reach) m.window_right = -1;
-  if (m.window_left < 0 && m.window_right < 0) m.bottom_right = false;  // no band to align
-  return m;
-}
-
-Problem problem_of(const AttentionForwardArgs &a) {
-  Problem p;
-  p.layout = a.layout;
-  p.shape = a.shape;
-  p.mask = normalized(a.mask, a.shape);
-  p.softmax_scale = a.softmax_scale;
-  p.dropout = a.dropout;
-  p.qkv = a.qkv_dtype;
-  p.o = a.o_dtype;
-  p.grad = a.o_dtype;
-  p.device = a.device;
-  return p;
-}
-
-Problem problem_of(const AttentionBackwardArgs &a) {
-  Problem p;
-  p.backward = true;
-  p.layout = a.layout;
-  p.shape = a.shape;
-  p.mask = normalized(a.mask, a.shape);
-  p.softmax_scale = a.softmax_scale;
-  p.dropout = a.dropout;
-  p.qkv = a.qkv_dtype;
-  p.o = a.o_dtype;
-  p.grad = a.grad_dtype;
-  p.deterministic = a.deterministic;
-  p.device = a.device;
-  return p;
-}
-
-using Key = std::vector<int64_t>;
-
-Key key_of(const Problem &p, int sm) {
-  auto bits = [](float f) {
-    uint32_t u = 0;
-    std::memcpy(&u, &f, sizeof(u));
-    return static_cast<int64_t>(u);
-  };
-  const AttentionShape &s = p.shape;
-  return {p.backward, static_cast<int64_t>(p.layout), s.batch, s.heads_q, s.heads_kv, s.seqlen_q, s.seqlen_kv,
-          s.head_dim_qk, s.head_dim_v, p.wide_offsets(), p.padding(), p.mask.bottom_right, p.mask.window_left,
-          p.mask.window_right, bits(p.softmax_scale), bits(p.dropout), p.qkv, p.o, p.grad, p.deterministic,
-          p.device, sm};
-}
-
-// Where the sequence lengths and ragged offsets sit, from the start of our part of the workspace.
-struct AuxLayout {
-  size_t seqlen_q = 0, seqlen_kv = 0;
-  size_t offsets[kFamilies] = {};
-  size_t bytes = 0;
-};
-
-AuxLayout aux_layout(const Problem &p) {
-  AuxLayout l;
-  const size_t batch = static_cast<size_t>(p.shape.batch);
-  auto take = [&l](size_t n) {
-    const size_t at = l.bytes;
-    l.bytes = round_up(at + n, kAlign);
-    return at;
-  };
-  if (p.padding()) {
-    l.seqlen_q = take(batch * sizeof(int32_t));
-    l.seqlen_kv = take(batch * sizeof(int32_t));
-  }
-  if (p.thd()) {
-    const size_t width = p.wide_offsets() ? sizeof(int64_t) : sizeof(int32_t);
-    for (size_t &offset : l.offsets) offset = take((batch + 1) * width);
-  }
-  return l;
-}
-
 struct Plan {
   std::string error;  // why cuDNN does not take the problem; "" when graph is ready
   std::shared_ptr<fg::Graph> graph;
@@ -192,120 +86,6 @@ struct Plan {
   size_t aux_base() const { return round_up(static_cast<size_t>(cudnn_workspace), kAlign); }
   size_t workspace() const { return aux_base() + aux.bytes; }
 };
-
-// --- the device ----------------------------------------------------------------------------
-
-// major * 10 + minor of the current device, or -1 when it cannot be queried.
-int current_sm(int device) {
-  static std::atomic<int> cache[kMaxDevices];
-  if (device >= 0 && device < kMaxDevices && cache[device].load() > 0) return cache[device].load();
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    cudaGetLastError();
-    return -1;
-  }
-  const int sm = major * 10 + minor;
-  if (device >= 0 && device < kMaxDevices) cache[device].store(sm);
-  return sm;
-}
-
-std::mutex &execution_mutex(int device) {
-  static std::mutex mutexes[kMaxDevices];
-  return mutexes[device];
-}
-
-// --- what cuDNN takes, before any graph is built ----------------------------------------------
-
-std::string head_dim_reason(const char *name, int64_t d, int64_t multiple, int64_t limit) {
-  if (d % multiple != 0) {
-    return std::string(name) + " " + std::to_string(d) + " is not a multiple of " + std::to_string(multiple) +
-           ", as cuDNN needs";
-  }
-  if (d > limit) return std::string(name) + " " + std::to_string(d) + " is over cuDNN's limit of " + std::to_string(limit);
-  return "";
-}
-
-std::array<std::pair<const char *, int64_t>, 2> head_dims(const AttentionShape &s) {
-  return {{{"head_dim_qk", s.head_dim_qk}, {"head_dim_v", s.head_dim_v}}};
-}
-
-std::string problem_reason(const Problem &p, int sm) {
-  const AttentionShape &s = p.shape;
-  if (p.device < 0) return "cuDNN runs CUDA tensors only";
-  if (!cudnn_library_error().empty()) return cudnn_library_error();
-  if (sm < 0) return "the compute capability of cuda:" + std::to_string(p.device) + " could not be queried";
-  const std::string got_sm = "got sm_" + std::to_string(sm);
-  if (sm < 80) return "cuDNN fused attention needs sm_80 or newer, " + got_sm;
-  if (p.fp8()) {
-    if (sm < 90) return "FP8 attention needs sm_90 or newer, " + got_sm;
-    if (p.qkv != TE_DTYPE_FLOAT8_E4M3) return std::string("FP8 attention takes q/k/v in float8_e4m3, got ") + te_dtype_name(p.qkv);
-    if (!is_fp8(p.o) && sm < 100) return "FP8 attention with a high-precision o needs sm_100 or newer, " + got_sm;
-    if (p.backward && !is_fp8(p.grad)) return std::string("FP8 attention backward writes FP8 gradients, got ") + te_dtype_name(p.grad);
-    for (const auto &[name, d] : head_dims(s)) {
-      if (std::string r = head_dim_reason(name, d, 16, kMaxHeadDim); !r.empty()) return r;
-      if (p.backward && sm / 10 == 9 && d != 128) {
-        return std::string("FP8 attention backward on sm_90 needs ") + name + " 128, got " + std::to_string(d);
-      }
-    }
-  } else {
-    if (p.qkv != TE_DTYPE_BFLOAT16 && p.qkv != TE_DTYPE_FLOAT16) {
-      return std::string("cuDNN fused attention takes bfloat16, float16 or float8_e4m3, got ") + te_dtype_name(p.qkv);
-    }
-    if (p.o != p.qkv || p.grad != p.qkv) {
-      return std::string("cuDNN fused attention writes o") + (p.backward ? ", dq, dk and dv" : "") + " in qkv_dtype " +
-             te_dtype_name(p.qkv) + ", got " + te_dtype_name(p.o != p.qkv ? p.o : p.grad);
-    }
-    for (const auto &[name, d] : head_dims(s)) {
-      if (std::string r = head_dim_reason(name, d, 8, kMaxHeadDim); !r.empty()) return r;
-    }
-  }
-  if (s.heads_kv <= 0 || s.heads_q % s.heads_kv != 0) {
-    return "heads_q " + std::to_string(s.heads_q) + " must be a multiple of heads_kv " + std::to_string(s.heads_kv);
-  }
-  if (!(p.dropout >= 0.0f && p.dropout < 1.0f)) return "dropout must be in [0, 1), got " + std::to_string(p.dropout);
-  if (s.seqlen_q > INT32_MAX || s.seqlen_kv > INT32_MAX) return "sequence lengths must fit in int32";
-  return "";
-}
-
-bool misaligned(const void *p) { return reinterpret_cast<uintptr_t>(p) % kOperandAlign != 0; }
-
-// Pointers that cuDNN needs (the problem's checks passed).
-std::string pointer_reason(const Problem &p, const std::vector<std::pair<const char *, const void *>> &operands,
-                           const int32_t *cu_q, const int32_t *cu_kv, const int64_t *rng_state,
-                           const std::vector<std::pair<const char *, const void *>> &fp8) {
-  for (const auto &[name, ptr] : operands) {
-    if (misaligned(ptr)) return std::string(name) + " must be 16-byte aligned for cuDNN";
-  }
-  if (p.padding() && (cu_q == nullptr || cu_kv == nullptr)) return "padding needs cu_seqlens_q and cu_seqlens_kv";
-  if (p.dropout_on() && rng_state == nullptr) return "dropout needs rng_state";
-  if (p.fp8()) {
-    for (const auto &[name, ptr] : fp8) {
-      if (ptr == nullptr) return std::string("FP8 attention needs fp8.") + name;
-    }
-  }
-  return "";
-}
-
-std::string pointer_reason(const Problem &p, const AttentionForwardArgs &a) {
-  const AttentionFp8 &f = a.fp8;
-  return pointer_reason(p, {{"q", a.q}, {"k", a.k}, {"v", a.v}, {"o", a.o}}, a.cu_seqlens_q, a.cu_seqlens_kv,
-                        a.rng_state,
-                        {{"descale_q", f.descale_q}, {"descale_k", f.descale_k}, {"descale_v", f.descale_v},
-                         {"descale_s", f.descale_s}, {"scale_s", f.scale_s}, {"scale_o", f.scale_o},
-                         {"amax_s", f.amax_s}, {"amax_o", f.amax_o}});
-}
-
-std::string pointer_reason(const Problem &p, const AttentionBackwardArgs &a) {
-  const AttentionFp8 &f = a.fp8;
-  return pointer_reason(
-      p, {{"q", a.q}, {"k", a.k}, {"v", a.v}, {"o", a.o}, {"d_o", a.d_o}, {"dq", a.dq}, {"dk", a.dk}, {"dv", a.dv}},
-      a.cu_seqlens_q, a.cu_seqlens_kv, a.rng_state,
-      {{"descale_q", f.descale_q}, {"descale_k", f.descale_k}, {"descale_v", f.descale_v}, {"descale_o", f.descale_o},
-       {"descale_do", f.descale_do}, {"descale_s", f.descale_s}, {"descale_dp", f.descale_dp}, {"scale_s", f.scale_s},
-       {"scale_dp", f.scale_dp}, {"scale_dq", f.scale_dq}, {"scale_dk", f.scale_dk}, {"scale_dv", f.scale_dv},
-       {"amax_dp", f.amax_dp}, {"amax_dq", f.amax_dq}, {"amax_dk", f.amax_dk}, {"amax_dv", f.amax_dv}});
-}
 
 // --- graphs --------------------------------------------------------------------------------
 
@@ -522,7 +302,7 @@ std::shared_ptr<const Plan> plan_for(const Problem &p) {
   static std::map<Key, std::shared_ptr<const Plan>> cache;
   static std::list<Key> order;  // oldest first
 
-  const int sm = p.device >= 0 ? current_sm(p.device) : -1;
+  const int sm = p.device >= 0 ? device_sm(p.device) : -1;
   if (std::string why = problem_reason(p, sm); !why.empty()) {
     auto plan = std::make_shared<Plan>();
     plan->error = std::move(why);
@@ -555,6 +335,12 @@ std::shared_ptr<const Plan> plan_for(const Problem &p) {
 }
 
 // --- execution -----------------------------------------------------------------------------
+
+// A cuDNN handle carries one stream at a time: set_stream and execute go together.
+std::mutex &execution_mutex(int device) {
+  static std::mutex mutexes[kMaxDevices];
+  return mutexes[device];
+}
 
 using VariantPack = std::unordered_map<int64_t, void *>;
 
@@ -695,12 +481,13 @@ TE_CUDNN_ENTRY te_status cudnn_attention_forward(const AttentionForwardArgs &a, 
     if (p.fp8()) {
       if (te_status st = zero_amaxes(kForwardOp, {a.fp8.amax_s, a.fp8.amax_o}, stream)) return st;
     }
-    if (p.padding() || p.no_keys()) {
+    if (p.no_keys() || p.thd()) {
       if (te_status st = zero(kForwardOp, a.o, s.total_q * s.heads_q * s.head_dim_v, p.o, stream)) return st;
-      const float neg_inf = -std::numeric_limits<float>::infinity();
-      if (te_status st = cudnn_fill_fp32(kForwardOp, a.softmax_lse, lse_elements(s), neg_inf, stream)) return st;
     }
-    if (p.no_keys()) return TE_SUCCESS;
+    if (p.no_keys()) {
+      const float neg_inf = -std::numeric_limits<float>::infinity();
+      return cudnn_fill_fp32(kForwardOp, a.softmax_lse, lse_elements(s), neg_inf, stream);
+    }
     char *ws = static_cast<char *>(a.workspace);
     VariantPack pack{{kQ, mut(a.q)}, {kK, mut(a.k)}, {kV, mut(a.v)}, {kO, a.o}, {kStats, a.softmax_lse}};
     if (p.fp8()) {
@@ -712,7 +499,17 @@ TE_CUDNN_ENTRY te_status cudnn_attention_forward(const AttentionForwardArgs &a, 
     if (te_status st = add_metadata(kForwardOp, p, *plan, ws, a.cu_seqlens_q, a.cu_seqlens_kv, a.rng_state, stream, &pack)) {
       return st;
     }
-    return execute(kForwardOp, p, *plan, pack, ws, stream);
+    if (te_status st = execute(kForwardOp, p, *plan, pack, ws, stream)) return st;
+    if (!p.padding() && p.mask.window_left < 0 && p.mask.window_right < 0) return TE_SUCCESS;  // every row has keys
+    CudnnEmptyRows r{};
+    r.layout = p.layout;
+    r.batch = s.batch, r.heads = s.heads_q, r.seqlen_q = s.seqlen_q, r.seqlen_kv = s.seqlen_kv;
+    r.head_dim_v = s.head_dim_v;
+    if (p.padding()) r.cu_seqlens_q = a.cu_seqlens_q, r.cu_seqlens_kv = a.cu_seqlens_kv;
+    r.bottom_right = p.mask.bottom_right;
+    r.window_left = p.mask.window_left, r.window_right = p.mask.window_right;
+    r.o = a.o, r.o_element_size = te_dtype_size(p.o), r.softmax_lse = a.softmax_lse;
+    return cudnn_empty_rows(kForwardOp, r, stream);
   });
 }
 
@@ -735,8 +532,10 @@ TE_CUDNN_ENTRY te_status cudnn_attention_backward(const AttentionBackwardArgs &a
     }
     if (p.no_queries() || p.no_keys()) return TE_SUCCESS;
     char *ws = static_cast<char *>(a.workspace);
+    float *stats = reinterpret_cast<float *>(ws + plan->aux_base() + plan->aux.stats);
+    if (te_status st = cudnn_backward_stats(kBackwardOp, a.softmax_lse, stats, lse_elements(s), stream)) return st;
     VariantPack pack{{kQ, mut(a.q)}, {kK, mut(a.k)}, {kV, mut(a.v)}, {kO, mut(a.o)}, {kDO, mut(a.d_o)},
-                     {kStats, mut(a.softmax_lse)}, {kDQ, a.dq}, {kDK, a.dk}, {kDV, a.dv}};
+                     {kStats, stats}, {kDQ, a.dq}, {kDK, a.dk}, {kDV, a.dv}};
     if (p.fp8()) {
       const AttentionFp8 &f = a.fp8;
       pack.insert({{kDescaleQ, mut(f.descale_q)}, {kDescaleK, mut(f.descale_k)}, {kDescaleV, mut(f.descale_v)},
