@@ -431,8 +431,8 @@ TE_CUDNN_ENTRY std::string cudnn_attention_forward_support(const AttentionForwar
   try {
     const Problem p = problem_of(args);
     CudaDeviceScope scope(args.device);
-    const std::string &why = plan_for(p)->error;
-    return why.empty() ? pointer_reason(p, args) : why;
+    const std::shared_ptr<const Plan> plan = plan_for(p);
+    return plan->error.empty() ? pointer_reason(p, args) : plan->error;
   } catch (const std::exception &e) {
     return brief(e.what());
   }
@@ -442,8 +442,8 @@ TE_CUDNN_ENTRY std::string cudnn_attention_backward_support(const AttentionBackw
   try {
     const Problem p = problem_of(args);
     CudaDeviceScope scope(args.device);
-    const std::string &why = plan_for(p)->error;
-    return why.empty() ? pointer_reason(p, args) : why;
+    const std::shared_ptr<const Plan> plan = plan_for(p);
+    return plan->error.empty() ? pointer_reason(p, args) : plan->error;
   } catch (const std::exception &e) {
     return brief(e.what());
   }

@@ -135,6 +135,7 @@ std::string problem_reason(const Problem &p, int sm) {
     if (sm < 90) return "FP8 attention needs sm_90 or newer, " + got_sm;
     if (p.qkv != TE_DTYPE_FLOAT8_E4M3) return std::string("FP8 attention takes q/k/v in float8_e4m3, got ") + te_dtype_name(p.qkv);
     if (!is_fp8(p.o) && sm < 100) return "FP8 attention with a high-precision o needs sm_100 or newer, " + got_sm;
+    if (p.mask.bottom_right && sm < 100) return "FP8 attention with a bottom-right diagonal needs sm_100 or newer, " + got_sm;
     if (p.backward && !is_fp8(p.grad)) return std::string("FP8 attention backward writes FP8 gradients, got ") + te_dtype_name(p.grad);
     for (const auto &[name, d] : head_dims(s)) {
       if (std::string r = head_dim_reason(name, d, 16, kMaxHeadDim); !r.empty()) return r;
