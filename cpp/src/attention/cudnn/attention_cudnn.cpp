@@ -221,6 +221,8 @@ std::shared_ptr<fg::Graph> backward_graph(const Problem &p, int sm) {
   auto g = new_graph(p, sm);
   const Operands x = add_operands(*g, p);
   const Dims o_dims = bhsd(p, s.heads_q, s.seqlen_q, s.head_dim_v);
+  // o_dtype is that of o and d_o alike (attention_impl.h), so an FP8 backward with E4M3 o and
+  // E5M2 d_o (the HYBRID recipe) cannot be asked for until the arguments carry d_o's own dtype.
   TensorPtr o = input(*g, "o", kO, o_dims, fe_type(p.o));
   TensorPtr d_o = input(*g, "d_o", kDO, o_dims, fe_type(p.o));
   if (p.thd()) {

@@ -8,6 +8,9 @@
 // nvidia/cudnn/lib, relative to the installed library and as found at configure time), then
 // the system's cache (e.g. /usr/lib/x86_64-linux-gnu). cudnn-frontend, compiled with
 // NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING, resolves every cuDNN call through the same handle.
+// In that mode the frontend's few CUDA runtime calls of its own (device queries, workspace
+// memsets of older cuDNN versions) go to a libcudart.so.13 (or .so.12) that it opens the same
+// way; the RUNPATH has the CUDA toolkit's lib directory for it. Our kernels keep the static cudart.
 #ifndef TRANSFORMER_ENGINE_SRC_ATTENTION_CUDNN_CUDNN_LIBRARY_H_
 #define TRANSFORMER_ENGINE_SRC_ATTENTION_CUDNN_CUDNN_LIBRARY_H_
 
