@@ -113,6 +113,12 @@ function(te_add_cudnn_backend)
   endif()
   set_property(TARGET transformer_engine APPEND PROPERTY INSTALL_RPATH ${rpath})
 
+  # The GPU check of the backend (tests/cudnn/attention_cudnn_check.cu): built on request only
+  # (cmake --build <dir> --target attention_cudnn_check), never by ctest, since it needs a GPU.
+  add_executable(attention_cudnn_check EXCLUDE_FROM_ALL ${CMAKE_CURRENT_SOURCE_DIR}/tests/cudnn/attention_cudnn_check.cu)
+  target_include_directories(attention_cudnn_check PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src)
+  target_link_libraries(attention_cudnn_check PRIVATE transformer_engine CUDA::cudart)
+
   set(version "")
   if(EXISTS "${TE_CUDNN_INCLUDE_DIR}/cudnn_version.h")
     file(STRINGS "${TE_CUDNN_INCLUDE_DIR}/cudnn_version.h" lines REGEX "#define CUDNN_(MAJOR|MINOR|PATCHLEVEL) ")

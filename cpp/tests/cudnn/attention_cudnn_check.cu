@@ -1,11 +1,13 @@
 // A standalone GPU check of the cuDNN fused-attention backend (src/attention/cudnn) against a
 // float64 CPU reference of attention_impl.h's semantics, on small awkward shapes: layouts, GQA,
 // padding, THD, causal and windowed masks, padded rows. Not part of ctest (it needs a GPU and a
-// core built with cuDNN); build it against the build tree's library:
+// core built with cuDNN); a CUDA build that found cuDNN's headers has it as a target:
 //
-//   nvcc -std=c++17 -arch=sm_90a -Icpp/include -Icpp/src cpp/tests/cudnn/attention_cudnn_check.cu
-//        -L<build> -ltransformer_engine -Xlinker -rpath,<build> -o attention_cudnn_check
-//   ./attention_cudnn_check        # exit status 0 when every case passed or was skipped
+//   cmake --build <build> --target attention_cudnn_check && <build>/attention_cudnn_check
+//
+// or, against an installed library, nvcc -std=c++17 -arch=sm_90a -Icpp/include -Icpp/src this
+// file -L<lib dir> -ltransformer_engine -Xlinker -rpath,<lib dir>. Exit status 0 when every case
+// passed or was declined by the backend (each decline is printed with its reason).
 //
 // Each case prints the backend's support answer when it declines, else the largest error of
 // each output over the valid rows and, separately, over the rows that are no query or key
