@@ -103,15 +103,22 @@ function(te_add_cudnn_backend)
     COMPILE_OPTIONS "-fvisibility=hidden;-fvisibility-inlines-hidden")
   target_link_libraries(transformer_engine PRIVATE ${CMAKE_DL_LIBS})
 
-  # Where libcudnn.so.9 (and, for the frontend's own CUDA runtime calls, libcudart) are opened
-  # from: the wheel layout first, then the directory found here.
+  # Where libcudnn.so.9 is opened from: the wheel layout first, then the directory found here,
+  # both ahead of the entries already there (the CUDA toolkit's lib directory, which the
+  # frontend's own libcudart comes from, may hold a system cuDNN of another version).
   set(rpath "$ORIGIN/../../../nvidia/cudnn/lib")
   get_filename_component(cudnn_root "${TE_CUDNN_INCLUDE_DIR}" DIRECTORY)
   if(EXISTS "${cudnn_root}/lib")
     list(APPEND rpath "${cudnn_root}/lib")
     set_property(TARGET transformer_engine APPEND PROPERTY BUILD_RPATH "${cudnn_root}/lib")
   endif()
-  set_property(TARGET transformer_engine APPEND PROPERTY INSTALL_RPATH ${rpath})
+  get_target_property(install_rpath transformer_engine INSTALL_RPATH)
+  if(install_rpath)
+    list(PREPEND install_rpath ${rpath})
+  else()
+    set(install_rpath ${rpath})
+  endif()
+  set_property(TARGET transformer_engine PROPERTY INSTALL_RPATH "${install_rpath}")
 
   # The GPU check of the backend (tests/cudnn/attention_cudnn_check.cu): built on request only
   # (cmake --build <dir> --target attention_cudnn_check), never by ctest, since it needs a GPU.
