@@ -69,3 +69,18 @@ def test_compiled_step_with_fp8_weights_matches_eager():
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=COMPILE_RTOL, atol=1e-7)
     assert type(compiled_model[0].weight) is te.Float8Tensor
+
+
+
+def test_eager_fast_path_takes_parameters_not_subclasses():
+    """Eager calls skip the custom-op dispatcher for plain tensors and nn.Parameters (a
+    module's bias reaches the GEMM as its Parameter), never for other tensor subclasses,
+    which must see the registered op."""
+    from transformer_engine.pytorch.ops import _backend
+
+    class Sub(torch.Tensor):
+        pass
+
+    plain, param = torch.ones(2), torch.nn.Parameter(torch.ones(2))
+    assert _backend._plain_eager([plain, param, None, 3])
+    assert not _backend._plain_eager([plain, plain.as_subclass(Sub)])
