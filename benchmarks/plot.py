@@ -2,7 +2,7 @@
 
     python benchmarks/plot.py benchmarks/results/quantize.json [--metric effective_tbps]
 
-Rows with the same (op, shape, timing) form a group; each implementation is one bar. The
+Rows with the same (op, activation, shape, timing) form a group; each implementation is one bar. The
 metric is the first of METRICS that the rows carry, unless --metric names one. A dashed line
 marks the result's ``target_tbps`` (or ``target``) when it has one.
 """
@@ -24,7 +24,8 @@ def _shape(row: dict) -> str:
 
 
 def _group(row: dict) -> str:
-    label = f"{row['op']}\n{_shape(row)}"
+    label = row["op"] + (f" {row['activation']}" if "activation" in row else "")
+    label += f"\n{_shape(row)}"
     return label + (f"\n{row['timing']}" if "timing" in row else "")
 
 
