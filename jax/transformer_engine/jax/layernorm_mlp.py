@@ -33,7 +33,7 @@ from transformer_engine.jax.layernorm_dense import (
 )
 from transformer_engine.jax.quantizer import QuantizerSet, quantize_role, updated_state
 
-__all__ = ["layernorm_mlp", "layernorm_mlp_fp8_operands", "activation_of"]
+__all__ = ["layernorm_mlp", "layernorm_mlp_fp8_operands", "activation", "activation_of"]
 
 _A = ops.Activation
 # flax-style names of the activations; a gated form is (its activation, "linear").
@@ -252,3 +252,29 @@ def _bwd(cfg, act, recipe, return_ln, residuals, cotangents):
 
 
 _layernorm_mlp.defvjp(_fwd, _bwd)
+
+
+def activation(x: jax.Array, activations: Sequence[str] = ("gelu",)) -> jax.Array:
+    """act(x) over the last axis with the core's kernels (gated: x = [a, b], act(a) * b),
+    differentiable; the unfused middle of :func:`layernorm_mlp` (e.g. around a dropout)."""
+    act = activation_of(activations)
+    x = jnp.asarray(x)
+    if x.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
+        raise TypeError(f"activation: x must be float32, float16 or bfloat16, got {x.dtype}")
+    return _activation(x, act)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _activation(x, act):
+    return ops.activation_forward(x, act)
+
+
+def _activation_fwd(x, act):
+    return ops.activation_forward(x, act), x
+
+
+def _activation_bwd(act, x, dy):
+    return (ops.activation_backward(dy.astype(x.dtype), x, act)[0],)
+
+
+_activation.defvjp(_activation_fwd, _activation_bwd)
