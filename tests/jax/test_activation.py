@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from te_jax_tests import _reference as ref
+from te_jax_tests._flax_reference import JAX_ACTIVATIONS
 from te_jax_tests._tolerances import assert_close
 
 import transformer_engine.jax as te
@@ -17,26 +18,6 @@ from transformer_engine.jax import ops
 A = ops.Activation
 
 
-def _gated(fn):
-    def gated(x):
-        a, b = jnp.split(x, 2, axis=-1)
-        return fn(a) * b
-
-    return gated
-
-
-# Each activation as jax.nn writes it (GELU: jax's default tanh approximation).
-JAX_ACTIVATIONS = {
-    A.IDENTITY: lambda x: x,
-    A.GELU: jax.nn.gelu,
-    A.RELU: jax.nn.relu,
-    A.SILU: jax.nn.silu,
-    A.QGELU: lambda x: x * jax.nn.sigmoid(1.702 * x),
-    A.SRELU: lambda x: jnp.square(jax.nn.relu(x)),
-    A.GEGLU: _gated(jax.nn.gelu),
-    A.SWIGLU: _gated(jax.nn.silu),
-    A.REGLU: _gated(jax.nn.relu),
-}
 TOL = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16"}
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from te_jax_tests import _reference as ref
+from te_jax_tests._flax_reference import EPS, flax_norm
 from te_jax_tests._tolerances import assert_close, assert_relative_max_error
 
 import transformer_engine.jax as te
@@ -18,7 +19,6 @@ from transformer_engine.jax import hlo
 from transformer_engine.jax.flax import LayerNormDenseGeneral
 
 M, K, N = 32, 64, 48
-EPS = 1e-6
 RECIPES = [recipe.DelayedScaling(amax_history_len=4), recipe.Float8CurrentScaling(),
            recipe.Float8BlockScaling()]
 RECIPE_IDS = ["delayed", "current", "block"]
@@ -33,13 +33,6 @@ def _inputs(seed=0, dtype=jnp.float32):
     bias = 0.5 * jax.random.normal(ks[4], (N,))
     dy = jax.random.normal(ks[5], (2, M // 2, N))
     return x, gamma, beta, kernel, bias, dy
-
-
-def flax_norm(norm_type, x, gamma, beta, zero_centered=False):
-    scale = gamma + (1.0 if zero_centered else 0.0)
-    if norm_type == "layernorm":
-        return nn.LayerNorm(epsilon=EPS).apply({"params": {"scale": scale, "bias": beta}}, x)
-    return nn.RMSNorm(epsilon=EPS).apply({"params": {"scale": scale}}, x)
 
 
 def _reference(norm_type, zero_centered, use_bias):
@@ -69,7 +62,7 @@ def test_matches_flax_values_and_gradients(norm_type, zero_centered, use_bias):
     # Both outputs get a cotangent: the norm's output feeds the gradient too.
     dln = jax.random.normal(jax.random.PRNGKey(7), x.shape)
     out, vjp = jax.vjp(jax.jit(ours), x, gamma, beta, kernel, bias)
-    expected, vjp_ref = jax.vjp(_reference(norm_type, zero_centered, use_bias),
+    expected, vjp_ref = jax.vjp(jax.jit(_reference(norm_type, zero_centered, use_bias)),
                                 x, gamma, beta, kernel, bias)
     assert out[0].shape == (2, M // 2, N) and out[1].shape == x.shape
     assert_close(out[0], expected[0], "float32")
@@ -100,7 +93,7 @@ def test_module_matches_flax_and_computes_in_its_dtype():
 
     ours = jax.jit(jax.value_and_grad(loss(lambda p, x: layer.apply({"params": p}, x)),
                                       argnums=(0, 1)))(p, x)
-    expected = jax.value_and_grad(loss(theirs), argnums=(0, 1))(p, x)
+    expected = jax.jit(jax.value_and_grad(loss(theirs), argnums=(0, 1)))(p, x)
     for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(expected), strict=True):
         assert_close(a, e, "float32")
     bf16 = LayerNormDenseGeneral(features=(4, 12), dtype=jnp.bfloat16,
@@ -153,8 +146,8 @@ def test_fp8_module_is_close_to_fp32(fp8_recipe):
 
     (_, out), g = jax.jit(jax.value_and_grad(lambda p, s, x: loss(p, s, x, True),
                                              argnums=(0, 2), has_aux=True))(params, state, x)
-    (_, out_ref), g_ref = jax.value_and_grad(lambda p, x: loss(p, {}, x, False), argnums=(0, 1),
-                                             has_aux=True)(params, x)
+    (_, out_ref), g_ref = jax.jit(jax.value_and_grad(lambda p, x: loss(p, {}, x, False),
+                                                     argnums=(0, 1), has_aux=True))(params, x)
     assert_relative_max_error(out, out_ref, "fp8_forward_vs_fp32")
     for a, e in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
         assert_relative_max_error(a, e, "fp8_backward_vs_fp32")
