@@ -171,9 +171,6 @@ def test_module_parameters_options_and_unfused_paths():
     unfused, _ = jax.jit(lambda v, x: no_drop.apply(v, x, rngs={"dropout": jax.random.PRNGKey(1)}))(
         v, x)
     assert_close(unfused, fused, "float32")
-    no_norm = LayerNormMLP(intermediate_dim=F)
-    vn = jax.jit(no_norm.init)(jax.random.PRNGKey(0), x)
-    assert "scale" in vn["params"]
     plain = LayerNormMLP(intermediate_dim=F, enable_layernorm=False)
     vp = jax.jit(plain.init)(jax.random.PRNGKey(0), x)
     assert set(vp["params"]) == {"wi_kernel", "wo_kernel"}
