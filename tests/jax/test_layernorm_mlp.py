@@ -276,3 +276,26 @@ def test_bad_inputs_fail_at_trace_time():
     with pytest.raises(ValueError, match="intermediate_dropout_rate"):
         LayerNormMLP(intermediate_dim=F, intermediate_dropout_rate=1.0).init(
             jax.random.PRNGKey(0), x)
+
+
+def test_vmap_and_layernorm_output_gradient():
+    x, gamma, beta, k1, b1, k2, b2, dy = _inputs(("gelu",))
+
+    def block(x):
+        return te.layernorm_mlp(x, gamma, beta, (k1, k2), (b1, b2), epsilon=EPS,
+                                return_layernorm_output=True)
+
+    mapped = jax.jit(jax.vmap(block))(x)
+    whole = jax.jit(block)(x)
+    for a, e in zip(mapped, whole, strict=True):
+        assert_close(a, e, "float32")
+    # The norm's output has its own cotangent, added to the block's before the norm's VJP.
+    ref_fn = _reference("layernorm", ("gelu",))
+
+    def reference(x):
+        return ref_fn(x, gamma, beta, k1, b1, k2, b2), flax_norm("layernorm", x, gamma, beta)
+
+    dln = jax.random.normal(jax.random.PRNGKey(3), x.shape)
+    (dx,) = jax.vjp(jax.jit(block), x)[1]((dy, dln))
+    (e_dx,) = jax.vjp(jax.jit(reference), x)[1]((dy, dln))
+    assert_close(dx, e_dx, "float32")
