@@ -6,9 +6,13 @@ for the CPU and CUDA platforms.
 * :func:`fp8_autocast` / :func:`autocast`: the recipe in effect while a model is traced.
 * :func:`dense`: a linear layer (``jax.custom_vjp``) in FP8 or the inputs' dtype.
 * :func:`layernorm`: LayerNorm / RMSNorm over the last axis (``jax.custom_vjp``).
+* :func:`layernorm_dense`, :func:`layernorm_mlp`: the norm fused with a dense layer, or with
+  the whole MLP block (two dense layers around an activation); in FP8 each kernel writes
+  the next GEMM's FP8 operand itself.
 * :class:`QuantizerSet`, :func:`make_quantizer_set`, :func:`new_fp8_state`: the recipe and
   FP8 state that ``dense`` quantizes with; :func:`update_collections` merges the new state.
-* :mod:`transformer_engine.jax.flax`: the ``DenseGeneral`` and ``LayerNorm`` linen modules.
+* :mod:`transformer_engine.jax.flax`: the ``DenseGeneral``, ``LayerNorm``, ``LayerNormDenseGeneral``
+  and ``LayerNormMLP`` linen modules.
 * :mod:`transformer_engine.jax.ops`: the custom calls themselves.
 """
 
@@ -25,6 +29,8 @@ from transformer_engine.jax.autocast import (
 )
 from transformer_engine.jax.dense import dense
 from transformer_engine.jax.layernorm import layernorm
+from transformer_engine.jax.layernorm_dense import layernorm_dense, layernorm_dense_fp8_operands
+from transformer_engine.jax.layernorm_mlp import layernorm_mlp, layernorm_mlp_fp8_operands
 from transformer_engine.jax.quantizer import (
     FP8_COLLECTION,
     QuantizerSet,
@@ -34,5 +40,7 @@ from transformer_engine.jax.quantizer import (
 )
 
 __all__ = ["__version__", "MeshResource", "fp8_autocast", "autocast", "get_fp8_recipe",
-           "get_mesh_resource", "is_fp8_enabled", "dense", "layernorm", "QuantizerSet",
+           "get_mesh_resource", "is_fp8_enabled", "dense", "layernorm", "layernorm_dense",
+           "layernorm_dense_fp8_operands", "layernorm_mlp", "layernorm_mlp_fp8_operands",
+           "QuantizerSet",
            "make_quantizer_set", "new_fp8_state", "update_collections", "FP8_COLLECTION", "ops"]

@@ -23,6 +23,8 @@ TARGETS = {
     "gemm": "te_gemm_ffi",
     "norm_forward": "te_norm_forward_ffi",
     "norm_backward": "te_norm_backward_ffi",
+    "activation_forward": "te_activation_forward_ffi",
+    "activation_backward": "te_activation_backward_ffi",
 }
 
 _INSTALL_HINT = (

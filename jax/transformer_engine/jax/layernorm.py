@@ -50,37 +50,45 @@ def layernorm(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array] = None, 
         >>> te.layernorm(jnp.array([[1.0, 3.0]]), jnp.ones(2), jnp.zeros(2)).round(3).tolist()
         [[-1.0, 1.0]]
     """
+    x, g, b, kind, epsilon = norm_inputs("layernorm", x, gamma, beta, norm_type, epsilon)
+    return _norm(x, g, b, kind, bool(zero_centered_gamma), epsilon)
+
+
+def norm_inputs(op: str, x, gamma, beta, norm_type: str, epsilon: float):
+    """Checks the norm's arguments (errors name ``op``) and returns ``(x, gamma, beta, kind,
+    epsilon)``: gamma and beta in the one dtype the core takes (x's, or float32 when they
+    differ from it), beta a zero-size array for RMSNorm."""
     if norm_type not in _NORM_TYPES:
-        raise ValueError(f"layernorm: norm_type must be 'layernorm' or 'rmsnorm', got "
+        raise ValueError(f"{op}: norm_type must be 'layernorm' or 'rmsnorm', got "
                          f"{norm_type!r}")
     kind = _NORM_TYPES[norm_type]
     x, gamma = jnp.asarray(x), jnp.asarray(gamma)
     if x.ndim < 1:
-        raise ValueError(f"layernorm: x must have rank >= 1, got shape {x.shape}")
+        raise ValueError(f"{op}: x must have rank >= 1, got shape {x.shape}")
     if x.dtype not in _COMPUTE_DTYPES:
-        raise TypeError(f"layernorm: x must be float32, float16 or bfloat16, got {x.dtype}")
+        raise TypeError(f"{op}: x must be float32, float16 or bfloat16, got {x.dtype}")
     n = x.shape[-1]
     if gamma.shape != (n,):
-        raise ValueError(f"layernorm: gamma must have shape ({n},) (x's last axis; x has "
+        raise ValueError(f"{op}: gamma must have shape ({n},) (x's last axis; x has "
                          f"shape {x.shape}), got {gamma.shape}")
     if kind == ops.NormType.LAYERNORM:
         if beta is None:
-            raise ValueError("layernorm: beta is required for norm_type='layernorm'")
+            raise ValueError(f"{op}: beta is required for norm_type='layernorm'")
         beta = jnp.asarray(beta)
         if beta.shape != (n,):
-            raise ValueError(f"layernorm: beta must have shape ({n},) (x's last axis; x has "
+            raise ValueError(f"{op}: beta must have shape ({n},) (x's last axis; x has "
                              f"shape {x.shape}), got {beta.shape}")
     elif beta is not None:
-        raise ValueError("layernorm: beta must be None for norm_type='rmsnorm'")
+        raise ValueError(f"{op}: beta must be None for norm_type='rmsnorm'")
     epsilon = float(epsilon)
     if not epsilon >= 0:
-        raise ValueError(f"layernorm: epsilon must be >= 0, got {epsilon}")
+        raise ValueError(f"{op}: epsilon must be >= 0, got {epsilon}")
     # The core takes gamma and beta (one dtype) in x's dtype or fp32.
     weights = [gamma] + ([beta] if beta is not None else [])
     wdtype = x.dtype if all(w.dtype == x.dtype for w in weights) else jnp.dtype(jnp.float32)
     g = gamma.astype(wdtype)
     b = beta.astype(wdtype) if beta is not None else jnp.zeros((0,), wdtype)
-    return _norm(x, g, b, kind, bool(zero_centered_gamma), epsilon)
+    return x, g, b, kind, epsilon
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

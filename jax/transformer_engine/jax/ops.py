@@ -22,7 +22,9 @@ from transformer_engine.jax._native import TARGETS, load
 
 __all__ = ["ScalingMode", "QuantizedTensor", "fp8_dtype", "quantize", "dequantize",
            "compute_amax", "scale_from_amax", "delayed_scaling_update", "gemm", "NormType",
-           "norm_forward", "norm_backward"]
+           "norm_forward", "norm_forward_fp8", "norm_backward", "Activation", "is_gated",
+           "activation_forward", "activation_forward_fp8", "activation_backward",
+           "activation_backward_fp8"]
 
 load()
 
@@ -247,6 +249,28 @@ def _norm_backward_workspace_bytes(rows: int, cols: int) -> int:
     return int(core().norm_backward_workspace_size(rows, cols))
 
 
+def _norm_forward_call(x, gamma, beta, scale, fp8, *, norm_type, epsilon, zero_centered_gamma,
+                       write_output, columnwise, compute_amax):
+    kind = NormType(norm_type)
+    m, n = math.prod(x.shape[:-1]), x.shape[-1]
+    ln = kind == NormType.LAYERNORM
+    if ln and beta is None:
+        raise ValueError("norm_forward: LayerNorm needs beta, got None")
+    results = (jax.ShapeDtypeStruct(x.shape, x.dtype) if write_output else _empty(x.dtype),
+               jax.ShapeDtypeStruct((m,), _F32) if ln else _empty(),
+               jax.ShapeDtypeStruct((m,), _F32),
+               jax.ShapeDtypeStruct(x.shape, fp8) if fp8 is not None else _empty(jnp.uint8),
+               jax.ShapeDtypeStruct((n, m), fp8) if columnwise else _empty(jnp.uint8),
+               jax.ShapeDtypeStruct((1,), _F32) if fp8 is not None else _empty(),
+               jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
+    call = jax.ffi.ffi_call(TARGETS["norm_forward"], results, vmap_method=_VMAP)
+    return call(x, gamma, beta if ln else jnp.zeros((0,), gamma.dtype),
+                scale if scale is not None else _zeros_f32(), norm_type=np.int32(kind),
+                eps=np.float32(epsilon), zero_centered_gamma=bool(zero_centered_gamma),
+                write_output=bool(write_output), fp8=fp8 is not None,
+                columnwise=bool(columnwise), compute_amax=bool(compute_amax))
+
+
 def norm_forward(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array], *,
                  norm_type: NormType = NormType.LAYERNORM, epsilon: float = 1e-6,
                  zero_centered_gamma: bool = False):
@@ -256,17 +280,33 @@ def norm_forward(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array], *,
     ``(y, mu, rsigma)``: y in x's dtype, mu and rsigma [M] float32 (M the product of x's
     leading dims); mu is a zero-size array for RMSNorm.
     """
-    kind = NormType(norm_type)
-    m = math.prod(x.shape[:-1])
-    ln = kind == NormType.LAYERNORM
-    if ln and beta is None:
-        raise ValueError("norm_forward: LayerNorm needs beta, got None")
-    results = (jax.ShapeDtypeStruct(x.shape, x.dtype),
-               jax.ShapeDtypeStruct((m,), _F32) if ln else _empty(),
-               jax.ShapeDtypeStruct((m,), _F32))
-    call = jax.ffi.ffi_call(TARGETS["norm_forward"], results, vmap_method=_VMAP)
-    return call(x, gamma, beta if ln else jnp.zeros((0,), gamma.dtype), norm_type=np.int32(kind),
-                eps=np.float32(epsilon), zero_centered_gamma=bool(zero_centered_gamma))
+    y, mu, rsigma, *_ = _norm_forward_call(
+        x, gamma, beta, None, None, norm_type=norm_type, epsilon=epsilon,
+        zero_centered_gamma=zero_centered_gamma, write_output=True, columnwise=False,
+        compute_amax=False)
+    return y, mu, rsigma
+
+
+def norm_forward_fp8(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
+                     scale: jax.Array, dtype, *, norm_type: NormType = NormType.LAYERNORM,
+                     epsilon: float = 1e-6, zero_centered_gamma: bool = False,
+                     write_output: bool = False, columnwise: bool = True,
+                     compute_amax: bool = True):
+    """:func:`norm_forward` whose y comes out as per-tensor FP8 ``dtype`` with ``scale``
+    ([1] float32), in the same pass: the operand of an FP8 GEMM.
+
+    Returns ``(y, q, mu, rsigma)``: y in x's dtype when ``write_output`` (else None), q a
+    :class:`QuantizedTensor` with the row-wise data, the transpose [N, M] when
+    ``columnwise``, scale_inv [1] and max|y| when ``compute_amax``.
+    """
+    fp8 = jnp.dtype(dtype)
+    _te_fp8(fp8)
+    y, mu, rsigma, data, col, scale_inv, amax = _norm_forward_call(
+        x, gamma, beta, scale, fp8, norm_type=norm_type, epsilon=epsilon,
+        zero_centered_gamma=zero_centered_gamma, write_output=write_output,
+        columnwise=columnwise, compute_amax=compute_amax)
+    q = QuantizedTensor(data, col, scale_inv, _zeros_f32(), amax)
+    return (y if write_output else None), q, mu, rsigma
 
 
 def norm_backward(dy: jax.Array, x: jax.Array, mu: jax.Array, rsigma: jax.Array,
@@ -292,3 +332,128 @@ def norm_backward(dy: jax.Array, x: jax.Array, mu: jax.Array, rsigma: jax.Array,
 
 def _zeros_f32() -> jax.Array:
     return jnp.zeros((0,), _F32)
+
+
+class Activation(enum.IntEnum):
+    """The core's te_activation (activation.h). The gated ones take [.., 2N] = [a, b] and
+    give act(a) * b [.., N]."""
+
+    IDENTITY = 0
+    GELU = 1
+    RELU = 2
+    SILU = 3
+    QGELU = 4
+    SRELU = 5
+    GEGLU = 6
+    SWIGLU = 7
+    REGLU = 8
+
+
+def is_gated(act: Activation) -> bool:
+    return Activation(act) in (Activation.GEGLU, Activation.SWIGLU, Activation.REGLU)
+
+
+def _activation_out_shape(x_shape, act):
+    if not x_shape:
+        raise ValueError("activation: the input must have rank >= 1, got a scalar")
+    if is_gated(act):
+        if x_shape[-1] % 2:
+            raise ValueError(f"activation: a gated activation ({Activation(act).name}) needs "
+                             f"an even last dimension [a, b], got shape {tuple(x_shape)}")
+        return (*x_shape[:-1], x_shape[-1] // 2)
+    return tuple(x_shape)
+
+
+def _fp8_results(shape, fp8, rowwise, columnwise, compute_amax):
+    m, k = math.prod(shape[:-1]), shape[-1]
+    return (jax.ShapeDtypeStruct(shape, fp8) if rowwise else _empty(fp8),
+            jax.ShapeDtypeStruct((k, m), fp8) if columnwise else _empty(fp8),
+            jax.ShapeDtypeStruct((1,), _F32),
+            jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
+
+
+def activation_forward(x: jax.Array, act: Activation, *, compute_amax: bool = False):
+    """act(x) in x's dtype (fp32/fp16/bf16), and max|act(x)| ([1] fp32) with
+    ``compute_amax``: returns y, or (y, amax)."""
+    act = Activation(act)
+    shape = _activation_out_shape(x.shape, act)
+    results = (jax.ShapeDtypeStruct(shape, x.dtype), _empty(x.dtype), _empty(),
+               jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
+    call = jax.ffi.ffi_call(TARGETS["activation_forward"], results, vmap_method=_VMAP)
+    y, _, _, amax = call(x, _zeros_f32(), act=np.int32(act), rowwise=True, columnwise=False,
+                         compute_amax=bool(compute_amax))
+    return (y, amax) if compute_amax else y
+
+
+def activation_forward_fp8(x: jax.Array, act: Activation, scale: jax.Array, dtype, *,
+                           rowwise: bool = True, columnwise: bool = True,
+                           compute_amax: bool = True) -> QuantizedTensor:
+    """act(x) as per-tensor FP8 ``dtype`` with ``scale`` ([1] fp32), in one pass: the
+    row-wise data, the transpose [N, M], or both, with scale_inv and the amax."""
+    act = Activation(act)
+    fp8 = jnp.dtype(dtype)
+    _te_fp8(fp8)
+    shape = _activation_out_shape(x.shape, act)
+    call = jax.ffi.ffi_call(TARGETS["activation_forward"],
+                            _fp8_results(shape, fp8, rowwise, columnwise, compute_amax),
+                            vmap_method=_VMAP)
+    data, col, scale_inv, amax = call(x, scale, act=np.int32(act), rowwise=bool(rowwise),
+                                      columnwise=bool(columnwise), compute_amax=bool(compute_amax))
+    return QuantizedTensor(data, col, scale_inv, _zeros_f32(), amax)
+
+
+def _activation_backward_call(dy, x, act, scale, results, dbias_dtype, *, rowwise, columnwise,
+                              compute_amax):
+    act = Activation(act)
+    if act != Activation.IDENTITY:
+        expected = _activation_out_shape(x.shape, act)
+        if tuple(dy.shape) != expected:
+            raise ValueError(f"activation_backward: grad_output must have shape {expected} for "
+                             f"an input of shape {tuple(x.shape)} ({act.name}), got "
+                             f"{tuple(dy.shape)}")
+    k = x.shape[-1] if act != Activation.IDENTITY else dy.shape[-1]
+    dbias = (jax.ShapeDtypeStruct((k,), dbias_dtype) if dbias_dtype is not None
+             else _empty(dy.dtype))
+    call = jax.ffi.ffi_call(TARGETS["activation_backward"], (*results, dbias), vmap_method=_VMAP)
+    out = call(dy, x if act != Activation.IDENTITY else jnp.zeros((0,), dy.dtype),
+               scale if scale is not None else _zeros_f32(), act=np.int32(act),
+               rowwise=bool(rowwise), columnwise=bool(columnwise),
+               compute_amax=bool(compute_amax), compute_dbias=dbias_dtype is not None)
+    return out
+
+
+def activation_backward(dy: jax.Array, x: Optional[jax.Array], act: Activation, *,
+                        dbias_dtype=None, compute_amax: bool = False):
+    """d act(x)/dx * dy in dy's dtype, with the bias gradient (its column sums, in
+    ``dbias_dtype``; None: not computed) and max|grad_input| in the same pass.
+
+    ``x`` is the forward's input in dy's dtype (unused, may be None, for IDENTITY). Returns
+    ``(dx, dbias, amax)``; the ones not asked for are None.
+    """
+    act = Activation(act)
+    shape = tuple(x.shape) if act != Activation.IDENTITY else tuple(dy.shape)
+    results = (jax.ShapeDtypeStruct(shape, dy.dtype), _empty(dy.dtype), _empty(),
+               jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
+    dx, _, _, amax, dbias = _activation_backward_call(dy, x, act, None, results, dbias_dtype,
+                                                      rowwise=True, columnwise=False,
+                                                      compute_amax=compute_amax)
+    return dx, (dbias if dbias_dtype is not None else None), (amax if compute_amax else None)
+
+
+def activation_backward_fp8(dy: jax.Array, x: Optional[jax.Array], act: Activation,
+                            scale: jax.Array, dtype, *, dbias_dtype=None, rowwise: bool = True,
+                            columnwise: bool = True, compute_amax: bool = True):
+    """:func:`activation_backward` whose grad_input comes out as per-tensor FP8 ``dtype``
+    (row-wise and/or the transpose, scale_inv, amax), with the bias gradient of the fp32
+    values in the same pass. With IDENTITY this is the fused bias gradient + cast +
+    transpose of a dense layer's grad_output. Returns ``(q, dbias)`` (dbias None unless
+    ``dbias_dtype``)."""
+    act = Activation(act)
+    fp8 = jnp.dtype(dtype)
+    _te_fp8(fp8)
+    shape = tuple(x.shape) if act != Activation.IDENTITY else tuple(dy.shape)
+    data, col, scale_inv, amax, dbias = _activation_backward_call(
+        dy, x, act, scale, _fp8_results(shape, fp8, rowwise, columnwise, compute_amax),
+        dbias_dtype, rowwise=rowwise, columnwise=columnwise, compute_amax=compute_amax)
+    q = QuantizedTensor(data, col, scale_inv, _zeros_f32(), amax)
+    return q, (dbias if dbias_dtype is not None else None)

@@ -96,7 +96,7 @@ class DenseGeneral(nn.Module):
         recipe = get_fp8_recipe()
         state = None
         if recipe is not None and recipe.delayed():
-            state = self._fp8_state(recipe)
+            state = fp8_state(self, recipe)
         quantizer_set = make_quantizer_set(recipe, state, use_autocast=False)
         x = inputs.astype(self.dtype)
         kernel = kernel.astype(self.dtype)
@@ -104,21 +104,24 @@ class DenseGeneral(nn.Module):
         contracting = (axis, tuple(range(len(axis))))
         return dense(x, kernel, bias, contracting_dims=contracting, quantizer_set=quantizer_set)
 
-    def _fp8_state(self, recipe) -> dict:
-        initial = new_fp8_state(recipe)
-        state = {}
-        for role in ROLES:
-            state[role] = {}
-            for key in ("scale", "amax_history"):
-                name = f"{role}_{key}"
-                if not self.is_initializing() and not self.has_variable(FP8_COLLECTION, name):
-                    raise ValueError(
-                        f"DenseGeneral: the '{FP8_COLLECTION}' collection has no '{name}'; "
-                        "initialize the model (model.init) inside the same fp8_autocast as "
-                        "the apply, and pass its 'fp8_metas' collection to apply")
-                var = self.variable(FP8_COLLECTION, name, lambda v=initial[role][key]: v)
-                state[role][key] = var.value
-        return state
+
+def fp8_state(module: nn.Module, recipe, prefix: str = "") -> dict:
+    """The delayed-scaling state of one GEMM of ``module``: its ``fp8_metas`` variables
+    ``<prefix><role>_scale`` and ``<prefix><role>_amax_history``, as a quantizer-set state."""
+    initial = new_fp8_state(recipe)
+    state = {}
+    for role in ROLES:
+        state[role] = {}
+        for key in ("scale", "amax_history"):
+            name = f"{prefix}{role}_{key}"
+            if not module.is_initializing() and not module.has_variable(FP8_COLLECTION, name):
+                raise ValueError(
+                    f"{type(module).__name__}: the '{FP8_COLLECTION}' collection has no "
+                    f"'{name}'; initialize the model (model.init) inside the same fp8_autocast "
+                    "as the apply, and pass its 'fp8_metas' collection to apply")
+            var = module.variable(FP8_COLLECTION, name, lambda v=initial[role][key]: v)
+            state[role][key] = var.value
+    return state
 
 
 class LayerNorm(nn.Module):

@@ -1,0 +1,144 @@
+"""The FP8 operands of the fused blocks, each made by the kernel that computes the tensor.
+
+Under per-tensor delayed scaling the scale is known before the tensor exists, so the kernel
+that computes it writes its FP8 data (row-wise and the transpose that the wgrad GEMM reads)
+and its amax in the same pass: the norm writes the first GEMM's input, the activation the
+second GEMM's input, the activation's backward the gradient of the first GEMM's output
+(with the bias gradient). Current scaling needs the tensor's amax before its scale, so the
+kernel writes the high-precision tensor and its amax, and a quantization follows; block
+scaling has no fused kernel and quantizes the high-precision tensor by blocks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from transformer_engine.jax import ops
+from transformer_engine.jax.dense import _fp8_bias_epilogue, _scale_invs
+from transformer_engine.jax.quantizer import QuantizerSet, quantize_role, role_dtype, role_mode
+
+
+class NormConfig(NamedTuple):
+    """The static part of a norm (hashable: a custom_vjp's nondiff argument)."""
+
+    kind: ops.NormType
+    zero_centered_gamma: bool
+    epsilon: float
+
+    def kwargs(self) -> dict:
+        return dict(norm_type=self.kind, epsilon=self.epsilon,
+                    zero_centered_gamma=self.zero_centered_gamma)
+
+
+def _current_scale(amax, qset: QuantizerSet, role: str):
+    recipe = qset.recipe
+    scale, _ = ops.scale_from_amax(amax, role_dtype(recipe, role),
+                                   force_pow2_scales=recipe.power_2_scale,
+                                   amax_epsilon=recipe.amax_epsilon)
+    return scale
+
+
+def _quantize_tensor_mode(t, scale, qset: QuantizerSet, role: str, amax) -> ops.QuantizedTensor:
+    q = ops.quantize(t, scale, role_dtype(qset.recipe, role), rowwise=True, columnwise=True,
+                     compute_amax=False)
+    return q._replace(amax=amax)
+
+
+def norm_quantized(x2, gamma, beta, cfg: NormConfig, qset: QuantizerSet, need_output: bool):
+    """The norm of ``x2`` [M, K] as the FP8 input of a GEMM (role ``x`` of ``qset``).
+
+    Returns ``(y, q, mu, rsigma)``; y (x2's dtype) is None unless ``need_output`` (or the
+    recipe needs it to quantize).
+    """
+    recipe = qset.recipe
+    if recipe.delayed():
+        return ops.norm_forward_fp8(x2, gamma, beta, qset.state["x"]["scale"],
+                                    role_dtype(recipe, "x"), write_output=need_output,
+                                    columnwise=True, compute_amax=True, **cfg.kwargs())
+    y, mu, rsigma = ops.norm_forward(x2, gamma, beta, **cfg.kwargs())
+    return y, quantize_role(y, qset, "x"), mu, rsigma
+
+
+def activation_quantized(h, act: ops.Activation, qset: QuantizerSet) -> ops.QuantizedTensor:
+    """act(h) as the FP8 input of a GEMM (role ``x`` of ``qset``)."""
+    recipe = qset.recipe
+    if recipe.delayed():
+        return ops.activation_forward_fp8(h, act, qset.state["x"]["scale"],
+                                          role_dtype(recipe, "x"))
+    if recipe.float8_current_scaling():
+        a, amax = ops.activation_forward(h, act, compute_amax=True)
+        return _quantize_tensor_mode(a, _current_scale(amax, qset, "x"), qset, "x", amax)
+    return quantize_role(ops.activation_forward(h, act), qset, "x")
+
+
+def grad_quantized(dy, act: ops.Activation, act_input: Optional[jax.Array], qset: QuantizerSet,
+                   dbias_dtype) -> tuple[ops.QuantizedTensor, Optional[jax.Array]]:
+    """The gradient of a GEMM's output, ``dact(act_input) * dy`` (IDENTITY: dy itself), as
+    the FP8 ``grad`` of ``qset``, with its bias gradient (``dbias_dtype``; None: none)."""
+    recipe = qset.recipe
+    identity = ops.Activation(act) == ops.Activation.IDENTITY
+    if recipe.delayed():
+        return ops.activation_backward_fp8(dy, act_input, act, qset.state["grad"]["scale"],
+                                           role_dtype(recipe, "grad"), dbias_dtype=dbias_dtype)
+    if recipe.float8_current_scaling() and identity:
+        amax = ops.compute_amax(dy)
+        q, dbias = ops.activation_backward_fp8(dy, None, act, _current_scale(amax, qset, "grad"),
+                                               role_dtype(recipe, "grad"),
+                                               dbias_dtype=dbias_dtype, compute_amax=False)
+        return q._replace(amax=amax), dbias
+    if identity:
+        g, dbias = dy, None
+        if dbias_dtype is not None:
+            dbias = jnp.sum(dy, axis=0, dtype=jnp.float32).astype(dbias_dtype)
+    else:
+        g, dbias, amax = ops.activation_backward(
+            dy, act_input, act, dbias_dtype=dbias_dtype,
+            compute_amax=recipe.float8_current_scaling())
+    if recipe.float8_current_scaling():
+        return _quantize_tensor_mode(g, _current_scale(amax, qset, "grad"), qset, "grad",
+                                     amax), dbias
+    return quantize_role(g, qset, "grad"), dbias
+
+
+def forward_gemm(qx: ops.QuantizedTensor, qk: ops.QuantizedTensor, bias, recipe, out_dtype):
+    """out = x @ kernel (+ bias) from their FP8 operands (x row-wise, kernel column-wise)."""
+    mode_x, mode_k = role_mode(recipe, "x"), role_mode(recipe, "kernel")
+    x_si, _ = _scale_invs(qx, mode_x)
+    _, k_col_si = _scale_invs(qk, mode_k)
+    epilogue = bias is not None and _fp8_bias_epilogue(out_dtype)
+    out = ops.gemm(qx.data, qk.columnwise_data, a_scale_inv=x_si, b_scale_inv=k_col_si,
+                   a_scaling_mode=mode_x, b_scaling_mode=mode_k, transpose_b=True,
+                   bias=bias if epilogue else None, out_dtype=out_dtype)
+    if bias is not None and not epilogue:
+        out = out + bias
+    return out
+
+
+class BackwardOperands(NamedTuple):
+    """What the backward GEMMs of one FP8 GEMM keep from the forward."""
+
+    x_col: jax.Array
+    x_col_si: jax.Array
+    k_row: jax.Array
+    k_si: jax.Array
+
+
+def backward_operands(qx: ops.QuantizedTensor, qk: ops.QuantizedTensor, recipe):
+    _, x_col_si = _scale_invs(qx, role_mode(recipe, "x"))
+    k_si, _ = _scale_invs(qk, role_mode(recipe, "kernel"))
+    return BackwardOperands(qx.columnwise_data, x_col_si, qk.data, k_si)
+
+
+def backward_gemms(qg: ops.QuantizedTensor, saved: BackwardOperands, recipe, out_dtype):
+    """(dgrad, wgrad) of one FP8 GEMM from the quantized gradient of its output."""
+    mode_x, mode_k, mode_g = (role_mode(recipe, r) for r in ("x", "kernel", "grad"))
+    g_si, g_col_si = _scale_invs(qg, mode_g)
+    dx = ops.gemm(qg.data, saved.k_row, a_scale_inv=g_si, b_scale_inv=saved.k_si,
+                  a_scaling_mode=mode_g, b_scaling_mode=mode_k, transpose_b=True,
+                  out_dtype=out_dtype, use_split_accumulator=True)
+    dk = ops.gemm(saved.x_col, qg.columnwise_data, a_scale_inv=saved.x_col_si,
+                  b_scale_inv=g_col_si, a_scaling_mode=mode_x, b_scaling_mode=mode_g,
+                  transpose_b=True, out_dtype=out_dtype, use_split_accumulator=True)
+    return dx, dk

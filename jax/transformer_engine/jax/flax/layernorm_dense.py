@@ -1,0 +1,146 @@
+"""``LayerNormDenseGeneral``: a flax linen norm + dense layer over
+:func:`transformer_engine.jax.layernorm_dense`."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple, Union
+
+import flax.linen as nn
+
+import jax
+import jax.numpy as jnp
+from transformer_engine.jax.autocast import get_fp8_recipe
+from transformer_engine.jax.dense import dense
+from transformer_engine.jax.flax.module import Initializer, _as_matrix_init, _as_tuple, fp8_state
+from transformer_engine.jax.layernorm_dense import layernorm_dense
+from transformer_engine.jax.quantizer import make_quantizer_set
+
+__all__ = ["LayerNormDenseGeneral"]
+
+_NORM_TYPES = ("layernorm", "rmsnorm")
+
+
+def norm_params(module: nn.Module, n: int, layernorm_type: str, zero_centered_gamma: bool,
+                scale_init: Optional[Initializer], ln_bias_init: Initializer, param_dtype,
+                scale_axes: Tuple[str, ...], ln_bias_axes: Tuple[str, ...]):
+    """The norm's ``scale`` [n] and, for LayerNorm, ``ln_bias`` [n] (else None)."""
+    name = type(module).__name__
+    if layernorm_type not in _NORM_TYPES:
+        raise ValueError(f"{name}: layernorm_type must be 'layernorm' or 'rmsnorm', got "
+                         f"{layernorm_type!r}")
+    if scale_init is None:
+        scale_init = nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
+    if scale_axes:
+        scale_init = nn.with_logical_partitioning(scale_init, scale_axes)
+    scale = module.param("scale", scale_init, (n,), param_dtype)
+    if layernorm_type != "layernorm":
+        return scale, None
+    if ln_bias_axes:
+        ln_bias_init = nn.with_logical_partitioning(ln_bias_init, ln_bias_axes)
+    return scale, module.param("ln_bias", ln_bias_init, (n,), param_dtype)
+
+
+def fp8_quantizer_set(module: nn.Module, prefix: str = ""):
+    """The autocast's quantizer set for one GEMM of ``module``, with its state (delayed
+    scaling) in the ``fp8_metas`` collection under ``prefix``."""
+    recipe = get_fp8_recipe()
+    state = fp8_state(module, recipe, prefix) if recipe is not None and recipe.delayed() else None
+    return make_quantizer_set(recipe, state, use_autocast=False)
+
+
+class LayerNormDenseGeneral(nn.Module):
+    """LayerNorm or RMSNorm over the last axis, then a dense layer, fused (FP8 inside
+    ``fp8_autocast``: the norm writes the GEMM's FP8 input itself under delayed scaling).
+
+    Parameters: ``scale`` and ``ln_bias`` (LayerNorm) [K] of the norm, ``kernel``
+    ``(K, *features)`` and ``bias`` ``features``. Under delayed scaling the FP8 state lives
+    in ``fp8_metas`` as :class:`~transformer_engine.jax.flax.DenseGeneral` keeps it
+    (``x_scale``, ``x_amax_history``, ... for the roles ``x``, ``kernel``, ``grad``).
+
+    Attributes:
+        features: output size(s).
+        axis: the contracted input axis; the norm's axis too, so it must be the last.
+        enable_layernorm: False: no norm (a plain dense layer over ``axis``).
+        layernorm_type: ``"layernorm"`` or ``"rmsnorm"``.
+        epsilon: added to the variance (or mean square).
+        zero_centered_gamma: ``scale`` stores g - 1.
+        scale_init: initializer of ``scale`` (default ones, or zeros with zero_centered_gamma).
+        ln_bias_init: initializer of ``ln_bias``.
+        use_bias: add a bias of shape ``features``.
+        kernel_init, bias_init: initializers of the dense layer (``kernel_init`` sees the
+            [K, prod(features)] matrix).
+        return_layernorm_output: return ``(out, norm(x))`` instead of ``out``.
+        dtype: the dtype of the computation and the outputs (inputs and parameters are cast).
+        param_dtype: the dtype of the parameters.
+        kernel_axes, bias_axes, scale_axes, ln_bias_axes: logical axis names (recorded for
+            sharding).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from transformer_engine.jax.flax import LayerNormDenseGeneral
+        >>> layer = LayerNormDenseGeneral(features=32)
+        >>> variables = layer.init(jax.random.PRNGKey(0), jnp.ones((16, 64)))
+        >>> layer.apply(variables, jnp.ones((16, 64))).shape
+        (16, 32)
+    """
+
+    features: Union[int, Sequence[int]]
+    axis: Union[int, Sequence[int]] = -1
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Optional[Initializer] = None
+    ln_bias_init: Initializer = nn.initializers.zeros
+    use_bias: bool = False
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros
+    return_layernorm_output: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    kernel_axes: Tuple[str, ...] = ()
+    bias_axes: Tuple[str, ...] = ()
+    scale_axes: Tuple[str, ...] = ()
+    ln_bias_axes: Tuple[str, ...] = ()
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array):
+        inputs = jnp.asarray(inputs)
+        if inputs.ndim < 1:
+            raise ValueError(f"LayerNormDenseGeneral: the input must have rank >= 1, got shape "
+                             f"{inputs.shape}")
+        features = _as_tuple(self.features)
+        axis = tuple(a % inputs.ndim for a in _as_tuple(self.axis))
+        if self.enable_layernorm and axis != (inputs.ndim - 1,):
+            raise ValueError("LayerNormDenseGeneral: axis must be the last axis (-1) when "
+                             f"enable_layernorm (the norm's axis), got {self.axis}")
+        if len(set(axis)) != len(axis):
+            raise ValueError(f"LayerNormDenseGeneral: axis must not repeat an axis, got "
+                             f"{self.axis}")
+        kernel_shape = tuple(inputs.shape[a] for a in axis) + features
+        kernel_init = _as_matrix_init(self.kernel_init, len(axis))
+        bias_init = _as_matrix_init(self.bias_init, 0)
+        if self.kernel_axes:
+            kernel_init = nn.with_logical_partitioning(kernel_init, self.kernel_axes)
+        if self.bias_axes:
+            bias_init = nn.with_logical_partitioning(bias_init, self.bias_axes)
+        scale = ln_bias = None
+        if self.enable_layernorm:
+            scale, ln_bias = norm_params(self, inputs.shape[-1], self.layernorm_type,
+                                         self.zero_centered_gamma, self.scale_init,
+                                         self.ln_bias_init, self.param_dtype, self.scale_axes,
+                                         self.ln_bias_axes)
+        kernel = self.param("kernel", kernel_init, kernel_shape, self.param_dtype)
+        bias = self.param("bias", bias_init, features, self.param_dtype) if self.use_bias else None
+        qset = fp8_quantizer_set(self)
+        x = inputs.astype(self.dtype)
+        kernel = kernel.astype(self.dtype)
+        bias = None if bias is None else bias.astype(self.dtype)
+        if not self.enable_layernorm:
+            out = dense(x, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))),
+                        quantizer_set=qset)
+            return (out, x) if self.return_layernorm_output else out
+        return layernorm_dense(x, scale, ln_bias, kernel, bias, norm_type=self.layernorm_type,
+                               zero_centered_gamma=self.zero_centered_gamma,
+                               epsilon=self.epsilon, quantizer_set=qset,
+                               return_layernorm_output=self.return_layernorm_output)

@@ -1,0 +1,148 @@
+"""``LayerNormMLP``: a flax linen Transformer MLP block over
+:func:`transformer_engine.jax.layernorm_mlp`."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import flax.linen as nn
+
+import jax
+import jax.numpy as jnp
+from transformer_engine.jax import ops
+from transformer_engine.jax.dense import dense
+from transformer_engine.jax.flax.layernorm_dense import fp8_quantizer_set, norm_params
+from transformer_engine.jax.flax.module import Initializer, _as_matrix_init
+from transformer_engine.jax.layernorm_dense import layernorm_dense
+from transformer_engine.jax.layernorm_mlp import activation, activation_of, layernorm_mlp
+
+__all__ = ["LayerNormMLP"]
+
+
+class LayerNormMLP(nn.Module):
+    """norm -> dense (``intermediate_dim``) -> activation -> dense (back to the input's
+    size), fused into one custom VJP (FP8 inside ``fp8_autocast``).
+
+    Parameters: ``scale`` and ``ln_bias`` (LayerNorm) [K]; ``wi_kernel`` [K, A, F] and
+    ``wi_bias`` [A, F] (A = 2 for the gated activations: index 0 activated, index 1 the
+    linear half; F = ``intermediate_dim``); ``wo_kernel`` [F, K] and ``wo_bias`` [K]. Under
+    delayed scaling each GEMM keeps its FP8 state in ``fp8_metas`` with the prefixes
+    ``wi_`` and ``wo_`` (``wi_x_scale``, ``wi_x_amax_history``, ..., ``wo_grad_scale``).
+
+    With ``intermediate_dropout_rate > 0`` and ``deterministic=False`` the block runs as
+    ``layernorm_dense``, the activation, dropout and ``dense`` (the same parameters and
+    FP8 state; the activation's output is then not written in FP8 by the activation).
+
+    Attributes:
+        intermediate_dim: F, the hidden size of the block.
+        enable_layernorm: False: no norm before the first dense layer.
+        layernorm_type: ``"layernorm"`` or ``"rmsnorm"``.
+        epsilon: added to the variance (or mean square).
+        zero_centered_gamma: ``scale`` stores g - 1.
+        scale_init, ln_bias_init: initializers of the norm's parameters.
+        activations: ``("gelu",)``, ``("relu",)``, ``("silu",)``, ``("quick_gelu",)``,
+            ``("squared_relu",)``, ``("linear",)``, or gated ``("gelu", "linear")``,
+            ``("silu", "linear")``, ``("relu", "linear")``.
+        use_bias: biases on both dense layers.
+        kernel_init, bias_init: initializers of the dense layers (``kernel_init`` sees each
+            kernel as its [in, out] matrix).
+        return_layernorm_output: return ``(out, norm(x))`` instead of ``out``.
+        intermediate_dropout_rate: dropout on the activation's output.
+        intermediate_hidden_dropout_dims: axes of that output that share a dropout mask.
+        dtype: the dtype of the computation and the outputs.
+        param_dtype: the dtype of the parameters.
+        kernel_axes_1, kernel_axes_2, bias_axes_1, bias_axes_2, scale_axes, ln_bias_axes:
+            logical axis names (recorded for sharding).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from transformer_engine.jax.flax import LayerNormMLP
+        >>> mlp = LayerNormMLP(intermediate_dim=64, activations=("silu", "linear"))
+        >>> variables = mlp.init(jax.random.PRNGKey(0), jnp.ones((16, 32)))
+        >>> mlp.apply(variables, jnp.ones((16, 32))).shape
+        (16, 32)
+    """
+
+    intermediate_dim: int = 2048
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Optional[Initializer] = None
+    ln_bias_init: Initializer = nn.initializers.zeros
+    activations: Sequence[str] = ("gelu",)
+    use_bias: bool = False
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros
+    return_layernorm_output: bool = False
+    intermediate_dropout_rate: float = 0.0
+    intermediate_hidden_dropout_dims: Sequence[int] = ()
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    kernel_axes_1: Tuple[str, ...] = ()
+    kernel_axes_2: Tuple[str, ...] = ()
+    bias_axes_1: Tuple[str, ...] = ()
+    bias_axes_2: Tuple[str, ...] = ()
+    scale_axes: Tuple[str, ...] = ()
+    ln_bias_axes: Tuple[str, ...] = ()
+
+    def _param(self, name, init, shape, n_in, axes):
+        init = _as_matrix_init(init, n_in)
+        if axes:
+            init = nn.with_logical_partitioning(init, axes)
+        return self.param(name, init, shape, self.param_dtype)
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, deterministic: bool = False):
+        inputs = jnp.asarray(inputs)
+        if inputs.ndim < 1:
+            raise ValueError(f"LayerNormMLP: the input must have rank >= 1, got shape "
+                             f"{inputs.shape}")
+        act = activation_of(self.activations)
+        if not 0.0 <= self.intermediate_dropout_rate < 1.0:
+            raise ValueError("LayerNormMLP: intermediate_dropout_rate must be in [0, 1), got "
+                             f"{self.intermediate_dropout_rate}")
+        n_act = 2 if ops.is_gated(act) else 1
+        k, f = inputs.shape[-1], int(self.intermediate_dim)
+        gamma = beta = None
+        if self.enable_layernorm:
+            gamma, beta = norm_params(self, k, self.layernorm_type, self.zero_centered_gamma,
+                                      self.scale_init, self.ln_bias_init, self.param_dtype,
+                                      self.scale_axes, self.ln_bias_axes)
+        k1 = self._param("wi_kernel", self.kernel_init, (k, n_act, f), 1, self.kernel_axes_1)
+        k2 = self._param("wo_kernel", self.kernel_init, (f, k), 1, self.kernel_axes_2)
+        b1 = b2 = None
+        if self.use_bias:
+            b1 = self._param("wi_bias", self.bias_init, (n_act, f), 0, self.bias_axes_1)
+            b2 = self._param("wo_bias", self.bias_init, (k,), 0, self.bias_axes_2)
+        qsets = (fp8_quantizer_set(self, "wi_"), fp8_quantizer_set(self, "wo_"))
+        x = inputs.astype(self.dtype)
+        k1, k2 = k1.astype(self.dtype), k2.astype(self.dtype)
+        b1 = None if b1 is None else b1.astype(self.dtype)
+        b2 = None if b2 is None else b2.astype(self.dtype)
+        if not self.enable_layernorm:
+            # No norm: the same block from its unfused parts.
+            h = dense(x, k1, b1, quantizer_set=qsets[0])
+            out = self._second_half(h.reshape(*h.shape[:-2], n_act * f), k2, b2, qsets[1],
+                                    deterministic)
+            return (out, x) if self.return_layernorm_output else out
+        norm = dict(norm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma,
+                    epsilon=self.epsilon)
+        if self.intermediate_dropout_rate > 0.0 and not deterministic:
+            h = layernorm_dense(x, gamma, beta, k1, b1, quantizer_set=qsets[0],
+                                return_layernorm_output=self.return_layernorm_output, **norm)
+            h, ln = h if self.return_layernorm_output else (h, None)
+            out = self._second_half(h.reshape(*h.shape[:-2], n_act * f), k2, b2, qsets[1],
+                                    deterministic)
+            return (out, ln) if self.return_layernorm_output else out
+        return layernorm_mlp(x, gamma, beta, (k1, k2), None if b1 is None else (b1, b2),
+                             activations=self.activations, quantizer_sets=qsets,
+                             return_layernorm_output=self.return_layernorm_output, **norm)
+
+    def _second_half(self, h, k2, b2, qset, deterministic):
+        a = activation(h, self.activations)
+        if self.intermediate_dropout_rate > 0.0:
+            a = nn.Dropout(rate=self.intermediate_dropout_rate,
+                           broadcast_dims=tuple(self.intermediate_hidden_dropout_dims))(
+                               a, deterministic=deterministic)
+        return dense(a, k2, b2, quantizer_set=qset)
