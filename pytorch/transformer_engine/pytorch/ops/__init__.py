@@ -4,10 +4,19 @@ Each is a ``torch.library.custom_op`` with a fake implementation, so that torch.
 it without running it, and takes the CUDA stream from torch, so that CUDA graphs capture it.
 """
 
+from .attention import (
+    attention_backward,
+    attention_forward,
+    attention_forward_fp8,
+    scaled_softmax_backward,
+    scaled_softmax_forward,
+)
 from .gemm import gemm_fp8
 from .norm import norm_backward, norm_forward
 from .quantize import amax, dequantize, quantize, quantize_block, quantize_current, transpose
 from .scaling import delayed_scaling_update
 
-__all__ = ["amax", "delayed_scaling_update", "dequantize", "gemm_fp8", "norm_backward",
-           "norm_forward", "quantize", "quantize_block", "quantize_current", "transpose"]
+__all__ = ["amax", "attention_backward", "attention_forward", "attention_forward_fp8",
+           "delayed_scaling_update", "dequantize", "gemm_fp8", "norm_backward", "norm_forward",
+           "quantize", "quantize_block", "quantize_current", "scaled_softmax_backward",
+           "scaled_softmax_forward", "transpose"]
