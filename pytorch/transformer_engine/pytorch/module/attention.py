@@ -60,7 +60,10 @@ def _core_reasons(key: tuple, grad: bool) -> dict:
                  sizes[3], sizes[4])
     qkv = c.DType.float8_e4m3 if fp8 else getattr(c.DType, dtype)
     hp = getattr(c.DType, dtype)
-    _, why, _ = c.attention_backend(cfg, list(sizes), qkv, hp, hp, device_id=device)
+    try:
+        _, why, _ = c.attention_backend(cfg, list(sizes), qkv, hp, hp, device_id=device)
+    except (TypeError, ValueError) as e:  # a request no core backend takes (FP8 of fp32, ...)
+        return {name: str(e) for name in _CORE_INDEX}
     reasons = {name: why[i] for name, i in _CORE_INDEX.items()}
     if grad:
         _, why_b, _ = c.attention_backend(cfg, list(sizes), qkv, hp, hp, device_id=device,

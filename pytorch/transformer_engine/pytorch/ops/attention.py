@@ -46,8 +46,9 @@ def config(layout: str, mask: str, window_left: int, window_right: int, softmax_
 
 
 def _opt(t: torch.Tensor):
-    """An optional tensor argument: empty means absent."""
-    return None if t.numel() == 0 else raw(t.contiguous())
+    """An optional tensor argument: empty means absent. t must be contiguous (raw() holds a
+    bare pointer, so a temporary copy would die before the call)."""
+    return None if t.numel() == 0 else raw(t)
 
 
 def _device_id(t: torch.Tensor) -> int:
@@ -80,6 +81,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     o = _o_like(q, v, q.dtype)
     lse = q.new_empty(lse_shape(q, layout, heads, cu_seqlens_q, max_seqlen_q), dtype=torch.float32)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
+    rng_state = rng_state.contiguous()
     ws = _workspace_for(cfg, q, k, v, q.dtype, q.dtype, cu_seqlens_q, max_seqlen_q, max_seqlen_kv,
                         False)
     core().attention_forward(cfg, raw(q), raw(k), raw(v), raw(o), raw(lse),
@@ -107,10 +110,12 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     cfg = config(layout, mask, window_left, window_right, softmax_scale, dropout, max_seqlen_q,
                  max_seqlen_kv, deterministic, backend)
     dq, dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (q, k, v))
-    q, k, v, o, d_o = (t.contiguous() for t in (q, k, v, o, d_o))
+    q, k, v, o, d_o, lse = (t.contiguous() for t in (q, k, v, o, d_o, lse))
+    cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
+    rng_state = rng_state.contiguous()
     ws = _workspace_for(cfg, q, k, v, o.dtype, grad_dtype, cu_seqlens_q, max_seqlen_q,
                         max_seqlen_kv, True)
-    core().attention_backward(cfg, raw(q), raw(k), raw(v), raw(o), raw(d_o), raw(lse.contiguous()),
+    core().attention_backward(cfg, raw(q), raw(k), raw(v), raw(o), raw(d_o), raw(lse),
                               dq=raw(dq), dk=raw(dk), dv=raw(dv), cu_seqlens_q=_opt(cu_seqlens_q),
                               cu_seqlens_kv=_opt(cu_seqlens_kv), rng_state=_opt(rng_state),
                               workspace=ws, stream=stream_of(q))
@@ -125,8 +130,9 @@ def _(q, k, v, o, d_o, lse, cu_seqlens_q, cu_seqlens_kv, rng_state, layout, mask
 
 
 def _fp8(data: torch.Tensor, scale_inv: torch.Tensor):
-    return core().Tensor(raw(data.contiguous()), dtype=core().DType.float8_e4m3,
-                         scale_inv=raw(scale_inv))
+    """An E4M3 Tensor of contiguous uint8 data and its [1] scale_inv (both kept alive by the
+    caller)."""
+    return core().Tensor(raw(data), dtype=core().DType.float8_e4m3, scale_inv=raw(scale_inv))
 
 
 @custom_op(f"{_NS}::attention_forward_fp8", mutates_args=())
@@ -146,6 +152,9 @@ def attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = q.new_empty(lse_shape(q, layout, q.shape[-2], cu_seqlens_q, max_seqlen_q),
                       dtype=torch.float32)
     amax_s = q.new_zeros((1,), dtype=torch.float32)
+    q, k, v, descales = q.contiguous(), k.contiguous(), v.contiguous(), descales.contiguous()
+    cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
+    rng_state = rng_state.contiguous()
     d = [descales[i:i + 1] for i in range(3)]
     sc = [s_scales[0:1].contiguous(), s_scales[1:2].contiguous()]
     c = core()
