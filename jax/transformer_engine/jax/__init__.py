@@ -6,6 +6,7 @@ for the CPU and CUDA platforms.
 * :func:`fp8_autocast` / :func:`autocast`: the recipe in effect while a model is traced.
 * :func:`dense`: a linear layer (``jax.custom_vjp``) in FP8 or the inputs' dtype.
 * :func:`layernorm`: LayerNorm / RMSNorm over the last axis (``jax.custom_vjp``).
+* :func:`fused_attn`: dot-product attention (``jax.custom_vjp``) on cuDNN or the core's paths.
 * :class:`QuantizerSet`, :func:`make_quantizer_set`, :func:`new_fp8_state`: the recipe and
   FP8 state that ``dense`` quantizes with; :func:`update_collections` merges the new state.
 * :mod:`transformer_engine.jax.flax`: the ``DenseGeneral`` and ``LayerNorm`` linen modules.
@@ -15,6 +16,7 @@ for the CPU and CUDA platforms.
 # Importing ops loads the extension and registers its targets (a clear ImportError if absent).
 from transformer_engine.jax import ops
 from transformer_engine.jax._version import __version__
+from transformer_engine.jax.attention import fused_attn
 from transformer_engine.jax.autocast import (
     MeshResource,
     autocast,
@@ -34,5 +36,6 @@ from transformer_engine.jax.quantizer import (
 )
 
 __all__ = ["__version__", "MeshResource", "fp8_autocast", "autocast", "get_fp8_recipe",
-           "get_mesh_resource", "is_fp8_enabled", "dense", "layernorm", "QuantizerSet",
-           "make_quantizer_set", "new_fp8_state", "update_collections", "FP8_COLLECTION", "ops"]
+           "get_mesh_resource", "is_fp8_enabled", "dense", "fused_attn", "layernorm",
+           "QuantizerSet", "make_quantizer_set", "new_fp8_state", "update_collections",
+           "FP8_COLLECTION", "ops"]

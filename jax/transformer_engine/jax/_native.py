@@ -23,6 +23,8 @@ TARGETS = {
     "gemm": "te_gemm_ffi",
     "norm_forward": "te_norm_forward_ffi",
     "norm_backward": "te_norm_backward_ffi",
+    "attention_forward": "te_attention_forward_ffi",
+    "attention_backward": "te_attention_backward_ffi",
 }
 
 _INSTALL_HINT = (
