@@ -273,9 +273,13 @@ class DotProductAttention(torch.nn.Module):
 
     def _fused(self, q, k, v, layout, mask, window, dropout, cu_q, cu_kv, max_sq, max_skv,
                backend, fp8):
-        empty = torch.empty((0,), dtype=torch.int32, device=q.device)
-        cu_q = empty if cu_q is None else cu_q.to(device=q.device, dtype=torch.int32)
-        cu_kv = empty if cu_kv is None else cu_kv.to(device=q.device, dtype=torch.int32)
+        # Separate empties: torch.compile rejects one tensor passed twice to an autograd.Function.
+        def index(cu):
+            if cu is None:
+                return torch.empty((0,), dtype=torch.int32, device=q.device)
+            return cu.to(device=q.device, dtype=torch.int32)
+
+        cu_q, cu_kv = index(cu_q), index(cu_kv)
         if dropout > 0.0:
             # From torch's default generator of q's device: torch.manual_seed reproduces it.
             rng = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=q.device)
