@@ -312,3 +312,32 @@ def test_compiles_without_graph_breaks(backend):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     for g, t in zip(grads, (q, k, v), strict=True):
         torch.testing.assert_close(g, t.grad, atol=0, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["none", "causal", "causal_bottom_right", "arbitrary"])
+def test_cuda_scaled_softmax_matches_cpu(kind):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 3, 17, 129, generator=g) * 3
+    mask = (torch.rand(2, 1, 17, 129, generator=g) < 0.3).to(torch.uint8)
+    mask[0, 0, 0] = 1  # a fully masked row
+    m = mask if kind == "arbitrary" else torch.empty(0, dtype=torch.uint8)
+    want = te.ops.scaled_softmax_forward(x, m, kind, 0.7)
+    got = te.ops.scaled_softmax_forward(x.cuda(), m.cuda(), kind, 0.7).cpu()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    dy = torch.randn(x.shape, generator=g)
+    torch.testing.assert_close(te.ops.scaled_softmax_backward(dy.cuda(), got.cuda(), 0.7).cpu(),
+                               te.ops.scaled_softmax_backward(dy, want, 0.7),
+                               atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.cuda
+def test_cuda_math_path_fp8_forward_matches_cpu():
+    q, k, v = _data(1, 65, 65, 2, 2, 64, torch.bfloat16, "cpu")
+    attn = te.DotProductAttention(2, 64, qkv_format="bshd", attention_backend=None)
+    outs = []
+    for device, backend in (("cpu", "cpu"), ("cuda", "cuda_math")):
+        args = [t.detach().to(device) for t in (q, k, v)]
+        with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
+            outs.append(attn(*args, attention_backend=backend).float().cpu())
+    torch.testing.assert_close(outs[1], outs[0], atol=1.5e-2, rtol=1.5e-2)

@@ -66,7 +66,8 @@ def _core_reasons(key: tuple, grad: bool) -> dict:
         return {name: str(e) for name in _CORE_INDEX}
     reasons = {name: why[i] for name, i in _CORE_INDEX.items()}
     if grad:
-        _, why_b, _ = c.attention_backend(cfg, list(sizes), qkv, hp, hp, device_id=device,
+        # The FP8 path's backward runs on the high-precision inputs (attention_fn.py).
+        _, why_b, _ = c.attention_backend(cfg, list(sizes), hp, hp, hp, device_id=device,
                                           backward=True)
         for name, i in _CORE_INDEX.items():
             if not reasons[name] and why_b[i]:
