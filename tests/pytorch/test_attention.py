@@ -213,9 +213,10 @@ def test_bad_inputs():
         attn(q, k, v, attn_mask_type="padding")
     thd = te.DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding")
     bad_cu = torch.tensor([0, 3, 2], dtype=torch.int32)
-    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
-        thd(q[0], k[0], v[0], cu_seqlens_q=bad_cu, cu_seqlens_kv=bad_cu, max_seqlen_q=4,
-            max_seqlen_kv=4)
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match="cu_seqlens_q must start at 0 and be non-decreasing"):
+            thd(q[0], k[0], v[0], cu_seqlens_q=bad_cu, cu_seqlens_kv=bad_cu, max_seqlen_q=4,
+                max_seqlen_kv=4, attention_backend=backend)
 
 
 def test_custom_ops_trace():

@@ -246,6 +246,11 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"DotProductAttention: attn_mask_type {mask!r} with qkv_format "
                              f"{layout!r} needs cu_seqlens_q and cu_seqlens_kv (or a padding "
                              "attention_mask for bshd/sbhd)")
+        if padding:  # both paths index with them on q's device
+            for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+                _check_cu_seqlens(name, cu)
+            cu_seqlens_q = cu_seqlens_q.to(device=query.device, dtype=torch.int32)
+            cu_seqlens_kv = cu_seqlens_kv.to(device=query.device, dtype=torch.int32)
         if mask == "arbitrary" and attention_mask is None:
             raise ValueError("DotProductAttention: attn_mask_type 'arbitrary' needs attention_mask")
         if layout == "thd" and (max_seqlen_q is None or max_seqlen_kv is None):
@@ -290,6 +295,18 @@ class DotProductAttention(torch.nn.Module):
                   int(max_sq), int(max_skv), backend)
         fn = fused_attention_fp8 if fp8 else fused_attention
         return fn(q, k, v, cu_q, cu_kv, rng, params, self.deterministic)
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor) -> None:
+    """Shape always; values only when they are on the CPU (reading CUDA memory would stall
+    the stream; the core checks CPU values again)."""
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"DotProductAttention: {name} must have shape [batch + 1], got "
+                         f"{list(cu.shape)}")
+    if cu.device.type == "cpu" and not torch.compiler.is_compiling():
+        if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"DotProductAttention: {name} must start at 0 and be "
+                             f"non-decreasing (cumulative lengths), got {cu.tolist()}")
 
 
 def _check_names(layout: str, mask: str, backend: Optional[str]) -> None:
