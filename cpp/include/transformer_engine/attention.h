@@ -132,8 +132,9 @@ te_status te_attention_forward(const te_attention_config *config, const te_tenso
 /* Backward: the gradients of the forward with the same config, inputs and rng_state.
  * [in] q, k, v, o, softmax_lse, cu_seqlens_q, cu_seqlens_kv, rng_state: as the forward had and
  *   wrote them (FP8: o also sets SCALE_INV, its descale).
- * [in] d_o: DATA, o's shape, o's dtype (FP8: E4M3 or E5M2 with SCALE_INV).
- * [out] dq, dk, dv: DATA, the shapes of q, k, v, grad dtype (FP8: with SCALE, optional AMAX).
+ * [in] d_o: DATA, o's shape and dtype (an FP8 o: d_o also sets SCALE_INV, its descale).
+ * [out] dq, dk, dv: DATA, the shapes of q, k, v, one dtype: q's, or for FP8 q/k/v fp16, bf16
+ *   or FP8 (E4M3/E5M2, each with SCALE and optional AMAX).
  * [in,out] dp_fp8: FP8 only: SCALE, SCALE_INV and optional AMAX of the gradient of p, as
  *   softmax_fp8 in the forward; NULL otherwise. */
 te_status te_attention_backward(const te_attention_config *config, const te_tensor *q, const te_tensor *k,
