@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-
 from te_torch_tests._tolerances import (
     ATTENTION_FP8_RMSE_OF_RANGE,
     ATTENTION_FP8_TOL,
