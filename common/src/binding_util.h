@@ -64,6 +64,7 @@ void register_quantize(nb::module_ &m);
 void register_gemm(nb::module_ &m);
 void register_activation(nb::module_ &m);
 void register_norm(nb::module_ &m);
+void register_attention(nb::module_ &m);
 
 }  // namespace te_binding
 

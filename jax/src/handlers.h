@@ -14,9 +14,11 @@
   X("te_delayed_scaling_update_ffi", TeDelayedScalingUpdate) \
   X("te_gemm_ffi", TeGemm)                            \
   X("te_norm_forward_ffi", TeNormForward)             \
-  X("te_norm_backward_ffi", TeNormBackward)          \
-  X("te_activation_forward_ffi", TeActivationForward) \
-  X("te_activation_backward_ffi", TeActivationBackward)
+  X("te_norm_backward_ffi", TeNormBackward)             \
+  X("te_activation_forward_ffi", TeActivationForward)   \
+  X("te_activation_backward_ffi", TeActivationBackward) \
+  X("te_attention_forward_ffi", TeAttentionForward)     \
+  X("te_attention_backward_ffi", TeAttentionBackward)
 
 namespace te_jax {
 #define TE_JAX_DECLARE_HANDLER(target, prefix)                       \

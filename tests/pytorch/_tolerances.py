@@ -124,3 +124,14 @@ def assert_bounded(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, w
     err = (got.detach().double().cpu() - want.detach().double().cpu()).abs()
     worst = (err / (bound.double().cpu() + 1e-30)).max().item() if err.numel() else 0.0
     assert worst <= 1.0, f"{what}: error {worst:.3g}x its bound"
+# Attention outputs and gradients against a float64 reference, (atol, rtol): fp32 on the CPU
+# sums at most 129 products of O(1) values per element, ~n * 2^-24 of the magnitude, so
+# 2e-5 / 1e-4 leaves ample room while any wrong mask entry moves results by O(1 / seqlen);
+# bf16 (CUDA) is the bound, 1.5e-2: inputs carry 2^-9 relative error, kernels
+# accumulate in fp32. Gradients get twice these (one more GEMM of rounded operands).
+ATTENTION_TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (1.5e-2, 1.5e-2)}
+# FP8 attention against bf16: E4M3 keeps 3 mantissa bits (2^-4 relative per element), which
+# averages down over the keys: within 0.5 absolute / 0.05 relative, and an RMSE below 0.11 of
+# the output's range.
+ATTENTION_FP8_TOL = (0.5, 0.05)
+ATTENTION_FP8_RMSE_OF_RANGE = 0.11

@@ -4,6 +4,7 @@
 
 #include "transformer_engine/tensor.h"
 #include "transformer_engine/activation.h"
+#include "transformer_engine/attention.h"
 #include "transformer_engine/gemm.h"
 #include "transformer_engine/norm.h"
 #include "transformer_engine/quantize.h"

@@ -1,6 +1,7 @@
 // Stand-ins for the CUDA launchers in a CPU-only build (CMake drops this file when the
 // kernels are compiled): a CUDA buffer gets a clear error instead of a missing symbol.
 #include "activation/activation_impl.h"
+#include "attention/attention_math.h"
 #include "common/internal.h"
 #include "gemm/gemm_impl.h"
 #include "norm/norm_impl.h"
@@ -25,6 +26,17 @@ te_status gemm_cuda(const GemmArgs &, te_stream) { return no_cuda_build("gemm");
 size_t gemm_workspace_size() { return 0; }
 te_status norm_forward_cuda(const NormForwardArgs &, te_stream) { return no_cuda_build("norm_forward"); }
 te_status norm_backward_cuda(const NormBackwardArgs &, te_stream) { return no_cuda_build("norm_backward"); }
+te_status attention_forward_cuda(const AttentionForwardArgs &, te_stream) { return no_cuda_build("attention_forward"); }
+te_status attention_backward_cuda(const AttentionBackwardArgs &, te_stream) {
+  return no_cuda_build("attention_backward");
+}
+size_t attention_backward_cuda_workspace_size(const AttentionShape &) { return 0; }
+te_status scaled_softmax_forward_cuda(const SoftmaxForwardArgs &, te_stream) {
+  return no_cuda_build("scaled_softmax_forward");
+}
+te_status scaled_softmax_backward_cuda(const SoftmaxBackwardArgs &, te_stream) {
+  return no_cuda_build("scaled_softmax_backward");
+}
 CudaDeviceScope::CudaDeviceScope(int) {}
 CudaDeviceScope::~CudaDeviceScope() {}
 

@@ -9,6 +9,7 @@ for the CPU and CUDA platforms.
 * :func:`layernorm_dense`, :func:`layernorm_mlp`: the norm fused with a dense layer, or with
   the whole MLP block (two dense layers around an activation); in FP8 each kernel writes
   the next GEMM's FP8 operand itself.
+* :func:`fused_attn`: dot-product attention (``jax.custom_vjp``) on cuDNN or the core's paths.
 * :class:`QuantizerSet`, :func:`make_quantizer_set`, :func:`new_fp8_state`: the recipe and
   FP8 state that ``dense`` quantizes with; :func:`update_collections` merges the new state.
 * :mod:`transformer_engine.jax.flax`: the ``DenseGeneral``, ``LayerNorm``, ``LayerNormDenseGeneral``
@@ -19,6 +20,7 @@ for the CPU and CUDA platforms.
 # Importing ops loads the extension and registers its targets (a clear ImportError if absent).
 from transformer_engine.jax import ops
 from transformer_engine.jax._version import __version__
+from transformer_engine.jax.attention import fused_attn
 from transformer_engine.jax.autocast import (
     MeshResource,
     autocast,
@@ -40,7 +42,7 @@ from transformer_engine.jax.quantizer import (
 )
 
 __all__ = ["__version__", "MeshResource", "fp8_autocast", "autocast", "get_fp8_recipe",
-           "get_mesh_resource", "is_fp8_enabled", "dense", "layernorm", "layernorm_dense",
-           "layernorm_dense_fp8_operands", "layernorm_mlp", "layernorm_mlp_fp8_operands",
-           "QuantizerSet",
-           "make_quantizer_set", "new_fp8_state", "update_collections", "FP8_COLLECTION", "ops"]
+           "get_mesh_resource", "is_fp8_enabled", "dense", "fused_attn", "layernorm",
+           "layernorm_dense", "layernorm_dense_fp8_operands", "layernorm_mlp",
+           "layernorm_mlp_fp8_operands", "QuantizerSet", "make_quantizer_set", "new_fp8_state",
+           "update_collections", "FP8_COLLECTION", "ops"]

@@ -25,6 +25,8 @@ TARGETS = {
     "norm_backward": "te_norm_backward_ffi",
     "activation_forward": "te_activation_forward_ffi",
     "activation_backward": "te_activation_backward_ffi",
+    "attention_forward": "te_attention_forward_ffi",
+    "attention_backward": "te_attention_backward_ffi",
 }
 
 _INSTALL_HINT = (

@@ -15,10 +15,20 @@ Example (the seed example; on a machine without a GPU use device="cpu"):
 from .checkpoint import checkpoint
 from .float8_tensor import Float8Tensor
 from .fp8 import autocast, fp8_autocast, fp8_model_init, is_fp8_available
-from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .module import (
+    AttentionBackend,
+    DotProductAttention,
+    LayerNorm,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    RMSNorm,
+    get_attention_backend,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["Float8Tensor", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm",
-           "__version__", "autocast", "checkpoint", "fp8_autocast", "fp8_model_init",
+__all__ = ["AttentionBackend", "DotProductAttention", "Float8Tensor", "LayerNorm",
+           "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm", "__version__", "autocast",
+           "checkpoint", "fp8_autocast", "fp8_model_init", "get_attention_backend",
            "is_fp8_available"]

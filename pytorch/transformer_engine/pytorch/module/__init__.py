@@ -1,8 +1,10 @@
 """te modules."""
 
+from .attention import AttentionBackend, DotProductAttention, get_attention_backend
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 
-__all__ = ["LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm"]
+__all__ = ["AttentionBackend", "DotProductAttention", "LayerNorm", "LayerNormLinear",
+           "LayerNormMLP", "Linear", "RMSNorm", "get_attention_backend"]

@@ -55,7 +55,7 @@ def te_mode(mode: str):
 _TORCH_TO_TE = {
     torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
     torch.uint8: "uint8", torch.int8: "int8", torch.float8_e4m3fn: "float8_e4m3",
-    torch.float8_e5m2: "float8_e5m2",
+    torch.float8_e5m2: "float8_e5m2", torch.int32: "int32", torch.int64: "int64",
 }
 _te_dtypes: dict = {}
 

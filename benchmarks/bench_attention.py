@@ -1,0 +1,162 @@
+"""Causal bf16 attention, forward + backward, through te.DotProductAttention beside torch's
+scaled_dot_product_attention on its cuDNN and flash backends, and fused_attn beside
+jax.nn.dot_product_attention(implementation="cudnn"); then our FP8 forward beside our bf16 one.
+
+TFLOP/s count the two batched GEMMs of the forward, 4 * B * Hq * Sq * Skv * D, halved for the
+causal mask (only the lower triangle is computed); forward + backward counts 3.5 times the
+forward (the backward's five GEMMs are 2.5 forwards).
+
+    python benchmarks/bench_attention.py           # GPU: writes benchmarks/results/attention.json
+    python benchmarks/bench_attention.py --smoke   # tiny CPU run of every path; writes nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+# (batch, heads_q, heads_kv, seqlen, head_dim)
+SHAPES = [(4, 32, 32, 4096, 128), (2, 16, 16, 8192, 128), (2, 32, 8, 8192, 128)]
+SMOKE_SHAPES = [(1, 4, 2, 64, 16)]
+
+
+def flops(shape, backward: bool) -> float:
+    b, hq, _, s, d = shape
+    forward = 4.0 * b * hq * s * s * d / 2  # causal: half the logits
+    return forward * (3.5 if backward else 1.0)
+
+
+def time_host(fn, repeats: int = 5) -> dict:
+    """Milliseconds per call by wall clock (the CPU smoke run and JAX, whose arrays are
+    synchronized with block_until_ready inside fn)."""
+    fn(0)
+    per_call = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        fn(r)
+        per_call.append((time.perf_counter() - t0) * 1e3)
+    per_call.sort()
+    return {"median_ms": per_call[len(per_call) // 2], "min_ms": per_call[0],
+            "max_ms": per_call[-1], "batches": repeats, "calls_per_batch": 1}
+
+
+def torch_cases(shape, device: str) -> dict:
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe
+
+    b, hq, hk, s, d = shape
+    q, k, v = (torch.randn(b, s, h, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for h in (hq, hk, hk))
+    grad = torch.randn(b, s, hq * d, device=device, dtype=torch.bfloat16)
+    attn = te.DotProductAttention(hq, d, num_gqa_groups=hk, qkv_format="bshd",
+                                  attn_mask_type="causal")
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    grad_t = grad.view(b, s, hq, d).transpose(1, 2).contiguous()
+
+    def ours(i):
+        attn(q, k, v).backward(grad)
+
+    def sdpa(backend):
+        from torch.nn.attention import sdpa_kernel
+
+        def run(i):
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
+                                               enable_gqa=hq != hk).backward(grad_t)
+        return run
+
+    def ours_forward(i):
+        with torch.no_grad():
+            attn(q, k, v)
+
+    def ours_fp8_forward(i):
+        with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
+            attn(q, k, v)
+
+    cases = {("fwd_bwd", "transformer_engine"): ours,
+             ("fwd", "transformer_engine_bf16"): ours_forward,
+             ("fwd", "transformer_engine_fp8"): ours_fp8_forward}
+    if device == "cuda":
+        from torch.nn.attention import SDPBackend
+
+        cases[("fwd_bwd", "torch_sdpa_cudnn")] = sdpa(SDPBackend.CUDNN_ATTENTION)
+        cases[("fwd_bwd", "torch_sdpa_flash")] = sdpa(SDPBackend.FLASH_ATTENTION)
+    info = te.get_attention_backend(q, k, v, qkv_format="bshd", attn_mask_type="causal")
+    return cases, {"backend": info.name, "reasons": info.reasons}
+
+
+def jax_cases(shape, smoke: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from transformer_engine.jax.attention import fused_attn
+
+    b, hq, hk, s, d = shape
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(keys[0], (b, s, hq, d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, s, hk, d), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, s, hk, d), jnp.bfloat16)
+
+    def step(fn):
+        grad = jax.jit(jax.grad(lambda q_, k_, v_: fn(q_, k_, v_).astype(jnp.float32).sum(),
+                                argnums=(0, 1, 2)))
+        return lambda i: jax.block_until_ready(grad(q, k, v))
+
+    cases = {("fwd_bwd", "transformer_engine_jax"): step(
+        lambda q_, k_, v_: fused_attn(q_, k_, v_, attn_mask_type="causal"))}
+    if not smoke:
+        cases[("fwd_bwd", "jax_dpa_cudnn")] = step(
+            lambda q_, k_, v_: jax.nn.dot_product_attention(q_, k_, v_, is_causal=True,
+                                                            implementation="cudnn"))
+    return cases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--name", default="attention")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no JSON")
+    parser.add_argument("--no-jax", action="store_true")
+    args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    rows, backends = [], []
+    for shape in SMOKE_SHAPES if args.smoke else SHAPES:
+        cases, chosen = torch_cases(shape, device)
+        backends.append({"shape": list(shape), **chosen})
+        if not args.no_jax:
+            cases.update(jax_cases(shape, args.smoke))
+        for (op, impl), fn in cases.items():
+            try:
+                if device == "cuda" and "jax" not in impl:
+                    from harness import time_cuda
+
+                    t = time_cuda(fn, batch=3, repeats=5, warmup=1)
+                else:
+                    t = time_host(fn)
+            except Exception as e:  # a peer's backend may not take the shape: record why
+                rows.append({"op": op, "impl": impl, "shape": list(shape), "error": str(e)[:300]})
+                print(f"{impl:26s} {op:8s} {shape}: error {str(e)[:120]}")
+                continue
+            tflops = flops(shape, op == "fwd_bwd") / (t["median_ms"] * 1e-3) / 1e12
+            rows.append({"op": op, "impl": impl, "shape": list(shape), "mask": "causal",
+                         "dtype": "bfloat16" if "fp8" not in impl else "float8_e4m3", **t,
+                         "tflops": tflops})
+            print(f"{impl:26s} {op:8s} {shape}: {t['median_ms']:.3f} ms {tflops:.1f} TFLOP/s")
+    if args.smoke:
+        return
+    from harness import write_result
+
+    write_result(args.name, {
+        "description": "causal attention, bf16 fwd+bwd, ours vs torch SDPA (cuDNN, flash) and "
+                       "jax.nn.dot_product_attention (cuDNN); FP8 forward vs bf16 forward. "
+                       "shape = (batch, heads_q, heads_kv, seqlen, head_dim)",
+        "sdpa_cudnn_baseline_fwd_bwd_tflops_b4_h32_s4096": 465,
+        "backends": backends,
+        "results": rows,
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+// What the CPU reference and the CUDA math path of attention share: the indexing of the three
+// layouts, the allowed key range of a query, the dropout mask, and their entry points. The
+// cuDNN backend has its own dropout generator (attention.h lets backends differ there).
+#ifndef TRANSFORMER_ENGINE_SRC_ATTENTION_ATTENTION_MATH_H_
+#define TRANSFORMER_ENGINE_SRC_ATTENTION_ATTENTION_MATH_H_
+
+#include <cstdint>
+
+#include "attention/attention_impl.h"
+#include "common/numerics.h"
+#include "transformer_engine/attention.h"
+
+namespace te {
+
+// Lengths of sequence b and the first row of it in a THD buffer.
+struct SeqLens {
+  int64_t q, kv, q_start, kv_start;
+};
+
+TE_HOST_DEVICE SeqLens seq_lens(const AttentionShape &s, bool padding, const int32_t *cu_q,
+                                const int32_t *cu_kv, int64_t b) {
+  SeqLens r{s.seqlen_q, s.seqlen_kv, 0, 0};
+  if (padding) {
+    r.q = cu_q[b + 1] - cu_q[b];
+    r.kv = cu_kv[b + 1] - cu_kv[b];
+    r.q_start = cu_q[b];
+    r.kv_start = cu_kv[b];
+  }
+  return r;
+}
+
+// Element offset of (b, position, head, 0) in a buffer of `heads` heads of `dim` elements.
+// THD positions count from the sequence's first row, `start`.
+TE_HOST_DEVICE int64_t attn_offset(AttnLayout layout, int64_t batch, int64_t seqlen, int64_t heads,
+                                   int64_t dim, int64_t b, int64_t pos, int64_t start, int64_t h) {
+  int64_t row;
+  switch (layout) {
+    case AttnLayout::BSHD: row = b * seqlen + pos; break;
+    case AttnLayout::SBHD: row = pos * batch + b; break;
+    default: row = start + pos; break;
+  }
+  return (row * heads + h) * dim;
+}
+
+// The allowed keys [*lo, *hi] of query i (empty when *lo > *hi).
+TE_HOST_DEVICE void allowed_keys(const AttentionMask &m, int64_t i, int64_t sq, int64_t skv, int64_t *lo,
+                                 int64_t *hi) {
+  const int64_t d = i + (m.bottom_right ? skv - sq : 0);
+  int64_t a = 0, z = skv - 1;
+  if (m.window_left >= 0 && d - m.window_left > a) a = d - m.window_left;
+  if (m.window_right >= 0 && d + m.window_right < z) z = d + m.window_right;
+  *lo = a;
+  *hi = z;
+}
+
+// A 64-bit mix (splitmix64's finalizer): consecutive counters give independent-looking bits.
+TE_HOST_DEVICE uint64_t attn_mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// True when element (b, h, i, j) of the probabilities is kept: its counter
+// offset + ((b * heads + h) * seqlen_q + i) * seqlen_kv + j, hashed with the seed, gives a
+// uniform 24-bit u; the element drops when u < p * 2^24.
+TE_HOST_DEVICE bool dropout_keep(uint64_t seed, uint64_t offset, const AttentionShape &s, int64_t b, int64_t h,
+                                 int64_t i, int64_t j, float p) {
+  const uint64_t counter =
+      offset + static_cast<uint64_t>(((b * s.heads_q + h) * s.seqlen_q + i) * s.seqlen_kv + j);
+  const uint64_t bits = attn_mix64(counter ^ attn_mix64(seed));
+  const float u = static_cast<float>(bits >> 40) * (1.0f / 16777216.0f);
+  return u >= p;
+}
+
+// The resolved arguments of te_scaled_softmax_forward / backward.
+struct SoftmaxForwardArgs {
+  te_softmax_mask_type mask_type;
+  float scale;
+  const void *x;
+  void *y;
+  te_dtype dtype;
+  int64_t batch, heads, sq, sk;
+  const uint8_t *mask;             // ARBITRARY: [mask_batch, mask_heads, sq, sk]
+  int64_t mask_batch, mask_heads;  // 1 or batch / heads
+};
+
+struct SoftmaxBackwardArgs {
+  float scale;
+  const void *dy, *y;
+  void *dx;
+  te_dtype dtype;
+  int64_t rows, cols;
+};
+
+TE_HOST_DEVICE bool softmax_masked(const SoftmaxForwardArgs &a, int64_t b, int64_t h, int64_t i, int64_t j) {
+  switch (a.mask_type) {
+    case TE_SOFTMAX_MASK_CAUSAL: return j > i;
+    case TE_SOFTMAX_MASK_CAUSAL_BOTTOM_RIGHT: return j > i + a.sk - a.sq;
+    case TE_SOFTMAX_MASK_ARBITRARY: {
+      const int64_t mb = a.mask_batch == 1 ? 0 : b, mh = a.mask_heads == 1 ? 0 : h;
+      return a.mask[((mb * a.mask_heads + mh) * a.sq + i) * a.sk + j] != 0;
+    }
+    default: return false;
+  }
+}
+
+// CPU reference (attention_ref.cpp).
+void attention_forward_ref(const AttentionForwardArgs &args);
+void attention_backward_ref(const AttentionBackwardArgs &args);
+void scaled_softmax_forward_ref(const SoftmaxForwardArgs &args);
+void scaled_softmax_backward_ref(const SoftmaxBackwardArgs &args);
+
+// CUDA math path and softmax kernels (attention.cu, softmax.cu; stubs in a CPU-only build).
+te_status attention_forward_cuda(const AttentionForwardArgs &args, te_stream stream);
+te_status attention_backward_cuda(const AttentionBackwardArgs &args, te_stream stream);
+size_t attention_backward_cuda_workspace_size(const AttentionShape &shape);
+te_status scaled_softmax_forward_cuda(const SoftmaxForwardArgs &args, te_stream stream);
+te_status scaled_softmax_backward_cuda(const SoftmaxBackwardArgs &args, te_stream stream);
+
+}  // namespace te
+
+#endif  // TRANSFORMER_ENGINE_SRC_ATTENTION_ATTENTION_MATH_H_

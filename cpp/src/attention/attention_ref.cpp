@@ -1,0 +1,233 @@
+// CPU reference of attention and of the scaled masked softmax: fp32 math, one query row at a
+// time, in the words of attention.h. It is the CPU backend of both frameworks and the oracle of
+// the CUDA paths. FP8 inputs are decoded with their descale; the forward rounds p through E4M3
+// with the softmax scale as the fused kernels do; the backward keeps dp in fp32 and only
+// records its amax.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attention/attention_math.h"
+#include "common/elementwise.h"
+#include "common/internal.h"
+
+namespace te {
+namespace {
+
+// Reads element i of a buffer as fp32: high precision as is, FP8 times its descale.
+struct Reader {
+  const void *data;
+  te_dtype dtype;
+  float descale;
+  float operator()(int64_t i) const {
+    if (is_fp8(dtype)) return from_fp8(static_cast<const uint8_t *>(data)[i], dtype) * descale;
+    return load_hp(data, i, dtype);
+  }
+};
+
+Reader reader(const void *data, te_dtype dtype, const float *descale) {
+  return Reader{data, dtype, descale != nullptr ? *descale : 1.0f};
+}
+
+void write(void *data, int64_t i, te_dtype dtype, float v, const float *scale) {
+  if (is_fp8(dtype)) {
+    static_cast<uint8_t *>(data)[i] = to_fp8(v * *scale, dtype);
+  } else {
+    store_hp(data, i, dtype, v);
+  }
+}
+
+void note_amax(float *amax, float v) {
+  if (amax != nullptr) *amax = std::max(*amax, std::fabs(v));
+}
+
+float dot(const Reader &a, int64_t ia, const Reader &b, int64_t ib, int64_t n) {
+  float acc = 0.0f;
+  for (int64_t d = 0; d < n; ++d) acc += a(ia + d) * b(ib + d);
+  return acc;
+}
+
+// Offsets of one (b, h) pair's rows.
+struct RowIndex {
+  const AttentionShape &s;
+  AttnLayout layout;
+  int64_t q(int64_t b, int64_t i, int64_t start, int64_t h, int64_t dim) const {
+    return attn_offset(layout, s.batch, s.seqlen_q, s.heads_q, dim, b, i, start, h);
+  }
+  int64_t kv(int64_t b, int64_t j, int64_t start, int64_t g, int64_t dim) const {
+    return attn_offset(layout, s.batch, s.seqlen_kv, s.heads_kv, dim, b, j, start, g);
+  }
+};
+
+}  // namespace
+
+void attention_forward_ref(const AttentionForwardArgs &a) {
+  const AttentionShape &s = a.shape;
+  const AttentionFp8 &f = a.fp8;
+  const bool fp8 = is_fp8(a.qkv_dtype);
+  const Reader q = reader(a.q, a.qkv_dtype, f.descale_q), k = reader(a.k, a.qkv_dtype, f.descale_k),
+               v = reader(a.v, a.qkv_dtype, f.descale_v);
+  const float *scale_o = is_fp8(a.o_dtype) ? f.scale_o : nullptr;
+  const int64_t group = s.heads_q / s.heads_kv, dv = s.head_dim_v;
+  const float keep_scale = a.dropout > 0.0f ? 1.0f / (1.0f - a.dropout) : 1.0f;
+  const uint64_t seed = a.dropout > 0.0f ? static_cast<uint64_t>(a.rng_state[0]) : 0;
+  const uint64_t offset = a.dropout > 0.0f ? static_cast<uint64_t>(a.rng_state[1]) : 0;
+  const int64_t o_elems = s.total_q * s.heads_q * dv;
+  for (int64_t e = 0; e < o_elems; ++e) write(a.o, e, a.o_dtype, 0.0f, scale_o);
+  const int64_t lse_elems = s.batch * s.heads_q * s.seqlen_q;
+  std::fill(a.softmax_lse, a.softmax_lse + lse_elems, -std::numeric_limits<float>::infinity());
+  if (f.amax_s != nullptr) *f.amax_s = 0.0f;
+  if (f.amax_o != nullptr) *f.amax_o = 0.0f;
+  const RowIndex idx{s, a.layout};
+  std::vector<float> p(static_cast<size_t>(s.seqlen_kv)), acc(static_cast<size_t>(dv));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const SeqLens L = seq_lens(s, a.mask.padding, a.cu_seqlens_q, a.cu_seqlens_kv, b);
+    for (int64_t h = 0; h < s.heads_q; ++h) {
+      const int64_t g = h / group;
+      for (int64_t i = 0; i < L.q; ++i) {
+        int64_t lo, hi;
+        allowed_keys(a.mask, i, L.q, L.kv, &lo, &hi);
+        if (lo > hi) continue;
+        const int64_t qi = idx.q(b, i, L.q_start, h, s.head_dim_qk);
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = lo; j <= hi; ++j) {
+          p[j] = a.softmax_scale * dot(q, qi, k, idx.kv(b, j, L.kv_start, g, s.head_dim_qk), s.head_dim_qk);
+          m = std::max(m, p[j]);
+        }
+        float sum = 0.0f;
+        for (int64_t j = lo; j <= hi; ++j) sum += std::exp(p[j] - m);
+        const float lse = m + std::log(sum);
+        a.softmax_lse[(b * s.heads_q + h) * s.seqlen_q + i] = lse;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = lo; j <= hi; ++j) {
+          float pj = std::exp(p[j] - lse);
+          if (fp8) {
+            note_amax(f.amax_s, pj);
+            pj = e4m3_to_float(float_to_e4m3(pj * *f.scale_s)) * *f.descale_s;
+          }
+          if (a.dropout > 0.0f) {
+            pj = dropout_keep(seed, offset, s, b, h, i, j, a.dropout) ? pj * keep_scale : 0.0f;
+          }
+          if (pj == 0.0f) continue;
+          const int64_t vj = idx.kv(b, j, L.kv_start, g, dv);
+          for (int64_t d = 0; d < dv; ++d) acc[d] += pj * v(vj + d);
+        }
+        const int64_t oi = idx.q(b, i, L.q_start, h, dv);
+        for (int64_t d = 0; d < dv; ++d) {
+          note_amax(f.amax_o, acc[d]);
+          write(a.o, oi + d, a.o_dtype, acc[d], scale_o);
+        }
+      }
+    }
+  }
+}
+
+void attention_backward_ref(const AttentionBackwardArgs &a) {
+  const AttentionShape &s = a.shape;
+  const AttentionFp8 &f = a.fp8;
+  const Reader q = reader(a.q, a.qkv_dtype, f.descale_q), k = reader(a.k, a.qkv_dtype, f.descale_k),
+               v = reader(a.v, a.qkv_dtype, f.descale_v), d_o = reader(a.d_o, a.o_dtype, f.descale_do);
+  const int64_t group = s.heads_q / s.heads_kv, dqk = s.head_dim_qk, dv = s.head_dim_v;
+  const float keep_scale = a.dropout > 0.0f ? 1.0f / (1.0f - a.dropout) : 1.0f;
+  const uint64_t seed = a.dropout > 0.0f ? static_cast<uint64_t>(a.rng_state[0]) : 0;
+  const uint64_t offset = a.dropout > 0.0f ? static_cast<uint64_t>(a.rng_state[1]) : 0;
+  std::vector<float> dq(static_cast<size_t>(s.total_q * s.heads_q * dqk), 0.0f);
+  std::vector<float> dk(static_cast<size_t>(s.total_kv * s.heads_kv * dqk), 0.0f);
+  std::vector<float> dvv(static_cast<size_t>(s.total_kv * s.heads_kv * dv), 0.0f);
+  std::vector<float> p(static_cast<size_t>(s.seqlen_kv)), dp(static_cast<size_t>(s.seqlen_kv));
+  if (f.amax_dp != nullptr) *f.amax_dp = 0.0f;
+  const RowIndex idx{s, a.layout};
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const SeqLens L = seq_lens(s, a.mask.padding, a.cu_seqlens_q, a.cu_seqlens_kv, b);
+    for (int64_t h = 0; h < s.heads_q; ++h) {
+      const int64_t g = h / group;
+      for (int64_t i = 0; i < L.q; ++i) {
+        int64_t lo, hi;
+        allowed_keys(a.mask, i, L.q, L.kv, &lo, &hi);
+        if (lo > hi) continue;
+        const float lse = a.softmax_lse[(b * s.heads_q + h) * s.seqlen_q + i];
+        const int64_t qi = idx.q(b, i, L.q_start, h, dqk), oi = idx.q(b, i, L.q_start, h, dv);
+        float row_dot = 0.0f;  // sum_j p_j dp_j, which equals dot(d_o_i, o_i)
+        for (int64_t j = lo; j <= hi; ++j) {
+          const float sj = a.softmax_scale * dot(q, qi, k, idx.kv(b, j, L.kv_start, g, dqk), dqk);
+          p[j] = std::exp(sj - lse);
+          const bool keep = a.dropout <= 0.0f || dropout_keep(seed, offset, s, b, h, i, j, a.dropout);
+          const float dpd = dot(d_o, oi, v, idx.kv(b, j, L.kv_start, g, dv), dv);  // grad of dropped p
+          dp[j] = keep ? dpd * keep_scale : 0.0f;
+          note_amax(f.amax_dp, dp[j]);
+          row_dot += p[j] * dp[j];
+          // dv_j += dropout(p_j) d_o_i
+          const float pd = keep ? p[j] * keep_scale : 0.0f;
+          if (pd != 0.0f) {
+            float *dvj = &dvv[idx.kv(b, j, L.kv_start, g, dv)];
+            for (int64_t d = 0; d < dv; ++d) dvj[d] += pd * d_o(oi + d);
+          }
+        }
+        float *dqi = &dq[qi];
+        for (int64_t j = lo; j <= hi; ++j) {
+          const float ds = a.softmax_scale * p[j] * (dp[j] - row_dot);
+          if (ds == 0.0f) continue;
+          const int64_t kj = idx.kv(b, j, L.kv_start, g, dqk);
+          float *dkj = &dk[kj];
+          for (int64_t d = 0; d < dqk; ++d) {
+            dqi[d] += ds * k(kj + d);
+            dkj[d] += ds * q(qi + d);
+          }
+        }
+      }
+    }
+  }
+  struct Out {
+    void *data;
+    const std::vector<float> &values;
+    const float *scale;
+    float *amax;
+  };
+  const bool fp8 = is_fp8(a.grad_dtype);
+  for (const Out &out : {Out{a.dq, dq, f.scale_dq, f.amax_dq}, Out{a.dk, dk, f.scale_dk, f.amax_dk},
+                         Out{a.dv, dvv, f.scale_dv, f.amax_dv}}) {
+    if (fp8 && out.amax != nullptr) *out.amax = 0.0f;
+    for (size_t e = 0; e < out.values.size(); ++e) {
+      if (fp8) note_amax(out.amax, out.values[e]);
+      write(out.data, static_cast<int64_t>(e), a.grad_dtype, out.values[e], out.scale);
+    }
+  }
+}
+
+void scaled_softmax_forward_ref(const SoftmaxForwardArgs &a) {
+  std::vector<float> row(static_cast<size_t>(a.sk));
+  for (int64_t b = 0; b < a.batch; ++b) {
+    for (int64_t h = 0; h < a.heads; ++h) {
+      for (int64_t i = 0; i < a.sq; ++i) {
+        const int64_t base = ((b * a.heads + h) * a.sq + i) * a.sk;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < a.sk; ++j) {
+          row[j] = softmax_masked(a, b, h, i, j) ? -std::numeric_limits<float>::infinity()
+                                                 : a.scale * load_hp(a.x, base + j, a.dtype);
+          m = std::max(m, row[j]);
+        }
+        const bool empty = m == -std::numeric_limits<float>::infinity();
+        float sum = 0.0f;
+        for (int64_t j = 0; j < a.sk && !empty; ++j) sum += std::exp(row[j] - m);
+        for (int64_t j = 0; j < a.sk; ++j) {
+          store_hp(a.y, base + j, a.dtype, empty ? 0.0f : std::exp(row[j] - m) / sum);
+        }
+      }
+    }
+  }
+}
+
+void scaled_softmax_backward_ref(const SoftmaxBackwardArgs &a) {
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const int64_t base = r * a.cols;
+    float row_dot = 0.0f;
+    for (int64_t j = 0; j < a.cols; ++j) row_dot += load_hp(a.dy, base + j, a.dtype) * load_hp(a.y, base + j, a.dtype);
+    for (int64_t j = 0; j < a.cols; ++j) {
+      const float y = load_hp(a.y, base + j, a.dtype);
+      store_hp(a.dx, base + j, a.dtype, a.scale * y * (load_hp(a.dy, base + j, a.dtype) - row_dot));
+    }
+  }
+}
+
+}  // namespace te

@@ -1,0 +1,192 @@
+// XLA FFI handlers of the core's attention (te_attention_forward, te_attention_backward).
+//
+// cu_seqlens_q / cu_seqlens_kv (int32 [batch + 1]) and rng_state (see rng_tensor) are zero-size
+// buffers when the call has no padding mask or no dropout. The CUDA workspace is an extra
+// result, sized by the Python side with te_attention_workspace_size, as in norm.cpp.
+#include "ffi_common.h"
+#include "handlers.h"
+#include "transformer_engine/attention.h"
+
+namespace te_jax {
+namespace {
+
+struct Optional {
+  Tensor t;
+  bool present = false;
+};
+
+ffi::Error optional_tensor(const char *op, const char *what, const ffi::AnyBuffer &b, const Device &dev,
+                           Optional *out) {
+  if (b.element_count() == 0) return ffi::Error::Success();
+  out->present = true;
+  return plain_tensor(op, what, b, dev, &out->t);
+}
+
+// rng_state: JAX without x64 has no int64 arrays, so the (seed, offset) pair travels as the
+// bytes of uint32 [4] and is viewed here as the core's int64 [2] (little-endian halves).
+ffi::Error rng_tensor(const char *op, const ffi::AnyBuffer &b, const Device &dev, Optional *out) {
+  if (b.element_count() == 0) return ffi::Error::Success();
+  if (b.element_type() == ffi::DataType::S64) return optional_tensor(op, "rng_state", b, dev, out);
+  if (b.element_type() != ffi::DataType::U32 || b.element_count() != 4) {
+    return invalid(op, "rng_state must be int64 [2] or uint32 [4], got " + std::to_string(b.element_count()) +
+                           " elements of XLA type " + std::to_string(static_cast<int>(b.element_type())));
+  }
+  te_buffer buffer{};
+  buffer.data = b.untyped_data();
+  buffer.dtype = TE_DTYPE_INT64;
+  buffer.ndim = 1;
+  buffer.shape[0] = 2;
+  buffer.device = dev.type;
+  buffer.device_id = dev.id;
+  out->present = true;
+  TE_JAX_RETURN_IF_ERROR(out->t.init(op, TE_SCALING_TENSOR));
+  return out->t.set(TE_SLOT_DATA, buffer);
+}
+
+ffi::Error make_config(const char *op, int32_t layout, int32_t mask, int64_t window_left, int64_t window_right,
+                       float softmax_scale, float dropout, int64_t max_seqlen_q, int64_t max_seqlen_kv,
+                       bool deterministic, int32_t backend, te_attention_config *c) {
+  if (layout < 0 || layout >= TE_ATTN_LAYOUT_COUNT || mask < 0 || mask >= TE_ATTN_MASK_COUNT) {
+    return invalid(op, "layout and mask_type must be te_attn_layout / te_attn_mask_type codes, got " +
+                           std::to_string(layout) + " and " + std::to_string(mask));
+  }
+  *c = te_attention_config{static_cast<te_attn_layout>(layout),
+                           static_cast<te_attn_mask_type>(mask),
+                           window_left,
+                           window_right,
+                           softmax_scale,
+                           dropout,
+                           max_seqlen_q,
+                           max_seqlen_kv,
+                           deterministic ? 1 : 0,
+                           static_cast<te_attn_backend>(backend)};
+  return ffi::Error::Success();
+}
+
+void workspace_of(const Device &dev, ffi::Result<ffi::AnyBuffer> &ws, void **data, size_t *bytes) {
+  *data = nullptr;
+  *bytes = 0;
+  if (dev.type == TE_DEVICE_CUDA && ws->size_bytes() > 0) {
+    *data = ws->untyped_data();
+    *bytes = ws->size_bytes();
+  }
+}
+
+ffi::Error AttentionForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer cu_q,
+                                ffi::AnyBuffer cu_kv, ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> o,
+                                ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
+                                int32_t layout, int32_t mask, int64_t window_left, int64_t window_right,
+                                float softmax_scale, float dropout, int64_t max_seqlen_q, int64_t max_seqlen_kv,
+                                int32_t backend, Device dev) {
+  constexpr const char *op = "attention_forward";
+  te_attention_config cfg;
+  TE_JAX_RETURN_IF_ERROR(make_config(op, layout, mask, window_left, window_right, softmax_scale, dropout,
+                                     max_seqlen_q, max_seqlen_kv, false, backend, &cfg));
+  Tensor tq, tk, tv, to, tl;
+  Optional tcq, tck, trng;
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "q", q, dev, &tq));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "k", k, dev, &tk));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "v", v, dev, &tv));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", *o, dev, &to));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", *lse, dev, &tl));
+  TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_q", cu_q, dev, &tcq));
+  TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_kv", cu_kv, dev, &tck));
+  TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
+  void *ws;
+  size_t ws_size;
+  workspace_of(dev, workspace, &ws, &ws_size);
+  return from_status(te_attention_forward(&cfg, tq.get(), tk.get(), tv.get(), to.get(), tl.get(),
+                                          tcq.present ? tcq.t.get() : nullptr, tck.present ? tck.t.get() : nullptr,
+                                          trng.present ? trng.t.get() : nullptr, nullptr, ws, ws_size,
+                                          dev.stream));
+}
+
+auto TeAttentionForwardBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()  // q
+      .Arg<ffi::AnyBuffer>()  // k
+      .Arg<ffi::AnyBuffer>()  // v
+      .Arg<ffi::AnyBuffer>()  // cu_seqlens_q int32 [batch + 1] or zero-size
+      .Arg<ffi::AnyBuffer>()  // cu_seqlens_kv
+      .Arg<ffi::AnyBuffer>()  // rng_state int64 [2] or zero-size
+      .Ret<ffi::AnyBuffer>()  // o
+      .Ret<ffi::AnyBuffer>()  // softmax_lse fp32 [batch, heads_q, max_seqlen_q]
+      .Ret<ffi::AnyBuffer>()  // workspace uint8
+      .Attr<int32_t>("layout")
+      .Attr<int32_t>("mask_type")
+      .Attr<int64_t>("window_left")
+      .Attr<int64_t>("window_right")
+      .Attr<float>("softmax_scale")
+      .Attr<float>("dropout")
+      .Attr<int64_t>("max_seqlen_q")
+      .Attr<int64_t>("max_seqlen_kv")
+      .Attr<int32_t>("backend");
+}
+
+ffi::Error AttentionBackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+                                 ffi::AnyBuffer d_o, ffi::AnyBuffer lse, ffi::AnyBuffer cu_q, ffi::AnyBuffer cu_kv,
+                                 ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                                 ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> workspace,
+                                 int32_t layout, int32_t mask, int64_t window_left, int64_t window_right,
+                                 float softmax_scale, float dropout, int64_t max_seqlen_q, int64_t max_seqlen_kv,
+                                 bool deterministic, int32_t backend, Device dev) {
+  constexpr const char *op = "attention_backward";
+  te_attention_config cfg;
+  TE_JAX_RETURN_IF_ERROR(make_config(op, layout, mask, window_left, window_right, softmax_scale, dropout,
+                                     max_seqlen_q, max_seqlen_kv, deterministic, backend, &cfg));
+  Tensor tq, tk, tv, to, tdo, tl, tdq, tdk, tdv;
+  Optional tcq, tck, trng;
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "q", q, dev, &tq));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "k", k, dev, &tk));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "v", v, dev, &tv));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", o, dev, &to));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "d_o", d_o, dev, &tdo));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", lse, dev, &tl));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dq", *dq, dev, &tdq));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dk", *dk, dev, &tdk));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dv", *dv, dev, &tdv));
+  TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_q", cu_q, dev, &tcq));
+  TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_kv", cu_kv, dev, &tck));
+  TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
+  void *ws;
+  size_t ws_size;
+  workspace_of(dev, workspace, &ws, &ws_size);
+  return from_status(te_attention_backward(&cfg, tq.get(), tk.get(), tv.get(), to.get(), tdo.get(), tl.get(),
+                                           tcq.present ? tcq.t.get() : nullptr, tck.present ? tck.t.get() : nullptr,
+                                           trng.present ? trng.t.get() : nullptr, tdq.get(), tdk.get(), tdv.get(),
+                                           nullptr, ws, ws_size, dev.stream));
+}
+
+auto TeAttentionBackwardBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()  // q
+      .Arg<ffi::AnyBuffer>()  // k
+      .Arg<ffi::AnyBuffer>()  // v
+      .Arg<ffi::AnyBuffer>()  // o
+      .Arg<ffi::AnyBuffer>()  // d_o
+      .Arg<ffi::AnyBuffer>()  // softmax_lse
+      .Arg<ffi::AnyBuffer>()  // cu_seqlens_q or zero-size
+      .Arg<ffi::AnyBuffer>()  // cu_seqlens_kv
+      .Arg<ffi::AnyBuffer>()  // rng_state or zero-size
+      .Ret<ffi::AnyBuffer>()  // dq
+      .Ret<ffi::AnyBuffer>()  // dk
+      .Ret<ffi::AnyBuffer>()  // dv
+      .Ret<ffi::AnyBuffer>()  // workspace uint8
+      .Attr<int32_t>("layout")
+      .Attr<int32_t>("mask_type")
+      .Attr<int64_t>("window_left")
+      .Attr<int64_t>("window_right")
+      .Attr<float>("softmax_scale")
+      .Attr<float>("dropout")
+      .Attr<int64_t>("max_seqlen_q")
+      .Attr<int64_t>("max_seqlen_kv")
+      .Attr<bool>("deterministic")
+      .Attr<int32_t>("backend");
+}
+
+}  // namespace
+
+TE_JAX_DEFINE_HANDLERS(TeAttentionForward, AttentionForwardImpl);
+TE_JAX_DEFINE_HANDLERS(TeAttentionBackward, AttentionBackwardImpl);
+
+}  // namespace te_jax

@@ -1,0 +1,191 @@
+"""``fused_attn``: dot-product attention as a ``jax.custom_vjp`` over the core's attention entry
+points (cuDNN's fused kernels or the core's CUDA math path on GPUs, the CPU reference on the
+CPU), one custom call forward and one backward.
+
+Semantics (masks, windows, GQA, padding, dropout) are the core's ``attention.h``. The forward
+saves ``o`` and the fp32 row log-sum-exp for the backward pass. Dropout draws its
+(seed, offset) from the ``dropout_rng`` key: the same key gives the same mask.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from transformer_engine.jax._native import TARGETS, load
+
+__all__ = ["fused_attn", "LAYOUTS", "MASKS"]
+
+load()
+
+LAYOUTS = {"bshd": 0, "sbhd": 1, "thd": 2}
+MASKS = {"no_mask": 0, "causal": 1, "causal_bottom_right": 2, "padding": 3, "padding_causal": 4,
+         "padding_causal_bottom_right": 5}
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+_TE_NAMES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.float16): "float16",
+             jnp.dtype(jnp.bfloat16): "bfloat16"}
+_VMAP = "sequential"
+
+
+def _sizes(q, k, v, layout: str, batch: int, max_sq: int, max_skv: int) -> list[int]:
+    if layout == "thd":
+        return [batch, q.shape[1], k.shape[1], max_sq, max_skv, q.shape[2], v.shape[2],
+                q.shape[0], k.shape[0]]
+    b, sq = (q.shape[0], q.shape[1]) if layout == "bshd" else (q.shape[1], q.shape[0])
+    skv = k.shape[1] if layout == "bshd" else k.shape[0]
+    return [b, q.shape[2], k.shape[2], sq, skv, q.shape[3], v.shape[3], b * sq, b * skv]
+
+
+def _workspace_bytes(params, sizes, dtype, backward: bool) -> int:
+    """CUDA workspace of the call, asked of the core for device 0 (0 when JAX runs on the CPU:
+    the CPU reference needs none)."""
+    if jax.default_backend() == "cpu":
+        return 0
+    from transformer_engine.common import core
+
+    c = core()
+    layout, mask, wl, wr, scale, dropout, max_sq, max_skv, deterministic = params
+    cfg = c.AttentionConfig(c.AttnLayout(layout), c.AttnMask(mask), window_left=wl,
+                            window_right=wr, softmax_scale=scale, dropout=dropout,
+                            max_seqlen_q=max_sq, max_seqlen_kv=max_skv,
+                            deterministic=deterministic)
+    te = getattr(c.DType, _TE_NAMES[jnp.dtype(dtype)])
+    return int(c.attention_workspace_size(cfg, sizes, te, te, te, device_id=0, backward=backward))
+
+
+def _attrs(params) -> dict:
+    layout, mask, wl, wr, scale, dropout, max_sq, max_skv, _ = params
+    return dict(layout=np.int32(layout), mask_type=np.int32(mask), window_left=np.int64(wl),
+                window_right=np.int64(wr), softmax_scale=np.float32(scale),
+                dropout=np.float32(dropout), max_seqlen_q=np.int64(max_sq),
+                max_seqlen_kv=np.int64(max_skv), backend=np.int32(-1))
+
+
+def _forward_call(q, k, v, cu_q, cu_kv, rng, params):
+    layout = list(LAYOUTS)[params[0]]
+    batch = cu_q.shape[0] - 1 if layout == "thd" else None
+    sizes = _sizes(q, k, v, layout, batch, params[6], params[7])
+    lse_shape = (sizes[0], sizes[1], sizes[3])
+    results = (jax.ShapeDtypeStruct((*q.shape[:-1], v.shape[-1]), q.dtype),
+               jax.ShapeDtypeStruct(lse_shape, jnp.float32),
+               jax.ShapeDtypeStruct((_workspace_bytes(params, sizes, q.dtype, False),), jnp.uint8))
+    call = jax.ffi.ffi_call(TARGETS["attention_forward"], results, vmap_method=_VMAP)
+    o, lse, _ = call(q, k, v, cu_q, cu_kv, rng, **_attrs(params))
+    return o, lse
+
+
+def _backward_call(q, k, v, o, d_o, lse, cu_q, cu_kv, rng, params):
+    layout = list(LAYOUTS)[params[0]]
+    batch = cu_q.shape[0] - 1 if layout == "thd" else None
+    sizes = _sizes(q, k, v, layout, batch, params[6], params[7])
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+               jax.ShapeDtypeStruct(v.shape, v.dtype),
+               jax.ShapeDtypeStruct((_workspace_bytes(params, sizes, q.dtype, True),), jnp.uint8))
+    call = jax.ffi.ffi_call(TARGETS["attention_backward"], results, vmap_method=_VMAP)
+    dq, dk, dv, _ = call(q, k, v, o, d_o, lse, cu_q, cu_kv, rng, **_attrs(params),
+                         deterministic=bool(params[8]))
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, cu_q, cu_kv, rng, params):
+    return _forward_call(q, k, v, cu_q, cu_kv, rng, params)[0]
+
+
+def _attention_fwd(q, k, v, cu_q, cu_kv, rng, params):
+    o, lse = _forward_call(q, k, v, cu_q, cu_kv, rng, params)
+    return o, (q, k, v, o, lse, cu_q, cu_kv, rng)
+
+
+def _attention_bwd(params, residuals, d_o):
+    q, k, v, o, lse, cu_q, cu_kv, rng = residuals
+    dq, dk, dv = _backward_call(q, k, v, o, d_o.astype(o.dtype), lse, cu_q, cu_kv, rng, params)
+    return dq, dk, dv, None, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _check(q, k, v, layout: str) -> None:
+    rank = 3 if layout == "thd" else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim != rank:
+            raise ValueError(f"fused_attn: {name} must have rank {rank} for qkv_layout "
+                             f"{layout!r}, got shape {t.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"fused_attn: q and k must have the same head dim, got {q.shape[-1]} "
+                         f"and {k.shape[-1]}")
+    if q.shape[-2] % k.shape[-2] != 0 or v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"fused_attn: q's heads ({q.shape[-2]}) must be a multiple of k's "
+                         f"({k.shape[-2]}), and v must have k's heads (got {v.shape[-2]})")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"fused_attn: q, k, v must share one of float32, float16, bfloat16, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "bshd",
+               attn_mask_type: str = "causal", window_size: Optional[tuple[int, int]] = None,
+               scale_factor: Optional[float] = None, dropout_probability: float = 0.0,
+               dropout_rng: Optional[jax.Array] = None, cu_seqlens_q: Optional[jax.Array] = None,
+               cu_seqlens_kv: Optional[jax.Array] = None, max_seqlen_q: Optional[int] = None,
+               max_seqlen_kv: Optional[int] = None, deterministic: bool = False) -> jax.Array:
+    """softmax(q k^T * scale_factor + mask) v per head, in q's layout with v's head dim.
+
+    Args:
+        q, k, v: ``"bshd"`` [batch, seqlen, heads, dim], ``"sbhd"`` [seqlen, batch, heads, dim]
+            or ``"thd"`` [tokens, heads, dim] (sequences packed, with cu_seqlens); k and v may
+            have fewer heads than q (GQA/MQA: a divisor of q's).
+        attn_mask_type: one of :data:`MASKS`. The padding masks (and thd) take each
+            sequence's lengths from ``cu_seqlens_q`` / ``cu_seqlens_kv`` (int32 [batch + 1]).
+        window_size: (left, right) sliding window, -1 an unbounded side; causal masks set
+            right = 0.
+        scale_factor: default 1 / sqrt(head_dim).
+        dropout_probability, dropout_rng: dropout of the attention weights; the key is needed
+            when the probability is > 0.
+        max_seqlen_q, max_seqlen_kv: thd only: the longest sequences (static ints).
+        deterministic: ask the backward for a deterministic dk/dv reduction.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from transformer_engine.jax.attention import fused_attn
+        >>> q = jnp.ones((1, 3, 2, 4))
+        >>> fused_attn(q, q, q).shape
+        (1, 3, 2, 4)
+    """
+    layout = qkv_layout.lower()
+    if layout not in LAYOUTS:
+        raise ValueError(f"fused_attn: qkv_layout must be one of {tuple(LAYOUTS)}, got "
+                         f"{qkv_layout!r}")
+    if attn_mask_type not in MASKS:
+        raise ValueError(f"fused_attn: attn_mask_type must be one of {tuple(MASKS)}, got "
+                         f"{attn_mask_type!r}")
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    _check(q, k, v, layout)
+    padding = layout == "thd" or attn_mask_type.startswith("padding")
+    if padding and (cu_seqlens_q is None or cu_seqlens_kv is None):
+        raise ValueError(f"fused_attn: attn_mask_type {attn_mask_type!r} with qkv_layout "
+                         f"{layout!r} needs cu_seqlens_q and cu_seqlens_kv")
+    if layout == "thd" and (max_seqlen_q is None or max_seqlen_kv is None):
+        raise ValueError("fused_attn: qkv_layout 'thd' needs max_seqlen_q and max_seqlen_kv")
+    if not 0.0 <= dropout_probability < 1.0:
+        raise ValueError(f"fused_attn: dropout_probability must be in [0, 1), got "
+                         f"{dropout_probability}")
+    if dropout_probability > 0.0 and dropout_rng is None:
+        raise ValueError("fused_attn: dropout_probability > 0 needs dropout_rng (a PRNG key)")
+    left, right = window_size if window_size is not None else (-1, -1)
+    scale = scale_factor if scale_factor is not None else 1.0 / math.sqrt(q.shape[-1])
+    empty = jnp.zeros((0,), jnp.int32)
+    cu_q = jnp.asarray(cu_seqlens_q, jnp.int32) if padding else empty
+    cu_kv = jnp.asarray(cu_seqlens_kv, jnp.int32) if padding else empty
+    # (seed, offset) as the bytes of uint32 [4]: JAX has no int64 without x64.
+    rng = (jax.random.bits(dropout_rng, (4,), jnp.uint32) if dropout_probability > 0.0
+           else jnp.zeros((0,), jnp.uint32))
+    params = (LAYOUTS[layout], MASKS[attn_mask_type], int(left), int(right), float(scale),
+              float(dropout_probability), int(max_seqlen_q or 0), int(max_seqlen_kv or 0),
+              bool(deterministic))
+    return _attention(q, k, v, cu_q, cu_kv, rng, params)

@@ -1,0 +1,94 @@
+"""The flax (linen) ``DotProductAttention``, over
+:func:`transformer_engine.jax.attention.fused_attn`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+
+import jax
+import jax.numpy as jnp
+from transformer_engine.jax.attention import fused_attn
+
+__all__ = ["DotProductAttention"]
+
+
+def _cu_seqlens(valid: jax.Array) -> jax.Array:
+    """int32 [batch + 1] cumulative lengths of a [batch, seqlen] validity mask."""
+    lengths = valid.sum(axis=-1).astype(jnp.int32)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
+
+
+class DotProductAttention(nn.Module):
+    """Multi-head dot-product attention of projected heads (no parameters).
+
+    Attributes:
+        head_dim: head dim of q and k.
+        num_attention_heads: query heads.
+        num_gqa_groups: key/value heads (GQA; 1 is MQA); default num_attention_heads.
+        attn_mask_type: one of :data:`transformer_engine.jax.attention.MASKS`.
+        attention_dropout: dropout probability of the attention weights; draws from the
+            ``'dropout'`` rng stream unless ``deterministic``.
+        transpose_batch_sequence: inputs are [seqlen, batch, ...] (the ``sbhd`` layout).
+        qkv_layout: ``"bshd"`` / ``"sbhd"`` (separate q, k, v) or ``"thd"`` (packed, with
+            cu_seqlens passed to the call); ``transpose_batch_sequence`` turns bshd into sbhd.
+        scale_factor: default 1 / sqrt(head_dim).
+        window_size: (left, right) sliding window, -1 an unbounded side.
+
+    The call takes ``mask`` [batch, 1, sq, skv] (True = masked) for the padding masks: the
+    lengths are the rows and columns that are not fully masked. It returns q's layout with the
+    heads merged: [.., seqlen, heads * head_dim_v].
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from transformer_engine.jax.flax import DotProductAttention
+        >>> attn = DotProductAttention(head_dim=8, num_attention_heads=2)
+        >>> q = jnp.ones((1, 4, 2, 8))
+        >>> attn.apply({}, q, q, q).shape
+        (1, 4, 16)
+    """
+
+    head_dim: int
+    num_attention_heads: int
+    num_gqa_groups: Optional[int] = None
+    attn_mask_type: str = "causal"
+    attention_dropout: float = 0.0
+    transpose_batch_sequence: bool = False
+    qkv_layout: str = "bshd"
+    scale_factor: Optional[float] = None
+    window_size: Optional[tuple[int, int]] = None
+
+    @nn.compact
+    def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array,
+                 mask: Optional[jax.Array] = None, *, deterministic: bool = False,
+                 cu_seqlens_q: Optional[jax.Array] = None,
+                 cu_seqlens_kv: Optional[jax.Array] = None, max_seqlen_q: Optional[int] = None,
+                 max_seqlen_kv: Optional[int] = None) -> jax.Array:
+        layout = self.qkv_layout.lower()
+        if layout == "bshd" and self.transpose_batch_sequence:
+            layout = "sbhd"
+        groups = self.num_gqa_groups or self.num_attention_heads
+        if query.shape[-2] != self.num_attention_heads or key.shape[-2] != groups:
+            raise ValueError(f"DotProductAttention: query/key heads must be "
+                             f"{self.num_attention_heads}/{groups}, got {query.shape[-2]}/"
+                             f"{key.shape[-2]}")
+        if query.shape[-1] != self.head_dim:
+            raise ValueError(f"DotProductAttention: head dim must be {self.head_dim}, got "
+                             f"{query.shape[-1]}")
+        padding = self.attn_mask_type.startswith("padding")
+        if padding and layout != "thd" and cu_seqlens_q is None:
+            if mask is None:
+                raise ValueError(f"DotProductAttention: attn_mask_type {self.attn_mask_type!r} "
+                                 "needs mask [batch, 1, sq, skv] or cu_seqlens_q/cu_seqlens_kv")
+            allowed = ~mask.astype(bool)[:, 0]
+            cu_seqlens_q = _cu_seqlens(allowed.any(axis=-1))
+            cu_seqlens_kv = _cu_seqlens(allowed.any(axis=-2))
+        dropout = 0.0 if deterministic else self.attention_dropout
+        rng = self.make_rng("dropout") if dropout > 0.0 else None
+        o = fused_attn(query, key, value, qkv_layout=layout, attn_mask_type=self.attn_mask_type,
+                       window_size=self.window_size, scale_factor=self.scale_factor,
+                       dropout_probability=dropout, dropout_rng=rng, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                       max_seqlen_kv=max_seqlen_kv)
+        return o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])

@@ -1,0 +1,183 @@
+"""The two paths of DotProductAttention as autograd functions.
+
+* Fused: the core's attention entry points (cuDNN, the CUDA math path or the CPU reference),
+  forward and backward; FP8 under ``fp8_dpa`` (E4M3 q, k, v, high-precision output).
+* Unfused: ``q @ k^T`` and ``p @ v`` as torch matmuls around the core's scaled masked softmax,
+  for what the fused kernels do not take (arbitrary masks, shapes cuDNN rejects).
+
+Both compute the same function (``attention.h``); they draw different dropout masks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import ops
+
+__all__ = ["fused_attention", "fused_attention_fp8", "unfused_attention"]
+
+# (layout, mask, window_left, window_right, softmax_scale, dropout, max_seqlen_q,
+#  max_seqlen_kv, backend): the non-tensor arguments of the fused ops, in their order.
+Params = tuple
+
+
+class _FusedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_kv, rng, params, deterministic):
+        o, lse = ops.attention_forward(q, k, v, cu_q, cu_kv, rng, *params)
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_kv, rng)
+        ctx.params = params
+        ctx.deterministic = deterministic
+        return o
+
+    @staticmethod
+    def backward(ctx, d_o):
+        q, k, v, o, lse, cu_q, cu_kv, rng = ctx.saved_tensors
+        dq, dk, dv = ops.attention_backward(q, k, v, o, d_o.contiguous(), lse, cu_q, cu_kv, rng,
+                                            *ctx.params[:-1], ctx.deterministic, ctx.params[-1],
+                                            q.dtype)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def fused_attention(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bool = False):
+    """o = attention(q, k, v) through the core (cu_q, cu_kv, rng: tensors, empty if absent)."""
+    return _FusedAttention.apply(q, k, v, cu_q, cu_kv, rng, params, deterministic)
+
+
+E4M3_MAX = 448.0
+
+
+def _quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor current scaling: (E4M3 bytes, scale_inv [1] fp32)."""
+    amax = x.detach().abs().amax().float().reshape(1)
+    scale = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
+    data = (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return data.view(torch.uint8), 1.0 / scale
+
+
+class _FusedAttentionFP8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_kv, rng, params, deterministic):
+        quantized = [_quantize_e4m3(t) for t in (q, k, v)]
+        descales = torch.cat([d for _, d in quantized])
+        # p is in [0, 1]: the largest E4M3 value maps 1 without overflow.
+        s_scales = torch.tensor([E4M3_MAX, 1.0 / E4M3_MAX], dtype=torch.float32, device=q.device)
+        qf, kf, vf = (d for d, _ in quantized)
+        o, lse, _ = ops.attention_forward_fp8(qf, kf, vf, descales, s_scales, cu_q, cu_kv, rng,
+                                              *params, q.dtype)
+        # The backward takes the high-precision inputs: the gradients are high precision too.
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_kv, rng)
+        ctx.params = params
+        ctx.deterministic = deterministic
+        return o
+
+    backward = staticmethod(_FusedAttention.backward)
+
+
+def fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bool = False):
+    """FP8 forward (q, k, v quantized to E4M3 with their own amax), high-precision backward."""
+    return _FusedAttentionFP8.apply(q, k, v, cu_q, cu_kv, rng, params, deterministic)
+
+
+class _ScaledSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mask, mask_type, scale):
+        y = ops.scaled_softmax_forward(x, mask, mask_type, scale)
+        ctx.save_for_backward(y)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return ops.scaled_softmax_backward(dy.contiguous(), y, ctx.scale), None, None, None
+
+
+def _lengths(cu: Optional[torch.Tensor], batch: int, seqlen: int, device) -> torch.Tensor:
+    if cu is None or cu.numel() == 0:
+        return torch.full((batch,), seqlen, dtype=torch.int64, device=device)
+    return (cu[1:] - cu[:-1]).to(torch.int64)
+
+
+def _softmax_mask(mask: str, window: tuple[int, int], lq, lk, sq: int, skv: int, padding: bool,
+                  device) -> tuple[str, torch.Tensor]:
+    """The softmax's mask kind and its uint8 mask [b or 1, 1, sq, skv] (nonzero = masked)."""
+    left, right = window
+    causal = "causal" in mask
+    bottom_right = mask.endswith("bottom_right")
+    if causal:
+        right = 0
+    if not padding and left < 0:
+        if right < 0:
+            return "none", torch.empty((0,), dtype=torch.uint8, device=device)
+        if right == 0:
+            return ("causal_bottom_right" if bottom_right else "causal",
+                    torch.empty((0,), dtype=torch.uint8, device=device))
+    i = torch.arange(sq, device=device).view(1, sq, 1)
+    j = torch.arange(skv, device=device).view(1, 1, skv)
+    lq, lk = lq.view(-1, 1, 1), lk.view(-1, 1, 1)
+    diag = i + (lk - lq if bottom_right else 0)
+    allowed = (i < lq) & (j < lk)
+    if left >= 0:
+        allowed = allowed & (j >= diag - left)
+    if right >= 0:
+        allowed = allowed & (j <= diag + right)
+    return "arbitrary", (~allowed).unsqueeze(1).to(torch.uint8)
+
+
+def _pad_thd(x: torch.Tensor, cu: torch.Tensor, seqlen: int):
+    """THD [t, h, d] -> [b, h, s, d] (zeros past each length) and the gather index."""
+    batch = cu.shape[0] - 1
+    pos = torch.arange(seqlen, device=x.device).view(1, seqlen)
+    lengths = (cu[1:] - cu[:-1]).view(batch, 1).to(torch.int64)
+    valid = pos < lengths
+    index = (cu[:-1].view(batch, 1).to(torch.int64) + pos).clamp(max=max(x.shape[0] - 1, 0))
+    padded = x[index] * valid.view(batch, seqlen, 1, 1).to(x.dtype)
+    return padded.transpose(1, 2), index, valid
+
+
+def unfused_attention(q, k, v, layout: str, mask: str, window: tuple[int, int],
+                      softmax_scale: float, dropout: float, cu_q, cu_kv, max_seqlen_q: int,
+                      max_seqlen_kv: int, attention_mask: Optional[torch.Tensor] = None):
+    """o = attention(q, k, v) as matmul -> scaled masked softmax -> dropout -> matmul, in q's
+    layout and dtype. attention_mask (bool, True = masked, [b or 1, h or 1, sq, skv]) is the
+    mask itself for the "arbitrary" mask type."""
+    if layout == "thd":
+        qh, q_index, q_valid = _pad_thd(q, cu_q, max_seqlen_q)
+        kh, _, _ = _pad_thd(k, cu_kv, max_seqlen_kv)
+        vh, _, _ = _pad_thd(v, cu_kv, max_seqlen_kv)
+    elif layout == "bshd":
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    else:
+        qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    batch, heads, sq, _ = qh.shape
+    skv = kh.shape[2]
+    group = heads // kh.shape[1]
+    if group > 1:
+        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+    scores = torch.matmul(qh, kh.transpose(-1, -2))
+    if mask == "arbitrary":
+        kind, m = "arbitrary", attention_mask.to(torch.uint8)
+        if m.dim() != 4 or m.shape[0] not in (1, batch) or m.shape[1] not in (1, heads):
+            raise ValueError(f"DotProductAttention: attention_mask must be [{batch} or 1, "
+                             f"{heads} or 1, {sq}, {skv}] (batch, heads, sq, skv) for the "
+                             f"arbitrary mask, got {list(m.shape)}")
+        m = m.expand(m.shape[0], m.shape[1], sq, skv)
+    else:
+        padding = layout == "thd" or mask.startswith("padding")
+        lq = _lengths(cu_q if padding else None, batch, sq, q.device)
+        lk = _lengths(cu_kv if padding else None, batch, skv, q.device)
+        kind, m = _softmax_mask(mask, window, lq, lk, sq, skv, padding, q.device)
+    p = _ScaledSoftmax.apply(scores.contiguous(), m.contiguous(), kind, softmax_scale)
+    if dropout > 0.0:
+        p = torch.nn.functional.dropout(p, dropout, training=True)
+    o = torch.matmul(p, vh)  # [b, h, sq, dv]
+    if layout == "bshd":
+        return o.transpose(1, 2).contiguous()
+    if layout == "sbhd":
+        return o.permute(2, 0, 1, 3).contiguous()
+    rows = o.transpose(1, 2)[q_valid]  # [valid tokens, h, dv] in packing order
+    out = o.new_zeros((q.shape[0], heads, o.shape[-1]))
+    return out.index_put((q_index[q_valid],), rows)

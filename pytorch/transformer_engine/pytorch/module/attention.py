@@ -1,0 +1,321 @@
+"""DotProductAttention: softmax(q k^T * scale + mask) v, on the fused or the unfused path.
+
+Backends, tried in this order unless one is asked for:
+
+* ``"cudnn"``: the core's entry point on cuDNN's fused kernels (CUDA, when the build has cuDNN).
+* ``"cpu"``: the core's entry point on its CPU reference (CPU tensors).
+* ``"unfused"``: torch matmuls around the core's scaled masked softmax (any device; no FP8).
+* ``"cuda_math"``: the core's entry point on its plain CUDA math path (slow; any mask, FP8).
+
+Ask for one with the ``attention_backend`` argument or the ``TE_ATTENTION_BACKEND``
+environment variable (the argument wins). :func:`get_attention_backend` returns the choice and,
+for every backend passed over, the reason; ``TE_DEBUG_ATTENTION=1`` logs the same at each new
+choice (logger ``transformer_engine.attention``). Both variables are read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from typing import Optional, Union
+
+import torch
+
+from ..attention_fn import fused_attention, fused_attention_fp8, unfused_attention
+from ..fp8 import STATE
+from ..ops._backend import core
+from ..ops.attention import LAYOUTS, MASKS, config, sizes_of
+
+__all__ = ["AttentionBackend", "DotProductAttention", "get_attention_backend"]
+
+BACKENDS = ("cudnn", "cpu", "unfused", "cuda_math")
+_CORE_INDEX = {"cudnn": 0, "cuda_math": 1, "cpu": 2}
+_TE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_LOG = logging.getLogger("transformer_engine.attention")
+
+
+def _env_backend() -> str:
+    return os.environ.get("TE_ATTENTION_BACKEND", "auto")
+
+
+def _debug() -> bool:
+    return os.environ.get("TE_DEBUG_ATTENTION", "0") not in ("", "0")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """The backend a call runs on (``name``) and, per backend, ``""`` when it could take the
+    call or the reason it cannot."""
+
+    name: Optional[str]
+    reasons: dict
+
+
+def _core_reasons(key: tuple, grad: bool) -> dict:
+    (layout, mask, wl, wr, scale, dropout, sizes, dtype, device, fp8) = key
+    c = core()
+    cfg = config(layout, "padding" if mask == "arbitrary" else mask, wl, wr, scale, dropout,
+                 sizes[3], sizes[4])
+    qkv = c.DType.float8_e4m3 if fp8 else getattr(c.DType, dtype)
+    hp = getattr(c.DType, dtype)
+    try:
+        _, why, _ = c.attention_backend(cfg, list(sizes), qkv, hp, hp, device_id=device)
+    except (TypeError, ValueError) as e:  # a request no core backend takes (FP8 of fp32, ...)
+        return {name: str(e) for name in _CORE_INDEX}
+    reasons = {name: why[i] for name, i in _CORE_INDEX.items()}
+    if grad:
+        # The FP8 path's backward runs on the high-precision inputs (attention_fn.py).
+        _, why_b, _ = c.attention_backend(cfg, list(sizes), hp, hp, hp, device_id=device,
+                                          backward=True)
+        for name, i in _CORE_INDEX.items():
+            if not reasons[name] and why_b[i]:
+                reasons[name] = "backward: " + why_b[i]
+    if mask == "arbitrary":
+        for name in _CORE_INDEX:
+            reasons[name] = reasons[name] or "arbitrary masks run on the unfused path only"
+    return reasons
+
+
+_CHOICES: dict = {}
+
+
+@torch._dynamo.assume_constant_result
+def _choose(key: tuple, grad: bool, asked: str) -> str:
+    """The backend's name for a call (or an error message starting with '!')."""
+    hit = _CHOICES.get((key, grad, asked))
+    if hit is not None:
+        return hit.name or "!"
+    reasons = _core_reasons(key, grad)
+    reasons["unfused"] = "the unfused path has no FP8" if key[-1] else ""
+    order = BACKENDS if asked == "auto" else (asked,)
+    name = next((b for b in order if not reasons[b]), None)
+    info = AttentionBackend(name, reasons)
+    _CHOICES[(key, grad, asked)] = info
+    if _debug():
+        _LOG.warning("DotProductAttention: %s (asked %s; reasons: %s)", name, asked, reasons)
+    return name or "!"
+
+
+def _key(q, k, v, layout, mask, window, scale, dropout, cu_q, max_sq, max_skv, fp8) -> tuple:
+    sizes = tuple(int(s) for s in sizes_of(q, k, v, layout, cu_q, max_sq, max_skv))
+    if q.dtype not in _TE_NAMES:
+        raise TypeError(f"DotProductAttention: query must be float32, float16 or bfloat16, got "
+                        f"{q.dtype}")
+    device = q.device.index if q.is_cuda else -1
+    return (layout, mask, window[0], window[1], float(scale), float(dropout), sizes,
+            _TE_NAMES[q.dtype], device, bool(fp8))
+
+
+def _resolve_window(mask: str, window) -> tuple[int, int]:
+    if window is None:
+        window = (-1, -1)
+    left, right = (int(w) for w in window)
+    if left < -1 or right < -1:
+        raise ValueError(f"DotProductAttention: window_size must be (left, right) with each >= -1 "
+                         f"(-1: unbounded), got {window}")
+    return (left, 0) if "causal" in mask else (left, right)
+
+
+def _check_inputs(q, k, v, layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"DotProductAttention: qkv_format must be one of {LAYOUTS}, got "
+                         f"{layout!r}")
+    rank = 3 if layout == "thd" else 4
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.dim() != rank:
+            raise ValueError(f"DotProductAttention: {name} must have {rank} dimensions for "
+                             f"qkv_format {layout!r}, got shape {list(t.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"DotProductAttention: query and key must have the same head dim, got "
+                         f"{q.shape[-1]} and {k.shape[-1]}")
+    if q.shape[-2] % k.shape[-2] != 0 or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"DotProductAttention: query heads ({q.shape[-2]}) must be a multiple of "
+                         f"key heads ({k.shape[-2]}), and value must have key's heads "
+                         f"({v.shape[-2]} given)")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"DotProductAttention: query, key and value must share a dtype, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _cu_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens from a padding mask [b, 1, 1, s] (True = padded position)."""
+    lengths = (~attention_mask.bool()).reshape(attention_mask.shape[0], -1).sum(dim=1)
+    return torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def get_attention_backend(query, key, value, *, qkv_format: str = "sbhd",
+                          attn_mask_type: str = "causal", window_size=None,
+                          softmax_scale: Optional[float] = None, attention_dropout: float = 0.0,
+                          cu_seqlens_q=None, max_seqlen_q: Optional[int] = None,
+                          max_seqlen_kv: Optional[int] = None, fp8: bool = False,
+                          attention_backend: Optional[str] = None) -> AttentionBackend:
+    """Which backend DotProductAttention would run for these inputs, and why not the others.
+    A backward is assumed when any input requires grad."""
+    _check_inputs(query, key, value, qkv_format)
+    window = _resolve_window(attn_mask_type, window_size)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    k = _key(query, key, value, qkv_format, attn_mask_type, window, scale, attention_dropout,
+             cu_seqlens_q, max_seqlen_q or 0, max_seqlen_kv or 0, fp8)
+    grad = any(t.requires_grad for t in (query, key, value))
+    asked = attention_backend or _env_backend()
+    _choose(k, grad, asked)
+    return _CHOICES[(k, grad, asked)]
+
+
+class DotProductAttention(torch.nn.Module):
+    """Multi-head dot-product attention of already projected heads (no weights).
+
+    Args:
+        num_attention_heads: query heads.
+        kv_channels: head dim of q and k (an int), or (head_dim_qk, head_dim_v).
+        num_gqa_groups: key/value heads (GQA; 1 is MQA); default num_attention_heads.
+        attention_dropout: dropout probability of the attention weights (training only).
+        qkv_format: ``"sbhd"``, ``"bshd"`` or ``"thd"`` (packed, with cu_seqlens).
+        attn_mask_type: one of ``no_mask``, ``causal``, ``causal_bottom_right``, ``padding``,
+            ``padding_causal``, ``padding_causal_bottom_right``, ``arbitrary``.
+        window_size: (left, right) sliding window, -1 for an unbounded side; causal masks
+            force right = 0.
+        softmax_scale: default 1 / sqrt(head_dim_qk).
+        layer_number, attention_type: kept for API compatibility ("self" or "cross").
+        deterministic: ask the backward for a deterministic dk/dv reduction.
+        attention_backend: ``None`` (auto, or ``TE_ATTENTION_BACKEND``) or one of ``BACKENDS``.
+
+    The output is [s, b, h * dv] for sbhd, [b, s, h * dv] for bshd, [t, h * dv] for thd.
+    Under ``fp8_autocast`` with a ``DelayedScaling(fp8_dpa=True)`` recipe the fused forward
+    runs in FP8: q, k, v are quantized to E4M3 with scales from their own amax.
+
+    Example:
+        >>> attn = DotProductAttention(4, 16, qkv_format="bshd")  # doctest: +SKIP
+        >>> q = k = v = torch.randn(2, 8, 4, 16)  # doctest: +SKIP
+        >>> attn(q, k, v).shape  # doctest: +SKIP
+        torch.Size([2, 8, 64])
+    """
+
+    def __init__(self, num_attention_heads: int, kv_channels: Union[int, tuple[int, int]],
+                 num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0,
+                 qkv_format: str = "sbhd", attn_mask_type: str = "causal",
+                 window_size: Optional[tuple[int, int]] = None,
+                 softmax_scale: Optional[float] = None, layer_number: Optional[int] = None,
+                 attention_type: str = "self", deterministic: bool = False,
+                 attention_backend: Optional[str] = None) -> None:
+        super().__init__()
+        dims = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
+        groups = num_gqa_groups if num_gqa_groups is not None else num_attention_heads
+        if num_attention_heads % groups != 0:
+            raise ValueError(f"DotProductAttention: num_attention_heads ({num_attention_heads}) "
+                             f"must be a multiple of num_gqa_groups ({groups})")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"DotProductAttention: attention_dropout must be in [0, 1), got "
+                             f"{attention_dropout}")
+        _check_names(qkv_format, attn_mask_type, attention_backend)
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"DotProductAttention: attention_type must be 'self' or 'cross', got "
+                             f"{attention_type!r}")
+        self.num_attention_heads, self.num_gqa_groups = num_attention_heads, groups
+        self.head_dim_qk, self.head_dim_v = dims
+        self.attention_dropout = attention_dropout
+        self.qkv_format, self.attn_mask_type = qkv_format, attn_mask_type
+        self.window_size = window_size
+        self.softmax_scale = (softmax_scale if softmax_scale is not None
+                              else 1.0 / math.sqrt(dims[0]))
+        self.layer_number, self.attention_type = layer_number, attention_type
+        self.deterministic = deterministic
+        self.attention_backend = attention_backend
+
+    def forward(self, query, key, value, attention_mask=None, qkv_format=None, cu_seqlens_q=None,
+                cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None,
+                window_size=None, attention_backend=None):
+        layout = qkv_format or self.qkv_format
+        mask = attn_mask_type or self.attn_mask_type
+        asked = attention_backend or self.attention_backend or _env_backend()
+        _check_names(layout, mask, asked)
+        _check_inputs(query, key, value, layout)
+        if query.shape[-2] != self.num_attention_heads or key.shape[-2] != self.num_gqa_groups:
+            raise ValueError(f"DotProductAttention: query/key heads must be "
+                             f"{self.num_attention_heads}/{self.num_gqa_groups}, got "
+                             f"{query.shape[-2]}/{key.shape[-2]}")
+        window = _resolve_window(mask, window_size if window_size is not None else self.window_size)
+        padding = layout == "thd" or mask.startswith("padding")
+        if padding and cu_seqlens_q is None and attention_mask is not None and layout != "thd":
+            q_mask, kv_mask = (attention_mask if isinstance(attention_mask, tuple)
+                               else (attention_mask, attention_mask))
+            cu_seqlens_q, cu_seqlens_kv = _cu_from_mask(q_mask), _cu_from_mask(kv_mask)
+        if padding and (cu_seqlens_q is None or cu_seqlens_kv is None):
+            raise ValueError(f"DotProductAttention: attn_mask_type {mask!r} with qkv_format "
+                             f"{layout!r} needs cu_seqlens_q and cu_seqlens_kv (or a padding "
+                             "attention_mask for bshd/sbhd)")
+        if padding:  # both paths index with them on q's device
+            for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+                _check_cu_seqlens(name, cu)
+            cu_seqlens_q = cu_seqlens_q.to(device=query.device, dtype=torch.int32)
+            cu_seqlens_kv = cu_seqlens_kv.to(device=query.device, dtype=torch.int32)
+        if mask == "arbitrary" and attention_mask is None:
+            raise ValueError("DotProductAttention: attn_mask_type 'arbitrary' needs attention_mask")
+        if layout == "thd" and (max_seqlen_q is None or max_seqlen_kv is None):
+            raise ValueError("DotProductAttention: qkv_format 'thd' needs max_seqlen_q and "
+                             "max_seqlen_kv (the longest sequence of each)")
+        dropout = self.attention_dropout if self.training else 0.0
+        recipe = STATE.recipe if STATE.enabled else None
+        fp8 = bool(recipe is not None and recipe.delayed() and recipe.fp8_dpa)
+        key_ = _key(query, key, value, layout, mask, window, self.softmax_scale, dropout,
+                    cu_seqlens_q, max_seqlen_q or 0, max_seqlen_kv or 0, fp8)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        name = _choose(key_, grad, asked)
+        if name == "!":
+            raise RuntimeError(f"DotProductAttention: no backend can run this call (asked "
+                               f"{asked}): {_CHOICES[(key_, grad, asked)].reasons}")
+        if not padding:
+            cu_seqlens_q = cu_seqlens_kv = None
+        if name == "unfused":
+            o = unfused_attention(query, key, value, layout, mask, window, self.softmax_scale,
+                                  dropout, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q or 0,
+                                  max_seqlen_kv or 0, attention_mask)
+        else:
+            o = self._fused(query, key, value, layout, mask, window, dropout, cu_seqlens_q,
+                            cu_seqlens_kv, max_seqlen_q or 0, max_seqlen_kv or 0, name, fp8)
+        return o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
+
+    def _fused(self, q, k, v, layout, mask, window, dropout, cu_q, cu_kv, max_sq, max_skv,
+               backend, fp8):
+        # Separate empties: torch.compile rejects one tensor passed twice to an autograd.Function.
+        def index(cu):
+            if cu is None:
+                return torch.empty((0,), dtype=torch.int32, device=q.device)
+            return cu.to(device=q.device, dtype=torch.int32)
+
+        cu_q, cu_kv = index(cu_q), index(cu_kv)
+        if dropout > 0.0:
+            # From torch's default generator of q's device: torch.manual_seed reproduces it.
+            rng = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=q.device)
+        else:
+            rng = torch.empty((0,), dtype=torch.int64, device=q.device)
+        params = (layout, mask, window[0], window[1], float(self.softmax_scale), float(dropout),
+                  int(max_sq), int(max_skv), backend)
+        fn = fused_attention_fp8 if fp8 else fused_attention
+        return fn(q, k, v, cu_q, cu_kv, rng, params, self.deterministic)
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor) -> None:
+    """Shape always; values only when they are on the CPU (reading CUDA memory would stall
+    the stream; the core checks CPU values again)."""
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"DotProductAttention: {name} must have shape [batch + 1], got "
+                         f"{list(cu.shape)}")
+    if cu.device.type == "cpu" and not torch.compiler.is_compiling():
+        if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"DotProductAttention: {name} must start at 0 and be "
+                             f"non-decreasing (cumulative lengths), got {cu.tolist()}")
+
+
+def _check_names(layout: str, mask: str, backend: Optional[str]) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"DotProductAttention: qkv_format must be one of {LAYOUTS}, got "
+                         f"{layout!r}")
+    if mask not in MASKS + ("arbitrary",):
+        raise ValueError(f"DotProductAttention: attn_mask_type must be one of "
+                         f"{MASKS + ('arbitrary',)}, got {mask!r}")
+    if backend is not None and backend not in ("auto",) + BACKENDS:
+        raise ValueError(f"DotProductAttention: attention_backend must be 'auto' or one of "
+                         f"{BACKENDS}, got {backend!r}")

@@ -1,0 +1,242 @@
+"""Attention and the unfused path's scaled masked softmax as custom ops.
+
+``attention_forward`` / ``attention_backward`` are the core's attention entry points (cuDNN,
+the CUDA math path, or the CPU reference: ``attention.h``); ``attention_forward_fp8`` takes
+E4M3 q, k, v (uint8 bytes) with their descales and returns a high-precision output.
+``scaled_softmax_forward`` / ``scaled_softmax_backward`` are the softmax of the unfused path.
+Layouts: ``"bshd"``, ``"sbhd"``, ``"thd"``; masks: ``MASKS``. Like the other ops they are
+functional (fresh outputs) with fake implementations for tracing; optional tensors the
+custom-op schema cannot take as None travel as empty tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._backend import core, custom_op, raw, stream_of
+
+_NS = "transformer_engine"
+LAYOUTS = ("bshd", "sbhd", "thd")
+MASKS = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
+         "padding_causal_bottom_right")
+CORE_BACKENDS = ("cudnn", "cuda_math", "cpu")
+SOFTMAX_MASKS = ("none", "causal", "causal_bottom_right", "arbitrary")
+
+
+def config(layout: str, mask: str, window_left: int, window_right: int, softmax_scale: float,
+           dropout: float, max_seqlen_q: int, max_seqlen_kv: int, deterministic: bool = False,
+           backend: str = "auto"):
+    """The core's AttentionConfig (about a microsecond to build; not cached, since cached
+    binding objects would outlive the module at interpreter exit)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"attention: qkv_format must be one of {LAYOUTS}, got {layout!r}")
+    if mask not in MASKS:
+        raise ValueError(f"attention: attn_mask_type must be one of {MASKS}, got {mask!r}")
+    if backend not in ("auto",) + CORE_BACKENDS:
+        raise ValueError(f"attention: backend must be 'auto' or one of {CORE_BACKENDS}, got "
+                         f"{backend!r}")
+    c = core()
+    return c.AttentionConfig(getattr(c.AttnLayout, layout), getattr(c.AttnMask, mask),
+                             window_left=window_left, window_right=window_right,
+                             softmax_scale=softmax_scale, dropout=dropout,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                             deterministic=deterministic, backend=getattr(c.AttnBackend, backend))
+
+
+def _opt(t: torch.Tensor):
+    """An optional tensor argument: empty means absent. t must be contiguous (raw() holds a
+    bare pointer, so a temporary copy would die before the call)."""
+    return None if t.numel() == 0 else raw(t)
+
+
+def _device_id(t: torch.Tensor) -> int:
+    return t.device.index if t.is_cuda else -1
+
+
+def lse_shape(q: torch.Tensor, layout: str, heads: int, cu_seqlens_q: torch.Tensor,
+              max_seqlen_q: int) -> tuple[int, int, int]:
+    if layout == "thd":
+        return (cu_seqlens_q.shape[0] - 1, heads, max_seqlen_q)
+    b, s = (q.shape[0], q.shape[1]) if layout == "bshd" else (q.shape[1], q.shape[0])
+    return (b, heads, s)
+
+
+def _o_like(q: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=dtype)
+
+
+@custom_op(f"{_NS}::attention_forward", mutates_args=())
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_kv: torch.Tensor, rng_state: torch.Tensor, layout: str, mask: str,
+                      window_left: int, window_right: int, softmax_scale: float, dropout: float,
+                      max_seqlen_q: int, max_seqlen_kv: int, backend: str
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (o in q's layout with v's head dim, softmax_lse [batch, heads_q, max_seqlen_q]
+    fp32). cu_seqlens_* (int32 [batch + 1]) and rng_state (int64 [2]) may be empty."""
+    cfg = config(layout, mask, window_left, window_right, softmax_scale, dropout, max_seqlen_q,
+                 max_seqlen_kv, False, backend)
+    heads = q.shape[-2]
+    o = _o_like(q, v, q.dtype)
+    lse = q.new_empty(lse_shape(q, layout, heads, cu_seqlens_q, max_seqlen_q), dtype=torch.float32)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
+    rng_state = rng_state.contiguous()
+    ws = _workspace_for(cfg, q, k, v, q.dtype, q.dtype, cu_seqlens_q, max_seqlen_q, max_seqlen_kv,
+                        False)
+    core().attention_forward(cfg, raw(q), raw(k), raw(v), raw(o), raw(lse),
+                             cu_seqlens_q=_opt(cu_seqlens_q), cu_seqlens_kv=_opt(cu_seqlens_kv),
+                             rng_state=_opt(rng_state), workspace=ws, stream=stream_of(q))
+    return o, lse
+
+
+@attention_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, rng_state, layout, mask, window_left, window_right,
+      softmax_scale, dropout, max_seqlen_q, max_seqlen_kv, backend):
+    lse = q.new_empty(lse_shape(q, layout, q.shape[-2], cu_seqlens_q, max_seqlen_q),
+                      dtype=torch.float32)
+    return _o_like(q, v, q.dtype), lse
+
+
+@custom_op(f"{_NS}::attention_backward", mutates_args=())
+def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       d_o: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_kv: torch.Tensor, rng_state: torch.Tensor, layout: str, mask: str,
+                       window_left: int, window_right: int, softmax_scale: float, dropout: float,
+                       max_seqlen_q: int, max_seqlen_kv: int, deterministic: bool, backend: str,
+                       grad_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk, dv) in grad_dtype, the shapes of q, k, v."""
+    cfg = config(layout, mask, window_left, window_right, softmax_scale, dropout, max_seqlen_q,
+                 max_seqlen_kv, deterministic, backend)
+    dq, dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (q, k, v))
+    q, k, v, o, d_o, lse = (t.contiguous() for t in (q, k, v, o, d_o, lse))
+    cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
+    rng_state = rng_state.contiguous()
+    ws = _workspace_for(cfg, q, k, v, o.dtype, grad_dtype, cu_seqlens_q, max_seqlen_q,
+                        max_seqlen_kv, True)
+    core().attention_backward(cfg, raw(q), raw(k), raw(v), raw(o), raw(d_o), raw(lse),
+                              dq=raw(dq), dk=raw(dk), dv=raw(dv), cu_seqlens_q=_opt(cu_seqlens_q),
+                              cu_seqlens_kv=_opt(cu_seqlens_kv), rng_state=_opt(rng_state),
+                              workspace=ws, stream=stream_of(q))
+    return dq, dk, dv
+
+
+@attention_backward.register_fake
+def _(q, k, v, o, d_o, lse, cu_seqlens_q, cu_seqlens_kv, rng_state, layout, mask, window_left,
+      window_right, softmax_scale, dropout, max_seqlen_q, max_seqlen_kv, deterministic, backend,
+      grad_dtype):
+    return tuple(torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (q, k, v))
+
+
+def _fp8(data: torch.Tensor, scale_inv: torch.Tensor):
+    """An E4M3 Tensor of contiguous uint8 data and its [1] scale_inv (both kept alive by the
+    caller)."""
+    return core().Tensor(raw(data), dtype=core().DType.float8_e4m3, scale_inv=raw(scale_inv))
+
+
+@custom_op(f"{_NS}::attention_forward_fp8", mutates_args=())
+def attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          descales: torch.Tensor, s_scales: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
+                          rng_state: torch.Tensor, layout: str, mask: str, window_left: int,
+                          window_right: int, softmax_scale: float, dropout: float,
+                          max_seqlen_q: int, max_seqlen_kv: int, backend: str,
+                          o_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 attention: q, k, v E4M3 bytes (uint8) with descales [3] fp32 (of q, k, v); s_scales
+    [2] fp32 = (scale, scale_inv) of the probabilities. Returns (o in o_dtype, softmax_lse,
+    amax of the probabilities [1] fp32)."""
+    cfg = config(layout, mask, window_left, window_right, softmax_scale, dropout, max_seqlen_q,
+                 max_seqlen_kv, False, backend)
+    o = _o_like(q, v, o_dtype)
+    lse = q.new_empty(lse_shape(q, layout, q.shape[-2], cu_seqlens_q, max_seqlen_q),
+                      dtype=torch.float32)
+    amax_s = q.new_zeros((1,), dtype=torch.float32)
+    q, k, v, descales = q.contiguous(), k.contiguous(), v.contiguous(), descales.contiguous()
+    cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
+    rng_state = rng_state.contiguous()
+    d = [descales[i:i + 1] for i in range(3)]
+    sc = [s_scales[0:1].contiguous(), s_scales[1:2].contiguous()]
+    c = core()
+    softmax = c.Tensor(None, scale=raw(sc[0]), scale_inv=raw(sc[1]), amax=raw(amax_s))
+    ws = _workspace_for(cfg, q, k, v, o_dtype, o_dtype, cu_seqlens_q, max_seqlen_q, max_seqlen_kv,
+                        False)
+    c.attention_forward(cfg, _fp8(q, d[0]), _fp8(k, d[1]), _fp8(v, d[2]), raw(o), raw(lse),
+                        cu_seqlens_q=_opt(cu_seqlens_q), cu_seqlens_kv=_opt(cu_seqlens_kv),
+                        rng_state=_opt(rng_state), softmax_fp8=softmax, workspace=ws,
+                        stream=stream_of(q))
+    return o, lse, amax_s
+
+
+@attention_forward_fp8.register_fake
+def _(q, k, v, descales, s_scales, cu_seqlens_q, cu_seqlens_kv, rng_state, layout, mask,
+      window_left, window_right, softmax_scale, dropout, max_seqlen_q, max_seqlen_kv, backend,
+      o_dtype):
+    lse = q.new_empty(lse_shape(q, layout, q.shape[-2], cu_seqlens_q, max_seqlen_q),
+                      dtype=torch.float32)
+    return _o_like(q, v, o_dtype), lse, q.new_empty((1,), dtype=torch.float32)
+
+
+_TE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+             torch.uint8: "float8_e4m3"}
+
+
+def _workspace_for(cfg, q, k, v, o_dtype, grad_dtype, cu_q, max_sq, max_skv, backward):
+    if not q.is_cuda:
+        return None
+    sizes = sizes_of(q, k, v, cfg.layout.name, cu_q, max_sq, max_skv)
+    c = core()
+    size = c.attention_workspace_size(cfg, sizes, getattr(c.DType, _TE_NAMES[q.dtype]),
+                                      getattr(c.DType, _TE_NAMES[o_dtype]),
+                                      getattr(c.DType, _TE_NAMES[grad_dtype]),
+                                      device_id=_device_id(q), backward=backward)
+    ws = torch.empty((max(int(size), 1),), dtype=torch.uint8, device=q.device)
+    return raw(ws)
+
+
+def sizes_of(q, k, v, layout: str, cu_q: Optional[torch.Tensor], max_sq: int,
+             max_skv: int) -> list[int]:
+    """The core's problem sizes: (batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim_qk,
+    head_dim_v, total_q, total_kv)."""
+    if layout == "thd":
+        return [cu_q.shape[0] - 1, q.shape[1], k.shape[1], max_sq, max_skv, q.shape[2],
+                v.shape[2], q.shape[0], k.shape[0]]
+    bshd = layout == "bshd"
+    b, sq = (q.shape[0], q.shape[1]) if bshd else (q.shape[1], q.shape[0])
+    skv = k.shape[1] if bshd else k.shape[0]
+    return [b, q.shape[2], k.shape[2], sq, skv, q.shape[3], v.shape[3], b * sq, b * skv]
+
+
+@custom_op(f"{_NS}::scaled_softmax_forward", mutates_args=())
+def scaled_softmax_forward(x: torch.Tensor, mask: torch.Tensor, mask_type: str,
+                           scale: float) -> torch.Tensor:
+    """softmax(scale * x) over the last dim of x [b, h, sq, sk]; mask (uint8/bool, nonzero =
+    masked, [b or 1, h or 1, sq, sk]) for mask_type "arbitrary", else empty."""
+    if mask_type not in SOFTMAX_MASKS:
+        raise ValueError(f"scaled_softmax_forward: mask_type must be one of {SOFTMAX_MASKS}, got "
+                         f"{mask_type!r}")
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    x = x.contiguous()
+    m = mask.to(torch.uint8).contiguous() if mask_type == "arbitrary" else None
+    core().scaled_softmax_forward(getattr(core().SoftmaxMask, mask_type), scale, raw(x),
+                                  None if m is None else raw(m), raw(y), stream=stream_of(x))
+    return y
+
+
+@scaled_softmax_forward.register_fake
+def _(x, mask, mask_type, scale):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@custom_op(f"{_NS}::scaled_softmax_backward", mutates_args=())
+def scaled_softmax_backward(dy: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    """dx = scale * y * (dy - sum(dy * y)) over the last dim."""
+    dx = torch.empty_like(y, memory_format=torch.contiguous_format)
+    dy, y = dy.contiguous(), y.contiguous()
+    core().scaled_softmax_backward(scale, raw(dy), raw(y), raw(dx), stream=stream_of(y))
+    return dx
+
+
+@scaled_softmax_backward.register_fake
+def _(dy, y, scale):
+    return torch.empty_like(y, memory_format=torch.contiguous_format)
