@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from te_jax_tests import _reference as ref
 from te_jax_tests._flax_reference import EPS, JAX_ACTIVATIONS, flax_norm
-from te_jax_tests._tolerances import assert_close, assert_relative_max_error
+from te_jax_tests._tolerances import TOLERANCES, assert_close, assert_relative_max_error
 
 import transformer_engine.jax as te
 from transformer_engine.common import recipe
@@ -222,10 +222,13 @@ def test_fp8_metas_of_both_gemms_follow_the_recipe_over_steps():
             history = model[(g, r)][0].copy()
             history[0] = amaxes[(g, r)]
             model[(g, r)] = ref.delayed_update(history, model[(g, r)][1], fmts[r])
+            # fc1's gradient comes from a GEMM, whose accumulation differs on tensor cores.
+            on_gpu = jax.default_backend() == "gpu" and (g, r) == ("wi", "grad")
+            rtol = TOLERANCES["amax_cuda_vs_cpu"] if on_gpu else 1e-5
             np.testing.assert_allclose(np.asarray(new_metas[f"{g}_{r}_amax_history"]),
-                                       model[(g, r)][0], rtol=1e-5, err_msg=f"{g}_{r}")
+                                       model[(g, r)][0], rtol=rtol, err_msg=f"{g}_{r}")
             np.testing.assert_allclose(float(new_metas[f"{g}_{r}_scale"][0]), model[(g, r)][1],
-                                       rtol=1e-5, err_msg=f"{g}_{r}")
+                                       rtol=rtol, err_msg=f"{g}_{r}")
         metas = new_metas
 
 
