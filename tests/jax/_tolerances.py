@@ -27,7 +27,9 @@
   largest single element can move by several percent (up to 6% was seen on the H200 for a
   LayerNormMLP step, where a flip of the activation's E4M3 and then of the gradient's E5M2
   compound), but such flips are a small fraction of the elements, so the RMS error stays
-  far below 3%; a wrong kernel gives O(1).
+  a few percent: measured at most 3.7% on the H200 (a SwiGLU LayerNormMLP step under
+  current scaling, where the gradient crosses E4M3 and then E5M2 roundings); 6% leaves a
+  margin, and a wrong kernel gives O(1).
 * ``amax_cuda_vs_cpu``: an amax of a tensor that a GEMM made (the gradient before the
   first GEMM of an MLP), against the fp64 product: the tensor cores' accumulation above,
   measured 1.1e-5 relative on the H200; 1e-3 keeps a wide margin and still fails on a wrong
@@ -49,7 +51,7 @@ TOLERANCES = {
     "bfloat16": dict(rtol=2 * 2.0**-8, atol=2 * 2.0**-8),
     "fp8_exact": dict(rtol=1e-5, atol=1e-5),
     "fp8_cuda_vs_cpu": dict(rtol=1e-2, atol=1e-2),
-    "fp8_step_cuda_vs_cpu": 0.03,
+    "fp8_step_cuda_vs_cpu": 0.06,
     "amax_cuda_vs_cpu": 1e-3,
     "fp8_forward_vs_fp32": 0.10,
     "fp8_backward_vs_fp32": 0.20,
