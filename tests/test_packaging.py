@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.metadata
+import importlib.util
 import re
 from pathlib import Path
 
@@ -56,3 +57,35 @@ def test_wheels_pin_each_other_exactly():
             name = re.match(r"[A-Za-z0-9_.-]+", req).group(0)
             if name.startswith("transformer-engine"):
                 assert req == f"{name}=={version}", (folder, req)
+
+
+def _native_libraries() -> list[Path]:
+    import transformer_engine.common as common
+
+    folder = Path(common.__file__).parent
+    found = sorted(folder.glob("lib/libtransformer_engine.so*")) + sorted(folder.glob("_core*.so"))
+    jax_spec = importlib.util.find_spec("transformer_engine.jax")
+    if jax_spec is not None and jax_spec.submodule_search_locations:
+        for path in jax_spec.submodule_search_locations:
+            found += sorted(Path(path).glob("_te_jax*.so"))
+    return found
+
+
+def test_native_libraries_export_no_cpp_runtime():
+    """A static copy of the C++ runtime inside our libraries must stay private: exported, its
+    symbols mix with the process's libstdc++.so.6 (loaded by torch, jaxlib, cuDNN) and
+    iostreams break (a number formatted into a stream came out empty, or crashed)."""
+    import shutil
+    import subprocess
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("binutils' nm is not installed")
+    libraries = _native_libraries()
+    assert libraries, "no native library of transformer_engine found"
+    # std::ostream::_M_insert<long>: defined only inside the C++ runtime itself.
+    runtime_symbol = "_ZNSo9_M_insertIlEERSoT_"
+    for lib in libraries:
+        symbols = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True,
+                                 text=True, check=True).stdout
+        assert runtime_symbol not in symbols, f"{lib.name} exports the C++ runtime's symbols"
