@@ -13,10 +13,14 @@ forward (the backward's five GEMMs are 2.5 forwards).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 import torch.nn.functional as F
+
+# torch and jax share the GPU in this process: jax must not take most of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # (batch, heads_q, heads_kv, seqlen, head_dim)
 SHAPES = [(4, 32, 32, 4096, 128), (2, 16, 16, 8192, 128), (2, 32, 8, 8192, 128)]
