@@ -39,8 +39,8 @@ def gemm_fp8(
     check_mode("gemm", a_scaling_mode)
     check_mode("gemm", b_scaling_mode)
     c = core()
-    d = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
-    ws = workspace_for(a.device)
+    d = a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+    ws = workspace_for(a.device) if a.is_cuda else None
     # Locals keep every tensor alive across the call: raw() holds bare pointers.
     a, b = a.contiguous(), b.contiguous()
     a_scale_inv, b_scale_inv = a_scale_inv.contiguous(), b_scale_inv.contiguous()

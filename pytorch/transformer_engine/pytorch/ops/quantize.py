@@ -9,6 +9,8 @@ dimensions). An output that was not asked for comes back as an empty uint8 tenso
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ._backend import (
@@ -19,6 +21,7 @@ from ._backend import (
     custom_op,
     placeholder,
     raw,
+    raw_element,
     stream_of,
     te_dtype,
     te_mode,
@@ -70,6 +73,48 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, rowwise: bool
 def _(x, scale, fp8_dtype, rowwise, columnwise):
     _check_matrix("quantize", x, rowwise, columnwise)
     return (*_fp8_outputs(x, rowwise, columnwise), _scalar(x), _scalar(x))
+
+
+# ------------------------------------------------------------ delayed scaling, amax recorded
+
+
+@custom_op(f"{_NS}::quantize_delayed", mutates_args=("amax_history",))
+def quantize_delayed(x: torch.Tensor, scales: torch.Tensor, index: int,
+                     amax_history: Optional[torch.Tensor], fp8_dtype: str, rowwise: bool,
+                     columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Delayed scaling: FP8 data of ``x * scales[index]`` (row-wise and/or column-wise) and its
+    ``scale_inv``; ``max|x|`` is recorded in place as ``amax_history[0, index] = max(itself,
+    max|x|)`` (several forwards of one step keep the largest; the scale update zeroes the slot
+    when the history rolls). ``amax_history`` None records nothing (a checkpoint's recompute).
+
+    One core call with no views and no separate amax: the scale and the history slot are
+    passed by position, the amax raised by the cast itself (quantize.h, accumulate_amax).
+    Returns (data, columnwise_data, scale_inv)."""
+    _check_matrix("quantize_delayed", x, rowwise, columnwise)
+    check_fp8_dtype("quantize_delayed", fp8_dtype)
+    c = core()
+    x = x.contiguous()  # kept alive across the call: raw() holds only its pointer
+    data, col = _fp8_outputs(x, rowwise, columnwise)
+    scale_inv = _scalar(x)
+    amax = None
+    if amax_history is not None:
+        if (amax_history.dim() != 2 or amax_history.dtype != torch.float32
+                or not 0 <= index < amax_history.shape[1]):
+            raise ValueError(f"quantize_delayed: amax_history must be a float32 matrix [H, n] "
+                             f"with n > index={index}, got {amax_history.dtype} of shape "
+                             f"{list(amax_history.shape)}")
+        amax = raw_element(amax_history, index)
+    out = c.Tensor(raw(data) if rowwise else None, dtype=te_dtype(fp8_dtype),
+                   scale=raw_element(scales, index), scale_inv=raw(scale_inv), amax=amax,
+                   columnwise_data=raw(col) if columnwise else None)
+    c.quantize(raw(x), out, accumulate_amax=True, stream=stream_of(x))
+    return data, col, scale_inv
+
+
+@quantize_delayed.register_fake
+def _(x, scales, index, amax_history, fp8_dtype, rowwise, columnwise):
+    _check_matrix("quantize_delayed", x, rowwise, columnwise)
+    return (*_fp8_outputs(x, rowwise, columnwise), _scalar(x))
 
 
 # ------------------------------------------------------------ per-tensor, current scaling
