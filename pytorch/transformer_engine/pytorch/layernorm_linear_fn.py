@@ -52,7 +52,7 @@ def norm_to_fp8(plan: Plan, x: torch.Tensor, gamma, beta, cfg: NormConfig, scale
         op = Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode)
         return op, (y if cfg.return_ln_out else None), mu, rsigma, amax
     y, mu, rsigma = ops.norm_forward(x, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
-    op, _ = quantize(plan, "input", y, True, columnwise)
+    op = quantize(plan, "input", y, True, columnwise)
     return op, (y if cfg.return_ln_out else None), mu, rsigma, None
 
 
@@ -112,9 +112,8 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
         dx = dgamma = dbeta = None
         if need_dgrad or need_wgrad:
             history, scale, _ = ctx.bwd_meta
-            q_g, amax = quantize(plan, "grad_output", g, need_dgrad, need_wgrad, scale[0:1])
-            if amax is not None:
-                record_amax(history, 0, amax)
+            q_g = quantize(plan, "grad_output", g, need_dgrad, need_wgrad, scale, 0, history)
+            if plan.kind == "delayed":
                 update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
             d_ln, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
                                                in_col_sinv, x.dtype, w_dtype, need_dgrad,

@@ -35,8 +35,7 @@ def act_to_fp8(plan: Plan, h: torch.Tensor, act: str, scale: torch.Tensor, colum
         data, col, sinv, amax = ops.activation_forward_fp8(h, act, scale, plan.fwd_dtype, True,
                                                            columnwise)
         return Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode), amax
-    op, _ = quantize(plan, "input", ops.activation_forward(h, act), True, columnwise)
-    return op, None
+    return quantize(plan, "input", ops.activation_forward(h, act), True, columnwise), None
 
 
 def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str, scale: torch.Tensor,
@@ -58,7 +57,7 @@ def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str, scale: 
         dh, dbias = dy, dy.sum(0, dtype=torch.float32) if with_dbias else None
     else:
         dh, dbias = ops.activation_backward(dy, h, act, with_dbias)
-    op, _ = quantize(plan, "grad_output", dh, rowwise, columnwise)
+    op = quantize(plan, "grad_output", dh, rowwise, columnwise)
     return op, None, dbias if with_dbias else None
 
 

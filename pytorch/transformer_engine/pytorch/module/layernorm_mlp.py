@@ -19,7 +19,7 @@ from ..float8_tensor import Float8Tensor
 from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction
 from ..ops.activation import GATED
 from ..quantization import record_amax
-from .base import FP8Module, fp8_weight_param, recipe_summary
+from .base import FP8Module, fp8_weight_param
 from .layernorm import _NormFunction
 from .layernorm_linear import (
     check_input,
@@ -173,17 +173,11 @@ class LayerNormMLP(FP8Module):
         fp8.register_forward_amaxes(self, recipe)
 
     def _fp8_forward(self, inp, fc2_bias, recipe: Recipe, is_first_microbatch):
-        plan = plan_of(recipe)
         inp = fp8_input(self._name, inp)
         w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
         check_fp8_shape(inp, self.hidden_size, w1.shape[0], self._name)
         check_fp8_shape(inp, self.hidden_size, self.ffn_hidden_size, self._name)
-        self._recipe_summary = recipe_summary(recipe)
-        scales, history = self.scale_fwd, self.amax_history_fwd
-        if plan.kind == "delayed":
-            self._fit_fp8_meta(recipe)
-            fp8.register_forward_amaxes(self, recipe)
-            scales, history = self._forward_scales(), self._forward_history()
+        plan, scales, history = self._fp8_meta_of(recipe)
         gamma, beta = norm_params(self, inp.dtype)
         grad = torch.is_grad_enabled()
         need_dgrad = grad and (inp.requires_grad or gamma.requires_grad
