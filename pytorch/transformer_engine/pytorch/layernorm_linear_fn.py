@@ -15,7 +15,7 @@ statistics (for the norm backward) and the FP8 column-wise ln_out (for wgrad).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -69,16 +69,18 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
     Forward arguments: input [..., K]; the norm's gamma [K] and beta [K] (None for RMSNorm);
     weight [N, K] (its autograd identity and dtype; its FP8 copy comes as w_data [N, K],
     w_scale_inv, w_col [K, N], w_col_scale_inv or None when it is w_scale_inv); bias [N] or
-    None; the delayed-scaling buffers (forward history, None in a checkpoint's recompute, and
-    scales; backward history, scale, scale_inv); the plan; the recipe (when the backward update
-    takes the general path) and the amax group; the NormConfig; whether the norm's inputs and
-    the weight need gradients. Returns the output, and ln_out too when cfg.return_ln_out.
+    None; the delayed-scaling buffers of the forward (history, None in a checkpoint's
+    recompute, and scales) and, as one tuple, of the backward (history, scale, scale_inv);
+    ``consts``: the plan, the recipe (when the backward update takes the general path), the
+    amax group, the NormConfig and whether the norm's inputs and the weight need gradients.
+    Returns the output, and ln_out too when cfg.return_ln_out. (Tuples: every argument of
+    apply costs host time, and these need no autograd edge.)
     """
 
     @staticmethod
     def forward(ctx, inp, gamma, beta, weight, bias, w_data, w_scale_inv, w_col, w_col_scale_inv,
-                history_fwd, scale_fwd, history_bwd, scale_bwd, scale_inv_bwd, plan: Plan,
-                recipe: Any, group: Any, cfg: NormConfig, need_dgrad: bool, need_wgrad: bool):
+                history_fwd, scale_fwd, bwd_meta: tuple, consts: tuple):
+        plan, recipe, group, cfg, need_dgrad, need_wgrad = consts
         k = inp.shape[-1]
         x = inp.reshape(-1, k)
         q, ln_out, mu, rsigma, amax = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
@@ -91,7 +93,7 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
             w_col_scale_inv = w_scale_inv
         ctx.save_for_backward(x, mu, rsigma, gamma, q.columnwise, q.columnwise_scale_inv, w_col,
                               w_col_scale_inv)
-        ctx.bwd_meta = (history_bwd, scale_bwd, scale_inv_bwd)
+        ctx.bwd_meta = bwd_meta
         ctx.plan, ctx.recipe, ctx.group, ctx.cfg = plan, recipe, group, cfg
         ctx.need = (need_dgrad, need_wgrad, beta is not None, bias is not None)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -125,4 +127,4 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
             dx = dx.view(ctx.input_shape)
         if has_bias:
             grad_bias = g.sum(0, dtype=torch.float32).to(b_dtype)
-        return (dx, dgamma, dbeta, grad_weight, grad_bias) + (None,) * 15
+        return (dx, dgamma, dbeta, grad_weight, grad_bias) + (None,) * 8

@@ -46,16 +46,18 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     Forward arguments: input [..., K]; weight [N, K] (only its dtype and autograd identity are
     used, its FP8 copy comes as w_data [N, K], w_scale_inv, w_col [K, N], w_col_scale_inv,
-    None when it is w_scale_inv); bias [N] or None; the delayed-scaling buffers (forward
-    history and scales, backward history, scale, scale_inv); the plan; for the backward scale
-    update, the recipe when it holds user callables or amaxes are reduced over a group (else
-    None) and the group; whether dgrad and wgrad are needed.
+    None when it is w_scale_inv); bias [N] or None; the delayed-scaling buffers of the
+    forward (history, None in a checkpoint's recompute, and scales) and, as one tuple, of the
+    backward (history, scale, scale_inv); ``cfg``: the plan; for the backward scale update,
+    the recipe when it holds user callables or amaxes are reduced over a group (else None)
+    and the group; whether dgrad and wgrad are needed. (Tuples, because every argument of
+    apply costs host time, and these need no autograd edge.)
     """
 
     @staticmethod
     def forward(ctx, inp, weight, bias, w_data, w_scale_inv, w_col, w_col_scale_inv,
-                history_fwd, scale_fwd, history_bwd, scale_bwd, scale_inv_bwd, plan: Plan,
-                recipe: Any, group: Any, need_dgrad: bool, need_wgrad: bool):
+                history_fwd, scale_fwd, bwd_meta: tuple, cfg: tuple):
+        plan, recipe, group, need_dgrad, need_wgrad = cfg
         x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
         # history_fwd None: a checkpoint's recompute, which records no amax
         q_in = quantize(plan, "input", x, True, need_wgrad, scale_fwd, 0, history_fwd)
@@ -68,7 +70,7 @@ class Fp8LinearFunction(torch.autograd.Function):
                               w_col_scale_inv)
         # Attributes, not saved tensors: the backward updates them in place, and a second
         # forward's backward must not trip over the version counter of the first.
-        ctx.bwd_meta = (history_bwd, scale_bwd, scale_inv_bwd)
+        ctx.bwd_meta = bwd_meta
         ctx.plan, ctx.recipe, ctx.group = plan, recipe, group
         ctx.need = (need_dgrad, need_wgrad, bias is not None)
         ctx.dtypes = (inp.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -99,7 +101,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             grad_bias = g.sum(0, dtype=torch.float32)
             if b_dtype != torch.float32:
                 grad_bias = grad_bias.to(b_dtype)
-        return (grad_input, grad_weight, grad_bias) + (None,) * 14
+        return (grad_input, grad_weight, grad_bias) + (None,) * 8
 
 
 def backward_gemms(plan: Plan, q_g, w_col, w_col_sinv, in_col, in_col_sinv,

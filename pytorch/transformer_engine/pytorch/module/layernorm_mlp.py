@@ -190,9 +190,11 @@ class LayerNormMLP(FP8Module):
         per_tensor = plan.weight_mode == "tensor"
         group = fp8.STATE.group
         general = plan.kind == "delayed" and (plan.algo == "callable" or group is not None)
+        buffers = self._buffers
+        bwd_meta = (buffers["amax_history_bwd"], buffers["scale_bwd"], buffers["scale_inv_bwd"])
+        consts = (plan, recipe if general else None, group, self.cfg, self.activation, need)
         return Fp8LayerNormMLPFunction.apply(
             inp, gamma, beta, w1, b1, q1.data, q1.scale_inv, q1.columnwise,
             None if per_tensor else q1.columnwise_scale_inv, w2, fc2_bias, q2.data,
             q2.scale_inv, q2.columnwise, None if per_tensor else q2.columnwise_scale_inv,
-            history, scales, self.amax_history_bwd, self.scale_bwd, self.scale_inv_bwd, plan,
-            recipe if general else None, group, self.cfg, self.activation, need)
+            history, scales, bwd_meta, consts)

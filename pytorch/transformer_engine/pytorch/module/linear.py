@@ -216,11 +216,10 @@ class Linear(_LinearBase):
         group = fp8.STATE.group
         general = plan.kind == "delayed" and (plan.algo == "callable" or group is not None)
         buffers = self._buffers
-        return Fp8LinearFunction.apply(
-            inp, weight, bias, w.data, w.scale_inv, w.columnwise, col_sinv,
-            history, scales, buffers["amax_history_bwd"], buffers["scale_bwd"],
-            buffers["scale_inv_bwd"], plan, recipe if general else None, group, need_dgrad,
-            need_wgrad)
+        bwd_meta = (buffers["amax_history_bwd"], buffers["scale_bwd"], buffers["scale_inv_bwd"])
+        cfg = (plan, recipe if general else None, group, need_dgrad, need_wgrad)
+        return Fp8LinearFunction.apply(inp, weight, bias, w.data, w.scale_inv, w.columnwise,
+                                       col_sinv, history, scales, bwd_meta, cfg)
 
 
 _FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
