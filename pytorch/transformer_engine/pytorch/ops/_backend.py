@@ -23,7 +23,7 @@ FP8_MAX = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
 BLOCK = 128
 
 _core = None
-_workspaces: dict[int, torch.Tensor] = {}
+_workspaces: dict[int, tuple[torch.Tensor, tuple]] = {}  # device index -> (workspace, raw)
 
 
 def core():
@@ -125,19 +125,21 @@ def stream_of(t: torch.Tensor) -> int:
     return 0
 
 
-def workspace_for(device: torch.device) -> torch.Tensor | None:
-    """One cached uint8 workspace per CUDA device of ``gemm_workspace_size()`` bytes; None on
-    the CPU, whose GEMM needs none. Allocated on first use: run one eager step before
-    capturing a CUDA graph (as warm-up always requires), so it is not a graph allocation."""
-    if device.type != "cuda":
+def raw_workspace_for(t: torch.Tensor) -> tuple | None:
+    """The fast form (raw()) of the GEMM workspace of t's CUDA device, None on the CPU, whose
+    GEMM needs none: one uint8 buffer of ``gemm_workspace_size()`` bytes per device, kept for
+    the process (so its fast form is made once too). Allocated on first use: run one eager step
+    before capturing a CUDA graph (as warm-up always requires), so it is not a graph
+    allocation."""
+    if not t.is_cuda:
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    ws = _workspaces.get(index)
-    if ws is None:
+    index = t.get_device()
+    entry = _workspaces.get(index)
+    if entry is None:
         size = max(int(core().gemm_workspace_size()), 1)
         ws = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
-        _workspaces[index] = ws
-    return ws
+        entry = _workspaces[index] = (ws, raw(ws))
+    return entry[1]
 
 
 def block_grid(rows: int, cols: int, mode: str) -> tuple[int, int]:

@@ -134,17 +134,18 @@ def quantize_current(
     stream = stream_of(x)
     data, col = _fp8_outputs(x, rowwise, columnwise)
     scale, scale_inv, amax = _scalar(x), _scalar(x), _scalar(x)
-    c.compute_amax(raw(x), c.Tensor(amax=raw(amax)), stream=stream)
+    # Each fast form once: the three calls share them.
+    rx, rscale, rsinv, ramax = raw(x), raw(scale), raw(scale_inv), raw(amax)
+    c.compute_amax(rx, c.Tensor(amax=ramax), stream=stream)
     fmt = te_dtype(fp8_dtype)
     rdata, rcol = (raw(data) if rowwise else None), (raw(col) if columnwise else None)
-    out = c.Tensor(rdata, dtype=fmt, scale=raw(scale), scale_inv=raw(scale_inv),
-                   amax=raw(amax), columnwise_data=rcol)
+    out = c.Tensor(rdata, dtype=fmt, scale=rscale, scale_inv=rsinv, amax=ramax,
+                   columnwise_data=rcol)
     c.compute_scale_from_amax(out, force_pow2_scales=force_pow2_scales,
                               amax_epsilon=amax_epsilon, stream=stream)
     # amax is left out here: it is already known, the cast need not reduce it again.
-    cast = c.Tensor(rdata, dtype=fmt, scale=raw(scale), scale_inv=raw(scale_inv),
-                    columnwise_data=rcol)
-    c.quantize(raw(x), cast, stream=stream)
+    cast = c.Tensor(rdata, dtype=fmt, scale=rscale, scale_inv=rsinv, columnwise_data=rcol)
+    c.quantize(rx, cast, stream=stream)
     return data, col, scale, scale_inv, amax
 
 
