@@ -9,7 +9,7 @@ extra state (``get_extra_state``), together with a summary of the recipe that pr
 
 Inside :func:`transformer_engine.pytorch.checkpoint` a module's forward runs twice; the
 second run (the recompute in the backward) must quantize with the scales of the first and
-record nothing: :meth:`FP8Module._forward_scales` and :meth:`_forward_history` give it those.
+record nothing: :meth:`FP8Module._fp8_meta_of` gives it those scales and no history.
 """
 
 from __future__ import annotations
@@ -105,7 +105,9 @@ class FP8Module(torch.nn.Module):
         scales, forward history or None). Under delayed scaling the forward's amaxes go into
         the history (None: a checkpoint's recompute records nothing) and the module is
         registered for the exit update; the other recipes ignore both tensors."""
-        if recipe is not self._fp8_recipe:
+        # Under torch.compile the lookups run at trace time only, and an identity test would
+        # make the graph's guards demand this very recipe object (a recompile per new one).
+        if torch.compiler.is_compiling() or recipe is not self._fp8_recipe:
             plan = plan_of(recipe)
             if plan.kind == "delayed":
                 self._fit_fp8_meta(recipe)  # may make new buffers (and reset the cache)
@@ -123,12 +125,7 @@ class FP8Module(torch.nn.Module):
     def _forward_scales(self) -> torch.Tensor:
         """The forward scales this forward quantizes with: the buffer itself, except in the
         recompute of an activation checkpoint, which gets the copy its first run took."""
-        return fp8.checkpoint_scales(self.scale_fwd)
-
-    def _forward_history(self) -> torch.Tensor | None:
-        """Where this forward records its amaxes: None in a checkpoint's recompute (the first
-        run recorded them; a second record would count the step twice)."""
-        return None if fp8.RECOMPUTE.replaying else self.amax_history_fwd
+        return fp8.checkpoint_scales(self._buffers["scale_fwd"])
 
     def _weight_operand(self, plan: Plan, weight, need_col: bool, is_first_microbatch,
                         scales: torch.Tensor, history: torch.Tensor | None,
@@ -158,6 +155,7 @@ class FP8Module(torch.nn.Module):
 
     def _fit_fp8_meta(self, recipe: DelayedScaling) -> None:
         """Meets a delayed recipe: a new history length starts the histories afresh."""
+        self._fp8_recipe = None  # e.g. calibration: the next FP8 forward meets its recipe afresh
         self._recipe_summary = recipe_summary(recipe)
         length = self._buffers["amax_history_fwd"].shape[0]
         if length != recipe.amax_history_len:
