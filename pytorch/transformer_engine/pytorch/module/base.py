@@ -203,7 +203,10 @@ class FP8Module(torch.nn.Module):
                 raise ValueError(f"{type(self).__name__}.set_extra_state: {name} must have "
                                  f"{columns} columns ({per_gemm} per GEMM of this module), got "
                                  f"shape {list(t.shape)}")
-            self.register_buffer(name, t.to(device, torch.float32).clone(), persistent=False)
+            # Contiguous whatever the saved layout: quantize reaches single elements of these
+            # buffers by address (ops.quantize_delayed).
+            t = t.to(device, torch.float32).clone(memory_format=torch.contiguous_format)
+            self.register_buffer(name, t, persistent=False)
         self._recipe_summary = dict(state.get("recipe", {}))
         self._fp8_recipe = None  # the loaded history may not fit the recipe in use
 
