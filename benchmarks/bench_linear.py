@@ -94,24 +94,29 @@ def _errors(layer, base, x, grad_out, fp8_recipe) -> dict:
     }
 
 
-def _host_forward_us(layer, x, fp8_recipe=None, calls: int = 200) -> float:
-    """Host time of one training-mode forward, in microseconds: calls are issued back to back
-    and timed before the GPU is waited for, so at small shapes (GPU work of a few microseconds)
+def _host_us(fn, calls: int = 200) -> float:
+    """Host time of one call of ``fn``, in microseconds: calls are issued back to back and
+    timed before the GPU is waited for, so at small shapes (GPU work of a few microseconds)
     this is the Python + launch cost alone."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def _host_forward_us(layer, x, fp8_recipe=None) -> float:
+    """Host time of one training-mode forward (its own autocast, exit update included)."""
 
     def forward():
         with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
             return layer(x)
 
-    for _ in range(20):
-        forward()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        forward()
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host / calls * 1e6
+    return _host_us(forward)
 
 
 def _peak_step_bytes(step) -> int:
@@ -139,13 +144,18 @@ def host_and_memory(m: int, k: int, n: int) -> list[dict]:
         ("nn.Linear bf16 eager", base, None),
     ):
         us = _host_forward_us(module, x, r)
-        peak = _peak_step_bytes(_step_fn(module, x, grad_out, r))
+        step = _step_fn(module, x, grad_out, r)
+        step_us = _host_us(lambda step=step: step(0))
+        peak = _peak_step_bytes(step)
         rows.append({"op": "host_forward_us", "impl": impl, "shape_mkn": [m, k, n], "host_us": us})
+        rows.append({"op": "host_step_us", "impl": impl, "shape_mkn": [m, k, n],
+                     "host_us": step_us})
         rows.append(
             {"op": "peak_step_memory", "impl": impl, "shape_mkn": [m, k, n], "peak_bytes": peak}
         )
         print(
-            f"{impl:40s} {m}x{k}->{n}: forward host {us:.1f} us, step peak {peak / 2**20:.1f} MiB"
+            f"{impl:40s} {m}x{k}->{n}: forward host {us:.1f} us, step host {step_us:.1f} us, "
+            f"step peak {peak / 2**20:.1f} MiB"
         )
     with te.fp8_model_init():
         fp8_layer = te.Linear(k, n, params_dtype=bf16)
