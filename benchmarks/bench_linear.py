@@ -96,9 +96,9 @@ def _errors(layer, base, x, grad_out, fp8_recipe) -> dict:
 
 
 def _host_us(fn, calls: int = 200) -> float:
-    """Host time of ``fn()`` in microseconds: calls are issued back to back and timed before
-    the GPU is waited for, so at small shapes (GPU work of a few microseconds) this is the
-    Python + launch cost alone."""
+    """Host time of one call of ``fn``, in microseconds: calls are issued back to back and
+    timed before the GPU is waited for, so at small shapes (GPU work of a few microseconds)
+    this is the Python + launch cost alone."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -111,7 +111,7 @@ def _host_us(fn, calls: int = 200) -> float:
 
 
 def _host_forward_us(layer, x, fp8_recipe=None) -> float:
-    """Host time of one training-mode forward in its own fp8_autocast."""
+    """Host time of one training-mode forward (its own autocast, exit update included)."""
 
     def forward():
         with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):

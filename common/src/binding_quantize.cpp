@@ -13,15 +13,17 @@ void register_quantize(nb::module_ &m) {
   m.def(
       "quantize",
       [](nb::handle input, nb::handle output, bool force_pow2_scales, float amax_epsilon,
-         uintptr_t stream) {
+         bool accumulate_amax, uintptr_t stream) {
         Handle in = make_handle("quantize", "input", input, 0);
         Handle out = make_handle("quantize", "output", output, kAllSlots & ~(1u << TE_SLOT_SCALE));
-        const te_quantize_config config{force_pow2_scales ? 1 : 0, amax_epsilon};
+        const te_quantize_config config{force_pow2_scales ? 1 : 0, amax_epsilon, accumulate_amax ? 1 : 0};
         nb::gil_scoped_release release;
         check_status(te_quantize(in.get(), out.get(), &config, as_stream(stream)));
       },
       "input"_a, "output"_a, nb::kw_only(), "force_pow2_scales"_a = false, "amax_epsilon"_a = 0.0f,
-      "stream"_a = 0, "Quantizes input (array or Tensor) into the FP8 Tensor output.");
+      "accumulate_amax"_a = false, "stream"_a = 0,
+      "Quantizes input (array or Tensor) into the FP8 Tensor output; with accumulate_amax, "
+      "output.amax is raised to max|input| instead of overwritten.");
 
   m.def(
       "dequantize",
@@ -50,7 +52,7 @@ void register_quantize(nb::module_ &m) {
       [](nb::handle tensor, bool force_pow2_scales, float amax_epsilon, uintptr_t stream) {
         Handle t = make_handle("compute_scale_from_amax", "tensor", tensor,
                                (1u << TE_SLOT_SCALE) | (1u << TE_SLOT_SCALE_INV));
-        const te_quantize_config config{force_pow2_scales ? 1 : 0, amax_epsilon};
+        const te_quantize_config config{force_pow2_scales ? 1 : 0, amax_epsilon, 0};
         nb::gil_scoped_release release;
         check_status(te_compute_scale_from_amax(t.get(), &config, as_stream(stream)));
       },

@@ -114,6 +114,53 @@ TEST_CASE(quantize_per_tensor_with_transpose_and_amax) {
   CHECK(q[4] == te::kFp8NaN);
 }
 
+TEST_CASE(quantize_accumulates_amax_when_asked) {
+  // Slot 0 of a [2, 2] amax history, as delayed scaling passes it.
+  std::vector<float> x = {1.0f, -3.0f, 2.0f, 0.5f};
+  std::vector<uint8_t> q(4), qt(4);
+  std::vector<float> history = {5.0f, 9.0f, 11.0f, 13.0f};
+  float scale = 4.0f, scale_inv = 0.0f;
+  TensorHandle in, out;
+  in.set(TE_SLOT_DATA, x.data(), TE_DTYPE_FLOAT32, {2, 2});
+  out.set(TE_SLOT_DATA, q.data(), TE_DTYPE_FLOAT8_E4M3, {2, 2});
+  out.set(TE_SLOT_COLUMNWISE_DATA, qt.data(), TE_DTYPE_FLOAT8_E4M3, {2, 2});
+  out.set(TE_SLOT_SCALE, &scale, TE_DTYPE_FLOAT32, {1});
+  out.set(TE_SLOT_SCALE_INV, &scale_inv, TE_DTYPE_FLOAT32, {1});
+  out.set(TE_SLOT_AMAX, &history[0], TE_DTYPE_FLOAT32, {1});
+  te_quantize_config acc{0, 0.0f, 1};
+  CHECK(te_quantize(in, out, &acc, nullptr) == TE_SUCCESS);
+  CHECK(history[0] == 5.0f);  // 3 < 5: kept
+  CHECK(history[1] == 9.0f && history[2] == 11.0f && history[3] == 13.0f);  // nothing else
+  CHECK(scale_inv == 0.25f && q[1] == te::float_to_e4m3(-12.0f) && qt[2] == q[1]);
+  x[1] = -7.5f;
+  CHECK(te_quantize(in, out, &acc, nullptr) == TE_SUCCESS && history[0] == 7.5f);  // raised
+  CHECK(te_quantize(in, out, nullptr, nullptr) == TE_SUCCESS && history[0] == 7.5f);
+  x[1] = -1.0f;
+  CHECK(te_quantize(in, out, nullptr, nullptr) == TE_SUCCESS && history[0] == 2.0f);  // default: overwritten
+  x[2] = kNaN;
+  CHECK(te_quantize(in, out, &acc, nullptr) == TE_SUCCESS && std::isnan(history[0]));
+  x[2] = 2.0f;
+  CHECK(te_quantize(in, out, &acc, nullptr) == TE_SUCCESS && std::isnan(history[0]));  // NaN stays
+  // An empty input leaves the amax as it was.
+  history[0] = 6.0f;
+  TensorHandle empty_in, empty_out;
+  empty_in.set(TE_SLOT_DATA, x.data(), TE_DTYPE_FLOAT32, {0, 2});
+  empty_out.set(TE_SLOT_DATA, q.data(), TE_DTYPE_FLOAT8_E4M3, {0, 2});
+  empty_out.set(TE_SLOT_SCALE, &scale, TE_DTYPE_FLOAT32, {1});
+  empty_out.set(TE_SLOT_SCALE_INV, &scale_inv, TE_DTYPE_FLOAT32, {1});
+  empty_out.set(TE_SLOT_AMAX, &history[0], TE_DTYPE_FLOAT32, {1});
+  CHECK(te_quantize(empty_in, empty_out, &acc, nullptr) == TE_SUCCESS && history[0] == 6.0f);
+  // Block modes raise the whole input's amax the same way.
+  std::vector<float> sinv(2);
+  TensorHandle block(TE_SCALING_BLOCK_1X128);
+  block.set(TE_SLOT_DATA, q.data(), TE_DTYPE_FLOAT8_E4M3, {2, 2});
+  block.set(TE_SLOT_SCALE_INV, sinv.data(), TE_DTYPE_FLOAT32, {2, 1});
+  block.set(TE_SLOT_AMAX, &history[0], TE_DTYPE_FLOAT32, {1});
+  CHECK(te_quantize(in, block, &acc, nullptr) == TE_SUCCESS && history[0] == 6.0f);
+  x[0] = -8.0f;
+  CHECK(te_quantize(in, block, &acc, nullptr) == TE_SUCCESS && history[0] == 8.0f);
+}
+
 TEST_CASE(quantize_rejects_bad_arguments_and_writes_nothing) {
   std::vector<float> x(12, 1.0f);
   std::vector<uint8_t> q(12, 0xAA);

@@ -39,7 +39,7 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer input, ffi::AnyBuffer scale,
     }
   }
   if (compute_amax) TE_JAX_RETURN_IF_ERROR(out.set(TE_SLOT_AMAX, "amax", *amax, dev));
-  const te_quantize_config config{force_pow2_scales ? 1 : 0, amax_epsilon};
+  const te_quantize_config config{force_pow2_scales ? 1 : 0, amax_epsilon, 0};
   return from_status(te_quantize(in.get(), out.get(), &config, dev.stream));
 }
 
@@ -116,7 +116,7 @@ ffi::Error ScaleFromAmaxImpl(ffi::AnyBuffer amax, ffi::Result<ffi::AnyBuffer> sc
   TE_JAX_RETURN_IF_ERROR(t.set(TE_SLOT_AMAX, "amax", amax, dev));
   TE_JAX_RETURN_IF_ERROR(t.set(TE_SLOT_SCALE, "scale", *scale, dev));
   TE_JAX_RETURN_IF_ERROR(t.set(TE_SLOT_SCALE_INV, "scale_inv", *scale_inv, dev));
-  const te_quantize_config config{force_pow2_scales ? 1 : 0, amax_epsilon};
+  const te_quantize_config config{force_pow2_scales ? 1 : 0, amax_epsilon, 0};
   return from_status(te_compute_scale_from_amax(t.get(), &config, dev.stream));
 }
 

@@ -48,7 +48,8 @@ def sentinel_scale_inv(mode, shape):
     return np.full(shape, -3.0, np.float32)
 
 
-def run_block_quantize(device, x, mode, fmt, layout="both", with_amax=True, **config):
+def run_block_quantize(device, x, mode, fmt, layout="both", with_amax=True, amax_start=-7.0,
+                       **config):
     m, k = ref.matrix(x).shape
     arrays = {}
     if layout in ("rowwise", "both"):
@@ -60,7 +61,7 @@ def run_block_quantize(device, x, mode, fmt, layout="both", with_amax=True, **co
         col_sinv_shape = ref.scale_inv_shape(mode, m, k, columnwise=True)
         arrays["columnwise_scale_inv"] = sentinel_scale_inv(mode, col_sinv_shape)
     if with_amax:
-        arrays["amax"] = np.array([-7.0], np.float32)
+        arrays["amax"] = np.array([amax_start], np.float32)
     on_device = {name: device.put(a) for name, a in arrays.items()}
     out = core.Tensor(
         dtype=fp8_dtype(fmt), scaling_mode=getattr(core.ScalingMode, mode), **on_device
@@ -109,6 +110,25 @@ def test_block_quantize(device, in_dtype, fmt, mode, shape, layout):
     got = run(device)
     check_block_quantize(got, x, mode, fmt)
     check_cuda_matches_cpu(device, got, run)
+
+
+@pytest.mark.parametrize("start", [0.5, 1e6, np.nan], ids=lambda s: f"start{s:g}")
+@pytest.mark.parametrize("shape", [(17, 33), (128, 256), (0, 16)], ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_block_quantize_accumulate_amax(device, mode, shape, start):
+    """accumulate_amax raises the whole input's amax into the slot (quantize.h) and changes
+    nothing else."""
+    x = random_values(np.random.default_rng(list(shape)), shape, np.float32)
+
+    def run(d):
+        return run_block_quantize(d, x, mode, ref.E4M3, "both", amax_start=start,
+                                  accumulate_amax=True)
+
+    got = run(device)
+    check_cuda_matches_cpu(device, got, run)
+    want = np.float32(np.nan) if np.isnan(start) else np.maximum(np.float32(start), ref.amax(x))
+    ref.assert_float_equal(got.pop("amax"), np.array([want], np.float32), "raised amax")
+    check_block_quantize(got, x, mode, ref.E4M3)
 
 
 def special_matrix(dtype, tiny_row: bool) -> np.ndarray:

@@ -29,8 +29,10 @@ def random_values(rng: np.random.Generator, shape, dtype) -> np.ndarray:
     return x.astype(np.float32).astype(dtype)
 
 
-def run_quantize(device, x, fmt, scale, layout="both", with_amax=True, columnwise_shape=None):
-    """quantize(x) on device into fresh outputs; returns the numpy contents of every slot."""
+def run_quantize(device, x, fmt, scale, layout="both", with_amax=True, columnwise_shape=None,
+                 accumulate_from=None):
+    """quantize(x) on device into fresh outputs; returns the numpy contents of every slot.
+    ``accumulate_from``: the amax slot starts at this value and is raised (accumulate_amax)."""
     m, k = ref.matrix(x).shape
     arrays = {
         "scale": np.array([scale], np.float32),
@@ -41,10 +43,12 @@ def run_quantize(device, x, fmt, scale, layout="both", with_amax=True, columnwis
     if layout in ("columnwise", "both"):
         arrays["columnwise_data"] = np.full(columnwise_shape or (k, m), SENTINEL_BYTE, np.uint8)
     if with_amax:
-        arrays["amax"] = np.array([-7.0], np.float32)
+        start = -7.0 if accumulate_from is None else accumulate_from
+        arrays["amax"] = np.array([start], np.float32)
     on_device = {name: device.put(a) for name, a in arrays.items()}
     out = core.Tensor(dtype=fp8_dtype(fmt), **on_device)
-    core.quantize(device.put(x), out, stream=device.stream)
+    core.quantize(device.put(x), out, accumulate_amax=accumulate_from is not None,
+                  stream=device.stream)
     return {name: device.get(a) for name, a in on_device.items()}
 
 
@@ -100,6 +104,40 @@ def test_quantize_tensor(device, in_dtype, fmt, shape, layout, with_amax):
     got = run(device)
     check_quantize(got, x, fmt, scale)
     check_cuda_matches_cpu(device, got, run)
+
+
+ACCUMULATE_SHAPES = [(16, 32), (128, 128), (17, 33), (3, 5), (0, 16)]
+
+
+@pytest.mark.parametrize("start", [0.0, 0.5, 1e6, np.nan], ids=lambda s: f"start{s:g}")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", ACCUMULATE_SHAPES, ids=str)
+@pytest.mark.parametrize("in_dtype", IN_DTYPES)
+def test_quantize_accumulate_amax(device, in_dtype, shape, layout, start):
+    """accumulate_amax raises the amax slot to max(slot, max|x|) (NaN on either side wins) and
+    leaves data and scale_inv as without it. The shapes take the fast kernels (row-wise, and
+    cast + transpose on 16-aligned shapes), the tiled one (odd shapes) and the empty path."""
+    rng = np.random.default_rng([len(shape), *shape, len(layout)])
+    x = random_values(rng, shape, IN_DTYPES[in_dtype])
+    fmt = ref.E4M3
+    scale = np.float32(fmt.max / ref.amax(x)) if ref.amax(x) > 0 else np.float32(1.0)
+
+    def run(d):
+        return run_quantize(d, x, fmt, scale, layout, accumulate_from=np.float32(start))
+
+    got = run(device)
+    check_cuda_matches_cpu(device, got, run)
+    want_amax = np.float32(np.nan) if np.isnan(start) else np.maximum(np.float32(start),
+                                                                      ref.amax(x))
+    ref.assert_float_equal(got.pop("amax"), np.array([want_amax], np.float32), "raised amax")
+    check_quantize(got, x, fmt, scale)
+
+
+def test_quantize_accumulate_amax_nan_input(device):
+    """A NaN in the input makes the raised amax NaN, whatever the slot held."""
+    x = np.array([[1.0, np.nan, -3.0, 2.0]], np.float32)
+    got = run_quantize(device, x, ref.E5M2, np.float32(1.0), accumulate_from=np.float32(5.0))
+    assert np.isnan(got["amax"][0])
 
 
 def special_values(fmt: ref.Fp8Format) -> np.ndarray:

@@ -102,3 +102,46 @@ def test_user_callables_run_in_python():
     y.backward(torch.ones_like(y))
     assert layer.scale_fwd[0].item() == pytest.approx(448.0 / 8.0)
     assert layer.scale_bwd.item() == pytest.approx(57344.0 / 2.0)
+
+
+def test_quantize_delayed_raises_its_history_slot_in_place(device):
+    """The op behind delayed scaling's quantization: the bytes and scale_inv of ops.quantize
+    with scales[index], and max|x| raised into amax_history[0, index] alone (None: no record)."""
+    x = torch.randn(16, 32, device=device) * 3
+    scales = torch.tensor([0.5, 2.0, 8.0], device=device)
+    history = torch.full((4, 3), 0.25, device=device)
+    history[0, 1] = 100.0
+    want = ops.quantize(x, scales[2:3].clone(), "float8_e5m2", True, True)
+    data, col, sinv = ops.quantize_delayed(x, scales, 2, history, "float8_e5m2", True, True)
+    for got, expected in zip((data, col, sinv), (want[0], want[1], want[2]), strict=True):
+        assert torch.equal(got, expected)
+    expected_history = torch.full((4, 3), 0.25, device=device)
+    expected_history[0, 1] = 100.0
+    expected_history[0, 2] = want[3][0]
+    assert torch.equal(history, expected_history)
+    ops.quantize_delayed(x, scales, 1, history, "float8_e5m2", True, False)  # 100 > max|x|
+    assert torch.equal(history, expected_history)
+    ops.quantize_delayed(x * 1e3, scales, 0, None, "float8_e5m2", True, False)
+    assert torch.equal(history, expected_history)
+    with pytest.raises(ValueError, match="quantize_delayed: amax_history must be .* n > index=3"):
+        ops.quantize_delayed(x, torch.ones(4, device=device), 3, history, "float8_e4m3", True,
+                             False)
+
+
+def test_quantize_delayed_traces_as_an_op_that_mutates_the_history():
+    """Under torch.compile the op is one graph node whose in-place record survives
+    functionalization: the compiled call leaves the history as the eager one does."""
+    x = torch.randn(16, 32)
+    scales = torch.tensor([4.0, 1.0])
+
+    def step(x, scales, history):
+        data, _, sinv = ops.quantize_delayed(x, scales, 1, history, "float8_e4m3", True, False)
+        return data, sinv
+
+    eager_history, compiled_history = torch.zeros(3, 2), torch.zeros(3, 2)
+    want = step(x, scales, eager_history)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(x, scales, compiled_history)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(compiled_history, eager_history)
+    assert compiled_history[0, 1] == x.abs().max()

@@ -13,22 +13,32 @@
 extern "C" {
 #endif
 
-/* Options of scale computation, shared by current scaling and block scaling. */
+/* Options of quantization. The first two shape scale computation (current scaling and block
+ * scaling); accumulate_amax concerns the AMAX output of te_quantize. A zero-initialised
+ * config is the default of every field. */
 typedef struct {
   int32_t force_pow2_scales; /* nonzero: round each scale down to a power of two */
   float amax_epsilon;        /* amax is raised to at least this before the scale is taken */
+  /* te_quantize only. Nonzero: AMAX is not overwritten but raised, AMAX = max(AMAX, max|input|),
+   * compared as the bit patterns of the floats (so NaN wins over any number). AMAX must then
+   * hold a non-negative value or a NaN: delayed scaling points it at slot 0 of an amax history,
+   * which the scale update zeroes, so that several quantizations of one step keep their max
+   * with no separate reduction or copy. */
+  int32_t accumulate_amax;
 } te_quantize_config;
 
 /* Quantizes [in] input (fp32/fp16/bf16, slot DATA) into [out] output, whose dtype (the
  * FP8 format: E4M3 or E5M2) is that of its DATA or COLUMNWISE_DATA slot; at least one of
  * the two must be set, and both are written in one pass when both are.
  *   TENSOR mode:  reads output SCALE; writes SCALE_INV = 1/scale and, when set, AMAX = max|input|
- *                 (NaN if any input is NaN). COLUMNWISE_DATA is the transpose [K, M].
+ *                 (NaN if any input is NaN; raised, not overwritten, with config->accumulate_amax).
+ *                 COLUMNWISE_DATA is the transpose [K, M].
  *   block modes:  writes the scale_inv slots of the data slots that are set (see tensor.h for
  *                 shapes); the scale of a block is computed as te_compute_scale_from_amax does
- *                 for that block's amax; AMAX, when set, receives the amax of the whole input.
- * [in] config may be NULL (defaults: no power-of-two rounding, epsilon 0); it applies to the
- * block modes (MXFP8 scales are powers of two by construction). */
+ *                 for that block's amax; AMAX, when set, receives the amax of the whole input
+ *                 (as in TENSOR mode, accumulate_amax included).
+ * [in] config may be NULL (defaults: no power-of-two rounding, epsilon 0, AMAX overwritten); its
+ * scale options apply to the block modes (MXFP8 scales are powers of two by construction). */
 te_status te_quantize(const te_tensor *input, te_tensor *output, const te_quantize_config *config,
                       te_stream stream);
 

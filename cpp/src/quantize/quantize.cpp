@@ -132,6 +132,7 @@ bool check_quantize(Checker &check, const te_tensor *input, te_tensor *output,
     }
     args->pow2 = config->force_pow2_scales != 0;
     args->epsilon = config->amax_epsilon;
+    args->accumulate_amax = config->accumulate_amax != 0;
   }
   return true;
 }

@@ -214,8 +214,9 @@ te_status quantize_cuda(const QuantizeArgs &a, te_stream stream_handle) {
   const cudaStream_t stream = cuda_stream(stream_handle);
   int sms = 0;
   if (te_status s = sm_count(kOp, &sms)) return s;
-  // amax is overwritten, not accumulated: zero it on the stream, then blocks atomicMax into it.
-  if (a.amax != nullptr) {
+  // The blocks atomicMax into amax: zero it first on the stream, unless the caller asked to
+  // raise the value it holds.
+  if (a.amax != nullptr && !a.accumulate_amax) {
     if (te_status s = cuda_status(kOp, cudaMemsetAsync(a.amax, 0, sizeof(float), stream))) return s;
   }
   return with_hp_dtype(a.input_dtype, [&](auto in) {

@@ -22,6 +22,7 @@ struct QuantizeArgs {
   void *rowwise_scale_inv;     // block modes (fp32, E8M0 for MXFP8), null when rowwise is
   void *columnwise_scale_inv;  // block modes, null when columnwise is
   float *amax;         // [1] or null
+  bool accumulate_amax;  // amax = max(amax, max|input|) (as bits) instead of overwriting it
   bool pow2;
   float epsilon;
 };

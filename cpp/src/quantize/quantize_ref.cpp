@@ -130,7 +130,11 @@ void quantize_ref(const QuantizeArgs &a) {
     case TE_SCALING_BLOCK_128X128: quantize_block_128x128_ref(a); break;
     case TE_SCALING_MXFP8: quantize_mxfp8_ref(a); break;
   }
-  if (a.amax != nullptr) *a.amax = block_amax(a, 0, a.rows, 0, a.cols);
+  if (a.amax != nullptr) {
+    const float m = block_amax(a, 0, a.rows, 0, a.cols);
+    // The max of the bit patterns, as the CUDA kernels' atomicMax takes it.
+    *a.amax = a.accumulate_amax ? bits_float(std::max(float_bits(*a.amax), float_bits(m))) : m;
+  }
 }
 
 void dequantize_ref(const DequantizeArgs &a) {

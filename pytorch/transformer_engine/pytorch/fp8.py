@@ -90,12 +90,17 @@ def is_fp8_available() -> tuple[bool, str]:
     numerics can be developed and tested on a CPU. On CUDA, FP8 tensor cores need compute
     capability 8.9 (Ada) or newer and a core built with its CUDA kernels.
     """
-    index = torch.cuda.current_device() if torch.cuda.is_available() else -1
-    if index not in _AVAILABLE:
-        _AVAILABLE[index] = _fp8_availability()
-    return _AVAILABLE[index]
+    global _CUDA
+    if _CUDA is None:  # asked at every autocast entry: ~1 us each, and it cannot change
+        _CUDA = torch.cuda.is_available()
+    index = torch.cuda.current_device() if _CUDA else -1
+    answer = _AVAILABLE.get(index)
+    if answer is None:
+        answer = _AVAILABLE[index] = _fp8_availability()
+    return answer
 
 
+_CUDA: Optional[bool] = None  # torch.cuda.is_available(), once asked
 _AVAILABLE: dict = {}  # device index (-1: no CUDA) -> (bool, reason); devices do not change
 
 
@@ -112,9 +117,12 @@ def _fp8_availability() -> tuple[bool, str]:
     return True, f"{name} (compute capability {major}.{minor}) has FP8 tensor cores"
 
 
+_DEFAULT_RECIPE = DelayedScaling()  # recipes are frozen: one default serves every context
+
+
 def _check_recipe(recipe: Any) -> Recipe:
     if recipe is None:
-        return DelayedScaling()
+        return _DEFAULT_RECIPE
     if not isinstance(recipe, Recipe):
         raise TypeError("fp8_autocast: fp8_recipe must be a transformer_engine.common.recipe "
                         f"recipe or None, got {type(recipe).__name__}")
@@ -245,19 +253,33 @@ def update_scales(entries: list, dtype_of, fp8_max_of) -> None:
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
             _python_update(history, scale, scale_inv, fp8_max_of(recipe), recipe)
             continue
-        key = (dtype_of(recipe), recipe.amax_compute_algo, recipe.margin, history.device)
-        lists = calls.setdefault(key, ([], [], []))
-        for target, t in zip(lists, (history, scale, scale_inv), strict=True):
-            target.append(t)
+        # get_device() (an int) keys the device: t.device builds an object per call.
+        key = (dtype_of(recipe), recipe.amax_compute_algo, recipe.margin, history.get_device())
+        lists = calls.get(key)
+        if lists is None:
+            lists = calls[key] = ([], [], [])
+        lists[0].append(history)
+        lists[1].append(scale)
+        lists[2].append(scale_inv)
     for (fp8_dtype, algo, margin, _), (h, s, si) in calls.items():
         ops.delayed_scaling_update(h, s, si, fp8_dtype, algo, margin)
 
 
+def _fwd_dtype(recipe: Recipe) -> str:
+    return recipe.fp8_format.fwd_dtype_name
+
+
+def _fwd_max(recipe: Recipe) -> float:
+    return recipe.fp8_format.max_fwd
+
+
 def update_forward_scales(entries: list) -> None:
     """The exit update: forward scales of (module, recipe, group) entries."""
-    update_scales([((m.amax_history_fwd, m.scale_fwd, m.scale_inv_fwd), r, g)
-                   for m, r, g in entries],
-                  lambda r: r.fp8_format.fwd_dtype_name, lambda r: r.fp8_format.max_fwd)
+    metas = []
+    for m, r, g in entries:
+        b = m._buffers  # one dict read instead of nn.Module.__getattr__ per buffer
+        metas.append(((b["amax_history_fwd"], b["scale_fwd"], b["scale_inv_fwd"]), r, g))
+    update_scales(metas, _fwd_dtype, _fwd_max)
 
 
 def update_backward_scales(tensors: tuple, recipe: Recipe, group: Any) -> None:

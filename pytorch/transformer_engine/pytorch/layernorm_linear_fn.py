@@ -15,7 +15,7 @@ statistics (for the norm backward) and the FP8 column-wise ln_out (for wgrad).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -52,7 +52,7 @@ def norm_to_fp8(plan: Plan, x: torch.Tensor, gamma, beta, cfg: NormConfig, scale
         op = Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode)
         return op, (y if cfg.return_ln_out else None), mu, rsigma, amax
     y, mu, rsigma = ops.norm_forward(x, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
-    op, _ = quantize(plan, "input", y, True, columnwise)
+    op = quantize(plan, "input", y, True, columnwise)
     return op, (y if cfg.return_ln_out else None), mu, rsigma, None
 
 
@@ -69,16 +69,18 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
     Forward arguments: input [..., K]; the norm's gamma [K] and beta [K] (None for RMSNorm);
     weight [N, K] (its autograd identity and dtype; its FP8 copy comes as w_data [N, K],
     w_scale_inv, w_col [K, N], w_col_scale_inv or None when it is w_scale_inv); bias [N] or
-    None; the delayed-scaling buffers (forward history, None in a checkpoint's recompute, and
-    scales; backward history, scale, scale_inv); the plan; the recipe (when the backward update
-    takes the general path) and the amax group; the NormConfig; whether the norm's inputs and
-    the weight need gradients. Returns the output, and ln_out too when cfg.return_ln_out.
+    None; the delayed-scaling buffers of the forward (history, None in a checkpoint's
+    recompute, and scales) and, as one tuple, of the backward (history, scale, scale_inv);
+    ``consts``: the plan, the recipe (when the backward update takes the general path), the
+    amax group, the NormConfig and whether the norm's inputs and the weight need gradients.
+    Returns the output, and ln_out too when cfg.return_ln_out. (Tuples: every argument of
+    apply costs host time, and these need no autograd edge.)
     """
 
     @staticmethod
     def forward(ctx, inp, gamma, beta, weight, bias, w_data, w_scale_inv, w_col, w_col_scale_inv,
-                history_fwd, scale_fwd, history_bwd, scale_bwd, scale_inv_bwd, plan: Plan,
-                recipe: Any, group: Any, cfg: NormConfig, need_dgrad: bool, need_wgrad: bool):
+                history_fwd, scale_fwd, bwd_meta: tuple, consts: tuple):
+        plan, recipe, group, cfg, need_dgrad, need_wgrad = consts
         k = inp.shape[-1]
         x = inp.reshape(-1, k)
         q, ln_out, mu, rsigma, amax = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
@@ -91,7 +93,7 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
             w_col_scale_inv = w_scale_inv
         ctx.save_for_backward(x, mu, rsigma, gamma, q.columnwise, q.columnwise_scale_inv, w_col,
                               w_col_scale_inv)
-        ctx.bwd_meta = (history_bwd, scale_bwd, scale_inv_bwd)
+        ctx.bwd_meta = bwd_meta
         ctx.plan, ctx.recipe, ctx.group, ctx.cfg = plan, recipe, group, cfg
         ctx.need = (need_dgrad, need_wgrad, beta is not None, bias is not None)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -112,9 +114,8 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
         dx = dgamma = dbeta = None
         if need_dgrad or need_wgrad:
             history, scale, _ = ctx.bwd_meta
-            q_g, amax = quantize(plan, "grad_output", g, need_dgrad, need_wgrad, scale[0:1])
-            if amax is not None:
-                record_amax(history, 0, amax)
+            q_g = quantize(plan, "grad_output", g, need_dgrad, need_wgrad, scale, 0, history)
+            if plan.kind == "delayed":
                 update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
             d_ln, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
                                                in_col_sinv, x.dtype, w_dtype, need_dgrad,
@@ -126,4 +127,4 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
             dx = dx.view(ctx.input_shape)
         if has_bias:
             grad_bias = g.sum(0, dtype=torch.float32).to(b_dtype)
-        return (dx, dgamma, dbeta, grad_weight, grad_bias) + (None,) * 15
+        return (dx, dgamma, dbeta, grad_weight, grad_bias) + (None,) * 8

@@ -19,12 +19,10 @@ State columns (base.py): FC1 is GEMM 0, FC2 is GEMM 1.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from . import ops
-from .layernorm_linear_fn import NormConfig, norm_backward, norm_to_fp8
+from .layernorm_linear_fn import norm_backward, norm_to_fp8
 from .linear_fn import backward_gemms, fp8_gemm, update_backward
 from .quantization import Operand, Plan, quantize, record_amax
 
@@ -35,8 +33,7 @@ def act_to_fp8(plan: Plan, h: torch.Tensor, act: str, scale: torch.Tensor, colum
         data, col, sinv, amax = ops.activation_forward_fp8(h, act, scale, plan.fwd_dtype, True,
                                                            columnwise)
         return Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode), amax
-    op, _ = quantize(plan, "input", ops.activation_forward(h, act), True, columnwise)
-    return op, None
+    return quantize(plan, "input", ops.activation_forward(h, act), True, columnwise), None
 
 
 def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str, scale: torch.Tensor,
@@ -58,7 +55,7 @@ def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str, scale: 
         dh, dbias = dy, dy.sum(0, dtype=torch.float32) if with_dbias else None
     else:
         dh, dbias = ops.activation_backward(dy, h, act, with_dbias)
-    op, _ = quantize(plan, "grad_output", dh, rowwise, columnwise)
+    op = quantize(plan, "grad_output", dh, rowwise, columnwise)
     return op, None, dbias if with_dbias else None
 
 
@@ -68,18 +65,19 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
     Forward arguments: input [..., H]; gamma, beta (None for RMSNorm); per GEMM (FC1 then
     FC2): the weight (autograd identity and dtype), the bias or None, and the weight's FP8
     copy (data, scale_inv, column-wise data, column-wise scale_inv or None when per-tensor);
-    the delayed-scaling buffers (forward history, None in a checkpoint's recompute, and
-    scales; backward history, scale, scale_inv); the plan; the recipe (general backward
-    update) and the amax group; the NormConfig; the activation; ``need``: whether the norm's
-    inputs, FC1's parameters (weight), FC2's weight need gradients and whether anything before
-    FC2 does. Returns the output, and ln_out too when cfg.return_ln_out.
+    the delayed-scaling buffers of the forward (history, None in a checkpoint's recompute, and
+    scales) and, as one tuple, of the backward (history, scale, scale_inv); ``consts``: the
+    plan, the recipe (general backward update), the amax group, the NormConfig, the
+    activation and ``need``: whether the norm's inputs, FC1's parameters (weight), FC2's
+    weight need gradients and whether anything before FC2 does. Returns the output, and
+    ln_out too when cfg.return_ln_out. (Tuples: every argument of apply costs host time.)
     """
 
     @staticmethod
     def forward(ctx, inp, gamma, beta, w1, b1, w1_data, w1_sinv, w1_col, w1_col_sinv, w2, b2,
-                w2_data, w2_sinv, w2_col, w2_col_sinv, history_fwd, scale_fwd, history_bwd,
-                scale_bwd, scale_inv_bwd, plan: Plan, recipe: Any, group: Any, cfg: NormConfig,
-                act: str, need: tuple):
+                w2_data, w2_sinv, w2_col, w2_col_sinv, history_fwd, scale_fwd, bwd_meta: tuple,
+                consts: tuple):
+        plan, recipe, group, cfg, act, need = consts
         need_dgrad, need_wgrad1, need_wgrad2, _ = need
         x = inp.reshape(-1, inp.shape[-1])
         q1, ln_out, mu, rsigma, amax1 = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
@@ -98,7 +96,7 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         ctx.save_for_backward(x, mu, rsigma, gamma, q1.columnwise, q1.columnwise_scale_inv,
                               w1_col, w1_col_sinv, h, q2.columnwise, q2.columnwise_scale_inv,
                               w2_col, w2_col_sinv)
-        ctx.bwd_meta = (history_bwd, scale_bwd, scale_inv_bwd)
+        ctx.bwd_meta = bwd_meta
         ctx.plan, ctx.recipe, ctx.group, ctx.cfg, ctx.act = plan, recipe, group, cfg, act
         ctx.need = need
         ctx.has = (beta is not None, b1 is not None, b2 is not None)
@@ -155,4 +153,4 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         if has_b2:
             grad_b2 = dbias2.to(b2_dtype)
         return (dx, dgamma, dbeta, grad_w1, grad_b1, None, None, None, None, grad_w2, grad_b2) \
-            + (None,) * 15
+            + (None,) * 8

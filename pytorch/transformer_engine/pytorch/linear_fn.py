@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from . import fp8, ops
-from .quantization import Plan, quantize, record_amax
+from .quantization import Plan, quantize
 
 # The block-scaled GEMM writes fp32 or bf16 only (gemm.h).
 _BLOCK_OUT = (torch.float32, torch.bfloat16)
@@ -31,11 +31,14 @@ def fp8_gemm(a, a_sinv, b, b_sinv, a_dtype: str, b_dtype: str, a_mode: str, b_mo
     block = a_mode != "tensor"
     gemm_dtype = out_dtype if not block or out_dtype in _BLOCK_OUT else torch.float32
     fused = bias is not None and gemm_dtype in (torch.bfloat16, torch.float16)
+    # Casts only where the dtype differs: even a no-op .to() costs ~1 us of host time.
+    if fused and bias.dtype != gemm_dtype:
+        bias = bias.to(gemm_dtype)
     out = ops.gemm_fp8(a, a_sinv, a_dtype, a_mode, b, b_sinv, b_dtype, b_mode, gemm_dtype,
-                       bias.to(gemm_dtype) if fused else None, split)
+                       bias if fused else None, split)
     if bias is not None and not fused:
-        out = out + bias.to(out.dtype)
-    return out.to(out_dtype)
+        out = out + (bias if bias.dtype == out.dtype else bias.to(out.dtype))
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -43,21 +46,21 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     Forward arguments: input [..., K]; weight [N, K] (only its dtype and autograd identity are
     used, its FP8 copy comes as w_data [N, K], w_scale_inv, w_col [K, N], w_col_scale_inv,
-    None when it is w_scale_inv); bias [N] or None; the delayed-scaling buffers (forward
-    history and scales, backward history, scale, scale_inv); the plan; for the backward scale
-    update, the recipe when it holds user callables or amaxes are reduced over a group (else
-    None) and the group; whether dgrad and wgrad are needed.
+    None when it is w_scale_inv); bias [N] or None; the delayed-scaling buffers of the
+    forward (history, None in a checkpoint's recompute, and scales) and, as one tuple, of the
+    backward (history, scale, scale_inv); ``cfg``: the plan; for the backward scale update,
+    the recipe when it holds user callables or amaxes are reduced over a group (else None)
+    and the group; whether dgrad and wgrad are needed. (Tuples, because every argument of
+    apply costs host time, and these need no autograd edge.)
     """
 
     @staticmethod
     def forward(ctx, inp, weight, bias, w_data, w_scale_inv, w_col, w_col_scale_inv,
-                history_fwd, scale_fwd, history_bwd, scale_bwd, scale_inv_bwd, plan: Plan,
-                recipe: Any, group: Any, need_dgrad: bool, need_wgrad: bool):
-        k = inp.shape[-1]
-        x = inp.reshape(-1, k)
-        q_in, amax = quantize(plan, "input", x, True, need_wgrad, scale_fwd[0:1])
-        if amax is not None and history_fwd is not None:  # None: a checkpoint's recompute
-            record_amax(history_fwd, 0, amax)
+                history_fwd, scale_fwd, bwd_meta: tuple, cfg: tuple):
+        plan, recipe, group, need_dgrad, need_wgrad = cfg
+        x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
+        # history_fwd None: a checkpoint's recompute, which records no amax
+        q_in = quantize(plan, "input", x, True, need_wgrad, scale_fwd, 0, history_fwd)
         out = fp8_gemm(q_in.data, q_in.scale_inv, w_data, w_scale_inv, plan.fwd_dtype,
                        plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype, bias, False)
         # The FP8 column-wise input is all the backward keeps of the activation.
@@ -67,12 +70,12 @@ class Fp8LinearFunction(torch.autograd.Function):
                               w_col_scale_inv)
         # Attributes, not saved tensors: the backward updates them in place, and a second
         # forward's backward must not trip over the version counter of the first.
-        ctx.bwd_meta = (history_bwd, scale_bwd, scale_inv_bwd)
+        ctx.bwd_meta = bwd_meta
         ctx.plan, ctx.recipe, ctx.group = plan, recipe, group
         ctx.need = (need_dgrad, need_wgrad, bias is not None)
         ctx.dtypes = (inp.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.input_shape = inp.shape
-        return out.view(*inp.shape[:-1], out.shape[-1])
+        return out if x is inp else out.view(*inp.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -80,22 +83,25 @@ class Fp8LinearFunction(torch.autograd.Function):
         plan = ctx.plan
         need_dgrad, need_wgrad, has_bias = ctx.need
         in_dtype, w_dtype, b_dtype = ctx.dtypes
-        g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+        g = grad_output if grad_output.dim() == 2 else \
+            grad_output.reshape(-1, grad_output.shape[-1])
+        g = g.contiguous()
         grad_input = grad_weight = grad_bias = None
         if need_dgrad or need_wgrad:
-            history, scale, scale_inv = ctx.bwd_meta
-            q_g, amax = quantize(plan, "grad_output", g, need_dgrad, need_wgrad, scale[0:1])
-            if amax is not None:
-                record_amax(history, 0, amax)
+            history, scale, _ = ctx.bwd_meta
+            q_g = quantize(plan, "grad_output", g, need_dgrad, need_wgrad, scale, 0, history)
+            if plan.kind == "delayed":
                 update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
             grad_input, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
                                                      in_col_sinv, in_dtype, w_dtype,
                                                      need_dgrad, need_wgrad)
-            if grad_input is not None:
+            if grad_input is not None and len(ctx.input_shape) != 2:
                 grad_input = grad_input.view(ctx.input_shape)
         if has_bias:
-            grad_bias = g.sum(0, dtype=torch.float32).to(b_dtype)
-        return (grad_input, grad_weight, grad_bias) + (None,) * 14
+            grad_bias = g.sum(0, dtype=torch.float32)
+            if b_dtype != torch.float32:
+                grad_bias = grad_bias.to(b_dtype)
+        return (grad_input, grad_weight, grad_bias) + (None,) * 8
 
 
 def backward_gemms(plan: Plan, q_g, w_col, w_col_sinv, in_col, in_col_sinv,

@@ -37,8 +37,9 @@ class Plan(NamedTuple):
         return self.bwd_dtype if role == "grad_output" else self.fwd_dtype
 
     def mode_of(self, role: str) -> str:
-        return {"input": self.input_mode, "weight": self.weight_mode,
-                "grad_output": self.grad_mode}[role]
+        if role == "input":
+            return self.input_mode
+        return self.weight_mode if role == "weight" else self.grad_mode
 
 
 class Operand(NamedTuple):
@@ -84,28 +85,46 @@ def make_plan(recipe: Recipe) -> Plan:
         "Blackwell GPU; use DelayedScaling, Float8CurrentScaling or Float8BlockScaling")
 
 
-def quantize(plan: Plan, role: str, x: torch.Tensor, rowwise: bool, columnwise: bool,
-             scale: Optional[torch.Tensor] = None) -> tuple[Operand, Optional[torch.Tensor]]:
-    """FP8 copies of the matrix ``x`` for ``role``; returns the operand and the amax of x
-    (delayed scaling records it; None where the recipe has no use for it).
+_PLANS: dict = {}
 
-    ``scale`` is the role's [1] delayed-scaling scale; the other recipes compute theirs.
+
+def plan_of(recipe: Recipe) -> Plan:
+    """The plan of ``recipe``, made once per recipe (forwards ask for it every call)."""
+    plan = _PLANS.get(recipe)
+    if plan is None:
+        plan = _PLANS[recipe] = make_plan(recipe)
+    return plan
+
+
+def quantize(plan: Plan, role: str, x: torch.Tensor, rowwise: bool, columnwise: bool,
+             scales: Optional[torch.Tensor] = None, column: int = 0,
+             history: Optional[torch.Tensor] = None) -> Operand:
+    """FP8 copies of the matrix ``x`` for ``role``.
+
+    Delayed scaling quantizes with ``scales[column]`` and records the amax of x in place in
+    ``history[0, column]`` (the max with what that slot holds: several forwards of one step
+    keep the largest); ``history`` None records nothing (a checkpoint's recompute). The
+    other recipes compute their scales from x and take neither.
     """
     dtype, mode = plan.dtype_of(role), plan.mode_of(role)
-    if plan.kind == "delayed":
-        data, col, sinv, amax = ops.quantize(x, scale, dtype, rowwise, columnwise)
-        return Operand(data, sinv, col, sinv, dtype, mode), amax
-    if plan.kind == "current":
+    kind = plan.kind
+    if kind == "delayed":
+        data, col, sinv = ops.quantize_delayed(x, scales, column, history, dtype, rowwise,
+                                               columnwise)
+        return Operand(data, sinv, col, sinv, dtype, mode)
+    if kind == "current":
         data, col, _, sinv, _ = ops.quantize_current(
             x, dtype, rowwise, columnwise, plan.force_pow2_scales, plan.amax_epsilon)
-        return Operand(data, sinv, col, sinv, dtype, mode), None
+        return Operand(data, sinv, col, sinv, dtype, mode)
     data, sinv, col, col_sinv = ops.quantize_block(
         x, dtype, mode, rowwise, columnwise, plan.force_pow2_scales, plan.amax_epsilon)
-    return Operand(data, sinv, col, col_sinv, dtype, mode), None
+    return Operand(data, sinv, col, col_sinv, dtype, mode)
 
 
 def record_amax(history: torch.Tensor, column: int, amax: torch.Tensor) -> None:
     """Writes ``amax`` into slot 0 of one history column, keeping the larger value when the
-    column was already written this step (several forwards in one autocast)."""
+    column was already written this step (several forwards in one autocast). For amaxes that
+    a kernel other than quantize produced (norm, activation) and for calibration; quantize
+    records its own (:func:`quantize`)."""
     slot = history[0, column:column + 1]
     slot.copy_(torch.maximum(slot, amax))

@@ -9,7 +9,7 @@ extra state (``get_extra_state``), together with a summary of the recipe that pr
 
 Inside :func:`transformer_engine.pytorch.checkpoint` a module's forward runs twice; the
 second run (the recompute in the backward) must quantize with the scales of the first and
-record nothing: :meth:`FP8Module._forward_scales` and :meth:`_forward_history` give it those.
+record nothing: :meth:`FP8Module._fp8_meta_of` gives it those scales and no history.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from transformer_engine.common.recipe import DelayedScaling, Recipe
 
 from .. import fp8
 from ..float8_tensor import Float8Tensor
-from ..quantization import Operand, Plan, quantize, record_amax
+from ..quantization import Operand, Plan, plan_of, quantize
 
 EXTRA_STATE_VERSION = 1
 # name -> (kind, columns per GEMM)
@@ -80,11 +80,16 @@ class FP8Module(torch.nn.Module):
                  num_gemms: int = 1) -> None:
         super().__init__()
         self._recipe_summary: dict = {}
+        # The recipe the last FP8 forward met and its plan: a forward under the same recipe
+        # object skips the lookups and the fit (None: meet the next recipe afresh).
+        self._fp8_recipe: Recipe | None = None
+        self._fp8_plan: Plan | None = None
         self._num_gemms = int(num_gemms)
         self._weight_caches: dict[int, Operand] = {}
         self._make_fp8_meta(history_len or DelayedScaling().amax_history_len, device)
 
     def _make_fp8_meta(self, history_len: int, device: torch.device) -> None:
+        self._fp8_recipe = None
         for name, (kind, per_gemm) in _META.items():
             columns = per_gemm * self._num_gemms
             if kind == "history":
@@ -95,15 +100,32 @@ class FP8Module(torch.nn.Module):
 
     # ------------------------------------------------------------ forward scales and amaxes
 
+    def _fp8_meta_of(self, recipe: Recipe) -> tuple[Plan, torch.Tensor, torch.Tensor | None]:
+        """What an FP8 forward under ``recipe`` needs of the module's state: (plan, forward
+        scales, forward history or None). Under delayed scaling the forward's amaxes go into
+        the history (None: a checkpoint's recompute records nothing) and the module is
+        registered for the exit update; the other recipes ignore both tensors."""
+        # Under torch.compile the lookups run at trace time only, and an identity test would
+        # make the graph's guards demand this very recipe object (a recompile per new one).
+        if torch.compiler.is_compiling() or recipe is not self._fp8_recipe:
+            plan = plan_of(recipe)
+            if plan.kind == "delayed":
+                self._fit_fp8_meta(recipe)  # may make new buffers (and reset the cache)
+            self._recipe_summary = recipe_summary(recipe)
+            self._fp8_recipe, self._fp8_plan = recipe, plan
+        plan = self._fp8_plan
+        buffers = self._buffers  # one dict read instead of nn.Module.__getattr__ per buffer
+        if plan.kind != "delayed":
+            return plan, buffers["scale_fwd"], buffers["amax_history_fwd"]
+        if fp8.RECOMPUTE.replaying:
+            return plan, self._forward_scales(), None
+        fp8.register_forward_amaxes(self, recipe)
+        return plan, self._forward_scales(), buffers["amax_history_fwd"]
+
     def _forward_scales(self) -> torch.Tensor:
         """The forward scales this forward quantizes with: the buffer itself, except in the
         recompute of an activation checkpoint, which gets the copy its first run took."""
-        return fp8.checkpoint_scales(self.scale_fwd)
-
-    def _forward_history(self) -> torch.Tensor | None:
-        """Where this forward records its amaxes: None in a checkpoint's recompute (the first
-        run recorded them; a second record would count the step twice)."""
-        return None if fp8.RECOMPUTE.replaying else self.amax_history_fwd
+        return fp8.checkpoint_scales(self._buffers["scale_fwd"])
 
     def _weight_operand(self, plan: Plan, weight, need_col: bool, is_first_microbatch,
                         scales: torch.Tensor, history: torch.Tensor | None,
@@ -117,26 +139,25 @@ class FP8Module(torch.nn.Module):
             col, col_sinv = weight.transpose_data(cache) if need_col else (empty, empty)
             return Operand(weight._data, weight._scale_inv, col, col_sinv, plan.fwd_dtype,
                            plan.weight_mode)
-        cached = self._weight_caches.get(gemm)
-        if (is_first_microbatch is False and cached is not None and cached.mode == plan.weight_mode
-                and cached.fp8_dtype == plan.fwd_dtype
-                and (cached.columnwise.numel() > 0 or not need_col)):
-            return cached
+        if is_first_microbatch is False:
+            cached = self._weight_caches.get(gemm)
+            if (cached is not None and cached.mode == plan.weight_mode
+                    and cached.fp8_dtype == plan.fwd_dtype
+                    and (cached.columnwise.numel() > 0 or not need_col)):
+                return cached
         w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight.detach()
-        column = 2 * gemm + 1
-        op, amax = quantize(plan, "weight", w, True, need_col, scales[column:column + 1])
-        if amax is not None and history is not None:
-            record_amax(history, column, amax)
+        op = quantize(plan, "weight", w, True, need_col, scales, 2 * gemm + 1, history)
         if is_first_microbatch is not None:
             self._weight_caches[gemm] = op
-        else:
+        elif self._weight_caches:
             self._weight_caches.pop(gemm, None)
         return op
 
     def _fit_fp8_meta(self, recipe: DelayedScaling) -> None:
         """Meets a delayed recipe: a new history length starts the histories afresh."""
+        self._fp8_recipe = None  # e.g. calibration: the next FP8 forward meets its recipe afresh
         self._recipe_summary = recipe_summary(recipe)
-        length = self.amax_history_fwd.shape[0]
+        length = self._buffers["amax_history_fwd"].shape[0]
         if length != recipe.amax_history_len:
             if torch.compiler.is_compiling():
                 # New buffers in the middle of a traced graph would not be the module's.
@@ -182,8 +203,12 @@ class FP8Module(torch.nn.Module):
                 raise ValueError(f"{type(self).__name__}.set_extra_state: {name} must have "
                                  f"{columns} columns ({per_gemm} per GEMM of this module), got "
                                  f"shape {list(t.shape)}")
-            self.register_buffer(name, t.to(device, torch.float32).clone(), persistent=False)
+            # Contiguous whatever the saved layout: quantize reaches single elements of these
+            # buffers by address (ops.quantize_delayed).
+            t = t.to(device, torch.float32).clone(memory_format=torch.contiguous_format)
+            self.register_buffer(name, t, persistent=False)
         self._recipe_summary = dict(state.get("recipe", {}))
+        self._fp8_recipe = None  # the loaded history may not fit the recipe in use
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

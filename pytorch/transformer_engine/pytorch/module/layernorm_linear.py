@@ -17,9 +17,8 @@ from .. import fp8, ops
 from ..float8_tensor import Float8Tensor
 from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig
 from ..quantization import record_amax
-from .base import recipe_summary
 from .layernorm import _NormFunction
-from .linear import _default_device, _LinearBase, check_fp8_shape, check_unsupported, plan_of
+from .linear import _default_device, _LinearBase, check_fp8_shape, check_unsupported
 
 __all__ = ["LayerNormLinear"]
 
@@ -168,15 +167,9 @@ class LayerNormLinear(_LinearBase):
         return (out, ln_out) if cfg.return_ln_out else out
 
     def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch):
-        plan = plan_of(recipe)
         inp = fp8_input(self._name, inp)
         check_fp8_shape(inp, self.in_features, self.out_features, self._name)
-        self._recipe_summary = recipe_summary(recipe)
-        scales, history = self.scale_fwd, self.amax_history_fwd
-        if plan.kind == "delayed":
-            self._fit_fp8_meta(recipe)
-            fp8.register_forward_amaxes(self, recipe)
-            scales, history = self._forward_scales(), self._forward_history()
+        plan, scales, history = self._fp8_meta_of(recipe)
         gamma, beta = norm_params(self, inp.dtype)
         grad = torch.is_grad_enabled()
         need_dgrad = grad and (inp.requires_grad or gamma.requires_grad
@@ -186,7 +179,9 @@ class LayerNormLinear(_LinearBase):
         col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
         group = fp8.STATE.group
         general = plan.kind == "delayed" and (plan.algo == "callable" or group is not None)
+        buffers = self._buffers
+        bwd_meta = (buffers["amax_history_bwd"], buffers["scale_bwd"], buffers["scale_inv_bwd"])
+        consts = (plan, recipe if general else None, group, self.cfg, need_dgrad, need_wgrad)
         return Fp8LayerNormLinearFunction.apply(
             inp, gamma, beta, weight, bias, w.data, w.scale_inv, w.columnwise, col_sinv,
-            history, scales, self.amax_history_bwd, self.scale_bwd, self.scale_inv_bwd, plan,
-            recipe if general else None, group, self.cfg, need_dgrad, need_wgrad)
+            history, scales, bwd_meta, consts)

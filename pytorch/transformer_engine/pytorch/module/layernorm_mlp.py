@@ -19,7 +19,7 @@ from ..float8_tensor import Float8Tensor
 from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction
 from ..ops.activation import GATED
 from ..quantization import record_amax
-from .base import FP8Module, fp8_weight_param, recipe_summary
+from .base import FP8Module, fp8_weight_param
 from .layernorm import _NormFunction
 from .layernorm_linear import (
     check_input,
@@ -173,17 +173,11 @@ class LayerNormMLP(FP8Module):
         fp8.register_forward_amaxes(self, recipe)
 
     def _fp8_forward(self, inp, fc2_bias, recipe: Recipe, is_first_microbatch):
-        plan = plan_of(recipe)
         inp = fp8_input(self._name, inp)
         w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
         check_fp8_shape(inp, self.hidden_size, w1.shape[0], self._name)
         check_fp8_shape(inp, self.hidden_size, self.ffn_hidden_size, self._name)
-        self._recipe_summary = recipe_summary(recipe)
-        scales, history = self.scale_fwd, self.amax_history_fwd
-        if plan.kind == "delayed":
-            self._fit_fp8_meta(recipe)
-            fp8.register_forward_amaxes(self, recipe)
-            scales, history = self._forward_scales(), self._forward_history()
+        plan, scales, history = self._fp8_meta_of(recipe)
         gamma, beta = norm_params(self, inp.dtype)
         grad = torch.is_grad_enabled()
         need_dgrad = grad and (inp.requires_grad or gamma.requires_grad
@@ -196,9 +190,11 @@ class LayerNormMLP(FP8Module):
         per_tensor = plan.weight_mode == "tensor"
         group = fp8.STATE.group
         general = plan.kind == "delayed" and (plan.algo == "callable" or group is not None)
+        buffers = self._buffers
+        bwd_meta = (buffers["amax_history_bwd"], buffers["scale_bwd"], buffers["scale_inv_bwd"])
+        consts = (plan, recipe if general else None, group, self.cfg, self.activation, need)
         return Fp8LayerNormMLPFunction.apply(
             inp, gamma, beta, w1, b1, q1.data, q1.scale_inv, q1.columnwise,
             None if per_tensor else q1.columnwise_scale_inv, w2, fc2_bias, q2.data,
             q2.scale_inv, q2.columnwise, None if per_tensor else q2.columnwise_scale_inv,
-            history, scales, self.amax_history_bwd, self.scale_bwd, self.scale_inv_bwd, plan,
-            recipe if general else None, group, self.cfg, self.activation, need)
+            history, scales, bwd_meta, consts)

@@ -13,22 +13,13 @@ from transformer_engine.common.recipe import Recipe
 from .. import fp8, ops
 from ..float8_tensor import Float8Tensor
 from ..linear_fn import Fp8LinearFunction
-from ..quantization import Plan, make_plan, record_amax
-from .base import FP8Module, fp8_weight_param, recipe_summary
+from ..quantization import plan_of, record_amax
+from .base import FP8Module, fp8_weight_param
 
 __all__ = ["Linear"]
 
-_PLANS: dict = {}
 # FP8 tensor cores work on 16x16 granules: every GEMM dimension must be a multiple of 16.
 _FP8_GRANULE = 16
-
-
-def plan_of(recipe: Recipe) -> Plan:
-    """The (cached) plan of a recipe."""
-    plan = _PLANS.get(recipe)
-    if plan is None:
-        plan = _PLANS[recipe] = make_plan(recipe)
-    return plan
 
 
 def _default_device(device) -> torch.device:
@@ -97,7 +88,9 @@ class _LinearBase(FP8Module):
 
         if self._splits is None:
             self.weight = param(weight)
-            self.bias = None if bias is None else torch.nn.Parameter(bias)
+            # Registered even when None (as nn.Linear does), so that the forward finds it in
+            # _parameters.
+            self.register_parameter("bias", None if bias is None else torch.nn.Parameter(bias))
             return
         self.weight_names, self.bias_names = [], []
         start = 0
@@ -113,7 +106,10 @@ class _LinearBase(FP8Module):
 
     def _weight_and_bias(self):
         if self._splits is None:
-            return self.weight, self.bias
+            params = self._parameters  # nn.Module.__getattr__ costs ~0.5 us per name
+            if "weight" in params and "bias" in params:
+                return params["weight"], params["bias"]
+            return self.weight, self.bias  # e.g. a parametrized weight (a property)
         weight = torch.cat([getattr(self, n) for n in self.weight_names])
         bias = torch.cat([getattr(self, n) for n in self.bias_names]) if self.bias_names \
             else None
@@ -200,20 +196,16 @@ class Linear(_LinearBase):
         fp8.register_forward_amaxes(self, recipe)
 
     def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch):
-        plan = plan_of(recipe)
-        device_type = inp.device.type
-        if torch.is_autocast_enabled(device_type):  # torch.autocast picks the activation dtype
+        # torch.autocast picks the activation dtype. The core takes CPU and CUDA tensors only,
+        # so is_cuda names the device type (inp.device would build an object per call).
+        device_type = "cuda" if inp.is_cuda else "cpu"
+        if torch.is_autocast_enabled(device_type):
             inp = inp.to(torch.get_autocast_dtype(device_type))
         check_fp8_shape(inp, self.in_features, self.out_features, self._name)
-        if inp.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if inp.dtype not in _FP8_INPUT_DTYPES:
             raise TypeError(f"te.Linear: input must be float32, bfloat16 or float16 in FP8, "
                             f"got {inp.dtype}")
-        self._recipe_summary = recipe_summary(recipe)
-        scales, history = self.scale_fwd, self.amax_history_fwd
-        if plan.kind == "delayed":
-            self._fit_fp8_meta(recipe)
-            fp8.register_forward_amaxes(self, recipe)
-            scales, history = self._forward_scales(), self._forward_history()
+        plan, scales, history = self._fp8_meta_of(recipe)
         grad = torch.is_grad_enabled()
         need_dgrad = grad and inp.requires_grad
         need_wgrad = grad and weight.requires_grad
@@ -223,15 +215,20 @@ class Linear(_LinearBase):
         col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
         group = fp8.STATE.group
         general = plan.kind == "delayed" and (plan.algo == "callable" or group is not None)
-        return Fp8LinearFunction.apply(
-            inp, weight, bias, w.data, w.scale_inv, w.columnwise, col_sinv,
-            history, scales, self.amax_history_bwd, self.scale_bwd,
-            self.scale_inv_bwd, plan, recipe if general else None, group, need_dgrad,
-            need_wgrad)
+        buffers = self._buffers
+        bwd_meta = (buffers["amax_history_bwd"], buffers["scale_bwd"], buffers["scale_inv_bwd"])
+        cfg = (plan, recipe if general else None, group, need_dgrad, need_wgrad)
+        return Fp8LinearFunction.apply(inp, weight, bias, w.data, w.scale_inv, w.columnwise,
+                                       col_sinv, history, scales, bwd_meta, cfg)
+
+
+_FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_fp8_shape(inp: torch.Tensor, k: int, n: int, op: str) -> None:
     m = inp.numel() // k if k else 0
+    if not (k % _FP8_GRANULE or n % _FP8_GRANULE or m % _FP8_GRANULE):
+        return
     for name, value in (("in_features", k), ("out_features", n),
                         ("tokens (input.numel() // in_features)", m)):
         if value % _FP8_GRANULE:

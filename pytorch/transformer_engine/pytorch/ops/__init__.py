@@ -19,11 +19,20 @@ from .attention import (
 )
 from .gemm import gemm_fp8
 from .norm import norm_backward, norm_forward, norm_forward_fp8
-from .quantize import amax, dequantize, quantize, quantize_block, quantize_current, transpose
+from .quantize import (
+    amax,
+    dequantize,
+    quantize,
+    quantize_block,
+    quantize_current,
+    quantize_delayed,
+    transpose,
+)
 from .scaling import delayed_scaling_update
 
 __all__ = ["activation_backward", "activation_backward_fp8", "activation_forward",
            "activation_forward_fp8", "amax", "attention_backward", "attention_forward",
            "attention_forward_fp8", "delayed_scaling_update", "dequantize", "gemm_fp8",
            "norm_backward", "norm_forward", "norm_forward_fp8", "quantize", "quantize_block",
-           "quantize_current", "scaled_softmax_backward", "scaled_softmax_forward", "transpose"]
+           "quantize_current", "quantize_delayed", "scaled_softmax_backward",
+           "scaled_softmax_forward", "transpose"]

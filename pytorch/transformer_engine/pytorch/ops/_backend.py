@@ -23,7 +23,7 @@ FP8_MAX = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
 BLOCK = 128
 
 _core = None
-_workspaces: dict[int, torch.Tensor] = {}
+_workspaces: dict[int, tuple[torch.Tensor, tuple]] = {}  # device index -> (workspace, raw)
 
 
 def core():
@@ -44,12 +44,23 @@ def check_mode(op: str, mode: str) -> None:
         raise ValueError(f"{op}: scaling_mode must be one of {SCALING_MODES}, got {mode!r}")
 
 
+# name -> the binding's enum member, looked up once (getattr on the enum class costs more
+# than the dict).
+_enums: dict = {}
+
+
 def te_dtype(fp8_dtype: str):
-    return getattr(core().DType, fp8_dtype)
+    e = _enums.get(("dtype", fp8_dtype))
+    if e is None:
+        e = _enums[("dtype", fp8_dtype)] = getattr(core().DType, fp8_dtype)
+    return e
 
 
 def te_mode(mode: str):
-    return getattr(core().ScalingMode, mode)
+    e = _enums.get(("mode", mode))
+    if e is None:
+        e = _enums[("mode", mode)] = getattr(core().ScalingMode, mode)
+    return e
 
 
 _TORCH_TO_TE = {
@@ -60,6 +71,17 @@ _TORCH_TO_TE = {
 _te_dtypes: dict = {}
 
 
+def _core_dtype(dtype: torch.dtype):
+    te = _te_dtypes.get(dtype)
+    if te is None:
+        name = _TORCH_TO_TE.get(dtype)
+        if name is None:
+            raise TypeError(f"transformer_engine: tensors of dtype {dtype} cannot go to the "
+                            "core")
+        te = _te_dtypes[dtype] = getattr(core().DType, name)
+    return te
+
+
 def raw(t: torch.Tensor) -> tuple:
     """The binding's fast form of a tensor, ``(data_ptr, DType, shape, device)``: ~1 us
     instead of a DLPack export (~7 us). It carries no strides, so the tensor must be
@@ -68,37 +90,56 @@ def raw(t: torch.Tensor) -> tuple:
     if not t.is_contiguous():
         raise ValueError(f"transformer_engine: tensors must be C-contiguous for the core, got "
                          f"shape {list(t.shape)} with strides {t.stride()}")
-    dtype = _te_dtypes.get(t.dtype)
-    if dtype is None:
-        name = _TORCH_TO_TE.get(t.dtype)
-        if name is None:
-            raise TypeError(f"transformer_engine: tensors of dtype {t.dtype} cannot go to the "
-                            "core")
-        dtype = _te_dtypes[t.dtype] = getattr(core().DType, name)
-    return (t.data_ptr(), dtype, tuple(t.shape), t.device.index if t.is_cuda else -1)
+    dtype = _te_dtypes.get(t.dtype) or _core_dtype(t.dtype)
+    # t.shape is a torch.Size, a tuple already; get_device() is the CUDA index, -1 on the CPU,
+    # in one call (t.device would build an object).
+    return (t.data_ptr(), dtype, t.shape, t.get_device())
+
+
+def raw_element(t: torch.Tensor, index: int) -> tuple:
+    """The fast form of element ``index`` of the flat, contiguous tensor ``t`` as a [1]
+    buffer: what ``raw(t.view(-1)[index:index + 1])`` gives, without making the view (a
+    slice costs ~2 us of host time, more than the core call that reads it)."""
+    if not t.is_contiguous():
+        raise ValueError(f"transformer_engine: tensors must be C-contiguous for the core, got "
+                         f"shape {list(t.shape)} with strides {t.stride()}")
+    if not 0 <= index < t.numel():
+        raise IndexError(f"transformer_engine: element {index} is out of range for a tensor "
+                         f"of {t.numel()} elements")
+    dtype = _te_dtypes.get(t.dtype) or _core_dtype(t.dtype)
+    return (t.data_ptr() + index * t.element_size(), dtype, (1,), t.get_device())
+
+
+# torch's current CUDA stream as an int; the private call skips building a torch.cuda.Stream
+# (microseconds per op). Builds of torch without CUDA lack it, and never reach it.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def stream_of(t: torch.Tensor) -> int:
     """The ``stream=`` argument of the core: torch's current stream on t's CUDA device, so the
     core's kernels are ordered with torch's (and captured by a CUDA graph), 0 on the CPU."""
     if t.is_cuda:
+        if _raw_stream is not None:
+            return _raw_stream(t.get_device())
         return torch.cuda.current_stream(t.device).cuda_stream
     return 0
 
 
-def workspace_for(device: torch.device) -> torch.Tensor | None:
-    """One cached uint8 workspace per CUDA device of ``gemm_workspace_size()`` bytes; None on
-    the CPU, whose GEMM needs none. Allocated on first use: run one eager step before
-    capturing a CUDA graph (as warm-up always requires), so it is not a graph allocation."""
-    if device.type != "cuda":
+def raw_workspace_for(t: torch.Tensor) -> tuple | None:
+    """The fast form (raw()) of the GEMM workspace of t's CUDA device, None on the CPU, whose
+    GEMM needs none: one uint8 buffer of ``gemm_workspace_size()`` bytes per device, kept for
+    the process (so its fast form is made once too). Allocated on first use: run one eager step
+    before capturing a CUDA graph (as warm-up always requires), so it is not a graph
+    allocation."""
+    if not t.is_cuda:
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    ws = _workspaces.get(index)
-    if ws is None:
+    index = t.get_device()
+    entry = _workspaces.get(index)
+    if entry is None:
         size = max(int(core().gemm_workspace_size()), 1)
         ws = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
-        _workspaces[index] = ws
-    return ws
+        entry = _workspaces[index] = (ws, raw(ws))
+    return entry[1]
 
 
 def block_grid(rows: int, cols: int, mode: str) -> tuple[int, int]:
@@ -124,13 +165,20 @@ def placeholder(like: torch.Tensor) -> torch.Tensor:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _plain_eager(args) -> bool:
+def _plain_eager(args, kwargs=None) -> bool:
     """True when a call can run its implementation directly: not traced (torch.compile, an
     active dispatch mode such as FakeTensorMode or make_fx) and no tensor subclass other than
-    nn.Parameter among the arguments."""
+    nn.Parameter among the arguments. (Plain loops: this runs before every eager op.)"""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
-    return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
+    for a in args:
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+            return False
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+                return False
+    return True
 
 
 def custom_op(name: str, *, mutates_args=()):
@@ -148,7 +196,7 @@ def custom_op(name: str, *, mutates_args=()):
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if _plain_eager(args) and _plain_eager(kwargs.values()):
+            if _plain_eager(args, kwargs):
                 return fn(*args, **kwargs)
             return op(*args, **kwargs)
 

@@ -6,7 +6,16 @@ from typing import Optional
 
 import torch
 
-from ._backend import check_mode, core, custom_op, raw, stream_of, te_dtype, te_mode, workspace_for
+from ._backend import (
+    check_mode,
+    core,
+    custom_op,
+    raw,
+    raw_workspace_for,
+    stream_of,
+    te_dtype,
+    te_mode,
+)
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -39,8 +48,8 @@ def gemm_fp8(
     check_mode("gemm", a_scaling_mode)
     check_mode("gemm", b_scaling_mode)
     c = core()
-    d = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
-    ws = workspace_for(a.device)
+    d = a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+    ws = raw_workspace_for(a)
     # Locals keep every tensor alive across the call: raw() holds bare pointers.
     a, b = a.contiguous(), b.contiguous()
     a_scale_inv, b_scale_inv = a_scale_inv.contiguous(), b_scale_inv.contiguous()
@@ -49,7 +58,7 @@ def gemm_fp8(
            _operand(c, b, b_scale_inv, b_fp8_dtype, b_scaling_mode), raw(d),
            bias=None if bias is None else raw(bias), transpose_a=False, transpose_b=True,
            use_split_accumulator=use_split_accumulator,
-           workspace=None if ws is None else raw(ws), stream=stream_of(a))
+           workspace=ws, stream=stream_of(a))
     return d
 
 

@@ -9,6 +9,8 @@ dimensions). An output that was not asked for comes back as an empty uint8 tenso
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ._backend import (
@@ -19,6 +21,7 @@ from ._backend import (
     custom_op,
     placeholder,
     raw,
+    raw_element,
     stream_of,
     te_dtype,
     te_mode,
@@ -72,6 +75,48 @@ def _(x, scale, fp8_dtype, rowwise, columnwise):
     return (*_fp8_outputs(x, rowwise, columnwise), _scalar(x), _scalar(x))
 
 
+# ------------------------------------------------------------ delayed scaling, amax recorded
+
+
+@custom_op(f"{_NS}::quantize_delayed", mutates_args=("amax_history",))
+def quantize_delayed(x: torch.Tensor, scales: torch.Tensor, index: int,
+                     amax_history: Optional[torch.Tensor], fp8_dtype: str, rowwise: bool,
+                     columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Delayed scaling: FP8 data of ``x * scales[index]`` (row-wise and/or column-wise) and its
+    ``scale_inv``; ``max|x|`` is recorded in place as ``amax_history[0, index] = max(itself,
+    max|x|)`` (several forwards of one step keep the largest; the scale update zeroes the slot
+    when the history rolls). ``amax_history`` None records nothing (a checkpoint's recompute).
+
+    One core call with no views and no separate amax: the scale and the history slot are
+    passed by position, the amax raised by the cast itself (quantize.h, accumulate_amax).
+    Returns (data, columnwise_data, scale_inv)."""
+    _check_matrix("quantize_delayed", x, rowwise, columnwise)
+    check_fp8_dtype("quantize_delayed", fp8_dtype)
+    c = core()
+    x = x.contiguous()  # kept alive across the call: raw() holds only its pointer
+    data, col = _fp8_outputs(x, rowwise, columnwise)
+    scale_inv = _scalar(x)
+    amax = None
+    if amax_history is not None:
+        if (amax_history.dim() != 2 or amax_history.dtype != torch.float32
+                or not 0 <= index < amax_history.shape[1]):
+            raise ValueError(f"quantize_delayed: amax_history must be a float32 matrix [H, n] "
+                             f"with n > index={index}, got {amax_history.dtype} of shape "
+                             f"{list(amax_history.shape)}")
+        amax = raw_element(amax_history, index)
+    out = c.Tensor(raw(data) if rowwise else None, dtype=te_dtype(fp8_dtype),
+                   scale=raw_element(scales, index), scale_inv=raw(scale_inv), amax=amax,
+                   columnwise_data=raw(col) if columnwise else None)
+    c.quantize(raw(x), out, accumulate_amax=True, stream=stream_of(x))
+    return data, col, scale_inv
+
+
+@quantize_delayed.register_fake
+def _(x, scales, index, amax_history, fp8_dtype, rowwise, columnwise):
+    _check_matrix("quantize_delayed", x, rowwise, columnwise)
+    return (*_fp8_outputs(x, rowwise, columnwise), _scalar(x))
+
+
 # ------------------------------------------------------------ per-tensor, current scaling
 
 
@@ -89,17 +134,18 @@ def quantize_current(
     stream = stream_of(x)
     data, col = _fp8_outputs(x, rowwise, columnwise)
     scale, scale_inv, amax = _scalar(x), _scalar(x), _scalar(x)
-    c.compute_amax(raw(x), c.Tensor(amax=raw(amax)), stream=stream)
+    # Each fast form once: the three calls share them.
+    rx, rscale, rsinv, ramax = raw(x), raw(scale), raw(scale_inv), raw(amax)
+    c.compute_amax(rx, c.Tensor(amax=ramax), stream=stream)
     fmt = te_dtype(fp8_dtype)
     rdata, rcol = (raw(data) if rowwise else None), (raw(col) if columnwise else None)
-    out = c.Tensor(rdata, dtype=fmt, scale=raw(scale), scale_inv=raw(scale_inv),
-                   amax=raw(amax), columnwise_data=rcol)
+    out = c.Tensor(rdata, dtype=fmt, scale=rscale, scale_inv=rsinv, amax=ramax,
+                   columnwise_data=rcol)
     c.compute_scale_from_amax(out, force_pow2_scales=force_pow2_scales,
                               amax_epsilon=amax_epsilon, stream=stream)
     # amax is left out here: it is already known, the cast need not reduce it again.
-    cast = c.Tensor(rdata, dtype=fmt, scale=raw(scale), scale_inv=raw(scale_inv),
-                    columnwise_data=rcol)
-    c.quantize(raw(x), cast, stream=stream)
+    cast = c.Tensor(rdata, dtype=fmt, scale=rscale, scale_inv=rsinv, columnwise_data=rcol)
+    c.quantize(rx, cast, stream=stream)
     return data, col, scale, scale_inv, amax
 
 
