@@ -22,7 +22,9 @@
 //
 // Infinities: forward inputs are clamped below at -FLT_MAX, derivative inputs to the range
 // beyond which the function is saturated in fp32 (there the clamp changes no bit), so that
-// inf * 0 never arises; NaN passes every clamp.
+// inf * 0 never arises; NaN passes every clamp. NaN payloads are not pinned here: a NaN may come
+// out of these functions with any payload, and the callers write every NaN as kCanonicalNaN
+// (fp32 outputs, amax, dbias) or through a conversion that does (16-bit and FP8 outputs).
 #ifndef TRANSFORMER_ENGINE_SRC_ACTIVATION_ACTIVATION_MATH_H_
 #define TRANSFORMER_ENGINE_SRC_ACTIVATION_ACTIVATION_MATH_H_
 
@@ -209,14 +211,14 @@ template <te_activation kAct>
 constexpr bool kIsGated =
     kAct == TE_ACTIVATION_GEGLU || kAct == TE_ACTIVATION_SWIGLU || kAct == TE_ACTIVATION_REGLU;
 
-// The values that reach the outputs (and amax, and dbias), NaN pinned to kCanonicalNaN.
+// The values that reach the outputs (and amax, and dbias); NaN with any payload.
 // Forward: y = act(x), gated y = act(a) * b.
 template <te_activation kAct>
 TE_HOST_DEVICE float forward_value(float a, float b) {
   if constexpr (kIsGated<kAct>) {
-    return canonical(forward<kAct>(a) * b);
+    return forward<kAct>(a) * b;
   } else {
-    return canonical(forward<kAct>(a));
+    return forward<kAct>(a);
   }
 }
 
@@ -224,9 +226,9 @@ TE_HOST_DEVICE float forward_value(float a, float b) {
 template <te_activation kAct>
 TE_HOST_DEVICE float backward_value(float g, float x) {
   if constexpr (kAct == TE_ACTIVATION_IDENTITY) {
-    return canonical(g);
+    return g;
   } else {
-    return canonical(g * derivative<kAct>(x));
+    return g * derivative<kAct>(x);
   }
 }
 
@@ -259,8 +261,8 @@ template <te_activation kAct>
 TE_HOST_DEVICE void gated_backward_values(float g, float a, float b, float *da, float *db) {
   float f, d;
   gated_value_and_derivative<kAct>(a, &f, &d);
-  *da = canonical((g * d) * b);
-  *db = canonical(g * f);
+  *da = (g * d) * b;
+  *db = g * f;
 }
 
 }  // namespace act
