@@ -3,8 +3,9 @@
 //
 // Design. A bandwidth-bound elementwise op with a fused transpose, whose arithmetic is still
 // heavy (the core's own exp and a correctly rounded reciprocal, to match the CPU bit for bit:
-// 25-40 instructions per element, at one instruction per clock per scheduler), so that issue
-// time rivals memory time. The kernel keeps both busy at once:
+// 23-35 instructions per element for GELU/SwiGLU, ~32-43 with the rest of the kernel, at one
+// instruction per clock per scheduler), so that issue time rivals memory time. The kernel
+// keeps both busy at once:
 //   - One persistent kernel: blocks of 256 threads loop over 128x128 tiles of the activation
 //     output [M, N] (tiles b, b + grid, ...; the grid is one wave of resident blocks), each
 //     thread owning an 8x8 patch (16 patch columns per tile row).
