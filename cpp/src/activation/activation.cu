@@ -9,13 +9,14 @@
 //   - One persistent kernel: blocks of 256 threads loop over 128x128 tiles of the activation
 //     output [M, N] (tiles b, b + grid, ...; the grid is one wave of resident blocks), each
 //     thread owning an 8x8 patch (16 patch columns per tile row).
-//   - Inputs are staged in shared memory by cp.async one tile ahead (two stages wherever they
-//     fit: all 16-bit inputs, and fp32 with one operand), so the next tile's loads are in
-//     flight during this tile's arithmetic without holding registers. Each thread copies
-//     exactly its own patch (a warp's copies are two whole 256-byte row segments) and reads only
-//     that back, so its own cp.async wait orders them. Out-of-range patches (fast path) and
-//     elements (masked path) are staged as zeros: their values are 0, which changes neither
-//     amax nor a column sum.
+//   - Inputs are staged in shared memory by cp.async one tile ahead (two stages where the
+//     device has the shared memory, as Hopper has for every 16-bit kernel; else one), so the
+//     next tile's loads are in flight during this tile's arithmetic without holding registers.
+//     Each thread copies exactly its own patch (a warp's copies are two whole 256-byte row
+//     segments) and reads only that back, so its own cp.async wait orders them. Out-of-range
+//     patches (fast path) and elements (masked path) are staged as zeros: their values are 0,
+//     which changes neither amax nor a column sum. fp32 inputs with 2-3 operands, one stage of
+//     which would outgrow pre-Hopper GPUs, are read straight from global memory instead.
 //   - Arithmetic, per patch row: the 8 values of each operand (one 128-bit shared-memory read
 //     for 16-bit inputs), the element math of activation_math.h, a NaN-propagating running
 //     max for amax, the dbias column sums (backward), then the FP8 bytes (hardware conversion)
@@ -34,13 +35,13 @@
 //     second kernel sums each column's partials in tile-row order. That is the documented
 //     order (activation.h), the one the CPU reference follows, whatever the grid.
 //   - The transposes and column sums are staged in the tile's input stage, free once every
-//     thread's arithmetic is done. So a tile takes three barriers when it has either (before
-//     they are written, before they are read back, and before the stage is refilled), and
-//     none otherwise.
+//     thread's arithmetic is done (or in their own space, without staging). So a tile takes
+//     three barriers when it has either (before they are written, before they are read back,
+//     and before the stage is refilled), and none otherwise.
 //   - Amax: per thread, then the block, one atomicMax per block, NaN as kCanonicalNaN.
-//   - Residency: a one-operand 16-bit kernel takes 64 KiB of shared memory and at most 128
-//     registers, so two or three blocks share an SM; the others take 128-192 KiB, one block
-//     per SM, their loads covered by the stage ahead.
+//   - Residency on Hopper: a one-operand 16-bit kernel takes 64 KiB of shared memory and at
+//     most 128 registers, so two or three blocks share an SM; the other staged ones take
+//     128-192 KiB, one block per SM, their loads covered by the stage ahead.
 // The fast path needs M % 16 == 0, N % 8 == 0 and 16-byte aligned operands (8 bytes for FP8
 // rows); other shapes run the same kernel with masked scalar loads and stores, so the order of
 // every sum is the same.

@@ -19,8 +19,6 @@ constexpr const char *kOp = "activation";
 constexpr int kTile = 128;
 constexpr int kThreads = kStageThreads;  // 256: 16 x 16 patches of 8x8
 constexpr int kPatchesPerRow = kTile / 8;
-// Shared memory a block may take for its input stages (an SM has 227 KiB for one block).
-constexpr int kMaxStageBytes = 200 * 1024;
 
 // The kind of output, a template parameter so that the row loop has no branch on it: FP8 in
 // either format (row-wise and/or transposed), or high precision (fp32/fp16/bf16, row-wise).
@@ -36,6 +34,7 @@ struct ActParams {
   float *amax;
   float *partial;  // [tiles_r, out_cols] or null
   int64_t rows, n, in_cols, out_cols, tiles_r, tiles_c, num_tiles;
+  int stages;  // input stages in shared memory (1 or 2; kernels that stage inputs)
   te_dtype out_dtype;
   bool fp8;
   bool fast;
@@ -153,18 +152,24 @@ struct Shape {
   static constexpr int kOps = kBackward ? (kGated ? 3 : (kAct == TE_ACTIVATION_IDENTITY ? 1 : 2)) : (kGated ? 2 : 1);
   // Output patches per thread: gated backward writes d/da and d/db.
   static constexpr int kOut = kBackward && kGated ? 2 : 1;
+  // Inputs staged in shared memory, one tile ahead where two stages fit the device (every
+  // 16-bit kernel on Hopper: at most 192 KiB), else one. fp32 with 2-3 operands would take
+  // 128-192 KiB for a single stage, more than pre-Hopper GPUs have: its threads load their
+  // rows straight from global memory instead.
+  static constexpr bool kStaged = kIn != TE_DTYPE_FLOAT32 || kOps == 1;
   static constexpr int kStageBytes = kOps * StagedTile<kIn>::kBytes;
-  // Two stages (the tile in use and the next one) where they fit, else one.
-  static constexpr int kStages = 2 * kStageBytes <= kMaxStageBytes ? 2 : 1;
-  static constexpr int kSmemBytes = kStages * kStageBytes;
-  // Blocks per SM the registers are capped for: two where shared memory admits two (one
-  // operand of 16-bit elements), so that one block's barriers overlap the other's work.
-  static constexpr int kMinBlocks = 2 * (kSmemBytes + 1024) <= 227 * 1024 ? 2 : 1;
-  // After its arithmetic a tile's stage is free: it then holds the transposed FP8 patches and
-  // the dbias column sums.
+  // The transposed FP8 patches and the dbias column sums, exchanged through shared memory:
+  // in the tile's stage once its inputs are consumed, or in their own space (not staged).
   static constexpr int kTransposeBytes = kOut * static_cast<int>(sizeof(TransposeStage));
-  static_assert(kTransposeBytes + kOut * kPatchesPerRow * kTile * static_cast<int>(sizeof(float)) <= kStageBytes,
-                "the transposes and column sums must fit in a consumed stage");
+  static constexpr int kExchangeBytes =
+      kTransposeBytes + kOut * kPatchesPerRow * kTile * static_cast<int>(sizeof(float));
+  static_assert(!kStaged || kExchangeBytes <= kStageBytes, "the exchange must fit in a consumed stage");
+  static constexpr int kMaxSmemBytes = kStaged ? 2 * kStageBytes : kExchangeBytes;
+  static constexpr int smem_bytes(int stages) { return kStaged ? stages * kStageBytes : kExchangeBytes; }
+  // Blocks per SM the registers are capped for: two where shared memory admits two on Hopper
+  // (one operand of 16-bit elements, or no staging), so that one block's barriers overlap the
+  // other's work.
+  static constexpr int kMinBlocks = 2 * (kMaxSmemBytes + 1024) <= 227 * 1024 ? 2 : 1;
 };
 
 // Operand o of a kernel (forward {a, b}, backward {grad_output, a, b}; x is a when not gated):
@@ -180,6 +185,26 @@ __device__ __forceinline__ const Storage *operand_at(const ActParams &p, int o, 
 template <bool kBackward>
 __device__ __forceinline__ int64_t operand_stride(const ActParams &p, int o) {
   return kBackward && o == 0 ? p.n : p.in_cols;
+}
+
+// Kernels that do not stage: the 8 values of operand o at (row, col..col + 7) straight from
+// global memory. Fast path: one or two 128-bit loads, zeros for a patch outside the matrix;
+// masked path: element by element, zeros outside.
+template <te_dtype kIn, bool kBackward>
+__device__ __forceinline__ void read_direct(const ActParams &p, int o, int64_t row, int64_t col, float (&x)[8]) {
+  using Storage = typename Hp<kIn>::Storage;
+  const Storage *src = operand_at<kBackward, Storage>(p, o, row, col);
+  if (p.fast) {
+    if (row < p.rows && col < p.n) {
+      load_hp8<kIn>(src, 0, x);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = 0.0f;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = row < p.rows && col + j < p.n ? Hp<kIn>::decode(src[j]) : 0.0f;
+  }
 }
 
 // The element values of one patch row (8 columns) from the decoded operands.

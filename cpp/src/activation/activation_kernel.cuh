@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <string>
 
 #include "activation/activation_io.cuh"
 
@@ -19,9 +20,9 @@ __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBl
     activation_kernel(const ActParams p) {
   using S = Shape<kIn, kAct, kBackward>;
   using T = StagedTile<kIn>;
-  constexpr int kOps = S::kOps, kOut = S::kOut, kStages = S::kStages;
+  constexpr int kOps = S::kOps, kOut = S::kOut;
   constexpr bool kFp8 = kKind != Out::kHighPrecision;
-  extern __shared__ __align__(16) unsigned char stages[];
+  extern __shared__ __align__(16) unsigned char smem[];
   __shared__ uint32_t warp_amax[kThreads / 32];
   const int pr = threadIdx.x / kPatchesPerRow, pc = threadIdx.x % kPatchesPerRow;
   const float scale = kFp8 ? *p.scale : 1.0f;
@@ -36,12 +37,15 @@ __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBl
   const int tiles_r = p.num_tiles > 0 ? static_cast<int>(p.tiles_r) : 0;
   const int tiles_c = max(static_cast<int>(p.tiles_c), 1);
 
+  const int stages = S::kStaged ? p.stages : 0;  // 1 or 2 when staged
+
   // Stages this thread's patches of a tile (if it exists) and closes a cp.async group.
   auto fill = [&](const TileCursor &at, int stage) {
+    if (!S::kStaged) return;
     if (at.r < tiles_r) {
       const int64_t prow = static_cast<int64_t>(at.r) * kTile + pr * 8;
       const int64_t pcol = static_cast<int64_t>(at.c) * kTile + pc * 8;
-      unsigned char *dst = stages + stage * S::kStageBytes + pr * 8 * T::kRowBytes;
+      unsigned char *dst = smem + stage * S::kStageBytes + pr * 8 * T::kRowBytes;
 #pragma unroll
       for (int o = 0; o < kOps; ++o) {
         const auto *src = operand_at<kBackward, typename T::Storage>(p, o, prow, pcol);
@@ -59,18 +63,24 @@ __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBl
   float amax = 0.0f;  // max |value| so far; NaN once any value is NaN
   const int step_r = gridDim.x / tiles_c, step_c = gridDim.x % tiles_c;
   TileCursor at(blockIdx.x, tiles_c), ahead = at;  // the tile in work, the next to fill
-  if constexpr (kStages == 2) {
+  if (stages == 2) {
     fill(ahead, 0);
     ahead.next(step_r, step_c, tiles_c);
   }
   for (int k = 0; at.r < tiles_r; ++k, at.next(step_r, step_c, tiles_c)) {
-    // The stage refilled now held the previous tile's transposes and column sums: every
-    // thread must be done storing them.
+    // The stage refilled now (or the exchange space) held the previous tile's transposes and
+    // column sums: every thread must be done storing them.
     if (exchange && k > 0) __syncthreads();
-    fill(ahead, (k + kStages - 1) % kStages);
+    const int buffer = stages == 2 ? k & 1 : 0;
+    fill(ahead, stages == 2 ? buffer ^ 1 : 0);
     ahead.next(step_r, step_c, tiles_c);
-    cp_async_wait<kStages - 1>();  // this tile's patches have landed (own copies only)
-    unsigned char *stage = stages + (k % kStages) * S::kStageBytes;
+    // This tile's patches have landed (own copies only).
+    if (stages == 2) {
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    unsigned char *stage = smem + buffer * S::kStageBytes;  // the inputs, then the exchange
     const int64_t r0 = static_cast<int64_t>(at.r) * kTile, c0 = static_cast<int64_t>(at.c) * kTile;
     const int64_t prow = r0 + pr * 8, pcol = c0 + pc * 8;
 
@@ -87,7 +97,13 @@ __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBl
     for (int i = 0; i < 8; ++i) {
       float x[kOps][8];
 #pragma unroll
-      for (int o = 0; o < kOps; ++o) T::read(mine + o * T::kBytes + i * T::kRowBytes, pc, x[o]);
+      for (int o = 0; o < kOps; ++o) {
+        if constexpr (S::kStaged) {
+          T::read(mine + o * T::kBytes + i * T::kRowBytes, pc, x[o]);
+        } else {
+          read_direct<kIn, kBackward>(p, o, prow + i, pcol, x[o]);
+        }
+      }
       float y[kOut][8];
       row_values<kAct, kBackward, kOps, kOut>(x, y);
       const int64_t row = prow + i;
@@ -132,7 +148,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBl
     amax = act::max_keep_nan(amax, patch_amax);
 
     if (exchange) {
-      __syncthreads();  // every thread is done with this stage's inputs
+      __syncthreads();  // every thread is done with this stage's inputs (if staged)
       TransposeStage *transposed = reinterpret_cast<TransposeStage *>(stage);
       float *col_sums = reinterpret_cast<float *>(stage + S::kTransposeBytes);  // [kOut][16][128]
       if constexpr (kFp8) {
@@ -182,23 +198,37 @@ __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBl
   if (kFp8 && blockIdx.x == 0 && threadIdx.x == 0) *p.scale_inv = canonical_div(1.0f, scale);
 }
 
-// Launches the kernel on as many blocks as stay resident (they loop over the tiles). Its
-// shared-memory limit and residency are set up once per device.
+// Launches the kernel on as many blocks as stay resident (they loop over the tiles). Once per
+// device: the stage count its shared memory allows, the kernel's shared-memory limit raised
+// to that (past 48 KiB a kernel must ask), all of L1 given to shared memory (the inputs
+// bypass L1, and two blocks fit where they can), and the residency.
 template <te_dtype kIn, te_activation kAct, bool kBackward, Out kKind>
-te_status launch(const ActParams &p, cudaStream_t stream, int sms) {
+te_status launch(ActParams p, cudaStream_t stream, int sms) {
   using S = Shape<kIn, kAct, kBackward>;
   auto kernel = activation_kernel<kIn, kAct, kBackward, kKind>;
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> resident[kMaxDevices];  // blocks per SM; 0 until set up
+  static std::atomic<uint32_t> cached[kMaxDevices];  // stages << 16 | blocks per SM; 0: not set up
   int device = 0;
   if (te_status s = cuda_status(kOp, cudaGetDevice(&device))) return s;
-  const bool cached = device >= 0 && device < kMaxDevices;
-  int per_sm = cached ? resident[device].load(std::memory_order_relaxed) : 0;
-  if (per_sm == 0) {
-    // Past 48 KiB a kernel must ask for its dynamic shared memory; and all of the SM's L1 is
-    // wanted as shared memory (the inputs bypass L1), so that two blocks fit where they can.
+  const bool cacheable = device >= 0 && device < kMaxDevices;
+  const uint32_t bits = cacheable ? cached[device].load(std::memory_order_relaxed) : 0;
+  int stages = static_cast<int>(bits >> 16), per_sm = static_cast<int>(bits & 0xFFFF);
+  if (bits == 0) {
+    int limit = 0;  // bytes of shared memory a block may opt in to, static included
+    if (te_status s = cuda_status(kOp, cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                              device))) {
+      return s;
+    }
+    constexpr int kSlack = 1024;  // the kernel's static shared memory, with room
+    stages = S::smem_bytes(2) + kSlack <= limit ? 2 : 1;
+    if (S::smem_bytes(stages) + kSlack > limit) {
+      return fail(TE_ERROR_UNSUPPORTED, kOp,
+                  "the device must offer " + std::to_string(S::smem_bytes(stages) + kSlack) +
+                      " bytes of shared memory per block, got " + std::to_string(limit));
+    }
+    const int smem = S::smem_bytes(stages);
     if (te_status s = cuda_status(kOp, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                            S::kSmemBytes))) {
+                                                            smem))) {
       return s;
     }
     if (te_status s = cuda_status(kOp, cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -206,14 +236,15 @@ te_status launch(const ActParams &p, cudaStream_t stream, int sms) {
       return s;
     }
     if (te_status s = cuda_status(kOp, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
-                                                                                     S::kSmemBytes))) {
+                                                                                     smem))) {
       return s;
     }
-    per_sm = std::max(per_sm, 1);
-    if (cached) resident[device].store(per_sm, std::memory_order_relaxed);
+    per_sm = std::min(std::max(per_sm, 1), 0xFFFF);
+    if (cacheable) cached[device].store(static_cast<uint32_t>(stages) << 16 | per_sm, std::memory_order_relaxed);
   }
+  p.stages = stages;
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(p.num_tiles, static_cast<int64_t>(sms) * per_sm));
-  kernel<<<static_cast<unsigned>(grid), kThreads, S::kSmemBytes, stream>>>(p);
+  kernel<<<static_cast<unsigned>(grid), kThreads, S::smem_bytes(stages), stream>>>(p);
   return launch_status(kOp);
 }
 
