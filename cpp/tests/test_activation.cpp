@@ -19,16 +19,19 @@ bool near(float got, double want, double rel = 4e-7) {
 
 }  // namespace
 
-TEST_CASE(exp_is_accurate_and_saturates) {
-  CHECK(te::act::exp_f32(0.0f) == 1.0f);
-  CHECK(near(te::act::exp_f32(1.0f), 2.718281828459045));
-  CHECK(near(te::act::exp_f32(-20.0f), 2.061153622438558e-09));
-  CHECK(near(te::act::exp_f32(88.0f), 1.6516362549940018e+38));
-  CHECK(te::act::exp_f32(89.0f) == INFINITY && te::act::exp_f32(INFINITY) == INFINITY);
-  CHECK(te::act::exp_f32(-104.0f) == 0.0f && te::act::exp_f32(-INFINITY) == 0.0f);
-  CHECK(std::isnan(te::act::exp_f32(NAN)));
-  // A subnormal result, rounded once: e^-100 = 3.72e-44 = 26.55 * 2^-149.
-  CHECK(te::act::exp_f32(-100.0f) == 27 * 1.40129846e-45f);
+TEST_CASE(exp2_is_accurate_and_saturates) {
+  using te::act::exp2_nonpositive;
+  CHECK(exp2_nonpositive(0.0f) == 1.0f && exp2_nonpositive(-0.0f) == 1.0f);
+  CHECK(exp2_nonpositive(-1.0f) == 0.5f && exp2_nonpositive(-126.0f) == std::ldexp(1.0f, -126));
+  CHECK(near(exp2_nonpositive(-0.3f), std::exp2(-0.3)));
+  CHECK(near(exp2_nonpositive(-7.25f), std::exp2(-7.25)));
+  CHECK(near(exp2_nonpositive(-100.5f), std::exp2(-100.5)));
+  CHECK(near(exp2_nonpositive(-28.8539009f), std::exp2(double{-28.8539009f})));  // about e^-20
+  // Subnormal results, rounded once: 2^-149 exactly, and 2^-140.3 = 415.87 * 2^-149.
+  CHECK(exp2_nonpositive(-149.0f) == std::ldexp(1.0f, -149));
+  CHECK(exp2_nonpositive(-140.3f) == 416 * std::ldexp(1.0f, -149));
+  CHECK(exp2_nonpositive(-150.75f) == 0.0f && exp2_nonpositive(-1000.0f) == 0.0f);
+  CHECK(exp2_nonpositive(-INFINITY) == 0.0f && std::isnan(exp2_nonpositive(NAN)));
 }
 
 TEST_CASE(forward_values_by_hand) {

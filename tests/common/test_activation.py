@@ -431,6 +431,75 @@ def test_nan_and_inf(device, act, direction):
     check_cuda_matches_cpu(device, got, again)
 
 
+# Fast path on CUDA (rows % 16 == 0, columns % 8 == 0), a few 8x8 patches per tile row.
+FP8_SPECIAL_SHAPE = (32, 48)
+
+
+def _with_specials(rng, x, dtype):
+    """x with SPECIAL's values scattered over two rows (so that most patches hold none); in
+    float16 the largest become infinities."""
+    x = x.copy()
+    for row in (3, 20):
+        cols = rng.choice(x.shape[1], size=SPECIAL.size, replace=False)
+        with np.errstate(over="ignore"):
+            x[row, cols] = SPECIAL.astype(dtype)
+    return x
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("act", ["identity", "gelu", "srelu", "swiglu"])
+def test_fp8_outputs_with_nan_and_inf(device, act, direction, in_dtype):
+    """FP8 bytes (both layouts), amax and dbias of inputs holding NaN, infinities and extremes,
+    for every input dtype: each NaN is the one NaN byte, patches without NaN beside patches
+    with one are untouched, and all equal the reference quantization of the fp32 values."""
+    fmt = ref.E4M3 if direction == "forward" else ref.E5M2
+    rng = np.random.default_rng([ACTS.index(act), list(DTYPES).index(in_dtype)])
+    x, g = make_inputs(act, direction, FP8_SPECIAL_SHAPE, in_dtype, 4)
+    x = _with_specials(rng, x, DTYPES[in_dtype])
+    if g is not None:
+        g = _with_specials(rng, g, DTYPES[in_dtype])
+    with_dbias = "float32" if direction == "backward" else None
+    wide = run(device.cpu, act, direction, x, g, dbias_dtype=with_dbias)
+    scale = np.float32(1.5)
+
+    def again(d):
+        return run(d, act, direction, x, g, fmt=fmt, scale=scale, dbias_dtype=with_dbias)
+
+    got = again(device)
+    want = ref.quantize_tensor(wide["data"], scale, fmt)
+    ref.assert_fp8_equal(got["data"], want["data"], fmt, "data")
+    ref.assert_fp8_equal(got["columnwise_data"], want["columnwise_data"], fmt, "columnwise_data")
+    ref.assert_float_equal(got["amax"], np.array([want["amax"]]), "amax")
+    if with_dbias:
+        ref.assert_float_equal(got["dbias"], wide["dbias"], "dbias")
+    check_cuda_matches_cpu(device, got, again)
+
+
+@pytest.mark.parametrize("scale", [0.0, np.inf, np.nan], ids=["zero", "inf", "nan"])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_fp8_outputs_with_degenerate_scales(device, direction, scale):
+    """A scale of 0, inf or NaN makes NaN codes out of numbers (inf * 0, 0 * inf, x * NaN):
+    they too are the one NaN byte, and scale_inv is 1 / scale."""
+    fmt = ref.E4M3 if direction == "forward" else ref.E5M2
+    x, g = make_inputs("gelu", direction, FP8_SPECIAL_SHAPE, "bfloat16", 5)
+    x = x.copy()
+    x[1, :4] = np.array([np.inf, 0.0, -np.inf, 30.0], np.float32).astype(ml_dtypes.bfloat16)
+    scale = np.float32(scale)
+
+    def again(d):
+        return run(d, "gelu", direction, x, g, fmt=fmt, scale=scale)
+
+    got = again(device)
+    wide = run(device.cpu, "gelu", direction, x, g)
+    with np.errstate(divide="ignore"):
+        want = ref.quantize_tensor(wide["data"], scale, fmt)
+    ref.assert_fp8_equal(got["data"], want["data"], fmt, "data")
+    ref.assert_fp8_equal(got["columnwise_data"], want["columnwise_data"], fmt, "columnwise_data")
+    ref.assert_float_equal(got["scale_inv"], np.array([want["scale_inv"]]), "scale_inv")
+    check_cuda_matches_cpu(device, got, again)
+
+
 def test_identity_backward_needs_no_input(device):
     """IDENTITY backward is dbias + cast (+ transpose) of grad_output; input may be None."""
     rng = np.random.default_rng(5)

@@ -6,288 +6,253 @@
 #define TRANSFORMER_ENGINE_SRC_ACTIVATION_ACTIVATION_KERNEL_CUH_
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <string>
 
-#include "activation/activation_impl.h"
-#include "activation/activation_math.h"
-#include "common/cuda_utils.cuh"
+#include "activation/activation_io.cuh"
 
 namespace te {
 namespace activation_detail {
 
-constexpr const char *kOp = "activation";
-constexpr int kTile = 128;
-constexpr int kThreads = kStageThreads;  // 256: 16 x 16 patches of 8x8
-constexpr int kPatchesPerRow = kTile / 8;
-
-struct ActParams {
-  const void *input;
-  const void *grad;
-  void *out;
-  uint8_t *out_t;
-  const float *scale;
-  float *scale_inv;
-  float *amax;
-  float *partial;  // [tiles_r, out_cols] or null
-  int64_t rows, n, in_cols, out_cols, tiles_c, num_tiles;
-  te_dtype out_dtype;
-  bool fp8;
-  bool fast;
-};
-
-// Operand o of a kernel: forward {a, b}, backward {grad_output, a, b}; x is a when not gated.
-template <bool kBackward>
-__device__ __forceinline__ void operand(const ActParams &p, int o, const void **ptr, int64_t *stride,
-                                        int64_t *offset) {
-  const int io = kBackward ? o - 1 : o;  // index among the input's operands
-  if (kBackward && o == 0) {
-    *ptr = p.grad, *stride = p.n, *offset = 0;
-  } else {
-    *ptr = p.input, *stride = p.in_cols, *offset = io == 0 ? 0 : p.n;
-  }
-}
-
-template <te_dtype kFp8>
-__device__ __forceinline__ uint32_t pack_fp8(const float *y, float scale) {
-  return fp8x4<kFp8>(y[0] * scale, y[1] * scale, y[2] * scale, y[3] * scale);
-}
-
-__device__ __forceinline__ uint32_t fp8_word(te_dtype dt, const float *y, float scale) {
-  return dt == TE_DTYPE_FLOAT8_E4M3 ? pack_fp8<TE_DTYPE_FLOAT8_E4M3>(y, scale)
-                                    : pack_fp8<TE_DTYPE_FLOAT8_E5M2>(y, scale);
-}
-
-__device__ __forceinline__ uint16_t hp16(te_dtype dt, float v) {
-  return dt == TE_DTYPE_BFLOAT16 ? float_to_bf16(v) : float_to_fp16(v);
-}
-
-__device__ __forceinline__ void store_hp_one(void *out, int64_t i, te_dtype dt, float v) {
-  if (dt == TE_DTYPE_FLOAT32) {
-    static_cast<float *>(out)[i] = v;
-  } else {
-    static_cast<uint16_t *>(out)[i] = hp16(dt, v);
-  }
-}
-
-// Eight values at [i, i + 8) with 128-bit stores (out + i is 16-byte aligned).
-__device__ __forceinline__ void store_hp_eight(void *out, int64_t i, te_dtype dt, const float (&y)[8]) {
-  if (dt == TE_DTYPE_FLOAT32) {
-    float4 *q = reinterpret_cast<float4 *>(static_cast<float *>(out) + i);
-    q[0] = make_float4(y[0], y[1], y[2], y[3]);
-    q[1] = make_float4(y[4], y[5], y[6], y[7]);
-  } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = hp16(dt, y[2 * k]) | (static_cast<uint32_t>(hp16(dt, y[2 * k + 1])) << 16);
-    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + i) = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-}
-
-template <te_dtype kIn, te_activation kAct, bool kBackward>
-struct Shape {
-  static constexpr bool kGated = act::kIsGated<kAct>;
-  // Operands read: forward x or {a, b}; backward g, g + x, or g + {a, b}.
-  static constexpr int kOps = kBackward ? (kGated ? 3 : (kAct == TE_ACTIVATION_IDENTITY ? 1 : 2)) : (kGated ? 2 : 1);
-  // Output patches per thread: gated backward writes d/da and d/db.
-  static constexpr int kOut = kBackward && kGated ? 2 : 1;
-  // fp32 operands take 16 registers per patch row each: with several operands, load a row at
-  // a time rather than the whole patch up front.
-  static constexpr bool kPreload = kIn != TE_DTYPE_FLOAT32 || kOps == 1;
-  static constexpr int kMinBlocks = kOps == 1 && kIn != TE_DTYPE_FLOAT32 ? 2 : 1;
-};
-
-// The element values of one patch row (8 columns) from the decoded operands.
-template <te_activation kAct, bool kBackward, int kOps, int kOut>
-__device__ __forceinline__ void row_values(const float (&x)[kOps][8], float (&y)[kOut][8]) {
-  constexpr bool kGated = act::kIsGated<kAct>;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    if constexpr (!kBackward) {
-      y[0][j] = act::forward_value<kAct>(x[0][j], kGated ? x[kOps - 1][j] : 0.0f);
-    } else if constexpr (kGated) {
-      act::gated_backward_values<kAct>(x[0][j], x[1][j], x[2][j], &y[0][j], &y[kOut - 1][j]);
-    } else {
-      y[0][j] = act::backward_value<kAct>(x[0][j], kOps > 1 ? x[kOps - 1][j] : 0.0f);
-    }
-  }
-}
-
-template <te_dtype kIn, te_activation kAct, bool kBackward>
+template <te_dtype kIn, te_activation kAct, bool kBackward, Out kKind>
 __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBlocks))
     activation_kernel(const ActParams p) {
   using S = Shape<kIn, kAct, kBackward>;
+  using T = StagedTile<kIn>;
   constexpr int kOps = S::kOps, kOut = S::kOut;
-  __shared__ TransposeStage stage;
-  __shared__ float col_sums[kOut][kPatchesPerRow][kTile];
+  constexpr bool kFp8 = kKind != Out::kHighPrecision;
+  extern __shared__ __align__(16) unsigned char smem[];
   __shared__ uint32_t warp_amax[kThreads / 32];
-  const float scale = p.fp8 ? *p.scale : 1.0f;
   const int pr = threadIdx.x / kPatchesPerRow, pc = threadIdx.x % kPatchesPerRow;
-  uint32_t m = 0;
+  const float scale = kFp8 ? *p.scale : 1.0f;
+  // y * scale is NaN only where y is, unless scale is 0, infinite or NaN: then every patch's
+  // FP8 bytes are checked for NaN codes, not only those of patches with a NaN value.
+  const bool check_all = kFp8 && !(fabsf(scale) <= kFloatMax && scale != 0.0f);
+  // The transposed FP8 output (fast path) and the dbias column sums go from thread to thread
+  // through shared memory, behind barriers; without them a block needs none.
+  const bool transpose = kFp8 && p.out_t != nullptr && p.fast;
+  const bool exchange = transpose || (kBackward && p.partial != nullptr);
+  // Tile counts fit in 32 bits (the launcher checks); an empty output (N = 0) has no tiles.
+  const int tiles_r = p.num_tiles > 0 ? static_cast<int>(p.tiles_r) : 0;
+  const int tiles_c = max(static_cast<int>(p.tiles_c), 1);
 
-  const void *ptr[kOps];
-  int64_t stride[kOps], offset[kOps];
-#pragma unroll
-  for (int o = 0; o < kOps; ++o) operand<kBackward>(p, o, &ptr[o], &stride[o], &offset[o]);
+  const int stages = S::kStaged ? p.stages : 0;  // 1 or 2 when staged
 
-  for (int64_t tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x) {
-    if (tile != blockIdx.x) __syncthreads();  // the previous tile's shared memory is consumed
-    const int64_t tile_r = tile / p.tiles_c, r0 = tile_r * kTile, c0 = (tile % p.tiles_c) * kTile;
-    const int64_t prow = r0 + pr * 8, pcol = c0 + pc * 8;
-    // Fast path: a patch is wholly inside the matrix or wholly outside.
-    const bool patch_valid = prow < p.rows && pcol < p.n;
-
-    Packed8<kIn> packed[S::kPreload ? kOps : 1][8];
-    if (S::kPreload && p.fast) {
+  // Stages this thread's patches of a tile (if it exists) and closes a cp.async group.
+  auto fill = [&](const TileCursor &at, int stage) {
+    if (!S::kStaged) return;
+    if (at.r < tiles_r) {
+      const int64_t prow = static_cast<int64_t>(at.r) * kTile + pr * 8;
+      const int64_t pcol = static_cast<int64_t>(at.c) * kTile + pc * 8;
+      unsigned char *dst = smem + stage * S::kStageBytes + pr * 8 * T::kRowBytes;
 #pragma unroll
       for (int o = 0; o < kOps; ++o) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if (patch_valid) {
-            packed[S::kPreload ? o : 0][i].load(ptr[o], (prow + i) * stride[o] + offset[o] + pcol);
-          } else {
-            packed[S::kPreload ? o : 0][i].zero();
-          }
+        const auto *src = operand_at<kBackward, typename T::Storage>(p, o, prow, pcol);
+        const int64_t stride = operand_stride<kBackward>(p, o);
+        if (p.fast) {
+          T::fill_fast(dst + o * T::kBytes, pc, src, stride, prow < p.rows && pcol < p.n);
+        } else {
+          T::fill_masked(dst + o * T::kBytes, pc, src, stride, p.rows - prow, p.n - pcol);
         }
       }
     }
+    cp_async_commit();  // an empty group past the last tile keeps the group count uniform
+  };
 
-    uint32_t lo[kOut][8], hi[kOut][8];
-    float csum[kOut][8];
+  float amax = 0.0f;  // max |value| so far; NaN once any value is NaN
+  const int step_r = gridDim.x / tiles_c, step_c = gridDim.x % tiles_c;
+  TileCursor at(blockIdx.x, tiles_c), ahead = at;  // the tile in work, the next to fill
+  if (stages == 2) {
+    fill(ahead, 0);
+    ahead.next(step_r, step_c, tiles_c);
+  }
+  for (int k = 0; at.r < tiles_r; ++k, at.next(step_r, step_c, tiles_c)) {
+    // The stage refilled now (or the exchange space) held the previous tile's transposes and
+    // column sums: every thread must be done storing them.
+    if (exchange && k > 0) __syncthreads();
+    const int buffer = stages == 2 ? k & 1 : 0;
+    fill(ahead, stages == 2 ? buffer ^ 1 : 0);
+    ahead.next(step_r, step_c, tiles_c);
+    // This tile's patches have landed (own copies only).
+    if (stages == 2) {
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    unsigned char *stage = smem + buffer * S::kStageBytes;  // the inputs, then the exchange
+    const int64_t r0 = static_cast<int64_t>(at.r) * kTile, c0 = static_cast<int64_t>(at.c) * kTile;
+    const int64_t prow = r0 + pr * 8, pcol = c0 + pc * 8;
+
+    float patch_amax = 0.0f;
+    [[maybe_unused]] float csum[kOut][8];
+    [[maybe_unused]] uint32_t lo[kOut][8], hi[kOut][8];
 #pragma unroll
     for (int q = 0; q < kOut; ++q) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) csum[q][j] = 0.0f;
     }
+    const unsigned char *mine = stage + pr * 8 * T::kRowBytes;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const int64_t row = prow + i;
       float x[kOps][8];
 #pragma unroll
       for (int o = 0; o < kOps; ++o) {
-        if (p.fast) {
-          if constexpr (S::kPreload) {
-            packed[o][i].decode(x[o]);
-          } else {
-            Packed8<kIn> v;
-            if (patch_valid) {
-              v.load(ptr[o], row * stride[o] + offset[o] + pcol);
-            } else {
-              v.zero();
-            }
-            v.decode(x[o]);
-          }
+        if constexpr (S::kStaged) {
+          T::read(mine + o * T::kBytes + i * T::kRowBytes, pc, x[o]);
         } else {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            x[o][j] = (row < p.rows && pcol + j < p.n) ? load_hp1<kIn>(ptr[o], row * stride[o] + offset[o] + pcol + j) : 0.0f;
-          }
+          read_direct<kIn, kBackward>(p, o, prow + i, pcol, x[o]);
         }
       }
       float y[kOut][8];
       row_values<kAct, kBackward, kOps, kOut>(x, y);
+      const int64_t row = prow + i;
 #pragma unroll
       for (int q = 0; q < kOut; ++q) {
-        const int64_t base = row * p.out_cols + q * p.n + pcol;  // row-wise index of y[q][0]
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          if (row < p.rows && pcol + j < p.n) {
-            m = max(m, abs_bits(y[q][j]));
-            csum[q][j] += y[q][j];
-          }
+          patch_amax = act::max_keep_nan(patch_amax, fabsf(y[q][j]));
+          if constexpr (kBackward) csum[q][j] += y[q][j];
         }
-        if (p.fp8) {
-          lo[q][i] = fp8_word(p.out_dtype, &y[q][0], scale);
-          hi[q][i] = fp8_word(p.out_dtype, &y[q][4], scale);
-          if (p.out != nullptr) {
-            uint8_t *o8 = static_cast<uint8_t *>(p.out);
-            if (p.fast) {
-              if (patch_valid) store_u64(o8 + base, lo[q][i], hi[q][i]);
-            } else if (row < p.rows) {
+        if constexpr (kFp8) {
+          lo[q][i] = fp8x4_raw<kKind>(y[q][0] * scale, y[q][1] * scale, y[q][2] * scale, y[q][3] * scale);
+          hi[q][i] = fp8x4_raw<kKind>(y[q][4] * scale, y[q][5] * scale, y[q][6] * scale, y[q][7] * scale);
+        } else {
+          const int64_t base = row * p.out_cols + q * p.n + pcol;  // row-wise index of y[q][0]
+          if (p.fast) {
+            if (row < p.rows && pcol < p.n) store_hp_eight(p.out, base, p.out_dtype, y[q]);
+          } else if (row < p.rows) {
 #pragma unroll
-              for (int j = 0; j < 8; ++j) {
-                if (pcol + j < p.n) o8[base + j] = static_cast<uint8_t>((j < 4 ? lo[q][i] : hi[q][i]) >> (8 * (j % 4)));
-              }
+            for (int j = 0; j < 8; ++j) {
+              if (pcol + j < p.n) store_hp_one(p.out, base + j, p.out_dtype, y[q][j]);
             }
           }
-        } else if (p.fast) {
-          if (patch_valid) store_hp_eight(p.out, base, p.out_dtype, y[q]);
-        } else if (row < p.rows) {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            if (pcol + j < p.n) store_hp_one(p.out, base + j, p.out_dtype, y[q][j]);
-          }
         }
       }
     }
 
-    if (p.partial != nullptr) {
-#pragma unroll
-      for (int q = 0; q < kOut; ++q) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) col_sums[q][pr][pc * 8 + j] = csum[q][j];
-      }
-    }
-
-    if (p.out_t != nullptr) {
-      if (p.fast) {
-#pragma unroll
-        for (int q = 0; q < kOut; ++q) {
-          if (q > 0) __syncthreads();  // the stage of the previous patch has been written out
-          stage_put_patch(stage, pr, pc, lo[q], hi[q]);
-          __syncthreads();
-          stage_store_transposed(stage, p.out_t + q * p.n * p.rows, r0, c0, p.rows, p.n);
-        }
-      } else {
+    if constexpr (kFp8) {
+      if (check_all || patch_amax != patch_amax) {
 #pragma unroll
         for (int q = 0; q < kOut; ++q) {
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
+            lo[q][i] = canonical_fp8_nan<kFp8Dtype<kKind>>(lo[q][i]);
+            hi[q][i] = canonical_fp8_nan<kFp8Dtype<kKind>>(hi[q][i]);
+          }
+        }
+      }
+      if (p.out != nullptr) store_fp8_rows<kOut>(p, prow, pcol, lo, hi);
+      if (p.out_t != nullptr && !p.fast) store_fp8_transposed_masked<kOut>(p, prow, pcol, lo, hi);
+    }
+    amax = act::max_keep_nan(amax, patch_amax);
+
+    if (exchange) {
+      __syncthreads();  // every thread is done with this stage's inputs (if staged)
+      TransposeStage *transposed = reinterpret_cast<TransposeStage *>(stage);
+      float *col_sums = reinterpret_cast<float *>(stage + S::kTransposeBytes);  // [kOut][16][128]
+      if constexpr (kFp8) {
+        if (transpose) {
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              if (prow + i < p.rows && pcol + j < p.n) {
-                const uint32_t w = j < 4 ? lo[q][i] : hi[q][i];
-                p.out_t[(q * p.n + pcol + j) * p.rows + prow + i] = static_cast<uint8_t>(w >> (8 * (j % 4)));
-              }
-            }
+          for (int q = 0; q < kOut; ++q) stage_put_patch(transposed[q], pr, pc, lo[q], hi[q]);
+        }
+      }
+      if constexpr (kBackward) {
+        if (p.partial != nullptr) {
+#pragma unroll
+          for (int q = 0; q < kOut; ++q) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) col_sums[(q * kPatchesPerRow + pr) * kTile + pc * 8 + j] = csum[q][j];
+          }
+        }
+      }
+      __syncthreads();
+      if constexpr (kFp8) {
+        if (transpose) {
+#pragma unroll
+          for (int q = 0; q < kOut; ++q) {
+            store_transposed(transposed[q], p.out_t + q * p.n * p.rows, r0, c0, p.rows, p.n);
+          }
+        }
+      }
+      if constexpr (kBackward) {
+        if (p.partial != nullptr) {
+          // Thread t sums column t % 128 of output patch t / 128 over the 16 patch rows, in order.
+          for (int t = threadIdx.x; t < kOut * kTile; t += kThreads) {
+            const int q = t / kTile, col = t % kTile;
+            float s = 0.0f;
+#pragma unroll
+            for (int r = 0; r < kPatchesPerRow; ++r) s += col_sums[(q * kPatchesPerRow + r) * kTile + col];
+            if (c0 + col < p.n) p.partial[at.r * p.out_cols + q * p.n + c0 + col] = s;
           }
         }
       }
     }
-
-    if (p.partial != nullptr) {
-      __syncthreads();
-      // Thread t sums column t % 128 of output patch t / 128 over the 16 patch rows, in order.
-      for (int t = threadIdx.x; t < kOut * kTile; t += kThreads) {
-        const int q = t / kTile, col = t % kTile;
-        float s = 0.0f;
-#pragma unroll
-        for (int r = 0; r < kPatchesPerRow; ++r) s += col_sums[q][r][col];
-        if (c0 + col < p.n) p.partial[tile_r * p.out_cols + q * p.n + c0 + col] = s;
-      }
-    }
   }
+  cp_async_wait<0>();
 
   if (p.amax != nullptr) {
-    m = block_max<kThreads>(m, warp_amax);
-    if (threadIdx.x == 0) atomic_max_amax(p.amax, m);
+    const uint32_t m = block_max<kThreads>(float_bits(amax), warp_amax);
+    if (threadIdx.x == 0) atomic_max_amax(p.amax, is_nan_bits(m) ? kCanonicalNaN : m);
   }
-  if (p.fp8 && blockIdx.x == 0 && threadIdx.x == 0) *p.scale_inv = canonical_div(1.0f, scale);
+  if (kFp8 && blockIdx.x == 0 && threadIdx.x == 0) *p.scale_inv = canonical_div(1.0f, scale);
+}
+
+// Launches the kernel on as many blocks as stay resident (they loop over the tiles). Once per
+// device: the stage count its shared memory allows, the kernel's shared-memory limit raised
+// to that (past 48 KiB a kernel must ask), all of L1 given to shared memory (the inputs
+// bypass L1, and two blocks fit where they can), and the residency.
+template <te_dtype kIn, te_activation kAct, bool kBackward, Out kKind>
+te_status launch(ActParams p, cudaStream_t stream, int sms) {
+  using S = Shape<kIn, kAct, kBackward>;
+  auto kernel = activation_kernel<kIn, kAct, kBackward, kKind>;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<uint32_t> cached[kMaxDevices];  // stages << 16 | blocks per SM; 0: not set up
+  int device = 0;
+  if (te_status s = cuda_status(kOp, cudaGetDevice(&device))) return s;
+  const bool cacheable = device >= 0 && device < kMaxDevices;
+  const uint32_t bits = cacheable ? cached[device].load(std::memory_order_relaxed) : 0;
+  int stages = static_cast<int>(bits >> 16), per_sm = static_cast<int>(bits & 0xFFFF);
+  if (bits == 0) {
+    int limit = 0;  // bytes of shared memory a block may opt in to, static included
+    if (te_status s = cuda_status(kOp, cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                              device))) {
+      return s;
+    }
+    constexpr int kSlack = 1024;  // the kernel's static shared memory, with room
+    stages = S::smem_bytes(2) + kSlack <= limit ? 2 : 1;
+    if (S::smem_bytes(stages) + kSlack > limit) {
+      return fail(TE_ERROR_UNSUPPORTED, kOp,
+                  "the device must offer " + std::to_string(S::smem_bytes(stages) + kSlack) +
+                      " bytes of shared memory per block, got " + std::to_string(limit));
+    }
+    const int smem = S::smem_bytes(stages);
+    if (te_status s = cuda_status(kOp, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                            smem))) {
+      return s;
+    }
+    if (te_status s = cuda_status(kOp, cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                            cudaSharedmemCarveoutMaxShared))) {
+      return s;
+    }
+    if (te_status s = cuda_status(kOp, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
+                                                                                     smem))) {
+      return s;
+    }
+    per_sm = std::min(std::max(per_sm, 1), 0xFFFF);
+    if (cacheable) cached[device].store(static_cast<uint32_t>(stages) << 16 | per_sm, std::memory_order_relaxed);
+  }
+  p.stages = stages;
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(p.num_tiles, static_cast<int64_t>(sms) * per_sm));
+  kernel<<<static_cast<unsigned>(grid), kThreads, S::smem_bytes(stages), stream>>>(p);
+  return launch_status(kOp);
 }
 
 template <te_dtype kIn, te_activation kAct, bool kBackward>
-te_status launch(const ActParams &p, cudaStream_t stream, int sms) {
-  auto kernel = activation_kernel<kIn, kAct, kBackward>;
-  static const int per_sm = [&] {
-    int blocks = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0) != cudaSuccess) {
-      cudaGetLastError();
-      return 1;
-    }
-    return std::max(blocks, 1);
-  }();
-  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(p.num_tiles, static_cast<int64_t>(sms) * per_sm));
-  kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(p);
-  return launch_status(kOp);
+te_status launch_kind(const ActParams &p, cudaStream_t stream, int sms) {
+  if (!p.fp8) return launch<kIn, kAct, kBackward, Out::kHighPrecision>(p, stream, sms);
+  if (p.out_dtype == TE_DTYPE_FLOAT8_E4M3) return launch<kIn, kAct, kBackward, Out::kE4M3>(p, stream, sms);
+  return launch<kIn, kAct, kBackward, Out::kE5M2>(p, stream, sms);
 }
 
 // Launches the kernel of act and direction for input dtype kIn (instantiated per dtype and
@@ -295,15 +260,15 @@ te_status launch(const ActParams &p, cudaStream_t stream, int sms) {
 template <te_dtype kIn, bool kBackward>
 te_status launch_act(const ActParams &p, te_activation act, cudaStream_t stream, int sms) {
   switch (act) {
-    case TE_ACTIVATION_GELU: return launch<kIn, TE_ACTIVATION_GELU, kBackward>(p, stream, sms);
-    case TE_ACTIVATION_RELU: return launch<kIn, TE_ACTIVATION_RELU, kBackward>(p, stream, sms);
-    case TE_ACTIVATION_SILU: return launch<kIn, TE_ACTIVATION_SILU, kBackward>(p, stream, sms);
-    case TE_ACTIVATION_QGELU: return launch<kIn, TE_ACTIVATION_QGELU, kBackward>(p, stream, sms);
-    case TE_ACTIVATION_SRELU: return launch<kIn, TE_ACTIVATION_SRELU, kBackward>(p, stream, sms);
-    case TE_ACTIVATION_GEGLU: return launch<kIn, TE_ACTIVATION_GEGLU, kBackward>(p, stream, sms);
-    case TE_ACTIVATION_SWIGLU: return launch<kIn, TE_ACTIVATION_SWIGLU, kBackward>(p, stream, sms);
-    case TE_ACTIVATION_REGLU: return launch<kIn, TE_ACTIVATION_REGLU, kBackward>(p, stream, sms);
-    default: return launch<kIn, TE_ACTIVATION_IDENTITY, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_GELU: return launch_kind<kIn, TE_ACTIVATION_GELU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_RELU: return launch_kind<kIn, TE_ACTIVATION_RELU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_SILU: return launch_kind<kIn, TE_ACTIVATION_SILU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_QGELU: return launch_kind<kIn, TE_ACTIVATION_QGELU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_SRELU: return launch_kind<kIn, TE_ACTIVATION_SRELU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_GEGLU: return launch_kind<kIn, TE_ACTIVATION_GEGLU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_SWIGLU: return launch_kind<kIn, TE_ACTIVATION_SWIGLU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_REGLU: return launch_kind<kIn, TE_ACTIVATION_REGLU, kBackward>(p, stream, sms);
+    default: return launch_kind<kIn, TE_ACTIVATION_IDENTITY, kBackward>(p, stream, sms);
   }
 }
 

@@ -2,24 +2,33 @@
 // CPU reference and of the CUDA kernels alike (both call these functions), so the two paths
 // compute the same bits.
 //
-// libm's expf and CUDA's differ in the last ulp, so exp is the core's own: Cody-Waite range
-// reduction x = k ln2 + r (|r| <= ln2/2, exact: ln2's high part has 15 significant bits), a
-// degree-7 Taylor polynomial for e^r (its truncation is below 0.1 ulp there), and 2^k applied
-// by two exact power-of-two multiplies, so that results in the subnormal range are rounded
-// once. Only +, -, *, / and comparisons are used, each correctly rounded on both sides
-// (--fmad=false, -ffp-contract=off, IEEE division on the GPU).
+// Only correctly rounded operations are used, so that both sides agree: +, -, *, comparisons,
+// and fused multiply-add written out as fma_f32 (std::fma on the CPU, the GPU's fma: each rounds
+// a * b + c once). Nothing is left to contraction (--fmad=false, -ffp-contract=off). The one
+// division is a reciprocal of a number in [1, 2] (recip_1_2), correctly rounded on both sides.
+//
+// libm's expf and CUDA's differ in the last ulp, so exp is the core's own, and in base 2: every
+// caller needs e^z only for the sigmoid, as 2^-|w| with w = z log2(e), and the log2(e) is folded
+// into the caller's constants (GELU's 2 sqrt(2/pi) log2(e), ...): one more rounding of the
+// argument, of the kind whose amplification by exp activation.h already accounts for. 2^v =
+// 2^k 2^f with k = round(v) and f in [-0.5, 0.5] exactly, 2^f by a degree-6 minimax polynomial
+// (relative error 2e-9; the result is within 0.95 ulp, measured), and 2^k applied with one
+// multiply, so that results in the subnormal range are rounded once.
 //
 // GELU's tanh form is evaluated as x * sigmoid(2u): 0.5 (1 + tanh(u)) = sigmoid(2u) exactly in
 // real arithmetic, and the sigmoid form has no cancellation for negative x, where 1 + tanh(u)
-// loses every digit. Sigmoid itself takes e = exp(-|z|) <= 1 and returns both s and 1 - s as
+// loses every digit. Sigmoid itself takes e = 2^-|w| <= 1 and returns both s and 1 - s as
 // 1/(1+e) and e/(1+e), so neither is computed by a cancelling subtraction.
 //
 // Infinities: forward inputs are clamped below at -FLT_MAX, derivative inputs to the range
 // beyond which the function is saturated in fp32 (there the clamp changes no bit), so that
-// inf * 0 never arises; NaN passes every clamp.
+// inf * 0 never arises; NaN passes every clamp. NaN payloads are not pinned here: a NaN may come
+// out of these functions with any payload, and the callers write every NaN as kCanonicalNaN
+// (fp32 outputs, amax, dbias) or through a conversion that does (16-bit and FP8 outputs).
 #ifndef TRANSFORMER_ENGINE_SRC_ACTIVATION_ACTIVATION_MATH_H_
 #define TRANSFORMER_ENGINE_SRC_ACTIVATION_ACTIVATION_MATH_H_
 
+#include <cmath>
 #include <cstdint>
 
 #include "common/numerics.h"
@@ -28,92 +37,147 @@
 namespace te {
 namespace act {
 
-// lo <= x <= hi; NaN stays NaN (both comparisons are false).
-TE_HOST_DEVICE float clamp(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
-
-// e^x within about 2 ulp; +inf above 88.72, +0 below -103.97, NaN for NaN.
-TE_HOST_DEVICE float exp_f32(float x) {
-  constexpr float kLog2e = 1.44269502f;
-  constexpr float kLn2Hi = 0.693145751953125f;       // 0x3F317200: 15 significant bits
-  constexpr float kLn2Lo = 1.42860676533018708e-06f;  // ln2 - kLn2Hi
-  constexpr float kRound = 12582912.0f;               // 1.5 * 2^23: adding it rounds to an integer
-  x = clamp(x, -104.0f, 89.0f);                       // keeps k in [-150, 129]
-  const float t = x * kLog2e + kRound;
-  const float kf = t - kRound;
-  const int32_t k = static_cast<int32_t>(float_bits(t) - float_bits(kRound));
-  // k * kLn2Hi is exact (|k| < 2^8) and x - k * kLn2Hi is exact (Sterbenz).
-  const float r = (x - kf * kLn2Hi) - kf * kLn2Lo;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  // 2^k as 2^k1 * 2^k2 with both factors normal: the first product is exact, the second rounds.
-  const int32_t k1 = k / 2, k2 = k - k1;
-  return (p * bits_float(static_cast<uint32_t>(k1 + 127) << 23)) *
-         bits_float(static_cast<uint32_t>(k2 + 127) << 23);
+// a * b + c, rounded once.
+TE_HOST_DEVICE float fma_f32(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
 }
 
-// s = sigmoid(z) and 1 - s, each without cancellation.
+// max(x, lo) and min(x, hi) for a nonzero bound; a NaN x gives NaN (the GPU's max.NaN: one
+// instruction where the comparison and select would take two).
+TE_HOST_DEVICE float max_keep_nan(float x, float lo) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(lo));
+  return r;
+#else
+  return x < lo ? lo : x;
+#endif
+}
+
+TE_HOST_DEVICE float min_keep_nan(float x, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(hi));
+  return r;
+#else
+  return x > hi ? hi : x;
+#endif
+}
+
+// lo <= x <= hi; NaN stays NaN.
+TE_HOST_DEVICE float clamp(float x, float lo, float hi) { return min_keep_nan(max_keep_nan(x, lo), hi); }
+
+// 1 / d for d in [1, 2] (or NaN), correctly rounded. The GPU's IEEE reciprocal checks for
+// arguments near the ends of the exponent range before it takes its fast path, the hardware
+// estimate refined by one Newton step with fma; d is never near them, so only that fast path
+// is written here, instruction for instruction what the compiler emits for it.
+TE_HOST_DEVICE float recip_1_2(float d) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return __fmaf_rn(r, __fmaf_rn(-d, r, 1.0f), r);
+#else
+  return 1.0f / d;
+#endif
+}
+
+// 2^f for f in [-0.5, 0.5], times 2^-64 (see exp2_nonpositive): a minimax polynomial of degree
+// 6 with p(0) = 1 exactly, its coefficients scaled by 2^-64 (exact: powers of two, and fma
+// never rounds a product on its own, so the scaled Horner steps round as the unscaled would).
+constexpr float kExp2Scale = 0x1p-64f;
+constexpr float kExp2C0 = 1.0f * kExp2Scale;
+constexpr float kExp2C1 = 0.693147182f * kExp2Scale;
+constexpr float kExp2C2 = 0.240226477f * kExp2Scale;
+constexpr float kExp2C3 = 0.0555033237f * kExp2Scale;
+constexpr float kExp2C4 = 0.00961843692f * kExp2Scale;
+constexpr float kExp2C5 = 0.0013398875f * kExp2Scale;
+constexpr float kExp2C6 = 0.00015353362f * kExp2Scale;
+
+// 2^v for v <= 0 within about 1 ulp; +0 below -150.5, NaN for NaN.
+TE_HOST_DEVICE float exp2_nonpositive(float v) {
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  v = max_keep_nan(v, -152.0f);          // keeps k in [-152, 0]
+  const float t = v + kRound;            // kRound + k, k = round(v)
+  const float f = v - (t - kRound);      // exact (Sterbenz), in [-0.5, 0.5]
+  float p = fma_f32(kExp2C6, f, kExp2C5);
+  p = fma_f32(p, f, kExp2C4);
+  p = fma_f32(p, f, kExp2C3);
+  p = fma_f32(p, f, kExp2C2);
+  p = fma_f32(p, f, kExp2C1);
+  p = fma_f32(p, f, kExp2C0);
+  // 2^(k + 64), a normal number: bits(t) = bits(kRound) + k (t's ulp is 1), and bits(kRound) is
+  // a multiple of 2^9, so the shift leaves (k + 64 + 127) << 23.
+  const float two_k = bits_float((float_bits(t) + 191u) << 23);
+  return p * two_k;  // 2^f 2^k, rounded once
+}
+
+// s = sigmoid(w ln 2) = 1 / (1 + 2^-w) and 1 - s, each without cancellation.
 struct Sigmoid {
   float s, one_minus_s;
 };
 
-TE_HOST_DEVICE Sigmoid sigmoid_pair(float z) {
-  const float e = exp_f32(-(z < 0.0f ? -z : z));  // in [0, 1]; NaN for NaN
-  const float big = 1.0f / (1.0f + e);            // sigmoid(|z|)
-  const float small = e * big;                    // sigmoid(-|z|)
-  return z >= 0.0f ? Sigmoid{big, small} : Sigmoid{small, big};  // NaN: both NaN
+TE_HOST_DEVICE Sigmoid sigmoid_log2(float w) {
+  const float e = exp2_nonpositive(-fabsf(w));  // in [0, 1]; NaN for NaN
+  const float big = recip_1_2(1.0f + e);        // sigmoid(|w| ln 2)
+  const float small = e * big;                  // sigmoid(-|w| ln 2)
+  return w >= 0.0f ? Sigmoid{big, small} : Sigmoid{small, big};  // NaN: both NaN
 }
 
-TE_HOST_DEVICE float sigmoid(float z) { return sigmoid_pair(z).s; }
-
-constexpr float kGeluA = 0.044715f;
-constexpr float kGelu2C = 1.59576912160573f;  // 2 sqrt(2/pi)
+constexpr float kLog2e = 1.442695f;
+// GELU: z = 2 sqrt(2/pi) (x + 0.044715 x^3) = x (kGelu2C + kGeluC3 x^2), and in log2 units
+// w = z log2(e) = x (kGeluW1 + kGeluW3 x^2); dz/dx = kGelu2C + kGeluD2 x^2. Each constant is
+// the exact product rounded once.
+constexpr float kGelu2C = 1.5957692f;  // 2 sqrt(2/pi)
+constexpr float kGeluW1 = 2.3022082f;  // 2 sqrt(2/pi) log2(e)
+constexpr float kGeluW3 = 0.10294324f;  // 2 sqrt(2/pi) log2(e) 0.044715
+constexpr float kGeluD2 = 0.21406445f;  // 2 sqrt(2/pi) 3 0.044715
+// Quick GELU: x sigmoid(1.702 x).
 constexpr float kQGeluK = 1.702f;
+constexpr float kQGeluW = 2.455467f;  // 1.702 log2(e)
 
-// The argument 2u of the sigmoid form of GELU: 2 sqrt(2/pi) (x + 0.044715 x^3).
-TE_HOST_DEVICE float gelu_z(float x) { return kGelu2C * (x + kGeluA * ((x * x) * x)); }
+TE_HOST_DEVICE float gelu_w(float x, float x2) { return x * fma_f32(kGeluW3, x2, kGeluW1); }
 
 TE_HOST_DEVICE float gelu(float x) {
-  x = x < -kFloatMax ? -kFloatMax : x;  // gelu(-inf) = -0, not -inf * 0
-  return x * sigmoid(gelu_z(x));
+  x = max_keep_nan(x, -kFloatMax);  // gelu(-inf) = -0, not -inf * 0
+  return x * sigmoid_log2(gelu_w(x, x * x)).s;
 }
 
 TE_HOST_DEVICE float dgelu(float x) {
-  // |x| >= 20: z is beyond +-600, so s is exactly 0 or 1 and the derivative exactly 0 or 1.
+  // |x| >= 20: |w| >= 869, so s is exactly 0 or 1 and the derivative exactly 0 or 1.
   x = clamp(x, -20.0f, 20.0f);
-  const Sigmoid s = sigmoid_pair(gelu_z(x));
-  const float dz = kGelu2C * (1.0f + (3.0f * kGeluA) * (x * x));
-  return s.s * (1.0f + x * (s.one_minus_s * dz));
+  const float x2 = x * x;
+  const Sigmoid s = sigmoid_log2(gelu_w(x, x2));
+  const float dz = fma_f32(kGeluD2, x2, kGelu2C);
+  return s.s * fma_f32(x, s.one_minus_s * dz, 1.0f);
 }
 
 TE_HOST_DEVICE float relu(float x) { return x <= 0.0f ? 0.0f : x; }  // NaN stays NaN
 TE_HOST_DEVICE float drelu(float x) { return x > 0.0f ? 1.0f : (x <= 0.0f ? 0.0f : x); }
 
 TE_HOST_DEVICE float silu(float x) {
-  x = x < -kFloatMax ? -kFloatMax : x;
-  return x * sigmoid(x);
+  x = max_keep_nan(x, -kFloatMax);
+  return x * sigmoid_log2(x * kLog2e).s;
 }
 
 TE_HOST_DEVICE float dsilu(float x) {
-  x = clamp(x, -200.0f, 200.0f);  // s is exactly 0 or 1 beyond +-104
-  const Sigmoid s = sigmoid_pair(x);
-  return s.s * (1.0f + x * s.one_minus_s);
+  x = clamp(x, -200.0f, 200.0f);  // s is exactly 0 or 1 beyond +-105
+  const Sigmoid s = sigmoid_log2(x * kLog2e);
+  return s.s * fma_f32(x, s.one_minus_s, 1.0f);
 }
 
 TE_HOST_DEVICE float qgelu(float x) {
-  x = x < -kFloatMax ? -kFloatMax : x;
-  return x * sigmoid(kQGeluK * x);
+  x = max_keep_nan(x, -kFloatMax);
+  return x * sigmoid_log2(kQGeluW * x).s;
 }
 
 TE_HOST_DEVICE float dqgelu(float x) {
   x = clamp(x, -200.0f, 200.0f);  // s is exactly 0 or 1 beyond +-62
-  const Sigmoid s = sigmoid_pair(kQGeluK * x);
-  return s.s * (1.0f + x * (s.one_minus_s * kQGeluK));
+  const Sigmoid s = sigmoid_log2(kQGeluW * x);
+  return s.s * fma_f32(x, s.one_minus_s * kQGeluK, 1.0f);
 }
 
 TE_HOST_DEVICE float srelu(float x) {
@@ -147,14 +211,14 @@ template <te_activation kAct>
 constexpr bool kIsGated =
     kAct == TE_ACTIVATION_GEGLU || kAct == TE_ACTIVATION_SWIGLU || kAct == TE_ACTIVATION_REGLU;
 
-// The values that reach the outputs (and amax, and dbias), NaN pinned to kCanonicalNaN.
+// The values that reach the outputs (and amax, and dbias); NaN with any payload.
 // Forward: y = act(x), gated y = act(a) * b.
 template <te_activation kAct>
 TE_HOST_DEVICE float forward_value(float a, float b) {
   if constexpr (kIsGated<kAct>) {
-    return canonical(forward<kAct>(a) * b);
+    return forward<kAct>(a) * b;
   } else {
-    return canonical(forward<kAct>(a));
+    return forward<kAct>(a);
   }
 }
 
@@ -162,9 +226,9 @@ TE_HOST_DEVICE float forward_value(float a, float b) {
 template <te_activation kAct>
 TE_HOST_DEVICE float backward_value(float g, float x) {
   if constexpr (kAct == TE_ACTIVATION_IDENTITY) {
-    return canonical(g);
+    return g;
   } else {
-    return canonical(g * derivative<kAct>(x));
+    return g * derivative<kAct>(x);
   }
 }
 
@@ -175,15 +239,16 @@ template <te_activation kAct>
 TE_HOST_DEVICE void gated_value_and_derivative(float x, float *f, float *d) {
   if constexpr (kAct == TE_ACTIVATION_GEGLU) {
     const float xc = clamp(x, -20.0f, 20.0f);
-    const Sigmoid s = sigmoid_pair(gelu_z(xc));
-    const float dz = kGelu2C * (1.0f + (3.0f * kGeluA) * (xc * xc));
-    *f = (x < -kFloatMax ? -kFloatMax : x) * s.s;
-    *d = s.s * (1.0f + xc * (s.one_minus_s * dz));
+    const float x2 = xc * xc;
+    const Sigmoid s = sigmoid_log2(gelu_w(xc, x2));
+    const float dz = fma_f32(kGeluD2, x2, kGelu2C);
+    *f = max_keep_nan(x, -kFloatMax) * s.s;
+    *d = s.s * fma_f32(xc, s.one_minus_s * dz, 1.0f);
   } else if constexpr (kAct == TE_ACTIVATION_SWIGLU) {
     const float xc = clamp(x, -200.0f, 200.0f);
-    const Sigmoid s = sigmoid_pair(xc);
-    *f = (x < -kFloatMax ? -kFloatMax : x) * s.s;
-    *d = s.s * (1.0f + xc * s.one_minus_s);
+    const Sigmoid s = sigmoid_log2(xc * kLog2e);
+    *f = max_keep_nan(x, -kFloatMax) * s.s;
+    *d = s.s * fma_f32(xc, s.one_minus_s, 1.0f);
   } else {
     *f = forward<kAct>(x);
     *d = derivative<kAct>(x);
@@ -196,8 +261,8 @@ template <te_activation kAct>
 TE_HOST_DEVICE void gated_backward_values(float g, float a, float b, float *da, float *db) {
   float f, d;
   gated_value_and_derivative<kAct>(a, &f, &d);
-  *da = canonical((g * d) * b);
-  *db = canonical(g * f);
+  *da = (g * d) * b;
+  *db = g * f;
 }
 
 }  // namespace act

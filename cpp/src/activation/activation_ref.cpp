@@ -14,7 +14,8 @@
 namespace te {
 namespace {
 
-// The fp32 values of output / grad_input rows [r0, r1) into v ([r1 - r0, out_cols]).
+// The fp32 values of output / grad_input rows [r0, r1) into v ([r1 - r0, out_cols]), NaN as
+// kCanonicalNaN.
 template <te_activation kAct>
 void chunk_values(const ActivationArgs &a, int64_t r0, int64_t r1, float *v) {
   const int64_t n = a.n, in_cols = a.in_cols(), oc = a.out_cols();
@@ -25,16 +26,18 @@ void chunk_values(const ActivationArgs &a, int64_t r0, int64_t r1, float *v) {
       if (!a.backward) {
         const float x = load_hp(a.input, r * in_cols + c, dt);
         const float b = a.gated ? load_hp(a.input, r * in_cols + n + c, dt) : 0.0f;
-        row[c] = act::forward_value<kAct>(x, b);
+        row[c] = canonical(act::forward_value<kAct>(x, b));
       } else if (a.gated) {
         const float g = load_hp(a.grad_output, r * n + c, dt);
         const float x = load_hp(a.input, r * in_cols + c, dt);
         const float b = load_hp(a.input, r * in_cols + n + c, dt);
         act::gated_backward_values<kAct>(g, x, b, &row[c], &row[n + c]);
+        row[c] = canonical(row[c]);
+        row[n + c] = canonical(row[n + c]);
       } else {
         const float g = load_hp(a.grad_output, r * n + c, dt);
         const float x = a.input != nullptr ? load_hp(a.input, r * in_cols + c, dt) : 0.0f;
-        row[c] = act::backward_value<kAct>(g, x);
+        row[c] = canonical(act::backward_value<kAct>(g, x));
       }
     }
   }
