@@ -57,7 +57,11 @@ __global__ void __launch_bounds__(kThreads)
     slot(0, j, 1) = make_float4(g[4], g[5], g[6], g[7]);
   }
 
+  // The next row's x and dy (and mu, rsigma), loaded while this row is computed. Vectors past
+  // the row end are never loaded nor used: they keep these zeros.
   Packed8<kIn> next_x[kVecs], next_dy[kVecs];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) next_x[j].zero(), next_dy[j].zero();
   float next_mu = 0.0f, next_rs = 0.0f;
   auto load = [&](int64_t row) {  // row == rows: none
 #pragma unroll
@@ -65,9 +69,6 @@ __global__ void __launch_bounds__(kThreads)
       if (row < rows && j < vecs) {
         next_x[j].load(a.input, row * n + col(j));
         next_dy[j].load(a.grad_output, row * n + col(j));
-      } else {
-        next_x[j].zero();
-        next_dy[j].zero();
       }
     }
     if (row < rows) {

@@ -152,12 +152,26 @@ __device__ __forceinline__ void store_any8(void *p, int64_t i, te_dtype d, const
   *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(p) + i) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// Two 16-bit halves of w (bf16, else fp16) with every NaN set to the reference's one pattern
+// (float_to_bf16: 0x7FC0, float_to_fp16: 0x7E00), whatever its sign and payload.
+template <bool kBf16>
+__device__ __forceinline__ uint32_t canonical_hp_nan2(uint32_t w) {
+  constexpr uint32_t kInf = kBf16 ? 0x7F80u : 0x7C00u;
+  constexpr uint32_t kNaN = kBf16 ? 0x7FC07FC0u : 0x7E007E00u;
+  // Adding 0x8000 - (inf + 1) to a half's magnitude sets its bit 15 exactly when it is a NaN
+  // (no carry leaves the half: 0x7FFF plus the addend stays below 0x10000).
+  constexpr uint32_t kBias = (0x8000u - (kInf + 1)) * 0x00010001u;
+  const uint32_t top = ((w & 0x7FFF7FFFu) + kBias) & 0x80008000u;
+  const uint32_t mask = top | (top - (top >> 15));  // 0xFFFF in NaN halves
+  return (w & ~mask) | (kNaN & mask);
+}
+
 // As store_any8, with the hardware conversions (one instruction per two values): they round to
 // nearest even, keep subnormals and overflow to infinity exactly like float_to_bf16 and
-// float_to_fp16; only their NaN differs, so a vector that may hold one (nan: abs_max8 is NaN)
-// takes the reference's conversion.
+// float_to_fp16, and differ only in NaN's pattern, which a vector that may hold one (nan:
+// abs_max8 is NaN) gets replaced with the reference's.
 __device__ __forceinline__ void store_hp8(void *p, int64_t i, te_dtype d, const float (&v)[8], bool nan) {
-  if (d == TE_DTYPE_FLOAT32 || nan) {
+  if (d == TE_DTYPE_FLOAT32) {
     store_any8(p, i, d, v);
     return;
   }
@@ -170,6 +184,12 @@ __device__ __forceinline__ void store_hp8(void *p, int64_t i, te_dtype d, const 
     } else {
       const __half2 h = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
       w[k] = *reinterpret_cast<const uint32_t *>(&h);
+    }
+  }
+  if (nan) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      w[k] = d == TE_DTYPE_BFLOAT16 ? canonical_hp_nan2<true>(w[k]) : canonical_hp_nan2<false>(w[k]);
     }
   }
   *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(p) + i) = make_uint4(w[0], w[1], w[2], w[3]);
