@@ -12,8 +12,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -222,7 +222,7 @@ struct RowVectors {
   }
 };
 
-// This thread's vectors t, t + 128, ..., below kVecs of them, that start inside a row of
+// How many of this thread's vectors t, t + 128, ... (at most max_vecs) lie inside a row of
 // nvec whole vectors.
 __device__ __forceinline__ int own_vectors(int64_t nvec, int max_vecs) {
   const int64_t left = div_up(nvec - threadIdx.x % kThreads, kThreads);
