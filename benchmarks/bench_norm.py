@@ -1,6 +1,6 @@
 """LayerNorm / RMSNorm forward with FP8 output (and its transpose) through the core, side by
 side with torch's norm + cast in eager mode and under torch.compile; the backward beside
-torch's.
+torch's. Two widths: 8192, and 4096 (the LayerNormMLP benchmark's hidden size).
 
 Effective bandwidth counts the bytes a fused kernel must move: the bf16 input read (2 B per
 element) and the FP8 output written (1 B, and 1 B more for the transposed copy); the backward
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from harness import H200_COPY_TBPS, measure_copy_tbps, time_cuda, time_cuda_graph, write_result
 from transformer_engine.common import core
 
-SHAPE = (16384, 8192)
+SHAPES = [(16384, 8192), (16384, 4096)]
 E4M3_MAX = 448.0
 
 
@@ -40,9 +40,9 @@ def torch_norm_cast(norm: str, x, g, b, scale, transpose: bool):
     return (q, q.t().contiguous(), amax) if transpose else (q, amax)
 
 
-def bench(norm: str, compiled: dict) -> list[dict]:
+def bench(norm: str, shape: tuple[int, int], compiled: dict) -> list[dict]:
     _core = core()
-    m, n = SHAPE
+    m, n = shape
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     g = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -144,7 +144,7 @@ def bench(norm: str, compiled: dict) -> list[dict]:
                 }
             )
             print(
-                f"{norm:9s} {op:22s} {impl:20s} {timing:10s}: {t['median_ms']:.4f} ms "
+                f"{norm:9s} {m}x{n} {op:22s} {impl:20s} {timing:10s}: {t['median_ms']:.4f} ms "
                 f"{tbps:.2f} TB/s"
             )
     # The comparison counts only if the results agree with torch's.
@@ -155,6 +155,7 @@ def bench(norm: str, compiled: dict) -> list[dict]:
     rows.append(
         {
             "op": f"{norm}_check",
+            "shape": [m, n],
             "fp8_bytes_equal_to_torch_fraction": (q == ref_q.view(torch.uint8))
             .float()
             .mean()
@@ -177,13 +178,14 @@ def main() -> None:
     }
     copy_tbps = measure_copy_tbps()
     rows = []
-    for norm in ("layernorm", "rmsnorm"):
-        rows += bench(norm, compiled)
+    for shape in SHAPES:
+        for norm in ("layernorm", "rmsnorm"):
+            rows += bench(norm, shape, compiled)
     write_result(
         args.name,
         {
-            "description": "LayerNorm / RMSNorm of 16384x8192 bf16 with FP8 E4M3 output "
-            "(+ transpose) and the backward, vs torch eager and torch.compile",
+            "description": "LayerNorm / RMSNorm of 16384x8192 and 16384x4096 bf16 with FP8 "
+            "E4M3 output (+ transpose) and the backward, vs torch eager and torch.compile",
             "target_tbps": 3.4,
             "h200_copy_tbps_baseline": H200_COPY_TBPS,
             "measured_copy_tbps": copy_tbps,

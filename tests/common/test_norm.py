@@ -64,11 +64,11 @@ def run_forward(
     zero_centered=False,
     scale=2.0,
 ):
+    """out_dtype None: no high-precision output (FP8 only)."""
     m, n = ref.matrix(x).shape
-    arrays = {
-        "y": np.full(x.shape, np.nan, HP[out_dtype]),
-        "rsigma": np.full(m, np.nan, np.float32),
-    }
+    arrays = {"rsigma": np.full(m, np.nan, np.float32)}
+    if out_dtype is not None:
+        arrays["y"] = np.full(x.shape, np.nan, HP[out_dtype])
     if norm == "layernorm":
         arrays["mu"] = np.full(m, np.nan, np.float32)
     if fp8 is not None:
@@ -96,7 +96,7 @@ def run_forward(
         device.put(x),
         device.put(gamma),
         device.put(beta) if norm == "layernorm" else None,
-        output=on["y"],
+        output=on.get("y"),
         output_fp8=out_fp8,
         mu=on.get("mu"),
         rsigma=on["rsigma"],
@@ -165,6 +165,69 @@ def test_forward_fp8(device, norm, fp8, shape, transpose):
         cpu = run_forward(device.cpu, x, gamma, beta, norm, fp8=fp8, transpose=transpose, scale=8.0)
         for k in cpu:
             np.testing.assert_array_equal(bits(got[k]), bits(cpu[k]), err_msg=f"cuda != cpu: {k}")
+
+
+# Shapes that reach each CUDA forward path (norm_forward.cuh): rows held in registers at the
+# widest (8192: 8 vectors per thread for 16-bit inputs; fp32 takes the general kernel there) and
+# two rows per step (4096, 1024), vectors past the row end for some threads (2560) or for all
+# (5120), bands of 16 rows for the fused transpose, several bands per block (2304 rows), and
+# row counts that are not a multiple of 16 (the transpose then runs as a kernel of its own).
+FP8_ONLY_SHAPES = [(48, 8192), (40, 4096), (32, 2560), (16, 5120), (2304, 256), (37, 1024)]
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+@pytest.mark.parametrize("dtype", list(HP))
+@pytest.mark.parametrize("shape", FP8_ONLY_SHAPES)
+@pytest.mark.parametrize("transpose", [False, True])
+def test_forward_fp8_only(device, norm, dtype, shape, transpose):
+    """The FP8 output alone, as FP8 layers ask for it: its bytes are the cast of the float32 y
+    that a call with a float32 output writes, and on CUDA every output equals the CPU's."""
+    rng = np.random.default_rng(stable_seed(norm, dtype, shape, "fp8 only"))
+    x, gamma, beta = make_inputs(rng, shape, dtype, dtype)
+    zc = norm == "rmsnorm"
+    kw = dict(out_dtype=None, fp8="e4m3", transpose=transpose, zero_centered=zc, scale=8.0)
+    got = run_forward(device, x, gamma, beta, norm, **kw)
+    y = run_forward(device.cpu, x, gamma, beta, norm, zero_centered=zc)["y"]
+    fmt = ref.FORMATS["e4m3"]
+    want = ref.quantize_tensor(y, np.float32(8.0), fmt)
+    ref.assert_fp8_equal(got["q"], want["data"], fmt, "fp8")
+    if transpose:
+        ref.assert_fp8_equal(got["qt"], want["columnwise_data"], fmt, "fp8 transpose")
+    ref.assert_float_equal(got["amax"], np.array([want["amax"]]), "amax")
+    if device.is_cuda:
+        cpu = run_forward(device.cpu, x, gamma, beta, norm, **kw)
+        for k in cpu:
+            np.testing.assert_array_equal(bits(got[k]), bits(cpu[k]), err_msg=f"cuda != cpu: {k}")
+
+
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("scale", [2.0, 0.0, np.inf])
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
+def test_forward_fp8_nan_and_scale_edges(device, fp8, scale, out_dtype):
+    """A row holding a NaN, and a zero or infinite scale: every NaN of the FP8 output is the
+    byte 0x7F and every NaN of a 16-bit output the reference's pattern (the CUDA kernels patch
+    the hardware conversions' NaN only where one may be), and on CUDA the FP8 bytes and the
+    16-bit output equal the CPU's bit for bit (statistics and amax by NaN-ness: the CPU and GPU
+    write different NaN payloads there)."""
+    rng = np.random.default_rng(stable_seed(fp8, scale, out_dtype))
+    x, gamma, beta = make_inputs(rng, (32, 1024), "bfloat16", "float32")
+    x[5, 100] = np.nan
+    kw = dict(out_dtype=out_dtype, fp8=fp8, transpose=True, scale=scale)
+    got = run_forward(device, x, gamma, beta, "layernorm", **kw)
+    y = run_forward(device.cpu, x, gamma, beta, "layernorm")["y"]
+    fmt = ref.FORMATS[fp8]
+    with np.errstate(divide="ignore"):  # scale_inv of a zero scale: Inf, as the core writes
+        want = ref.quantize_tensor(y, np.float32(scale), fmt)
+    ref.assert_fp8_equal(got["q"], want["data"], fmt, "fp8")
+    ref.assert_fp8_equal(got["qt"], want["columnwise_data"], fmt, "fp8 transpose")
+    nan_rows = np.isnan(got["y"].astype(np.float32)).any(axis=1)
+    assert nan_rows[5] and np.isnan(got["y"][5].astype(np.float32)).all() and nan_rows.sum() == 1
+    if device.is_cuda:
+        cpu = run_forward(device.cpu, x, gamma, beta, "layernorm", **kw)
+        for k in ("q", "qt", "y", "scale_inv"):
+            np.testing.assert_array_equal(bits(got[k]), bits(cpu[k]), err_msg=f"cuda != cpu: {k}")
+        for k in ("mu", "rsigma", "amax"):
+            ref.assert_float_equal(got[k], cpu[k], f"cuda != cpu: {k}")
 
 
 @pytest.mark.parametrize("norm", list(NORMS))
@@ -248,9 +311,12 @@ def run_backward(device, dy, x, gamma, norm, mu, rsigma, zero_centered=False):
 
 
 @pytest.mark.parametrize("norm", list(NORMS))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", list(HP))
 @pytest.mark.parametrize(
-    "shape", [(1, 1), (3, 5), (17, 33), (2, 3, 40), (70, 256), (5, 4096), (0, 8)]
+    # (40, 8192): rows held in registers at the widest (fp32: the general kernel); (33, 2560):
+    # vectors past the row end for some threads, and a last group of one row.
+    "shape",
+    [(1, 1), (3, 5), (17, 33), (2, 3, 40), (70, 256), (5, 4096), (40, 8192), (33, 2560), (0, 8)],
 )
 @pytest.mark.parametrize("zero_centered", [False, True])
 def test_backward(device, norm, dtype, shape, zero_centered):

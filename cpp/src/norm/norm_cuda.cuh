@@ -1,12 +1,23 @@
-// Device helpers shared by the CUDA norm kernels (norm.cu: backward; norm_forward.cuh: forward):
-// the block's row sum in norm.h's fixed order, dtype-generic element access, and a row's
-// 8-element vectors read from registers or global memory.
+// Device helpers shared by the CUDA norm kernels (norm_forward.cuh, norm_backward.cuh): the row
+// sum of a row group in norm.h's fixed order, dtype-generic element access, and the launch
+// plumbing (shared-memory limits, residency).
+//
+// A row group is kThreads = 128 threads, thread t being lane t of norm.h's row-sum order: it
+// takes the 8-element vectors t, t + 128, ... of a row and adds them up in that order; the
+// group then adds the 128 lane sums as norm_lane_tree does (group_lane_sums).
 #ifndef TRANSFORMER_ENGINE_SRC_NORM_NORM_CUDA_CUH_
 #define TRANSFORMER_ENGINE_SRC_NORM_NORM_CUDA_CUH_
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
 
 #include "common/cuda_utils.cuh"
 #include "norm/norm_impl.h"
@@ -14,27 +25,88 @@
 namespace te {
 namespace norm_cuda {
 
-constexpr int kThreads = kNormLanes;  // one lane per thread
-constexpr int kMaxVecs = 8;  // the backward holds rows of x and dy up to 8 * 8 * 128 elements in registers
+constexpr int kThreads = kNormLanes;  // a row group: one thread per lane
+constexpr int kGroupWarps = kThreads / 32;
 
-// Lane sums of the block added as norm_lane_tree does; every thread gets the total.
-// scratch: kNormLanes floats; ends with a barrier, so scratch may be reused.
-__device__ __forceinline__ float block_lane_sum(float v, float *scratch) {
-  const int t = threadIdx.x;
-  scratch[t] = v;
-  __syncthreads();
-  if (t < 64) scratch[t] += scratch[t + 64];
-  __syncthreads();
-  if (t < 32) {
-    float s = scratch[t] + scratch[t + 32];
+// The row group's own barrier (ids 1..15; 0 is __syncthreads'), so that the groups of a block
+// wait only for their own warps.
+__device__ __forceinline__ void group_sync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+
+// Reduction scratch of one row group for kRows sums: lane l of warp w at [r * 32 + l].w.
+template <int kRows>
+struct LaneScratch {
+  float4 lanes[kRows * 32];
+};
+
+// The lane sums v[r] (one per thread of the row group, thread t = lane t) of kRows independent
+// row sums, added exactly as norm_lane_tree does; every thread gets the totals in v.
+// The tree's first two levels cross warps: lane l (< 32) gets l + 64 (warp 2 onto warp 0, warp
+// 3 onto warp 1), then l + 32; every warp does this for itself from the scratch, so one barrier
+// suffices. The last five levels are a butterfly in the warp: lane l adds lane l ^ d, which
+// gives every lane the same bits as lane 0 of norm_lane_tree (each addition has the same two
+// operands, possibly swapped, and IEEE addition is commutative).
+// The caller alternates between two scratch buffers: a buffer is rewritten only after the
+// group's next barrier, which every thread passes only after reading it.
+template <int kRows>
+__device__ __forceinline__ void group_lane_sums(float (&v)[kRows], LaneScratch<kRows> &scratch, int barrier) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % kGroupWarps;
+  float *s = reinterpret_cast<float *>(scratch.lanes);
 #pragma unroll
-    for (int d = 16; d >= 1; d /= 2) s += __shfl_down_sync(0xFFFFFFFFu, s, d);
-    if (t == 0) scratch[0] = s;
+  for (int r = 0; r < kRows; ++r) s[(r * 32 + lane) * 4 + warp] = v[r];
+  group_sync(barrier);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float4 q = scratch.lanes[r * 32 + lane];
+    float total = (q.x + q.z) + (q.y + q.w);
+#pragma unroll
+    for (int d = 16; d >= 1; d /= 2) total += __shfl_xor_sync(0xFFFFFFFFu, total, d);
+    v[r] = total;
   }
-  __syncthreads();
-  const float total = scratch[0];
-  __syncthreads();
-  return total;
+}
+
+// The 8 elements of a loaded vector as fp32, decoded anew on every call: the register copy is
+// opaque to the compiler, which would otherwise merge the decodes of the passes over a row into
+// one and keep 8 floats per vector live instead of the packed words. fp16 takes the hardware
+// conversion: exact for every value but NaN, and no output here passes an input NaN through
+// unchanged (each is fp32 arithmetic, whose NaN the GPU writes as one pattern whatever the
+// operands' payloads).
+template <te_dtype kIn>
+__device__ __forceinline__ void decode_pass(const Packed8<kIn> &p, float (&x)[8]) {
+  if constexpr (kIn == TE_DTYPE_FLOAT32) {
+    p.decode(x);
+  } else {
+    uint4 w = p.raw;
+    asm volatile("" : "+r"(w.x), "+r"(w.y), "+r"(w.z), "+r"(w.w));
+    const uint32_t v[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (kIn == TE_DTYPE_FLOAT16) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&v[k]));
+        x[2 * k] = f.x, x[2 * k + 1] = f.y;
+      } else {
+        x[2 * k] = __uint_as_float(v[k] << 16), x[2 * k + 1] = __uint_as_float(v[k] & 0xFFFF0000u);
+      }
+    }
+  }
+}
+
+// max(a, b) with NaN winning (max.NaN): the running amax as a float. For values >= +0 the float
+// order is the order of abs_bits, and a NaN made by GPU arithmetic is 0x7FFFFFFF, the largest
+// abs_bits there is, so the bits equal those of the reference's max over abs_bits.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// max |v[e]| of 8 values, NaN if any is NaN.
+__device__ __forceinline__ float abs_max8(const float (&v)[8]) {
+  float m = fabsf(v[0]);
+#pragma unroll
+  for (int e = 1; e < 8; ++e) m = fmax_nan(m, fabsf(v[e]));
+  return m;
 }
 
 __device__ __forceinline__ float load_any(const void *p, int64_t i, te_dtype d) {
@@ -62,7 +134,7 @@ __device__ __forceinline__ void load_any8(const void *p, int64_t i, te_dtype d, 
   }
 }
 
-// 8 elements at p + i (16-byte aligned), encoded in dtype d.
+// 8 elements at p + i (16-byte aligned), encoded in dtype d by the reference's own conversions.
 __device__ __forceinline__ void store_any8(void *p, int64_t i, te_dtype d, const float (&v)[8]) {
   if (d == TE_DTYPE_FLOAT32) {
     float4 *q = reinterpret_cast<float4 *>(static_cast<float *>(p) + i);
@@ -80,63 +152,154 @@ __device__ __forceinline__ void store_any8(void *p, int64_t i, te_dtype d, const
   *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(p) + i) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// The 8 elements of vector `vec` of a row: from registers when the row is held there, else
-// from global memory (elements past the row end read as 0 and are never used).
-template <te_dtype kIn, int kVecs>
+// Two 16-bit halves of w (bf16, else fp16) with every NaN set to the reference's one pattern
+// (float_to_bf16: 0x7FC0, float_to_fp16: 0x7E00), whatever its sign and payload.
+template <bool kBf16>
+__device__ __forceinline__ uint32_t canonical_hp_nan2(uint32_t w) {
+  constexpr uint32_t kInf = kBf16 ? 0x7F80u : 0x7C00u;
+  constexpr uint32_t kNaN = kBf16 ? 0x7FC07FC0u : 0x7E007E00u;
+  // Adding 0x8000 - (inf + 1) to a half's magnitude sets its bit 15 exactly when it is a NaN
+  // (no carry leaves the half: 0x7FFF plus the addend stays below 0x10000).
+  constexpr uint32_t kBias = (0x8000u - (kInf + 1)) * 0x00010001u;
+  const uint32_t top = ((w & 0x7FFF7FFFu) + kBias) & 0x80008000u;
+  const uint32_t mask = top | (top - (top >> 15));  // 0xFFFF in NaN halves
+  return (w & ~mask) | (kNaN & mask);
+}
+
+// As store_any8, with the hardware conversions (one instruction per two values): they round to
+// nearest even, keep subnormals and overflow to infinity exactly like float_to_bf16 and
+// float_to_fp16, and differ only in NaN's pattern, which a vector that may hold one (nan:
+// abs_max8 is NaN) gets replaced with the reference's.
+__device__ __forceinline__ void store_hp8(void *p, int64_t i, te_dtype d, const float (&v)[8], bool nan) {
+  if (d == TE_DTYPE_FLOAT32) {
+    store_any8(p, i, d, v);
+    return;
+  }
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (d == TE_DTYPE_BFLOAT16) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+      w[k] = *reinterpret_cast<const uint32_t *>(&h);
+    } else {
+      const __half2 h = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
+      w[k] = *reinterpret_cast<const uint32_t *>(&h);
+    }
+  }
+  if (nan) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      w[k] = d == TE_DTYPE_BFLOAT16 ? canonical_hp_nan2<true>(w[k]) : canonical_hp_nan2<false>(w[k]);
+    }
+  }
+  *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(p) + i) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// A row's 8-element vectors read from global memory on every pass (the general kernels:
+// any length, any alignment); elements past the row end read as 0 and are never used.
+template <te_dtype kIn>
 struct RowVectors {
-  Packed8<kIn> held[kVecs > 0 ? kVecs : 1];
   const void *row;
   int64_t cols;
+  bool whole;  // 8 | cols and the row starts 16-byte aligned: whole vectors load as one
 
-  __device__ __forceinline__ void load(const void *row_ptr, int64_t n) {
-    row = row_ptr;
-    cols = n;
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      const int64_t i = (threadIdx.x + static_cast<int64_t>(kThreads) * j) * kNormVec;
-      if (i < cols) {
-        held[j].load(row, i);
-      } else {
-        held[j].zero();
-      }
-    }
-  }
-  // Number of this thread's vectors (kVecs when held; enough to cover the row otherwise).
+  // This thread's vectors t, t + kThreads, ... that start inside the row.
   __device__ __forceinline__ int count() const {
-    if (kVecs > 0) return kVecs;
-    const int64_t left = div_up(cols, kNormVec) - threadIdx.x;  // this thread's first vector on
+    const int64_t left = div_up(cols, kNormVec) - threadIdx.x % kThreads;
     return left > 0 ? static_cast<int>(div_up(left, kThreads)) : 0;
   }
-  // Calls f(j) for each of this thread's vectors; unrolled when they are held in registers
-  // (indices must be compile-time constants there, or the array would go to local memory).
-  template <typename F>
-  __device__ __forceinline__ void each(F &&f) const {
-    if constexpr (kVecs > 0) {
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) f(j);
-    } else {
-      const int c = count();
-      for (int j = 0; j < c; ++j) f(j);
-    }
-  }
   __device__ __forceinline__ int64_t start(int j) const {
-    return (threadIdx.x + static_cast<int64_t>(kThreads) * j) * kNormVec;
+    return (threadIdx.x % kThreads + static_cast<int64_t>(kThreads) * j) * kNormVec;
   }
   __device__ __forceinline__ void get(int j, float (&x)[8]) const {
-    if constexpr (kVecs > 0) {
-      held[j].decode(x);
-    } else {
-      const int64_t i0 = start(j);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] = i0 + e < cols ? load_hp1<kIn>(row, i0 + e) : 0.0f;
+    const int64_t i0 = start(j);
+    if (whole) {
+      load_hp8<kIn>(row, i0, x);
+      return;
     }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = i0 + e < cols ? load_hp1<kIn>(row, i0 + e) : 0.0f;
   }
 };
 
-// The forward of rows of input dtype kIn (norm_forward_{fp32,fp16,bf16}.cu): every kernel but
-// the FP8 transpose, which the caller runs after.
+// How many of this thread's vectors t, t + 128, ... (at most max_vecs) lie inside a row of
+// nvec whole vectors.
+__device__ __forceinline__ int own_vectors(int64_t nvec, int max_vecs) {
+  const int64_t left = div_up(nvec - threadIdx.x % kThreads, kThreads);
+  return left <= 0 ? 0 : left < max_vecs ? static_cast<int>(left) : max_vecs;
+}
+
+// Vectors per thread (1, 2, 4, ..., max) that hold a row of n elements, or 0 if more are needed.
+inline int vecs_for(int64_t n, int max_vecs) {
+  const int64_t need = div_up(div_up(n, kNormVec), kThreads);
+  for (int v = 1; v <= max_vecs; v *= 2) {
+    if (need <= v) return v;
+  }
+  return 0;
+}
+
+// The dynamic shared memory a block of `kernel` may take on the current device: the device's
+// opt-in maximum less the kernel's static shared memory. The kernel's limit is raised to it
+// once per device (raising it per call to the size at hand would lower it for a later, larger
+// call).
+template <typename Kernel>
+te_status dynamic_smem_limit(const char *op, Kernel kernel, size_t *limit) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void *>, size_t> cache;
+  int device = 0;
+  if (te_status st = cuda_status(op, cudaGetDevice(&device))) return st;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, reinterpret_cast<const void *>(kernel));
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int optin = 0;
+    cudaFuncAttributes attr{};
+    if (te_status st = cuda_status(op, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device))) {
+      return st;
+    }
+    if (te_status st = cuda_status(op, cudaFuncGetAttributes(&attr, kernel))) return st;
+    const size_t room = static_cast<size_t>(optin) > attr.sharedSizeBytes ? optin - attr.sharedSizeBytes : 0;
+    if (te_status st = cuda_status(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                            static_cast<int>(room)))) {
+      return st;
+    }
+    it = cache.emplace(key, room).first;
+  }
+  *limit = it->second;
+  return TE_SUCCESS;
+}
+
+// Blocks of `threads` with `smem` bytes of dynamic shared memory (within dynamic_smem_limit,
+// which the caller has asked for first) that stay resident per SM; asked once per size.
+template <typename Kernel>
+te_status resident_blocks(const char *op, Kernel kernel, int threads, size_t smem, int *per_sm) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void *, size_t>, int> cache;
+  int device = 0;
+  if (te_status st = cuda_status(op, cudaGetDevice(&device))) return st;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, reinterpret_cast<const void *>(kernel), smem);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int n = 0;
+    if (te_status st = cuda_status(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem))) {
+      return st;
+    }
+    it = cache.emplace(key, std::max(n, 1)).first;
+  }
+  *per_sm = it->second;
+  return TE_SUCCESS;
+}
+
+// The forward of rows of input dtype kIn (norm_forward_{fp32,fp16,bf16}.cu). Sets *transposed
+// when it wrote the FP8 transpose too; otherwise the caller runs the FP8 transpose kernel.
 template <te_dtype kIn>
-te_status forward(const NormForwardArgs &a, bool vector_io, bool vector_weights, cudaStream_t s);
+te_status forward(const NormForwardArgs &a, bool vector_io, cudaStream_t s, bool *transposed);
+
+// The backward's row kernels for input dtype kIn (norm_backward_{fp32,fp16,bf16}.cu): grad_input
+// and the partial column sums of each 32-row group into `partials`.
+template <te_dtype kIn>
+te_status backward(const NormBackwardArgs &a, bool vector_io, float *partials, int64_t groups, cudaStream_t s);
 
 }  // namespace norm_cuda
 }  // namespace te

@@ -1,66 +1,47 @@
 // The CUDA LayerNorm / RMSNorm forward, instantiated once per input dtype by
-// norm_forward_{fp32,fp16,bf16}.cu (one translation unit each: the variants below make many
-// kernels, and separate files compile in parallel).
+// norm_forward_{fp32,fp16,bf16}.cu (one translation unit each: the variants make many kernels,
+// and separate files compile in parallel).
 //
-// A row is reduced by a block of 128 threads, thread t being lane t of norm.h's row-sum order:
-// it takes the 8-element vectors t, t + 128, ... of its row, sums them in increasing order, and
-// the block adds the 128 lane sums pairwise exactly as norm_lane_tree does. Mean, variance,
-// rsigma and every output element then follow the shared formulas of norm_impl.h, so the bits
-// equal the CPU reference's. Whole, aligned rows are staged through shared memory by a
-// persistent grid that loads the next row while it reduces this one; other rows (8 does not
-// divide cols, misaligned, too long) take one block per row reading global memory on each pass.
-// The kernel is bound by instruction issue, so everything uniform over a call (LayerNorm or
-// RMSNorm, zero-centered gamma, the weights' and the FP8 output's dtypes) is a template
-// argument on the staged path rather than a select per element.
+// Design. A row is reduced by a row group of 128 threads, thread t being lane t of norm.h's
+// row-sum order (it adds its vectors t, t + 128, ... in order; group_lane_sums adds the lanes
+// with one barrier). Mean, variance, rsigma and every output element follow the shared formulas
+// of norm_impl.h, so the bits equal the CPU reference's.
+//
+// norm_forward_rows_kernel takes rows of whole, aligned vectors up to 8192 elements (4096 for
+// fp32): the common case. It is bound by the instructions it issues per element, so:
+//   - a block is 4 row groups sharing gamma and beta, decoded to fp32 once per block in shared
+//     memory with the zero-centered gain applied: no weight loads from global memory, decodes
+//     or adds per element, and no L1 given up to row buffers;
+//   - each thread loads 128 bytes of input per step straight into registers: 8 vectors (fp32:
+//     4) of one row, or of 2 rows at 4096 elements or fewer (their reductions then share a
+//     barrier and their weights a shared-memory read). They stay packed and are decoded on each
+//     pass (one instruction per element; fp16 by the hardware), which leaves the compiler the
+//     registers to schedule the loops without spilling at 16 warps per SM;
+//   - the rows of the step after next are prefetched into the L2 meanwhile, keeping memory busy
+//     without registers held for them;
+//   - one barrier per row sum, none per element;
+//   - LayerNorm or RMSNorm, the FP8 dtype or none, the transposed copy and the row length are
+//     template arguments, so that no element pays for a select between them;
+//   - amax is a max.NaN over |y|, and a vector's FP8 bytes are canonicalized only when it holds
+//     a NaN (or the scale is zero or not finite), on a branch that is almost never taken.
+// Rows go in bands of 16 to the blocks in turn, and a band's rows to the groups in turn. With
+// the FP8 transpose (and rows % 16 == 0), each group also writes its FP8 bytes into a [16, cols]
+// band in shared memory; once the band is complete the block transposes 16x8-byte patches in
+// registers and writes each output row's 16 bytes of the band with one 128-bit store (the
+// neighbouring band, on another SM at about the same time, completes the 32-byte sector).
+// norm_forward_any_kernel takes every other row (8 does not divide cols, misaligned, longer
+// rows): one group per row, reading global memory on each pass.
 #ifndef TRANSFORMER_ENGINE_SRC_NORM_NORM_FORWARD_CUH_
 #define TRANSFORMER_ENGINE_SRC_NORM_NORM_FORWARD_CUH_
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include "norm/norm_cuda.cuh"
 
 namespace te {
 namespace norm_cuda {
 
-// The 8-element vectors of a row staged in shared memory by cp.async (rows with 8 | cols and
-// 16-byte aligned starts only); the same interface as RowVectors.
-template <te_dtype kIn>
-struct StagedRow {
-  const unsigned char *buf;
-  int64_t cols;
-
-  __device__ __forceinline__ int count() const {
-    const int64_t left = cols / kNormVec - threadIdx.x;
-    return left > 0 ? static_cast<int>(div_up(left, kThreads)) : 0;
-  }
-  template <typename F>
-  __device__ __forceinline__ void each(F &&f) const {
-    const int c = count();
-    for (int j = 0; j < c; ++j) f(j);
-  }
-  __device__ __forceinline__ int64_t start(int j) const {
-    return (threadIdx.x + static_cast<int64_t>(kThreads) * j) * kNormVec;
-  }
-  __device__ __forceinline__ void get(int j, float (&x)[8]) const {
-    Packed8<kIn> p;
-    p.load(buf, start(j));
-    p.decode(x);
-  }
-};
-
-// One row of the forward: statistics, then the outputs, from the vectors of `v` (RowVectors or
-// StagedRow); kVector: every vector is whole and 16-byte aligned in memory (8 | cols).
-// kLn: LayerNorm (else RMSNorm), kZc: zero-centered gamma; compile-time so that no element
-// pays for a select between the variants (the kernel is bound by instruction issue).
-// kW: the weights' dtype, or kAnyWeight to read it at run time (rows off the vector path).
-constexpr te_dtype kAnyWeight = TE_DTYPE_COUNT;
-
-// kF8: the FP8 output's dtype, kNoFp8 for none, or kAnyFp8 to read it at run time.
 constexpr te_dtype kNoFp8 = TE_DTYPE_COUNT;
-constexpr te_dtype kAnyFp8 = TE_DTYPE_INT8;
 
 // 4 values to FP8 without the NaN canonicalization of fp8x4 (applied by the caller when needed).
 template <te_dtype kFp8>
@@ -75,290 +56,414 @@ __device__ __forceinline__ uint32_t fp8x4_raw(float a, float b, float c, float d
 #endif
 }
 
-template <bool kVector, te_dtype kW, te_dtype kF8, bool kLn, bool kZc, typename Row>
-__device__ __forceinline__ void norm_forward_row(const NormForwardArgs &a, int64_t r, const Row &v,
-                                                 bool vector_weights, float scale, uint32_t &amax_bits,
-                                                 float *scratch) {
-  constexpr bool ln = kLn;
-  const int64_t n = a.cols;
-  const bool finite_scale = scale != 0.0f && abs_bits(scale) < 0x7F800000u;
-  // Whole vectors need no per-element bound check.
-  auto valid = [&](int64_t i) { return kVector || i < n; };
-  float mu = 0.0f;
+// Vectors per thread and step of the row kernel: 128 bytes of input.
+template <te_dtype kIn>
+constexpr int kStepVecs = sizeof(typename Hp<kIn>::Storage) == 2 ? 8 : 4;
+// Rows per step: as many as fill the step, at most 2 (more rows cost registers for their
+// statistics, and rows that short are cheap anyway).
+template <te_dtype kIn, int kVecs>
+constexpr int kStepRows = kStepVecs<kIn> / kVecs < 2 ? kStepVecs<kIn> / kVecs : 2;
+constexpr int kGroups = 4;
+constexpr int kBlockThreads = kGroups * kThreads;
+constexpr int kBandRows = 16;
+// Steps ahead that a group's rows are prefetched into the L2: a step takes a few microseconds,
+// and two keep a step's margin over the DRAM latency under load (about 17 MB of L2 on an H200).
+constexpr int kPrefetchSteps = 2;
+
+// a * b for indices >= 0 as unsigned 32 x 32 -> 64 bits: no sign words to keep in registers.
+__device__ __forceinline__ uint64_t wide_mul(int a, int b) {
+  return static_cast<uint64_t>(static_cast<uint32_t>(a)) * static_cast<uint32_t>(b);
+}
+
+// Asks the L2 for a row of `bytes` at p, the row group's threads taking its 128-byte lines in
+// turn: the next step's rows arrive while this step is computed, without holding registers.
+__device__ __forceinline__ void prefetch_row_l2(const void *p, int bytes) {
+  const uintptr_t start = reinterpret_cast<uintptr_t>(p);
+  const int lines = (static_cast<int>(start & 127) + bytes + 127) / 128;
+  for (int l = threadIdx.x % kThreads; l < lines; l += kThreads) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"((start & ~uintptr_t{127}) + l * 128));
+  }
+}
+
+// kF8: the FP8 output's dtype or kNoFp8; kTranspose: the FP8 transpose is written too.
+template <te_dtype kIn, int kVecs, bool kLn, te_dtype kF8, bool kTranspose>
+__global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(const NormForwardArgs a) {
+  constexpr int kRows = kStepRows<kIn, kVecs>;
+  constexpr int kSteps = kBandRows / (kGroups * kRows);  // steps of a group per band
+  constexpr bool kFp8 = kF8 != kNoFp8;
+  using S = typename Hp<kIn>::Storage;
+  extern __shared__ float4 dynamic_smem[];  // gains [cols], betas [cols] (LayerNorm), FP8 band [16, cols]
+  __shared__ LaneScratch<kRows> scratch[2][kGroups];
+  __shared__ uint32_t warp_amax[kBlockThreads / 32];
+
+  // 32-bit indices (rows < 2^30 on this path, cols <= 8192): fewer registers live in the loop.
+  const int n = static_cast<int>(a.cols), rows = static_cast<int>(a.rows), nvec = n / kNormVec;
+  float *gain = reinterpret_cast<float *>(dynamic_smem);
+  float *bias = gain + n;
+  uint8_t *band_fp8 = reinterpret_cast<uint8_t *>(gain + (kLn ? 2 : 1) * n);
+  for (int i = threadIdx.x; i < n; i += kBlockThreads) {
+    gain[i] = norm_gain(load_any(a.gamma, i, a.weight_dtype), a.zero_centered);
+    if (kLn) bias[i] = load_any(a.beta, i, a.weight_dtype);
+  }
+  const int group = threadIdx.x / kThreads, t = threadIdx.x % kThreads;
+  const int vecs = own_vectors(nvec, kVecs);
+  const int grid = gridDim.x;
+  const float scale = kFp8 ? *a.scale : 1.0f;
+  // NaN unless scale is finite and nonzero, when a scaled value is NaN only if y is: the
+  // max.NaN of it and max |y| says whether the FP8 bytes may hold a NaN to canonicalize.
+  const float scale_probe = scale != 0.0f && abs_bits(scale) < 0x7F800000u ? 0.0f : __int_as_float(0x7FFFFFFF);
+
+  auto row_at = [&](int row) { return wide_mul(row, n); };  // element offset of a row's start
+  auto first_row = [&](int k) {  // of this group's step k
+    return (static_cast<int>(blockIdx.x) + k / kSteps * grid) * kBandRows + (k % kSteps * kGroups + group) * kRows;
+  };
+  // The band's 16 rows of FP8 bytes, written out transposed: 16x8-byte patches (two 8x8
+  // transposes), each output row's 16 bytes of the band in one store.
+  auto store_band = [&](int r0) {
+    for (int p = threadIdx.x; p < nvec; p += kBlockThreads) {
+      uint32_t lo[2][8], hi[2][8];
+#pragma unroll
+      for (int i = 0; i < kBandRows; ++i) {
+        const uint2 v = *reinterpret_cast<const uint2 *>(band_fp8 + i * n + p * kNormVec);
+        lo[i / 8][i % 8] = v.x;
+        hi[i / 8][i % 8] = v.y;
+      }
+      uint2 col[2][8];
+      transpose8x8(lo[0], hi[0], col[0]);
+      transpose8x8(lo[1], hi[1], col[1]);
+#pragma unroll
+      for (int c = 0; c < kNormVec; ++c) {
+        *reinterpret_cast<uint4 *>(a.fp8_transpose + wide_mul(p * kNormVec + c, rows) + r0) =
+            make_uint4(col[0][c].x, col[0][c].y, col[1][c].x, col[1][c].y);
+      }
+    }
+  };
+
+  // Asks the L2 for the rows of this group's step k.
+  auto prefetch = [&](int k) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = first_row(k) + r;
+      if (row < rows) prefetch_row_l2(static_cast<const S *>(a.input) + row_at(row), n * static_cast<int>(sizeof(S)));
+    }
+  };
+#pragma unroll
+  for (int k = 1; k < kPrefetchSteps; ++k) prefetch(k);
+  __syncthreads();  // the weights are in shared memory
+  float amax = 0.0f;
+  int parity = 0;  // the scratch buffer of the next reduction
+  // Steps until this block's next band starts past the last row (uniform in the block).
+  for (int k = 0; (static_cast<int>(blockIdx.x) + k / kSteps * grid) * kBandRows < rows; ++k) {
+    const int row0 = first_row(k);
+    Packed8<kIn> in[kRows][kVecs];  // the step's rows, packed, decoded on each pass
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        if (row0 + r < rows && j < vecs) {
+          in[r][j].load(a.input, row_at(row0 + r) + (t + kThreads * j) * kNormVec);
+        } else {
+          in[r][j].zero();
+        }
+      }
+    }
+    prefetch(k + kPrefetchSteps);
+    if (row0 < rows) {  // uniform in the group, as its barriers need
+      float acc[kRows], mu[kRows] = {}, rs[kRows];
+      if (kLn) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          acc[r] = 0.0f;
+#pragma unroll
+          for (int j = 0; j < kVecs; ++j) {
+            float x[8];
+            decode_pass(in[r][j], x);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              if (j < vecs) acc[r] += x[e];
+            }
+          }
+        }
+        group_lane_sums(acc, scratch[parity][group], 1 + group);
+        parity ^= 1;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) mu[r] = acc[r] / static_cast<float>(n);
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        acc[r] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j) {
+          float x[8];
+          decode_pass(in[r][j], x);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float d = kLn ? x[e] - mu[r] : x[e];
+            if (j < vecs) acc[r] += d * d;
+          }
+        }
+      }
+      group_lane_sums(acc, scratch[parity][group], 1 + group);
+      parity ^= 1;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        rs[r] = norm_rsigma(acc[r], n, a.eps);
+        if (t == 0 && row0 + r < rows) {
+          if (kLn) a.mu[row0 + r] = mu[r];
+          a.rsigma[row0 + r] = rs[r];
+        }
+      }
+      // y of the vector v of row r; returns max |y|, NaN if one is.
+      auto output = [&](const Packed8<kIn> &v, int r, const float (&g)[8], const float (&b)[8], float (&y)[8]) {
+        float x[8];
+        decode_pass(v, x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) y[e] = norm_output(norm_xhat(x[e], mu[r], rs[r], kLn), g[e], b[e], kLn);
+        return abs_max8(y);
+      };
+      const float *gain_t = gain + t * kNormVec, *bias_t = bias + t * kNormVec;
+      auto weights = [&](int j, float (&g)[8], float (&b)[8]) {
+        const float4 *gv = reinterpret_cast<const float4 *>(gain_t + j * kThreads * kNormVec);
+        const float4 *bv = reinterpret_cast<const float4 *>(bias_t + j * kThreads * kNormVec);
+        const float4 g0 = gv[0], g1 = gv[1];
+        g[0] = g0.x, g[1] = g0.y, g[2] = g0.z, g[3] = g0.w, g[4] = g1.x, g[5] = g1.y, g[6] = g1.z, g[7] = g1.w;
+        if (kLn) {
+          const float4 b0 = bv[0], b1 = bv[1];
+          b[0] = b0.x, b[1] = b0.y, b[2] = b0.z, b[3] = b0.w, b[4] = b1.x, b[5] = b1.y, b[6] = b1.z, b[7] = b1.w;
+        }
+      };
+      // Vectors past the row end (j >= vecs) and rows past the last compute on zeros; only
+      // their stores and amax are left out, so that the loop has no branch per vector.
+      if constexpr (kFp8) {
+        uint8_t *fp8_row[kRows], *band_row[kRows];  // this thread's first vector of each row
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          fp8_row[r] = a.fp8 + row_at(row0 + r) + t * kNormVec;
+          band_row[r] = band_fp8 + ((row0 + r) % kBandRows * n + t * kNormVec);
+        }
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j) {
+          float g[8], b[8] = {}, y[8];
+          weights(j, g, b);
+#pragma unroll
+          for (int r = 0; r < kRows; ++r) {
+            const bool valid = j < vecs && (kRows == 1 || row0 + r < rows);
+            const float m = output(in[r][j], r, g, b, y);
+            if (valid) amax = fmax_nan(amax, m);
+            float s[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s[e] = y[e] * scale;
+            uint2 q = make_uint2(fp8x4_raw<kF8>(s[0], s[1], s[2], s[3]), fp8x4_raw<kF8>(s[4], s[5], s[6], s[7]));
+            const float probe = fmax_nan(m, scale_probe);
+            if (probe != probe) q = make_uint2(canonical_fp8_nan<kF8>(q.x), canonical_fp8_nan<kF8>(q.y));  // rare
+            if (valid) *reinterpret_cast<uint2 *>(fp8_row[r] + j * kThreads * kNormVec) = q;
+            if (kTranspose && valid) *reinterpret_cast<uint2 *>(band_row[r] + j * kThreads * kNormVec) = q;
+          }
+        }
+      }
+      // The high-precision output in a loop of its own, so that the FP8 loop stays compact
+      // (y is recomputed when both are asked for).
+      if (a.output != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j) {
+          if (j >= vecs) continue;
+          float g[8], b[8] = {}, y[8];
+          weights(j, g, b);
+#pragma unroll
+          for (int r = 0; r < kRows; ++r) {
+            if (kRows > 1 && row0 + r >= rows) continue;
+            const float m = output(in[r][j], r, g, b, y);
+            store_hp8(a.output, row_at(row0 + r) + (t + kThreads * j) * kNormVec, a.output_dtype, y, m != m);
+          }
+        }
+      }
+    }
+    if (kTranspose && k % kSteps == kSteps - 1) {  // the band is complete: uniform in the block
+      __syncthreads();
+      store_band(row0 / kBandRows * kBandRows);
+      __syncthreads();  // before the next band's bytes overwrite it
+    }
+  }
+  if constexpr (kFp8) {
+    const uint32_t m = warp_max(float_bits(amax));
+    if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t block = warp_amax[0];
+#pragma unroll
+      for (int w = 1; w < kBlockThreads / 32; ++w) block = max(block, warp_amax[w]);
+      if (a.amax != nullptr) atomic_max_amax(a.amax, block);
+      if (blockIdx.x == 0) *a.scale_inv = canonical_div(1.0f, scale);
+    }
+  }
+}
+
+// Any row: one row group (block) per row, reading global memory on every pass. whole: 8 | cols
+// and every row and output starts 16-byte aligned (8-byte for FP8); weights8: gamma and beta
+// load as vectors of 8 too.
+template <te_dtype kIn>
+__global__ void __launch_bounds__(kThreads) norm_forward_any_kernel(const NormForwardArgs a, bool whole,
+                                                                    bool weights8) {
+  __shared__ LaneScratch<1> scratch[2];
+  __shared__ uint32_t warp_amax[kGroupWarps];
+  const bool ln = a.type == TE_NORM_LAYERNORM;
+  const int64_t n = a.cols, r = blockIdx.x;
+  const RowVectors<kIn> v{static_cast<const char *>(a.input) + r * n * sizeof(typename Hp<kIn>::Storage), n, whole};
+  const int count = v.count();
+  float acc[1] = {0.0f}, mu = 0.0f;
   if (ln) {
-    float acc = 0.0f;
-    v.each([&](int j) {
+    for (int j = 0; j < count; ++j) {
       float x[8];
       v.get(j, x);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        if (valid(v.start(j) + e)) acc += x[e];
+        if (v.start(j) + e < n) acc[0] += x[e];
       }
-    });
-    mu = block_lane_sum(acc, scratch) / static_cast<float>(n);
+    }
+    group_lane_sums(acc, scratch[0], 1);
+    mu = acc[0] / static_cast<float>(n);
+    acc[0] = 0.0f;
   }
-  float acc = 0.0f;
-  v.each([&](int j) {
+  for (int j = 0; j < count; ++j) {
     float x[8];
     v.get(j, x);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const float d = ln ? x[e] - mu : x[e];
-      if (valid(v.start(j) + e)) acc += d * d;
+      if (v.start(j) + e < n) acc[0] += d * d;
     }
-  });
-  const float rsigma = norm_rsigma(block_lane_sum(acc, scratch), n, a.eps);
+  }
+  group_lane_sums(acc, scratch[1], 1);
+  const float rsigma = norm_rsigma(acc[0], n, a.eps);
   if (threadIdx.x == 0) {
     if (ln) a.mu[r] = mu;
     a.rsigma[r] = rsigma;
   }
-  v.each([&](int j) {
-    float x[8], y[8], g[8], b[8];
+  const float scale = a.has_fp8 ? *a.scale : 1.0f;
+  const bool e4m3 = a.fp8_dtype == TE_DTYPE_FLOAT8_E4M3;
+  float amax = 0.0f;
+  for (int j = 0; j < count; ++j) {
+    const int64_t i0 = v.start(j), base = r * n + i0;
+    float x[8], g[8], b[8] = {}, y[8];
     v.get(j, x);
-    const int64_t i0 = v.start(j);
-    if constexpr (kW != kAnyWeight) {
-      load_hp8<kW>(a.gamma, i0, g);
-      if (ln) load_hp8<kW>(a.beta, i0, b);
-    } else if (vector_weights && i0 + 8 <= n) {
+    if (whole && weights8) {
       load_any8(a.gamma, i0, a.weight_dtype, g);
       if (ln) load_any8(a.beta, i0, a.weight_dtype, b);
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        g[e] = valid(i0 + e) ? load_any(a.gamma, i0 + e, a.weight_dtype) : 0.0f;
-        b[e] = valid(i0 + e) && ln ? load_any(a.beta, i0 + e, a.weight_dtype) : 0.0f;
+        g[e] = i0 + e < n ? load_any(a.gamma, i0 + e, a.weight_dtype) : 0.0f;
+        if (ln) b[e] = i0 + e < n ? load_any(a.beta, i0 + e, a.weight_dtype) : 0.0f;
       }
     }
-    uint32_t vector_bits = 0;  // max |y| of this vector, as amax bits
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      y[e] = norm_output(norm_xhat(x[e], mu, rsigma, ln), norm_gain(g[e], kZc), ln ? b[e] : 0.0f, ln);
-      if (valid(i0 + e)) vector_bits = max(vector_bits, abs_bits(y[e]));
+      y[e] = i0 + e < n ? norm_output(norm_xhat(x[e], mu, rsigma, ln), norm_gain(g[e], a.zero_centered), b[e], ln)
+                        : 0.0f;
     }
-    amax_bits = max(amax_bits, vector_bits);
-    const int64_t base = r * n + i0;
-    const bool whole = kVector;  // else the row path checks each element
+    amax = fmax_nan(amax, abs_max8(y));
     if (a.output != nullptr) {
       if (whole) {
         store_any8(a.output, base, a.output_dtype, y);
       } else {
-        for (int e = 0; e < 8; ++e) {
-          if (valid(i0 + e)) store_any(a.output, base + e, a.output_dtype, y[e]);
-        }
+        for (int e = 0; e < 8 && i0 + e < n; ++e) store_any(a.output, base + e, a.output_dtype, y[e]);
       }
     }
-    if constexpr (kF8 == kAnyFp8) {
-      if (a.has_fp8) {
-        float s[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) s[e] = y[e] * scale;
-        const bool e4m3 = a.fp8_dtype == TE_DTYPE_FLOAT8_E4M3;
-        if (whole) {
-          const uint32_t lo = e4m3 ? fp8x4<TE_DTYPE_FLOAT8_E4M3>(s[0], s[1], s[2], s[3])
-                                   : fp8x4<TE_DTYPE_FLOAT8_E5M2>(s[0], s[1], s[2], s[3]);
-          const uint32_t hi = e4m3 ? fp8x4<TE_DTYPE_FLOAT8_E4M3>(s[4], s[5], s[6], s[7])
-                                   : fp8x4<TE_DTYPE_FLOAT8_E5M2>(s[4], s[5], s[6], s[7]);
-          store_u64(a.fp8 + base, lo, hi);
-        } else {
-          for (int e = 0; e < 8; ++e) {
-            if (valid(i0 + e)) {
-              a.fp8[base + e] = e4m3 ? fp8x1<TE_DTYPE_FLOAT8_E4M3>(s[e]) : fp8x1<TE_DTYPE_FLOAT8_E5M2>(s[e]);
-            }
-          }
-        }
-      }
-    } else if constexpr (kF8 != kNoFp8) {
-      static_assert(kVector, "a fixed FP8 dtype is for whole vectors");
+    if (a.has_fp8) {
       float s[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) s[e] = y[e] * scale;
-      uint32_t lo = fp8x4_raw<kF8>(s[0], s[1], s[2], s[3]);
-      uint32_t hi = fp8x4_raw<kF8>(s[4], s[5], s[6], s[7]);
-      // A scaled value is NaN only if y is (finite_scale: scale is finite and nonzero), and
-      // NaN bytes are rare: canonicalize only the vectors that may hold one.
-      if (!finite_scale || vector_bits > 0x7F800000u) {
-        lo = canonical_fp8_nan<kF8>(lo);
-        hi = canonical_fp8_nan<kF8>(hi);
-      }
-      store_u64(a.fp8 + base, lo, hi);
-    }
-  });
-}
-
-// Calls norm_forward_row with the row's variant as template arguments (uniform branches). On
-// the vector path the weights' dtype is fixed at compile time too: the input's or fp32.
-template <bool kVector, te_dtype kW, te_dtype kF8, typename Row>
-__device__ __forceinline__ void norm_forward_row_variant(const NormForwardArgs &a, int64_t r, const Row &v,
-                                                         bool vector_weights, float scale, uint32_t &amax_bits,
-                                                         float *scratch) {
-  const bool ln = a.type == TE_NORM_LAYERNORM;
-  if (ln && a.zero_centered) {
-    norm_forward_row<kVector, kW, kF8, true, true>(a, r, v, vector_weights, scale, amax_bits, scratch);
-  } else if (ln) {
-    norm_forward_row<kVector, kW, kF8, true, false>(a, r, v, vector_weights, scale, amax_bits, scratch);
-  } else if (a.zero_centered) {
-    norm_forward_row<kVector, kW, kF8, false, true>(a, r, v, vector_weights, scale, amax_bits, scratch);
-  } else {
-    norm_forward_row<kVector, kW, kF8, false, false>(a, r, v, vector_weights, scale, amax_bits, scratch);
-  }
-}
-
-template <bool kVector, te_dtype kW, typename Row>
-__device__ __forceinline__ void norm_forward_row_fp8(const NormForwardArgs &a, int64_t r, const Row &v,
-                                                     bool vector_weights, float scale, uint32_t &amax_bits,
-                                                     float *scratch) {
-  if (!a.has_fp8) {
-    norm_forward_row_variant<kVector, kW, kNoFp8>(a, r, v, vector_weights, scale, amax_bits, scratch);
-  } else if (a.fp8_dtype == TE_DTYPE_FLOAT8_E4M3) {
-    norm_forward_row_variant<kVector, kW, TE_DTYPE_FLOAT8_E4M3>(a, r, v, vector_weights, scale, amax_bits, scratch);
-  } else {
-    norm_forward_row_variant<kVector, kW, TE_DTYPE_FLOAT8_E5M2>(a, r, v, vector_weights, scale, amax_bits, scratch);
-  }
-}
-
-template <bool kVector, te_dtype kIn, typename Row>
-__device__ __forceinline__ void norm_forward_row_any(const NormForwardArgs &a, int64_t r, const Row &v,
-                                                     bool vector_weights, float scale, uint32_t &amax_bits,
-                                                     float *scratch) {
-  if constexpr (!kVector) {
-    norm_forward_row_variant<false, kAnyWeight, kAnyFp8>(a, r, v, vector_weights, scale, amax_bits, scratch);
-  } else if (a.weight_dtype == TE_DTYPE_FLOAT32) {
-    norm_forward_row_fp8<true, TE_DTYPE_FLOAT32>(a, r, v, vector_weights, scale, amax_bits, scratch);
-  } else {
-    norm_forward_row_fp8<true, kIn>(a, r, v, vector_weights, scale, amax_bits, scratch);
-  }
-}
-
-// The block's amax into a.amax, and scale_inv (by one thread of the grid).
-__device__ __forceinline__ void norm_forward_finish(const NormForwardArgs &a, float scale, uint32_t amax_bits,
-                                                    uint32_t *amax_scratch) {
-  if (!a.has_fp8) return;
-  if (a.amax != nullptr) {
-    const uint32_t m = block_max<kThreads>(amax_bits, amax_scratch);
-    if (threadIdx.x == 0) atomic_max_amax(a.amax, m);
-  }
-  if (blockIdx.x == 0 && threadIdx.x == 0) *a.scale_inv = canonical_div(1.0f, scale);
-}
-
-// Any row: one block per row, reading global memory on every pass.
-template <te_dtype kIn>
-__global__ void __launch_bounds__(kThreads) norm_forward_kernel(const NormForwardArgs a, bool vector_weights) {
-  __shared__ float scratch[kNormLanes];
-  __shared__ uint32_t amax_scratch[kThreads / 32];
-  const int64_t r = blockIdx.x;
-  RowVectors<kIn, 0> v;
-  v.load(static_cast<const char *>(a.input) + r * a.cols * sizeof(typename Hp<kIn>::Storage), a.cols);
-  const float scale = a.has_fp8 ? *a.scale : 1.0f;
-  uint32_t amax_bits = 0;
-  norm_forward_row_any<false, kIn>(a, r, v, vector_weights, scale, amax_bits, scratch);
-  norm_forward_finish(a, scale, amax_bits, amax_scratch);
-}
-
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Whole, aligned rows (8 | cols): a persistent grid, block b taking rows b, b + grid, ...; each
-// row is copied into one of kStages shared-memory buffers kStages - 1 rows ahead of its use, so
-// the loads of the next rows are in flight while this one is reduced (one row per block at a
-// time leaves too little memory traffic in flight otherwise). Each thread copies exactly the
-// vectors it reads later, so its own cp.async wait is all the ordering a buffer needs.
-template <te_dtype kIn, int kStages>
-__global__ void __launch_bounds__(kThreads)
-    norm_forward_staged_kernel(const NormForwardArgs a, bool vector_weights) {
-  extern __shared__ __align__(16) unsigned char stages[];
-  __shared__ float scratch[kNormLanes];
-  __shared__ uint32_t amax_scratch[kThreads / 32];
-  const size_t row_bytes = static_cast<size_t>(a.cols) * sizeof(typename Hp<kIn>::Storage);
-  const int64_t chunks = static_cast<int64_t>(row_bytes / 16);
-  constexpr int kChunksPerVec = sizeof(typename Hp<kIn>::Storage) * kNormVec / 16;
-  const int64_t step = gridDim.x;
-  auto issue = [&](int64_t row, int stage) {
-    if (row < a.rows) {
-      const unsigned char *src = static_cast<const unsigned char *>(a.input) + row * row_bytes;
-      unsigned char *dst = stages + stage * row_bytes;
-      for (int64_t v = threadIdx.x; v * kChunksPerVec < chunks; v += kThreads) {
-#pragma unroll
-        for (int c = 0; c < kChunksPerVec; ++c) {
-          const int64_t off = (v * kChunksPerVec + c) * 16;
-          cp_async16(dst + off, src + off);
+      if (whole) {
+        const uint32_t lo = e4m3 ? fp8x4<TE_DTYPE_FLOAT8_E4M3>(s[0], s[1], s[2], s[3])
+                                 : fp8x4<TE_DTYPE_FLOAT8_E5M2>(s[0], s[1], s[2], s[3]);
+        const uint32_t hi = e4m3 ? fp8x4<TE_DTYPE_FLOAT8_E4M3>(s[4], s[5], s[6], s[7])
+                                 : fp8x4<TE_DTYPE_FLOAT8_E5M2>(s[4], s[5], s[6], s[7]);
+        store_u64(a.fp8 + base, lo, hi);
+      } else {
+        for (int e = 0; e < 8 && i0 + e < n; ++e) {
+          a.fp8[base + e] = e4m3 ? fp8x1<TE_DTYPE_FLOAT8_E4M3>(s[e]) : fp8x1<TE_DTYPE_FLOAT8_E5M2>(s[e]);
         }
       }
     }
-    cp_async_commit();  // an empty group past the last row keeps the group count uniform
-  };
-  int64_t r = blockIdx.x;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue(r + s * step, s);
-  const float scale = a.has_fp8 ? *a.scale : 1.0f;
-  uint32_t amax_bits = 0;
-  for (int k = 0; r < a.rows; ++k, r += step) {
-    issue(r + (kStages - 1) * step, (k + kStages - 1) % kStages);
-    cp_async_wait<kStages - 1>();
-    const StagedRow<kIn> v{stages + (k % kStages) * row_bytes, a.cols};
-    norm_forward_row_any<true, kIn>(a, r, v, vector_weights, scale, amax_bits, scratch);
   }
-  cp_async_wait<0>();
-  norm_forward_finish(a, scale, amax_bits, amax_scratch);
+  if (a.has_fp8) {
+    const uint32_t m = block_max<kThreads>(float_bits(amax), warp_amax);
+    if (threadIdx.x == 0) {
+      if (a.amax != nullptr) atomic_max_amax(a.amax, m);
+      if (blockIdx.x == 0) *a.scale_inv = canonical_div(1.0f, scale);
+    }
+  }
 }
 
-// Shared memory the staged forward may take for its two row buffers per block (6 or more blocks
-// stay resident per SM at rows of 8192 16-bit elements, each with a row in flight).
-constexpr size_t kStagedRowBytes = 96 * 1024;
+constexpr const char *kForwardOp = "norm_forward";
 
-// Launches a staged forward kernel on as many blocks as the device keeps resident (the blocks
-// loop over the rows); the residency per (device, kernel, buffer size) is asked for once.
-// Launches a staged forward kernel (taking up to max_smem bytes of buffers) on as many blocks
-// as the device keeps resident with smem bytes each: the blocks loop over the rows. The kernel's
-// shared-memory limit is raised to max_smem once per device (raising it per call to the size
-// at hand would lower it for a later, larger call); residency is asked for once per size.
+// Launches the row kernel on as many blocks as stay resident (each walks its bands), if its
+// `smem` bytes of shared memory fit the device; *launched says whether it did.
 template <typename Kernel>
-te_status launch_staged(Kernel kernel, size_t max_smem, size_t smem, const NormForwardArgs &a, bool vector_weights,
-                        cudaStream_t s) {
-  constexpr const char *kOp = "norm_forward";
-  static std::mutex mutex;
-  static std::map<std::tuple<int, const void *, size_t>, int> resident;  // 0: the limit is set
-  int device = 0, sms = 0;
-  if (te_status st = cuda_status(kOp, cudaGetDevice(&device))) return st;
-  if (te_status st = sm_count(kOp, &sms)) return st;
-  int per_sm = 0;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    const void *fn = reinterpret_cast<const void *>(kernel);
-    if (resident.count(std::make_tuple(device, fn, size_t{0})) == 0) {
-      const cudaError_t err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_smem));
-      if (err != cudaSuccess) return cuda_status("norm_forward (raising the shared-memory limit)", err);
-      resident[std::make_tuple(device, fn, size_t{0})] = 0;
+te_status launch_rows(Kernel kernel, const NormForwardArgs &a, size_t smem, cudaStream_t s, bool *launched) {
+  size_t limit = 0;
+  if (te_status st = dynamic_smem_limit(kForwardOp, kernel, &limit)) return st;
+  *launched = smem <= limit;
+  if (!*launched) return TE_SUCCESS;
+  int sms = 0, per_sm = 0;
+  if (te_status st = sm_count(kForwardOp, &sms)) return st;
+  if (te_status st = resident_blocks(kForwardOp, kernel, kBlockThreads, smem, &per_sm)) return st;
+  const int64_t grid = std::min<int64_t>(div_up(a.rows, kBandRows), static_cast<int64_t>(sms) * per_sm);
+  kernel<<<static_cast<unsigned>(grid), kBlockThreads, smem, s>>>(a);
+  return launch_status(kForwardOp);
+}
+
+// The row kernel of the call's variant: with the FP8 transpose when its band fits in shared
+// memory too (*transposed), else without (the caller transposes).
+template <te_dtype kIn, int kVecs, bool kLn, te_dtype kF8>
+te_status launch_rows_fp8(const NormForwardArgs &a, cudaStream_t s, bool *launched, bool *transposed) {
+  const size_t weights = static_cast<size_t>(kLn ? 2 : 1) * a.cols * sizeof(float);
+  if constexpr (kF8 != kNoFp8) {
+    if (a.fp8_transpose != nullptr && a.rows % kBandRows == 0 && aligned(a.fp8_transpose, 16)) {
+      const size_t smem = weights + static_cast<size_t>(kBandRows) * a.cols;
+      te_status st = launch_rows(norm_forward_rows_kernel<kIn, kVecs, kLn, kF8, true>, a, smem, s, launched);
+      *transposed = *launched;
+      if (st != TE_SUCCESS || *launched) return st;
     }
-    const auto key = std::make_tuple(device, fn, smem);
-    auto it = resident.find(key);
-    if (it == resident.end()) {
-      const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
-      if (err != cudaSuccess) return cuda_status("norm_forward (occupancy query)", err);
-      it = resident.emplace(key, std::max(per_sm, 1)).first;
-    }
-    per_sm = it->second;
   }
-  const int64_t grid = std::min<int64_t>(a.rows, static_cast<int64_t>(sms) * per_sm);
-  kernel<<<static_cast<unsigned>(grid), kThreads, smem, s>>>(a, vector_weights);
-  return launch_status(kOp);
+  return launch_rows(norm_forward_rows_kernel<kIn, kVecs, kLn, kF8, false>, a, weights, s, launched);
+}
+
+template <te_dtype kIn, int kVecs, bool kLn>
+te_status launch_rows_ln(const NormForwardArgs &a, cudaStream_t s, bool *launched, bool *transposed) {
+  if (!a.has_fp8) return launch_rows_fp8<kIn, kVecs, kLn, kNoFp8>(a, s, launched, transposed);
+  if (a.fp8_dtype == TE_DTYPE_FLOAT8_E4M3) {
+    return launch_rows_fp8<kIn, kVecs, kLn, TE_DTYPE_FLOAT8_E4M3>(a, s, launched, transposed);
+  }
+  return launch_rows_fp8<kIn, kVecs, kLn, TE_DTYPE_FLOAT8_E5M2>(a, s, launched, transposed);
+}
+
+template <te_dtype kIn, int kVecs>
+te_status launch_rows_any(const NormForwardArgs &a, cudaStream_t s, bool *launched, bool *transposed) {
+  if (a.type == TE_NORM_LAYERNORM) return launch_rows_ln<kIn, kVecs, true>(a, s, launched, transposed);
+  return launch_rows_ln<kIn, kVecs, false>(a, s, launched, transposed);
 }
 
 template <te_dtype kIn>
-te_status forward(const NormForwardArgs &a, bool vector_io, bool vector_weights, cudaStream_t s) {
-  const size_t row_bytes = static_cast<size_t>(a.cols) * sizeof(typename Hp<kIn>::Storage);
-  if (vector_io && vector_weights && row_bytes <= kStagedRowBytes / 2) {
-    return launch_staged(norm_forward_staged_kernel<kIn, 2>, kStagedRowBytes, 2 * row_bytes, a, vector_weights, s);
+te_status forward(const NormForwardArgs &a, bool vector_io, cudaStream_t s, bool *transposed) {
+  *transposed = false;
+  // (rows below 2^30: the row kernel's indices are 32-bit, with room for a step past the end)
+  const int vecs = vector_io && a.cols >= kNormVec && a.rows < (int64_t{1} << 30) ? vecs_for(a.cols, kStepVecs<kIn>) : 0;
+  bool launched = false;
+  te_status st = TE_SUCCESS;
+  switch (vecs) {
+    case 1: st = launch_rows_any<kIn, 1>(a, s, &launched, transposed); break;
+    case 2: st = launch_rows_any<kIn, 2>(a, s, &launched, transposed); break;
+    case 4: st = launch_rows_any<kIn, 4>(a, s, &launched, transposed); break;
+    case 8:
+      if constexpr (kStepVecs<kIn> >= 8) st = launch_rows_any<kIn, 8>(a, s, &launched, transposed);
+      break;
+    default: break;
   }
-  norm_forward_kernel<kIn><<<static_cast<unsigned>(a.rows), kThreads, 0, s>>>(a, vector_weights);
-  return launch_status("norm_forward");
+  if (st != TE_SUCCESS || launched) return st;
+  const bool weights8 = a.cols % kNormVec == 0 && aligned(a.gamma, 16) && (a.beta == nullptr || aligned(a.beta, 16));
+  norm_forward_any_kernel<kIn><<<static_cast<unsigned>(a.rows), kThreads, 0, s>>>(a, vector_io, weights8);
+  return launch_status(kForwardOp);
 }
 
 }  // namespace norm_cuda
