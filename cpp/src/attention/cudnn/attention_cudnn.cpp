@@ -423,6 +423,16 @@ te_status plan_of_call(const char *op, const Problem &p, const std::string &poin
 
 int64_t lse_elements(const AttentionShape &s) { return s.batch * s.heads_q * s.seqlen_q; }
 
+// What the call's tensors add to the problem's own checks. A query without tensors (the
+// backend and workspace-size queries, which see shapes alone) describes a call that will pass
+// what its mask, dropout and FP8 options need: were those missing pointers counted against
+// cuDNN there, the query would name another backend, and a workspace too small for the cuDNN
+// call that then runs.
+template <typename Args>
+std::string call_reason(const Problem &p, const Args &args) {
+  return args.q == nullptr ? std::string() : pointer_reason(p, args);
+}
+
 }  // namespace
 
 // This file is compiled with hidden visibility (for the frontend's inline code); the entry
@@ -434,7 +444,7 @@ TE_CUDNN_ENTRY std::string cudnn_attention_forward_support(const AttentionForwar
     const Problem p = problem_of(args);
     CudaDeviceScope scope(args.device);
     const std::shared_ptr<const Plan> plan = plan_for(p);
-    return plan->error.empty() ? pointer_reason(p, args) : plan->error;
+    return plan->error.empty() ? call_reason(p, args) : plan->error;
   } catch (const std::exception &e) {
     return brief(e.what());
   }
@@ -445,7 +455,7 @@ TE_CUDNN_ENTRY std::string cudnn_attention_backward_support(const AttentionBackw
     const Problem p = problem_of(args);
     CudaDeviceScope scope(args.device);
     const std::shared_ptr<const Plan> plan = plan_for(p);
-    return plan->error.empty() ? pointer_reason(p, args) : plan->error;
+    return plan->error.empty() ? call_reason(p, args) : plan->error;
   } catch (const std::exception &e) {
     return brief(e.what());
   }
