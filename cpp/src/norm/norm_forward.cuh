@@ -85,6 +85,11 @@ __device__ __forceinline__ void prefetch_row_l2(const void *p, int bytes) {
   }
 }
 
+// Floats of each weight array in shared memory: every vector that kVecs vectors per thread can
+// reach, which covers the row (vecs_for picks kVecs so).
+template <int kVecs>
+constexpr int kWeightSpan = kVecs * kThreads * kNormVec;
+
 // kF8: the FP8 output's dtype or kNoFp8; kTranspose: the FP8 transpose is written too.
 template <te_dtype kIn, int kVecs, bool kLn, te_dtype kF8, bool kTranspose>
 __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(const NormForwardArgs a) {
@@ -92,18 +97,22 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
   constexpr int kSteps = kBandRows / (kGroups * kRows);  // steps of a group per band
   constexpr bool kFp8 = kF8 != kNoFp8;
   using S = typename Hp<kIn>::Storage;
-  extern __shared__ float4 dynamic_smem[];  // gains [cols], betas [cols] (LayerNorm), FP8 band [16, cols]
+  // gains [kWeightSpan], betas [kWeightSpan] (LayerNorm), FP8 band [16, cols]
+  extern __shared__ float4 dynamic_smem[];
   __shared__ LaneScratch<kRows> scratch[2][kGroups];
   __shared__ uint32_t warp_amax[kBlockThreads / 32];
 
   // 32-bit indices (rows < 2^30 on this path, cols <= 8192): fewer registers live in the loop.
   const int n = static_cast<int>(a.cols), rows = static_cast<int>(a.rows), nvec = n / kNormVec;
+  constexpr int kSpan = kWeightSpan<kVecs>;
   float *gain = reinterpret_cast<float *>(dynamic_smem);
-  float *bias = gain + n;
-  uint8_t *band_fp8 = reinterpret_cast<uint8_t *>(gain + (kLn ? 2 : 1) * n);
-  for (int i = threadIdx.x; i < n; i += kBlockThreads) {
-    gain[i] = norm_gain(load_any(a.gamma, i, a.weight_dtype), a.zero_centered);
-    if (kLn) bias[i] = load_any(a.beta, i, a.weight_dtype);
+  float *bias = gain + kSpan;
+  uint8_t *band_fp8 = reinterpret_cast<uint8_t *>(gain + (kLn ? 2 : 1) * kSpan);
+  // Zeros past the row end: the FP8 loop reads the weights of every vector a thread could own,
+  // also those past the row end (computed on zeros and not stored), without a branch.
+  for (int i = threadIdx.x; i < kSpan; i += kBlockThreads) {
+    gain[i] = i < n ? norm_gain(load_any(a.gamma, i, a.weight_dtype), a.zero_centered) : 0.0f;
+    if (kLn) bias[i] = i < n ? load_any(a.beta, i, a.weight_dtype) : 0.0f;
   }
   const int group = threadIdx.x / kThreads, t = threadIdx.x % kThreads;
   const int vecs = own_vectors(nvec, kVecs);
@@ -417,7 +426,7 @@ te_status launch_rows(Kernel kernel, const NormForwardArgs &a, size_t smem, cuda
 // memory too (*transposed), else without (the caller transposes).
 template <te_dtype kIn, int kVecs, bool kLn, te_dtype kF8>
 te_status launch_rows_fp8(const NormForwardArgs &a, cudaStream_t s, bool *launched, bool *transposed) {
-  const size_t weights = static_cast<size_t>(kLn ? 2 : 1) * a.cols * sizeof(float);
+  const size_t weights = static_cast<size_t>(kLn ? 2 : 1) * kWeightSpan<kVecs> * sizeof(float);
   if constexpr (kF8 != kNoFp8) {
     if (a.fp8_transpose != nullptr && a.rows % kBandRows == 0 && aligned(a.fp8_transpose, 16)) {
       const size_t smem = weights + static_cast<size_t>(kBandRows) * a.cols;
