@@ -60,7 +60,6 @@ te_status norm_forward_cuda(const NormForwardArgs &a, te_stream stream) {
   if (a.has_fp8 && a.amax != nullptr) {
     if (te_status st = cuda_status(kOp, cudaMemsetAsync(a.amax, 0, sizeof(float), s))) return st;
   }
-  bool transposed = false;
   if (a.rows > 0) {
     if (a.rows > 0x7FFFFFFF) return fail(TE_ERROR_UNSUPPORTED, kOp, "rows must be below 2^31 on CUDA");
     const size_t es = te_dtype_size(a.input_dtype);
@@ -68,7 +67,7 @@ te_status norm_forward_cuda(const NormForwardArgs &a, te_stream stream) {
                            (a.output == nullptr || rows_aligned(a.output, a.cols, te_dtype_size(a.output_dtype))) &&
                            (!a.has_fp8 || rows_aligned(a.fp8, a.cols, 1));
     te_status st = with_hp_dtype(a.input_dtype, [&](auto in) {
-      return forward<decltype(in)::value>(a, vector_io, s, &transposed);
+      return forward<decltype(in)::value>(a, vector_io, s);
     });
     if (st != TE_SUCCESS) return st;
   }
@@ -76,7 +75,7 @@ te_status norm_forward_cuda(const NormForwardArgs &a, te_stream stream) {
     scale_inv_kernel<<<1, 1, 0, s>>>(a.scale, a.scale_inv);
     if (te_status st = launch_status(kOp)) return st;
   }
-  if (a.fp8_transpose != nullptr && a.rows > 0 && !transposed) {
+  if (a.fp8_transpose != nullptr && a.rows > 0) {
     const TransposeArgs t{a.fp8, a.fp8_transpose, a.rows, a.cols, 1};
     return transpose_cuda(t, stream);
   }

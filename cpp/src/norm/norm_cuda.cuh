@@ -291,10 +291,10 @@ te_status resident_blocks(const char *op, Kernel kernel, int threads, size_t sme
   return TE_SUCCESS;
 }
 
-// The forward of rows of input dtype kIn (norm_forward_{fp32,fp16,bf16}.cu). Sets *transposed
-// when it wrote the FP8 transpose too; otherwise the caller runs the FP8 transpose kernel.
+// The forward of rows of input dtype kIn (norm_forward_{fp32,fp16,bf16}.cu); the caller runs
+// the FP8 transpose kernel after it when the transpose is asked for.
 template <te_dtype kIn>
-te_status forward(const NormForwardArgs &a, bool vector_io, cudaStream_t s, bool *transposed);
+te_status forward(const NormForwardArgs &a, bool vector_io, cudaStream_t s);
 
 // The backward's row kernels for input dtype kIn (norm_backward_{fp32,fp16,bf16}.cu): grad_input
 // and the partial column sums of each 32-row group into `partials`.

@@ -4,7 +4,7 @@
 namespace te {
 namespace norm_cuda {
 
-template te_status forward<TE_DTYPE_FLOAT32>(const NormForwardArgs &, bool, cudaStream_t, bool *);
+template te_status forward<TE_DTYPE_FLOAT32>(const NormForwardArgs &, bool, cudaStream_t);
 
 }  // namespace norm_cuda
 }  // namespace te
