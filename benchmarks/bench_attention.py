@@ -89,7 +89,10 @@ def torch_cases(shape, device: str) -> dict:
         cases[("fwd_bwd", "torch_sdpa_cudnn")] = sdpa(SDPBackend.CUDNN_ATTENTION)
         cases[("fwd_bwd", "torch_sdpa_flash")] = sdpa(SDPBackend.FLASH_ATTENTION)
     info = te.get_attention_backend(q, k, v, qkv_format="bshd", attn_mask_type="causal")
-    return cases, {"backend": info.name, "reasons": info.reasons}
+    fp8 = te.get_attention_backend(q.detach(), k.detach(), v.detach(), qkv_format="bshd",
+                                   attn_mask_type="causal", fp8=True)
+    return cases, {"backend": info.name, "reasons": info.reasons, "fp8_forward_backend": fp8.name,
+                   "fp8_forward_reasons": fp8.reasons}
 
 
 def jax_cases(shape, smoke: bool) -> dict:

@@ -49,24 +49,30 @@ def fused_attention(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bo
 E4M3_MAX = 448.0
 
 
-def _quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor current scaling: (E4M3 bytes, scale_inv [1] fp32)."""
-    amax = x.detach().abs().amax().float().reshape(1)
-    scale = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
-    data = (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return data.view(torch.uint8), 1.0 / scale
+def _quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor current scaling through the core: (E4M3 bytes in x's shape, scale [1],
+    scale_inv [1])."""
+    data, _, scale, scale_inv, _ = ops.quantize_current(
+        x.reshape(-1, x.shape[-1]), "float8_e4m3", True, False, False, 0.0)
+    return data.view(x.shape), scale, scale_inv
 
 
 class _FusedAttentionFP8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_kv, rng, params, deterministic):
         quantized = [_quantize_e4m3(t) for t in (q, k, v)]
-        descales = torch.cat([d for _, d in quantized])
+        descales = torch.cat([d for _, _, d in quantized])
         # p is in [0, 1]: the largest E4M3 value maps 1 without overflow.
         s_scales = torch.tensor([E4M3_MAX, 1.0 / E4M3_MAX], dtype=torch.float32, device=q.device)
-        qf, kf, vf = (d for d, _ in quantized)
-        o, lse, _ = ops.attention_forward_fp8(qf, kf, vf, descales, s_scales, cu_q, cu_kv, rng,
-                                              *params, q.dtype)
+        # o is written in E4M3 too (Hopper's cuDNN takes no other output of an FP8 forward) and
+        # widened here. Each row of o averages rows of v, so |o| <= max |v| but for the
+        # rounding of p to E4M3: half of v's scale keeps o clear of the format's maximum.
+        scale_v, descale_v = quantized[2][1], quantized[2][2]
+        o_scale, o_scale_inv = scale_v * 0.5, descale_v * 2.0
+        qf, kf, vf = (d for d, _, _ in quantized)
+        o8, lse, _ = ops.attention_forward_fp8(qf, kf, vf, descales, s_scales, cu_q, cu_kv, rng,
+                                               *params, o_scale, torch.uint8)
+        o = ops.dequantize(o8, o_scale_inv, "float8_e4m3", "tensor", q.dtype)
         # The backward takes the high-precision inputs: the gradients are high precision too.
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_kv, rng)
         ctx.params = params
@@ -77,7 +83,8 @@ class _FusedAttentionFP8(torch.autograd.Function):
 
 
 def fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bool = False):
-    """FP8 forward (q, k, v quantized to E4M3 with their own amax), high-precision backward."""
+    """FP8 forward (q, k, v and o in E4M3, each q/k/v scaled by its own amax), high-precision
+    backward."""
     return _FusedAttentionFP8.apply(q, k, v, cu_q, cu_kv, rng, params, deterministic)
 
 

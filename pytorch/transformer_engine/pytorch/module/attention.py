@@ -58,10 +58,11 @@ def _core_reasons(key: tuple, grad: bool) -> dict:
     c = core()
     cfg = config(layout, "padding" if mask == "arbitrary" else mask, wl, wr, scale, dropout,
                  sizes[3], sizes[4])
-    qkv = c.DType.float8_e4m3 if fp8 else getattr(c.DType, dtype)
     hp = getattr(c.DType, dtype)
+    # The FP8 forward writes o in E4M3 too (attention_fn.py).
+    qkv = o = c.DType.float8_e4m3 if fp8 else hp
     try:
-        _, why, _ = c.attention_backend(cfg, list(sizes), qkv, hp, hp, device_id=device)
+        _, why, _ = c.attention_backend(cfg, list(sizes), qkv, o, hp, device_id=device)
     except (TypeError, ValueError) as e:  # a request no core backend takes (FP8 of fp32, ...)
         return {name: str(e) for name in _CORE_INDEX}
     reasons = {name: why[i] for name, i in _CORE_INDEX.items()}

@@ -142,10 +142,18 @@ def attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           rng_state: torch.Tensor, layout: str, mask: str, window_left: int,
                           window_right: int, softmax_scale: float, dropout: float,
                           max_seqlen_q: int, max_seqlen_kv: int, backend: str,
-                          o_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          o_scale: torch.Tensor, o_dtype: torch.dtype
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 attention: q, k, v E4M3 bytes (uint8) with descales [3] fp32 (of q, k, v); s_scales
-    [2] fp32 = (scale, scale_inv) of the probabilities. Returns (o in o_dtype, softmax_lse,
-    amax of the probabilities [1] fp32)."""
+    [2] fp32 = (scale, scale_inv) of the probabilities. o_dtype torch.uint8 writes o as E4M3
+    bytes of ``o * o_scale`` (o_scale [1] fp32; the only FP8 output sm_90 takes), a float dtype
+    writes it in that dtype (o_scale empty). Returns (o, softmax_lse, amax of the probabilities
+    [1] fp32)."""
+    fp8_out = o_dtype == torch.uint8
+    if fp8_out != (o_scale.numel() == 1):
+        raise ValueError("attention_forward_fp8: o_scale must be a [1] tensor exactly when o is "
+                         f"FP8 (o_dtype torch.uint8), got {o_scale.numel()} elements for "
+                         f"o_dtype {o_dtype}")
     cfg = config(layout, mask, window_left, window_right, softmax_scale, dropout, max_seqlen_q,
                  max_seqlen_kv, False, backend)
     o = _o_like(q, v, o_dtype)
@@ -159,9 +167,11 @@ def attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sc = [s_scales[0:1].contiguous(), s_scales[1:2].contiguous()]
     c = core()
     softmax = c.Tensor(None, scale=raw(sc[0]), scale_inv=raw(sc[1]), amax=raw(amax_s))
+    o_scale = o_scale.contiguous()
+    out = c.Tensor(raw(o), dtype=c.DType.float8_e4m3, scale=raw(o_scale)) if fp8_out else raw(o)
     ws = _workspace_for(cfg, q, k, v, o_dtype, o_dtype, cu_seqlens_q, max_seqlen_q, max_seqlen_kv,
                         False)
-    c.attention_forward(cfg, _fp8(q, d[0]), _fp8(k, d[1]), _fp8(v, d[2]), raw(o), raw(lse),
+    c.attention_forward(cfg, _fp8(q, d[0]), _fp8(k, d[1]), _fp8(v, d[2]), out, raw(lse),
                         cu_seqlens_q=_opt(cu_seqlens_q), cu_seqlens_kv=_opt(cu_seqlens_kv),
                         rng_state=_opt(rng_state), softmax_fp8=softmax, workspace=ws,
                         stream=stream_of(q))
@@ -171,7 +181,7 @@ def attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @attention_forward_fp8.register_fake
 def _(q, k, v, descales, s_scales, cu_seqlens_q, cu_seqlens_kv, rng_state, layout, mask,
       window_left, window_right, softmax_scale, dropout, max_seqlen_q, max_seqlen_kv, backend,
-      o_dtype):
+      o_scale, o_dtype):
     lse = q.new_empty(lse_shape(q, layout, q.shape[-2], cu_seqlens_q, max_seqlen_q),
                       dtype=torch.float32)
     return _o_like(q, v, o_dtype), lse, q.new_empty((1,), dtype=torch.float32)
