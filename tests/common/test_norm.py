@@ -170,8 +170,8 @@ def test_forward_fp8(device, norm, fp8, shape, transpose):
 # Shapes that reach each CUDA forward path (norm_forward.cuh): rows held in registers at the
 # widest (8192: 8 vectors per thread for 16-bit inputs; fp32 takes the general kernel there) and
 # two rows per step (4096, 1024), vectors past the row end for some threads (2560) or for all
-# (5120), bands of 16 rows for the fused transpose, several bands per block (2304 rows), and
-# row counts that are not a multiple of 16 (the transpose then runs as a kernel of its own).
+# (5120), bands of 16 rows, several bands per block (2304 rows), and row counts that are not a
+# multiple of 16; the FP8 transpose is the transpose kernel's, after the norm.
 FP8_ONLY_SHAPES = [(48, 8192), (40, 4096), (32, 2560), (16, 5120), (2304, 256), (37, 1024)]
 
 
