@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
     prefetch(k + kPrefetchSteps);
     if (row0 < rows) {  // uniform in the group, as its barriers need
       float acc[kRows], mu[kRows] = {}, rs[kRows];
-      if (kLn) {
+      // acc[r] = the group's sum of value(x, r) over row r, in the documented lane order.
+      auto row_sums = [&](auto value) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           acc[r] = 0.0f;
@@ -163,31 +164,22 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
             decode_pass(in[r][j], x);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-              if (j < vecs) acc[r] += x[e];
+              if (j < vecs) acc[r] += value(x[e], r);
             }
           }
         }
         group_lane_sums(acc, scratch[parity][group], 1 + group);
         parity ^= 1;
+      };
+      if (kLn) {
+        row_sums([](float x, int) { return x; });
 #pragma unroll
         for (int r = 0; r < kRows; ++r) mu[r] = acc[r] / static_cast<float>(n);
       }
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        acc[r] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kVecs; ++j) {
-          float x[8];
-          decode_pass(in[r][j], x);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const float d = kLn ? x[e] - mu[r] : x[e];
-            if (j < vecs) acc[r] += d * d;
-          }
-        }
-      }
-      group_lane_sums(acc, scratch[parity][group], 1 + group);
-      parity ^= 1;
+      row_sums([&](float x, int r) {
+        const float d = kLn ? x - mu[r] : x;
+        return d * d;
+      });
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         rs[r] = norm_rsigma(acc[r], n, a.eps);
@@ -259,13 +251,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
     }
   }
   if constexpr (kFp8) {
-    const uint32_t m = warp_max(float_bits(amax));
-    if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = m;
-    __syncthreads();
+    const uint32_t block = block_max<kBlockThreads>(float_bits(amax), warp_amax);
     if (threadIdx.x == 0) {
-      uint32_t block = warp_amax[0];
-#pragma unroll
-      for (int w = 1; w < kBlockThreads / 32; ++w) block = max(block, warp_amax[w]);
       if (a.amax != nullptr) atomic_max_amax(a.amax, block);
       if (blockIdx.x == 0) *a.scale_inv = canonical_div(1.0f, scale);
     }
