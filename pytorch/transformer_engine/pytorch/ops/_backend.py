@@ -49,18 +49,20 @@ def check_mode(op: str, mode: str) -> None:
 _enums: dict = {}
 
 
-def te_dtype(fp8_dtype: str):
-    e = _enums.get(("dtype", fp8_dtype))
+def _enum(kind: str, name: str):
+    """The member ``name`` of the binding's enum ``kind`` (``DType``, ``ScalingMode``)."""
+    e = _enums.get((kind, name))
     if e is None:
-        e = _enums[("dtype", fp8_dtype)] = getattr(core().DType, fp8_dtype)
+        e = _enums[(kind, name)] = getattr(getattr(core(), kind), name)
     return e
+
+
+def te_dtype(fp8_dtype: str):
+    return _enum("DType", fp8_dtype)
 
 
 def te_mode(mode: str):
-    e = _enums.get(("mode", mode))
-    if e is None:
-        e = _enums[("mode", mode)] = getattr(core().ScalingMode, mode)
-    return e
+    return _enum("ScalingMode", mode)
 
 
 _TORCH_TO_TE = {
@@ -78,7 +80,7 @@ def _core_dtype(dtype: torch.dtype):
         if name is None:
             raise TypeError(f"transformer_engine: tensors of dtype {dtype} cannot go to the "
                             "core")
-        te = _te_dtypes[dtype] = getattr(core().DType, name)
+        te = _te_dtypes[dtype] = _enum("DType", name)
     return te
 
 
