@@ -291,6 +291,30 @@ def test_fp8_forward_close_to_bf16_cpu(mask):
     assert rmse < ATTENTION_FP8_RMSE_OF_RANGE * (ref.max() - ref.min())
 
 
+def test_fp8_forward_op_reports_amax_of_o(device):
+    # An E4M3 o comes with the amax of o before scaling (cuDNN's FP8 forward requires the
+    # slot; delayed scaling of o would read it).
+    from transformer_engine.pytorch import ops
+
+    q, k, v = (t.detach() for t in _data(1, 64, 64, 2, 2, 64, torch.bfloat16, device))
+    quant = [ops.quantize_current(t.reshape(-1, 64), "float8_e4m3", True, False, False, 0.0)
+             for t in (q, k, v)]
+    qf, kf, vf = (d.view(t.shape) for (d, *_), t in zip(quant, (q, k, v), strict=True))
+    descales = torch.cat([sinv for _, _, _, sinv, _ in quant])
+    s_scales = torch.tensor([448.0, 1 / 448.0], device=device)
+    cu = torch.empty(0, dtype=torch.int32, device=device)
+    rng = torch.empty(0, dtype=torch.int64, device=device)
+    o_scale = quant[2][2] * 0.5
+    backend = "cudnn" if device.type == "cuda" else "auto"
+    o8, _, _, amax_o = ops.attention_forward_fp8(
+        qf, kf, vf, descales, s_scales, cu, cu, rng, "bshd", "causal", -1, 0, 0.125, 0.0,
+        64, 64, backend, o_scale, torch.uint8)
+    o = ops.dequantize(o8, 1 / o_scale, "float8_e4m3", "tensor", torch.float32)
+    assert amax_o.shape == (1,)
+    # E4M3 keeps 3 mantissa bits: the largest |o| read back is within 2^-4 of the true amax.
+    torch.testing.assert_close(amax_o[0], o.abs().max(), rtol=2**-4, atol=0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiles_without_graph_breaks(backend):
     # aot_eager traces forward and backward through the fake implementations (inductor's C++

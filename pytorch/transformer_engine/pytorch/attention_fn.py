@@ -70,7 +70,7 @@ class _FusedAttentionFP8(torch.autograd.Function):
         scale_v, descale_v = quantized[2][1], quantized[2][2]
         o_scale, o_scale_inv = scale_v * 0.5, descale_v * 2.0
         qf, kf, vf = (d for d, _, _ in quantized)
-        o8, lse, _ = ops.attention_forward_fp8(qf, kf, vf, descales, s_scales, cu_q, cu_kv, rng,
+        o8, lse, _, _ = ops.attention_forward_fp8(qf, kf, vf, descales, s_scales, cu_q, cu_kv, rng,
                                                *params, o_scale, torch.uint8)
         o = ops.dequantize(o8, o_scale_inv, "float8_e4m3", "tensor", q.dtype)
         # The backward takes the high-precision inputs: the gradients are high precision too.

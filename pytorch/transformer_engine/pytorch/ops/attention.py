@@ -143,12 +143,12 @@ def attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           window_right: int, softmax_scale: float, dropout: float,
                           max_seqlen_q: int, max_seqlen_kv: int, backend: str,
                           o_scale: torch.Tensor, o_dtype: torch.dtype
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 attention: q, k, v E4M3 bytes (uint8) with descales [3] fp32 (of q, k, v); s_scales
     [2] fp32 = (scale, scale_inv) of the probabilities. o_dtype torch.uint8 writes o as E4M3
     bytes of ``o * o_scale`` (o_scale [1] fp32; the only FP8 output sm_90 takes), a float dtype
     writes it in that dtype (o_scale empty). Returns (o, softmax_lse, amax of the probabilities
-    [1] fp32)."""
+    [1] fp32, amax of o [1] fp32 when o is FP8 (cuDNN requires it), else empty)."""
     fp8_out = o_dtype == torch.uint8
     if fp8_out != (o_scale.numel() == 1):
         raise ValueError("attention_forward_fp8: o_scale must be a [1] tensor exactly when o is "
@@ -168,14 +168,16 @@ def attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     c = core()
     softmax = c.Tensor(None, scale=raw(sc[0]), scale_inv=raw(sc[1]), amax=raw(amax_s))
     o_scale = o_scale.contiguous()
-    out = c.Tensor(raw(o), dtype=c.DType.float8_e4m3, scale=raw(o_scale)) if fp8_out else raw(o)
+    amax_o = _amax_o(q, fp8_out)
+    out = c.Tensor(raw(o), dtype=c.DType.float8_e4m3, scale=raw(o_scale),
+                   amax=raw(amax_o)) if fp8_out else raw(o)
     ws = _workspace_for(cfg, q, k, v, o_dtype, o_dtype, cu_seqlens_q, max_seqlen_q, max_seqlen_kv,
                         False)
     c.attention_forward(cfg, _fp8(q, d[0]), _fp8(k, d[1]), _fp8(v, d[2]), out, raw(lse),
                         cu_seqlens_q=_opt(cu_seqlens_q), cu_seqlens_kv=_opt(cu_seqlens_kv),
                         rng_state=_opt(rng_state), softmax_fp8=softmax, workspace=ws,
                         stream=stream_of(q))
-    return o, lse, amax_s
+    return o, lse, amax_s, amax_o
 
 
 @attention_forward_fp8.register_fake
@@ -184,7 +186,12 @@ def _(q, k, v, descales, s_scales, cu_seqlens_q, cu_seqlens_kv, rng_state, layou
       o_scale, o_dtype):
     lse = q.new_empty(lse_shape(q, layout, q.shape[-2], cu_seqlens_q, max_seqlen_q),
                       dtype=torch.float32)
-    return _o_like(q, v, o_dtype), lse, q.new_empty((1,), dtype=torch.float32)
+    return (_o_like(q, v, o_dtype), lse, q.new_empty((1,), dtype=torch.float32),
+            _amax_o(q, o_dtype == torch.uint8))
+
+
+def _amax_o(q: torch.Tensor, fp8_out: bool) -> torch.Tensor:
+    return q.new_zeros((1 if fp8_out else 0,), dtype=torch.float32)
 
 
 _TE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
