@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from . import fp8, ops
-from .quantization import Plan, quantize
+from .quantization import Operand, Plan, quantize, record_amax
 
 # The block-scaled GEMM writes fp32 or bf16 only (gemm.h).
 _BLOCK_OUT = (torch.float32, torch.bfloat16)
@@ -86,10 +86,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         g = grad_output if grad_output.dim() == 2 else \
             grad_output.reshape(-1, grad_output.shape[-1])
         g = g.contiguous()
-        grad_input = grad_weight = grad_bias = None
+        grad_input = grad_weight = grad_bias = dbias = None
         if need_dgrad or need_wgrad:
             history, scale, _ = ctx.bwd_meta
-            q_g = quantize(plan, "grad_output", g, need_dgrad, need_wgrad, scale, 0, history)
+            q_g, dbias = grad_output_to_fp8(plan, g, scale, history, need_dgrad, need_wgrad,
+                                            has_bias)
             if plan.kind == "delayed":
                 update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
             grad_input, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
@@ -98,10 +99,34 @@ class Fp8LinearFunction(torch.autograd.Function):
             if grad_input is not None and len(ctx.input_shape) != 2:
                 grad_input = grad_input.view(ctx.input_shape)
         if has_bias:
-            grad_bias = g.sum(0, dtype=torch.float32)
-            if b_dtype != torch.float32:
-                grad_bias = grad_bias.to(b_dtype)
+            grad_bias = bias_gradient(g, dbias, b_dtype)
         return (grad_input, grad_weight, grad_bias) + (None,) * 8
+
+
+def grad_output_to_fp8(plan: Plan, g: torch.Tensor, scale: torch.Tensor,
+                       history: torch.Tensor, rowwise: bool, columnwise: bool,
+                       with_dbias: bool) -> tuple[Operand, Optional[torch.Tensor]]:
+    """A linear layer's grad_output [M, N] as the FP8 operand of its backward GEMMs, and the
+    bias gradient (fp32 column sums of g) when the core made it in the same pass, else None.
+
+    Delayed scaling with a bias takes "bias gradient + cast + transpose" in one pass over g
+    (the core's activation backward of ``identity``) instead of a quantize and a separate
+    column sum, which read g twice; its amax is recorded as quantize records its own."""
+    if with_dbias and plan.kind == "delayed":
+        data, col, sinv, amax, dbias = ops.activation_backward_fp8(
+            g, g, "identity", scale, plan.bwd_dtype, rowwise, columnwise, True)
+        record_amax(history, 0, amax)
+        return Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode), dbias
+    return quantize(plan, "grad_output", g, rowwise, columnwise, scale, 0, history), None
+
+
+def bias_gradient(g: torch.Tensor, dbias: Optional[torch.Tensor],
+                  b_dtype: torch.dtype) -> torch.Tensor:
+    """The bias gradient in the bias's dtype: ``dbias`` (fp32 column sums of g) when the
+    backward made it, else summed here."""
+    if dbias is None:
+        dbias = g.sum(0, dtype=torch.float32)
+    return dbias if b_dtype == torch.float32 else dbias.to(b_dtype)
 
 
 def backward_gemms(plan: Plan, q_g, w_col, w_col_sinv, in_col, in_col_sinv,
