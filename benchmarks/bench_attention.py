@@ -82,7 +82,8 @@ def torch_cases(shape, device: str) -> dict:
 
     cases = {("fwd_bwd", "transformer_engine"): ours,
              ("fwd", "transformer_engine_bf16"): ours_forward,
-             ("fwd", "transformer_engine_fp8"): ours_fp8_forward}
+             ("fwd", "transformer_engine_fp8"): ours_fp8_forward,
+             ("fwd", "transformer_engine_fp8_operands"): _fp8_operands_forward(q, k, v)}
     if device == "cuda":
         from torch.nn.attention import SDPBackend
 
@@ -93,6 +94,31 @@ def torch_cases(shape, device: str) -> dict:
                                    attn_mask_type="causal", fp8=True)
     return cases, {"backend": info.name, "reasons": info.reasons, "fp8_forward_backend": fp8.name,
                    "fp8_forward_reasons": fp8.reasons}
+
+
+def _fp8_operands_forward(q, k, v):
+    """The FP8 forward on operands already in E4M3, o written in E4M3: the attention itself,
+    as it runs when the surrounding GEMMs hand FP8 in and take FP8 out (fp8_mha). The module
+    case ("transformer_engine_fp8") adds the casts of bf16 q, k, v and the widening of o."""
+    from transformer_engine.pytorch import ops
+
+    quant = [ops.quantize_current(t.detach().reshape(-1, t.shape[-1]), "float8_e4m3", True,
+                                  False, False, 0.0) for t in (q, k, v)]
+    qf, kf, vf = (data.view(t.shape) for (data, *_), t in zip(quant, (q, k, v), strict=True))
+    descales = torch.cat([scale_inv for _, _, _, scale_inv, _ in quant])
+    s_scales = torch.tensor([448.0, 1 / 448.0], device=q.device)
+    o_scale = quant[2][2] * 0.5
+    none_i32 = torch.empty(0, dtype=torch.int32, device=q.device)
+    none_i64 = torch.empty(0, dtype=torch.int64, device=q.device)
+    s, d = q.shape[1], q.shape[-1]
+    backend = "cudnn" if q.is_cuda else "auto"
+
+    def run(i):
+        ops.attention_forward_fp8(qf, kf, vf, descales, s_scales, none_i32, none_i32, none_i64,
+                                  "bshd", "causal", -1, 0, d ** -0.5, 0.0, s, s, backend,
+                                  o_scale, torch.uint8)
+
+    return run
 
 
 def jax_cases(shape, smoke: bool) -> dict:
