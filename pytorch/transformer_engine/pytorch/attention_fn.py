@@ -63,7 +63,10 @@ class _FusedAttentionFP8(torch.autograd.Function):
         quantized = [_quantize_e4m3(t) for t in (q, k, v)]
         descales = torch.cat([d for _, _, d in quantized])
         # p is in [0, 1]: the largest E4M3 value maps 1 without overflow.
-        s_scales = torch.tensor([E4M3_MAX, 1.0 / E4M3_MAX], dtype=torch.float32, device=q.device)
+        # (Filled on the device: a torch.tensor from a list would be a pageable host copy,
+        # which stalls the host and has no place in a captured CUDA graph.)
+        s_scales = q.new_full((2,), E4M3_MAX, dtype=torch.float32)
+        s_scales[1:].fill_(1.0 / E4M3_MAX)
         # o is written in E4M3 too (Hopper's cuDNN takes no other output of an FP8 forward) and
         # widened here. Each row of o averages rows of v, so |o| <= max |v| but for the
         # rounding of p to E4M3: half of v's scale keeps o clear of the format's maximum.
