@@ -47,16 +47,6 @@ struct ActParams {
 // of 16 or 32 bytes: a warp's copies are two whole 256-byte row segments) and reads only that
 // back, so its own cp.async wait is all the ordering the inputs need.
 
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
 // One operand's tile as staged: 128 rows of raw input elements. fp32 rows keep the two 16-byte
 // pieces of each patch row 256 bytes apart, so that each of a thread's two 128-bit reads makes
 // 8 consecutive threads read 128 contiguous bytes (no bank conflict), as 16-bit rows do.

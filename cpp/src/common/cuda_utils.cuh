@@ -185,6 +185,19 @@ struct Packed8<TE_DTYPE_FLOAT32> {
   }
 };
 
+// Asynchronous 16-byte copies from global into shared memory (sm_80+), in commit groups: a
+// thread that reads back only what it copied itself needs no barrier, only its own wait.
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most kPending of this thread's newest groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 __device__ __forceinline__ void store_u64(uint8_t *p, uint32_t lo, uint32_t hi) {
   *reinterpret_cast<uint2 *>(p) = make_uint2(lo, hi);
 }

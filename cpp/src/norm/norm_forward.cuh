@@ -12,13 +12,15 @@
 //   - a block is 4 row groups sharing gamma and beta, decoded to fp32 once per block in shared
 //     memory with the zero-centered gain applied: no weight loads from global memory, decodes
 //     or adds per element, and no L1 given up to row buffers;
-//   - each thread loads 128 bytes of input per step straight into registers: 8 vectors (fp32:
-//     4) of one row, or of 2 rows at 4096 elements or fewer (their reductions then share a
-//     barrier and their weights a shared-memory read). They stay packed and are decoded on each
-//     pass (one instruction per element; fp16 by the hardware), which leaves the compiler the
-//     registers to schedule the loops without spilling at 16 warps per SM;
-//   - the rows of the step after next are prefetched into the L2 meanwhile, keeping memory busy
-//     without registers held for them;
+//   - each thread takes 128 bytes of input per step: 8 vectors (fp32: 4) of one row, or of 2
+//     rows at 4096 elements or fewer (their reductions then share a barrier and their weights a
+//     shared-memory read). They stay packed in registers and are decoded on each pass (one
+//     instruction per element; fp16 by the hardware), which leaves the compiler the registers
+//     to schedule the loops without spilling at 16 warps per SM;
+//   - the next step's 128 bytes are in flight meanwhile: each thread copies them with cp.async
+//     into its own slots of a double buffer in shared memory and reads back only those, so its
+//     own wait orders them (no barrier). The FP8 kernels use all 128 registers, which leaves no
+//     room for a second step in registers; the step after that is prefetched into the L2;
 //   - one barrier per row sum, none per element;
 //   - LayerNorm or RMSNorm, the FP8 dtype or none and the row length are template arguments,
 //     so that no element pays for a select between them;
@@ -63,9 +65,31 @@ constexpr int kStepRows = kStepVecs<kIn> / kVecs < 2 ? kStepVecs<kIn> / kVecs : 
 constexpr int kGroups = 4;
 constexpr int kBlockThreads = kGroups * kThreads;
 constexpr int kBandRows = 16;
-// Steps ahead that a group's rows are prefetched into the L2: a step takes a few microseconds,
-// and two keep a step's margin over the DRAM latency under load (about 17 MB of L2 on an H200).
+// Steps ahead that a group's rows are prefetched into the L2 (the next step is already being
+// copied into shared memory): about 8 MB of L2 per step ahead at 8192 bf16 columns.
 constexpr int kPrefetchSteps = 2;
+
+// 16-byte units of one vector (fp32: two) and of one thread's step in the staging buffer.
+template <te_dtype kIn>
+constexpr int kVecUnits = sizeof(Packed8<kIn>) / 16;
+template <te_dtype kIn, int kVecs>
+constexpr int kStageUnits = kStepRows<kIn, kVecs> * kVecs * kVecUnits<kIn>;
+// Bytes of the double buffer of a block: unit u of thread x in buffer b at
+// [(b * kStageUnits + u) * kBlockThreads + x], so that a warp's accesses are contiguous.
+template <te_dtype kIn, int kVecs>
+constexpr size_t kStageBytes = size_t{2} * kStageUnits<kIn, kVecs> * kBlockThreads * 16;
+
+// The vector at `slot` (unit 0; later units kBlockThreads apart) of the staging buffer.
+template <te_dtype kIn>
+__device__ __forceinline__ void unstage(Packed8<kIn> &p, const uint4 *slot) {
+  if constexpr (kIn == TE_DTYPE_FLOAT32) {
+    const uint4 lo = slot[0], hi = slot[kBlockThreads];
+    p.a = make_float4(__uint_as_float(lo.x), __uint_as_float(lo.y), __uint_as_float(lo.z), __uint_as_float(lo.w));
+    p.b = make_float4(__uint_as_float(hi.x), __uint_as_float(hi.y), __uint_as_float(hi.z), __uint_as_float(hi.w));
+  } else {
+    p.raw = slot[0];
+  }
+}
 
 // a * b for indices >= 0 as unsigned 32 x 32 -> 64 bits: no sign words to keep in registers.
 __device__ __forceinline__ uint64_t wide_mul(int a, int b) {
@@ -94,7 +118,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
   constexpr int kSteps = kBandRows / (kGroups * kRows);  // steps of a group per band
   constexpr bool kFp8 = kF8 != kNoFp8;
   using S = typename Hp<kIn>::Storage;
-  // gains [kWeightSpan], betas [kWeightSpan] (LayerNorm)
+  // gains [kWeightSpan], betas [kWeightSpan] (LayerNorm), the staging double buffer
   extern __shared__ float4 dynamic_smem[];
   __shared__ LaneScratch<kRows> scratch[2][kGroups];
   __shared__ uint32_t warp_amax[kBlockThreads / 32];
@@ -104,6 +128,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
   constexpr int kSpan = kWeightSpan<kVecs>;
   float *gain = reinterpret_cast<float *>(dynamic_smem);
   float *bias = gain + kSpan;
+  uint4 *staging = reinterpret_cast<uint4 *>(gain + (kLn ? 2 : 1) * kSpan);
+  constexpr int kUnits = kStageUnits<kIn, kVecs>;
   // Zeros past the row end: the FP8 loop reads the weights of every vector a thread could own,
   // also those past the row end (computed on zeros and not stored), without a branch.
   for (int i = threadIdx.x; i < kSpan; i += kBlockThreads) {
@@ -130,21 +156,44 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
       if (row < rows) prefetch_row_l2(static_cast<const S *>(a.input) + row_at(row), n * static_cast<int>(sizeof(S)));
     }
   };
+  // Copies this thread's vectors of its step k into buffer k % 2 and closes a cp.async group
+  // (an empty one past the last row, so that the wait below counts uniformly).
+  auto stage = [&](int k) {
+    const int row0 = first_row(k);
+    uint4 *buf = staging + (k & 1) * kUnits * kBlockThreads + threadIdx.x;
 #pragma unroll
-  for (int k = 1; k < kPrefetchSteps; ++k) prefetch(k);
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        if (row0 + r < rows && j < vecs) {
+          const char *src = reinterpret_cast<const char *>(static_cast<const S *>(a.input) + row_at(row0 + r) +
+                                                           (t + kThreads * j) * kNormVec);
+#pragma unroll
+          for (int u = 0; u < kVecUnits<kIn>; ++u) {
+            cp_async16(buf + ((r * kVecs + j) * kVecUnits<kIn> + u) * kBlockThreads, src + 16 * u);
+          }
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  stage(0);
   __syncthreads();  // the weights are in shared memory
   float amax = 0.0f;
   int parity = 0;  // the scratch buffer of the next reduction
   // Steps until this block's next band starts past the last row (uniform in the block).
   for (int k = 0; (static_cast<int>(blockIdx.x) + k / kSteps * grid) * kBandRows < rows; ++k) {
     const int row0 = first_row(k);
+    stage(k + 1);
+    cp_async_wait<1>();  // this step's copies have landed (the next step's may be in flight)
+    const uint4 *buf = staging + (k & 1) * kUnits * kBlockThreads + threadIdx.x;
     Packed8<kIn> in[kRows][kVecs];  // the step's rows, packed, decoded on each pass
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) {
         if (row0 + r < rows && j < vecs) {
-          in[r][j].load(a.input, row_at(row0 + r) + (t + kThreads * j) * kNormVec);
+          unstage(in[r][j], buf + (r * kVecs + j) * kVecUnits<kIn> * kBlockThreads);
         } else {
           in[r][j].zero();
         }
@@ -250,6 +299,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
       }
     }
   }
+  cp_async_wait<0>();  // the last, empty group
   if constexpr (kFp8) {
     const uint32_t block = block_max<kBlockThreads>(float_bits(amax), warp_amax);
     if (threadIdx.x == 0) {
@@ -380,8 +430,8 @@ te_status launch_rows(Kernel kernel, const NormForwardArgs &a, size_t smem, cuda
 // for the norm alone, while the transpose kernel moves its 2 bytes per element near 3.6 TB/s.
 template <te_dtype kIn, int kVecs, bool kLn, te_dtype kF8>
 te_status launch_rows_fp8(const NormForwardArgs &a, cudaStream_t s, bool *launched) {
-  const size_t weights = static_cast<size_t>(kLn ? 2 : 1) * kWeightSpan<kVecs> * sizeof(float);
-  return launch_rows(norm_forward_rows_kernel<kIn, kVecs, kLn, kF8>, a, weights, s, launched);
+  const size_t smem = static_cast<size_t>(kLn ? 2 : 1) * kWeightSpan<kVecs> * sizeof(float) + kStageBytes<kIn, kVecs>;
+  return launch_rows(norm_forward_rows_kernel<kIn, kVecs, kLn, kF8>, a, smem, s, launched);
 }
 
 template <te_dtype kIn, int kVecs, bool kLn>
