@@ -10,10 +10,15 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "common/internal.h"
 #include "common/numerics.h"
@@ -54,6 +59,59 @@ inline te_status sm_count(const char *op, int *count) {
   }
   if (device >= 0 && device < kMaxDevices) cache[device].store(n, std::memory_order_relaxed);
   *count = n;
+  return TE_SUCCESS;
+}
+
+// The dynamic shared memory a block of `kernel` may take on the current device: the device's
+// opt-in maximum less the kernel's static shared memory. The kernel's limit is raised to it
+// once per device (raising it per call to the size at hand would lower it for a later, larger
+// call).
+template <typename Kernel>
+te_status dynamic_smem_limit(const char *op, Kernel kernel, size_t *limit) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void *>, size_t> cache;
+  int device = 0;
+  if (te_status st = cuda_status(op, cudaGetDevice(&device))) return st;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, reinterpret_cast<const void *>(kernel));
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int optin = 0;
+    cudaFuncAttributes attr{};
+    if (te_status st = cuda_status(op, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device))) {
+      return st;
+    }
+    if (te_status st = cuda_status(op, cudaFuncGetAttributes(&attr, kernel))) return st;
+    const size_t room = static_cast<size_t>(optin) > attr.sharedSizeBytes ? optin - attr.sharedSizeBytes : 0;
+    if (te_status st = cuda_status(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                            static_cast<int>(room)))) {
+      return st;
+    }
+    it = cache.emplace(key, room).first;
+  }
+  *limit = it->second;
+  return TE_SUCCESS;
+}
+
+// Blocks of `threads` with `smem` bytes of dynamic shared memory (within dynamic_smem_limit,
+// which the caller has asked for first) that stay resident per SM; asked once per size.
+template <typename Kernel>
+te_status resident_blocks(const char *op, Kernel kernel, int threads, size_t smem, int *per_sm) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void *, size_t>, int> cache;
+  int device = 0;
+  if (te_status st = cuda_status(op, cudaGetDevice(&device))) return st;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, reinterpret_cast<const void *>(kernel), smem);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int n = 0;
+    if (te_status st = cuda_status(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem))) {
+      return st;
+    }
+    it = cache.emplace(key, std::max(n, 1)).first;
+  }
+  *per_sm = it->second;
   return TE_SUCCESS;
 }
 
@@ -190,6 +248,11 @@ struct Packed8<TE_DTYPE_FLOAT32> {
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+// 8 bytes (through the L1: cp.async.cg takes 16-byte copies only).
+__device__ __forceinline__ void cp_async8(void *smem, const void *gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most kPending of this thread's newest groups are still in flight.

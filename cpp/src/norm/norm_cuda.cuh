@@ -14,10 +14,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <tuple>
-#include <utility>
 
 #include "common/cuda_utils.cuh"
 #include "norm/norm_impl.h"
@@ -236,59 +232,6 @@ inline int vecs_for(int64_t n, int max_vecs) {
     if (need <= v) return v;
   }
   return 0;
-}
-
-// The dynamic shared memory a block of `kernel` may take on the current device: the device's
-// opt-in maximum less the kernel's static shared memory. The kernel's limit is raised to it
-// once per device (raising it per call to the size at hand would lower it for a later, larger
-// call).
-template <typename Kernel>
-te_status dynamic_smem_limit(const char *op, Kernel kernel, size_t *limit) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, const void *>, size_t> cache;
-  int device = 0;
-  if (te_status st = cuda_status(op, cudaGetDevice(&device))) return st;
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(device, reinterpret_cast<const void *>(kernel));
-  auto it = cache.find(key);
-  if (it == cache.end()) {
-    int optin = 0;
-    cudaFuncAttributes attr{};
-    if (te_status st = cuda_status(op, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device))) {
-      return st;
-    }
-    if (te_status st = cuda_status(op, cudaFuncGetAttributes(&attr, kernel))) return st;
-    const size_t room = static_cast<size_t>(optin) > attr.sharedSizeBytes ? optin - attr.sharedSizeBytes : 0;
-    if (te_status st = cuda_status(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                            static_cast<int>(room)))) {
-      return st;
-    }
-    it = cache.emplace(key, room).first;
-  }
-  *limit = it->second;
-  return TE_SUCCESS;
-}
-
-// Blocks of `threads` with `smem` bytes of dynamic shared memory (within dynamic_smem_limit,
-// which the caller has asked for first) that stay resident per SM; asked once per size.
-template <typename Kernel>
-te_status resident_blocks(const char *op, Kernel kernel, int threads, size_t smem, int *per_sm) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, const void *, size_t>, int> cache;
-  int device = 0;
-  if (te_status st = cuda_status(op, cudaGetDevice(&device))) return st;
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(device, reinterpret_cast<const void *>(kernel), smem);
-  auto it = cache.find(key);
-  if (it == cache.end()) {
-    int n = 0;
-    if (te_status st = cuda_status(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem))) {
-      return st;
-    }
-    it = cache.emplace(key, std::max(n, 1)).first;
-  }
-  *per_sm = it->second;
-  return TE_SUCCESS;
 }
 
 // The forward of rows of input dtype kIn (norm_forward_{fp32,fp16,bf16}.cu); the caller runs

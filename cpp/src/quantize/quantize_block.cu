@@ -2,10 +2,13 @@
 // fp32 scales, MXFP8 with E8M0 scales) and TENSOR mode where the fast cast + transpose of
 // quantize.cu does not apply (odd shapes, misaligned pointers).
 //
-// Design. One block of 256 threads per 128x128 tile (blocks stride over tiles, so any matrix
-// fits one launch). Lane l of warp w holds rows 16w .. 16w+15, columns 4l .. 4l+3 of the tile in
-// registers (64 values; one 64-bit or 128-bit load per row when cols % 4 == 0 and the pointer
-// allows, scalar loads otherwise). This layout makes every block amax a cheap reduction:
+// Design. Blocks of 256 threads stride over the 128x128 tiles, as many blocks as stay resident.
+// Lane l of warp w holds rows 16w .. 16w+15, columns 4l .. 4l+3 of the tile in registers (64
+// values). When cols % 4 == 0 and the pointers allow, those 16 pieces of 8 or 16 bytes are
+// copied with cp.async one tile ahead into the thread's own slots of a shared-memory double
+// buffer, so that the next tile's loads are in flight while this one is converted and stored
+// (the thread reads back only its own slots: its cp.async wait orders them); other shapes load
+// element by element. This layout makes every block amax a cheap reduction:
 //   - a 1x128 row block is one warp: warp_max of the lane maxima (one REDUX);
 //   - a 1x32 MXFP8 row block is 8 consecutive lanes: three xor-shuffles;
 //   - a 128x1 column block is 8 warps x 16 rows: per-lane partials through shared memory;
@@ -23,6 +26,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <string>
 
 #include "common/cuda_utils.cuh"
 #include "quantize/quantize_impl.h"
@@ -58,6 +62,13 @@ struct __align__(16) TiledStage {
 
 __device__ __forceinline__ int stage_unit(int r, int q) { return q ^ ((r >> 2) & 7); }
 
+// The input double buffer: the 4-element piece of row i of thread x in buffer b at
+// [(b * kRowsPerWarp + i) * kThreads + x], so that a warp's pieces are contiguous.
+template <te_dtype kIn>
+constexpr size_t kPieceBytes = 4 * sizeof(typename Hp<kIn>::Storage);
+template <te_dtype kIn>
+constexpr size_t kInputStageBytes = 2 * kRowsPerWarp * kThreads * kPieceBytes<kIn>;
+
 __device__ __forceinline__ void store_row4(uint8_t *p, int64_t col, int64_t cols, uint32_t q, bool vec) {
   if (vec) {
     if (col < cols) *reinterpret_cast<uint32_t *>(p) = q;
@@ -73,24 +84,64 @@ template <te_dtype kIn, te_dtype kFp8, te_scaling_mode kMode>
 __global__ void __launch_bounds__(kThreads, 2) quantize_tiled_kernel(const TiledParams p) {
   constexpr bool kTransposed = kMode != TE_SCALING_MXFP8;  // column-wise data is [K, M]
   constexpr bool kColumnPartials = kMode == TE_SCALING_BLOCK_1X128 || kMode == TE_SCALING_MXFP8;
+  using S = typename Hp<kIn>::Storage;
   __shared__ TiledStage stage;
   __shared__ uint4 col_partial[kThreads / 32][32];  // per warp and lane: 4 column maxima
   __shared__ uint32_t warp_amax[kThreads / 32];
+  extern __shared__ uint4 input_stage[];  // kInputStageBytes<kIn> when p.vec_io, else none
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const float tensor_scale = kMode == TE_SCALING_TENSOR ? *p.scale : 1.0f;
+  // This thread's first row and column of a tile.
+  auto origin = [&](int64_t tile, int64_t *r0, int64_t *c) {
+    *r0 = tile / p.tiles_c * kTile + warp * kRowsPerWarp;
+    *c = tile % p.tiles_c * kTile + lane * 4;
+  };
+  // The piece of row i of this thread in buffer b (4 elements).
+  auto piece = [&](int b, int i) {
+    return reinterpret_cast<S *>(input_stage) + ((b * kRowsPerWarp + i) * kThreads + threadIdx.x) * 4;
+  };
+  // Copies this thread's pieces of `tile` (if it exists) into buffer b and closes a cp.async
+  // group (an empty one past the last tile, so that the wait below counts uniformly).
+  auto stage_tile = [&](int64_t tile, int b) {
+    if (tile < p.num_tiles) {
+      int64_t r0, c;
+      origin(tile, &r0, &c);
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        if (r0 + i < p.rows && c < p.cols) {
+          const S *src = static_cast<const S *>(p.input) + (r0 + i) * p.cols + c;
+          if constexpr (kPieceBytes<kIn> == 16) {
+            cp_async16(piece(b, i), src);
+          } else {
+            cp_async8(piece(b, i), src);
+          }
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  if (p.vec_io) stage_tile(blockIdx.x, 0);
 
-  for (int64_t tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x) {
+  int parity = 0;  // the input buffer of this tile
+  for (int64_t tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x, parity ^= 1) {
     if (tile != blockIdx.x) __syncthreads();  // shared memory of the previous tile is consumed
     const int64_t tile_r = tile / p.tiles_c, tile_c = tile % p.tiles_c;
-    const int64_t r0 = tile_r * kTile + warp * kRowsPerWarp, c = tile_c * kTile + lane * 4;
+    int64_t r0, c;
+    origin(tile, &r0, &c);
 
     // Out-of-range elements read as 0: they change no maximum and are never stored.
     float v[kRowsPerWarp][4];
+    if (p.vec_io) {
+      stage_tile(tile + gridDim.x, parity ^ 1);
+      cp_async_wait<1>();  // this tile's pieces have landed (the next tile's may be in flight)
+    }
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
       const int64_t row = r0 + i;
       if (p.vec_io && row < p.rows && c < p.cols) {
-        load_hp4<kIn>(p.input, row * p.cols + c, v[i]);
+        load_hp4<kIn>(piece(parity, i), 0, v[i]);
+      } else if (p.vec_io) {
+        v[i][0] = v[i][1] = v[i][2] = v[i][3] = 0.0f;
       } else {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -240,16 +291,32 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_tiled_kernel(const Tiled
       }
     }
   }
+  if (p.vec_io) cp_async_wait<0>();  // the last, empty group
   if (kMode == TE_SCALING_TENSOR && blockIdx.x == 0 && threadIdx.x == 0) *p.scale_inv = canonical_div(1.0f, tensor_scale);
 }
 
 // Empty tensor in TENSOR mode: scale_inv is still 1 / scale.
 __global__ void scale_inv_kernel(const float *scale, float *scale_inv) { *scale_inv = canonical_div(1.0f, *scale); }
 
+// As many blocks as stay resident (each strides over the tiles), with the input double buffer
+// when the kernel stages its input.
 template <te_dtype kIn, te_dtype kFp8, te_scaling_mode kMode>
 te_status launch_tiled(const TiledParams &p, cudaStream_t stream) {
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(p.num_tiles, INT_MAX));
-  quantize_tiled_kernel<kIn, kFp8, kMode><<<blocks, kThreads, 0, stream>>>(p);
+  const auto kernel = quantize_tiled_kernel<kIn, kFp8, kMode>;
+  const size_t smem = p.vec_io ? kInputStageBytes<kIn> : 0;
+  size_t limit = 0;
+  int sms = 0, per_sm = 0;
+  if (te_status st = dynamic_smem_limit(kOp, kernel, &limit)) return st;
+  if (smem > limit) {
+    return fail(TE_ERROR_UNSUPPORTED, kOp,
+                "the tiled kernel needs " + std::to_string(smem) + " bytes of shared memory, the device allows " +
+                    std::to_string(limit));
+  }
+  if (te_status st = sm_count(kOp, &sms)) return st;
+  if (te_status st = resident_blocks(kOp, kernel, kThreads, smem, &per_sm)) return st;
+  const int64_t resident = static_cast<int64_t>(sms) * per_sm;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>({p.num_tiles, resident, INT_MAX}));
+  kernel<<<blocks, kThreads, smem, stream>>>(p);
   return launch_status(kOp);
 }
 
