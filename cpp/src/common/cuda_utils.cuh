@@ -115,6 +115,23 @@ te_status resident_blocks(const char *op, Kernel kernel, int threads, size_t sme
   return TE_SUCCESS;
 }
 
+// How many blocks of `kernel` (`threads` each, `smem` bytes of dynamic shared memory) the
+// device holds at once, for kernels whose blocks stride over their work; *fits is false (and
+// *capacity 0) when `smem` is more than the kernel may take.
+template <typename Kernel>
+te_status resident_capacity(const char *op, Kernel kernel, int threads, size_t smem, int64_t *capacity, bool *fits) {
+  size_t limit = 0;
+  *capacity = 0;
+  if (te_status st = dynamic_smem_limit(op, kernel, &limit)) return st;
+  *fits = smem <= limit;
+  if (!*fits) return TE_SUCCESS;
+  int sms = 0, per_sm = 0;
+  if (te_status st = sm_count(op, &sms)) return st;
+  if (te_status st = resident_blocks(op, kernel, threads, smem, &per_sm)) return st;
+  *capacity = static_cast<int64_t>(sms) * per_sm;
+  return TE_SUCCESS;
+}
+
 // ceil_div for device code (internal.h's is host-only).
 __host__ __device__ __forceinline__ int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

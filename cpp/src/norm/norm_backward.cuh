@@ -233,16 +233,12 @@ te_status launch_backward_rows(const NormBackwardArgs &a, float *partials, int64
                                bool *launched) {
   auto kernel = norm_backward_rows_kernel<kIn, kVecs, kLn>;
   const size_t smem = backward_own_bytes(kLn, kVecs);
-  size_t limit = 0;
-  if (te_status st = dynamic_smem_limit(kBackwardOp, kernel, &limit)) return st;
-  *launched = smem <= limit;
+  int64_t capacity = 0;
+  if (te_status st = resident_capacity(kBackwardOp, kernel, kThreads, smem, &capacity, launched)) return st;
   if (!*launched) return TE_SUCCESS;
-  int sms = 0, per_sm = 0;
-  if (te_status st = sm_count(kBackwardOp, &sms)) return st;
-  if (te_status st = resident_blocks(kBackwardOp, kernel, kThreads, smem, &per_sm)) return st;
   // As few waves of groups as the residency allows, spread evenly: no block walks more groups
   // than another but one.
-  const int64_t waves = div_up(groups, static_cast<int64_t>(sms) * per_sm);
+  const int64_t waves = div_up(groups, capacity);
   const int64_t grid = div_up(groups, waves);
   kernel<<<static_cast<unsigned>(grid), kThreads, smem, s>>>(a, partials, groups);
   return launch_status(kBackwardOp);

@@ -412,14 +412,10 @@ constexpr const char *kForwardOp = "norm_forward";
 // `smem` bytes of shared memory fit the device; *launched says whether it did.
 template <typename Kernel>
 te_status launch_rows(Kernel kernel, const NormForwardArgs &a, size_t smem, cudaStream_t s, bool *launched) {
-  size_t limit = 0;
-  if (te_status st = dynamic_smem_limit(kForwardOp, kernel, &limit)) return st;
-  *launched = smem <= limit;
+  int64_t capacity = 0;
+  if (te_status st = resident_capacity(kForwardOp, kernel, kBlockThreads, smem, &capacity, launched)) return st;
   if (!*launched) return TE_SUCCESS;
-  int sms = 0, per_sm = 0;
-  if (te_status st = sm_count(kForwardOp, &sms)) return st;
-  if (te_status st = resident_blocks(kForwardOp, kernel, kBlockThreads, smem, &per_sm)) return st;
-  const int64_t grid = std::min<int64_t>(div_up(a.rows, kBandRows), static_cast<int64_t>(sms) * per_sm);
+  const int64_t grid = std::min<int64_t>(div_up(a.rows, kBandRows), capacity);
   kernel<<<static_cast<unsigned>(grid), kBlockThreads, smem, s>>>(a);
   return launch_status(kForwardOp);
 }

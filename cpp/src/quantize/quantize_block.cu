@@ -304,18 +304,15 @@ template <te_dtype kIn, te_dtype kFp8, te_scaling_mode kMode>
 te_status launch_tiled(const TiledParams &p, cudaStream_t stream) {
   const auto kernel = quantize_tiled_kernel<kIn, kFp8, kMode>;
   const size_t smem = p.vec_io ? kInputStageBytes<kIn> : 0;
-  size_t limit = 0;
-  int sms = 0, per_sm = 0;
-  if (te_status st = dynamic_smem_limit(kOp, kernel, &limit)) return st;
-  if (smem > limit) {
+  int64_t capacity = 0;
+  bool fits = false;
+  if (te_status st = resident_capacity(kOp, kernel, kThreads, smem, &capacity, &fits)) return st;
+  if (!fits) {
     return fail(TE_ERROR_UNSUPPORTED, kOp,
-                "the tiled kernel needs " + std::to_string(smem) + " bytes of shared memory, the device allows " +
-                    std::to_string(limit));
+                "the tiled kernel needs " + std::to_string(smem) + " bytes of shared memory per block, more than "
+                "this device allows");
   }
-  if (te_status st = sm_count(kOp, &sms)) return st;
-  if (te_status st = resident_blocks(kOp, kernel, kThreads, smem, &per_sm)) return st;
-  const int64_t resident = static_cast<int64_t>(sms) * per_sm;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>({p.num_tiles, resident, INT_MAX}));
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>({p.num_tiles, capacity, INT_MAX}));
   kernel<<<blocks, kThreads, smem, stream>>>(p);
   return launch_status(kOp);
 }
