@@ -11,8 +11,11 @@
 // 128x128 scales with the K-block count padded to 4, so a small kernel rewrites them into the
 // front of the workspace first.
 //
-// The algorithm for a problem is looked up once (cuBLASLt's heuristic costs tens of
-// microseconds of host time) and cached by everything that can change the answer.
+// Everything about a call but its pointers is a "plan": the matmul descriptor, the four layouts
+// and the algorithm (cuBLASLt's heuristic costs tens of microseconds of host time, the
+// descriptors a dozen allocations and attribute writes). Plans are made once per problem (keyed
+// by everything that can change them) and kept per host thread for the life of the process, so
+// a call only writes its pointers into the descriptor it owns and launches.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -71,28 +74,17 @@ te_status handle_for(int device, cublasLtHandle_t *out) {
   return TE_SUCCESS;
 }
 
-// RAII owners of the cuBLASLt descriptors.
-struct MatmulDesc {
+template <typename T>
+cublasStatus_t set_attr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T &value) {
+  return cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(T));
+}
+
+// The descriptor, layouts and algorithm of one problem. Never destroyed: plans live as long as
+// the process (destroying them at exit could run after cuBLASLt itself is torn down).
+struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
-  ~MatmulDesc() {
-    if (desc) cublasLtMatmulDescDestroy(desc);
-  }
-  template <typename T>
-  cublasStatus_t set(cublasLtMatmulDescAttributes_t attr, const T &value) {
-    return cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(T));
-  }
-};
-struct Layout {
-  cublasLtMatrixLayout_t layout = nullptr;
-  ~Layout() {
-    if (layout) cublasLtMatrixLayoutDestroy(layout);
-  }
-};
-struct Preference {
-  cublasLtMatmulPreference_t pref = nullptr;
-  ~Preference() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-  }
+  cublasLtMatrixLayout_t x = nullptr, y = nullptr, c = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo;
 };
 
 // Largest power of two (up to 256) dividing the address: the heuristic's answer depends on it.
@@ -170,6 +162,95 @@ cublasLtMatmulMatrixScale_t scale_mode(te_scaling_mode m) {
                                        : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
 }
 
+// Writes the call's pointers into a plan's descriptor: the scale_inv of each operand (cuBLAS's
+// A is our B), the output scale and amax of an FP8 D, the bias and the GELU input.
+cublasStatus_t set_pointers(const GemmArgs &g, cublasLtMatmulDesc_t desc, const float *a_scale, const float *b_scale) {
+  cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+  auto put = [&](cublasLtMatmulDescAttributes_t attr, const void *p) {
+    if (st == CUBLAS_STATUS_SUCCESS) st = set_attr(desc, attr, p);
+  };
+  if (g.fp8) {
+    put(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, b_scale);
+    put(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a_scale);
+    if (is_fp8(g.d_dtype)) {
+      put(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, g.d_scale);
+      // cuBLASLt's AMAX_D is for FP8 outputs; a high-precision D gets its amax from our kernel.
+      if (g.d_amax != nullptr) put(CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, g.d_amax);
+    }
+  }
+  if (g.gelu) put(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.pre_gelu);
+  if (g.bias != nullptr) put(CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
+  return st;
+}
+
+// Makes the plan of `key` for the call g: descriptor attributes that the key fixes, layouts,
+// the heuristic's algorithm. On failure nothing is kept (the caller frees what was made).
+te_status make_plan(const GemmArgs &g, cublasLtHandle_t handle, cublasOperation_t op_x, cublasOperation_t op_y,
+                    te_dtype c_dtype, cublasLtEpilogue_t epilogue, bool blocked, const float *a_scale,
+                    const float *b_scale, size_t ws_size, Plan *plan) {
+  TE_CUBLAS(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate");
+  cublasLtMatmulDesc_t desc = plan->desc;
+  TE_CUBLAS(set_attr(desc, CUBLASLT_MATMUL_DESC_TRANSA, op_x), "set TRANSA");
+  TE_CUBLAS(set_attr(desc, CUBLASLT_MATMUL_DESC_TRANSB, op_y), "set TRANSB");
+  if (g.fp8) {
+    const int8_t fast = g.split_accumulator || blocked ? 0 : 1;
+    TE_CUBLAS(set_attr(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast), "set FAST_ACCUM");
+    if (blocked) {
+      const int32_t mode_x = scale_mode(g.b.mode), mode_y = scale_mode(g.a.mode);
+      TE_CUBLAS(set_attr(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode_x), "set A_SCALE_MODE");
+      TE_CUBLAS(set_attr(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode_y), "set B_SCALE_MODE");
+    }
+  }
+  if (g.gelu) {
+    const int64_t ld = g.n;
+    TE_CUBLAS(set_attr(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld), "set EPILOGUE_AUX_LD");
+  }
+  if (g.bias != nullptr) {
+    const int32_t bias_type = cuda_type(g.bias_dtype);
+    TE_CUBLAS(set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, bias_type), "set BIAS_DATA_TYPE");
+  }
+  TE_CUBLAS(set_attr(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue), "set EPILOGUE");
+  // Layouts (column-major): X = our B, Y = our A, C/D = D^T [N, M] with ld N.
+  const uint64_t x_rows = op_x == CUBLAS_OP_T ? g.k : g.n, x_cols = op_x == CUBLAS_OP_T ? g.n : g.k;
+  const uint64_t y_rows = op_y == CUBLAS_OP_T ? g.m : g.k, y_cols = op_y == CUBLAS_OP_T ? g.k : g.m;
+  TE_CUBLAS(cublasLtMatrixLayoutCreate(&plan->x, cuda_type(g.b.dtype), x_rows, x_cols, x_rows), "layout of b");
+  TE_CUBLAS(cublasLtMatrixLayoutCreate(&plan->y, cuda_type(g.a.dtype), y_rows, y_cols, y_rows), "layout of a");
+  TE_CUBLAS(cublasLtMatrixLayoutCreate(&plan->c, cuda_type(c_dtype), g.n, g.m, g.n), "layout of c");
+  TE_CUBLAS(cublasLtMatrixLayoutCreate(&plan->d, cuda_type(g.d_dtype), g.n, g.m, g.n), "layout of d");
+  // The heuristic sees the pointer attributes too; set them as this call has them.
+  TE_CUBLAS(set_pointers(g, desc, a_scale, b_scale), "set the pointers of the call");
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  TE_CUBLAS(cublasLtMatmulPreferenceCreate(&pref), "MatmulPreferenceCreate");
+  const uint64_t limit = ws_size;
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &limit,
+                                                           sizeof(limit));
+  cublasLtMatmulHeuristicResult_t result;
+  std::memset(&result, 0, sizeof(result));
+  int found = 0;
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulAlgoGetHeuristic(handle, desc, plan->x, plan->y, plan->c, plan->d, pref, 1, &result, &found);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+    return fail(TE_ERROR_UNSUPPORTED, kOp,
+                "cuBLASLt has no algorithm for M=" + std::to_string(g.m) + " N=" + std::to_string(g.n) +
+                    " K=" + std::to_string(g.k) + " with a " + te_dtype_name(g.a.dtype) + " (" +
+                    scaling_mode_name(g.a.mode) + "), b " + te_dtype_name(g.b.dtype) + " (" +
+                    scaling_mode_name(g.b.mode) + "), d " + te_dtype_name(g.d_dtype) +
+                    " on this device (heuristic status " + std::to_string(static_cast<int>(st)) + ")");
+  }
+  plan->algo = result.algo;
+  return TE_SUCCESS;
+}
+
+void free_plan(Plan *plan) {
+  if (plan->desc) cublasLtMatmulDescDestroy(plan->desc);
+  for (cublasLtMatrixLayout_t l : {plan->x, plan->y, plan->c, plan->d}) {
+    if (l) cublasLtMatrixLayoutDestroy(l);
+  }
+}
+
 te_status run(const GemmArgs &g, cudaStream_t stream) {
   cublasLtHandle_t handle;
   if (te_status st = handle_for(g.device, &handle); st != TE_SUCCESS) return st;
@@ -186,113 +267,49 @@ te_status run(const GemmArgs &g, cudaStream_t stream) {
     if (te_status st = stage_block_scales(g.b, ws, &ws_offset, g.workspace_size, stream, &b_scale); st) return st;
   }
   void *cublas_ws = ws != nullptr ? ws + ws_offset : nullptr;
-  const size_t cublas_ws_size = g.workspace_size > ws_offset ? g.workspace_size - ws_offset : 0;
+  const size_t cublas_ws_size =
+      std::min<size_t>(g.workspace_size > ws_offset ? g.workspace_size - ws_offset : 0, kCublasWorkspace);
 
   // cuBLAS's view (column-major): its A is our B, its B is our A.
   const cublasOperation_t op_x = g.b.transposed ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_y = g.a.transposed ? CUBLAS_OP_T : CUBLAS_OP_N;
   // C is D when accumulating; with an FP8 D its type must be the 16-bit "C type" (bias type).
   const te_dtype c_dtype = fp8_out ? (g.bias != nullptr ? g.bias_dtype : TE_DTYPE_BFLOAT16) : g.d_dtype;
-
-  MatmulDesc desc;
-  const cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
-  TE_CUBLAS(cublasLtMatmulDescCreate(&desc.desc, compute, CUDA_R_32F), "MatmulDescCreate");
-  TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_TRANSA, op_x), "set TRANSA");
-  TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_TRANSB, op_y), "set TRANSB");
-  if (g.fp8) {
-    const int8_t fast = g.split_accumulator || blocked ? 0 : 1;
-    TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast), "set FAST_ACCUM");
-    TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void *>(b_scale)), "set A_SCALE");
-    TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void *>(a_scale)), "set B_SCALE");
-    if (blocked) {
-      const int32_t mode_x = scale_mode(g.b.mode), mode_y = scale_mode(g.a.mode);
-      TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode_x), "set A_SCALE_MODE");
-      TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode_y), "set B_SCALE_MODE");
-    }
-    if (fp8_out) {
-      TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, static_cast<const void *>(g.d_scale)), "set D_SCALE");
-    }
-    // cuBLASLt's AMAX_D is for FP8 outputs; a high-precision D gets its amax from our kernel.
-    if (g.d_amax != nullptr && fp8_out) {
-      TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, static_cast<void *>(g.d_amax)), "set AMAX_D");
-    }
-  }
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   if (g.gelu) {
     epilogue = g.bias != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
-    TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.pre_gelu), "set EPILOGUE_AUX_POINTER");
-    const int64_t ld = g.n;
-    TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld), "set EPILOGUE_AUX_LD");
   } else if (g.bias != nullptr) {
     epilogue = CUBLASLT_EPILOGUE_BIAS;
   }
-  if (g.bias != nullptr) {
-    TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias), "set BIAS_POINTER");
-    const int32_t bias_type = cuda_type(g.bias_dtype);
-    TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, bias_type), "set BIAS_DATA_TYPE");
-  }
-  TE_CUBLAS(desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue), "set EPILOGUE");
 
-  // Layouts (column-major): X = our B, Y = our A, C/D = D^T [N, M] with ld N.
-  Layout lx, ly, lc, ld;
-  const uint64_t x_rows = op_x == CUBLAS_OP_T ? g.k : g.n, x_cols = op_x == CUBLAS_OP_T ? g.n : g.k;
-  const uint64_t y_rows = op_y == CUBLAS_OP_T ? g.m : g.k, y_cols = op_y == CUBLAS_OP_T ? g.k : g.m;
-  TE_CUBLAS(cublasLtMatrixLayoutCreate(&lx.layout, cuda_type(g.b.dtype), x_rows, x_cols, x_rows), "layout of b");
-  TE_CUBLAS(cublasLtMatrixLayoutCreate(&ly.layout, cuda_type(g.a.dtype), y_rows, y_cols, y_rows), "layout of a");
-  TE_CUBLAS(cublasLtMatrixLayoutCreate(&lc.layout, cuda_type(c_dtype), g.n, g.m, g.n), "layout of c");
-  TE_CUBLAS(cublasLtMatrixLayoutCreate(&ld.layout, cuda_type(g.d_dtype), g.n, g.m, g.n), "layout of d");
-
-  // The algorithm, from the cache or the heuristic.
   const Problem key{{g.m, g.n, g.k, g.a.dtype, g.b.dtype, g.d_dtype, c_dtype, g.a.mode, g.b.mode,
                      g.bias != nullptr ? g.bias_dtype : -1},
                     {op_x, op_y, epilogue, g.accumulate, g.split_accumulator, g.d_amax != nullptr,
                      std::min({alignment_of(g.a.data), alignment_of(g.b.data), alignment_of(g.d),
                                g.pre_gelu ? alignment_of(g.pre_gelu) : 256,
                                g.bias ? alignment_of(g.bias) : 256}),
-                     static_cast<int>(std::min<size_t>(cublas_ws_size, kCublasWorkspace) >> 10), g.device}};
-  static std::mutex cache_mutex;
-  static std::map<Problem, cublasLtMatmulAlgo_t> cache;
-  cublasLtMatmulAlgo_t algo;
-  bool cached = false;
-  {
-    std::lock_guard<std::mutex> lock(cache_mutex);
-    auto it = cache.find(key);
-    if (it != cache.end()) {
-      algo = it->second;
-      cached = true;
+                     static_cast<int>(cublas_ws_size >> 10), g.device}};
+  // Per host thread: a plan's descriptor is written (its pointers) on every call, so threads
+  // must not share one. Leaked with the plans it holds (see Plan).
+  thread_local std::map<Problem, Plan> *plans = new std::map<Problem, Plan>();
+  auto it = plans->find(key);
+  if (it == plans->end()) {
+    Plan plan;
+    if (te_status st = make_plan(g, handle, op_x, op_y, c_dtype, epilogue, blocked, a_scale, b_scale,
+                                 cublas_ws_size, &plan)) {
+      free_plan(&plan);
+      return st;
     }
+    it = plans->emplace(key, plan).first;
   }
-  if (!cached) {
-    Preference pref;
-    TE_CUBLAS(cublasLtMatmulPreferenceCreate(&pref.pref), "MatmulPreferenceCreate");
-    const uint64_t limit = std::min<size_t>(cublas_ws_size, kCublasWorkspace);
-    TE_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                   &limit, sizeof(limit)),
-              "set MAX_WORKSPACE_BYTES");
-    cublasLtMatmulHeuristicResult_t result;
-    std::memset(&result, 0, sizeof(result));
-    int found = 0;
-    const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle, desc.desc, lx.layout, ly.layout, lc.layout,
-                                                             ld.layout, pref.pref, 1, &result, &found);
-    if (hs != CUBLAS_STATUS_SUCCESS || found == 0) {
-      return fail(TE_ERROR_UNSUPPORTED, kOp,
-                  "cuBLASLt has no algorithm for M=" + std::to_string(g.m) + " N=" + std::to_string(g.n) +
-                      " K=" + std::to_string(g.k) + " with a " + te_dtype_name(g.a.dtype) + " (" +
-                      scaling_mode_name(g.a.mode) + "), b " + te_dtype_name(g.b.dtype) + " (" +
-                      scaling_mode_name(g.b.mode) + "), d " + te_dtype_name(g.d_dtype) +
-                      " on this device (heuristic status " + std::to_string(static_cast<int>(hs)) + ")");
-    }
-    algo = result.algo;
-    std::lock_guard<std::mutex> lock(cache_mutex);
-    cache.emplace(key, algo);
-  }
+  const Plan &plan = it->second;
+  TE_CUBLAS(set_pointers(g, plan.desc, a_scale, b_scale), "set the pointers of the call");
   const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
   // C is D when accumulating (same layout: in place). With beta = 0 it is not read, and a C
   // that aliased D under another type (FP8 D, 16-bit C) would be rejected, so it is NULL then.
   const void *c = c_dtype == g.d_dtype ? g.d : nullptr;
-  TE_CUBLAS(cublasLtMatmul(handle, desc.desc, &alpha, g.b.data, lx.layout, g.a.data, ly.layout, &beta, c,
-                           lc.layout, g.d, ld.layout, &algo, cublas_ws,
-                           std::min<size_t>(cublas_ws_size, kCublasWorkspace), stream),
+  TE_CUBLAS(cublasLtMatmul(handle, plan.desc, &alpha, g.b.data, plan.x, g.a.data, plan.y, &beta, c, plan.c, g.d,
+                           plan.d, &plan.algo, cublas_ws, cublas_ws_size, stream),
             "cublasLtMatmul");
   if (g.d_amax != nullptr && !fp8_out) {
     return compute_amax_cuda(AmaxArgs{g.d, g.d_dtype, g.m * g.n, g.d_amax}, stream);
