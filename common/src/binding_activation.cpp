@@ -21,31 +21,33 @@ void register_activation(nb::module_ &m) {
 
   m.def(
       "activation_forward",
-      [](te_activation act, nb::handle input, nb::handle output, uintptr_t stream) {
+      [](te_activation act, nb::handle input, nb::handle output, bool accumulate_amax, uintptr_t stream) {
         const char *op = "activation_forward";
         Handle in = make_handle(op, "input", input, 0);
         Handle out = make_handle(op, "output", output, kAllSlots & ~(1u << TE_SLOT_SCALE));
         nb::gil_scoped_release release;
-        check_status(te_activation_forward(act, in.get(), out.get(), as_stream(stream)));
+        check_status(te_activation_forward(act, in.get(), out.get(), accumulate_amax ? 1 : 0, as_stream(stream)));
       },
-      "act"_a, "input"_a, "output"_a, nb::kw_only(), "stream"_a = 0,
+      "act"_a, "input"_a, "output"_a, nb::kw_only(), "accumulate_amax"_a = false, "stream"_a = 0,
       "output = act(input): output is a high-precision array or Tensor, or an FP8 Tensor "
-      "(data and/or the transposed columnwise_data, scale read, scale_inv and amax written).");
+      "(data and/or the transposed columnwise_data, scale read, scale_inv and amax written; "
+      "with accumulate_amax the amax is raised, not overwritten).");
 
   m.def(
       "activation_backward",
       [](te_activation act, nb::handle grad_output, nb::handle input, nb::handle grad_input,
-         nb::handle dbias, uintptr_t stream) {
+         nb::handle dbias, bool accumulate_amax, uintptr_t stream) {
         const char *op = "activation_backward";
         Handle g = make_handle(op, "grad_output", grad_output, 0);
         Handle in = input.is_none() ? Handle() : make_handle(op, "input", input, 0);
         Handle gi = make_handle(op, "grad_input", grad_input, kAllSlots & ~(1u << TE_SLOT_SCALE));
         Handle db = dbias.is_none() ? Handle() : make_handle(op, "dbias", dbias, kAllSlots);
         nb::gil_scoped_release release;
-        check_status(te_activation_backward(act, g.get(), in.get(), gi.get(), db.get(), as_stream(stream)));
+        check_status(te_activation_backward(act, g.get(), in.get(), gi.get(), db.get(), accumulate_amax ? 1 : 0,
+                                            as_stream(stream)));
       },
       "act"_a, "grad_output"_a, "input"_a.none(), "grad_input"_a, nb::kw_only(),
-      "dbias"_a = nb::none(), "stream"_a = 0,
+      "dbias"_a = nb::none(), "accumulate_amax"_a = false, "stream"_a = 0,
       "grad_input = act'(input) * grad_output (gated: both halves), with the optional fp32 column "
       "sums of grad_input in dbias; input may be None for identity.");
 }

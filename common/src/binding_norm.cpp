@@ -24,7 +24,7 @@ void register_norm(nb::module_ &m) {
       "norm_forward",
       [](te_norm_type norm, nb::handle input, nb::handle gamma, nb::handle beta, nb::handle output,
          nb::handle output_fp8, nb::handle mu, nb::handle rsigma, float eps, bool zero_centered_gamma,
-         uintptr_t stream) {
+         bool accumulate_amax, uintptr_t stream) {
         const char *op = "norm_forward";
         Handle in = make_handle(op, "input", input, 0);
         Handle g = make_handle(op, "gamma", gamma, 0);
@@ -33,16 +33,17 @@ void register_norm(nb::module_ &m) {
         Handle q = optional_handle(op, "output_fp8", output_fp8, kAllSlots & ~(1u << TE_SLOT_SCALE));
         Handle hm = optional_handle(op, "mu", mu, kAllSlots);
         Handle hr = make_handle(op, "rsigma", rsigma, kAllSlots);
-        const te_norm_config config{norm, eps, zero_centered_gamma ? 1 : 0};
+        const te_norm_config config{norm, eps, zero_centered_gamma ? 1 : 0, accumulate_amax ? 1 : 0};
         nb::gil_scoped_release release;
         check_status(te_norm_forward(&config, in.get(), g.get(), b.get(), out.get(), q.get(), hm.get(),
                                      hr.get(), as_stream(stream)));
       },
       "norm"_a, "input"_a, "gamma"_a, "beta"_a = nb::none(), nb::kw_only(), "output"_a = nb::none(),
       "output_fp8"_a = nb::none(), "mu"_a = nb::none(), "rsigma"_a, "eps"_a = 1e-5f,
-      "zero_centered_gamma"_a = false, "stream"_a = 0,
+      "zero_centered_gamma"_a = false, "accumulate_amax"_a = false, "stream"_a = 0,
       "LayerNorm / RMSNorm forward into output (high precision) and/or output_fp8 (an FP8 Tensor, "
-      "with its transpose when it has columnwise_data); writes mu (LayerNorm) and rsigma.");
+      "with its transpose when it has columnwise_data); writes mu (LayerNorm) and rsigma; with "
+      "accumulate_amax, output_fp8's amax is raised, not overwritten.");
 
   m.def(
       "norm_backward",
@@ -60,7 +61,7 @@ void register_norm(nb::module_ &m) {
         Handle db = optional_handle(op, "grad_beta", grad_beta, kAllSlots);
         size_t ws_size = 0;
         void *ws = workspace_of(op, workspace, &ws_size);
-        const te_norm_config config{norm, 0.0f, zero_centered_gamma ? 1 : 0};
+        const te_norm_config config{norm, 0.0f, zero_centered_gamma ? 1 : 0, 0};
         nb::gil_scoped_release release;
         check_status(te_norm_backward(&config, dy.get(), x.get(), hm.get(), hr.get(), g.get(), dx.get(),
                                       dg.get(), db.get(), ws, ws_size, as_stream(stream)));

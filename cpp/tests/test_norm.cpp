@@ -27,6 +27,31 @@ TEST_CASE(layernorm_of_one_row) {
   CHECK(near(y[0], -1.5f * r) && near(y[2], 2 * 0.5f * r) && near(y[3], 2 * 1.5f * r + 1));
 }
 
+TEST_CASE(norm_fp8_amax_overwrites_or_accumulates) {
+  // RMSNorm of [3, 4] (rms = sqrt(12.5)) with g = 1: max|y| = 4 / sqrt(12.5).
+  std::vector<float> x = {3, 4}, g = {1, 1}, rs(1), scale = {1.0f}, scale_inv = {0.0f}, amax = {9.0f};
+  std::vector<uint8_t> q(2);
+  TensorHandle tx, tg, tq, trs;
+  tx.set(TE_SLOT_DATA, x.data(), TE_DTYPE_FLOAT32, {1, 2});
+  tg.set(TE_SLOT_DATA, g.data(), TE_DTYPE_FLOAT32, {2});
+  tq.set(TE_SLOT_DATA, q.data(), TE_DTYPE_FLOAT8_E4M3, {1, 2});
+  tq.set(TE_SLOT_SCALE, scale.data(), TE_DTYPE_FLOAT32, {1});
+  tq.set(TE_SLOT_SCALE_INV, scale_inv.data(), TE_DTYPE_FLOAT32, {1});
+  tq.set(TE_SLOT_AMAX, amax.data(), TE_DTYPE_FLOAT32, {1});
+  trs.set(TE_SLOT_DATA, rs.data(), TE_DTYPE_FLOAT32, {1});
+  const float y_max = 4.0f * (1.0f / std::sqrt(12.5f));
+  te_norm_config cfg{TE_NORM_RMSNORM, 0.0f, 0, 1};  // accumulate: 9 stays
+  CHECK(te_norm_forward(&cfg, tx, tg, nullptr, nullptr, tq, nullptr, trs, nullptr) == TE_SUCCESS);
+  CHECK(amax[0] == 9.0f);
+  amax[0] = 0.5f;  // accumulate: raised to max|y|
+  CHECK(te_norm_forward(&cfg, tx, tg, nullptr, nullptr, tq, nullptr, trs, nullptr) == TE_SUCCESS);
+  CHECK(near(amax[0], y_max));
+  cfg.accumulate_amax = 0;  // overwrite
+  amax[0] = 9.0f;
+  CHECK(te_norm_forward(&cfg, tx, tg, nullptr, nullptr, tq, nullptr, trs, nullptr) == TE_SUCCESS);
+  CHECK(near(amax[0], y_max));
+}
+
 TEST_CASE(rmsnorm_backward_of_a_constant_row_is_zero) {
   // x = c: xhat = 1 everywhere, so with g = 1, dx = rsigma * (dy - mean(dy)) = 0 for dy = 1.
   std::vector<float> x(8, 3.0f), dy(8, 1.0f), g(8, 1.0f), dx(8, -1), dg(8, -1), rs = {1.0f / 3.0f};

@@ -68,7 +68,7 @@ ffi::Error ActivationForwardImpl(ffi::AnyBuffer input, ffi::AnyBuffer scale,
   TE_JAX_RETURN_IF_ERROR(result_tensor(op, "output", scale, *output, *columnwise_output,
                                        *scale_inv, *amax, rowwise, columnwise, compute_amax, dev,
                                        &out));
-  return from_status(te_activation_forward(a, in.get(), out.get(), dev.stream));
+  return from_status(te_activation_forward(a, in.get(), out.get(), 0, dev.stream));
 }
 
 auto TeActivationForwardBinding() {
@@ -107,7 +107,7 @@ ffi::Error ActivationBackwardImpl(ffi::AnyBuffer grad_output, ffi::AnyBuffer inp
   if (compute_dbias) TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dbias", *dbias, dev, &tdbias));
   return from_status(te_activation_backward(a, tdy.get(), reads_input ? tx.get() : nullptr,
                                             tdx.get(), compute_dbias ? tdbias.get() : nullptr,
-                                            dev.stream));
+                                            0, dev.stream));
 }
 
 auto TeActivationBackwardBinding() {

@@ -145,3 +145,38 @@ def test_quantize_delayed_traces_as_an_op_that_mutates_the_history():
         assert torch.equal(a, b)
     assert torch.equal(compiled_history, eager_history)
     assert compiled_history[0, 1] == x.abs().max()
+
+
+@pytest.mark.parametrize("op", ["norm_forward_fp8", "activation_forward_fp8",
+                                "activation_backward_fp8"])
+def test_fused_fp8_ops_raise_their_history_slot_in_place(op, device):
+    """The norm and activation ops of the fused modules record delayed scaling's amax as
+    quantize_delayed does: the returned amax of the plain call, raised into
+    amax_history[0, index] alone (kept when the slot holds more), with the same bytes."""
+    x = torch.randn(16, 32, device=device) * 3
+    scale = torch.tensor([2.0], device=device)
+
+    def call(*history):
+        if op == "norm_forward_fp8":
+            out = ops.norm_forward_fp8(x, torch.ones(32, device=device), None, "rmsnorm", 1e-5,
+                                       False, scale, "float8_e4m3", True, False, *history)
+            return out[1], out[4]
+        if op == "activation_forward_fp8":
+            out = ops.activation_forward_fp8(x, "gelu", scale, "float8_e4m3", True, True,
+                                             *history)
+            return out[0], out[3]
+        out = ops.activation_backward_fp8(x, x, "identity", scale, "float8_e5m2", True, True,
+                                          True, *history)
+        return out[0], out[3]
+
+    want_data, want_amax = call()
+    history = torch.full((4, 3), 0.25, device=device)
+    history[0, 1] = 1e6
+    data, amax = call(history, 2)
+    assert torch.equal(data, want_data) and amax.numel() == 0
+    expected = torch.full((4, 3), 0.25, device=device)
+    expected[0, 1] = 1e6
+    expected[0, 2] = want_amax[0]
+    assert torch.equal(history, expected)
+    call(history, 1)  # the slot holds more: unchanged
+    assert torch.equal(history, expected)

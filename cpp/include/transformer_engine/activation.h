@@ -58,10 +58,12 @@ int te_activation_is_gated(te_activation act);
  *         AMAX is max |act(input)| of the fp32 values before any rounding or scaling (NaN if
  *         any is NaN; 0 when empty). FP8 bytes are those te_quantize gives for the fp32
  *         activation with the same scale.
+ *   [in]  accumulate_amax  nonzero raises AMAX to max(itself, this call's amax) instead of
+ *                 overwriting it (delayed scaling records into an amax history this way).
  *   [in]  stream  CUDA stream (ignored on the CPU).
  * All buffers live on one device; outputs must not overlap each other or an input. */
 te_status te_activation_forward(te_activation act, const te_tensor *input, te_tensor *output,
-                                te_stream stream);
+                                int32_t accumulate_amax, te_stream stream);
 
 /* grad_input = d act(input) / d input * grad_output, with the bias gradient in the same pass.
  *   [in]  act          the activation.
@@ -79,12 +81,13 @@ te_status te_activation_forward(te_activation act, const te_tensor *input, te_te
  *                      the CPU and CUDA: within each chunk of 128 rows, the 16 runs of 8 rows
  *                      are each summed in row order, then the 16 run sums in order; then the
  *                      chunk sums in chunk order (every sum starts from +0).
+ *   [in]  accumulate_amax  as for te_activation_forward, for grad_input's AMAX.
  *   [in]  stream       CUDA stream (ignored on the CPU).
  * IDENTITY makes this the "bias gradient + cast + transpose" of a linear layer's grad_output.
  * All buffers live on one device; outputs must not overlap each other or an input. */
 te_status te_activation_backward(te_activation act, const te_tensor *grad_output,
                                  const te_tensor *input, te_tensor *grad_input, te_tensor *dbias,
-                                 te_stream stream);
+                                 int32_t accumulate_amax, te_stream stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

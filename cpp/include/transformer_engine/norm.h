@@ -28,6 +28,8 @@ typedef struct {
   te_norm_type type;
   float eps;                   /* added to the variance (LayerNorm) or mean square (RMSNorm); >= 0 */
   int32_t zero_centered_gamma; /* nonzero: gamma is stored as g - 1 (better precision near 1) */
+  int32_t accumulate_amax;     /* forward: nonzero raises output_fp8's AMAX to max(itself, max|y|)
+                                  instead of overwriting it (delayed scaling's amax history) */
 } te_norm_config;
 
 /* Forward.

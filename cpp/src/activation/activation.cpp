@@ -191,24 +191,26 @@ int te_activation_is_gated(te_activation act) {
 }
 
 te_status te_activation_forward(te_activation act, const te_tensor *input, te_tensor *output,
-                                te_stream stream) {
+                                int32_t accumulate_amax, te_stream stream) {
   return te::guarded("activation_forward", [&]() -> te_status {
     te::Checker check("activation_forward");
     te::ActivationArgs args;
     if (!te::check_forward(check, act, input, output, &args)) return check.status();
+    args.accumulate_amax = accumulate_amax != 0;
     return te::run(check, args, stream);
   });
 }
 
 te_status te_activation_backward(te_activation act, const te_tensor *grad_output,
                                  const te_tensor *input, te_tensor *grad_input, te_tensor *dbias,
-                                 te_stream stream) {
+                                 int32_t accumulate_amax, te_stream stream) {
   return te::guarded("activation_backward", [&]() -> te_status {
     te::Checker check("activation_backward");
     te::ActivationArgs args;
     if (!te::check_backward(check, act, grad_output, input, grad_input, dbias, &args)) {
       return check.status();
     }
+    args.accumulate_amax = accumulate_amax != 0;
     return te::run(check, args, stream);
   });
 }

@@ -132,8 +132,8 @@ te_status activation_cuda(const ActivationArgs &a, te_stream stream_handle) {
   p.out_dtype = a.out_dtype;
   p.fp8 = a.fp8_out();
   p.fast = fast_path(a);
-  // amax is overwritten, not accumulated: zero it on the stream, then blocks atomicMax into it.
-  if (a.amax != nullptr) {
+  // The blocks atomicMax into amax: zeroed first unless it accumulates.
+  if (a.amax != nullptr && !a.accumulate_amax) {
     if (te_status s = cuda_status(kOp, cudaMemsetAsync(a.amax, 0, sizeof(float), stream))) return s;
   }
   const size_t partial_bytes = a.dbias != nullptr ? static_cast<size_t>(tiles_r * p.out_cols) * sizeof(float) : 0;

@@ -26,6 +26,7 @@ struct ActivationArgs {
   const float *scale;       // FP8: [1]
   float *scale_inv;         // FP8: [1]
   float *amax;              // [1] or null
+  bool accumulate_amax;     // amax = max(amax, this call's) instead of this call's
   void *dbias;              // backward: [out_cols] or null
   te_dtype dbias_dtype;
 

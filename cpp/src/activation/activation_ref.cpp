@@ -83,7 +83,7 @@ void activation_ref_impl(const ActivationArgs &a) {
   for (int64_t c = 0; c < static_cast<int64_t>(dbias.size()); ++c) {
     store_hp(a.dbias, c, a.dbias_dtype, canonical(dbias[c]));
   }
-  if (a.amax != nullptr) *a.amax = bits_float(amax);
+  if (a.amax != nullptr) *a.amax = bits_float(a.accumulate_amax ? std::max(float_bits(*a.amax), amax) : amax);
   if (fp8) *a.scale_inv = canonical_div(1.0f, scale);
 }
 

@@ -142,6 +142,7 @@ bool check_forward(Checker &check, const te_norm_config *config, const te_tensor
     a->scale = static_cast<const float *>(scale->data);
     a->scale_inv = static_cast<float *>(sinv->data);
     a->amax = amax != nullptr ? static_cast<float *>(amax->data) : nullptr;
+    a->accumulate_amax = config->accumulate_amax != 0;
   }
   if (ln) {
     if (!check_stats(check, mu, "mu", a->rows)) return false;

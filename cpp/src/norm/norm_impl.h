@@ -36,6 +36,7 @@ struct NormForwardArgs {
   te_dtype fp8_dtype;
   const float *scale;
   float *scale_inv, *amax;  // amax may be null
+  bool accumulate_amax;     // amax = max(amax, max|y|) instead of max|y|
   float *mu, *rsigma;       // [rows]; mu null for RMSNorm
 };
 

@@ -56,7 +56,9 @@ void norm_forward_ref(const NormForwardArgs &a) {
   }
   if (a.has_fp8) {
     *a.scale_inv = canonical_div(1.0f, scale);
-    if (a.amax != nullptr) *a.amax = bits_float(amax_bits);
+    if (a.amax != nullptr) {
+      *a.amax = bits_float(a.accumulate_amax ? std::max(float_bits(*a.amax), amax_bits) : amax_bits);
+    }
   }
 }
 

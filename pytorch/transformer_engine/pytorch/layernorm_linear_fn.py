@@ -27,7 +27,7 @@ from .linear_fn import (
     grad_output_to_fp8,
     update_backward,
 )
-from .quantization import Operand, Plan, quantize, record_amax
+from .quantization import Operand, Plan, quantize
 
 
 class NormConfig(NamedTuple):
@@ -40,10 +40,12 @@ class NormConfig(NamedTuple):
 
 
 def norm_to_fp8(plan: Plan, x: torch.Tensor, gamma, beta, cfg: NormConfig, scale: torch.Tensor,
-                columnwise: bool) -> tuple[Operand, Optional[torch.Tensor], torch.Tensor,
-                                           torch.Tensor, Optional[torch.Tensor]]:
+                columnwise: bool, history: Optional[torch.Tensor], column: int
+                ) -> tuple[Operand, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """norm(x) as the FP8 ``input`` operand of the GEMM that follows: (operand, ln_out in x's
-    dtype when cfg.return_ln_out else None, mu, rsigma, amax for delayed scaling else None).
+    dtype when cfg.return_ln_out else None, mu, rsigma). Delayed scaling raises the amax
+    history's slot ``[0, column]`` in the same pass (``history`` None: a checkpoint's
+    recompute, which records nothing).
 
     Delayed scaling knows the scale before the pass, so the norm kernel writes FP8 directly.
     Current scaling needs the amax of the very values being written, known only once the
@@ -52,14 +54,14 @@ def norm_to_fp8(plan: Plan, x: torch.Tensor, gamma, beta, cfg: NormConfig, scale
     them the norm writes high precision and the existing quantize reads it back.
     """
     if plan.kind == "delayed":
-        y, data, col, sinv, amax, mu, rsigma = ops.norm_forward_fp8(
+        y, data, col, sinv, _, mu, rsigma = ops.norm_forward_fp8(
             x, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma, scale, plan.fwd_dtype,
-            columnwise, cfg.return_ln_out)
+            columnwise, cfg.return_ln_out, history, column)
         op = Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode)
-        return op, (y if cfg.return_ln_out else None), mu, rsigma, amax
+        return op, (y if cfg.return_ln_out else None), mu, rsigma
     y, mu, rsigma = ops.norm_forward(x, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
     op = quantize(plan, "input", y, True, columnwise)
-    return op, (y if cfg.return_ln_out else None), mu, rsigma, None
+    return op, (y if cfg.return_ln_out else None), mu, rsigma
 
 
 def norm_backward(cfg: NormConfig, d_ln: torch.Tensor, x, mu, rsigma, gamma, has_beta: bool):
@@ -89,10 +91,8 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
         plan, recipe, group, cfg, need_dgrad, need_wgrad = consts
         k = inp.shape[-1]
         x = inp.reshape(-1, k)
-        q, ln_out, mu, rsigma, amax = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
-                                                  need_wgrad)
-        if amax is not None and history_fwd is not None:
-            record_amax(history_fwd, 0, amax)
+        q, ln_out, mu, rsigma = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
+                                            need_wgrad, history_fwd, 0)
         out = fp8_gemm(q.data, q.scale_inv, w_data, w_scale_inv, plan.fwd_dtype, plan.fwd_dtype,
                        plan.input_mode, plan.weight_mode, inp.dtype, bias, False)
         if w_col_scale_inv is None:  # per-tensor: shared with the row-wise copy

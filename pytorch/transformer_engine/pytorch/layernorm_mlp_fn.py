@@ -19,44 +19,50 @@ State columns (base.py): FC1 is GEMM 0, FC2 is GEMM 1.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import ops
 from .layernorm_linear_fn import norm_backward, norm_to_fp8
 from .linear_fn import backward_gemms, fp8_gemm, update_backward
-from .quantization import Operand, Plan, quantize, record_amax
+from .quantization import Operand, Plan, quantize
 
 
-def act_to_fp8(plan: Plan, h: torch.Tensor, act: str, scale: torch.Tensor, columnwise: bool):
-    """act(h) as FC2's FP8 ``input`` operand: (operand, amax for delayed scaling else None)."""
+def act_to_fp8(plan: Plan, h: torch.Tensor, act: str, scale: torch.Tensor, columnwise: bool,
+               history: Optional[torch.Tensor], column: int) -> Operand:
+    """act(h) as FC2's FP8 ``input`` operand. Delayed scaling raises the amax history's slot
+    ``[0, column]`` in the same pass (``history`` None: a recompute, which records nothing)."""
     if plan.kind == "delayed":
-        data, col, sinv, amax = ops.activation_forward_fp8(h, act, scale, plan.fwd_dtype, True,
-                                                           columnwise)
-        return Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode), amax
-    return quantize(plan, "input", ops.activation_forward(h, act), True, columnwise), None
+        data, col, sinv, _ = ops.activation_forward_fp8(h, act, scale, plan.fwd_dtype, True,
+                                                        columnwise, history, column)
+        return Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode)
+    return quantize(plan, "input", ops.activation_forward(h, act), True, columnwise)
 
 
 def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str, scale: torch.Tensor,
-                rowwise: bool, columnwise: bool, with_dbias: bool):
+                rowwise: bool, columnwise: bool, with_dbias: bool, history: torch.Tensor,
+                column: int):
     """``act'(h) * dy`` as a GEMM's FP8 ``grad_output`` with the fp32 column sums (the bias
-    gradient) of the unquantized values: (operand or None, amax or None, dbias or None).
+    gradient) of the unquantized values: (operand or None, dbias or None). Delayed scaling
+    raises the backward history's slot ``[0, column]`` in the same pass.
     ``act="identity"`` (h = dy) is a linear layer's "bias gradient + cast + transpose"."""
     if not (rowwise or columnwise):  # no GEMM needs it: only the bias gradient, if any
         if act == "identity":
-            return None, None, dy.sum(0, dtype=torch.float32) if with_dbias else None
+            return None, dy.sum(0, dtype=torch.float32) if with_dbias else None
         dh, dbias = ops.activation_backward(dy, h, act, with_dbias)
-        return None, None, dbias if with_dbias else None
+        return None, dbias if with_dbias else None
     if plan.kind == "delayed":
-        data, col, sinv, amax, dbias = ops.activation_backward_fp8(
-            dy, h, act, scale, plan.bwd_dtype, rowwise, columnwise, with_dbias)
+        data, col, sinv, _, dbias = ops.activation_backward_fp8(
+            dy, h, act, scale, plan.bwd_dtype, rowwise, columnwise, with_dbias, history, column)
         op = Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode)
-        return op, amax, dbias if with_dbias else None
+        return op, dbias if with_dbias else None
     if act == "identity":
         dh, dbias = dy, dy.sum(0, dtype=torch.float32) if with_dbias else None
     else:
         dh, dbias = ops.activation_backward(dy, h, act, with_dbias)
     op = quantize(plan, "grad_output", dh, rowwise, columnwise)
-    return op, None, dbias if with_dbias else None
+    return op, dbias if with_dbias else None
 
 
 class Fp8LayerNormMLPFunction(torch.autograd.Function):
@@ -80,14 +86,11 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         plan, recipe, group, cfg, act, need = consts
         need_dgrad, need_wgrad1, need_wgrad2, _ = need
         x = inp.reshape(-1, inp.shape[-1])
-        q1, ln_out, mu, rsigma, amax1 = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
-                                                    need_wgrad1)
+        q1, ln_out, mu, rsigma = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
+                                             need_wgrad1, history_fwd, 0)
         h = fp8_gemm(q1.data, q1.scale_inv, w1_data, w1_sinv, plan.fwd_dtype, plan.fwd_dtype,
                      plan.input_mode, plan.weight_mode, inp.dtype, b1, False)
-        q2, amax2 = act_to_fp8(plan, h, act, scale_fwd[2:3], need_wgrad2)
-        if history_fwd is not None and amax1 is not None:
-            record_amax(history_fwd, 0, amax1)
-            record_amax(history_fwd, 2, amax2)
+        q2 = act_to_fp8(plan, h, act, scale_fwd[2:3], need_wgrad2, history_fwd, 2)
         out = fp8_gemm(q2.data, q2.scale_inv, w2_data, w2_sinv, plan.fwd_dtype, plan.fwd_dtype,
                        plan.input_mode, plan.weight_mode, inp.dtype, b2, False)
         # per-tensor: the column-wise copies share the row-wise scale_inv
@@ -120,11 +123,11 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         grad_w1 = grad_b1 = grad_w2 = grad_b2 = dx = dgamma = dbeta = None
         # FC2: its grad_output with its bias gradient in one pass (backward column 1)
-        q_g2, amax2, dbias2 = grad_to_fp8(plan, g, g, "identity", scale[1:2], need_fc1,
-                                          need_wgrad2, has_b2)
-        if amax2 is not None:
-            record_amax(history, 1, amax2)
-        recorded = amax2 is not None
+        q_g2, dbias2 = grad_to_fp8(plan, g, g, "identity", scale[1:2], need_fc1, need_wgrad2,
+                                   has_b2, history, 1)
+        # Whether an amax went into the backward history (delayed scaling only).
+        delayed = plan.kind == "delayed"
+        recorded = delayed and q_g2 is not None
         grad_act = None
         if q_g2 is not None:
             grad_act, grad_w2 = backward_gemms(plan, q_g2, w2_col, w2_col_sinv, a_col,
@@ -132,11 +135,9 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
                                                need_wgrad2)
         if need_fc1:
             # FC1: d act + d bias + cast + transpose in one pass (backward column 0)
-            q_g1, amax1, dbias1 = grad_to_fp8(plan, grad_act, h, ctx.act, scale[0:1],
-                                              need_dgrad, need_wgrad1, has_b1)
-            if amax1 is not None:
-                record_amax(history, 0, amax1)
-                recorded = True
+            q_g1, dbias1 = grad_to_fp8(plan, grad_act, h, ctx.act, scale[0:1], need_dgrad,
+                                       need_wgrad1, has_b1, history, 0)
+            recorded = recorded or (delayed and q_g1 is not None)
             if q_g1 is not None:
                 d_ln, grad_w1 = backward_gemms(plan, q_g1, w1_col, w1_col_sinv, ln_col,
                                                ln_col_sinv, x.dtype, w1_dtype, need_dgrad,

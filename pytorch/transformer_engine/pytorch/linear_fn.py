@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from . import fp8, ops
-from .quantization import Operand, Plan, quantize, record_amax
+from .quantization import Operand, Plan, quantize
 
 # The block-scaled GEMM writes fp32 or bf16 only (gemm.h).
 _BLOCK_OUT = (torch.float32, torch.bfloat16)
@@ -111,11 +111,10 @@ def grad_output_to_fp8(plan: Plan, g: torch.Tensor, scale: torch.Tensor,
 
     Delayed scaling with a bias takes "bias gradient + cast + transpose" in one pass over g
     (the core's activation backward of ``identity``) instead of a quantize and a separate
-    column sum, which read g twice; its amax is recorded as quantize records its own."""
+    column sum, which read g twice; the amax goes into the history as quantize's does."""
     if with_dbias and plan.kind == "delayed":
-        data, col, sinv, amax, dbias = ops.activation_backward_fp8(
-            g, g, "identity", scale, plan.bwd_dtype, rowwise, columnwise, True)
-        record_amax(history, 0, amax)
+        data, col, sinv, _, dbias = ops.activation_backward_fp8(
+            g, g, "identity", scale, plan.bwd_dtype, rowwise, columnwise, True, history, 0)
         return Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode), dbias
     return quantize(plan, "grad_output", g, rowwise, columnwise, scale, 0, history), None
 

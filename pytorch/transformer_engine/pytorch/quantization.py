@@ -123,8 +123,8 @@ def quantize(plan: Plan, role: str, x: torch.Tensor, rowwise: bool, columnwise: 
 
 def record_amax(history: torch.Tensor, column: int, amax: torch.Tensor) -> None:
     """Writes ``amax`` into slot 0 of one history column, keeping the larger value when the
-    column was already written this step (several forwards in one autocast). For amaxes that
-    a kernel other than quantize produced (norm, activation) and for calibration; quantize
-    records its own (:func:`quantize`)."""
+    column was already written this step (several forwards in one autocast). For calibration
+    (amaxes of high-precision compute); the FP8 ops raise the history's slot themselves
+    (:func:`quantize`, and the norm and activation ops' ``amax_history``)."""
     slot = history[0, column:column + 1]
     slot.copy_(torch.maximum(slot, amax))

@@ -9,6 +9,7 @@ name of the core's ``DType`` member.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -110,6 +111,30 @@ def raw_element(t: torch.Tensor, index: int) -> tuple:
                          f"of {t.numel()} elements")
     dtype = _te_dtypes.get(t.dtype) or _core_dtype(t.dtype)
     return (t.data_ptr() + index * t.element_size(), dtype, (1,), t.get_device())
+
+
+def amax_destination(op: str, x: torch.Tensor, amax_history: Optional[torch.Tensor],
+                     index: int) -> tuple[torch.Tensor, tuple, bool]:
+    """Where an FP8 op writes max|y|: ``(returned amax, its fast form, accumulate)``.
+
+    Without a history, a fresh [1] fp32 tensor that the op returns (overwritten). With a
+    delayed-scaling ``amax_history`` [H, n], the op raises ``amax_history[0, index]`` in place
+    (max with what the slot holds: the forwards of one step keep the largest) and returns an
+    empty tensor: one core call, no separate record of the amax."""
+    if amax_history is None:
+        amax = x.new_empty(1, dtype=torch.float32)
+        return amax, raw(amax), False
+    if (amax_history.dim() != 2 or amax_history.dtype != torch.float32
+            or not 0 <= index < amax_history.shape[1]):
+        raise ValueError(f"{op}: amax_history must be a float32 matrix [H, n] with n > "
+                         f"index={index}, got {amax_history.dtype} of shape "
+                         f"{list(amax_history.shape)}")
+    return x.new_empty(0, dtype=torch.float32), raw_element(amax_history, index), True
+
+
+def amax_fake(x: torch.Tensor, amax_history: Optional[torch.Tensor]) -> torch.Tensor:
+    """The returned amax of amax_destination, for fake implementations."""
+    return x.new_empty(1 if amax_history is None else 0, dtype=torch.float32)
 
 
 # torch's current CUDA stream as an int; the private call skips building a torch.cuda.Stream

@@ -18,7 +18,17 @@ from typing import Optional
 
 import torch
 
-from ._backend import check_fp8_dtype, core, custom_op, placeholder, raw, stream_of, te_dtype
+from ._backend import (
+    amax_destination,
+    amax_fake,
+    check_fp8_dtype,
+    core,
+    custom_op,
+    placeholder,
+    raw,
+    stream_of,
+    te_dtype,
+)
 
 _NS = "transformer_engine"
 NORMS = ("layernorm", "rmsnorm")
@@ -89,53 +99,61 @@ def _(x, gamma, beta, norm, eps, zero_centered_gamma):
 
 
 def _fp8_outputs(x: torch.Tensor, columnwise: bool, with_output: bool):
+    """y (or an empty tensor), data, col (or an empty tensor), scale_inv; amax comes from
+    amax_destination."""
     m, n = x.shape
     y = torch.empty_like(x, memory_format=torch.contiguous_format) if with_output \
         else placeholder(x)
     data = x.new_empty((m, n), dtype=torch.uint8)
     col = x.new_empty((n, m), dtype=torch.uint8) if columnwise else placeholder(x)
-    return y, data, col, x.new_empty(1, dtype=torch.float32), x.new_empty(1, dtype=torch.float32)
+    return y, data, col, x.new_empty(1, dtype=torch.float32)
 
 
-@custom_op(f"{_NS}::norm_forward_fp8", mutates_args=())
+@custom_op(f"{_NS}::norm_forward_fp8", mutates_args=("amax_history",))
 def norm_forward_fp8(
     x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor], norm: str, eps: float,
     zero_centered_gamma: bool, scale: torch.Tensor, fp8_dtype: str, columnwise: bool,
-    with_output: bool,
+    with_output: bool, amax_history: Optional[torch.Tensor] = None, index: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """The normalized output as FP8 ``y * scale`` ([M, N] and, with ``columnwise``, its
     transpose [N, M]), computed from the same fp32 y as the high-precision output (in x's
     dtype, only ``with_output``; else an empty tensor). ``scale`` is [1] fp32. Returns
-    (y, data, col, scale_inv, amax = max|y|, mu, rsigma)."""
+    (y, data, col, scale_inv, amax = max|y|, mu, rsigma). Given a delayed-scaling
+    ``amax_history``, the amax is raised into ``amax_history[0, index]`` instead (and returned
+    empty; see amax_destination)."""
     _check("norm_forward_fp8", x, gamma, beta, norm, True)
     check_fp8_dtype("norm_forward_fp8", fp8_dtype)
     if eps < 0:
         raise ValueError(f"norm_forward_fp8: eps must be >= 0, got {eps}")
-    y, data, col, scale_inv, amax = _fp8_outputs(x, columnwise, with_output)
+    y, data, col, scale_inv = _fp8_outputs(x, columnwise, with_output)
+    amax, raw_amax, accumulate = amax_destination("norm_forward_fp8", x, amax_history, index)
     mu, rsigma = _stats(x, norm)
     if x.numel() == 0:  # no rows: nothing to normalize, the amax of nothing is 0
-        amax.zero_()
+        if not accumulate:
+            amax.zero_()
         torch.reciprocal(scale.float(), out=scale_inv)
         return y, data, col, scale_inv, amax, mu, rsigma
     c = core()
     x, gamma, scale = x.contiguous(), gamma.contiguous(), scale.contiguous()
     beta = None if beta is None else beta.contiguous()
     out = c.Tensor(raw(data), dtype=te_dtype(fp8_dtype), scale=raw(scale),
-                   scale_inv=raw(scale_inv), amax=raw(amax),
+                   scale_inv=raw(scale_inv), amax=raw_amax,
                    columnwise_data=raw(col) if columnwise else None)
     c.norm_forward(_te_norm(norm), raw(x), raw(gamma), None if beta is None else raw(beta),
                    output=raw(y) if with_output else None, output_fp8=out,
                    mu=raw(mu) if norm == "layernorm" else None, rsigma=raw(rsigma), eps=eps,
-                   zero_centered_gamma=zero_centered_gamma, stream=stream_of(x))
+                   zero_centered_gamma=zero_centered_gamma, accumulate_amax=accumulate,
+                   stream=stream_of(x))
     return y, data, col, scale_inv, amax, mu, rsigma
 
 
 @norm_forward_fp8.register_fake
 def _(x, gamma, beta, norm, eps, zero_centered_gamma, scale, fp8_dtype, columnwise,
-      with_output):
+      with_output, amax_history=None, index=0):
     _check("norm_forward_fp8", x, gamma, beta, norm, True)
-    return (*_fp8_outputs(x, columnwise, with_output), *_stats(x, norm))
+    return (*_fp8_outputs(x, columnwise, with_output), amax_fake(x, amax_history),
+            *_stats(x, norm))
 
 
 def _grads(x: torch.Tensor, gamma: torch.Tensor, norm: str):

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from ._backend import (
+    amax_destination,
     block_grid,
     check_fp8_dtype,
     check_mode,
@@ -98,12 +99,7 @@ def quantize_delayed(x: torch.Tensor, scales: torch.Tensor, index: int,
     scale_inv = _scalar(x)
     amax = None
     if amax_history is not None:
-        if (amax_history.dim() != 2 or amax_history.dtype != torch.float32
-                or not 0 <= index < amax_history.shape[1]):
-            raise ValueError(f"quantize_delayed: amax_history must be a float32 matrix [H, n] "
-                             f"with n > index={index}, got {amax_history.dtype} of shape "
-                             f"{list(amax_history.shape)}")
-        amax = raw_element(amax_history, index)
+        amax = amax_destination("quantize_delayed", x, amax_history, index)[1]
     out = c.Tensor(raw(data) if rowwise else None, dtype=te_dtype(fp8_dtype),
                    scale=raw_element(scales, index), scale_inv=raw(scale_inv), amax=amax,
                    columnwise_data=raw(col) if columnwise else None)
