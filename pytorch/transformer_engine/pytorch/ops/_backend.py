@@ -124,12 +124,17 @@ def amax_destination(op: str, x: torch.Tensor, amax_history: Optional[torch.Tens
     if amax_history is None:
         amax = x.new_empty(1, dtype=torch.float32)
         return amax, raw(amax), False
+    return x.new_empty(0, dtype=torch.float32), history_slot(op, amax_history, index), True
+
+
+def history_slot(op: str, amax_history: torch.Tensor, index: int) -> tuple:
+    """The fast form of ``amax_history[0, index]`` (checked: a float32 [H, n] history)."""
     if (amax_history.dim() != 2 or amax_history.dtype != torch.float32
             or not 0 <= index < amax_history.shape[1]):
         raise ValueError(f"{op}: amax_history must be a float32 matrix [H, n] with n > "
                          f"index={index}, got {amax_history.dtype} of shape "
                          f"{list(amax_history.shape)}")
-    return x.new_empty(0, dtype=torch.float32), raw_element(amax_history, index), True
+    return raw_element(amax_history, index)
 
 
 def amax_fake(x: torch.Tensor, amax_history: Optional[torch.Tensor]) -> torch.Tensor:

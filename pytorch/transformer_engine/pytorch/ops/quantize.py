@@ -14,12 +14,12 @@ from typing import Optional
 import torch
 
 from ._backend import (
-    amax_destination,
     block_grid,
     check_fp8_dtype,
     check_mode,
     core,
     custom_op,
+    history_slot,
     placeholder,
     raw,
     raw_element,
@@ -99,7 +99,7 @@ def quantize_delayed(x: torch.Tensor, scales: torch.Tensor, index: int,
     scale_inv = _scalar(x)
     amax = None
     if amax_history is not None:
-        amax = amax_destination("quantize_delayed", x, amax_history, index)[1]
+        amax = history_slot("quantize_delayed", amax_history, index)
     out = c.Tensor(raw(data) if rowwise else None, dtype=te_dtype(fp8_dtype),
                    scale=raw_element(scales, index), scale_inv=raw(scale_inv), amax=amax,
                    columnwise_data=raw(col) if columnwise else None)
