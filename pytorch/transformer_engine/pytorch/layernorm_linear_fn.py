@@ -20,13 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import ops
-from .linear_fn import (
-    backward_gemms,
-    bias_gradient,
-    fp8_gemm,
-    grad_output_to_fp8,
-    update_backward,
-)
+from .linear_fn import backward_gemms, fp8_gemm, grad_to_fp8, update_backward
 from .quantization import Operand, Plan, quantize
 
 
@@ -116,12 +110,12 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
         need_dgrad, need_wgrad, has_beta, has_bias = ctx.need
         w_dtype, b_dtype = ctx.dtypes
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
-        d_ln = grad_weight = grad_bias = dbias = None
+        d_ln = grad_weight = grad_bias = None
         dx = dgamma = dbeta = None
-        if need_dgrad or need_wgrad:
-            history, scale, _ = ctx.bwd_meta
-            q_g, dbias = grad_output_to_fp8(plan, g, scale, history, need_dgrad, need_wgrad,
-                                            has_bias)
+        history, scale, _ = ctx.bwd_meta
+        q_g, dbias = grad_to_fp8(plan, g, g, "identity", scale, 0, need_dgrad, need_wgrad,
+                                 has_bias, history)
+        if q_g is not None:
             if plan.kind == "delayed":
                 update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
             d_ln, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
@@ -133,5 +127,5 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
             dx, dgamma, dbeta = norm_backward(cfg, d_ln, x, mu, rsigma, gamma, has_beta)
             dx = dx.view(ctx.input_shape)
         if has_bias:
-            grad_bias = bias_gradient(g, dbias, b_dtype)
+            grad_bias = dbias.to(b_dtype)
         return (dx, dgamma, dbeta, grad_weight, grad_bias) + (None,) * 8

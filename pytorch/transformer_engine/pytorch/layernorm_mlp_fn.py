@@ -25,7 +25,7 @@ import torch
 
 from . import ops
 from .layernorm_linear_fn import norm_backward, norm_to_fp8
-from .linear_fn import backward_gemms, fp8_gemm, update_backward
+from .linear_fn import backward_gemms, fp8_gemm, grad_to_fp8, update_backward
 from .quantization import Operand, Plan, quantize
 
 
@@ -38,31 +38,6 @@ def act_to_fp8(plan: Plan, h: torch.Tensor, act: str, scale: torch.Tensor, colum
                                                         columnwise, history, column)
         return Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode)
     return quantize(plan, "input", ops.activation_forward(h, act), True, columnwise)
-
-
-def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str, scale: torch.Tensor,
-                rowwise: bool, columnwise: bool, with_dbias: bool, history: torch.Tensor,
-                column: int):
-    """``act'(h) * dy`` as a GEMM's FP8 ``grad_output`` with the fp32 column sums (the bias
-    gradient) of the unquantized values: (operand or None, dbias or None). Delayed scaling
-    raises the backward history's slot ``[0, column]`` in the same pass.
-    ``act="identity"`` (h = dy) is a linear layer's "bias gradient + cast + transpose"."""
-    if not (rowwise or columnwise):  # no GEMM needs it: only the bias gradient, if any
-        if act == "identity":
-            return None, dy.sum(0, dtype=torch.float32) if with_dbias else None
-        dh, dbias = ops.activation_backward(dy, h, act, with_dbias)
-        return None, dbias if with_dbias else None
-    if plan.kind == "delayed":
-        data, col, sinv, _, dbias = ops.activation_backward_fp8(
-            dy, h, act, scale, plan.bwd_dtype, rowwise, columnwise, with_dbias, history, column)
-        op = Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode)
-        return op, dbias if with_dbias else None
-    if act == "identity":
-        dh, dbias = dy, dy.sum(0, dtype=torch.float32) if with_dbias else None
-    else:
-        dh, dbias = ops.activation_backward(dy, h, act, with_dbias)
-    op = quantize(plan, "grad_output", dh, rowwise, columnwise)
-    return op, dbias if with_dbias else None
 
 
 class Fp8LayerNormMLPFunction(torch.autograd.Function):
@@ -123,8 +98,8 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         grad_w1 = grad_b1 = grad_w2 = grad_b2 = dx = dgamma = dbeta = None
         # FC2: its grad_output with its bias gradient in one pass (backward column 1)
-        q_g2, dbias2 = grad_to_fp8(plan, g, g, "identity", scale[1:2], need_fc1, need_wgrad2,
-                                   has_b2, history, 1)
+        q_g2, dbias2 = grad_to_fp8(plan, g, g, "identity", scale, 1, need_fc1, need_wgrad2,
+                                   has_b2, history)
         # Whether an amax went into the backward history (delayed scaling only).
         delayed = plan.kind == "delayed"
         recorded = delayed and q_g2 is not None
@@ -135,8 +110,8 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
                                                need_wgrad2)
         if need_fc1:
             # FC1: d act + d bias + cast + transpose in one pass (backward column 0)
-            q_g1, dbias1 = grad_to_fp8(plan, grad_act, h, ctx.act, scale[0:1], need_dgrad,
-                                       need_wgrad1, has_b1, history, 0)
+            q_g1, dbias1 = grad_to_fp8(plan, grad_act, h, ctx.act, scale, 0, need_dgrad,
+                                       need_wgrad1, has_b1, history)
             recorded = recorded or (delayed and q_g1 is not None)
             if q_g1 is not None:
                 d_ln, grad_w1 = backward_gemms(plan, q_g1, w1_col, w1_col_sinv, ln_col,

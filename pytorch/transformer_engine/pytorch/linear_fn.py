@@ -86,11 +86,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         g = grad_output if grad_output.dim() == 2 else \
             grad_output.reshape(-1, grad_output.shape[-1])
         g = g.contiguous()
-        grad_input = grad_weight = grad_bias = dbias = None
-        if need_dgrad or need_wgrad:
-            history, scale, _ = ctx.bwd_meta
-            q_g, dbias = grad_output_to_fp8(plan, g, scale, history, need_dgrad, need_wgrad,
-                                            has_bias)
+        grad_input = grad_weight = grad_bias = None
+        history, scale, _ = ctx.bwd_meta
+        q_g, dbias = grad_to_fp8(plan, g, g, "identity", scale, 0, need_dgrad, need_wgrad,
+                                 has_bias, history)
+        if q_g is not None:
             if plan.kind == "delayed":
                 update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
             grad_input, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
@@ -99,33 +99,38 @@ class Fp8LinearFunction(torch.autograd.Function):
             if grad_input is not None and len(ctx.input_shape) != 2:
                 grad_input = grad_input.view(ctx.input_shape)
         if has_bias:
-            grad_bias = bias_gradient(g, dbias, b_dtype)
+            grad_bias = dbias if b_dtype == torch.float32 else dbias.to(b_dtype)
         return (grad_input, grad_weight, grad_bias) + (None,) * 8
 
 
-def grad_output_to_fp8(plan: Plan, g: torch.Tensor, scale: torch.Tensor,
-                       history: torch.Tensor, rowwise: bool, columnwise: bool,
-                       with_dbias: bool) -> tuple[Operand, Optional[torch.Tensor]]:
-    """A linear layer's grad_output [M, N] as the FP8 operand of its backward GEMMs, and the
-    bias gradient (fp32 column sums of g) when the core made it in the same pass, else None.
+def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str,
+                scales: torch.Tensor, column: int, rowwise: bool, columnwise: bool,
+                with_dbias: bool, history: torch.Tensor):
+    """``act'(h) * dy`` as a GEMM's FP8 ``grad_output`` with the fp32 column sums of the
+    unquantized values (the bias gradient): (operand or None when no GEMM needs it, dbias or
+    None). Delayed scaling uses ``scales[column]`` and raises ``history[0, column]``.
 
-    Delayed scaling with a bias takes "bias gradient + cast + transpose" in one pass over g
-    (the core's activation backward of ``identity``) instead of a quantize and a separate
-    column sum, which read g twice; the amax goes into the history as quantize's does."""
-    if with_dbias and plan.kind == "delayed":
+    ``act="identity"`` (h = dy) is a linear layer's grad_output: under delayed scaling with a
+    bias, "bias gradient + cast + transpose" is one pass over dy (the core's activation
+    backward of identity) instead of a quantize and a column sum that read dy twice."""
+    identity = act == "identity"
+    if not (rowwise or columnwise):  # no GEMM needs it: only the bias gradient, if any
+        if identity:
+            return None, dy.sum(0, dtype=torch.float32) if with_dbias else None
+        _, dbias = ops.activation_backward(dy, h, act, with_dbias)
+        return None, dbias if with_dbias else None
+    if plan.kind == "delayed" and not (identity and not with_dbias):
         data, col, sinv, _, dbias = ops.activation_backward_fp8(
-            g, g, "identity", scale, plan.bwd_dtype, rowwise, columnwise, True, history, 0)
-        return Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode), dbias
-    return quantize(plan, "grad_output", g, rowwise, columnwise, scale, 0, history), None
-
-
-def bias_gradient(g: torch.Tensor, dbias: Optional[torch.Tensor],
-                  b_dtype: torch.dtype) -> torch.Tensor:
-    """The bias gradient in the bias's dtype: ``dbias`` (fp32 column sums of g) when the
-    backward made it, else summed here."""
-    if dbias is None:
-        dbias = g.sum(0, dtype=torch.float32)
-    return dbias if b_dtype == torch.float32 else dbias.to(b_dtype)
+            dy, h, act, scales[column:column + 1], plan.bwd_dtype, rowwise, columnwise,
+            with_dbias, history, column)
+        op = Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode)
+        return op, dbias if with_dbias else None
+    if identity:
+        dh, dbias = dy, dy.sum(0, dtype=torch.float32) if with_dbias else None
+    else:
+        dh, dbias = ops.activation_backward(dy, h, act, with_dbias)
+    op = quantize(plan, "grad_output", dh, rowwise, columnwise, scales, column, history)
+    return op, dbias if with_dbias else None
 
 
 def backward_gemms(plan: Plan, q_g, w_col, w_col_sinv, in_col, in_col_sinv,
