@@ -202,8 +202,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
     prefetch(k + kPrefetchSteps);
     if (row0 < rows) {  // uniform in the group, as its barriers need
       float acc[kRows], mu[kRows] = {}, rs[kRows];
-      // acc[r] = the group's sum of value(x, r) over row r, in the documented lane order.
-      auto row_sums = [&](auto value) {
+      // acc[r] = the group's sum over row r, in the documented lane order, each lane's running
+      // sum becoming add(lane, x, r) for each of its elements x.
+      auto row_sums = [&](auto add) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           acc[r] = 0.0f;
@@ -213,7 +214,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
             decode_pass(in[r][j], x);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-              if (j < vecs) acc[r] += value(x[e], r);
+              if (j < vecs) acc[r] = add(acc[r], x[e], r);
             }
           }
         }
@@ -221,14 +222,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
         parity ^= 1;
       };
       if (kLn) {
-        row_sums([](float x, int) { return x; });
+        row_sums([](float acc, float x, int) { return acc + x; });
 #pragma unroll
         for (int r = 0; r < kRows; ++r) mu[r] = acc[r] / static_cast<float>(n);
       }
-      row_sums([&](float x, int r) {
-        const float d = kLn ? x - mu[r] : x;
-        return d * d;
-      });
+      row_sums([&](float acc, float x, int r) { return norm_add_square(acc, kLn ? x - mu[r] : x); });
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         rs[r] = norm_rsigma(acc[r], n, a.eps);
@@ -340,8 +338,7 @@ __global__ void __launch_bounds__(kThreads) norm_forward_any_kernel(const NormFo
     v.get(j, x);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const float d = ln ? x[e] - mu : x[e];
-      if (v.start(j) + e < n) acc[0] += d * d;
+      if (v.start(j) + e < n) acc[0] = norm_add_square(acc[0], ln ? x[e] - mu : x[e]);
     }
   }
   group_lane_sums(acc, scratch[1], 1);
