@@ -87,6 +87,8 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_tiled_kernel(const Tiled
   using S = typename Hp<kIn>::Storage;
   __shared__ TiledStage stage;
   __shared__ uint4 col_partial[kThreads / 32][32];  // per warp and lane: 4 column maxima
+  __shared__ float4 col_mult[32];                    // 1x128: the scales of lane l's 4 columns
+  __shared__ float row_scale[kThreads / 32][kRowsPerWarp];  // 1x128: of each warp's rows
   __shared__ uint32_t warp_amax[kThreads / 32];
   extern __shared__ uint4 input_stage[];  // kInputStageBytes<kIn> when p.vec_io, else none
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -171,28 +173,40 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_tiled_kernel(const Tiled
                                  : tensor_scale;
 
     if (p.rowwise != nullptr) {
+      // 1x128: the scale of the warp's row i is computed by lane i alone and then broadcast, so
+      // that a warp does two divisions (scale, scale_inv) per tile instead of two per row: the
+      // divisions, not the memory traffic, bounded this kernel.
+      if constexpr (kMode == TE_SCALING_BLOCK_1X128) {
+        uint32_t mine = 0;
+#pragma unroll
+        for (int i = 0; i < kRowsPerWarp; ++i) {
+          const uint32_t rm =
+              warp_max(max(max(abs_bits(v[i][0]), abs_bits(v[i][1])), max(abs_bits(v[i][2]), abs_bits(v[i][3]))));
+          if (lane == i) mine = rm;
+        }
+        const float own = scale_from_amax(bits_float(mine), p.fp8_max, p.epsilon, p.pow2);
+        if (lane < kRowsPerWarp) {
+          row_scale[warp][lane] = own;
+          if (r0 + lane < p.rows) {
+            static_cast<float *>(p.rowwise_scale_inv)[(r0 + lane) * p.tiles_c + tile_c] = canonical_div(1.0f, own);
+          }
+        }
+        __syncwarp();
+      }
 #pragma unroll
       for (int i = 0; i < kRowsPerWarp; ++i) {
         const int64_t row = r0 + i;
-        float mult = tile_scale;
+        float mult = kMode == TE_SCALING_BLOCK_1X128 ? row_scale[warp][i] : tile_scale;
         uint8_t e8 = 0;
-        if constexpr (kMode == TE_SCALING_BLOCK_1X128 || kMode == TE_SCALING_MXFP8) {
-          uint32_t rm = max(max(abs_bits(v[i][0]), abs_bits(v[i][1])), max(abs_bits(v[i][2]), abs_bits(v[i][3])));
-          if constexpr (kMode == TE_SCALING_BLOCK_1X128) {
-            rm = warp_max(rm);
-            mult = scale_from_amax(bits_float(rm), p.fp8_max, p.epsilon, p.pow2);
-          } else {
-            rm = group_max<8>(rm);
-            e8 = e8m0_scale_inv_from_amax(bits_float(rm), p.fp8_max);
-            mult = e8m0_inverse_to_float(e8);
-          }
+        if constexpr (kMode == TE_SCALING_MXFP8) {
+          const uint32_t rm =
+              group_max<8>(max(max(abs_bits(v[i][0]), abs_bits(v[i][1])), max(abs_bits(v[i][2]), abs_bits(v[i][3]))));
+          e8 = e8m0_scale_inv_from_amax(bits_float(rm), p.fp8_max);
+          mult = e8m0_inverse_to_float(e8);
         }
         if (row < p.rows) {
           const uint32_t q = fp8x4<kFp8>(v[i][0] * mult, v[i][1] * mult, v[i][2] * mult, v[i][3] * mult);
           store_row4(p.rowwise + row * p.cols + c, c, p.cols, q, p.vec_io);
-          if (kMode == TE_SCALING_BLOCK_1X128 && lane == 0) {
-            static_cast<float *>(p.rowwise_scale_inv)[row * p.tiles_c + tile_c] = canonical_div(1.0f, mult);
-          }
           if (kMode == TE_SCALING_MXFP8 && lane % 8 == 0 && c < p.cols) {
             static_cast<uint8_t *>(p.rowwise_scale_inv)[row * div_up(p.cols, 32) + tile_c * 4 + lane / 8] = e8;
           }
@@ -207,23 +221,26 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_tiled_kernel(const Tiled
       float mult[4] = {tile_scale, tile_scale, tile_scale, tile_scale};
       uint8_t e8[4] = {0, 0, 0, 0};
       if constexpr (kMode == TE_SCALING_BLOCK_1X128) {
-        uint4 a = col_partial[0][lane];
+        // Column x of the tile's scale by thread x alone (not by every warp for its 4 columns),
+        // shared through col_mult: one barrier instead of eight divisions per thread.
+        if (threadIdx.x < kTile) {
+          const int owner = threadIdx.x / 4, j = threadIdx.x % 4;
+          uint32_t am = 0;
 #pragma unroll
-        for (int w = 1; w < kThreads / 32; ++w) {
-          const uint4 b = col_partial[w][lane];
-          a = make_uint4(max(a.x, b.x), max(a.y, b.y), max(a.z, b.z), max(a.w, b.w));
-        }
-        const uint32_t am[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) mult[j] = scale_from_amax(bits_float(am[j]), p.fp8_max, p.epsilon, p.pow2);
-        if (warp == 0) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if (c + j < p.cols) {
-              static_cast<float *>(p.columnwise_scale_inv)[(c + j) * p.tiles_r + tile_r] = canonical_div(1.0f, mult[j]);
-            }
+          for (int w = 0; w < kThreads / 32; ++w) {
+            const uint32_t *partial = reinterpret_cast<const uint32_t *>(&col_partial[w][owner]);
+            am = max(am, partial[j]);
+          }
+          const float scale = scale_from_amax(bits_float(am), p.fp8_max, p.epsilon, p.pow2);
+          reinterpret_cast<float *>(col_mult)[threadIdx.x] = scale;
+          const int64_t col = tile_c * kTile + threadIdx.x;
+          if (col < p.cols) {
+            static_cast<float *>(p.columnwise_scale_inv)[col * p.tiles_r + tile_r] = canonical_div(1.0f, scale);
           }
         }
+        __syncthreads();
+        const float4 m4 = col_mult[lane];
+        mult[0] = m4.x, mult[1] = m4.y, mult[2] = m4.z, mult[3] = m4.w;
       } else if constexpr (kMode == TE_SCALING_MXFP8) {
         // The 32-row block of this warp's 16 rows is shared with the neighbouring warp.
         const uint4 a = col_partial[warp & ~1][lane], b = col_partial[warp | 1][lane];
