@@ -1,9 +1,11 @@
 // Binding of attention.h: the attention entry points, the backend query and the scaled masked
 // softmax. The config travels as an AttentionConfig object built once per layer.
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -27,8 +29,9 @@ te_attention_config make_config(te_attn_layout layout, te_attn_mask_type mask_ty
                              max_seqlen_q, max_seqlen_kv, deterministic ? 1 : 0, backend};
 }
 
+// do_dtype: d_o's dtype, o_dtype when not given (it differs only for an FP8 backward).
 te_attention_problem make_problem(const std::vector<int64_t> &sizes, te_dtype qkv_dtype, te_dtype o_dtype,
-                                  te_dtype grad_dtype, int device_id) {
+                                  te_dtype grad_dtype, std::optional<te_dtype> do_dtype, int device_id) {
   if (sizes.size() != 9) {
     raise_status(TE_ERROR_VALUE, "attention_backend: sizes must be (batch, heads_q, heads_kv, seqlen_q, "
                                  "seqlen_kv, head_dim_qk, head_dim_v, total_q, total_kv), got " +
@@ -46,6 +49,7 @@ te_attention_problem make_problem(const std::vector<int64_t> &sizes, te_dtype qk
   p.total_kv = sizes[8];
   p.qkv_dtype = qkv_dtype;
   p.o_dtype = o_dtype;
+  p.do_dtype = do_dtype.value_or(o_dtype);
   p.grad_dtype = grad_dtype;
   p.device = device_id < 0 ? TE_DEVICE_CPU : TE_DEVICE_CUDA;
   p.device_id = device_id < 0 ? 0 : device_id;
@@ -92,8 +96,8 @@ void register_attention(nb::module_ &m) {
   m.def(
       "attention_backend",
       [](const te_attention_config &config, const std::vector<int64_t> &sizes, te_dtype qkv_dtype,
-         te_dtype o_dtype, te_dtype grad_dtype, int device_id, bool backward) {
-        const te_attention_problem p = make_problem(sizes, qkv_dtype, o_dtype, grad_dtype, device_id);
+         te_dtype o_dtype, te_dtype grad_dtype, std::optional<te_dtype> do_dtype, int device_id, bool backward) {
+        const te_attention_problem p = make_problem(sizes, qkv_dtype, o_dtype, grad_dtype, do_dtype, device_id);
         te_attn_backend chosen = TE_ATTN_BACKEND_AUTO;
         char reasons[TE_ATTN_BACKEND_COUNT][TE_ATTN_REASON_SIZE] = {};
         const te_status s = te_attention_backend(&config, &p, backward ? 1 : 0, &chosen, reasons);
@@ -104,23 +108,23 @@ void register_attention(nb::module_ &m) {
         return std::make_tuple(s == TE_SUCCESS ? nb::cast(chosen) : nb::none(), why,
                                std::string(s == TE_SUCCESS ? "" : te_last_error()));
       },
-      "config"_a, "sizes"_a, "qkv_dtype"_a, "o_dtype"_a, "grad_dtype"_a, nb::kw_only(), "device_id"_a = -1,
-      "backward"_a = false,
+      "config"_a, "sizes"_a, "qkv_dtype"_a, "o_dtype"_a, "grad_dtype"_a, nb::kw_only(), "do_dtype"_a = nb::none(),
+      "device_id"_a = -1, "backward"_a = false,
       "(backend or None, [reason per AttnBackend value 0..2, '' when it takes the call], message). sizes: "
       "(batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim_qk, head_dim_v, total_q, total_kv); "
-      "device_id -1 for the CPU.");
+      "device_id -1 for the CPU; do_dtype (d_o's, backward) defaults to o_dtype.");
 
   m.def(
       "attention_workspace_size",
       [](const te_attention_config &config, const std::vector<int64_t> &sizes, te_dtype qkv_dtype,
-         te_dtype o_dtype, te_dtype grad_dtype, int device_id, bool backward) {
-        const te_attention_problem p = make_problem(sizes, qkv_dtype, o_dtype, grad_dtype, device_id);
+         te_dtype o_dtype, te_dtype grad_dtype, std::optional<te_dtype> do_dtype, int device_id, bool backward) {
+        const te_attention_problem p = make_problem(sizes, qkv_dtype, o_dtype, grad_dtype, do_dtype, device_id);
         size_t bytes = 0;
         check_status(te_attention_workspace_size(&config, &p, backward ? 1 : 0, &bytes));
         return bytes;
       },
-      "config"_a, "sizes"_a, "qkv_dtype"_a, "o_dtype"_a, "grad_dtype"_a, nb::kw_only(), "device_id"_a = -1,
-      "backward"_a = false, "Bytes of CUDA workspace of the call (0 on the CPU).");
+      "config"_a, "sizes"_a, "qkv_dtype"_a, "o_dtype"_a, "grad_dtype"_a, nb::kw_only(), "do_dtype"_a = nb::none(),
+      "device_id"_a = -1, "backward"_a = false, "Bytes of CUDA workspace of the call (0 on the CPU).");
 
   m.def(
       "attention_forward",
@@ -150,8 +154,8 @@ void register_attention(nb::module_ &m) {
       "attention_backward",
       [](const te_attention_config &config, nb::handle q, nb::handle k, nb::handle v, nb::handle o,
          nb::handle d_o, nb::handle softmax_lse, nb::handle dq, nb::handle dk, nb::handle dv,
-         nb::handle cu_seqlens_q, nb::handle cu_seqlens_kv, nb::handle rng_state, nb::handle dp_fp8,
-         nb::handle workspace, uintptr_t stream) {
+         nb::handle cu_seqlens_q, nb::handle cu_seqlens_kv, nb::handle rng_state, nb::handle softmax_fp8,
+         nb::handle dp_fp8, nb::handle workspace, uintptr_t stream) {
         const char *op = "attention_backward";
         Handle hq = make_handle(op, "q", q, 0), hk = make_handle(op, "k", k, 0), hv = make_handle(op, "v", v, 0);
         Handle ho = make_handle(op, "o", o, 0), hdo = make_handle(op, "d_o", d_o, 0);
@@ -162,18 +166,20 @@ void register_attention(nb::module_ &m) {
         Handle cq = optional_handle(op, "cu_seqlens_q", cu_seqlens_q, 0);
         Handle ck = optional_handle(op, "cu_seqlens_kv", cu_seqlens_kv, 0);
         Handle rng = optional_handle(op, "rng_state", rng_state, 0);
+        Handle sf = optional_handle(op, "softmax_fp8", softmax_fp8, 0);
         Handle dp = optional_handle(op, "dp_fp8", dp_fp8, 1u << TE_SLOT_AMAX);
         size_t ws_size = 0;
         void *ws = workspace_of(op, workspace, &ws_size);
         nb::gil_scoped_release release;
         check_status(te_attention_backward(&config, hq.get(), hk.get(), hv.get(), ho.get(), hdo.get(), hl.get(),
-                                           cq.get(), ck.get(), rng.get(), hdq.get(), hdk.get(), hdv.get(),
-                                           dp.get(), ws, ws_size, as_stream(stream)));
+                                           cq.get(), ck.get(), rng.get(), sf.get(), hdq.get(), hdk.get(),
+                                           hdv.get(), dp.get(), ws, ws_size, as_stream(stream)));
       },
       "config"_a, "q"_a, "k"_a, "v"_a, "o"_a, "d_o"_a, "softmax_lse"_a, nb::kw_only(), "dq"_a, "dk"_a, "dv"_a,
       "cu_seqlens_q"_a = nb::none(), "cu_seqlens_kv"_a = nb::none(), "rng_state"_a = nb::none(),
-      "dp_fp8"_a = nb::none(), "workspace"_a = nb::none(), "stream"_a = 0,
-      "Attention backward into dq, dk, dv from the forward's inputs, o and softmax_lse.");
+      "softmax_fp8"_a = nb::none(), "dp_fp8"_a = nb::none(), "workspace"_a = nb::none(), "stream"_a = 0,
+      "Attention backward into dq, dk, dv from the forward's inputs, o and softmax_lse (FP8: the "
+      "forward's softmax_fp8, and dp_fp8 of the logits' gradient).");
 
   m.def(
       "scaled_softmax_forward",

@@ -1,7 +1,9 @@
 // Tests of the attention entry points on the CPU path: values worked out by hand, the backend
 // query, and the validation messages (the Python tests compare against float64 at large).
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "test_util.h"
@@ -49,10 +51,69 @@ TEST_CASE(causal_attention_of_two_tokens) {
   tdq.set(TE_SLOT_DATA, dq.data(), TE_DTYPE_FLOAT32, {1, 2, 1, 1});
   tdk.set(TE_SLOT_DATA, dk.data(), TE_DTYPE_FLOAT32, {1, 2, 1, 1});
   tdv.set(TE_SLOT_DATA, dv.data(), TE_DTYPE_FLOAT32, {1, 2, 1, 1});
-  CHECK(te_attention_backward(&cfg, tq, tk, tv, to, tdo, tl, nullptr, nullptr, nullptr, tdq, tdk, tdv, nullptr,
-                              nullptr, 0, nullptr) == TE_SUCCESS);
+  CHECK(te_attention_backward(&cfg, tq, tk, tv, to, tdo, tl, nullptr, nullptr, nullptr, nullptr, tdq, tdk, tdv,
+                              nullptr, nullptr, 0, nullptr) == TE_SUCCESS);
   CHECK(near(dv[0], 1.5f) && near(dv[1], 0.5f));
   CHECK(near(dq[0], 0.0f) && near(dq[1], 0.0f) && near(dk[0], -0.25f) && near(dk[1], 0.25f));
+}
+
+// The two-token example above in FP8: every value is exact in E4M3 (q, k, v, p, o) and E5M2
+// (d_o, ds, the gradients) with unit scales, so the FP8 backward must reproduce it exactly, with
+// an E5M2 d_o beside the E4M3 o (the HYBRID recipe) and the forward's softmax factors.
+TEST_CASE(fp8_backward_of_two_tokens) {
+  constexpr uint8_t kE4m3One = 0x38, kE4m3Two = 0x40, kE4m3Four = 0x48, kE5m2One = 0x3C;
+  std::vector<uint8_t> q = {kE4m3One, kE4m3One}, k = q, v = {kE4m3Two, kE4m3Four}, o(2, 0xFF);
+  std::vector<float> lse(2, 0), one = {1.0f};
+  TensorHandle tq, tk, tv, to, tl, ts;
+  for (auto [t, data] : {std::pair<te_tensor *, void *>{tq, q.data()}, {tk, k.data()}, {tv, v.data()}}) {
+    te_buffer b = te_test::cpu_buffer(data, TE_DTYPE_FLOAT8_E4M3, {1, 2, 1, 1});
+    te_tensor_set(t, TE_SLOT_DATA, &b);
+    b = te_test::cpu_buffer(one.data(), TE_DTYPE_FLOAT32, {1});
+    te_tensor_set(t, TE_SLOT_SCALE_INV, &b);
+  }
+  to.set(TE_SLOT_DATA, o.data(), TE_DTYPE_FLOAT8_E4M3, {1, 2, 1, 1});
+  to.set(TE_SLOT_SCALE, one.data(), TE_DTYPE_FLOAT32, {1});
+  to.set(TE_SLOT_SCALE_INV, one.data(), TE_DTYPE_FLOAT32, {1});
+  tl.set(TE_SLOT_DATA, lse.data(), TE_DTYPE_FLOAT32, {1, 1, 2});
+  ts.set(TE_SLOT_SCALE, one.data(), TE_DTYPE_FLOAT32, {1});
+  ts.set(TE_SLOT_SCALE_INV, one.data(), TE_DTYPE_FLOAT32, {1});
+  const te_attention_config cfg = causal_bshd(0.5f);
+  CHECK(te_attention_forward(&cfg, tq, tk, tv, to, tl, nullptr, nullptr, nullptr, ts, nullptr, 0, nullptr) ==
+        TE_SUCCESS);
+  CHECK(o[0] == kE4m3Two && o[1] == 0x44);  // 3 = 1.5 * 2: E4M3 0 1000 100
+  std::vector<uint8_t> d_o = {kE5m2One, kE5m2One}, dq(2, 0xFF), dk(2, 0xFF), dv(2, 0xFF);
+  std::vector<float> amax_dp = {-1}, amax_g = {-1, -1, -1};
+  TensorHandle tdo, tdq, tdk, tdv, tdp;
+  tdo.set(TE_SLOT_DATA, d_o.data(), TE_DTYPE_FLOAT8_E5M2, {1, 2, 1, 1});
+  tdo.set(TE_SLOT_SCALE_INV, one.data(), TE_DTYPE_FLOAT32, {1});
+  int i = 0;
+  for (auto [t, data] : {std::pair<te_tensor *, void *>{tdq, dq.data()}, {tdk, dk.data()}, {tdv, dv.data()}}) {
+    te_buffer b = te_test::cpu_buffer(data, TE_DTYPE_FLOAT8_E5M2, {1, 2, 1, 1});
+    te_tensor_set(t, TE_SLOT_DATA, &b);
+    b = te_test::cpu_buffer(one.data(), TE_DTYPE_FLOAT32, {1});
+    te_tensor_set(t, TE_SLOT_SCALE, &b);
+    b = te_test::cpu_buffer(&amax_g[i++], TE_DTYPE_FLOAT32, {1});
+    te_tensor_set(t, TE_SLOT_AMAX, &b);
+  }
+  tdp.set(TE_SLOT_SCALE, one.data(), TE_DTYPE_FLOAT32, {1});
+  tdp.set(TE_SLOT_SCALE_INV, one.data(), TE_DTYPE_FLOAT32, {1});
+  tdp.set(TE_SLOT_AMAX, amax_dp.data(), TE_DTYPE_FLOAT32, {1});
+  CHECK_ERROR(te_attention_backward(&cfg, tq, tk, tv, to, tdo, tl, nullptr, nullptr, nullptr, nullptr, tdq, tdk, tdv,
+                                    tdp, nullptr, 0, nullptr),
+              TE_ERROR_VALUE, "attention_backward: softmax_fp8 must be a tensor handle");
+  CHECK(dq[0] == 0xFF && amax_dp[0] == -1.0f);  // nothing written
+  CHECK(te_attention_backward(&cfg, tq, tk, tv, to, tdo, tl, nullptr, nullptr, nullptr, ts, tdq, tdk, tdv, tdp,
+                              nullptr, 0, nullptr) == TE_SUCCESS);
+  // dq = [0, 0], dk = [-0.25, 0.25], dv = [1.5, 0.5]; ds of row 1 = +-0.25 (E5M2 bytes).
+  CHECK(dq[0] == 0x00 && dq[1] == 0x00 && dk[0] == 0xB4 && dk[1] == 0x34 && dv[0] == 0x3E && dv[1] == 0x38);
+  CHECK(amax_dp[0] == 0.25f && amax_g[0] == 0.0f && amax_g[1] == 0.25f && amax_g[2] == 1.5f);
+  // A bf16 d_o cannot go with an E4M3 o.
+  std::vector<uint16_t> d_o16(2, 0x3F80);
+  TensorHandle tdo16;
+  tdo16.set(TE_SLOT_DATA, d_o16.data(), TE_DTYPE_BFLOAT16, {1, 2, 1, 1});
+  CHECK_ERROR(te_attention_backward(&cfg, tq, tk, tv, to, tdo16, tl, nullptr, nullptr, nullptr, ts, tdq, tdk, tdv,
+                                    tdp, nullptr, 0, nullptr),
+              TE_ERROR_TYPE, "d_o must be float8_e4m3 or float8_e5m2 (o is FP8), got bfloat16");
 }
 
 TEST_CASE(backend_query_names_each_backend) {
@@ -62,7 +123,7 @@ TEST_CASE(backend_query_names_each_backend) {
   p.heads_q = p.heads_kv = 2;
   p.seqlen_q = p.seqlen_kv = 16;
   p.head_dim_qk = p.head_dim_v = 64;
-  p.qkv_dtype = p.o_dtype = p.grad_dtype = TE_DTYPE_BFLOAT16;
+  p.qkv_dtype = p.o_dtype = p.do_dtype = p.grad_dtype = TE_DTYPE_BFLOAT16;
   p.device = TE_DEVICE_CPU;
   te_attn_backend b = TE_ATTN_BACKEND_AUTO;
   char reasons[TE_ATTN_BACKEND_COUNT][TE_ATTN_REASON_SIZE];

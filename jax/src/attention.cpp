@@ -153,8 +153,8 @@ ffi::Error AttentionBackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuf
   workspace_of(dev, workspace, &ws, &ws_size);
   return from_status(te_attention_backward(&cfg, tq.get(), tk.get(), tv.get(), to.get(), tdo.get(), tl.get(),
                                            tcq.present ? tcq.t.get() : nullptr, tck.present ? tck.t.get() : nullptr,
-                                           trng.present ? trng.t.get() : nullptr, tdq.get(), tdk.get(), tdv.get(),
-                                           nullptr, ws, ws_size, dev.stream));
+                                           trng.present ? trng.t.get() : nullptr, nullptr, tdq.get(), tdk.get(),
+                                           tdv.get(), nullptr, ws, ws_size, dev.stream));
 }
 
 auto TeAttentionBackwardBinding() {

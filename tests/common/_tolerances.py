@@ -67,3 +67,74 @@ def gemm_bound(
     the (dequantized) operands in float64, want the float64 result."""
     acc = FP32_ACCUMULATION * max(k, 1) + (FP8_TENSOR_CORE_ACCUMULATION if fp8 else 0.0)
     return acc * abs_product + OUTPUT_HALF_ULP[out_dtype] * np.abs(want) + 1e-30
+
+
+# ---------------------------------------------------------------- FP8 attention backward
+# The FP8 backward (attention.h) against float64 attention of the same dequantized q, k, v, d_o:
+# the error of each rounded intermediate is bounded elementwise and carried through, as the
+# fused kernels (and the core's CPU and CUDA math paths, which emulate them) compute:
+#   logits s = scale q.k, then p = exp(s - lse): a dot product errs by `rel` of sum |q||k|,
+#     and p by exp(2 max error of its row) - 1 relative (s and the row's lse both move);
+#   p rounded to E4M3 with scale 448 (dv and o use it); o = sum_j p v_j, rounded to E4M3;
+#   D = d_o . o; dp = d_o . v; ds = scale p (dp - D), rounded to d_o's format with the dp
+#     descale; dq = ds k, dk = ds^T q, dv = p^T d_o (each a sum, off by `rel` of its
+#     magnitude); FP8 gradients rounded once more.
+# rel: fp32 arithmetic on the CPU and the CUDA math path: sums of at most 128 terms err by
+# 128 * 2^-24 = 2^-17 of sum |terms|, and exp, log and the scale products by a few ulps: 2^-16
+# covers them. cuDNN's FP8 GEMMs add the tensor cores' accumulation (FP8_TENSOR_CORE_ACCUMULATION).
+ATTENTION_FP32_REL = 2.0**-16
+
+
+def _attention_round(x_abs: np.ndarray, err: np.ndarray, fmt_name: str, descale) -> np.ndarray:
+    """err plus the rounding of a value within err of x to an FP8 format with this descale."""
+    b = ROUND_TRIP[fmt_name]
+    return err + b.relative * (x_abs + err) + b.absolute_scaled * np.float64(descale)
+
+
+def attention_fp8_backward_bound(q, k, v, d_o, allowed, scale, want, *, descale_o, do_fmt,
+                                 descale_dp, grad_fmt=None, grad_descales=(1.0, 1.0, 1.0),
+                                 cuda_fp8_gemm=False) -> dict:
+    """Largest |got - want| per element of dq, dk, dv (``want`` = their float64 values), and
+    of ds before its rounding ("ds"; with the float64 ds, "ds_want"). q, k, v, d_o: the
+    dequantized inputs [b, s, h, d], float64; allowed [b, sq, skv] as _attention_reference."""
+    from te_common_tests import _attention_reference as attn
+
+    q, k, v, d_o = (np.asarray(t, np.float64) for t in (q, k, v, d_o))
+    heads, group = q.shape[2], q.shape[2] // k.shape[2]
+    ke, ve = (np.repeat(t, group, axis=2) for t in (k, v))
+    o, _, p = attn.forward(q, k, v, allowed, scale)
+    rel = ATTENTION_FP32_REL + (FP8_TENSOR_CORE_ACCUMULATION if cuda_fp8_gemm else 0.0)
+    mask = allowed[:, None].astype(np.float64)  # [b, 1, sq, skv]
+
+    def mm(spec, a, b):
+        return np.einsum(spec, a, b)
+
+    es = scale * rel * mm("bihd,bjhd->bhij", np.abs(q), np.abs(ke)) * mask
+    ep = p * np.expm1(2.0 * es.max(axis=-1, keepdims=True))
+    ep_r = _attention_round(p, ep, "e4m3", 1.0 / 448.0) * mask  # p's E4M3, scale 448
+    pa = p + ep_r
+    eo = mm("bhij,bjhd->bihd", ep_r, np.abs(ve)) + rel * mm("bhij,bjhd->bihd", pa, np.abs(ve))
+    eo = _attention_round(np.abs(o), eo, "e4m3", descale_o)
+    e_d = np.sum(np.abs(d_o) * eo, axis=-1).transpose(0, 2, 1)[..., None]  # [b, h, sq, 1]
+    dp = mm("bihd,bjhd->bhij", d_o, ve)
+    edp = rel * mm("bihd,bjhd->bhij", np.abs(d_o), np.abs(ve))
+    big_d = np.sum(d_o * o, axis=-1).transpose(0, 2, 1)[..., None]
+    ds = scale * p * (dp - big_d)
+    eds = scale * (ep * np.abs(dp - big_d) + (p + ep) * (edp + e_d)) * mask
+    eds_r = _attention_round(np.abs(ds), eds, do_fmt, descale_dp) * mask
+    dsa = np.abs(ds) + eds_r
+
+    def kv_heads(x):  # sum each group's query heads onto its kv head
+        b, s = x.shape[:2]
+        return x.reshape(b, s, heads // group, group, -1).sum(3)
+
+    e_dq = mm("bhij,bjhd->bihd", eds_r, np.abs(ke)) + rel * mm("bhij,bjhd->bihd", dsa, np.abs(ke))
+    e_dk = kv_heads(mm("bhij,bihd->bjhd", eds_r, np.abs(q))
+                    + rel * mm("bhij,bihd->bjhd", dsa, np.abs(q)))
+    e_dv = kv_heads(mm("bhij,bihd->bjhd", ep_r, np.abs(d_o))
+                    + rel * mm("bhij,bihd->bjhd", pa, np.abs(d_o)))
+    errors = [e_dq, e_dk, e_dv]
+    if grad_fmt is not None:
+        errors = [_attention_round(np.abs(w), e, grad_fmt, d)
+                  for w, e, d in zip(want, errors, grad_descales, strict=True)]
+    return {"dq": errors[0], "dk": errors[1], "dv": errors[2], "ds": eds, "ds_want": ds}

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from te_common_tests import _attention_reference as ref
+from te_common_tests import _reference as fp8_ref
+from te_common_tests import _tolerances as tol
 
 from transformer_engine.common import _core as core
 
@@ -271,3 +273,238 @@ def test_scaled_softmax_errors():
                                     np.zeros((1, 1, 3, 3), np.uint8), np.zeros_like(x))
     with pytest.raises(ValueError, match="4 dimensions"):
         core.scaled_softmax_forward(core.SoftmaxMask.none, 1.0, x[0], None, np.zeros_like(x[0]))
+
+
+# FP8 attention backward: E4M3 q, k, v and o, d_o in E5M2 (the HYBRID recipe) or E4M3, against
+# float64 attention of the dequantized inputs; bounds: _tolerances.attention_fp8_backward_bound.
+FP8_NAMES = {"e4m3": core.DType.float8_e4m3, "e5m2": core.DType.float8_e5m2}
+
+
+class Fp8Input:
+    """x quantized with the scale from its amax: bytes, descale and the dequantized float64."""
+
+    def __init__(self, x: np.ndarray, fmt: str):
+        f = fp8_ref.FORMATS[fmt]
+        self.fmt, self.dtype = fmt, FP8_NAMES[fmt]
+        self.scale_inv = np.float32(np.abs(x).max() / f.max)
+        self.data = fp8_ref.cast_to_fp8(x / self.scale_inv, f)
+        self.value = fp8_ref.fp8_to_float32(self.data, f).astype(np.float64) * self.scale_inv
+
+    def on(self, device):
+        return core.Tensor(device.put(self.data), dtype=self.dtype,
+                           scale_inv=device.put(np.array([self.scale_inv], np.float32)))
+
+
+def _scalars(device, *values):
+    return [device.put(np.array([v], np.float32)) for v in values]
+
+
+def _fp8_workspace(device, cfg, q, k, grad_dtype, do_dtype):
+    if not device.is_cuda:
+        return None
+    b, sq, h, d = q.shape
+    sizes = [b, h, k.shape[2], sq, k.shape[1], d, d, b * sq, b * k.shape[1]]
+    e4m3 = core.DType.float8_e4m3
+    size = core.attention_workspace_size(cfg, sizes, e4m3, e4m3, grad_dtype, do_dtype=do_dtype,
+                                         device_id=0, backward=True)
+    size = max(size, core.attention_workspace_size(cfg, sizes, e4m3, e4m3, grad_dtype,
+                                                   device_id=0))
+    return device.put(np.zeros(max(size, 1), np.uint8))
+
+
+def fp8_forward(device, cfg, q8, k8, v8):
+    """The FP8 forward as the PyTorch layer runs it: (o bytes, o's descale, lse, p's factors)."""
+    b, sq, h, _ = q8.data.shape
+    o_scale = np.float32(0.5) / v8.scale_inv  # |o| <= max |v|, with room for p's rounding
+    o = device.put(np.zeros((*q8.data.shape[:-1], v8.data.shape[-1]), np.uint8))
+    lse = device.put(np.zeros((b, h, sq), np.float32))
+    s_scale, s_inv, o_sc = _scalars(device, 448.0, 1.0 / 448.0, o_scale)
+    softmax = core.Tensor(scale=s_scale, scale_inv=s_inv)
+    ws = _fp8_workspace(device, cfg, q8.data, k8.data, core.DType.float8_e5m2,
+                        core.DType.float8_e5m2)
+    core.attention_forward(cfg, q8.on(device), k8.on(device), v8.on(device),
+                           core.Tensor(o, dtype=core.DType.float8_e4m3, scale=o_sc), lse,
+                           softmax_fp8=softmax, workspace=ws, stream=device.stream)
+    return device.get(o), np.float32(1) / o_scale, device.get(lse)
+
+
+def dp_scale_of(d8, v8, scale, fmt):
+    """The dp factor PyTorch's FP8 backward takes (attention_fn._backward_scales): |ds| <=
+    scale max|d_o_i| max|v_j| / 2, with a factor 2 of room."""
+    norms = [np.linalg.norm(t.value, axis=-1).max() for t in (d8, v8)]
+    bound = scale * norms[0] * norms[1]
+    return np.float32(fp8_ref.FORMATS[fmt].max / bound)
+
+
+def fp8_backward(device, cfg, q8, k8, v8, o, descale_o, lse, d8, dp_scale, grad, grad_scales=None,
+                 **kw):
+    """dq, dk, dv (float32, or FP8 bytes of ``grad`` with grad_scales) and the amax of ds."""
+    fp8_grads = grad in FP8_NAMES
+    out_dtype = np.uint8 if fp8_grads else np.float32
+    grads = [device.put(np.zeros(t.data.shape, out_dtype)) for t in (q8, k8, v8)]
+    amax_dp, s_scale, s_inv, dp_sc, dp_inv, o_inv = _scalars(
+        device, -1.0, 448.0, 1.0 / 448.0, dp_scale, np.float32(1) / dp_scale, descale_o)
+    handles = grads
+    if fp8_grads:
+        scales = _scalars(device, *grad_scales)
+        handles = [core.Tensor(g, dtype=FP8_NAMES[grad], scale=s)
+                   for g, s in zip(grads, scales, strict=True)]
+    grad_dtype = FP8_NAMES[grad] if fp8_grads else core.DType.float32
+    ws = _fp8_workspace(device, cfg, q8.data, k8.data, grad_dtype, d8.dtype)
+    core.attention_backward(
+        cfg, q8.on(device), k8.on(device), v8.on(device),
+        core.Tensor(device.put(o), dtype=core.DType.float8_e4m3, scale_inv=o_inv),
+        d8.on(device), device.put(lse), dq=handles[0], dk=handles[1], dv=handles[2],
+        softmax_fp8=core.Tensor(scale=s_scale, scale_inv=s_inv),
+        dp_fp8=core.Tensor(scale=dp_sc, scale_inv=dp_inv, amax=amax_dp), workspace=ws,
+        stream=device.stream, **kw)
+    out = [device.get(g) for g in grads]
+    if fp8_grads:
+        f = fp8_ref.FORMATS[grad]
+        out = [fp8_ref.fp8_to_float32(g, f).astype(np.float64) / s
+               for g, s in zip(out, grad_scales, strict=True)]
+    return out, float(device.get(amax_dp)[0])
+
+
+def _fp8_case(b, sq, skv, h, hk, d, do_fmt, *key):
+    q, k, v, d_o = make(b, sq, skv, h, hk, d, d, "fp8", *key)
+    return Fp8Input(q, "e4m3"), Fp8Input(k, "e4m3"), Fp8Input(v, "e4m3"), Fp8Input(d_o, do_fmt)
+
+
+def check_fp8_backward(device, mask, do_fmt, grad, b=2, sq=11, skv=13, h=4, hk=2, d=16,
+                       backend="auto"):
+    scale = 1 / np.sqrt(d)
+    q8, k8, v8, d8 = _fp8_case(b, sq, skv, h, hk, d, do_fmt, mask, grad)
+    cfg = core.AttentionConfig(core.AttnLayout.bshd, getattr(core.AttnMask, mask),
+                               softmax_scale=scale, backend=getattr(core.AttnBackend, backend))
+    o, descale_o, lse = fp8_forward(device, cfg, q8, k8, v8)
+    allowed = ref.allowed_keys(mask, None, sq, skv, [sq] * b, [skv] * b)
+    _, _, p = ref.forward(q8.value, k8.value, v8.value, allowed, scale)
+    want = ref.backward(q8.value, k8.value, v8.value, p, d8.value, scale)
+    dp_scale = dp_scale_of(d8, v8, scale, do_fmt)
+    grad_scales = None
+    if grad in FP8_NAMES:  # scales from the answer's amax, with a factor 2 of room
+        grad_scales = [np.float32(fp8_ref.FORMATS[grad].max / (2 * np.abs(w).max())) for w in want]
+    got, amax_dp = fp8_backward(device, cfg, q8, k8, v8, o, descale_o, lse, d8, dp_scale, grad,
+                                grad_scales)
+    bound = tol.attention_fp8_backward_bound(
+        q8.value, k8.value, v8.value, d8.value, allowed, scale, want, descale_o=descale_o,
+        do_fmt=do_fmt, descale_dp=1 / dp_scale, grad_fmt=grad if grad_scales else None,
+        grad_descales=[1 / s for s in grad_scales] if grad_scales else (1, 1, 1),
+        cuda_fp8_gemm=backend == "cudnn")
+    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        err = np.abs(g - w)
+        worst = float((err / (bound[name] + 1e-30)).max())
+        assert worst <= 1.0, f"{name}: error {worst:.3g}x its bound"
+    ds_max = np.abs(bound["ds_want"]).max()
+    assert abs(amax_dp - ds_max) <= bound["ds"].max() + ds_max * tol.ATTENTION_FP32_REL
+    return got, (o, descale_o, lse)
+
+
+@pytest.mark.parametrize("grad", ["float32", "e5m2"])
+@pytest.mark.parametrize("do_fmt", ["e5m2", "e4m3"])
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_fp8_backward_matches_fp64(device, mask, do_fmt, grad):
+    # On CUDA the math path by name: cuDNN (FP8 tensor cores) has its own test below.
+    backend = "cuda_math" if device.is_cuda else "auto"
+    got, _ = check_fp8_backward(device, mask, do_fmt, grad, backend=backend)
+    # It did run in FP8: ds is rounded to d_o's format, so dq is no fp32 answer.
+    q8, k8, v8, d8 = _fp8_case(2, 11, 13, 4, 2, 16, do_fmt, mask, grad)
+    allowed = ref.allowed_keys(mask, None, 11, 13, [11, 11], [13, 13])
+    _, _, p = ref.forward(q8.value, k8.value, v8.value, allowed, 0.25)
+    exact = ref.backward(q8.value, k8.value, v8.value, p, d8.value, 0.25)[0]
+    assert np.abs(got[0] - exact).max() > 1e-4 * np.abs(exact).max()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_cudnn_fp8_backward_matches_cpu(cuda_device, mask):
+    # cuDNN's FP8 backward on sm_90 takes head dim 128 and writes FP8 gradients; the CPU
+    # reference gets the very FP8 inputs, o and softmax_lse of cuDNN's forward.
+    cpu = cuda_device.cpu
+    got, (o, descale_o, lse) = check_fp8_backward(cuda_device, mask, "e5m2", "e5m2", b=2,
+                                                  sq=128, skv=128, h=4, hk=2, d=128,
+                                                  backend="cudnn")
+    q8, k8, v8, d8 = _fp8_case(2, 128, 128, 4, 2, 128, "e5m2", mask, "e5m2")
+    scale = 1 / np.sqrt(128)
+    cfg = core.AttentionConfig(core.AttnLayout.bshd, getattr(core.AttnMask, mask),
+                               softmax_scale=scale)
+    dp_scale = dp_scale_of(d8, v8, scale, "e5m2")
+    want, _ = fp8_backward(cpu, cfg, q8, k8, v8, o, descale_o, lse, d8, dp_scale, "float32")
+    allowed = ref.allowed_keys(mask, None, 128, 128, [128, 128], [128, 128])
+    _, _, p = ref.forward(q8.value, k8.value, v8.value, allowed, scale)
+    exact = ref.backward(q8.value, k8.value, v8.value, p, d8.value, scale)
+    grad_scales = [np.float32(fp8_ref.FORMATS["e5m2"].max / (2 * np.abs(w).max())) for w in exact]
+    cuda_bound = tol.attention_fp8_backward_bound(
+        q8.value, k8.value, v8.value, d8.value, allowed, scale, exact, descale_o=descale_o,
+        do_fmt="e5m2", descale_dp=1 / dp_scale, grad_fmt="e5m2",
+        grad_descales=[1 / s for s in grad_scales], cuda_fp8_gemm=True)
+    cpu_bound = tol.attention_fp8_backward_bound(
+        q8.value, k8.value, v8.value, d8.value, allowed, scale, exact, descale_o=descale_o,
+        do_fmt="e5m2", descale_dp=1 / dp_scale)
+    # Both lie within their bounds of the float64 answer, so within the sum of each other.
+    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        worst = float((np.abs(g - w) / (cuda_bound[name] + cpu_bound[name] + 1e-30)).max())
+        assert worst <= 1.0, f"{name}: cuDNN is {worst:.3g}x the bound away from the CPU"
+
+
+def _fp8_call(cpu, mask="causal", do_fmt="e5m2", **kw):
+    """An FP8 backward on the CPU with keywords of core.attention_backward replaced."""
+    q8, k8, v8, d8 = _fp8_case(1, 4, 4, 2, 2, 8, do_fmt, "errors")
+    cfg = core.AttentionConfig(core.AttnLayout.bshd, getattr(core.AttnMask, mask),
+                               softmax_scale=0.5)
+    o, descale_o, lse = fp8_forward(cpu, cfg, q8, k8, v8)
+    grads = [np.full(t.data.shape, 7.0, np.float32) for t in (q8, k8, v8)]
+    args = dict(dq=grads[0], dk=grads[1], dv=grads[2],
+                softmax_fp8=core.Tensor(scale=np.array([448.0], np.float32),
+                                        scale_inv=np.array([1 / 448.0], np.float32)),
+                dp_fp8=core.Tensor(scale=np.ones(1, np.float32), scale_inv=np.ones(1, np.float32)))
+    args.update(kw)
+    o_t = core.Tensor(o, dtype=core.DType.float8_e4m3, scale_inv=np.array([descale_o], np.float32))
+    d_o = args.pop("d_o", d8.on(cpu))
+    core.attention_backward(cfg, q8.on(cpu), k8.on(cpu), v8.on(cpu), o_t, d_o, lse, **args)
+    return grads
+
+
+def test_fp8_backward_bad_inputs_give_clear_errors(cpu):
+    assert all(np.all(np.isfinite(g)) and not np.all(g == 7.0) for g in _fp8_call(cpu))
+    grads = [np.full((1, 4, 2, 8), 7.0, np.float32) for _ in range(3)]
+    keep = dict(dq=grads[0], dk=grads[1], dv=grads[2])
+    with pytest.raises(ValueError, match="attention_backward: softmax_fp8 must be a tensor handle"):
+        _fp8_call(cpu, softmax_fp8=None, **keep)
+    hp_d_o = np.zeros((1, 4, 2, 8), np.float32)
+    with pytest.raises(TypeError, match=r"d_o must be float8_e4m3 or float8_e5m2 \(o is FP8\), "
+                                        "got float32"):
+        _fp8_call(cpu, d_o=hp_d_o, **keep)
+    with pytest.raises(ValueError, match="dp_fp8 must be a tensor handle"):
+        _fp8_call(cpu, dp_fp8=None, **keep)
+    for g in grads:  # nothing written by any failed call
+        assert np.all(g == 7.0)
+    # High-precision attention takes no softmax factors.
+    q, k, v, d_o = make(1, 4, 4, 2, 2, 8, 8, "hp")
+    cfg = core.AttentionConfig(core.AttnLayout.bshd, core.AttnMask.causal, softmax_scale=0.5)
+    o, lse = np.zeros_like(d_o), np.zeros((1, 2, 4), np.float32)
+    core.attention_forward(cfg, q, k, v, o, lse)
+    dq = np.full_like(q, 7.0)
+    with pytest.raises(ValueError, match="softmax_fp8 must be NULL unless q, k and v are FP8"):
+        core.attention_backward(cfg, q, k, v, o, d_o, lse, dq=dq, dk=np.zeros_like(k),
+                                dv=np.zeros_like(v),
+                                softmax_fp8=core.Tensor(scale=np.ones(1, np.float32),
+                                                        scale_inv=np.ones(1, np.float32)))
+    assert np.all(dq == 7.0)
+    with pytest.raises(TypeError, match=r"d_o must be float32 \(o's dtype\), got float16"):
+        core.attention_backward(cfg, q, k, v, o, d_o.astype(np.float16), lse, dq=dq,
+                                dk=np.zeros_like(k), dv=np.zeros_like(v))
+    assert np.all(dq == 7.0)
+
+
+def test_fp8_backend_query_takes_d_o_dtype():
+    cfg = core.AttentionConfig(core.AttnLayout.bshd, core.AttnMask.causal, softmax_scale=0.125)
+    sizes = [2, 8, 8, 64, 64, 64, 64, 128, 128]
+    e4m3, e5m2 = core.DType.float8_e4m3, core.DType.float8_e5m2
+    chosen, _, message = core.attention_backend(cfg, sizes, e4m3, e4m3, core.DType.bfloat16,
+                                                do_dtype=e5m2, backward=True)
+    assert chosen == core.AttnBackend.cpu and message == ""
+    with pytest.raises(TypeError, match=r"d_o must be float8_e4m3 or float8_e5m2 \(o is FP8\)"):
+        core.attention_backend(cfg, sizes, e4m3, e4m3, e5m2, do_dtype=core.DType.bfloat16,
+                               backward=True)

@@ -1,7 +1,8 @@
 """te.DotProductAttention against a float64 torch reference (autograd through plain ops), on both
 paths (the core's entry point and the unfused matmul + softmax path), every mask, layout, GQA
 ratio and window; THD against padded BSHD; dropout under torch.manual_seed; backend choice and
-its reasons; input errors; tracing of the custom ops. The CUDA runs use bf16 inputs.
+its reasons; input errors; tracing of the custom ops; FP8 attention (forward and backward)
+against the bf16 module. The CUDA runs use bf16 inputs.
 Tolerances and their reasons: _tolerances.py (ATTENTION_*).
 """
 
@@ -281,8 +282,6 @@ def test_fp8_forward_close_to_bf16_cpu(mask):
     ref = attn(q, k, v).float()
     with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
         out = attn(q, k, v)
-    out.float().sum().backward()  # the backward runs on the high-precision inputs
-    assert q.grad is not None and torch.isfinite(q.grad).all()
     out = out.float().detach()
     assert not torch.equal(out, ref)  # it did run in FP8
     ref = ref.detach()
@@ -367,3 +366,103 @@ def test_cuda_math_path_fp8_forward_matches_cpu():
         with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
             outs.append(attn(*args, attention_backend=backend).float().cpu())
     torch.testing.assert_close(outs[1], outs[0], atol=1.5e-2, rtol=1.5e-2)
+
+
+# FP8 backward: under fp8_dpa the backward runs in FP8 too (E4M3 q, k, v, o; d_o in the recipe's
+# gradient format), and its gradients must stay within the FP8 bounds of the bf16 module's.
+def _assert_fp8_close(got, want, what, against_bf16=True):
+    got, want = got.float().detach().cpu(), want.float().detach().cpu()
+    if against_bf16:
+        assert not torch.equal(got, want), f"{what}: identical to bf16, so FP8 did not run"
+    torch.testing.assert_close(got, want, atol=ATTENTION_FP8_TOL[0], rtol=ATTENTION_FP8_TOL[1],
+                               msg=lambda m: f"{what}: {m}")
+    rmse = (got - want).pow(2).mean().sqrt()
+    assert rmse < ATTENTION_FP8_RMSE_OF_RANGE * (want.max() - want.min()), f"{what}: RMSE {rmse}"
+
+
+def check_fp8_grads(device, mask, fmt, b=1, s=33, h=2, hk=2, d=16, backend=None):
+    q, k, v = _data(b, s, s, h, hk, d, torch.bfloat16, device, seed=5)
+    attn = te.DotProductAttention(h, d, num_gqa_groups=hk, qkv_format="bshd",
+                                  attn_mask_type=mask, attention_backend=backend)
+    grad = torch.randn(b, s, h * d, generator=torch.Generator().manual_seed(6)).to(device)
+    attn(q, k, v).float().mul(grad).sum().backward()
+    want = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    fp8_recipe = recipe.DelayedScaling(fp8_dpa=True, fp8_format=getattr(recipe.Format, fmt))
+    with te.fp8_autocast(fp8_recipe=fp8_recipe):
+        out = attn(q, k, v)
+    out.float().mul(grad).sum().backward()
+    for name, t, w in zip("qkv", (q, k, v), want, strict=True):
+        _assert_fp8_close(t.grad, w, f"d{name}")
+    return [t.grad for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("fmt", ["HYBRID", "E4M3"])
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_fp8_backward_close_to_bf16_cpu(mask, fmt):
+    check_fp8_grads("cpu", mask, fmt)
+
+
+def test_fp8_backward_gqa_and_thd_cpu():
+    check_fp8_grads("cpu", "causal", "HYBRID", h=4, hk=2)
+    q, k, v = _data(1, 20, 20, 2, 2, 16, torch.bfloat16, "cpu", seed=8)
+    lengths = [13, 7]
+    qt, kt, vt = (torch.cat([x[0, :n] for n in lengths]).detach().requires_grad_()
+                  for x in (q, k, v))
+    attn = te.DotProductAttention(2, 16, qkv_format="thd", attn_mask_type="padding_causal")
+    kw = dict(cu_seqlens_q=_cu(lengths, "cpu"), cu_seqlens_kv=_cu(lengths, "cpu"),
+              max_seqlen_q=13, max_seqlen_kv=13)
+    attn(qt, kt, vt, **kw).float().sum().backward()
+    want = [t.grad.clone() for t in (qt, kt, vt)]
+    for t in (qt, kt, vt):
+        t.grad = None
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
+        attn(qt, kt, vt, **kw).float().sum().backward()
+    for name, t, w in zip("qkv", (qt, kt, vt), want, strict=True):
+        _assert_fp8_close(t.grad, w, f"thd d{name}")
+
+
+def _fp8_backward_args(device, o_dtype=torch.uint8, d_o_dtype=torch.uint8, grad_scales=0):
+    g = torch.Generator().manual_seed(2)
+    q, k, v, o, d_o = (torch.randint(0, 100, (1, 4, 2, 16), generator=g, dtype=torch.uint8)
+                       .to(device) for _ in range(5))
+    o, d_o = o.to(o_dtype), d_o.to(d_o_dtype)
+    lse = torch.zeros(1, 2, 4, device=device)
+    ones = torch.ones(5, device=device)
+    empty_i = torch.empty(0, dtype=torch.int32, device=device)
+    empty_l = torch.empty(0, dtype=torch.int64, device=device)
+    return (q, k, v, o, d_o, lse, ones, ones[:2], ones[:2], empty_i, empty_i, empty_l, "bshd",
+            "causal", -1, 0, 0.25, 0.0, 4, 4, False, "auto", "float8_e5m2",
+            torch.ones(grad_scales, device=device), torch.bfloat16)
+
+
+def test_fp8_backward_op_errors_and_trace():
+    from transformer_engine.pytorch import ops
+
+    with pytest.raises(TypeError, match="attention_backward_fp8: d_o must be torch.uint8"):
+        ops.attention_backward_fp8(*_fp8_backward_args("cpu", d_o_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="grad_scales must have 3 elements"):
+        ops.attention_backward_fp8(*_fp8_backward_args("cpu", grad_scales=3))
+    torch.library.opcheck(te.ops.attention_backward_fp8.op, _fp8_backward_args("cpu"),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_cuda_fp8_backward_close_to_bf16(mask):
+    # Head dim 128: what cuDNN's FP8 backward takes on sm_90 (FP8 gradients, widened here).
+    info = te.get_attention_backend(*_data(2, 256, 256, 8, 8, 128, torch.bfloat16, "cuda"),
+                                    qkv_format="bshd", attn_mask_type=mask, fp8=True)
+    assert info.name == "cudnn", info.reasons
+    check_fp8_grads("cuda", mask, "HYBRID", b=2, s=256, h=8, hk=8, d=128)
+
+
+@pytest.mark.cuda
+def test_cuda_math_path_fp8_backward_matches_cpu():
+    # The CUDA math path rounds p and ds as the CPU reference does; both write bf16 gradients
+    # and differ only by fp32 summation order, which can move a rounding of ds by one E5M2 ulp.
+    grads = [check_fp8_grads(dev, "causal", "HYBRID", s=65, d=64, backend=backend)
+             for dev, backend in (("cpu", "cpu"), ("cuda", "cuda_math"))]
+    for name, got, want in zip("qkv", grads[1], grads[0], strict=True):
+        _assert_fp8_close(got.cpu(), want, f"cuda_math d{name} vs cpu", against_bf16=False)

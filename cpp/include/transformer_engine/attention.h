@@ -88,7 +88,10 @@ typedef struct {
   int64_t total_q, total_kv;
   te_dtype qkv_dtype;  /* fp32, fp16, bf16, or float8_e4m3 (FP8 attention) */
   te_dtype o_dtype;    /* qkv_dtype, or fp16/bf16 for FP8 attention with a high-precision o */
-  te_dtype grad_dtype; /* backward: dtype of dq, dk, dv (qkv_dtype; E4M3/E5M2 for FP8) */
+  te_dtype do_dtype;   /* backward: dtype of d_o: o_dtype, or for an E4M3 o E4M3 or E5M2 (the
+                        * HYBRID recipe's gradients); ignored by the forward */
+  te_dtype grad_dtype; /* backward: dtype of dq, dk, dv (qkv_dtype; for FP8 fp32, fp16, bf16,
+                        * E4M3 or E5M2; cuDNN writes FP8 ones only) */
   te_device_type device;
   int32_t device_id;
 } te_attention_problem;
@@ -132,17 +135,23 @@ te_status te_attention_forward(const te_attention_config *config, const te_tenso
 /* Backward: the gradients of the forward with the same config, inputs and rng_state.
  * [in] q, k, v, o, softmax_lse, cu_seqlens_q, cu_seqlens_kv, rng_state: as the forward had and
  *   wrote them (FP8: o also sets SCALE_INV, its descale).
- * [in] d_o: DATA, o's shape and dtype (an FP8 o: d_o also sets SCALE_INV, its descale).
- * [out] dq, dk, dv: DATA, the shapes of q, k, v, one dtype: q's, or for FP8 q/k/v fp16, bf16
- *   or FP8 (E4M3/E5M2, each with SCALE and optional AMAX).
- * [in,out] dp_fp8: FP8 only: SCALE, SCALE_INV and optional AMAX of the gradient of p, as
- *   softmax_fp8 in the forward; NULL otherwise. */
+ * [in] d_o: DATA, o's shape; o's dtype, or for an E4M3 o E4M3 or E5M2 (each FP8 d_o also sets
+ *   SCALE_INV, its descale).
+ * [in] softmax_fp8: FP8 only: the forward's softmax_fp8 (SCALE and SCALE_INV of p; the fused
+ *   kernels quantize p with them again for dv, and the CPU and CUDA math paths round p as the
+ *   forward did); NULL otherwise.
+ * [out] dq, dk, dv: DATA, the shapes of q, k, v, one dtype: q's, or for FP8 q/k/v fp32, fp16,
+ *   bf16 or FP8 (E4M3/E5M2, each with SCALE and optional AMAX; the only kind cuDNN writes).
+ * [in,out] dp_fp8: FP8 only: SCALE, SCALE_INV and optional AMAX of the gradient of the logits
+ *   ds = softmax_scale * p * (dp - sum over j of p_j dp_j), which the FP8 kernels round to an
+ *   FP8 d_o's format before the dq and dk products (AMAX gets max |ds| before scaling); NULL
+ *   otherwise. */
 te_status te_attention_backward(const te_attention_config *config, const te_tensor *q, const te_tensor *k,
                                 const te_tensor *v, const te_tensor *o, const te_tensor *d_o,
                                 const te_tensor *softmax_lse, const te_tensor *cu_seqlens_q,
                                 const te_tensor *cu_seqlens_kv, const te_tensor *rng_state,
-                                te_tensor *dq, te_tensor *dk, te_tensor *dv, te_tensor *dp_fp8,
-                                void *workspace, size_t workspace_size, te_stream stream);
+                                const te_tensor *softmax_fp8, te_tensor *dq, te_tensor *dk, te_tensor *dv,
+                                te_tensor *dp_fp8, void *workspace, size_t workspace_size, te_stream stream);
 
 /* Scaled masked softmax of the unfused path, over the last dimension of x [batch, heads, sq, sk]:
  *   y[..., i, j] = exp(scale * x[i][j] - m) / sum over unmasked j' of exp(scale * x[i][j'] - m)

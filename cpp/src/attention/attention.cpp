@@ -286,10 +286,52 @@ bool check_forward(Checker &check, const te_attention_config *config, const te_t
                         {{m.q, "q.data"}, {m.k, "k.data"}, {m.v, "v.data"}});
 }
 
+// The FP8 factors of a backward with FP8 q/k/v (the dtypes are checked already).
+bool check_backward_fp8(Checker &check, const te_tensor *q, const te_tensor *k, const te_tensor *v,
+                        const te_tensor *o, const te_tensor *d_o, const te_tensor *s_fp8, te_tensor *dq,
+                        te_tensor *dk, te_tensor *dv, te_tensor *dp_fp8, AttentionBackwardArgs *a) {
+  AttentionFp8 &f = a->fp8;
+  if (!(f.descale_q = fp32_slot(check, q, TE_SLOT_SCALE_INV, "q.scale_inv", true)) ||
+      !(f.descale_k = fp32_slot(check, k, TE_SLOT_SCALE_INV, "k.scale_inv", true)) ||
+      !(f.descale_v = fp32_slot(check, v, TE_SLOT_SCALE_INV, "v.scale_inv", true))) {
+    return false;
+  }
+  if (is_fp8(a->o_dtype) && !(f.descale_o = fp32_slot(check, o, TE_SLOT_SCALE_INV, "o.scale_inv", true))) {
+    return false;
+  }
+  if (is_fp8(a->do_dtype) && !(f.descale_do = fp32_slot(check, d_o, TE_SLOT_SCALE_INV, "d_o.scale_inv", true))) {
+    return false;
+  }
+  if (is_fp8(a->grad_dtype)) {
+    if (!(f.scale_dq = fp32_slot(check, dq, TE_SLOT_SCALE, "dq.scale", true)) ||
+        !(f.scale_dk = fp32_slot(check, dk, TE_SLOT_SCALE, "dk.scale", true)) ||
+        !(f.scale_dv = fp32_slot(check, dv, TE_SLOT_SCALE, "dv.scale", true))) {
+      return false;
+    }
+    f.amax_dq = fp32_out(check, dq, TE_SLOT_AMAX, "dq.amax", false);
+    f.amax_dk = fp32_out(check, dk, TE_SLOT_AMAX, "dk.amax", false);
+    f.amax_dv = fp32_out(check, dv, TE_SLOT_AMAX, "dv.amax", false);
+  }
+  // Every backend reads the forward's softmax factors: the fused kernels quantize p with them,
+  // the CPU and CUDA math paths round p as the forward did.
+  if (!check.handle(s_fp8, "softmax_fp8") ||
+      !(f.scale_s = fp32_slot(check, s_fp8, TE_SLOT_SCALE, "softmax_fp8.scale", true)) ||
+      !(f.descale_s = fp32_slot(check, s_fp8, TE_SLOT_SCALE_INV, "softmax_fp8.scale_inv", true))) {
+    return false;
+  }
+  if (!check.handle(dp_fp8, "dp_fp8") ||
+      !(f.scale_dp = fp32_slot(check, dp_fp8, TE_SLOT_SCALE, "dp_fp8.scale", true)) ||
+      !(f.descale_dp = fp32_slot(check, dp_fp8, TE_SLOT_SCALE_INV, "dp_fp8.scale_inv", true))) {
+    return false;
+  }
+  f.amax_dp = fp32_out(check, dp_fp8, TE_SLOT_AMAX, "dp_fp8.amax", false);
+  return check.status() == TE_SUCCESS;
+}
+
 bool check_backward(Checker &check, const te_attention_config *config, const te_tensor *q, const te_tensor *k,
                     const te_tensor *v, const te_tensor *o, const te_tensor *d_o, const te_tensor *lse,
-                    const te_tensor *cu_q, const te_tensor *cu_kv, const te_tensor *rng, te_tensor *dq,
-                    te_tensor *dk, te_tensor *dv, te_tensor *dp_fp8, AttentionBackwardArgs *a) {
+                    const te_tensor *cu_q, const te_tensor *cu_kv, const te_tensor *rng, const te_tensor *s_fp8,
+                    te_tensor *dq, te_tensor *dk, te_tensor *dv, te_tensor *dp_fp8, AttentionBackwardArgs *a) {
   Common m;
   if (!check_attention_config(check, config) || !check_common(check, *config, q, k, v, cu_q, cu_kv, rng, &m)) {
     return false;
@@ -300,8 +342,7 @@ bool check_backward(Checker &check, const te_attention_config *config, const te_
   int64_t shape[TE_MAX_DIMS];
   o_shape(*m.q, m.dv.dim, shape);
   if (!shape_is(check, *ob, "o.data", shape, m.q->ndim, "q's shape with v's head dim") ||
-      !shape_is(check, *dob, "d_o.data", shape, m.q->ndim, "o's shape") ||
-      !check.dtype_is(*dob, "d_o.data", ob->dtype)) {
+      !shape_is(check, *dob, "d_o.data", shape, m.q->ndim, "o's shape")) {
     return false;
   }
   const te_buffer *g[3];
@@ -317,6 +358,7 @@ bool check_backward(Checker &check, const te_attention_config *config, const te_
     }
   }
   m.problem.o_dtype = ob->dtype;
+  m.problem.do_dtype = dob->dtype;  // checked against o's by check_attention_problem
   m.problem.grad_dtype = g[0]->dtype;
   const te_buffer *lb = nullptr;
   if (!check_attention_problem(check, *config, m.problem, true) || !check_lse(check, lse, m.problem, &lb)) {
@@ -336,40 +378,14 @@ bool check_backward(Checker &check, const te_attention_config *config, const te_
   a->cu_seqlens_kv = m.cu_kv;
   a->rng_state = m.rng;
   if (is_fp8(a->qkv_dtype)) {
-    AttentionFp8 &f = a->fp8;
-    if (!(f.descale_q = fp32_slot(check, q, TE_SLOT_SCALE_INV, "q.scale_inv", true)) ||
-        !(f.descale_k = fp32_slot(check, k, TE_SLOT_SCALE_INV, "k.scale_inv", true)) ||
-        !(f.descale_v = fp32_slot(check, v, TE_SLOT_SCALE_INV, "v.scale_inv", true))) {
-      return false;
-    }
-    if (is_fp8(a->o_dtype) &&
-        (!(f.descale_o = fp32_slot(check, o, TE_SLOT_SCALE_INV, "o.scale_inv", true)) ||
-         !(f.descale_do = fp32_slot(check, d_o, TE_SLOT_SCALE_INV, "d_o.scale_inv", true)))) {
-      return false;
-    }
-    if (is_fp8(a->grad_dtype)) {
-      if (!(f.scale_dq = fp32_slot(check, dq, TE_SLOT_SCALE, "dq.scale", true)) ||
-          !(f.scale_dk = fp32_slot(check, dk, TE_SLOT_SCALE, "dk.scale", true)) ||
-          !(f.scale_dv = fp32_slot(check, dv, TE_SLOT_SCALE, "dv.scale", true))) {
-        return false;
-      }
-      f.amax_dq = fp32_out(check, dq, TE_SLOT_AMAX, "dq.amax", false);
-      f.amax_dk = fp32_out(check, dk, TE_SLOT_AMAX, "dk.amax", false);
-      f.amax_dv = fp32_out(check, dv, TE_SLOT_AMAX, "dv.amax", false);
-    }
-    if (!check.handle(dp_fp8, "dp_fp8") ||
-        !(f.scale_dp = fp32_slot(check, dp_fp8, TE_SLOT_SCALE, "dp_fp8.scale", true)) ||
-        !(f.descale_dp = fp32_slot(check, dp_fp8, TE_SLOT_SCALE_INV, "dp_fp8.scale_inv", true))) {
-      return false;
-    }
-    f.amax_dp = fp32_out(check, dp_fp8, TE_SLOT_AMAX, "dp_fp8.amax", false);
-    // The fused kernels need the forward's softmax scales too; the CPU and CUDA math paths
-    // recompute p in fp32 and need neither.
-  } else if (dp_fp8 != nullptr) {
-    return check.fail(TE_ERROR_VALUE, "dp_fp8 must be NULL unless q, k and v are FP8, got a tensor");
+    if (!check_backward_fp8(check, q, k, v, o, d_o, s_fp8, dq, dk, dv, dp_fp8, a)) return false;
+  } else if (s_fp8 != nullptr || dp_fp8 != nullptr) {
+    return check.fail(TE_ERROR_VALUE, std::string(s_fp8 != nullptr ? "softmax_fp8" : "dp_fp8") +
+                                          " must be NULL unless q, k and v are FP8, got a tensor");
   }
   if (check.status() != TE_SUCCESS) return false;
-  return check.disjoint({{g[0], "dq.data"}, {g[1], "dk.data"}, {g[2], "dv.data"}},
+  return check.disjoint({{g[0], "dq.data"}, {g[1], "dk.data"}, {g[2], "dv.data"},
+                         {slot(dp_fp8, TE_SLOT_AMAX), "dp_fp8.amax"}},
                         {{m.q, "q.data"}, {m.k, "k.data"}, {m.v, "v.data"}, {ob, "o.data"}, {dob, "d_o.data"},
                          {lb, "softmax_lse.data"}});
 }
@@ -414,14 +430,14 @@ te_status te_attention_forward(const te_attention_config *config, const te_tenso
 te_status te_attention_backward(const te_attention_config *config, const te_tensor *q, const te_tensor *k,
                                 const te_tensor *v, const te_tensor *o, const te_tensor *d_o,
                                 const te_tensor *softmax_lse, const te_tensor *cu_seqlens_q,
-                                const te_tensor *cu_seqlens_kv, const te_tensor *rng_state, te_tensor *dq,
-                                te_tensor *dk, te_tensor *dv, te_tensor *dp_fp8, void *workspace,
-                                size_t workspace_size, te_stream stream) {
+                                const te_tensor *cu_seqlens_kv, const te_tensor *rng_state,
+                                const te_tensor *softmax_fp8, te_tensor *dq, te_tensor *dk, te_tensor *dv,
+                                te_tensor *dp_fp8, void *workspace, size_t workspace_size, te_stream stream) {
   return te::guarded("attention_backward", [&]() -> te_status {
     te::Checker check("attention_backward");
     te::AttentionBackwardArgs args;
     if (!te::check_backward(check, config, q, k, v, o, d_o, softmax_lse, cu_seqlens_q, cu_seqlens_kv, rng_state,
-                            dq, dk, dv, dp_fp8, &args)) {
+                            softmax_fp8, dq, dk, dv, dp_fp8, &args)) {
       return check.status();
     }
     std::string reasons[TE_ATTN_BACKEND_COUNT];

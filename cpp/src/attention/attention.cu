@@ -1,7 +1,8 @@
 // The CUDA math path of attention: one thread block per query row, the keys in tiles of
 // kTile, fp32 math, any mask, layout, GQA ratio and dtype (FP8 included). It is the simple,
 // always-correct fallback for what cuDNN rejects, not a fast kernel. The backward adds dk and
-// dv with fp32 atomics into the workspace (not deterministic), then converts them.
+// dv with fp32 atomics into the workspace (not deterministic), then converts them. FP8
+// intermediates are rounded as the CPU reference rounds them (attention_ref.cpp).
 #include <cuda_runtime.h>
 
 #include "attention/attention_kernel.cuh"
@@ -30,6 +31,13 @@ __device__ bool row_of(const AttentionShape &s, const AttentionMask &m, const in
   if (r->i >= r->L.q) return false;
   allowed_keys(m, r->i, r->L.q, r->L.kv, &r->lo, &r->hi);
   return r->lo <= r->hi;
+}
+
+// v through an FP8 format and back (attention_ref.cpp's round_fp8).
+__device__ __forceinline__ float round_fp8(float v, te_dtype dt, float scale, float descale) {
+  const float x = v * scale;
+  if (dt == TE_DTYPE_FLOAT8_E4M3) return e4m3_to_float(float_to_e4m3(x)) * descale;
+  return e5m2_to_float(float_to_e5m2(x)) * descale;
 }
 
 __global__ void fill_kernel(float *p, int64_t n, float v) {
@@ -79,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttentionFo
       p = expf(logit(j) - lse);
       if (fp8) {
         if (f.amax_s != nullptr) atomicMax(reinterpret_cast<unsigned int *>(f.amax_s), abs_bits(p));
-        p = e4m3_to_float(float_to_e4m3(p * *f.scale_s)) * *f.descale_s;
+        p = round_fp8(p, TE_DTYPE_FLOAT8_E4M3, *f.scale_s, *f.descale_s);
       }
       if (a.dropout > 0.f) p = dropout_keep(seed, offset, s, r.b, r.h, r.i, j, a.dropout) ? p * keep_scale : 0.f;
     }
@@ -117,13 +125,15 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(AttentionB
   const bool fp8 = a.qkv_dtype == TE_DTYPE_FLOAT8_E4M3;
   const float dq_ = fp8 ? *f.descale_q : 1.f, dk_ = fp8 ? *f.descale_k : 1.f, dv_ = fp8 ? *f.descale_v : 1.f;
   const bool o8 = a.o_dtype == TE_DTYPE_FLOAT8_E4M3 || a.o_dtype == TE_DTYPE_FLOAT8_E5M2;
-  const float do_ = o8 ? *f.descale_do : 1.f, o_ = o8 ? *f.descale_o : 1.f;
+  const bool do8 = a.do_dtype == TE_DTYPE_FLOAT8_E4M3 || a.do_dtype == TE_DTYPE_FLOAT8_E5M2;
+  const float do_ = do8 ? *f.descale_do : 1.f, o_ = o8 ? *f.descale_o : 1.f;
+  const bool fp8_ds = fp8 && do8;
   const int64_t qi = attn_offset(a.layout, s.batch, s.seqlen_q, s.heads_q, dqk, r.b, r.i, r.L.q_start, r.h);
   const int64_t oi = attn_offset(a.layout, s.batch, s.seqlen_q, s.heads_q, dv, r.b, r.i, r.L.q_start, r.h);
   float part = 0.f;  // dot(d_o_i, o_i) = sum_j p_j dp_j
   for (int64_t d = threadIdx.x; d < dqk; d += kThreads) qrow[d] = attn_load(a.q, qi + d, a.qkv_dtype, dq_);
   for (int64_t d = threadIdx.x; d < dv; d += kThreads) {
-    dorow[d] = attn_load(a.d_o, oi + d, a.o_dtype, do_);
+    dorow[d] = attn_load(a.d_o, oi + d, a.do_dtype, do_);
     part += dorow[d] * attn_load(a.o, oi + d, a.o_dtype, o_);
   }
   const float row_dot = block_reduce(part, scratch, false);  // also orders qrow/dorow writes
@@ -145,9 +155,11 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(AttentionB
       const float p = expf(a.softmax_scale * x - lse);
       const bool keep = a.dropout <= 0.f || dropout_keep(seed, offset, s, r.b, r.h, r.i, j, a.dropout);
       const float dp = keep ? dpd * keep_scale : 0.f;
-      if (f.amax_dp != nullptr) atomicMax(reinterpret_cast<unsigned int *>(f.amax_dp), abs_bits(dp));
       ds = a.softmax_scale * p * (dp - row_dot);
-      pd = keep ? p * keep_scale : 0.f;
+      if (f.amax_dp != nullptr) atomicMax(reinterpret_cast<unsigned int *>(f.amax_dp), abs_bits(ds));
+      if (fp8_ds) ds = round_fp8(ds, a.do_dtype, *f.scale_dp, *f.descale_dp);
+      const float pr = fp8 ? round_fp8(p, TE_DTYPE_FLOAT8_E4M3, *f.scale_s, *f.descale_s) : p;
+      pd = keep ? pr * keep_scale : 0.f;
     }
     __syncthreads();
     dstile[threadIdx.x] = ds;

@@ -66,6 +66,16 @@ void device_reasons(te_device_type device, std::string reasons[]) {
 #endif
 }
 
+// d_o has o's dtype, except that an FP8 o may take its gradient in either FP8 format: the
+// HYBRID recipe keeps the forward in E4M3 and the gradients in E5M2, whose range they need.
+bool check_do_dtype(Checker &check, const te_attention_problem &p, bool fp8) {
+  const bool fp8_o = fp8 && is_fp8(p.o_dtype);
+  if (fp8_o ? is_fp8(p.do_dtype) : p.do_dtype == p.o_dtype) return true;
+  const std::string expected = fp8_o ? std::string("float8_e4m3 or float8_e5m2 (o is FP8)")
+                                     : std::string(te_dtype_name(p.o_dtype)) + " (o's dtype)";
+  return check.fail(TE_ERROR_TYPE, "d_o must be " + expected + ", got " + te_dtype_name(p.do_dtype));
+}
+
 te_attn_backend pick(Checker &check, const te_attention_config &config, const std::string reasons[],
                      const char *direction) {
   if (config.backend != TE_ATTN_BACKEND_AUTO) {
@@ -162,10 +172,10 @@ bool check_attention_problem(Checker &check, const te_attention_config &c, const
                                               : te_dtype_name(p.qkv_dtype)) +
                                          " (q's dtype), got " + te_dtype_name(p.o_dtype));
   }
-  if (backward && (fp8 ? !is_fp8(p.grad_dtype) && !(hp_dtype(p.grad_dtype) && p.grad_dtype != TE_DTYPE_FLOAT32)
-                       : p.grad_dtype != p.qkv_dtype)) {
+  if (backward && !check_do_dtype(check, p, fp8)) return false;
+  if (backward && (fp8 ? !is_fp8(p.grad_dtype) && !hp_dtype(p.grad_dtype) : p.grad_dtype != p.qkv_dtype)) {
     return check.fail(TE_ERROR_TYPE, std::string("dq, dk and dv must be ") +
-                                         (fp8 ? "FP8, float16 or bfloat16" : te_dtype_name(p.qkv_dtype)) +
+                                         (fp8 ? "FP8, float32, float16 or bfloat16" : te_dtype_name(p.qkv_dtype)) +
                                          ", got " + te_dtype_name(p.grad_dtype));
   }
   if (p.device != TE_DEVICE_CPU && p.device != TE_DEVICE_CUDA) {
@@ -197,6 +207,7 @@ AttentionBackwardArgs backward_args(const te_attention_config &c, const te_atten
   a.dropout = c.dropout;
   a.qkv_dtype = p.qkv_dtype;
   a.o_dtype = p.o_dtype;
+  a.do_dtype = p.do_dtype;
   a.grad_dtype = p.grad_dtype;
   a.deterministic = c.deterministic != 0;
   a.device = p.device == TE_DEVICE_CUDA ? p.device_id : -1;

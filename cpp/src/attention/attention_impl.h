@@ -50,6 +50,9 @@ struct AttentionMask {
 // FP8 attention (q/k/v/o in E4M3; dO/dQ/dK/dV in E5M2 or E4M3 by their dtypes). Per-tensor
 // factors, each a device pointer to one fp32: descale = the input's scale_inv, scale = the
 // output's scale; amax written as max |value| before scaling. Null members when not FP8.
+// "dp" is cuDNN's name for the gradient of the logits that its FP8 backward quantizes,
+// ds = softmax_scale * p * (dp - rowsum(p dp)), in dO's format; the backward rounds p with the
+// softmax factors again (in E4M3) for dV = dropout(p)^T dO.
 struct AttentionFp8 {
   const float *descale_q, *descale_k, *descale_v;
   const float *descale_s, *scale_s;  // the softmax output P, quantized inside the kernel
@@ -87,7 +90,8 @@ struct AttentionBackwardArgs {
   float softmax_scale;
   float dropout;
   te_dtype qkv_dtype;
-  te_dtype o_dtype;   // of o and d_o
+  te_dtype o_dtype;     // of o
+  te_dtype do_dtype;    // of d_o: o_dtype, or E4M3/E5M2 for an E4M3 o (E5M2: the HYBRID recipe)
   te_dtype grad_dtype;  // of dq, dk, dv
   const void *q, *k, *v, *o, *d_o;
   const float *softmax_lse;

@@ -1,8 +1,10 @@
 // CPU reference of attention and of the scaled masked softmax: fp32 math, one query row at a
 // time, in the words of attention.h. It is the CPU backend of both frameworks and the oracle of
-// the CUDA paths. FP8 inputs are decoded with their descale; the forward rounds p through E4M3
-// with the softmax scale as the fused kernels do; the backward keeps dp in fp32 and only
-// records its amax.
+// the CUDA paths. FP8 inputs are decoded with their descale, and the intermediates that the
+// fused kernels quantize are rounded the same way: the forward rounds p through E4M3 with the
+// softmax factors; the backward rounds p again so (dv is the gradient of the o the forward
+// wrote) and rounds ds, the gradient of the logits, to an FP8 d_o's format with the dp factors
+// before the dq and dk products, recording max |ds| as the dp amax.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -36,6 +38,11 @@ void write(void *data, int64_t i, te_dtype dtype, float v, const float *scale) {
   } else {
     store_hp(data, i, dtype, v);
   }
+}
+
+// v through an FP8 format and back: what a kernel that stores v with this scale then reads.
+float round_fp8(float v, te_dtype dtype, float scale, float descale) {
+  return from_fp8(to_fp8(v * scale, dtype), dtype) * descale;
 }
 
 void note_amax(float *amax, float v) {
@@ -104,7 +111,7 @@ void attention_forward_ref(const AttentionForwardArgs &a) {
           float pj = std::exp(p[j] - lse);
           if (fp8) {
             note_amax(f.amax_s, pj);
-            pj = e4m3_to_float(float_to_e4m3(pj * *f.scale_s)) * *f.descale_s;
+            pj = round_fp8(pj, TE_DTYPE_FLOAT8_E4M3, *f.scale_s, *f.descale_s);
           }
           if (a.dropout > 0.0f) {
             pj = dropout_keep(seed, offset, s, b, h, i, j, a.dropout) ? pj * keep_scale : 0.0f;
@@ -127,7 +134,9 @@ void attention_backward_ref(const AttentionBackwardArgs &a) {
   const AttentionShape &s = a.shape;
   const AttentionFp8 &f = a.fp8;
   const Reader q = reader(a.q, a.qkv_dtype, f.descale_q), k = reader(a.k, a.qkv_dtype, f.descale_k),
-               v = reader(a.v, a.qkv_dtype, f.descale_v), d_o = reader(a.d_o, a.o_dtype, f.descale_do);
+               v = reader(a.v, a.qkv_dtype, f.descale_v), d_o = reader(a.d_o, a.do_dtype, f.descale_do),
+               o = reader(a.o, a.o_dtype, f.descale_o);
+  const bool fp8 = is_fp8(a.qkv_dtype), fp8_ds = fp8 && is_fp8(a.do_dtype);
   const int64_t group = s.heads_q / s.heads_kv, dqk = s.head_dim_qk, dv = s.head_dim_v;
   const float keep_scale = a.dropout > 0.0f ? 1.0f / (1.0f - a.dropout) : 1.0f;
   const uint64_t seed = a.dropout > 0.0f ? static_cast<uint64_t>(a.rng_state[0]) : 0;
@@ -148,17 +157,19 @@ void attention_backward_ref(const AttentionBackwardArgs &a) {
         if (lo > hi) continue;
         const float lse = a.softmax_lse[(b * s.heads_q + h) * s.seqlen_q + i];
         const int64_t qi = idx.q(b, i, L.q_start, h, dqk), oi = idx.q(b, i, L.q_start, h, dv);
-        float row_dot = 0.0f;  // sum_j p_j dp_j, which equals dot(d_o_i, o_i)
+        // sum_j p_j dp_j, which equals dot(d_o_i, o_i). FP8 takes the dot of the stored o, as
+        // the fused kernels and the CUDA math path do: that o carries E4M3's rounding.
+        float row_dot = fp8 ? dot(d_o, oi, o, oi, dv) : 0.0f;
         for (int64_t j = lo; j <= hi; ++j) {
           const float sj = a.softmax_scale * dot(q, qi, k, idx.kv(b, j, L.kv_start, g, dqk), dqk);
           p[j] = std::exp(sj - lse);
           const bool keep = a.dropout <= 0.0f || dropout_keep(seed, offset, s, b, h, i, j, a.dropout);
           const float dpd = dot(d_o, oi, v, idx.kv(b, j, L.kv_start, g, dv), dv);  // grad of dropped p
           dp[j] = keep ? dpd * keep_scale : 0.0f;
-          note_amax(f.amax_dp, dp[j]);
-          row_dot += p[j] * dp[j];
-          // dv_j += dropout(p_j) d_o_i
-          const float pd = keep ? p[j] * keep_scale : 0.0f;
+          if (!fp8) row_dot += p[j] * dp[j];
+          // dv_j += dropout(p_j) d_o_i, with p rounded as the forward rounded it
+          const float pr = fp8 ? round_fp8(p[j], TE_DTYPE_FLOAT8_E4M3, *f.scale_s, *f.descale_s) : p[j];
+          const float pd = keep ? pr * keep_scale : 0.0f;
           if (pd != 0.0f) {
             float *dvj = &dvv[idx.kv(b, j, L.kv_start, g, dv)];
             for (int64_t d = 0; d < dv; ++d) dvj[d] += pd * d_o(oi + d);
@@ -166,7 +177,9 @@ void attention_backward_ref(const AttentionBackwardArgs &a) {
         }
         float *dqi = &dq[qi];
         for (int64_t j = lo; j <= hi; ++j) {
-          const float ds = a.softmax_scale * p[j] * (dp[j] - row_dot);
+          float ds = a.softmax_scale * p[j] * (dp[j] - row_dot);
+          note_amax(f.amax_dp, ds);
+          if (fp8_ds) ds = round_fp8(ds, a.do_dtype, *f.scale_dp, *f.descale_dp);
           if (ds == 0.0f) continue;
           const int64_t kj = idx.kv(b, j, L.kv_start, g, dqk);
           float *dkj = &dk[kj];
@@ -184,12 +197,12 @@ void attention_backward_ref(const AttentionBackwardArgs &a) {
     const float *scale;
     float *amax;
   };
-  const bool fp8 = is_fp8(a.grad_dtype);
+  const bool fp8_grads = is_fp8(a.grad_dtype);
   for (const Out &out : {Out{a.dq, dq, f.scale_dq, f.amax_dq}, Out{a.dk, dk, f.scale_dk, f.amax_dk},
                          Out{a.dv, dvv, f.scale_dv, f.amax_dv}}) {
-    if (fp8 && out.amax != nullptr) *out.amax = 0.0f;
+    if (fp8_grads && out.amax != nullptr) *out.amax = 0.0f;
     for (size_t e = 0; e < out.values.size(); ++e) {
-      if (fp8) note_amax(out.amax, out.values[e]);
+      if (fp8_grads) note_amax(out.amax, out.values[e]);
       write(out.data, static_cast<int64_t>(e), a.grad_dtype, out.values[e], out.scale);
     }
   }

@@ -261,7 +261,7 @@ int run_case(const Case &c, cudaStream_t stream) {
     }
     te::AttentionBackwardArgs bw{};
     bw.layout = f.layout, bw.shape = f.shape, bw.mask = f.mask, bw.softmax_scale = scale;
-    bw.qkv_dtype = bw.o_dtype = bw.grad_dtype = TE_DTYPE_BFLOAT16;
+    bw.qkv_dtype = bw.o_dtype = bw.do_dtype = bw.grad_dtype = TE_DTYPE_BFLOAT16;
     bw.q = q.device, bw.k = k.device, bw.v = v.device, bw.o = o.device, bw.d_o = d_o.device, bw.softmax_lse = lse;
     bw.dq = dq.device, bw.dk = dk.device, bw.dv = dv.device;
     bw.cu_seqlens_q = f.cu_seqlens_q, bw.cu_seqlens_kv = f.cu_seqlens_kv;

@@ -1,7 +1,8 @@
 """The two paths of DotProductAttention as autograd functions.
 
 * Fused: the core's attention entry points (cuDNN, the CUDA math path or the CPU reference),
-  forward and backward; FP8 under ``fp8_dpa`` (E4M3 q, k, v, high-precision output).
+  forward and backward; FP8 under ``fp8_dpa`` (E4M3 q, k, v and o; the backward takes d_o in
+  the recipe's gradient format and returns high-precision gradients).
 * Unfused: ``q @ k^T`` and ``p @ v`` as torch matmuls around the core's scaled masked softmax,
   for what the fused kernels do not take (arbitrary masks, shapes cuDNN rejects).
 
@@ -47,20 +48,74 @@ def fused_attention(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bo
 
 
 E4M3_MAX = 448.0
+FP8_MAX = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
 
 
-def _quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-tensor current scaling through the core: (E4M3 bytes in x's shape, scale [1],
+def _quantize(x: torch.Tensor, fmt: str = "float8_e4m3"
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor current scaling through the core: (FP8 bytes in x's shape, scale [1],
     scale_inv [1])."""
     data, _, scale, scale_inv, _ = ops.quantize_current(
-        x.reshape(-1, x.shape[-1]), "float8_e4m3", True, False, False, 0.0)
+        x.reshape(-1, x.shape[-1]), fmt, True, False, False, 0.0)
     return data.view(x.shape), scale, scale_inv
+
+
+def _max_row_norm(x: torch.Tensor) -> torch.Tensor:
+    """max over rows of the 2-norm of the last dim, [1] fp32 (no host sync)."""
+    return torch.linalg.vector_norm(x.float(), dim=-1).amax().reshape(1)
+
+
+def _grads_in_fp8(backend: str, device: torch.device) -> bool:
+    """Whether the FP8 backward writes FP8 gradients (then widened here). cuDNN's FP8 backward
+    writes fp16/bf16 ones only on sm_100 with cuDNN 9.13 or newer, so the core asks it for FP8
+    ones everywhere (the CUDA math path takes those too, which covers "auto" on CUDA); the CPU
+    and the CUDA math path asked by name write the input dtype, which saves a rounding."""
+    return backend == "cudnn" or (backend == "auto" and device.type == "cuda")
+
+
+def _seqlen_q(shape, layout: str, max_seqlen_q: int) -> int:
+    return max_seqlen_q if layout == "thd" else shape[1 if layout == "bshd" else 0]
+
+
+def _backward_scales(ctx, descales: torch.Tensor, do_norm: torch.Tensor,
+                     do_scale_inv: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dp_scales [2], grad_scales [3] or empty) of the FP8 backward, from bounds that hold for
+    any data, so that nothing saturates and no step needs the amax of an earlier one.
+
+    With dp_ij = d_o_i . v_j (times 1 / (1 - dropout) where kept) and D_i = sum_j p_ij dp_ij,
+    ds_ij = scale * p_ij (dp_ij - D_i) = scale * p_ij (1 - p_ij) (dp_ij - D'_ij), D'_ij being
+    a weighted mean of the row's other dp: |ds| <= scale * max |dp| / 2, and
+    max |dp| <= keep * max_i |d_o_i| * max_j |v_j| =: B / scale (Cauchy-Schwarz). Each scale
+    below leaves a factor 2 over its bound for the FP8 roundings of o, p, ds and the inputs
+    (each at most 1/8 relative): fp8_max / B for ds.
+    dq_i = sum_j ds_ij k_j: sum_j |ds_ij| <= scale * 2 max |dp| = 2 B, so |dq| <= 2 B amax(k).
+    dk_j = sum over the <= group * seqlen_q queries i of ds_ij q_i: |dk| <= n B / 2 amax(q).
+    dv_j = sum_i dropout(p_ij) d_o_i: |dv| <= n keep amax(d_o).
+    The dk and dv bounds grow with the sequence, so typical values sit about log2(seqlen_q)
+    binades below the format's maximum: E5M2 (30 binades of normal values) keeps them normal
+    for any practical length, E4M3 (15) up to a few thousand queries."""
+    q, k = ctx.qkv_shapes
+    layout, _, _, _, softmax_scale, dropout, max_sq = ctx.params[:7]
+    keep = 1.0 / (1.0 - dropout)
+    fp8_max = FP8_MAX[fmt]
+    bound_dp = (softmax_scale * keep) * do_norm * ctx.v_norm
+    tiny = 1e-30  # an all-zero d_o: any finite scale will do
+    dp_scale = fp8_max / bound_dp.clamp_min(tiny)
+    dp_scales = torch.cat([dp_scale, 1.0 / dp_scale])
+    if not ctx.fp8_grads:
+        return dp_scales, dp_scale.new_empty((0,))
+    n = (q[-2] // k[-2]) * _seqlen_q(q, layout, max_sq)
+    amax_q, amax_k = (E4M3_MAX * descales[i:i + 1] for i in range(2))
+    amax_do = fp8_max * do_scale_inv
+    bounds = torch.cat([4.0 * bound_dp * amax_k, n * bound_dp * amax_q,
+                        (2.0 * n * keep) * amax_do])
+    return dp_scales, fp8_max / bounds.clamp_min(tiny)
 
 
 class _FusedAttentionFP8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_kv, rng, params, deterministic):
-        quantized = [_quantize_e4m3(t) for t in (q, k, v)]
+    def forward(ctx, q, k, v, cu_q, cu_kv, rng, params, deterministic, grad_format):
+        quantized = [_quantize(t) for t in (q, k, v)]
         descales = torch.cat([d for _, _, d in quantized])
         # p is in [0, 1]: the largest E4M3 value maps 1 without overflow.
         # (Filled on the device: a torch.tensor from a list would be a pageable host copy,
@@ -76,19 +131,46 @@ class _FusedAttentionFP8(torch.autograd.Function):
         o8, lse, _, _ = ops.attention_forward_fp8(qf, kf, vf, descales, s_scales, cu_q, cu_kv, rng,
                                                *params, o_scale, torch.uint8)
         o = ops.dequantize(o8, o_scale_inv, "float8_e4m3", "tensor", q.dtype)
-        # The backward takes the high-precision inputs: the gradients are high precision too.
-        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_kv, rng)
-        ctx.params = params
-        ctx.deterministic = deterministic
+        # The backward runs in FP8 on what the forward ran on: the E4M3 q, k, v and o (their
+        # descales in one [4] tensor), softmax_lse and the softmax factors.
+        ctx.save_for_backward(qf, kf, vf, o8, lse, torch.cat([descales, o_scale_inv]), s_scales,
+                              cu_q, cu_kv, rng)
+        # Only a backward reads it (one more pass over v).
+        ctx.v_norm = _max_row_norm(v) if any(ctx.needs_input_grad[:3]) else None
+        ctx.qkv_shapes = (q.shape, k.shape)
+        ctx.params, ctx.deterministic, ctx.grad_format, ctx.dtype = (
+            params, deterministic, grad_format, q.dtype)
+        ctx.fp8_grads = _grads_in_fp8(params[-1], q.device)
         return o
 
-    backward = staticmethod(_FusedAttention.backward)
+    @staticmethod
+    def backward(ctx, d_o):
+        qf, kf, vf, o8, lse, descales, s_scales, cu_q, cu_kv, rng = ctx.saved_tensors
+        fmt = ctx.grad_format
+        do8, _, do_scale_inv = _quantize(d_o, fmt)
+        dp_scales, grad_scales = _backward_scales(ctx, descales, _max_row_norm(d_o),
+                                                  do_scale_inv, fmt)
+        grad_dtype = torch.uint8 if ctx.fp8_grads else ctx.dtype
+        dq, dk, dv, _, _ = ops.attention_backward_fp8(
+            qf, kf, vf, o8, do8, lse, torch.cat([descales, do_scale_inv]), s_scales, dp_scales,
+            cu_q, cu_kv, rng, *ctx.params[:-1], ctx.deterministic, ctx.params[-1], fmt,
+            grad_scales, grad_dtype)
+        if ctx.fp8_grads:
+            dq, dk, dv = (ops.dequantize(g, 1.0 / grad_scales[i:i + 1], fmt, "tensor", ctx.dtype)
+                          for i, g in enumerate((dq, dk, dv)))
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bool = False):
-    """FP8 forward (q, k, v and o in E4M3, each q/k/v scaled by its own amax), high-precision
-    backward."""
-    return _FusedAttentionFP8.apply(q, k, v, cu_q, cu_kv, rng, params, deterministic)
+def fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bool = False,
+                        grad_format: str = "float8_e5m2"):
+    """Attention in FP8: q, k, v and o in E4M3, each q/k/v scaled by its own amax; the backward
+    quantizes d_o to ``grad_format`` (the recipe's gradient format: E5M2 under HYBRID) by its
+    own amax and returns gradients in q's dtype (see _backward_scales for the other factors)."""
+    if grad_format not in FP8_MAX:
+        raise ValueError(f"fused_attention_fp8: grad_format must be one of {tuple(FP8_MAX)}, "
+                         f"got {grad_format!r}")
+    return _FusedAttentionFP8.apply(q, k, v, cu_q, cu_kv, rng, params, deterministic,
+                                    grad_format)
 
 
 class _ScaledSoftmax(torch.autograd.Function):

@@ -221,10 +221,10 @@ std::shared_ptr<fg::Graph> backward_graph(const Problem &p, int sm) {
   auto g = new_graph(p, sm);
   const Operands x = add_operands(*g, p);
   const Dims o_dims = bhsd(p, s.heads_q, s.seqlen_q, s.head_dim_v);
-  // o_dtype is that of o and d_o alike (attention_impl.h), so an FP8 backward with E4M3 o and
-  // E5M2 d_o (the HYBRID recipe) cannot be asked for until the arguments carry d_o's own dtype.
+  // d_o has its own dtype: under the HYBRID recipe o is E4M3 and d_o E5M2 (cuDNN then also
+  // quantizes ds, its "dP", to E5M2).
   TensorPtr o = input(*g, "o", kO, o_dims, fe_type(p.o));
-  TensorPtr d_o = input(*g, "d_o", kDO, o_dims, fe_type(p.o));
+  TensorPtr d_o = input(*g, "d_o", kDO, o_dims, fe_type(p.d_o));
   if (p.thd()) {
     o->set_ragged_offset(x.offsets[kFamilyO]);
     d_o->set_ragged_offset(x.offsets[kFamilyO]);

@@ -37,6 +37,7 @@ Problem problem_of(const AttentionForwardArgs &a) {
   p.dropout = a.dropout;
   p.qkv = a.qkv_dtype;
   p.o = a.o_dtype;
+  p.d_o = a.o_dtype;  // no d_o in a forward
   p.grad = a.o_dtype;
   p.device = a.device;
   return p;
@@ -52,6 +53,7 @@ Problem problem_of(const AttentionBackwardArgs &a) {
   p.dropout = a.dropout;
   p.qkv = a.qkv_dtype;
   p.o = a.o_dtype;
+  p.d_o = a.do_dtype;
   p.grad = a.grad_dtype;
   p.deterministic = a.deterministic;
   p.device = a.device;
@@ -67,7 +69,7 @@ Key key_of(const Problem &p, int sm) {
   const AttentionShape &s = p.shape;
   return {p.backward, static_cast<int64_t>(p.layout), s.batch, s.heads_q, s.heads_kv, s.seqlen_q, s.seqlen_kv,
           s.head_dim_qk, s.head_dim_v, p.wide_offsets(), p.padding(), p.mask.bottom_right, p.mask.window_left,
-          p.mask.window_right, bits(p.softmax_scale), bits(p.dropout), p.qkv, p.o, p.grad, p.deterministic,
+          p.mask.window_right, bits(p.softmax_scale), bits(p.dropout), p.qkv, p.o, p.d_o, p.grad, p.deterministic,
           p.device, sm};
 }
 
@@ -136,7 +138,13 @@ std::string problem_reason(const Problem &p, int sm) {
     if (p.qkv != TE_DTYPE_FLOAT8_E4M3) return std::string("FP8 attention takes q/k/v in float8_e4m3, got ") + te_dtype_name(p.qkv);
     if (!is_fp8(p.o) && sm < 100) return "FP8 attention with a high-precision o needs sm_100 or newer, " + got_sm;
     if (p.mask.bottom_right && sm < 100) return "FP8 attention with a bottom-right diagonal needs sm_100 or newer, " + got_sm;
+    // cuDNN writes fp16/bf16 gradients of an FP8 backward only on sm_100 with cuDNN 9.13 or
+    // newer; the graph here asks for FP8 ones (with their scales and amaxes) everywhere.
     if (p.backward && !is_fp8(p.grad)) return std::string("FP8 attention backward writes FP8 gradients, got ") + te_dtype_name(p.grad);
+    // Its FP8 backward quantizes ds in d_o's format: d_o must be FP8 itself.
+    if (p.backward && !is_fp8(p.d_o)) {
+      return std::string("FP8 attention backward takes an FP8 d_o, got ") + te_dtype_name(p.d_o);
+    }
     for (const auto &[name, d] : head_dims(s)) {
       if (std::string r = head_dim_reason(name, d, 16, kMaxHeadDim); !r.empty()) return r;
       if (p.backward && sm / 10 == 9 && d != 128) {
@@ -146,6 +154,10 @@ std::string problem_reason(const Problem &p, int sm) {
   } else {
     if (p.qkv != TE_DTYPE_BFLOAT16 && p.qkv != TE_DTYPE_FLOAT16) {
       return std::string("cuDNN fused attention takes bfloat16, float16 or float8_e4m3, got ") + te_dtype_name(p.qkv);
+    }
+    if (p.backward && p.d_o != p.o) {
+      return std::string("cuDNN fused attention takes d_o in o's dtype ") + te_dtype_name(p.o) + ", got " +
+             te_dtype_name(p.d_o);
     }
     if (p.o != p.qkv || p.grad != p.qkv) {
       return std::string("cuDNN fused attention writes o") + (p.backward ? ", dq, dk and dv" : "") + " in qkv_dtype " +

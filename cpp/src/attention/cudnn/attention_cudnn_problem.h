@@ -31,7 +31,8 @@ struct Problem {
   AttentionShape shape{};
   AttentionMask mask{};
   float softmax_scale = 0.0f, dropout = 0.0f;
-  te_dtype qkv = TE_DTYPE_BFLOAT16, o = TE_DTYPE_BFLOAT16, grad = TE_DTYPE_BFLOAT16;
+  // d_o has its own dtype: the HYBRID recipe's E5M2 d_o goes with an E4M3 o.
+  te_dtype qkv = TE_DTYPE_BFLOAT16, o = TE_DTYPE_BFLOAT16, d_o = TE_DTYPE_BFLOAT16, grad = TE_DTYPE_BFLOAT16;
   bool deterministic = false;
   int device = -1;
 

@@ -23,6 +23,8 @@ from typing import Optional, Union
 
 import torch
 
+from transformer_engine.common.recipe import Format
+
 from ..attention_fn import fused_attention, fused_attention_fp8, unfused_attention
 from ..fp8 import STATE
 from ..ops._backend import core
@@ -53,26 +55,40 @@ class AttentionBackend:
     reasons: dict
 
 
+def _backward_reasons(c, cfg, sizes, hp, device, fp8_grad: str) -> dict:
+    """Per core backend, "" or why it cannot run the backward. The FP8 backward
+    (attention_fn.py) takes E4M3 q, k, v, o and d_o in the recipe's gradient format
+    ``fp8_grad``; cuDNN writes its gradients in that format too, the CPU and the CUDA math
+    path in the input dtype."""
+    if not fp8_grad:
+        _, why, _ = c.attention_backend(cfg, sizes, hp, hp, hp, device_id=device, backward=True)
+        return {name: why[i] for name, i in _CORE_INDEX.items()}
+    e4m3, g8 = c.DType.float8_e4m3, getattr(c.DType, fp8_grad)
+    reasons = {}
+    for grad, names in ((g8, ("cudnn",)), (hp, ("cpu", "cuda_math"))):
+        _, why, _ = c.attention_backend(cfg, sizes, e4m3, e4m3, grad, do_dtype=g8,
+                                        device_id=device, backward=True)
+        reasons.update({name: why[_CORE_INDEX[name]] for name in names})
+    return reasons
+
+
 def _core_reasons(key: tuple, grad: bool) -> dict:
-    (layout, mask, wl, wr, scale, dropout, sizes, dtype, device, fp8) = key
+    (layout, mask, wl, wr, scale, dropout, sizes, dtype, device, fp8_grad) = key
     c = core()
     cfg = config(layout, "padding" if mask == "arbitrary" else mask, wl, wr, scale, dropout,
                  sizes[3], sizes[4])
     hp = getattr(c.DType, dtype)
     # The FP8 forward writes o in E4M3 too (attention_fn.py).
-    qkv = o = c.DType.float8_e4m3 if fp8 else hp
+    qkv = o = c.DType.float8_e4m3 if fp8_grad else hp
     try:
         _, why, _ = c.attention_backend(cfg, list(sizes), qkv, o, hp, device_id=device)
+        why_b = _backward_reasons(c, cfg, list(sizes), hp, device, fp8_grad) if grad else {}
     except (TypeError, ValueError) as e:  # a request no core backend takes (FP8 of fp32, ...)
         return {name: str(e) for name in _CORE_INDEX}
     reasons = {name: why[i] for name, i in _CORE_INDEX.items()}
-    if grad:
-        # The FP8 path's backward runs on the high-precision inputs (attention_fn.py).
-        _, why_b, _ = c.attention_backend(cfg, list(sizes), hp, hp, hp, device_id=device,
-                                          backward=True)
-        for name, i in _CORE_INDEX.items():
-            if not reasons[name] and why_b[i]:
-                reasons[name] = "backward: " + why_b[i]
+    for name, reason in why_b.items():
+        if not reasons[name] and reason:
+            reasons[name] = "backward: " + reason
     if mask == "arbitrary":
         for name in _CORE_INDEX:
             reasons[name] = reasons[name] or "arbitrary masks run on the unfused path only"
@@ -99,14 +115,17 @@ def _choose(key: tuple, grad: bool, asked: str) -> str:
     return name or "!"
 
 
-def _key(q, k, v, layout, mask, window, scale, dropout, cu_q, max_sq, max_skv, fp8) -> tuple:
+def _key(q, k, v, layout, mask, window, scale, dropout, cu_q, max_sq, max_skv,
+         fp8_grad: str) -> tuple:
+    """The backend choice's key; fp8_grad is "" without FP8, else the recipe's gradient
+    format ("float8_e5m2" under HYBRID)."""
     sizes = tuple(int(s) for s in sizes_of(q, k, v, layout, cu_q, max_sq, max_skv))
     if q.dtype not in _TE_NAMES:
         raise TypeError(f"DotProductAttention: query must be float32, float16 or bfloat16, got "
                         f"{q.dtype}")
     device = q.device.index if q.is_cuda else -1
     return (layout, mask, window[0], window[1], float(scale), float(dropout), sizes,
-            _TE_NAMES[q.dtype], device, bool(fp8))
+            _TE_NAMES[q.dtype], device, fp8_grad)
 
 
 def _resolve_window(mask: str, window) -> tuple[int, int]:
@@ -153,12 +172,14 @@ def get_attention_backend(query, key, value, *, qkv_format: str = "sbhd",
                           max_seqlen_kv: Optional[int] = None, fp8: bool = False,
                           attention_backend: Optional[str] = None) -> AttentionBackend:
     """Which backend DotProductAttention would run for these inputs, and why not the others.
-    A backward is assumed when any input requires grad."""
+    A backward is assumed when any input requires grad; ``fp8`` asks about FP8 attention under
+    the default recipe (HYBRID: E5M2 gradients)."""
     _check_inputs(query, key, value, qkv_format)
     window = _resolve_window(attn_mask_type, window_size)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
     k = _key(query, key, value, qkv_format, attn_mask_type, window, scale, attention_dropout,
-             cu_seqlens_q, max_seqlen_q or 0, max_seqlen_kv or 0, fp8)
+             cu_seqlens_q, max_seqlen_q or 0, max_seqlen_kv or 0,
+             Format.HYBRID.bwd_dtype_name if fp8 else "")
     grad = any(t.requires_grad for t in (query, key, value))
     asked = attention_backend or _env_backend()
     _choose(k, grad, asked)
@@ -184,8 +205,9 @@ class DotProductAttention(torch.nn.Module):
         attention_backend: ``None`` (auto, or ``TE_ATTENTION_BACKEND``) or one of ``BACKENDS``.
 
     The output is [s, b, h * dv] for sbhd, [b, s, h * dv] for bshd, [t, h * dv] for thd.
-    Under ``fp8_autocast`` with a ``DelayedScaling(fp8_dpa=True)`` recipe the fused forward
-    runs in FP8: q, k, v are quantized to E4M3 with scales from their own amax.
+    Under ``fp8_autocast`` with a ``DelayedScaling(fp8_dpa=True)`` recipe the fused path runs
+    in FP8: q, k, v are quantized to E4M3 with scales from their own amax, and the backward
+    takes the output gradient in the recipe's gradient format (E5M2 under HYBRID).
 
     Example:
         >>> attn = DotProductAttention(4, 16, qkv_format="bshd")  # doctest: +SKIP
@@ -260,8 +282,10 @@ class DotProductAttention(torch.nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         recipe = STATE.recipe if STATE.enabled else None
         fp8 = bool(recipe is not None and recipe.delayed() and recipe.fp8_dpa)
+        # The recipe's gradient format is d_o's in the FP8 backward (E5M2 under HYBRID).
+        fp8_grad = recipe.fp8_format.bwd_dtype_name if fp8 else ""
         key_ = _key(query, key, value, layout, mask, window, self.softmax_scale, dropout,
-                    cu_seqlens_q, max_seqlen_q or 0, max_seqlen_kv or 0, fp8)
+                    cu_seqlens_q, max_seqlen_q or 0, max_seqlen_kv or 0, fp8_grad)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         name = _choose(key_, grad, asked)
         if name == "!":
@@ -275,11 +299,11 @@ class DotProductAttention(torch.nn.Module):
                                   max_seqlen_kv or 0, attention_mask)
         else:
             o = self._fused(query, key, value, layout, mask, window, dropout, cu_seqlens_q,
-                            cu_seqlens_kv, max_seqlen_q or 0, max_seqlen_kv or 0, name, fp8)
+                            cu_seqlens_kv, max_seqlen_q or 0, max_seqlen_kv or 0, name, fp8_grad)
         return o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
 
     def _fused(self, q, k, v, layout, mask, window, dropout, cu_q, cu_kv, max_sq, max_skv,
-               backend, fp8):
+               backend, fp8_grad: str):
         # Separate empties: torch.compile rejects one tensor passed twice to an autograd.Function.
         def index(cu):
             if cu is None:
@@ -294,8 +318,10 @@ class DotProductAttention(torch.nn.Module):
             rng = torch.empty((0,), dtype=torch.int64, device=q.device)
         params = (layout, mask, window[0], window[1], float(self.softmax_scale), float(dropout),
                   int(max_sq), int(max_skv), backend)
-        fn = fused_attention_fp8 if fp8 else fused_attention
-        return fn(q, k, v, cu_q, cu_kv, rng, params, self.deterministic)
+        if fp8_grad:
+            return fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params, self.deterministic,
+                                       fp8_grad)
+        return fused_attention(q, k, v, cu_q, cu_kv, rng, params, self.deterministic)
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from .activation import (
 )
 from .attention import (
     attention_backward,
+    attention_backward_fp8,
     attention_forward,
     attention_forward_fp8,
     scaled_softmax_backward,
@@ -31,8 +32,8 @@ from .quantize import (
 from .scaling import delayed_scaling_update
 
 __all__ = ["activation_backward", "activation_backward_fp8", "activation_forward",
-           "activation_forward_fp8", "amax", "attention_backward", "attention_forward",
-           "attention_forward_fp8", "delayed_scaling_update", "dequantize", "gemm_fp8",
-           "norm_backward", "norm_forward", "norm_forward_fp8", "quantize", "quantize_block",
-           "quantize_current", "quantize_delayed", "scaled_softmax_backward",
+           "activation_forward_fp8", "amax", "attention_backward", "attention_backward_fp8",
+           "attention_forward", "attention_forward_fp8", "delayed_scaling_update", "dequantize",
+           "gemm_fp8", "norm_backward", "norm_forward", "norm_forward_fp8", "quantize",
+           "quantize_block", "quantize_current", "quantize_delayed", "scaled_softmax_backward",
            "scaled_softmax_forward", "transpose"]

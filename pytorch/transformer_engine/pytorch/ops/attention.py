@@ -2,7 +2,9 @@
 
 ``attention_forward`` / ``attention_backward`` are the core's attention entry points (cuDNN,
 the CUDA math path, or the CPU reference: ``attention.h``); ``attention_forward_fp8`` takes
-E4M3 q, k, v (uint8 bytes) with their descales and returns a high-precision output.
+E4M3 q, k, v (uint8 bytes) with their descales, and ``attention_backward_fp8`` takes those, the
+E4M3 o and an FP8 d_o (E5M2 under the HYBRID recipe) and writes the gradients in FP8 or in a
+high-precision dtype.
 ``scaled_softmax_forward`` / ``scaled_softmax_backward`` are the softmax of the unfused path.
 Layouts: ``"bshd"``, ``"sbhd"``, ``"thd"``; masks: ``MASKS``. Like the other ops they are
 functional (fresh outputs) with fake implementations for tracing; optional tensors the
@@ -15,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ._backend import core, custom_op, raw, stream_of
+from ._backend import FP8_DTYPES, core, custom_op, raw, raw_element, stream_of
 
 _NS = "transformer_engine"
 LAYOUTS = ("bshd", "sbhd", "thd")
@@ -83,8 +85,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
     rng_state = rng_state.contiguous()
-    ws = _workspace_for(cfg, q, k, v, q.dtype, q.dtype, cu_seqlens_q, max_seqlen_q, max_seqlen_kv,
-                        False)
+    ws = _workspace_for(cfg, q, k, v, _TE_NAMES[q.dtype], _TE_NAMES[q.dtype], cu_seqlens_q,
+                        max_seqlen_q, max_seqlen_kv, False)
     core().attention_forward(cfg, raw(q), raw(k), raw(v), raw(o), raw(lse),
                              cu_seqlens_q=_opt(cu_seqlens_q), cu_seqlens_kv=_opt(cu_seqlens_kv),
                              rng_state=_opt(rng_state), workspace=ws, stream=stream_of(q))
@@ -113,8 +115,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     q, k, v, o, d_o, lse = (t.contiguous() for t in (q, k, v, o, d_o, lse))
     cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
     rng_state = rng_state.contiguous()
-    ws = _workspace_for(cfg, q, k, v, o.dtype, grad_dtype, cu_seqlens_q, max_seqlen_q,
-                        max_seqlen_kv, True)
+    ws = _workspace_for(cfg, q, k, v, _TE_NAMES[o.dtype], _TE_NAMES[grad_dtype], cu_seqlens_q,
+                        max_seqlen_q, max_seqlen_kv, True)
     core().attention_backward(cfg, raw(q), raw(k), raw(v), raw(o), raw(d_o), raw(lse),
                               dq=raw(dq), dk=raw(dk), dv=raw(dv), cu_seqlens_q=_opt(cu_seqlens_q),
                               cu_seqlens_kv=_opt(cu_seqlens_kv), rng_state=_opt(rng_state),
@@ -132,7 +134,12 @@ def _(q, k, v, o, d_o, lse, cu_seqlens_q, cu_seqlens_kv, rng_state, layout, mask
 def _fp8(data: torch.Tensor, scale_inv: torch.Tensor):
     """An E4M3 Tensor of contiguous uint8 data and its [1] scale_inv (both kept alive by the
     caller)."""
-    return core().Tensor(raw(data), dtype=core().DType.float8_e4m3, scale_inv=raw(scale_inv))
+    return _fp8_raw(data, raw(scale_inv))
+
+
+def _fp8_raw(data: torch.Tensor, scale_inv: tuple):
+    """_fp8 with the scale_inv in raw form already."""
+    return core().Tensor(raw(data), dtype=core().DType.float8_e4m3, scale_inv=scale_inv)
 
 
 @custom_op(f"{_NS}::attention_forward_fp8", mutates_args=())
@@ -171,8 +178,8 @@ def attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     amax_o = _amax_o(q, fp8_out)
     out = c.Tensor(raw(o), dtype=c.DType.float8_e4m3, scale=raw(o_scale),
                    amax=raw(amax_o)) if fp8_out else raw(o)
-    ws = _workspace_for(cfg, q, k, v, o_dtype, o_dtype, cu_seqlens_q, max_seqlen_q, max_seqlen_kv,
-                        False)
+    ws = _workspace_for(cfg, q, k, v, _o_name(o_dtype), _o_name(o_dtype), cu_seqlens_q,
+                        max_seqlen_q, max_seqlen_kv, False)
     c.attention_forward(cfg, _fp8(q, d[0]), _fp8(k, d[1]), _fp8(v, d[2]), out, raw(lse),
                         cu_seqlens_q=_opt(cu_seqlens_q), cu_seqlens_kv=_opt(cu_seqlens_kv),
                         rng_state=_opt(rng_state), softmax_fp8=softmax, workspace=ws,
@@ -194,18 +201,105 @@ def _amax_o(q: torch.Tensor, fp8_out: bool) -> torch.Tensor:
     return q.new_zeros((1 if fp8_out else 0,), dtype=torch.float32)
 
 
+def _check_fp8_backward(o, d_o, do_format, grad_scales, grad_dtype) -> None:
+    op = "attention_backward_fp8"
+    for name, t in (("o", o), ("d_o", d_o)):
+        if t.dtype != torch.uint8:
+            raise TypeError(f"{op}: {name} must be torch.uint8 (FP8 bytes), got {t.dtype}")
+    if do_format not in FP8_DTYPES:
+        raise ValueError(f"{op}: do_format must be one of {FP8_DTYPES}, got {do_format!r}")
+    fp8_grads = grad_dtype == torch.uint8
+    if grad_scales.numel() != (3 if fp8_grads else 0):
+        raise ValueError(f"{op}: grad_scales must have 3 elements (of dq, dk, dv) exactly when "
+                         f"the gradients are FP8 (grad_dtype torch.uint8), got "
+                         f"{grad_scales.numel()} for grad_dtype {grad_dtype}")
+
+
+@custom_op(f"{_NS}::attention_backward_fp8", mutates_args=())
+def attention_backward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                           d_o: torch.Tensor, lse: torch.Tensor, descales: torch.Tensor,
+                           s_scales: torch.Tensor, dp_scales: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
+                           rng_state: torch.Tensor, layout: str, mask: str, window_left: int,
+                           window_right: int, softmax_scale: float, dropout: float,
+                           max_seqlen_q: int, max_seqlen_kv: int, deterministic: bool,
+                           backend: str, do_format: str, grad_scales: torch.Tensor,
+                           grad_dtype: torch.dtype
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor]:
+    """FP8 backward: q, k, v and o E4M3 bytes (uint8), d_o bytes in ``do_format``
+    (``"float8_e4m3"`` or ``"float8_e5m2"``); descales [5] fp32 of q, k, v, o, d_o; s_scales
+    [2] the forward's (scale, scale_inv) of the probabilities; dp_scales [2] (scale, scale_inv)
+    of ds, the gradient of the logits, which FP8 kernels round to do_format. grad_dtype
+    torch.uint8 writes dq, dk, dv as do_format bytes of ``grad * grad_scales[i]`` (grad_scales
+    [3] fp32; the only gradients sm_90's cuDNN writes), a float dtype writes them in that dtype
+    (grad_scales empty). Returns (dq, dk, dv, amax of ds [1], amaxes of dq, dk, dv [3] when
+    they are FP8 (cuDNN requires them), else empty)."""
+    _check_fp8_backward(o, d_o, do_format, grad_scales, grad_dtype)
+    cfg = config(layout, mask, window_left, window_right, softmax_scale, dropout, max_seqlen_q,
+                 max_seqlen_kv, deterministic, backend)
+    fp8_grads = grad_dtype == torch.uint8
+    dq, dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (q, k, v))
+    amax_dp = q.new_zeros((1,), dtype=torch.float32)
+    amax_grads = _amax_grads(q, fp8_grads)
+    q, k, v, o, d_o, lse = (t.contiguous() for t in (q, k, v, o, d_o, lse))
+    cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
+    rng_state, descales = rng_state.contiguous(), descales.contiguous()
+    s_scales, dp_scales = s_scales.contiguous(), dp_scales.contiguous()
+    grad_scales = grad_scales.contiguous()
+    d = [raw_element(descales, i) for i in range(5)]
+    c = core()
+    fmt = getattr(c.DType, do_format)
+    softmax = c.Tensor(None, scale=raw_element(s_scales, 0), scale_inv=raw_element(s_scales, 1))
+    dp = c.Tensor(None, scale=raw_element(dp_scales, 0), scale_inv=raw_element(dp_scales, 1),
+                  amax=raw(amax_dp))
+    grads = [c.Tensor(raw(g), dtype=fmt, scale=raw_element(grad_scales, i),
+                      amax=raw_element(amax_grads, i)) if fp8_grads else raw(g)
+             for i, g in enumerate((dq, dk, dv))]
+    grad_name = do_format if fp8_grads else _TE_NAMES[grad_dtype]
+    ws = _workspace_for(cfg, q, k, v, "float8_e4m3", grad_name, cu_seqlens_q, max_seqlen_q,
+                        max_seqlen_kv, True, do_format)
+    c.attention_backward(cfg, _fp8_raw(q, d[0]), _fp8_raw(k, d[1]), _fp8_raw(v, d[2]),
+                         _fp8_raw(o, d[3]), c.Tensor(raw(d_o), dtype=fmt, scale_inv=d[4]), raw(lse),
+                         dq=grads[0], dk=grads[1], dv=grads[2],
+                         cu_seqlens_q=_opt(cu_seqlens_q), cu_seqlens_kv=_opt(cu_seqlens_kv),
+                         rng_state=_opt(rng_state), softmax_fp8=softmax, dp_fp8=dp, workspace=ws,
+                         stream=stream_of(q))
+    return dq, dk, dv, amax_dp, amax_grads
+
+
+@attention_backward_fp8.register_fake
+def _(q, k, v, o, d_o, lse, descales, s_scales, dp_scales, cu_seqlens_q, cu_seqlens_kv,
+      rng_state, layout, mask, window_left, window_right, softmax_scale, dropout, max_seqlen_q,
+      max_seqlen_kv, deterministic, backend, do_format, grad_scales, grad_dtype):
+    dq, dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (q, k, v))
+    return (dq, dk, dv, q.new_empty((1,), dtype=torch.float32),
+            _amax_grads(q, grad_dtype == torch.uint8))
+
+
+def _amax_grads(q: torch.Tensor, fp8_grads: bool) -> torch.Tensor:
+    return q.new_zeros((3 if fp8_grads else 0,), dtype=torch.float32)
+
+
 _TE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
              torch.uint8: "float8_e4m3"}
 
 
-def _workspace_for(cfg, q, k, v, o_dtype, grad_dtype, cu_q, max_sq, max_skv, backward):
+def _o_name(dtype: torch.dtype) -> str:
+    """The core's name of an o dtype (uint8: E4M3 bytes)."""
+    return _TE_NAMES[dtype]
+
+
+def _workspace_for(cfg, q, k, v, o_name: str, grad_name: str, cu_q, max_sq, max_skv, backward,
+                   do_name: Optional[str] = None):
+    """CUDA workspace of a call (None on the CPU); dtypes by the core's names."""
     if not q.is_cuda:
         return None
     sizes = sizes_of(q, k, v, cfg.layout.name, cu_q, max_sq, max_skv)
     c = core()
     size = c.attention_workspace_size(cfg, sizes, getattr(c.DType, _TE_NAMES[q.dtype]),
-                                      getattr(c.DType, _TE_NAMES[o_dtype]),
-                                      getattr(c.DType, _TE_NAMES[grad_dtype]),
+                                      getattr(c.DType, o_name), getattr(c.DType, grad_name),
+                                      do_dtype=getattr(c.DType, do_name or o_name),
                                       device_id=_device_id(q), backward=backward)
     ws = torch.empty((max(int(size), 1),), dtype=torch.uint8, device=q.device)
     return raw(ws)
