@@ -1,6 +1,7 @@
 """Causal bf16 attention, forward + backward, through te.DotProductAttention beside torch's
 scaled_dot_product_attention on its cuDNN and flash backends, and fused_attn beside
-jax.nn.dot_product_attention(implementation="cudnn"); then our FP8 forward beside our bf16 one.
+jax.nn.dot_product_attention(implementation="cudnn"); then our FP8 forward beside our bf16 one,
+and the module's FP8 forward + backward (fp8_dpa, casts included) beside its bf16 one.
 
 TFLOP/s count the two batched GEMMs of the forward, 4 * B * Hq * Sq * Skv * D, halved for the
 causal mask (only the lower triangle is computed); forward + backward counts 3.5 times the
@@ -80,7 +81,15 @@ def torch_cases(shape, device: str) -> dict:
         with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
             attn(q, k, v)
 
+    fp8_dpa = recipe.DelayedScaling(fp8_dpa=True)
+
+    def ours_fp8(i):  # the module's FP8 forward and backward (casts and widenings included)
+        with te.fp8_autocast(fp8_recipe=fp8_dpa):
+            out = attn(q, k, v)
+        out.backward(grad)
+
     cases = {("fwd_bwd", "transformer_engine"): ours,
+             ("fwd_bwd", "transformer_engine_fp8"): ours_fp8,
              ("fwd", "transformer_engine_bf16"): ours_forward,
              ("fwd", "transformer_engine_fp8"): ours_fp8_forward,
              ("fwd", "transformer_engine_fp8_operands"): _fp8_operands_forward(q, k, v)}
@@ -183,7 +192,8 @@ def main() -> None:
 
     write_result(args.name, {
         "description": "causal attention, bf16 fwd+bwd, ours vs torch SDPA (cuDNN, flash) and "
-                       "jax.nn.dot_product_attention (cuDNN); FP8 forward vs bf16 forward. "
+                       "jax.nn.dot_product_attention (cuDNN); FP8 forward vs bf16 forward; "
+                       "the module's FP8 fwd+bwd (fp8_dpa) vs its bf16 fwd+bwd. "
                        "shape = (batch, heads_q, heads_kv, seqlen, head_dim)",
         "sdpa_cudnn_baseline_fwd_bwd_tflops_b4_h32_s4096": 465,
         "backends": backends,
