@@ -104,6 +104,21 @@ def test_user_callables_run_in_python():
     assert layer.scale_bwd.item() == pytest.approx(57344.0 / 2.0)
 
 
+def test_scaling_factor_callable_alone_also_rules_the_backward_update():
+    """A string amax_compute_algo with a scaling_factor_compute_algo callable: the backward's
+    grad_output scale follows the callable too, not the core's rule."""
+    r = recipe.DelayedScaling(
+        amax_history_len=2, amax_compute_algo="max",
+        scaling_factor_compute_algo=lambda amax, scale, fmax, rc: fmax / amax / 4.0)
+    layer = te.Linear(32, 16, device="cpu")
+    x = torch.full((16, 32), 4.0, requires_grad=True)
+    with te.fp8_autocast(fp8_recipe=r):
+        y = layer(x)
+    y.backward(torch.ones_like(y))
+    assert layer.scale_fwd[0].item() == pytest.approx(448.0 / 4.0 / 4.0)
+    assert layer.scale_bwd.item() == pytest.approx(57344.0 / 1.0 / 4.0)
+
+
 def test_quantize_delayed_raises_its_history_slot_in_place(device):
     """The op behind delayed scaling's quantization: the bytes and scale_inv of ops.quantize
     with scales[index], and max|x| raised into amax_history[0, index] alone (None: no record)."""

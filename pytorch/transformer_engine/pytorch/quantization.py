@@ -61,10 +61,12 @@ def make_plan(recipe: Recipe) -> Plan:
     """The plan of ``recipe`` for a linear layer; a recipe te.Linear cannot run raises."""
     fmt = recipe.fp8_format
     if recipe.delayed():
+        # Either user callable takes the scale update out of the core ("callable": the update
+        # of the backward then runs fp8.update_backward_scales, as the exit update does).
         algo = recipe.amax_compute_algo
+        python = not isinstance(algo, str) or recipe.scaling_factor_compute_algo is not None
         return Plan("delayed", fmt.fwd_dtype_name, fmt.bwd_dtype_name, "tensor", "tensor",
-                    "tensor", False, 0.0, algo if isinstance(algo, str) else "callable",
-                    recipe.margin)
+                    "tensor", False, 0.0, "callable" if python else algo, recipe.margin)
     if recipe.float8_current_scaling():
         return Plan("current", fmt.fwd_dtype_name, fmt.bwd_dtype_name, "tensor", "tensor",
                     "tensor", recipe.power_2_scale, recipe.amax_epsilon, "", 0)
