@@ -278,7 +278,7 @@ def test_cuda_fp8_forward_close_to_bf16(mask):
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])
 def test_fp8_forward_close_to_bf16_cpu(mask):
     q, k, v = _data(1, 33, 33, 2, 2, 16, torch.bfloat16, "cpu")
-    attn = te.DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type=mask)
+    attn = te.DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type=mask, device="cpu")
     ref = attn(q, k, v).float()
     with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
         out = attn(q, k, v)
@@ -359,9 +359,11 @@ def test_cuda_scaled_softmax_matches_cpu(kind):
 @pytest.mark.cuda
 def test_cuda_math_path_fp8_forward_matches_cpu():
     q, k, v = _data(1, 65, 65, 2, 2, 64, torch.bfloat16, "cpu")
-    attn = te.DotProductAttention(2, 64, qkv_format="bshd", attention_backend=None)
     outs = []
     for device, backend in (("cpu", "cpu"), ("cuda", "cuda_math")):
+        # A fresh module per device: the delayed-scaling state lives on one, and both runs
+        # must quantize with the same (initial) scales.
+        attn = te.DotProductAttention(2, 64, qkv_format="bshd", device=device)
         args = [t.detach().to(device) for t in (q, k, v)]
         with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
             outs.append(attn(*args, attention_backend=backend).float().cpu())
@@ -383,7 +385,7 @@ def _assert_fp8_close(got, want, what, against_bf16=True):
 def check_fp8_grads(device, mask, fmt, b=1, s=33, h=2, hk=2, d=16, backend=None):
     q, k, v = _data(b, s, s, h, hk, d, torch.bfloat16, device, seed=5)
     attn = te.DotProductAttention(h, d, num_gqa_groups=hk, qkv_format="bshd",
-                                  attn_mask_type=mask, attention_backend=backend)
+                                  attn_mask_type=mask, attention_backend=backend, device=device)
     grad = torch.randn(b, s, h * d, generator=torch.Generator().manual_seed(6)).to(device)
     attn(q, k, v).float().mul(grad).sum().backward()
     want = [t.grad.clone() for t in (q, k, v)]
@@ -410,7 +412,8 @@ def test_fp8_backward_gqa_and_thd_cpu():
     lengths = [13, 7]
     qt, kt, vt = (torch.cat([x[0, :n] for n in lengths]).detach().requires_grad_()
                   for x in (q, k, v))
-    attn = te.DotProductAttention(2, 16, qkv_format="thd", attn_mask_type="padding_causal")
+    attn = te.DotProductAttention(2, 16, qkv_format="thd", attn_mask_type="padding_causal",
+                                  device="cpu")
     kw = dict(cu_seqlens_q=_cu(lengths, "cpu"), cu_seqlens_kv=_cu(lengths, "cpu"),
               max_seqlen_q=13, max_seqlen_kv=13)
     attn(qt, kt, vt, **kw).float().sum().backward()

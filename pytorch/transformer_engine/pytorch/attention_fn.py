@@ -2,7 +2,8 @@
 
 * Fused: the core's attention entry points (cuDNN, the CUDA math path or the CPU reference),
   forward and backward; FP8 under ``fp8_dpa`` (E4M3 q, k, v and o; the backward takes d_o in
-  the recipe's gradient format and returns high-precision gradients).
+  the recipe's gradient format and returns high-precision gradients), with delayed scaling
+  (the module's amax histories and scales) or current scaling.
 * Unfused: ``q @ k^T`` and ``p @ v`` as torch matmuls around the core's scaled masked softmax,
   for what the fused kernels do not take (arbitrary masks, shapes cuDNN rejects).
 
@@ -11,11 +12,13 @@ Both compute the same function (``attention.h``); they draw different dropout ma
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from . import ops
+from .linear_fn import update_backward
+from .quantization import Plan
 
 __all__ = ["fused_attention", "fused_attention_fp8", "unfused_attention"]
 
@@ -49,15 +52,34 @@ def fused_attention(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bo
 
 E4M3_MAX = 448.0
 FP8_MAX = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
+# Columns of the module's delayed-scaling state (module/attention.py): forward 0 = q, 1 = k,
+# 3 = v (2 = p, whose scale is fixed); backward 1 = d_o.
+_QKV_COLUMNS = (0, 1, 3)
+_DO_COLUMN = 1
 
 
-def _quantize(x: torch.Tensor, fmt: str = "float8_e4m3"
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-tensor current scaling through the core: (FP8 bytes in x's shape, scale [1],
-    scale_inv [1])."""
-    data, _, scale, scale_inv, _ = ops.quantize_current(
-        x.reshape(-1, x.shape[-1]), fmt, True, False, False, 0.0)
-    return data.view(x.shape), scale, scale_inv
+def _quantize(plan, x: torch.Tensor, fmt: str, scales: Optional[torch.Tensor], column: int,
+              history: Optional[torch.Tensor]):
+    """Per-tensor quantization of ``x`` (any shape) to ``fmt`` by the plan's kind: (FP8 bytes
+    in x's shape, scale [1], scale_inv [1], amax [1]). Delayed scaling casts with
+    ``scales[column]`` in one pass and raises ``history[0, column]``, which is the amax
+    returned (a view: read it before the scale update rolls the history); current scaling
+    reads x twice (amax, then cast)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if plan.kind == "delayed":
+        data, _, scale_inv = ops.quantize_delayed(rows, scales, column, history, fmt, True,
+                                                  False)
+        scale, amax = scales[column:column + 1], history[0, column:column + 1]
+    else:
+        data, _, scale, scale_inv, amax = ops.quantize_current(
+            rows, fmt, True, False, plan.force_pow2_scales, plan.amax_epsilon)
+    return data.view(x.shape), scale, scale_inv, amax
+
+
+def _operand_bound(amax: torch.Tensor, scale_inv: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A bound on |values| of a quantized operand: its amax, or fp8_max * scale_inv when that
+    is smaller (a delayed scale from earlier steps can make the cast saturate)."""
+    return torch.minimum(amax, FP8_MAX[fmt] * scale_inv)
 
 
 def _max_row_norm(x: torch.Tensor) -> torch.Tensor:
@@ -77,8 +99,8 @@ def _seqlen_q(shape, layout: str, max_seqlen_q: int) -> int:
     return max_seqlen_q if layout == "thd" else shape[1 if layout == "bshd" else 0]
 
 
-def _backward_scales(ctx, descales: torch.Tensor, do_norm: torch.Tensor,
-                     do_scale_inv: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward_scales(ctx, do_norm: torch.Tensor, amax_do: Optional[torch.Tensor],
+                     fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(dp_scales [2], grad_scales [3] or empty) of the FP8 backward, from bounds that hold for
     any data, so that nothing saturates and no step needs the amax of an earlier one.
 
@@ -91,6 +113,8 @@ def _backward_scales(ctx, descales: torch.Tensor, do_norm: torch.Tensor,
     dq_i = sum_j ds_ij k_j: sum_j |ds_ij| <= scale * 2 max |dp| = 2 B, so |dq| <= 2 B amax(k).
     dk_j = sum over the <= group * seqlen_q queries i of ds_ij q_i: |dk| <= n B / 2 amax(q).
     dv_j = sum_i dropout(p_ij) d_o_i: |dv| <= n keep amax(d_o).
+    amax(q), amax(k) (ctx.amax_qk) and amax(d_o) bound the quantized operands
+    (_operand_bound), whatever scaling produced them.
     The dk and dv bounds grow with the sequence, so typical values sit about log2(seqlen_q)
     binades below the format's maximum: E5M2 (30 binades of normal values) keeps them normal
     for any practical length, E4M3 (15) up to a few thousand queries."""
@@ -105,29 +129,40 @@ def _backward_scales(ctx, descales: torch.Tensor, do_norm: torch.Tensor,
     if not ctx.fp8_grads:
         return dp_scales, dp_scale.new_empty((0,))
     n = (q[-2] // k[-2]) * _seqlen_q(q, layout, max_sq)
-    amax_q, amax_k = (E4M3_MAX * descales[i:i + 1] for i in range(2))
-    amax_do = fp8_max * do_scale_inv
+    amax_q, amax_k = ctx.amax_qk[0:1], ctx.amax_qk[1:2]
     bounds = torch.cat([4.0 * bound_dp * amax_k, n * bound_dp * amax_q,
                         (2.0 * n * keep) * amax_do])
     return dp_scales, fp8_max / bounds.clamp_min(tiny)
 
 
 class _FusedAttentionFP8(torch.autograd.Function):
+    """Forward arguments after rng: the forward scales and history of delayed scaling (None
+    under current scaling; history None in a checkpoint's recompute), the backward's
+    (history, scale, scale_inv) as one tuple or None, and ``cfg`` = (params, deterministic,
+    plan, recipe when the backward update takes the general path else None, amax group)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_kv, rng, params, deterministic, grad_format):
-        quantized = [_quantize(t) for t in (q, k, v)]
-        descales = torch.cat([d for _, _, d in quantized])
+    def forward(ctx, q, k, v, cu_q, cu_kv, rng, scales, history, bwd_meta, cfg):
+        params, deterministic, plan, recipe, group = cfg
+        if plan.kind == "delayed" and history is None:
+            # A recompute records nothing in the module, yet the backward's bounds need the
+            # amaxes of this q and k: a scratch history takes them.
+            history = q.new_zeros((1, 4), dtype=torch.float32)
+        quantized = [_quantize(plan, t, "float8_e4m3", scales, column, history)
+                     for t, column in zip((q, k, v), _QKV_COLUMNS, strict=True)]
+        descales = torch.cat([sinv for _, _, sinv, _ in quantized])
         # p is in [0, 1]: the largest E4M3 value maps 1 without overflow.
         # (Filled on the device: a torch.tensor from a list would be a pageable host copy,
         # which stalls the host and has no place in a captured CUDA graph.)
         s_scales = q.new_full((2,), E4M3_MAX, dtype=torch.float32)
         s_scales[1:].fill_(1.0 / E4M3_MAX)
         # o is written in E4M3 too (Hopper's cuDNN takes no other output of an FP8 forward) and
-        # widened here. Each row of o averages rows of v, so |o| <= max |v| but for the
-        # rounding of p to E4M3: half of v's scale keeps o clear of the format's maximum.
-        scale_v, descale_v = quantized[2][1], quantized[2][2]
+        # widened here. Each row of o averages rows of v, so |o| <= max |v| <= E4M3_MAX /
+        # scale_v (the cast saturates there) but for the rounding of p to E4M3: half of v's
+        # scale keeps o clear of the format's maximum.
+        _, scale_v, descale_v, _ = quantized[2]
         o_scale, o_scale_inv = scale_v * 0.5, descale_v * 2.0
-        qf, kf, vf = (d for d, _, _ in quantized)
+        qf, kf, vf = (data for data, _, _, _ in quantized)
         o8, lse, _, _ = ops.attention_forward_fp8(qf, kf, vf, descales, s_scales, cu_q, cu_kv, rng,
                                                *params, o_scale, torch.uint8)
         o = ops.dequantize(o8, o_scale_inv, "float8_e4m3", "tensor", q.dtype)
@@ -135,21 +170,33 @@ class _FusedAttentionFP8(torch.autograd.Function):
         # descales in one [4] tensor), softmax_lse and the softmax factors.
         ctx.save_for_backward(qf, kf, vf, o8, lse, torch.cat([descales, o_scale_inv]), s_scales,
                               cu_q, cu_kv, rng)
-        # Only a backward reads it (one more pass over v).
-        ctx.v_norm = _max_row_norm(v) if any(ctx.needs_input_grad[:3]) else None
-        ctx.qkv_shapes = (q.shape, k.shape)
-        ctx.params, ctx.deterministic, ctx.grad_format, ctx.dtype = (
-            params, deterministic, grad_format, q.dtype)
         ctx.fp8_grads = _grads_in_fp8(params[-1], q.device)
+        grad = any(ctx.needs_input_grad[:3])
+        # Only a backward reads them (one more pass over v; copies of the amaxes, which the
+        # exit update rolls out of the history).
+        ctx.v_norm = _max_row_norm(v) if grad else None
+        ctx.amax_qk = None
+        if grad and ctx.fp8_grads:
+            ctx.amax_qk = _operand_bound(torch.cat([quantized[0][3], quantized[1][3]]),
+                                         descales[:2], "float8_e4m3")
+        ctx.qkv_shapes = (q.shape, k.shape)
+        ctx.params, ctx.deterministic, ctx.dtype = params, deterministic, q.dtype
+        # Attributes, not saved tensors: the backward updates them in place.
+        ctx.bwd_meta, ctx.plan, ctx.recipe, ctx.group = bwd_meta, plan, recipe, group
         return o
 
     @staticmethod
     def backward(ctx, d_o):
         qf, kf, vf, o8, lse, descales, s_scales, cu_q, cu_kv, rng = ctx.saved_tensors
-        fmt = ctx.grad_format
-        do8, _, do_scale_inv = _quantize(d_o, fmt)
-        dp_scales, grad_scales = _backward_scales(ctx, descales, _max_row_norm(d_o),
-                                                  do_scale_inv, fmt)
+        plan = ctx.plan
+        fmt = plan.bwd_dtype
+        history, scale, _ = ctx.bwd_meta if plan.kind == "delayed" else (None, None, None)
+        do8, _, do_scale_inv, amax_do = _quantize(plan, d_o, fmt, scale, _DO_COLUMN, history)
+        # Before the update below rolls the history slot that amax_do views.
+        amax_do = _operand_bound(amax_do, do_scale_inv, fmt) if ctx.fp8_grads else None
+        if plan.kind == "delayed":
+            update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
+        dp_scales, grad_scales = _backward_scales(ctx, _max_row_norm(d_o), amax_do, fmt)
         grad_dtype = torch.uint8 if ctx.fp8_grads else ctx.dtype
         dq, dk, dv, _, _ = ops.attention_backward_fp8(
             qf, kf, vf, o8, do8, lse, torch.cat([descales, do_scale_inv]), s_scales, dp_scales,
@@ -158,19 +205,30 @@ class _FusedAttentionFP8(torch.autograd.Function):
         if ctx.fp8_grads:
             dq, dk, dv = (ops.dequantize(g, 1.0 / grad_scales[i:i + 1], fmt, "tensor", ctx.dtype)
                           for i, g in enumerate((dq, dk, dv)))
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bool = False,
-                        grad_format: str = "float8_e5m2"):
-    """Attention in FP8: q, k, v and o in E4M3, each q/k/v scaled by its own amax; the backward
-    quantizes d_o to ``grad_format`` (the recipe's gradient format: E5M2 under HYBRID) by its
-    own amax and returns gradients in q's dtype (see _backward_scales for the other factors)."""
-    if grad_format not in FP8_MAX:
-        raise ValueError(f"fused_attention_fp8: grad_format must be one of {tuple(FP8_MAX)}, "
-                         f"got {grad_format!r}")
-    return _FusedAttentionFP8.apply(q, k, v, cu_q, cu_kv, rng, params, deterministic,
-                                    grad_format)
+def fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bool,
+                        plan: Plan, scales: Optional[torch.Tensor] = None,
+                        history: Optional[torch.Tensor] = None, bwd_meta: Optional[tuple] = None,
+                        recipe: Any = None, group: Any = None):
+    """Attention in FP8: q, k, v and o in E4M3; the backward quantizes d_o to the plan's
+    gradient format (E5M2 under HYBRID) and returns gradients in q's dtype (see
+    _backward_scales for the other factors).
+
+    ``plan.kind`` "delayed" quantizes q, k, v with ``scales`` columns 0, 1, 3 and raises those
+    columns of ``history`` (None: record nothing, a checkpoint's recompute); the backward
+    quantizes d_o with column 1 of ``bwd_meta`` = (history, scale, scale_inv) and then updates
+    those scales (through ``recipe`` and ``group`` when given: user callables or an amax
+    group). "current" scales each tensor by its own amax and takes none of them."""
+    if plan.kind not in ("delayed", "current"):
+        raise ValueError(f"fused_attention_fp8: plan.kind must be 'delayed' or 'current', got "
+                         f"{plan.kind!r}")
+    if plan.kind == "delayed" and (scales is None or bwd_meta is None):
+        raise ValueError("fused_attention_fp8: delayed scaling must be given scales and "
+                         f"bwd_meta, got {type(scales).__name__} and {type(bwd_meta).__name__}")
+    return _FusedAttentionFP8.apply(q, k, v, cu_q, cu_kv, rng, scales, history, bwd_meta,
+                                    (params, deterministic, plan, recipe, group))
 
 
 class _ScaledSoftmax(torch.autograd.Function):

@@ -23,12 +23,17 @@ from typing import Optional, Union
 
 import torch
 
-from transformer_engine.common.recipe import Format
+from transformer_engine.common.recipe import Format, Recipe
 
+from .. import fp8 as _fp8
+from .. import ops
 from ..attention_fn import fused_attention, fused_attention_fp8, unfused_attention
 from ..fp8 import STATE
 from ..ops._backend import core
 from ..ops.attention import LAYOUTS, MASKS, config, sizes_of
+from ..quantization import record_amax
+from .base import FP8Module
+from .linear import _default_device
 
 __all__ = ["AttentionBackend", "DotProductAttention", "get_attention_backend"]
 
@@ -186,7 +191,21 @@ def get_attention_backend(query, key, value, *, qkv_format: str = "sbhd",
     return _CHOICES[(k, grad, asked)]
 
 
-class DotProductAttention(torch.nn.Module):
+def _runs_fp8(recipe: Optional[Recipe]) -> bool:
+    """Whether attention runs in FP8 under ``recipe``: delayed or current scaling that asks
+    for it with ``fp8_dpa`` (the other recipes have no such field)."""
+    return bool(recipe is not None and getattr(recipe, "fp8_dpa", False)
+                and (recipe.delayed() or recipe.float8_current_scaling()))
+
+
+def _general_update(recipe: Recipe, group) -> bool:
+    """Whether delayed scaling's backward update must take the general path (user callables,
+    an amax group) rather than one core call."""
+    return (callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None
+            or group is not None)
+
+
+class DotProductAttention(FP8Module):
     """Multi-head dot-product attention of already projected heads (no weights).
 
     Args:
@@ -203,11 +222,22 @@ class DotProductAttention(torch.nn.Module):
         layer_number, attention_type: kept for API compatibility ("self" or "cross").
         deterministic: ask the backward for a deterministic dk/dv reduction.
         attention_backend: ``None`` (auto, or ``TE_ATTENTION_BACKEND``) or one of ``BACKENDS``.
+        device: where the delayed-scaling state lives (default: the current CUDA device when
+            there is one, else the CPU); it follows ``.to()``.
 
     The output is [s, b, h * dv] for sbhd, [b, s, h * dv] for bshd, [t, h * dv] for thd.
-    Under ``fp8_autocast`` with a ``DelayedScaling(fp8_dpa=True)`` recipe the fused path runs
-    in FP8: q, k, v are quantized to E4M3 with scales from their own amax, and the backward
-    takes the output gradient in the recipe's gradient format (E5M2 under HYBRID).
+    Under ``fp8_autocast`` with ``fp8_dpa=True`` the fused path runs in FP8: q, k, v in E4M3,
+    and the backward takes the output gradient in the recipe's gradient format (E5M2 under
+    HYBRID). ``DelayedScaling`` quantizes them with scales from the amaxes of earlier steps,
+    kept in this module's state as in every te module (updated at the outermost autocast exit,
+    the gradient's in the backward, saved in the state dict); ``Float8CurrentScaling`` with
+    scales from their own amax.
+
+    The state is that of two GEMMs, attention's own: GEMM 0 is q @ k^T (forward columns 0 = q
+    as its "input", 1 = k as its "weight"), GEMM 1 is p @ v (forward column 2 = p, unused: p's
+    scale is fixed at the E4M3 maximum since p is in [0, 1]; column 3 = v). Backward column 1
+    is the output gradient d_o; column 0 (ds, the logits' gradient) is unused, its scale comes
+    from a bound on the data, as do o's (from v's scale) and the FP8 gradients'.
 
     Example:
         >>> attn = DotProductAttention(4, 16, qkv_format="bshd")  # doctest: +SKIP
@@ -222,8 +252,9 @@ class DotProductAttention(torch.nn.Module):
                  window_size: Optional[tuple[int, int]] = None,
                  softmax_scale: Optional[float] = None, layer_number: Optional[int] = None,
                  attention_type: str = "self", deterministic: bool = False,
-                 attention_backend: Optional[str] = None) -> None:
-        super().__init__()
+                 attention_backend: Optional[str] = None,
+                 device: Union[torch.device, str, None] = None) -> None:
+        super().__init__(_default_device(device), num_gemms=2)
         dims = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
         groups = num_gqa_groups if num_gqa_groups is not None else num_attention_heads
         if num_attention_heads % groups != 0:
@@ -280,10 +311,9 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError("DotProductAttention: qkv_format 'thd' needs max_seqlen_q and "
                              "max_seqlen_kv (the longest sequence of each)")
         dropout = self.attention_dropout if self.training else 0.0
-        recipe = STATE.recipe if STATE.enabled else None
-        fp8 = bool(recipe is not None and recipe.delayed() and recipe.fp8_dpa)
+        recipe = self._fp8_recipe_of_call(query, key, value)
         # The recipe's gradient format is d_o's in the FP8 backward (E5M2 under HYBRID).
-        fp8_grad = recipe.fp8_format.bwd_dtype_name if fp8 else ""
+        fp8_grad = recipe.fp8_format.bwd_dtype_name if recipe is not None else ""
         key_ = _key(query, key, value, layout, mask, window, self.softmax_scale, dropout,
                     cu_seqlens_q, max_seqlen_q or 0, max_seqlen_kv or 0, fp8_grad)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
@@ -299,11 +329,31 @@ class DotProductAttention(torch.nn.Module):
                                   max_seqlen_kv or 0, attention_mask)
         else:
             o = self._fused(query, key, value, layout, mask, window, dropout, cu_seqlens_q,
-                            cu_seqlens_kv, max_seqlen_q or 0, max_seqlen_kv or 0, name, fp8_grad)
+                            cu_seqlens_kv, max_seqlen_q or 0, max_seqlen_kv or 0, name, recipe)
         return o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
 
+    def _fp8_recipe_of_call(self, q, k, v) -> Optional[Recipe]:
+        """The recipe this call runs FP8 attention under, or None; under a calibrating
+        autocast of delayed scaling, records the amaxes of q, k, v on the way."""
+        state = STATE
+        if state.enabled:
+            return state.recipe if _runs_fp8(state.recipe) else None
+        if state.calibrating and _runs_fp8(state.recipe) and state.recipe.delayed():
+            self._calibrate(q, k, v, state.recipe)
+        return None
+
+    def _calibrate(self, q, k, v, recipe: Recipe) -> None:
+        """Records the amaxes of q, k, v (high-precision compute) for the next scale update,
+        so that the first FP8 step starts from scales that fit the data."""
+        _check_state_device(q, self._buffers["amax_history_fwd"])
+        self._fit_fp8_meta(recipe)
+        history = self.amax_history_fwd
+        for column, t in ((0, q), (1, k), (3, v)):
+            record_amax(history, column, ops.amax(t.detach().reshape(-1, t.shape[-1])))
+        _fp8.register_forward_amaxes(self, recipe)
+
     def _fused(self, q, k, v, layout, mask, window, dropout, cu_q, cu_kv, max_sq, max_skv,
-               backend, fp8_grad: str):
+               backend, recipe: Optional[Recipe]):
         # Separate empties: torch.compile rejects one tensor passed twice to an autograd.Function.
         def index(cu):
             if cu is None:
@@ -318,10 +368,32 @@ class DotProductAttention(torch.nn.Module):
             rng = torch.empty((0,), dtype=torch.int64, device=q.device)
         params = (layout, mask, window[0], window[1], float(self.softmax_scale), float(dropout),
                   int(max_sq), int(max_skv), backend)
-        if fp8_grad:
-            return fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params, self.deterministic,
-                                       fp8_grad)
+        if recipe is not None:
+            return self._fused_fp8(q, k, v, cu_q, cu_kv, rng, params, recipe)
         return fused_attention(q, k, v, cu_q, cu_kv, rng, params, self.deterministic)
+
+    def _fused_fp8(self, q, k, v, cu_q, cu_kv, rng, params, recipe: Recipe):
+        if recipe.delayed():  # before _fp8_meta_of registers anything
+            _check_state_device(q, self._buffers["scale_fwd"])
+        plan, scales, history = self._fp8_meta_of(recipe)
+        if plan.kind != "delayed":
+            return fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params, self.deterministic,
+                                       plan)
+        buffers = self._buffers  # one dict read instead of nn.Module.__getattr__ per buffer
+        bwd_meta = (buffers["amax_history_bwd"], buffers["scale_bwd"], buffers["scale_inv_bwd"])
+        group = STATE.group
+        general = _general_update(recipe, group)
+        return fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params, self.deterministic, plan,
+                                   scales, history, bwd_meta, recipe if general else None,
+                                   group)
+
+
+def _check_state_device(q: torch.Tensor, state: torch.Tensor) -> None:
+    # get_device() (an int) compares without building device objects on every call.
+    if q.get_device() != state.get_device():
+        raise RuntimeError(f"DotProductAttention: query must be on the device of the module's "
+                           f"delayed-scaling state ({state.device}) in FP8, got {q.device}; "
+                           "move the module with .to() or build it with device=")
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor) -> None:
