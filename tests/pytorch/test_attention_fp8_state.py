@@ -45,8 +45,9 @@ class AttentionScalingModel(ref.DelayedScalingModel):
         return self._update(self.history_bwd, self.scale_bwd, self.bwd_max)
 
 
-def _module(device, mask="causal", **kw):
-    shape = SHAPES[torch.device(device).type]
+def _module(device, mask="causal", shape_of=None, **kw):
+    """The module for inputs of device ``shape_of``'s shapes (default: its own device's)."""
+    shape = SHAPES[torch.device(shape_of or device).type]
     return te.DotProductAttention(shape["h"], shape["d"], qkv_format="bshd", attn_mask_type=mask,
                                   device=device, **kw)
 
@@ -219,7 +220,7 @@ def test_compiled_steps_match_eager_and_keep_the_state():
 
 @pytest.mark.cuda
 def test_state_on_another_device_is_an_error():
-    attn = _module("cpu")
+    attn = _module("cpu", shape_of="cuda")  # state on the CPU, sized for the CUDA inputs
     q, k, v, _ = _inputs("cuda", 0)
     with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
         with pytest.raises(RuntimeError, match="query must be on the device of the module's"):
