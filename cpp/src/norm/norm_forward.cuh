@@ -202,9 +202,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
     prefetch(k + kPrefetchSteps);
     if (row0 < rows) {  // uniform in the group, as its barriers need
       float acc[kRows], mu[kRows] = {}, rs[kRows];
-      // acc[r] = the group's sum over row r, in the documented lane order, each lane's running
-      // sum becoming add(lane, x, r) for each of its elements x.
-      auto row_sums = [&](auto add) {
+      // acc[r] = the group's sum of value(x, r) over row r, in the documented lane order.
+      auto row_sums = [&](auto value) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           acc[r] = 0.0f;
@@ -214,7 +213,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
             decode_pass(in[r][j], x);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-              if (j < vecs) acc[r] = add(acc[r], x[e], r);
+              if (j < vecs) acc[r] += value(x[e], r);
             }
           }
         }
@@ -222,11 +221,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
         parity ^= 1;
       };
       if (kLn) {
-        row_sums([](float acc, float x, int) { return acc + x; });
+        row_sums([](float x, int) { return x; });
 #pragma unroll
         for (int r = 0; r < kRows; ++r) mu[r] = acc[r] / static_cast<float>(n);
       }
-      row_sums([&](float acc, float x, int r) { return norm_add_square(acc, kLn ? x - mu[r] : x); });
+      row_sums([&](float x, int r) {
+        const float d = kLn ? x - mu[r] : x;
+        return d * d;
+      });
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         rs[r] = norm_rsigma(acc[r], n, a.eps);
@@ -338,7 +340,8 @@ __global__ void __launch_bounds__(kThreads) norm_forward_any_kernel(const NormFo
     v.get(j, x);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      if (v.start(j) + e < n) acc[0] = norm_add_square(acc[0], ln ? x[e] - mu : x[e]);
+      const float d = ln ? x[e] - mu : x[e];
+      if (v.start(j) + e < n) acc[0] += d * d;
     }
   }
   group_lane_sums(acc, scratch[1], 1);

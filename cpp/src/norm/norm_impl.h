@@ -65,11 +65,6 @@ TE_HOST_DEVICE void norm_lane_tree(float *lanes) {
 
 TE_HOST_DEVICE float norm_gain(float w, bool zero_centered) { return zero_centered ? 1.0f + w : w; }
 
-// One term of the row's sum of squares: acc + d * d in one rounding (an FMA: one instruction
-// per element on the GPU, where the kernels are bound by the instructions they issue; the CPU's
-// fmaf rounds the same exact value the same way).
-TE_HOST_DEVICE float norm_add_square(float acc, float d) { return fmaf(d, d, acc); }
-
 // rsigma from the row's sum of squared deviations (or squares) over n elements.
 TE_HOST_DEVICE float norm_rsigma(float sum_sq, int64_t n, float eps) {
   return 1.0f / sqrtf(sum_sq / static_cast<float>(n) + eps);
@@ -81,9 +76,8 @@ TE_HOST_DEVICE float norm_xhat(float x, float mu, float rsigma, bool layernorm) 
   return layernorm ? (x - mu) * rsigma : x * rsigma;
 }
 
-// y of one element; LayerNorm's xhat * g + b is one FMA (one rounding), as norm_add_square.
 TE_HOST_DEVICE float norm_output(float xhat, float g, float b, bool layernorm) {
-  return layernorm ? fmaf(xhat, g, b) : xhat * g;
+  return layernorm ? xhat * g + b : xhat * g;
 }
 
 // One element of grad_input from the row means m1 = mean(dyg) and m2 = mean(dyg * xhat).

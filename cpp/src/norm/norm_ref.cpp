@@ -11,23 +11,13 @@
 namespace te {
 namespace {
 
-// The row sum over i in [0, n) in the order of norm.h: each lane's running sum becomes
-// add(lane, i) for the elements i of that lane.
-template <typename Add>
-float row_sum_with(int64_t n, Add &&add) {
-  float lanes[kNormLanes] = {};
-  for (int64_t i = 0; i < n; ++i) {
-    float &lane = lanes[(i / kNormVec) % kNormLanes];
-    lane = add(lane, i);
-  }
-  norm_lane_tree(lanes);
-  return lanes[0];
-}
-
 // The row sum of f(i) over i in [0, n) in the order of norm.h.
 template <typename F>
 float row_sum(int64_t n, F &&f) {
-  return row_sum_with(n, [&](float lane, int64_t i) { return lane + f(i); });
+  float lanes[kNormLanes] = {};
+  for (int64_t i = 0; i < n; ++i) lanes[(i / kNormVec) % kNormLanes] += f(i);
+  norm_lane_tree(lanes);
+  return lanes[0];
 }
 
 }  // namespace
@@ -46,8 +36,9 @@ void norm_forward_ref(const NormForwardArgs &a) {
     for (int64_t j = 0; j < n; ++j) x[j] = load_hp(a.input, r * n + j, a.input_dtype);
     float mu = 0.0f;
     if (ln) mu = row_sum(n, [&](int64_t j) { return x[j]; }) / static_cast<float>(n);
-    const float sum_sq = row_sum_with(n, [&](float lane, int64_t j) {
-      return norm_add_square(lane, ln ? x[j] - mu : x[j]);
+    const float sum_sq = row_sum(n, [&](int64_t j) {
+      const float d = ln ? x[j] - mu : x[j];
+      return d * d;
     });
     const float rsigma = norm_rsigma(sum_sq, n, a.eps);
     if (ln) a.mu[r] = mu;
