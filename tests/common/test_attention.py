@@ -350,8 +350,10 @@ def fp8_backward(device, cfg, q8, k8, v8, o, descale_o, lse, d8, dp_scale, grad,
     handles = grads
     if fp8_grads:
         scales = _scalars(device, *grad_scales)
-        handles = [core.Tensor(g, dtype=FP8_NAMES[grad], scale=s)
-                   for g, s in zip(grads, scales, strict=True)]
+        # cuDNN's FP8 backward writes the gradients' amaxes whether or not they are wanted.
+        amaxes = _scalars(device, 0.0, 0.0, 0.0)
+        handles = [core.Tensor(g, dtype=FP8_NAMES[grad], scale=s, amax=a)
+                   for g, s, a in zip(grads, scales, amaxes, strict=True)]
     grad_dtype = FP8_NAMES[grad] if fp8_grads else core.DType.float32
     ws = _fp8_workspace(device, cfg, q8.data, k8.data, grad_dtype, d8.dtype)
     core.attention_backward(
