@@ -198,13 +198,6 @@ def _runs_fp8(recipe: Optional[Recipe]) -> bool:
                 and (recipe.delayed() or recipe.float8_current_scaling()))
 
 
-def _general_update(recipe: Recipe, group) -> bool:
-    """Whether delayed scaling's backward update must take the general path (user callables,
-    an amax group) rather than one core call."""
-    return (callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None
-            or group is not None)
-
-
 class DotProductAttention(FP8Module):
     """Multi-head dot-product attention of already projected heads (no weights).
 
@@ -379,13 +372,9 @@ class DotProductAttention(FP8Module):
         if plan.kind != "delayed":
             return fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params, self.deterministic,
                                        plan)
-        buffers = self._buffers  # one dict read instead of nn.Module.__getattr__ per buffer
-        bwd_meta = (buffers["amax_history_bwd"], buffers["scale_bwd"], buffers["scale_inv_bwd"])
-        group = STATE.group
-        general = _general_update(recipe, group)
+        bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
         return fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params, self.deterministic, plan,
-                                   scales, history, bwd_meta, recipe if general else None,
-                                   group)
+                                   scales, history, bwd_meta, bwd_recipe, group)
 
 
 def _check_state_device(q: torch.Tensor, state: torch.Tensor) -> None:

@@ -122,6 +122,16 @@ class FP8Module(torch.nn.Module):
         fp8.register_forward_amaxes(self, recipe)
         return plan, self._forward_scales(), buffers["amax_history_fwd"]
 
+    def _backward_state(self, plan: Plan, recipe: Recipe) -> tuple[tuple, Recipe | None, Any]:
+        """What an FP8 backward's delayed-scaling update needs: the backward roles' (history,
+        scale, scale_inv); the recipe when the update must take the general path (user
+        callables, or amaxes reduced over a group) else None, for one core call; the group."""
+        group = fp8.STATE.group
+        general = plan.kind == "delayed" and (plan.algo == "callable" or group is not None)
+        b = self._buffers  # one dict read instead of nn.Module.__getattr__ per buffer
+        meta = (b["amax_history_bwd"], b["scale_bwd"], b["scale_inv_bwd"])
+        return meta, recipe if general else None, group
+
     def _forward_scales(self) -> torch.Tensor:
         """The forward scales this forward quantizes with: the buffer itself, except in the
         recompute of an activation checkpoint, which gets the copy its first run took."""

@@ -177,11 +177,8 @@ class LayerNormLinear(_LinearBase):
         need_wgrad = grad and weight.requires_grad
         w = self._weight_operand(plan, weight, need_dgrad, is_first_microbatch, scales, history)
         col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
-        group = fp8.STATE.group
-        general = plan.kind == "delayed" and (plan.algo == "callable" or group is not None)
-        buffers = self._buffers
-        bwd_meta = (buffers["amax_history_bwd"], buffers["scale_bwd"], buffers["scale_inv_bwd"])
-        consts = (plan, recipe if general else None, group, self.cfg, need_dgrad, need_wgrad)
+        bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
+        consts = (plan, bwd_recipe, group, self.cfg, need_dgrad, need_wgrad)
         return Fp8LayerNormLinearFunction.apply(
             inp, gamma, beta, weight, bias, w.data, w.scale_inv, w.columnwise, col_sinv,
             history, scales, bwd_meta, consts)

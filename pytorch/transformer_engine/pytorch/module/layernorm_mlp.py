@@ -188,11 +188,8 @@ class LayerNormMLP(FP8Module):
         q1 = self._weight_operand(plan, w1, need_dgrad, is_first_microbatch, scales, history, 0)
         q2 = self._weight_operand(plan, w2, need_fc1, is_first_microbatch, scales, history, 1)
         per_tensor = plan.weight_mode == "tensor"
-        group = fp8.STATE.group
-        general = plan.kind == "delayed" and (plan.algo == "callable" or group is not None)
-        buffers = self._buffers
-        bwd_meta = (buffers["amax_history_bwd"], buffers["scale_bwd"], buffers["scale_inv_bwd"])
-        consts = (plan, recipe if general else None, group, self.cfg, self.activation, need)
+        bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
+        consts = (plan, bwd_recipe, group, self.cfg, self.activation, need)
         return Fp8LayerNormMLPFunction.apply(
             inp, gamma, beta, w1, b1, q1.data, q1.scale_inv, q1.columnwise,
             None if per_tensor else q1.columnwise_scale_inv, w2, fc2_bias, q2.data,

@@ -213,11 +213,8 @@ class Linear(_LinearBase):
         # Per-tensor scaling shares one scale_inv between the copies; autograd.Function under
         # torch.compile takes no tensor twice, so the column-wise one goes as None.
         col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
-        group = fp8.STATE.group
-        general = plan.kind == "delayed" and (plan.algo == "callable" or group is not None)
-        buffers = self._buffers
-        bwd_meta = (buffers["amax_history_bwd"], buffers["scale_bwd"], buffers["scale_inv_bwd"])
-        cfg = (plan, recipe if general else None, group, need_dgrad, need_wgrad)
+        bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
+        cfg = (plan, bwd_recipe, group, need_dgrad, need_wgrad)
         return Fp8LinearFunction.apply(inp, weight, bias, w.data, w.scale_inv, w.columnwise,
                                        col_sinv, history, scales, bwd_meta, cfg)
 
