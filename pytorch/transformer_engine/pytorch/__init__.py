@@ -22,6 +22,7 @@ from .module import (
     LayerNormLinear,
     LayerNormMLP,
     Linear,
+    MultiheadAttention,
     RMSNorm,
     get_attention_backend,
 )
@@ -29,6 +30,6 @@ from .module import (
 __version__ = "0.1.0"
 
 __all__ = ["AttentionBackend", "DotProductAttention", "Float8Tensor", "LayerNorm",
-           "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm", "__version__", "autocast",
-           "checkpoint", "fp8_autocast", "fp8_model_init", "get_attention_backend",
-           "is_fp8_available"]
+           "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm",
+           "__version__", "autocast", "checkpoint", "fp8_autocast", "fp8_model_init",
+           "get_attention_backend", "is_fp8_available"]

@@ -3,7 +3,8 @@
 * Fused: the core's attention entry points (cuDNN, the CUDA math path or the CPU reference),
   forward and backward; FP8 under ``fp8_dpa`` (E4M3 q, k, v and o; the backward takes d_o in
   the recipe's gradient format and returns high-precision gradients), with delayed scaling
-  (the module's amax histories and scales) or current scaling.
+  (the module's amax histories and scales) or current scaling. Under ``fp8_mha`` q, k, v may
+  arrive as E4M3 Float8Tensors (used as they are) and o leaves as one.
 * Unfused: ``q @ k^T`` and ``p @ v`` as torch matmuls around the core's scaled masked softmax,
   for what the fused kernels do not take (arbitrary masks, shapes cuDNN rejects).
 
@@ -17,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from . import ops
+from .float8_tensor import Float8Tensor
 from .linear_fn import update_backward
 from .quantization import Plan
 
@@ -74,6 +76,17 @@ def _quantize(plan, x: torch.Tensor, fmt: str, scales: Optional[torch.Tensor], c
         data, _, scale, scale_inv, amax = ops.quantize_current(
             rows, fmt, True, False, plan.force_pow2_scales, plan.amax_epsilon)
     return data.view(x.shape), scale, scale_inv, amax
+
+
+def _operand(plan, x: torch.Tensor, scales: Optional[torch.Tensor], column: int,
+             history: Optional[torch.Tensor]):
+    """q, k or v as an E4M3 operand, like :func:`_quantize`: an E4M3 Float8Tensor as it is
+    (its scale unused, its amax unknown: fp8_max * scale_inv bounds it), anything else
+    quantized."""
+    if isinstance(x, Float8Tensor):
+        scale_inv = x._scale_inv
+        return x._data, None, scale_inv, E4M3_MAX * scale_inv
+    return _quantize(plan, x, "float8_e4m3", scales, column, history)
 
 
 def _operand_bound(amax: torch.Tensor, scale_inv: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -142,33 +155,40 @@ class _FusedAttentionFP8(torch.autograd.Function):
     """Forward arguments after rng: the forward scales and history of delayed scaling (None
     under current scaling; history None in a checkpoint's recompute), the backward's
     (history, scale, scale_inv) as one tuple or None, and ``cfg`` = (params, deterministic,
-    plan, recipe when the backward update takes the general path else None, amax group)."""
+    plan, recipe when the backward update takes the general path else None, amax group,
+    whether o leaves in FP8: a Float8Tensor [..., heads * head_dim_v])."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_kv, rng, scales, history, bwd_meta, cfg):
-        params, deterministic, plan, recipe, group = cfg
+        params, deterministic, plan, recipe, group, out_fp8 = cfg
         if plan.kind == "delayed" and history is None:
             # A recompute records nothing in the module, yet the backward's bounds need the
             # amaxes of this q and k: a scratch history takes them.
-            history = q.new_zeros((1, 4), dtype=torch.float32)
-        quantized = [_quantize(plan, t, "float8_e4m3", scales, column, history)
+            history = torch.zeros((1, 4), dtype=torch.float32, device=q.device)
+        quantized = [_operand(plan, t, scales, column, history)
                      for t, column in zip((q, k, v), _QKV_COLUMNS, strict=True)]
         descales = torch.cat([sinv for _, _, sinv, _ in quantized])
         # p is in [0, 1]: the largest E4M3 value maps 1 without overflow.
         # (Filled on the device: a torch.tensor from a list would be a pageable host copy,
         # which stalls the host and has no place in a captured CUDA graph.)
-        s_scales = q.new_full((2,), E4M3_MAX, dtype=torch.float32)
+        s_scales = torch.full((2,), E4M3_MAX, dtype=torch.float32, device=q.device)
         s_scales[1:].fill_(1.0 / E4M3_MAX)
         # o is written in E4M3 too (Hopper's cuDNN takes no other output of an FP8 forward) and
         # widened here. Each row of o averages rows of v, so |o| <= max |v| <= E4M3_MAX /
         # scale_v (the cast saturates there) but for the rounding of p to E4M3: half of v's
         # scale keeps o clear of the format's maximum.
-        _, scale_v, descale_v, _ = quantized[2]
-        o_scale, o_scale_inv = scale_v * 0.5, descale_v * 2.0
+        # (o's scale from its scale_inv, not from v's scale: an FP8 v arrives with its
+        # scale_inv only, and the two ways could differ in the last bit.)
+        o_scale_inv = quantized[2][2] * 2.0
+        o_scale = torch.reciprocal(o_scale_inv)
         qf, kf, vf = (data for data, _, _, _ in quantized)
         o8, lse, _, _ = ops.attention_forward_fp8(qf, kf, vf, descales, s_scales, cu_q, cu_kv, rng,
                                                *params, o_scale, torch.uint8)
-        o = ops.dequantize(o8, o_scale_inv, "float8_e4m3", "tensor", q.dtype)
+        if out_fp8:
+            flat = o8.view(*o8.shape[:-2], o8.shape[-2] * o8.shape[-1])
+            o = Float8Tensor(flat, o_scale_inv, "float8_e4m3", q.dtype)
+        else:
+            o = ops.dequantize(o8, o_scale_inv, "float8_e4m3", "tensor", q.dtype)
         # The backward runs in FP8 on what the forward ran on: the E4M3 q, k, v and o (their
         # descales in one [4] tensor), softmax_lse and the softmax factors.
         ctx.save_for_backward(qf, kf, vf, o8, lse, torch.cat([descales, o_scale_inv]), s_scales,
@@ -177,7 +197,9 @@ class _FusedAttentionFP8(torch.autograd.Function):
         grad = any(ctx.needs_input_grad[:3])
         # Only a backward reads them (one more pass over v; copies of the amaxes, which the
         # exit update rolls out of the history).
-        ctx.v_norm = _max_row_norm(v) if grad else None
+        ctx.v_norm = None
+        if grad:
+            ctx.v_norm = _max_row_norm(v.dequantize() if isinstance(v, Float8Tensor) else v)
         ctx.amax_qk = None
         if grad and ctx.fp8_grads:
             ctx.amax_qk = _operand_bound(torch.cat([quantized[0][3], quantized[1][3]]),
@@ -191,6 +213,7 @@ class _FusedAttentionFP8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_o):
         qf, kf, vf, o8, lse, descales, s_scales, cu_q, cu_kv, rng = ctx.saved_tensors
+        d_o = d_o.reshape(o8.shape)  # an FP8 o left flattened over the heads
         plan = ctx.plan
         fmt = plan.bwd_dtype
         history, scale, _ = ctx.bwd_meta if plan.kind == "delayed" else (None, None, None)
@@ -214,10 +237,12 @@ class _FusedAttentionFP8(torch.autograd.Function):
 def fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bool,
                         plan: Plan, scales: Optional[torch.Tensor] = None,
                         history: Optional[torch.Tensor] = None, bwd_meta: Optional[tuple] = None,
-                        recipe: Any = None, group: Any = None):
+                        recipe: Any = None, group: Any = None, out_fp8: bool = False):
     """Attention in FP8: q, k, v and o in E4M3; the backward quantizes d_o to the plan's
     gradient format (E5M2 under HYBRID) and returns gradients in q's dtype (see
-    _backward_scales for the other factors).
+    _backward_scales for the other factors). q, k, v may be E4M3 Float8Tensors (per tensor),
+    used as they are; ``out_fp8`` returns o as a Float8Tensor flattened over the heads
+    ([..., heads * head_dim_v]) instead of widening it.
 
     ``plan.kind`` "delayed" quantizes q, k, v with ``scales`` columns 0, 1, 3 and raises those
     columns of ``history`` (None: record nothing, a checkpoint's recompute); the backward
@@ -231,7 +256,7 @@ def fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic
         raise ValueError("fused_attention_fp8: delayed scaling must be given scales and "
                          f"bwd_meta, got {type(scales).__name__} and {type(bwd_meta).__name__}")
     return _FusedAttentionFP8.apply(q, k, v, cu_q, cu_kv, rng, scales, history, bwd_meta,
-                                    (params, deterministic, plan, recipe, group))
+                                    (params, deterministic, plan, recipe, group, out_fp8))
 
 
 class _ScaledSoftmax(torch.autograd.Function):

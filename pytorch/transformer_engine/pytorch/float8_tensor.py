@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 from . import ops
 from .ops._backend import FP8_DTYPES, SCALING_MODES, TORCH_FP8, as_bytes
 
-__all__ = ["Float8Tensor"]
+__all__ = ["Float8Tensor", "to_high_precision"]
 
 _aten = torch.ops.aten
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
@@ -254,3 +254,19 @@ def _rebuild(data, scale_inv, fp8_dtype, dtype, mode, transpose, transpose_scale
 
 # torch.load defaults to weights_only=True, which loads only allow-listed globals.
 torch.serialization.add_safe_globals([_rebuild, Float8Tensor])
+
+
+class _ToHighPrecision(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.dequantize()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def to_high_precision(t: torch.Tensor) -> torch.Tensor:
+    """A Float8Tensor's values as a plain tensor of its dtype, with the gradient passing
+    through to it (``dequantize()`` is not differentiable); any other tensor as it is."""
+    return _ToHighPrecision.apply(t) if isinstance(t, Float8Tensor) else t

@@ -279,6 +279,8 @@ def update_forward_scales(entries: list) -> None:
     for m, r, g in entries:
         b = m._buffers  # one dict read instead of nn.Module.__getattr__ per buffer
         metas.append(((b["amax_history_fwd"], b["scale_fwd"], b["scale_inv_fwd"]), r, g))
+        if m._has_fp8_output:  # FP8 outputs (fp8_output) have forward scales too
+            metas.append(((b["amax_history_out"], b["scale_out"], b["scale_inv_out"]), r, g))
     update_scales(metas, _fwd_dtype, _fwd_max)
 
 

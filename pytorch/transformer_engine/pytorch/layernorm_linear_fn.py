@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import ops
-from .linear_fn import backward_gemms, fp8_gemm, grad_to_fp8, update_backward
+from .linear_fn import backward_gemms, fp8_gemm, fp8_output, grad_to_fp8, update_backward
 from .quantization import Operand, Plan, quantize
 
 
@@ -74,21 +74,27 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
     None; the delayed-scaling buffers of the forward (history, None in a checkpoint's
     recompute, and scales) and, as one tuple, of the backward (history, scale, scale_inv);
     ``consts``: the plan, the recipe (when the backward update takes the general path), the
-    amax group, the NormConfig and whether the norm's inputs and the weight need gradients.
-    Returns the output, and ln_out too when cfg.return_ln_out. (Tuples: every argument of
+    amax group, the NormConfig, whether the norm's inputs and the weight need gradients, and
+    None or what an FP8 output needs (linear_fn.fp8_output). Returns the output, and ln_out
+    too when cfg.return_ln_out. (Tuples: every argument of
     apply costs host time, and these need no autograd edge.)
     """
 
     @staticmethod
     def forward(ctx, inp, gamma, beta, weight, bias, w_data, w_scale_inv, w_col, w_col_scale_inv,
                 history_fwd, scale_fwd, bwd_meta: tuple, consts: tuple):
-        plan, recipe, group, cfg, need_dgrad, need_wgrad = consts
+        plan, recipe, group, cfg, need_dgrad, need_wgrad, out_meta = consts
         k = inp.shape[-1]
         x = inp.reshape(-1, k)
         q, ln_out, mu, rsigma = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
                                             need_wgrad, history_fwd, 0)
-        out = fp8_gemm(q.data, q.scale_inv, w_data, w_scale_inv, plan.fwd_dtype, plan.fwd_dtype,
-                       plan.input_mode, plan.weight_mode, inp.dtype, bias, False)
+        out_shape = (*inp.shape[:-1], w_data.shape[0])
+        if out_meta is not None:
+            out = fp8_output(plan, q, w_data, w_scale_inv, bias, out_meta, out_shape, inp.dtype)
+        else:
+            out = fp8_gemm(q.data, q.scale_inv, w_data, w_scale_inv, plan.fwd_dtype,
+                           plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype, bias,
+                           False).view(out_shape)
         if w_col_scale_inv is None:  # per-tensor: shared with the row-wise copy
             w_col_scale_inv = w_scale_inv
         ctx.save_for_backward(x, mu, rsigma, gamma, q.columnwise, q.columnwise_scale_inv, w_col,
@@ -98,7 +104,6 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
         ctx.need = (need_dgrad, need_wgrad, beta is not None, bias is not None)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         ctx.input_shape = inp.shape
-        out = out.view(*inp.shape[:-1], out.shape[-1])
         if cfg.return_ln_out:
             return out, ln_out.view(inp.shape)
         return out

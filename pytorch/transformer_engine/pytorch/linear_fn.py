@@ -8,6 +8,11 @@ Every GEMM is "TN" (both operands K-major), so the backward reads the column-wis
 quantization wrote in the same pass as the row-wise data; the input is saved for the backward
 as its FP8 column-wise copy only. The weight arrives already quantized (the module caches it
 per step or microbatch); the input and grad_output are quantized here.
+
+FP8 between layers (attention's fp8_mha): an input that arrives as a per-tensor
+:class:`Float8Tensor` in the forward format is used as it is (its column-wise copy is a byte
+transpose), and the output can leave as one (:func:`fp8_output`). Gradients cross such a
+boundary in high precision.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import Any, Optional
 import torch
 
 from . import fp8, ops
-from .quantization import Operand, Plan, quantize
+from .float8_tensor import Float8Tensor
+from .quantization import Operand, Plan, quantize, record_amax
 
 # The block-scaled GEMM writes fp32 or bf16 only (gemm.h).
 _BLOCK_OUT = (torch.float32, torch.bfloat16)
@@ -41,6 +47,47 @@ def fp8_gemm(a, a_sinv, b, b_sinv, a_dtype: str, b_dtype: str, a_mode: str, b_mo
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
+def fp8_output(plan: Plan, a: Operand, w_data, w_scale_inv, bias: Optional[torch.Tensor],
+               out_meta: tuple, shape, dtype: torch.dtype) -> Float8Tensor:
+    """The forward GEMM ``a @ w^T (+ bias)`` as a per-tensor Float8Tensor of ``shape`` in the
+    forward format, presenting ``dtype``, for a consumer that takes FP8 (attention under
+    fp8_mha). Delayed scaling: the GEMM's epilogue casts with ``out_meta = (scales, history)``
+    column 0 and the amax of the result raises ``history[0, 0]`` (None: a checkpoint's
+    recompute records nothing). Current scaling needs the result's amax before its cast, so
+    the GEMM writes high precision and quantize_current reads it back."""
+    fmt = plan.fwd_dtype
+    if plan.kind == "delayed":
+        scales, history = out_meta
+        if bias is not None and bias.dtype != torch.bfloat16:
+            bias = bias.to(torch.bfloat16)  # cuBLASLt takes only a bf16 bias with an FP8 D
+        data, scale_inv, amax = ops.gemm_fp8_to_fp8(a.data, a.scale_inv, fmt, w_data,
+                                                    w_scale_inv, fmt, fmt, scales, 0, bias,
+                                                    False)
+        if history is not None:
+            record_amax(history, 0, amax)
+    else:
+        y = fp8_gemm(a.data, a.scale_inv, w_data, w_scale_inv, fmt, fmt, "tensor", "tensor",
+                     dtype, bias, False)
+        data, _, _, scale_inv, _ = ops.quantize_current(y, fmt, True, False,
+                                                        plan.force_pow2_scales,
+                                                        plan.amax_epsilon)
+    return Float8Tensor(data.view(shape), scale_inv, fmt, dtype)
+
+
+def fp8_input_operand(inp: Float8Tensor, columnwise: bool) -> Operand:
+    """The GEMM input operand of an input already in FP8 (per tensor): its bytes as [M, K] and,
+    for wgrad, their transpose (a byte transpose keeps the per-tensor scale)."""
+    data = inp._data.reshape(-1, inp.shape[-1])
+    col = ops.transpose(data) if columnwise else data.new_empty(0)
+    return Operand(data, inp._scale_inv, col, inp._scale_inv, inp._fp8_dtype, "tensor")
+
+
+def takes_fp8_input(inp: torch.Tensor, plan: Plan) -> bool:
+    """Whether an FP8 forward under ``plan`` can use ``inp``'s bytes as its input operand."""
+    return (isinstance(inp, Float8Tensor) and inp._scaling_mode == "tensor"
+            and plan.input_mode == "tensor" and inp._fp8_dtype == plan.fwd_dtype)
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     """``output = input @ weight^T + bias`` with FP8 operands (see the module docstring).
 
@@ -50,19 +97,30 @@ class Fp8LinearFunction(torch.autograd.Function):
     forward (history, None in a checkpoint's recompute, and scales) and, as one tuple, of the
     backward (history, scale, scale_inv); ``cfg``: the plan; for the backward scale update,
     the recipe when it holds user callables or amaxes are reduced over a group (else None)
-    and the group; whether dgrad and wgrad are needed. (Tuples, because every argument of
-    apply costs host time, and these need no autograd edge.)
+    and the group; whether dgrad and wgrad are needed; None for a high-precision output, or
+    what :func:`fp8_output` needs for an FP8 one. (Tuples, because every argument of apply
+    costs host time, and these need no autograd edge.) ``inp`` may be a Float8Tensor that
+    :func:`takes_fp8_input`.
     """
 
     @staticmethod
     def forward(ctx, inp, weight, bias, w_data, w_scale_inv, w_col, w_col_scale_inv,
                 history_fwd, scale_fwd, bwd_meta: tuple, cfg: tuple):
-        plan, recipe, group, need_dgrad, need_wgrad = cfg
-        x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
-        # history_fwd None: a checkpoint's recompute, which records no amax
-        q_in = quantize(plan, "input", x, True, need_wgrad, scale_fwd, 0, history_fwd)
-        out = fp8_gemm(q_in.data, q_in.scale_inv, w_data, w_scale_inv, plan.fwd_dtype,
-                       plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype, bias, False)
+        plan, recipe, group, need_dgrad, need_wgrad, out_meta = cfg
+        if isinstance(inp, Float8Tensor):
+            q_in = fp8_input_operand(inp, need_wgrad)
+        else:
+            x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
+            # history_fwd None: a checkpoint's recompute, which records no amax
+            q_in = quantize(plan, "input", x, True, need_wgrad, scale_fwd, 0, history_fwd)
+        out_shape = (*inp.shape[:-1], w_data.shape[0])
+        if out_meta is not None:
+            out = fp8_output(plan, q_in, w_data, w_scale_inv, bias, out_meta, out_shape,
+                             inp.dtype)
+        else:
+            out = fp8_gemm(q_in.data, q_in.scale_inv, w_data, w_scale_inv, plan.fwd_dtype,
+                           plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype, bias,
+                           False)
         # The FP8 column-wise input is all the backward keeps of the activation.
         if w_col_scale_inv is None:  # per-tensor: shared with the row-wise copy
             w_col_scale_inv = w_scale_inv
@@ -75,7 +133,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.need = (need_dgrad, need_wgrad, bias is not None)
         ctx.dtypes = (inp.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.input_shape = inp.shape
-        return out if x is inp else out.view(*inp.shape[:-1], out.shape[-1])
+        return out if out.dim() == len(out_shape) else out.view(out_shape)
 
     @staticmethod
     def backward(ctx, grad_output):

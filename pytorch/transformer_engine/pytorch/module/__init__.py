@@ -5,6 +5,7 @@ from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
+from .multihead_attention import MultiheadAttention
 
 __all__ = ["AttentionBackend", "DotProductAttention", "LayerNorm", "LayerNormLinear",
-           "LayerNormMLP", "Linear", "RMSNorm", "get_attention_backend"]
+           "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm", "get_attention_backend"]

@@ -28,6 +28,7 @@ from transformer_engine.common.recipe import Format, Recipe
 from .. import fp8 as _fp8
 from .. import ops
 from ..attention_fn import fused_attention, fused_attention_fp8, unfused_attention
+from ..float8_tensor import Float8Tensor, to_high_precision
 from ..fp8 import STATE
 from ..ops._backend import core
 from ..ops.attention import LAYOUTS, MASKS, config, sizes_of
@@ -224,7 +225,10 @@ class DotProductAttention(FP8Module):
     HYBRID). ``DelayedScaling`` quantizes them with scales from the amaxes of earlier steps,
     kept in this module's state as in every te module (updated at the outermost autocast exit,
     the gradient's in the backward, saved in the state dict); ``Float8CurrentScaling`` with
-    scales from their own amax.
+    scales from their own amax. With ``fp8_mha=True`` too, q, k, v may come as E4M3
+    :class:`Float8Tensor` (e.g. from ``te.Linear(..., fp8_output=True)``), used without a
+    cast, and the output leaves as a Float8Tensor that ``te.Linear`` takes without one:
+    :class:`MultiheadAttention` wires this up.
 
     The state is that of two GEMMs, attention's own: GEMM 0 is q @ k^T (forward columns 0 = q
     as its "input", 1 = k as its "weight"), GEMM 1 is p @ v (forward column 2 = p, unused: p's
@@ -305,6 +309,9 @@ class DotProductAttention(FP8Module):
                              "max_seqlen_kv (the longest sequence of each)")
         dropout = self.attention_dropout if self.training else 0.0
         recipe = self._fp8_recipe_of_call(query, key, value)
+        if recipe is None or not all(_takes_fp8(t) for t in (query, key, value)):
+            # FP8 inputs go as they are only into FP8 attention and only as E4M3 per tensor
+            query, key, value = (to_high_precision(t) for t in (query, key, value))
         # The recipe's gradient format is d_o's in the FP8 backward (E5M2 under HYBRID).
         fp8_grad = recipe.fp8_format.bwd_dtype_name if recipe is not None else ""
         key_ = _key(query, key, value, layout, mask, window, self.softmax_scale, dropout,
@@ -317,12 +324,15 @@ class DotProductAttention(FP8Module):
         if not padding:
             cu_seqlens_q = cu_seqlens_kv = None
         if name == "unfused":
+            query, key, value = (to_high_precision(t) for t in (query, key, value))
             o = unfused_attention(query, key, value, layout, mask, window, self.softmax_scale,
                                   dropout, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q or 0,
                                   max_seqlen_kv or 0, attention_mask)
         else:
             o = self._fused(query, key, value, layout, mask, window, dropout, cu_seqlens_q,
                             cu_seqlens_kv, max_seqlen_q or 0, max_seqlen_kv or 0, name, recipe)
+            if isinstance(o, Float8Tensor):  # fp8_mha: flattened over the heads already
+                return o
         return o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
 
     def _fp8_recipe_of_call(self, q, k, v) -> Optional[Recipe]:
@@ -369,12 +379,20 @@ class DotProductAttention(FP8Module):
         if recipe.delayed():  # before _fp8_meta_of registers anything
             _check_state_device(q, self._buffers["scale_fwd"])
         plan, scales, history = self._fp8_meta_of(recipe)
+        out_fp8 = bool(recipe.fp8_mha)
         if plan.kind != "delayed":
             return fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params, self.deterministic,
-                                       plan)
+                                       plan, out_fp8=out_fp8)
         bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
         return fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params, self.deterministic, plan,
-                                   scales, history, bwd_meta, bwd_recipe, group)
+                                   scales, history, bwd_meta, bwd_recipe, group, out_fp8)
+
+
+def _takes_fp8(t: torch.Tensor) -> bool:
+    """Whether FP8 attention takes t as it is: high precision (quantized there) or an E4M3
+    Float8Tensor with one scale."""
+    return not isinstance(t, Float8Tensor) or (t._fp8_dtype == "float8_e4m3"
+                                                and t._scaling_mode == "tensor")
 
 
 def _check_state_device(q: torch.Tensor, state: torch.Tensor) -> None:

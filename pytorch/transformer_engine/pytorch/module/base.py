@@ -33,7 +33,14 @@ _META = {
     "amax_history_bwd": ("history", 1),
     "scale_bwd": ("scale", 1),
     "scale_inv_bwd": ("scale", 1),
+    # The output of GEMM g when it is written in FP8 (``fp8_output``, for an FP8 consumer
+    # such as attention under fp8_mha); updated with the forward roles.
+    "amax_history_out": ("history", 1),
+    "scale_out": ("scale", 1),
+    "scale_inv_out": ("scale", 1),
 }
+# Added to the extra state after checkpoints of version 1 were written: optional on load.
+_OPTIONAL = ("amax_history_out", "scale_out", "scale_inv_out")
 
 
 _SUMMARIES: dict = {}
@@ -86,6 +93,9 @@ class FP8Module(torch.nn.Module):
         self._fp8_plan: Plan | None = None
         self._num_gemms = int(num_gemms)
         self._weight_caches: dict[int, Operand] = {}
+        # Whether a forward wrote an FP8 output (fp8_output): the exit update then covers the
+        # output scales too (only then: each history costs the update host time).
+        self._has_fp8_output = False
         self._make_fp8_meta(history_len or DelayedScaling().amax_history_len, device)
 
     def _make_fp8_meta(self, history_len: int, device: torch.device) -> None:
@@ -131,6 +141,22 @@ class FP8Module(torch.nn.Module):
         b = self._buffers  # one dict read instead of nn.Module.__getattr__ per buffer
         meta = (b["amax_history_bwd"], b["scale_bwd"], b["scale_inv_bwd"])
         return meta, recipe if general else None, group
+
+    def _output_meta(self, plan: Plan) -> tuple | None:
+        """What an FP8 output of GEMM 0 needs (linear_fn.fp8_output): delayed scaling's output
+        (scales, history; None in a checkpoint's recompute, which records nothing), () for
+        current scaling, None where the plan has no per-tensor output (block scaling: the
+        output stays high precision)."""
+        if plan.kind == "current":
+            return ()
+        if plan.kind != "delayed":
+            return None
+        b = self._buffers
+        scales = fp8.checkpoint_scales(b["scale_out"])
+        if fp8.RECOMPUTE.replaying:
+            return scales, None
+        self._has_fp8_output = True
+        return scales, b["amax_history_out"]
 
     def _forward_scales(self) -> torch.Tensor:
         """The forward scales this forward quantizes with: the buffer itself, except in the
@@ -207,7 +233,11 @@ class FP8Module(torch.nn.Module):
                              f"{EXTRA_STATE_VERSION}, got {state['version']!r}")
         device = self.amax_history_fwd.device
         for name, (_, per_gemm) in _META.items():
-            t = state[name]
+            t = state.get(name) if name in _OPTIONAL else state[name]
+            if t is None:  # a checkpoint from before the FP8 output: fresh state, sized alike
+                length, columns = state["amax_history_fwd"].shape[0], per_gemm * self._num_gemms
+                t = (torch.zeros(length, columns) if name.startswith("amax")
+                     else torch.ones(columns))
             columns = per_gemm * self._num_gemms
             if t.dim() == 0 or t.shape[-1] != columns:
                 raise ValueError(f"{type(self).__name__}.set_extra_state: {name} must have "

@@ -133,15 +133,17 @@ class LayerNormLinear(_LinearBase):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, normalization={self.normalization}, eps={self.cfg.eps}"
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
+                fp8_output: bool = False):
         """``inp`` [..., in_features] -> [..., out_features] (see the class docstring for
-        what else comes back); ``is_first_microbatch`` as for te.Linear."""
+        what else comes back); ``is_first_microbatch`` and ``fp8_output`` as for te.Linear."""
         check_input(self._name, inp, self.in_features)
         weight, bias = self._weight_and_bias()
         gemm_bias = None if self.return_bias else bias
         state = fp8.STATE
         if state.enabled:
-            out = self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch)
+            out = self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch,
+                                    fp8_output)
         else:
             out = self._hp_forward(inp, weight, gemm_bias, state)
         if self.cfg.return_ln_out:
@@ -166,7 +168,8 @@ class LayerNormLinear(_LinearBase):
         out = F.linear(ln_out, weight.to(inp.dtype), None if bias is None else bias.to(inp.dtype))
         return (out, ln_out) if cfg.return_ln_out else out
 
-    def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch):
+    def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch,
+                     fp8_output: bool = False):
         inp = fp8_input(self._name, inp)
         check_fp8_shape(inp, self.in_features, self.out_features, self._name)
         plan, scales, history = self._fp8_meta_of(recipe)
@@ -178,7 +181,8 @@ class LayerNormLinear(_LinearBase):
         w = self._weight_operand(plan, weight, need_dgrad, is_first_microbatch, scales, history)
         col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
         bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
-        consts = (plan, bwd_recipe, group, self.cfg, need_dgrad, need_wgrad)
+        out_meta = self._output_meta(plan) if fp8_output else None
+        consts = (plan, bwd_recipe, group, self.cfg, need_dgrad, need_wgrad, out_meta)
         return Fp8LayerNormLinearFunction.apply(
             inp, gamma, beta, weight, bias, w.data, w.scale_inv, w.columnwise, col_sinv,
             history, scales, bwd_meta, consts)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from transformer_engine.common.recipe import Recipe
 
 from .. import fp8, ops
-from ..float8_tensor import Float8Tensor
-from ..linear_fn import Fp8LinearFunction
+from ..float8_tensor import Float8Tensor, to_high_precision
+from ..linear_fn import Fp8LinearFunction, takes_fp8_input
 from ..quantization import plan_of, record_amax
 from .base import FP8Module, fp8_weight_param
 
@@ -164,12 +164,19 @@ class Linear(_LinearBase):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
+                fp8_output: bool = False):
         """``inp`` [..., in_features] -> [..., out_features] (and the bias if return_bias).
 
         ``is_first_microbatch``: None quantizes the weight at every call; True quantizes it
         and keeps the FP8 copy; False reuses that copy (the weight does not change between
-        the microbatches of one optimizer step)."""
+        the microbatches of one optimizer step).
+
+        ``fp8_output``: under a per-tensor FP8 recipe (delayed or current scaling), return the
+        output as a :class:`Float8Tensor` in the forward format, for a consumer that takes FP8
+        (DotProductAttention under ``fp8_mha``); delayed scaling casts it in the GEMM with this
+        module's output scale. Ignored otherwise. An input that is such a Float8Tensor is used
+        without a cast."""
         if inp.dim() == 0 or inp.shape[-1] != self.in_features:
             raise ValueError(f"te.Linear: input must have in_features={self.in_features} "
                              f"as its last dimension, got shape {list(inp.shape)}")
@@ -177,8 +184,11 @@ class Linear(_LinearBase):
         state = fp8.STATE
         gemm_bias = None if self.return_bias else bias
         if state.enabled:
-            out = self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch)
+            out = self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch,
+                                    fp8_output)
         else:
+            if isinstance(inp, Float8Tensor):
+                inp = to_high_precision(inp)
             if state.calibrating and state.recipe.delayed():
                 self._calibrate(inp, weight, state.recipe)
             # .to() (a no-op for the same dtype) keeps autograd's link to the parameter; a
@@ -195,7 +205,8 @@ class Linear(_LinearBase):
         record_amax(self.amax_history_fwd, 1, ops.amax(w.detach()))
         fp8.register_forward_amaxes(self, recipe)
 
-    def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch):
+    def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch,
+                     fp8_output: bool = False):
         # torch.autocast picks the activation dtype. The core takes CPU and CUDA tensors only,
         # so is_cuda names the device type (inp.device would build an object per call).
         device_type = "cuda" if inp.is_cuda else "cpu"
@@ -206,6 +217,8 @@ class Linear(_LinearBase):
             raise TypeError(f"te.Linear: input must be float32, bfloat16 or float16 in FP8, "
                             f"got {inp.dtype}")
         plan, scales, history = self._fp8_meta_of(recipe)
+        if isinstance(inp, Float8Tensor) and not takes_fp8_input(inp, plan):
+            inp = to_high_precision(inp)
         grad = torch.is_grad_enabled()
         need_dgrad = grad and inp.requires_grad
         need_wgrad = grad and weight.requires_grad
@@ -214,7 +227,8 @@ class Linear(_LinearBase):
         # torch.compile takes no tensor twice, so the column-wise one goes as None.
         col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
         bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
-        cfg = (plan, bwd_recipe, group, need_dgrad, need_wgrad)
+        out_meta = self._output_meta(plan) if fp8_output else None
+        cfg = (plan, bwd_recipe, group, need_dgrad, need_wgrad, out_meta)
         return Fp8LinearFunction.apply(inp, weight, bias, w.data, w.scale_inv, w.columnwise,
                                        col_sinv, history, scales, bwd_meta, cfg)
 

@@ -1,4 +1,5 @@
-"""The FP8 GEMM as a custom op: ``D = A @ B^T`` with both operands K-major ("TN")."""
+"""The FP8 GEMM as custom ops: ``D = A @ B^T`` with both operands K-major ("TN"), D in high
+precision (``gemm_fp8``) or in FP8 for an FP8 consumer (``gemm_fp8_to_fp8``)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from typing import Optional
 import torch
 
 from ._backend import (
+    check_fp8_dtype,
     check_mode,
     core,
     custom_op,
     raw,
+    raw_element,
     raw_workspace_for,
     stream_of,
     te_dtype,
@@ -67,3 +70,45 @@ def _(a, a_scale_inv, a_fp8_dtype, a_scaling_mode, b, b_scale_inv, b_fp8_dtype,
       b_scaling_mode, out_dtype, bias, use_split_accumulator):
     _check(a, b, out_dtype)
     return torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
+
+
+@custom_op("transformer_engine::gemm_fp8_to_fp8", mutates_args=())
+def gemm_fp8_to_fp8(
+    a: torch.Tensor, a_scale_inv: torch.Tensor, a_fp8_dtype: str,
+    b: torch.Tensor, b_scale_inv: torch.Tensor, b_fp8_dtype: str,
+    out_fp8_dtype: str, out_scales: torch.Tensor, out_index: int,
+    bias: Optional[torch.Tensor], use_split_accumulator: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``D = dequant(a) @ dequant(b)^T (+ bias)`` written in FP8 with the scale
+    ``out_scales[out_index]`` (per-tensor operands only; the epilogue casts the fp32 result,
+    so D never exists in high precision). Returns (D as uint8 [M, N], its scale_inv [1], the
+    amax [1] of the fp32 result before the cast). A bias must be bf16 (cuBLASLt's rule)."""
+    _check(a, b, torch.float32)
+    check_fp8_dtype("gemm", out_fp8_dtype)
+    if not 0 <= out_index < out_scales.numel():
+        raise IndexError(f"gemm: out_index must be in [0, {out_scales.numel()}), got {out_index}")
+    if bias is not None and bias.dtype != torch.bfloat16:
+        raise TypeError(f"gemm: the bias of an FP8 output must be bfloat16, got {bias.dtype}")
+    c = core()
+    d = a.new_empty((a.shape[0], b.shape[0]), dtype=torch.uint8)
+    scale_inv, amax = a.new_empty(1, dtype=torch.float32), a.new_empty(1, dtype=torch.float32)
+    ws = raw_workspace_for(a)
+    a, b = a.contiguous(), b.contiguous()
+    a_scale_inv, b_scale_inv = a_scale_inv.contiguous(), b_scale_inv.contiguous()
+    out_scales = out_scales.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = c.Tensor(raw(d), dtype=te_dtype(out_fp8_dtype), scale=raw_element(out_scales, out_index),
+                   scale_inv=raw(scale_inv), amax=raw(amax))
+    c.gemm(_operand(c, a, a_scale_inv, a_fp8_dtype, "tensor"),
+           _operand(c, b, b_scale_inv, b_fp8_dtype, "tensor"), out,
+           bias=None if bias is None else raw(bias), transpose_a=False, transpose_b=True,
+           use_split_accumulator=use_split_accumulator, workspace=ws, stream=stream_of(a))
+    return d, scale_inv, amax
+
+
+@gemm_fp8_to_fp8.register_fake
+def _(a, a_scale_inv, a_fp8_dtype, b, b_scale_inv, b_fp8_dtype, out_fp8_dtype, out_scales,
+      out_index, bias, use_split_accumulator):
+    _check(a, b, torch.float32)
+    return (a.new_empty((a.shape[0], b.shape[0]), dtype=torch.uint8),
+            a.new_empty(1, dtype=torch.float32), a.new_empty(1, dtype=torch.float32))
