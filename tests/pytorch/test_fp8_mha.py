@@ -29,6 +29,16 @@ RECIPES = {
 }
 
 
+def _assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Bit for bit on the CPU. On CUDA, cuDNN's attention backward sums dq/dk/dv with atomics
+    (the order varies between runs) and writes them in FP8, where a last-bit difference can
+    round to the next FP8 value: held to the FP8 attention tolerance there."""
+    if got.device.type == "cpu":
+        assert torch.equal(got, want), what
+    else:
+        _assert_fp8_close(got, want, what, against_bf16=False)
+
+
 def _fp8_of_result(result: torch.Tensor, scale: float) -> torch.Tensor:
     """The E4M3 bytes of ``result * scale`` (round to nearest even, saturating), via torch."""
     scaled = (result.float() * scale).clamp(-448.0, 448.0)
@@ -169,8 +179,8 @@ def test_attention_fp8_output_backward_matches_fp8_dpa(device):
             o = attn(q, k, v)
         o.backward(torch.ones(o.shape, dtype=bf16, device=device))
         grads.append([t.grad.clone() for t in (q, k, v)])
-    for got, want in zip(*grads, strict=True):
-        assert torch.equal(got, want)
+    for name, got, want in zip("qkv", *grads, strict=True):
+        _assert_same(got, want, f"d{name}")
 
 
 def test_attention_without_fp8_dequantizes_float8_inputs(device):
@@ -332,8 +342,9 @@ def test_mha_checkpoint_recomputes_with_the_same_scales(device):
             y = te.checkpoint(mha, x) if recompute else mha(x)
         y.float().pow(2).mean().backward()
         grads.append([x.grad] + [p.grad for p in mha.parameters()])
-    for got, want in zip(*grads, strict=True):
-        assert torch.equal(got, want)
+    names = ["dx"] + [n for n, _ in mha.named_parameters()]
+    for name, got, want in zip(names, *grads, strict=True):
+        _assert_same(got, want, name)
 
 
 def test_mha_errors(device):
@@ -374,5 +385,6 @@ def test_mha_fp8_mha_compiles_without_graph_breaks(device):
             y = fn(module, x)
             y.float().pow(2).mean().backward()
             results.append([y.detach(), x.grad.clone()] + [p.grad for p in module.parameters()])
-        for got, want in zip(results[1], results[0], strict=True):
-            assert torch.equal(got, want)
+        names = ["output", "dx"] + [n for n, _ in eager.named_parameters()]
+        for name, got, want in zip(names, results[1], results[0], strict=True):
+            _assert_same(got, want, name)
