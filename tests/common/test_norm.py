@@ -63,8 +63,10 @@ def run_forward(
     eps=1e-5,
     zero_centered=False,
     scale=2.0,
+    weights_at_offset=False,
 ):
-    """out_dtype None: no high-precision output (FP8 only)."""
+    """out_dtype None: no high-precision output (FP8 only). weights_at_offset: gamma and beta
+    start one element past an allocation's start (not 16-byte aligned)."""
     m, n = ref.matrix(x).shape
     arrays = {"rsigma": np.full(m, np.nan, np.float32)}
     if out_dtype is not None:
@@ -91,11 +93,17 @@ def run_forward(
             amax=on["amax"],
             columnwise_data=on.get("qt"),
         )
+
+    def put_weight(w):
+        if not weights_at_offset:
+            return device.put(w)
+        return device.put(np.concatenate([w[:1], w]))[1:]
+
     core.norm_forward(
         NORMS[norm],
         device.put(x),
-        device.put(gamma),
-        device.put(beta) if norm == "layernorm" else None,
+        put_weight(gamma),
+        put_weight(beta) if norm == "layernorm" else None,
         output=on.get("y"),
         output_fp8=out_fp8,
         mu=on.get("mu"),
@@ -194,6 +202,36 @@ def test_forward_fp8_only(device, norm, dtype, shape, transpose):
     if transpose:
         ref.assert_fp8_equal(got["qt"], want["columnwise_data"], fmt, "fp8 transpose")
     ref.assert_float_equal(got["amax"], np.array([want["amax"]]), "amax")
+    if device.is_cuda:
+        cpu = run_forward(device.cpu, x, gamma, beta, norm, **kw)
+        for k in cpu:
+            np.testing.assert_array_equal(bits(got[k]), bits(cpu[k]), err_msg=f"cuda != cpu: {k}")
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("fp32_weights", [False, True])
+@pytest.mark.parametrize("n", [8192, 4096, 2560, 2048, 1000])
+@pytest.mark.parametrize("weights_at_offset", [False, True])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_forward_weights(device, norm, dtype, fp32_weights, n, weights_at_offset, zero_centered):
+    """gamma and beta in the input's dtype or fp32, zero-centered or not, at a 16-byte aligned
+    address or one element past one, at a width of each variant of the CUDA row kernel for 16-bit
+    inputs (8, 4, 2 and 1 vectors per thread, two rows a step from 4096 down; 2560 and 1000 leave
+    vectors past the row end), which loads the weights into shared memory as vectors or one by
+    one: the float32 and FP8 outputs follow the formulas, and on CUDA every output equals the
+    CPU's bit for bit."""
+    seed = stable_seed(norm, dtype, fp32_weights, n, weights_at_offset, zero_centered)
+    weight_dtype = "float32" if fp32_weights else dtype
+    x, gamma, beta = make_inputs(np.random.default_rng(seed), (20, n), dtype, weight_dtype)
+    kw = dict(out_dtype="float32", fp8="e4m3", zero_centered=zero_centered)
+    kw.update(weights_at_offset=weights_at_offset)
+    got = run_forward(device, x, gamma, beta, norm, **kw)
+    check_forward_values(got, x, gamma, beta, norm, "float32", zero_centered=zero_centered)
+    fmt = ref.FORMATS["e4m3"]
+    want = ref.quantize_tensor(got["y"], np.float32(2.0), fmt)
+    ref.assert_fp8_equal(got["q"], want["data"].reshape(got["q"].shape), fmt, "fp8")
+    ref.assert_float_equal(got["amax"], np.array([ref.amax(got["y"])]), "amax")
     if device.is_cuda:
         cpu = run_forward(device.cpu, x, gamma, beta, norm, **kw)
         for k in cpu:

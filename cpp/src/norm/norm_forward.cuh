@@ -8,20 +8,24 @@
 // of norm_impl.h, so the bits equal the CPU reference's.
 //
 // norm_forward_rows_kernel takes rows of whole, aligned vectors up to 8192 elements (4096 for
-// fp32): the common case. It is bound by the instructions it issues per element, so:
+// fp32): the common case. It is bound by the instructions it issues per element and by the
+// shared-memory traffic of its weights and staged rows, so:
 //   - a block is 4 row groups sharing gamma and beta, decoded to fp32 once per block in shared
 //     memory with the zero-centered gain applied: no weight loads from global memory, decodes
-//     or adds per element, and no L1 given up to row buffers;
+//     or adds per element, and no L1 given up to row buffers. They are laid out so that a
+//     warp's 16-byte reads of them have no bank conflict (kWeightHalf4), and filled while the
+//     first step's rows are already on their way, each thread's loads issued together;
 //   - each thread takes 128 bytes of input per step: 8 vectors (fp32: 4) of one row, or of 2
 //     rows at 4096 elements or fewer (their reductions then share a barrier and their weights a
-//     shared-memory read). They stay packed in registers and are decoded on each pass (one
-//     instruction per element; fp16 by the hardware), which leaves the compiler the registers
-//     to schedule the loops without spilling at 16 warps per SM;
+//     shared-memory read). They are decoded once (decode_row: one instruction per element;
+//     fp16 by the hardware) and stay in registers, decoded, for every pass: 64 of the 128
+//     registers, without spills at 16 warps per SM (ptxas -v);
 //   - the next step's 128 bytes are in flight meanwhile: each thread copies them with cp.async
 //     into its own slots of a double buffer in shared memory and reads back only those, so its
 //     own wait orders them (no barrier). The FP8 kernels use all 128 registers, which leaves no
 //     room for a second step in registers; the step after that is prefetched into the L2;
-//   - one barrier per row sum, none per element;
+//   - one barrier per row sum, none per element; the sums add the zeros of the vectors past
+//     the row end where that changes no bit (row_sums), so that no element tests its index;
 //   - LayerNorm or RMSNorm, the FP8 dtype or none and the row length are template arguments,
 //     so that no element pays for a select between them;
 //   - amax is a max.NaN over |y|, and a vector's FP8 bytes are canonicalized only when it holds
@@ -34,6 +38,7 @@
 #define TRANSFORMER_ENGINE_SRC_NORM_NORM_FORWARD_CUH_
 
 #include <algorithm>
+#include <type_traits>
 
 #include "norm/norm_cuda.cuh"
 
@@ -53,6 +58,25 @@ __device__ __forceinline__ uint32_t fp8x4_raw(float a, float b, float c, float d
 #else
   return fp8x4<kFp8>(a, b, c, d);  // already canonical; canonicalizing again changes nothing
 #endif
+}
+
+// The 8 elements of a vector of a row held in registers, as decode_pass has them (fp16 by the
+// hardware conversion, exact but for NaN payloads, which no output passes on), but visible to
+// the compiler: the passes over a row share one decode per element, the row kept decoded in
+// registers from the first pass to the last (the FP8 kernels have the registers for it at 16
+// warps per SM: ptxas reports no spill).
+template <te_dtype kIn>
+__device__ __forceinline__ void decode_row(const Packed8<kIn> &p, float (&x)[8]) {
+  if constexpr (kIn == TE_DTYPE_FLOAT16) {
+    const uint32_t w[4] = {p.raw.x, p.raw.y, p.raw.z, p.raw.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&w[k]));
+      x[2 * k] = f.x, x[2 * k + 1] = f.y;
+    }
+  } else {
+    p.decode(x);  // bf16: a shift or a mask per element; fp32: none
+  }
 }
 
 // Vectors per thread and step of the row kernel: 128 bytes of input.
@@ -96,20 +120,78 @@ __device__ __forceinline__ uint64_t wide_mul(int a, int b) {
   return static_cast<uint64_t>(static_cast<uint32_t>(a)) * static_cast<uint32_t>(b);
 }
 
-// Asks the L2 for a row of `bytes` at p, the row group's threads taking its 128-byte lines in
-// turn: the next step's rows arrive while this step is computed, without holding registers.
+// Asks the L2 for a row of `bytes` (at most 16 KiB, a row kernel's row) at p, the row group's
+// threads taking its 128-byte lines in turn (at most 129 lines: two for a thread at most): the
+// next step's rows arrive while this step is computed, without holding registers.
 __device__ __forceinline__ void prefetch_row_l2(const void *p, int bytes) {
-  const uintptr_t start = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(p), first = start & ~uintptr_t{127};
   const int lines = (static_cast<int>(start & 127) + bytes + 127) / 128;
-  for (int l = threadIdx.x % kThreads; l < lines; l += kThreads) {
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"((start & ~uintptr_t{127}) + l * 128));
-  }
+  const int l = threadIdx.x % kThreads;
+  if (l < lines) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(first + l * 128));
+  if (l + kThreads < lines) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(first + (l + kThreads) * 128));
 }
 
 // Floats of each weight array in shared memory: every vector that kVecs vectors per thread can
 // reach, which covers the row (vecs_for picks kVecs so).
 template <int kVecs>
 constexpr int kWeightSpan = kVecs * kThreads * kNormVec;
+
+// The layout of a weight array in shared memory: elements 0-3 of vector v as the float4 at v,
+// elements 4-7 as the one at v + kWeightSpan / 8 (the second half). A thread reads each half of
+// its vector with one 16-byte load, and the lanes of a warp read consecutive 16-byte words: 4
+// wavefronts a load. (Eight consecutive floats per vector put lane l's loads 32 l bytes apart,
+// two lanes on each bank of a quarter warp: 8 wavefronts a load, which doubled the shared-memory
+// traffic of the weights, the largest in the loop, LayerNorm's twice RMSNorm's.)
+template <int kVecs>
+constexpr int kWeightHalf4 = kWeightSpan<kVecs> / 8;  // float4s of a half
+
+// Fills the weight arrays of the row kernel (gains with the zero-centered offset applied, and
+// the betas of LayerNorm) in the layout above, zeros past the row end (nvec whole vectors):
+// the FP8 loop reads the weights of every vector a thread could own, also those past the row
+// end, without a branch. whole: gamma (and beta) are 16-byte aligned, when every load of a
+// thread is issued before the first decode (which branches for fp16), so that the fill waits
+// about one memory latency rather than one per element; otherwise elements load one by one.
+template <te_dtype kW, int kVecs, bool kLn>
+__device__ __forceinline__ void fill_weights(const NormForwardArgs &a, int nvec, bool whole, float4 *gain,
+                                             float4 *bias) {
+  constexpr int kSpanVecs = kWeightSpan<kVecs> / kNormVec;
+  constexpr int kPer = (kSpanVecs + kBlockThreads - 1) / kBlockThreads;  // vectors per thread
+  Packed8<kW> gp[kPer], bp[kPer];
+#pragma unroll
+  for (int s = 0; s < kPer; ++s) {
+    const int v = static_cast<int>(threadIdx.x) + s * kBlockThreads;
+    if (whole && v < nvec) {
+      gp[s].load(a.gamma, int64_t{v} * kNormVec);
+      if (kLn) bp[s].load(a.beta, int64_t{v} * kNormVec);
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < kPer; ++s) {
+    const int v = static_cast<int>(threadIdx.x) + s * kBlockThreads;
+    if (kSpanVecs % kBlockThreads != 0 && v >= kSpanVecs) continue;
+    float g[8] = {}, b[8] = {};
+    if (v < nvec) {
+      if (whole) {
+        gp[s].decode(g);
+        if (kLn) bp[s].decode(b);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          g[e] = load_hp1<kW>(a.gamma, int64_t{v} * kNormVec + e);
+          if (kLn) b[e] = load_hp1<kW>(a.beta, int64_t{v} * kNormVec + e);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) g[e] = norm_gain(g[e], a.zero_centered);
+    }
+    gain[v] = make_float4(g[0], g[1], g[2], g[3]);
+    gain[v + kWeightHalf4<kVecs>] = make_float4(g[4], g[5], g[6], g[7]);
+    if (kLn) {
+      bias[v] = make_float4(b[0], b[1], b[2], b[3]);
+      bias[v + kWeightHalf4<kVecs>] = make_float4(b[4], b[5], b[6], b[7]);
+    }
+  }
+}
 
 // kF8: the FP8 output's dtype or kNoFp8.
 template <te_dtype kIn, int kVecs, bool kLn, te_dtype kF8>
@@ -118,6 +200,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
   constexpr int kSteps = kBandRows / (kGroups * kRows);  // steps of a group per band
   constexpr bool kFp8 = kF8 != kNoFp8;
   using S = typename Hp<kIn>::Storage;
+  static_assert(kWeightSpan<kVecs> * sizeof(S) <= 16384, "a row is at most 16 KiB (prefetch_row_l2)");
   // gains [kWeightSpan], betas [kWeightSpan] (LayerNorm), the staging double buffer
   extern __shared__ float4 dynamic_smem[];
   __shared__ LaneScratch<kRows> scratch[2][kGroups];
@@ -125,17 +208,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
 
   // 32-bit indices (rows < 2^30 on this path, cols <= 8192): fewer registers live in the loop.
   const int n = static_cast<int>(a.cols), rows = static_cast<int>(a.rows), nvec = n / kNormVec;
-  constexpr int kSpan = kWeightSpan<kVecs>;
-  float *gain = reinterpret_cast<float *>(dynamic_smem);
-  float *bias = gain + kSpan;
-  uint4 *staging = reinterpret_cast<uint4 *>(gain + (kLn ? 2 : 1) * kSpan);
+  constexpr int kHalf = kWeightHalf4<kVecs>;
+  float4 *gain = dynamic_smem;  // in the layout of kWeightHalf4: kWeightSpan floats
+  float4 *bias = gain + 2 * kHalf;
+  uint4 *staging = reinterpret_cast<uint4 *>(gain + (kLn ? 2 : 1) * 2 * kHalf);
   constexpr int kUnits = kStageUnits<kIn, kVecs>;
-  // Zeros past the row end: the FP8 loop reads the weights of every vector a thread could own,
-  // also those past the row end (computed on zeros and not stored), without a branch.
-  for (int i = threadIdx.x; i < kSpan; i += kBlockThreads) {
-    gain[i] = i < n ? norm_gain(load_any(a.gamma, i, a.weight_dtype), a.zero_centered) : 0.0f;
-    if (kLn) bias[i] = i < n ? load_any(a.beta, i, a.weight_dtype) : 0.0f;
-  }
   const int group = threadIdx.x / kThreads, t = threadIdx.x % kThreads;
   const int vecs = own_vectors(nvec, kVecs);
   const int grid = gridDim.x;
@@ -177,7 +254,19 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
     }
     cp_async_commit();
   };
+  // The first step's copies and the L2 prefetch of the second are in flight while the weights
+  // are filled.
   stage(0);
+  prefetch(1);
+  {
+    const uintptr_t addresses = reinterpret_cast<uintptr_t>(a.gamma) | (kLn ? reinterpret_cast<uintptr_t>(a.beta) : 0);
+    const bool whole = (addresses & 15) == 0;
+    switch (a.weight_dtype) {
+      case TE_DTYPE_FLOAT32: fill_weights<TE_DTYPE_FLOAT32, kVecs, kLn>(a, nvec, whole, gain, bias); break;
+      case TE_DTYPE_FLOAT16: fill_weights<TE_DTYPE_FLOAT16, kVecs, kLn>(a, nvec, whole, gain, bias); break;
+      default: fill_weights<TE_DTYPE_BFLOAT16, kVecs, kLn>(a, nvec, whole, gain, bias); break;
+    }
+  }
   __syncthreads();  // the weights are in shared memory
   float amax = 0.0f;
   int parity = 0;  // the scratch buffer of the next reduction
@@ -203,17 +292,21 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
     if (row0 < rows) {  // uniform in the group, as its barriers need
       float acc[kRows], mu[kRows] = {}, rs[kRows];
       // acc[r] = the group's sum of value(x, r) over row r, in the documented lane order.
-      auto row_sums = [&](auto value) {
+      // kZeroKeeps: value(0, r) is +0, so that the vectors past the row end (zeros, see above)
+      // may be added without a test: a lane sum starts at +0 and so is never -0 (in round to
+      // nearest, x + y is -0 only when both are), and adding +0 to it changes no bit.
+      auto row_sums = [&](auto value, auto zero_keeps) {
+        constexpr bool kZeroKeeps = decltype(zero_keeps)::value;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           acc[r] = 0.0f;
 #pragma unroll
           for (int j = 0; j < kVecs; ++j) {
             float x[8];
-            decode_pass(in[r][j], x);
+            decode_row(in[r][j], x);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-              if (j < vecs) acc[r] += value(x[e], r);
+              if (kZeroKeeps || j < vecs) acc[r] += value(x[e], r);
             }
           }
         }
@@ -221,14 +314,17 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
         parity ^= 1;
       };
       if (kLn) {
-        row_sums([](float x, int) { return x; });
+        row_sums([](float x, int) { return x; }, std::true_type{});
 #pragma unroll
         for (int r = 0; r < kRows; ++r) mu[r] = acc[r] / static_cast<float>(n);
       }
-      row_sums([&](float x, int r) {
-        const float d = kLn ? x - mu[r] : x;
-        return d * d;
-      });
+      // (LayerNorm's (0 - mu)^2 is not 0: its vectors past the row end are left out.)
+      row_sums(
+          [&](float x, int r) {
+            const float d = kLn ? x - mu[r] : x;
+            return d * d;
+          },
+          std::integral_constant<bool, !kLn>{});
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         rs[r] = norm_rsigma(acc[r], n, a.eps);
@@ -240,19 +336,19 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
       // y of the vector v of row r; returns max |y|, NaN if one is.
       auto output = [&](const Packed8<kIn> &v, int r, const float (&g)[8], const float (&b)[8], float (&y)[8]) {
         float x[8];
-        decode_pass(v, x);
+        decode_row(v, x);
 #pragma unroll
         for (int e = 0; e < 8; ++e) y[e] = norm_output(norm_xhat(x[e], mu[r], rs[r], kLn), g[e], b[e], kLn);
         return abs_max8(y);
       };
-      const float *gain_t = gain + t * kNormVec, *bias_t = bias + t * kNormVec;
+      // The weights of this thread's vector j (vector t + kThreads * j of the row).
+      const float4 *gain_t = gain + t, *bias_t = bias + t;
       auto weights = [&](int j, float (&g)[8], float (&b)[8]) {
-        const float4 *gv = reinterpret_cast<const float4 *>(gain_t + j * kThreads * kNormVec);
-        const float4 *bv = reinterpret_cast<const float4 *>(bias_t + j * kThreads * kNormVec);
-        const float4 g0 = gv[0], g1 = gv[1];
+        const float4 *gv = gain_t + j * kThreads, *bv = bias_t + j * kThreads;
+        const float4 g0 = gv[0], g1 = gv[kHalf];
         g[0] = g0.x, g[1] = g0.y, g[2] = g0.z, g[3] = g0.w, g[4] = g1.x, g[5] = g1.y, g[6] = g1.z, g[7] = g1.w;
         if (kLn) {
-          const float4 b0 = bv[0], b1 = bv[1];
+          const float4 b0 = bv[0], b1 = bv[kHalf];
           b[0] = b0.x, b[1] = b0.y, b[2] = b0.z, b[3] = b0.w, b[4] = b1.x, b[5] = b1.y, b[6] = b1.z, b[7] = b1.w;
         }
       };
