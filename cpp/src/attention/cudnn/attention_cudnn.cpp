@@ -29,13 +29,6 @@
 // and the device's compute capability), failures included, so *_support, *_workspace_size and
 // the call itself build a graph once. The cache lock is held while building; executions take a
 // per-device lock, since a cuDNN handle carries one stream at a time.
-//
-// Autotune (TE_CUDNN_AUTOTUNE=1, read once; unset: none of this happens). A forward graph then
-// also builds every other engine configuration that the heuristics (modes A, B and FALLBACK)
-// list and that passes its support check, and its workspace is the largest of theirs. The first
-// call that is not being captured into a CUDA graph times each of them on its own buffers and
-// stream, and the graph's calls run the fastest from then on. TE_CUDNN_AUTOTUNE=2 does the same
-// and prints the timings to stderr. Backward graphs are not tuned (see tune()).
 #ifndef NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING
 #define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING
 #endif
@@ -46,8 +39,6 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
@@ -90,15 +81,8 @@ enum Uid : int64_t {
 struct Plan {
   std::string error;  // why cuDNN does not take the problem; "" when graph is ready
   std::shared_ptr<fg::Graph> graph;
-  int64_t cudnn_workspace = 0;  // under autotune, the largest of all the built plans'
+  int64_t cudnn_workspace = 0;
   AuxLayout aux;
-  // Autotune state (null when the graph is not tuned), guarded by the device's execution mutex:
-  // done once the plans were timed; index is the fastest plan's, -1 for the heuristic's choice.
-  struct Tuning {
-    bool done = false;
-    int64_t index = -1;
-  };
-  std::shared_ptr<Tuning> tuning;
   size_t aux_base() const { return round_up(static_cast<size_t>(cudnn_workspace), kAlign); }
   size_t workspace() const { return aux_base() + aux.bytes; }
 };
@@ -291,66 +275,17 @@ std::string brief(std::string message) {
   return message.empty() ? "unknown cuDNN error" : message;
 }
 
-// TE_CUDNN_AUTOTUNE, read once: 1 tunes forward graphs, 2 also prints the timings; unset (or
-// any other value): 0, the heuristic's plan as ever.
-int autotune_mode() {
-  static const int mode = [] {
-    const char *v = std::getenv("TE_CUDNN_AUTOTUNE");
-    const std::string s = v != nullptr ? v : "";
-    return s == "1" ? 1 : s == "2" ? 2 : 0;
-  }();
-  return mode;
-}
-
-// Autotune: builds the graph's other engine configurations, one per name (the heuristic modes
-// list some twice), skipping those that fail their support check or build; then widens the
-// workspace to the largest plan's, so that any of them runs in the call's workspace.
-void build_alternatives(fg::Graph &g, Plan &plan) {
-  std::string chosen;
-  if (g.get_plan_name(chosen).is_bad()) return;  // no tuning then
-  int64_t chosen_index = -1;
-  std::vector<std::string> seen;
-  for (int64_t i = 0; i < g.get_execution_plan_count(); ++i) {
-    std::string name;
-    if (g.get_plan_name_at_index(i, name).is_bad()) continue;
-    if (std::find(seen.begin(), seen.end(), name) != seen.end()) continue;
-    seen.push_back(name);
-    if (name == chosen) chosen_index = i;  // the first of that name is the one built already
-    try {
-      (void)g.build_plan_at_index(i);
-    } catch (const std::exception &) {
-    }
-  }
-  plan.cudnn_workspace = std::max(plan.cudnn_workspace, g.get_autotune_workspace_size());
-  plan.tuning = std::make_shared<Plan::Tuning>();
-  // build_plan_at_index makes each plan it builds the graph's candidate, the plan execute()
-  // runs: the heuristic's choice is made the candidate again (built already, so nothing is
-  // rebuilt), until tuning has picked one. (Were that to fail, the candidate would be another
-  // built plan, which the widened workspace fits too.)
-  try {
-    if (chosen_index >= 0) (void)g.build_plan_at_index(chosen_index);
-  } catch (const std::exception &) {
-  }
-}
-
 Plan build_plan(const Problem &p, int sm, cudnnHandle_t handle) {
   Plan plan;
   plan.aux = aux_layout(p);
-  const bool tune = autotune_mode() > 0 && !p.backward;
   try {
     std::shared_ptr<fg::Graph> g = p.backward ? backward_graph(p, sm) : forward_graph(p, sm);
     fe::error_t e = g->validate();
     if (e.is_good()) e = g->build_operation_graph(handle);
-    if (e.is_good()) {
-      // The modes' lists are concatenated in this order; the first plan that builds is the
-      // heuristic's choice either way.
-      e = tune ? g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::B, fe::HeurMode_t::FALLBACK})
-               : g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
-    }
+    if (e.is_good()) e = g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
     if (e.is_good()) e = g->check_support();
     if (e.is_good()) e = g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
     if (e.is_good()) e = g->get_workspace_size(plan.cudnn_workspace);
-    if (e.is_good() && tune) build_alternatives(*g, plan);
     if (e.is_bad()) {
       plan.error = brief(e.err_msg);
       return plan;
@@ -460,105 +395,13 @@ te_status zero_amaxes(const char *op, std::initializer_list<float *> amaxes, cud
   return TE_SUCCESS;
 }
 
-// Autotune: the mean milliseconds of one execution of each built plan, on the call's buffers
-// and stream (kWarmup untimed runs, then kTimed between two events); failed plans are left out.
-std::vector<std::pair<int64_t, float>> time_plans(const Plan &plan, cudnnHandle_t handle, VariantPack &pack,
-                                                  void *workspace, cudaStream_t stream) {
-  constexpr int kWarmup = 2, kTimed = 5;
-  struct Events {
-    cudaEvent_t start = nullptr, stop = nullptr;
-    ~Events() {
-      if (start != nullptr) cudaEventDestroy(start);
-      if (stop != nullptr) cudaEventDestroy(stop);
-    }
-  } ev;
-  std::vector<std::pair<int64_t, float>> times;
-  if (cudaEventCreate(&ev.start) != cudaSuccess || cudaEventCreate(&ev.stop) != cudaSuccess) {
-    cudaGetLastError();
-    return times;
-  }
-  fg::Graph &g = *plan.graph;
-  for (int64_t i = 0; i < g.get_execution_plan_count(); ++i) {
-    int64_t ws = 0;  // fails for the indices that were not built
-    if (g.get_workspace_size_plan_at_index(i, ws).is_bad() || ws > plan.cudnn_workspace) continue;
-    auto run = [&](int n) {
-      for (int r = 0; r < n; ++r) {
-        if (g.execute_plan_at_index(handle, pack, workspace, i).is_bad()) return false;
-      }
-      return true;
-    };
-    float ms = 0.0f;
-    const bool ok = run(kWarmup) && cudaEventRecord(ev.start, stream) == cudaSuccess && run(kTimed) &&
-                    cudaEventRecord(ev.stop, stream) == cudaSuccess && cudaEventSynchronize(ev.stop) == cudaSuccess &&
-                    cudaEventElapsedTime(&ms, ev.start, ev.stop) == cudaSuccess;
-    if (ok) {
-      times.emplace_back(i, ms / kTimed);
-    } else {
-      cudaGetLastError();  // a launch error of that plan is not the call's
-    }
-  }
-  return times;
-}
-
-// Autotune, on a tuned graph's first call outside CUDA-graph capture (held: the device's
-// execution mutex, with the stream set on the handle): times the plans, keeps the fastest.
-// Each run writes the call's o and softmax_lse, which the call's own execution then writes
-// again; the amaxes, maxima that cuDNN reduces into, are zeroed again for it. A backward is
-// not tuned: re-running one is not known to be harmless with every engine (accumulations in
-// gradients or workspace), and its gradients are zeroed once before the call under padding.
-te_status tune(const char *op, const Problem &p, const Plan &plan, cudnnHandle_t handle, VariantPack &pack,
-               void *workspace, cudaStream_t stream) {
-  Plan::Tuning &t = *plan.tuning;
-  if (t.done) return TE_SUCCESS;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
-    cudaGetLastError();
-    return TE_SUCCESS;  // not now (e.g. another stream captures in global mode): a later call
-  }
-  if (capture != cudaStreamCaptureStatusNone) return TE_SUCCESS;  // a later call outside capture tunes
-  const std::vector<std::pair<int64_t, float>> times = time_plans(plan, handle, pack, workspace, stream);
-  t.done = true;
-  float best = 0.0f;
-  for (const auto &[index, ms] : times) {
-    if (t.index < 0 || ms < best) t.index = index, best = ms;
-  }
-  if (autotune_mode() == 2) {
-    const AttentionShape &s = p.shape;
-    std::string chosen, line;
-    (void)plan.graph->get_plan_name(chosen);
-    for (const auto &[index, ms] : times) {
-      std::string name;
-      (void)plan.graph->get_plan_name_at_index(index, name);
-      line += "\n  plan " + std::to_string(index) + " " + name + ": " + std::to_string(ms) + " ms" +
-              (index == t.index ? "  <- fastest" : "") + (name == chosen ? "  (heuristic's choice)" : "");
-    }
-    std::fprintf(stderr, "[transformer_engine] cuDNN autotune of %s (b %lld, heads %lld/%lld, s %lld/%lld, d %lld/%lld, %s):%s\n",
-                 op, static_cast<long long>(s.batch), static_cast<long long>(s.heads_q),
-                 static_cast<long long>(s.heads_kv), static_cast<long long>(s.seqlen_q),
-                 static_cast<long long>(s.seqlen_kv), static_cast<long long>(s.head_dim_qk),
-                 static_cast<long long>(s.head_dim_v), te_dtype_name(p.qkv), line.empty() ? " no plan ran" : line.c_str());
-  }
-  for (int64_t uid : {kAmaxS, kAmaxO, kAmaxDP, kAmaxDQ, kAmaxDK, kAmaxDV}) {
-    auto it = pack.find(uid);
-    if (it == pack.end()) continue;
-    if (te_status s = zero(op, it->second, 1, TE_DTYPE_FLOAT32, stream)) return s;
-  }
-  return TE_SUCCESS;
-}
-
 te_status execute(const char *op, const Problem &p, const Plan &plan, VariantPack &pack, void *workspace,
                   cudaStream_t stream) {
   cudnnHandle_t handle = nullptr;
   if (std::string why = cudnn_handle_for(p.device, &handle); !why.empty()) return fail(TE_ERROR_RUNTIME, op, why);
   std::lock_guard<std::mutex> lock(execution_mutex(p.device));
   if (std::string why = cudnn_set_stream(handle, stream); !why.empty()) return fail(TE_ERROR_RUNTIME, op, why);
-  int64_t index = -1;  // the graph's candidate: the heuristic's choice
-  if (plan.tuning != nullptr) {
-    if (te_status s = tune(op, p, plan, handle, pack, workspace, stream)) return s;
-    index = plan.tuning->index;
-  }
-  fe::error_t e = index >= 0 ? plan.graph->execute_plan_at_index(handle, pack, workspace, index)
-                             : plan.graph->execute(handle, pack, workspace);
+  fe::error_t e = plan.graph->execute(handle, pack, workspace);
   if (e.is_bad()) return fail(TE_ERROR_RUNTIME, op, "cuDNN fused attention failed: " + brief(e.err_msg));
   return TE_SUCCESS;
 }
