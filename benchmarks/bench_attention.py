@@ -169,14 +169,20 @@ def main() -> None:
         backends.append({"shape": list(shape), **chosen})
         if not args.no_jax:
             cases.update(jax_cases(shape, args.smoke))
+        # torch's contenders on CUDA in interleaved rounds (the GPU's clock drifts with its
+        # power draw; see harness.time_cuda_interleaved), the rest one by one.
+        timed = {}
+        if device == "cuda":
+            from harness import time_cuda_interleaved
+
+            timed = time_cuda_interleaved({key: fn for key, fn in cases.items()
+                                           if "jax" not in key[1]},
+                                          batch=3, repeats=7, warmup=1)
         for (op, impl), fn in cases.items():
             try:
-                if device == "cuda" and "jax" not in impl:
-                    from harness import time_cuda
-
-                    t = time_cuda(fn, batch=3, repeats=5, warmup=1)
-                else:
-                    t = time_host(fn)
+                t = timed.get((op, impl)) or time_host(fn)
+                if "error" in t:
+                    raise RuntimeError(t["error"])
             except Exception as e:  # a peer's backend may not take the shape: record why
                 rows.append({"op": op, "impl": impl, "shape": list(shape), "error": str(e)[:300]})
                 print(f"{impl:26s} {op:8s} {shape}: error {str(e)[:120]}")

@@ -6,7 +6,9 @@ Contenders, each D[M, N] = A[M, K] @ B[N, K]^T with a bf16 output:
   - torch._scaled_mm (cuBLASLt itself: the ceiling of a per-tensor FP8 GEMM);
   - transformer_engine bf16 and torch bf16 (`a @ b.t()`).
 Each is timed by launches (host cost overlapping, as in training) and by CUDA graph replay
-(GPU time alone). Results are checked against torch before they are written.
+(GPU time alone), the contenders of a shape in interleaved rounds (the GPU's clock drifts
+with its power draw; see harness.time_cuda_interleaved). Results are checked against torch
+before they are written.
 
     python benchmarks/bench_gemm.py       # writes benchmarks/results/gemm.json
 """
@@ -17,7 +19,7 @@ import argparse
 
 import torch
 
-from harness import time_cuda, time_cuda_graph, write_result
+from harness import time_cuda_interleaved, write_result
 from transformer_engine.common import core
 
 # BASELINES.md's shapes, and the seed example's forward GEMM (2048 tokens, 768 -> 3072).
@@ -90,14 +92,13 @@ def bench_shape(m: int, n: int, k: int, workspace: torch.Tensor) -> list[dict]:
     }
     rows = []
     flops = 2.0 * m * n * k
-    for (op, impl), fn in cases.items():
-        for timing, timer in (("launches", time_cuda), ("cuda_graph", time_cuda_graph)):
-            try:
-                t = timer(fn)
-            except RuntimeError as err:  # a contender this device or build cannot run
-                rows.append({"op": op, "impl": impl, "shape_mnk": [m, n, k], "error": str(err)})
-                print(f"{op:26s} {impl:20s} {m}x{n}x{k}: {err}")
-                break
+    for timing, graph in (("launches", False), ("cuda_graph", True)):
+        times = time_cuda_interleaved(cases, graph=graph)
+        for (op, impl), t in times.items():
+            if "error" in t:  # a contender this device or build cannot run
+                rows.append({"op": op, "impl": impl, "shape_mnk": [m, n, k], "error": t["error"]})
+                print(f"{op:26s} {impl:20s} {m}x{n}x{k}: {t['error']}")
+                continue
             tflops = flops / (t["median_ms"] * 1e-3) / 1e12
             rows.append(
                 {

@@ -104,13 +104,14 @@ def main() -> None:
     rows = []
     for shape in SMOKE_SHAPES if args.smoke else SHAPES:
         medians = {}
-        for (op, impl), fn in cases(shape, device).items():
-            if device == "cuda":
-                from harness import time_cuda
+        fns = cases(shape, device)
+        if device == "cuda":  # in interleaved rounds: see harness.time_cuda_interleaved
+            from harness import time_cuda_interleaved
 
-                t = time_cuda(fn, batch=3, repeats=5, warmup=2)
-            else:
-                t = _time_host(fn)
+            timed = time_cuda_interleaved(fns, batch=3, repeats=7, warmup=2)
+        else:
+            timed = {key: _time_host(fn) for key, fn in fns.items()}
+        for (op, impl), t in timed.items():
             medians[(op, impl)] = t["median_ms"]
             rows.append({"op": op, "impl": impl, "shape": list(shape), "mask": "causal", **t})
             print(f"{impl:44s} {op:8s} {shape}: {t['median_ms']:.3f} ms")

@@ -107,6 +107,71 @@ def time_cuda_graph(
     return {**_summary(per_call, batch), "timing": "cuda_graph_replay"}
 
 
+def time_cuda_interleaved(
+    fns: dict,
+    *,
+    graph: bool = False,
+    batch: int = 10,
+    repeats: int = 15,
+    warmup: int = 3,
+) -> dict:
+    """Times every ``fns[key](i)`` as :func:`time_cuda` (or, with ``graph``,
+    :func:`time_cuda_graph`) does, but in rounds: each round times one batch of every
+    contender, in an order that rotates from round to round. The GPU's clock drifts with its
+    power draw and temperature over seconds; timing contenders one after another would hand
+    that drift to whichever ran in a hot stretch, rounds hand it to all alike.
+
+    Returns ``{key: summary}``; a contender that raises RuntimeError in its warm-up (a peer
+    this device or build cannot run) gets ``{"error": message}`` and leaves the rounds.
+    """
+    runs, out = {}, {}
+    for key, fn in fns.items():
+        try:
+            runs[key] = _graph_batch(fn, batch, warmup) if graph else _launch_batch(fn, batch,
+                                                                                    warmup)
+        except RuntimeError as err:
+            out[key] = {"error": str(err)}
+    torch.cuda.synchronize()
+    keys = list(runs)
+    per_call: dict = {key: [] for key in keys}
+    for r in range(repeats):
+        shift = r % len(keys) if keys else 0
+        for key in keys[shift:] + keys[:shift]:
+            per_call[key] += _event_timed(lambda _, run=runs[key], r=r: run(r), 1, batch)
+    for key in keys:
+        out[key] = _summary(per_call[key], batch)
+        if graph:
+            out[key]["timing"] = "cuda_graph_replay"
+    return out
+
+
+def _launch_batch(fn, batch: int, warmup: int):
+    for i in range(warmup * batch):
+        fn(i)
+
+    def run(r: int) -> None:
+        for i in range(batch):
+            fn(r * batch + i)
+    return run
+
+
+def _graph_batch(fn, batch: int, warmup: int):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(warmup):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(batch):
+            fn(i)
+    for _ in range(warmup):
+        graph.replay()
+    return lambda r: graph.replay()
+
+
 def measure_copy_tbps(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth (read + write counted), the reference ceiling."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
