@@ -399,7 +399,14 @@ def test_mha_fp8_mha_compiles_without_graph_breaks(device):
             results.append([y.detach(), x.grad.clone()] + [p.grad for p in module.parameters()])
         names = ["output", "dx"] + [n for n, _ in eager.named_parameters()]
         for name, got, want in zip(names, results[1], results[0], strict=True):
-            _assert_same(got, want, name)
+            if device.type == "cpu":
+                assert torch.equal(got, want), name
+            else:
+                # On CUDA, Inductor's kernels compute the fp32 scale arithmetic around the
+                # custom ops to within an ulp, not bit for bit (its division is not IEEE), and
+                # an ulp moves an E5M2 rounding now and then; atomics in cuDNN's backward too.
+                error = _relative_error(got, want)
+                assert error < 0.05, f"{name}: {error:.4f} of the norm"
 
 
 @pytest.mark.cuda
