@@ -63,15 +63,17 @@ _DO_COLUMN = 1
 def _quantize(plan, x: torch.Tensor, fmt: str, scales: Optional[torch.Tensor], column: int,
               history: Optional[torch.Tensor]):
     """Per-tensor quantization of ``x`` (any shape) to ``fmt`` by the plan's kind: (FP8 bytes
-    in x's shape, scale [1], scale_inv [1], amax [1]). Delayed scaling casts with
-    ``scales[column]`` in one pass and raises ``history[0, column]``, which is the amax
-    returned (a view: read it before the scale update rolls the history); current scaling
-    reads x twice (amax, then cast)."""
+    in x's shape, scale [1], scale_inv [1], a bound [1] on the FP8 values' magnitude).
+    Current scaling reads x twice (amax, then cast) and the bound is the amax. Delayed
+    scaling casts with ``scales[column]`` in one pass and raises ``history[0, column]``; its
+    bound is fp8_max * scale_inv (the cast saturates there), not the amax in the history:
+    that slot is rolled by the scale update, and a traced graph (torch.compile) need not read
+    it before the roll, whatever the program order says."""
     rows = x.reshape(-1, x.shape[-1])
     if plan.kind == "delayed":
         data, _, scale_inv = ops.quantize_delayed(rows, scales, column, history, fmt, True,
                                                   False)
-        scale, amax = scales[column:column + 1], history[0, column:column + 1]
+        scale, amax = scales[column:column + 1], FP8_MAX[fmt] * scale_inv
     else:
         data, _, scale, scale_inv, amax = ops.quantize_current(
             rows, fmt, True, False, plan.force_pow2_scales, plan.amax_epsilon)
@@ -161,10 +163,6 @@ class _FusedAttentionFP8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_kv, rng, scales, history, bwd_meta, cfg):
         params, deterministic, plan, recipe, group, out_fp8 = cfg
-        if plan.kind == "delayed" and history is None:
-            # A recompute records nothing in the module, yet the backward's bounds need the
-            # amaxes of this q and k: a scratch history takes them.
-            history = torch.zeros((1, 4), dtype=torch.float32, device=q.device)
         quantized = [_operand(plan, t, scales, column, history)
                      for t, column in zip((q, k, v), _QKV_COLUMNS, strict=True)]
         descales = torch.cat([sinv for _, _, sinv, _ in quantized])
@@ -195,8 +193,7 @@ class _FusedAttentionFP8(torch.autograd.Function):
                               cu_q, cu_kv, rng)
         ctx.fp8_grads = _grads_in_fp8(params[-1], q.device)
         grad = any(ctx.needs_input_grad[:3])
-        # Only a backward reads them (one more pass over v; copies of the amaxes, which the
-        # exit update rolls out of the history).
+        # Only a backward reads them (one more pass over v; the bounds of q and k).
         ctx.v_norm = None
         if grad:
             ctx.v_norm = _max_row_norm(v.dequantize() if isinstance(v, Float8Tensor) else v)
@@ -218,7 +215,6 @@ class _FusedAttentionFP8(torch.autograd.Function):
         fmt = plan.bwd_dtype
         history, scale, _ = ctx.bwd_meta if plan.kind == "delayed" else (None, None, None)
         do8, _, do_scale_inv, amax_do = _quantize(plan, d_o, fmt, scale, _DO_COLUMN, history)
-        # Before the update below rolls the history slot that amax_do views.
         amax_do = _operand_bound(amax_do, do_scale_inv, fmt) if ctx.fp8_grads else None
         if plan.kind == "delayed":
             update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
