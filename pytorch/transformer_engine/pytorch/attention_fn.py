@@ -20,7 +20,7 @@ import torch
 from . import ops
 from .float8_tensor import Float8Tensor
 from .linear_fn import update_backward
-from .quantization import Plan
+from .quantization import Plan, record_amax
 
 __all__ = ["fused_attention", "fused_attention_fp8", "unfused_attention"]
 
@@ -63,17 +63,21 @@ _DO_COLUMN = 1
 def _quantize(plan, x: torch.Tensor, fmt: str, scales: Optional[torch.Tensor], column: int,
               history: Optional[torch.Tensor]):
     """Per-tensor quantization of ``x`` (any shape) to ``fmt`` by the plan's kind: (FP8 bytes
-    in x's shape, scale [1], scale_inv [1], a bound [1] on the FP8 values' magnitude).
-    Current scaling reads x twice (amax, then cast) and the bound is the amax. Delayed
-    scaling casts with ``scales[column]`` in one pass and raises ``history[0, column]``; its
-    bound is fp8_max * scale_inv (the cast saturates there), not the amax in the history:
-    that slot is rolled by the scale update, and a traced graph (torch.compile) need not read
-    it before the roll, whatever the program order says."""
+    in x's shape, scale [1], scale_inv [1], amax [1] of x). Delayed scaling casts with
+    ``scales[column]`` in one pass and raises ``history[0, column]`` by the amax (``history``
+    None: a checkpoint's recompute, which records nothing); current scaling reads x twice
+    (amax, then cast).
+
+    The amax returned is the cast's own output, never a view of the history: the backward's
+    bounds are built on it, and the history is updated in place around it, which a graph
+    traced by torch.compile did not keep in order with a read of a view (on CUDA, where
+    cuDNN's FP8 gradients use the bounds, compiled training gave gradients 93% off eager)."""
     rows = x.reshape(-1, x.shape[-1])
     if plan.kind == "delayed":
-        data, _, scale_inv = ops.quantize_delayed(rows, scales, column, history, fmt, True,
-                                                  False)
-        scale, amax = scales[column:column + 1], FP8_MAX[fmt] * scale_inv
+        scale = scales[column:column + 1]
+        data, _, scale_inv, amax = ops.quantize(rows, scale, fmt, True, False)
+        if history is not None:
+            record_amax(history, column, amax)
     else:
         data, _, scale, scale_inv, amax = ops.quantize_current(
             rows, fmt, True, False, plan.force_pow2_scales, plan.amax_epsilon)
