@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.nn.functional as F
+
+from harness import time_host
 
 # torch and jax share the GPU in this process: jax must not take most of its memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -32,20 +33,6 @@ def flops(shape, backward: bool) -> float:
     b, hq, _, s, d = shape
     forward = 4.0 * b * hq * s * s * d / 2  # causal: half the logits
     return forward * (3.5 if backward else 1.0)
-
-
-def time_host(fn, repeats: int = 5) -> dict:
-    """Milliseconds per call by wall clock (the CPU smoke run and JAX, whose arrays are
-    synchronized with block_until_ready inside fn)."""
-    fn(0)
-    per_call = []
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        fn(r)
-        per_call.append((time.perf_counter() - t0) * 1e3)
-    per_call.sort()
-    return {"median_ms": per_call[len(per_call) // 2], "min_ms": per_call[0],
-            "max_ms": per_call[-1], "batches": repeats, "calls_per_batch": 1}
 
 
 def torch_cases(shape, device: str) -> dict:

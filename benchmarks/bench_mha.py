@@ -11,27 +11,16 @@ beside the same block from torch ops in bf16 (nn.Linear, SDPA on cuDNN, nn.Linea
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
+
+from harness import time_host
 
 # (batch, heads_q, heads_kv, seqlen, head_dim): the attention benchmark's shapes; hidden =
 # heads_q * head_dim.
 SHAPES = [(4, 32, 32, 4096, 128), (2, 16, 16, 8192, 128), (2, 32, 8, 8192, 128)]
 SMOKE_SHAPES = [(2, 4, 2, 32, 16)]
-
-
-def _time_host(fn, repeats: int = 3) -> dict:
-    fn(0)
-    per_call = []
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        fn(r)
-        per_call.append((time.perf_counter() - t0) * 1e3)
-    per_call.sort()
-    return {"median_ms": per_call[len(per_call) // 2], "min_ms": per_call[0],
-            "max_ms": per_call[-1], "batches": repeats, "calls_per_batch": 1}
 
 
 class TorchBlock(torch.nn.Module):
@@ -110,7 +99,7 @@ def main() -> None:
 
             timed = time_cuda_interleaved(fns, batch=3, repeats=7, warmup=2)
         else:
-            timed = {key: _time_host(fn) for key, fn in fns.items()}
+            timed = {key: time_host(fn, repeats=3) for key, fn in fns.items()}
         for (op, impl), t in timed.items():
             medians[(op, impl)] = t["median_ms"]
             rows.append({"op": op, "impl": impl, "shape": list(shape), "mask": "causal", **t})

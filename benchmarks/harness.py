@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -66,13 +67,8 @@ def time_cuda(
     overlaps the GPU work as it does in a training step; the result is the median (and
     min/max) over ``repeats`` batches.
     """
-    for i in range(warmup * batch):
-        fn(i)
+    run_batch = _launch_batch(fn, batch, warmup)
     torch.cuda.synchronize()
-    def run_batch(r: int) -> None:
-        for i in range(batch):
-            fn(r * batch + i)
-
     return _summary(_event_timed(run_batch, repeats, batch), batch)
 
 
@@ -89,22 +85,22 @@ def time_cuda_graph(
     ``fn`` must launch its work on torch's *current* stream at call time (capture runs on a
     side stream), and must allocate nothing it frees between calls.
     """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(warmup):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
+    run_batch = _graph_batch(fn, batch, warmup)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(batch):
-            fn(i)
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    per_call = _event_timed(lambda r: graph.replay(), repeats, batch)
+    per_call = _event_timed(run_batch, repeats, batch)
     return {**_summary(per_call, batch), "timing": "cuda_graph_replay"}
+
+
+def time_host(fn: Callable[[int], object], repeats: int = 5) -> dict:
+    """Milliseconds per call by wall clock, for what CUDA events cannot time: the CPU smoke
+    runs, and JAX (whose fn synchronizes with block_until_ready)."""
+    fn(0)
+    per_call = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        fn(r)
+        per_call.append((time.perf_counter() - t0) * 1e3)
+    return _summary(per_call, 1)
 
 
 def time_cuda_interleaved(
@@ -146,6 +142,7 @@ def time_cuda_interleaved(
 
 
 def _launch_batch(fn, batch: int, warmup: int):
+    """Warms ``fn`` up and returns run(r): batch r of ``batch`` calls, launched."""
     for i in range(warmup * batch):
         fn(i)
 
@@ -156,6 +153,8 @@ def _launch_batch(fn, batch: int, warmup: int):
 
 
 def _graph_batch(fn, batch: int, warmup: int):
+    """Warms ``fn`` up on a side stream, captures ``batch`` calls in a CUDA graph and returns
+    run(r): one replay of it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
