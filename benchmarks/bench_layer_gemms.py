@@ -11,6 +11,10 @@ between the GEMMs of a real layer (attention, norms, activations) is left out on
 Timed by launches and by CUDA-graph replay (GPU time alone). The speedup of each recipe is
 bf16 time / FP8 time for the whole set of 12 GEMMs.
 
+Beside each recipe, the same 12 FP8 GEMMs alone ("gemms only": the core's GEMM on operands
+quantized once, outside the timing, with the layer's scaling modes and accumulation): the
+ceiling of the recipe's speedup, and with it the time its quantization takes.
+
     python benchmarks/bench_layer_gemms.py            # writes benchmarks/results/layer_gemms.json
     python benchmarks/bench_layer_gemms.py --smoke    # a tiny shape, any device, no file
 """
@@ -25,6 +29,8 @@ import torch
 import transformer_engine.pytorch as te
 from harness import time_cuda, time_cuda_graph, write_result
 from transformer_engine.common import recipe
+from transformer_engine.pytorch import ops
+from transformer_engine.pytorch.quantization import plan_of, quantize
 
 TOKENS, HIDDEN, FFN = 15872, 4096, 16384
 RECIPES = {
@@ -73,6 +79,35 @@ def step_fn(cases, fp8_recipe=None):
     return step
 
 
+def gemms_only_fn(cases, fp8_recipe):
+    """The 12 FP8 GEMMs of step_fn's FP8 step as te.Linear runs them (forward with fast
+    accumulation, dgrad and wgrad with split accumulation, bf16 outputs), on operands quantized
+    here once with the recipe's plan (delayed scaling: scale 1, no history)."""
+    plan = plan_of(fp8_recipe)
+    gemms = []
+    for _, layer, x, g in cases:
+        ones = torch.ones(3, device=x.device)
+        x, w, g = x.detach(), layer.weight.detach(), g.detach()
+        qx = quantize(plan, "input", x, True, True, ones, 0)
+        qw = quantize(plan, "weight", w, True, True, ones, 1)
+        qg = quantize(plan, "grad_output", g, True, True, ones, 2)
+        fwd, bwd = plan.fwd_dtype, plan.bwd_dtype
+        gemms += [
+            (qx.data, qx.scale_inv, fwd, plan.input_mode, qw.data, qw.scale_inv, fwd,
+             plan.weight_mode, torch.bfloat16, None, False),
+            (qg.data, qg.scale_inv, bwd, plan.grad_mode, qw.columnwise, qw.columnwise_scale_inv,
+             fwd, plan.weight_mode, torch.bfloat16, None, True),
+            (qg.columnwise, qg.columnwise_scale_inv, bwd, plan.grad_mode, qx.columnwise,
+             qx.columnwise_scale_inv, fwd, plan.input_mode, torch.bfloat16, None, True),
+        ]
+
+    def step(i):
+        for args in gemms:
+            ops.gemm_fp8(*args)
+
+    return step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shape, no results file")
@@ -83,17 +118,20 @@ def main() -> None:
         raise SystemExit("bench_layer_gemms: needs a CUDA GPU (use --smoke on a CPU)")
     cases = build(tokens, hidden, ffn, device)
     flops = sum(6.0 * tokens * k * n for _, k, n in layer_shapes(hidden, ffn))
-    contenders = {"bf16 nn.Linear": None, **{f"fp8 {k}": v for k, v in RECIPES.items()}}
+    contenders = {"bf16 nn.Linear": step_fn(cases)}
+    for k, v in RECIPES.items():
+        contenders[f"fp8 {k}"] = step_fn(cases, v)
+        contenders[f"fp8 {k} gemms only"] = gemms_only_fn(cases, v)
     if args.smoke:
-        for name, r in contenders.items():
-            step_fn(cases, r)(0)
+        for name, step in contenders.items():
+            step(0)
             print(f"{name}: ran")
         return
     rows, medians = [], {}
-    for name, r in contenders.items():
+    for name, step in contenders.items():
         for how, timer in (("launches", time_cuda), ("cuda_graph", time_cuda_graph)):
             start = time.perf_counter()
-            t = timer(step_fn(cases, r), batch=5, repeats=10, warmup=2)
+            t = timer(step, batch=5, repeats=10, warmup=2)
             medians[(name, how)] = t["median_ms"]
             tflops = flops / (t["median_ms"] * 1e-3) / 1e12
             rows.append({"op": "layer_gemms_fwd_bwd", "impl": name, "timing": how,
@@ -110,7 +148,8 @@ def main() -> None:
     write_result("layer_gemms", {
         "description": "the 12 GEMMs of one Transformer layer's fwd+bwd at the 5B configuration "
                        f"(M={tokens}, hidden {hidden}, FFN {ffn}): bias-free te.Linear per FP8 "
-                       "recipe (quantization included) vs bf16 nn.Linear",
+                       "recipe (quantization included) vs bf16 nn.Linear; 'gemms only': the "
+                       "same FP8 GEMMs on operands quantized beforehand",
         "results": rows,
     })
 
