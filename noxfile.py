@@ -100,7 +100,9 @@ def _wheels(session: nox.Session, cuda: str = "OFF") -> list[Path]:
     if wheels is not None:
         session.log(f"dist/ is up to date with the sources ({len(wheels)} wheels)")
         return wheels
-    session.install(*_build_requirements())
+    # torch too: the pytorch wheel compiles te.Linear's fast path against it (pytorch/setup.py),
+    # the release the tests pin.
+    session.install(*_build_requirements(), "-r", "tests/requirements-torch.txt")
     shutil.rmtree(DIST, ignore_errors=True)
     for project in PROJECTS:  # setuptools would ship files deleted from the sources since
         if project != "common":
@@ -109,8 +111,8 @@ def _wheels(session: nox.Session, cuda: str = "OFF") -> list[Path]:
     common = ("-C", f"cmake.define.TE_WITH_CUDA={cuda}", "-C", f"build-dir={build_dir}")
     pip_wheel = ("python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w")
     session.run(*pip_wheel, str(DIST), *common, "./common")
-    # The jax wheel's FFI extension compiles against the core's headers and links its library,
-    # which it finds in the installed common wheel.
+    # The jax wheel's FFI extension and the pytorch wheel's fast path compile against the core's
+    # headers and link its library, which they find in the installed common wheel.
     common_wheel = DIST.glob("transformer_engine_common-*.whl")
     session.install("--no-deps", "--force-reinstall", *map(str, common_wheel))
     session.run(*pip_wheel, str(DIST), *(f"./{p}" for p in PROJECTS if p != "common"))

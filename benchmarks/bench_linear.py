@@ -25,6 +25,7 @@ import torch
 import transformer_engine.pytorch as te
 from harness import time_cuda, time_cuda_graph, write_result
 from transformer_engine.common import recipe
+from transformer_engine.pytorch import fast_linear
 
 SHAPES = [(16384, 8192, 8192), (2048, 768, 3072)]  # (tokens M, in_features K, out_features N)
 RECIPES = {
@@ -141,9 +142,13 @@ def host_and_memory(m: int, k: int, n: int) -> list[dict]:
     rows = []
     for impl, module, r in (
         ("te.Linear DelayedScaling", layer, RECIPES["DelayedScaling"]),
+        ("te.Linear DelayedScaling, Python path", layer, RECIPES["DelayedScaling"]),
         ("te.Linear Float8CurrentScaling", layer, RECIPES["Float8CurrentScaling"]),
         ("nn.Linear bf16 eager", base, None),
     ):
+        # The compiled forward (fast_linear.py) is te.Linear's default where it is built;
+        # the Python path is what every forward took before it.
+        fast_linear.enabled = not impl.endswith("Python path")
         us = _host_forward_us(module, x, r)
         step = _step_fn(module, x, grad_out, r)
         step_us = _host_us(lambda step=step: step(0))
@@ -158,6 +163,7 @@ def host_and_memory(m: int, k: int, n: int) -> list[dict]:
             f"{impl:40s} {m}x{k}->{n}: forward host {us:.1f} us, step host {step_us:.1f} us, "
             f"step peak {peak / 2**20:.1f} MiB"
         )
+    fast_linear.enabled = True
     with te.fp8_model_init():
         fp8_layer = te.Linear(k, n, params_dtype=bf16)
     w = fp8_layer.weight

@@ -137,28 +137,38 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        in_col, in_col_sinv, w_col, w_col_sinv = ctx.saved_tensors
-        plan = ctx.plan
-        need_dgrad, need_wgrad, has_bias = ctx.need
-        in_dtype, w_dtype, b_dtype = ctx.dtypes
-        g = grad_output if grad_output.dim() == 2 else \
-            grad_output.reshape(-1, grad_output.shape[-1])
-        g = g.contiguous()
-        grad_input = grad_weight = grad_bias = None
-        history, scale, _ = ctx.bwd_meta
-        q_g, dbias = grad_to_fp8(plan, g, g, "identity", scale, 0, need_dgrad, need_wgrad,
-                                 has_bias, history)
-        if q_g is not None:
-            if plan.kind == "delayed":
-                update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
-            grad_input, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
-                                                     in_col_sinv, in_dtype, w_dtype,
-                                                     need_dgrad, need_wgrad)
-            if grad_input is not None and len(ctx.input_shape) != 2:
-                grad_input = grad_input.view(ctx.input_shape)
-        if has_bias:
-            grad_bias = dbias if b_dtype == torch.float32 else dbias.to(b_dtype)
-        return (grad_input, grad_weight, grad_bias) + (None,) * 8
+        grads = linear_backward(grad_output, ctx.saved_tensors, ctx.plan, ctx.bwd_meta,
+                                ctx.recipe, ctx.group, ctx.need, ctx.dtypes, ctx.input_shape)
+        return grads + (None,) * 8
+
+
+def linear_backward(grad_output: torch.Tensor, saved, plan: Plan, bwd_meta: tuple, recipe: Any,
+                    group: Any, need: tuple, dtypes: tuple, input_shape) -> tuple:
+    """(grad_input, grad_weight, grad_bias) of an FP8 linear layer, each None where not
+    needed: the backward of Fp8LinearFunction and of the compiled forward (fast_linear.py).
+    ``saved``: the forward's (column-wise input, its scale_inv, column-wise weight, its
+    scale_inv); ``need``: (dgrad, wgrad, bias); ``dtypes``: of input, weight and bias."""
+    in_col, in_col_sinv, w_col, w_col_sinv = saved
+    need_dgrad, need_wgrad, has_bias = need
+    in_dtype, w_dtype, b_dtype = dtypes
+    g = grad_output if grad_output.dim() == 2 else \
+        grad_output.reshape(-1, grad_output.shape[-1])
+    g = g.contiguous()
+    grad_input = grad_weight = grad_bias = None
+    history, scale, _ = bwd_meta
+    q_g, dbias = grad_to_fp8(plan, g, g, "identity", scale, 0, need_dgrad, need_wgrad,
+                             has_bias, history)
+    if q_g is not None:
+        if plan.kind == "delayed":
+            update_backward(bwd_meta, plan, recipe, group)
+        grad_input, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
+                                                 in_col_sinv, in_dtype, w_dtype, need_dgrad,
+                                                 need_wgrad)
+        if grad_input is not None and len(input_shape) != 2:
+            grad_input = grad_input.view(input_shape)
+    if has_bias:
+        grad_bias = dbias if b_dtype == torch.float32 else dbias.to(b_dtype)
+    return grad_input, grad_weight, grad_bias
 
 
 def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str,

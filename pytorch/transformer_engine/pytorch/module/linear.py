@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from transformer_engine.common.recipe import Recipe
 
-from .. import fp8, ops
+from .. import fast_linear, fp8, ops
 from ..float8_tensor import Float8Tensor, to_high_precision
 from ..linear_fn import Fp8LinearFunction, takes_fp8_input
 from ..quantization import plan_of, record_amax
@@ -222,11 +222,15 @@ class Linear(_LinearBase):
         grad = torch.is_grad_enabled()
         need_dgrad = grad and inp.requires_grad
         need_wgrad = grad and weight.requires_grad
+        bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
+        if (not fp8_output and is_first_microbatch is None and not self._weight_caches
+                and fast_linear.usable(plan, inp, weight, bias, history, bwd_recipe is not None)):
+            return fast_linear.forward(inp, weight, bias, plan, scales, history, bwd_meta,
+                                       need_dgrad, need_wgrad)
         w = self._weight_operand(plan, weight, need_dgrad, is_first_microbatch, scales, history)
         # Per-tensor scaling shares one scale_inv between the copies; autograd.Function under
         # torch.compile takes no tensor twice, so the column-wise one goes as None.
         col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
-        bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
         out_meta = self._output_meta(plan) if fp8_output else None
         cfg = (plan, bwd_recipe, group, need_dgrad, need_wgrad, out_meta)
         return Fp8LinearFunction.apply(inp, weight, bias, w.data, w.scale_inv, w.columnwise,

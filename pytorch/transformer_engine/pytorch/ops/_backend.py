@@ -157,6 +157,13 @@ def stream_of(t: torch.Tensor) -> int:
     return 0
 
 
+def workspace_for(t: torch.Tensor) -> torch.Tensor | None:
+    """The GEMM workspace tensor of t's CUDA device (see raw_workspace_for), None on the CPU."""
+    if raw_workspace_for(t) is None:
+        return None
+    return _workspaces[t.get_device()][0]
+
+
 def raw_workspace_for(t: torch.Tensor) -> tuple | None:
     """The fast form (raw()) of the GEMM workspace of t's CUDA device, None on the CPU, whose
     GEMM needs none: one uint8 buffer of ``gemm_workspace_size()`` bytes per device, kept for

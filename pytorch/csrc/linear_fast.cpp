@@ -1,0 +1,205 @@
+// transformer_engine.pytorch._linear_fast: te.Linear's FP8 forward under delayed scaling as one
+// compiled autograd function, for eager mode.
+//
+// Why it exists: a small layer's forward is bound by host time, and in Python that time is
+// spent around the kernels, not in them (benchmarks/results/host_probes.md): the autograd
+// Function, the op wrappers and their tensor bookkeeping. Here the forward is one call: the
+// input and weight casts and the GEMM go straight to the core's C API with outputs from
+// torch's allocator, and the autograd node is made in C++.
+//
+// It computes exactly what linear_fn.Fp8LinearFunction computes under delayed scaling (the
+// same core calls with the same arguments, so the same bits), for the cases te.Linear sends it
+// (module/linear.py, _fast_forward): plain bf16/fp16 input, plain weight, bias in the input's
+// dtype or none, recorded amaxes. The backward is not host-bound at the sizes where the
+// forward is, so it calls back into Python (fast_linear.py, backward), which shares
+// Fp8LinearFunction's backward.
+#include <torch/extension.h>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <string>
+#include <vector>
+
+#include "transformer_engine/gemm.h"
+#include "transformer_engine/quantize.h"
+#include "transformer_engine/tensor.h"
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+void check(te_status status) { TORCH_CHECK(status == TE_SUCCESS, "te.Linear: ", te_last_error()); }
+
+te_dtype core_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return TE_DTYPE_FLOAT32;
+    case at::kHalf: return TE_DTYPE_FLOAT16;
+    case at::kBFloat16: return TE_DTYPE_BFLOAT16;
+    case at::kByte: return TE_DTYPE_UINT8;
+    default: TORCH_CHECK(false, "te.Linear: no core dtype for ", t);
+  }
+}
+
+// The core's view of a contiguous tensor (dtype: the core's, e.g. FP8 for uint8 bytes).
+te_buffer buffer_of(const at::Tensor &t, te_dtype dtype) {
+  te_buffer b{};
+  b.data = t.data_ptr();
+  b.dtype = dtype;
+  b.ndim = static_cast<int32_t>(t.dim());
+  for (int64_t i = 0; i < t.dim(); ++i) b.shape[i] = t.size(i);
+  b.device = t.is_cuda() ? TE_DEVICE_CUDA : TE_DEVICE_CPU;
+  b.device_id = t.is_cuda() ? t.get_device() : 0;
+  return b;
+}
+
+// Element i of a contiguous float32 tensor as a [1] buffer (a scale, an amax history slot).
+te_buffer element_of(const at::Tensor &t, int64_t i) {
+  te_buffer b = buffer_of(t, TE_DTYPE_FLOAT32);
+  b.data = static_cast<float *>(t.data_ptr()) + i;
+  b.ndim = 1;
+  b.shape[0] = 1;
+  return b;
+}
+
+// An owning te_tensor handle (the buffers stay torch's).
+class Handle {
+ public:
+  Handle() { check(te_tensor_create(TE_SCALING_TENSOR, &t_)); }
+  ~Handle() { te_tensor_destroy(t_); }
+  Handle(const Handle &) = delete;
+  Handle &operator=(const Handle &) = delete;
+  Handle &set(te_tensor_slot slot, const te_buffer &b) {
+    check(te_tensor_set(t_, slot, &b));
+    return *this;
+  }
+  te_tensor *get() const { return t_; }
+
+ private:
+  te_tensor *t_ = nullptr;
+};
+
+// torch's current stream on t's CUDA device (the core's kernels are ordered with torch's and
+// captured by a CUDA graph), null on the CPU. Through c10's device-generic interface, so that
+// this file builds against CPU and CUDA builds of torch alike.
+te_stream stream_of(const at::Tensor &t) {
+  if (!t.is_cuda()) return nullptr;
+  const auto *impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  return static_cast<te_stream>(impl->getStream(t.device()).native_handle());
+}
+
+// Delayed scaling's cast of the matrix x with scales[index], raising history[0, index] (the
+// core call of ops.quantize_delayed). Returns (row-wise data, column-wise data or undefined,
+// scale_inv).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cast(const at::Tensor &x, te_dtype fp8, bool columnwise,
+                                                    const at::Tensor &scales, const at::Tensor &history,
+                                                    int64_t index, te_stream stream) {
+  const auto bytes = x.options().dtype(at::kByte);
+  at::Tensor data = at::empty({x.size(0), x.size(1)}, bytes);
+  at::Tensor col = columnwise ? at::empty({x.size(1), x.size(0)}, bytes) : at::Tensor();
+  at::Tensor scale_inv = at::empty({1}, x.options().dtype(at::kFloat));
+  Handle in, out;
+  in.set(TE_SLOT_DATA, buffer_of(x, core_dtype(x.scalar_type())));
+  out.set(TE_SLOT_DATA, buffer_of(data, fp8))
+      .set(TE_SLOT_SCALE, element_of(scales, index))
+      .set(TE_SLOT_SCALE_INV, buffer_of(scale_inv, TE_DTYPE_FLOAT32))
+      .set(TE_SLOT_AMAX, element_of(history, index));
+  if (columnwise) out.set(TE_SLOT_COLUMNWISE_DATA, buffer_of(col, fp8));
+  te_quantize_config config{};
+  config.accumulate_amax = 1;
+  check(te_quantize(in.get(), out.get(), &config, stream));
+  return {data, col, scale_inv};
+}
+
+// The Python side of the backward: fast_linear.backward, looked up at each call (on the module,
+// which is kept for the process's life: it must not be released after the interpreter is gone).
+pybind11::object python_backward() {
+  static PyObject *module = pybind11::module_::import("transformer_engine.pytorch.fast_linear").release().ptr();
+  return pybind11::reinterpret_borrow<pybind11::object>(module).attr("backward");
+}
+
+pybind11::object optional(const at::Tensor &t) { return t.defined() ? pybind11::cast(t) : pybind11::none(); }
+
+at::Tensor tensor_or_undefined(const pybind11::handle &h) { return h.is_none() ? at::Tensor() : h.cast<at::Tensor>(); }
+
+struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
+  // fwd_dtype / bwd_dtype: te_dtype values of the FP8 formats; bwd_meta: the backward's
+  // (history, scale, scale_inv), which the backward updates in place (kept as data, not as
+  // saved tensors, like Fp8LinearFunction's ctx.bwd_meta).
+  static at::Tensor forward(AutogradContext *ctx, const at::Tensor &input, const at::Tensor &weight,
+                            const c10::optional<at::Tensor> &bias, const at::Tensor &scales,
+                            const at::Tensor &history, const at::Tensor &workspace, std::vector<at::Tensor> bwd_meta,
+                            int64_t fwd_dtype, int64_t bwd_dtype, int64_t margin, std::string algo, bool need_dgrad,
+                            bool need_wgrad) {
+    const auto fp8 = static_cast<te_dtype>(fwd_dtype);
+    const int64_t k = input.size(-1), n = weight.size(0);
+    const at::Tensor x = input.reshape({-1, k}).contiguous();
+    const te_stream stream = stream_of(input);
+    auto [x_data, x_col, x_sinv] = cast(x, fp8, need_wgrad, scales, history, 0, stream);
+    auto [w_data, w_col, w_sinv] = cast(weight.contiguous(), fp8, need_dgrad, scales, history, 1, stream);
+    at::Tensor out = at::empty({x.size(0), n}, input.options());
+    Handle a, b, d, bias_handle;
+    a.set(TE_SLOT_DATA, buffer_of(x_data, fp8)).set(TE_SLOT_SCALE_INV, buffer_of(x_sinv, TE_DTYPE_FLOAT32));
+    b.set(TE_SLOT_DATA, buffer_of(w_data, fp8)).set(TE_SLOT_SCALE_INV, buffer_of(w_sinv, TE_DTYPE_FLOAT32));
+    d.set(TE_SLOT_DATA, buffer_of(out, core_dtype(out.scalar_type())));
+    const bool has_bias = bias.has_value() && bias->defined();
+    if (has_bias) bias_handle.set(TE_SLOT_DATA, buffer_of(*bias, core_dtype(bias->scalar_type())));
+    te_gemm_config config{};
+    config.transpose_b = 1;  // both operands K-major ("TN"); fast accumulation in the forward
+    void *ws = workspace.numel() > 0 ? workspace.data_ptr() : nullptr;
+    check(te_gemm(a.get(), b.get(), d.get(), has_bias ? bias_handle.get() : nullptr, nullptr, &config, ws,
+                  static_cast<size_t>(workspace.numel()), stream));
+    // The FP8 column-wise input is all the backward keeps of the activation.
+    ctx->save_for_backward({x_col, x_sinv, w_col, w_sinv});
+    ctx->saved_data["bwd_meta"] = std::move(bwd_meta);
+    ctx->saved_data["config"] = std::vector<int64_t>{
+        fwd_dtype, bwd_dtype, margin, need_dgrad, need_wgrad, has_bias, static_cast<int64_t>(input.scalar_type()),
+        static_cast<int64_t>(weight.scalar_type()), static_cast<int64_t>(has_bias ? bias->scalar_type() : at::kFloat)};
+    ctx->saved_data["algo"] = std::move(algo);
+    ctx->saved_data["input_shape"] = input.sizes().vec();
+    std::vector<int64_t> shape = input.sizes().vec();
+    shape.back() = n;
+    return out.view(shape);
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto meta = ctx->saved_data["bwd_meta"].toTensorVector();
+    const auto config = ctx->saved_data["config"].toIntVector();
+    // Empty tensors carry the dtypes of input, weight and bias to Python.
+    const auto carrier = [&](int i) { return at::empty({0}, at::TensorOptions().dtype(static_cast<at::ScalarType>(config[i]))); };
+    pybind11::gil_scoped_acquire gil;
+    const pybind11::object result = python_backward()(
+        grads[0], optional(saved[0]), saved[1], optional(saved[2]), saved[3], meta[0], meta[1], meta[2],
+        te_dtype_name(static_cast<te_dtype>(config[0])), te_dtype_name(static_cast<te_dtype>(config[1])), config[2],
+        ctx->saved_data["algo"].toStringRef(), static_cast<bool>(config[3]), static_cast<bool>(config[4]),
+        static_cast<bool>(config[5]), carrier(6), carrier(7), config[5] ? pybind11::cast(carrier(8)) : pybind11::none(),
+        ctx->saved_data["input_shape"].toIntVector());
+    const auto t = result.cast<pybind11::tuple>();
+    // One gradient per forward argument: input, weight, bias, then the non-differentiable rest.
+    return {tensor_or_undefined(t[0]), tensor_or_undefined(t[1]), tensor_or_undefined(t[2]), at::Tensor(),
+            at::Tensor(),           at::Tensor(),           at::Tensor(),           at::Tensor(),
+            at::Tensor(),           at::Tensor(),           at::Tensor(),           at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+at::Tensor linear_fp8_delayed(const at::Tensor &input, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
+                              const at::Tensor &scales, const at::Tensor &history, const at::Tensor &workspace,
+                              std::vector<at::Tensor> bwd_meta, int64_t fwd_dtype, int64_t bwd_dtype, int64_t margin,
+                              std::string algo, bool need_dgrad, bool need_wgrad) {
+  return LinearFp8Delayed::apply(input, weight, bias, scales, history, workspace, std::move(bwd_meta), fwd_dtype,
+                                 bwd_dtype, margin, std::move(algo), need_dgrad, need_wgrad);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "te.Linear's FP8 forward under delayed scaling as one compiled autograd function (eager)";
+  m.def("linear_fp8_delayed", &linear_fp8_delayed, pybind11::arg("input"), pybind11::arg("weight"),
+        pybind11::arg("bias"), pybind11::arg("scales"), pybind11::arg("history"), pybind11::arg("workspace"),
+        pybind11::arg("bwd_meta"), pybind11::arg("fwd_dtype"), pybind11::arg("bwd_dtype"), pybind11::arg("margin"),
+        pybind11::arg("algo"), pybind11::arg("need_dgrad"), pybind11::arg("need_wgrad"));
+  // The torch release this was compiled against (its C++ ABI is not stable across releases).
+  m.attr("torch_version") = pybind11::make_tuple(TE_TORCH_MAJOR, TE_TORCH_MINOR);
+}

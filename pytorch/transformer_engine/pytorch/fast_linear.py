@@ -1,0 +1,95 @@
+"""The compiled eager path of te.Linear's FP8 forward under delayed scaling.
+
+A small layer's forward is bound by host time, and in Python most of it is spent around the
+kernels (autograd.Function, the op wrappers). ``_linear_fast`` (``pytorch/csrc/linear_fast.cpp``)
+does the forward as one C++ autograd function over the core's C API: the same casts and GEMM
+with the same arguments as :class:`~transformer_engine.pytorch.linear_fn.Fp8LinearFunction`,
+so the same bits, and a backward that comes back here to share that function's backward.
+
+The extension is built with the package when torch and transformer-engine-common are present
+at build time, for that torch release; without it (or for another release of torch) te.Linear
+takes its Python path, which is also the one torch.compile traces. ``TE_FAST_LINEAR=0`` in the
+environment, or ``enabled = False`` here, turns the fast path off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .linear_fn import linear_backward
+from .ops._backend import _plain_eager, te_dtype, workspace_for
+from .quantization import Plan
+
+
+def _load():
+    try:
+        from . import _linear_fast as ext
+    except ImportError:  # a pure-Python build, or one for another torch's ABI
+        return None
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    return ext if tuple(ext.torch_version) == (major, minor) else None
+
+
+_ext = _load()
+enabled = os.environ.get("TE_FAST_LINEAR", "1") != "0"
+_FAST_DTYPES = (torch.bfloat16, torch.float16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_codes: dict = {}
+
+
+def available() -> bool:
+    """Whether te.Linear's FP8 forward can take the compiled path in this process."""
+    return _ext is not None and enabled
+
+
+def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+           history: Optional[torch.Tensor], general_update: bool) -> bool:
+    """Whether this forward is one the compiled path computes exactly as the Python path: an
+    eager call under delayed scaling with the scale update in the core, plain tensors, a
+    bf16/fp16 input and a bias of its dtype (fused in the GEMM), amaxes recorded."""
+    return (_ext is not None and enabled and plan.kind == "delayed" and not general_update
+            and history is not None and type(inp) in _PLAIN and type(weight) in _PLAIN
+            and inp.dtype in _FAST_DTYPES
+            and (bias is None or (type(bias) in _PLAIN and bias.dtype == inp.dtype))
+            and _plain_eager(()))
+
+
+def _code(fp8_dtype: str) -> int:
+    c = _codes.get(fp8_dtype)
+    if c is None:
+        c = _codes[fp8_dtype] = int(te_dtype(fp8_dtype).value)
+    return c
+
+
+def forward(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            plan: Plan, scales: torch.Tensor, history: torch.Tensor, bwd_meta: tuple,
+            need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
+    """``inp @ weight^T (+ bias)`` with FP8 operands, as Fp8LinearFunction computes it."""
+    ws = workspace_for(inp)
+    return _ext.linear_fp8_delayed(
+        inp, weight, bias, scales, history, _empty if ws is None else ws, list(bwd_meta),
+        _code(plan.fwd_dtype), _code(plan.bwd_dtype), plan.margin, plan.algo, need_dgrad,
+        need_wgrad)
+
+
+_empty = torch.empty(0, dtype=torch.uint8)
+_plans: dict = {}
+
+
+def backward(grad_output, in_col, in_col_sinv, w_col, w_col_sinv, history, scale, scale_inv,
+             fwd_dtype: str, bwd_dtype: str, margin: int, algo: str, need_dgrad: bool,
+             need_wgrad: bool, has_bias: bool, in_carrier, w_carrier, b_carrier, input_shape):
+    """The compiled forward's backward (called from C++): Fp8LinearFunction's, with the
+    plan rebuilt from its fields and the dtypes carried by empty tensors."""
+    key = (fwd_dtype, bwd_dtype, margin, algo)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = Plan("delayed", fwd_dtype, bwd_dtype, "tensor", "tensor", "tensor",
+                                  False, 0.0, algo, margin)
+    dtypes = (in_carrier.dtype, w_carrier.dtype, None if b_carrier is None else b_carrier.dtype)
+    return linear_backward(grad_output, (in_col, in_col_sinv, w_col, w_col_sinv), plan,
+                           (history, scale, scale_inv), None, None,
+                           (need_dgrad, need_wgrad, has_bias), dtypes, input_shape)

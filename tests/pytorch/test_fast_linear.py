@@ -1,0 +1,171 @@
+"""te.Linear's compiled eager forward (fast_linear.py, pytorch/csrc/linear_fast.cpp).
+
+It must be built where the tests run (noxfile.py builds the pytorch wheel against the tested
+torch), must be taken exactly where it computes what the Python path computes, and must then
+give the same bits: outputs, gradients and every FP8 buffer, step after step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+from transformer_engine.pytorch import fast_linear
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the forwards that take the compiled path."""
+    calls = []
+    forward = fast_linear.forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(fast_linear, "forward", counting)
+    return calls
+
+
+def test_built():
+    assert fast_linear.available(), (
+        "transformer_engine.pytorch._linear_fast is missing or built for another torch: build the "
+        "pytorch package with --no-build-isolation where torch and transformer-engine-common are "
+        "installed (noxfile.py does)")
+
+
+def _train(device, enabled: bool, *, bias=True, dtype=torch.bfloat16, shape=(2, 32, 64),
+           frozen_weight=False, input_grad=True, return_bias=False, steps=4):
+    """Steps of a te.Linear under DelayedScaling with the fast path on or off: every output,
+    gradient and buffer, in order."""
+    fast_linear.enabled = enabled
+    try:
+        torch.manual_seed(0)
+        m = te.Linear(64, 48, bias=bias, params_dtype=dtype, device=device,
+                      return_bias=return_bias)
+        m.weight.requires_grad_(not frozen_weight)
+        r = recipe.DelayedScaling(amax_history_len=4, margin=1)
+        seen = []
+        for step in range(steps):
+            x = (torch.randn(*shape, device=device) * (step + 1)).to(dtype)
+            x.requires_grad_(input_grad)
+            with te.fp8_autocast(fp8_recipe=r):
+                out = m(x)
+            y = out[0] if return_bias else out
+            if y.requires_grad:
+                y.backward(torch.randn_like(y))
+            seen += [y.detach(), x.grad]
+            seen += [p.grad.clone() if p.grad is not None else None for p in m.parameters()]
+            seen += [b.clone() for b in m.buffers()]
+        return seen
+    finally:
+        fast_linear.enabled = True
+
+
+def _assert_same_bits(fast, python):
+    assert len(fast) == len(python)
+    for i, (a, b) in enumerate(zip(fast, python, strict=True)):
+        if a is None or b is None:
+            assert a is None and b is None, f"item {i}: one path has no tensor"
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, f"item {i}"
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"item {i} differs"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_same_bits_as_python_path(device, spy, dtype, bias):
+    fast = _train(device, True, bias=bias, dtype=dtype)
+    assert len(spy) == 4
+    python = _train(device, False, bias=bias, dtype=dtype)
+    assert len(spy) == 4  # the Python path did not take it
+    _assert_same_bits(fast, python)
+
+
+@pytest.mark.parametrize("case", [
+    dict(frozen_weight=True), dict(input_grad=False), dict(return_bias=True),
+    dict(shape=(48, 64)),
+], ids=["frozen-weight", "no-input-grad", "return-bias", "2d"])
+def test_same_bits_variants(device, spy, case):
+    fast = _train(device, True, **case)
+    assert len(spy) == 4
+    _assert_same_bits(fast, _train(device, False, **case))
+
+
+def test_no_grad_forward(device, spy):
+    m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(16, 64, device=device, dtype=torch.bfloat16)
+    with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+        y = m(x)
+    assert len(spy) == 1 and y.grad_fn is None and y.shape == (16, 32)
+
+
+def _forward(m, x, r, **kwargs):
+    with te.fp8_autocast(fp8_recipe=r):
+        return m(x, **kwargs)
+
+
+@pytest.mark.parametrize("case", [
+    "current", "block", "fp32-input", "bias-dtype", "microbatch", "callable-algo", "fp8-output",
+    "switched-off",
+])
+def test_python_path_where_it_differs(spy, case):
+    """Where the compiled path would not compute what the Python path does, it is not taken."""
+    bf16 = torch.bfloat16
+    dtype, params, r, kwargs = bf16, bf16, recipe.DelayedScaling(), {}
+    if case == "current":
+        r = recipe.Float8CurrentScaling()
+    elif case == "block":
+        r = recipe.Float8BlockScaling()
+    elif case == "fp32-input":
+        dtype = params = torch.float32
+    elif case == "bias-dtype":
+        params = torch.float32  # bf16 input, fp32 bias: the Python path adds it in fp32
+    elif case == "microbatch":
+        kwargs = dict(is_first_microbatch=True)
+    elif case == "callable-algo":
+        r = recipe.DelayedScaling(amax_compute_algo=lambda h: h.max(dim=0).values)
+    elif case == "fp8-output":
+        kwargs = dict(fp8_output=True)
+    m = te.Linear(128, 128, params_dtype=params, device="cpu")
+    x = torch.randn(16, 128, dtype=dtype, requires_grad=True)
+    if case == "switched-off":
+        fast_linear.enabled = False
+    try:
+        _forward(m, x, r, **kwargs)
+    finally:
+        fast_linear.enabled = True
+    assert spy == []
+
+
+def test_python_path_under_checkpoint_and_compile(spy):
+    """A checkpoint's recompute records no amax, and torch.compile traces the custom ops: both
+    take the Python path; the first forward of the checkpoint takes the compiled one."""
+    m = te.Linear(64, 64, params_dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    r = recipe.DelayedScaling()
+    with te.fp8_autocast(fp8_recipe=r):
+        y = te.checkpoint(m, x)
+    y.sum().backward()
+    assert len(spy) == 1  # the first run only
+
+    compiled = torch.compile(lambda t: _forward(m, t, r), fullgraph=True, backend="eager")
+    compiled(x)
+    assert len(spy) == 1
+
+
+def test_error_in_backward_is_raised(device, monkeypatch):
+    """An error in the backward (which the compiled forward hands to Python) reaches the caller
+    as an exception, not a crash."""
+    m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(16, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = _forward(m, x, recipe.DelayedScaling())
+
+    def broken(*args):
+        raise ValueError("backward failed on purpose")
+
+    monkeypatch.setattr(fast_linear, "backward", broken)
+    with pytest.raises(Exception, match="backward failed on purpose"):
+        y.sum().backward()
