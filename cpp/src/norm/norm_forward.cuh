@@ -517,9 +517,12 @@ te_status launch_rows(Kernel kernel, const NormForwardArgs &a, size_t smem, cuda
 }
 
 // The row kernel of the call's variant. The FP8 transpose, when asked for, is left to the
-// caller's transpose kernel: writing it from this kernel (16-row bands staged in shared memory,
-// 16-byte stores per output row) measured 0.50 ms at 16384 x 8192 on the H200 against 0.15 ms
-// for the norm alone, while the transpose kernel moves its 2 bytes per element near 3.6 TB/s.
+// caller's transpose kernel (0.18 ms for both at 16384 x 8192 bf16 on the H200, the norm alone
+// 0.11). Two ways of writing it from this kernel were slower (gpu_checks.md, 2026-12-03):
+// 16-row bands of FP8 staged in shared memory, 0.47 ms (the block's loads stop while it stores
+// the band); 32-row bands read back from the L2 right after they are written, 0.28 ms (each band
+// leaves 32-byte pieces of 8192 transposed rows, which reach the DRAM as scattered sectors).
+// Beating the pair needs longer transposed runs per block than shared memory or the L2 hold.
 template <te_dtype kIn, int kVecs, bool kLn, te_dtype kF8>
 te_status launch_rows_fp8(const NormForwardArgs &a, cudaStream_t s, bool *launched) {
   const size_t smem = static_cast<size_t>(kLn ? 2 : 1) * kWeightSpan<kVecs> * sizeof(float) + kStageBytes<kIn, kVecs>;
