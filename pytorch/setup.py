@@ -29,7 +29,7 @@ def _extension():
         library_dirs=[str(root / "lib")],
         libraries=["transformer_engine"],
         define_macros=[("TE_TORCH_MAJOR", major), ("TE_TORCH_MINOR", minor)],
-        extra_compile_args=["-O2"],
+        extra_compile_args=["-O2", "-g0"],
         # The core's library sits in the common wheel, beside this package in site-packages.
         extra_link_args=["-Wl,-rpath,$ORIGIN/../common/lib"],
     )

@@ -22,6 +22,7 @@
 
 #include "transformer_engine/gemm.h"
 #include "transformer_engine/quantize.h"
+#include "transformer_engine/scaling.h"
 #include "transformer_engine/tensor.h"
 
 namespace {
@@ -192,6 +193,27 @@ at::Tensor linear_fp8_delayed(const at::Tensor &input, const at::Tensor &weight,
                                  bwd_dtype, margin, std::move(algo), need_dgrad, need_wgrad);
 }
 
+// Delayed scaling's update of histories[i], scales[i], scale_invs[i] in one core call (what
+// ops.delayed_scaling_update does), for the autocast exit and the backward in eager mode.
+void delayed_scaling_update(const std::vector<at::Tensor> &histories, const std::vector<at::Tensor> &scales,
+                            const std::vector<at::Tensor> &scale_invs, int64_t fp8_dtype, int64_t algo, int64_t margin) {
+  const size_t n = histories.size();
+  TORCH_CHECK(scales.size() == n && scale_invs.size() == n,
+              "delayed_scaling_update: histories, scales and scale_invs must be as many, got ", n, ", ",
+              scales.size(), " and ", scale_invs.size());
+  if (n == 0) return;
+  std::vector<Handle> handles(3 * n);
+  std::vector<te_tensor *> h(n), s(n), si(n);
+  for (size_t i = 0; i < n; ++i) {
+    h[i] = handles[3 * i].set(TE_SLOT_DATA, buffer_of(histories[i], TE_DTYPE_FLOAT32)).get();
+    s[i] = handles[3 * i + 1].set(TE_SLOT_DATA, buffer_of(scales[i], TE_DTYPE_FLOAT32)).get();
+    si[i] = handles[3 * i + 2].set(TE_SLOT_DATA, buffer_of(scale_invs[i], TE_DTYPE_FLOAT32)).get();
+  }
+  check(te_delayed_scaling_update(h.data(), s.data(), si.data(), n, static_cast<te_dtype>(fp8_dtype),
+                                  static_cast<te_amax_compute_algo>(algo), static_cast<int32_t>(margin),
+                                  stream_of(histories[0])));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -200,6 +222,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias"), pybind11::arg("scales"), pybind11::arg("history"), pybind11::arg("workspace"),
         pybind11::arg("bwd_meta"), pybind11::arg("fwd_dtype"), pybind11::arg("bwd_dtype"), pybind11::arg("margin"),
         pybind11::arg("algo"), pybind11::arg("need_dgrad"), pybind11::arg("need_wgrad"));
+  m.def("delayed_scaling_update", &delayed_scaling_update, pybind11::arg("histories"), pybind11::arg("scales"),
+        pybind11::arg("scale_invs"), pybind11::arg("fp8_dtype"), pybind11::arg("algo"), pybind11::arg("margin"));
   // The torch release this was compiled against (its C++ ABI is not stable across releases).
   m.attr("torch_version") = pybind11::make_tuple(TE_TORCH_MAJOR, TE_TORCH_MINOR);
 }

@@ -9,7 +9,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from transformer_engine.pytorch import fp8, ops
+from transformer_engine.pytorch import fp8
 
 RECIPES = {
     "none": None,
@@ -62,14 +62,13 @@ def test_recompute_is_bit_identical_to_no_recompute(name):
 
 def test_recompute_updates_the_scales_once(monkeypatch):
     calls = []
-    real = ops.delayed_scaling_update
+    real = fp8.scale_update  # every delayed-scaling update goes through it
 
     def spy(histories, scales, scale_invs, fp8_dtype, algo, margin):
         calls.append(len(histories))
         return real(histories, scales, scale_invs, fp8_dtype, algo, margin)
 
-    monkeypatch.setattr(ops, "delayed_scaling_update", spy)
-    monkeypatch.setattr(fp8.ops, "delayed_scaling_update", spy)
+    monkeypatch.setattr(fp8, "scale_update", spy)
     counts = []
     for recompute in (False, True):
         calls.clear()

@@ -46,13 +46,13 @@ def test_state_sequence_matches_the_recipe_model(algo, margin, fmt, device):
 
 def test_update_runs_once_at_the_outermost_exit_in_one_call(monkeypatch):
     calls = []
-    real = ops.delayed_scaling_update
+    real = fp8.scale_update  # every delayed-scaling update goes through it
 
     def spy(histories, scales, scale_invs, fp8_dtype, algo, margin):
         calls.append((len(histories), fp8_dtype))
         return real(histories, scales, scale_invs, fp8_dtype, algo, margin)
 
-    monkeypatch.setattr(fp8.ops, "delayed_scaling_update", spy)
+    monkeypatch.setattr(fp8, "scale_update", spy)
     layers = [te.Linear(32, 32, device="cpu") for _ in range(3)]
     x = torch.randn(16, 32)
     with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):

@@ -169,3 +169,52 @@ def test_error_in_backward_is_raised(device, monkeypatch):
     monkeypatch.setattr(fast_linear, "backward", broken)
     with pytest.raises(Exception, match="backward failed on purpose"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("fp8_dtype", ["float8_e4m3", "float8_e5m2"])
+def test_compiled_scale_update_equals_the_op(device, algo, fp8_dtype):
+    """fp8.scale_update (the compiled module's core call in eager mode) updates scales and
+    histories exactly as the custom op does: columns with an amax, with none (scale kept), with
+    an infinite one (scale kept), two groups in one call, a margin."""
+    from transformer_engine.pytorch import _compiled, fp8, ops
+
+    def state():
+        torch.manual_seed(3)
+        h = [torch.rand(5, 3, device=device) * 300, torch.rand(4, 2, device=device)]
+        h[0][:, 1] = 0.0
+        h[0][0, 2] = float("inf")
+        s = [torch.full((3,), 2.0, device=device), torch.full((2,), 0.5, device=device)]
+        return h, s, [torch.zeros_like(t) for t in s]
+
+    a, b = state(), state()
+    fp8.scale_update(*a, fp8_dtype, algo, 2)
+    ops.delayed_scaling_update(*b, fp8_dtype, algo, 2)
+    for x, y in zip(sum(a, []), sum(b, []), strict=True):
+        assert torch.equal(x, y)
+    assert _compiled.ext is not None
+
+
+def test_exit_update_takes_the_compiled_module(monkeypatch):
+    from transformer_engine.pytorch import _compiled
+
+    calls = []
+
+    class Spy:
+        """The compiled module, counting its scale updates."""
+
+        def __init__(self, ext):
+            self.ext = ext
+
+        def __getattr__(self, name):
+            return getattr(self.ext, name)
+
+        def delayed_scaling_update(self, *args):
+            calls.append(len(args[0]))
+            return self.ext.delayed_scaling_update(*args)
+
+    monkeypatch.setattr(_compiled, "ext", Spy(_compiled.ext))
+    m = te.Linear(32, 32, params_dtype=torch.bfloat16, device="cpu")
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+        m(torch.randn(16, 32, dtype=torch.bfloat16))
+    assert calls == [1]

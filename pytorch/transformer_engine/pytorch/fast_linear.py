@@ -7,37 +7,25 @@ with the same arguments as :class:`~transformer_engine.pytorch.linear_fn.Fp8Line
 so the same bits, and a backward that comes back here to share that function's backward.
 
 The extension is built with the package when torch and transformer-engine-common are present
-at build time, for that torch release; without it (or for another release of torch) te.Linear
-takes its Python path, which is also the one torch.compile traces. ``TE_FAST_LINEAR=0`` in the
-environment, or ``enabled = False`` here, turns the fast path off.
+at build time, for that torch release (``_compiled.py``); without it te.Linear takes its Python
+path, which is also the one torch.compile traces. ``TE_FAST_LINEAR=0`` in the environment
+turns it off, and so does ``enabled = False`` here (te.Linear's forward only).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
+from ._compiled import ext as _ext
 from .linear_fn import linear_backward
-from .ops._backend import _plain_eager, te_dtype, workspace_for
+from .ops._backend import _plain_eager, dtype_code, workspace_for
 from .quantization import Plan
 
-
-def _load():
-    try:
-        from . import _linear_fast as ext
-    except ImportError:  # a pure-Python build, or one for another torch's ABI
-        return None
-    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
-    return ext if tuple(ext.torch_version) == (major, minor) else None
-
-
-_ext = _load()
-enabled = os.environ.get("TE_FAST_LINEAR", "1") != "0"
+enabled = True
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_codes: dict = {}
 
 
 def available() -> bool:
@@ -57,13 +45,6 @@ def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             and _plain_eager(()))
 
 
-def _code(fp8_dtype: str) -> int:
-    c = _codes.get(fp8_dtype)
-    if c is None:
-        c = _codes[fp8_dtype] = int(te_dtype(fp8_dtype).value)
-    return c
-
-
 def forward(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             plan: Plan, scales: torch.Tensor, history: torch.Tensor, bwd_meta: tuple,
             need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
@@ -71,7 +52,7 @@ def forward(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     ws = workspace_for(inp)
     return _ext.linear_fp8_delayed(
         inp, weight, bias, scales, history, _empty if ws is None else ws, list(bwd_meta),
-        _code(plan.fwd_dtype), _code(plan.bwd_dtype), plan.margin, plan.algo, need_dgrad,
+        dtype_code(plan.fwd_dtype), dtype_code(plan.bwd_dtype), plan.margin, plan.algo, need_dgrad,
         need_wgrad)
 
 

@@ -19,7 +19,8 @@ import torch
 
 from transformer_engine.common.recipe import DelayedScaling, Recipe
 
-from . import ops
+from . import _compiled, ops
+from .ops._backend import _plain_eager, dtype_code
 
 __all__ = ["autocast", "fp8_autocast", "fp8_model_init", "is_fp8_available"]
 
@@ -235,6 +236,21 @@ def _python_update(history, scale, scale_inv, fp8_max: float, recipe: DelayedSca
     history[0].zero_()
 
 
+_ALGOS = {"max": 0, "most_recent": 1}  # te_amax_compute_algo
+
+
+def scale_update(histories: list, scales: list, scale_invs: list, fp8_dtype: str, algo: str,
+                 margin: int) -> None:
+    """``ops.delayed_scaling_update``; in eager mode through the compiled module when it is
+    built (the same core call without the custom op's wrapper: it runs at every autocast exit
+    and in every backward, and a small model's step is bound by host time)."""
+    if _compiled.ext is not None and algo in _ALGOS and _plain_eager(()):
+        _compiled.ext.delayed_scaling_update(histories, scales, scale_invs,
+                                             dtype_code(fp8_dtype), _ALGOS[algo], margin)
+    else:
+        ops.delayed_scaling_update(histories, scales, scale_invs, fp8_dtype, algo, margin)
+
+
 def update_scales(entries: list, dtype_of, fp8_max_of) -> None:
     """Updates the delayed scales of many ((history, scale, scale_inv), recipe, group) entries.
 
@@ -246,8 +262,8 @@ def update_scales(entries: list, dtype_of, fp8_max_of) -> None:
         (history, scale, scale_inv), recipe, group = entries[0]
         if (group is None or not recipe.reduce_amax) and isinstance(recipe.amax_compute_algo, str) \
                 and recipe.scaling_factor_compute_algo is None:
-            ops.delayed_scaling_update([history], [scale], [scale_inv], dtype_of(recipe),
-                                       recipe.amax_compute_algo, recipe.margin)
+            scale_update([history], [scale], [scale_inv], dtype_of(recipe),
+                         recipe.amax_compute_algo, recipe.margin)
             return
     by_group: dict = {}
     for (history, _, _), recipe, group in entries:
@@ -269,7 +285,7 @@ def update_scales(entries: list, dtype_of, fp8_max_of) -> None:
         lists[1].append(scale)
         lists[2].append(scale_inv)
     for (fp8_dtype, algo, margin, _), (h, s, si) in calls.items():
-        ops.delayed_scaling_update(h, s, si, fp8_dtype, algo, margin)
+        scale_update(h, s, si, fp8_dtype, algo, margin)
 
 
 def _fwd_dtype(recipe: Recipe) -> str:

@@ -227,5 +227,4 @@ def update_backward(bwd_meta: tuple, plan: Plan, recipe: Any, group: Any) -> Non
     if recipe is not None:
         fp8.update_backward_scales(bwd_meta, recipe, group)
         return
-    ops.delayed_scaling_update([history], [scale], [scale_inv], plan.bwd_dtype, plan.algo,
-                               plan.margin)
+    fp8.scale_update([history], [scale], [scale_inv], plan.bwd_dtype, plan.algo, plan.margin)

@@ -66,6 +66,17 @@ def te_mode(mode: str):
     return _enum("ScalingMode", mode)
 
 
+_codes: dict = {}
+
+
+def dtype_code(name: str) -> int:
+    """The core's te_dtype value of a dtype name (for the compiled module, which takes ints)."""
+    c = _codes.get(name)
+    if c is None:
+        c = _codes[name] = int(te_dtype(name).value)
+    return c
+
+
 _TORCH_TO_TE = {
     torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
     torch.uint8: "uint8", torch.int8: "int8", torch.float8_e4m3fn: "float8_e4m3",
