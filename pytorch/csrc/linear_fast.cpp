@@ -144,7 +144,8 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
     b.set(TE_SLOT_DATA, buffer_of(w_data, fp8)).set(TE_SLOT_SCALE_INV, buffer_of(w_sinv, TE_DTYPE_FLOAT32));
     d.set(TE_SLOT_DATA, buffer_of(out, core_dtype(out.scalar_type())));
     const bool has_bias = bias.has_value() && bias->defined();
-    if (has_bias) bias_handle.set(TE_SLOT_DATA, buffer_of(*bias, core_dtype(bias->scalar_type())));
+    const at::Tensor bias_data = has_bias ? bias->contiguous() : at::Tensor();  // alive across the GEMM
+    if (has_bias) bias_handle.set(TE_SLOT_DATA, buffer_of(bias_data, core_dtype(bias_data.scalar_type())));
     te_gemm_config config{};
     config.transpose_b = 1;  // both operands K-major ("TN"); fast accumulation in the forward
     void *ws = workspace.numel() > 0 ? workspace.data_ptr() : nullptr;

@@ -151,3 +151,18 @@ def test_ops_take_non_contiguous_inputs():
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="C-contiguous"):
         ops._backend.raw(x.t())
+
+
+@pytest.mark.cuda
+def test_input_on_another_device_names_both():
+    """In FP8 the input and the module must share a device (the core's buffers all do); the
+    error names both, and nothing is recorded."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    layer = te.Linear(32, 16, device="cuda")
+    history = layer.amax_history_fwd.clone() if hasattr(layer, "amax_history_fwd") else None
+    with te.fp8_autocast():
+        with pytest.raises(RuntimeError, match=r"input must be on the device .*cuda.*got cpu"):
+            layer(torch.randn(16, 32))
+    if history is not None:
+        assert torch.equal(layer.amax_history_fwd, history)

@@ -213,6 +213,9 @@ class Linear(_LinearBase):
         if torch.is_autocast_enabled(device_type):
             inp = inp.to(torch.get_autocast_dtype(device_type))
         check_fp8_shape(inp, self.in_features, self.out_features, self._name)
+        if inp.get_device() != weight.get_device():  # (ints: .device would build objects)
+            raise RuntimeError(f"te.Linear: input must be on the device of the module's weight "
+                               f"({weight.device}), got {inp.device}")
         if inp.dtype not in _FP8_INPUT_DTYPES:
             raise TypeError(f"te.Linear: input must be float32, bfloat16 or float16 in FP8, "
                             f"got {inp.dtype}")
