@@ -138,11 +138,19 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
     const te_stream stream = stream_of(input);
     auto [x_data, x_col, x_sinv] = cast(x, fp8, need_wgrad, scales, history, 0, stream);
     auto [w_data, w_col, w_sinv] = cast(weight.contiguous(), fp8, need_dgrad, scales, history, 1, stream);
-    at::Tensor out = at::empty({x.size(0), n}, input.options());
+    // The output in its final shape (not a view made here: autograd forbids in-place ops on a
+    // custom function's views), which the core sees as the matrix [M, N].
+    std::vector<int64_t> shape = input.sizes().vec();
+    shape.back() = n;
+    at::Tensor out = at::empty(shape, input.options());
+    te_buffer out_matrix = buffer_of(out, core_dtype(out.scalar_type()));
+    out_matrix.ndim = 2;
+    out_matrix.shape[0] = x.size(0);
+    out_matrix.shape[1] = n;
     Handle a, b, d, bias_handle;
     a.set(TE_SLOT_DATA, buffer_of(x_data, fp8)).set(TE_SLOT_SCALE_INV, buffer_of(x_sinv, TE_DTYPE_FLOAT32));
     b.set(TE_SLOT_DATA, buffer_of(w_data, fp8)).set(TE_SLOT_SCALE_INV, buffer_of(w_sinv, TE_DTYPE_FLOAT32));
-    d.set(TE_SLOT_DATA, buffer_of(out, core_dtype(out.scalar_type())));
+    d.set(TE_SLOT_DATA, out_matrix);
     const bool has_bias = bias.has_value() && bias->defined();
     const at::Tensor bias_data = has_bias ? bias->contiguous() : at::Tensor();  // alive across the GEMM
     if (has_bias) bias_handle.set(TE_SLOT_DATA, buffer_of(bias_data, core_dtype(bias_data.scalar_type())));
@@ -159,9 +167,7 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
         static_cast<int64_t>(weight.scalar_type()), static_cast<int64_t>(has_bias ? bias->scalar_type() : at::kFloat)};
     ctx->saved_data["algo"] = std::move(algo);
     ctx->saved_data["input_shape"] = input.sizes().vec();
-    std::vector<int64_t> shape = input.sizes().vec();
-    shape.back() = n;
-    return out.view(shape);
+    return out;
   }
 
   static variable_list backward(AutogradContext *ctx, variable_list grads) {

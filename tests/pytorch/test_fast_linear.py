@@ -218,3 +218,23 @@ def test_exit_update_takes_the_compiled_module(monkeypatch):
     with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
         m(torch.randn(16, 32, dtype=torch.bfloat16))
     assert calls == [1]
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("shape", [(16, 64), (2, 8, 64)], ids=["2d", "3d"])
+def test_output_takes_in_place_ops(device, enabled, shape):
+    """The FP8 output may be modified in place (e.g. nn.ReLU(inplace=True) after the layer):
+    neither path returns a view made inside its autograd function, and the gradient is that of
+    the in-place op applied to the output."""
+    fast_linear.enabled = enabled
+    try:
+        m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
+        x = torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True)
+        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+            y = m(x)
+        y.relu_()
+        (y.float() * 2).sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+        assert m.weight.grad is not None
+    finally:
+        fast_linear.enabled = True

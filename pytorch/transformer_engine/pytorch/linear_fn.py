@@ -133,7 +133,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.need = (need_dgrad, need_wgrad, bias is not None)
         ctx.dtypes = (inp.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.input_shape = inp.shape
-        return out if out.dim() == len(out_shape) else out.view(out_shape)
+        # A high-precision output leaves as the matrix [M, N]; the caller gives it the input's
+        # leading dimensions with a view outside this function, which in-place ops may then
+        # modify (autograd forbids them on views a custom function returns).
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):

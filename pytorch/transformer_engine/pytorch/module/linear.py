@@ -236,8 +236,11 @@ class Linear(_LinearBase):
         col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
         out_meta = self._output_meta(plan) if fp8_output else None
         cfg = (plan, bwd_recipe, group, need_dgrad, need_wgrad, out_meta)
-        return Fp8LinearFunction.apply(inp, weight, bias, w.data, w.scale_inv, w.columnwise,
-                                       col_sinv, history, scales, bwd_meta, cfg)
+        out = Fp8LinearFunction.apply(inp, weight, bias, w.data, w.scale_inv, w.columnwise,
+                                      col_sinv, history, scales, bwd_meta, cfg)
+        if out.dim() != inp.dim():  # [M, N] (see Fp8LinearFunction.forward)
+            out = out.view(*inp.shape[:-1], out.shape[-1])
+        return out
 
 
 _FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
