@@ -24,7 +24,7 @@ from te_torch_tests._tolerances import (
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from transformer_engine.pytorch.module.layernorm_mlp import _ActivationFunction
+from transformer_engine.pytorch.module.layernorm_mlp import apply_activation
 
 RECIPES = {
     "delayed": recipe.DelayedScaling(margin=1, amax_history_len=4),
@@ -152,7 +152,7 @@ class _Unfused(torch.nn.Module):
                 dst.copy_(src)
 
     def forward(self, x):
-        return self.fc2(_ActivationFunction.apply(self.fc1(self.norm(x)), self.act))
+        return self.fc2(apply_activation(self.fc1(self.norm(x)), self.act))
 
 
 @pytest.mark.parametrize("name,act,dtype", [

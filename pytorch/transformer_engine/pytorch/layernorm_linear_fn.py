@@ -94,7 +94,7 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
         else:
             out = fp8_gemm(q.data, q.scale_inv, w_data, w_scale_inv, plan.fwd_dtype,
                            plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype, bias,
-                           False).view(out_shape)
+                           False)  # [M, N]: the module gives it inp's leading dimensions
         if w_col_scale_inv is None:  # per-tensor: shared with the row-wise copy
             w_col_scale_inv = w_scale_inv
         ctx.save_for_backward(x, mu, rsigma, gamma, q.columnwise, q.columnwise_scale_inv, w_col,
@@ -105,7 +105,7 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         ctx.input_shape = inp.shape
         if cfg.return_ln_out:
-            return out, ln_out.view(inp.shape)
+            return out, ln_out  # [M, K] (the module views it as inp's shape)
         return out
 
     @staticmethod

@@ -81,9 +81,9 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         ctx.dtypes = (w1.dtype, None if b1 is None else b1.dtype, w2.dtype,
                       None if b2 is None else b2.dtype)
         ctx.input_shape = inp.shape
-        out = out.view(*inp.shape[:-1], out.shape[-1])
+        # [M, N] and [M, K]: the module gives them inp's leading dimensions (with_leading_dims)
         if cfg.return_ln_out:
-            return out, ln_out.view(inp.shape)
+            return out, ln_out
         return out
 
     @staticmethod

@@ -46,6 +46,19 @@ _OPTIONAL = ("amax_history_out", "scale_out", "scale_inv_out")
 _SUMMARIES: dict = {}
 
 
+def with_leading_dims(out, inp: torch.Tensor):
+    """The [M, N] result of an autograd function over ``inp`` [..., K] (a tensor, or a tuple of
+    them) with inp's leading dimensions: [..., N]. The view is made here, outside the function:
+    autograd forbids in-place ops on views that a custom function returns, and a layer's output
+    may be modified in place (nn.ReLU(inplace=True), a residual ``+=``). A Float8Tensor output
+    (fp8_output) has its shape already."""
+    if isinstance(out, tuple):
+        return tuple(with_leading_dims(t, inp) for t in out)
+    if out.dim() == inp.dim():
+        return out
+    return out.view(*inp.shape[:-1], out.shape[-1])
+
+
 def recipe_summary(recipe: Recipe) -> dict:
     """Plain values that describe a recipe (no callables), for checkpoints; made once per
     recipe (forward calls it every step). Callers must not modify it."""

@@ -13,6 +13,7 @@ from typing import Optional, Union
 import torch
 
 from .. import ops
+from .base import with_leading_dims
 from .linear import _default_device
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -21,8 +22,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class _NormFunction(torch.autograd.Function):
-    """``y = norm(input) * g (+ beta)`` over the last dimension of ``input`` (any rank);
-    saves the input (as the [M, N] matrix), mu, rsigma and the weight for the backward."""
+    """``y = norm(input) * g (+ beta)`` over the last dimension of ``input`` (any rank), as the
+    matrix [M, N] (apply it through :func:`apply_norm`); saves the input (as that matrix), mu,
+    rsigma and the weight for the backward."""
 
     @staticmethod
     def forward(ctx, inp, weight, bias, norm: str, eps: float, zero_centered_gamma: bool):
@@ -31,7 +33,8 @@ class _NormFunction(torch.autograd.Function):
         ctx.save_for_backward(x, mu, rsigma, weight)
         ctx.norm, ctx.zero_centered_gamma = norm, zero_centered_gamma
         ctx.has_bias = bias is not None
-        return y.view(inp.shape)
+        ctx.input_shape = inp.shape
+        return y
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -39,8 +42,14 @@ class _NormFunction(torch.autograd.Function):
         dy = grad_output.reshape(x.shape).to(x.dtype).contiguous()
         dx, dgamma, dbeta = ops.norm_backward(dy, x, mu, rsigma, weight, ctx.norm,
                                               ctx.zero_centered_gamma)
-        return (dx.view(grad_output.shape), dgamma, dbeta if ctx.has_bias else None,
+        return (dx.view(ctx.input_shape), dgamma, dbeta if ctx.has_bias else None,
                 None, None, None)
+
+
+def apply_norm(inp, weight, bias, kind: str, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
+    """The norm of ``inp`` over its last dimension, in inp's shape (see with_leading_dims)."""
+    return with_leading_dims(
+        _NormFunction.apply(inp, weight, bias, kind, eps, zero_centered_gamma), inp)
 
 
 class _Norm(torch.nn.Module):
@@ -99,8 +108,7 @@ class _Norm(torch.nn.Module):
         if weight.dtype not in (inp.dtype, torch.float32):
             weight = weight.to(inp.dtype)
             bias = None if bias is None else bias.to(inp.dtype)
-        return _NormFunction.apply(inp, weight, bias, self._norm, self.eps,
-                                   self.zero_centered_gamma)
+        return apply_norm(inp, weight, bias, self._norm, self.eps, self.zero_centered_gamma)
 
 
 class LayerNorm(_Norm):

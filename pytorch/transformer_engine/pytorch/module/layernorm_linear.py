@@ -17,7 +17,8 @@ from .. import fp8, ops
 from ..float8_tensor import Float8Tensor
 from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig
 from ..quantization import record_amax
-from .layernorm import _NormFunction
+from .base import with_leading_dims
+from .layernorm import apply_norm
 from .linear import _default_device, _LinearBase, check_fp8_shape, check_unsupported
 
 __all__ = ["LayerNormLinear"]
@@ -157,7 +158,7 @@ class LayerNormLinear(_LinearBase):
     def _hp_forward(self, inp, weight, bias, state):
         gamma, beta = norm_params(self, inp.dtype)
         cfg = self.cfg
-        ln_out = _NormFunction.apply(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
+        ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
         if state.calibrating and state.recipe.delayed():
             self._fit_fp8_meta(state.recipe)
             w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
@@ -183,6 +184,6 @@ class LayerNormLinear(_LinearBase):
         bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
         out_meta = self._output_meta(plan) if fp8_output else None
         consts = (plan, bwd_recipe, group, self.cfg, need_dgrad, need_wgrad, out_meta)
-        return Fp8LayerNormLinearFunction.apply(
+        return with_leading_dims(Fp8LayerNormLinearFunction.apply(
             inp, gamma, beta, weight, bias, w.data, w.scale_inv, w.columnwise, col_sinv,
-            history, scales, bwd_meta, consts)
+            history, scales, bwd_meta, consts), inp)

@@ -19,8 +19,8 @@ from ..float8_tensor import Float8Tensor
 from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction
 from ..ops.activation import GATED
 from ..quantization import record_amax
-from .base import FP8Module, fp8_weight_param
-from .layernorm import _NormFunction
+from .base import FP8Module, fp8_weight_param, with_leading_dims
+from .layernorm import apply_norm
 from .layernorm_linear import (
     check_input,
     fp8_input,
@@ -43,7 +43,8 @@ ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reg
 
 
 class _ActivationFunction(torch.autograd.Function):
-    """``act(h)`` over the last dimension of h (any rank) by the core's kernels."""
+    """``act(h)`` over the last dimension of h (any rank) by the core's kernels, as the matrix
+    [M, N] (see with_leading_dims)."""
 
     @staticmethod
     def forward(ctx, h, act: str):
@@ -51,7 +52,7 @@ class _ActivationFunction(torch.autograd.Function):
         y = ops.activation_forward(x, act)
         ctx.save_for_backward(x)
         ctx.act, ctx.shape = act, h.shape
-        return y.view(*h.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -59,6 +60,11 @@ class _ActivationFunction(torch.autograd.Function):
         dy = grad_output.reshape(x.shape[0], -1).to(x.dtype).contiguous()
         dx, _ = ops.activation_backward(dy, x, ctx.act, False)
         return dx.view(ctx.shape), None
+
+
+def apply_activation(h: torch.Tensor, act: str) -> torch.Tensor:
+    """``act(h)`` in h's leading dimensions (see with_leading_dims)."""
+    return with_leading_dims(_ActivationFunction.apply(h, act), h)
 
 
 class LayerNormMLP(FP8Module):
@@ -153,10 +159,10 @@ class LayerNormMLP(FP8Module):
     def _hp_forward(self, inp, fc2_bias, state):
         cfg, dtype = self.cfg, inp.dtype
         gamma, beta = norm_params(self, dtype)
-        ln_out = _NormFunction.apply(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
+        ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
         b1 = None if self.fc1_bias is None else self.fc1_bias.to(dtype)
         h = F.linear(ln_out, self.fc1_weight.to(dtype), b1)
-        a = _ActivationFunction.apply(h, self.activation)
+        a = apply_activation(h, self.activation)
         if state.calibrating and state.recipe.delayed():
             self._calibrate(ln_out, a, state.recipe)
         out = F.linear(a, self.fc2_weight.to(dtype), None if fc2_bias is None else
@@ -190,8 +196,8 @@ class LayerNormMLP(FP8Module):
         per_tensor = plan.weight_mode == "tensor"
         bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
         consts = (plan, bwd_recipe, group, self.cfg, self.activation, need)
-        return Fp8LayerNormMLPFunction.apply(
+        return with_leading_dims(Fp8LayerNormMLPFunction.apply(
             inp, gamma, beta, w1, b1, q1.data, q1.scale_inv, q1.columnwise,
             None if per_tensor else q1.columnwise_scale_inv, w2, fc2_bias, q2.data,
             q2.scale_inv, q2.columnwise, None if per_tensor else q2.columnwise_scale_inv,
-            history, scales, bwd_meta, consts)
+            history, scales, bwd_meta, consts), inp)
