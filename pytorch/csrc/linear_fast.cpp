@@ -9,8 +9,8 @@
 //
 // It computes exactly what linear_fn.Fp8LinearFunction computes under delayed scaling (the
 // same core calls with the same arguments, so the same bits), for the cases te.Linear sends it
-// (module/linear.py, _fast_forward): plain bf16/fp16 input, plain weight, bias in the input's
-// dtype or none, recorded amaxes. The backward is not host-bound at the sizes where the
+// (fast_linear.usable): plain input and weight, bias in the input's dtype or none, recorded
+// amaxes. The backward is not host-bound at the sizes where the
 // forward is, so it calls back into Python (fast_linear.py, backward), which shares
 // Fp8LinearFunction's backward.
 #include <torch/extension.h>
@@ -152,13 +152,18 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
     b.set(TE_SLOT_DATA, buffer_of(w_data, fp8)).set(TE_SLOT_SCALE_INV, buffer_of(w_sinv, TE_DTYPE_FLOAT32));
     d.set(TE_SLOT_DATA, out_matrix);
     const bool has_bias = bias.has_value() && bias->defined();
+    // The bias rides in the GEMM's epilogue for a bf16/fp16 output; cuBLASLt takes only a bf16
+    // bias beside FP8 operands and an fp32 output, so there it is added afterwards, in fp32
+    // (as linear_fn.fp8_gemm does).
+    const bool fused_bias = has_bias && out.scalar_type() != at::kFloat;
     const at::Tensor bias_data = has_bias ? bias->contiguous() : at::Tensor();  // alive across the GEMM
-    if (has_bias) bias_handle.set(TE_SLOT_DATA, buffer_of(bias_data, core_dtype(bias_data.scalar_type())));
+    if (fused_bias) bias_handle.set(TE_SLOT_DATA, buffer_of(bias_data, core_dtype(bias_data.scalar_type())));
     te_gemm_config config{};
     config.transpose_b = 1;  // both operands K-major ("TN"); fast accumulation in the forward
     void *ws = workspace.numel() > 0 ? workspace.data_ptr() : nullptr;
-    check(te_gemm(a.get(), b.get(), d.get(), has_bias ? bias_handle.get() : nullptr, nullptr, &config, ws,
+    check(te_gemm(a.get(), b.get(), d.get(), fused_bias ? bias_handle.get() : nullptr, nullptr, &config, ws,
                   static_cast<size_t>(workspace.numel()), stream));
+    if (has_bias && !fused_bias) out.add_(bias_data);
     // The FP8 column-wise input is all the backward keeps of the activation.
     ctx->save_for_backward({x_col, x_sinv, w_col, w_sinv});
     ctx->saved_data["bwd_meta"] = std::move(bwd_meta);

@@ -74,7 +74,7 @@ def _assert_same_bits(fast, python):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"item {i} differs"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("bias", [True, False])
 def test_same_bits_as_python_path(device, spy, dtype, bias):
     fast = _train(device, True, bias=bias, dtype=dtype)
@@ -108,7 +108,7 @@ def _forward(m, x, r, **kwargs):
 
 
 @pytest.mark.parametrize("case", [
-    "current", "block", "fp32-input", "bias-dtype", "microbatch", "callable-algo", "fp8-output",
+    "current", "block", "bias-dtype", "microbatch", "callable-algo", "fp8-output",
     "switched-off",
 ])
 def test_python_path_where_it_differs(spy, case):
@@ -119,8 +119,6 @@ def test_python_path_where_it_differs(spy, case):
         r = recipe.Float8CurrentScaling()
     elif case == "block":
         r = recipe.Float8BlockScaling()
-    elif case == "fp32-input":
-        dtype = params = torch.float32
     elif case == "bias-dtype":
         params = torch.float32  # bf16 input, fp32 bias: the Python path adds it in fp32
     elif case == "microbatch":
