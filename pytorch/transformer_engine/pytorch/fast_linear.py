@@ -24,7 +24,6 @@ from .ops._backend import _plain_eager, dtype_code, workspace_for
 from .quantization import Plan
 
 enabled = True
-_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -35,12 +34,11 @@ def available() -> bool:
 
 def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            history: Optional[torch.Tensor], general_update: bool) -> bool:
-    """Whether this forward is one the compiled path computes exactly as the Python path: an
-    eager call under delayed scaling with the scale update in the core, plain tensors, a bias of
-    the input's dtype, amaxes recorded."""
+    """Whether this forward (of an input te.Linear has checked) is one the compiled path
+    computes exactly as the Python path: an eager call under delayed scaling with the scale
+    update in the core, plain tensors, a bias of the input's dtype, amaxes recorded."""
     return (_ext is not None and enabled and plan.kind == "delayed" and not general_update
             and history is not None and type(inp) in _PLAIN and type(weight) in _PLAIN
-            and inp.dtype in _FAST_DTYPES
             and (bias is None or (type(bias) in _PLAIN and bias.dtype == inp.dtype))
             and _plain_eager(()))
 

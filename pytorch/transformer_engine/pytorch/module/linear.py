@@ -14,7 +14,7 @@ from .. import fast_linear, fp8, ops
 from ..float8_tensor import Float8Tensor, to_high_precision
 from ..linear_fn import Fp8LinearFunction, takes_fp8_input
 from ..quantization import plan_of, record_amax
-from .base import FP8Module, fp8_weight_param
+from .base import FP8Module, fp8_weight_param, with_leading_dims
 
 __all__ = ["Linear"]
 
@@ -236,11 +236,9 @@ class Linear(_LinearBase):
         col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
         out_meta = self._output_meta(plan) if fp8_output else None
         cfg = (plan, bwd_recipe, group, need_dgrad, need_wgrad, out_meta)
-        out = Fp8LinearFunction.apply(inp, weight, bias, w.data, w.scale_inv, w.columnwise,
-                                      col_sinv, history, scales, bwd_meta, cfg)
-        if out.dim() != inp.dim():  # [M, N] (see Fp8LinearFunction.forward)
-            out = out.view(*inp.shape[:-1], out.shape[-1])
-        return out
+        return with_leading_dims(
+            Fp8LinearFunction.apply(inp, weight, bias, w.data, w.scale_inv, w.columnwise,
+                                    col_sinv, history, scales, bwd_meta, cfg), inp)
 
 
 _FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
