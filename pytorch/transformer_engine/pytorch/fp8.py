@@ -258,13 +258,6 @@ def update_scales(entries: list, dtype_of, fp8_max_of) -> None:
     Histories are all-reduced per group first, then grouped by (format, algo, margin, device)
     into one core call each.
     """
-    if len(entries) == 1:  # one module (a small model's step): no grouping to do
-        (history, scale, scale_inv), recipe, group = entries[0]
-        if (group is None or not recipe.reduce_amax) and isinstance(recipe.amax_compute_algo, str) \
-                and recipe.scaling_factor_compute_algo is None:
-            scale_update([history], [scale], [scale_inv], dtype_of(recipe),
-                         recipe.amax_compute_algo, recipe.margin)
-            return
     by_group: dict = {}
     for (history, _, _), recipe, group in entries:
         if group is not None and recipe.reduce_amax:
