@@ -54,7 +54,8 @@ te_buffer buffer_of(const at::Tensor &t, te_dtype dtype) {
   return b;
 }
 
-// Element i of a contiguous float32 tensor as a [1] buffer (a scale, an amax history slot).
+// Float element i of a contiguous tensor as a [1] buffer (a scale, an amax history slot, a
+// scale_inv in a byte buffer).
 te_buffer element_of(const at::Tensor &t, int64_t i) {
   te_buffer b = buffer_of(t, TE_DTYPE_FLOAT32);
   b.data = static_cast<float *>(t.data_ptr()) + i;
@@ -89,27 +90,35 @@ te_stream stream_of(const at::Tensor &t) {
   return static_cast<te_stream>(impl->getStream(t.device()).native_handle());
 }
 
-// Delayed scaling's cast of the matrix x with scales[index], raising history[0, index] (the
-// core call of ops.quantize_delayed). Returns (row-wise data, column-wise data or undefined,
-// scale_inv).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cast(const at::Tensor &x, te_dtype fp8, bool columnwise,
-                                                    const at::Tensor &scales, const at::Tensor &history,
-                                                    int64_t index, te_stream stream) {
-  const auto bytes = x.options().dtype(at::kByte);
-  at::Tensor data = at::empty({x.size(0), x.size(1)}, bytes);
-  at::Tensor col = columnwise ? at::empty({x.size(1), x.size(0)}, bytes) : at::Tensor();
-  at::Tensor scale_inv = at::empty({1}, x.options().dtype(at::kFloat));
+// Delayed scaling's cast of the matrix x with scales[index] into `data` (and `col`, the
+// column-wise copy, unless null), its scale_inv into `scale_inv`, raising history[0, index]
+// (the core call of ops.quantize_delayed).
+void cast(const at::Tensor &x, const te_buffer &data, const te_buffer *col, const te_buffer &scale_inv,
+          const at::Tensor &scales, const at::Tensor &history, int64_t index, te_stream stream) {
   Handle in, out;
   in.set(TE_SLOT_DATA, buffer_of(x, core_dtype(x.scalar_type())));
-  out.set(TE_SLOT_DATA, buffer_of(data, fp8))
+  out.set(TE_SLOT_DATA, data)
       .set(TE_SLOT_SCALE, element_of(scales, index))
-      .set(TE_SLOT_SCALE_INV, buffer_of(scale_inv, TE_DTYPE_FLOAT32))
+      .set(TE_SLOT_SCALE_INV, scale_inv)
       .set(TE_SLOT_AMAX, element_of(history, index));
-  if (columnwise) out.set(TE_SLOT_COLUMNWISE_DATA, buffer_of(col, fp8));
+  if (col != nullptr) out.set(TE_SLOT_COLUMNWISE_DATA, *col);
   te_quantize_config config{};
   config.accumulate_amax = 1;
   check(te_quantize(in.get(), out.get(), &config, stream));
-  return {data, col, scale_inv};
+}
+
+// Byte counts rounded up to 256, so that each piece of a shared buffer starts as aligned as
+// a fresh allocation would (cuBLASLt picks its kernels by the operands' alignment).
+int64_t aligned(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// The [rows, cols] piece of the byte buffer `buf` that starts `offset` bytes in.
+te_buffer piece(const at::Tensor &buf, int64_t offset, int64_t rows, int64_t cols, te_dtype dtype) {
+  te_buffer b = buffer_of(buf, dtype);
+  b.data = static_cast<uint8_t *>(buf.data_ptr()) + offset;
+  b.ndim = 2;
+  b.shape[0] = rows;
+  b.shape[1] = cols;
+  return b;
 }
 
 // The Python side of the backward: fast_linear.backward, looked up at each call (on the module,
@@ -119,9 +128,11 @@ pybind11::object python_backward() {
   return pybind11::reinterpret_borrow<pybind11::object>(module).attr("backward");
 }
 
-pybind11::object optional(const at::Tensor &t) { return t.defined() ? pybind11::cast(t) : pybind11::none(); }
-
 at::Tensor tensor_or_undefined(const pybind11::handle &h) { return h.is_none() ? at::Tensor() : h.cast<at::Tensor>(); }
+
+// Where the column-wise copies start in the forward's `keep` buffer: after the two scale_invs,
+// at the alignment of an allocation.
+constexpr int64_t kKeepHeader = 256;
 
 struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
   // fwd_dtype / bwd_dtype: te_dtype values of the FP8 formats; bwd_meta: the backward's
@@ -134,10 +145,24 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
                             bool need_wgrad) {
     const auto fp8 = static_cast<te_dtype>(fwd_dtype);
     const int64_t k = input.size(-1), n = weight.size(0);
-    const at::Tensor x = input.reshape({-1, k}).contiguous();
+    const at::Tensor x = input.dim() == 2 ? input.contiguous() : input.reshape({-1, k}).contiguous();
+    const int64_t m = x.size(0);
     const te_stream stream = stream_of(input);
-    auto [x_data, x_col, x_sinv] = cast(x, fp8, need_wgrad, scales, history, 0, stream);
-    auto [w_data, w_col, w_sinv] = cast(weight.contiguous(), fp8, need_dgrad, scales, history, 1, stream);
+    // Two allocations for the five FP8 pieces (each allocation costs host time, and at small
+    // sizes host time is the forward's cost). `rows`: the row-wise copies, which only the GEMM
+    // reads. `keep`, what the backward needs: both scale_invs (bytes 0 and 4), then the
+    // column-wise input (for wgrad) and weight (for dgrad) that it saves instead of the
+    // activation.
+    const auto bytes = x.options().dtype(at::kByte);
+    const int64_t w_row_at = aligned(m * k);
+    const at::Tensor rows = at::empty({w_row_at + n * k}, bytes);
+    const int64_t x_col_at = kKeepHeader, w_col_at = x_col_at + (need_wgrad ? aligned(m * k) : 0);
+    const at::Tensor keep = at::empty({w_col_at + (need_dgrad ? n * k : 0)}, bytes);
+    const te_buffer x_data = piece(rows, 0, m, k, fp8), w_data = piece(rows, w_row_at, n, k, fp8);
+    const te_buffer x_sinv = element_of(keep, 0), w_sinv = element_of(keep, 1);
+    const te_buffer x_col = piece(keep, x_col_at, k, m, fp8), w_col = piece(keep, w_col_at, k, n, fp8);
+    cast(x, x_data, need_wgrad ? &x_col : nullptr, x_sinv, scales, history, 0, stream);
+    cast(weight.contiguous(), w_data, need_dgrad ? &w_col : nullptr, w_sinv, scales, history, 1, stream);
     // The output in its final shape (not a view made here: autograd forbids in-place ops on a
     // custom function's views), which the core sees as the matrix [M, N].
     std::vector<int64_t> shape = input.sizes().vec();
@@ -145,11 +170,11 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
     at::Tensor out = at::empty(shape, input.options());
     te_buffer out_matrix = buffer_of(out, core_dtype(out.scalar_type()));
     out_matrix.ndim = 2;
-    out_matrix.shape[0] = x.size(0);
+    out_matrix.shape[0] = m;
     out_matrix.shape[1] = n;
     Handle a, b, d, bias_handle;
-    a.set(TE_SLOT_DATA, buffer_of(x_data, fp8)).set(TE_SLOT_SCALE_INV, buffer_of(x_sinv, TE_DTYPE_FLOAT32));
-    b.set(TE_SLOT_DATA, buffer_of(w_data, fp8)).set(TE_SLOT_SCALE_INV, buffer_of(w_sinv, TE_DTYPE_FLOAT32));
+    a.set(TE_SLOT_DATA, x_data).set(TE_SLOT_SCALE_INV, x_sinv);
+    b.set(TE_SLOT_DATA, w_data).set(TE_SLOT_SCALE_INV, w_sinv);
     d.set(TE_SLOT_DATA, out_matrix);
     const bool has_bias = bias.has_value() && bias->defined();
     // The bias rides in the GEMM's epilogue for a bf16/fp16 output; cuBLASLt takes only a bf16
@@ -165,11 +190,22 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
                   static_cast<size_t>(workspace.numel()), stream));
     if (has_bias && !fused_bias) out.add_(bias_data);
     // The FP8 column-wise input is all the backward keeps of the activation.
-    ctx->save_for_backward({x_col, x_sinv, w_col, w_sinv});
+    ctx->save_for_backward({keep});
     ctx->saved_data["bwd_meta"] = std::move(bwd_meta);
-    ctx->saved_data["config"] = std::vector<int64_t>{
-        fwd_dtype, bwd_dtype, margin, need_dgrad, need_wgrad, has_bias, static_cast<int64_t>(input.scalar_type()),
-        static_cast<int64_t>(weight.scalar_type()), static_cast<int64_t>(has_bias ? bias->scalar_type() : at::kFloat)};
+    ctx->saved_data["config"] = std::vector<int64_t>{fwd_dtype,
+                                                     bwd_dtype,
+                                                     margin,
+                                                     need_dgrad,
+                                                     need_wgrad,
+                                                     has_bias,
+                                                     static_cast<int64_t>(input.scalar_type()),
+                                                     static_cast<int64_t>(weight.scalar_type()),
+                                                     static_cast<int64_t>(has_bias ? bias->scalar_type() : at::kFloat),
+                                                     m,
+                                                     n,
+                                                     k,
+                                                     x_col_at,
+                                                     w_col_at};
     ctx->saved_data["algo"] = std::move(algo);
     ctx->saved_data["input_shape"] = input.sizes().vec();
     return out;
@@ -183,11 +219,11 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
     const auto carrier = [&](int i) { return at::empty({0}, at::TensorOptions().dtype(static_cast<at::ScalarType>(config[i]))); };
     pybind11::gil_scoped_acquire gil;
     const pybind11::object result = python_backward()(
-        grads[0], optional(saved[0]), saved[1], optional(saved[2]), saved[3], meta[0], meta[1], meta[2],
-        te_dtype_name(static_cast<te_dtype>(config[0])), te_dtype_name(static_cast<te_dtype>(config[1])), config[2],
-        ctx->saved_data["algo"].toStringRef(), static_cast<bool>(config[3]), static_cast<bool>(config[4]),
-        static_cast<bool>(config[5]), carrier(6), carrier(7), config[5] ? pybind11::cast(carrier(8)) : pybind11::none(),
-        ctx->saved_data["input_shape"].toIntVector());
+        grads[0], saved[0], pybind11::make_tuple(config[9], config[10], config[11], config[12], config[13]), meta[0],
+        meta[1], meta[2], te_dtype_name(static_cast<te_dtype>(config[0])),
+        te_dtype_name(static_cast<te_dtype>(config[1])), config[2], ctx->saved_data["algo"].toStringRef(),
+        static_cast<bool>(config[3]), static_cast<bool>(config[4]), static_cast<bool>(config[5]), carrier(6), carrier(7),
+        config[5] ? pybind11::cast(carrier(8)) : pybind11::none(), ctx->saved_data["input_shape"].toIntVector());
     const auto t = result.cast<pybind11::tuple>();
     // One gradient per forward argument: input, weight, bias, then the non-differentiable rest.
     return {tensor_or_undefined(t[0]), tensor_or_undefined(t[1]), tensor_or_undefined(t[2]), at::Tensor(),

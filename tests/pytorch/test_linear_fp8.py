@@ -176,8 +176,11 @@ def test_backward_keeps_only_fp8_copies(name):
         with te.fp8_autocast(fp8_recipe=RECIPES[name]):
             y = layer(x)
     y.sum().backward()
-    assert (torch.uint8, (K, M)) in saved and (torch.uint8, (K, N)) in saved
     assert all(dtype in (torch.uint8, torch.float32) for dtype, _ in saved), saved
+    # The column-wise input [K, M] and weight [K, N]: two tensors, or on te.Linear's compiled
+    # path (delayed scaling) one byte buffer that also holds their scales and some alignment.
+    fp8_bytes = sum(math.prod(shape) for dtype, shape in saved if dtype == torch.uint8)
+    assert K * M + K * N <= fp8_bytes <= K * M + K * N + 1024, saved
     # fp32 only for scales: one per tensor or per 128-element block (at most one per row
     # here), far fewer than the FP8 elements
     scales = [math.prod(shape) for dtype, shape in saved if dtype == torch.float32]

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from . import fp8
 from ._compiled import ext as _ext
 from .linear_fn import linear_backward
 from .ops._backend import _plain_eager, dtype_code, workspace_for
@@ -36,9 +37,13 @@ def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[t
            history: Optional[torch.Tensor], general_update: bool) -> bool:
     """Whether this forward (of an input te.Linear has checked) is one the compiled path
     computes exactly as the Python path: an eager call under delayed scaling with the scale
-    update in the core, plain tensors, a bias of the input's dtype, amaxes recorded."""
+    update in the core, plain tensors, a bias of the input's dtype, amaxes recorded, and not
+    in an activation checkpoint (its recompute takes the Python path, and torch's checkpoint
+    demands that both runs save tensors of the same shapes: the compiled forward saves one
+    buffer where the Python path saves four)."""
     return (_ext is not None and enabled and plan.kind == "delayed" and not general_update
-            and history is not None and type(inp) in _PLAIN and type(weight) in _PLAIN
+            and history is not None and fp8.RECOMPUTE.recording is None
+            and type(inp) in _PLAIN and type(weight) in _PLAIN
             and (bias is None or (type(bias) in _PLAIN and bias.dtype == inp.dtype))
             and _plain_eager(()))
 
@@ -58,17 +63,26 @@ _empty = torch.empty(0, dtype=torch.uint8)
 _plans: dict = {}
 
 
-def backward(grad_output, in_col, in_col_sinv, w_col, w_col_sinv, history, scale, scale_inv,
-             fwd_dtype: str, bwd_dtype: str, margin: int, algo: str, need_dgrad: bool,
-             need_wgrad: bool, has_bias: bool, in_carrier, w_carrier, b_carrier, input_shape):
+def backward(grad_output, keep, layout, history, scale, scale_inv, fwd_dtype: str, bwd_dtype: str,
+             margin: int, algo: str, need_dgrad: bool, need_wgrad: bool, has_bias: bool,
+             in_carrier, w_carrier, b_carrier, input_shape):
     """The compiled forward's backward (called from C++): Fp8LinearFunction's, with the
-    plan rebuilt from its fields and the dtypes carried by empty tensors."""
+    plan rebuilt from its fields and the dtypes carried by empty tensors.
+
+    ``keep`` is the forward's one saved byte buffer: the input's and the weight's scale_inv
+    (fp32, bytes 0 and 4), the column-wise input [K, M] at byte ``x_at`` (when wgrad is
+    needed) and the column-wise weight [K, N] at byte ``w_at`` (when dgrad is);
+    ``layout`` = (M, N, K, x_at, w_at)."""
     key = (fwd_dtype, bwd_dtype, margin, algo)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = Plan("delayed", fwd_dtype, bwd_dtype, "tensor", "tensor", "tensor",
                                   False, 0.0, algo, margin)
+    m, n, k, x_at, w_at = layout
+    sinv = keep[:8].view(torch.float32)
+    in_col = keep[x_at:x_at + k * m].view(k, m) if need_wgrad else None
+    w_col = keep[w_at:w_at + k * n].view(k, n) if need_dgrad else None
     dtypes = (in_carrier.dtype, w_carrier.dtype, None if b_carrier is None else b_carrier.dtype)
-    return linear_backward(grad_output, (in_col, in_col_sinv, w_col, w_col_sinv), plan,
+    return linear_backward(grad_output, (in_col, sinv[0:1], w_col, sinv[1:2]), plan,
                            (history, scale, scale_inv), None, None,
                            (need_dgrad, need_wgrad, has_bias), dtypes, input_shape)
