@@ -1,6 +1,7 @@
 // Binding of quantize.h, scaling.h and transpose.h.
 #include <nanobind/stl/vector.h>
 
+#include <string>
 #include <vector>
 
 #include "binding_util.h"
@@ -24,6 +25,32 @@ void register_quantize(nb::module_ &m) {
       "accumulate_amax"_a = false, "stream"_a = 0,
       "Quantizes input (array or Tensor) into the FP8 Tensor output; with accumulate_amax, "
       "output.amax is raised to max|input| instead of overwritten.");
+
+  m.def(
+      "quantize_many",
+      [](std::vector<nb::handle> inputs, std::vector<nb::handle> outputs, bool accumulate_amax, uintptr_t stream) {
+        if (inputs.size() != outputs.size()) {
+          throw nb::value_error(("quantize_many: inputs and outputs must be as many, got " +
+                                 std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()))
+                                    .c_str());
+        }
+        std::vector<Handle> ins, outs;
+        std::vector<const te_tensor *> in_ptrs;
+        std::vector<te_tensor *> out_ptrs;
+        for (size_t i = 0; i < inputs.size(); ++i) {
+          ins.push_back(make_handle("quantize_many", "input", inputs[i], 0));
+          outs.push_back(make_handle("quantize_many", "output", outputs[i], kAllSlots & ~(1u << TE_SLOT_SCALE)));
+          in_ptrs.push_back(ins.back().get());
+          out_ptrs.push_back(outs.back().get());
+        }
+        te_quantize_config config{};
+        config.accumulate_amax = accumulate_amax ? 1 : 0;
+        nb::gil_scoped_release release;
+        check_status(te_quantize_many(in_ptrs.data(), out_ptrs.data(), in_ptrs.size(), &config, as_stream(stream)));
+      },
+      "inputs"_a, "outputs"_a, nb::kw_only(), "accumulate_amax"_a = false, "stream"_a = 0,
+      "quantize(inputs[i], outputs[i]) for every i as one batch (one kernel launch for the CUDA "
+      "casts with a transposed copy that share dtypes); all checked before any runs.");
 
   m.def(
       "dequantize",

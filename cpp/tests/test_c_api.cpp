@@ -114,6 +114,55 @@ TEST_CASE(quantize_per_tensor_with_transpose_and_amax) {
   CHECK(q[4] == te::kFp8NaN);
 }
 
+// The cast of one [rows, cols] fp32 input with a scale, as te_quantize_many's tests use it.
+struct Cast {
+  std::vector<float> x;
+  std::vector<uint8_t> q, qt;
+  float scale, scale_inv = 0.0f, amax = 0.0f;
+  TensorHandle in, out;
+  Cast(int rows, int cols, float s, bool transpose, float seed) : x(rows * cols), q(rows * cols, 0xAA), qt(rows * cols, 0xAA), scale(s) {
+    for (int i = 0; i < rows * cols; ++i) x[i] = seed * static_cast<float>((i * 37) % 23 - 11);
+    in.set(TE_SLOT_DATA, x.data(), TE_DTYPE_FLOAT32, {rows, cols});
+    out.set(TE_SLOT_DATA, q.data(), TE_DTYPE_FLOAT8_E4M3, {rows, cols});
+    if (transpose) out.set(TE_SLOT_COLUMNWISE_DATA, qt.data(), TE_DTYPE_FLOAT8_E4M3, {cols, rows});
+    out.set(TE_SLOT_SCALE, &scale, TE_DTYPE_FLOAT32, {1});
+    out.set(TE_SLOT_SCALE_INV, &scale_inv, TE_DTYPE_FLOAT32, {1});
+    out.set(TE_SLOT_AMAX, &amax, TE_DTYPE_FLOAT32, {1});
+  }
+};
+
+TEST_CASE(quantize_many_equals_one_call_each) {
+  Cast a(4, 6, 2.0f, true, 0.75f), b(3, 8, 0.5f, false, 9.0f), a1(4, 6, 2.0f, true, 0.75f), b1(3, 8, 0.5f, false, 9.0f);
+  a.amax = a1.amax = 100.0f;  // raised with accumulate_amax: stays
+  te_quantize_config acc{0, 0.0f, 1};
+  const te_tensor *ins[] = {a.in, b.in};
+  te_tensor *outs[] = {a.out, b.out};
+  CHECK(te_quantize_many(ins, outs, 2, &acc, nullptr) == TE_SUCCESS);
+  CHECK(te_quantize(a1.in, a1.out, &acc, nullptr) == TE_SUCCESS);
+  CHECK(te_quantize(b1.in, b1.out, &acc, nullptr) == TE_SUCCESS);
+  CHECK(a.q == a1.q && a.qt == a1.qt && a.scale_inv == a1.scale_inv && a.amax == 100.0f && a1.amax == 100.0f);
+  CHECK(b.q == b1.q && b.qt == b1.qt && b.scale_inv == b1.scale_inv && b.amax == b1.amax && b.amax == 99.0f);
+  CHECK(te_quantize_many(nullptr, nullptr, 0, nullptr, nullptr) == TE_SUCCESS);  // nothing to do
+}
+
+TEST_CASE(quantize_many_checks_all_before_writing) {
+  Cast a(4, 6, 2.0f, true, 0.75f), b(3, 8, 0.5f, false, 9.0f);
+  const te_tensor *ins[] = {a.in, b.in};
+  te_tensor *outs[] = {a.out, b.out};
+  // Tensor 1 writes its amax into tensor 0's input: rejected, and tensor 0 is not cast either.
+  b.out.set(TE_SLOT_AMAX, &a.x[0], TE_DTYPE_FLOAT32, {1});
+  CHECK_ERROR(te_quantize_many(ins, outs, 2, nullptr, nullptr), TE_ERROR_VALUE, "quantize_many",
+              "tensor 1 output.amax must not overlap tensor 0 input.data");
+  CHECK(a.q == std::vector<uint8_t>(24, 0xAA) && a.scale_inv == 0.0f && a.x[0] == 0.75f * -11.0f);
+  // A bad argument names its tensor.
+  b.out.set(TE_SLOT_AMAX, &b.amax, TE_DTYPE_FLOAT32, {1});
+  b.out.set(TE_SLOT_DATA, b.q.data(), TE_DTYPE_FLOAT8_E4M3, {4, 8});
+  CHECK_ERROR(te_quantize_many(ins, outs, 2, nullptr, nullptr), TE_ERROR_VALUE, "quantize_many (tensor 1)",
+              "output.data");
+  CHECK(a.q == std::vector<uint8_t>(24, 0xAA));
+  CHECK_ERROR(te_quantize_many(nullptr, outs, 2, nullptr, nullptr), TE_ERROR_VALUE, "arrays of count (2)");
+}
+
 TEST_CASE(quantize_accumulates_amax_when_asked) {
   // Slot 0 of a [2, 2] amax history, as delayed scaling passes it.
   std::vector<float> x = {1.0f, -3.0f, 2.0f, 0.5f};

@@ -92,19 +92,15 @@ te_stream stream_of(const at::Tensor &t) {
 
 // Delayed scaling's cast of the matrix x with scales[index] into `data` (and `col`, the
 // column-wise copy, unless null), its scale_inv into `scale_inv`, raising history[0, index]
-// (the core call of ops.quantize_delayed).
-void cast(const at::Tensor &x, const te_buffer &data, const te_buffer *col, const te_buffer &scale_inv,
-          const at::Tensor &scales, const at::Tensor &history, int64_t index, te_stream stream) {
-  Handle in, out;
+// (what ops.quantize_delayed asks of the core), as the handles of one te_quantize_many entry.
+void describe_cast(Handle &in, Handle &out, const at::Tensor &x, const te_buffer &data, const te_buffer *col,
+                   const te_buffer &scale_inv, const at::Tensor &scales, const at::Tensor &history, int64_t index) {
   in.set(TE_SLOT_DATA, buffer_of(x, core_dtype(x.scalar_type())));
   out.set(TE_SLOT_DATA, data)
       .set(TE_SLOT_SCALE, element_of(scales, index))
       .set(TE_SLOT_SCALE_INV, scale_inv)
       .set(TE_SLOT_AMAX, element_of(history, index));
   if (col != nullptr) out.set(TE_SLOT_COLUMNWISE_DATA, *col);
-  te_quantize_config config{};
-  config.accumulate_amax = 1;
-  check(te_quantize(in.get(), out.get(), &config, stream));
 }
 
 // Byte counts rounded up to 256, so that each piece of a shared buffer starts as aligned as
@@ -161,8 +157,17 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
     const te_buffer x_data = piece(rows, 0, m, k, fp8), w_data = piece(rows, w_row_at, n, k, fp8);
     const te_buffer x_sinv = element_of(keep, 0), w_sinv = element_of(keep, 1);
     const te_buffer x_col = piece(keep, x_col_at, k, m, fp8), w_col = piece(keep, w_col_at, k, n, fp8);
-    cast(x, x_data, need_wgrad ? &x_col : nullptr, x_sinv, scales, history, 0, stream);
-    cast(weight.contiguous(), w_data, need_dgrad ? &w_col : nullptr, w_sinv, scales, history, 1, stream);
+    // Both casts in one core call: on the GPU one kernel launch where both have a transposed
+    // copy and the same input dtype (a training step's forward), each launch being host time.
+    const at::Tensor w = weight.contiguous();
+    Handle x_in, x_out, w_in, w_out;
+    describe_cast(x_in, x_out, x, x_data, need_wgrad ? &x_col : nullptr, x_sinv, scales, history, 0);
+    describe_cast(w_in, w_out, w, w_data, need_dgrad ? &w_col : nullptr, w_sinv, scales, history, 1);
+    const te_tensor *cast_in[] = {x_in.get(), w_in.get()};
+    te_tensor *cast_out[] = {x_out.get(), w_out.get()};
+    te_quantize_config accumulate{};
+    accumulate.accumulate_amax = 1;
+    check(te_quantize_many(cast_in, cast_out, 2, &accumulate, stream));
     // The output in its final shape (not a view made here: autograd forbids in-place ops on a
     // custom function's views), which the core sees as the matrix [M, N].
     std::vector<int64_t> shape = input.sizes().vec();

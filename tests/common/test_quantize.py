@@ -320,3 +320,80 @@ def test_cuda_quantize_runs_on_the_given_stream(cuda_device):
     want = ref.quantize_tensor(x, scale, ref.E4M3)
     ref.assert_fp8_equal(data.cpu().numpy(), want["data"], ref.E4M3)
     ref.assert_fp8_equal(col.cpu().numpy(), want["columnwise_data"], ref.E4M3)
+
+
+# quantize_many's batch: more casts with a transposed copy and one dtype pair (bf16 -> E4M3)
+# than one launch takes (4), casts with other dtypes, shapes for the tiled kernel, one-layout
+# casts and an empty tensor. (shape, input dtype, format, layout)
+MANY_CASES = [
+    ((256, 128), "bfloat16", ref.E4M3, "both"),
+    ((128, 384), "bfloat16", ref.E4M3, "both"),
+    ((64, 64), "float32", ref.E4M3, "both"),
+    ((129, 257), "bfloat16", ref.E4M3, "both"),
+    ((32, 48), "bfloat16", ref.E5M2, "columnwise"),
+    ((16, 16), "bfloat16", ref.E4M3, "rowwise"),
+    ((512, 256), "bfloat16", ref.E4M3, "both"),
+    ((128, 128), "bfloat16", ref.E4M3, "columnwise"),
+    ((256, 64), "bfloat16", ref.E4M3, "both"),
+    ((0, 16), "bfloat16", ref.E4M3, "both"),
+    ((96, 32), "float16", ref.E5M2, "both"),
+]
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["overwrite", "accumulate"])
+def test_quantize_many_equals_quantize_each(device, accumulate):
+    """quantize_many gives every cast of its batch exactly what quantize gives it alone (on
+    CUDA the batch shares kernel launches; the bits must not notice)."""
+    rng = np.random.default_rng(11)
+    xs, scales = [], []
+    for shape, in_dtype, fmt, _ in MANY_CASES:
+        x = random_values(rng, shape, IN_DTYPES[in_dtype])
+        a = ref.amax(x)
+        xs.append(x)
+        scales.append(np.float32(fmt.max / a * rng.uniform(0.6, 1.6)) if a > 0 else np.float32(1.5))
+
+    def run(d):
+        inputs, outputs, slots = [], [], []
+        for x, scale, (_, _, fmt, layout) in zip(xs, scales, MANY_CASES, strict=True):
+            m, k = ref.matrix(x).shape
+            arrays = {"scale": np.array([scale], np.float32),
+                      "scale_inv": np.array([-1.0], np.float32),
+                      "amax": np.array([0.0 if accumulate else -7.0], np.float32)}
+            if layout in ("rowwise", "both"):
+                arrays["data"] = np.full(x.shape, SENTINEL_BYTE, np.uint8)
+            if layout in ("columnwise", "both"):
+                arrays["columnwise_data"] = np.full((k, m), SENTINEL_BYTE, np.uint8)
+            on_device = {name: d.put(a) for name, a in arrays.items()}
+            inputs.append(d.put(x))
+            outputs.append(core.Tensor(dtype=fp8_dtype(fmt), **on_device))
+            slots.append(on_device)
+        core.quantize_many(inputs, outputs, accumulate_amax=accumulate, stream=d.stream)
+        return [{name: d.get(a) for name, a in s.items()} for s in slots]
+
+    got = run(device)
+    for g, x, scale, (_, _, fmt, _) in zip(got, xs, scales, MANY_CASES, strict=True):
+        check_quantize(g, x, fmt, scale)
+    if device.is_cuda:
+        for g, c in zip(got, run(device.cpu), strict=True):
+            for name in g:
+                ref.assert_same_bits(g[name], c[name], f"{name}, CUDA vs CPU")
+
+
+def test_quantize_many_rejects_overlap_across_the_batch(device):
+    """A cast writing what another of the batch reads is an error naming both, and nothing of
+    the batch is written."""
+    x = random_values(np.random.default_rng(5), (16, 32), np.float32)
+    shared = device.put(np.full((16, 32), SENTINEL_BYTE, np.uint8))
+
+    def out(data):
+        return core.Tensor(dtype=core.DType.float8_e4m3, data=data,
+                           scale=device.put(np.array([1.0], np.float32)),
+                           scale_inv=device.put(np.array([-1.0], np.float32)))
+
+    with pytest.raises(ValueError, match="tensor 0 output.data must not overlap tensor 1 "
+                                         "output.data"):
+        core.quantize_many([device.put(x), device.put(x)], [out(shared), out(shared)],
+                           stream=device.stream)
+    assert (device.get(shared) == SENTINEL_BYTE).all()
+    with pytest.raises(ValueError, match="as many"):
+        core.quantize_many([device.put(x)], [], stream=device.stream)

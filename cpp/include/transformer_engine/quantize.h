@@ -42,6 +42,15 @@ typedef struct {
 te_status te_quantize(const te_tensor *input, te_tensor *output, const te_quantize_config *config,
                       te_stream stream);
 
+/* count quantizations with one config: the results of te_quantize(inputs[i], outputs[i],
+ * config, stream) for each i, checked all before any runs (on failure nothing is written). They
+ * run as one batch, so no output may overlap another's output or any input, and all tensors
+ * must be on one device. On CUDA, TENSOR-mode casts with a transposed copy that share an input
+ * dtype and an FP8 format run in one kernel launch: a small layer's forward (its input's and
+ * its weight's casts) is bound by the host time of its launches. */
+te_status te_quantize_many(const te_tensor *const *inputs, te_tensor *const *outputs, size_t count,
+                           const te_quantize_config *config, te_stream stream);
+
 /* Dequantizes [in] input (FP8 in slot DATA, with its scale_inv by mode) into [out] output
  * (fp32/fp16/bf16 in slot DATA, the same shape): output = fp8_value * scale_inv, rounded to
  * nearest even. */

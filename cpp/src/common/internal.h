@@ -57,6 +57,8 @@ std::string describe(const te_buffer &buffer);
 std::string shape_string(const int64_t *shape, int ndim);
 
 int64_t numel(const te_buffer &buffer);
+// Whether the two buffers share a byte (on the same device).
+bool overlap(const te_buffer &a, const te_buffer &b);
 // Rows of the [M, K] matrix view: product of all dimensions but the last (1 for rank 0).
 int64_t rows_of(const te_buffer &buffer);
 // Columns of the [M, K] matrix view: the last dimension (1 for rank 0).

@@ -13,6 +13,7 @@ namespace te {
 
 te_status activation_cuda(const ActivationArgs &, te_stream) { return no_cuda_build("activation"); }
 te_status quantize_cuda(const QuantizeArgs &, te_stream) { return no_cuda_build("quantize"); }
+te_status quantize_many_cuda(const QuantizeArgs *, size_t, te_stream) { return no_cuda_build("quantize_many"); }
 te_status dequantize_cuda(const DequantizeArgs &, te_stream) { return no_cuda_build("dequantize"); }
 te_status compute_amax_cuda(const AmaxArgs &, te_stream) { return no_cuda_build("compute_amax"); }
 te_status scale_from_amax_cuda(const ScaleFromAmaxArgs &, te_stream) {

@@ -147,8 +147,6 @@ bool Checker::same_device(const te_buffer &b, const char *what) {
                                   " like the other arguments, got " + describe(b));
 }
 
-namespace {
-
 bool overlap(const te_buffer &a, const te_buffer &b) {
   if (a.device != b.device || (a.device == TE_DEVICE_CUDA && a.device_id != b.device_id)) return false;
   const auto begin_a = reinterpret_cast<uintptr_t>(a.data), begin_b = reinterpret_cast<uintptr_t>(b.data);
@@ -156,8 +154,6 @@ bool overlap(const te_buffer &a, const te_buffer &b) {
   const uintptr_t end_b = begin_b + static_cast<uintptr_t>(numel(b)) * te_dtype_size(b.dtype);
   return begin_a < end_b && begin_b < end_a;  // empty ranges never overlap
 }
-
-}  // namespace
 
 bool Checker::disjoint(const std::vector<Named> &outputs, const std::vector<Named> &inputs) {
   for (size_t i = 0; i < outputs.size(); ++i) {

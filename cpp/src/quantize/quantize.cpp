@@ -2,6 +2,7 @@
 // CPU reference or the CUDA kernels by the device of the buffers.
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "common/internal.h"
 #include "quantize/quantize_impl.h"
@@ -29,6 +30,54 @@ bool check_block_scale_inv(Checker &check, const te_buffer *b, const char *what,
   const bool mx = mode == TE_SCALING_MXFP8;
   if (!check.dtype_in(*b, what, mx ? is_e8m0 : is_fp32, mx ? "float8_e8m0" : "float32")) return false;
   return check.matrix_is(*b, what, rows, cols);
+}
+
+// The buffers quantize writes and reads for (input, output); unset slots are null.
+struct QuantizeBuffers {
+  struct Entry {
+    const te_buffer *buffer;
+    const char *name;
+  };
+  Entry written[5], read[2];
+};
+
+QuantizeBuffers buffers_of(const te_tensor *input, const te_tensor *output) {
+  const te_buffer *row = slot(output, TE_SLOT_DATA), *col = slot(output, TE_SLOT_COLUMNWISE_DATA);
+  const bool tensor_mode = output->scaling_mode == TE_SCALING_TENSOR;
+  const te_buffer *scale_inv = tensor_mode || row != nullptr ? slot(output, TE_SLOT_SCALE_INV) : nullptr;
+  const te_buffer *col_scale_inv = !tensor_mode && col != nullptr ? slot(output, TE_SLOT_COLUMNWISE_SCALE_INV) : nullptr;
+  return {{{row, "output.data"},
+           {col, "output.columnwise_data"},
+           {scale_inv, "output.scale_inv"},
+           {col_scale_inv, "output.columnwise_scale_inv"},
+           {slot(output, TE_SLOT_AMAX), "output.amax"}},
+          {{slot(input, TE_SLOT_DATA), "input.data"}, {tensor_mode ? slot(output, TE_SLOT_SCALE) : nullptr, "output.scale"}}};
+}
+
+// A batch runs its quantizations concurrently: what one writes must not overlap what another
+// writes or reads (each one's own buffers are checked by check_quantize).
+bool check_batch_disjoint(Checker &check, const std::vector<QuantizeBuffers> &items) {
+  for (size_t i = 0; i < items.size(); ++i) {
+    for (const auto &w : items[i].written) {
+      if (w.buffer == nullptr) continue;
+      for (size_t j = 0; j < items.size(); ++j) {
+        if (j == i) continue;
+        auto clash = [&](const QuantizeBuffers::Entry &e, const char *how) {
+          if (e.buffer == nullptr || !overlap(*w.buffer, *e.buffer)) return false;
+          return !check.fail(TE_ERROR_VALUE, "tensor " + std::to_string(i) + " " + w.name + " must not overlap tensor " +
+                                                 std::to_string(j) + " " + e.name + " (" + how +
+                                                 "), got overlapping memory");
+        };
+        for (const auto &e : items[j].written) {
+          if (clash(e, "both are written")) return false;
+        }
+        for (const auto &e : items[j].read) {
+          if (clash(e, "an input")) return false;
+        }
+      }
+    }
+  }
+  return true;
 }
 
 bool check_quantize(Checker &check, const te_tensor *input, te_tensor *output,
@@ -113,18 +162,11 @@ bool check_quantize(Checker &check, const te_tensor *input, te_tensor *output,
     if (!check.fp32_scalar(amax, "output.amax")) return false;
     args->amax = static_cast<float *>(amax->data);
   }
-  const bool tensor_mode = mode == TE_SCALING_TENSOR;
-  if (!check.disjoint({{row, "output.data"},
-                       {col, "output.columnwise_data"},
-                       {tensor_mode || row != nullptr ? slot(output, TE_SLOT_SCALE_INV) : nullptr,
-                        "output.scale_inv"},
-                       {!tensor_mode && col != nullptr ? slot(output, TE_SLOT_COLUMNWISE_SCALE_INV) : nullptr,
-                        "output.columnwise_scale_inv"},
-                       {amax, "output.amax"}},
-                      {{in, "input.data"},
-                       {tensor_mode ? slot(output, TE_SLOT_SCALE) : nullptr, "output.scale"}})) {
-    return false;
-  }
+  const QuantizeBuffers b = buffers_of(input, output);
+  std::vector<Checker::Named> written, read;
+  for (const auto &e : b.written) written.push_back({e.buffer, e.name});
+  for (const auto &e : b.read) read.push_back({e.buffer, e.name});
+  if (!check.disjoint(written, read)) return false;
   if (config != nullptr) {
     if (!(config->amax_epsilon >= 0.0f) || !std::isfinite(config->amax_epsilon)) {
       return check.fail(TE_ERROR_VALUE, "config.amax_epsilon must be finite and >= 0, got " +
@@ -184,6 +226,35 @@ te_status te_quantize(const te_tensor *input, te_tensor *output, const te_quanti
       return te::quantize_cuda(args, stream);
     }
     te::quantize_ref(args);
+    return TE_SUCCESS;
+  });
+}
+
+te_status te_quantize_many(const te_tensor *const *inputs, te_tensor *const *outputs, size_t count,
+                           const te_quantize_config *config, te_stream stream) {
+  return te::guarded("quantize_many", [&]() -> te_status {
+    te::Checker group("quantize_many");
+    if (count == 0) return TE_SUCCESS;
+    if (inputs == nullptr || outputs == nullptr) {
+      return group.reject(TE_ERROR_VALUE, "inputs and outputs must be arrays of count (" + std::to_string(count) +
+                                              ") tensors, got NULL");
+    }
+    std::vector<te::QuantizeArgs> args(count);
+    std::vector<te::QuantizeBuffers> buffers(count);
+    for (size_t i = 0; i < count; ++i) {
+      const std::string op = "quantize_many (tensor " + std::to_string(i) + ")";
+      te::Checker check(op.c_str());
+      if (!te::check_quantize(check, inputs[i], outputs[i], config, &args[i])) return check.status();
+      // One device for the batch: the group checker remembers tensor 0's.
+      if (!group.same_device(*te::slot(inputs[i], TE_SLOT_DATA), "every input.data")) return group.status();
+      buffers[i] = te::buffers_of(inputs[i], outputs[i]);
+    }
+    if (!te::check_batch_disjoint(group, buffers)) return group.status();
+    if (group.device() == TE_DEVICE_CUDA) {
+      te::CudaDeviceScope on_device(group.device_id());
+      return te::quantize_many_cuda(args.data(), count, stream);
+    }
+    for (const te::QuantizeArgs &a : args) te::quantize_ref(a);
     return TE_SUCCESS;
   });
 }

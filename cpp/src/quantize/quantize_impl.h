@@ -3,6 +3,7 @@
 #ifndef TRANSFORMER_ENGINE_SRC_QUANTIZE_QUANTIZE_IMPL_H_
 #define TRANSFORMER_ENGINE_SRC_QUANTIZE_QUANTIZE_IMPL_H_
 
+#include <cstddef>
 #include <cstdint>
 
 #include "transformer_engine/quantize.h"
@@ -42,6 +43,8 @@ void dequantize_ref(const DequantizeArgs &args);
 
 // CUDA launchers (in a CPU-only build they report that the build has no CUDA kernels).
 te_status quantize_cuda(const QuantizeArgs &args, te_stream stream);
+// The batch of te_quantize_many (its tensors checked, on one device, disjoint).
+te_status quantize_many_cuda(const QuantizeArgs *args, size_t count, te_stream stream);
 te_status dequantize_cuda(const DequantizeArgs &args, te_stream stream);
 // CUDA builds only (quantize_block.cu): the tiled kernels behind quantize_cuda for the block
 // modes, for TENSOR mode with column-wise output of shapes the fast kernel does not take, and
