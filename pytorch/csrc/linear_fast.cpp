@@ -126,9 +126,11 @@ pybind11::object python_backward() {
 
 at::Tensor tensor_or_undefined(const pybind11::handle &h) { return h.is_none() ? at::Tensor() : h.cast<at::Tensor>(); }
 
-// Where the column-wise copies start in the forward's `keep` buffer: after the two scale_invs,
-// at the alignment of an allocation.
-constexpr int64_t kKeepHeader = 256;
+// The forward's `keep` buffer: the input's scale_inv at byte 0, the weight's at byte 256 (the
+// GEMM takes them as cuBLASLt scale pointers, which must be aligned: 4 bytes apart fails with
+// NOT_SUPPORTED), the column-wise copies from byte 512, each piece at an allocation's alignment.
+constexpr int64_t kKeepWeightScaleInv = 256;
+constexpr int64_t kKeepHeader = 512;
 
 struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
   // fwd_dtype / bwd_dtype: te_dtype values of the FP8 formats; bwd_meta: the backward's
@@ -146,7 +148,7 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
     const te_stream stream = stream_of(input);
     // Two allocations for the five FP8 pieces (each allocation costs host time, and at small
     // sizes host time is the forward's cost). `rows`: the row-wise copies, which only the GEMM
-    // reads. `keep`, what the backward needs: both scale_invs (bytes 0 and 4), then the
+    // reads. `keep`, what the backward needs: both scale_invs (bytes 0 and 256), then the
     // column-wise input (for wgrad) and weight (for dgrad) that it saves instead of the
     // activation.
     const auto bytes = x.options().dtype(at::kByte);
@@ -155,7 +157,7 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
     const int64_t x_col_at = kKeepHeader, w_col_at = x_col_at + (need_wgrad ? aligned(m * k) : 0);
     const at::Tensor keep = at::empty({w_col_at + (need_dgrad ? n * k : 0)}, bytes);
     const te_buffer x_data = piece(rows, 0, m, k, fp8), w_data = piece(rows, w_row_at, n, k, fp8);
-    const te_buffer x_sinv = element_of(keep, 0), w_sinv = element_of(keep, 1);
+    const te_buffer x_sinv = element_of(keep, 0), w_sinv = element_of(keep, kKeepWeightScaleInv / 4);
     const te_buffer x_col = piece(keep, x_col_at, k, m, fp8), w_col = piece(keep, w_col_at, k, n, fp8);
     // Both casts in one core call: on the GPU one kernel launch where both have a transposed
     // copy and the same input dtype (a training step's forward), each launch being host time.
@@ -224,7 +226,7 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
     const auto carrier = [&](int i) { return at::empty({0}, at::TensorOptions().dtype(static_cast<at::ScalarType>(config[i]))); };
     pybind11::gil_scoped_acquire gil;
     const pybind11::object result = python_backward()(
-        grads[0], saved[0], pybind11::make_tuple(config[9], config[10], config[11], config[12], config[13]), meta[0],
+        grads[0], saved[0], pybind11::make_tuple(config[9], config[10], config[11], kKeepWeightScaleInv, config[12], config[13]), meta[0],
         meta[1], meta[2], te_dtype_name(static_cast<te_dtype>(config[0])),
         te_dtype_name(static_cast<te_dtype>(config[1])), config[2], ctx->saved_data["algo"].toStringRef(),
         static_cast<bool>(config[3]), static_cast<bool>(config[4]), static_cast<bool>(config[5]), carrier(6), carrier(7),

@@ -69,20 +69,20 @@ def backward(grad_output, keep, layout, history, scale, scale_inv, fwd_dtype: st
     """The compiled forward's backward (called from C++): Fp8LinearFunction's, with the
     plan rebuilt from its fields and the dtypes carried by empty tensors.
 
-    ``keep`` is the forward's one saved byte buffer: the input's and the weight's scale_inv
-    (fp32, bytes 0 and 4), the column-wise input [K, M] at byte ``x_at`` (when wgrad is
-    needed) and the column-wise weight [K, N] at byte ``w_at`` (when dgrad is);
-    ``layout`` = (M, N, K, x_at, w_at)."""
+    ``keep`` is the forward's one saved byte buffer: the input's scale_inv (fp32) at byte 0,
+    the weight's at byte ``s_at``, the column-wise input [K, M] at byte ``x_at`` (when wgrad
+    is needed) and the column-wise weight [K, N] at byte ``w_at`` (when dgrad is);
+    ``layout`` = (M, N, K, s_at, x_at, w_at)."""
     key = (fwd_dtype, bwd_dtype, margin, algo)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = Plan("delayed", fwd_dtype, bwd_dtype, "tensor", "tensor", "tensor",
                                   False, 0.0, algo, margin)
-    m, n, k, x_at, w_at = layout
-    sinv = keep[:8].view(torch.float32)
+    m, n, k, s_at, x_at, w_at = layout
+    in_sinv, w_sinv = keep[:4].view(torch.float32), keep[s_at:s_at + 4].view(torch.float32)
     in_col = keep[x_at:x_at + k * m].view(k, m) if need_wgrad else None
     w_col = keep[w_at:w_at + k * n].view(k, n) if need_dgrad else None
     dtypes = (in_carrier.dtype, w_carrier.dtype, None if b_carrier is None else b_carrier.dtype)
-    return linear_backward(grad_output, (in_col, sinv[0:1], w_col, sinv[1:2]), plan,
+    return linear_backward(grad_output, (in_col, in_sinv, w_col, w_sinv), plan,
                            (history, scale, scale_inv), None, None,
                            (need_dgrad, need_wgrad, has_bias), dtypes, input_shape)
