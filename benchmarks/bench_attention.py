@@ -94,8 +94,9 @@ def torch_cases(shape, device: str) -> dict:
 
 def _fp8_operands_forward(q, k, v):
     """The FP8 forward on operands already in E4M3, o written in E4M3: the attention itself,
-    as it runs when the surrounding GEMMs hand FP8 in and take FP8 out (fp8_mha). The module
-    case ("transformer_engine_fp8") adds the casts of bf16 q, k, v and the widening of o."""
+    as it runs when the surrounding GEMMs hand FP8 in and take FP8 out (fp8_mha), in inference
+    (no softmax statistics), as the module's forward without grad runs it. The module case
+    ("transformer_engine_fp8") adds the casts of bf16 q, k, v and the widening of o."""
     from transformer_engine.pytorch import ops
 
     quant = [ops.quantize_current(t.detach().reshape(-1, t.shape[-1]), "float8_e4m3", True,
@@ -112,7 +113,7 @@ def _fp8_operands_forward(q, k, v):
     def run(i):
         ops.attention_forward_fp8(qf, kf, vf, descales, s_scales, none_i32, none_i32, none_i64,
                                   "bshd", "causal", -1, 0, d ** -0.5, 0.0, s, s, backend,
-                                  o_scale, torch.uint8)
+                                  o_scale, torch.uint8, True)
 
     return run
 

@@ -24,9 +24,10 @@ Handle optional_handle(const char *op, const char *name, nb::handle obj, unsigne
 
 te_attention_config make_config(te_attn_layout layout, te_attn_mask_type mask_type, int64_t window_left,
                                 int64_t window_right, float softmax_scale, float dropout, int64_t max_seqlen_q,
-                                int64_t max_seqlen_kv, bool deterministic, te_attn_backend backend) {
-  return te_attention_config{layout,       mask_type,     window_left,   window_right, softmax_scale, dropout,
-                             max_seqlen_q, max_seqlen_kv, deterministic ? 1 : 0, backend};
+                                int64_t max_seqlen_kv, bool deterministic, te_attn_backend backend, bool inference) {
+  return te_attention_config{layout,       mask_type,     window_left,           window_right, softmax_scale,
+                             dropout,      max_seqlen_q,  max_seqlen_kv,         deterministic ? 1 : 0,
+                             backend,      inference ? 1 : 0};
 }
 
 // do_dtype: d_o's dtype, o_dtype when not given (it differs only for an FP8 backward).
@@ -84,7 +85,9 @@ void register_attention(nb::module_ &m) {
   nb::class_<te_attention_config>(m, "AttentionConfig", "te_attention_config: what an attention call computes.")
       .def(nb::new_(&make_config), "layout"_a, "mask_type"_a, nb::kw_only(), "window_left"_a = -1,
            "window_right"_a = -1, "softmax_scale"_a, "dropout"_a = 0.0f, "max_seqlen_q"_a = 0,
-           "max_seqlen_kv"_a = 0, "deterministic"_a = false, "backend"_a = TE_ATTN_BACKEND_AUTO)
+           "max_seqlen_kv"_a = 0, "deterministic"_a = false, "backend"_a = TE_ATTN_BACKEND_AUTO,
+           "inference"_a = false)
+      .def_ro("inference", &te_attention_config::inference)
       .def_ro("layout", &te_attention_config::layout)
       .def_ro("mask_type", &te_attention_config::mask_type)
       .def_ro("window_left", &te_attention_config::window_left)
@@ -134,7 +137,7 @@ void register_attention(nb::module_ &m) {
         const char *op = "attention_forward";
         Handle hq = make_handle(op, "q", q, 0), hk = make_handle(op, "k", k, 0), hv = make_handle(op, "v", v, 0);
         Handle ho = make_handle(op, "o", o, kAllSlots & ~(1u << TE_SLOT_SCALE));
-        Handle hl = make_handle(op, "softmax_lse", softmax_lse, kAllSlots);
+        Handle hl = optional_handle(op, "softmax_lse", softmax_lse, kAllSlots);  // None in inference
         Handle cq = optional_handle(op, "cu_seqlens_q", cu_seqlens_q, 0);
         Handle ck = optional_handle(op, "cu_seqlens_kv", cu_seqlens_kv, 0);
         Handle rng = optional_handle(op, "rng_state", rng_state, 0);
@@ -145,10 +148,11 @@ void register_attention(nb::module_ &m) {
         check_status(te_attention_forward(&config, hq.get(), hk.get(), hv.get(), ho.get(), hl.get(), cq.get(),
                                           ck.get(), rng.get(), sf.get(), ws, ws_size, as_stream(stream)));
       },
-      "config"_a, "q"_a, "k"_a, "v"_a, "o"_a, "softmax_lse"_a, nb::kw_only(), "cu_seqlens_q"_a = nb::none(),
+      "config"_a, "q"_a, "k"_a, "v"_a, "o"_a, "softmax_lse"_a.none(), nb::kw_only(), "cu_seqlens_q"_a = nb::none(),
       "cu_seqlens_kv"_a = nb::none(), "rng_state"_a = nb::none(), "softmax_fp8"_a = nb::none(),
       "workspace"_a = nb::none(), "stream"_a = 0,
-      "Attention forward into o and softmax_lse [batch, heads_q, max_seqlen_q] fp32 (attention.h).");
+      "Attention forward into o and softmax_lse [batch, heads_q, max_seqlen_q] fp32 (attention.h); "
+      "softmax_lse is None exactly when config.inference is set.");
 
   m.def(
       "attention_backward",

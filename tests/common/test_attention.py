@@ -513,3 +513,30 @@ def test_fp8_backend_query_takes_d_o_dtype():
     with pytest.raises(TypeError, match=r"d_o must be float8_e4m3 or float8_e5m2 \(o is FP8\)"):
         core.attention_backend(cfg, sizes, e4m3, e4m3, e5m2, do_dtype=core.DType.bfloat16,
                                backward=True)
+
+
+@pytest.mark.parametrize("mask", ["causal", "padding_causal"])
+def test_inference_forward_writes_o_only(mask):
+    """config.inference: the same o as a forward with softmax statistics, softmax_lse NULL;
+    a softmax_lse with inference, or none without it, is an error that writes nothing."""
+    q, k, v, d_o = make(2, 9, 9, 4, 2, 8, 8, "inference", mask)
+    lens = [9, 5] if mask.startswith("padding") else [9, 9]
+    cu = dict(cu_seqlens_q=ref.cu_seqlens(lens), cu_seqlens_kv=ref.cu_seqlens(lens)) \
+        if mask.startswith("padding") else {}
+
+    def cfg(inference):
+        return core.AttentionConfig(core.AttnLayout.bshd, getattr(core.AttnMask, mask),
+                                    softmax_scale=0.3, inference=inference)
+
+    o_train, lse = np.zeros_like(d_o), np.zeros((2, 4, 9), np.float32)
+    core.attention_forward(cfg(False), q, k, v, o_train, lse, **cu)
+    o = np.full_like(d_o, 7.0)
+    core.attention_forward(cfg(True), q, k, v, o, None, **cu)
+    np.testing.assert_array_equal(o, o_train)  # the same arithmetic, bit for bit
+    assert cfg(True).inference == 1
+    o = np.full_like(d_o, 7.0)
+    with pytest.raises(ValueError, match="softmax_lse must be NULL when config.inference is set"):
+        core.attention_forward(cfg(True), q, k, v, o, lse, **cu)
+    with pytest.raises(ValueError, match="softmax_lse"):
+        core.attention_forward(cfg(False), q, k, v, o, None, **cu)
+    assert np.all(o == 7.0)

@@ -314,6 +314,52 @@ def test_fp8_forward_op_reports_amax_of_o(device):
     torch.testing.assert_close(amax_o[0], o.abs().max(), rtol=2**-4, atol=0)
 
 
+def test_fp8_forward_op_in_inference(device):
+    """inference=True: the same o (on the CPU, where both run the same arithmetic, bit for bit;
+    cuDNN may pick another kernel: within FP8's rounding of o) and an empty softmax_lse."""
+    from transformer_engine.pytorch import ops
+
+    q, k, v = (t.detach() for t in _data(2, 64, 64, 2, 2, 64, torch.bfloat16, device))
+    quant = [ops.quantize_current(t.reshape(-1, 64), "float8_e4m3", True, False, False, 0.0)
+             for t in (q, k, v)]
+    qf, kf, vf = (d.view(t.shape) for (d, *_), t in zip(quant, (q, k, v), strict=True))
+    descales = torch.cat([sinv for _, _, _, sinv, _ in quant])
+    s_scales = torch.tensor([448.0, 1 / 448.0], device=device)
+    cu = torch.empty(0, dtype=torch.int32, device=device)
+    rng = torch.empty(0, dtype=torch.int64, device=device)
+    backend = "cudnn" if device.type == "cuda" else "auto"
+
+    def forward(inference):
+        return ops.attention_forward_fp8(
+            qf, kf, vf, descales, s_scales, cu, cu, rng, "bshd", "causal", -1, 0, 0.125, 0.0,
+            64, 64, backend, quant[2][2] * 0.5, torch.uint8, inference)
+
+    o_train, lse, amax_s, _ = forward(False)
+    o, lse_inf, amax_s_inf, _ = forward(True)
+    assert lse.shape == (2, 2, 64) and lse_inf.numel() == 0
+    if device.type == "cpu":
+        assert torch.equal(o, o_train) and torch.equal(amax_s, amax_s_inf)
+    else:
+        scale_inv = 2.0 / quant[2][2]
+        widen = [ops.dequantize(t, scale_inv, "float8_e4m3", "tensor", torch.float32)
+                 for t in (o, o_train)]
+        torch.testing.assert_close(widen[0], widen[1], rtol=2**-3, atol=1e-3)
+
+
+def test_fp8_module_forward_without_grad_matches():
+    """DotProductAttention under fp8_dpa without grad (the core's inference forward) gives the
+    o of its forward with grad (current scaling: no state changes between the two)."""
+    q, k, v = _data(1, 32, 32, 2, 2, 16, torch.bfloat16, "cpu")
+    attn = te.DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="causal")
+    fp8 = recipe.Float8CurrentScaling(fp8_dpa=True)
+    with te.fp8_autocast(fp8_recipe=fp8):
+        with_grad = attn(q, k, v)
+        with torch.no_grad():
+            without = attn(q, k, v)
+    assert with_grad.requires_grad and not without.requires_grad
+    assert torch.equal(with_grad.detach(), without)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiles_without_graph_breaks(backend):
     # aot_eager traces forward and backward through the fake implementations (inductor's C++

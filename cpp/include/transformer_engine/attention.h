@@ -77,6 +77,8 @@ typedef struct {
   int64_t max_seqlen_kv; /* THD: upper bound of the key lengths; else ignored */
   int32_t deterministic; /* backward: nonzero asks for a deterministic dk/dv reduction */
   te_attn_backend backend; /* TE_ATTN_BACKEND_AUTO or the one to run (an error if it cannot) */
+  int32_t inference; /* forward: nonzero computes o only: softmax_lse must be NULL (a forward
+                      * that no backward follows; cuDNN's FP8 forward is faster without it) */
 } te_attention_config;
 
 /* The sizes and dtypes that decide which backend can run a call, without any buffer (the
@@ -118,7 +120,8 @@ te_status te_attention_workspace_size(const te_attention_config *config,
  *   their heads and rows; heads_q must be a multiple of heads_kv.
  * [out] o: DATA, q's layout with v's head dim, qkv dtype (FP8: E4M3 with SCALE [1] and
  *   optionally AMAX [1] written as max |o| before scaling, or fp16/bf16).
- * [out] softmax_lse: DATA [batch, heads_q, max_seqlen_q] fp32.
+ * [out] softmax_lse: DATA [batch, heads_q, max_seqlen_q] fp32; NULL exactly when
+ *   config->inference is set.
  * [in] cu_seqlens_q, cu_seqlens_kv: DATA [batch + 1] int32, non-decreasing from 0, for the
  *   padding masks and THD; NULL otherwise. (Checked on the CPU; CUDA callers vouch for them.)
  * [in] rng_state: DATA [2] int64 (seed, offset) when config->dropout > 0, else may be NULL.

@@ -248,7 +248,12 @@ bool check_forward(Checker &check, const te_attention_config *config, const te_t
   if (!shape_is(check, *ob, "o.data", shape, m.q->ndim, "q's shape with v's head dim")) return false;
   m.problem.o_dtype = ob->dtype;
   const te_buffer *lb = nullptr;
-  if (!check_attention_problem(check, *config, m.problem, false) || !check_lse(check, lse, m.problem, &lb)) {
+  if (!check_attention_problem(check, *config, m.problem, false)) return false;
+  if (config->inference != 0) {
+    if (lse != nullptr) {
+      return check.fail(TE_ERROR_VALUE, "softmax_lse must be NULL when config.inference is set, got a tensor");
+    }
+  } else if (!check_lse(check, lse, m.problem, &lb)) {
     return false;
   }
   *a = forward_args(*config, m.problem);
@@ -256,7 +261,7 @@ bool check_forward(Checker &check, const te_attention_config *config, const te_t
   a->k = m.k->data;
   a->v = m.v->data;
   a->o = ob->data;
-  a->softmax_lse = static_cast<float *>(lb->data);
+  a->softmax_lse = lb != nullptr ? static_cast<float *>(lb->data) : nullptr;
   a->cu_seqlens_q = m.cu_q;
   a->cu_seqlens_kv = m.cu_kv;
   a->rng_state = m.rng;

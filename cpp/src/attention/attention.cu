@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttentionFo
     const int64_t d = threadIdx.x + c * kThreads;
     if (d < dv) attn_store(a.o, oi + d, a.o_dtype, acc[c], f.scale_o, f.amax_o);
   }
-  if (threadIdx.x == 0) a.softmax_lse[(r.b * s.heads_q + r.h) * s.seqlen_q + r.i] = lse;
+  if (threadIdx.x == 0 && a.softmax_lse != nullptr) a.softmax_lse[(r.b * s.heads_q + r.h) * s.seqlen_q + r.i] = lse;
 }
 
 __global__ void __launch_bounds__(kThreads) attention_backward_kernel(AttentionBackwardArgs a, float *dk_acc,
@@ -226,7 +226,7 @@ te_status attention_forward_cuda(const AttentionForwardArgs &a, te_stream stream
   // Zero bits are 0 in every dtype (FP8 included): rows that are no query stay 0.
   if (te_status e = cuda_status(op, cudaMemsetAsync(a.o, 0, static_cast<size_t>(o_bytes), st))) return e;
   const int64_t lse_n = s.batch * s.heads_q * s.seqlen_q;
-  fill_kernel<<<grid_for(lse_n), 256, 0, st>>>(a.softmax_lse, lse_n, -INFINITY);
+  if (a.softmax_lse != nullptr) fill_kernel<<<grid_for(lse_n), 256, 0, st>>>(a.softmax_lse, lse_n, -INFINITY);
   for (float *amax : {a.fp8.amax_s, a.fp8.amax_o}) {
     if (amax != nullptr) {
       if (te_status e = cuda_status(op, cudaMemsetAsync(amax, 0, sizeof(float), st))) return e;

@@ -194,6 +194,7 @@ AttentionForwardArgs forward_args(const te_attention_config &c, const te_attenti
   a.dropout = c.dropout;
   a.qkv_dtype = p.qkv_dtype;
   a.o_dtype = p.o_dtype;
+  a.inference = c.inference != 0;
   a.device = p.device == TE_DEVICE_CUDA ? p.device_id : -1;
   return a;
 }

@@ -74,10 +74,11 @@ struct AttentionForwardArgs {
   te_dtype o_dtype;    // qkv_dtype, or bf16/fp16 for an FP8 forward with high-precision output
   const void *q, *k, *v;
   void *o;  // q's layout with head_dim_v
-  float *softmax_lse;
+  float *softmax_lse;  // null for an inference forward (te_attention_config.inference)
   const int32_t *cu_seqlens_q, *cu_seqlens_kv;  // [batch + 1], on the call's device, or null
   const int64_t *rng_state;                     // [2] seed, offset, on the call's device, or null
   AttentionFp8 fp8;
+  bool inference;
   void *workspace;
   size_t workspace_size;
   int device;  // CUDA ordinal, -1 for the CPU

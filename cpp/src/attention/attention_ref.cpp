@@ -83,7 +83,9 @@ void attention_forward_ref(const AttentionForwardArgs &a) {
   const int64_t o_elems = s.total_q * s.heads_q * dv;
   for (int64_t e = 0; e < o_elems; ++e) write(a.o, e, a.o_dtype, 0.0f, scale_o);
   const int64_t lse_elems = s.batch * s.heads_q * s.seqlen_q;
-  std::fill(a.softmax_lse, a.softmax_lse + lse_elems, -std::numeric_limits<float>::infinity());
+  if (a.softmax_lse != nullptr) {  // (none in inference)
+    std::fill(a.softmax_lse, a.softmax_lse + lse_elems, -std::numeric_limits<float>::infinity());
+  }
   if (f.amax_s != nullptr) *f.amax_s = 0.0f;
   if (f.amax_o != nullptr) *f.amax_o = 0.0f;
   const RowIndex idx{s, a.layout};
@@ -105,7 +107,7 @@ void attention_forward_ref(const AttentionForwardArgs &a) {
         float sum = 0.0f;
         for (int64_t j = lo; j <= hi; ++j) sum += std::exp(p[j] - m);
         const float lse = m + std::log(sum);
-        a.softmax_lse[(b * s.heads_q + h) * s.seqlen_q + i] = lse;
+        if (a.softmax_lse != nullptr) a.softmax_lse[(b * s.heads_q + h) * s.seqlen_q + i] = lse;
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t j = lo; j <= hi; ++j) {
           float pj = std::exp(p[j] - lse);

@@ -184,8 +184,12 @@ class _FusedAttentionFP8(torch.autograd.Function):
         o_scale_inv = quantized[2][2] * 2.0
         o_scale = torch.reciprocal(o_scale_inv)
         qf, kf, vf = (data for data, _, _, _ in quantized)
+        grad = any(ctx.needs_input_grad[:3])
+        # Without a backward, no softmax statistics: cuDNN's FP8 forward runs 1-3.5% faster
+        # without them (benchmarks/results/gpu_checks.md). (Its bf16 forward does not, so
+        # _FusedAttention always asks for them.)
         o8, lse, _, _ = ops.attention_forward_fp8(qf, kf, vf, descales, s_scales, cu_q, cu_kv, rng,
-                                               *params, o_scale, torch.uint8)
+                                               *params, o_scale, torch.uint8, not grad)
         if out_fp8:
             flat = o8.view(*o8.shape[:-2], o8.shape[-2] * o8.shape[-1])
             o = Float8Tensor(flat, o_scale_inv, "float8_e4m3", q.dtype)
@@ -196,7 +200,6 @@ class _FusedAttentionFP8(torch.autograd.Function):
         ctx.save_for_backward(qf, kf, vf, o8, lse, torch.cat([descales, o_scale_inv]), s_scales,
                               cu_q, cu_kv, rng)
         ctx.fp8_grads = _grads_in_fp8(params[-1], q.device)
-        grad = any(ctx.needs_input_grad[:3])
         # Only a backward reads them (one more pass over v; the bounds of q and k).
         ctx.v_norm = None
         if grad:

@@ -194,7 +194,7 @@ std::shared_ptr<fg::Graph> forward_graph(const Problem &p, int sm) {
   auto g = new_graph(p, sm);
   const Operands x = add_operands(*g, p);
   fg::SDPA_attributes a;
-  a.set_name("attention_forward").set_generate_stats(true);
+  a.set_name("attention_forward").set_generate_stats(!p.inference);
   set_options(p, x, a);
   TensorPtr o, stats;
   if (p.fp8()) {
@@ -212,7 +212,7 @@ std::shared_ptr<fg::Graph> forward_graph(const Problem &p, int sm) {
   }
   output(o, kO, bhsd(p, s.heads_q, s.seqlen_q, s.head_dim_v), fe_type(p.o));
   if (p.thd()) o->set_ragged_offset(x.offsets[kFamilyO]);
-  output(stats, kStats, lse_dims(p), fe::DataType_t::FLOAT);
+  if (!p.inference) output(stats, kStats, lse_dims(p), fe::DataType_t::FLOAT);
   return g;
 }
 
@@ -497,11 +497,13 @@ TE_CUDNN_ENTRY te_status cudnn_attention_forward(const AttentionForwardArgs &a, 
       if (te_status st = zero(kForwardOp, a.o, s.total_q * s.heads_q * s.head_dim_v, p.o, stream)) return st;
     }
     if (p.no_keys()) {
+      if (p.inference) return TE_SUCCESS;
       const float neg_inf = -std::numeric_limits<float>::infinity();
       return cudnn_fill_fp32(kForwardOp, a.softmax_lse, lse_elements(s), neg_inf, stream);
     }
     char *ws = static_cast<char *>(a.workspace);
-    VariantPack pack{{kQ, mut(a.q)}, {kK, mut(a.k)}, {kV, mut(a.v)}, {kO, a.o}, {kStats, a.softmax_lse}};
+    VariantPack pack{{kQ, mut(a.q)}, {kK, mut(a.k)}, {kV, mut(a.v)}, {kO, a.o}};
+    if (!p.inference) pack.insert({kStats, a.softmax_lse});
     if (p.fp8()) {
       const AttentionFp8 &f = a.fp8;
       pack.insert({{kDescaleQ, mut(f.descale_q)}, {kDescaleK, mut(f.descale_k)}, {kDescaleV, mut(f.descale_v)},

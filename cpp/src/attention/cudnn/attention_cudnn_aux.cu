@@ -46,7 +46,7 @@ __global__ void cudnn_empty_rows_kernel(CudnnEmptyRows r) {
   const int64_t lo = r.window_left >= 0 ? max(int64_t{0}, i + off - r.window_left) : 0;
   const int64_t hi = r.window_right >= 0 ? min(lk - 1, i + off + r.window_right) : lk - 1;
   if (!padded && lo <= hi) return;
-  r.softmax_lse[row] = -INFINITY;
+  if (r.softmax_lse != nullptr) r.softmax_lse[row] = -INFINITY;  // (none in inference)
   if (padded && r.layout == AttnLayout::THD) return;  // that token belongs to the next sequence
   int64_t token;  // the o row's index in units of heads * head_dim_v
   switch (r.layout) {

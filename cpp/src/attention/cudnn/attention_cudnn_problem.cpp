@@ -39,6 +39,7 @@ Problem problem_of(const AttentionForwardArgs &a) {
   p.o = a.o_dtype;
   p.d_o = a.o_dtype;  // no d_o in a forward
   p.grad = a.o_dtype;
+  p.inference = a.inference;
   p.device = a.device;
   return p;
 }
@@ -70,7 +71,7 @@ Key key_of(const Problem &p, int sm) {
   return {p.backward, static_cast<int64_t>(p.layout), s.batch, s.heads_q, s.heads_kv, s.seqlen_q, s.seqlen_kv,
           s.head_dim_qk, s.head_dim_v, p.wide_offsets(), p.padding(), p.mask.bottom_right, p.mask.window_left,
           p.mask.window_right, bits(p.softmax_scale), bits(p.dropout), p.qkv, p.o, p.d_o, p.grad, p.deterministic,
-          p.device, sm};
+          p.inference, p.device, sm};
 }
 
 AuxLayout aux_layout(const Problem &p) {

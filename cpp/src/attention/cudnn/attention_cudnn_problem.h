@@ -34,6 +34,7 @@ struct Problem {
   // d_o has its own dtype: the HYBRID recipe's E5M2 d_o goes with an E4M3 o.
   te_dtype qkv = TE_DTYPE_BFLOAT16, o = TE_DTYPE_BFLOAT16, d_o = TE_DTYPE_BFLOAT16, grad = TE_DTYPE_BFLOAT16;
   bool deterministic = false;
+  bool inference = false;  // forward: no softmax stats (te_attention_config.inference)
   int device = -1;
 
   bool fp8() const { return is_fp8(qkv); }

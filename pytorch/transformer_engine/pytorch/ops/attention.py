@@ -29,7 +29,7 @@ SOFTMAX_MASKS = ("none", "causal", "causal_bottom_right", "arbitrary")
 
 def config(layout: str, mask: str, window_left: int, window_right: int, softmax_scale: float,
            dropout: float, max_seqlen_q: int, max_seqlen_kv: int, deterministic: bool = False,
-           backend: str = "auto"):
+           backend: str = "auto", inference: bool = False):
     """The core's AttentionConfig (about a microsecond to build; not cached, since cached
     binding objects would outlive the module at interpreter exit)."""
     if layout not in LAYOUTS:
@@ -44,7 +44,8 @@ def config(layout: str, mask: str, window_left: int, window_right: int, softmax_
                              window_left=window_left, window_right=window_right,
                              softmax_scale=softmax_scale, dropout=dropout,
                              max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-                             deterministic=deterministic, backend=getattr(c.AttnBackend, backend))
+                             deterministic=deterministic, backend=getattr(c.AttnBackend, backend),
+                             inference=inference)
 
 
 def _opt(t: torch.Tensor):
@@ -73,21 +74,21 @@ def _o_like(q: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_kv: torch.Tensor, rng_state: torch.Tensor, layout: str, mask: str,
                       window_left: int, window_right: int, softmax_scale: float, dropout: float,
-                      max_seqlen_q: int, max_seqlen_kv: int, backend: str
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      max_seqlen_q: int, max_seqlen_kv: int, backend: str,
+                      inference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (o in q's layout with v's head dim, softmax_lse [batch, heads_q, max_seqlen_q]
-    fp32). cu_seqlens_* (int32 [batch + 1]) and rng_state (int64 [2]) may be empty."""
+    fp32, empty with ``inference``: a forward that no backward follows). cu_seqlens_* (int32
+    [batch + 1]) and rng_state (int64 [2]) may be empty."""
     cfg = config(layout, mask, window_left, window_right, softmax_scale, dropout, max_seqlen_q,
-                 max_seqlen_kv, False, backend)
-    heads = q.shape[-2]
+                 max_seqlen_kv, False, backend, inference)
     o = _o_like(q, v, q.dtype)
-    lse = q.new_empty(lse_shape(q, layout, heads, cu_seqlens_q, max_seqlen_q), dtype=torch.float32)
+    lse = _lse_like(q, layout, cu_seqlens_q, max_seqlen_q, inference)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
     rng_state = rng_state.contiguous()
     ws = _workspace_for(cfg, q, k, v, _TE_NAMES[q.dtype], _TE_NAMES[q.dtype], cu_seqlens_q,
                         max_seqlen_q, max_seqlen_kv, False)
-    core().attention_forward(cfg, raw(q), raw(k), raw(v), raw(o), raw(lse),
+    core().attention_forward(cfg, raw(q), raw(k), raw(v), raw(o), None if inference else raw(lse),
                              cu_seqlens_q=_opt(cu_seqlens_q), cu_seqlens_kv=_opt(cu_seqlens_kv),
                              rng_state=_opt(rng_state), workspace=ws, stream=stream_of(q))
     return o, lse
@@ -95,10 +96,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 
 @attention_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, rng_state, layout, mask, window_left, window_right,
-      softmax_scale, dropout, max_seqlen_q, max_seqlen_kv, backend):
-    lse = q.new_empty(lse_shape(q, layout, q.shape[-2], cu_seqlens_q, max_seqlen_q),
-                      dtype=torch.float32)
-    return _o_like(q, v, q.dtype), lse
+      softmax_scale, dropout, max_seqlen_q, max_seqlen_kv, backend, inference=False):
+    return _o_like(q, v, q.dtype), _lse_like(q, layout, cu_seqlens_q, max_seqlen_q, inference)
+
+
+def _lse_like(q, layout: str, cu_seqlens_q, max_seqlen_q: int, inference: bool):
+    """The softmax_lse output of a forward: empty for an inference one (the core writes none)."""
+    if inference:
+        return q.new_empty((0,), dtype=torch.float32)
+    return q.new_empty(lse_shape(q, layout, q.shape[-2], cu_seqlens_q, max_seqlen_q),
+                       dtype=torch.float32)
 
 
 @custom_op(f"{_NS}::attention_backward", mutates_args=())
@@ -149,23 +156,23 @@ def attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           rng_state: torch.Tensor, layout: str, mask: str, window_left: int,
                           window_right: int, softmax_scale: float, dropout: float,
                           max_seqlen_q: int, max_seqlen_kv: int, backend: str,
-                          o_scale: torch.Tensor, o_dtype: torch.dtype
+                          o_scale: torch.Tensor, o_dtype: torch.dtype, inference: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 attention: q, k, v E4M3 bytes (uint8) with descales [3] fp32 (of q, k, v); s_scales
     [2] fp32 = (scale, scale_inv) of the probabilities. o_dtype torch.uint8 writes o as E4M3
     bytes of ``o * o_scale`` (o_scale [1] fp32; the only FP8 output sm_90 takes), a float dtype
     writes it in that dtype (o_scale empty). Returns (o, softmax_lse, amax of the probabilities
-    [1] fp32, amax of o [1] fp32 when o is FP8 (cuDNN requires it), else empty)."""
+    [1] fp32, amax of o [1] fp32 when o is FP8 (cuDNN requires it), else empty); softmax_lse is
+    empty with ``inference`` (cuDNN's FP8 forward is faster without it: gpu_checks.md)."""
     fp8_out = o_dtype == torch.uint8
     if fp8_out != (o_scale.numel() == 1):
         raise ValueError("attention_forward_fp8: o_scale must be a [1] tensor exactly when o is "
                          f"FP8 (o_dtype torch.uint8), got {o_scale.numel()} elements for "
                          f"o_dtype {o_dtype}")
     cfg = config(layout, mask, window_left, window_right, softmax_scale, dropout, max_seqlen_q,
-                 max_seqlen_kv, False, backend)
+                 max_seqlen_kv, False, backend, inference)
     o = _o_like(q, v, o_dtype)
-    lse = q.new_empty(lse_shape(q, layout, q.shape[-2], cu_seqlens_q, max_seqlen_q),
-                      dtype=torch.float32)
+    lse = _lse_like(q, layout, cu_seqlens_q, max_seqlen_q, inference)
     amax_s = q.new_zeros((1,), dtype=torch.float32)
     q, k, v, descales = q.contiguous(), k.contiguous(), v.contiguous(), descales.contiguous()
     cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
@@ -180,7 +187,8 @@ def attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    amax=raw(amax_o)) if fp8_out else raw(o)
     ws = _workspace_for(cfg, q, k, v, _o_name(o_dtype), _o_name(o_dtype), cu_seqlens_q,
                         max_seqlen_q, max_seqlen_kv, False)
-    c.attention_forward(cfg, _fp8(q, d[0]), _fp8(k, d[1]), _fp8(v, d[2]), out, raw(lse),
+    c.attention_forward(cfg, _fp8(q, d[0]), _fp8(k, d[1]), _fp8(v, d[2]), out,
+                        None if inference else raw(lse),
                         cu_seqlens_q=_opt(cu_seqlens_q), cu_seqlens_kv=_opt(cu_seqlens_kv),
                         rng_state=_opt(rng_state), softmax_fp8=softmax, workspace=ws,
                         stream=stream_of(q))
@@ -190,9 +198,8 @@ def attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @attention_forward_fp8.register_fake
 def _(q, k, v, descales, s_scales, cu_seqlens_q, cu_seqlens_kv, rng_state, layout, mask,
       window_left, window_right, softmax_scale, dropout, max_seqlen_q, max_seqlen_kv, backend,
-      o_scale, o_dtype):
-    lse = q.new_empty(lse_shape(q, layout, q.shape[-2], cu_seqlens_q, max_seqlen_q),
-                      dtype=torch.float32)
+      o_scale, o_dtype, inference=False):
+    lse = _lse_like(q, layout, cu_seqlens_q, max_seqlen_q, inference)
     return (_o_like(q, v, o_dtype), lse, q.new_empty((1,), dtype=torch.float32),
             _amax_o(q, o_dtype == torch.uint8))
 
