@@ -290,12 +290,12 @@ def test_fp8_forward_close_to_bf16_cpu(mask):
     assert rmse < ATTENTION_FP8_RMSE_OF_RANGE * (ref.max() - ref.min())
 
 
-def test_fp8_forward_op_reports_amax_of_o(device):
-    # An E4M3 o comes with the amax of o before scaling (cuDNN's FP8 forward requires the
-    # slot; delayed scaling of o would read it).
+def _fp8_forward_op(device, batch: int):
+    """ops.attention_forward_fp8 on E4M3 q, k, v [batch, 64, 2, 64] (causal, E4M3 o written
+    with half of v's scale), as a function of ``inference``; and o's scale."""
     from transformer_engine.pytorch import ops
 
-    q, k, v = (t.detach() for t in _data(1, 64, 64, 2, 2, 64, torch.bfloat16, device))
+    q, k, v = (t.detach() for t in _data(batch, 64, 64, 2, 2, 64, torch.bfloat16, device))
     quant = [ops.quantize_current(t.reshape(-1, 64), "float8_e4m3", True, False, False, 0.0)
              for t in (q, k, v)]
     qf, kf, vf = (d.view(t.shape) for (d, *_), t in zip(quant, (q, k, v), strict=True))
@@ -305,9 +305,22 @@ def test_fp8_forward_op_reports_amax_of_o(device):
     rng = torch.empty(0, dtype=torch.int64, device=device)
     o_scale = quant[2][2] * 0.5
     backend = "cudnn" if device.type == "cuda" else "auto"
-    o8, _, _, amax_o = ops.attention_forward_fp8(
-        qf, kf, vf, descales, s_scales, cu, cu, rng, "bshd", "causal", -1, 0, 0.125, 0.0,
-        64, 64, backend, o_scale, torch.uint8)
+
+    def forward(inference=False):
+        return ops.attention_forward_fp8(
+            qf, kf, vf, descales, s_scales, cu, cu, rng, "bshd", "causal", -1, 0, 0.125, 0.0,
+            64, 64, backend, o_scale, torch.uint8, inference)
+
+    return forward, o_scale
+
+
+def test_fp8_forward_op_reports_amax_of_o(device):
+    # An E4M3 o comes with the amax of o before scaling (cuDNN's FP8 forward requires the
+    # slot; delayed scaling of o would read it).
+    from transformer_engine.pytorch import ops
+
+    forward, o_scale = _fp8_forward_op(device, 1)
+    o8, _, _, amax_o = forward()
     o = ops.dequantize(o8, 1 / o_scale, "float8_e4m3", "tensor", torch.float32)
     assert amax_o.shape == (1,)
     # E4M3 keeps 3 mantissa bits: the largest |o| read back is within 2^-4 of the true amax.
@@ -319,29 +332,14 @@ def test_fp8_forward_op_in_inference(device):
     cuDNN may pick another kernel: within FP8's rounding of o) and an empty softmax_lse."""
     from transformer_engine.pytorch import ops
 
-    q, k, v = (t.detach() for t in _data(2, 64, 64, 2, 2, 64, torch.bfloat16, device))
-    quant = [ops.quantize_current(t.reshape(-1, 64), "float8_e4m3", True, False, False, 0.0)
-             for t in (q, k, v)]
-    qf, kf, vf = (d.view(t.shape) for (d, *_), t in zip(quant, (q, k, v), strict=True))
-    descales = torch.cat([sinv for _, _, _, sinv, _ in quant])
-    s_scales = torch.tensor([448.0, 1 / 448.0], device=device)
-    cu = torch.empty(0, dtype=torch.int32, device=device)
-    rng = torch.empty(0, dtype=torch.int64, device=device)
-    backend = "cudnn" if device.type == "cuda" else "auto"
-
-    def forward(inference):
-        return ops.attention_forward_fp8(
-            qf, kf, vf, descales, s_scales, cu, cu, rng, "bshd", "causal", -1, 0, 0.125, 0.0,
-            64, 64, backend, quant[2][2] * 0.5, torch.uint8, inference)
-
+    forward, o_scale = _fp8_forward_op(device, 2)
     o_train, lse, amax_s, _ = forward(False)
     o, lse_inf, amax_s_inf, _ = forward(True)
     assert lse.shape == (2, 2, 64) and lse_inf.numel() == 0
     if device.type == "cpu":
         assert torch.equal(o, o_train) and torch.equal(amax_s, amax_s_inf)
     else:
-        scale_inv = 2.0 / quant[2][2]
-        widen = [ops.dequantize(t, scale_inv, "float8_e4m3", "tensor", torch.float32)
+        widen = [ops.dequantize(t, 1 / o_scale, "float8_e4m3", "tensor", torch.float32)
                  for t in (o, o_train)]
         torch.testing.assert_close(widen[0], widen[1], rtol=2**-3, atol=1e-3)
 
