@@ -1,5 +1,5 @@
-// transformer_engine.pytorch._linear_fast: te.Linear's FP8 forward under delayed scaling as one
-// compiled autograd function, for eager mode.
+// transformer_engine.pytorch._linear_fast: te.Linear's FP8 forward under per-tensor scaling
+// (delayed and current) as one compiled autograd function, for eager mode.
 //
 // Why it exists: a small layer's forward is bound by host time, and in Python that time is
 // spent around the kernels, not in them (benchmarks/results/host_probes.md): the autograd
@@ -7,7 +7,7 @@
 // input and weight casts and the GEMM go straight to the core's C API with outputs from
 // torch's allocator, and the autograd node is made in C++.
 //
-// It computes exactly what linear_fn.Fp8LinearFunction computes under delayed scaling (the
+// It computes exactly what linear_fn.Fp8LinearFunction computes under those recipes (the
 // same core calls with the same arguments, so the same bits), for the cases te.Linear sends it
 // (fast_linear.usable): plain input and weight, bias in the input's dtype or none, recorded
 // amaxes. The backward is not host-bound at the sizes where the
@@ -90,17 +90,31 @@ te_stream stream_of(const at::Tensor &t) {
   return static_cast<te_stream>(impl->getStream(t.device()).native_handle());
 }
 
-// Delayed scaling's cast of the matrix x with scales[index] into `data` (and `col`, the
-// column-wise copy, unless null), its scale_inv into `scale_inv`, raising history[0, index]
-// (what ops.quantize_delayed asks of the core), as the handles of one te_quantize_many entry.
+// The cast of the matrix x with `scale` into `data` (and `col`, the column-wise copy, unless
+// null), its scale_inv into `scale_inv`, raising `amax` unless null, as the handles of one
+// te_quantize_many entry.
 void describe_cast(Handle &in, Handle &out, const at::Tensor &x, const te_buffer &data, const te_buffer *col,
-                   const te_buffer &scale_inv, const at::Tensor &scales, const at::Tensor &history, int64_t index) {
+                   const te_buffer &scale, const te_buffer &scale_inv, const te_buffer *amax) {
   in.set(TE_SLOT_DATA, buffer_of(x, core_dtype(x.scalar_type())));
-  out.set(TE_SLOT_DATA, data)
-      .set(TE_SLOT_SCALE, element_of(scales, index))
-      .set(TE_SLOT_SCALE_INV, scale_inv)
-      .set(TE_SLOT_AMAX, element_of(history, index));
+  out.set(TE_SLOT_DATA, data).set(TE_SLOT_SCALE, scale).set(TE_SLOT_SCALE_INV, scale_inv);
+  if (amax != nullptr) out.set(TE_SLOT_AMAX, *amax);
   if (col != nullptr) out.set(TE_SLOT_COLUMNWISE_DATA, *col);
+}
+
+// Current scaling's scale of x's cast: `amax` = max|x|, then `scale` and `scale_inv` from it
+// (the first two core calls of ops.quantize_current; the cast is the third).
+void current_scale(const at::Tensor &x, const te_buffer &data, const te_buffer *col, const te_buffer &scale,
+                   const te_buffer &scale_inv, const te_buffer &amax, bool pow2, double epsilon, te_stream stream) {
+  Handle in, reduced, scaled;
+  in.set(TE_SLOT_DATA, buffer_of(x, core_dtype(x.scalar_type())));
+  reduced.set(TE_SLOT_AMAX, amax);
+  check(te_compute_amax(in.get(), reduced.get(), stream));
+  scaled.set(TE_SLOT_DATA, data).set(TE_SLOT_SCALE, scale).set(TE_SLOT_SCALE_INV, scale_inv).set(TE_SLOT_AMAX, amax);
+  if (col != nullptr) scaled.set(TE_SLOT_COLUMNWISE_DATA, *col);
+  te_quantize_config config{};
+  config.force_pow2_scales = pow2 ? 1 : 0;
+  config.amax_epsilon = static_cast<float>(epsilon);
+  check(te_compute_scale_from_amax(scaled.get(), &config, stream));
 }
 
 // Byte counts rounded up to 256, so that each piece of a shared buffer starts as aligned as
@@ -126,21 +140,29 @@ pybind11::object python_backward() {
 
 at::Tensor tensor_or_undefined(const pybind11::handle &h) { return h.is_none() ? at::Tensor() : h.cast<at::Tensor>(); }
 
-// The forward's `keep` buffer: the input's scale_inv at byte 0, the weight's at byte 256 (the
-// GEMM takes them as cuBLASLt scale pointers, which must be aligned: 4 bytes apart fails with
-// NOT_SUPPORTED), the column-wise copies from byte 512, each piece at an allocation's alignment.
+// The forward's `keep` buffer: the input's scale_inv at byte 0 (current scaling: its scale at
+// 64, its amax at 128), the weight's at byte 256 (320, 384), the column-wise copies from byte
+// 512, each piece at an allocation's alignment. (The GEMM takes the scale_invs as cuBLASLt
+// scale pointers, which must be aligned: 4 bytes apart fails with NOT_SUPPORTED.)
 constexpr int64_t kKeepWeightScaleInv = 256;
+constexpr int64_t kKeepScale = 64, kKeepAmax = 128;  // after each scale_inv
 constexpr int64_t kKeepHeader = 512;
 
-struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
+// te.Linear's recipes that take this path (fast_linear.py passes the code).
+enum Scaling : int64_t { kDelayed = 0, kCurrent = 1 };
+
+struct LinearFp8 : public torch::autograd::Function<LinearFp8> {
+  // scaling: a Scaling. Delayed scaling casts with scales[0] (input) and scales[1] (weight)
+  // and raises history[0, 0] and history[0, 1]; current scaling computes each scale from its
+  // tensor's amax (pow2, epsilon as the recipe says) and ignores scales and history.
   // fwd_dtype / bwd_dtype: te_dtype values of the FP8 formats; bwd_meta: the backward's
-  // (history, scale, scale_inv), which the backward updates in place (kept as data, not as
-  // saved tensors, like Fp8LinearFunction's ctx.bwd_meta).
+  // (history, scale, scale_inv), which a delayed backward updates in place (kept as data, not
+  // as saved tensors, like Fp8LinearFunction's ctx.bwd_meta).
   static at::Tensor forward(AutogradContext *ctx, const at::Tensor &input, const at::Tensor &weight,
-                            const c10::optional<at::Tensor> &bias, const at::Tensor &scales,
-                            const at::Tensor &history, const at::Tensor &workspace, std::vector<at::Tensor> bwd_meta,
-                            int64_t fwd_dtype, int64_t bwd_dtype, int64_t margin, std::string algo, bool need_dgrad,
-                            bool need_wgrad) {
+                            const c10::optional<at::Tensor> &bias, int64_t scaling, const at::Tensor &scales,
+                            const at::Tensor &history, bool pow2, double epsilon, const at::Tensor &workspace,
+                            std::vector<at::Tensor> bwd_meta, int64_t fwd_dtype, int64_t bwd_dtype, int64_t margin,
+                            std::string algo, bool need_dgrad, bool need_wgrad) {
     const auto fp8 = static_cast<te_dtype>(fwd_dtype);
     const int64_t k = input.size(-1), n = weight.size(0);
     const at::Tensor x = input.dim() == 2 ? input.contiguous() : input.reshape({-1, k}).contiguous();
@@ -162,14 +184,26 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
     // Both casts in one core call: on the GPU one kernel launch where both have a transposed
     // copy and the same input dtype (a training step's forward), each launch being host time.
     const at::Tensor w = weight.contiguous();
+    const te_buffer *x_col_out = need_wgrad ? &x_col : nullptr, *w_col_out = need_dgrad ? &w_col : nullptr;
     Handle x_in, x_out, w_in, w_out;
-    describe_cast(x_in, x_out, x, x_data, need_wgrad ? &x_col : nullptr, x_sinv, scales, history, 0);
-    describe_cast(w_in, w_out, w, w_data, need_dgrad ? &w_col : nullptr, w_sinv, scales, history, 1);
+    te_quantize_config cast_config{};
+    if (scaling == kDelayed) {
+      const te_buffer x_amax = element_of(history, 0), w_amax = element_of(history, 1);
+      describe_cast(x_in, x_out, x, x_data, x_col_out, element_of(scales, 0), x_sinv, &x_amax);
+      describe_cast(w_in, w_out, w, w_data, w_col_out, element_of(scales, 1), w_sinv, &w_amax);
+      cast_config.accumulate_amax = 1;  // the step's forwards keep the largest amax
+    } else {
+      const te_buffer x_scale = element_of(keep, kKeepScale / 4), w_scale = element_of(keep, (kKeepWeightScaleInv + kKeepScale) / 4);
+      const te_buffer x_amax = element_of(keep, kKeepAmax / 4), w_amax = element_of(keep, (kKeepWeightScaleInv + kKeepAmax) / 4);
+      current_scale(x, x_data, x_col_out, x_scale, x_sinv, x_amax, pow2, epsilon, stream);
+      current_scale(w, w_data, w_col_out, w_scale, w_sinv, w_amax, pow2, epsilon, stream);
+      // The amaxes are known: the casts need not reduce them again.
+      describe_cast(x_in, x_out, x, x_data, x_col_out, x_scale, x_sinv, nullptr);
+      describe_cast(w_in, w_out, w, w_data, w_col_out, w_scale, w_sinv, nullptr);
+    }
     const te_tensor *cast_in[] = {x_in.get(), w_in.get()};
     te_tensor *cast_out[] = {x_out.get(), w_out.get()};
-    te_quantize_config accumulate{};
-    accumulate.accumulate_amax = 1;
-    check(te_quantize_many(cast_in, cast_out, 2, &accumulate, stream));
+    check(te_quantize_many(cast_in, cast_out, 2, &cast_config, stream));
     // The output in its final shape (not a view made here: autograd forbids in-place ops on a
     // custom function's views), which the core sees as the matrix [M, N].
     std::vector<int64_t> shape = input.sizes().vec();
@@ -199,7 +233,8 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
     // The FP8 column-wise input is all the backward keeps of the activation.
     ctx->save_for_backward({keep});
     ctx->saved_data["bwd_meta"] = std::move(bwd_meta);
-    ctx->saved_data["config"] = std::vector<int64_t>{fwd_dtype,
+    ctx->saved_data["config"] = std::vector<int64_t>{scaling,
+                                                     fwd_dtype,
                                                      bwd_dtype,
                                                      margin,
                                                      need_dgrad,
@@ -212,7 +247,9 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
                                                      n,
                                                      k,
                                                      x_col_at,
-                                                     w_col_at};
+                                                     w_col_at,
+                                                     pow2};
+    ctx->saved_data["epsilon"] = epsilon;
     ctx->saved_data["algo"] = std::move(algo);
     ctx->saved_data["input_shape"] = input.sizes().vec();
     return out;
@@ -221,31 +258,34 @@ struct LinearFp8Delayed : public torch::autograd::Function<LinearFp8Delayed> {
   static variable_list backward(AutogradContext *ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto meta = ctx->saved_data["bwd_meta"].toTensorVector();
-    const auto config = ctx->saved_data["config"].toIntVector();
+    const auto c = ctx->saved_data["config"].toIntVector();
     // Empty tensors carry the dtypes of input, weight and bias to Python.
-    const auto carrier = [&](int i) { return at::empty({0}, at::TensorOptions().dtype(static_cast<at::ScalarType>(config[i]))); };
+    const auto carrier = [&](int i) { return at::empty({0}, at::TensorOptions().dtype(static_cast<at::ScalarType>(c[i]))); };
     pybind11::gil_scoped_acquire gil;
+    // The plan's fields (quantization.Plan): kind, formats, pow2, epsilon, algo, margin.
+    const auto plan = pybind11::make_tuple(c[0] == kDelayed ? "delayed" : "current", te_dtype_name(static_cast<te_dtype>(c[1])),
+                                           te_dtype_name(static_cast<te_dtype>(c[2])), static_cast<bool>(c[15]),
+                                           ctx->saved_data["epsilon"].toDouble(), ctx->saved_data["algo"].toStringRef(), c[3]);
     const pybind11::object result = python_backward()(
-        grads[0], saved[0], pybind11::make_tuple(config[9], config[10], config[11], kKeepWeightScaleInv, config[12], config[13]), meta[0],
-        meta[1], meta[2], te_dtype_name(static_cast<te_dtype>(config[0])),
-        te_dtype_name(static_cast<te_dtype>(config[1])), config[2], ctx->saved_data["algo"].toStringRef(),
-        static_cast<bool>(config[3]), static_cast<bool>(config[4]), static_cast<bool>(config[5]), carrier(6), carrier(7),
-        config[5] ? pybind11::cast(carrier(8)) : pybind11::none(), ctx->saved_data["input_shape"].toIntVector());
+        grads[0], saved[0], pybind11::make_tuple(c[10], c[11], c[12], kKeepWeightScaleInv, c[13], c[14]), meta[0], meta[1],
+        meta[2], plan, static_cast<bool>(c[4]), static_cast<bool>(c[5]), static_cast<bool>(c[6]), carrier(7), carrier(8),
+        c[6] ? pybind11::cast(carrier(9)) : pybind11::none(), ctx->saved_data["input_shape"].toIntVector());
     const auto t = result.cast<pybind11::tuple>();
     // One gradient per forward argument: input, weight, bias, then the non-differentiable rest.
-    return {tensor_or_undefined(t[0]), tensor_or_undefined(t[1]), tensor_or_undefined(t[2]), at::Tensor(),
-            at::Tensor(),           at::Tensor(),           at::Tensor(),           at::Tensor(),
-            at::Tensor(),           at::Tensor(),           at::Tensor(),           at::Tensor(),
-            at::Tensor()};
+    variable_list out(17);
+    for (int i = 0; i < 3; ++i) out[i] = tensor_or_undefined(t[i]);
+    return out;
   }
 };
 
-at::Tensor linear_fp8_delayed(const at::Tensor &input, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
-                              const at::Tensor &scales, const at::Tensor &history, const at::Tensor &workspace,
-                              std::vector<at::Tensor> bwd_meta, int64_t fwd_dtype, int64_t bwd_dtype, int64_t margin,
-                              std::string algo, bool need_dgrad, bool need_wgrad) {
-  return LinearFp8Delayed::apply(input, weight, bias, scales, history, workspace, std::move(bwd_meta), fwd_dtype,
-                                 bwd_dtype, margin, std::move(algo), need_dgrad, need_wgrad);
+at::Tensor linear_fp8(const at::Tensor &input, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
+                      int64_t scaling, const at::Tensor &scales, const at::Tensor &history, bool pow2, double epsilon,
+                      const at::Tensor &workspace, std::vector<at::Tensor> bwd_meta, int64_t fwd_dtype, int64_t bwd_dtype,
+                      int64_t margin, std::string algo, bool need_dgrad, bool need_wgrad) {
+  TORCH_CHECK(scaling == kDelayed || scaling == kCurrent, "linear_fp8: scaling must be 0 (delayed) or 1 (current), got ",
+              scaling);
+  return LinearFp8::apply(input, weight, bias, scaling, scales, history, pow2, epsilon, workspace, std::move(bwd_meta),
+                          fwd_dtype, bwd_dtype, margin, std::move(algo), need_dgrad, need_wgrad);
 }
 
 // Delayed scaling's update of histories[i], scales[i], scale_invs[i] in one core call (what
@@ -272,11 +312,12 @@ void delayed_scaling_update(const std::vector<at::Tensor> &histories, const std:
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "te.Linear's FP8 forward under delayed scaling as one compiled autograd function (eager)";
-  m.def("linear_fp8_delayed", &linear_fp8_delayed, pybind11::arg("input"), pybind11::arg("weight"),
-        pybind11::arg("bias"), pybind11::arg("scales"), pybind11::arg("history"), pybind11::arg("workspace"),
-        pybind11::arg("bwd_meta"), pybind11::arg("fwd_dtype"), pybind11::arg("bwd_dtype"), pybind11::arg("margin"),
-        pybind11::arg("algo"), pybind11::arg("need_dgrad"), pybind11::arg("need_wgrad"));
+  m.doc() = "te.Linear's FP8 forward under per-tensor scaling as one compiled autograd function (eager)";
+  m.def("linear_fp8", &linear_fp8, pybind11::arg("input"), pybind11::arg("weight"), pybind11::arg("bias"),
+        pybind11::arg("scaling"), pybind11::arg("scales"), pybind11::arg("history"), pybind11::arg("pow2"),
+        pybind11::arg("epsilon"), pybind11::arg("workspace"), pybind11::arg("bwd_meta"), pybind11::arg("fwd_dtype"),
+        pybind11::arg("bwd_dtype"), pybind11::arg("margin"), pybind11::arg("algo"), pybind11::arg("need_dgrad"),
+        pybind11::arg("need_wgrad"));
   m.def("delayed_scaling_update", &delayed_scaling_update, pybind11::arg("histories"), pybind11::arg("scales"),
         pybind11::arg("scale_invs"), pybind11::arg("fp8_dtype"), pybind11::arg("algo"), pybind11::arg("margin"));
   // The torch release this was compiled against (its C++ ABI is not stable across releases).

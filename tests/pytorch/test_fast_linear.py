@@ -37,16 +37,17 @@ def test_built():
 
 
 def _train(device, enabled: bool, *, bias=True, dtype=torch.bfloat16, shape=(2, 32, 64),
-           frozen_weight=False, input_grad=True, return_bias=False, steps=4):
-    """Steps of a te.Linear under DelayedScaling with the fast path on or off: every output,
-    gradient and buffer, in order."""
+           frozen_weight=False, input_grad=True, return_bias=False, steps=4, fp8_recipe=None):
+    """Steps of a te.Linear under ``fp8_recipe`` (DelayedScaling with a short history and a
+    margin by default) with the fast path on or off: every output, gradient and buffer, in
+    order."""
     fast_linear.enabled = enabled
     try:
         torch.manual_seed(0)
         m = te.Linear(64, 48, bias=bias, params_dtype=dtype, device=device,
                       return_bias=return_bias)
         m.weight.requires_grad_(not frozen_weight)
-        r = recipe.DelayedScaling(amax_history_len=4, margin=1)
+        r = fp8_recipe or recipe.DelayedScaling(amax_history_len=4, margin=1)
         seen = []
         for step in range(steps):
             x = (torch.randn(*shape, device=device) * (step + 1)).to(dtype)
@@ -94,6 +95,25 @@ def test_same_bits_variants(device, spy, case):
     _assert_same_bits(fast, _train(device, False, **case))
 
 
+CURRENT_RECIPES = {
+    "current": recipe.Float8CurrentScaling(),
+    "current-pow2-eps": recipe.Float8CurrentScaling(power_2_scale=True, amax_epsilon=1e-3),
+    "current-e4m3": recipe.Float8CurrentScaling(fp8_format=recipe.Format.E4M3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", CURRENT_RECIPES)
+def test_same_bits_as_python_path_current_scaling(device, spy, name, dtype):
+    """Current scaling: each scale from its tensor's amax in the compiled forward too."""
+    r = CURRENT_RECIPES[name]
+    fast = _train(device, True, dtype=dtype, fp8_recipe=r)
+    assert len(spy) == 4
+    _assert_same_bits(fast, _train(device, False, dtype=dtype, fp8_recipe=r))
+    case = dict(frozen_weight=True, fp8_recipe=r)
+    _assert_same_bits(_train(device, True, **case), _train(device, False, **case))
+
+
 def test_no_grad_forward(device, spy):
     m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
     x = torch.randn(16, 64, device=device, dtype=torch.bfloat16)
@@ -108,16 +128,14 @@ def _forward(m, x, r, **kwargs):
 
 
 @pytest.mark.parametrize("case", [
-    "current", "block", "bias-dtype", "microbatch", "callable-algo", "fp8-output",
+    "block", "bias-dtype", "microbatch", "callable-algo", "fp8-output",
     "switched-off",
 ])
 def test_python_path_where_it_differs(spy, case):
     """Where the compiled path would not compute what the Python path does, it is not taken."""
     bf16 = torch.bfloat16
     dtype, params, r, kwargs = bf16, bf16, recipe.DelayedScaling(), {}
-    if case == "current":
-        r = recipe.Float8CurrentScaling()
-    elif case == "block":
+    if case == "block":
         r = recipe.Float8BlockScaling()
     elif case == "bias-dtype":
         params = torch.float32  # bf16 input, fp32 bias: the Python path adds it in fp32

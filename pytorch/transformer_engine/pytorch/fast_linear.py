@@ -1,4 +1,4 @@
-"""The compiled eager path of te.Linear's FP8 forward under delayed scaling.
+"""The compiled eager path of te.Linear's FP8 forward under delayed and current scaling.
 
 A small layer's forward is bound by host time, and in Python most of it is spent around the
 kernels (autograd.Function, the op wrappers). ``_linear_fast`` (``pytorch/csrc/linear_fast.cpp``)
@@ -36,48 +36,56 @@ def available() -> bool:
 def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            history: Optional[torch.Tensor], general_update: bool) -> bool:
     """Whether this forward (of an input te.Linear has checked) is one the compiled path
-    computes exactly as the Python path: an eager call under delayed scaling with the scale
-    update in the core, plain tensors, a bias of the input's dtype, amaxes recorded, and not
-    in an activation checkpoint (its recompute takes the Python path, and torch's checkpoint
-    demands that both runs save tensors of the same shapes: the compiled forward saves one
-    buffer where the Python path saves four)."""
-    return (_ext is not None and enabled and plan.kind == "delayed" and not general_update
-            and history is not None and fp8.RECOMPUTE.recording is None
+    computes exactly as the Python path: an eager call under per-tensor delayed scaling (with
+    the scale update in the core and amaxes recorded) or current scaling, plain tensors, a
+    bias of the input's dtype, and not in an activation checkpoint: neither its first run nor
+    its recompute (torch's checkpoint demands that both runs save tensors of the same shapes,
+    and the compiled forward saves one buffer where the Python path saves four)."""
+    kind, r = plan.kind, fp8.RECOMPUTE
+    return (_ext is not None and enabled and r.recording is None and r.replay is None
+            and ((kind == "delayed" and not general_update and history is not None)
+                 or (kind == "current" and plan.input_mode == "tensor"))
             and type(inp) in _PLAIN and type(weight) in _PLAIN
             and (bias is None or (type(bias) in _PLAIN and bias.dtype == inp.dtype))
             and _plain_eager(()))
 
 
+_SCALING = {"delayed": 0, "current": 1}  # linear_fast.cpp's Scaling
+
+
 def forward(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            plan: Plan, scales: torch.Tensor, history: torch.Tensor, bwd_meta: tuple,
+            plan: Plan, scales: torch.Tensor, history: Optional[torch.Tensor], bwd_meta: tuple,
             need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
-    """``inp @ weight^T (+ bias)`` with FP8 operands, as Fp8LinearFunction computes it."""
+    """``inp @ weight^T (+ bias)`` with FP8 operands, as Fp8LinearFunction computes it.
+    (Current scaling reads neither ``scales`` nor ``history``.)"""
     ws = workspace_for(inp)
-    return _ext.linear_fp8_delayed(
-        inp, weight, bias, scales, history, _empty if ws is None else ws, list(bwd_meta),
-        dtype_code(plan.fwd_dtype), dtype_code(plan.bwd_dtype), plan.margin, plan.algo, need_dgrad,
-        need_wgrad)
+    return _ext.linear_fp8(
+        inp, weight, bias, _SCALING[plan.kind], scales, scales if history is None else history,
+        plan.force_pow2_scales, plan.amax_epsilon, _empty if ws is None else ws, list(bwd_meta),
+        dtype_code(plan.fwd_dtype), dtype_code(plan.bwd_dtype), plan.margin, plan.algo,
+        need_dgrad, need_wgrad)
 
 
 _empty = torch.empty(0, dtype=torch.uint8)
 _plans: dict = {}
 
 
-def backward(grad_output, keep, layout, history, scale, scale_inv, fwd_dtype: str, bwd_dtype: str,
-             margin: int, algo: str, need_dgrad: bool, need_wgrad: bool, has_bias: bool,
-             in_carrier, w_carrier, b_carrier, input_shape):
+def backward(grad_output, keep, layout, history, scale, scale_inv, plan_fields: tuple,
+             need_dgrad: bool, need_wgrad: bool, has_bias: bool, in_carrier, w_carrier,
+             b_carrier, input_shape):
     """The compiled forward's backward (called from C++): Fp8LinearFunction's, with the
-    plan rebuilt from its fields and the dtypes carried by empty tensors.
+    plan rebuilt from its fields (kind, formats, pow2, epsilon, algo, margin) and the dtypes
+    carried by empty tensors.
 
     ``keep`` is the forward's one saved byte buffer: the input's scale_inv (fp32) at byte 0,
     the weight's at byte ``s_at``, the column-wise input [K, M] at byte ``x_at`` (when wgrad
     is needed) and the column-wise weight [K, N] at byte ``w_at`` (when dgrad is);
     ``layout`` = (M, N, K, s_at, x_at, w_at)."""
-    key = (fwd_dtype, bwd_dtype, margin, algo)
-    plan = _plans.get(key)
+    plan = _plans.get(plan_fields)
     if plan is None:
-        plan = _plans[key] = Plan("delayed", fwd_dtype, bwd_dtype, "tensor", "tensor", "tensor",
-                                  False, 0.0, algo, margin)
+        kind, fwd_dtype, bwd_dtype, pow2, epsilon, algo, margin = plan_fields
+        plan = _plans[plan_fields] = Plan(kind, fwd_dtype, bwd_dtype, "tensor", "tensor",
+                                          "tensor", pow2, epsilon, algo, margin)
     m, n, k, s_at, x_at, w_at = layout
     in_sinv, w_sinv = keep[:4].view(torch.float32), keep[s_at:s_at + 4].view(torch.float32)
     in_col = keep[x_at:x_at + k * m].view(k, m) if need_wgrad else None
