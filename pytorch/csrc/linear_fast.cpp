@@ -140,13 +140,19 @@ pybind11::object python_backward() {
 
 at::Tensor tensor_or_undefined(const pybind11::handle &h) { return h.is_none() ? at::Tensor() : h.cast<at::Tensor>(); }
 
-// The forward's `keep` buffer: the input's scale_inv at byte 0 (current scaling: its scale at
-// 64, its amax at 128), the weight's at byte 256 (320, 384), the column-wise copies from byte
-// 512, each piece at an allocation's alignment. (The GEMM takes the scale_invs as cuBLASLt
-// scale pointers, which must be aligned: 4 bytes apart fails with NOT_SUPPORTED.)
-constexpr int64_t kKeepWeightScaleInv = 256;
-constexpr int64_t kKeepScale = 64, kKeepAmax = 128;  // after each scale_inv
+// The forward's `keep` buffer: a 256-byte header per operand (input, then weight) holding its
+// scale_inv at byte 0 and, under current scaling, its scale at 64 and amax at 128; then the
+// column-wise copies from byte 512, each piece at an allocation's alignment. (The GEMM takes
+// the scale_invs as cuBLASLt scale pointers, which must be aligned: 4 bytes apart fails with
+// NOT_SUPPORTED.)
+constexpr int64_t kKeepWeightScaleInv = 256;  // the weight's header
 constexpr int64_t kKeepHeader = 512;
+enum Operand : int64_t { kInput = 0, kWeight = 1 };
+enum HeaderSlot : int64_t { kScaleInv = 0, kScale = 64, kAmax = 128 };  // byte offsets
+
+te_buffer header(const at::Tensor &keep, Operand operand, HeaderSlot slot) {
+  return element_of(keep, (operand * kKeepWeightScaleInv + slot) / 4);
+}
 
 // te.Linear's recipes that take this path (fast_linear.py passes the code).
 enum Scaling : int64_t { kDelayed = 0, kCurrent = 1 };
@@ -179,7 +185,7 @@ struct LinearFp8 : public torch::autograd::Function<LinearFp8> {
     const int64_t x_col_at = kKeepHeader, w_col_at = x_col_at + (need_wgrad ? aligned(m * k) : 0);
     const at::Tensor keep = at::empty({w_col_at + (need_dgrad ? n * k : 0)}, bytes);
     const te_buffer x_data = piece(rows, 0, m, k, fp8), w_data = piece(rows, w_row_at, n, k, fp8);
-    const te_buffer x_sinv = element_of(keep, 0), w_sinv = element_of(keep, kKeepWeightScaleInv / 4);
+    const te_buffer x_sinv = header(keep, kInput, kScaleInv), w_sinv = header(keep, kWeight, kScaleInv);
     const te_buffer x_col = piece(keep, x_col_at, k, m, fp8), w_col = piece(keep, w_col_at, k, n, fp8);
     // Both casts in one core call: on the GPU one kernel launch where both have a transposed
     // copy and the same input dtype (a training step's forward), each launch being host time.
@@ -193,8 +199,8 @@ struct LinearFp8 : public torch::autograd::Function<LinearFp8> {
       describe_cast(w_in, w_out, w, w_data, w_col_out, element_of(scales, 1), w_sinv, &w_amax);
       cast_config.accumulate_amax = 1;  // the step's forwards keep the largest amax
     } else {
-      const te_buffer x_scale = element_of(keep, kKeepScale / 4), w_scale = element_of(keep, (kKeepWeightScaleInv + kKeepScale) / 4);
-      const te_buffer x_amax = element_of(keep, kKeepAmax / 4), w_amax = element_of(keep, (kKeepWeightScaleInv + kKeepAmax) / 4);
+      const te_buffer x_scale = header(keep, kInput, kScale), w_scale = header(keep, kWeight, kScale);
+      const te_buffer x_amax = header(keep, kInput, kAmax), w_amax = header(keep, kWeight, kAmax);
       current_scale(x, x_data, x_col_out, x_scale, x_sinv, x_amax, pow2, epsilon, stream);
       current_scale(w, w_data, w_col_out, w_scale, w_sinv, w_amax, pow2, epsilon, stream);
       // The amaxes are known: the casts need not reduce them again.
