@@ -15,7 +15,11 @@
 // Fp8LinearFunction's backward.
 #include <torch/extension.h>
 
+#include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+
+#include <algorithm>
 
 #include <string>
 #include <vector>
@@ -154,6 +158,9 @@ te_buffer header(const at::Tensor &keep, Operand operand, HeaderSlot slot) {
   return element_of(keep, (operand * kKeepWeightScaleInv + slot) / 4);
 }
 
+// FP8 tensor cores work on 16x16 granules: every GEMM dimension must be a multiple of 16.
+constexpr int64_t kGranule = 16;
+
 // te.Linear's recipes that take this path (fast_linear.py passes the code).
 enum Scaling : int64_t { kDelayed = 0, kCurrent = 1 };
 
@@ -284,14 +291,46 @@ struct LinearFp8 : public torch::autograd::Function<LinearFp8> {
   }
 };
 
-at::Tensor linear_fp8(const at::Tensor &input, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
-                      int64_t scaling, const at::Tensor &scales, const at::Tensor &history, bool pow2, double epsilon,
-                      const at::Tensor &workspace, std::vector<at::Tensor> bwd_meta, int64_t fwd_dtype, int64_t bwd_dtype,
-                      int64_t margin, std::string algo, bool need_dgrad, bool need_wgrad) {
+// Whether the compiled forward takes this call, checked before anything runs. It declines
+// (and te.Linear's Python path takes the call, raising the errors where the input is wrong)
+// anything that path would treat otherwise: shapes the FP8 GEMM cannot take, tensors on
+// different devices, dtypes other than fp32/bf16/fp16, a bias of another dtype than the input
+// (added in fp32 there), an input torch.autocast would cast, an active dispatch mode (a
+// tracer or fake tensors).
+bool takes(const at::Tensor &input, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
+           const at::Tensor &scales, const at::Tensor &history) {
+  const auto floating = [](at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; };
+  if (input.dim() == 0 || weight.dim() != 2 || input.size(-1) != weight.size(1)) return false;
+  const int64_t k = weight.size(1), n = weight.size(0), m = input.numel() / std::max<int64_t>(k, 1);
+  if (k % kGranule != 0 || n % kGranule != 0 || m % kGranule != 0) return false;
+  if (!floating(input.scalar_type()) || !floating(weight.scalar_type())) return false;
+  const c10::Device device = input.device();
+  if (weight.device() != device || scales.device() != device || history.device() != device) return false;
+  if (bias.has_value() && bias->defined() &&
+      (bias->scalar_type() != input.scalar_type() || bias->device() != device || bias->dim() != 1 || bias->size(0) != n))
+    return false;
+  if (at::autocast::is_autocast_enabled(device.type()) &&
+      at::autocast::get_autocast_dtype(device.type()) != input.scalar_type())
+    return false;
+  return c10::impl::TorchDispatchModeTLS::stack_len() == 0;
+}
+
+// The forward, or None where `takes` declines. Whether the backward needs dgrad and wgrad is
+// read here, outside the autograd function (whose forward runs with grad mode off).
+pybind11::object linear_fp8(const at::Tensor &input, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
+                            const at::Tensor &scales, const at::Tensor &history, std::vector<at::Tensor> bwd_meta,
+                            const at::Tensor &workspace, int64_t scaling, bool pow2, double epsilon, int64_t fwd_dtype,
+                            int64_t bwd_dtype, int64_t margin, std::string algo) {
   TORCH_CHECK(scaling == kDelayed || scaling == kCurrent, "linear_fp8: scaling must be 0 (delayed) or 1 (current), got ",
               scaling);
-  return LinearFp8::apply(input, weight, bias, scaling, scales, history, pow2, epsilon, workspace, std::move(bwd_meta),
-                          fwd_dtype, bwd_dtype, margin, std::move(algo), need_dgrad, need_wgrad);
+  TORCH_CHECK(bwd_meta.size() == 3, "linear_fp8: bwd_meta must be (history, scale, scale_inv), got ", bwd_meta.size(),
+              " tensors");
+  if (!takes(input, weight, bias, scales, history)) return pybind11::none();
+  const bool grad = at::GradMode::is_enabled();
+  const bool need_dgrad = grad && input.requires_grad(), need_wgrad = grad && weight.requires_grad();
+  return pybind11::cast(LinearFp8::apply(input, weight, bias, scaling, scales, history, pow2, epsilon, workspace,
+                                         std::move(bwd_meta), fwd_dtype, bwd_dtype, margin, std::move(algo), need_dgrad,
+                                         need_wgrad));
 }
 
 // Delayed scaling's update of histories[i], scales[i], scale_invs[i] in one core call (what
@@ -320,10 +359,9 @@ void delayed_scaling_update(const std::vector<at::Tensor> &histories, const std:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "te.Linear's FP8 forward under per-tensor scaling as one compiled autograd function (eager)";
   m.def("linear_fp8", &linear_fp8, pybind11::arg("input"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("scaling"), pybind11::arg("scales"), pybind11::arg("history"), pybind11::arg("pow2"),
-        pybind11::arg("epsilon"), pybind11::arg("workspace"), pybind11::arg("bwd_meta"), pybind11::arg("fwd_dtype"),
-        pybind11::arg("bwd_dtype"), pybind11::arg("margin"), pybind11::arg("algo"), pybind11::arg("need_dgrad"),
-        pybind11::arg("need_wgrad"));
+        pybind11::arg("scales"), pybind11::arg("history"), pybind11::arg("bwd_meta"), pybind11::arg("workspace"),
+        pybind11::arg("scaling"), pybind11::arg("pow2"), pybind11::arg("epsilon"), pybind11::arg("fwd_dtype"),
+        pybind11::arg("bwd_dtype"), pybind11::arg("margin"), pybind11::arg("algo"));
   m.def("delayed_scaling_update", &delayed_scaling_update, pybind11::arg("histories"), pybind11::arg("scales"),
         pybind11::arg("scale_invs"), pybind11::arg("fp8_dtype"), pybind11::arg("algo"), pybind11::arg("margin"));
   // The torch release this was compiled against (its C++ ABI is not stable across releases).

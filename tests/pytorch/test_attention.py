@@ -344,18 +344,31 @@ def test_fp8_forward_op_in_inference(device):
         torch.testing.assert_close(widen[0], widen[1], rtol=2**-3, atol=1e-3)
 
 
-def test_fp8_module_forward_without_grad_matches():
-    """DotProductAttention under fp8_dpa without grad (the core's inference forward) gives the
-    o of its forward with grad (current scaling: no state changes between the two)."""
-    q, k, v = _data(1, 32, 32, 2, 2, 16, torch.bfloat16, "cpu")
+def test_fp8_module_forward_without_grad_matches(monkeypatch):
+    """DotProductAttention under fp8_dpa without grad runs the core's inference forward, also
+    for inputs that require grad (under no_grad no backward can follow), and gives the o of
+    its forward with grad (current scaling: no state changes between the two)."""
+    from transformer_engine.pytorch import attention_fn
+
+    asked = []
+    op = attention_fn.ops.attention_forward_fp8
+
+    def spy(*args):
+        asked.append(args[-1])  # inference
+        return op(*args)
+
+    monkeypatch.setattr(attention_fn.ops, "attention_forward_fp8", spy)
+    q, k, v = _data(1, 32, 32, 2, 2, 16, torch.bfloat16, "cpu")  # (requiring grad)
     attn = te.DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="causal")
     fp8 = recipe.Float8CurrentScaling(fp8_dpa=True)
     with te.fp8_autocast(fp8_recipe=fp8):
         with_grad = attn(q, k, v)
         with torch.no_grad():
             without = attn(q, k, v)
+        frozen = attn(*(t.detach() for t in (q, k, v)))
+    assert asked == [False, True, True]
     assert with_grad.requires_grad and not without.requires_grad
-    assert torch.equal(with_grad.detach(), without)
+    assert torch.equal(with_grad.detach(), without) and torch.equal(without, frozen)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -17,15 +17,17 @@ from transformer_engine.pytorch import fast_linear
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts the forwards that take the compiled path."""
+    """Counts the forwards that the compiled path computes (from either entry)."""
     calls = []
-    forward = fast_linear.forward
+    run = fast_linear.run
 
     def counting(*args, **kwargs):
-        calls.append(1)
-        return forward(*args, **kwargs)
+        out = run(*args, **kwargs)
+        if out is not None:
+            calls.append(1)
+        return out
 
-    monkeypatch.setattr(fast_linear, "forward", counting)
+    monkeypatch.setattr(fast_linear, "run", counting)
     return calls
 
 
@@ -257,3 +259,123 @@ def test_output_takes_in_place_ops(device, enabled, shape):
         assert m.weight.grad is not None
     finally:
         fast_linear.enabled = True
+
+
+@pytest.fixture
+def entries(monkeypatch):
+    """Counts the forwards that reach the compiled function from the full forward ("full")
+    and straight from steady_forward ("steady")."""
+    counts = {"full": 0, "steady": 0}
+    full, steady = fast_linear.forward, fast_linear.steady_forward
+
+    def counting_full(*args):
+        counts["full"] += 1
+        return full(*args)
+
+    def counting_steady(*args):
+        out = steady(*args)
+        counts["steady"] += out is not None
+        return out
+
+    monkeypatch.setattr(fast_linear, "forward", counting_full)
+    monkeypatch.setattr(fast_linear, "steady_forward", counting_steady)
+    return counts
+
+
+def test_later_forwards_go_straight_to_the_compiled_function(device, entries):
+    """The first forward under a recipe takes the full forward; the next ones start at
+    steady_forward, until the recipe object changes."""
+    m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(16, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    r = recipe.DelayedScaling()
+    for _ in range(3):
+        _forward(m, x, r).sum().backward()
+    assert entries == {"full": 1, "steady": 2}
+    _forward(m, x, recipe.DelayedScaling())  # a new recipe object: met by the full forward
+    assert entries == {"full": 2, "steady": 2}
+    m.load_state_dict(m.state_dict())  # reloaded state: met afresh as well
+    _forward(m, x, recipe.DelayedScaling())
+    assert entries == {"full": 3, "steady": 2}
+
+
+@pytest.mark.parametrize("case", ["in-features", "tokens", "int", "bias-dtype", "autocast"])
+def test_steady_entry_declines_what_the_full_forward_handles(entries, case):
+    """After a compiled forward, a call the compiled function cannot take as it is goes to the
+    full forward, which raises the same errors (or computes it) as on a fresh module."""
+    m = te.Linear(64, 32, params_dtype=torch.bfloat16, device="cpu")
+    r = recipe.DelayedScaling()
+    _forward(m, torch.randn(16, 64, dtype=torch.bfloat16), r)
+    errors = {"in-features": (ValueError, "in_features=64"),
+              "tokens": (ValueError, "multiples of 16"),
+              "int": (TypeError, "float32, bfloat16 or float16")}
+    inputs = {"in-features": torch.randn(16, 48, dtype=torch.bfloat16),
+              "tokens": torch.randn(12, 64, dtype=torch.bfloat16),
+              "int": torch.ones(16, 64, dtype=torch.int32),
+              "bias-dtype": torch.randn(16, 64, dtype=torch.float32),
+              "autocast": torch.randn(16, 64, dtype=torch.float32)}
+    x = inputs[case]
+    if case in errors:
+        kind, match = errors[case]
+        with pytest.raises(kind, match=match):
+            _forward(m, x, r)
+    elif case == "bias-dtype":  # fp32 input, bf16 bias: the full forward's Fp8LinearFunction
+        assert _forward(m, x, r).dtype == torch.float32
+    else:  # torch.autocast casts the fp32 input to bf16 first
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert _forward(m, x, r).dtype == torch.bfloat16
+    assert entries["steady"] == 0
+
+
+def test_steady_entry_not_in_checkpoint_or_with_an_amax_group(entries):
+    m = te.Linear(64, 64, params_dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    r = recipe.DelayedScaling()
+    _forward(m, x, r)
+    with te.fp8_autocast(fp8_recipe=r):
+        y = te.checkpoint(m, x)
+    y.sum().backward()
+    assert entries == {"full": 1, "steady": 0}
+
+    class Group:  # only read as "a group is given" by the forward
+        def size(self):
+            return 1
+
+    from transformer_engine.pytorch import fp8
+
+    with te.fp8_autocast(fp8_recipe=r, fp8_group=Group()):
+        m(x)
+        # The group makes the backward's update the general one: the full forward's path.
+        assert entries["steady"] == 0
+        fp8.STATE.pending.clear()  # no exit update over the fake group
+
+
+@pytest.mark.cuda
+def test_steady_entry_declines_an_input_on_another_device(entries):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    m = te.Linear(64, 32, params_dtype=torch.bfloat16, device="cuda")
+    r = recipe.DelayedScaling()
+    _forward(m, torch.randn(16, 64, device="cuda", dtype=torch.bfloat16), r)
+    with pytest.raises(RuntimeError, match=r"input must be on the device .*cuda.*got cpu"):
+        _forward(m, torch.randn(16, 64, dtype=torch.bfloat16), r)
+    assert entries == {"full": 2, "steady": 0}
+
+
+def test_steady_entry_follows_a_parametrized_weight(entries):
+    """A weight parametrized after compiled forwards is computed by the full forward."""
+    import torch.nn.utils.parametrize as parametrize
+
+    m = te.Linear(64, 32, params_dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    r = recipe.DelayedScaling()
+    _forward(m, x, r)
+    _forward(m, x, r)
+    assert entries["steady"] == 1
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return w * 2
+
+    parametrize.register_parametrization(m, "weight", Double())
+    _forward(m, x, r)
+    assert entries["steady"] == 1

@@ -162,11 +162,12 @@ class _FusedAttentionFP8(torch.autograd.Function):
     under current scaling; history None in a checkpoint's recompute), the backward's
     (history, scale, scale_inv) as one tuple or None, and ``cfg`` = (params, deterministic,
     plan, recipe when the backward update takes the general path else None, amax group,
-    whether o leaves in FP8: a Float8Tensor [..., heads * head_dim_v])."""
+    whether o leaves in FP8: a Float8Tensor [..., heads * head_dim_v], whether a backward can
+    follow)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_kv, rng, scales, history, bwd_meta, cfg):
-        params, deterministic, plan, recipe, group, out_fp8 = cfg
+        params, deterministic, plan, recipe, group, out_fp8, grad = cfg
         quantized = [_operand(plan, t, scales, column, history)
                      for t, column in zip((q, k, v), _QKV_COLUMNS, strict=True)]
         descales = torch.cat([sinv for _, _, sinv, _ in quantized])
@@ -184,7 +185,6 @@ class _FusedAttentionFP8(torch.autograd.Function):
         o_scale_inv = quantized[2][2] * 2.0
         o_scale = torch.reciprocal(o_scale_inv)
         qf, kf, vf = (data for data, _, _, _ in quantized)
-        grad = any(ctx.needs_input_grad[:3])
         # Without a backward, no softmax statistics: cuDNN's FP8 forward runs 1-3.5% faster
         # without them (benchmarks/results/gpu_checks.md). (Its bf16 forward does not, so
         # _FusedAttention always asks for them.)
@@ -258,8 +258,11 @@ def fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic
     if plan.kind == "delayed" and (scales is None or bwd_meta is None):
         raise ValueError("fused_attention_fp8: delayed scaling must be given scales and "
                          f"bwd_meta, got {type(scales).__name__} and {type(bwd_meta).__name__}")
+    # Whether a backward can follow, read here: inside the Function's forward grad mode is off,
+    # and ctx.needs_input_grad says True under no_grad for inputs that require grad.
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return _FusedAttentionFP8.apply(q, k, v, cu_q, cu_kv, rng, scales, history, bwd_meta,
-                                    (params, deterministic, plan, recipe, group, out_fp8))
+                                    (params, deterministic, plan, recipe, group, out_fp8, grad))
 
 
 class _ScaledSoftmax(torch.autograd.Function):

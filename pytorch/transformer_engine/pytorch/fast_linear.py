@@ -53,17 +53,70 @@ def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[t
 _SCALING = {"delayed": 0, "current": 1}  # linear_fast.cpp's Scaling
 
 
-def forward(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            plan: Plan, scales: torch.Tensor, history: Optional[torch.Tensor], bwd_meta: tuple,
-            need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
-    """``inp @ weight^T (+ bias)`` with FP8 operands, as Fp8LinearFunction computes it.
-    (Current scaling reads neither ``scales`` nor ``history``.)"""
+def forward(module: torch.nn.Module, inp: torch.Tensor, weight: torch.Tensor,
+            bias: Optional[torch.Tensor], plan: Plan, scales: torch.Tensor,
+            history: Optional[torch.Tensor], bwd_meta: tuple) -> Optional[torch.Tensor]:
+    """``inp @ weight^T (+ bias)`` with FP8 operands, as Fp8LinearFunction computes it, for
+    te.Linear's full forward once ``usable`` said yes; None where the compiled function
+    declines the input (linear_fast.cpp, ``takes``). (Current scaling reads neither ``scales``
+    nor ``history``.)
+
+    Once it has served a forward, the module keeps the plan's arguments, so that its later
+    forwards under the same recipe start at :func:`steady_forward`."""
+    args = (_SCALING[plan.kind], plan.force_pow2_scales, plan.amax_epsilon,
+            dtype_code(plan.fwd_dtype), dtype_code(plan.bwd_dtype), plan.margin, plan.algo)
+    out = run(inp, weight, bias, scales, scales if history is None else history, bwd_meta, args)
+    if out is not None and weight is module._parameters.get("weight"):  # not split or derived
+        module._fast_linear = (module._fp8_recipe, args)
+    return out
+
+
+def steady_forward(module: torch.nn.Module, inp: torch.Tensor) -> Optional[torch.Tensor]:
+    """te.Linear's forward under the recipe its last compiled forward ran under, straight to
+    the compiled function; None (the full forward then runs) where anything differs from that
+    forward's conditions or the compiled function declines the input.
+
+    What ``usable`` checks for the full forward holds here: the module has met this recipe
+    (``_fp8_recipe``, reset when its state is reloaded or recalibrated), whose plan the
+    arguments come from; the checks that can change between calls are made again (plain
+    tensors, no checkpoint, no amax group under delayed scaling, not traced), and those on the
+    input are the compiled function's own. A small layer's forward is bound by host time, and
+    the full forward's checks and lookups cost as much as the compiled call itself."""
+    state, r = fp8.STATE, fp8.RECOMPUTE
+    recipe, fast = state.recipe, module._fast_linear
+    if (fast is None or fast[0] is not recipe or recipe is not module._fp8_recipe
+            or not enabled or type(inp) is not torch.Tensor or module._weight_caches
+            or r.recording is not None or r.replay is not None or torch.compiler.is_compiling()):
+        return None
+    args = fast[1]
+    delayed = args[0] == 0
+    if delayed and state.group is not None:  # the backward update takes the general path
+        return None
+    params, buffers = module._parameters, module._buffers
+    weight, bias = params.get("weight"), params.get("bias")
+    # (A weight or bias that is no longer a parameter, e.g. parametrized since, is computed
+    # by the full forward.)
+    if (type(weight) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN)
+            or "bias" not in params):
+        return None
+    if module.return_bias:
+        bias = None
+    out = run(inp, weight, bias, buffers["scale_fwd"], buffers["amax_history_fwd"],
+              (buffers["amax_history_bwd"], buffers["scale_bwd"], buffers["scale_inv_bwd"]),
+              args)
+    if out is not None and delayed:
+        state.pending[id(module)] = (module, recipe, None)  # fp8.register_forward_amaxes
+    return out
+
+
+def run(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+        scales: torch.Tensor, history: torch.Tensor, bwd_meta: tuple,
+        args: tuple) -> Optional[torch.Tensor]:
+    """The compiled function (``args``: scaling, pow2, epsilon, the FP8 formats' codes,
+    margin, algo), or None where it declines the input."""
     ws = workspace_for(inp)
-    return _ext.linear_fp8(
-        inp, weight, bias, _SCALING[plan.kind], scales, scales if history is None else history,
-        plan.force_pow2_scales, plan.amax_epsilon, _empty if ws is None else ws, list(bwd_meta),
-        dtype_code(plan.fwd_dtype), dtype_code(plan.bwd_dtype), plan.margin, plan.algo,
-        need_dgrad, need_wgrad)
+    return _ext.linear_fp8(inp, weight, bias, scales, history, bwd_meta,
+                           _empty if ws is None else ws, *args)
 
 
 _empty = torch.empty(0, dtype=torch.uint8)

@@ -130,9 +130,7 @@ def _check_recipe(recipe: Any) -> Recipe:
     return recipe
 
 
-@contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, calibrating: bool = False,
-                 fp8_recipe: Optional[Recipe] = None, fp8_group: Any = None) -> Iterator[None]:
+class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function)
     """Runs te modules in FP8 inside the block.
 
     Args:
@@ -148,32 +146,42 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False,
         >>> with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):  # doctest: +SKIP
         ...     out = model(inp)
         >>> out.sum().backward()  # doctest: +SKIP
+
+    (A class rather than a generator: entering and leaving it is part of every small step's
+    host time, and a generator-based context costs twice as much.)
     """
-    recipe = _check_recipe(fp8_recipe)
-    if enabled:
-        ok, reason = is_fp8_available()
-        if not ok:
-            raise RuntimeError(f"fp8_autocast: FP8 is not available: {reason}")
-    saved = (STATE.enabled, STATE.calibrating, STATE.recipe, STATE.group)
-    STATE.enabled, STATE.calibrating, STATE.recipe, STATE.group = (
-        bool(enabled), bool(calibrating), recipe, fp8_group)
-    STATE.depth += 1
-    try:
-        yield
-    finally:
-        STATE.depth -= 1
-        STATE.enabled, STATE.calibrating, STATE.recipe, STATE.group = saved
-        if STATE.depth == 0:
-            pending, STATE.pending = STATE.pending, {}
-            update_forward_scales(list(pending.values()))
+
+    def __init__(self, enabled: bool = True, calibrating: bool = False,
+                 fp8_recipe: Optional[Recipe] = None, fp8_group: Any = None) -> None:
+        self._args = (bool(enabled), bool(calibrating), fp8_recipe, fp8_group)
+        self._saved: list = []  # the state each (re-)entry replaced, innermost last
+
+    def __enter__(self) -> None:
+        enabled, calibrating, recipe, group = self._args
+        recipe = _check_recipe(recipe)
+        if enabled:
+            ok, reason = is_fp8_available()
+            if not ok:
+                raise RuntimeError(f"fp8_autocast: FP8 is not available: {reason}")
+        state = STATE
+        self._saved.append((state.enabled, state.calibrating, state.recipe, state.group))
+        state.enabled, state.calibrating, state.recipe, state.group = (
+            enabled, calibrating, recipe, group)
+        state.depth += 1
+
+    def __exit__(self, *exc) -> None:
+        state = STATE
+        state.depth -= 1
+        state.enabled, state.calibrating, state.recipe, state.group = self._saved.pop()
+        if state.depth == 0 and state.pending:
+            pending, state.pending = state.pending, {}
+            update_forward_scales(pending.values())
 
 
-@contextlib.contextmanager
 def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
-             amax_reduction_group: Any = None) -> Iterator[None]:
+             amax_reduction_group: Any = None) -> fp8_autocast:
     """The same as :func:`fp8_autocast`, with the newer argument names."""
-    with fp8_autocast(enabled, calibrating, recipe, amax_reduction_group):
-        yield
+    return fp8_autocast(enabled, calibrating, recipe, amax_reduction_group)
 
 
 @contextlib.contextmanager
@@ -251,23 +259,22 @@ def scale_update(histories: list, scales: list, scale_invs: list, fp8_dtype: str
         ops.delayed_scaling_update(histories, scales, scale_invs, fp8_dtype, algo, margin)
 
 
-def update_scales(entries: list, dtype_of, fp8_max_of) -> None:
+def update_scales(entries, dtype_of, fp8_max_of) -> None:
     """Updates the delayed scales of many ((history, scale, scale_inv), recipe, group) entries.
 
     ``dtype_of(recipe)`` names the FP8 format of the scales, ``fp8_max_of(recipe)`` its max.
     Histories are all-reduced per group first, then grouped by (format, algo, margin, device)
-    into one core call each.
+    into one core call each; recipes with user callables take the Python update.
     """
     by_group: dict = {}
-    for (history, _, _), recipe, group in entries:
+    python: list = []
+    calls: dict = {}
+    for entry in entries:
+        (history, scale, scale_inv), recipe, group = entry
         if group is not None and recipe.reduce_amax:
             by_group.setdefault(id(group), (group, []))[1].append(history)
-    for group, histories in by_group.values():
-        _reduce_amaxes(histories, group)
-    calls: dict = {}
-    for (history, scale, scale_inv), recipe, _ in entries:
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
-            _python_update(history, scale, scale_inv, fp8_max_of(recipe), recipe)
+            python.append(entry)
             continue
         # get_device() (an int) keys the device: t.device builds an object per call.
         key = (dtype_of(recipe), recipe.amax_compute_algo, recipe.margin, history.get_device())
@@ -277,6 +284,10 @@ def update_scales(entries: list, dtype_of, fp8_max_of) -> None:
         lists[0].append(history)
         lists[1].append(scale)
         lists[2].append(scale_inv)
+    for group, histories in by_group.values():
+        _reduce_amaxes(histories, group)
+    for tensors, recipe, _ in python:
+        _python_update(*tensors, fp8_max_of(recipe), recipe)
     for (fp8_dtype, algo, margin, _), (h, s, si) in calls.items():
         scale_update(h, s, si, fp8_dtype, algo, margin)
 
@@ -289,7 +300,7 @@ def _fwd_max(recipe: Recipe) -> float:
     return recipe.fp8_format.max_fwd
 
 
-def update_forward_scales(entries: list) -> None:
+def update_forward_scales(entries) -> None:
     """The exit update: forward scales of (module, recipe, group) entries."""
     metas = []
     for m, r, g in entries:

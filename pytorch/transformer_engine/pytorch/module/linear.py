@@ -80,6 +80,7 @@ class _LinearBase(FP8Module):
         weight = init_weight(out_features, in_features, dtype, device, init_method)
         full_bias = init_bias(out_features, in_features, dtype, device) if bias else None
         self._splits = _split_sizes(out_features, parameters_split, self._name)
+        self._fast_linear = None  # (recipe, arguments) of the compiled forward: fast_linear.py
         self._register_params(weight, full_bias)
 
     def _register_params(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -177,11 +178,15 @@ class Linear(_LinearBase):
         (DotProductAttention under ``fp8_mha``); delayed scaling casts it in the GEMM with this
         module's output scale. Ignored otherwise. An input that is such a Float8Tensor is used
         without a cast."""
+        state = fp8.STATE
+        if state.enabled and is_first_microbatch is None and not fp8_output:
+            out = fast_linear.steady_forward(self, inp)
+            if out is not None:
+                return (out, self._parameters["bias"]) if self.return_bias else out
         if inp.dim() == 0 or inp.shape[-1] != self.in_features:
             raise ValueError(f"te.Linear: input must have in_features={self.in_features} "
                              f"as its last dimension, got shape {list(inp.shape)}")
         weight, bias = self._weight_and_bias()
-        state = fp8.STATE
         gemm_bias = None if self.return_bias else bias
         if state.enabled:
             out = self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch,
@@ -228,8 +233,9 @@ class Linear(_LinearBase):
         bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
         if (not fp8_output and is_first_microbatch is None and not self._weight_caches
                 and fast_linear.usable(plan, inp, weight, bias, history, bwd_recipe is not None)):
-            return fast_linear.forward(inp, weight, bias, plan, scales, history, bwd_meta,
-                                       need_dgrad, need_wgrad)
+            out = fast_linear.forward(self, inp, weight, bias, plan, scales, history, bwd_meta)
+            if out is not None:
+                return out
         w = self._weight_operand(plan, weight, need_dgrad, is_first_microbatch, scales, history)
         # Per-tensor scaling shares one scale_inv between the copies; autograd.Function under
         # torch.compile takes no tensor twice, so the column-wise one goes as None.
