@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-METRICS = ("effective_tbps", "tflops", "speedup", "median_ms")
+METRICS = ("effective_tbps", "tflops", "speedup", "median_ms", "host_us")
 
 
 def _shape(row: dict) -> str:
@@ -52,6 +52,8 @@ def plot(path: Path, metric: str) -> Path:
     if metric == "auto":
         metric = next((m for m in METRICS if any(m in r for r in rows)), METRICS[0])
     rows = [r for r in rows if metric in r]
+    if not rows:
+        raise SystemExit(f"{path}: no row carries {metric!r}; name one with --metric")
     groups = list(dict.fromkeys(_group(r) for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     width = 0.8 / len(impls)
