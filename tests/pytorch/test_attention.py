@@ -526,3 +526,51 @@ def test_cuda_math_path_fp8_backward_matches_cpu():
              for dev, backend in (("cpu", "cpu"), ("cuda", "cuda_math"))]
     for name, got, want in zip("qkv", grads[1], grads[0], strict=True):
         _assert_fp8_close(got.cpu(), want, f"cuda_math d{name} vs cpu", against_bf16=False)
+
+
+_AUTOTUNED_RUN = r"""
+import sys, torch
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+torch.manual_seed(0)
+q, k, v = (torch.randn(2, 256, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for h in (4, 2, 2))
+attn = te.DotProductAttention(4, 64, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal",
+                              attention_backend="cudnn")
+out = {}
+for name, r in (("bf16", None), ("fp8", recipe.Float8CurrentScaling(fp8_dpa=True))):
+    for t in (q, k, v):
+        t.grad = None
+    with te.fp8_autocast(enabled=r is not None, fp8_recipe=r):
+        o = attn(q, k, v)
+    o.backward(torch.ones_like(o))
+    out[name] = [o.detach().cpu()] + [t.grad.cpu() for t in (q, k, v)]
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.cuda
+def test_autotuned_cudnn_plans_match_the_default(tmp_path):
+    """TE_ATTENTION_AUTOTUNE=1 times every cuDNN plan at the first call and keeps the fastest:
+    outputs and gradients (bf16, and FP8 under fp8_dpa) within tolerance of the default plan's
+    (another plan may round differently)."""
+    import os
+    import subprocess
+    import sys
+
+    if not torch.cuda.is_available() or not te.get_attention_backend(
+            *(torch.empty(2, 256, h, 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2)),
+            qkv_format="bshd", attn_mask_type="causal").name == "cudnn":
+        pytest.skip("needs cuDNN's fused attention")
+    results = {}
+    for tune in ("0", "1"):
+        path = tmp_path / f"tune{tune}.pt"
+        env = dict(os.environ, TE_ATTENTION_AUTOTUNE=tune)
+        subprocess.run([sys.executable, "-c", _AUTOTUNED_RUN, str(path)], env=env, check=True,
+                       timeout=300)
+        results[tune] = torch.load(path)
+    for name, tol in (("bf16", (1.5e-2, 1.5e-2)), ("fp8", ATTENTION_FP8_TOL)):
+        for what, a, b in zip(("o", "dq", "dk", "dv"), results["1"][name], results["0"][name],
+                              strict=True):
+            torch.testing.assert_close(a.float(), b.float(), atol=tol[0], rtol=tol[1],
+                                       msg=lambda m, w=what, n=name: f"{n} {w}: {m}")
