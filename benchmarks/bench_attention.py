@@ -190,8 +190,6 @@ def main() -> None:
                        "the module's FP8 fwd+bwd (fp8_dpa) vs its bf16 fwd+bwd. "
                        "shape = (batch, heads_q, heads_kv, seqlen, head_dim)",
         "sdpa_cudnn_baseline_fwd_bwd_tflops_b4_h32_s4096": 465,
-        # TE_ATTENTION_AUTOTUNE=1: each cuDNN graph timed all its plans at its first call
-        "cudnn_autotune": os.environ.get("TE_ATTENTION_AUTOTUNE") == "1",
         "backends": backends,
         "results": rows,
     })

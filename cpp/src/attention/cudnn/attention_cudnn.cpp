@@ -38,7 +38,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -82,12 +81,6 @@ enum Uid : int64_t {
 struct Plan {
   std::string error;  // why cuDNN does not take the problem; "" when graph is ready
   std::shared_ptr<fg::Graph> graph;
-  // Autotuning (TE_ATTENTION_AUTOTUNE=1): every plan the heuristics list is built, and the
-  // first execution outside a CUDA graph capture times them all and keeps the fastest. Off by
-  // default: the heuristics' first plan is the same in every process, the fastest measured
-  // one need not be (and plans may differ in their last bits).
-  bool autotune = false;
-  mutable bool tuned = false;  // under the device's execution lock
   int64_t cudnn_workspace = 0;
   AuxLayout aux;
   size_t aux_base() const { return round_up(static_cast<size_t>(cudnn_workspace), kAlign); }
@@ -282,33 +275,17 @@ std::string brief(std::string message) {
   return message.empty() ? "unknown cuDNN error" : message;
 }
 
-// Whether TE_ATTENTION_AUTOTUNE=1 asks for autotuning (read once per process).
-bool autotune_asked() {
-  static const bool asked = [] {
-    const char *v = std::getenv("TE_ATTENTION_AUTOTUNE");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  return asked;
-}
-
 Plan build_plan(const Problem &p, int sm, cudnnHandle_t handle) {
   Plan plan;
   plan.aux = aux_layout(p);
-  plan.autotune = autotune_asked();
   try {
     std::shared_ptr<fg::Graph> g = p.backward ? backward_graph(p, sm) : forward_graph(p, sm);
     fe::error_t e = g->validate();
     if (e.is_good()) e = g->build_operation_graph(handle);
     if (e.is_good()) e = g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
     if (e.is_good()) e = g->check_support();
-    if (plan.autotune) {
-      // Every plan, and a workspace that fits the largest (the tuning runs each).
-      if (e.is_good()) e = g->build_plans(fe::BuildPlanPolicy_t::ALL);
-      if (e.is_good()) plan.cudnn_workspace = g->get_autotune_workspace_size();
-    } else {
-      if (e.is_good()) e = g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
-      if (e.is_good()) e = g->get_workspace_size(plan.cudnn_workspace);
-    }
+    if (e.is_good()) e = g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
+    if (e.is_good()) e = g->get_workspace_size(plan.cudnn_workspace);
     if (e.is_bad()) {
       plan.error = brief(e.err_msg);
       return plan;
@@ -424,17 +401,6 @@ te_status execute(const char *op, const Problem &p, const Plan &plan, VariantPac
   if (std::string why = cudnn_handle_for(p.device, &handle); !why.empty()) return fail(TE_ERROR_RUNTIME, op, why);
   std::lock_guard<std::mutex> lock(execution_mutex(p.device));
   if (std::string why = cudnn_set_stream(handle, stream); !why.empty()) return fail(TE_ERROR_RUNTIME, op, why);
-  if (plan.autotune && !plan.tuned) {
-    // The tuning synchronizes the device, which a stream being captured forbids: a capture
-    // runs the heuristics' first plan, and a later eager call tunes.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone) {
-      // Each plan runs on this call's buffers: its outputs are written (amaxes reduced) as by
-      // one execution. A failed tuning keeps the heuristics' order.
-      (void)plan.graph->autotune(handle, pack, workspace);
-      plan.tuned = true;
-    }
-  }
   fe::error_t e = plan.graph->execute(handle, pack, workspace);
   if (e.is_bad()) return fail(TE_ERROR_RUNTIME, op, "cuDNN fused attention failed: " + brief(e.err_msg));
   return TE_SUCCESS;
