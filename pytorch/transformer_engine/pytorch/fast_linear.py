@@ -5,6 +5,9 @@ kernels (autograd.Function, the op wrappers). ``_linear_fast`` (``pytorch/csrc/l
 does the forward as one C++ autograd function over the core's C API: the same casts and GEMM
 with the same arguments as :class:`~transformer_engine.pytorch.linear_fn.Fp8LinearFunction`,
 so the same bits, and a backward that comes back here to share that function's backward.
+te.Linear's full forward reaches it after its own checks (``forward``); once it has, the
+module's later forwards under the same recipe go to it first (``steady_forward``), and the C++
+checks the input itself, declining what the Python path must handle.
 
 The extension is built with the package when torch and transformer-engine-common are present
 at build time, for that torch release (``_compiled.py``); without it te.Linear takes its Python

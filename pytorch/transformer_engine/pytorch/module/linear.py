@@ -72,6 +72,9 @@ class _LinearBase(FP8Module):
     into named row blocks) and the bias."""
 
     _name = "te.Linear"
+    # (recipe, arguments) of the last compiled forward (fast_linear.py); a class default, so
+    # that modules pickled before it existed load with none.
+    _fast_linear = None
 
     def _setup_linear(self, in_features: int, out_features: int, bias: bool, params_dtype,
                       device: torch.device, init_method, parameters_split) -> None:
@@ -80,7 +83,6 @@ class _LinearBase(FP8Module):
         weight = init_weight(out_features, in_features, dtype, device, init_method)
         full_bias = init_bias(out_features, in_features, dtype, device) if bias else None
         self._splits = _split_sizes(out_features, parameters_split, self._name)
-        self._fast_linear = None  # (recipe, arguments) of the compiled forward: fast_linear.py
         self._register_params(weight, full_bias)
 
     def _register_params(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
