@@ -20,7 +20,6 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <algorithm>
-
 #include <string>
 #include <vector>
 
