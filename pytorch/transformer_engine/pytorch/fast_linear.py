@@ -24,7 +24,7 @@ import torch
 from . import fp8
 from ._compiled import ext as _ext
 from .linear_fn import linear_backward
-from .ops._backend import _plain_eager, dtype_code, workspace_for
+from .ops._backend import dtype_code, workspace_for
 from .quantization import Plan
 
 enabled = True
@@ -40,17 +40,26 @@ def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[t
            history: Optional[torch.Tensor], general_update: bool) -> bool:
     """Whether this forward (of an input te.Linear has checked) is one the compiled path
     computes exactly as the Python path: an eager call under per-tensor delayed scaling (with
-    the scale update in the core and amaxes recorded) or current scaling, plain tensors, a
-    bias of the input's dtype, and not in an activation checkpoint: neither its first run nor
+    the scale update in the core and amaxes recorded) or current scaling, plain tensors
+    (the compiled function declines a bias of another dtype), and not in an activation
+    checkpoint: neither its first run nor
     its recompute (torch's checkpoint demands that both runs save tensors of the same shapes,
     and the compiled forward saves one buffer where the Python path saves four)."""
-    kind, r = plan.kind, fp8.RECOMPUTE
-    return (_ext is not None and enabled and r.recording is None and r.replay is None
+    kind = plan.kind
+    return (_ext is not None and _eager_outside_checkpoint()
             and ((kind == "delayed" and not general_update and history is not None)
                  or (kind == "current" and plan.input_mode == "tensor"))
             and type(inp) in _PLAIN and type(weight) in _PLAIN
-            and (bias is None or (type(bias) in _PLAIN and bias.dtype == inp.dtype))
-            and _plain_eager(()))
+            and (bias is None or type(bias) in _PLAIN))
+
+
+def _eager_outside_checkpoint() -> bool:
+    """Switched on, not traced by torch.compile, and no activation checkpoint recording or
+    replaying. (The rest the compiled function checks itself: the input's shape, dtype and
+    device, the bias's dtype, torch.autocast, an active dispatch mode.)"""
+    r = fp8.RECOMPUTE
+    return (enabled and r.recording is None and r.replay is None
+            and not torch.compiler.is_compiling())
 
 
 _SCALING = {"delayed": 0, "current": 1}  # linear_fast.cpp's Scaling
@@ -85,11 +94,11 @@ def steady_forward(module: torch.nn.Module, inp: torch.Tensor) -> Optional[torch
     tensors, no checkpoint, no amax group under delayed scaling, not traced), and those on the
     input are the compiled function's own. A small layer's forward is bound by host time, and
     the full forward's checks and lookups cost as much as the compiled call itself."""
-    state, r = fp8.STATE, fp8.RECOMPUTE
+    state = fp8.STATE
     recipe, fast = state.recipe, module._fast_linear
     if (fast is None or fast[0] is not recipe or recipe is not module._fp8_recipe
-            or not enabled or type(inp) is not torch.Tensor or module._weight_caches
-            or r.recording is not None or r.replay is not None or torch.compiler.is_compiling()):
+            or type(inp) is not torch.Tensor or module._weight_caches
+            or not _eager_outside_checkpoint()):
         return None
     args = fast[1]
     delayed = args[0] == 0
