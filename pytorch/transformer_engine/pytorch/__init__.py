@@ -26,10 +26,12 @@ from .module import (
     RMSNorm,
     get_attention_backend,
 )
+from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 __version__ = "0.1.0"
 
 __all__ = ["AttentionBackend", "DotProductAttention", "Float8Tensor", "LayerNorm",
            "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm",
-           "__version__", "autocast", "checkpoint", "fp8_autocast", "fp8_model_init",
-           "get_attention_backend", "is_fp8_available"]
+           "RotaryPositionEmbedding", "__version__", "apply_rotary_pos_emb", "autocast",
+           "checkpoint", "fp8_autocast", "fp8_model_init", "get_attention_backend",
+           "is_fp8_available"]
