@@ -49,6 +49,7 @@ class LayerNormMLP(nn.Module):
         return_layernorm_output: return ``(out, norm(x))`` instead of ``out``.
         intermediate_dropout_rate: dropout on the activation's output.
         intermediate_hidden_dropout_dims: axes of that output that share a dropout mask.
+        intermediate_dropout_rng_name: the rng stream that this dropout draws from.
         dtype: the dtype of the computation and the outputs.
         param_dtype: the dtype of the parameters.
         kernel_axes_1, kernel_axes_2, bias_axes_1, bias_axes_2, scale_axes, ln_bias_axes:
@@ -85,6 +86,7 @@ class LayerNormMLP(nn.Module):
     bias_axes_2: Tuple[str, ...] = ()
     scale_axes: Tuple[str, ...] = ()
     ln_bias_axes: Tuple[str, ...] = ()
+    intermediate_dropout_rng_name: str = "dropout"
 
     def _param(self, name, init, shape, n_in, axes):
         init = _as_matrix_init(init, n_in)
@@ -143,6 +145,7 @@ class LayerNormMLP(nn.Module):
         a = activation(h, self.activations)
         if self.intermediate_dropout_rate > 0.0:
             a = nn.Dropout(rate=self.intermediate_dropout_rate,
-                           broadcast_dims=tuple(self.intermediate_hidden_dropout_dims))(
+                           broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
+                           rng_collection=self.intermediate_dropout_rng_name)(
                                a, deterministic=deterministic)
         return dense(a, k2, b2, quantizer_set=qset)
