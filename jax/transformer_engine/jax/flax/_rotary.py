@@ -1,0 +1,84 @@
+"""Rotary position embedding of the attention modules: NVIDIA's timescale windows and group
+methods, mapped onto :func:`transformer_engine.jax.rope.apply_rotary_pos_emb`.
+
+Group methods: ``"consecutive"`` pairs features (2i, 2i + 1) (the interleaved layout);
+``"alternate"`` pairs i with i + D / 2 (rotate-half). Pair i turns by position / timescale_i
+with timescale_i = min * (max / min) ** (2i / D) for ``windows = (min, max)``: (1, 10000)
+gives the usual RoPE frequencies with base 10000.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["rotary_pos_emb", "rotary_angles", "GROUP_METHODS"]
+
+GROUP_METHODS = ("consecutive", "alternate")
+
+try:
+    from transformer_engine.jax.rope import apply_rotary_pos_emb
+except ImportError:  # the fused RoPE op has not landed yet: the same rotation in jnp
+
+    def apply_rotary_pos_emb(x, freqs, tensor_format="bshd", interleaved=False,
+                             start_positions=None):
+        seq_axis = 0 if tensor_format == "sbhd" else 1
+        s, b = x.shape[seq_axis], x.shape[1 - seq_axis]
+        start = jnp.zeros((b,), jnp.int32) if start_positions is None else start_positions
+        pos = start[:, None] + jnp.arange(s)[None, :]  # [b, s]
+        angles = jnp.take(freqs, pos, axis=0)[:, :, None, :]  # [b, s, 1, d]
+        if seq_axis == 0:
+            angles = jnp.swapaxes(angles, 0, 1)
+        xf = x.astype(jnp.float32)
+        if interleaved:
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+            partner = jnp.stack([-x2, x1], axis=-1).reshape(xf.shape)
+        else:
+            x1, x2 = jnp.split(xf, 2, axis=-1)
+            partner = jnp.concatenate([-x2, x1], axis=-1)
+        return (xf * jnp.cos(angles) + partner * jnp.sin(angles)).astype(x.dtype)
+
+
+def canonical_group_method(method: str) -> str:
+    """NVIDIA's spelling rules: case, spaces, '-' and '_' do not matter."""
+    canon = str(method).lower().strip().replace("-", "").replace("_", "")
+    if canon not in GROUP_METHODS:
+        raise ValueError(f"rotary_pos_emb: rotary_pos_emb_group_method must be one of "
+                         f"{GROUP_METHODS}, got {method!r}")
+    return canon
+
+
+def rotary_angles(length: int, dim: int, windows: Tuple[float, float],
+                  interleaved: bool) -> jax.Array:
+    """float32 [length, dim]: the angle of each feature at positions 0 .. length - 1, laid out
+    as the features pair ([a_0, a_0, a_1, a_1, ..] interleaved, else [a_0 .. a_{D/2-1}] twice)."""
+    lo, hi = float(windows[0]), float(windows[1])
+    if lo <= 0 or hi <= 0:
+        raise ValueError(f"rotary_pos_emb: rotary_pos_emb_windows must be two positive "
+                         f"timescales, got {windows}")
+    fraction = 2.0 * jnp.arange(dim // 2, dtype=jnp.float32) / dim
+    inv_timescale = 1.0 / (lo * (hi / lo) ** fraction)
+    half = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_timescale[None, :]
+    if interleaved:
+        return jnp.repeat(half, 2, axis=-1)
+    return jnp.concatenate([half, half], axis=-1)
+
+
+def rotary_pos_emb(x: jax.Array, *, windows: Tuple[float, float], group_method: str,
+                   max_length: int, transpose_batch_sequence: bool,
+                   start: Optional[jax.Array] = None) -> jax.Array:
+    """x [batch, seq, heads, D] (or [seq, batch, ...]) rotated at positions start + t."""
+    method = canonical_group_method(group_method)
+    dim = x.shape[-1]
+    if dim % 2:
+        raise ValueError(f"rotary_pos_emb: the head dim must be even, got {dim}")
+    interleaved = method == "consecutive"
+    freqs = rotary_angles(max_length, dim, windows, interleaved)
+    batch = x.shape[1 if transpose_batch_sequence else 0]
+    starts = None
+    if start is not None:
+        starts = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (batch,))
+    return apply_rotary_pos_emb(x, freqs, tensor_format="sbhd" if transpose_batch_sequence
+                                else "bshd", interleaved=interleaved, start_positions=starts)

@@ -1,0 +1,353 @@
+"""The flax (linen) ``MultiHeadAttention``: norm + QKV projection, rotary embedding,
+dot-product attention (with a key/value cache for decoding) and the output projection."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Optional, Sequence, Tuple
+
+import flax.linen as nn
+
+import jax
+import jax.numpy as jnp
+from transformer_engine.jax.attention import MASKS, fused_attn
+from transformer_engine.jax.flax._rotary import rotary_pos_emb
+from transformer_engine.jax.flax._unfused_attention import allowed_keys, unfused_attention
+from transformer_engine.jax.flax.attention import _cu_seqlens
+from transformer_engine.jax.flax.layernorm_dense import LayerNormDenseGeneral
+from transformer_engine.jax.flax.module import DenseGeneral, Initializer
+
+__all__ = ["MultiHeadAttention"]
+
+_MASK_ALIASES = {"causal_padding": "padding_causal"}
+_BIAS_TYPES = (None, "no_bias", "pre_scale_bias", "post_scale_bias")
+
+
+def default_kernel_init(dtype=jnp.float32) -> Initializer:
+    """variance_scaling(1.0, 'fan_in', 'normal'): the projections' default initializer."""
+    return nn.initializers.variance_scaling(1.0, "fan_in", "normal", dtype=dtype)
+
+
+def _stacked_init(inits: Sequence[Initializer]) -> Initializer:
+    """The initializer of a kernel ``[K, n, N]`` whose part i has ``inits[i]`` (each sees its
+    own [K, N] matrix, so fan-in and fan-out are those of one projection). The dense modules
+    call it with the flattened ``[K, n * N]`` matrix."""
+
+    def init(key, shape, dtype=jnp.float32):
+        n = len(inits)
+        k_in, width = math.prod(shape[:-1]) // (n if len(shape) == 3 else 1), shape[-1]
+        part = (k_in, width if len(shape) == 3 else width // n)
+        keys = jax.random.split(key, n)
+        mats = [f(kk, part, dtype) for f, kk in zip(inits, keys, strict=True)]
+        return jnp.stack(mats, axis=-2).reshape(shape)
+
+    return init
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention: [norm ->] Q, K, V projections -> [rotary embedding ->]
+    dot-product attention -> output projection. The GEMMs run in FP8 inside
+    ``fp8_autocast``, each keeping its FP8 state in the ``fp8_metas`` collection of its
+    submodule.
+
+    Submodules (and so the parameter tree): self-attention with ``fuse_qkv_params`` and
+    no GQA has one ``qkv`` (:class:`LayerNormDenseGeneral`, kernel ``[hidden, 3, H * D]``);
+    otherwise ``query`` (:class:`LayerNormDenseGeneral`) and either ``kv`` (kernel
+    ``[hidden, 2, G * D]``, with ``fuse_qkv_params``) or ``key`` and ``value``
+    (:class:`DenseGeneral`); then ``out`` (:class:`DenseGeneral`). In self-attention (the
+    call's ``inputs_q is inputs_kv``) K and V project the normed input; in cross-attention
+    they project ``inputs_kv`` as given.
+
+    Attention runs fused (:func:`~transformer_engine.jax.fused_attn`) unless it gets a
+    ``bias`` or decodes from the cache: then it runs in jnp (logits accumulated in fp32,
+    softmax in fp32), as fused_attn has no bias input.
+
+    Attributes:
+        head_dim: D, the size of each head.
+        num_attention_heads: H, the query heads.
+        num_gqa_groups: G, the key/value heads (GQA; 1 is MQA); default H.
+        attention_dropout: dropout of the attention weights.
+        dropout_rng_name: the rng stream that dropout draws from.
+        input_layernorm: norm the input before the QKV projection.
+        layernorm_type: ``"layernorm"`` or ``"rmsnorm"``.
+        layernorm_epsilon: added to the variance.
+        return_layernorm_output: also return the normed input (else None as second output).
+        zero_centered_gamma: the norm's ``scale`` stores g - 1.
+        kernel_init: initializer of the projections (default variance_scaling(1, fan_in,
+            normal)).
+        use_bias: biases on the projections.
+        bias_init: initializer of those biases.
+        attn_mask_type: ``"no_mask"``, ``"padding"``, ``"causal"``, ``"padding_causal"``
+            (alias ``"causal_padding"``), ``"causal_bottom_right"`` or
+            ``"padding_causal_bottom_right"``. The call's ``mask`` is used only by the
+            padding masks (the fused path reads each row's and column's unmasked length from
+            it: padding at the end of each sequence).
+        attn_bias_type: ``"no_bias"``, ``"pre_scale_bias"`` (softmax((qk + bias) * scale))
+            or ``"post_scale_bias"`` (softmax(qk * scale + bias)); None: post_scale_bias
+            when a bias is given.
+        enable_rotary_pos_emb: rotate the projected queries and keys (RoPE).
+        rotary_pos_emb_windows: (min, max) timescales: pair i turns at position / (min *
+            (max / min) ** (2i / D)).
+        rotary_pos_emb_group_method: ``"consecutive"`` pairs features (2i, 2i + 1);
+            ``"alternate"`` pairs i with i + D / 2.
+        low_rank_adaptation_scope, low_rank_adaptation_dim, low_rank_adaptation_alpha:
+            LoRA is not supported: the scope must be ``"none"``.
+        dtype: the dtype of the parameters (the computation runs in the inputs' dtype).
+        fuse_qkv_params: one kernel for Q, K, V (self-attention) or K, V (cross, GQA).
+        transpose_batch_sequence: inputs are [seqlen, batch, hidden] (else [batch, seqlen,
+            hidden]).
+        enable_sequence_parallel: recorded only (no sharding constraints yet).
+        scale_attn_logits: scale the logits by 1 / sqrt(D); False: no scale (the default;
+            ``scaled_query_init`` puts the factor into the query kernel's initial values).
+        scaled_query_init: divide the query kernel's initial values by sqrt(D).
+        float32_logits: the jnp path computes the logits from fp32 q and k.
+        window_size: (left, right) sliding window, -1 an unbounded side.
+        num_heads, dropout_rate, output_layernorm, apply_residual_connection_post_layernorm,
+            fuse_qkv: deprecated spellings (``num_heads`` and ``dropout_rate`` replace
+            ``num_attention_heads`` and ``attention_dropout``).
+
+    The call ``(inputs_q, inputs_kv, mask=None, bias=None, *, decode=False,
+    deterministic=False)`` returns ``(out, ln_out)``: out in inputs_q's shape and dtype,
+    ln_out the normed input with ``return_layernorm_output`` (else None). ``mask``
+    [batch, 1, sq, skv] is True where masked; ``bias`` [1 or batch, H, sq, skv].
+
+    Decoding: ``init`` (or a first apply with ``mutable=["cache"]``) with ``decode=True`` and
+    inputs of the longest length L makes the ``cache`` collection (``cached_key``,
+    ``cached_value`` of L positions, ``cache_index``); each later call with ``decode=True``
+    appends its tokens at ``cache_index`` (rotated at their positions) and attends to the
+    cache so far. A ``bias`` for those calls covers all L rows (the call takes its rows).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from transformer_engine.jax.flax import MultiHeadAttention
+        >>> mha = MultiHeadAttention(head_dim=16, num_attention_heads=4,
+        ...                          transpose_batch_sequence=False)
+        >>> x = jnp.ones((2, 8, 64))
+        >>> variables = mha.init(jax.random.PRNGKey(0), x, x)
+        >>> out, _ = mha.apply(variables, x, x, deterministic=True)
+        >>> out.shape
+        (2, 8, 64)
+    """
+
+    head_dim: int
+    num_attention_heads: int
+    num_gqa_groups: Optional[int] = None
+    attention_dropout: float = 0.0
+    dropout_rng_name: str = "dropout"
+    input_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    layernorm_epsilon: float = 1e-6
+    return_layernorm_output: bool = False
+    zero_centered_gamma: bool = False
+    kernel_init: Optional[Initializer] = None
+    use_bias: bool = False
+    bias_init: Initializer = nn.initializers.zeros
+    attn_mask_type: str = "causal"
+    attn_bias_type: Optional[str] = None
+    enable_rotary_pos_emb: bool = False
+    rotary_pos_emb_windows: Tuple[int, int] = (1, 10000)
+    rotary_pos_emb_group_method: str = "consecutive"
+    low_rank_adaptation_scope: str = "none"
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: Optional[float] = None
+    dtype: Any = jnp.float32
+    fuse_qkv_params: bool = True
+    transpose_batch_sequence: bool = True
+    enable_sequence_parallel: bool = False
+    scale_attn_logits: bool = False
+    scaled_query_init: bool = True
+    float32_logits: bool = False
+    window_size: Optional[Tuple[int, int]] = None
+    # Deprecated spellings.
+    num_heads: Optional[int] = None
+    dropout_rate: Optional[float] = None
+    output_layernorm: Optional[bool] = None
+    apply_residual_connection_post_layernorm: Optional[bool] = None
+    fuse_qkv: Optional[bool] = None
+
+    def _settings(self):
+        """(heads, groups, dropout, mask type), after the deprecated spellings, checked."""
+        name = "MultiHeadAttention"
+        for old, new in (("num_heads", "num_attention_heads"),
+                         ("dropout_rate", "attention_dropout"),
+                         ("apply_residual_connection_post_layernorm", "return_layernorm_output"),
+                         ("fuse_qkv", "fuse_qkv_params")):
+            if getattr(self, old) is not None:
+                warnings.warn(f"{name}.{old} is deprecated; use {new}", DeprecationWarning,
+                              stacklevel=3)
+        if self.output_layernorm is not None:
+            raise ValueError(f"{name}: output_layernorm must be None (use input_layernorm), "
+                             f"got {self.output_layernorm!r}")
+        heads = self.num_heads if self.num_heads is not None else self.num_attention_heads
+        dropout = self.dropout_rate if self.dropout_rate is not None else self.attention_dropout
+        groups = self.num_gqa_groups if self.num_gqa_groups is not None else heads
+        if self.head_dim <= 0 or heads <= 0 or groups <= 0 or heads % groups:
+            raise ValueError(f"{name}: head_dim, num_attention_heads and num_gqa_groups must be "
+                             f"positive with num_gqa_groups dividing num_attention_heads, got "
+                             f"{self.head_dim}, {heads}, {groups}")
+        mask_type = _MASK_ALIASES.get(self.attn_mask_type, self.attn_mask_type)
+        if mask_type not in MASKS:
+            raise ValueError(f"{name}: attn_mask_type must be one of {(*MASKS, 'causal_padding')}"
+                             f", got {self.attn_mask_type!r}")
+        if self.attn_bias_type not in _BIAS_TYPES:
+            raise ValueError(f"{name}: attn_bias_type must be one of {_BIAS_TYPES}, got "
+                             f"{self.attn_bias_type!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"{name}: attention_dropout must be in [0, 1), got {dropout}")
+        if str(self.low_rank_adaptation_scope).lower() != "none":
+            raise NotImplementedError(f"{name}: low_rank_adaptation_scope must be 'none' (LoRA "
+                                      f"is not supported), got {self.low_rank_adaptation_scope!r}")
+        return heads, groups, dropout, mask_type
+
+    @nn.compact
+    def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array,
+                 mask: Optional[jax.Array] = None, bias: Optional[jax.Array] = None, *,
+                 decode: bool = False, deterministic: bool = False):
+        heads, groups, dropout, mask_type = self._settings()
+        name = "MultiHeadAttention"
+        is_self = inputs_q is inputs_kv
+        inputs_q, inputs_kv = jnp.asarray(inputs_q), jnp.asarray(inputs_kv)
+        if inputs_q.ndim != 3 or inputs_kv.ndim != 3:
+            raise ValueError(f"{name}: inputs_q and inputs_kv must have rank 3, got shapes "
+                             f"{inputs_q.shape} and {inputs_kv.shape}")
+        if inputs_q.dtype != inputs_kv.dtype:
+            raise TypeError(f"{name}: inputs_q and inputs_kv must have the same dtype, got "
+                            f"{inputs_q.dtype} and {inputs_kv.dtype}")
+        bias_type = self.attn_bias_type or ("post_scale_bias" if bias is not None else "no_bias")
+        if bias is not None and bias_type == "no_bias":
+            raise ValueError(f"{name}: a bias was given but attn_bias_type is 'no_bias'")
+        d = self.head_dim
+        q, k, v, ln_out = self._project(inputs_q, inputs_kv, is_self, heads, groups)
+        seq_axis = 0 if self.transpose_batch_sequence else 1
+        cache = self._cache(k, v) if decode else None
+        start = cache["index"] if cache is not None else None
+        if self.enable_rotary_pos_emb:
+            length = cache["length"] if cache is not None else max(q.shape[seq_axis],
+                                                                   k.shape[seq_axis])
+            rope = dict(windows=self.rotary_pos_emb_windows,
+                        group_method=self.rotary_pos_emb_group_method, max_length=length,
+                        transpose_batch_sequence=self.transpose_batch_sequence, start=start)
+            q, k = rotary_pos_emb(q, **rope), rotary_pos_emb(k, **rope)
+        scale = 1.0 / math.sqrt(d) if self.scale_attn_logits else 1.0
+        rate = 0.0 if deterministic else dropout
+        rng = self.make_rng(self.dropout_rng_name) if rate > 0.0 else None
+        if cache is not None:
+            k, v, q_pos, k_pos, k_valid = self._update_cache(cache, q, k, v, seq_axis)
+            length = cache["length"]
+            if bias is not None:
+                if bias.ndim != 4 or bias.shape[-1] != length or bias.shape[-2] != length:
+                    raise ValueError(f"{name}: when decoding, bias must be [1 or batch, heads, "
+                                     f"{length}, {length}] (the cache's length), got "
+                                     f"{bias.shape}")
+                bias = jax.lax.dynamic_slice_in_dim(bias, start, q.shape[seq_axis], axis=2)
+            allowed = allowed_keys(mask_type, q_pos, k_pos, self.window_size, mask, k_valid)
+            x = unfused_attention(q, k, v, allowed, scale=scale, bias=bias, bias_type=bias_type,
+                                  dropout_rate=rate, dropout_rng=rng,
+                                  float32_logits=self.float32_logits,
+                                  seq_first=self.transpose_batch_sequence)
+        elif bias is not None:
+            sq, skv = q.shape[seq_axis], k.shape[seq_axis]
+            q_pos = jnp.arange(sq) + (skv - sq if mask_type.endswith("bottom_right") else 0)
+            allowed = allowed_keys(mask_type, q_pos, jnp.arange(skv), self.window_size, mask)
+            x = unfused_attention(q, k, v, allowed, scale=scale, bias=bias, bias_type=bias_type,
+                                  dropout_rate=rate, dropout_rng=rng,
+                                  float32_logits=self.float32_logits,
+                                  seq_first=self.transpose_batch_sequence)
+        else:
+            x = self._fused(q, k, v, mask, mask_type, scale, rate, rng)
+        x = x.reshape(*x.shape[:2], heads * d)
+        out = DenseGeneral(features=inputs_q.shape[-1], axis=-1, use_bias=self.use_bias,
+                           kernel_init=self._kernel_init(), bias_init=self.bias_init,
+                           dtype=inputs_q.dtype, param_dtype=self.dtype, name="out")(x)
+        return out.astype(inputs_q.dtype), ln_out
+
+    def _kernel_init(self) -> Initializer:
+        return self.kernel_init if self.kernel_init is not None else default_kernel_init()
+
+    def _project(self, inputs_q, inputs_kv, is_self, heads, groups):
+        """q [.., .., H, D], k and v [.., .., G, D], and the normed input (or None)."""
+        d, dtype = self.head_dim, inputs_q.dtype
+        kernel_init = self._kernel_init()
+        depth = math.sqrt(d) if self.scaled_query_init else 1.0
+
+        def query_init(key, shape, dt=jnp.float32):
+            return kernel_init(key, shape, dt) / jnp.asarray(depth, dt)
+
+        common = dict(use_bias=self.use_bias, bias_init=self.bias_init, dtype=dtype,
+                      param_dtype=self.dtype)
+        norm = dict(enable_layernorm=self.input_layernorm, layernorm_type=self.layernorm_type,
+                    epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                    **common)
+        want_ln = self.return_layernorm_output
+        if self.fuse_qkv_params and is_self and groups == heads:
+            qkv = LayerNormDenseGeneral(features=(3, heads * d), return_layernorm_output=want_ln,
+                                        kernel_init=_stacked_init([query_init, kernel_init,
+                                                                   kernel_init]),
+                                        name="qkv", **norm)(inputs_q)
+            qkv, ln_out = qkv if want_ln else (qkv, None)
+            q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        else:
+            q, ln_out = LayerNormDenseGeneral(features=heads * d, return_layernorm_output=True,
+                                              kernel_init=query_init, name="query",
+                                              **norm)(inputs_q)
+            kv_in = ln_out if is_self else inputs_kv
+            ln_out = ln_out if want_ln else None
+            if self.fuse_qkv_params:
+                kv = DenseGeneral(features=(2, groups * d), axis=-1,
+                                  kernel_init=_stacked_init([kernel_init, kernel_init]),
+                                  name="kv", **common)(kv_in)
+                k, v = kv[..., 0, :], kv[..., 1, :]
+            else:
+                k = DenseGeneral(features=groups * d, axis=-1, kernel_init=kernel_init,
+                                 name="key", **common)(kv_in)
+                v = DenseGeneral(features=groups * d, axis=-1, kernel_init=kernel_init,
+                                 name="value", **common)(kv_in)
+        q = q.reshape(*q.shape[:2], heads, d).astype(dtype)
+        k = k.reshape(*k.shape[:2], groups, d).astype(dtype)
+        v = v.reshape(*v.shape[:2], groups, d).astype(dtype)
+        return q, k, v, ln_out
+
+    def _cache(self, k, v) -> Optional[dict]:
+        """The cache's variables, made (zero) at the first decode call; None at that call
+        (it attends over its own tokens as a full forward does)."""
+        initialized = self.has_variable("cache", "cached_key")
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        if not initialized:
+            return None
+        seq_axis = 0 if self.transpose_batch_sequence else 1
+        return dict(key=cached_key, value=cached_value, index_var=index,
+                    index=index.value.astype(jnp.int32),
+                    length=cached_key.value.shape[seq_axis])
+
+    def _update_cache(self, cache, q, k, v, seq_axis):
+        cached = cache["key"].value
+        n, length = k.shape[seq_axis], cache["length"]
+        other = tuple(s for i, s in enumerate(cached.shape) if i != seq_axis)
+        if tuple(s for i, s in enumerate(k.shape) if i != seq_axis) != other or n > length:
+            raise ValueError(f"MultiHeadAttention: decoding needs keys of shape {cached.shape} "
+                             f"with at most {length} positions (the cache's), got {k.shape}")
+        cur = cache["index"]
+        k = jax.lax.dynamic_update_slice_in_dim(cached, k.astype(cached.dtype), cur, seq_axis)
+        v = jax.lax.dynamic_update_slice_in_dim(cache["value"].value,
+                                                v.astype(cached.dtype), cur, seq_axis)
+        cache["key"].value, cache["value"].value = k, v
+        cache["index_var"].value = cur + n
+        k_pos = jnp.arange(length)
+        return k, v, cur + jnp.arange(q.shape[seq_axis]), k_pos, k_pos < cur + n
+
+    def _fused(self, q, k, v, mask, mask_type, scale, rate, rng):
+        layout = "sbhd" if self.transpose_batch_sequence else "bshd"
+        cu_q = cu_kv = None
+        if mask_type.startswith("padding"):
+            if mask is None:
+                raise ValueError(f"MultiHeadAttention: attn_mask_type {mask_type!r} needs a "
+                                 "mask [batch, 1, sq, skv] (True = masked)")
+            allowed = ~jnp.asarray(mask).astype(bool)[:, 0]
+            cu_q, cu_kv = _cu_seqlens(allowed.any(axis=-1)), _cu_seqlens(allowed.any(axis=-2))
+        return fused_attn(q, k, v, qkv_layout=layout, attn_mask_type=mask_type,
+                          window_size=self.window_size, scale_factor=scale,
+                          dropout_probability=rate, dropout_rng=rng, cu_seqlens_q=cu_q,
+                          cu_seqlens_kv=cu_kv)
