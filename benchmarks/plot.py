@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-METRICS = ("effective_tbps", "tflops", "speedup", "median_ms", "host_us")
+METRICS = ("effective_tbps", "tflops", "tokens_per_s", "speedup", "median_ms", "host_us")
 
 
 def _shape(row: dict) -> str:
