@@ -8,6 +8,7 @@
 #include "transformer_engine/gemm.h"
 #include "transformer_engine/norm.h"
 #include "transformer_engine/quantize.h"
+#include "transformer_engine/rope.h"
 #include "transformer_engine/scaling.h"
 #include "transformer_engine/transpose.h"
 

@@ -6,6 +6,7 @@
 #include "gemm/gemm_impl.h"
 #include "norm/norm_impl.h"
 #include "quantize/quantize_impl.h"
+#include "rope/rope_impl.h"
 #include "scaling/scaling_impl.h"
 #include "transpose/transpose_impl.h"
 
@@ -37,6 +38,9 @@ te_status scaled_softmax_forward_cuda(const SoftmaxForwardArgs &, te_stream) {
 }
 te_status scaled_softmax_backward_cuda(const SoftmaxBackwardArgs &, te_stream) {
   return no_cuda_build("scaled_softmax_backward");
+}
+te_status rope_cuda(const RopeArgs &args, te_stream) {
+  return no_cuda_build(args.backward ? "rope_backward" : "rope_forward");
 }
 CudaDeviceScope::CudaDeviceScope(int) {}
 CudaDeviceScope::~CudaDeviceScope() {}
