@@ -198,6 +198,9 @@ def test_attention_without_fp8_dequantizes_float8_inputs(device):
 def _mha(device, **kw):
     z = SIZES[device.type]
     kw.setdefault("num_gqa_groups", z["groups"])
+    # One QKV weight laid out [q | k | v], which the reference below splits.
+    kw.setdefault("fuse_qkv_params", True)
+    kw.setdefault("qkv_weight_interleaved", False)
     return te.MultiheadAttention(z["hidden"], z["heads"], attention_dropout=0.0,
                                  params_dtype=bf16, device=device, **kw)
 
@@ -213,12 +216,13 @@ def _reference_mha(mha: te.MultiheadAttention, x: torch.Tensor, memory=None) -> 
     """The block from torch ops in fp32 (sbhd, causal)."""
     h, g, d = mha.num_attention_heads, mha.num_gqa_groups, mha.head_dim
     x = x.float()
+    self_attention = mha.attention_type == "self"
     if mha.input_layernorm:
-        first = mha.layernorm_qkv
+        first = mha.layernorm_qkv if self_attention else mha.layernorm_query
         x_in = F.layer_norm(x, (x.shape[-1],), first.layer_norm_weight.float(),
                             first.layer_norm_bias.float(), first.cfg.eps)
     else:
-        first, x_in = mha.qkv, x
+        first, x_in = (mha.qkv if self_attention else mha.query_layer), x
     projected = F.linear(x_in, first.weight.float(), first.bias.float())
     if mha.attention_type == "self":
         q, k, v = projected.split([h * d, g * d, g * d], dim=-1)

@@ -15,6 +15,7 @@ Example (the seed example; on a machine without a GPU use device="cpu"):
 from .checkpoint import checkpoint
 from .float8_tensor import Float8Tensor
 from .fp8 import autocast, fp8_autocast, fp8_model_init, is_fp8_available
+from .inference import InferenceParams
 from .module import (
     AttentionBackend,
     DotProductAttention,
@@ -24,14 +25,15 @@ from .module import (
     Linear,
     MultiheadAttention,
     RMSNorm,
+    TransformerLayer,
     get_attention_backend,
 )
 from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionBackend", "DotProductAttention", "Float8Tensor", "LayerNorm",
-           "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm",
-           "RotaryPositionEmbedding", "__version__", "apply_rotary_pos_emb", "autocast",
-           "checkpoint", "fp8_autocast", "fp8_model_init", "get_attention_backend",
-           "is_fp8_available"]
+__all__ = ["AttentionBackend", "DotProductAttention", "Float8Tensor", "InferenceParams",
+           "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
+           "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "__version__",
+           "apply_rotary_pos_emb", "autocast", "checkpoint", "fp8_autocast", "fp8_model_init",
+           "get_attention_backend", "is_fp8_available"]

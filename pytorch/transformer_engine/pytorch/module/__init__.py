@@ -6,6 +6,8 @@ from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 from .multihead_attention import MultiheadAttention
+from .transformer_layer import TransformerLayer
 
 __all__ = ["AttentionBackend", "DotProductAttention", "LayerNorm", "LayerNormLinear",
-           "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm", "get_attention_backend"]
+           "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm", "TransformerLayer",
+           "get_attention_backend"]

@@ -1,6 +1,7 @@
 """MultiheadAttention: the attention block of a transformer layer.
 
-    hidden -> [norm ->] QKV projection -> DotProductAttention -> output projection
+    hidden -> [norm ->] QKV projection -> [RoPE ->] [KV cache ->] DotProductAttention -> output
+    projection
 
 Under ``fp8_autocast`` with ``fp8_dpa=True`` attention runs in FP8; with ``fp8_mha=True`` too,
 the block keeps its activations in FP8 between the three steps: the QKV GEMM writes E4M3
@@ -8,86 +9,100 @@ directly (its epilogue casts with the projection's output scale), attention read
 and writes o in E4M3, and the output projection's GEMM reads o as it is. That saves the casts
 of q, k, v to FP8 and of o back (each a read and a write of the tensor), which is where FP8
 attention inside a model pays. The gradients cross the same boundaries in high precision.
+
+RoPE rotates q and k in high precision (a rotation of E4M3 values would round again), so with
+``rotary_pos_emb`` (or a KV cache, which stores high precision) the QKV GEMM writes its usual
+high-precision output and attention quantizes q, k, v itself; o still leaves in FP8.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Optional, Union
 
 import torch
 
 from .. import fp8
-from ..float8_tensor import Float8Tensor
+from ..checkpoint import checkpoint
+from ..float8_tensor import to_high_precision
+from ..rope import apply_rotary_pos_emb
+from ._heads import split_heads
 from .attention import DotProductAttention, _runs_fp8
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear, _default_device, check_unsupported
 
 __all__ = ["MultiheadAttention"]
 
-
-class _SplitHeadsFP8(torch.autograd.Function):
-    """Splits a Float8Tensor [..., sum(sizes)] along its last dimension into contiguous
-    Float8Tensors [..., heads_i, head_dim] (byte copies sharing the scale); the backward
-    concatenates the high-precision gradients."""
-
-    @staticmethod
-    def forward(ctx, x, sizes: tuple, heads: tuple, head_dim: int):
-        lead = x.shape[:-1]
-        parts = torch.split(x._data, list(sizes), dim=-1)
-        ctx.lead, ctx.sizes, ctx.dtype = lead, sizes, x.dtype
-        return tuple(Float8Tensor(p.contiguous().view(*lead, h, head_dim), x._scale_inv,
-                                  x._fp8_dtype, x.dtype)
-                     for p, h in zip(parts, heads, strict=True))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        device = next((g.device for g in grads if g is not None), None)
-        flat = [g.reshape(*ctx.lead, size) if g is not None
-                else torch.zeros(*ctx.lead, size, dtype=ctx.dtype, device=device)
-                for g, size in zip(grads, ctx.sizes, strict=True)]
-        return torch.cat(flat, dim=-1), None, None, None
+# NVIDIA TE's default weight initialization of the attention and MLP blocks.
+DEFAULT_INIT_STD = 0.023
 
 
-def _split_heads(x: torch.Tensor, heads: tuple, head_dim: int) -> tuple:
-    """x [..., sum(heads) * head_dim] -> one [..., heads_i, head_dim] tensor per entry."""
-    sizes = tuple(h * head_dim for h in heads)
-    if isinstance(x, Float8Tensor):
-        return _SplitHeadsFP8.apply(x, sizes, heads, head_dim)
-    lead = x.shape[:-1]
-    return tuple(p.view(*lead, h, head_dim)
-                 for p, h in zip(torch.split(x, list(sizes), dim=-1), heads, strict=True))
+def default_init_method(weight: torch.Tensor) -> None:
+    """N(0, 0.023^2), the default of te.MultiheadAttention and te.TransformerLayer."""
+    torch.nn.init.normal_(weight, mean=0.0, std=DEFAULT_INIT_STD)
+
+
+def refuse_unsupported(op: str, **given) -> None:
+    """NotImplementedError naming the first feature given a value other than its default."""
+    defaults = {"ub_overlap_ag": False, "ub_overlap_rs": False, "ub_overlap_rs_dgrad": False,
+                "ub_bulk_dgrad": False, "ub_bulk_wgrad": False, "ub_tp_comm_overlap": False,
+                "qk_norm_type": None, "qk_norm_before_rope": False, "softmax_type": "vanilla"}
+    names = {"qk_norm_type": "query/key normalization", "qk_norm_before_rope":
+             "query/key normalization", "softmax_type": "softmax_type other than 'vanilla' "
+             "(attention sinks)"}
+    for arg, value in given.items():
+        if value != defaults[arg]:
+            feature = names.get(arg, "userbuffers communication overlap")
+            raise NotImplementedError(f"{op}: {feature} is not implemented yet; {arg} must be "
+                                      f"{defaults[arg]!r}, got {value!r}")
+
+
+def zero_biases(module: torch.nn.Module) -> None:
+    """Biases start at 0 (as in NVIDIA TE's blocks; the norms' already do)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
 
 
 class MultiheadAttention(torch.nn.Module):
     """Self- or cross-attention with its projections, in FP8 under :func:`fp8_autocast`.
 
-    Args:
+    Args (in NVIDIA Transformer Engine's order):
         hidden_size: features of the input and of the output.
         num_attention_heads: query heads.
         kv_channels: head dim (default hidden_size // num_attention_heads).
         attention_dropout: dropout probability of the attention weights (training only).
         layernorm_epsilon: eps of the input norm.
-        init_method: initializes the query/key/value weights (default: nn.Linear's).
-        output_layer_init_method: initializes the output projection's weight.
-        layer_number: kept for API compatibility.
-        attn_mask_type, window_size, qkv_format, attention_backend: as DotProductAttention
-            (``qkv_format`` is the layout of ``hidden_states``: ``"sbhd"`` [s, b, hidden],
-            ``"bshd"`` [b, s, hidden] or ``"thd"`` [tokens, hidden]).
+        init_method: initializes the query/key/value weights in place (default
+            N(0, 0.023^2)); output_layer_init_method likewise the output projection's.
+            Biases start at 0.
+        layer_number: this block's key in an InferenceParams cache (default 1).
+        attn_mask_type, window_size: as DotProductAttention (forward may override them).
+        tp_group, tp_size, sequence_parallel, fuse_wgrad_accumulation, set_parallel_mode,
+            get_rng_state_tracker: tensor parallelism; only one rank is implemented.
         num_gqa_groups: key/value heads (GQA; 1 is MQA); default num_attention_heads.
+        params_dtype, device: of the parameters (device default: the current CUDA device when
+            there is one, else the CPU).
+        return_bias: return the output projection's bias instead of adding it.
         return_layernorm_output: also return the input norm's output (with input_layernorm).
         input_layernorm: normalize the input before the query (and key/value) projection.
-        attention_type: ``"self"`` (q, k, v from hidden_states) or ``"cross"`` (q from
-            hidden_states, k and v from ``encoder_output``).
+        attention_type: ``"self"`` or ``"cross"`` (k and v from ``encoder_output``).
+        fuse_qkv_params: one weight for q, k, v (``layernorm_qkv.weight``); else separate
+            ``query_weight``, ``key_weight``, ``value_weight`` (cross attention: ``query_weight``
+            of ``layernorm_query``, ``key_weight`` / ``value_weight`` of ``key_value``).
         zero_centered_gamma, normalization: of the input norm (``"LayerNorm"``/``"RMSNorm"``).
+        qkv_weight_interleaved: with fuse_qkv_params, the fused weight's rows hold, per
+            key/value group, that group's query heads, then its key and value heads (see
+            ``_heads.py``); False (forced without fuse_qkv_params): [q | k | v].
+        rotary_pos_interleaved: RoPE pairs features (2i, 2i + 1) instead of (i, i + d/2).
+        ub_*, qk_norm_type, qk_norm_before_rope, softmax_type: accepted at their defaults
+            (other values raise NotImplementedError); qk_norm_eps, seq_length,
+            micro_batch_size, name: accepted, unused.
         bias: learn biases in the projections.
-        return_bias: return the output projection's bias instead of adding it.
-        params_dtype, device: of the parameters (and of the FP8 state).
-        tp_group, tp_size, sequence_parallel, fuse_wgrad_accumulation: as te.Linear (only
-            ``tp_size=1``).
-
-    The query/key/value projection of self-attention is one GEMM whose output features are
-    [q heads | k heads | v heads] (num_attention_heads + 2 * num_gqa_groups heads); cross
-    attention has a query projection and a key/value projection ([k heads | v heads]).
+        qkv_format: layout of ``hidden_states``: ``"sbhd"`` [s, b, hidden], ``"bshd"``
+            [b, s, hidden] or ``"thd"`` [tokens, hidden].
+        attention_backend: as DotProductAttention (keyword only).
 
     Example:
         >>> mha = te.MultiheadAttention(1024, 16, attention_dropout=0.0)  # doctest: +SKIP
@@ -103,96 +118,221 @@ class MultiheadAttention(torch.nn.Module):
                  init_method: Optional[Callable[[torch.Tensor], None]] = None,
                  output_layer_init_method: Optional[Callable[[torch.Tensor], None]] = None,
                  layer_number: Optional[int] = None, attn_mask_type: str = "causal",
-                 window_size: Optional[tuple[int, int]] = None,
-                 num_gqa_groups: Optional[int] = None, return_layernorm_output: bool = False,
-                 input_layernorm: bool = False, attention_type: str = "self",
-                 zero_centered_gamma: bool = False, bias: bool = True,
-                 normalization: str = "LayerNorm", qkv_format: str = "sbhd",
-                 return_bias: bool = False, params_dtype: Optional[torch.dtype] = None,
-                 device: Union[torch.device, str, None] = None, tp_group=None,
-                 tp_size: int = 1, sequence_parallel: bool = False,
+                 window_size: Optional[tuple[int, int]] = None, tp_group=None,
+                 tp_size: int = 1, num_gqa_groups: Optional[int] = None,
                  fuse_wgrad_accumulation: bool = False,
+                 get_rng_state_tracker: Optional[Callable] = None,
+                 sequence_parallel: bool = False, params_dtype: Optional[torch.dtype] = None,
+                 return_bias: bool = False, return_layernorm_output: bool = False,
+                 input_layernorm: bool = False, attention_type: str = "self",
+                 set_parallel_mode: bool = False, fuse_qkv_params: bool = False,
+                 zero_centered_gamma: bool = False, qkv_weight_interleaved: bool = True,
+                 rotary_pos_interleaved: bool = False, ub_overlap_ag: bool = False,
+                 ub_overlap_rs: bool = False, ub_overlap_rs_dgrad: bool = False,
+                 ub_bulk_dgrad: bool = False, ub_bulk_wgrad: bool = False, bias: bool = True,
+                 normalization: str = "LayerNorm",
+                 device: Union[torch.device, str, None] = None, qkv_format: str = "sbhd",
+                 name: Optional[str] = None, qk_norm_type: Optional[str] = None,
+                 qk_norm_eps: float = 1e-6, qk_norm_before_rope: bool = False,
+                 seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                 softmax_type: str = "vanilla", *,
                  attention_backend: Optional[str] = None) -> None:
         super().__init__()
-        name = "te.MultiheadAttention"
+        op = "te.MultiheadAttention"
         check_unsupported(tp_group, tp_size, None, sequence_parallel, fuse_wgrad_accumulation,
-                          name)
+                          op)
+        refuse_unsupported(op, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+                           ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
+                           ub_bulk_wgrad=ub_bulk_wgrad, qk_norm_type=qk_norm_type,
+                           qk_norm_before_rope=qk_norm_before_rope, softmax_type=softmax_type)
         if attention_type not in ("self", "cross"):
-            raise ValueError(f"{name}: attention_type must be 'self' or 'cross', got "
+            raise ValueError(f"{op}: attention_type must be 'self' or 'cross', got "
                              f"{attention_type!r}")
+        if layer_number is not None and (not isinstance(layer_number, int) or layer_number < 1):
+            raise ValueError(f"{op}: layer_number must be None or a positive int, got "
+                             f"{layer_number!r}")
         if kv_channels is None:
             if hidden_size % num_attention_heads:
-                raise ValueError(f"{name}: hidden_size ({hidden_size}) must be a multiple of "
+                raise ValueError(f"{op}: hidden_size ({hidden_size}) must be a multiple of "
                                  f"num_attention_heads ({num_attention_heads}), or give "
                                  "kv_channels")
             kv_channels = hidden_size // num_attention_heads
         groups = num_gqa_groups if num_gqa_groups is not None else num_attention_heads
+        if groups <= 0 or num_attention_heads % groups:
+            raise ValueError(f"{op}: num_attention_heads ({num_attention_heads}) must be a "
+                             f"multiple of num_gqa_groups ({groups})")
         if return_layernorm_output and not input_layernorm:
-            raise ValueError(f"{name}: return_layernorm_output needs input_layernorm=True")
+            raise ValueError(f"{op}: return_layernorm_output needs input_layernorm=True")
         device = _default_device(device)
+        init_method = init_method or default_init_method
+        output_layer_init_method = output_layer_init_method or default_init_method
         self.hidden_size, self.head_dim = int(hidden_size), int(kv_channels)
+        self.hidden_size_per_attention_head = self.head_dim
         self.num_attention_heads, self.num_gqa_groups = int(num_attention_heads), int(groups)
         self.attention_type, self.qkv_format = attention_type, qkv_format
-        self.input_layernorm = input_layernorm
+        self.attn_mask_type, self.window_size = attn_mask_type, window_size
+        self.layer_number = 1 if layer_number is None else layer_number
+        self.input_layernorm, self.name = input_layernorm, name
         self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
+        self.fuse_qkv_params = fuse_qkv_params
+        # Separate weights are always [q | k | v] (NVIDIA TE forces this too).
+        self.qkv_weight_interleaved = bool(qkv_weight_interleaved and fuse_qkv_params)
+        self.rotary_pos_interleaved = rotary_pos_interleaved
+        self.get_rng_state_tracker = get_rng_state_tracker
+        self.set_parallel_mode = set_parallel_mode
         common = dict(bias=bias, params_dtype=params_dtype, device=device)
-        q_features = self.num_attention_heads * self.head_dim
-        kv_features = 2 * self.num_gqa_groups * self.head_dim
-        # Self-attention projects q, k, v in one GEMM; cross attention q and (k, v) apart.
-        first = q_features + (kv_features if attention_type == "self" else 0)
-        if input_layernorm:
-            self.layernorm_qkv = LayerNormLinear(
-                hidden_size, first, layernorm_epsilon, normalization=normalization,
-                zero_centered_gamma=zero_centered_gamma,
-                return_layernorm_output=return_layernorm_output, init_method=init_method,
-                **common)
+        hq, hkv = self.num_attention_heads * self.head_dim, self.num_gqa_groups * self.head_dim
+        norm = dict(normalization=normalization, zero_centered_gamma=zero_centered_gamma,
+                    return_layernorm_output=return_layernorm_output)
+        if attention_type == "self":
+            split = None if fuse_qkv_params else OrderedDict(
+                (("query", hq), ("key", hkv), ("value", hkv)))
+            if input_layernorm:
+                self.layernorm_qkv = LayerNormLinear(
+                    hidden_size, hq + 2 * hkv, layernorm_epsilon, init_method=init_method,
+                    parameters_split=split, **norm, **common)
+            else:
+                self.qkv = Linear(hidden_size, hq + 2 * hkv, init_method=init_method,
+                                  parameters_split=split, **common)
         else:
-            self.qkv = Linear(hidden_size, first, init_method=init_method, **common)
-        if attention_type == "cross":
-            self.key_value = Linear(hidden_size, kv_features, init_method=init_method, **common)
+            if input_layernorm:
+                self.layernorm_query = LayerNormLinear(
+                    hidden_size, hq, layernorm_epsilon, init_method=init_method,
+                    parameters_split=None if fuse_qkv_params else ("query",), **norm, **common)
+            else:
+                self.query_layer = Linear(hidden_size, hq, init_method=init_method, **common)
+            self.key_value = Linear(hidden_size, 2 * hkv, init_method=init_method,
+                                    parameters_split=None if fuse_qkv_params else
+                                    ("key", "value"), **common)
         self.core_attention = DotProductAttention(
             num_attention_heads, kv_channels, num_gqa_groups=groups,
             attention_dropout=attention_dropout, qkv_format=qkv_format,
-            attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,
-            attention_type=attention_type, attention_backend=attention_backend, device=device)
-        self.proj = Linear(q_features, hidden_size, init_method=output_layer_init_method,
+            attn_mask_type=attn_mask_type, window_size=window_size,
+            layer_number=self.layer_number, attention_type=attention_type,
+            attention_backend=attention_backend, device=device)
+        self.proj = Linear(hq, hidden_size, init_method=output_layer_init_method,
                            return_bias=return_bias, **common)
+        zero_biases(self)
+        # The first projection (the one that reads hidden_states) and its output's heads.
+        self._first = getattr(self, "layernorm_qkv" if attention_type == "self" else
+                              "layernorm_query", None) if input_layernorm else \
+            getattr(self, "qkv" if attention_type == "self" else "query_layer")
+        hpg = self.num_attention_heads // self.num_gqa_groups
+        self._parts = (hpg, 1, 1) if attention_type == "self" else (hpg,)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, encoder_output=None,
                 attn_mask_type: Optional[str] = None, window_size=None,
-                is_first_microbatch: Optional[bool] = None, cu_seqlens_q=None,
-                cu_seqlens_kv=None, max_seqlen_q: Optional[int] = None,
-                max_seqlen_kv: Optional[int] = None):
+                is_first_microbatch: Optional[bool] = None,
+                checkpoint_core_attention: bool = False, inference_params=None,
+                rotary_pos_emb=None, core_attention_bias_type: str = "no_bias",
+                core_attention_bias: Optional[torch.Tensor] = None,
+                alibi_slopes: Optional[torch.Tensor] = None, cu_seqlens_q=None,
+                cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
+                fast_zero_fill: bool = True, pad_between_seqs: Optional[bool] = None):
         """``hidden_states`` in ``qkv_format``'s layout -> the same shape (then the bias when
-        return_bias, then the norm's output when return_layernorm_output). The mask and
-        sequence arguments are DotProductAttention's; ``encoder_output`` is the key/value
-        source of cross attention."""
+        return_bias, then the norm's output when return_layernorm_output).
+
+        The mask and sequence arguments are DotProductAttention's; ``encoder_output`` is the
+        key/value source of cross attention. ``rotary_pos_emb``: RoPE angles
+        ([s, 1, 1, rot_dim] float32, or a (query, key) pair of them) applied to q and k.
+        ``inference_params``: a :class:`InferenceParams` KV cache (self-attention).
+        ``checkpoint_core_attention``: recompute attention in the backward instead of keeping
+        its activations. Attention biases, ALiBi and padded packed sequences are not
+        implemented (their arguments must keep their defaults); ``fast_zero_fill`` is
+        accepted (padded rows are always written as zeros)."""
         if hidden_states.dim() == 0 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"te.MultiheadAttention: hidden_states must have hidden_size="
                              f"{self.hidden_size} as its last dimension, got shape "
                              f"{list(hidden_states.shape)}")
         if self.attention_type == "cross" and encoder_output is None:
             raise ValueError("te.MultiheadAttention: cross attention needs encoder_output")
+        if (core_attention_bias_type != "no_bias" or core_attention_bias is not None
+                or alibi_slopes is not None or pad_between_seqs
+                or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None):
+            _refuse_forward_args(core_attention_bias_type, core_attention_bias, alibi_slopes,
+                                 pad_between_seqs, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+        mask = attn_mask_type or self.attn_mask_type
+        window = window_size if window_size is not None else self.window_size
+        cache = inference_params if self.attention_type == "self" else None
         state = fp8.STATE
         fp8_mha = bool(state.enabled and _runs_fp8(state.recipe) and state.recipe.fp8_mha)
-        first = self.layernorm_qkv if self.input_layernorm else self.qkv
-        projected = first(hidden_states, is_first_microbatch, fp8_output=fp8_mha)
+        # RoPE and the cache take high precision: the QKV GEMM then writes its usual output.
+        qkv_fp8 = fp8_mha and rotary_pos_emb is None and cache is None
+        projected = self._first(hidden_states, is_first_microbatch, fp8_output=qkv_fp8)
         ln_out = None
         if self.return_layernorm_output:
             projected, ln_out = projected
-        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.head_dim
+        g, d = self.num_gqa_groups, self.head_dim
         if self.attention_type == "self":
-            q, k, v = _split_heads(projected, (h, g, g), d)
+            q, k, v = split_heads(projected, g, self._parts, d, self.qkv_weight_interleaved)
         else:
-            (q,) = _split_heads(projected, (h,), d)
-            kv = self.key_value(encoder_output, is_first_microbatch, fp8_output=fp8_mha)
-            k, v = _split_heads(kv, (g, g), d)
-        o = self.core_attention(q, k, v, attention_mask=attention_mask,
-                                attn_mask_type=attn_mask_type, window_size=window_size,
-                                cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                                max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+            (q,) = split_heads(projected, g, self._parts, d, False)
+            kv = self.key_value(encoder_output, is_first_microbatch, fp8_output=qkv_fp8)
+            k, v = split_heads(kv, g, (1, 1), d, self.qkv_weight_interleaved)
+        layout = self.qkv_format
+        if rotary_pos_emb is not None:
+            q, k = self._rope(q, k, rotary_pos_emb, cache, cu_seqlens_q, cu_seqlens_kv)
+        attend = dict(attention_mask=attention_mask, attn_mask_type=mask, window_size=window,
+                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                      max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+        if cache is not None:
+            q, k, v, layout = self._cached(cache, q, k, v, mask, attend)
+        if checkpoint_core_attention and torch.is_grad_enabled():
+            o = checkpoint(self.core_attention, q, k, v, qkv_format=layout,
+                           get_rng_state_tracker=self.get_rng_state_tracker, **attend)
+        else:
+            o = self.core_attention(q, k, v, qkv_format=layout, **attend)
+        if layout != self.qkv_format:  # a cached sbhd step attended in bshd
+            o = to_high_precision(o).transpose(0, 1).contiguous()
         out = self.proj(o, is_first_microbatch)
-        result = out if isinstance(out, tuple) else (out,)
-        if ln_out is not None:
-            result = result + (ln_out,)
-        return result if len(result) > 1 else result[0]
+        if ln_out is None:
+            return out
+        return (*out, ln_out) if isinstance(out, tuple) else (out, ln_out)
+
+    def _rope(self, q, k, rotary_pos_emb, cache, cu_seqlens_q, cu_seqlens_kv):
+        """q and k rotated at their positions (after the cached tokens, with a cache)."""
+        q_freqs, k_freqs = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
+                            else (rotary_pos_emb, rotary_pos_emb))
+        q, k = to_high_precision(q), to_high_precision(k)
+        start = None
+        if cache is not None:
+            start, offset = cache._rope_positions(q.device)
+            if offset:
+                seq = q.shape[0] if self.qkv_format == "sbhd" else q.shape[1]
+                q_freqs, k_freqs = (f[offset:offset + seq] for f in (q_freqs, k_freqs))
+        kw = dict(tensor_format=self.qkv_format, interleaved=self.rotary_pos_interleaved,
+                  fused=True, start_positions=start)
+        return (apply_rotary_pos_emb(q, q_freqs, cu_seqlens=cu_seqlens_q, **kw),
+                apply_rotary_pos_emb(k, k_freqs, cu_seqlens=cu_seqlens_kv, **kw))
+
+    def _cached(self, cache, q, k, v, mask: str, attend: dict):
+        """Appends k, v to the cache; q and the cached k, v in the layout attention runs in,
+        with ``attend`` set for attending over the cache."""
+        if self.qkv_format == "thd":
+            raise NotImplementedError("te.MultiheadAttention: inference_params with qkv_format "
+                                      "'thd' is not implemented yet; use 'bshd' or 'sbhd'")
+        q, k, v = (to_high_precision(t) for t in (q, k, v))
+        if self.qkv_format == "sbhd":  # the cache is bshd
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        keys, values, mask, (cu_q, cu_kv, max_q, max_kv) = cache._append(
+            self.layer_number, self, k, v, mask)
+        attend.update(attn_mask_type=mask, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                      max_seqlen_q=max_q, max_seqlen_kv=max_kv, attention_mask=None)
+        return q, keys, values, "bshd"
+
+
+def _refuse_forward_args(bias_type, bias, alibi_slopes, pad_between_seqs, cu_q_padded,
+                         cu_kv_padded) -> None:
+    op = "te.MultiheadAttention"
+    if bias_type not in ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi"):
+        raise ValueError(f"{op}: core_attention_bias_type must be one of 'no_bias', "
+                         f"'pre_scale_bias', 'post_scale_bias', 'alibi', got {bias_type!r}")
+    if bias_type != "no_bias" or bias is not None or alibi_slopes is not None:
+        raise NotImplementedError(f"{op}: attention biases and ALiBi are not implemented yet; "
+                                  f"core_attention_bias_type must be 'no_bias' (got "
+                                  f"{bias_type!r}) with no core_attention_bias or alibi_slopes")
+    raise NotImplementedError(f"{op}: padding between packed sequences (pad_between_seqs, "
+                              "cu_seqlens_q_padded, cu_seqlens_kv_padded) is not implemented "
+                              "yet")
+
