@@ -81,6 +81,7 @@ NB_MODULE(_core, m) {
   te_binding::register_activation(m);
   te_binding::register_norm(m);
   te_binding::register_attention(m);
+  te_binding::register_rope(m);
 
   m.def("built_with_cuda", []() { return te_built_with_cuda() != 0; },
         "True when the core was compiled with its CUDA kernels.");
