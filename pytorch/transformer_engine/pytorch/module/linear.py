@@ -119,7 +119,8 @@ class _LinearBase(FP8Module):
         return weight, bias
 
     def extra_repr(self) -> str:
-        bias = self.bias is not None or bool(getattr(self, "bias_names", None))
+        # With parameters_split and a bias there is no "bias" attribute, only <name>_bias.
+        bias = getattr(self, "bias", None) is not None or bool(getattr(self, "bias_names", None))
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
