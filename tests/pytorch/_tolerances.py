@@ -135,3 +135,18 @@ ATTENTION_TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (1.5e-2, 1.5e-2)}
 # the output's range.
 ATTENTION_FP8_TOL = (0.5, 0.05)
 ATTENTION_FP8_RMSE_OF_RANGE = 0.11
+
+# Rotary position embedding (te.apply_rotary_pos_emb) against a float64 reference from the same
+# fp32 angles, relative to the magnitude |x_i cos a_i| + |x_k sin a_i| of each output (k the
+# partner feature; for gradients the same with the gradient's values). cos and sin are within
+# an fp32 ulp of exact (the core's: half an ulp plus 1e-16; torch's: about one ulp), and the
+# two products and the sum each round once in fp32: at most 4 * 2^-24 of the magnitude, so
+# 2^-21 leaves twice that. bf16 / fp16 outputs round once more, by half an ulp of the result
+# (2^-9 / 2^-12 of |y| <= the magnitude); 2^-8 / 2^-11 is twice that, the fp32 part included.
+# Two paths that each meet these (fused and unfused) differ by at most twice as much.
+ROPE_RTOL = {torch.float32: 2.0**-21, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+# te.RotaryPositionEmbedding's angles against float64 arithmetic on the same fp32 exponents
+# k / rot_dim: torch's fp32 pow (about an ulp, 2^-23 of the value), the reciprocal, the
+# position's interpolation and the product (half an ulp each) add up to 2.5 * 2^-23 ~ 2^-21.7
+# relative; 2^-20 leaves three times that.
+ROPE_FREQS_RTOL = 2.0**-20

@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from .ops import rope as rope_ops
+
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
 
 TENSOR_FORMATS = ("sbhd", "bshd", "thd")
@@ -185,6 +187,29 @@ def _token_angles(freqs2d: torch.Tensor, t: torch.Tensor, tensor_format: str, cu
     return rows.transpose(0, 1) if tensor_format == "sbhd" else rows
 
 
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _FusedRotary(torch.autograd.Function):
+    """The core's fused kernels: one op forward, one backward (the transposed rotation of the
+    gradient). ``freqs`` gets no gradient on this path."""
+
+    @staticmethod
+    def forward(ctx, t, freqs2d, tensor_format, interleaved, cu_seqlens, start_positions):
+        ctx.save_for_backward(freqs2d, cu_seqlens, start_positions)
+        ctx.layout = (tensor_format, interleaved)
+        return rope_ops.rope_forward(t, freqs2d, tensor_format, interleaved, cu_seqlens,
+                                     start_positions)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        freqs2d, cu_seqlens, start_positions = ctx.saved_tensors
+        tensor_format, interleaved = ctx.layout
+        grad_input = rope_ops.rope_backward(grad_output, freqs2d, tensor_format, interleaved,
+                                            cu_seqlens, start_positions)
+        return grad_input, None, None, None, None, None
+
+
 def apply_rotary_pos_emb(
     t: torch.Tensor,
     freqs: torch.Tensor,
@@ -206,7 +231,9 @@ def apply_rotary_pos_emb(
         tensor_format: the layout of ``t``.
         interleaved: the feature pairs are ``(2i, 2i + 1)`` rather than ``(i, i + rot_dim/2)``;
             ``freqs`` must be laid out the same way.
-        fused: run the core's fused kernel rather than the composition of torch operations.
+        fused: run the core's fused kernels (one op each way; float32, bfloat16 or float16
+            ``t``; no gradient for ``freqs``) rather than the composition of torch operations,
+            which is the reference the fused path is tested against.
         cu_seqlens: for ``"thd"``, the int32/int64 offsets [batch + 1] of the packed sequences;
             each sequence's tokens take positions 0, 1, ...
         cp_size, cp_rank: context parallelism; only ``cp_size == 1`` is supported.
@@ -219,7 +246,12 @@ def apply_rotary_pos_emb(
     """
     del cp_rank  # Only meaningful with context parallelism, which _check refuses.
     freqs2d = _check(t, freqs, tensor_format, cu_seqlens, cp_size, start_positions)
-    del fused  # The core's fused kernel is not wired in yet: both paths compose torch ops.
+    if fused:
+        if t.dtype not in _FUSED_DTYPES:
+            raise TypeError("apply_rotary_pos_emb: t must be float32, bfloat16 or float16 with "
+                            f"fused=True, got {t.dtype}")
+        return _FusedRotary.apply(t, freqs2d, tensor_format, interleaved, cu_seqlens,
+                                  start_positions)
     rot_dim = freqs2d.shape[-1]
     angles = _token_angles(freqs2d, t, tensor_format, cu_seqlens, start_positions)
     rotated = _rotate(t[..., :rot_dim].float(), angles, interleaved).to(t.dtype)

@@ -29,6 +29,7 @@ from .quantize import (
     quantize_delayed,
     transpose,
 )
+from .rope import rope_backward, rope_forward
 from .scaling import delayed_scaling_update
 
 __all__ = ["activation_backward", "activation_backward_fp8", "activation_forward",
@@ -36,4 +37,5 @@ __all__ = ["activation_backward", "activation_backward_fp8", "activation_forward
            "attention_forward", "attention_forward_fp8", "delayed_scaling_update", "dequantize",
            "gemm_fp8", "gemm_fp8_to_fp8", "norm_backward", "norm_forward", "norm_forward_fp8",
            "quantize", "quantize_block", "quantize_current", "quantize_delayed",
-           "scaled_softmax_backward", "scaled_softmax_forward", "transpose"]
+           "rope_backward", "rope_forward", "scaled_softmax_backward", "scaled_softmax_forward",
+           "transpose"]
