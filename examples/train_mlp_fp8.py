@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import time
 
 import torch
+from progress import Progress  # examples/progress.py, beside this file
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -57,30 +57,6 @@ def make_student(d_in: int, d_hidden: int, d_out: int, device, dtype) -> torch.n
     return torch.nn.Sequential(linear(d_in, d_hidden), torch.nn.GELU(),
                                linear(d_hidden, d_hidden), torch.nn.GELU(),
                                linear(d_hidden, d_out))
-
-
-class Progress:
-    """A one-line progress bar on plain stdout (a line per 10 % when not a terminal)."""
-
-    def __init__(self, label: str, total: int, width: int = 28):
-        self.label, self.total, self.width = label, total, width
-        self.tty = sys.stdout.isatty()
-        self.start = time.perf_counter()
-
-    def update(self, step: int, loss: float, samples: int) -> None:
-        if not self.tty and step % max(self.total // 10, 1) and step != self.total:
-            return
-        filled = self.width * step // self.total
-        bar = "#" * filled + "." * (self.width - filled)
-        rate = samples / max(time.perf_counter() - self.start, 1e-9)
-        line = (f"{self.label:>14} [{bar}] {step:4d}/{self.total}  loss {loss:.5f}  "
-                f"{rate:9.0f} samples/s")
-        print("\r" + line if self.tty else line, end="" if self.tty else "\n", flush=True)
-
-    def close(self) -> float:
-        if self.tty:
-            print()
-        return time.perf_counter() - self.start
 
 
 def train(student, teacher, fp8_recipe, args, sizes, device, dtype, label) -> dict:
