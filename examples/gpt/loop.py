@@ -1,0 +1,101 @@
+"""The training loop both frameworks share: schedule, steps, timing, evaluation and sampling.
+
+A framework supplies a *runner* for one model in one precision (see ``Runner``); ``run`` drives
+it over the given batches and returns what the report prints.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from progress import Progress
+
+# The mean of the last steps' losses is the "final" training loss: one step's loss is noisy.
+FINAL_LOSS_STEPS = 10
+# FP8 GEMMs take token counts that are multiples of 16, and a decoding step has one token per
+# sequence: the prompts are repeated up to a multiple of 16 sequences.
+_FP8_ROWS = 16
+
+
+def learning_rate(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
+    """Linear warm-up to ``peak`` over ``warmup`` steps, then a cosine down to ``floor * peak``
+    at step ``total`` (steps count from 1)."""
+    if step <= warmup:
+        return peak * step / max(warmup, 1)
+    done = min((step - warmup) / max(total - warmup, 1), 1.0)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+class Runner(Protocol):
+    """One model in one precision, with its optimizer (a framework's implementation)."""
+
+    def step(self, batch: np.ndarray, lr: float):
+        """One optimizer step on ``batch`` (int32 [b, s + 1]); returns the loss, which may
+        stay on the device until ``losses`` reads it."""
+
+    def losses(self, handles: list) -> list[float]: ...
+
+    def sync(self) -> None:
+        """Waits for the device's queued work (for timing)."""
+
+    def evaluate(self, batches: list) -> float:
+        """The mean loss over ``batches`` without updating anything."""
+
+    def sample(self, prompts: np.ndarray, new_tokens: int, temperature: float,
+               seed: int) -> np.ndarray:
+        """Continues every prompt by ``new_tokens`` through the KV cache: int [b, new_tokens]."""
+
+    def peak_memory(self) -> tuple[int | None, str]:
+        """Peak bytes of this run and what they measure."""
+
+
+@dataclass
+class RunResult:
+    label: str
+    losses: list[float]
+    valid_loss: float
+    tokens_per_s: float
+    seconds: float
+    peak_memory: int | None
+    memory_note: str
+    samples: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def first_loss(self) -> float:
+        return self.losses[0]
+
+    @property
+    def final_loss(self) -> float:
+        return float(np.mean(self.losses[-FINAL_LOSS_STEPS:]))
+
+
+def run(label: str, runner: Runner, batches: list, valid: list, peak_lr: float, warmup: int,
+        prompts: np.ndarray, new_tokens: int, temperature: float, seed: int) -> RunResult:
+    steps = len(batches)
+    tokens = batches[0].shape[0] * (batches[0].shape[1] - 1)
+    # Throughput leaves out the first steps, which compile, autotune and allocate.
+    untimed = min(5, steps // 4)
+    progress = Progress(label, steps, unit="tokens")
+    handles, timed_from = [], None
+    for step, batch in enumerate(batches, start=1):
+        if step == untimed + 1:
+            runner.sync()
+            timed_from = time.perf_counter()
+        handles.append(runner.step(batch, learning_rate(step, steps, peak_lr, warmup)))
+        if step % 10 == 0 or step == steps:
+            progress.update(step, runner.losses(handles[-1:])[0], step * tokens)
+    runner.sync()
+    timed = time.perf_counter() - timed_from
+    seconds = progress.close()
+    peak, note = runner.peak_memory()
+    samples = []
+    if new_tokens:
+        rows = -(-prompts.shape[0] // _FP8_ROWS) * _FP8_ROWS
+        padded = np.resize(prompts, (rows, prompts.shape[1]))  # repeats the rows in order
+        samples = runner.sample(padded, new_tokens, temperature, seed)[: prompts.shape[0]]
+    return RunResult(label, runner.losses(handles), runner.evaluate(valid),
+                     (steps - untimed) * tokens / timed, seconds, peak, note, list(samples))
