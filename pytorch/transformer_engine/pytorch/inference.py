@@ -255,6 +255,24 @@ class InferenceParams:
             raise RuntimeError(f"InferenceParams.{what}: call pre_step() first")
         return self._step
 
+    def _check_input(self, batch: int, seqlen: int) -> None:
+        """Whether a step's input of ``batch`` sequences and ``seqlen`` positions fits."""
+        step = self._step
+        if step is not None:
+            if batch != step.batch or seqlen < step.max_q:
+                raise ValueError(f"InferenceParams: the input must hold the {step.batch} "
+                                 f"sequences of pre_step with at least {step.max_q} positions "
+                                 f"each, got batch {batch} and {seqlen} positions")
+            return
+        o, b0 = int(self.sequence_len_offset), int(self.batch_size_offset)
+        if o < 0 or o + seqlen > self.max_sequence_length:
+            raise ValueError(f"InferenceParams: sequence_len_offset + the input's length must "
+                             f"be in [0, max_sequence_length={self.max_sequence_length}], got "
+                             f"{o} + {seqlen}")
+        if b0 < 0 or b0 + batch > self.max_batch_size:
+            raise ValueError(f"InferenceParams: batch_size_offset + the input's batch must be "
+                             f"in [0, max_batch_size={self.max_batch_size}], got {b0} + {batch}")
+
     def _rope_positions(self, device: torch.device):
         """(start_positions tensor [batch] or None, offset int) of this step's tokens."""
         if self._step is None:
@@ -292,13 +310,10 @@ class InferenceParams:
         the mask has no padding."""
         kc, vc = self._cache_of(layer_number, owner, k, v)
         step = self._step
-        b, s = k.shape[0], k.shape[1]
+        s = k.shape[1]
+        self._check_input(k.shape[0], s)
         if step is None:
             return self._append_at_offset(kc, vc, k, v, mask)
-        if b != step.batch or s < step.max_q:
-            raise ValueError(f"InferenceParams: the input must hold the {step.batch} sequences "
-                             f"of pre_step with at least {step.max_q} positions each, got batch "
-                             f"{b} and {s} positions")
         if step.uniform and s == step.lens[0]:
             (r0, r1), p0 = step.row_slice, step.pre[0]
             kc[r0:r1, p0:p0 + s] = k
@@ -321,13 +336,6 @@ class InferenceParams:
     def _append_at_offset(self, kc, vc, k, v, mask: str) -> tuple:
         b, s = k.shape[0], k.shape[1]
         o, b0 = int(self.sequence_len_offset), int(self.batch_size_offset)
-        if o < 0 or o + s > self.max_sequence_length:
-            raise ValueError(f"InferenceParams: sequence_len_offset + the input's length must "
-                             f"be in [0, max_sequence_length={self.max_sequence_length}], got "
-                             f"{o} + {s}")
-        if b0 < 0 or b0 + b > self.max_batch_size:
-            raise ValueError(f"InferenceParams: batch_size_offset + the input's batch must be "
-                             f"in [0, max_batch_size={self.max_batch_size}], got {b0} + {b}")
         if mask.startswith("padding") or mask == "arbitrary":
             raise NotImplementedError(f"InferenceParams: attn_mask_type {mask!r} with the "
                                       "sequence_len_offset style; use pre_step() for sequences "

@@ -271,6 +271,13 @@ class MultiheadAttention(torch.nn.Module):
             kv = self.key_value(encoder_output, is_first_microbatch, fp8_output=qkv_fp8)
             k, v = split_heads(kv, g, (1, 1), d, self.qkv_weight_interleaved)
         layout = self.qkv_format
+        if cache is not None:
+            if layout == "thd":
+                raise NotImplementedError("te.MultiheadAttention: inference_params with "
+                                          "qkv_format 'thd' is not implemented yet; use 'bshd' "
+                                          "or 'sbhd'")
+            batch, seq = (1, 0) if layout == "sbhd" else (0, 1)
+            cache._check_input(hidden_states.shape[batch], hidden_states.shape[seq])
         if rotary_pos_emb is not None:
             q, k = self._rope(q, k, rotary_pos_emb, cache, cu_seqlens_q, cu_seqlens_kv)
         attend = dict(attention_mask=attention_mask, attn_mask_type=mask, window_size=window,
@@ -309,9 +316,6 @@ class MultiheadAttention(torch.nn.Module):
     def _cached(self, cache, q, k, v, mask: str, attend: dict):
         """Appends k, v to the cache; q and the cached k, v in the layout attention runs in,
         with ``attend`` set for attending over the cache."""
-        if self.qkv_format == "thd":
-            raise NotImplementedError("te.MultiheadAttention: inference_params with qkv_format "
-                                      "'thd' is not implemented yet; use 'bshd' or 'sbhd'")
         q, k, v = (to_high_precision(t) for t in (q, k, v))
         if self.qkv_format == "sbhd":  # the cache is bshd
             q, k, v = (t.transpose(0, 1) for t in (q, k, v))
