@@ -505,8 +505,10 @@ def test_compiled_forward_traces_in_one_graph(fp8):
 
 
 def test_parameter_names_are_nvidia_te_names():
-    names = set(dict(te.TransformerLayer(64, 128, 4, layer_type="decoder", device="cpu")
-                     .named_parameters()))
+    layer = te.TransformerLayer(64, 128, 4, layer_type="decoder", device="cpu")
+    names = set(dict(layer.named_parameters()))
+    # The state dict has exactly these (each once) and the FP8 state of the te modules.
+    assert {k for k in layer.state_dict() if not k.endswith("_extra_state")} == names
     qkv = "self_attention.layernorm_qkv."
     want = {qkv + n for n in ("layer_norm_weight", "layer_norm_bias", "query_weight",
                               "query_bias", "key_weight", "key_bias", "value_weight",

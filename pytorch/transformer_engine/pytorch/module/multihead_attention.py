@@ -213,10 +213,10 @@ class MultiheadAttention(torch.nn.Module):
         self.proj = Linear(hq, hidden_size, init_method=output_layer_init_method,
                            return_bias=return_bias, **common)
         zero_biases(self)
-        # The first projection (the one that reads hidden_states) and its output's heads.
-        self._first = getattr(self, "layernorm_qkv" if attention_type == "self" else
-                              "layernorm_query", None) if input_layernorm else \
-            getattr(self, "qkv" if attention_type == "self" else "query_layer")
+        # The name of the projection that reads hidden_states (a name: a second attribute
+        # holding the module would register it twice, under two state-dict prefixes).
+        self._first = (("layernorm_qkv", "layernorm_query") if input_layernorm else
+                       ("qkv", "query_layer"))[attention_type == "cross"]
         hpg = self.num_attention_heads // self.num_gqa_groups
         self._parts = (hpg, 1, 1) if attention_type == "self" else (hpg,)
 
@@ -259,7 +259,8 @@ class MultiheadAttention(torch.nn.Module):
         fp8_mha = bool(state.enabled and _runs_fp8(state.recipe) and state.recipe.fp8_mha)
         # RoPE and the cache take high precision: the QKV GEMM then writes its usual output.
         qkv_fp8 = fp8_mha and rotary_pos_emb is None and cache is None
-        projected = self._first(hidden_states, is_first_microbatch, fp8_output=qkv_fp8)
+        projected = self._modules[self._first](hidden_states, is_first_microbatch,
+                                               fp8_output=qkv_fp8)
         ln_out = None
         if self.return_layernorm_output:
             projected, ln_out = projected
