@@ -452,17 +452,26 @@ FP8_RECIPES = {
 
 
 @pytest.mark.parametrize("name", list(FP8_RECIPES))
-def test_fp8_layer_is_close_to_reference(name):
-    layer = _layer(num_gqa_groups=2)
+def test_fp8_layer_is_close_to_reference(device, name):
+    _check_fp8(device, name, rope=True)
+
+
+def test_fp8_mha_splits_interleaved_fused_qkv_in_fp8(device):
+    """Without RoPE the QKV GEMM writes FP8, split by key/value group in FP8 bytes."""
+    _check_fp8(device, "delayed_fp8_mha", rope=False, fuse_qkv_params=True)
+
+
+def _check_fp8(device, name, rope, **kw):
+    layer = _layer(num_gqa_groups=2, device=device, **kw)
     ref = RefLayer(layer, groups=2)
     x = _data()
-    rope = te.RotaryPositionEmbedding(HIDDEN // HEADS)(S)
-    with te.fp8_autocast(fp8_recipe=FP8_RECIPES[name]):  # delayed: scales from step 1's amaxes
-        layer(x, rotary_pos_emb=rope)
-    with te.fp8_autocast(fp8_recipe=FP8_RECIPES[name]):
-        got = layer(x, rotary_pos_emb=rope)
-    want = ref(x.double(), _allowed("causal", S, S), positions=torch.arange(S).expand(B, -1))
-    added, added_ref = got.double() - x.double(), want - x.double()
+    freqs = te.RotaryPositionEmbedding(HIDDEN // HEADS)(S).to(device) if rope else None
+    for _ in range(2):  # delayed scaling: the second step quantizes with the first's amaxes
+        with te.fp8_autocast(fp8_recipe=FP8_RECIPES[name]):
+            got = layer(x.to(device), rotary_pos_emb=freqs)
+    pos = torch.arange(S).expand(B, -1) if rope else None
+    want = ref(x.double(), _allowed("causal", S, S), positions=pos)
+    added, added_ref = got.double().cpu() - x.double(), want - x.double()
     rel = (added - added_ref).square().mean().sqrt() / added_ref.square().mean().sqrt()
     low, high = FP8_REL_RMSE
     assert low < rel < high, f"{name}: relative RMS error {rel:.3g}"
