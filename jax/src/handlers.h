@@ -18,7 +18,9 @@
   X("te_activation_forward_ffi", TeActivationForward)   \
   X("te_activation_backward_ffi", TeActivationBackward) \
   X("te_attention_forward_ffi", TeAttentionForward)     \
-  X("te_attention_backward_ffi", TeAttentionBackward)
+  X("te_attention_backward_ffi", TeAttentionBackward)   \
+  X("te_rope_forward_ffi", TeRopeForward)               \
+  X("te_rope_backward_ffi", TeRopeBackward)
 
 namespace te_jax {
 #define TE_JAX_DECLARE_HANDLER(target, prefix)                       \

@@ -12,6 +12,12 @@
   0.5 and std 2; 1e-5 leaves a 30x margin (the CUDA kernels are bit-identical to the CPU
   path). In bf16 / fp16 the core rounds y and dx from fp32 once (half an ulp, measured 1.6e-3
   < 2^-9 for bf16), which the ``bfloat16`` / ``float16`` entries cover.
+* ``rope_float32``: rotary position embedding against the pure-jnp formula in fp32 from the
+  same angles. Each side takes cos and sin within about an fp32 ulp (the core's own sincos,
+  XLA's cos and sin), then two products and a sum, each rounded once: at most 4 * 2^-24 of
+  |x_i cos| + |x_k sin| <= 2 max|x| apart per side; 2^-20 of max(1, max|expected|) holds both
+  sides' errors with room. In bf16 / fp16 both round the fp32 result once, which the
+  ``bfloat16`` / ``float16`` entries (two ulps) cover.
 * ``fp8_exact``: an FP8 GEMM against the fp64 product of the same FP8 values (the numpy
   model): exact products, fp32 accumulation, so again only the order differs.
 * ``fp8_cuda_vs_cpu``: the same FP8 values on both, but Hopper's FP8 tensor cores accumulate
@@ -47,6 +53,7 @@ import numpy as np
 TOLERANCES = {
     "float32": dict(rtol=2e-5, atol=2e-5),
     "norm_float32": dict(rtol=1e-5, atol=1e-5),
+    "rope_float32": dict(rtol=2.0**-20, atol=2.0**-20),
     "float16": dict(rtol=2 * 2.0**-11, atol=2 * 2.0**-11),
     "bfloat16": dict(rtol=2 * 2.0**-8, atol=2 * 2.0**-8),
     "fp8_exact": dict(rtol=1e-5, atol=1e-5),

@@ -10,6 +10,8 @@ for the CPU and CUDA platforms.
   the whole MLP block (two dense layers around an activation); in FP8 each kernel writes
   the next GEMM's FP8 operand itself.
 * :func:`fused_attn`: dot-product attention (``jax.custom_vjp``) on cuDNN or the core's paths.
+* :func:`apply_rotary_pos_emb`, :func:`rotary_freqs`: rotary position embedding
+  (``jax.custom_vjp`` over the core's fused kernels) and its angles.
 * :class:`QuantizerSet`, :func:`make_quantizer_set`, :func:`new_fp8_state`: the recipe and
   FP8 state that ``dense`` quantizes with; :func:`update_collections` merges the new state.
 * :mod:`transformer_engine.jax.flax`: the ``DenseGeneral``, ``LayerNorm``, ``LayerNormDenseGeneral``
@@ -40,9 +42,11 @@ from transformer_engine.jax.quantizer import (
     new_fp8_state,
     update_collections,
 )
+from transformer_engine.jax.rope import apply_rotary_pos_emb, rotary_freqs
 
 __all__ = ["__version__", "MeshResource", "fp8_autocast", "autocast", "get_fp8_recipe",
            "get_mesh_resource", "is_fp8_enabled", "dense", "fused_attn", "layernorm",
            "layernorm_dense", "layernorm_dense_fp8_operands", "layernorm_mlp",
            "layernorm_mlp_fp8_operands", "QuantizerSet", "make_quantizer_set", "new_fp8_state",
-           "update_collections", "FP8_COLLECTION", "ops"]
+           "update_collections", "FP8_COLLECTION", "ops", "apply_rotary_pos_emb",
+           "rotary_freqs"]

@@ -27,6 +27,8 @@ TARGETS = {
     "activation_backward": "te_activation_backward_ffi",
     "attention_forward": "te_attention_forward_ffi",
     "attention_backward": "te_attention_backward_ffi",
+    "rope_forward": "te_rope_forward_ffi",
+    "rope_backward": "te_rope_backward_ffi",
 }
 
 _INSTALL_HINT = (
