@@ -97,6 +97,17 @@ class RefAttention(nn.Module):
         self.v = nn.Linear(HIDDEN, groups * head_dim, bias=bias)
         self.o = nn.Linear(HEADS * head_dim, HIDDEN, bias=bias)
 
+    qk_norm = None  # (kind, eps, before_rope, q weight, k weight, q bias, k bias)
+
+    def _norm_qk(self, t, which):
+        kind, eps, _, *params = self.qk_norm
+        if kind == "L2Normalization":
+            return t / torch.sqrt(t.square().sum(-1, keepdim=True) + eps)
+        w, b = params[which], params[2 + which]
+        if kind == "RMSNorm":
+            return F.rms_norm(t, (t.shape[-1],), w, eps)
+        return F.layer_norm(t, (t.shape[-1],), w, b, eps)
+
     def forward(self, x, memory, allowed, positions=None, interleaved=False):
         """x, memory [b, s, hidden]; returns (output, the norm's output)."""
         ln = self.norm(x) if self.norm is not None else x
@@ -105,8 +116,13 @@ class RefAttention(nn.Module):
         q = self.q(ln).view(b, sq, HEADS, self.head_dim)
         k = self.k(mem).view(b, skv, self.groups, self.head_dim)
         v = self.v(mem).view(b, skv, self.groups, self.head_dim)
+        before = self.qk_norm is not None and self.qk_norm[2]
+        if before:
+            q, k = self._norm_qk(q, 0), self._norm_qk(k, 1)
         if positions is not None:
             q, k = _rope(q, positions, interleaved), _rope(k, positions, interleaved)
+        if self.qk_norm is not None and not before:
+            q, k = self._norm_qk(q, 0), self._norm_qk(k, 1)
         o = _attention(q, k, v, allowed).reshape(b, sq, -1)
         return self.o(o), ln
 
@@ -166,6 +182,13 @@ class RefLayer(nn.Module):
         put(self.attn.k, k, bk)
         put(self.attn.v, v, bv)
         put(self.attn.o, sa.proj.weight, sa.proj.bias)
+        if sa.qk_norm_type is not None:
+            norms = [getattr(sa, n, None) for n in ("q_norm", "k_norm")]
+            weights = [None if m is None else m.weight.detach().double() for m in norms]
+            biases = [None if m is None else getattr(m, "bias", None) for m in norms]
+            biases = [None if b is None else b.detach().double() for b in biases]
+            self.attn.qk_norm = (sa.qk_norm_type, sa.qk_norm_eps, sa.qk_norm_before_rope,
+                                 *weights, *biases)
         if layer.layer_type == "decoder":
             ia = layer.inter_attention
             norm_of(self.cross.norm, ia.layernorm_query)
@@ -256,7 +279,7 @@ def _layer(**kw):
     layer = te.TransformerLayer(HIDDEN, kw.pop("ffn", FFN), HEADS, **kw)
     with torch.no_grad():  # non-trivial norm parameters and biases
         for name, p in layer.named_parameters():
-            if "layer_norm" in name or name.startswith("layernorm."):
+            if "layer_norm" in name or name.startswith("layernorm.") or "_norm." in name:
                 p.add_(0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
@@ -305,6 +328,9 @@ CONFIGS = {
     "kv_channels_qgelu": dict(kv_channels=8, activation="qgelu"),
     "rope_interleaved_reglu": dict(rotary_pos_interleaved=True, activation="reglu"),
     "relu_silu_eps": dict(activation="relu", layernorm_epsilon=1e-3),
+    "qk_rmsnorm": dict(qk_norm_type="RMSNorm", num_gqa_groups=2),
+    "qk_layernorm_before_rope": dict(qk_norm_type="LayerNorm", qk_norm_before_rope=True),
+    "qk_l2": dict(qk_norm_type="L2Normalization", qk_norm_eps=1e-3),
 }
 
 
@@ -556,7 +582,8 @@ def test_default_initialization_is_nvidia_te_s():
     (dict(hidden_dropout=1.0), ValueError, "hidden_dropout"),
     (dict(normalization="BatchNorm"), ValueError, "normalization"),
     (dict(activation="tanh"), ValueError, "activation"),
-    (dict(qk_norm_type="RMSNorm"), NotImplementedError, "query/key normalization"),
+    (dict(qk_norm_type="BatchNorm"), ValueError, "qk_norm_type"),
+    (dict(softmax_type="learnable"), NotImplementedError, "attention sinks"),
     (dict(num_gqa_groups=3), ValueError, "num_gqa_groups"),
 ])
 def test_bad_constructor_arguments_are_refused(kw, error, words):

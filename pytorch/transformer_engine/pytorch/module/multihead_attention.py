@@ -28,11 +28,13 @@ from ..float8_tensor import to_high_precision
 from ..rope import apply_rotary_pos_emb
 from ._heads import split_heads
 from .attention import DotProductAttention, _runs_fp8
+from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear, _default_device, check_unsupported
 
 __all__ = ["MultiheadAttention"]
 
+QK_NORMS = (None, "L2Normalization", "RMSNorm", "LayerNorm")
 # NVIDIA TE's default weight initialization of the attention and MLP blocks.
 DEFAULT_INIT_STD = 0.023
 
@@ -46,10 +48,8 @@ def refuse_unsupported(op: str, **given) -> None:
     """NotImplementedError naming the first feature given a value other than its default."""
     defaults = {"ub_overlap_ag": False, "ub_overlap_rs": False, "ub_overlap_rs_dgrad": False,
                 "ub_bulk_dgrad": False, "ub_bulk_wgrad": False, "ub_tp_comm_overlap": False,
-                "qk_norm_type": None, "qk_norm_before_rope": False, "softmax_type": "vanilla"}
-    names = {"qk_norm_type": "query/key normalization", "qk_norm_before_rope":
-             "query/key normalization", "softmax_type": "softmax_type other than 'vanilla' "
-             "(attention sinks)"}
+                "softmax_type": "vanilla"}
+    names = {"softmax_type": "softmax_type other than 'vanilla' (attention sinks)"}
     for arg, value in given.items():
         if value != defaults[arg]:
             feature = names.get(arg, "userbuffers communication overlap")
@@ -96,9 +96,11 @@ class MultiheadAttention(torch.nn.Module):
             key/value group, that group's query heads, then its key and value heads (see
             ``_heads.py``); False (forced without fuse_qkv_params): [q | k | v].
         rotary_pos_interleaved: RoPE pairs features (2i, 2i + 1) instead of (i, i + d/2).
-        ub_*, qk_norm_type, qk_norm_before_rope, softmax_type: accepted at their defaults
-            (other values raise NotImplementedError); qk_norm_eps, seq_length,
-            micro_batch_size, name: accepted, unused.
+        qk_norm_type, qk_norm_eps, qk_norm_before_rope: normalize each head of q and k
+            (``"L2Normalization"`` x / sqrt(sum x^2 + eps), ``"RMSNorm"`` or ``"LayerNorm"``
+            with learned weights ``q_norm`` / ``k_norm``) after RoPE, or before it.
+        ub_*, softmax_type: accepted at their defaults (other values raise
+            NotImplementedError); seq_length, micro_batch_size, name: accepted, unused.
         bias: learn biases in the projections.
         qkv_format: layout of ``hidden_states``: ``"sbhd"`` [s, b, hidden], ``"bshd"``
             [b, s, hidden] or ``"thd"`` [tokens, hidden].
@@ -143,8 +145,10 @@ class MultiheadAttention(torch.nn.Module):
                           op)
         refuse_unsupported(op, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-                           ub_bulk_wgrad=ub_bulk_wgrad, qk_norm_type=qk_norm_type,
-                           qk_norm_before_rope=qk_norm_before_rope, softmax_type=softmax_type)
+                           ub_bulk_wgrad=ub_bulk_wgrad, softmax_type=softmax_type)
+        if qk_norm_type not in QK_NORMS:
+            raise ValueError(f"{op}: qk_norm_type must be one of {QK_NORMS}, got "
+                             f"{qk_norm_type!r}")
         if attention_type not in ("self", "cross"):
             raise ValueError(f"{op}: attention_type must be 'self' or 'cross', got "
                              f"{attention_type!r}")
@@ -213,6 +217,12 @@ class MultiheadAttention(torch.nn.Module):
         self.proj = Linear(hq, hidden_size, init_method=output_layer_init_method,
                            return_bias=return_bias, **common)
         zero_biases(self)
+        self.qk_norm_type, self.qk_norm_eps = qk_norm_type, float(qk_norm_eps)
+        self.qk_norm_before_rope = qk_norm_before_rope
+        if qk_norm_type in ("RMSNorm", "LayerNorm"):  # over each head's features
+            norm = RMSNorm if qk_norm_type == "RMSNorm" else LayerNorm
+            self.q_norm = norm(self.head_dim, qk_norm_eps, device=device)
+            self.k_norm = norm(self.head_dim, qk_norm_eps, device=device)
         # The name of the projection that reads hidden_states (a name: a second attribute
         # holding the module would register it twice, under two state-dict prefixes).
         self._first = (("layernorm_qkv", "layernorm_query") if input_layernorm else
@@ -257,8 +267,10 @@ class MultiheadAttention(torch.nn.Module):
         cache = inference_params if self.attention_type == "self" else None
         state = fp8.STATE
         fp8_mha = bool(state.enabled and _runs_fp8(state.recipe) and state.recipe.fp8_mha)
-        # RoPE and the cache take high precision: the QKV GEMM then writes its usual output.
-        qkv_fp8 = fp8_mha and rotary_pos_emb is None and cache is None
+        # RoPE, q/k norms and the cache take high precision: the QKV GEMM then writes its
+        # usual output.
+        qkv_fp8 = (fp8_mha and rotary_pos_emb is None and cache is None
+                   and self.qk_norm_type is None)
         projected = self._modules[self._first](hidden_states, is_first_microbatch,
                                                fp8_output=qkv_fp8)
         ln_out = None
@@ -279,8 +291,13 @@ class MultiheadAttention(torch.nn.Module):
                                           "or 'sbhd'")
             batch, seq = (1, 0) if layout == "sbhd" else (0, 1)
             cache._check_input(hidden_states.shape[batch], hidden_states.shape[seq])
+        norm_qk = self.qk_norm_type is not None
+        if norm_qk and self.qk_norm_before_rope:
+            q, k = self._norm_qk(q, k)
         if rotary_pos_emb is not None:
             q, k = self._rope(q, k, rotary_pos_emb, cache, cu_seqlens_q, cu_seqlens_kv)
+        if norm_qk and not self.qk_norm_before_rope:
+            q, k = self._norm_qk(q, k)
         attend = dict(attention_mask=attention_mask, attn_mask_type=mask, window_size=window,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                       max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
@@ -297,6 +314,12 @@ class MultiheadAttention(torch.nn.Module):
         if ln_out is None:
             return out
         return (*out, ln_out) if isinstance(out, tuple) else (out, ln_out)
+
+    def _norm_qk(self, q, k):
+        """qk_norm_type over each head's features of q and k."""
+        if self.qk_norm_type == "L2Normalization":
+            return _l2_normalize(q, self.qk_norm_eps), _l2_normalize(k, self.qk_norm_eps)
+        return self.q_norm(to_high_precision(q)), self.k_norm(to_high_precision(k))
 
     def _rope(self, q, k, rotary_pos_emb, cache, cu_seqlens_q, cu_seqlens_kv):
         """q and k rotated at their positions (after the cached tokens, with a cache)."""
@@ -325,6 +348,13 @@ class MultiheadAttention(torch.nn.Module):
         attend.update(attn_mask_type=mask, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
                       max_seqlen_q=max_q, max_seqlen_kv=max_kv, attention_mask=None)
         return q, keys, values, "bshd"
+
+
+def _l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension, computed in fp32."""
+    x = to_high_precision(x)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _refuse_forward_args(bias_type, bias, alibi_slopes, pad_between_seqs, cu_q_padded,
