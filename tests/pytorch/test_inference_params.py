@@ -46,10 +46,10 @@ def _tokens(b, s, dtype=torch.float32, device="cpu", seed=0):
     return torch.randn(b, s, HIDDEN, generator=g).to(device=device, dtype=dtype)
 
 
-def _decode_with_pre_step(model, x, prompt):
+def _decode_with_pre_step(model, x, prompt, **kw):
     """Prompt of `prompt` tokens, then one token per step; the outputs side by side."""
     b, s = x.shape[:2]
-    params = te.InferenceParams(b, MAX_LEN)
+    params = te.InferenceParams(b, MAX_LEN, **kw)
     params.pre_step(OrderedDict((i, prompt) for i in range(b)))
     outs = [model(x[:, :prompt], inference_params=params)]
     for t in range(prompt, s):
@@ -64,6 +64,23 @@ def test_pre_step_decoding_equals_the_full_forward(fmt):
     x = _tokens(3, 12)
     torch.testing.assert_close(_decode_with_pre_step(model, x, 5), model(x),
                                **TOL[torch.float32])
+
+
+def test_paged_cache_decoding_equals_the_full_forward():
+    model = Stack()
+    x = _tokens(2, 11)
+    pages = dict(is_paged=True, page_size=4, total_num_pages=2 * MAX_LEN // 4)
+    torch.testing.assert_close(_decode_with_pre_step(model, x, 6, **pages), model(x),
+                               **TOL[torch.float32])
+    params = te.InferenceParams(2, MAX_LEN, **pages)
+    params.pre_step(OrderedDict([("s", 5)]))
+    model(x[:1, :5], inference_params=params)
+    k_pages, _ = params.cache[1]
+    assert k_pages.shape == (2 * MAX_LEN // 4, 4, GROUPS, HEAD_DIM)
+    assert params.page_table.shape == (2, MAX_LEN // 4)
+    k, v = params.convert_paged_to_nonpaged(1)
+    assert k.shape == v.shape == (1, MAX_LEN, GROUPS, HEAD_DIM)
+    assert k[0, :5].abs().sum() > 0 and not k[0, 5:].any()
 
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
@@ -156,7 +173,8 @@ def test_cross_attention_decoder_decodes():
 @pytest.mark.parametrize("kw, error, words", [
     (dict(max_batch_size=0), ValueError, "max_batch_size"),
     (dict(max_sequence_length=2.5), ValueError, "max_sequence_length"),
-    (dict(is_paged=True, page_size=4, total_num_pages=8), NotImplementedError, "paged"),
+    (dict(is_paged=True, page_size=3, total_num_pages=6), ValueError, "page_size"),
+    (dict(is_paged=True, page_size=4, total_num_pages=8), ValueError, "total_num_pages"),
     (dict(qkv_format="thd", max_ctx_len=8), NotImplementedError, "thd"),
     (dict(qkv_format="hsbd"), ValueError, "qkv_format"),
     (dict(dtype=torch.int8), TypeError, "dtype"),

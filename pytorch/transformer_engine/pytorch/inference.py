@@ -2,7 +2,8 @@
 
 Each self-attention layer (keyed by its ``layer_number``) gets a contiguous cache of keys and
 values, ``[max_batch_size, max_sequence_length, num_heads_kv, head_dim]`` (bshd), allocated
-at its first forward with ``inference_params`` (or by :meth:`InferenceParams.allocate_memory`).
+at its first forward with ``inference_params`` (or by :meth:`InferenceParams.allocate_memory`);
+``is_paged=True`` views the same bytes as pages of ``page_size`` tokens.
 A forward writes the new tokens' keys and values (after RoPE) into it and attends over
 everything cached so far, with the causal diagonal aligned to the last token.
 
@@ -85,8 +86,13 @@ class InferenceParams:
         num_heads_kv, head_dim_k, head_dim_v, dtype: the cache's key/value heads, head dims
             and dtype; None takes them from the first layer that uses the cache (its keys and
             values; ``head_dim_v`` defaults to ``head_dim_k``).
-        is_paged, total_num_pages, page_size: a paged cache; not implemented yet
-            (``is_paged=True`` raises NotImplementedError).
+        is_paged, total_num_pages, page_size: a paged cache: each layer's keys and values
+            as ``total_num_pages`` pages of ``page_size`` tokens, ``[total_num_pages,
+            page_size, heads, head_dim]``, with ``page_table`` [max_batch_size, pages per
+            sequence] naming each cache row's pages. As in NVIDIA TE, ``total_num_pages`` must
+            be ``max_batch_size * max_sequence_length / page_size``; the pages of a row are
+            fixed (row r owns pages r * pages_per_seq on), so the paged cache holds the same
+            bytes as the contiguous one, viewed as pages.
         max_ctx_len: the longest step of packed (thd) input; thd input is not implemented
             yet, so it is accepted and unused.
         qkv_format: layout of the incoming tensors, ``"bshd"`` or ``"sbhd"``; the layers
@@ -124,9 +130,7 @@ class InferenceParams:
         if dtype is not None and dtype not in _FLOAT:
             raise TypeError(f"{op}: dtype must be None or one of {_FLOAT}, got {dtype}")
         if is_paged:
-            raise NotImplementedError(f"{op}: is_paged=True (a paged KV cache) is not "
-                                      "implemented yet; use the contiguous cache "
-                                      "(is_paged=False)")
+            _check_pages(max_batch_size, max_sequence_length, total_num_pages, page_size)
         if custom_cache_manager is not None:
             raise NotImplementedError(f"{op}: custom_cache_manager is not supported; it must "
                                       "be None")
@@ -139,9 +143,11 @@ class InferenceParams:
         self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
         self.num_heads_kv, self.head_dim_k, self.dtype = num_heads_kv, head_dim_k, dtype
         self.head_dim_v = head_dim_v if head_dim_v is not None else head_dim_k
-        self.is_paged, self.total_num_pages, self.page_size = False, total_num_pages, page_size
+        self.is_paged = bool(is_paged)
+        self.total_num_pages, self.page_size = total_num_pages, page_size
         self.max_ctx_len, self.input_qkv_format = max_ctx_len, qkv_format
-        # layer_number -> (k_cache, v_cache); key_value_memory_dict is its 1.x name.
+        # layer_number -> (k_cache, v_cache) (as pages when paged); key_value_memory_dict is
+        # its 1.x name.
         self.cache: dict = {}
         self.key_value_memory_dict = self.cache
         self._owners: dict = {}
@@ -163,7 +169,24 @@ class InferenceParams:
         return (f"InferenceParams(max_batch_size={self.max_batch_size}, "
                 f"max_sequence_length={self.max_sequence_length}, "
                 f"num_heads_kv={self.num_heads_kv}, head_dim_k={self.head_dim_k}, "
-                f"head_dim_v={self.head_dim_v}, dtype={self.dtype}, is_paged=False)")
+                f"head_dim_v={self.head_dim_v}, dtype={self.dtype}, is_paged={self.is_paged})")
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        """Pages of each cache row, int32 [max_batch_size, pages per sequence] (paged only)."""
+        if not self.is_paged:
+            raise RuntimeError("InferenceParams.page_table: the cache is not paged")
+        per_row = self.max_sequence_length // self.page_size
+        return torch.arange(self.max_batch_size * per_row, dtype=torch.int32).view(
+            self.max_batch_size, per_row)
+
+    def convert_paged_to_nonpaged(self, layer_number: int) -> tuple:
+        """Layer ``layer_number``'s keys and values of the current sequences, in batch order,
+        as [batch_size, max_sequence_length, heads, head_dim]."""
+        k, v = (self._rows(t) for t in self.cache[layer_number])
+        rows = torch.tensor([self._slots[s] for s in self.sequences], dtype=torch.long,
+                            device=k.device)
+        return k.index_select(0, rows), v.index_select(0, rows)
 
     def allocate_memory(self, layer_number: int, device=None) -> None:
         """Allocates layer ``layer_number``'s cache now (a forward does it when needed); needs
@@ -177,10 +200,19 @@ class InferenceParams:
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.cuda.is_available() else torch.device("cpu"))
-        shape = (self.max_batch_size, self.max_sequence_length, self.num_heads_kv)
-        self.cache[layer_number] = (
-            torch.zeros(*shape, self.head_dim_k, dtype=self.dtype, device=device),
-            torch.zeros(*shape, self.head_dim_v, dtype=self.dtype, device=device))
+        self.cache[layer_number] = self._allocate(self.num_heads_kv, self.head_dim_k,
+                                                  self.head_dim_v, self.dtype, device)
+
+    def _allocate(self, heads: int, dim_k: int, dim_v: int, dtype, device) -> tuple:
+        lead = ((self.total_num_pages, self.page_size) if self.is_paged else
+                (self.max_batch_size, self.max_sequence_length))
+        return (torch.zeros(*lead, heads, dim_k, dtype=dtype, device=device),
+                torch.zeros(*lead, heads, dim_v, dtype=dtype, device=device))
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        """A cache tensor as rows [max_batch_size, max_sequence_length, heads, dim] (a view of
+        the pages when paged)."""
+        return t.view(self.max_batch_size, self.max_sequence_length, *t.shape[2:])
 
     def pre_step(self, step_dict: Mapping) -> OrderedDict:
         """Declares the next forward's sequences: ``{seq_id: new tokens}`` in batch order.
@@ -240,13 +272,10 @@ class InferenceParams:
             raise RuntimeError("InferenceParams.swap_key_value_dict: only for the "
                                "sequence_len_offset style; with pre_step, give the sequence ids "
                                "in the new order instead")
-        for layer, (k, v) in self.cache.items():
-            idx = torch.as_tensor(batch_indices, dtype=torch.long, device=k.device)
-            n = idx.numel()
-            self.cache[layer] = (k.index_copy(0, torch.arange(n, device=k.device),
-                                              k.index_select(0, idx)),
-                                 v.index_copy(0, torch.arange(n, device=v.device),
-                                              v.index_select(0, idx)))
+        for k, v in self.cache.values():
+            for t in (self._rows(k), self._rows(v)):
+                idx = torch.as_tensor(batch_indices, dtype=torch.long, device=t.device)
+                t[:idx.numel()] = t.index_select(0, idx)
 
     # ------------------------------------------------------ used by MultiheadAttention
 
@@ -287,12 +316,10 @@ class InferenceParams:
                              "te.MultiheadAttention) of the model a distinct layer_number")
         got = self.cache.get(layer_number)
         if got is None:
-            dtype = self.dtype or k.dtype
-            shape = (self.max_batch_size, self.max_sequence_length, k.shape[-2])
-            got = (torch.zeros(*shape, k.shape[-1], dtype=dtype, device=k.device),
-                   torch.zeros(*shape, v.shape[-1], dtype=dtype, device=k.device))
+            got = self._allocate(k.shape[-2], k.shape[-1], v.shape[-1], self.dtype or k.dtype,
+                                 k.device)
             self.cache[layer_number] = got
-        kc, vc = got
+        kc, vc = self._rows(got[0]), self._rows(got[1])
         if kc.shape[2:] != k.shape[-2:] or vc.shape[2:] != v.shape[-2:]:
             raise ValueError(f"InferenceParams: the cache of layer {layer_number} holds "
                              f"[heads, head_dim] {list(kc.shape[2:])} / {list(vc.shape[2:])}, "
@@ -345,6 +372,17 @@ class InferenceParams:
         keys, values = kc[b0:b0 + b, :o + s], vc[b0:b0 + b, :o + s]
         return (_as(keys, k), _as(values, v), _bottom_right(mask, padding=False),
                 (None, None, s, o + s))
+
+
+def _check_pages(max_batch_size: int, max_sequence_length: int, total_num_pages, page_size):
+    op = "InferenceParams"
+    if not isinstance(page_size, int) or page_size <= 0 or max_sequence_length % page_size:
+        raise ValueError(f"{op}: a paged cache needs a positive page_size dividing "
+                         f"max_sequence_length={max_sequence_length}, got {page_size!r}")
+    pages = max_batch_size * (max_sequence_length // page_size)
+    if total_num_pages != pages:
+        raise ValueError(f"{op}: a paged cache needs total_num_pages = max_batch_size * "
+                         f"max_sequence_length / page_size = {pages}, got {total_num_pages!r}")
 
 
 def _as(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
