@@ -370,6 +370,24 @@ def test_each_self_attention_mask(mask):
     torch.testing.assert_close(got.double(), want, **FP32_TOL)
 
 
+def test_packed_thd_input_matches_the_padded_batch():
+    """Sequences packed back to back (thd, cu_seqlens) give the padded bshd layer's outputs
+    on their tokens (that layer is checked against the reference above); RoPE restarts at
+    each sequence."""
+    padded = _layer(self_attn_mask_type="padding_causal", num_gqa_groups=2)
+    packed = _layer(self_attn_mask_type="padding_causal", num_gqa_groups=2,
+                    attn_input_format="thd")
+    packed.load_state_dict(padded.state_dict())
+    lengths, x = [S, 11], _data()
+    pad = (torch.arange(S)[None, :] >= torch.tensor(lengths)[:, None])[:, None, None, :]
+    rope = te.RotaryPositionEmbedding(HIDDEN // HEADS)(S)
+    want = padded(x, attention_mask=pad, rotary_pos_emb=rope)
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    got = packed(torch.cat([x[0], x[1, :lengths[1]]]), cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                 max_seqlen_q=S, max_seqlen_kv=S, rotary_pos_emb=rope)
+    torch.testing.assert_close(got, torch.cat([want[0], want[1, :lengths[1]]]), **FP32_TOL)
+
+
 def test_forward_mask_type_overrides_the_constructor():
     layer = _layer(self_attn_mask_type="causal")
     ref = RefLayer(layer)
@@ -572,7 +590,8 @@ def test_default_initialization_is_nvidia_te_s():
 
 @pytest.mark.parametrize("kw, error, words", [
     (dict(layer_type="both"), ValueError, "layer_type"),
-    (dict(attn_input_format="thd"), ValueError, "attn_input_format"),
+    (dict(attn_input_format="hbsd"), ValueError, "attn_input_format"),
+    (dict(attn_input_format="thd", drop_path_rate=0.1), ValueError, "drop_path_rate"),
     (dict(tp_size=2), NotImplementedError, "tensor parallelism"),
     (dict(sequence_parallel=True), NotImplementedError, "sequence_parallel"),
     (dict(ub_tp_comm_overlap=True), NotImplementedError, "userbuffers"),

@@ -26,7 +26,7 @@ from .multihead_attention import MultiheadAttention, default_init_method, refuse
 __all__ = ["TransformerLayer"]
 
 _LAYER_TYPES = ("encoder", "decoder")
-_FORMATS = ("sbhd", "bshd")
+_FORMATS = ("sbhd", "bshd", "thd")
 
 
 class TransformerLayer(torch.nn.Module):
@@ -69,7 +69,9 @@ class TransformerLayer(torch.nn.Module):
             order (see te.MultiheadAttention); default separate query/key/value weights.
         zero_centered_gamma, normalization (``"LayerNorm"`` / ``"RMSNorm"``), bias,
             activation (every one of te.LayerNormMLP): of the blocks.
-        attn_input_format: ``"sbhd"`` ([s, b, hidden], default) or ``"bshd"``.
+        attn_input_format: ``"sbhd"`` ([s, b, hidden], default), ``"bshd"``, or ``"thd"``
+            ([tokens, hidden], sequences packed back to back; forward takes cu_seqlens_q /
+            cu_seqlens_kv and max_seqlen_q / max_seqlen_kv).
         rotary_pos_interleaved, qk_norm_type, qk_norm_eps, qk_norm_before_rope, softmax_type,
             attention_backend: keyword only; as te.MultiheadAttention.
 
@@ -209,8 +211,9 @@ class TransformerLayer(torch.nn.Module):
         decoder's cross attention. ``rotary_pos_emb``: RoPE angles (te.RotaryPositionEmbedding)
         for self-attention. ``inference_params``: a KV cache (te.InferenceParams). The other
         arguments are te.MultiheadAttention's."""
-        if torch.is_autocast_enabled(hidden_states.device.type):
-            hidden_states = hidden_states.to(torch.get_autocast_dtype(hidden_states.device.type))
+        device_type = "cuda" if hidden_states.is_cuda else hidden_states.device.type
+        if torch.is_autocast_enabled(device_type):
+            hidden_states = hidden_states.to(torch.get_autocast_dtype(device_type))
         x = hidden_states.contiguous()
         attn_out = self.self_attention(
             x, attention_mask=attention_mask,
@@ -282,6 +285,9 @@ def _check_args(op: str, layer_type: str, fmt: str, hidden_dropout: float,
     for arg, value in (("hidden_dropout", hidden_dropout), ("drop_path_rate", drop_path_rate)):
         if not 0.0 <= value < 1.0:
             raise ValueError(f"{op}: {arg} must be in [0, 1), got {value}")
+    if fmt == "thd" and drop_path_rate > 0.0:
+        raise ValueError(f"{op}: drop_path_rate must be 0 with attn_input_format 'thd' (a "
+                         f"sample is a packed sequence, not a dimension), got {drop_path_rate}")
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise ValueError(f"{op}: normalization must be 'LayerNorm' or 'RMSNorm', got "
                          f"{normalization!r}")
