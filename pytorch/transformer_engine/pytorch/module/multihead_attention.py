@@ -303,7 +303,11 @@ class MultiheadAttention(torch.nn.Module):
                       max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
         if cache is not None:
             q, k, v, layout = self._cached(cache, q, k, v, mask, attend)
-        if checkpoint_core_attention and torch.is_grad_enabled():
+        recompute = fp8.RECOMPUTE
+        # Inside a checkpoint of the whole layer attention is recomputed already (and
+        # checkpoints do not nest).
+        if (checkpoint_core_attention and torch.is_grad_enabled()
+                and recompute.recording is None and not recompute.replaying):
             o = checkpoint(self.core_attention, q, k, v, qkv_format=layout,
                            get_rng_state_tracker=self.get_rng_state_tracker, **attend)
         else:
