@@ -48,7 +48,8 @@ class _Step:
         # All sequences alike (the usual batch decode): slices instead of index lists.
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
         self.row_slice = (rows[0], rows[0] + len(rows)) if consecutive else None
-        self.uniform = consecutive and len(set(lens)) == 1 and len(set(pre)) == 1
+        self.same_start = len(set(pre)) == 1
+        self.uniform = consecutive and len(set(lens)) == 1 and self.same_start
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
@@ -304,9 +305,12 @@ class InferenceParams:
 
     def _rope_positions(self, device: torch.device):
         """(start_positions tensor [batch] or None, offset int) of this step's tokens."""
-        if self._step is None:
+        step = self._step
+        if step is None:
             return None, int(self.sequence_len_offset)
-        return self._step.on(device)["start"], 0
+        if step.same_start:  # one offset for all: a slice of the table, no index tensor
+            return None, step.pre[0]
+        return step.on(device)["start"], 0
 
     def _cache_of(self, layer_number: int, owner, k: torch.Tensor, v: torch.Tensor):
         owners = self._owners
