@@ -585,6 +585,14 @@ def test_parameter_names_are_nvidia_te_names():
         dict(fused.named_parameters()))
 
 
+def test_sequence_parallel_without_tensor_parallelism_is_a_no_op():
+    """NVIDIA TE ignores sequence_parallel=True on one rank; so does this layer."""
+    layer = _layer(sequence_parallel=True)
+    twin = _layer()
+    twin.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(layer(_data()), twin(_data()), atol=0, rtol=0)
+
+
 def test_default_initialization_is_nvidia_te_s():
     layer = te.TransformerLayer(256, 512, 4, device="cpu")
     w = layer.layernorm_mlp.fc1_weight
@@ -597,7 +605,7 @@ def test_default_initialization_is_nvidia_te_s():
     (dict(attn_input_format="hbsd"), ValueError, "attn_input_format"),
     (dict(attn_input_format="thd", drop_path_rate=0.1), ValueError, "drop_path_rate"),
     (dict(tp_size=2), NotImplementedError, "tensor parallelism"),
-    (dict(sequence_parallel=True), NotImplementedError, "sequence_parallel"),
+    (dict(tp_size=2, sequence_parallel=True), NotImplementedError, "tensor parallelism"),
     (dict(ub_tp_comm_overlap=True), NotImplementedError, "userbuffers"),
     (dict(fuse_wgrad_accumulation=True), NotImplementedError, "fuse_wgrad_accumulation"),
     (dict(parallel_attention_mlp=True, output_layernorm=True), ValueError,

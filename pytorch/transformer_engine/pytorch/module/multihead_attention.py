@@ -141,8 +141,9 @@ class MultiheadAttention(torch.nn.Module):
                  attention_backend: Optional[str] = None) -> None:
         super().__init__()
         op = "te.MultiheadAttention"
-        check_unsupported(tp_group, tp_size, None, sequence_parallel, fuse_wgrad_accumulation,
-                          op)
+        # As in NVIDIA TE, sequence parallelism only acts with tensor parallelism.
+        check_unsupported(tp_group, tp_size, None, sequence_parallel and tp_size > 1,
+                          fuse_wgrad_accumulation, op)
         refuse_unsupported(op, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
                            ub_bulk_wgrad=ub_bulk_wgrad, softmax_type=softmax_type)

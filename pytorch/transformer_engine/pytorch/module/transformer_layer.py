@@ -117,8 +117,9 @@ class TransformerLayer(torch.nn.Module):
                  attention_backend: Optional[str] = None) -> None:
         super().__init__()
         op = "te.TransformerLayer"
-        check_unsupported(tp_group, tp_size, None, sequence_parallel, fuse_wgrad_accumulation,
-                          op)
+        # As in NVIDIA TE, sequence parallelism only acts with tensor parallelism.
+        check_unsupported(tp_group, tp_size, None, sequence_parallel and tp_size > 1,
+                          fuse_wgrad_accumulation, op)
         # The ub_* switches only act with ub_tp_comm_overlap (their defaults are True).
         refuse_unsupported(op, ub_tp_comm_overlap=ub_tp_comm_overlap)
         _check_args(op, layer_type, attn_input_format, hidden_dropout, drop_path_rate,
