@@ -13,7 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["allowed_keys", "unfused_attention"]
+__all__ = ["allowed_keys", "query_positions", "unfused_attention"]
 
 # Logits of masked keys: finite, so a fully masked row gives no NaN before it is zeroed.
 _MASKED = -1e30
@@ -24,25 +24,42 @@ def allowed_keys(mask_type: str, q_pos: jax.Array, k_pos: jax.Array,
                  k_valid: Optional[jax.Array] = None) -> jax.Array:
     """bool [b or 1, 1, sq, skv]: which keys each query may attend to.
 
-    ``q_pos`` [sq] and ``k_pos`` [skv] are the tokens' positions (on the same axis: the
-    causal diagonal is ``k_pos <= q_pos``); ``mask`` [b, 1, sq, skv] (True = masked) applies
-    for the padding masks; ``k_valid`` [skv] marks the keys that exist (a decoding cache).
+    ``q_pos`` [sq] or [b, sq] and ``k_pos`` [skv] are the tokens' positions (on the same
+    axis: the causal diagonal is ``k_pos <= q_pos``); ``mask`` [b, 1, sq, skv] (True =
+    masked) applies for the padding masks; ``k_valid`` [skv] marks the keys that exist (a
+    decoding cache).
     """
     left, right = window if window is not None else (-1, -1)
     if "causal" in mask_type:
         right = 0
-    q, k = q_pos[:, None], k_pos[None, :]
-    ok = jnp.ones((q_pos.shape[0], k_pos.shape[0]), bool)
+    q = jnp.reshape(q_pos, (-1, 1, q_pos.shape[-1], 1))
+    k = jnp.reshape(k_pos, (1, 1, 1, -1))
+    ok = jnp.ones((q.shape[0], 1, q.shape[2], k.shape[3]), bool)
     if left >= 0:
         ok &= k >= q - left
     if right >= 0:
         ok &= k <= q + right
     if k_valid is not None:
-        ok &= k_valid[None, :]
-    ok = ok[None, None]
+        ok &= jnp.reshape(k_valid, (1, 1, 1, -1))
     if mask_type.startswith("padding") and mask is not None:
         ok = ok & ~mask.astype(bool)
     return ok
+
+
+def query_positions(mask_type: str, sq: int, skv: int,
+                    mask: Optional[jax.Array] = None) -> jax.Array:
+    """The query positions on the keys' axis outside decoding: [sq], or [b, sq] for
+    ``padding_causal_bottom_right``, whose diagonal ends at each sequence's last valid key
+    and query (their counts are the rows and columns of ``mask`` not fully masked)."""
+    q_pos = jnp.arange(sq)
+    if not mask_type.endswith("bottom_right"):
+        return q_pos
+    if mask_type.startswith("padding") and mask is not None:
+        valid = ~jnp.asarray(mask).astype(bool)[:, 0]
+        lq = valid.any(axis=-1).sum(axis=-1)
+        lk = valid.any(axis=-2).sum(axis=-1)
+        return q_pos[None, :] + (lk - lq)[:, None]
+    return q_pos + (skv - sq)
 
 
 def unfused_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *,

@@ -13,7 +13,11 @@ import jax
 import jax.numpy as jnp
 from transformer_engine.jax.attention import MASKS, fused_attn
 from transformer_engine.jax.flax._rotary import rotary_pos_emb
-from transformer_engine.jax.flax._unfused_attention import allowed_keys, unfused_attention
+from transformer_engine.jax.flax._unfused_attention import (
+    allowed_keys,
+    query_positions,
+    unfused_attention,
+)
 from transformer_engine.jax.flax.attention import _cu_seqlens
 from transformer_engine.jax.flax.layernorm_dense import LayerNormDenseGeneral
 from transformer_engine.jax.flax.module import DenseGeneral, Initializer
@@ -117,6 +121,9 @@ class MultiHeadAttention(nn.Module):
     ``cached_value`` of L positions, ``cache_index``); each later call with ``decode=True``
     appends its tokens at ``cache_index`` (rotated at their positions) and attends to the
     cache so far. A ``bias`` for those calls covers all L rows (the call takes its rows).
+    ``query_position_offset`` (keyword, not in NVIDIA's signature) is the RoPE position of
+    the first query outside the cache (a decoder's cross-attention while decoding: its
+    queries sit at the self-attention's cache index; keys stay at 0, 1, ...).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -203,7 +210,8 @@ class MultiHeadAttention(nn.Module):
     @nn.compact
     def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array,
                  mask: Optional[jax.Array] = None, bias: Optional[jax.Array] = None, *,
-                 decode: bool = False, deterministic: bool = False):
+                 decode: bool = False, deterministic: bool = False,
+                 query_position_offset: Optional[jax.Array] = None):
         heads, groups, dropout, mask_type = self._settings()
         name = "MultiHeadAttention"
         is_self = inputs_q is inputs_kv
@@ -223,12 +231,14 @@ class MultiHeadAttention(nn.Module):
         cache = self._cache(k, v) if decode else None
         start = cache["index"] if cache is not None else None
         if self.enable_rotary_pos_emb:
-            length = cache["length"] if cache is not None else max(q.shape[seq_axis],
-                                                                   k.shape[seq_axis])
             rope = dict(windows=self.rotary_pos_emb_windows,
-                        group_method=self.rotary_pos_emb_group_method, max_length=length,
-                        transpose_batch_sequence=self.transpose_batch_sequence, start=start)
-            q, k = rotary_pos_emb(q, **rope), rotary_pos_emb(k, **rope)
+                        group_method=self.rotary_pos_emb_group_method,
+                        transpose_batch_sequence=self.transpose_batch_sequence)
+            q_offset = start
+            if q_offset is None:
+                q_offset = 0 if query_position_offset is None else query_position_offset
+            q = rotary_pos_emb(q, offset=q_offset, **rope)
+            k = rotary_pos_emb(k, offset=start if start is not None else 0, **rope)
         scale = 1.0 / math.sqrt(d) if self.scale_attn_logits else 1.0
         rate = 0.0 if deterministic else dropout
         rng = self.make_rng(self.dropout_rng_name) if rate > 0.0 else None
@@ -248,7 +258,7 @@ class MultiHeadAttention(nn.Module):
                                   seq_first=self.transpose_batch_sequence)
         elif bias is not None:
             sq, skv = q.shape[seq_axis], k.shape[seq_axis]
-            q_pos = jnp.arange(sq) + (skv - sq if mask_type.endswith("bottom_right") else 0)
+            q_pos = query_positions(mask_type, sq, skv, mask)
             allowed = allowed_keys(mask_type, q_pos, jnp.arange(skv), self.window_size, mask)
             x = unfused_attention(q, k, v, allowed, scale=scale, bias=bias, bias_type=bias_type,
                                   dropout_rate=rate, dropout_rng=rng,
@@ -345,7 +355,13 @@ class MultiHeadAttention(nn.Module):
             if mask is None:
                 raise ValueError(f"MultiHeadAttention: attn_mask_type {mask_type!r} needs a "
                                  "mask [batch, 1, sq, skv] (True = masked)")
-            allowed = ~jnp.asarray(mask).astype(bool)[:, 0]
+            mask = jnp.asarray(mask)
+            sq, skv = q.shape[1 - self.transpose_batch_sequence], k.shape[
+                1 - self.transpose_batch_sequence]
+            if mask.ndim != 4 or mask.shape[-2:] != (sq, skv):
+                raise ValueError(f"MultiHeadAttention: mask must be [batch, 1, {sq}, {skv}] "
+                                 f"(queries, keys of this call), got {mask.shape}")
+            allowed = ~mask.astype(bool)[:, 0]
             cu_q, cu_kv = _cu_seqlens(allowed.any(axis=-1)), _cu_seqlens(allowed.any(axis=-2))
         return fused_attn(q, k, v, qkv_layout=layout, attn_mask_type=mask_type,
                           window_size=self.window_size, scale_factor=scale,

@@ -320,9 +320,14 @@ class TransformerLayer(nn.Module):
         bias = self._relative_bias(inputs, decode, max_decode_length)
         post_ln = self.apply_residual_connection_post_layernorm
 
-        attn = self._attention("self_attention" if decoder else "attention",
-                               self.self_attn_mask_type, self.self_attn_bias_type,
+        attn_name = "self_attention" if decoder else "attention"
+        attn = self._attention(attn_name, self.self_attn_mask_type, self.self_attn_bias_type,
                                input_layernorm=not self.output_layernorm)
+        # While decoding, this call's tokens start at the self-attention's cache index (the
+        # cross-attention's queries rotate at those positions too).
+        offset = None
+        if decode:
+            offset = self.variables.get("cache", {}).get(attn_name, {}).get("cache_index")
         x, ln_out = attn(inputs, inputs, attention_mask, bias, decode=decode,
                          deterministic=deterministic)
         x = self._block_output(x, deterministic) + (ln_out if post_ln else inputs)
@@ -337,7 +342,7 @@ class TransformerLayer(nn.Module):
                 batch = x.shape[1 if self.transpose_batch_sequence else 0]
                 encoder_decoder_mask = jnp.zeros((batch, 1, sq, skv), bool)
             y, ln_out = cross(x, jnp.asarray(encoded, x.dtype), encoder_decoder_mask,
-                              deterministic=deterministic)
+                              deterministic=deterministic, query_position_offset=offset)
             x = self._dropout(y, self.hidden_dropout, self.hidden_dropout_dims,
                               deterministic) + (ln_out if post_ln else x)
 
