@@ -13,32 +13,11 @@ from typing import Tuple
 
 import jax
 import jax.numpy as jnp
+from transformer_engine.jax.rope import apply_rotary_pos_emb
 
 __all__ = ["rotary_pos_emb", "rotary_angles", "GROUP_METHODS"]
 
 GROUP_METHODS = ("consecutive", "alternate")
-
-try:
-    from transformer_engine.jax.rope import apply_rotary_pos_emb
-except ImportError:  # the fused RoPE op has not landed yet: the same rotation in jnp
-
-    def apply_rotary_pos_emb(x, freqs, tensor_format="bshd", interleaved=False,
-                             start_positions=None):
-        seq_axis = 0 if tensor_format == "sbhd" else 1
-        s, b = x.shape[seq_axis], x.shape[1 - seq_axis]
-        start = jnp.zeros((b,), jnp.int32) if start_positions is None else start_positions
-        pos = start[:, None] + jnp.arange(s)[None, :]  # [b, s]
-        angles = jnp.take(freqs, pos, axis=0)[:, :, None, :]  # [b, s, 1, d]
-        if seq_axis == 0:
-            angles = jnp.swapaxes(angles, 0, 1)
-        xf = x.astype(jnp.float32)
-        if interleaved:
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-            partner = jnp.stack([-x2, x1], axis=-1).reshape(xf.shape)
-        else:
-            x1, x2 = jnp.split(xf, 2, axis=-1)
-            partner = jnp.concatenate([-x2, x1], axis=-1)
-        return (xf * jnp.cos(angles) + partner * jnp.sin(angles)).astype(x.dtype)
 
 
 def canonical_group_method(method: str) -> str:
