@@ -31,7 +31,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+import transformer_engine.pytorch as te
 from harness import time_host
+from transformer_engine.common import recipe
 
 # (seqlen, batch, hidden, ffn, heads): NVIDIA's getting-started layer (at batch 8), then a
 # small layer whose short step lets host time show.
@@ -102,8 +104,6 @@ class Contender:
         self.x.grad = None
 
     def __call__(self, i: int) -> None:
-        import transformer_engine.pytorch as te
-
         self.clear()
         if self.sdpa_backends is not None:
             from torch.nn.attention import sdpa_kernel
@@ -142,9 +142,6 @@ def sdpa_backends(device: str, heads: int, head_dim: int) -> list:
 
 
 def contenders(shape, device: str, smoke: bool) -> dict:
-    import transformer_engine.pytorch as te
-    from transformer_engine.common import recipe
-
     s, b, hidden, ffn, heads = shape
     dtype = torch.bfloat16
     torch.manual_seed(0)
