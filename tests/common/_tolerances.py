@@ -138,3 +138,21 @@ def attention_fp8_backward_bound(q, k, v, d_o, allowed, scale, want, *, descale_
         errors = [_attention_round(np.abs(w), e, grad_fmt, d)
                   for w, e, d in zip(want, errors, grad_descales, strict=True)]
     return {"dq": errors[0], "dk": errors[1], "dv": errors[2], "ds": eds, "ds_want": ds}
+
+
+# ---------------------------------------------------------------- rotary position embedding
+# te_rope_forward / te_rope_backward against float64 from the same fp32 angles, relative to the
+# magnitude |x_i cos a_i| + |x_k sin a_k'| of each output (k the partner feature, a_k' the
+# angle whose sine multiplies it; gradients likewise). cos and sin are within half an fp32 ulp
+# (2^-24 relative) plus 1e-16 of exact (rope.h), and the two products and the sum round once
+# each: at most 3 * 2^-24 of the magnitude (the 1e-16 is far below an fp32 ulp of the tests'
+# products); 2^-22 holds that with a third to spare. The output dtype then rounds once more
+# (OUTPUT_HALF_ULP of the result, which the magnitude bounds), and below its smallest normal
+# by half its smallest subnormal.
+ROPE_FP32 = 2.0**-22
+ROPE_HALF_SUBNORMAL = {"float32": 2.0**-150, "float16": 2.0**-25, "bfloat16": 2.0**-134}
+
+
+def rope_bound(magnitude: np.ndarray, out_dtype: str) -> np.ndarray:
+    """Largest |got - want| allowed per element of a RoPE output (float64 magnitude)."""
+    return (ROPE_FP32 + OUTPUT_HALF_ULP[out_dtype]) * magnitude + ROPE_HALF_SUBNORMAL[out_dtype]
