@@ -45,12 +45,12 @@ class Size:
 # Per device. The CPU size takes a few minutes with FP8 emulated by the core; the GPU size is
 # large enough (16k tokens a step, hidden 2048) that FP8 GEMMs outrun bf16 ones.
 SIZES = {
-    "cpu": Size(layers=2, hidden=128, heads=4, ffn=512, seq=128, batch=16, steps=200, lr=2e-3,
-                corpus_bytes=4 << 20, valid_batches=8, new_tokens=64),
+    "cpu": Size(layers=2, hidden=128, heads=4, ffn=512, seq=64, batch=16, steps=150, lr=3e-3,
+                corpus_bytes=4 << 20, valid_batches=8, new_tokens=48),
     "cuda": Size(layers=8, hidden=2048, heads=16, ffn=8192, seq=2048, batch=8, steps=300,
                  lr=6e-4, corpus_bytes=24 << 20, valid_batches=8, new_tokens=128),
     # --quick, for CI: tiny, yet enough steps that the loss clearly falls.
-    "quick": Size(layers=2, hidden=64, heads=2, ffn=256, seq=64, batch=8, steps=60, lr=3e-3,
+    "quick": Size(layers=2, hidden=64, heads=2, ffn=256, seq=64, batch=8, steps=50, lr=3e-3,
                   corpus_bytes=1 << 20, valid_batches=2, new_tokens=16),
 }
 
