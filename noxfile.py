@@ -186,16 +186,34 @@ def docs(session: nox.Session) -> None:
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
 
 
+def _demo_framework(args: list[str]) -> str:
+    """The --framework that train_gpt.py will see in `args` (its default: torch)."""
+    framework = "torch"
+    for i, arg in enumerate(args):
+        if arg == "--framework" and i + 1 < len(args):
+            framework = args[i + 1]
+        elif arg.startswith("--framework="):
+            framework = arg.split("=", 1)[1]
+    return framework
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The training demo: an MLP of te.Linear trained in FP8 and in high precision, compared.
+    """The training demo: a byte-level GPT of TransformerLayer trained in FP8 and in high
+    precision from the same weights and batches, compared (losses, tokens/s, memory, samples).
 
     Runs on the CPU (FP8 emulated by the core) unless a GPU is there; arguments after `--` go
-    to examples/train_mlp_fp8.py (e.g. `nox -s demo -- --recipe block`).
+    to examples/train_gpt.py (e.g. `nox -s demo -- --recipe block`, `-- --framework jax`,
+    `-- --quick`). The MLP demo is examples/train_mlp_fp8.py.
     """
-    # The tests' torch pin: the CPU build where pip is set up for it.
-    _install(session, "pytorch", "-r", "tests/requirements-torch.txt")
-    session.run("python", "examples/train_mlp_fp8.py", *session.posargs)
+    if _demo_framework(session.posargs) == "jax":
+        _install(session, "jax", "-r", "tests/requirements-jax.txt", "-r",
+                 "examples/requirements.txt", "-r", "examples/requirements-jax.txt")
+    else:
+        # The tests' torch pin: the CPU build where pip is set up for it.
+        _install(session, "pytorch", "-r", "tests/requirements-torch.txt", "-r",
+                 "examples/requirements.txt")
+    session.run("python", "examples/train_gpt.py", *session.posargs)
 
 
 @nox.session(venv_backend="none", default=False)
