@@ -199,8 +199,10 @@ def _demo_framework(args: list[str]) -> str:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The training demo: a byte-level GPT of TransformerLayer trained in FP8 and in high
-    precision from the same weights and batches, compared (losses, tokens/s, memory, samples).
+    """The training demo: a small GPT of TransformerLayer trained in FP8 and high precision.
+
+    Both runs start from the same weights and see the same batches; the demo compares their
+    losses, tokens/s and memory and samples text from each.
 
     Runs on the CPU (FP8 emulated by the core) unless a GPU is there; arguments after `--` go
     to examples/train_gpt.py (e.g. `nox -s demo -- --recipe block`, `-- --framework jax`,
