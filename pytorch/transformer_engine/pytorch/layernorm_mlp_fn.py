@@ -27,6 +27,7 @@ from . import ops
 from .layernorm_linear_fn import norm_backward, norm_to_fp8
 from .linear_fn import backward_gemms, fp8_gemm, grad_to_fp8, update_backward
 from .quantization import Operand, Plan, quantize
+from .release import may_release, release
 
 
 def act_to_fp8(plan: Plan, h: torch.Tensor, act: str, scale: torch.Tensor, columnwise: bool,
@@ -50,33 +51,38 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
     scales) and, as one tuple, of the backward (history, scale, scale_inv); ``consts``: the
     plan, the recipe (general backward update), the amax group, the NormConfig, the
     activation and ``need``: whether the norm's inputs, FC1's parameters (weight), FC2's
-    weight need gradients and whether anything before FC2 does. Returns the output, and
-    ln_out too when cfg.return_ln_out. (Tuples: every argument of apply costs host time.)
+    weight need gradients and whether anything before FC2 does; whether the weights' FP8
+    copies were made for this forward alone (the backward may free them; not a cache's, nor
+    a Float8Tensor parameter's). Returns the output, and ln_out too when cfg.return_ln_out.
+    (Tuples: every argument of apply costs host time.)
     """
 
     @staticmethod
     def forward(ctx, inp, gamma, beta, w1, b1, w1_data, w1_sinv, w1_col, w1_col_sinv, w2, b2,
                 w2_data, w2_sinv, w2_col, w2_col_sinv, history_fwd, scale_fwd, bwd_meta: tuple,
                 consts: tuple):
-        plan, recipe, group, cfg, act, need = consts
+        plan, recipe, group, cfg, act, need, own_weights = consts
         need_dgrad, need_wgrad1, need_wgrad2, _ = need
         x = inp.reshape(-1, inp.shape[-1])
         q1, ln_out, mu, rsigma = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
                                              need_wgrad1, history_fwd, 0)
         h = fp8_gemm(q1.data, q1.scale_inv, w1_data, w1_sinv, plan.fwd_dtype, plan.fwd_dtype,
                      plan.input_mode, plan.weight_mode, inp.dtype, b1, False)
+        # Only FC1's wgrad reads ln_out again (column-wise): its row-wise bytes go before the
+        # activation allocates FC2's input.
+        ln_col, ln_col_sinv = q1.columnwise, q1.columnwise_scale_inv
+        del q1
         q2 = act_to_fp8(plan, h, act, scale_fwd[2:3], need_wgrad2, history_fwd, 2)
         out = fp8_gemm(q2.data, q2.scale_inv, w2_data, w2_sinv, plan.fwd_dtype, plan.fwd_dtype,
                        plan.input_mode, plan.weight_mode, inp.dtype, b2, False)
         # per-tensor: the column-wise copies share the row-wise scale_inv
         w1_col_sinv = w1_sinv if w1_col_sinv is None else w1_col_sinv
         w2_col_sinv = w2_sinv if w2_col_sinv is None else w2_col_sinv
-        ctx.save_for_backward(x, mu, rsigma, gamma, q1.columnwise, q1.columnwise_scale_inv,
-                              w1_col, w1_col_sinv, h, q2.columnwise, q2.columnwise_scale_inv,
-                              w2_col, w2_col_sinv)
+        ctx.save_for_backward(x, mu, rsigma, gamma, ln_col, ln_col_sinv, w1_col, w1_col_sinv,
+                              h, q2.columnwise, q2.columnwise_scale_inv, w2_col, w2_col_sinv)
         ctx.bwd_meta = bwd_meta
         ctx.plan, ctx.recipe, ctx.group, ctx.cfg, ctx.act = plan, recipe, group, cfg, act
-        ctx.need = need
+        ctx.need, ctx.own_weights = need, own_weights
         ctx.has = (beta is not None, b1 is not None, b2 is not None)
         ctx.dtypes = (w1.dtype, None if b1 is None else b1.dtype, w2.dtype,
                       None if b2 is None else b2.dtype)
@@ -97,6 +103,11 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         history, scale, _ = ctx.bwd_meta
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         grad_w1 = grad_b1 = grad_w2 = grad_b2 = dx = dgamma = dbeta = None
+        # The node keeps what it saved until it returns; what it made itself goes as soon as
+        # it has been read for the last time (release.py), or the peak of this backward would
+        # hold FC2's operands while FC1's gradient is made. The weights' FP8 copies go too
+        # when they were made for this forward alone (not a cache's).
+        free = may_release()
         # FC2: its grad_output with its bias gradient in one pass (backward column 1)
         q_g2, dbias2 = grad_to_fp8(plan, g, g, "identity", scale, 1, need_fc1, need_wgrad2,
                                    has_b2, history)
@@ -108,15 +119,21 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
             grad_act, grad_w2 = backward_gemms(plan, q_g2, w2_col, w2_col_sinv, a_col,
                                                a_col_sinv, h.dtype, w2_dtype, need_fc1,
                                                need_wgrad2)
+            del q_g2
+        if free:
+            release(a_col, w2_col if ctx.own_weights else None)
         if need_fc1:
-            # FC1: d act + d bias + cast + transpose in one pass (backward column 0)
+            # FC1: d act + d bias + cast + transpose in one pass (backward column 0); it frees
+            # grad_act and h once read
             q_g1, dbias1 = grad_to_fp8(plan, grad_act, h, ctx.act, scale, 0, need_dgrad,
-                                       need_wgrad1, has_b1, history)
+                                       need_wgrad1, has_b1, history, free)
+            del grad_act
             recorded = recorded or (delayed and q_g1 is not None)
             if q_g1 is not None:
                 d_ln, grad_w1 = backward_gemms(plan, q_g1, w1_col, w1_col_sinv, ln_col,
                                                ln_col_sinv, x.dtype, w1_dtype, need_dgrad,
                                                need_wgrad1)
+                del q_g1
             if has_b1:
                 grad_b1 = dbias1.to(b1_dtype)
         if recorded:  # delayed scaling: one update of both columns, after both were recorded

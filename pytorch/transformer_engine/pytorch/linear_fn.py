@@ -24,6 +24,7 @@ import torch
 from . import fp8, ops
 from .float8_tensor import Float8Tensor
 from .quantization import Operand, Plan, quantize, record_amax
+from .release import release
 
 # The block-scaled GEMM writes fp32 or bf16 only (gemm.h).
 _BLOCK_OUT = (torch.float32, torch.bfloat16)
@@ -176,14 +177,18 @@ def linear_backward(grad_output: torch.Tensor, saved, plan: Plan, bwd_meta: tupl
 
 def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str,
                 scales: torch.Tensor, column: int, rowwise: bool, columnwise: bool,
-                with_dbias: bool, history: torch.Tensor):
+                with_dbias: bool, history: torch.Tensor, free: bool = False):
     """``act'(h) * dy`` as a GEMM's FP8 ``grad_output`` with the fp32 column sums of the
     unquantized values (the bias gradient): (operand or None when no GEMM needs it, dbias or
     None). Delayed scaling uses ``scales[column]`` and raises ``history[0, column]``.
 
     ``act="identity"`` (h = dy) is a linear layer's grad_output: under delayed scaling with a
     bias, "bias gradient + cast + transpose" is one pass over dy (the core's activation
-    backward of identity) instead of a quantize and a column sum that read dy twice."""
+    backward of identity) instead of a quantize and a column sum that read dy twice.
+
+    ``free`` (an activation's): dy and h are the caller's own and read here for the last time,
+    so they are freed once the activation's backward has read them (release.py), before the
+    quantization of its result (current and block scaling) allocates the FP8 copies."""
     identity = act == "identity"
     if not (rowwise or columnwise):  # no GEMM needs it: only the bias gradient, if any
         if identity:
@@ -194,12 +199,16 @@ def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str,
         data, col, sinv, _, dbias = ops.activation_backward_fp8(
             dy, h, act, scales[column:column + 1], plan.bwd_dtype, rowwise, columnwise,
             with_dbias, history, column)
+        if free:
+            release(dy, h)
         op = Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode)
         return op, dbias if with_dbias else None
     if identity:
         dh, dbias = dy, dy.sum(0, dtype=torch.float32) if with_dbias else None
     else:
         dh, dbias = ops.activation_backward(dy, h, act, with_dbias)
+        if free:
+            release(dy, h)
     op = quantize(plan, "grad_output", dh, rowwise, columnwise, scales, column, history)
     return op, dbias if with_dbias else None
 

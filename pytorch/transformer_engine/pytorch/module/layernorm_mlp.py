@@ -195,7 +195,10 @@ class LayerNormMLP(FP8Module):
         q2 = self._weight_operand(plan, w2, need_fc1, is_first_microbatch, scales, history, 1)
         per_tensor = plan.weight_mode == "tensor"
         bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
-        consts = (plan, bwd_recipe, group, self.cfg, self.activation, need)
+        # Copies quantized for this forward alone: the backward may free them once read.
+        own_weights = is_first_microbatch is None and not isinstance(w1, Float8Tensor) \
+            and not isinstance(w2, Float8Tensor)
+        consts = (plan, bwd_recipe, group, self.cfg, self.activation, need, own_weights)
         return with_leading_dims(Fp8LayerNormMLPFunction.apply(
             inp, gamma, beta, w1, b1, q1.data, q1.scale_inv, q1.columnwise,
             None if per_tensor else q1.columnwise_scale_inv, w2, fc2_bias, q2.data,
