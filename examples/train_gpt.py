@@ -117,7 +117,8 @@ def main(argv=None) -> int:
                              size.new_tokens, args.temperature, args.seed)
         del runner  # frees the run's weights and optimizer state before the next run
     report.print_table(runs)
-    report.print_comparison(runs["fp8"], runs["high_precision"], type(fp8_recipe).__name__)
+    report.print_comparison(runs["fp8"], runs["high_precision"], type(fp8_recipe).__name__,
+                            emulated=device == "cpu")
     report.print_samples(runs, prompts)
     title = (f"byte-level GPT, {size.layers} layers x {size.hidden} ({args.framework}, "
              f"{device}): FP8 {args.recipe} vs {high}")

@@ -54,7 +54,7 @@ class GPT(torch.nn.Module):
         head_dim = size.hidden // size.heads
         self.embed = torch.nn.Embedding(VOCAB, size.hidden, device=device, dtype=dtype)
         torch.nn.init.normal_(self.embed.weight, std=0.02)
-        self.rope = te.RotaryPositionEmbedding(head_dim)
+        self.rope = te.RotaryPositionEmbedding(head_dim).to(device)
         self.layers = torch.nn.ModuleList(
             te.TransformerLayer(size.hidden, size.ffn, size.heads, layer_number=i + 1,
                                 self_attn_mask_type="causal", attn_input_format="bshd",
@@ -73,7 +73,7 @@ class GPT(torch.nn.Module):
         and extend its KV cache; the rotary angles then cover ``max_positions`` positions and
         the layers pick the rows of the tokens' positions."""
         x = self.embed(tokens)
-        freqs = self.rope(max_positions or tokens.shape[1]).to(x.device)
+        freqs = self.rope(max_positions or tokens.shape[1])
         for layer in self.layers:
             x = layer(x, rotary_pos_emb=freqs, inference_params=inference_params)
         return self.head(self.norm(x))
@@ -100,7 +100,8 @@ class Runner:
         other = [p for p in self.model.parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                       {"params": other, "weight_decay": 0.0}],
-                                     betas=(0.9, 0.95), eps=1e-8)
+                                     betas=(0.9, 0.95), eps=1e-8,
+                                     fused=self.device.type == "cuda")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 

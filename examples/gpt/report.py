@@ -28,13 +28,14 @@ def print_table(runs: dict[str, RunResult]) -> None:
           f"{'; '.join(notes)})")
 
 
-def print_comparison(fp8: RunResult, high: RunResult, recipe_name: str) -> None:
+def print_comparison(fp8: RunResult, high: RunResult, recipe_name: str, emulated: bool) -> None:
     gap = (fp8.final_loss - high.final_loss) / high.final_loss
     speed = fp8.tokens_per_s / high.tokens_per_s
+    why = " (on the CPU the core emulates FP8, so it is not meant to be faster)" if emulated else ""
     print(f"\nFP8 ({recipe_name}) final loss is {gap:+.2%} from high precision, validation loss "
           f"{(fp8.valid_loss - high.valid_loss) / high.valid_loss:+.2%}; the loss fell from "
           f"{high.first_loss:.2f} to {high.final_loss:.2f}. FP8 ran at {speed:.2f}x the "
-          "tokens/s of high precision.")
+          f"tokens/s of high precision{why}.")
 
 
 def print_samples(runs: dict[str, RunResult], prompts: np.ndarray) -> None:

@@ -1,5 +1,5 @@
 """The PyTorch training demo runs as users run it: ``examples/train_gpt.py --quick`` in a fresh
-interpreter on the CPU, where FP8 is emulated by the core.
+interpreter, on the CPU (where FP8 is emulated by the core) and on a GPU.
 
 Its short mode trains a tiny GPT far enough that the loss falls from ln(256) (uniform over
 bytes) to well below; FP8's final loss must then sit within 2 % of high precision's, the
@@ -18,9 +18,9 @@ from pathlib import Path
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def test_train_gpt_quick(tmp_path):
+def test_train_gpt_quick(tmp_path, device):
     png, out = tmp_path / "loss.png", tmp_path / "gpt.json"
-    command = [sys.executable, str(EXAMPLES / "train_gpt.py"), "--quick", "--device", "cpu",
+    command = [sys.executable, str(EXAMPLES / "train_gpt.py"), "--quick", "--device", device.type,
                "--plot", str(png), "--json", str(out)]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
