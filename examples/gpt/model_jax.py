@@ -49,7 +49,8 @@ def versions() -> dict:
 
 
 def device_name(device: str) -> str:
-    return f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
+    chip = jax.devices("cpu" if device == "cpu" else None)[0]
+    return f"{chip.device_kind} ({chip.platform})"
 
 
 class GPT(nn.Module):
@@ -82,6 +83,11 @@ class GPT(nn.Module):
 def build(size, device: str, seed: int) -> dict:
     """The initial variables (from ``seed``), made inside an FP8 autocast of the delayed
     recipe so that they hold the ``fp8_metas`` collection too; each run takes what it needs."""
+    if device == "cuda" and jax.default_backend() != "gpu":
+        raise RuntimeError(f"train_gpt: --device cuda needs jax with a GPU backend, got "
+                           f"{jax.default_backend()!r}")
+    if device == "cpu":  # jax would otherwise place everything on its default (a GPU)
+        jax.config.update("jax_default_device", jax.devices("cpu")[0])
     dtype = jnp.bfloat16 if device == "cuda" else jnp.float32
     model = GPT(size, dtype)
     tokens = jnp.zeros((1, size.seq), jnp.int32)
@@ -157,9 +163,11 @@ class Runner:
                               for b in batches]))
 
     def peak_memory(self) -> tuple[int | None, str]:
-        stats = jax.devices()[0].memory_stats() or {}
+        chip = jax.config.jax_default_device or jax.devices()[0]
+        stats = chip.memory_stats() or {}
         if "peak_bytes_in_use" in stats:
-            return int(stats["peak_bytes_in_use"]), "device peak_bytes_in_use (whole process)"
+            # No reset in jax: the second run's figure covers the first run too.
+            return int(stats["peak_bytes_in_use"]), "device peak_bytes_in_use, whole process"
         scale = 1 if sys.platform == "darwin" else 1024
         return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
                 "process peak RSS so far (CPU)")

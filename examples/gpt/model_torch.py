@@ -94,16 +94,19 @@ class Runner:
     """``model`` trained with AdamW, in FP8 under ``fp8_recipe`` or in high precision (None)."""
 
     def __init__(self, model: GPT, fp8_recipe, device: str, weight_decay: float = 0.1):
-        self.model = copy.deepcopy(model)
         self.recipe, self.device = fp8_recipe, torch.device(device)
+        # What is allocated before this run (the initial weights both runs copy) is not its own.
+        self.baseline = 0
+        if self.device.type == "cuda":
+            self.baseline = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.model = copy.deepcopy(model)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         other = [p for p in self.model.parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                       {"params": other, "weight_decay": 0.0}],
                                      betas=(0.9, 0.95), eps=1e-8,
                                      fused=self.device.type == "cuda")
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
 
     def _autocast(self):
         return te.fp8_autocast(enabled=self.recipe is not None, fp8_recipe=self.recipe)
@@ -139,7 +142,8 @@ class Runner:
 
     def peak_memory(self) -> tuple[int | None, str]:
         if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device), "torch.cuda.max_memory_allocated"
+            return (torch.cuda.max_memory_allocated(self.device) - self.baseline,
+                    "torch.cuda.max_memory_allocated less the initial weights")
         # ru_maxrss is KiB on Linux, bytes on macOS; and it is the whole process's peak so far.
         scale = 1 if sys.platform == "darwin" else 1024
         return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
