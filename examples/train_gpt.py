@@ -42,8 +42,8 @@ class Size:
     activation: str = "gelu"
 
 
-# Per device. The CPU size takes a few minutes with FP8 emulated by the core; the GPU size is
-# large enough (16k tokens a step, hidden 2048) that FP8 GEMMs outrun bf16 ones.
+# Per device. The CPU size takes about two minutes on two cores (FP8 emulated by the core);
+# the GPU size is large enough (16k tokens a step, hidden 2048) that FP8 GEMMs outrun bf16.
 SIZES = {
     "cpu": Size(layers=2, hidden=128, heads=4, ffn=512, seq=64, batch=16, steps=150, lr=3e-3,
                 corpus_bytes=4 << 20, valid_batches=8, new_tokens=48),
