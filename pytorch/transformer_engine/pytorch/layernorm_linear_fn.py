@@ -126,6 +126,7 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
             d_ln, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
                                                in_col_sinv, x.dtype, w_dtype, need_dgrad,
                                                need_wgrad)
+            del q_g  # the FP8 grad_output (both copies) goes before the norm's backward
         if need_dgrad:
             if grad_ln_out is not None:  # ln_out was returned and used: its gradient joins
                 d_ln = d_ln + grad_ln_out.reshape(d_ln.shape).to(d_ln.dtype)
