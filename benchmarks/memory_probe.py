@@ -16,15 +16,18 @@ norm, attention, the output projection, the MLP):
   (gradients included: they are set to None before each step), in the forward and in the
   backward. On the CPU, from the allocator's own events (``torch.profiler`` with
   ``profile_memory``), so every allocation counts, those inside the ops too; on CUDA
-  (``--device cuda``), ``torch.cuda.max_memory_allocated``.
+  (``--device cuda``), ``torch.cuda.max_memory_allocated``. ``--live`` lists what is alive
+  at the peak by the op and the block (or backward node) that made it, from a dispatch mode
+  that sees each op's outputs and a finalizer on each new storage (``LiveBytes``).
 
 The estimate of a whole step's peak is parameters + held + the step's peak. At the
 getting-started shape (seq 2048, batch 8, hidden 4096, ffn 16384, 32 heads of 128) the FP8
 emulation of the CPU would take hours; the default is that shape scaled down with the same
 ratios of ffn to hidden and tokens to hidden (hidden 512, ffn 2048, 4 heads of 128, seq 256,
-batch 8). ``--extrapolate`` runs a second batch size and splits each figure into a part per
-token and a fixed part (weights); both grow with the hidden size (per-token bytes as hidden,
-weight bytes as its square, heads as hidden / 128), which gives the figures at full size.
+batch 8). ``--extrapolate`` runs half the batch too and splits saved bytes and the peak into
+a part per token and a fixed part (weights); both grow with the hidden size (per-token bytes
+as hidden, weight bytes as its square, heads as hidden / 128), which gives the figures at
+full size. Held bytes stay as measured (a CUDA run adds the GEMM workspace).
 
     python benchmarks/memory_probe.py                  # CPU, the scaled-down shape
     python benchmarks/memory_probe.py --extrapolate    # and the estimate at full size
@@ -425,23 +428,22 @@ def print_tensors(result: dict) -> None:
 
 
 def extrapolate(small: dict, large: dict, batch: tuple, shape: dict, full: dict) -> dict:
-    """Figures at the full shape from two batch sizes at the probe's shape: each figure is
-    a + c * batch; a (weights) grows as hidden^2, c (per token) as hidden * tokens."""
-    def fit(key_fn):
-        y0, y1 = key_fn(small), key_fn(large)
-        c = (y1 - y0) / (batch[1] - batch[0])
-        a = y0 - c * batch[0]
-        hs = full["hidden"] / shape["hidden"]
-        tokens = (full["seq"] * full["batch"]) / (shape["seq"])
-        return a * hs * hs + c * tokens * hs
+    """Figures at the full shape from two batch sizes at the probe's shape: saved bytes and
+    the step's peak are each a + c * batch, a (weights, their gradients and FP8 copies)
+    growing as hidden^2, c (per token) as hidden * tokens; parameters grow as hidden^2; held
+    bytes (scaling state, workspaces) do not grow."""
+    hs = full["hidden"] / shape["hidden"]
+    tokens = (full["seq"] * full["batch"]) / shape["seq"]
 
-    return {
-        "saved": fit(lambda r: r["total_saved"]),
-        "held": fit(lambda r: r["total_held"]),
-        "peak": fit(lambda r: r["peaks"]["peak"]),
-        "params": small["params"] * (full["hidden"] / shape["hidden"]) ** 2,
-        "estimate": fit(lambda r: r["estimate"]),
-    }
+    def fit(key):
+        y0, y1 = key(small), key(large)
+        c = (y1 - y0) / (batch[1] - batch[0])
+        return (y0 - c * batch[0]) * hs * hs + c * tokens * hs
+
+    out = {"saved": fit(lambda r: r["total_saved"]), "held": large["total_held"],
+           "peak": fit(lambda r: r["peaks"]["peak"]), "params": large["params"] * hs * hs}
+    out["estimate"] = out["params"] + out["held"] + out["peak"]
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> None:
