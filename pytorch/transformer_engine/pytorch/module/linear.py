@@ -14,6 +14,7 @@ from .. import fast_linear, fp8, ops
 from ..float8_tensor import Float8Tensor, to_high_precision
 from ..linear_fn import Fp8LinearFunction, takes_fp8_input
 from ..quantization import plan_of, record_amax
+from ._split_rows import join_rows, pack_rows
 from .base import FP8Module, fp8_weight_param, with_leading_dims
 
 __all__ = ["Linear"]
@@ -100,12 +101,22 @@ class _LinearBase(FP8Module):
         for split, size in self._splits.items():
             rows = slice(start, start + size)
             start += size
-            setattr(self, f"{split}_weight", param(weight[rows].clone()))
+            # Views of one weight: the forward reads them as one tensor (join_rows).
+            setattr(self, f"{split}_weight", param(weight[rows]))
             self.weight_names.append(f"{split}_weight")
             if bias is not None:
-                setattr(self, f"{split}_bias", torch.nn.Parameter(bias[rows].clone()))
+                setattr(self, f"{split}_bias", torch.nn.Parameter(bias[rows]))
                 self.bias_names.append(f"{split}_bias")
         self.register_parameter("bias", None) if bias is None else None
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half() convert each parameter alone: lay the row blocks back to
+        # back again, so that the forward still reads them without a copy.
+        out = super()._apply(fn, recurse)
+        if getattr(self, "_splits", None) is not None:
+            pack_rows([self._parameters[n] for n in self.weight_names])
+            pack_rows([self._parameters[n] for n in self.bias_names])
+        return out
 
     def _weight_and_bias(self):
         if self._splits is None:
@@ -113,8 +124,8 @@ class _LinearBase(FP8Module):
             if "weight" in params and "bias" in params:
                 return params["weight"], params["bias"]
             return self.weight, self.bias  # e.g. a parametrized weight (a property)
-        weight = torch.cat([getattr(self, n) for n in self.weight_names])
-        bias = torch.cat([getattr(self, n) for n in self.bias_names]) if self.bias_names \
+        weight = join_rows([getattr(self, n) for n in self.weight_names])
+        bias = join_rows([getattr(self, n) for n in self.bias_names]) if self.bias_names \
             else None
         return weight, bias
 
