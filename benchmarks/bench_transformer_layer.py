@@ -207,9 +207,11 @@ def peak_memory(step: Contender, steps: int = 2) -> dict:
             "peak_mib": (above + step.param_bytes()) / mib}
 
 
-def bench_shape(shape, smoke: bool) -> list[dict]:
+def bench_shape(shape, smoke: bool, skip: list[str]) -> list[dict]:
     device = "cpu" if smoke else "cuda"
-    steps, errors = probe(contenders(shape, device, smoke))
+    steps = {name: step for name, step in contenders(shape, device, smoke).items()
+             if not any(text in name for text in skip)}
+    steps, errors = probe(steps)
     rows = [{"op": "transformer_layer_fwd_bwd", "impl": name, "shape_sbhfn": list(shape),
              "error": err} for name, err in errors.items()]
     if smoke:
@@ -290,11 +292,13 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU, every path, write nothing")
     parser.add_argument("--name", default="transformer_layer")
+    parser.add_argument("--skip", action="append", default=[],
+                        help="leave out the contenders whose name holds this text (repeatable)")
     args = parser.parse_args()
     start = time.perf_counter()
     rows = []
     for shape in SMOKE_SHAPES if args.smoke else SHAPES:
-        rows += bench_shape(shape, args.smoke)
+        rows += bench_shape(shape, args.smoke, args.skip)
         gc.collect()
         if not args.smoke:
             torch.cuda.empty_cache()
@@ -314,7 +318,8 @@ def main() -> None:
         "config": {"shapes_sbhfn": [list(s) for s in SHAPES], "dtype": "bfloat16",
                    "hidden_dropout": HIDDEN_DROPOUT, "attention_dropout": ATTENTION_DROPOUT,
                    "activation": "gelu (tanh)", "normalization": "LayerNorm",
-                   "mask": "causal", "format": "sbhd", "targets": TARGETS},
+                   "mask": "causal", "format": "sbhd", "targets": TARGETS,
+                   "skipped": args.skip},
         "results": rows,
     })
 
