@@ -526,3 +526,22 @@ def test_cuda_math_path_fp8_backward_matches_cpu():
              for dev, backend in (("cpu", "cpu"), ("cuda", "cuda_math"))]
     for name, got, want in zip("qkv", grads[1], grads[0], strict=True):
         _assert_fp8_close(got.cpu(), want, f"cuda_math d{name} vs cpu", against_bf16=False)
+
+
+@pytest.mark.cuda
+def test_cuda_fp8_dropout_is_not_launched_on_cudnn_sm90():
+    # cuDNN's FP8 forward with dropout faults on sm_90: the choice passes it over with the
+    # reason, and the call runs on the next backend instead of ending the process.
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the refusal is for sm_90")
+    q, k, v = _data(2, 128, 128, 4, 4, 128, torch.bfloat16, "cuda")
+    info = te.get_attention_backend(q, k, v, qkv_format="bshd", attn_mask_type="causal",
+                                    attention_dropout=0.1, fp8=True)
+    assert info.name != "cudnn" and "dropout" in info.reasons["cudnn"], info.reasons
+    attn = te.DotProductAttention(4, 128, attention_dropout=0.1, qkv_format="bshd",
+                                  attn_mask_type="causal")
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
+        o = attn(q, k, v)
+    o.float().sum().backward()
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all() and torch.isfinite(q.grad).all()
