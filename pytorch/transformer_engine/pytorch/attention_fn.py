@@ -32,6 +32,10 @@ Params = tuple
 class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_kv, rng, params, deterministic):
+        # The core reads dense q, k, v; made dense once here and saved so, the backward does
+        # not copy them again (they are usually strided views of the QKV projection's output,
+        # which saving the dense copies also lets go).
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         o, lse = ops.attention_forward(q, k, v, cu_q, cu_kv, rng, *params)
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_kv, rng)
         ctx.params = params
