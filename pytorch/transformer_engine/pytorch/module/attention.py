@@ -33,6 +33,7 @@ from ..fp8 import STATE
 from ..ops._backend import core
 from ..ops.attention import LAYOUTS, MASKS, config, sizes_of
 from ..quantization import record_amax
+from ._checks import check_sizes
 from .base import FP8Module
 from .linear import _default_device
 
@@ -163,6 +164,48 @@ def _check_inputs(q, k, v, layout: str) -> None:
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise TypeError(f"DotProductAttention: query, key and value must share a dtype, got "
                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    # A meta tensor has no data for the kernels (get_device() is -1 for it and the CPU alike).
+    if (q.is_meta or k.is_meta or v.is_meta
+            or not q.get_device() == k.get_device() == v.get_device()):
+        raise RuntimeError(f"DotProductAttention: query, key and value must be on one CPU or "
+                           f"CUDA device, got {q.device}, {k.device}, {v.device}")
+
+
+def _check_mask(attention_mask, mask: str, layout: str, q, k) -> None:
+    """attention_mask as the mask types that read it take it: bool, True = masked out (a
+    float mask could mean 1 = keep, or an additive bias; either would be misread), and for the
+    padding masks [b, 1, 1, s] per side (a pair (q_mask, kv_mask) when sq != skv)."""
+    masks = attention_mask if isinstance(attention_mask, tuple) else (attention_mask,)
+    for m in masks:
+        if not isinstance(m, torch.Tensor):
+            raise TypeError(f"DotProductAttention: attention_mask must be a bool tensor (or, "
+                            f"for the padding masks, a pair of them), got {type(m).__name__}")
+        if m.dtype != torch.bool:
+            raise TypeError(f"DotProductAttention: attention_mask must have dtype torch.bool "
+                            f"(True = masked out), got {m.dtype}")
+    if mask == "arbitrary":
+        if isinstance(attention_mask, tuple):
+            raise TypeError("DotProductAttention: attention_mask must be one bool tensor "
+                            "[b or 1, h or 1, sq, skv] for the arbitrary mask, got a tuple")
+        return
+    batch, sq, skv = ((q.shape[0], q.shape[1], k.shape[1]) if layout == "bshd"
+                      else (q.shape[1], q.shape[0], k.shape[0]))
+    if len(masks) == 1:
+        if sq != skv:
+            raise ValueError(f"DotProductAttention: attention_mask must be a pair (q_mask "
+                             f"[{batch}, 1, 1, {sq}], kv_mask [{batch}, 1, 1, {skv}]) when the "
+                             f"query and key lengths differ, got one of shape "
+                             f"{list(masks[0].shape)}")
+        masks = masks * 2
+    if len(masks) != 2:
+        raise ValueError(f"DotProductAttention: attention_mask must be a tensor or a pair "
+                         f"(q_mask, kv_mask), got a tuple of {len(masks)}")
+    for side, m, s in (("q_mask", masks[0], sq), ("kv_mask", masks[1], skv)):
+        if list(m.shape) != [batch, 1, 1, s]:
+            raise ValueError(f"DotProductAttention: attention_mask ({side}) must have shape "
+                             f"[{batch}, 1, 1, {s}] (batch, 1, 1, seqlen; True = padded) for "
+                             f"attn_mask_type {mask!r} with qkv_format {layout!r}, got "
+                             f"{list(m.shape)}")
 
 
 def _cu_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -251,9 +294,15 @@ class DotProductAttention(FP8Module):
                  attention_type: str = "self", deterministic: bool = False,
                  attention_backend: Optional[str] = None,
                  device: Union[torch.device, str, None] = None) -> None:
-        super().__init__(_default_device(device), num_gemms=2)
         dims = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
         groups = num_gqa_groups if num_gqa_groups is not None else num_attention_heads
+        if len(dims) != 2:
+            raise ValueError(f"DotProductAttention: kv_channels must be an int or a pair "
+                             f"(head_dim_qk, head_dim_v), got {kv_channels!r}")
+        check_sizes("DotProductAttention", num_attention_heads=num_attention_heads,
+                    kv_channels=dims[0], num_gqa_groups=groups)
+        check_sizes("DotProductAttention", kv_channels=dims[1])
+        super().__init__(_default_device(device), num_gemms=2)
         if num_attention_heads % groups != 0:
             raise ValueError(f"DotProductAttention: num_attention_heads ({num_attention_heads}) "
                              f"must be a multiple of num_gqa_groups ({groups})")
@@ -289,7 +338,10 @@ class DotProductAttention(FP8Module):
                              f"{query.shape[-2]}/{key.shape[-2]}")
         window = _resolve_window(mask, window_size if window_size is not None else self.window_size)
         padding = layout == "thd" or mask.startswith("padding")
-        if padding and cu_seqlens_q is None and attention_mask is not None and layout != "thd":
+        from_mask = padding and cu_seqlens_q is None and layout != "thd"
+        if attention_mask is not None and (from_mask or mask == "arbitrary"):
+            _check_mask(attention_mask, mask, layout, query, key)
+        if from_mask and attention_mask is not None:
             q_mask, kv_mask = (attention_mask if isinstance(attention_mask, tuple)
                                else (attention_mask, attention_mask))
             cu_seqlens_q, cu_seqlens_kv = _cu_from_mask(q_mask), _cu_from_mask(kv_mask)

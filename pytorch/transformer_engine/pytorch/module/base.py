@@ -131,7 +131,7 @@ class FP8Module(torch.nn.Module):
         # Under torch.compile the lookups run at trace time only, and an identity test would
         # make the graph's guards demand this very recipe object (a recompile per new one).
         if torch.compiler.is_compiling() or recipe is not self._fp8_recipe:
-            plan = plan_of(recipe)
+            plan = self._plan_of(recipe)
             if plan.kind == "delayed":
                 self._fit_fp8_meta(recipe)  # may make new buffers (and reset the cache)
             self._recipe_summary = recipe_summary(recipe)
@@ -144,6 +144,18 @@ class FP8Module(torch.nn.Module):
             return plan, self._forward_scales(), None
         fp8.register_forward_amaxes(self, recipe)
         return plan, self._forward_scales(), buffers["amax_history_fwd"]
+
+    def _plan_of(self, recipe: Recipe) -> Plan:
+        """plan_of(recipe), with an unsupported recipe reported in this module's name (plan_of
+        speaks for te.Linear)."""
+        try:
+            return plan_of(recipe)
+        except NotImplementedError as e:
+            msg = str(e)
+            msg = msg[len("te.Linear: "):] if msg.startswith("te.Linear: ") else msg
+            name = getattr(self, "_name", "") or type(self).__name__
+            raise NotImplementedError(f"{name}: the fp8_autocast recipe (fp8_recipe) cannot "
+                                      f"run here: {msg}") from None
 
     def _backward_state(self, plan: Plan, recipe: Recipe) -> tuple[tuple, Recipe | None, Any]:
         """What an FP8 backward's delayed-scaling update needs: the backward roles' (history,

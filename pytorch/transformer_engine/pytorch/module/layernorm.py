@@ -13,6 +13,7 @@ from typing import Optional, Union
 import torch
 
 from .. import ops
+from ._checks import check_device, check_sizes
 from .base import with_leading_dims
 from .linear import _default_device
 
@@ -60,8 +61,7 @@ class _Norm(torch.nn.Module):
                  params_dtype: Optional[torch.dtype], device, sequence_parallel: bool,
                  bias: bool) -> None:
         super().__init__()
-        if int(hidden_size) <= 0:
-            raise ValueError(f"{self._name}: hidden_size must be positive, got {hidden_size}")
+        check_sizes(self._name, hidden_size=hidden_size)
         if eps < 0:
             raise ValueError(f"{self._name}: eps must be >= 0, got {eps}")
         dtype = params_dtype or torch.get_default_dtype()
@@ -105,6 +105,7 @@ class _Norm(torch.nn.Module):
             raise TypeError(f"{self._name}: input must be float32, bfloat16 or float16, got "
                             f"{inp.dtype}")
         weight, bias = self.weight, self.bias
+        check_device(self._name, "input", inp, weight)
         if weight.dtype not in (inp.dtype, torch.float32):
             weight = weight.to(inp.dtype)
             bias = None if bias is None else bias.to(inp.dtype)

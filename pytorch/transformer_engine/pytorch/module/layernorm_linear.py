@@ -17,6 +17,7 @@ from .. import fp8, ops
 from ..float8_tensor import Float8Tensor
 from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig
 from ..quantization import record_amax
+from ._checks import check_device, check_params_dtype, check_sizes
 from .base import with_leading_dims
 from .layernorm import apply_norm
 from .linear import _default_device, _LinearBase, check_fp8_shape, check_unsupported
@@ -73,12 +74,14 @@ def fp8_input(op: str, inp: torch.Tensor) -> torch.Tensor:
     return inp
 
 
-def check_input(op: str, inp: torch.Tensor, features: int) -> None:
+def check_input(op: str, inp: torch.Tensor, features: int, param: torch.Tensor) -> None:
+    """Shape, dtype and device (``param``'s, one of the module's parameters) of the input."""
     if inp.dim() == 0 or inp.shape[-1] != features:
         raise ValueError(f"{op}: input must have {features} features as its last dimension, "
                          f"got shape {list(inp.shape)}")
     if inp.dtype not in _DTYPES:
         raise TypeError(f"{op}: input must be float32, bfloat16 or float16, got {inp.dtype}")
+    check_device(op, "input", inp, param)
 
 
 class LayerNormLinear(_LinearBase):
@@ -120,6 +123,8 @@ class LayerNormLinear(_LinearBase):
                  fuse_wgrad_accumulation: bool = False, name: Optional[str] = None) -> None:
         check_unsupported(tp_group, tp_size, parallel_mode, sequence_parallel,
                           fuse_wgrad_accumulation, self._name)
+        check_sizes(self._name, in_features=in_features, out_features=out_features)
+        check_params_dtype(self._name, params_dtype)
         cfg = norm_config(self._name, normalization, eps, zero_centered_gamma,
                                return_layernorm_output)
         device = _default_device(device)
@@ -138,7 +143,7 @@ class LayerNormLinear(_LinearBase):
                 fp8_output: bool = False):
         """``inp`` [..., in_features] -> [..., out_features] (see the class docstring for
         what else comes back); ``is_first_microbatch`` and ``fp8_output`` as for te.Linear."""
-        check_input(self._name, inp, self.in_features)
+        check_input(self._name, inp, self.in_features, self.layer_norm_weight)
         weight, bias = self._weight_and_bias()
         gemm_bias = None if self.return_bias else bias
         state = fp8.STATE

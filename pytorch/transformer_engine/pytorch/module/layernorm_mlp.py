@@ -19,6 +19,7 @@ from ..float8_tensor import Float8Tensor
 from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction
 from ..ops.activation import GATED
 from ..quantization import record_amax
+from ._checks import check_params_dtype, check_sizes
 from .base import FP8Module, fp8_weight_param, with_leading_dims
 from .layernorm import apply_norm
 from .layernorm_linear import (
@@ -111,6 +112,8 @@ class LayerNormMLP(FP8Module):
                  name: Optional[str] = None) -> None:
         check_unsupported(tp_group, tp_size, None, sequence_parallel, fuse_wgrad_accumulation,
                           self._name)
+        check_sizes(self._name, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        check_params_dtype(self._name, params_dtype)
         if activation not in ACTIVATIONS:
             raise ValueError(f"{self._name}: activation must be one of {ACTIVATIONS}, got "
                              f"{activation!r}")
@@ -142,7 +145,7 @@ class LayerNormMLP(FP8Module):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """``inp`` [..., hidden_size] -> [..., hidden_size] (see the class docstring for what
         else comes back); ``is_first_microbatch`` as for te.Linear, for both weights."""
-        check_input(self._name, inp, self.hidden_size)
+        check_input(self._name, inp, self.hidden_size, self.layer_norm_weight)
         fc2_bias = None if self.return_bias else self.fc2_bias
         state = fp8.STATE
         if state.enabled:

@@ -14,6 +14,7 @@ from .. import fast_linear, fp8, ops
 from ..float8_tensor import Float8Tensor, to_high_precision
 from ..linear_fn import Fp8LinearFunction, takes_fp8_input
 from ..quantization import plan_of, record_amax
+from ._checks import check_device, check_float_input, check_params_dtype, check_sizes
 from ._split_rows import join_rows, pack_rows
 from .base import FP8Module, fp8_weight_param, with_leading_dims
 
@@ -79,11 +80,14 @@ class _LinearBase(FP8Module):
 
     def _setup_linear(self, in_features: int, out_features: int, bias: bool, params_dtype,
                       device: torch.device, init_method, parameters_split) -> None:
+        check_sizes(self._name, in_features=in_features, out_features=out_features)
+        check_params_dtype(self._name, params_dtype)
         self.in_features, self.out_features = int(in_features), int(out_features)
+        # Checked before the initializers draw from torch's generator.
+        self._splits = _split_sizes(out_features, parameters_split, self._name)
         dtype = params_dtype or torch.get_default_dtype()
         weight = init_weight(out_features, in_features, dtype, device, init_method)
         full_bias = init_bias(out_features, in_features, dtype, device) if bias else None
-        self._splits = _split_sizes(out_features, parameters_split, self._name)
         self._register_params(weight, full_bias)
 
     def _register_params(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -201,6 +205,7 @@ class Linear(_LinearBase):
             raise ValueError(f"te.Linear: input must have in_features={self.in_features} "
                              f"as its last dimension, got shape {list(inp.shape)}")
         weight, bias = self._weight_and_bias()
+        check_device(self._name, "input", inp, weight)
         gemm_bias = None if self.return_bias else bias
         if state.enabled:
             out = self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch,
@@ -208,6 +213,7 @@ class Linear(_LinearBase):
         else:
             if isinstance(inp, Float8Tensor):
                 inp = to_high_precision(inp)
+            check_float_input(self._name, "input", inp)
             if state.calibrating and state.recipe.delayed():
                 self._calibrate(inp, weight, state.recipe)
             # .to() (a no-op for the same dtype) keeps autograd's link to the parameter; a

@@ -26,6 +26,7 @@ from .. import fp8
 from ..checkpoint import checkpoint
 from ..float8_tensor import to_high_precision
 from ..rope import apply_rotary_pos_emb
+from ._checks import check_device, check_params_dtype, check_sizes
 from ._heads import split_heads
 from .attention import DotProductAttention, _runs_fp8
 from .layernorm import LayerNorm, RMSNorm
@@ -147,6 +148,10 @@ class MultiheadAttention(torch.nn.Module):
         refuse_unsupported(op, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
                            ub_bulk_wgrad=ub_bulk_wgrad, softmax_type=softmax_type)
+        check_sizes(op, hidden_size=hidden_size, num_attention_heads=num_attention_heads)
+        optional = {"kv_channels": kv_channels, "num_gqa_groups": num_gqa_groups}
+        check_sizes(op, **{k: v for k, v in optional.items() if v is not None})
+        check_params_dtype(op, params_dtype)
         if qk_norm_type not in QK_NORMS:
             raise ValueError(f"{op}: qk_norm_type must be one of {QK_NORMS}, got "
                              f"{qk_norm_type!r}")
@@ -256,6 +261,8 @@ class MultiheadAttention(torch.nn.Module):
             raise ValueError(f"te.MultiheadAttention: hidden_states must have hidden_size="
                              f"{self.hidden_size} as its last dimension, got shape "
                              f"{list(hidden_states.shape)}")
+        check_device("te.MultiheadAttention", "hidden_states", hidden_states,
+                     self.proj._parameters["weight"])
         if self.attention_type == "cross" and encoder_output is None:
             raise ValueError("te.MultiheadAttention: cross attention needs encoder_output")
         if (core_attention_bias_type != "no_bias" or core_attention_bias is not None

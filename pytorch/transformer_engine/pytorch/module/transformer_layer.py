@@ -18,6 +18,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from ._checks import check_device, check_params_dtype, check_sizes
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_mlp import LayerNormMLP
 from .linear import _default_device, check_unsupported
@@ -122,6 +123,11 @@ class TransformerLayer(torch.nn.Module):
                           fuse_wgrad_accumulation, op)
         # The ub_* switches only act with ub_tp_comm_overlap (their defaults are True).
         refuse_unsupported(op, ub_tp_comm_overlap=ub_tp_comm_overlap)
+        check_sizes(op, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
+                    num_attention_heads=num_attention_heads)
+        optional = {"kv_channels": kv_channels, "num_gqa_groups": num_gqa_groups}
+        check_sizes(op, **{k: v for k, v in optional.items() if v is not None})
+        check_params_dtype(op, params_dtype)
         _check_args(op, layer_type, attn_input_format, hidden_dropout, drop_path_rate,
                     parallel_attention_mlp, apply_residual_connection_post_layernorm,
                     output_layernorm, normalization)
@@ -212,6 +218,13 @@ class TransformerLayer(torch.nn.Module):
         decoder's cross attention. ``rotary_pos_emb``: RoPE angles (te.RotaryPositionEmbedding)
         for self-attention. ``inference_params``: a KV cache (te.InferenceParams). The other
         arguments are te.MultiheadAttention's."""
+        hidden = self.layernorm_mlp.hidden_size
+        if hidden_states.dim() == 0 or hidden_states.shape[-1] != hidden:
+            raise ValueError(f"te.TransformerLayer: hidden_states must have hidden_size="
+                             f"{hidden} as its last dimension, got shape "
+                             f"{list(hidden_states.shape)}")
+        check_device("te.TransformerLayer", "hidden_states", hidden_states,
+                     self.layernorm_mlp.layer_norm_weight)
         device_type = "cuda" if hidden_states.is_cuda else hidden_states.device.type
         if torch.is_autocast_enabled(device_type):
             hidden_states = hidden_states.to(torch.get_autocast_dtype(device_type))
