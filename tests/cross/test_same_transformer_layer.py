@@ -8,8 +8,10 @@ send to the core's attention entry point (its CPU reference here: torch's DotPro
 picks the core's "cpu" backend, Flax's MultiHeadAttention calls fused_attn, an FFI call of the
 same entry point). Only the residual additions are each framework's own, and an fp32 addition
 rounds the same everywhere. So the outputs and the gradients agree bit for bit, and under
-delayed scaling the scale of every GEMM's operands follows the same sequence step after step;
-the exceptions are bias gradients that one framework sums with another op (SUMMED_APART).
+delayed scaling the scale of every GEMM's operands follows the same sequence step after step.
+The bias gradients too: every linear layer of both takes its bias gradient from the core's
+fused bias gradient + cast of its output gradient (after that gradient's amax under current
+scaling).
 
 Without FP8 the torch blocks multiply with torch's own GEMM (F.linear) and the Flax blocks
 with the core's, so there the two agree to the rounding of the GEMMs' sums only.
@@ -271,29 +273,6 @@ EPS32 = float(np.finfo(np.float32).eps)
 # scale or activation moves the results by far more.
 SUM_ORDER_TOL = 32 * EPS32
 
-# Bias gradients each framework sums with a different op, so they agree only to the sum's
-# rounding (every other tensor, FP8 scale and operand is the same core op's bits):
-# * the Flax DenseGeneral (the attention's output projection ``out``) sums its bias
-#   gradient with jnp.sum (transformer_engine/jax/dense.py, _dense_bwd) under every recipe,
-#   where PyTorch's te.Linear under delayed scaling, and Flax's own LayerNormDenseGeneral and
-#   LayerNormMLP, take it from the core's fused bias gradient + cast (activation_backward_fp8
-#   of the identity);
-# * under current scaling PyTorch sums a linear layer's bias gradient with torch's
-#   dy.sum(0) before quantizing dy (pytorch/linear_fn.py, grad_to_fp8), where Flax's
-#   LayerNormDenseGeneral and LayerNormMLP compute dy's amax and then call the core's fused
-#   bias gradient + cast.
-SUMMED_APART = {
-    "delayed": {"d_proj_bias": "Flax DenseGeneral: jnp.sum; te.Linear: the core's dbias"},
-    "current": {
-        "d_proj_bias": "Flax DenseGeneral: jnp.sum; te.Linear: torch dy.sum(0)",
-        "d_qkv_bias": "Flax LayerNormDenseGeneral: the core's dbias; te.LayerNormLinear: "
-                      "torch dy.sum(0)",
-        "d_fc2_bias": "Flax LayerNormMLP: the core's dbias; te.LayerNormMLP (FC2): torch "
-                      "dy.sum(0)",
-    },
-}
-
-
 def _compare(got_torch, got_flax, what):
     """({key: a line per step where its bits differ}, [the lines beyond SUM_ORDER_TOL])."""
     differ, far = {}, []
@@ -314,18 +293,12 @@ def _compare(got_torch, got_flax, what):
     return differ, far
 
 
-def assert_same_bits(got_torch, got_flax, what, summed_apart=None):
-    """Every tensor the same bits, except the bias gradients in ``summed_apart``: those must
-    agree to the sum's rounding, and an xfail names them while their bits differ."""
-    summed_apart = summed_apart or {}
-    differ, far = _compare(got_torch, got_flax, what)
-    wrong = [line for key, lines in differ.items() if key not in summed_apart for line in lines]
+def assert_same_bits(got_torch, got_flax, what):
+    """Every tensor the same bits, the bias gradients included: both frameworks take them
+    from the core's fused bias gradient + cast of the output gradient."""
+    differ, _ = _compare(got_torch, got_flax, what)
+    wrong = [line for lines in differ.values() for line in lines]
     assert not wrong, f"{what}: differs between PyTorch and Flax:\n" + "\n".join(wrong)
-    assert not far, f"{what}: bias gradients further apart than their sums' rounding:\n" + \
-        "\n".join(far)
-    known = [f"{line} [{summed_apart[key]}]" for key, lines in differ.items() for line in lines]
-    if known:
-        pytest.xfail(f"{what}: bias gradients summed by different ops:\n" + "\n".join(known))
 
 
 @pytest.mark.parametrize("qkv", ["separate", "fused", "interleaved"])
@@ -357,12 +330,11 @@ def test_fp8_delayed_scaling_same_scales_and_bits(qkv):
     # The scales must have moved, or the sequence would test nothing.
     assert not np.all(got_torch[-1]["scale_qkv_x"] == 1.0)
     assert not np.all(got_torch[-1]["scale_wo_grad"] == 1.0)
-    assert_same_bits(got_torch, got_flax, f"delayed scaling, torch qkv {qkv}",
-                     SUMMED_APART["delayed"])
+    assert_same_bits(got_torch, got_flax, f"delayed scaling, torch qkv {qkv}")
 
 
 def test_fp8_current_scaling_same_bits():
     weights = make_weights()
     xs, dys = make_data(1)
     assert_same_bits(run_torch(weights, xs, dys, CURRENT), run_flax(weights, xs, dys, CURRENT),
-                     "current scaling", SUMMED_APART["current"])
+                     "current scaling")

@@ -242,7 +242,9 @@ def test_hlo_holds_our_custom_calls():
 
         text = _compiled(jax.grad(loss, argnums=(0, 1, 2)), params, state, x)
     counts = hlo.target_counts(text)
-    assert counts["te_quantize_ffi"] == 3
+    # x and kernel; dy is cast by the core's activation backward of the identity, which
+    # writes the bias gradient in the same pass.
+    assert counts["te_quantize_ffi"] == 2 and counts["te_activation_backward_ffi"] == 1
     assert counts["te_delayed_scaling_update_ffi"] == 2  # forward format, backward format
     assert hlo.count_fp8_gemms(text) == 3  # forward, dgrad, wgrad
     # Without autocast: the same three GEMMs in fp32 through our target, no XLA dot.

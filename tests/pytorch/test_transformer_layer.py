@@ -481,6 +481,25 @@ def test_drop_path_drops_whole_samples_in_training_only(fmt):
     assert torch.equal(layer(x), _layer_like(layer, fmt)(x))
 
 
+def test_drop_path_skips_the_cross_attention():
+    """A decoder's cross-attention output joins the residual stream whole (NVIDIA TE drops
+    only the self-attention's and the MLP's): the MLP's input is exactly the cross-attention's
+    input plus its output, while drop_path still acts on the other blocks."""
+    layer = _layer(layer_type="decoder", drop_path_rate=0.5)
+    seen = {}
+    layer.inter_attention.register_forward_hook(
+        lambda m, args, out: seen.update(cross_in=args[0], cross_out=out))
+    layer.layernorm_mlp.register_forward_pre_hook(
+        lambda m, args: seen.update(mlp_in=args[0]))
+    x = torch.randn(8, S, HIDDEN)
+    memory = _data(s=12, seed=3).repeat(4, 1, 1)
+    with torch.no_grad():
+        out = layer(x, encoder_output=memory)
+        assert torch.equal(seen["mlp_in"], seen["cross_in"] + seen["cross_out"])
+        layer.eval()
+        assert not torch.equal(out, layer(x, encoder_output=memory))
+
+
 def _layer_like(layer, fmt):
     """The same weights without any dropout (what eval mode must compute)."""
     twin = _layer(attn_input_format=fmt)

@@ -16,8 +16,20 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from transformer_engine.jax import ops
-from transformer_engine.jax.dense import _fp8_bias_epilogue, _scale_invs
 from transformer_engine.jax.quantizer import QuantizerSet, quantize_role, role_dtype, role_mode
+
+
+def _fp8_bias_epilogue(dtype) -> bool:
+    # The core's rule: with FP8 operands the bias has D's dtype when D is 16-bit, bf16
+    # otherwise; an fp32 output adds its fp32 bias after the GEMM instead (no bf16 rounding).
+    return jnp.dtype(dtype) != jnp.float32
+
+
+def _scale_invs(q: ops.QuantizedTensor, mode: ops.ScalingMode):
+    """(row-wise, column-wise) scale inverses: one shared [1] in TENSOR mode."""
+    if mode == ops.ScalingMode.TENSOR:
+        return q.scale_inv, q.scale_inv
+    return q.scale_inv, q.columnwise_scale_inv
 
 
 class NormConfig(NamedTuple):

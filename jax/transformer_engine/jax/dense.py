@@ -26,12 +26,11 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-from transformer_engine.jax import ops
+from transformer_engine.jax import _fused, ops
 from transformer_engine.jax.quantizer import (
     QuantizerSet,
     make_quantizer_set,
     quantize_role,
-    role_mode,
     updated_state,
 )
 
@@ -139,35 +138,14 @@ def _dense(x2, k2, b2, recipe, state):
     return _dense_fwd(x2, k2, b2, recipe, state)[0]
 
 
-def _fp8_bias_epilogue(dtype) -> bool:
-    # The core's rule: with FP8 operands the bias has D's dtype when D is 16-bit, bf16
-    # otherwise; an fp32 output adds its fp32 bias after the GEMM instead (no bf16 rounding).
-    return jnp.dtype(dtype) != jnp.float32
-
-
-def _scale_invs(q: ops.QuantizedTensor, mode: ops.ScalingMode):
-    """(row-wise, column-wise) scale inverses: one shared [1] in TENSOR mode."""
-    if mode == ops.ScalingMode.TENSOR:
-        return q.scale_inv, q.scale_inv
-    return q.scale_inv, q.columnwise_scale_inv
-
-
 def _dense_fwd(x2, k2, b2, recipe, state):
     if recipe is None:
         return ops.gemm(x2, k2, bias=b2), (x2, k2, b2)
     qset = QuantizerSet(recipe, state)
-    mode_x, mode_k = role_mode(recipe, "x"), role_mode(recipe, "kernel")
     qx, qk = quantize_role(x2, qset, "x"), quantize_role(k2, qset, "kernel")
-    x_si, x_col_si = _scale_invs(qx, mode_x)
-    k_si, k_col_si = _scale_invs(qk, mode_k)
-    epilogue = b2 is not None and _fp8_bias_epilogue(x2.dtype)
-    out = ops.gemm(qx.data, qk.columnwise_data, a_scale_inv=x_si, b_scale_inv=k_col_si,
-                   a_scaling_mode=mode_x, b_scaling_mode=mode_k, transpose_b=True,
-                   bias=b2 if epilogue else None, out_dtype=x2.dtype)
-    if b2 is not None and not epilogue:
-        out = out + b2
+    out = _fused.forward_gemm(qx, qk, b2, recipe, x2.dtype)
     # b2 rides along only to say whether there is a bias (it is [N], cheap).
-    residuals = (qx.columnwise_data, x_col_si, qk.data, k_si, qx.amax, qk.amax, state, b2)
+    residuals = (_fused.backward_operands(qx, qk, recipe), qx.amax, qk.amax, state, b2)
     return out, residuals
 
 
@@ -178,17 +156,14 @@ def _dense_bwd(recipe, residuals, dy):
         dk = ops.gemm(x2, dy, transpose_a=True)
         db = None if b2 is None else jnp.sum(dy, axis=0, dtype=jnp.float32).astype(b2.dtype)
         return dx, dk, db, {}
-    x_col, x_col_si, k_row, k_si, amax_x, amax_k, state, b2 = residuals
-    mode_x, mode_k, mode_g = (role_mode(recipe, r) for r in ("x", "kernel", "grad"))
-    qg = quantize_role(dy, QuantizerSet(recipe, state), "grad")
-    g_si, g_col_si = _scale_invs(qg, mode_g)
-    dx = ops.gemm(qg.data, k_row, a_scale_inv=g_si, b_scale_inv=k_si, a_scaling_mode=mode_g,
-                  b_scaling_mode=mode_k, transpose_b=True, out_dtype=dy.dtype,
-                  use_split_accumulator=True)
-    dk = ops.gemm(x_col, qg.columnwise_data, a_scale_inv=x_col_si, b_scale_inv=g_col_si,
-                  a_scaling_mode=mode_x, b_scaling_mode=mode_g, transpose_b=True,
-                  out_dtype=dy.dtype, use_split_accumulator=True)
-    db = None if b2 is None else jnp.sum(dy, axis=0, dtype=jnp.float32).astype(b2.dtype)
+    saved, amax_x, amax_k, state, b2 = residuals
+    # The bias gradient comes from the core's fused bias gradient + cast of dy, as in the
+    # fused blocks (LayerNormDenseGeneral, LayerNormMLP) and te.Linear: a separate jnp.sum
+    # adds the rows in another order and can differ from it in the last bits.
+    qg, db = _fused.grad_quantized(dy, ops.Activation.IDENTITY, None,
+                                   QuantizerSet(recipe, state),
+                                   None if b2 is None else b2.dtype)
+    dx, dk = _fused.backward_gemms(qg, saved, recipe, dy.dtype)
     new_state = {}
     if recipe.delayed():
         new_state = updated_state(recipe, state, {"x": amax_x, "kernel": amax_k, "grad": qg.amax})

@@ -184,7 +184,8 @@ def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str,
 
     ``act="identity"`` (h = dy) is a linear layer's grad_output: under delayed scaling with a
     bias, "bias gradient + cast + transpose" is one pass over dy (the core's activation
-    backward of identity) instead of a quantize and a column sum that read dy twice.
+    backward of identity) instead of a quantize and a column sum that read dy twice; current
+    scaling with a bias takes dy's amax and scale, then the same pass.
 
     ``free`` (an activation's): dy and h are the caller's own and read here for the last time,
     so they are freed once the activation's backward has read them (release.py), before the
@@ -203,6 +204,15 @@ def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str,
             release(dy, h)
         op = Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode)
         return op, dbias if with_dbias else None
+    if plan.kind == "current" and identity and with_dbias:
+        # dy's scale first (its amax), then the same fused bias gradient + cast as delayed
+        # scaling: the bias gradient is the core's column sum, as in the JAX layers, not
+        # torch's (whose order of the additions differs in the last bits).
+        scale, _ = ops.current_scale(dy, plan.bwd_dtype, plan.force_pow2_scales,
+                                     plan.amax_epsilon)
+        data, col, sinv, _, dbias = ops.activation_backward_fp8(
+            dy, dy, act, scale, plan.bwd_dtype, rowwise, columnwise, True)
+        return Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode), dbias
     if identity:
         dh, dbias = dy, dy.sum(0, dtype=torch.float32) if with_dbias else None
     else:

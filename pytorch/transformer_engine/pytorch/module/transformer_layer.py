@@ -64,8 +64,10 @@ class TransformerLayer(torch.nn.Module):
         parallel_attention_mlp: ``x + drop(attn(norm1(x)) + mlp(norm2(x)))`` (Falcon).
         layer_type: ``"encoder"``, or ``"decoder"`` with a cross-attention block on
             ``encoder_output`` after self-attention.
-        drop_path_rate: stochastic depth: in training, each block's output is dropped for a
-            whole sample (batch entry) with this probability, else scaled by 1 / (1 - rate).
+        drop_path_rate: stochastic depth: in training, the output of self-attention and of
+            the MLP is dropped for a whole sample (batch entry) with this probability, else
+            scaled by 1 / (1 - rate). A decoder's cross-attention takes the hidden dropout
+            only, as in NVIDIA TE (its PyTorch and its Flax layer alike).
         fuse_qkv_params, qkv_weight_interleaved: the QKV weight as one parameter, in group
             order (see te.MultiheadAttention); default separate query/key/value weights.
         zero_centered_gamma, normalization (``"LayerNorm"`` / ``"RMSNorm"``), bias,
@@ -265,7 +267,7 @@ class TransformerLayer(torch.nn.Module):
             residual = x
             if isinstance(inter, tuple):
                 inter, residual = inter
-            x = self._residual(inter, residual)
+            x = self._residual(inter, residual, drop_path=False)
         mlp_out = self.layernorm_mlp(x, is_first_microbatch)
         residual = x
         if isinstance(mlp_out, tuple):
@@ -275,12 +277,14 @@ class TransformerLayer(torch.nn.Module):
             out = self.layernorm(out)
         return out
 
-    def _residual(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + drop_path(dropout(h)); both are identities outside training."""
+    def _residual(self, h: torch.Tensor, residual: torch.Tensor,
+                  drop_path: bool = True) -> torch.Tensor:
+        """residual + drop_path(dropout(h)) (without ``drop_path``: residual + dropout(h));
+        both are identities outside training."""
         if self.training:
             if self.hidden_dropout > 0.0:
                 h = F.dropout(h, self.hidden_dropout, True)
-            if self.drop_path_rate > 0.0:
+            if drop_path and self.drop_path_rate > 0.0:
                 keep = 1.0 - self.drop_path_rate
                 shape = [1] * h.dim()
                 shape[self._batch_dim] = h.shape[self._batch_dim]

@@ -151,6 +151,33 @@ def _(x, fp8_dtype, rowwise, columnwise, force_pow2_scales, amax_epsilon):
     return (*_fp8_outputs(x, rowwise, columnwise), _scalar(x), _scalar(x), _scalar(x))
 
 
+@custom_op(f"{_NS}::current_scale", mutates_args=())
+def current_scale(x: torch.Tensor, fp8_dtype: str, force_pow2_scales: bool,
+                  amax_epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current scaling's scale of ``x`` without the cast: (scale, amax), each [1] fp32, from
+    the same two core calls as quantize_current. For a kernel that casts with a given scale
+    and computes something else in the same pass (the fused bias gradient + cast)."""
+    check_fp8_dtype("current_scale", fp8_dtype)
+    c = core()
+    x = x.contiguous()
+    stream = stream_of(x)
+    scale, scale_inv, amax = _scalar(x), _scalar(x), _scalar(x)
+    ramax = raw(amax)
+    c.compute_amax(raw(x), c.Tensor(amax=ramax), stream=stream)
+    # The core reads the FP8 format from the data slot: an empty buffer of that format.
+    fmt = placeholder(x)
+    out = c.Tensor(raw(fmt), dtype=te_dtype(fp8_dtype), scale=raw(scale),
+                   scale_inv=raw(scale_inv), amax=ramax)
+    c.compute_scale_from_amax(out, force_pow2_scales=force_pow2_scales,
+                              amax_epsilon=amax_epsilon, stream=stream)
+    return scale, amax
+
+
+@current_scale.register_fake
+def _(x, fp8_dtype, force_pow2_scales, amax_epsilon):
+    return _scalar(x), _scalar(x)
+
+
 # ------------------------------------------------------------ block scaling
 
 
