@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from transformer_engine.jax.attention import fused_attn
+from transformer_engine.jax.flax._checks import check_mask, check_sizes
 
 __all__ = ["DotProductAttention"]
 
@@ -68,7 +69,21 @@ class DotProductAttention(nn.Module):
         layout = self.qkv_layout.lower()
         if layout == "bshd" and self.transpose_batch_sequence:
             layout = "sbhd"
+        check_sizes("DotProductAttention", head_dim=self.head_dim,
+                    num_attention_heads=self.num_attention_heads)
+        if self.num_gqa_groups is not None:
+            check_sizes("DotProductAttention", num_gqa_groups=self.num_gqa_groups)
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"DotProductAttention: attention_dropout must be in [0, 1), got "
+                             f"{self.attention_dropout}")
+        if self.window_size is not None and any(w < -1 for w in self.window_size):
+            raise ValueError(f"DotProductAttention: window_size must be (left, right) with each "
+                             f">= -1 (-1: unbounded), got {self.window_size}")
         groups = self.num_gqa_groups or self.num_attention_heads
+        if query.ndim != (3 if layout == "thd" else 4) or key.ndim != query.ndim:
+            raise ValueError(f"DotProductAttention: query and key must have rank "
+                             f"{3 if layout == 'thd' else 4} for qkv_layout {layout!r}, got "
+                             f"shapes {query.shape} and {key.shape}")
         if query.shape[-2] != self.num_attention_heads or key.shape[-2] != groups:
             raise ValueError(f"DotProductAttention: query/key heads must be "
                              f"{self.num_attention_heads}/{groups}, got {query.shape[-2]}/"
@@ -81,6 +96,9 @@ class DotProductAttention(nn.Module):
             if mask is None:
                 raise ValueError(f"DotProductAttention: attn_mask_type {self.attn_mask_type!r} "
                                  "needs mask [batch, 1, sq, skv] or cu_seqlens_q/cu_seqlens_kv")
+            seq = 0 if layout == "sbhd" else 1
+            mask = check_mask("DotProductAttention", mask,
+                              (query.shape[1 - seq], 1, query.shape[seq], key.shape[seq]))
             allowed = ~mask.astype(bool)[:, 0]
             cu_seqlens_q = _cu_seqlens(allowed.any(axis=-1))
             cu_seqlens_kv = _cu_seqlens(allowed.any(axis=-2))

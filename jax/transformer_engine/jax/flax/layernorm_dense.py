@@ -11,9 +11,14 @@ import jax
 import jax.numpy as jnp
 from transformer_engine.jax.autocast import get_fp8_recipe
 from transformer_engine.jax.dense import dense
+from transformer_engine.jax.flax._checks import (
+    check_float_dtype,
+    check_input_features,
+    check_sizes,
+    quantizer_set_for,
+)
 from transformer_engine.jax.flax.module import Initializer, _as_matrix_init, _as_tuple, fp8_state
 from transformer_engine.jax.layernorm_dense import layernorm_dense
-from transformer_engine.jax.quantizer import make_quantizer_set
 
 __all__ = ["LayerNormDenseGeneral"]
 
@@ -45,7 +50,7 @@ def fp8_quantizer_set(module: nn.Module, prefix: str = ""):
     scaling) in the ``fp8_metas`` collection under ``prefix``."""
     recipe = get_fp8_recipe()
     state = fp8_state(module, recipe, prefix) if recipe is not None and recipe.delayed() else None
-    return make_quantizer_set(recipe, state, use_autocast=False)
+    return quantizer_set_for(type(module).__name__, recipe, state)
 
 
 class LayerNormDenseGeneral(nn.Module):
@@ -105,6 +110,9 @@ class LayerNormDenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array):
+        check_sizes("LayerNormDenseGeneral", features=self.features)
+        check_float_dtype("LayerNormDenseGeneral", "dtype", self.dtype)
+        check_float_dtype("LayerNormDenseGeneral", "param_dtype", self.param_dtype)
         inputs = jnp.asarray(inputs)
         if inputs.ndim < 1:
             raise ValueError(f"LayerNormDenseGeneral: the input must have rank >= 1, got shape "
@@ -117,6 +125,9 @@ class LayerNormDenseGeneral(nn.Module):
         if len(set(axis)) != len(axis):
             raise ValueError(f"LayerNormDenseGeneral: axis must not repeat an axis, got "
                              f"{self.axis}")
+        if self.enable_layernorm or axis == (inputs.ndim - 1,):  # the param's axis 0 is K
+            check_input_features(self, "LayerNormDenseGeneral", inputs,
+                                 "scale" if self.enable_layernorm else "kernel")
         kernel_shape = tuple(inputs.shape[a] for a in axis) + features
         kernel_init = _as_matrix_init(self.kernel_init, len(axis))
         bias_init = _as_matrix_init(self.bias_init, 0)

@@ -11,6 +11,11 @@ import jax
 import jax.numpy as jnp
 from transformer_engine.jax import ops
 from transformer_engine.jax.dense import dense
+from transformer_engine.jax.flax._checks import (
+    check_float_dtype,
+    check_input_features,
+    check_sizes,
+)
 from transformer_engine.jax.flax.layernorm_dense import fp8_quantizer_set, norm_params
 from transformer_engine.jax.flax.module import Initializer, _as_matrix_init
 from transformer_engine.jax.layernorm_dense import layernorm_dense
@@ -96,10 +101,15 @@ class LayerNormMLP(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool = False):
+        check_sizes("LayerNormMLP", intermediate_dim=self.intermediate_dim)
+        check_float_dtype("LayerNormMLP", "dtype", self.dtype)
+        check_float_dtype("LayerNormMLP", "param_dtype", self.param_dtype)
         inputs = jnp.asarray(inputs)
         if inputs.ndim < 1:
             raise ValueError(f"LayerNormMLP: the input must have rank >= 1, got shape "
                              f"{inputs.shape}")
+        check_input_features(self, "LayerNormMLP", inputs,
+                             "scale" if self.enable_layernorm else "wi_kernel")
         act = activation_of(self.activations)
         if not 0.0 <= self.intermediate_dropout_rate < 1.0:
             raise ValueError("LayerNormMLP: intermediate_dropout_rate must be in [0, 1), got "

@@ -11,11 +11,16 @@ import jax
 import jax.numpy as jnp
 from transformer_engine.jax.autocast import get_fp8_recipe
 from transformer_engine.jax.dense import dense
+from transformer_engine.jax.flax._checks import (
+    check_float_dtype,
+    check_input_features,
+    check_sizes,
+    quantizer_set_for,
+)
 from transformer_engine.jax.layernorm import layernorm
 from transformer_engine.jax.quantizer import (
     FP8_COLLECTION,
     ROLES,
-    make_quantizer_set,
     new_fp8_state,
 )
 
@@ -78,11 +83,24 @@ class DenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
+        check_sizes("DenseGeneral", features=self.features)
+        check_float_dtype("DenseGeneral", "dtype", self.dtype)
+        check_float_dtype("DenseGeneral", "param_dtype", self.param_dtype)
+        inputs = jnp.asarray(inputs)
+        if inputs.ndim < 1:
+            raise ValueError(f"DenseGeneral: inputs must have rank >= 1, got shape "
+                             f"{inputs.shape}")
         features = _as_tuple(self.features)
         axis = tuple(a % inputs.ndim for a in _as_tuple(self.axis))
         if len(set(axis)) != len(axis):
             raise ValueError(f"DenseGeneral: axis must not repeat an axis, got {self.axis}")
         kernel_shape = tuple(inputs.shape[a] for a in axis) + features
+        if self.has_variable("params", "kernel"):  # flax's own error names no input
+            have = jnp.shape(nn.unbox(self.get_variable("params", "kernel")))
+            if tuple(have) != kernel_shape:
+                raise ValueError(f"DenseGeneral: inputs must have {list(have[:len(axis)])} on "
+                                 f"the contracted axes {list(axis)} (the kernel's "
+                                 f"{list(have)}), got shape {list(inputs.shape)}")
         # Initialized as the [in, out] matrix, then reshaped: fan-in is the product of the
         # contracted dims (as flax's DenseGeneral computes it).
         kernel_init = _as_matrix_init(self.kernel_init, len(axis))
@@ -97,7 +115,7 @@ class DenseGeneral(nn.Module):
         state = None
         if recipe is not None and recipe.delayed():
             state = fp8_state(self, recipe)
-        quantizer_set = make_quantizer_set(recipe, state, use_autocast=False)
+        quantizer_set = quantizer_set_for("DenseGeneral", recipe, state)
         x = inputs.astype(self.dtype)
         kernel = kernel.astype(self.dtype)
         bias = None if bias is None else bias.astype(self.dtype)
@@ -161,9 +179,12 @@ class LayerNorm(nn.Module):
         if self.layernorm_type not in ("layernorm", "rmsnorm"):
             raise ValueError(f"LayerNorm: layernorm_type must be 'layernorm' or 'rmsnorm', got "
                              f"{self.layernorm_type!r}")
+        check_float_dtype("LayerNorm", "dtype", self.dtype)
+        check_float_dtype("LayerNorm", "param_dtype", self.param_dtype)
         x = jnp.asarray(x)
         if x.ndim < 1:
             raise ValueError(f"LayerNorm: the input must have rank >= 1, got shape {x.shape}")
+        check_input_features(self, "LayerNorm", x, "scale")
         n = x.shape[-1]
         scale_init = self.scale_init
         if scale_init is None:

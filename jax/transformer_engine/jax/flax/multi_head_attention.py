@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from transformer_engine.jax.attention import MASKS, fused_attn
+from transformer_engine.jax.flax._checks import check_float_dtype, check_mask, check_sizes
 from transformer_engine.jax.flax._rotary import rotary_pos_emb
 from transformer_engine.jax.flax._unfused_attention import (
     allowed_keys,
@@ -189,7 +190,10 @@ class MultiHeadAttention(nn.Module):
         heads = self.num_heads if self.num_heads is not None else self.num_attention_heads
         dropout = self.dropout_rate if self.dropout_rate is not None else self.attention_dropout
         groups = self.num_gqa_groups if self.num_gqa_groups is not None else heads
-        if self.head_dim <= 0 or heads <= 0 or groups <= 0 or heads % groups:
+        check_sizes(name, head_dim=self.head_dim, num_attention_heads=heads,
+                    num_gqa_groups=groups)
+        check_float_dtype(name, "dtype", self.dtype)
+        if heads % groups:
             raise ValueError(f"{name}: head_dim, num_attention_heads and num_gqa_groups must be "
                              f"positive with num_gqa_groups dividing num_attention_heads, got "
                              f"{self.head_dim}, {heads}, {groups}")
@@ -222,6 +226,14 @@ class MultiHeadAttention(nn.Module):
         if inputs_q.dtype != inputs_kv.dtype:
             raise TypeError(f"{name}: inputs_q and inputs_kv must have the same dtype, got "
                             f"{inputs_q.dtype} and {inputs_kv.dtype}")
+        if mask is not None:  # every path reads it [batch, 1, sq, skv] (decoding: the cache's)
+            s_axis = 0 if self.transpose_batch_sequence else 1
+            shape = None if decode else (inputs_q.shape[1 - s_axis], 1, inputs_q.shape[s_axis],
+                                         inputs_kv.shape[s_axis])
+            mask = check_mask(name, mask, shape)
+        if self.window_size is not None and any(w < -1 for w in self.window_size):
+            raise ValueError(f"{name}: window_size must be (left, right) with each >= -1 "
+                             f"(-1: unbounded), got {self.window_size}")
         bias_type = self.attn_bias_type or ("post_scale_bias" if bias is not None else "no_bias")
         if bias is not None and bias_type == "no_bias":
             raise ValueError(f"{name}: a bias was given but attn_bias_type is 'no_bias'")

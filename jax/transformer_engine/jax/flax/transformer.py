@@ -11,6 +11,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from transformer_engine.jax.flax._checks import check_float_dtype, check_mask, check_sizes
 from transformer_engine.jax.flax.layernorm_mlp import LayerNormMLP
 from transformer_engine.jax.flax.module import Initializer, LayerNorm
 from transformer_engine.jax.flax.multi_head_attention import (
@@ -230,7 +231,12 @@ class TransformerLayer(nn.Module):
         if not isinstance(self.layer_type, TransformerLayerType):
             raise TypeError(f"{name}: layer_type must be a TransformerLayerType, got "
                             f"{self.layer_type!r}")
-        if self.num_attention_heads <= 0 or self.hidden_size % self.num_attention_heads:
+        check_sizes(name, hidden_size=self.hidden_size, mlp_hidden_size=self.mlp_hidden_size,
+                    num_attention_heads=self.num_attention_heads)
+        if self.num_gqa_groups is not None:
+            check_sizes(name, num_gqa_groups=self.num_gqa_groups)
+        check_float_dtype(name, "dtype", self.dtype)
+        if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"{name}: hidden_size must be a multiple of num_attention_heads, "
                              f"got {self.hidden_size} and {self.num_attention_heads}")
         if inputs.ndim != 3 or inputs.shape[-1] != self.hidden_size:
@@ -316,6 +322,14 @@ class TransformerLayer(nn.Module):
                  decode: bool = False, max_decode_length: Optional[int] = None) -> jax.Array:
         inputs = jnp.asarray(inputs)
         self._check(inputs, encoded)
+        if not decode:  # decoding reads them against the cache (MultiHeadAttention checks)
+            s_axis = 0 if self.transpose_batch_sequence else 1
+            batch, s = inputs.shape[1 - s_axis], inputs.shape[s_axis]
+            for arg, m, skv in (("attention_mask", attention_mask, s),
+                                ("encoder_decoder_mask", encoder_decoder_mask,
+                                 None if encoded is None else jnp.shape(encoded)[s_axis])):
+                if m is not None and skv is not None:
+                    check_mask("TransformerLayer", m, (batch, 1, s, skv), arg)
         decoder = self.layer_type == TransformerLayerType.DECODER
         bias = self._relative_bias(inputs, decode, max_decode_length)
         post_ln = self.apply_residual_connection_post_layernorm
