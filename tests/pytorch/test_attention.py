@@ -530,8 +530,9 @@ def test_cuda_math_path_fp8_backward_matches_cpu():
 
 @pytest.mark.cuda
 def test_cuda_fp8_dropout_is_not_launched_on_cudnn_sm90():
-    # cuDNN's FP8 forward with dropout faults on sm_90: the choice passes it over with the
-    # reason, and the call runs on the next backend instead of ending the process.
+    # cuDNN's FP8 forward with dropout faults on sm_90: the FP8 choice passes it over with the
+    # reason, and the call runs cuDNN's high-precision attention, with a warning, instead of
+    # ending the process.
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the refusal is for sm_90")
     q, k, v = _data(2, 128, 128, 4, 4, 128, torch.bfloat16, "cuda")
@@ -540,8 +541,35 @@ def test_cuda_fp8_dropout_is_not_launched_on_cudnn_sm90():
     assert info.name != "cudnn" and "dropout" in info.reasons["cudnn"], info.reasons
     attn = te.DotProductAttention(4, 128, attention_dropout=0.1, qkv_format="bshd",
                                   attn_mask_type="causal")
-    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
-        o = attn(q, k, v)
+    with pytest.warns(UserWarning, match="runs in high precision on cuDNN.*dropout"):
+        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
+            o = attn(q, k, v)
     o.float().sum().backward()
     torch.cuda.synchronize()
     assert torch.isfinite(o).all() and torch.isfinite(q.grad).all()
+
+
+def test_fp8_without_a_fused_kernel_runs_cudnn_in_high_precision(monkeypatch):
+    # Where cuDNN has no FP8 kernel for a call but runs it in high precision, the automatic
+    # choice takes that (with a warning) over the core's slow FP8 math path.
+    from transformer_engine.pytorch.module import attention as mod
+
+    def reasons(key, grad):
+        fp8 = bool(key[-1])
+        return {"cudnn": "FP8 attention backward on sm_90 needs head_dim 128, got 64" if fp8
+                else "", "cpu": "cuDNN tensors only", "cuda_math": ""}
+
+    monkeypatch.setattr(mod, "_core_reasons", reasons)
+    monkeypatch.setattr(mod, "_CHOICES", {})
+    monkeypatch.setattr(mod, "_FP8_FALLBACK_WARNED", set())
+    key = ("bshd", "causal", -1, 0, 0.125, 0.0, (2, 128, 128, 4, 4, 64, 64), "bfloat16", 0,
+           "float8_e5m2")
+    with pytest.warns(UserWarning, match="runs in high precision on cuDNN.*head_dim 128"):
+        assert mod._fp8_falls_back(key, True, "auto", True)
+    assert mod._fp8_falls_back(key, True, "auto", True)  # warned once
+    assert not mod._fp8_falls_back(key, True, "cuda_math", True)  # asked for explicitly
+    assert not mod._fp8_falls_back(key, True, "auto", False)  # the CPU keeps its FP8 path
+    hp_only = dict(reasons(key, True), cuda_math="")
+    monkeypatch.setattr(mod, "_core_reasons", lambda k, g: dict(hp_only, cudnn="no GPU"))
+    monkeypatch.setattr(mod, "_CHOICES", {})
+    assert not mod._fp8_falls_back(key, True, "auto", True)  # cuDNN cannot run it at all

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 import os
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -235,6 +236,30 @@ def get_attention_backend(query, key, value, *, qkv_format: str = "sbhd",
     return _CHOICES[(k, grad, asked)]
 
 
+_FP8_FALLBACK_WARNED: set = set()
+
+
+def _fp8_falls_back(key: tuple, grad: bool, asked: str, on_cuda: bool) -> bool:
+    """Whether an FP8 call runs cuDNN's attention in high precision instead: when the
+    automatic choice finds no fused FP8 kernel for it on a GPU (FP8 backward at a head dim
+    other than 128 on sm_90, FP8 with dropout on sm_90, ...) but cuDNN runs it in high
+    precision. The FP8 alternative would be the core's math path, correct but one to two
+    orders of magnitude slower. Warns once per reason; an explicit attention_backend keeps
+    what it asked for."""
+    if asked != "auto" or not on_cuda or _choose(key, grad, asked) not in ("cuda_math", "!"):
+        return False
+    if _choose(key[:-1] + ("",), grad, asked) != "cudnn":
+        return False
+    why = _CHOICES[(key, grad, asked)].reasons.get("cudnn", "")
+    if why not in _FP8_FALLBACK_WARNED:
+        _FP8_FALLBACK_WARNED.add(why)
+        warnings.warn(f"DotProductAttention: FP8 attention runs in high precision on cuDNN "
+                      f"for this call (cuDNN has no FP8 kernel for it: {why}); pass "
+                      "attention_backend='cuda_math' for the core's slow FP8 path",
+                      stacklevel=4)
+    return True
+
+
 def _runs_fp8(recipe: Optional[Recipe]) -> bool:
     """Whether attention runs in FP8 under ``recipe``: delayed or current scaling that asks
     for it with ``fp8_dpa`` (the other recipes have no such field)."""
@@ -370,6 +395,10 @@ class DotProductAttention(FP8Module):
                     cu_seqlens_q, max_seqlen_q or 0, max_seqlen_kv or 0, fp8_grad)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         name = _choose(key_, grad, asked)
+        if recipe is not None and _fp8_falls_back(key_, grad, asked, query.is_cuda):
+            query, key, value = (to_high_precision(t) for t in (query, key, value))
+            recipe, key_ = None, key_[:-1] + ("",)
+            name = _choose(key_, grad, asked)
         if name == "!":
             raise RuntimeError(f"DotProductAttention: no backend can run this call (asked "
                                f"{asked}): {_CHOICES[(key_, grad, asked)].reasons}")
