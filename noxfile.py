@@ -103,24 +103,35 @@ def _wheels(session: nox.Session, cuda: str = "OFF") -> list[Path]:
     # torch too: the pytorch wheel compiles te.Linear's fast path against it (pytorch/setup.py),
     # the release the tests pin.
     session.install(*_build_requirements(), "-r", "tests/requirements-torch.txt")
-    shutil.rmtree(DIST, ignore_errors=True)
+    # The wheels are built into a staging folder that replaces dist/ only once all four are
+    # there: a failed build leaves the previous wheels in place.
+    staging = ROOT / "build" / "dist-staging"
+    shutil.rmtree(staging, ignore_errors=True)
     for project in PROJECTS:  # setuptools would ship files deleted from the sources since
         if project != "common":
             shutil.rmtree(ROOT / project / "build", ignore_errors=True)
     build_dir = "build/{wheel_tag}" + ("" if cuda == "AUTO" else f"-{cuda.lower()}")
     common = ("-C", f"cmake.define.TE_WITH_CUDA={cuda}", "-C", f"build-dir={build_dir}")
     pip_wheel = ("python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w")
-    session.run(*pip_wheel, str(DIST), *common, "./common")
+    # Verbose but captured: of CMake's output only the line saying whether the core was built
+    # with CUDA, and why, is shown (all of it when the build fails).
+    session.log(f"building the core wheel (TE_WITH_CUDA={cuda}); this can take minutes")
+    log = session.run(*pip_wheel, str(staging), "-v", *common, "./common", silent=True)
+    for line in (log or "").splitlines():
+        if "Transformer Engine core:" in line or "cuDNN fused attention:" in line:
+            session.log(line.strip().removeprefix("-- "))
     # The jax wheel's FFI extension and the pytorch wheel's fast path compile against the core's
     # headers and link its library, which they find in the installed common wheel.
-    common_wheel = DIST.glob("transformer_engine_common-*.whl")
+    common_wheel = staging.glob("transformer_engine_common-*.whl")
     session.install("--no-deps", "--force-reinstall", *map(str, common_wheel))
-    session.run(*pip_wheel, str(DIST), *(f"./{p}" for p in PROJECTS if p != "common"))
-    wheels = sorted(DIST.glob("*.whl"))
-    if len(wheels) != len(PROJECTS):
-        session.error(f"expected {len(PROJECTS)} wheels in dist/, found {[w.name for w in wheels]}")
-    STAMP.write_text(json.dumps({**wanted, "wheels": [w.name for w in wheels]}, indent=1))
-    return wheels
+    session.run(*pip_wheel, str(staging), *(f"./{p}" for p in PROJECTS if p != "common"))
+    names = sorted(w.name for w in staging.glob("*.whl"))
+    if len(names) != len(PROJECTS):
+        session.error(f"expected {len(PROJECTS)} wheels, found {names}")
+    shutil.rmtree(DIST, ignore_errors=True)
+    shutil.move(staging, DIST)
+    STAMP.write_text(json.dumps({**wanted, "wheels": names}, indent=1))
+    return [DIST / name for name in names]
 
 
 def _install(session: nox.Session, extra: str, *requirements: str) -> None:
@@ -141,7 +152,8 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build the four wheels into dist/, with the CUDA kernels when nvcc is found (AUTO)."""
+    """Build the four wheels into dist/: with the CUDA kernels when nvcc and cuBLASLt are found,
+    else the CPU path (TE_WITH_CUDA=AUTO; the log says which and why)."""
     for wheel in _wheels(session, cuda="AUTO"):
         session.log(f"dist/{wheel.name}")
 

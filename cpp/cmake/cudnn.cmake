@@ -24,39 +24,14 @@
 set(TE_WITH_CUDNN "AUTO" CACHE STRING "Compile the cuDNN fused-attention backend: AUTO, ON or OFF")
 set_property(CACHE TE_WITH_CUDNN PROPERTY STRINGS AUTO ON OFF)
 
-function(te_cudnn_python_dirs out)
-  # Directories that may hold the wheels' files: the `cudnn` package's parent (found without
-  # importing it, which would load cuDNN), sys.path, and the environment's site directories.
-  set(dirs)
-  find_package(Python3 QUIET COMPONENTS Interpreter)
-  if(Python3_Interpreter_FOUND)
-    execute_process(
-      COMMAND "${Python3_EXECUTABLE}" -c [=[
-import importlib.util, os, site, sys, sysconfig
-dirs = []
-spec = importlib.util.find_spec("cudnn")
-if spec is not None and spec.submodule_search_locations:
-    dirs += [os.path.dirname(p) for p in spec.submodule_search_locations]
-dirs += [p for p in sys.path if p]
-dirs += [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
-if hasattr(site, "getsitepackages"):
-    dirs += site.getsitepackages()
-print(";".join(d for d in dict.fromkeys(dirs) if os.path.isdir(d)))
-]=]
-      OUTPUT_VARIABLE found OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE rc)
-    if(rc EQUAL 0)
-      set(dirs ${found})
-    endif()
-  endif()
-  set(${out} ${dirs} PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/python_dirs.cmake)
 
 function(te_add_cudnn_backend)
   if(TE_WITH_CUDNN STREQUAL "OFF")
     message(STATUS "cuDNN fused attention: off (TE_WITH_CUDNN=OFF)")
     return()
   endif()
-  te_cudnn_python_dirs(py_dirs)
+  te_python_dirs(py_dirs)
 
   find_path(TE_CUDNN_FRONTEND_INCLUDE_DIR cudnn_frontend.h
             HINTS ${py_dirs} PATH_SUFFIXES include
