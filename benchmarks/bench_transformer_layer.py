@@ -83,8 +83,8 @@ class TorchLayer(torch.nn.Module):
         s, b, hidden = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(s, b, 3, self.heads, self.head_dim).unbind(2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.attention_dropout if self.training else 0.0)
+        dropout = self.attention_dropout if self.training else 0.0
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         x = x + self.dropout(self.proj(o.permute(2, 0, 1, 3).reshape(s, b, hidden)))
         h = F.gelu(self.fc1(self.ln2(x)), approximate="tanh")
         return x + self.dropout(self.fc2(h))

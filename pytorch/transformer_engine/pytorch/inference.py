@@ -90,7 +90,7 @@ def _to_device(host: dict, device: torch.device) -> dict:
         names = [k for k, v in host.items() if v.dtype == dtype]
         packed = torch.cat([host[k] for k in names]).pin_memory()
         parts = packed.to(device, non_blocking=True).split([host[k].numel() for k in names])
-        out.update(zip(names, parts))
+        out.update(zip(names, parts, strict=True))
     return out
 
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import flax.linen as nn
+
 import jax.numpy as jnp
 from transformer_engine.jax.quantizer import make_quantizer_set
 
