@@ -1,8 +1,12 @@
 """FP8 quantization of the three tensors of a dense layer by recipe, and the FP8 state.
 
 The roles are ``x`` (the input), ``kernel`` (the weight) and ``grad`` (the gradient of the
-output). Delayed scaling keeps, per role, a ``scale`` [1] and an ``amax_history`` [H]
-(float32) in the flax collection ``fp8_metas``; current and block scaling keep nothing.
+output): the names under which the state is stored, mapped to the plan's roles (``input``,
+``weight``, ``grad_output``) in ``_PLAN_ROLE``. What each role's FP8 data is (format, scaling
+mode, ...) comes from the recipe's plan (:mod:`transformer_engine.common.plan`), shared with
+the PyTorch package. Delayed scaling keeps, per role, a ``scale`` [1] and an
+``amax_history`` [H] (float32) in the flax collection ``fp8_metas``; current and block
+scaling keep nothing.
 
 A :class:`QuantizerSet` carries the recipe (static) and that state (arrays) into
 :func:`transformer_engine.jax.dense`, whose VJP returns the updated state as the cotangent
@@ -16,6 +20,7 @@ from typing import Mapping, Optional
 
 import jax
 import jax.numpy as jnp
+from transformer_engine.common import plan as _plan
 from transformer_engine.common.recipe import DelayedScaling, Recipe
 from transformer_engine.jax import ops
 from transformer_engine.jax.autocast import get_fp8_recipe
@@ -25,6 +30,15 @@ __all__ = ["ROLES", "FP8_COLLECTION", "QuantizerSet", "new_fp8_state", "make_qua
 
 ROLES = ("x", "kernel", "grad")
 FP8_COLLECTION = "fp8_metas"
+
+# The stored names of the roles -> the plan's roles (the only place the two meet).
+_PLAN_ROLE = {"x": "input", "kernel": "weight", "grad": "grad_output"}
+
+
+def _plan_of(recipe: Recipe, caller: str = "make_quantizer_set") -> _plan.Plan:
+    """The recipe's plan (made once per recipe); a recipe the GEMM cannot run raises in the
+    words of ``caller``."""
+    return _plan.plan_of(recipe, caller)
 
 
 def new_fp8_state(recipe: Optional[Recipe]) -> dict:
@@ -67,12 +81,7 @@ def make_quantizer_set(recipe: Optional[Recipe] = None, state: Optional[Mapping]
         return QuantizerSet(None, {})
     if not isinstance(recipe, Recipe):
         raise TypeError(f"make_quantizer_set: recipe must be a Recipe, got {type(recipe).__name__}")
-    if recipe.mxfp8():
-        raise NotImplementedError(
-            "make_quantizer_set: MXFP8BlockScaling needs MXFP8 GEMMs (Blackwell); the core's "
-            "GEMM takes per-tensor and 1x128/128x128 block scales: use DelayedScaling, "
-            "Float8CurrentScaling or Float8BlockScaling")
-    if recipe.delayed():
+    if _plan_of(recipe, "make_quantizer_set").kind == "delayed":
         if state is None:
             raise ValueError(
                 "make_quantizer_set: DelayedScaling needs the FP8 state (scale and amax_history "
@@ -98,41 +107,38 @@ def _check_state(recipe: DelayedScaling, state: Mapping) -> None:
 
 
 def role_dtype(recipe: Recipe, role: str):
-    fmt = recipe.fp8_format
-    return ops.fp8_dtype(fmt.bwd_dtype_name if role == "grad" else fmt.fwd_dtype_name)
+    """The jax FP8 dtype of ``role``'s data under ``recipe``."""
+    return ops.fp8_dtype(_plan_of(recipe).dtype_of(_PLAN_ROLE[role]))
 
 
 def role_mode(recipe: Recipe, role: str) -> ops.ScalingMode:
     """The scaling mode of ``role``'s FP8 data under ``recipe``."""
-    if not recipe.float8_block_scaling():
-        return ops.ScalingMode.TENSOR
-    dim = {"x": recipe.x_block_scaling_dim, "kernel": recipe.w_block_scaling_dim,
-           "grad": recipe.grad_block_scaling_dim}[role]
-    return ops.ScalingMode.BLOCK_1X128 if dim == 1 else ops.ScalingMode.BLOCK_128X128
+    return ops.ScalingMode[_plan_of(recipe).mode_of(_PLAN_ROLE[role]).upper()]
 
 
 def quantize_role(x2: jax.Array, qset: QuantizerSet, role: str) -> ops.QuantizedTensor:
     """Quantizes the [M, K] matrix ``x2`` of ``role`` into row-wise and column-wise FP8
     data (one fused pass), by the set's recipe; the TENSOR modes also give the amax."""
     recipe = qset.recipe
+    plan = _plan_of(recipe)
     dtype = role_dtype(recipe, role)
-    if recipe.delayed():
+    if plan.kind == "delayed":
         scale = qset.state[role]["scale"]
         q = ops.quantize(x2, scale, dtype, rowwise=True, columnwise=True, compute_amax=True)
         return q
-    if recipe.float8_current_scaling():
+    if plan.kind == "current":
         amax = ops.compute_amax(x2)
-        scale, _ = ops.scale_from_amax(amax, dtype, force_pow2_scales=recipe.power_2_scale,
-                                       amax_epsilon=recipe.amax_epsilon)
+        scale, _ = ops.scale_from_amax(amax, dtype, force_pow2_scales=plan.force_pow2_scales,
+                                       amax_epsilon=plan.amax_epsilon)
         q = ops.quantize(x2, scale, dtype, rowwise=True, columnwise=True, compute_amax=False)
         return q._replace(amax=amax)
-    if recipe.float8_block_scaling():
+    if plan.kind == "block":
         q = ops.quantize(x2, None, dtype, scaling_mode=role_mode(recipe, role), rowwise=True,
                          columnwise=True,
-                         compute_amax=False, force_pow2_scales=recipe.power_2_scale,
-                         amax_epsilon=recipe.amax_epsilon)
+                         compute_amax=False, force_pow2_scales=plan.force_pow2_scales,
+                         amax_epsilon=plan.amax_epsilon)
         return q
-    raise NotImplementedError(f"quantize_role: recipe {type(recipe).__name__} is not supported")
+    raise NotImplementedError(f"quantize_role: plan kind {plan.kind!r} is not supported")
 
 
 @jax.custom_batching.custom_vmap
@@ -165,24 +171,25 @@ def updated_state(recipe: DelayedScaling, state: Mapping, amaxes: Mapping) -> di
     histories = {r: state[r]["amax_history"].at[0].max(amaxes[r][0]) for r in ROLES}
     scales = {r: state[r]["scale"] for r in ROLES}
     new = {}
-    if isinstance(recipe.amax_compute_algo, str) and recipe.scaling_factor_compute_algo is None:
+    plan = _plan_of(recipe)
+    if plan.algo != "callable":
         # One core call per FP8 format (input and weight share the forward one).
         for roles in (("x", "kernel"), ("grad",)):
             dtype = role_dtype(recipe, roles[0])
             h, s, _ = ops.delayed_scaling_update([histories[r] for r in roles],
                                                  [scales[r] for r in roles], dtype,
-                                                 algo=recipe.amax_compute_algo,
-                                                 margin=recipe.margin)
+                                                 algo=plan.algo, margin=plan.margin)
             for r, hr, sr in zip(roles, h, s, strict=True):
                 new[r] = {"scale": sr, "amax_history": hr}
         return new
     # User callables are written with jax ops (the recipe's contract): same rule, in jnp.
     for r in ROLES:
-        new[r] = _update_with_callables(recipe, histories[r], scales[r], role_dtype(recipe, r))
+        new[r] = _update_with_callables(recipe, histories[r], scales[r],
+                                        plan.fp8_max_of(_PLAN_ROLE[r]))
     return new
 
 
-def _update_with_callables(recipe: DelayedScaling, history, scale, dtype) -> dict:
+def _update_with_callables(recipe: DelayedScaling, history, scale, fp8_max: float) -> dict:
     algo = recipe.amax_compute_algo
     if callable(algo):
         amax = jnp.reshape(algo(history), (1,)).astype(jnp.float32)
@@ -190,7 +197,6 @@ def _update_with_callables(recipe: DelayedScaling, history, scale, dtype) -> dic
         amax = jnp.max(history, keepdims=True)
     else:
         amax = history[:1]
-    fp8_max = float(jnp.finfo(dtype).max)
     if recipe.scaling_factor_compute_algo is not None:
         new_scale = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
     else:
