@@ -26,6 +26,7 @@ load()
 LAYOUTS = {"bshd": 0, "sbhd": 1, "thd": 2}
 MASKS = {"no_mask": 0, "causal": 1, "causal_bottom_right": 2, "padding": 3, "padding_causal": 4,
          "padding_causal_bottom_right": 5}
+_BACKEND_AUTO = -1  # te_attn_backend: the core picks the first backend that takes the call
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _TE_NAMES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.float16): "float16",
              jnp.dtype(jnp.bfloat16): "bfloat16"}
@@ -63,7 +64,7 @@ def _attrs(params) -> dict:
     return dict(layout=np.int32(layout), mask_type=np.int32(mask), window_left=np.int64(wl),
                 window_right=np.int64(wr), softmax_scale=np.float32(scale),
                 dropout=np.float32(dropout), max_seqlen_q=np.int64(max_sq),
-                max_seqlen_kv=np.int64(max_skv), backend=np.int32(-1))
+                max_seqlen_kv=np.int64(max_skv), backend=np.int32(_BACKEND_AUTO))
 
 
 def _forward_call(q, k, v, cu_q, cu_kv, rng, params):

@@ -41,6 +41,9 @@ class ScalingMode(enum.IntEnum):
     MXFP8 = 3
 
 
+# The core's te_amax_compute_algo (scaling.h), by the recipe's amax_compute_algo name.
+_AMAX_ALGOS = {"max": 0, "most_recent": 1}
+
 # The core's te_dtype codes of the FP8 formats, and their jax dtypes.
 _TE_DTYPE = {jnp.dtype(jnp.float8_e4m3fn): 3, jnp.dtype(jnp.float8_e5m2): 4}
 _BY_NAME = {"float8_e4m3": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
@@ -170,8 +173,7 @@ def delayed_scaling_update(amax_histories: Sequence[jax.Array], scales: Sequence
                          f"got {len(scales)}")
     if n == 0:
         return [], [], []
-    algos = {"max": 0, "most_recent": 1}
-    if algo not in algos:
+    if algo not in _AMAX_ALGOS:
         raise ValueError("delayed_scaling_update: algo must be 'max' or 'most_recent', "
                          f"got {algo!r}")
     results = ([jax.ShapeDtypeStruct(h.shape, _F32) for h in amax_histories]
@@ -180,8 +182,8 @@ def delayed_scaling_update(amax_histories: Sequence[jax.Array], scales: Sequence
     # The core updates histories and scales in place: XLA gives it copies (the aliases).
     call = jax.ffi.ffi_call(TARGETS["delayed_scaling_update"], results, vmap_method=_VMAP,
                             input_output_aliases={i: i for i in range(2 * n)})
-    out = call(*amax_histories, *scales, fp8_dtype=_te_fp8(dtype), algo=np.int32(algos[algo]),
-               margin=np.int32(margin))
+    out = call(*amax_histories, *scales, fp8_dtype=_te_fp8(dtype),
+               algo=np.int32(_AMAX_ALGOS[algo]), margin=np.int32(margin))
     return list(out[:n]), list(out[n:2 * n]), list(out[2 * n:])
 
 
