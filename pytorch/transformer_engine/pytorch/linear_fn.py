@@ -21,6 +21,10 @@ from typing import Any, Optional
 
 import torch
 
+import torch.nn.functional as F
+
+from transformer_engine.common.plan import GEMM_GRANULE
+
 from . import fp8, ops
 from .float8_tensor import Float8Tensor
 from .quantization import Operand, Plan, quantize, record_amax
@@ -30,11 +34,52 @@ from .release import release
 _BLOCK_OUT = (torch.float32, torch.bfloat16)
 
 
+def pad_gemm_operands(a, a_sinv, a_mode: str, b, repeat_rows: bool = False):
+    """The FP8 operands of ``a [M, K] @ b [N, K]^T`` with M and K raised to multiples of the
+    tensor cores' granule of 16 (the core's GEMM takes no other shape): (a, a_sinv, b, M).
+
+    The feature dimensions are the modules' to keep at multiples of 16 (they refuse others);
+    the token count may be anything, and it is M (forward, dgrad) or K (wgrad). The padding is
+    made here, on the quantized operands, so the amaxes and scales are those of the real rows
+    alone (a LayerNorm or GELU of a zero row is not zero). Padded rows of ``a`` are FP8 zeros
+    (byte 0 is +0) with a 1x128 block scale_inv of 1 (what quantizing a zero row gives), or
+    with ``repeat_rows`` (per-tensor only) copies of its last row; the caller slices their
+    output rows off. K is padded with zeros in both operands, adding exact zeros to every
+    sum. ``b``'s rows (N) are a feature dimension and stay as they are. Each padded operand
+    is one copy; the tile (128x128) and per-tensor scale_invs keep their shapes, since the
+    number of 128-blocks of a dimension does not change when it is rounded up to 16."""
+    m, k = a.shape
+    pad_m, pad_k = -m % GEMM_GRANULE, -k % GEMM_GRANULE
+    if pad_k:
+        b = F.pad(b, (0, pad_k))
+    if pad_m and repeat_rows:
+        a = torch.cat([a, a[-1:].expand(pad_m, -1)])
+        pad_m = 0
+    if pad_m or pad_k:
+        a = F.pad(a, (0, pad_k, 0, pad_m))
+    if pad_m and a_mode == "block_1x128":
+        a_sinv = F.pad(a_sinv, (0, 0, 0, pad_m), value=1.0)
+    return a, a_sinv, b, m
+
+
 def fp8_gemm(a, a_sinv, b, b_sinv, a_dtype: str, b_dtype: str, a_mode: str, b_mode: str,
              out_dtype: torch.dtype, bias: Optional[torch.Tensor], split: bool) -> torch.Tensor:
     """``a @ b^T (+ bias)`` in out_dtype. With a bf16/fp16 output the bias rides in the GEMM's
     epilogue in that dtype; with an fp32 output the epilogue would take only a bf16 bias
-    (cuBLASLt's rule for FP8 operands, gemm.h), so the bias is added afterwards in fp32."""
+    (cuBLASLt's rule for FP8 operands, gemm.h), so the bias is added afterwards in fp32.
+    Any M and K: the operands are padded to the GEMM's granule (pad_gemm_operands)."""
+    a, a_sinv, b, m = pad_gemm_operands(a, a_sinv, a_mode, b)
+    out = _fp8_gemm(a, a_sinv, b, b_sinv, a_dtype, b_dtype, a_mode, b_mode, out_dtype, bias,
+                    split)
+    if out.shape[0] == m:
+        return out
+    # A copy, not a view: the autograd functions return this tensor, and autograd forbids
+    # in-place ops on views that a custom function returns.
+    return out[:m].clone()
+
+
+def _fp8_gemm(a, a_sinv, b, b_sinv, a_dtype: str, b_dtype: str, a_mode: str, b_mode: str,
+              out_dtype: torch.dtype, bias: Optional[torch.Tensor], split: bool) -> torch.Tensor:
     block = a_mode != "tensor"
     gemm_dtype = out_dtype if not block or out_dtype in _BLOCK_OUT else torch.float32
     fused = bias is not None and gemm_dtype in (torch.bfloat16, torch.float16)
@@ -61,9 +106,13 @@ def fp8_output(plan: Plan, a: Operand, w_data, w_scale_inv, bias: Optional[torch
         scales, history = out_meta
         if bias is not None and bias.dtype != torch.bfloat16:
             bias = bias.to(torch.bfloat16)  # cuBLASLt takes only a bf16 bias with an FP8 D
-        data, scale_inv, amax = ops.gemm_fp8_to_fp8(a.data, a.scale_inv, fmt, w_data,
+        # A zero row's output would be the bias, which the epilogue's amax would count: the
+        # padding repeats the last real row, whose output is a real one.
+        a_data, _, w_data, m = pad_gemm_operands(a.data, a.scale_inv, "tensor", w_data, True)
+        data, scale_inv, amax = ops.gemm_fp8_to_fp8(a_data, a.scale_inv, fmt, w_data,
                                                     w_scale_inv, fmt, fmt, scales, 0, bias,
                                                     False)
+        data = data[:m]
         if history is not None:
             record_amax(history, 0, amax)
     else:

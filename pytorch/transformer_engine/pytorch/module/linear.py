@@ -20,7 +20,8 @@ from .base import FP8Module, fp8_weight_param, with_leading_dims
 
 __all__ = ["Linear"]
 
-# FP8 tensor cores work on 16x16 granules: every GEMM dimension must be a multiple of 16.
+# FP8 tensor cores work on 16x16 granules: the feature dimensions must be multiples of 16
+# (the token count is padded inside, linear_fn.pad_gemm_operands).
 _FP8_GRANULE = 16
 
 
@@ -271,13 +272,12 @@ _FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_fp8_shape(inp: torch.Tensor, k: int, n: int, op: str) -> None:
-    m = inp.numel() // k if k else 0
-    if not (k % _FP8_GRANULE or n % _FP8_GRANULE or m % _FP8_GRANULE):
-        return
-    for name, value in (("in_features", k), ("out_features", n),
-                        ("tokens (input.numel() // in_features)", m)):
+    """The feature dimensions of an FP8 GEMM must be multiples of the granule. The token count
+    (input.numel() // k) may be anything: the GEMM's FP8 operands are padded to the granule
+    (linear_fn.pad_gemm_operands)."""
+    for name, value in (("in_features", k), ("out_features", n)):
         if value % _FP8_GRANULE:
-            raise ValueError(f"{op}: FP8 GEMMs need dimensions that are multiples of "
+            raise ValueError(f"{op}: FP8 GEMMs need feature dimensions that are multiples of "
                              f"{_FP8_GRANULE}; {name} must be a multiple of {_FP8_GRANULE}, "
                              f"got {value} (input shape {list(inp.shape)})")
 
