@@ -17,10 +17,17 @@ for the CPU and CUDA platforms.
 * :mod:`transformer_engine.jax.flax`: the ``DenseGeneral``, ``LayerNorm``, ``LayerNormDenseGeneral``
   and ``LayerNormMLP`` linen modules.
 * :mod:`transformer_engine.jax.ops`: the custom calls themselves.
+* NVIDIA's module paths: :mod:`~transformer_engine.jax.sharding` (``MeshResource``,
+  ``global_shard_guard``), :mod:`~transformer_engine.jax.quantize` (``ScalingMode``,
+  ``is_fp8_available``), :mod:`~transformer_engine.jax.activation` (``activation``),
+  NVIDIA's enums in :mod:`~transformer_engine.jax.attention`, and
+  :func:`get_device_compute_capability`, :func:`get_cudnn_version` (also in
+  ``cpp_extensions.misc``); ``NVTE_FP8_COLLECTION_NAME`` is :data:`FP8_COLLECTION`.
 """
 
-# Importing ops loads the extension and registers its targets (a clear ImportError if absent).
-from transformer_engine.jax import ops
+# Importing ops loads the extension and registers its targets (a clear ImportError if absent);
+# activation, cpp_extensions, quantize and sharding are NVIDIA's module paths.
+from transformer_engine.jax import activation, cpp_extensions, ops, quantize, sharding
 from transformer_engine.jax._version import __version__
 from transformer_engine.jax.attention import fused_attn
 from transformer_engine.jax.autocast import (
@@ -30,6 +37,10 @@ from transformer_engine.jax.autocast import (
     get_fp8_recipe,
     get_mesh_resource,
     is_fp8_enabled,
+)
+from transformer_engine.jax.cpp_extensions.misc import (
+    get_cudnn_version,
+    get_device_compute_capability,
 )
 from transformer_engine.jax.dense import dense
 from transformer_engine.jax.layernorm import layernorm
@@ -44,9 +55,13 @@ from transformer_engine.jax.quantizer import (
 )
 from transformer_engine.jax.rope import apply_rotary_pos_emb, rotary_freqs
 
+NVTE_FP8_COLLECTION_NAME = FP8_COLLECTION  # NVIDIA's name of the FP8 state's collection
+
 __all__ = ["__version__", "MeshResource", "fp8_autocast", "autocast", "get_fp8_recipe",
            "get_mesh_resource", "is_fp8_enabled", "dense", "fused_attn", "layernorm",
            "layernorm_dense", "layernorm_dense_fp8_operands", "layernorm_mlp",
            "layernorm_mlp_fp8_operands", "QuantizerSet", "make_quantizer_set", "new_fp8_state",
            "update_collections", "FP8_COLLECTION", "ops", "apply_rotary_pos_emb",
-           "rotary_freqs"]
+           "rotary_freqs", "NVTE_FP8_COLLECTION_NAME", "get_cudnn_version",
+           "get_device_compute_capability", "activation", "cpp_extensions", "quantize",
+           "sharding"]

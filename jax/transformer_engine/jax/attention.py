@@ -5,6 +5,10 @@ CPU), one custom call forward and one backward.
 Semantics (masks, windows, GQA, padding, dropout) are the core's ``attention.h``. The forward
 saves ``o`` and the fp32 row log-sum-exp for the backward pass. Dropout draws its
 (seed, offset) from the ``dropout_rng`` key: the same key gives the same mask.
+
+NVIDIA's enums :class:`AttnMaskType`, :class:`QKVLayout` (and :class:`QKVFormat`,
+:class:`AttnBiasType`, :class:`SequenceDescriptor`) are defined in ``_attention_types``; the
+members are our option strings, so they can be passed as ``attn_mask_type`` / ``qkv_layout``.
 """
 
 from __future__ import annotations
@@ -17,9 +21,17 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from transformer_engine.jax._attention_types import (
+    AttnBiasType,
+    AttnMaskType,
+    QKVFormat,
+    QKVLayout,
+    SequenceDescriptor,
+)
 from transformer_engine.jax._native import TARGETS, load
 
-__all__ = ["fused_attn", "LAYOUTS", "MASKS"]
+__all__ = ["fused_attn", "LAYOUTS", "MASKS", "AttnMaskType", "AttnBiasType", "QKVFormat",
+           "QKVLayout", "SequenceDescriptor"]
 
 load()
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from transformer_engine.jax.attention import fused_attn
 from transformer_engine.jax.flax._checks import check_mask, check_sizes
+from transformer_engine.jax.sharding import check_unsharded
 
 __all__ = ["DotProductAttention"]
 
@@ -66,6 +67,7 @@ class DotProductAttention(nn.Module):
                  cu_seqlens_q: Optional[jax.Array] = None,
                  cu_seqlens_kv: Optional[jax.Array] = None, max_seqlen_q: Optional[int] = None,
                  max_seqlen_kv: Optional[int] = None) -> jax.Array:
+        check_unsharded("DotProductAttention")
         layout = self.qkv_layout.lower()
         if layout == "bshd" and self.transpose_batch_sequence:
             layout = "sbhd"

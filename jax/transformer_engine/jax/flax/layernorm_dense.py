@@ -19,6 +19,7 @@ from transformer_engine.jax.flax._checks import (
 )
 from transformer_engine.jax.flax.module import Initializer, _as_matrix_init, _as_tuple, fp8_state
 from transformer_engine.jax.layernorm_dense import layernorm_dense
+from transformer_engine.jax.sharding import check_unsharded
 
 __all__ = ["LayerNormDenseGeneral"]
 
@@ -110,6 +111,7 @@ class LayerNormDenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array):
+        check_unsharded("LayerNormDenseGeneral")
         check_sizes("LayerNormDenseGeneral", features=self.features)
         check_float_dtype("LayerNormDenseGeneral", "dtype", self.dtype)
         check_float_dtype("LayerNormDenseGeneral", "param_dtype", self.param_dtype)

@@ -20,6 +20,7 @@ from transformer_engine.jax.flax.layernorm_dense import fp8_quantizer_set, norm_
 from transformer_engine.jax.flax.module import Initializer, _as_matrix_init
 from transformer_engine.jax.layernorm_dense import layernorm_dense
 from transformer_engine.jax.layernorm_mlp import activation, activation_of, layernorm_mlp
+from transformer_engine.jax.sharding import check_unsharded
 
 __all__ = ["LayerNormMLP"]
 
@@ -101,6 +102,7 @@ class LayerNormMLP(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool = False):
+        check_unsharded("LayerNormMLP")
         check_sizes("LayerNormMLP", intermediate_dim=self.intermediate_dim)
         check_float_dtype("LayerNormMLP", "dtype", self.dtype)
         check_float_dtype("LayerNormMLP", "param_dtype", self.param_dtype)

@@ -23,6 +23,7 @@ from transformer_engine.jax.quantizer import (
     ROLES,
     new_fp8_state,
 )
+from transformer_engine.jax.sharding import check_unsharded
 
 __all__ = ["DenseGeneral", "LayerNorm"]
 
@@ -83,6 +84,7 @@ class DenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
+        check_unsharded("DenseGeneral")
         check_sizes("DenseGeneral", features=self.features)
         check_float_dtype("DenseGeneral", "dtype", self.dtype)
         check_float_dtype("DenseGeneral", "param_dtype", self.param_dtype)
@@ -176,6 +178,7 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        check_unsharded("LayerNorm")
         if self.layernorm_type not in ("layernorm", "rmsnorm"):
             raise ValueError(f"LayerNorm: layernorm_type must be 'layernorm' or 'rmsnorm', got "
                              f"{self.layernorm_type!r}")

@@ -22,6 +22,7 @@ from transformer_engine.jax.flax._unfused_attention import (
 from transformer_engine.jax.flax.attention import _cu_seqlens
 from transformer_engine.jax.flax.layernorm_dense import LayerNormDenseGeneral
 from transformer_engine.jax.flax.module import DenseGeneral, Initializer
+from transformer_engine.jax.sharding import check_unsharded
 
 __all__ = ["MultiHeadAttention"]
 
@@ -216,6 +217,7 @@ class MultiHeadAttention(nn.Module):
                  mask: Optional[jax.Array] = None, bias: Optional[jax.Array] = None, *,
                  decode: bool = False, deterministic: bool = False,
                  query_position_offset: Optional[jax.Array] = None):
+        check_unsharded("MultiHeadAttention")
         heads, groups, dropout, mask_type = self._settings()
         name = "MultiHeadAttention"
         is_self = inputs_q is inputs_kv

@@ -18,6 +18,7 @@ from transformer_engine.jax.flax.multi_head_attention import (
     MultiHeadAttention,
     default_kernel_init,
 )
+from transformer_engine.jax.sharding import check_unsharded
 
 __all__ = ["RelativePositionBiases", "TransformerLayer", "TransformerLayerType"]
 
@@ -320,6 +321,7 @@ class TransformerLayer(nn.Module):
                  attention_mask: Optional[jax.Array] = None,
                  encoder_decoder_mask: Optional[jax.Array] = None, deterministic: bool = False,
                  decode: bool = False, max_decode_length: Optional[int] = None) -> jax.Array:
+        check_unsharded("TransformerLayer")
         inputs = jnp.asarray(inputs)
         self._check(inputs, encoded)
         if not decode:  # decoding reads them against the cache (MultiHeadAttention checks)

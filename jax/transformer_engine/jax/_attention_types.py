@@ -1,0 +1,130 @@
+"""NVIDIA's attention enums (``AttnMaskType``, ``AttnBiasType``, ``QKVLayout``, ``QKVFormat``)
+and ``SequenceDescriptor``, re-exported by :mod:`transformer_engine.jax.attention`.
+
+The enums are ``str`` enums whose values are our option strings, so a member can be passed
+wherever our modules and :func:`~transformer_engine.jax.attention.fused_attn` take a string
+(``attn_mask_type=AttnMaskType.CAUSAL_MASK`` is ``attn_mask_type="causal"``). Members without
+a counterpart in our attention carry NVIDIA's lower-case name as their value, and the calls
+reject them as they reject any unknown string:
+
+* the packed layouts ``BS3HD``, ``BSHD_BS2HD``, ``T3HD`` and ``THD_T2HD`` (q, k, v or k, v in
+  one array): our attention takes q, k and v as separate arrays.
+
+``AttnBiasType``'s values are the ``attn_bias_type`` strings of ``MultiHeadAttention`` and
+``TransformerLayer``; ``DotProductAttention`` and ``fused_attn`` take no bias.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["AttnMaskType", "AttnBiasType", "QKVFormat", "QKVLayout", "SequenceDescriptor"]
+
+
+class AttnMaskType(str, enum.Enum):
+    """The attention mask; values are our ``attn_mask_type`` strings."""
+
+    NO_MASK = "no_mask"
+    PADDING_MASK = "padding"
+    CAUSAL_MASK = "causal"
+    PADDING_CAUSAL_MASK = "padding_causal"
+    CAUSAL_BOTTOM_RIGHT_MASK = "causal_bottom_right"
+    PADDING_CAUSAL_BOTTOM_RIGHT_MASK = "padding_causal_bottom_right"
+
+    def is_causal(self) -> bool:
+        return "causal" in self.value
+
+    def is_padding(self) -> bool:
+        return self.value.startswith("padding")
+
+    def is_bottom_right(self) -> bool:
+        return self.value.endswith("bottom_right")
+
+
+class AttnBiasType(str, enum.Enum):
+    """Where a bias enters the attention scores; values are ``MultiHeadAttention``'s
+    ``attn_bias_type`` strings."""
+
+    NO_BIAS = "no_bias"
+    PRE_SCALE_BIAS = "pre_scale_bias"
+    POST_SCALE_BIAS = "post_scale_bias"
+
+
+class QKVFormat(str, enum.Enum):
+    """The layout of one of q, k, v; values are our ``qkv_layout`` strings."""
+
+    BSHD = "bshd"
+    SBHD = "sbhd"
+    THD = "thd"
+
+
+class QKVLayout(str, enum.Enum):
+    """How q, k and v are laid out and packed. The separate layouts are our ``qkv_layout``
+    strings; the packed ones keep NVIDIA's names (not accepted by our attention)."""
+
+    BS3HD = "bs3hd"
+    BSHD_BS2HD = "bshd_bs2hd"
+    BSHD_BSHD_BSHD = "bshd"
+    T3HD = "t3hd"
+    THD_T2HD = "thd_t2hd"
+    THD_THD_THD = "thd"
+
+    def get_qkv_format(self) -> QKVFormat:
+        return QKVFormat.THD if self.is_thd() else QKVFormat.BSHD
+
+    def is_qkvpacked(self) -> bool:
+        return self in (QKVLayout.BS3HD, QKVLayout.T3HD)
+
+    def is_kvpacked(self) -> bool:
+        return self in (QKVLayout.BSHD_BS2HD, QKVLayout.THD_T2HD)
+
+    def is_separate(self) -> bool:
+        return self in (QKVLayout.BSHD_BSHD_BSHD, QKVLayout.THD_THD_THD)
+
+    def is_thd(self) -> bool:
+        return self in (QKVLayout.T3HD, QKVLayout.THD_T2HD, QKVLayout.THD_THD_THD)
+
+
+def _cu(lengths: jax.Array) -> jax.Array:
+    lengths = jnp.asarray(lengths, jnp.int32)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SequenceDescriptor:
+    """The valid length of each sequence of a batch, for q and for k/v (int32 [batch] each).
+
+    Only the lengths form is provided (NVIDIA's ``from_seqlens``); its offsets and segment-id
+    forms are not. :meth:`cu_seqlens` gives what our attention takes (``cu_seqlens_q``,
+    ``cu_seqlens_kv``).
+    """
+
+    q_seqlens: jax.Array
+    kv_seqlens: jax.Array
+
+    @classmethod
+    def from_seqlens(cls, seqlens: Union[jax.Array, Sequence[jax.Array]]
+                     ) -> "SequenceDescriptor":
+        """From one [batch] array of lengths (q and k/v the same) or a pair (q, kv)."""
+        if isinstance(seqlens, (tuple, list)):
+            if len(seqlens) != 2:
+                raise ValueError(f"SequenceDescriptor.from_seqlens: seqlens must be one array or "
+                                 f"a pair (q_seqlens, kv_seqlens), got {len(seqlens)} entries")
+            q, kv = seqlens
+        else:
+            q = kv = seqlens
+        q, kv = jnp.asarray(q, jnp.int32), jnp.asarray(kv, jnp.int32)
+        if q.ndim != 1 or kv.shape != q.shape:
+            raise ValueError(f"SequenceDescriptor.from_seqlens: the lengths must be [batch] "
+                             f"arrays of one shape, got {q.shape} and {kv.shape}")
+        return cls(q, kv)
+
+    def cu_seqlens(self) -> tuple[jax.Array, jax.Array]:
+        """(cu_seqlens_q, cu_seqlens_kv): int32 [batch + 1] cumulative lengths."""
+        return _cu(self.q_seqlens), _cu(self.kv_seqlens)
