@@ -27,6 +27,7 @@ from transformer_engine.jax.flax import (
 
 KEY = jax.random.PRNGKey(0)
 DELAYED = recipe.DelayedScaling()
+CURRENT = recipe.Float8CurrentScaling()
 MXFP8 = recipe.MXFP8BlockScaling()
 
 
@@ -177,22 +178,24 @@ CALLS = [
     # (module, init inputs, apply inputs, apply keywords, recipe of the init and apply)
     _p("dense-wrong-features", DenseGeneral(features=16), (X,), (_x(4, 8),), {}, None,
        ValueError, ["DenseGeneral", "inputs", "[4, 8]"]),
-    _p("dense-fp8-tokens", DenseGeneral(features=32), (_x(32, 32),), (_x(5, 32),), {},
-       DELAYED, ValueError, ["dense", "M=5"]),
+    # (any token count is taken in FP8; the feature dimensions keep the rule of 16; the
+    # variables come from a run without FP8, as the current-scaling recipe makes no state)
+    _p("dense-fp8-features", DenseGeneral(features=24), (_x(5, 32),), (_x(5, 32),), {},
+       CURRENT, ValueError, ["dense", "N=24"]),
     _p("dense-mxfp8", DenseGeneral(features=32), (_x(32, 32),), (_x(32, 32),), {}, MXFP8,
        NotImplementedError, ["DenseGeneral", "fp8_recipe", "MXFP8BlockScaling"]),
     _p("layernorm-wrong-features", LayerNorm(), (X,), (_x(4, 16),), {}, None, ValueError,
        ["LayerNorm", "inputs", "[4, 16]"]),
     _p("lndense-wrong-features", LayerNormDenseGeneral(features=16), (X,), (_x(4, 16),), {},
        None, ValueError, ["LayerNormDenseGeneral", "inputs", "[4, 16]"]),
-    _p("lndense-fp8-tokens", LayerNormDenseGeneral(features=32), (_x(32, 32),), (_x(5, 32),),
-       {}, DELAYED, ValueError, ["M=5"]),
+    _p("lndense-fp8-features", LayerNormDenseGeneral(features=24), (_x(5, 32),),
+       (_x(5, 32),), {}, CURRENT, ValueError, ["layernorm_dense", "N=24"]),
     _p("lndense-mxfp8", LayerNormDenseGeneral(features=32), (_x(32, 32),), (_x(32, 32),), {},
        MXFP8, NotImplementedError, ["LayerNormDenseGeneral", "fp8_recipe", "MXFP8"]),
     _p("mlp-wrong-features", LayerNormMLP(intermediate_dim=16), (X,), (_x(4, 16),), {}, None,
        ValueError, ["LayerNormMLP", "inputs", "[4, 16]"]),
-    _p("mlp-fp8-tokens", LayerNormMLP(intermediate_dim=32), (_x(32, 32),), (_x(5, 32),), {},
-       DELAYED, ValueError, ["layernorm_mlp", "M=5"]),
+    _p("mlp-fp8-features", LayerNormMLP(intermediate_dim=24), (_x(5, 32),), (_x(5, 32),), {},
+       CURRENT, ValueError, ["layernorm_mlp", "F=24"]),
     _p("mlp-mxfp8", LayerNormMLP(intermediate_dim=32), (_x(32, 32),), (_x(32, 32),), {},
        MXFP8, NotImplementedError, ["LayerNormMLP", "fp8_recipe", "MXFP8"]),
     # DotProductAttention (no variables): the mask is bool or 0/1 integers, True = masked out

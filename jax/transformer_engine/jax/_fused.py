@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from transformer_engine.common.plan import GEMM_GRANULE
 from transformer_engine.jax import ops
 from transformer_engine.jax.quantizer import QuantizerSet, quantize_role, role_dtype, role_mode
 
@@ -114,14 +115,39 @@ def grad_quantized(dy, act: ops.Activation, act_input: Optional[jax.Array], qset
     return quantize_role(g, qset, "grad"), dbias
 
 
+def fp8_gemm(a, a_si, a_mode, b, b_si, b_mode, **kwargs):
+    """``a [M, K] @ b [N, K]^T`` of FP8 operands (ops.gemm's other arguments in ``kwargs``)
+    for any M and K: the core's GEMM takes only multiples of the tensor cores' granule of 16.
+
+    The feature dimensions are the layers' to keep at multiples of 16 (they refuse others);
+    the token count may be anything, and it is M (forward, dgrad) or K (wgrad). The padding is
+    made here, on the quantized operands, so the amaxes and scales are those of the real rows
+    alone (a LayerNorm or GELU of a zero row is not zero). Padded rows of ``a`` are FP8 zeros
+    with a 1x128 block scale_inv of 1 (what quantizing a zero row gives), and their output
+    rows are sliced off; K is padded with zeros in both operands, adding exact zeros to every
+    sum. ``b``'s rows (N) are a feature dimension and stay as they are. Each padded operand is
+    one copy; the tile (128x128) and per-tensor scale_invs keep their shapes, since the number
+    of 128-blocks of a dimension does not change when it is rounded up to 16."""
+    m, k = a.shape
+    pad_m, pad_k = -m % GEMM_GRANULE, -k % GEMM_GRANULE
+    if pad_k:
+        b = jnp.pad(b, ((0, 0), (0, pad_k)))
+    if pad_m or pad_k:
+        a = jnp.pad(a, ((0, pad_m), (0, pad_k)))
+    if pad_m and ops.ScalingMode(a_mode) == ops.ScalingMode.BLOCK_1X128:
+        a_si = jnp.pad(a_si, ((0, pad_m), (0, 0)), constant_values=1.0)
+    out = ops.gemm(a, b, a_scale_inv=a_si, b_scale_inv=b_si, a_scaling_mode=a_mode,
+                   b_scaling_mode=b_mode, transpose_b=True, **kwargs)
+    return out[:m] if pad_m else out
+
+
 def forward_gemm(qx: ops.QuantizedTensor, qk: ops.QuantizedTensor, bias, recipe, out_dtype):
     """out = x @ kernel (+ bias) from their FP8 operands (x row-wise, kernel column-wise)."""
     mode_x, mode_k = role_mode(recipe, "x"), role_mode(recipe, "kernel")
     x_si, _ = _scale_invs(qx, mode_x)
     _, k_col_si = _scale_invs(qk, mode_k)
     epilogue = bias is not None and _fp8_bias_epilogue(out_dtype)
-    out = ops.gemm(qx.data, qk.columnwise_data, a_scale_inv=x_si, b_scale_inv=k_col_si,
-                   a_scaling_mode=mode_x, b_scaling_mode=mode_k, transpose_b=True,
+    out = fp8_gemm(qx.data, x_si, mode_x, qk.columnwise_data, k_col_si, mode_k,
                    bias=bias if epilogue else None, out_dtype=out_dtype)
     if bias is not None and not epilogue:
         out = out + bias
@@ -147,10 +173,8 @@ def backward_gemms(qg: ops.QuantizedTensor, saved: BackwardOperands, recipe, out
     """(dgrad, wgrad) of one FP8 GEMM from the quantized gradient of its output."""
     mode_x, mode_k, mode_g = (role_mode(recipe, r) for r in ("x", "kernel", "grad"))
     g_si, g_col_si = _scale_invs(qg, mode_g)
-    dx = ops.gemm(qg.data, saved.k_row, a_scale_inv=g_si, b_scale_inv=saved.k_si,
-                  a_scaling_mode=mode_g, b_scaling_mode=mode_k, transpose_b=True,
+    dx = fp8_gemm(qg.data, g_si, mode_g, saved.k_row, saved.k_si, mode_k,
                   out_dtype=out_dtype, use_split_accumulator=True)
-    dk = ops.gemm(saved.x_col, qg.columnwise_data, a_scale_inv=saved.x_col_si,
-                  b_scale_inv=g_col_si, a_scaling_mode=mode_x, b_scaling_mode=mode_g,
-                  transpose_b=True, out_dtype=out_dtype, use_split_accumulator=True)
+    dk = fp8_gemm(saved.x_col, saved.x_col_si, mode_x, qg.columnwise_data, g_col_si, mode_g,
+                  out_dtype=out_dtype, use_split_accumulator=True)
     return dx, dk

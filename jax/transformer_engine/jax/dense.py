@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from transformer_engine.common.plan import GEMM_GRANULE
 from transformer_engine.jax import _fused, ops
 from transformer_engine.jax.quantizer import (
     QuantizerSet,
@@ -78,8 +79,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
 
     Returns:
         An array of shape (x's non-contracted dims, kernel's non-contracted dims) in the
-        promoted dtype of ``x`` and ``kernel``. In FP8 every GEMM dimension (M = product of
-        x's other dims, K, N) must be a multiple of 16.
+        promoted dtype of ``x`` and ``kernel``. In FP8 K and N must be multiples of 16; the
+        token count M (the product of x's other dims) may be anything.
 
     Example:
         >>> import jax.numpy as jnp, transformer_engine.jax as te
@@ -111,11 +112,13 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     feature_shape = tuple(kernel.shape[d] for d in k_free)
     m, n = math.prod(batch_shape), math.prod(feature_shape)
     k = math.prod(x.shape[d] for d in x_dims)
-    if quantizer_set.recipe is not None and (m % 16 or k % 16 or n % 16):
+    # The token count M may be anything in FP8: the GEMM's operands are padded inside
+    # (_fused.fp8_gemm).
+    if quantizer_set.recipe is not None and (k % GEMM_GRANULE or n % GEMM_GRANULE):
         raise ValueError(
-            f"dense: FP8 GEMMs need every dimension to be a multiple of 16, got M={m} (x's "
-            f"non-contracted dims), K={k}, N={n} (x shape {x.shape}, kernel shape "
-            f"{kernel.shape}); pad the shapes or run this layer outside fp8_autocast")
+            f"dense: FP8 GEMMs need every feature dimension to be a multiple of "
+            f"{GEMM_GRANULE}, got K={k}, N={n} (x shape {x.shape}, kernel shape "
+            f"{kernel.shape}); pad the features or run this layer outside fp8_autocast")
     # Transposes only when the contracted dims are not already x's last / the kernel's first.
     x_perm, k_perm = (*x_free, *x_dims), (*k_dims, *k_free)
     x2 = (x if x_perm == tuple(range(x.ndim)) else jnp.transpose(x, x_perm))

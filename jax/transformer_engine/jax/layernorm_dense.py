@@ -20,6 +20,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from transformer_engine.common.plan import GEMM_GRANULE
 from transformer_engine.jax import _fused, ops
 from transformer_engine.jax.layernorm import norm_inputs
 from transformer_engine.jax.quantizer import (
@@ -44,11 +45,14 @@ def check_quantizer_set(op: str, qset) -> QuantizerSet:
 
 
 def check_fp8_dims(op: str, recipe, **dims: int) -> None:
-    bad = {k: v for k, v in dims.items() if v % 16}
+    """The feature dimensions of FP8 GEMMs must be multiples of the granule; the token count
+    (M) may be anything, the GEMM's operands are padded inside (_fused.fp8_gemm)."""
+    bad = {k: v for k, v in dims.items() if v % GEMM_GRANULE}
     if recipe is not None and bad:
         named = ", ".join(f"{k}={v}" for k, v in dims.items())
-        raise ValueError(f"{op}: FP8 GEMMs need every dimension to be a multiple of 16, got "
-                         f"{named}; pad the shapes or run this layer outside fp8_autocast")
+        raise ValueError(f"{op}: FP8 GEMMs need every feature dimension to be a multiple of "
+                         f"{GEMM_GRANULE}, got {named}; pad the features or run this layer "
+                         "outside fp8_autocast")
 
 
 def compute_dtype(op: str, *arrays):
@@ -74,7 +78,7 @@ def _prepare(x, gamma, beta, kernel, bias, norm_type, zero_centered_gamma, epsil
     qset = check_quantizer_set(op, quantizer_set)
     features = kernel.shape[1:]
     m, k, n = math.prod(x.shape[:-1]), x.shape[-1], math.prod(features)
-    check_fp8_dims(op, qset.recipe, M=m, K=k, N=n)
+    check_fp8_dims(op, qset.recipe, K=k, N=n)
     b2 = None
     if bias is not None:
         bias = jnp.asarray(bias)
@@ -110,8 +114,8 @@ def layernorm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
 
     Returns:
         ``out`` of shape [..., *features] in the promoted dtype of x and kernel, or
-        ``(out, norm(x))``. In FP8, M (the product of x's leading dims), K and N must be
-        multiples of 16.
+        ``(out, norm(x))``. In FP8, K and N must be multiples of 16; the token count M (the
+        product of x's leading dims) may be anything.
 
     Example:
         >>> import jax.numpy as jnp, transformer_engine.jax as te

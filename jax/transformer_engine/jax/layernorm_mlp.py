@@ -98,7 +98,7 @@ def _prepare(x, gamma, beta, kernels, biases, norm_type, zero_centered_gamma, ep
         raise ValueError(f"{op}: both quantizer sets must have the same recipe, got "
                          f"{q1.recipe!r} and {q2.recipe!r}")
     m = math.prod(x.shape[:-1])
-    check_fp8_dims(op, q1.recipe, M=m, K=k, F=f, N=n)
+    check_fp8_dims(op, q1.recipe, K=k, F=f, N=n)
     out_biases = []
     for i, (bias, width) in enumerate(zip(biases, (f_total, n), strict=True)):
         if bias is None:
@@ -141,7 +141,8 @@ def layernorm_mlp(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
 
     Returns:
         ``out`` [..., N] in the promoted dtype of x and the kernels, or ``(out, norm(x))``.
-        In FP8, M (the product of x's leading dims), K, F and N must be multiples of 16.
+        In FP8, K, F and N must be multiples of 16; the token count M (the product of x's
+        leading dims) may be anything.
 
     Example:
         >>> import jax.numpy as jnp, transformer_engine.jax as te
