@@ -139,8 +139,6 @@ def test_python_path_where_it_differs(spy, case):
     dtype, params, r, kwargs = bf16, bf16, recipe.DelayedScaling(), {}
     if case == "block":
         r = recipe.Float8BlockScaling()
-    elif case == "tokens":  # not a multiple of 16: the full forward pads the GEMM operands
-        assert _forward(m, x, r).shape == (12, 32)
     elif case == "bias-dtype":
         params = torch.float32  # bf16 input, fp32 bias: the Python path adds it in fp32
     elif case == "microbatch":

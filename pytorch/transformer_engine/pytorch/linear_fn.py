@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-
 import torch.nn.functional as F
 
 from transformer_engine.common.plan import GEMM_GRANULE
