@@ -16,9 +16,6 @@ from progress import Progress
 
 # The mean of the last steps' losses is the "final" training loss: one step's loss is noisy.
 FINAL_LOSS_STEPS = 10
-# FP8 GEMMs take token counts that are multiples of 16, and a decoding step has one token per
-# sequence: the prompts are repeated up to a multiple of 16 sequences.
-_FP8_ROWS = 16
 
 
 def learning_rate(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
@@ -94,8 +91,6 @@ def run(label: str, runner: Runner, batches: list, valid: list, peak_lr: float, 
     peak, note = runner.peak_memory()
     samples = []
     if new_tokens:
-        rows = -(-prompts.shape[0] // _FP8_ROWS) * _FP8_ROWS
-        padded = np.resize(prompts, (rows, prompts.shape[1]))  # repeats the rows in order
-        samples = runner.sample(padded, new_tokens, temperature, seed)[: prompts.shape[0]]
+        samples = runner.sample(prompts, new_tokens, temperature, seed)
     return RunResult(label, runner.losses(handles), runner.evaluate(valid),
                      (steps - untimed) * tokens / timed, seconds, peak, note, list(samples))

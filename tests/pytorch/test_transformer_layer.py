@@ -17,7 +17,7 @@ from torch import nn
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
 
-# Small sizes for the CPU: 2 x 16 tokens (FP8 GEMMs take multiples of 16), head dim 16.
+# Small sizes for the CPU: 2 x 16 tokens, head dim 16.
 B, S, HIDDEN, FFN, HEADS = 2, 16, 64, 128, 4
 
 # fp32 layer against float64: each output element passes through about eight reductions of at
