@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from transformer_engine.common.plan import FP8_MAX
+
 from . import ops
 from .float8_tensor import Float8Tensor
 from .linear_fn import update_backward
@@ -56,8 +58,7 @@ def fused_attention(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bo
     return _FusedAttention.apply(q, k, v, cu_q, cu_kv, rng, params, deterministic)
 
 
-E4M3_MAX = 448.0
-FP8_MAX = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
+E4M3_MAX = FP8_MAX["float8_e4m3"]
 # Columns of the module's delayed-scaling state (module/attention.py): forward 0 = q, 1 = k,
 # 3 = v (2 = p, whose scale is fixed); backward 1 = d_o.
 _QKV_COLUMNS = (0, 1, 3)

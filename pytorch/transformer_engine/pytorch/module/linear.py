@@ -8,6 +8,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from transformer_engine.common.plan import GEMM_GRANULE
 from transformer_engine.common.recipe import Recipe
 
 from .. import fast_linear, fp8, ops
@@ -20,9 +21,6 @@ from .base import FP8Module, fp8_weight_param, with_leading_dims
 
 __all__ = ["Linear"]
 
-# FP8 tensor cores work on 16x16 granules: the feature dimensions must be multiples of 16
-# (the token count is padded inside, linear_fn.pad_gemm_operands).
-_FP8_GRANULE = 16
 
 
 def _default_device(device) -> torch.device:
@@ -276,9 +274,9 @@ def check_fp8_shape(inp: torch.Tensor, k: int, n: int, op: str) -> None:
     (input.numel() // k) may be anything: the GEMM's FP8 operands are padded to the granule
     (linear_fn.pad_gemm_operands)."""
     for name, value in (("in_features", k), ("out_features", n)):
-        if value % _FP8_GRANULE:
+        if value % GEMM_GRANULE:
             raise ValueError(f"{op}: FP8 GEMMs need feature dimensions that are multiples of "
-                             f"{_FP8_GRANULE}; {name} must be a multiple of {_FP8_GRANULE}, "
+                             f"{GEMM_GRANULE}; {name} must be a multiple of {GEMM_GRANULE}, "
                              f"got {value} (input shape {list(inp.shape)})")
 
 

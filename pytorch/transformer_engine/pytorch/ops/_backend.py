@@ -20,7 +20,6 @@ FP8_DTYPES = ("float8_e4m3", "float8_e5m2")
 SCALING_MODES = ("tensor", "block_1x128", "block_128x128")
 # torch's own FP8 dtypes, for data given natively instead of as bytes.
 TORCH_FP8 = {"float8_e4m3": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-FP8_MAX = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
 BLOCK = 128
 
 _core = None
