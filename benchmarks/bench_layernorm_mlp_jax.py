@@ -71,6 +71,8 @@ def make_step(model: nn.Module, use_te_fp8: bool, tx):
     def loss_fn(params, other, x):
         with te.fp8_autocast(enabled=use_te_fp8, fp8_recipe=RECIPE):
             out = model.apply({"params": params, **other}, x)
+        if isinstance(out, tuple):  # ours returns (out, ln_out), as NVIDIA's module does
+            out = out[0]
         return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))

@@ -101,7 +101,7 @@ def test_layernorm_mlp_fp8_training_step_matches_the_cpu(fp8_recipe, activations
 
         def loss(p, o, x):
             with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
-                out = mlp.apply({"params": p, **o}, x)
+                out, _ = mlp.apply({"params": p, **o}, x)
             return jnp.sum(jnp.sin(out.astype(jnp.float32)))
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(params, other, x)

@@ -91,7 +91,7 @@ def test_module_matches_flax_and_computes_in_its_dtype():
     def loss(fn):
         return lambda p, x: jnp.sum(jnp.sin(fn(p, x)))
 
-    ours = jax.jit(jax.value_and_grad(loss(lambda p, x: layer.apply({"params": p}, x)),
+    ours = jax.jit(jax.value_and_grad(loss(lambda p, x: layer.apply({"params": p}, x)[0]),
                                       argnums=(0, 1)))(p, x)
     expected = jax.jit(jax.value_and_grad(loss(theirs), argnums=(0, 1)))(p, x)
     for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(expected), strict=True):
@@ -102,6 +102,8 @@ def test_module_matches_flax_and_computes_in_its_dtype():
     out, ln = bf16.apply(v, x)
     assert out.shape == (2, M // 2, 4, 12) and out.dtype == jnp.bfloat16
     assert ln.dtype == jnp.bfloat16 and v["params"]["kernel"].dtype == jnp.float32
+    _, no_ln = layer.apply({"params": p}, x)
+    assert no_ln is None  # NVIDIA's (out, ln_out) pair, ln_out None unless asked for
     plain = LayerNormDenseGeneral(features=N, enable_layernorm=False, axis=(-2, -1))
     assert set(plain.init(jax.random.PRNGKey(0), x)["params"]) == {"kernel"}
 
@@ -141,7 +143,7 @@ def test_fp8_module_is_close_to_fp32(fp8_recipe):
 
     def loss(p, s, x, fp8):
         with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe):
-            out = layer.apply({"params": p, **s}, x)
+            out, _ = layer.apply({"params": p, **s}, x)
         return jnp.sum(jnp.sin(out)), out
 
     (_, out), g = jax.jit(jax.value_and_grad(lambda p, s, x: loss(p, s, x, True),
@@ -165,7 +167,7 @@ def test_fp8_metas_follow_the_recipe_over_steps():
 
     def loss(p, metas, x, c):
         with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
-            out = layer.apply({"params": p, "fp8_metas": metas}, x)
+            out, _ = layer.apply({"params": p, "fp8_metas": metas}, x)
         return jnp.sum(out * c), out
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
@@ -198,7 +200,7 @@ def test_hlo_the_norm_writes_the_fp8_input():
         variables = layer.init(jax.random.PRNGKey(1), x)
 
         def loss(v, x):
-            return jnp.sum(jnp.sin(layer.apply(v, x)))
+            return jnp.sum(jnp.sin(layer.apply(v, x)[0]))
 
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(variables, x).compile().as_text()
     counts = hlo.target_counts(text)

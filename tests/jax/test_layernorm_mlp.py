@@ -139,7 +139,7 @@ def test_fp8_module_is_close_to_fp32(fp8_recipe, activations):
 
     def loss(p, s, x, fp8):
         with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe):
-            out = mlp.apply({"params": p, **s}, x)
+            out, _ = mlp.apply({"params": p, **s}, x)
         return jnp.sum(jnp.sin(out)), out
 
     (_, out), g = jax.jit(jax.value_and_grad(lambda p, s, x: loss(p, s, x, True),
@@ -175,7 +175,12 @@ def test_module_parameters_options_and_unfused_paths():
     vp = jax.jit(plain.init)(jax.random.PRNGKey(0), x)
     assert set(vp["params"]) == {"wi_kernel", "wo_kernel"}
     e = jax.nn.gelu(x @ vp["params"]["wi_kernel"][:, 0]) @ vp["params"]["wo_kernel"]
-    assert_close(jax.jit(plain.apply)(vp, x), e, "float32")
+    out, no_ln = jax.jit(plain.apply)(vp, x)
+    assert no_ln is None  # NVIDIA's (out, ln_out) pair, ln_out None unless asked for
+    assert_close(out, e, "float32")
+    # Without a norm, ln_out is the input itself (what the first GEMM reads).
+    _, ln_in = jax.jit(plain.clone(return_layernorm_output=True).apply)(vp, x)
+    assert_close(ln_in, x, "float32")
 
 
 def test_fp8_metas_of_both_gemms_follow_the_recipe_over_steps():
@@ -191,7 +196,7 @@ def test_fp8_metas_of_both_gemms_follow_the_recipe_over_steps():
 
     def loss(p, metas, x, c):
         with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
-            out = mlp.apply({"params": p, "fp8_metas": metas}, x)
+            out, _ = mlp.apply({"params": p, "fp8_metas": metas}, x)
         return jnp.sum(out * c)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -240,7 +245,7 @@ def test_hlo_each_kernel_writes_the_next_fp8_operand(activations):
         variables = jax.jit(mlp.init)(jax.random.PRNGKey(1), x)
 
         def loss(v, x):
-            return jnp.sum(jnp.sin(mlp.apply(v, x)))
+            return jnp.sum(jnp.sin(mlp.apply(v, x)[0]))
 
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(variables, x).compile().as_text()
     counts = hlo.target_counts(text)

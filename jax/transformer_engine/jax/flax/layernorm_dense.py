@@ -75,19 +75,27 @@ class LayerNormDenseGeneral(nn.Module):
         use_bias: add a bias of shape ``features``.
         kernel_init, bias_init: initializers of the dense layer (``kernel_init`` sees the
             [K, prod(features)] matrix).
-        return_layernorm_output: return ``(out, norm(x))`` instead of ``out``.
+        return_layernorm_output: return norm(x) as the call's second output (else None).
+            NVIDIA's default is True; ours is False, so ln_out is None unless asked for
+            (an NVIDIA program that reads ln_out without setting it gets None, not a
+            wrong array).
         dtype: the dtype of the computation and the outputs (inputs and parameters are cast).
         param_dtype: the dtype of the parameters.
         kernel_axes, bias_axes, scale_axes, ln_bias_axes: logical axis names (recorded for
             sharding).
+
+    The call returns ``(out, ln_out)`` as NVIDIA's module does: ``out`` [..., *features],
+    ``ln_out`` the norm's output (the input itself without ``enable_layernorm``) with
+    ``return_layernorm_output``, else None.
 
     Example:
         >>> import jax, jax.numpy as jnp
         >>> from transformer_engine.jax.flax import LayerNormDenseGeneral
         >>> layer = LayerNormDenseGeneral(features=32)
         >>> variables = layer.init(jax.random.PRNGKey(0), jnp.ones((16, 64)))
-        >>> layer.apply(variables, jnp.ones((16, 64))).shape
-        (16, 32)
+        >>> out, ln_out = layer.apply(variables, jnp.ones((16, 64)))
+        >>> out.shape, ln_out
+        ((16, 32), None)
     """
 
     features: Union[int, Sequence[int]]
@@ -152,8 +160,9 @@ class LayerNormDenseGeneral(nn.Module):
         if not self.enable_layernorm:
             out = dense(x, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))),
                         quantizer_set=qset)
-            return (out, x) if self.return_layernorm_output else out
-        return layernorm_dense(x, scale, ln_bias, kernel, bias, norm_type=self.layernorm_type,
-                               zero_centered_gamma=self.zero_centered_gamma,
-                               epsilon=self.epsilon, quantizer_set=qset,
-                               return_layernorm_output=self.return_layernorm_output)
+            return out, (x if self.return_layernorm_output else None)
+        out = layernorm_dense(x, scale, ln_bias, kernel, bias, norm_type=self.layernorm_type,
+                              zero_centered_gamma=self.zero_centered_gamma,
+                              epsilon=self.epsilon, quantizer_set=qset,
+                              return_layernorm_output=self.return_layernorm_output)
+        return out if self.return_layernorm_output else (out, None)

@@ -52,7 +52,8 @@ class LayerNormMLP(nn.Module):
         use_bias: biases on both dense layers.
         kernel_init, bias_init: initializers of the dense layers (``kernel_init`` sees each
             kernel as its [in, out] matrix).
-        return_layernorm_output: return ``(out, norm(x))`` instead of ``out``.
+        return_layernorm_output: return norm(x) as the call's second output (else None).
+            NVIDIA's default is True; ours is False (ln_out is None unless asked for).
         intermediate_dropout_rate: dropout on the activation's output.
         intermediate_hidden_dropout_dims: axes of that output that share a dropout mask.
         intermediate_dropout_rng_name: the rng stream that this dropout draws from.
@@ -61,13 +62,18 @@ class LayerNormMLP(nn.Module):
         kernel_axes_1, kernel_axes_2, bias_axes_1, bias_axes_2, scale_axes, ln_bias_axes:
             logical axis names (recorded for sharding).
 
+    The call returns ``(out, ln_out)`` as NVIDIA's module does: ``out`` in the input's
+    shape, ``ln_out`` the norm's output (the input itself without ``enable_layernorm``)
+    with ``return_layernorm_output``, else None.
+
     Example:
         >>> import jax, jax.numpy as jnp
         >>> from transformer_engine.jax.flax import LayerNormMLP
         >>> mlp = LayerNormMLP(intermediate_dim=64, activations=("silu", "linear"))
         >>> variables = mlp.init(jax.random.PRNGKey(0), jnp.ones((16, 32)))
-        >>> mlp.apply(variables, jnp.ones((16, 32))).shape
-        (16, 32)
+        >>> out, ln_out = mlp.apply(variables, jnp.ones((16, 32)))
+        >>> out.shape, ln_out
+        ((16, 32), None)
     """
 
     intermediate_dim: int = 2048
@@ -139,7 +145,7 @@ class LayerNormMLP(nn.Module):
             h = dense(x, k1, b1, quantizer_set=qsets[0])
             out = self._second_half(h.reshape(*h.shape[:-2], n_act * f), k2, b2, qsets[1],
                                     deterministic)
-            return (out, x) if self.return_layernorm_output else out
+            return out, (x if self.return_layernorm_output else None)
         norm = dict(norm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma,
                     epsilon=self.epsilon)
         if self.intermediate_dropout_rate > 0.0 and not deterministic:
@@ -148,10 +154,11 @@ class LayerNormMLP(nn.Module):
             h, ln = h if self.return_layernorm_output else (h, None)
             out = self._second_half(h.reshape(*h.shape[:-2], n_act * f), k2, b2, qsets[1],
                                     deterministic)
-            return (out, ln) if self.return_layernorm_output else out
-        return layernorm_mlp(x, gamma, beta, (k1, k2), None if b1 is None else (b1, b2),
-                             activations=self.activations, quantizer_sets=qsets,
-                             return_layernorm_output=self.return_layernorm_output, **norm)
+            return out, ln
+        out = layernorm_mlp(x, gamma, beta, (k1, k2), None if b1 is None else (b1, b2),
+                            activations=self.activations, quantizer_sets=qsets,
+                            return_layernorm_output=self.return_layernorm_output, **norm)
+        return out if self.return_layernorm_output else (out, None)
 
     def _second_half(self, h, k2, b2, qset, deterministic):
         a = activation(h, self.activations)

@@ -305,11 +305,10 @@ class MultiHeadAttention(nn.Module):
                     **common)
         want_ln = self.return_layernorm_output
         if self.fuse_qkv_params and is_self and groups == heads:
-            qkv = LayerNormDenseGeneral(features=(3, heads * d), return_layernorm_output=want_ln,
-                                        kernel_init=_stacked_init([query_init, kernel_init,
-                                                                   kernel_init]),
-                                        name="qkv", **norm)(inputs_q)
-            qkv, ln_out = qkv if want_ln else (qkv, None)
+            qkv, ln_out = LayerNormDenseGeneral(
+                features=(3, heads * d), return_layernorm_output=want_ln,
+                kernel_init=_stacked_init([query_init, kernel_init, kernel_init]), name="qkv",
+                **norm)(inputs_q)
             q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         else:
             q, ln_out = LayerNormDenseGeneral(features=heads * d, return_layernorm_output=True,

@@ -373,8 +373,8 @@ class TransformerLayer(nn.Module):
             intermediate_hidden_dropout_dims=tuple(self.intermediate_dropout_dims),
             intermediate_dropout_rng_name=self.dropout_rng_name, dtype=inputs.dtype,
             param_dtype=self.dtype, name="mlp")
-        z = mlp(x, deterministic=deterministic)
-        z, residual = z if post_ln else (z, x)
+        z, ln_out = mlp(x, deterministic=deterministic)
+        residual = ln_out if post_ln else x
         z = self._block_output(z, deterministic) + residual
 
         if self.output_layernorm:
