@@ -155,7 +155,13 @@ def test_flax_module_padding_mask_equals_cu_seqlens():
     out = attn.apply({}, q, q, q, jnp.asarray(mask))
     cu = jnp.asarray([0, 6, 10], jnp.int32)
     want = fused_attn(q, q, q, attn_mask_type="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu)
-    np.testing.assert_array_equal(out, want.reshape(2, 6, 16))
+    assert out.shape == (2, 6, 2, 8)  # [b, s, h, d] as NVIDIA's module returns it
+    np.testing.assert_array_equal(out, want)
+    seq_first = DotProductAttention(head_dim=8, num_attention_heads=2, attn_mask_type="padding",
+                                    transpose_batch_sequence=True)
+    qs = jnp.swapaxes(q, 0, 1)
+    np.testing.assert_array_equal(seq_first.apply({}, qs, qs, qs, jnp.asarray(mask)),
+                                  jnp.swapaxes(want, 0, 1))
     dropped = DotProductAttention(head_dim=8, num_attention_heads=2, attention_dropout=0.5)
     y = dropped.apply({}, q, q, q, rngs={"dropout": jax.random.PRNGKey(3)})
     assert not np.allclose(y, dropped.apply({}, q, q, q, deterministic=True))

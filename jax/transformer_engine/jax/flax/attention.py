@@ -39,8 +39,10 @@ class DotProductAttention(nn.Module):
         window_size: (left, right) sliding window, -1 an unbounded side.
 
     The call takes ``mask`` [batch, 1, sq, skv] (True = masked) for the padding masks: the
-    lengths are the rows and columns that are not fully masked. It returns q's layout with the
-    heads merged: [.., seqlen, heads * head_dim_v].
+    lengths are the rows and columns that are not fully masked. It returns q's layout, heads
+    kept apart as NVIDIA's module returns them: [b, s, heads, head_dim_v] (``sbhd``:
+    [s, b, ...]; ``thd``: [t, heads, head_dim_v]). Merge them with ``reshape`` before an output
+    projection.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -48,7 +50,7 @@ class DotProductAttention(nn.Module):
         >>> attn = DotProductAttention(head_dim=8, num_attention_heads=2)
         >>> q = jnp.ones((1, 4, 2, 8))
         >>> attn.apply({}, q, q, q).shape
-        (1, 4, 16)
+        (1, 4, 2, 8)
     """
 
     head_dim: int
@@ -111,4 +113,4 @@ class DotProductAttention(nn.Module):
                        dropout_probability=dropout, dropout_rng=rng, cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                        max_seqlen_kv=max_seqlen_kv)
-        return o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
+        return o
