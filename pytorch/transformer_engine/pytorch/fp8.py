@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -163,6 +164,12 @@ class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a func
             ok, reason = is_fp8_available()
             if not ok:
                 raise RuntimeError(f"fp8_autocast: FP8 is not available: {reason}")
+        # (Not while torch.compile traces an autocast inside the compiled function: modules
+        # meet a recipe of another history length there as they would without this.)
+        if (_UNUSED and (enabled or calibrating) and recipe.delayed()
+                and (len(_UNUSED) > 1 or recipe.amax_history_len not in _UNUSED)
+                and not torch.compiler.is_compiling()):
+            _fit_unused(recipe.amax_history_len)
         state = STATE
         self._saved.append((state.enabled, state.calibrating, state.recipe, state.group))
         state.enabled, state.calibrating, state.recipe, state.group = (
@@ -197,6 +204,53 @@ def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None) -> Ite
         yield
     finally:
         MODEL_INIT.enabled, MODEL_INIT.recipe = saved
+
+
+# Modules whose delayed-scaling state no forward has used yet (zero histories, unit scales), by
+# their history length. A module meets a recipe of another length by starting its state afresh
+# at that length, which a compiled forward cannot do (the buffers it would replace are inputs
+# of the graph); the entry of an autocast does it beforehand for these modules, whose first
+# forward would do the same, so that torch.compile finds their state sized for the recipe.
+_UNUSED: dict[int, weakref.WeakSet] = {}
+
+
+def track_unused(module: torch.nn.Module, length: int) -> None:
+    """Called by a new module (and a copy of one) whose state is still unused."""
+    _UNUSED.setdefault(length, weakref.WeakSet()).add(module)
+
+
+def mark_used(module: torch.nn.Module) -> None:
+    """Called in eager code once a module's state is used (a forward recorded amaxes, a
+    checkpoint was loaded): from then on, only its own forwards change its length."""
+    module._fp8_unused = False
+    for length, modules in list(_UNUSED.items()):
+        modules.discard(module)
+        if not modules:  # once every module is used, the entry's test is one dict read
+            del _UNUSED[length]
+
+
+def _fit_unused(length: int) -> None:
+    """Gives every unused module's state ``length`` steps of history."""
+    pending = STATE.pending  # compiled forwards that ran under an enclosing autocast
+    for other in [n for n in _UNUSED if n != length]:
+        for module in list(_UNUSED.pop(other)):
+            if id(module) in pending:
+                module._fp8_unused = False
+            else:
+                module._make_fp8_meta(length, module._buffers["amax_history_fwd"].device)
+                track_unused(module, length)
+
+
+def history_len_at_creation() -> int:
+    """The history length a new module's state starts with: that of the delayed recipe of an
+    enclosing autocast or else fp8_model_init, the default otherwise (an autocast entered
+    before the module existed could not size it)."""
+    state, init = STATE, MODEL_INIT
+    if state.depth and (state.enabled or state.calibrating) and state.recipe.delayed():
+        return state.recipe.amax_history_len
+    if init.enabled and init.recipe.delayed():
+        return init.recipe.amax_history_len
+    return _DEFAULT_RECIPE.amax_history_len
 
 
 def register_forward_amaxes(module: torch.nn.Module, recipe: Recipe) -> None:
@@ -304,6 +358,8 @@ def update_forward_scales(entries) -> None:
     """The exit update: forward scales of (module, recipe, group) entries."""
     metas = []
     for m, r, g in entries:
+        if m._fp8_unused:  # its first forward was compiled (eager forwards mark it earlier)
+            mark_used(m)
         b = m._buffers  # one dict read instead of nn.Module.__getattr__ per buffer
         metas.append(((b["amax_history_fwd"], b["scale_fwd"], b["scale_inv_fwd"]), r, g))
         if m._has_fp8_output:  # FP8 outputs (fp8_output) have forward scales too

@@ -109,7 +109,10 @@ class FP8Module(torch.nn.Module):
         # Whether a forward wrote an FP8 output (fp8_output): the exit update then covers the
         # output scales too (only then: each history costs the update host time).
         self._has_fp8_output = False
-        self._make_fp8_meta(history_len or DelayedScaling().amax_history_len, device)
+        history_len = history_len or fp8.history_len_at_creation()
+        self._make_fp8_meta(history_len, device)
+        self._fp8_unused = True  # until a forward uses the state (fp8._UNUSED)
+        fp8.track_unused(self, history_len)
 
     def _make_fp8_meta(self, history_len: int, device: torch.device) -> None:
         self._fp8_recipe = None
@@ -219,14 +222,23 @@ class FP8Module(torch.nn.Module):
         self._fp8_recipe = None  # e.g. calibration: the next FP8 forward meets its recipe afresh
         self._recipe_summary = recipe_summary(recipe)
         length = self._buffers["amax_history_fwd"].shape[0]
-        if length != recipe.amax_history_len:
-            if torch.compiler.is_compiling():
-                # New buffers in the middle of a traced graph would not be the module's.
+        if torch.compiler.is_compiling():
+            if length != recipe.amax_history_len:
+                # New buffers in the middle of a traced graph would not be the module's. An
+                # autocast entered outside the compiled function resizes unused state before
+                # (fp8._UNUSED), so this is state a forward has used, or an autocast inside.
+                name = getattr(self, "_name", "") or type(self).__name__
                 raise RuntimeError(
-                    f"{type(self).__name__}: the recipe's amax_history_len="
-                    f"{recipe.amax_history_len} differs from this module's delayed-scaling "
-                    f"state ({length} steps), which cannot be reallocated inside "
-                    "torch.compile; run one eager forward under this recipe first")
+                    f"{name}: the fp8_autocast recipe has amax_history_len="
+                    f"{recipe.amax_history_len} but this module's delayed-scaling state "
+                    f"holds {length} steps, and torch.compile cannot replace the state "
+                    "inside a compiled function; run one eager forward under this recipe "
+                    "first, or enter fp8_autocast outside the compiled function before the "
+                    "module's first forward")
+            return
+        if self._fp8_unused:
+            fp8.mark_used(self)
+        if length != recipe.amax_history_len:
             self._make_fp8_meta(recipe.amax_history_len, self.amax_history_fwd.device)
 
     def _apply(self, fn, recurse=True):
@@ -239,6 +251,12 @@ class FP8Module(torch.nn.Module):
             if new.dtype != torch.float32:
                 self._buffers[name] = old.to(new.device)
         return result
+
+    def __setstate__(self, state) -> None:
+        # A copy (copy.deepcopy, pickle) of an unused module is an unused module too.
+        super().__setstate__(state)
+        if self.__dict__.setdefault("_fp8_unused", False):
+            fp8.track_unused(self, self._buffers["amax_history_fwd"].shape[0])
 
     def get_extra_state(self) -> dict:
         state: dict[str, Any] = {"version": EXTRA_STATE_VERSION,
@@ -256,6 +274,8 @@ class FP8Module(torch.nn.Module):
         if state["version"] != EXTRA_STATE_VERSION:
             raise ValueError(f"{type(self).__name__}.set_extra_state: state version must be "
                              f"{EXTRA_STATE_VERSION}, got {state['version']!r}")
+        if self._fp8_unused:  # loaded state is kept until a forward meets another length
+            fp8.mark_used(self)
         device = self.amax_history_fwd.device
         for name, (_, per_gemm) in _META.items():
             t = state.get(name) if name in _OPTIONAL else state[name]
