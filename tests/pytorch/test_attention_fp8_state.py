@@ -206,7 +206,7 @@ def test_compiled_steps_match_eager_and_keep_the_state():
     # aot_eager traces forward and backward (inductor's C++ compile would only add minutes);
     # fullgraph=True raises on a graph break.
     torch._dynamo.reset()
-    # The default history length: a compiled forward cannot reallocate the state for another.
+    # The default history length (other lengths: test_compile_history_len.py).
     r = recipe.DelayedScaling(fp8_dpa=True)
     eager = _module("cpu")
     compiled_module = copy.deepcopy(eager)

@@ -17,8 +17,8 @@ def _mlp():
                                te.Linear(64, 16, device="cpu"))
 
 
-# The default history length: the modules' delayed-scaling state is allocated for it, a
-# different one is reallocated at the first eager forward (not inside a compiled graph).
+# The default history length (other lengths: test_compile_history_len.py, where unused state
+# is sized at the autocast's entry, outside the compiled graph).
 @pytest.mark.slow  # inductor compiles C++ for each graph
 @pytest.mark.parametrize("r", [recipe.DelayedScaling(), recipe.Float8CurrentScaling(),
                                recipe.Float8BlockScaling()], ids=["delayed", "current", "block"])
