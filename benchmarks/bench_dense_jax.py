@@ -60,9 +60,12 @@ def time_jax(fn, *, batch: int = 5, repeats: int = 10, warmup: int = 2) -> dict:
 def contenders(features: int) -> dict:
     """name -> (flax module, whether it runs inside te.fp8_autocast)."""
     common = dict(features=features, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    # Ours: dtype is the parameters' dtype (NVIDIA's meaning); it computes in the input's
+    # bf16, as flax's Dense does with dtype=bfloat16.
+    ours = DenseGeneral(features=features, use_bias=False, dtype=jnp.float32)
     return {
-        "te_dense_general_fp8": (DenseGeneral(**common), True),
-        "te_dense_general_bf16": (DenseGeneral(**common), False),  # our GEMM, no FP8
+        "te_dense_general_fp8": (ours, True),
+        "te_dense_general_bf16": (ours, False),  # our GEMM, no FP8
         "flax_dense_bf16": (nn.Dense(**common), False),
         "flax_dense_fp8_qdq": (nn.Dense(**common, dot_general_cls=fp8_ops.Fp8DotGeneralOp), False),
         "flax_dense_fp8_direct": (nn.Dense(**common, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp),

@@ -73,11 +73,11 @@ class GPT(nn.Module):
                 enable_relative_embedding=False, enable_rotary_pos_emb=True,
                 transpose_batch_sequence=False, dtype=self.dtype,
                 name=f"layer_{i}")(x, deterministic=True, decode=decode)
-        x = te_flax.LayerNorm(layernorm_type=_NORMS[size.normalization], dtype=self.dtype,
-                              name="norm")(x)
+        # fp32 norm parameters (the module's default dtype); it computes in x's dtype.
+        x = te_flax.LayerNorm(layernorm_type=_NORMS[size.normalization], name="norm")(x)
         # Small output weights: the first logits are near zero, the loss near ln(256).
         return te_flax.DenseGeneral(VOCAB, use_bias=False, kernel_init=nn.initializers.normal(0.02),
-                                    dtype=self.dtype, param_dtype=self.dtype, name="head")(x)
+                                    dtype=self.dtype, name="head")(x)
 
 
 def build(size, device: str, seed: int) -> dict:

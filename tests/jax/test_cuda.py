@@ -95,7 +95,7 @@ def test_fp8_training_step_matches_the_cpu(fp8_recipe, dtype):
     from transformer_engine.jax.flax import DenseGeneral
 
     x = _inputs((2, 128, 256), scale=1.0).astype(dtype)
-    layer = DenseGeneral(features=256, dtype=dtype)
+    layer = DenseGeneral(features=256)  # fp32 parameters; computes in x's dtype
     with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
         variables = layer.init(jax.random.PRNGKey(0), x)
 

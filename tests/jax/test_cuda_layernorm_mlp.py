@@ -91,8 +91,8 @@ def test_layernorm_mlp_fp8_training_step_matches_the_cpu(fp8_recipe, activations
     from transformer_engine.jax.flax import LayerNormMLP
 
     x = _inputs((2, 128, 256), scale=1.0).astype(jnp.bfloat16)
-    mlp = LayerNormMLP(intermediate_dim=512, activations=activations, use_bias=True,
-                       dtype=jnp.bfloat16)
+    # fp32 parameters (dtype's default); it computes in x's bf16
+    mlp = LayerNormMLP(intermediate_dim=512, activations=activations, use_bias=True)
     with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
         variables = jax.jit(mlp.init)(jax.random.PRNGKey(0), x)
 

@@ -89,12 +89,27 @@ def test_dense_general_matches_flax_dense_general_over_two_axes():
         assert_close(a, e, "float32")
 
 
-def test_dense_general_computes_in_its_dtype():
-    x = jnp.ones((16, 32))
+def test_dense_general_dtype_is_the_parameters_and_computes_in_the_inputs():
+    # NVIDIA's meaning: dtype makes the parameters; the computation follows the input.
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 32))
     layer = DenseGeneral(features=16, dtype=jnp.bfloat16)
     variables = layer.init(jax.random.PRNGKey(0), x)
-    assert variables["params"]["kernel"].dtype == jnp.float32
-    assert layer.apply(variables, x).dtype == jnp.bfloat16
+    assert {v.dtype for v in jax.tree.leaves(variables)} == {jnp.dtype(jnp.bfloat16)}
+    out = layer.apply(variables, x)
+    assert out.dtype == jnp.float32
+    kernel = variables["params"]["kernel"].astype(jnp.float32)
+    assert_close(out, x @ kernel, "float32")  # fp32 math on the bf16 values
+    fp32_params = DenseGeneral(features=16)
+    v32 = fp32_params.init(jax.random.PRNGKey(0), x)
+    assert fp32_params.apply(v32, x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+    int_out = fp32_params.apply(v32, jnp.ones((16, 32), jnp.int32))  # cast to the params'
+    assert int_out.dtype == jnp.float32
+    # The former meaning (dtype: computation, param_dtype: parameters) fails loudly.
+    with pytest.raises(TypeError, match="dtype is the parameters' dtype"):
+        DenseGeneral(features=16, dtype=jnp.bfloat16, param_dtype=jnp.float32).init(
+            jax.random.PRNGKey(0), x)
+    same = DenseGeneral(features=16, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    assert same.init(jax.random.PRNGKey(0), x)["params"]["kernel"].dtype == jnp.bfloat16
 
 
 def test_dense_general_records_logical_axes():

@@ -138,13 +138,13 @@ def test_flax_module_params_and_values():
 
 def test_flax_module_rmsnorm_zero_centered_bf16():
     x, _, _, _ = _inputs((4, 24), jnp.float32)
-    layer = LayerNorm(epsilon=EPS, layernorm_type="rmsnorm", zero_centered_gamma=True,
-                      dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    layer = LayerNorm(epsilon=EPS, layernorm_type="rmsnorm", zero_centered_gamma=True)
     variables = layer.init(jax.random.PRNGKey(0), x)
     assert set(variables["params"]) == {"scale"}
-    assert variables["params"]["scale"].dtype == jnp.float32
+    assert variables["params"]["scale"].dtype == jnp.float32  # dtype: the parameters'
     np.testing.assert_array_equal(np.asarray(variables["params"]["scale"]), 0)
-    out = jax.jit(layer.apply)(variables, x)
+    assert jax.jit(layer.apply)(variables, x).dtype == jnp.float32  # the input's dtype
+    out = jax.jit(layer.apply)(variables, x.astype(jnp.bfloat16))
     assert out.dtype == jnp.bfloat16 and out.shape == x.shape
     expected = jax.jit(nn.RMSNorm(epsilon=EPS).apply)({"params": {"scale": jnp.ones(24)}},
                                                       x.astype(jnp.bfloat16).astype(jnp.float32))

@@ -96,12 +96,19 @@ def test_module_matches_flax_and_computes_in_its_dtype():
     expected = jax.jit(jax.value_and_grad(loss(theirs), argnums=(0, 1)))(p, x)
     for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(expected), strict=True):
         assert_close(a, e, "float32")
-    bf16 = LayerNormDenseGeneral(features=(4, 12), dtype=jnp.bfloat16,
-                                 return_layernorm_output=True)
+    # dtype is the parameters' (NVIDIA's meaning); the outputs follow the input's dtype.
+    bf16 = LayerNormDenseGeneral(features=(4, 12), return_layernorm_output=True)
     v = bf16.init(jax.random.PRNGKey(0), x)
-    out, ln = bf16.apply(v, x)
+    out, ln = bf16.apply(v, x.astype(jnp.bfloat16))
     assert out.shape == (2, M // 2, 4, 12) and out.dtype == jnp.bfloat16
     assert ln.dtype == jnp.bfloat16 and v["params"]["kernel"].dtype == jnp.float32
+    bf16_params = LayerNormDenseGeneral(features=N, dtype=jnp.bfloat16)
+    vb = bf16_params.init(jax.random.PRNGKey(0), x)
+    assert {a.dtype for a in jax.tree.leaves(vb)} == {jnp.dtype(jnp.bfloat16)}
+    assert bf16_params.apply(vb, x)[0].dtype == jnp.float32
+    with pytest.raises(TypeError, match="param_dtype, its former name"):
+        LayerNormDenseGeneral(features=N, dtype=jnp.bfloat16, param_dtype=jnp.float32).init(
+            jax.random.PRNGKey(0), x)
     _, no_ln = layer.apply({"params": p}, x)
     assert no_ln is None  # NVIDIA's (out, ln_out) pair, ln_out None unless asked for
     plain = LayerNormDenseGeneral(features=N, enable_layernorm=False, axis=(-2, -1))

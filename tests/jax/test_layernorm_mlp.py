@@ -307,3 +307,21 @@ def test_vmap_and_layernorm_output_gradient():
     (dx,) = jax.vjp(jax.jit(block), x)[1]((dy, dln))
     (e_dx,) = jax.vjp(jax.jit(reference), x)[1]((dy, dln))
     assert_close(dx, e_dx, "float32")
+
+
+def test_dtype_is_the_parameters_and_the_output_follows_the_input():
+    x = _inputs(("gelu",))[0]
+    mlp = LayerNormMLP(intermediate_dim=F, use_bias=True, dtype=jnp.bfloat16)
+    v = jax.jit(mlp.init)(jax.random.PRNGKey(0), x)
+    assert {a.dtype for a in jax.tree.leaves(v)} == {jnp.dtype(jnp.bfloat16)}
+    out, _ = jax.jit(mlp.apply)(v, x)
+    assert out.dtype == jnp.float32
+    # fp32 math on the bf16 parameters: the same as fp32 parameters holding those values.
+    as_fp32 = jax.tree.map(lambda a: a.astype(jnp.float32), v)
+    want, _ = jax.jit(LayerNormMLP(intermediate_dim=F, use_bias=True).apply)(as_fp32, x)
+    assert_close(out, want, "float32")
+    out_bf16, _ = jax.jit(mlp.apply)(v, x.astype(jnp.bfloat16))
+    assert out_bf16.dtype == jnp.bfloat16
+    with pytest.raises(TypeError, match="param_dtype, its former name"):
+        LayerNormMLP(intermediate_dim=F, dtype=jnp.bfloat16, param_dtype=jnp.float32).init(
+            jax.random.PRNGKey(0), x)

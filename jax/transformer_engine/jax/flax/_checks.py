@@ -85,3 +85,31 @@ def check_mask(op: str, mask: Any, shape: Optional[tuple], name: str = "mask") -
         raise ValueError(f"{op}: {name} must have shape [batch, 1, sq, skv] = {list(shape)} "
                          f"(True = masked out), got {list(mask.shape)}")
     return mask
+
+
+def param_dtype_of(op: str, dtype: Any, param_dtype: Any) -> Any:
+    """The parameters' dtype. ``dtype`` has NVIDIA's meaning, the parameters' dtype (the
+    computation follows the input's dtype); ``param_dtype``, the name these modules used for
+    it while ``dtype`` meant the computation's dtype, is accepted only when it agrees, so an
+    old call that asked for a computation dtype fails here instead of running another way."""
+    check_float_dtype(op, "dtype", dtype)
+    if param_dtype is None:
+        return dtype
+    check_float_dtype(op, "param_dtype", param_dtype)
+    if jnp.dtype(param_dtype) != jnp.dtype(dtype):
+        raise TypeError(
+            f"{op}: dtype is the parameters' dtype (NVIDIA's meaning; the computation follows "
+            f"the input's dtype), and param_dtype, its former name, must be None or equal to "
+            f"it, got dtype={jnp.dtype(dtype).name}, param_dtype={jnp.dtype(param_dtype).name}. "
+            f"For {jnp.dtype(param_dtype).name} parameters and a {jnp.dtype(dtype).name} "
+            f"computation pass dtype={jnp.dtype(param_dtype).name} and an input in "
+            f"{jnp.dtype(dtype).name}")
+    return dtype
+
+
+def compute_dtype_of(inputs: jnp.ndarray, param_dtype: Any) -> Any:
+    """The computation's dtype: the input's when it is floating point (NVIDIA's convention);
+    an integer or bool input is cast to the parameters' dtype."""
+    if jnp.issubdtype(inputs.dtype, jnp.floating):
+        return inputs.dtype
+    return jnp.dtype(param_dtype)

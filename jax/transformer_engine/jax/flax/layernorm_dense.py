@@ -12,9 +12,10 @@ import jax.numpy as jnp
 from transformer_engine.jax.autocast import get_fp8_recipe
 from transformer_engine.jax.dense import dense
 from transformer_engine.jax.flax._checks import (
-    check_float_dtype,
     check_input_features,
     check_sizes,
+    compute_dtype_of,
+    param_dtype_of,
     quantizer_set_for,
 )
 from transformer_engine.jax.flax.module import Initializer, _as_matrix_init, _as_tuple, fp8_state
@@ -79,8 +80,10 @@ class LayerNormDenseGeneral(nn.Module):
             NVIDIA's default is True; ours is False, so ln_out is None unless asked for
             (an NVIDIA program that reads ln_out without setting it gets None, not a
             wrong array).
-        dtype: the dtype of the computation and the outputs (inputs and parameters are cast).
-        param_dtype: the dtype of the parameters.
+        dtype: the dtype of the parameters (NVIDIA's meaning). The computation and the outputs
+            follow the input's dtype (an integer input is cast to ``dtype``).
+        param_dtype: the former name of ``dtype``'s meaning: None, or equal to ``dtype``
+            (anything else is an error, as it asked for a computation dtype).
         kernel_axes, bias_axes, scale_axes, ln_bias_axes: logical axis names (recorded for
             sharding).
 
@@ -111,7 +114,7 @@ class LayerNormDenseGeneral(nn.Module):
     bias_init: Initializer = nn.initializers.zeros
     return_layernorm_output: bool = False
     dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+    param_dtype: Optional[Any] = None
     kernel_axes: Tuple[str, ...] = ()
     bias_axes: Tuple[str, ...] = ()
     scale_axes: Tuple[str, ...] = ()
@@ -121,8 +124,7 @@ class LayerNormDenseGeneral(nn.Module):
     def __call__(self, inputs: jax.Array):
         check_unsharded("LayerNormDenseGeneral")
         check_sizes("LayerNormDenseGeneral", features=self.features)
-        check_float_dtype("LayerNormDenseGeneral", "dtype", self.dtype)
-        check_float_dtype("LayerNormDenseGeneral", "param_dtype", self.param_dtype)
+        param_dtype = param_dtype_of("LayerNormDenseGeneral", self.dtype, self.param_dtype)
         inputs = jnp.asarray(inputs)
         if inputs.ndim < 1:
             raise ValueError(f"LayerNormDenseGeneral: the input must have rank >= 1, got shape "
@@ -149,14 +151,15 @@ class LayerNormDenseGeneral(nn.Module):
         if self.enable_layernorm:
             scale, ln_bias = norm_params(self, inputs.shape[-1], self.layernorm_type,
                                          self.zero_centered_gamma, self.scale_init,
-                                         self.ln_bias_init, self.param_dtype, self.scale_axes,
+                                         self.ln_bias_init, param_dtype, self.scale_axes,
                                          self.ln_bias_axes)
-        kernel = self.param("kernel", kernel_init, kernel_shape, self.param_dtype)
-        bias = self.param("bias", bias_init, features, self.param_dtype) if self.use_bias else None
+        kernel = self.param("kernel", kernel_init, kernel_shape, param_dtype)
+        bias = self.param("bias", bias_init, features, param_dtype) if self.use_bias else None
         qset = fp8_quantizer_set(self)
-        x = inputs.astype(self.dtype)
-        kernel = kernel.astype(self.dtype)
-        bias = None if bias is None else bias.astype(self.dtype)
+        dtype = compute_dtype_of(inputs, param_dtype)
+        x = inputs.astype(dtype)
+        kernel = kernel.astype(dtype)
+        bias = None if bias is None else bias.astype(dtype)
         if not self.enable_layernorm:
             out = dense(x, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))),
                         quantizer_set=qset)

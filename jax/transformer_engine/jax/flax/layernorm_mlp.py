@@ -12,9 +12,10 @@ import jax.numpy as jnp
 from transformer_engine.jax import ops
 from transformer_engine.jax.dense import dense
 from transformer_engine.jax.flax._checks import (
-    check_float_dtype,
     check_input_features,
     check_sizes,
+    compute_dtype_of,
+    param_dtype_of,
 )
 from transformer_engine.jax.flax.layernorm_dense import fp8_quantizer_set, norm_params
 from transformer_engine.jax.flax.module import Initializer, _as_matrix_init
@@ -57,8 +58,10 @@ class LayerNormMLP(nn.Module):
         intermediate_dropout_rate: dropout on the activation's output.
         intermediate_hidden_dropout_dims: axes of that output that share a dropout mask.
         intermediate_dropout_rng_name: the rng stream that this dropout draws from.
-        dtype: the dtype of the computation and the outputs.
-        param_dtype: the dtype of the parameters.
+        dtype: the dtype of the parameters (NVIDIA's meaning). The computation and the outputs
+            follow the input's dtype (an integer input is cast to ``dtype``).
+        param_dtype: the former name of ``dtype``'s meaning: None, or equal to ``dtype``
+            (anything else is an error, as it asked for a computation dtype).
         kernel_axes_1, kernel_axes_2, bias_axes_1, bias_axes_2, scale_axes, ln_bias_axes:
             logical axis names (recorded for sharding).
 
@@ -91,7 +94,7 @@ class LayerNormMLP(nn.Module):
     intermediate_dropout_rate: float = 0.0
     intermediate_hidden_dropout_dims: Sequence[int] = ()
     dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+    param_dtype: Optional[Any] = None
     kernel_axes_1: Tuple[str, ...] = ()
     kernel_axes_2: Tuple[str, ...] = ()
     bias_axes_1: Tuple[str, ...] = ()
@@ -100,18 +103,17 @@ class LayerNormMLP(nn.Module):
     ln_bias_axes: Tuple[str, ...] = ()
     intermediate_dropout_rng_name: str = "dropout"
 
-    def _param(self, name, init, shape, n_in, axes):
+    def _param(self, name, init, shape, n_in, axes, dtype):
         init = _as_matrix_init(init, n_in)
         if axes:
             init = nn.with_logical_partitioning(init, axes)
-        return self.param(name, init, shape, self.param_dtype)
+        return self.param(name, init, shape, dtype)
 
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool = False):
         check_unsharded("LayerNormMLP")
         check_sizes("LayerNormMLP", intermediate_dim=self.intermediate_dim)
-        check_float_dtype("LayerNormMLP", "dtype", self.dtype)
-        check_float_dtype("LayerNormMLP", "param_dtype", self.param_dtype)
+        param_dtype = param_dtype_of("LayerNormMLP", self.dtype, self.param_dtype)
         inputs = jnp.asarray(inputs)
         if inputs.ndim < 1:
             raise ValueError(f"LayerNormMLP: the input must have rank >= 1, got shape "
@@ -127,19 +129,23 @@ class LayerNormMLP(nn.Module):
         gamma = beta = None
         if self.enable_layernorm:
             gamma, beta = norm_params(self, k, self.layernorm_type, self.zero_centered_gamma,
-                                      self.scale_init, self.ln_bias_init, self.param_dtype,
+                                      self.scale_init, self.ln_bias_init, param_dtype,
                                       self.scale_axes, self.ln_bias_axes)
-        k1 = self._param("wi_kernel", self.kernel_init, (k, n_act, f), 1, self.kernel_axes_1)
-        k2 = self._param("wo_kernel", self.kernel_init, (f, k), 1, self.kernel_axes_2)
+        k1 = self._param("wi_kernel", self.kernel_init, (k, n_act, f), 1, self.kernel_axes_1,
+                         param_dtype)
+        k2 = self._param("wo_kernel", self.kernel_init, (f, k), 1, self.kernel_axes_2,
+                         param_dtype)
         b1 = b2 = None
         if self.use_bias:
-            b1 = self._param("wi_bias", self.bias_init, (n_act, f), 0, self.bias_axes_1)
-            b2 = self._param("wo_bias", self.bias_init, (k,), 0, self.bias_axes_2)
+            b1 = self._param("wi_bias", self.bias_init, (n_act, f), 0, self.bias_axes_1,
+                             param_dtype)
+            b2 = self._param("wo_bias", self.bias_init, (k,), 0, self.bias_axes_2, param_dtype)
         qsets = (fp8_quantizer_set(self, "wi_"), fp8_quantizer_set(self, "wo_"))
-        x = inputs.astype(self.dtype)
-        k1, k2 = k1.astype(self.dtype), k2.astype(self.dtype)
-        b1 = None if b1 is None else b1.astype(self.dtype)
-        b2 = None if b2 is None else b2.astype(self.dtype)
+        dtype = compute_dtype_of(inputs, param_dtype)
+        x = inputs.astype(dtype)
+        k1, k2 = k1.astype(dtype), k2.astype(dtype)
+        b1 = None if b1 is None else b1.astype(dtype)
+        b2 = None if b2 is None else b2.astype(dtype)
         if not self.enable_layernorm:
             # No norm: the same block from its unfused parts.
             h = dense(x, k1, b1, quantizer_set=qsets[0])

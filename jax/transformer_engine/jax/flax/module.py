@@ -12,9 +12,10 @@ import jax.numpy as jnp
 from transformer_engine.jax.autocast import get_fp8_recipe
 from transformer_engine.jax.dense import dense
 from transformer_engine.jax.flax._checks import (
-    check_float_dtype,
     check_input_features,
     check_sizes,
+    compute_dtype_of,
+    param_dtype_of,
     quantizer_set_for,
 )
 from transformer_engine.jax.layernorm import layernorm
@@ -47,7 +48,7 @@ class DenseGeneral(nn.Module):
 
     The kernel has shape ``(*x.shape[axis], *features)`` (flax's [in, out] layout). Inside an
     enabled ``fp8_autocast`` the three GEMMs run in FP8 with the autocast's recipe; outside,
-    in ``dtype`` through the same core GEMM. Under delayed scaling the layer keeps, per
+    in the input's dtype through the same core GEMM. Under delayed scaling the layer keeps, per
     tensor role ``x``, ``kernel`` and ``grad``, a ``<role>_scale`` [1] and a
     ``<role>_amax_history`` [amax_history_len] in the ``fp8_metas`` collection; their
     gradient is the next state (merge it with ``update_collections``).
@@ -58,8 +59,11 @@ class DenseGeneral(nn.Module):
         use_bias: add a bias of shape ``features``.
         kernel_init: initializer of the kernel (flax's ``lecun_normal`` default).
         bias_init: initializer of the bias.
-        dtype: the dtype of the computation (inputs and parameters are cast to it).
-        param_dtype: the dtype of the parameters.
+        dtype: the dtype of the parameters (NVIDIA's meaning). The computation and the output
+            follow the input's dtype (the parameters are cast to it; an integer input is
+            cast to ``dtype``).
+        param_dtype: the former name of ``dtype``'s meaning: None, or equal to ``dtype``
+            (anything else is an error, as it asked for a computation dtype).
         kernel_axes: logical axis names of the kernel (recorded for sharding).
         bias_axes: logical axis names of the bias.
 
@@ -78,7 +82,7 @@ class DenseGeneral(nn.Module):
     kernel_init: Initializer = nn.initializers.lecun_normal()
     bias_init: Initializer = nn.initializers.zeros
     dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+    param_dtype: Optional[Any] = None
     kernel_axes: Tuple[str, ...] = ()
     bias_axes: Tuple[str, ...] = ()
 
@@ -86,8 +90,7 @@ class DenseGeneral(nn.Module):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         check_unsharded("DenseGeneral")
         check_sizes("DenseGeneral", features=self.features)
-        check_float_dtype("DenseGeneral", "dtype", self.dtype)
-        check_float_dtype("DenseGeneral", "param_dtype", self.param_dtype)
+        param_dtype = param_dtype_of("DenseGeneral", self.dtype, self.param_dtype)
         inputs = jnp.asarray(inputs)
         if inputs.ndim < 1:
             raise ValueError(f"DenseGeneral: inputs must have rank >= 1, got shape "
@@ -111,16 +114,17 @@ class DenseGeneral(nn.Module):
             kernel_init = nn.with_logical_partitioning(kernel_init, self.kernel_axes)
         if self.bias_axes:
             bias_init = nn.with_logical_partitioning(bias_init, self.bias_axes)
-        kernel = self.param("kernel", kernel_init, kernel_shape, self.param_dtype)
-        bias = self.param("bias", bias_init, features, self.param_dtype) if self.use_bias else None
+        kernel = self.param("kernel", kernel_init, kernel_shape, param_dtype)
+        bias = self.param("bias", bias_init, features, param_dtype) if self.use_bias else None
         recipe = get_fp8_recipe()
         state = None
         if recipe is not None and recipe.delayed():
             state = fp8_state(self, recipe)
         quantizer_set = quantizer_set_for("DenseGeneral", recipe, state)
-        x = inputs.astype(self.dtype)
-        kernel = kernel.astype(self.dtype)
-        bias = None if bias is None else bias.astype(self.dtype)
+        dtype = compute_dtype_of(inputs, param_dtype)
+        x = inputs.astype(dtype)
+        kernel = kernel.astype(dtype)
+        bias = None if bias is None else bias.astype(dtype)
         contracting = (axis, tuple(range(len(axis))))
         return dense(x, kernel, bias, contracting_dims=contracting, quantizer_set=quantizer_set)
 
@@ -156,8 +160,9 @@ class LayerNorm(nn.Module):
         scale_init: initializer of ``scale``; default ones, or zeros with
             ``zero_centered_gamma`` (g = 1 either way).
         bias_init: initializer of ``ln_bias``.
-        dtype: the dtype of the computation and the output (the input is cast to it).
-        param_dtype: the dtype of the parameters.
+        dtype: the dtype of the parameters (NVIDIA's meaning); the output has the input's
+            dtype (an integer input is cast to ``dtype``).
+        param_dtype: the former name of ``dtype``'s meaning: None, or equal to ``dtype``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -174,7 +179,7 @@ class LayerNorm(nn.Module):
     scale_init: Optional[Initializer] = None
     bias_init: Initializer = nn.initializers.zeros
     dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+    param_dtype: Optional[Any] = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -182,8 +187,7 @@ class LayerNorm(nn.Module):
         if self.layernorm_type not in ("layernorm", "rmsnorm"):
             raise ValueError(f"LayerNorm: layernorm_type must be 'layernorm' or 'rmsnorm', got "
                              f"{self.layernorm_type!r}")
-        check_float_dtype("LayerNorm", "dtype", self.dtype)
-        check_float_dtype("LayerNorm", "param_dtype", self.param_dtype)
+        param_dtype = param_dtype_of("LayerNorm", self.dtype, self.param_dtype)
         x = jnp.asarray(x)
         if x.ndim < 1:
             raise ValueError(f"LayerNorm: the input must have rank >= 1, got shape {x.shape}")
@@ -192,9 +196,10 @@ class LayerNorm(nn.Module):
         scale_init = self.scale_init
         if scale_init is None:
             scale_init = nn.initializers.zeros if self.zero_centered_gamma else nn.initializers.ones
-        scale = self.param("scale", scale_init, (n,), self.param_dtype)
+        scale = self.param("scale", scale_init, (n,), param_dtype)
         bias = None
         if self.layernorm_type == "layernorm":
-            bias = self.param("ln_bias", self.bias_init, (n,), self.param_dtype)
-        return layernorm(x.astype(self.dtype), scale, bias, norm_type=self.layernorm_type,
+            bias = self.param("ln_bias", self.bias_init, (n,), param_dtype)
+        return layernorm(x.astype(compute_dtype_of(x, param_dtype)), scale, bias,
+                         norm_type=self.layernorm_type,
                          zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon)

@@ -283,7 +283,7 @@ class MultiHeadAttention(nn.Module):
         x = x.reshape(*x.shape[:2], heads * d)
         out = DenseGeneral(features=inputs_q.shape[-1], axis=-1, use_bias=self.use_bias,
                            kernel_init=self._kernel_init(), bias_init=self.bias_init,
-                           dtype=inputs_q.dtype, param_dtype=self.dtype, name="out")(x)
+                           dtype=self.dtype, name="out")(x)
         return out.astype(inputs_q.dtype), ln_out
 
     def _kernel_init(self) -> Initializer:
@@ -298,8 +298,9 @@ class MultiHeadAttention(nn.Module):
         def query_init(key, shape, dt=jnp.float32):
             return kernel_init(key, shape, dt) / jnp.asarray(depth, dt)
 
-        common = dict(use_bias=self.use_bias, bias_init=self.bias_init, dtype=dtype,
-                      param_dtype=self.dtype)
+        # The submodules' dtype is their parameters' (NVIDIA's meaning), as is ours; they
+        # compute in the inputs' dtype.
+        common = dict(use_bias=self.use_bias, bias_init=self.bias_init, dtype=self.dtype)
         norm = dict(enable_layernorm=self.input_layernorm, layernorm_type=self.layernorm_type,
                     epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
                     **common)

@@ -371,14 +371,13 @@ class TransformerLayer(nn.Module):
             bias_init=self.bias_init, return_layernorm_output=post_ln,
             intermediate_dropout_rate=self.intermediate_dropout,
             intermediate_hidden_dropout_dims=tuple(self.intermediate_dropout_dims),
-            intermediate_dropout_rng_name=self.dropout_rng_name, dtype=inputs.dtype,
-            param_dtype=self.dtype, name="mlp")
+            intermediate_dropout_rng_name=self.dropout_rng_name, dtype=self.dtype, name="mlp")
         z, ln_out = mlp(x, deterministic=deterministic)
         residual = ln_out if post_ln else x
         z = self._block_output(z, deterministic) + residual
 
         if self.output_layernorm:
             z = LayerNorm(epsilon=self.layernorm_epsilon, layernorm_type=self.layernorm_type,
-                          zero_centered_gamma=self.zero_centered_gamma, dtype=inputs.dtype,
-                          param_dtype=self.dtype, name="output_layernorm")(z)
+                          zero_centered_gamma=self.zero_centered_gamma, dtype=self.dtype,
+                          name="output_layernorm")(z)
         return z.astype(inputs.dtype)
