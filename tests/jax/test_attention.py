@@ -18,7 +18,7 @@ import pytest
 
 from transformer_engine.jax import hlo
 from transformer_engine.jax._native import TARGETS
-from transformer_engine.jax.attention import fused_attn
+from transformer_engine.jax.attention import QKVLayout, fused_attn
 from transformer_engine.jax.flax import DotProductAttention
 
 MASKS = ["no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
@@ -196,3 +196,58 @@ def test_cuda_bf16(mask, layout):
     pad = layout == "thd" or mask.startswith("padding")
     check(layout, mask, jnp.bfloat16, sq=129, skv=129, d=64, lq=[129, 17] if pad else None,
           lk=[129, 40] if pad else None, atol=1.5e-2, rtol=1.5e-2, device=jax.devices("gpu")[0])
+
+
+@pytest.mark.parametrize("seq_first", [False, True], ids=["bshd", "sbhd"])
+def test_flax_module_takes_nvidia_layout_names_and_packed_inputs(seq_first):
+    ks = jax.random.split(jax.random.PRNGKey(5), 3)
+    q, k, v = (jax.random.normal(kk, (2, 6, 2, 8)) for kk in ks)
+    if seq_first:
+        q, k, v = (jnp.swapaxes(t, 0, 1) for t in (q, k, v))
+
+    def attn(layout, mask_type="causal"):
+        return DotProductAttention(head_dim=8, num_attention_heads=2, qkv_layout=layout,
+                                   attn_mask_type=mask_type,
+                                   transpose_batch_sequence=seq_first)
+
+    want = attn("bshd").apply({}, q, k, v)
+    np.testing.assert_array_equal(attn("bshd_bshd_bshd").apply({}, q, k, v), want)
+    np.testing.assert_array_equal(attn(QKVLayout.BSHD_BSHD_BSHD).apply({}, q, k, v), want)
+    qkv = jnp.stack([q, k, v], axis=-3)  # [b, s, 3, h, d]
+    np.testing.assert_array_equal(attn("bs3hd").apply({}, qkv, None, None), want)
+    np.testing.assert_array_equal(attn(QKVLayout.BS3HD).apply({}, qkv), want)
+    kv = jnp.stack([k, v], axis=-3)  # [b, s, 2, h, d]
+    np.testing.assert_array_equal(attn("bshd_bs2hd").apply({}, q, kv, None), want)
+    # The packed parts are taken apart, not read whole: another order gives another output.
+    swapped = jnp.stack([v, k], axis=-3)
+    assert not np.array_equal(attn("bshd_bs2hd").apply({}, q, swapped, None), want)
+    with pytest.raises(ValueError, match=r"packed query must have shape \[b, s, 3"):
+        attn("bs3hd").apply({}, kv)
+    with pytest.raises(ValueError, match="needs query, key and value"):
+        attn("bshd_bshd_bshd").apply({}, q)
+    # NVIDIA's "causal_padding" is our "padding_causal".
+    mask = np.zeros((2, 1, 6, 6), bool)
+    mask[1, :, 4:, :] = True
+    mask[1, :, :, 4:] = True
+    want_pc = attn("bshd", "padding_causal").apply({}, q, k, v, jnp.asarray(mask))
+    got_pc = attn("bshd_bshd_bshd", "causal_padding").apply({}, q, k, v, jnp.asarray(mask))
+    np.testing.assert_array_equal(got_pc, want_pc)
+    assert not np.array_equal(got_pc, want)  # the mask took effect
+
+
+def test_flax_module_takes_nvidia_thd_names():
+    ks = jax.random.split(jax.random.PRNGKey(6), 3)
+    q, k, v = (jax.random.normal(kk, (10, 2, 8)) for kk in ks)
+    cu = jnp.asarray([0, 6, 10], jnp.int32)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
+
+    def attn(layout):
+        return DotProductAttention(head_dim=8, num_attention_heads=2, qkv_layout=layout,
+                                   attn_mask_type="padding_causal")
+
+    want = attn("thd").apply({}, q, k, v, **kw)
+    assert want.shape == (10, 2, 8)
+    np.testing.assert_array_equal(attn("thd_thd_thd").apply({}, q, k, v, **kw), want)
+    np.testing.assert_array_equal(attn("t3hd").apply({}, jnp.stack([q, k, v], -3), **kw), want)
+    np.testing.assert_array_equal(
+        attn("thd_t2hd").apply({}, q, jnp.stack([k, v], -3), None, **kw), want)

@@ -8,7 +8,9 @@ a counterpart in our attention carry NVIDIA's lower-case name as their value, an
 reject them as they reject any unknown string:
 
 * the packed layouts ``BS3HD``, ``BSHD_BS2HD``, ``T3HD`` and ``THD_T2HD`` (q, k, v or k, v in
-  one array): our attention takes q, k and v as separate arrays.
+  one array): ``fused_attn`` takes q, k and v as separate arrays. The flax
+  ``DotProductAttention`` accepts them (and NVIDIA's lower-case names) and takes the packed
+  array apart before calling it.
 
 ``AttnBiasType``'s values are the ``attn_bias_type`` strings of ``MultiHeadAttention`` and
 ``TransformerLayer``; ``DotProductAttention`` and ``fused_attn`` take no bias.

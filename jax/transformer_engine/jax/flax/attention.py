@@ -15,6 +15,34 @@ from transformer_engine.jax.sharding import check_unsharded
 
 __all__ = ["DotProductAttention"]
 
+# NVIDIA's attn_mask_type spelling of our "padding_causal".
+MASK_ALIASES = {"causal_padding": "padding_causal"}
+
+# NVIDIA's qkv_layout names -> (our layout of each of q, k, v; what is packed: "qkv" means
+# query holds q, k, v on axis -3 ([.., 3, h, d]); "kv" means key holds k, v).
+_NVIDIA_LAYOUTS = {"bshd_bshd_bshd": ("bshd", None), "bs3hd": ("bshd", "qkv"),
+                   "bshd_bs2hd": ("bshd", "kv"), "thd_thd_thd": ("thd", None),
+                   "t3hd": ("thd", "qkv"), "thd_t2hd": ("thd", "kv")}
+
+
+def _layout(qkv_layout: str, transpose_batch_sequence: bool) -> tuple[str, Optional[str]]:
+    """(our layout, what is packed) of a qkv_layout, ours or NVIDIA's name."""
+    name = str(getattr(qkv_layout, "value", qkv_layout)).lower()
+    layout, packed = _NVIDIA_LAYOUTS.get(name, (name, None))
+    if layout == "bshd" and transpose_batch_sequence:
+        layout = "sbhd"
+    return layout, packed
+
+
+def _unpack(x: jax.Array, n: int, name: str, layout: str) -> list[jax.Array]:
+    """The n tensors packed on axis -3 of x ([.., n, heads, head_dim])."""
+    rank = 4 if layout == "thd" else 5
+    if x.ndim != rank or x.shape[-3] != n:
+        packed = "[t, " if layout == "thd" else "[b, s, "
+        raise ValueError(f"DotProductAttention: a packed {name} must have shape {packed}{n}, "
+                         f"heads, head_dim], got {x.shape}")
+    return [x[..., i, :, :] for i in range(n)]
+
 
 def _cu_seqlens(valid: jax.Array) -> jax.Array:
     """int32 [batch + 1] cumulative lengths of a [batch, seqlen] validity mask."""
@@ -29,12 +57,18 @@ class DotProductAttention(nn.Module):
         head_dim: head dim of q and k.
         num_attention_heads: query heads.
         num_gqa_groups: key/value heads (GQA; 1 is MQA); default num_attention_heads.
-        attn_mask_type: one of :data:`transformer_engine.jax.attention.MASKS`.
+        attn_mask_type: one of :data:`transformer_engine.jax.attention.MASKS`, or NVIDIA's
+            ``"causal_padding"`` (= ``"padding_causal"``).
         attention_dropout: dropout probability of the attention weights; draws from the
             ``'dropout'`` rng stream unless ``deterministic``.
         transpose_batch_sequence: inputs are [seqlen, batch, ...] (the ``sbhd`` layout).
         qkv_layout: ``"bshd"`` / ``"sbhd"`` (separate q, k, v) or ``"thd"`` (packed, with
             cu_seqlens passed to the call); ``transpose_batch_sequence`` turns bshd into sbhd.
+            NVIDIA's names are accepted too: ``"bshd_bshd_bshd"`` (= bshd), ``"bs3hd"``
+            (query is q, k, v packed, [b, s, 3, h, d]; key and value are ignored),
+            ``"bshd_bs2hd"`` (key is k, v packed, [b, s, 2, h, d]; value is ignored),
+            ``"thd_thd_thd"`` (= thd), ``"t3hd"`` and ``"thd_t2hd"`` (thd, packed likewise),
+            and the ``QKVLayout`` members.
         scale_factor: default 1 / sqrt(head_dim).
         window_size: (left, right) sliding window, -1 an unbounded side.
 
@@ -59,20 +93,30 @@ class DotProductAttention(nn.Module):
     attn_mask_type: str = "causal"
     attention_dropout: float = 0.0
     transpose_batch_sequence: bool = False
-    qkv_layout: str = "bshd"
+    qkv_layout: str = "bshd_bshd_bshd"  # NVIDIA's name of our "bshd"
     scale_factor: Optional[float] = None
     window_size: Optional[tuple[int, int]] = None
 
     @nn.compact
-    def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array,
-                 mask: Optional[jax.Array] = None, *, deterministic: bool = False,
+    def __call__(self, query: jax.Array, key: Optional[jax.Array] = None,
+                 value: Optional[jax.Array] = None, mask: Optional[jax.Array] = None, *,
+                 deterministic: bool = False,
                  cu_seqlens_q: Optional[jax.Array] = None,
                  cu_seqlens_kv: Optional[jax.Array] = None, max_seqlen_q: Optional[int] = None,
                  max_seqlen_kv: Optional[int] = None) -> jax.Array:
         check_unsharded("DotProductAttention")
-        layout = self.qkv_layout.lower()
-        if layout == "bshd" and self.transpose_batch_sequence:
-            layout = "sbhd"
+        layout, packed = _layout(self.qkv_layout, self.transpose_batch_sequence)
+        if packed == "qkv":
+            query, key, value = _unpack(jnp.asarray(query), 3, "query", layout)
+        elif packed == "kv":
+            if key is None:
+                raise ValueError("DotProductAttention: qkv_layout 'bshd_bs2hd' / 'thd_t2hd' "
+                                 "needs key, k and v packed [.., 2, heads, head_dim]")
+            key, value = _unpack(jnp.asarray(key), 2, "key", layout)
+        if key is None or value is None:
+            raise ValueError(f"DotProductAttention: qkv_layout {self.qkv_layout!r} needs query, "
+                             "key and value (a packed layout: 'bs3hd', 'bshd_bs2hd', ...)")
+        mask_type = MASK_ALIASES.get(self.attn_mask_type, self.attn_mask_type)
         check_sizes("DotProductAttention", head_dim=self.head_dim,
                     num_attention_heads=self.num_attention_heads)
         if self.num_gqa_groups is not None:
@@ -95,10 +139,10 @@ class DotProductAttention(nn.Module):
         if query.shape[-1] != self.head_dim:
             raise ValueError(f"DotProductAttention: head dim must be {self.head_dim}, got "
                              f"{query.shape[-1]}")
-        padding = self.attn_mask_type.startswith("padding")
+        padding = mask_type.startswith("padding")
         if padding and layout != "thd" and cu_seqlens_q is None:
             if mask is None:
-                raise ValueError(f"DotProductAttention: attn_mask_type {self.attn_mask_type!r} "
+                raise ValueError(f"DotProductAttention: attn_mask_type {mask_type!r} "
                                  "needs mask [batch, 1, sq, skv] or cu_seqlens_q/cu_seqlens_kv")
             seq = 0 if layout == "sbhd" else 1
             mask = check_mask("DotProductAttention", mask,
@@ -108,7 +152,7 @@ class DotProductAttention(nn.Module):
             cu_seqlens_kv = _cu_seqlens(allowed.any(axis=-2))
         dropout = 0.0 if deterministic else self.attention_dropout
         rng = self.make_rng("dropout") if dropout > 0.0 else None
-        o = fused_attn(query, key, value, qkv_layout=layout, attn_mask_type=self.attn_mask_type,
+        o = fused_attn(query, key, value, qkv_layout=layout, attn_mask_type=mask_type,
                        window_size=self.window_size, scale_factor=self.scale_factor,
                        dropout_probability=dropout, dropout_rng=rng, cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,

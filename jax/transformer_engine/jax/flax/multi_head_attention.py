@@ -19,14 +19,13 @@ from transformer_engine.jax.flax._unfused_attention import (
     query_positions,
     unfused_attention,
 )
-from transformer_engine.jax.flax.attention import _cu_seqlens
+from transformer_engine.jax.flax.attention import MASK_ALIASES, _cu_seqlens
 from transformer_engine.jax.flax.layernorm_dense import LayerNormDenseGeneral
 from transformer_engine.jax.flax.module import DenseGeneral, Initializer
 from transformer_engine.jax.sharding import check_unsharded
 
 __all__ = ["MultiHeadAttention"]
 
-_MASK_ALIASES = {"causal_padding": "padding_causal"}
 _BIAS_TYPES = (None, "no_bias", "pre_scale_bias", "post_scale_bias")
 
 
@@ -198,7 +197,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"{name}: head_dim, num_attention_heads and num_gqa_groups must be "
                              f"positive with num_gqa_groups dividing num_attention_heads, got "
                              f"{self.head_dim}, {heads}, {groups}")
-        mask_type = _MASK_ALIASES.get(self.attn_mask_type, self.attn_mask_type)
+        mask_type = MASK_ALIASES.get(self.attn_mask_type, self.attn_mask_type)
         if mask_type not in MASKS:
             raise ValueError(f"{name}: attn_mask_type must be one of {(*MASKS, 'causal_padding')}"
                              f", got {self.attn_mask_type!r}")
