@@ -20,7 +20,8 @@ from transformer_engine.common.recipe import Recipe
 
 from . import ops
 
-__all__ = ["ROLES", "Plan", "Operand", "make_plan", "plan_of", "quantize", "record_amax"]
+__all__ = ["ROLES", "Plan", "Operand", "make_plan", "plan_of", "kind_of", "quantize",
+           "record_amax"]
 
 # The plan is transformer_engine.common.plan's (one definition for both frameworks); the
 # modules report a refused recipe in their own names by replacing this prefix.
@@ -47,6 +48,16 @@ def make_plan(recipe: Recipe) -> Plan:
 def plan_of(recipe: Recipe) -> Plan:
     """The plan of ``recipe``, made once per recipe (forwards ask for it every call)."""
     return _plan.plan_of(recipe, _CALLER)
+
+
+def kind_of(recipe: Recipe) -> Optional[str]:
+    """``plan_of(recipe).kind``, or None for a recipe that has no plan (MXFP8): for checks
+    that only ask which kind a recipe is, where a recipe no GEMM can run is no error (e.g.
+    calibration, which records nothing under it)."""
+    try:
+        return plan_of(recipe).kind
+    except NotImplementedError:
+        return None
 
 
 def quantize(plan: Plan, role: str, x: torch.Tensor, rowwise: bool, columnwise: bool,

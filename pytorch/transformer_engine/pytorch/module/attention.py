@@ -33,7 +33,7 @@ from ..float8_tensor import Float8Tensor, to_high_precision
 from ..fp8 import STATE
 from ..ops._backend import core
 from ..ops.attention import LAYOUTS, MASKS, config, sizes_of
-from ..quantization import record_amax
+from ..quantization import kind_of, record_amax
 from ._checks import check_sizes
 from .base import FP8Module
 from .linear import _default_device
@@ -422,7 +422,8 @@ class DotProductAttention(FP8Module):
         state = STATE
         if state.enabled:
             return state.recipe if _runs_fp8(state.recipe) else None
-        if state.calibrating and _runs_fp8(state.recipe) and state.recipe.delayed():
+        if (state.calibrating and _runs_fp8(state.recipe)
+                and kind_of(state.recipe) == "delayed"):
             self._calibrate(q, k, v, state.recipe)
         return None
 

@@ -16,7 +16,7 @@ from transformer_engine.common.recipe import Recipe
 from .. import fp8, ops
 from ..float8_tensor import Float8Tensor
 from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig
-from ..quantization import record_amax
+from ..quantization import kind_of, record_amax
 from ._checks import check_device, check_params_dtype, check_sizes
 from .base import with_leading_dims
 from .layernorm import apply_norm
@@ -164,7 +164,7 @@ class LayerNormLinear(_LinearBase):
         gamma, beta = norm_params(self, inp.dtype)
         cfg = self.cfg
         ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
-        if state.calibrating and state.recipe.delayed():
+        if state.calibrating and kind_of(state.recipe) == "delayed":
             self._fit_fp8_meta(state.recipe)
             w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
             record_amax(self.amax_history_fwd, 0,

@@ -14,7 +14,7 @@ from transformer_engine.common.recipe import Recipe
 from .. import fast_linear, fp8, ops
 from ..float8_tensor import Float8Tensor, to_high_precision
 from ..linear_fn import Fp8LinearFunction, takes_fp8_input
-from ..quantization import plan_of, record_amax
+from ..quantization import kind_of, plan_of, record_amax
 from ._checks import check_device, check_float_input, check_params_dtype, check_sizes
 from ._split_rows import join_rows, pack_rows
 from .base import FP8Module, fp8_weight_param, with_leading_dims
@@ -213,7 +213,7 @@ class Linear(_LinearBase):
             if isinstance(inp, Float8Tensor):
                 inp = to_high_precision(inp)
             check_float_input(self._name, "input", inp)
-            if state.calibrating and state.recipe.delayed():
+            if state.calibrating and kind_of(state.recipe) == "delayed":
                 self._calibrate(inp, weight, state.recipe)
             # .to() (a no-op for the same dtype) keeps autograd's link to the parameter; a
             # Float8Tensor weight dequantizes in it (__torch_dispatch__).
