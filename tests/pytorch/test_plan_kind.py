@@ -25,3 +25,14 @@ def test_calibration_records_only_under_delayed():
         with te.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe):
             m(x)
         assert bool(m.amax_history_fwd.any()) == recorded, recipe
+
+
+def test_history_length_at_creation_follows_delayed_kind():
+    # A delayed recipe sizes a new module's state; the other kinds leave the default length.
+    default = DelayedScaling().amax_history_len
+    with te.fp8_autocast(enabled=False, calibrating=True,
+                         fp8_recipe=DelayedScaling(amax_history_len=default + 3)):
+        assert te.Linear(32, 16).amax_history_fwd.shape[0] == default + 3
+    for recipe in (Float8CurrentScaling(), MXFP8BlockScaling()):
+        with te.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe):
+            assert te.Linear(32, 16).amax_history_fwd.shape[0] == default

@@ -22,6 +22,7 @@ from transformer_engine.common.recipe import DelayedScaling, Recipe
 
 from . import _compiled, ops
 from .ops._backend import _plain_eager, dtype_code
+from .quantization import kind_of
 
 __all__ = ["autocast", "fp8_autocast", "fp8_model_init", "is_fp8_available"]
 
@@ -246,9 +247,10 @@ def history_len_at_creation() -> int:
     enclosing autocast or else fp8_model_init, the default otherwise (an autocast entered
     before the module existed could not size it)."""
     state, init = STATE, MODEL_INIT
-    if state.depth and (state.enabled or state.calibrating) and state.recipe.delayed():
+    if (state.depth and (state.enabled or state.calibrating)
+            and kind_of(state.recipe) == "delayed"):
         return state.recipe.amax_history_len
-    if init.enabled and init.recipe.delayed():
+    if init.enabled and kind_of(init.recipe) == "delayed":
         return init.recipe.amax_history_len
     return _DEFAULT_RECIPE.amax_history_len
 
