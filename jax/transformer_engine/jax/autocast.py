@@ -30,7 +30,9 @@ class MeshResource:
         cp_resource: context-parallel axis (the sequence split over it).
         tpsp_resource: tensor- and sequence-parallel axis.
 
-    The names are recorded only; the modules do not shard anything yet.
+    The modules do not shard anything yet: under a data- or pipeline-parallel axis they run
+    as they would without a mesh, and a tensor-, sequence-, fully-sharded- or context-parallel
+    axis makes them raise NotImplementedError naming the axis, rather than compute unsharded.
     """
 
     dp_resource: Optional[str] = None
