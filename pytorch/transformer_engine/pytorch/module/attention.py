@@ -395,7 +395,9 @@ class DotProductAttention(FP8Module):
                     cu_seqlens_q, max_seqlen_q or 0, max_seqlen_kv or 0, fp8_grad)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         name = _choose(key_, grad, asked)
-        if recipe is not None and _fp8_falls_back(key_, grad, asked, query.is_cuda):
+        # Only a slow or missing FP8 choice can fall back: the usual cuDNN call skips this.
+        if (recipe is not None and name in ("cuda_math", "!")
+                and _fp8_falls_back(key_, grad, asked, query.is_cuda)):
             query, key, value = (to_high_precision(t) for t in (query, key, value))
             recipe, key_ = None, key_[:-1] + ("",)
             name = _choose(key_, grad, asked)
