@@ -10,11 +10,15 @@ import pytest
 
 from transformer_engine.common import recipe as recipe_module
 from transformer_engine.common.recipe import (
+    CustomRecipe,
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
     Format,
+    MMParams,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    QParams,
     Recipe,
 )
 
@@ -67,7 +71,7 @@ def test_format_maxima_match_bit_layouts():
 
 
 def test_format_members_and_lookup_by_name():
-    assert [f.name for f in Format] == ["E4M3", "E5M2", "HYBRID"]
+    assert [f.name for f in Format] == ["E4M3", "E5M2", "HYBRID", "E2M1"]
     assert Format["HYBRID"] is Format.HYBRID
     assert Format("E4M3") is Format.E4M3
     assert repr(Format.E5M2) == "Format.E5M2"
@@ -368,8 +372,8 @@ def test_repr_is_readable_and_evaluates_back(r):
 
 def test_public_api():
     assert sorted(recipe_module.__all__) == sorted(
-        ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
-         "MXFP8BlockScaling"]
+        ["Format", "MMParams", "QParams", "Recipe", "DelayedScaling", "Float8CurrentScaling",
+         "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe"]
     )
 
 
@@ -391,3 +395,170 @@ def test_imports_only_the_standard_library():
 def test_docstring_examples_run():
     result = doctest.testmod(recipe_module)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# NVIDIA Transformer Engine's names: recipes, keywords and predicates
+
+
+def _qfactory(role):
+    return None
+
+
+NVIDIA_KINDS = {
+    DelayedScaling(): "delayed",
+    Float8CurrentScaling(): "float8_current_scaling",
+    Float8BlockScaling(): "float8_block_scaling",
+    MXFP8BlockScaling(): "mxfp8",
+    NVFP4BlockScaling(): "nvfp4",
+    CustomRecipe(qfactory=_qfactory): "custom",
+}
+_KIND_PREDICATES = ["delayed", "float8_current_scaling", "float8_block_scaling", "mxfp8",
+                    "nvfp4", "custom"]
+
+
+@pytest.mark.parametrize("r", list(NVIDIA_KINDS), ids=lambda r: type(r).__name__)
+def test_every_recipe_answers_nvidia_predicates_on_instance_and_class(r):
+    kind = NVIDIA_KINDS[r]
+    for target in (r, type(r)):
+        truths = {name: getattr(target, name)() for name in _KIND_PREDICATES}
+        assert truths == {name: name == kind for name in _KIND_PREDICATES}
+        assert all(type(v) is bool for v in truths.values())
+        assert target.float8_per_tensor_scaling() is (kind in ("delayed",
+                                                               "float8_current_scaling"))
+    assert not (Recipe().nvfp4() or Recipe().custom() or Recipe().float8_per_tensor_scaling())
+
+
+def test_format_e2m1_is_the_fp4_format_and_no_fp8_recipe_takes_it():
+    assert Format.E2M1.max_fwd == Format.E2M1.max_bwd == 6.0
+    assert Format.E2M1.fwd_dtype_name == "float4_e2m1"
+    for cls in (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling):
+        with pytest.raises(ValueError, match="E2M1 is a 4-bit format"):
+            cls(fp8_format=Format.E2M1)
+
+
+def test_use_power_2_scales_sets_power_2_scale():
+    assert Float8CurrentScaling(use_power_2_scales=True).power_2_scale is True
+    assert Float8CurrentScaling(use_power_2_scales=False).power_2_scale is False
+    assert Float8CurrentScaling(use_power_2_scales=True) == Float8CurrentScaling(
+        power_2_scale=True)
+    assert Float8CurrentScaling(use_power_2_scales=True).fp8_quant_fwd_inp == QParams(
+        power_2_scale=True)
+    with pytest.raises(TypeError, match="use_power_2_scales must be a bool"):
+        Float8CurrentScaling(use_power_2_scales=1)
+
+
+def test_use_f32_scales_clears_power_2_scale():
+    r = Float8BlockScaling(use_f32_scales=True)
+    assert r.power_2_scale is False and r == Float8BlockScaling(power_2_scale=False)
+    assert r.fp8_quant_fwd_weight.power_2_scale is False
+    assert Float8BlockScaling(use_f32_scales=False).power_2_scale is True
+    assert Float8BlockScaling().fp8_quant_bwd_grad == QParams(power_2_scale=True)
+
+
+def test_an_alias_contradicting_our_field_raises():
+    with pytest.raises(ValueError, match="use_f32_scales=False contradicts power_2_scale=False"):
+        Float8BlockScaling(use_f32_scales=False, power_2_scale=False)
+    with pytest.raises(ValueError, match="use_power_2_scales=False contradicts"):
+        Float8CurrentScaling(use_power_2_scales=False, power_2_scale=True)
+
+
+def test_aliases_survive_dataclasses_replace():
+    r = Float8CurrentScaling(use_power_2_scales=True)
+    assert dataclasses.replace(r, power_2_scale=False).power_2_scale is False
+    assert dataclasses.replace(r, amax_epsilon=1.0).power_2_scale is True
+
+
+def test_gemm_params_take_nvidia_keywords():
+    r = Float8CurrentScaling(fp8_gemm_fprop=MMParams(use_split_accumulator=False),
+                             fp8_gemm_dgrad=MMParams(), fp8_gemm_wgrad=MMParams())
+    assert r == Float8CurrentScaling()
+    assert Float8CurrentScaling().fp8_gemm_fprop.use_split_accumulator is False
+    b = Float8BlockScaling()
+    assert all(getattr(b, f).use_split_accumulator for f in
+               ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"))
+    with pytest.raises(ValueError, match="always accumulate split"):
+        Float8BlockScaling(fp8_gemm_fprop=MMParams(use_split_accumulator=False))
+    with pytest.raises(TypeError, match="fp8_gemm_dgrad must be an MMParams"):
+        Float8CurrentScaling(fp8_gemm_dgrad=True)
+
+
+def test_attention_fields_exist_on_every_recipe_and_refuse_where_not_served():
+    for r in NVIDIA_KINDS:
+        assert r.fp8_dpa is False and r.fp8_mha is False
+    assert Float8CurrentScaling(fp8_dpa=True).fp8_dpa is True
+    for cls in (Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling):
+        with pytest.raises(ValueError, match="FP8 attention runs under DelayedScaling"):
+            cls(fp8_dpa=True)
+
+
+def test_backward_override_values():
+    for r in NVIDIA_KINDS:
+        assert r.backward_override is None
+    assert Float8CurrentScaling(backward_override="dequantized").backward_override == \
+        "dequantized"
+    assert MXFP8BlockScaling(backward_override="high_precision").backward_override == \
+        "high_precision"
+    with pytest.raises(ValueError, match="delayed scaling has no other backward mode"):
+        DelayedScaling(backward_override="high_precision")
+    with pytest.raises(ValueError, match="backward_override must be None, 'high_precision'"):
+        Float8BlockScaling(backward_override="fp32")
+
+
+def test_mxfp8_takes_nvidia_margin():
+    assert MXFP8BlockScaling(margin=2).margin == 2
+    with pytest.raises(ValueError, match="margin must be a non-negative int"):
+        MXFP8BlockScaling(margin=-1)
+
+
+def test_nvfp4_constructs_with_nvidia_keywords():
+    r = NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True,
+                          disable_2d_quantization=True, fp4_format=Format.E2M1,
+                          fp8_format=Format.E4M3)
+    assert r.disable_rht and r.fp4_format is Format.E2M1 and r.fp8_format is Format.E4M3
+    assert r != NVFP4BlockScaling() and hash(NVFP4BlockScaling()) == hash(NVFP4BlockScaling())
+    assert pickle.loads(pickle.dumps(r)) == r
+    with pytest.raises(ValueError, match="fp8_format must be Format.E4M3"):
+        NVFP4BlockScaling(fp8_format=Format.HYBRID)
+    with pytest.raises(ValueError, match="fp4_format must be Format.E2M1"):
+        NVFP4BlockScaling(fp4_format=Format.E4M3)
+
+
+def test_custom_recipe_needs_a_callable_qfactory():
+    r = CustomRecipe(qfactory=_qfactory)
+    assert r.qfactory is _qfactory and r.fp8_format is Format.HYBRID
+    with pytest.raises(TypeError, match="qfactory"):
+        CustomRecipe()
+    with pytest.raises(TypeError, match="qfactory must be a callable"):
+        CustomRecipe(qfactory=3)
+
+
+@pytest.mark.parametrize("r, message", [
+    (NVFP4BlockScaling(), "NVFP4BlockScaling is not supported: this package has no FP4"),
+    (CustomRecipe(qfactory=_qfactory),
+     "CustomRecipe is not supported: custom quantizer factories (qfactory) are not supported"),
+    (Float8CurrentScaling(backward_override="high_precision"),
+     "Float8CurrentScaling(backward_override='high_precision') is not supported"),
+    (Float8BlockScaling(backward_override="dequantized"),
+     "Float8BlockScaling(backward_override='dequantized') is not supported"),
+    (Float8CurrentScaling(fp8_gemm_fprop=MMParams(use_split_accumulator=True)),
+     "Float8CurrentScaling(fp8_gemm_fprop=MMParams(use_split_accumulator=True)) is not "
+     "supported"),
+    (Float8CurrentScaling(fp8_gemm_wgrad=MMParams(use_split_accumulator=False)),
+     "Float8CurrentScaling(fp8_gemm_wgrad=MMParams(use_split_accumulator=False)) is not "
+     "supported"),
+], ids=lambda v: type(v).__name__ if isinstance(v, Recipe) else "")
+def test_the_plan_refuses_what_no_gemm_runs(r, message):
+    from transformer_engine.common.plan import make_plan, plan_of
+
+    for fn in (make_plan, plan_of):
+        with pytest.raises(NotImplementedError) as info:
+            fn(r, "te.Linear")
+        assert str(info.value).startswith("te.Linear: " + message)
+
+
+def test_the_plan_accepts_nvidia_defaults():
+    from transformer_engine.common.plan import make_plan
+
+    assert make_plan(Float8CurrentScaling(use_power_2_scales=True), "x").force_pow2_scales
+    assert not make_plan(Float8BlockScaling(use_f32_scales=True), "x").force_pow2_scales

@@ -33,12 +33,18 @@ ROLES = ("input", "weight", "grad_output")
 GEMM_GRANULE = 16
 
 # Largest finite value per FP8 format name, taken from the recipe's Format so that there is
-# one source for it.
+# one source for it (E2M1, NVFP4's 4-bit format, is no FP8 format: no plan uses it).
 FP8_MAX = {}
 for _fmt in Format:
-    FP8_MAX[_fmt.fwd_dtype_name] = _fmt.max_fwd
-    FP8_MAX[_fmt.bwd_dtype_name] = _fmt.max_bwd
+    if _fmt is not Format.E2M1:
+        FP8_MAX[_fmt.fwd_dtype_name] = _fmt.max_fwd
+        FP8_MAX[_fmt.bwd_dtype_name] = _fmt.max_bwd
 del _fmt
+
+# The accumulation the modules run per GEMM under per-tensor scaling: fast in the forward,
+# split (FP32 partial sums) in both backward GEMMs (block-scaled GEMMs always split; their
+# recipe refuses anything else itself).
+_PER_TENSOR_SPLIT = {"fp8_gemm_fprop": False, "fp8_gemm_dgrad": True, "fp8_gemm_wgrad": True}
 
 # Elements that share one scale, per scaling mode (rows, columns); None: the whole tensor.
 BLOCK_SHAPES = {"tensor": None, "block_1x128": (1, 128), "block_128x128": (128, 128),
@@ -82,6 +88,7 @@ class Plan(NamedTuple):
 def make_plan(recipe: Recipe, caller: str) -> Plan:
     """The plan of ``recipe``; a recipe the core's GEMM cannot run raises NotImplementedError
     whose message starts with ``caller`` (the op or module that asked)."""
+    _refuse_unrunnable(recipe, caller)
     fmt = recipe.fp8_format
     if recipe.delayed():
         # Either user callable takes the scale update out of the core: the frameworks then run
@@ -108,6 +115,33 @@ def make_plan(recipe: Recipe, caller: str) -> Plan:
     raise NotImplementedError(
         f"{caller}: {type(recipe).__name__} is not supported: its GEMM (MXFP8) needs a "
         "Blackwell GPU; use DelayedScaling, Float8CurrentScaling or Float8BlockScaling")
+
+
+def _refuse_unrunnable(recipe: Recipe, caller: str) -> None:
+    """Refuses NVIDIA's recipes and options that no GEMM here runs, naming the recipe and why
+    (never a silent change of numerics)."""
+    name = type(recipe).__name__
+    if recipe.nvfp4():
+        raise NotImplementedError(
+            f"{caller}: {name} is not supported: this package has no FP4 (E2M1) GEMM; use "
+            "DelayedScaling, Float8CurrentScaling or Float8BlockScaling")
+    if recipe.custom():
+        raise NotImplementedError(
+            f"{caller}: {name} is not supported: custom quantizer factories (qfactory) are "
+            "not supported, the modules quantize as the built-in recipes describe; use "
+            "DelayedScaling, Float8CurrentScaling or Float8BlockScaling")
+    override = getattr(recipe, "backward_override", None)
+    if override is not None:
+        raise NotImplementedError(
+            f"{caller}: {name}(backward_override={override!r}) is not supported: the backward "
+            "GEMMs here always take the FP8 operands; use backward_override=None")
+    if recipe.float8_current_scaling():
+        for field, split in _PER_TENSOR_SPLIT.items():
+            if getattr(recipe, field).use_split_accumulator != split:
+                raise NotImplementedError(
+                    f"{caller}: {name}({field}=MMParams(use_split_accumulator="
+                    f"{not split})) is not supported: the modules run this GEMM with "
+                    f"use_split_accumulator={split}; leave {field} at its default")
 
 
 _PLANS: dict = {}

@@ -9,6 +9,18 @@ predicates of :class:`Recipe` instead of isinstance chains.
 * :class:`Float8CurrentScaling`: one scale per tensor, from the tensor's own amax.
 * :class:`Float8BlockScaling`: FP32 scales per 1x128 or 128x128 block.
 * :class:`MXFP8BlockScaling`: power-of-two (E8M0) scales per 32 elements.
+* :class:`NVFP4BlockScaling`, :class:`CustomRecipe`: NVIDIA Transformer Engine's FP4 and
+  user-quantizer recipes. They are built and compared like the others, so that programs
+  written for NVIDIA's package import and configure unchanged, but no module runs them: the
+  plan (:mod:`transformer_engine.common.plan`) refuses them with the reason.
+
+NVIDIA's keyword names are accepted next to ours: ``use_power_2_scales``
+(:class:`Float8CurrentScaling`) and ``use_f32_scales`` (:class:`Float8BlockScaling`) set
+``power_2_scale``; they are not stored (reading them back gives None; read ``power_2_scale``
+or ``fp8_quant_fwd_inp.power_2_scale``). ``fp8_gemm_fprop``/``fp8_gemm_dgrad``/
+``fp8_gemm_wgrad`` (:class:`MMParams`) and ``backward_override`` are fields; values the
+modules do not run are refused by the plan, not dropped. NVIDIA's ``NVTE_*`` environment
+defaults are not read.
 
 Fields are keyword-only and checked when a recipe is built: a wrong type raises
 ``TypeError``, a bad value ``ValueError``. ``fp8_format`` takes a :class:`Format` member,
@@ -37,12 +49,15 @@ import numbers
 import operator
 from typing import Any, Callable, ClassVar, NoReturn, Optional, Union
 
-__all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
-           "MXFP8BlockScaling"]
+__all__ = ["Format", "MMParams", "QParams", "Recipe", "DelayedScaling", "Float8CurrentScaling",
+           "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe"]
 
-_E4M3, _E5M2 = "float8_e4m3", "float8_e5m2"
-_ELEMENT_MAX = {_E4M3: 448.0, _E5M2: 57344.0}
-_FWD_BWD = {"E4M3": (_E4M3, _E4M3), "E5M2": (_E5M2, _E5M2), "HYBRID": (_E4M3, _E5M2)}
+_E4M3, _E5M2, _E2M1 = "float8_e4m3", "float8_e5m2", "float4_e2m1"
+_ELEMENT_MAX = {_E4M3: 448.0, _E5M2: 57344.0, _E2M1: 6.0}
+_FWD_BWD = {"E4M3": (_E4M3, _E4M3), "E5M2": (_E5M2, _E5M2), "HYBRID": (_E4M3, _E5M2),
+            "E2M1": (_E2M1, _E2M1)}
+# NVIDIA's backward precision modes; None is the only one the modules run (plan.py).
+_BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 
 
 class Format(enum.Enum):
@@ -52,6 +67,8 @@ class Format(enum.Enum):
     * ``E4M3``: 4 exponent and 3 mantissa bits, finite max 448, no infinities; more precision.
     * ``E5M2``: 5 exponent and 2 mantissa bits, finite max 57344; more range.
     * ``HYBRID``: E4M3 forward, E5M2 for gradients, whose range is wider; the usual choice.
+    * ``E2M1``: the 4-bit element format of :class:`NVFP4BlockScaling` (finite max 6); no
+      FP8 recipe takes it.
 
     Each member has these properties:
 
@@ -67,6 +84,7 @@ class Format(enum.Enum):
     E4M3 = "E4M3"
     E5M2 = "E5M2"
     HYBRID = "HYBRID"
+    E2M1 = "E2M1"
 
     def __repr__(self) -> str:
         return f"Format.{self.name}"
@@ -116,6 +134,9 @@ def _check_format(recipe: Any) -> None:
     if not isinstance(value, Format):
         hint = f"; convert a name with Format[{value!r}]" if isinstance(value, str) else ""
         _fail(TypeError, recipe, "fp8_format", f"a Format member ({expected})", value, hint)
+    if value is Format.E2M1:
+        hint = "; E2M1 is a 4-bit format, the fp4_format of NVFP4BlockScaling"
+        _fail(ValueError, recipe, "fp8_format", expected, value, hint)
     if value is Format.E5M2:
         hint = ("; an all-E5M2 format is rejected because E5M2 has too little precision for "
                 "the forward pass, use Format.HYBRID (E4M3 forward, E5M2 for gradients)")
@@ -133,29 +154,127 @@ def _check_epsilon(recipe: Any) -> None:
     object.__setattr__(recipe, "amax_epsilon", value)
 
 
-def _check_attention(recipe: Any) -> None:
+def _check_attention(recipe: Any, supported: bool = True) -> None:
+    """``supported`` False: the recipe has NVIDIA's fields, but attention here runs in FP8
+    only under delayed or current scaling, so True is refused rather than ignored."""
     _check_bool(recipe, "fp8_dpa", "fp8_mha")
+    if not supported:
+        for name in ("fp8_dpa", "fp8_mha"):
+            if getattr(recipe, name):
+                _fail(ValueError, recipe, name, "False", True,
+                      "; FP8 attention runs under DelayedScaling and Float8CurrentScaling only")
     if recipe.fp8_mha and not recipe.fp8_dpa:
         _fail(ValueError, recipe, "fp8_dpa", "True when fp8_mha is True", recipe.fp8_dpa)
+
+
+def _check_backward_override(recipe: Any) -> None:
+    value = recipe.backward_override
+    if value not in _BACKWARD_OVERRIDES:
+        _fail(ValueError, recipe, "backward_override",
+              "None, 'high_precision' or 'dequantized'", value)
+
+
+def _take_alias(recipe: Any, name: str, value: Any, ours: str, ours_value: Any) -> None:
+    """NVIDIA's keyword ``name`` (given as ``value``, None when not given) sets our field
+    ``ours`` to ``ours_value``. Our field given too, with another value, is a contradiction;
+    at its default it is taken as not given."""
+    if value is None:
+        return
+    if not isinstance(value, bool):
+        _fail(TypeError, recipe, name, "a bool", value)
+    current = getattr(recipe, ours)
+    if current != type(recipe).__dataclass_fields__[ours].default and current != ours_value:
+        raise ValueError(f"{type(recipe).__name__}: {name}={value!r} contradicts "
+                         f"{ours}={current!r}; give one of them")
+    object.__setattr__(recipe, ours, ours_value)
+
+
+def _check_mm(recipe: Any, *names: str) -> None:
+    for name in names:
+        if not isinstance(getattr(recipe, name), MMParams):
+            _fail(TypeError, recipe, name, "an MMParams", getattr(recipe, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class MMParams:
+    """NVIDIA's GEMM options of a recipe (``fp8_gemm_fprop``, ``fp8_gemm_dgrad``,
+    ``fp8_gemm_wgrad``).
+
+    Attributes:
+        use_split_accumulator: promote the FP8 GEMM's partial sums to FP32 often (more
+            accurate, a little slower); False is the tensor cores' fast accumulation. The
+            modules run the forward GEMM with fast accumulation and the two backward GEMMs
+            split under per-tensor scaling, and every block-scaled GEMM split; a recipe asking
+            otherwise is refused, not run differently.
+    """
+
+    use_split_accumulator: bool = True
+
+    def __post_init__(self) -> None:
+        _check_bool(self, "use_split_accumulator")
+
+
+@dataclasses.dataclass(frozen=True)
+class QParams:
+    """NVIDIA's per-role quantization options, as a recipe's ``fp8_quant_fwd_inp``,
+    ``fp8_quant_fwd_weight`` and ``fp8_quant_bwd_grad`` report them (read-only views of the
+    recipe's own fields). The last three are FP4 options; FP8 recipes report False."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
+
+
+class _QParamsViews:
+    """``fp8_quant_fwd_inp`` / ``fp8_quant_fwd_weight`` / ``fp8_quant_bwd_grad`` of a recipe
+    whose ``power_2_scale`` and ``amax_epsilon`` serve all three roles."""
+
+    @property
+    def fp8_quant_fwd_inp(self) -> QParams:
+        return QParams(power_2_scale=self.power_2_scale, amax_epsilon=self.amax_epsilon)
+
+    fp8_quant_fwd_weight = fp8_quant_fwd_inp
+    fp8_quant_bwd_grad = fp8_quant_fwd_inp
 
 
 class Recipe:
     """Base class of the recipes. Each recipe answers True to exactly one predicate:
     ``delayed()`` for :class:`DelayedScaling`, ``float8_current_scaling()`` for
-    :class:`Float8CurrentScaling`, ``float8_block_scaling()`` for :class:`Float8BlockScaling`
-    and ``mxfp8()`` for :class:`MXFP8BlockScaling`."""
+    :class:`Float8CurrentScaling`, ``float8_block_scaling()`` for :class:`Float8BlockScaling`,
+    ``mxfp8()`` for :class:`MXFP8BlockScaling`, ``nvfp4()`` for :class:`NVFP4BlockScaling`
+    and ``custom()`` for :class:`CustomRecipe`; ``float8_per_tensor_scaling()`` is True for
+    the first two. They are class methods (as in NVIDIA's package), so a class can be asked
+    as well as an instance."""
 
-    def delayed(self) -> bool:
+    @classmethod
+    def delayed(cls) -> bool:
         return False
 
-    def float8_current_scaling(self) -> bool:
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
         return False
 
-    def float8_block_scaling(self) -> bool:
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
         return False
 
-    def mxfp8(self) -> bool:
+    @classmethod
+    def mxfp8(cls) -> bool:
         return False
+
+    @classmethod
+    def nvfp4(cls) -> bool:
+        return False
+
+    @classmethod
+    def custom(cls) -> bool:
+        return False
+
+    @classmethod
+    def float8_per_tensor_scaling(cls) -> bool:
+        return cls.delayed() or cls.float8_current_scaling()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -195,6 +314,7 @@ class DelayedScaling(Recipe):
         fp8_dpa: run the two batched GEMMs of dot-product attention in FP8 (fused attention).
         fp8_mha: also keep the attention block's inputs and output in FP8 between the QKV
             projection, attention and the output projection, saving casts; needs ``fp8_dpa``.
+        backward_override: None only (NVIDIA's field; delayed scaling has no other mode).
     """
 
     margin: int = 0
@@ -205,6 +325,7 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_int(self, "margin", 0, "a non-negative int")
@@ -222,13 +343,17 @@ class DelayedScaling(Recipe):
             _fail(TypeError, self, "scaling_factor_compute_algo", "None or a callable", algo)
         _check_bool(self, "reduce_amax")
         _check_attention(self)
+        if self.backward_override is not None:
+            _fail(ValueError, self, "backward_override", "None", self.backward_override,
+                  "; delayed scaling has no other backward mode")
 
-    def delayed(self) -> bool:
+    @classmethod
+    def delayed(cls) -> bool:
         return True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Float8CurrentScaling(Recipe):
+class Float8CurrentScaling(_QParamsViews, Recipe):
     """Per-tensor scaling whose scale comes from the amax of the tensor being quantized.
 
     Tracks the data with no lag, at the cost of an amax reduction before each cast.
@@ -247,6 +372,13 @@ class Float8CurrentScaling(Recipe):
         amax_epsilon: floor on the amax, so a nearly all-zero tensor does not get a huge scale.
         fp8_dpa: run dot-product attention in FP8 (see :class:`DelayedScaling`).
         fp8_mha: keep the attention block's inputs and output in FP8; needs ``fp8_dpa``.
+        fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: NVIDIA's GEMM options; the defaults
+            (fast accumulation forward, split backward) are what the modules run, the plan
+            refuses others.
+        backward_override: NVIDIA's backward precision mode: None (the backward uses the
+            FP8 operands), ``"high_precision"`` or ``"dequantized"``. Only None runs here; the
+            plan refuses the others.
+        use_power_2_scales: NVIDIA's name for ``power_2_scale`` (keyword only, not stored).
     """
 
     fp8_format: Format = Format.HYBRID
@@ -254,19 +386,29 @@ class Float8CurrentScaling(Recipe):
     amax_epsilon: float = 0.0
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    backward_override: Optional[str] = None
+    use_power_2_scales: dataclasses.InitVar[Optional[bool]] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, use_power_2_scales: Optional[bool]) -> None:
         _check_format(self)
         _check_bool(self, "power_2_scale")
+        _take_alias(self, "use_power_2_scales", use_power_2_scales, "power_2_scale",
+                    use_power_2_scales)
         _check_epsilon(self)
         _check_attention(self)
+        _check_mm(self, "fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad")
+        _check_backward_override(self)
 
-    def float8_current_scaling(self) -> bool:
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
         return True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Float8BlockScaling(Recipe):
+class Float8BlockScaling(_QParamsViews, Recipe):
     """FP8 with one FP32 scale per block of ``block_size`` elements or ``block_size``
     squared, each block's scale computed as in :class:`Float8CurrentScaling`.
 
@@ -284,6 +426,13 @@ class Float8BlockScaling(Recipe):
         power_2_scale: round each block's scale down to a power of two (the default); see
             :class:`Float8CurrentScaling`.
         amax_epsilon: floor on each block's amax (see :class:`Float8CurrentScaling`).
+        fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: NVIDIA's GEMM options; block-scaled
+            GEMMs always accumulate split, so ``use_split_accumulator`` must be True.
+        fp8_dpa, fp8_mha: False only (FP8 attention does not take block scales).
+        backward_override: NVIDIA's backward precision mode: None (the backward uses the
+            FP8 operands), ``"high_precision"`` or ``"dequantized"``. Only None runs here; the
+            plan refuses the others.
+        use_f32_scales: NVIDIA's keyword; True means ``power_2_scale=False`` (not stored).
     """
 
     block_size: ClassVar[int] = 128
@@ -294,17 +443,35 @@ class Float8BlockScaling(Recipe):
     grad_block_scaling_dim: int = 1
     power_2_scale: bool = True
     amax_epsilon: float = 0.0
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
+    use_f32_scales: dataclasses.InitVar[Optional[bool]] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, use_f32_scales: Optional[bool]) -> None:
         _check_format(self)
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             _check_int(self, name, 1, "1 or 2")
             if getattr(self, name) > 2:
                 _fail(ValueError, self, name, "1 or 2", getattr(self, name))
         _check_bool(self, "power_2_scale")
+        _take_alias(self, "use_f32_scales", use_f32_scales, "power_2_scale",
+                    None if use_f32_scales is None else not use_f32_scales)
         _check_epsilon(self)
+        names = ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad")
+        _check_mm(self, *names)
+        for name in names:
+            if not getattr(self, name).use_split_accumulator:
+                _fail(ValueError, self, name, "MMParams(use_split_accumulator=True)",
+                      getattr(self, name), "; block-scaled GEMMs always accumulate split")
+        _check_attention(self, supported=False)
+        _check_backward_override(self)
 
-    def float8_block_scaling(self) -> bool:
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
         return True
 
 
@@ -318,14 +485,105 @@ class MXFP8BlockScaling(Recipe):
 
     Attributes:
         fp8_format: ``Format.E4M3`` (default) or ``Format.HYBRID``; ``Format.E5M2`` is rejected.
+        margin: NVIDIA's field (a non-negative int); E8M0 scales come from the block's own
+            amax, so it changes nothing.
+        fp8_dpa, fp8_mha: False only (FP8 attention does not take MXFP8 scales here).
+        backward_override: NVIDIA's backward precision mode: None (the backward uses the
+            FP8 operands), ``"high_precision"`` or ``"dequantized"``. Only None runs here; the
+            plan refuses the others.
     """
 
     block_size: ClassVar[int] = 32
 
+    margin: int = 0
     fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
 
     def __post_init__(self) -> None:
+        _check_int(self, "margin", 0, "a non-negative int")
         _check_format(self)
+        _check_attention(self, supported=False)
+        _check_backward_override(self)
 
-    def mxfp8(self) -> bool:
+    @classmethod
+    def mxfp8(cls) -> bool:
+        return True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NVFP4BlockScaling(Recipe):
+    """NVIDIA's NVFP4 recipe: E2M1 (4-bit) values, an E4M3 scale per 16 elements and an FP32
+    scale per tensor. It is built and checked so that NVIDIA programs configure unchanged,
+    but this package has no FP4 GEMM: the plan refuses it when a module would run it.
+
+    Attributes:
+        disable_rht: no random Hadamard transform of inputs and gradients.
+        disable_stochastic_rounding: round gradients to nearest instead.
+        disable_2d_quantization: 1x16 blocks for weights too (instead of 16x16).
+        fp4_format: ``Format.E2M1`` only.
+        fp8_format: ``Format.E4M3`` only (the format of the block scales).
+        fp8_dpa, fp8_mha: False only.
+        backward_override: NVIDIA's backward precision mode: None (the backward uses the
+            FP8 operands), ``"high_precision"`` or ``"dequantized"``. Only None runs here; the
+            plan refuses the others.
+    """
+
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+    fp4_format: Format = Format.E2M1
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _check_bool(self, "disable_rht", "disable_stochastic_rounding", "disable_2d_quantization")
+        for name, only in (("fp4_format", Format.E2M1), ("fp8_format", Format.E4M3)):
+            value = getattr(self, name)
+            if not isinstance(value, Format):
+                _fail(TypeError, self, name, f"a Format member ({only!r})", value)
+            if value is not only:
+                _fail(ValueError, self, name, repr(only), value)
+        _check_attention(self, supported=False)
+        _check_backward_override(self)
+
+    @classmethod
+    def nvfp4(cls) -> bool:
+        return True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CustomRecipe(Recipe):
+    """NVIDIA's recipe of user quantizer factories: ``qfactory(role)`` returns the quantizer
+    of each tensor role. It is built and checked so that NVIDIA programs configure unchanged,
+    but the modules here quantize through the plan, not through quantizer objects: the plan
+    refuses it when a module would run it.
+
+    Attributes:
+        qfactory: a callable (required).
+        fp8_format: ``Format.HYBRID`` (default) or ``Format.E4M3``.
+        fp8_dpa, fp8_mha: False only.
+        backward_override: NVIDIA's backward precision mode: None (the backward uses the
+            FP8 operands), ``"high_precision"`` or ``"dequantized"``. Only None runs here; the
+            plan refuses the others.
+    """
+
+    qfactory: Callable[..., Any]
+    fp8_format: Format = Format.HYBRID
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.qfactory):
+            _fail(TypeError, self, "qfactory", "a callable", self.qfactory)
+        _check_format(self)
+        _check_attention(self, supported=False)
+        _check_backward_override(self)
+
+    @classmethod
+    def custom(cls) -> bool:
         return True
