@@ -12,10 +12,21 @@ Example (the seed example; on a machine without a GPU use device="cpu"):
 >>> out.sum().backward()  # doctest: +SKIP
 """
 
+from .availability import (
+    get_cudnn_version,
+    get_default_recipe,
+    get_device_compute_capability,
+    is_bf16_available,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
+)
 from .checkpoint import checkpoint
 from .float8_tensor import Float8Tensor
-from .fp8 import autocast, fp8_autocast, fp8_model_init, is_fp8_available
+from .fp8 import autocast, fp8_autocast, fp8_model_init
 from .inference import InferenceParams
+from .model_init import quantized_model_init
 from .module import (
     AttentionBackend,
     DotProductAttention,
@@ -36,4 +47,7 @@ __all__ = ["AttentionBackend", "DotProductAttention", "Float8Tensor", "Inference
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "__version__",
            "apply_rotary_pos_emb", "autocast", "checkpoint", "fp8_autocast", "fp8_model_init",
-           "get_attention_backend", "is_fp8_available"]
+           "get_attention_backend", "get_cudnn_version", "get_default_recipe",
+           "get_device_compute_capability", "is_bf16_available", "is_fp8_available",
+           "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available",
+           "quantized_model_init"]

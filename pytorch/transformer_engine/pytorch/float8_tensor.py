@@ -26,6 +26,10 @@ _aten = torch.ops.aten
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 _PASSTHROUGH = {_aten.detach.default, _aten.alias.default}
 
+# Set by quantized_model_init(preserve_high_precision_init_val=True) while modules are built:
+# quantize() then keeps a CPU copy of the value it quantized (the initial weight).
+_PRESERVE_INIT = [False]
+
 
 def _fp8_name(data: torch.Tensor, fp8_dtype: Optional[str]) -> str:
     for name, native in TORCH_FP8.items():
@@ -81,6 +85,7 @@ class Float8Tensor(torch.Tensor):
         self._scaling_mode = scaling_mode
         self._transpose = None if transpose is None else as_bytes(transpose)
         self._transpose_scale_inv = transpose_scale_inv
+        self._high_precision_init_val = None
         return self
 
     # ------------------------------------------------------------ making and reading
@@ -100,8 +105,23 @@ class Float8Tensor(torch.Tensor):
             data, sinv, col, col_sinv = ops.quantize_block(
                 m, fp8_dtype, scaling_mode, True, with_transpose, force_pow2_scales, 0.0)
             col_sinv = col_sinv if with_transpose else None
-        return cls(data.view(x.shape), sinv, fp8_dtype, x.dtype, scaling_mode,
-                   col if with_transpose else None, col_sinv)
+        out = cls(data.view(x.shape), sinv, fp8_dtype, x.dtype, scaling_mode,
+                  col if with_transpose else None, col_sinv)
+        if _PRESERVE_INIT[0]:
+            # On the CPU: the point of FP8 weights is not to hold a high-precision copy on
+            # the GPU.
+            out._high_precision_init_val = x.to("cpu", copy=True)
+        return out
+
+    def get_high_precision_init_val(self) -> Optional[torch.Tensor]:
+        """The value this tensor was quantized from when it was made inside
+        ``quantized_model_init(preserve_high_precision_init_val=True)`` (a CPU tensor of
+        ``self.dtype``), or None (made elsewhere, or cleared)."""
+        return self._high_precision_init_val
+
+    def clear_high_precision_init_val(self) -> None:
+        """Drops the kept initial value (e.g. once the optimizer's master weights hold it)."""
+        self._high_precision_init_val = None
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The high-precision values, as a plain tensor of ``dtype`` (default: self.dtype)."""
@@ -199,7 +219,11 @@ class Float8Tensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _PASSTHROUGH:
-            return args[0]._with()
+            out = args[0]._with()
+            # An alias is the same tensor (nn.Parameter detaches what it wraps): it keeps the
+            # initial value too.
+            out._high_precision_init_val = args[0]._high_precision_init_val
+            return out
         if func is _aten.clone.default:
             t = args[0]
             clone = lambda x: None if x is None else x.clone()  # noqa: E731
