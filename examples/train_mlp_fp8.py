@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     d_in, d_hidden, d_out, batch = SIZES[device.type]
     sizes = (d_in, args.hidden or d_hidden, d_out, args.batch or batch)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    ok, reason = te.is_fp8_available()
+    ok, reason = te.is_fp8_available(return_reason=True)
     print(f"FP8 available: {ok} ({reason})")
     if not ok:
         return 1

@@ -87,7 +87,7 @@ def build(size, device: str, seed: int) -> GPT:
 
 
 def check_fp8() -> tuple[bool, str]:
-    return te.is_fp8_available()
+    return te.is_fp8_available(return_reason=True)
 
 
 class Runner:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.cuda
 
 
 def test_fp8_is_available_on_this_gpu():
-    ok, reason = te.is_fp8_available()
+    ok, reason = te.is_fp8_available(return_reason=True)
     if torch.cuda.get_device_capability() >= (8, 9):
         assert ok, reason
     else:

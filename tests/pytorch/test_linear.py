@@ -125,7 +125,8 @@ def test_the_core_s_errors_reach_the_user():
 
 
 def test_is_fp8_available_explains_itself():
-    ok, reason = te.is_fp8_available()
+    assert te.is_fp8_available() is te.is_fp8_available(return_reason=True)[0]
+    ok, reason = te.is_fp8_available(return_reason=True)
     assert isinstance(ok, bool) and reason
     if not torch.cuda.is_available():
         assert ok and "emulated" in reason
