@@ -98,9 +98,14 @@ def _check_layer(kind: str, scaling: str, tokens: int, device=None) -> None:
         g_params, g_state, g_x = grads
         r_params, r_state, r_x = grads_ref
         np.testing.assert_array_equal(np.asarray(g_x), np.asarray(r_x)[:tokens])
-        for a, b in zip(jax.tree.leaves((g_params, g_state)), jax.tree.leaves((r_params, r_state)),
-                        strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((g_params, g_state)),
+                                jax.tree.leaves((r_params, r_state)), strict=True):
+            if "bias" in jax.tree_util.keystr(path):
+                # A bias gradient is a sum over the tokens, which XLA may order differently
+                # for 1000 and 1008 rows (the GPU's reduction tiles): a few ulps of fp32.
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-6)
+            else:
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         if scaling == "delayed" and kind == "DenseGeneral":
             history = np.asarray(g_state["fp8_metas"]["x_amax_history"])
             assert np.max(history) == np.max(np.abs(np.asarray(x)))
