@@ -42,14 +42,14 @@ TEST_CASE(tensor_set_rejects_bad_buffers) {
   CHECK_ERROR(te_tensor_get(t, TE_SLOT_AMAX, &got), TE_ERROR_VALUE, "empty");
 }
 
-TEST_CASE(fp8_conversion_rounds_to_nearest_even_and_saturates) {
+TEST_CASE(fp8_conversion_rounds_to_nearest_even_and_saturates_finite_values) {
   CHECK(te::float_to_e4m3(1.0f) == 0x38);
   CHECK(te::float_to_e4m3(1.0625f) == 0x38);  // tie between 1 and 1.125: even mantissa
   CHECK(te::float_to_e4m3(1.1875f) == 0x3A);  // tie between 1.125 and 1.25: even mantissa
   CHECK(te::float_to_e4m3(448.0f) == 0x7E);
   CHECK(te::float_to_e4m3(1e6f) == 0x7E);
-  CHECK(te::float_to_e4m3(kInf) == 0x7E);
-  CHECK(te::float_to_e4m3(-kInf) == 0xFE);
+  CHECK(te::float_to_e4m3(kInf) == te::kFp8NaN);  // E4M3 has no infinity: NaN, not 448
+  CHECK(te::float_to_e4m3(-kInf) == te::kFp8NaN);
   CHECK(te::float_to_e4m3(kNaN) == te::kFp8NaN);
   CHECK(te::float_to_e4m3(-kNaN) == te::kFp8NaN);
   CHECK(te::float_to_e4m3(-0.0f) == 0x80);
@@ -59,7 +59,9 @@ TEST_CASE(fp8_conversion_rounds_to_nearest_even_and_saturates) {
   CHECK(te::float_to_e4m3(std::ldexp(1.0f, -6)) == 0x08);       // smallest normal
   CHECK(te::float_to_e5m2(1.0f) == 0x3C);
   CHECK(te::float_to_e5m2(57344.0f) == 0x7B);
-  CHECK(te::float_to_e5m2(kInf) == 0x7B);
+  CHECK(te::float_to_e5m2(1e9f) == 0x7B);
+  CHECK(te::float_to_e5m2(kInf) == 0x7C);
+  CHECK(te::float_to_e5m2(-kInf) == 0xFC);
   CHECK(te::float_to_e5m2(std::ldexp(1.0f, -16)) == 0x01);
   CHECK(te::float_to_e5m2(kNaN) == te::kFp8NaN);
   // Every finite FP8 value converts back to its own code.

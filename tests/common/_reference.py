@@ -2,8 +2,8 @@
 
 Written from the C API's doc comments (cpp/include/transformer_engine/*.h), not from the
 core's sources, and by other means: FP8 rounding is ml_dtypes' cast (round to nearest even)
-after an explicit clip to the finite range (the core saturates, where ml_dtypes would give NaN
-or Inf), blocks are numpy reshapes, the MXFP8 exponent is found with exact float64
+after an explicit clip of finite values to the finite range (the core saturates them, where
+ml_dtypes would give NaN or Inf; infinities stay non-finite, as in the core), blocks are numpy reshapes, the MXFP8 exponent is found with exact float64
 comparisons, and delayed scaling is a plain loop over the history columns. Each product and
 quotient is one float32 operation, as in the core, so the results are comparable bit for bit.
 
@@ -69,9 +69,11 @@ def matrix(x: np.ndarray) -> np.ndarray:
 
 
 def cast_to_fp8(values: np.ndarray, fmt: Fp8Format) -> np.ndarray:
-    """float32 -> FP8 bytes: round to nearest even, saturate to +-max (Inf too), NaN stays NaN."""
+    """float32 -> FP8 bytes: round to nearest even, finite values saturate to +-max; NaN stays
+    NaN and +-Inf stays non-finite (+-Inf in E5M2, NaN in E4M3, which has no infinity)."""
     v = np.asarray(values, np.float32)
     clipped = np.clip(v, F32(-fmt.max), F32(fmt.max))  # NaN passes through np.clip
+    clipped = np.where(np.isinf(v), v, clipped)  # ml_dtypes: Inf -> Inf (E5M2), NaN (E4M3)
     return clipped.astype(fmt.dtype).view(np.uint8)
 
 

@@ -187,15 +187,17 @@ def test_quantize_special_values(device, in_dtype, fmt, scale):
 
 @pytest.mark.parametrize("fmt", ref.FORMATS.values(), ids=lambda f: f.name)
 def test_saturation_and_nan_bytes(device, fmt):
-    """The documented bytes: +-Inf and overflow saturate to +-max, every NaN becomes 0x7F,
-    the sign of zero is kept."""
+    """The documented bytes: finite overflow saturates to +-max, +-Inf stays +-Inf in E5M2
+    (0x7C / 0xFC) and becomes the NaN byte in E4M3, every NaN becomes 0x7F, the sign of zero is
+    kept."""
     nans = np.array([0x7FC00000, 0xFFC00000, 0x7F800001], np.uint32).view(np.float32)
     finite_and_inf = np.array([np.inf, -np.inf, 1e9, -1e9, 0.0, -0.0, -1e-30], np.float32)
     x = np.concatenate([finite_and_inf, nans])
     got = run_quantize(device, x, fmt, np.float32(1.0))
     top = fmt.max_code
+    inf, neg_inf = (0x7C, 0xFC) if fmt.name == "e5m2" else (0x7F, 0x7F)
     want = np.array(
-        [top, 0x80 | top, top, 0x80 | top, 0x00, 0x80, 0x80, 0x7F, 0x7F, 0x7F], np.uint8
+        [inf, neg_inf, top, 0x80 | top, 0x00, 0x80, 0x80, 0x7F, 0x7F, 0x7F], np.uint8
     )
     np.testing.assert_array_equal(got["data"], want)
     np.testing.assert_array_equal(got["columnwise_data"].ravel(), want)

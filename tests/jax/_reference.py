@@ -12,10 +12,11 @@ FLT_MAX = float(np.finfo(np.float32).max)
 
 
 def quantize(x, scale: float, fmt: str) -> np.ndarray:
-    """FP8 values of x * scale (fp32 product, saturated to the finite max, nearest even)."""
+    """FP8 values of x * scale (fp32 product, finite values saturated to the finite max,
+    nearest even; NaN and +-Inf stay non-finite: Inf in E5M2, NaN in E4M3)."""
     dtype, fmax = FP8[fmt]
     y = np.asarray(x, np.float32) * np.float32(scale)
-    y = np.where(np.isnan(y), y, np.clip(y, -fmax, fmax))
+    y = np.where(np.isfinite(y), np.clip(y, -fmax, fmax), y)
     return y.astype(dtype)
 
 

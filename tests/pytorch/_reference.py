@@ -3,8 +3,8 @@ dtypes, the block layouts by reshapes, GEMMs in float64, and delayed scaling as 
 Python model of the recipe's documented rule (recipe.py, scaling.h).
 
 None of this calls the core; it is written from the documented semantics: the scaled value
-``x * scale`` is computed in fp32, clipped to the format's finite range (the core saturates)
-and rounded to nearest even by torch's cast.
+``x * scale`` is computed in fp32, clipped to the format's finite range when finite (the core
+saturates finite values and keeps infinities non-finite) and rounded to nearest even by torch's cast.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ FLT_MAX = torch.finfo(torch.float32).max
 
 
 def fp8_round(v: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
-    """fp32 values rounded to the FP8 grid (saturating), returned as fp32."""
+    """fp32 values rounded to the FP8 grid (finite values saturating), returned as fp32; +-Inf
+    stays non-finite (torch's cast: Inf in E5M2, NaN in E4M3)."""
     native, fmax = FP8[fp8_dtype]
-    return v.float().clamp(-fmax, fmax).to(native).float()
+    v = v.float()
+    return torch.where(v.isinf(), v, v.clamp(-fmax, fmax)).to(native).float()
 
 
 def quantize_tensor(x: torch.Tensor, scale: float, fp8_dtype: str) -> torch.Tensor:

@@ -1,7 +1,12 @@
 /* Transformer Engine core: quantization to FP8 and back.
  *
- * Conversion to FP8 rounds to nearest even, saturates to the format's finite maximum
- * (infinities included) and keeps NaN a NaN; the CPU and CUDA paths give identical bits.
+ * Conversion to FP8 rounds to nearest even and saturates finite values to the format's finite
+ * maximum. Non-finite values stay non-finite, so that an overflow is never hidden: NaN becomes
+ * the one NaN byte 0x7F (whatever its sign); +-Inf becomes +-Inf in E5M2 (0x7C / 0xFC) and
+ * the NaN byte 0x7F in E4M3, which has no infinity. The test is on the scaled fp32 value
+ * x * scale: under delayed scaling, a finite x whose product overflows fp32 is non-finite too.
+ * Every kernel that writes FP8 (quantize, block quantize, the fused norm and activation
+ * casts) converts this way; the CPU and CUDA paths give identical bits.
  * Tensors are viewed as matrices [M, K]: K is the last dimension, M the product of the rest.
  */
 #ifndef TRANSFORMER_ENGINE_QUANTIZE_H_

@@ -219,18 +219,12 @@ __device__ __forceinline__ void row_values(const float (&x)[kOps][8], float (&y)
 template <Out kKind>
 constexpr te_dtype kFp8Dtype = kKind == Out::kE4M3 ? TE_DTYPE_FLOAT8_E4M3 : TE_DTYPE_FLOAT8_E5M2;
 
-// Four values to FP8, the first in the lowest byte, as fp8x4 does but with NaN bytes left as
-// the hardware makes them: the kernel canonicalizes a patch's bytes only when it holds a NaN.
+// Four values to FP8, the first in the lowest byte, as fp8x4 does (infinities included) but with
+// NaN bytes left as the hardware makes them: the kernel canonicalizes a patch's bytes only when
+// it holds a NaN.
 template <Out kKind>
 __device__ __forceinline__ uint32_t fp8x4_raw(float a, float b, float c, float d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  constexpr __nv_fp8_interpretation_t kInterp = kKind == Out::kE4M3 ? __NV_E4M3 : __NV_E5M2;
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kInterp);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kInterp);
-  return lo | (hi << 16);
-#else
-  return fp8x4<kFp8Dtype<kKind>>(a, b, c, d);
-#endif
+  return fp8x4_nan_raw<kFp8Dtype<kKind>>(a, b, c, d);
 }
 
 // Eight high-precision values of row-wise index i.. (fp32 NaN written as kCanonicalNaN; the

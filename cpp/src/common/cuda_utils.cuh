@@ -320,12 +320,16 @@ __device__ __forceinline__ void atomic_max_amax(float *amax, uint32_t bits) {
 // fp32 -> FP8, four values packed into a word (the first in the lowest byte).
 //
 // sm_89+ has the conversion in hardware (F2FP, cvt.rn.satfinite): round to nearest even,
-// saturation of finite values and infinities to the finite max, like float_to_fp8_bits. Its NaN
-// pattern, however, is not the reference's single kFp8NaN (0x7F): it may keep the sign (0xFF) and,
-// for E5M2, part of the payload (0x7E, 0xFE, ...). Since satfinite never turns a non-NaN into a
-// NaN or an infinity, a byte whose magnitude is above the largest finite code (0x7E for E4M3,
-// 0x7B for E5M2; 0x7C is never produced) came from a NaN and is set to 0x7F, four bytes at a
-// time with integer SIMD-within-a-word: no branch, a handful of integer ops per 4 bytes.
+// saturation of finite values to the finite max, like float_to_fp8_bits. Two things differ
+// from the reference and are fixed up here with integer SIMD-within-a-word, four bytes at a
+// time, no branch:
+// - satfinite saturates infinities too (to sign | 0x7E for E4M3, sign | 0x7B for E5M2), where
+//   the reference keeps them non-finite: +-Inf in E5M2, kFp8NaN in E4M3 (fp8_inf_fixup);
+// - its NaN pattern is not the reference's single kFp8NaN (0x7F): it may keep the sign (0xFF)
+//   and, for E5M2, part of the payload (0x7E, 0xFE, ...). Since satfinite never turns a non-NaN
+//   into a NaN or an infinity, a byte whose magnitude is above the largest finite code (0x7E
+//   for E4M3, 0x7B for E5M2) came from a NaN and is set to 0x7F (canonical_fp8_nan); after
+//   fp8_inf_fixup, E5M2's 0x7C/0xFC are infinities and are left alone.
 
 template <te_dtype kFp8>
 __device__ __forceinline__ uint32_t canonical_fp8_nan(uint32_t w) {
@@ -336,19 +340,41 @@ __device__ __forceinline__ uint32_t canonical_fp8_nan(uint32_t w) {
   return (w & ~nan_top) | (nan_top - (nan_top >> 7));
 }
 
+// w: the satfinite bytes of a, b, c, d (a in the lowest byte). Bytes whose value was +-Inf
+// (which satfinite wrote as +-max) become what float_to_fp8_bits writes: E5M2 +-max + 1, its
+// +-Inf; E4M3 kFp8NaN (low 7 bits set, sign cleared). Other bytes are left as they are.
 template <te_dtype kFp8>
-__device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
+__device__ __forceinline__ uint32_t fp8_inf_fixup(uint32_t w, float a, float b, float c, float d) {
+  auto inf = [](float x) -> uint32_t { return abs_bits(x) == 0x7F800000u ? 1u : 0u; };
+  const uint32_t ones = inf(a) | (inf(b) << 8) | (inf(c) << 16) | (inf(d) << 24);  // 1 per Inf byte
+  if (kFp8 == TE_DTYPE_FLOAT8_E5M2) return w + ones;  // 0x7B + 1 = 0x7C, no carry out of the byte
+  return (w | (ones * 0x7Fu)) & ~(ones << 7);
+}
+
+// The satfinite conversion with infinities fixed up, NaN bytes not yet canonical: for callers
+// that canonicalize only when a NaN can be present (the reference's bits on sm_80, canonical).
+template <te_dtype kFp8>
+__device__ __forceinline__ uint32_t fp8x4_nan_raw(float a, float b, float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   constexpr __nv_fp8_interpretation_t kKind = kFp8 == TE_DTYPE_FLOAT8_E4M3 ? __NV_E4M3 : __NV_E5M2;
   const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kKind);
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kKind);
-  return canonical_fp8_nan<kFp8>(lo | (hi << 16));
+  return fp8_inf_fixup<kFp8>(lo | (hi << 16), a, b, c, d);
 #else
   // sm_80: no FP8 hardware; the reference's own bit-level conversion.
   auto q = [](float x) -> uint32_t {
     return kFp8 == TE_DTYPE_FLOAT8_E4M3 ? float_to_e4m3(x) : float_to_e5m2(x);
   };
   return q(a) | (q(b) << 8) | (q(c) << 16) | (q(d) << 24);
+#endif
+}
+
+template <te_dtype kFp8>
+__device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return canonical_fp8_nan<kFp8>(fp8x4_nan_raw<kFp8>(a, b, c, d));
+#else
+  return fp8x4_nan_raw<kFp8>(a, b, c, d);  // already the reference's bits
 #endif
 }
 

@@ -21,8 +21,11 @@ namespace te {
 constexpr float kE4M3Max = 448.0f;
 constexpr float kE5M2Max = 57344.0f;
 constexpr float kFloatMax = 3.402823466e+38f;
-// The one NaN pattern the FP8 conversion writes, whatever the sign or payload of the input.
+// The one NaN pattern the FP8 conversion writes, whatever the sign or payload of the input
+// (E4M3's infinities included, see float_to_fp8_bits).
 constexpr uint8_t kFp8NaN = 0x7F;
+// E5M2's infinity without its sign: the code one above the largest finite one, 0x7B.
+constexpr uint8_t kE5M2Inf = 0x7C;
 
 TE_HOST_DEVICE uint32_t float_bits(float x) {
   uint32_t u;
@@ -59,14 +62,18 @@ TE_HOST_DEVICE uint32_t round_half_even_small(float x) {
   return float_bits(shifted) - float_bits(8388608.0f);
 }
 
-// fp32 -> FP8 with round-to-nearest-even, saturation to the finite max (infinities too),
-// NaN -> kFp8NaN. kMantBits/kBias select E4M3 (3, 7) or E5M2 (2, 15).
+// fp32 -> FP8 with round-to-nearest-even and saturation of finite values to the finite max.
+// A non-finite value stays non-finite, so that an overflow upstream is never hidden as a
+// plausible number: NaN -> kFp8NaN; +-Inf -> +-Inf in E5M2, and kFp8NaN in E4M3, which has no
+// infinity (the one NaN code, unsigned, like every other FP8 NaN written here).
+// kMantBits/kBias select E4M3 (3, 7) or E5M2 (2, 15).
 template <int kMantBits, int kBias>
 TE_HOST_DEVICE uint8_t float_to_fp8_bits(float x, float max_finite, uint8_t max_code) {
   const uint32_t u = float_bits(x);
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   const uint32_t a = u & 0x7FFFFFFFu;
   if (a > 0x7F800000u) return kFp8NaN;
+  if (a == 0x7F800000u) return kMantBits == 2 ? static_cast<uint8_t>(sign | kE5M2Inf) : kFp8NaN;
   if (a >= float_bits(max_finite)) return sign | max_code;
   // Smallest normal of the FP8 format: 2^(1 - bias).
   const uint32_t min_normal_bits = static_cast<uint32_t>(127 + 1 - kBias) << 23;

@@ -47,17 +47,11 @@ namespace norm_cuda {
 
 constexpr te_dtype kNoFp8 = TE_DTYPE_COUNT;
 
-// 4 values to FP8 without the NaN canonicalization of fp8x4 (applied by the caller when needed).
+// 4 values to FP8 without the NaN canonicalization of fp8x4 (applied by the caller when needed);
+// infinities come out as fp8x4 writes them.
 template <te_dtype kFp8>
 __device__ __forceinline__ uint32_t fp8x4_raw(float a, float b, float c, float d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  constexpr __nv_fp8_interpretation_t kKind = kFp8 == TE_DTYPE_FLOAT8_E4M3 ? __NV_E4M3 : __NV_E5M2;
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kKind);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kKind);
-  return lo | (hi << 16);
-#else
-  return fp8x4<kFp8>(a, b, c, d);  // already canonical; canonicalizing again changes nothing
-#endif
+  return fp8x4_nan_raw<kFp8>(a, b, c, d);
 }
 
 // The 8 elements of a vector of a row held in registers, as decode_pass has them (fp16 by the
