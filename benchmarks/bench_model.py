@@ -198,6 +198,14 @@ def host_times(step, device: str, steps: int) -> dict:
     return {"host_issue_ms": statistics.median(one), "host_back_to_back_ms": back_to_back}
 
 
+def compile_counts() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+
+
 def run_case(stack, recipe_name, execution, shape, device, steps, backend) -> dict:
     """Builds a fresh model, runs its first step (compiles or captures here) and times it."""
     batch, seq, hidden, heads = shape
@@ -211,17 +219,22 @@ def run_case(stack, recipe_name, execution, shape, device, steps, backend) -> di
     elif execution == "reduce_overhead":
         forward = torch.compile(model, dynamic=False, mode="reduce-overhead")
     step = make_step(model, forward, x, fp8_recipe, execution == "reduce_overhead")
+    before = compile_counts()
     start = time.perf_counter()
     if execution == "cuda_graph":
         step = capture(step)
     step()
     _sync(device)
     first_step_s = time.perf_counter() - start
+    # What compilation made of the step: graph breaks split it, and a skipped CUDA graph
+    # leaves reduce_overhead timing plain compiled code (inductor only logs why).
+    compiled = ({k: v - before[k] for k, v in compile_counts().items()}
+                if execution in COMPILED else {})
     if device == "cuda":
         timed = harness.time_cuda(step, batch=2, repeats=steps, warmup=1)
     else:
         timed = harness.time_host(step, repeats=steps)
-    return {**timed, "first_step_s": first_step_s, **host_times(step, device, steps)}
+    return {**timed, "first_step_s": first_step_s, **compiled, **host_times(step, device, steps)}
 
 
 def _error(err: BaseException) -> str:
@@ -442,9 +455,12 @@ def main(argv: list[str] | None = None) -> Path | None:
                        "step's start to its backward's return, issued on an idle GPU, "
                        "median; host_back_to_back_ms: wall time of issuing `steps` steps back "
                        "to back, per step, before synchronizing; first_step_s: the first "
-                       "step (compilation, capture). ratios: our median_ms / torch's (below "
-                       "1: ours faster). module_host: host ms of one fwd + bwd of a module at "
-                       "[1, 16, 256], synchronized, median, and its ratio to nn.Linear's",
+                       "step (compilation, capture); graphs, graph_breaks, cudagraph_skips "
+                       "(compiled cases): what dynamo and inductor made of the first step, "
+                       "a cudagraph skip meaning reduce_overhead ran without CUDA graphs. "
+                       "ratios: our median_ms / torch's (below 1: ours faster). module_host: "
+                       "host ms of one fwd + bwd of a module at [1, 16, 256], synchronized, "
+                       "median, and its ratio to nn.Linear's",
         "config": {"shapes_bsh_heads": [list(s) for s in shapes], "blocks": BLOCKS,
                    "ffn": "4 x hidden", "dtype": "bfloat16", "timing": timing,
                    "steps": args.steps, "variants": args.variants, "budget_s": args.budget_s,
