@@ -18,7 +18,7 @@ namespace {
 
 void init_tensor(Tensor *t, nb::object data, std::optional<te_dtype> dtype, te_scaling_mode mode,
                  nb::object scale, nb::object scale_inv, nb::object amax, nb::object columnwise_data,
-                 nb::object columnwise_scale_inv) {
+                 nb::object columnwise_scale_inv, nb::object gate) {
   new (t) Tensor();
   t->slots[TE_SLOT_DATA] = data;
   t->slots[TE_SLOT_COLUMNWISE_DATA] = columnwise_data;
@@ -26,6 +26,7 @@ void init_tensor(Tensor *t, nb::object data, std::optional<te_dtype> dtype, te_s
   t->slots[TE_SLOT_SCALE_INV] = scale_inv;
   t->slots[TE_SLOT_COLUMNWISE_SCALE_INV] = columnwise_scale_inv;
   t->slots[TE_SLOT_AMAX] = amax;
+  t->slots[TE_SLOT_GATE] = gate;
   t->dtype = dtype;
   t->scaling_mode = mode;
 }
@@ -65,7 +66,7 @@ NB_MODULE(_core, m) {
       .def("__init__", &init_tensor, "data"_a = nb::none(), nb::kw_only(), "dtype"_a = nb::none(),
            "scaling_mode"_a = TE_SCALING_TENSOR, "scale"_a = nb::none(), "scale_inv"_a = nb::none(),
            "amax"_a = nb::none(), "columnwise_data"_a = nb::none(),
-           "columnwise_scale_inv"_a = nb::none())
+           "columnwise_scale_inv"_a = nb::none(), "gate"_a = nb::none())
       .def_prop_ro("data", [](const Tensor &t) { return t.slots[TE_SLOT_DATA]; })
       .def_prop_ro("columnwise_data", [](const Tensor &t) { return t.slots[TE_SLOT_COLUMNWISE_DATA]; })
       .def_prop_ro("scale", [](const Tensor &t) { return t.slots[TE_SLOT_SCALE]; })
@@ -73,6 +74,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("columnwise_scale_inv",
                    [](const Tensor &t) { return t.slots[TE_SLOT_COLUMNWISE_SCALE_INV]; })
       .def_prop_ro("amax", [](const Tensor &t) { return t.slots[TE_SLOT_AMAX]; })
+      .def_prop_ro("gate", [](const Tensor &t) { return t.slots[TE_SLOT_GATE]; })
       .def_prop_ro("dtype", [](const Tensor &t) { return t.dtype; })
       .def_prop_ro("scaling_mode", [](const Tensor &t) { return t.scaling_mode; });
 

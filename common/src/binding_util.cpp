@@ -177,7 +177,8 @@ te_buffer to_buffer(const char *op, const std::string &what, nb::handle obj, boo
 }
 
 const char *const kSlotNames[TE_SLOT_COUNT] = {"data",      "columnwise_data",      "scale",
-                                               "scale_inv", "columnwise_scale_inv", "amax"};
+                                               "scale_inv", "columnwise_scale_inv", "amax",
+                                               "gate"};
 
 
 // Builds a C handle for a Tensor (or a bare array, taken as a plain tensor's data).

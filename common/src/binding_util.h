@@ -35,7 +35,8 @@ struct HandleDeleter {
 using Handle = std::unique_ptr<te_tensor, HandleDeleter>;
 
 // Every slot, for make_handle's writable_slots.
-constexpr unsigned kAllSlots = (1u << TE_SLOT_COUNT) - 1;
+// Every slot but the gate, which ops only read.
+constexpr unsigned kAllSlots = ((1u << TE_SLOT_COUNT) - 1) & ~(1u << TE_SLOT_GATE);
 
 // Raises the Python exception of a failed status (TypeError, ValueError or RuntimeError).
 [[noreturn]] void raise_status(te_status status, const std::string &message);

@@ -73,8 +73,18 @@ typedef enum {
   TE_SLOT_SCALE_INV = 3,          /* row-wise scale_inv (shape by mode, see above) */
   TE_SLOT_COLUMNWISE_SCALE_INV = 4,
   TE_SLOT_AMAX = 5,               /* amax [1] fp32 of the high-precision values */
-  TE_SLOT_COUNT = 6
+  TE_SLOT_GATE = 6,               /* [1] fp32: the op runs only while it holds 0 (below) */
+  TE_SLOT_COUNT = 7
 } te_tensor_slot;
+
+/* The gate. Delayed scaling scales a tensor whose amax history is still empty (a first step)
+ * from the tensor's own amax, which must then be known before the cast. A caller that cannot
+ * know on the host whether the history is empty (a compiled graph) runs the amax-producing op
+ * once more before the real one, with the history's max as the gate of the tensor carrying
+ * AMAX: te_compute_amax's output, te_norm_forward's output_fp8, te_activation_forward's output,
+ * te_activation_backward's grad_input. When the gate holds a nonzero value the op writes AMAX = 0
+ * and nothing else (on CUDA every block returns at once), so it costs one launch; when it holds
+ * 0 the op runs as usual. A gated call needs AMAX, no accumulation, and no transpose or dbias. */
 
 /* One dense, row-major (C-contiguous) buffer. data may be NULL only when it has no element. */
 typedef struct {

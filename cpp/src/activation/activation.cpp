@@ -96,6 +96,12 @@ bool check_output(Checker &check, te_tensor *out, const char *name, int64_t rows
   return true;
 }
 
+// The gate of the output handle (tensor.h), once the call's other outputs are known.
+bool check_gate(Checker &check, const te_tensor *out, const std::string &n, ActivationArgs *args) {
+  return check.gate_of(out, n.c_str(), args->amax != nullptr, args->accumulate_amax,
+                       args->out_t != nullptr || args->dbias != nullptr, &args->gate);
+}
+
 // The written buffers of the output handle, for the overlap check.
 std::vector<Checker::Named> written(const te_tensor *out, const std::string &n, bool fp8) {
   return {{slot(out, TE_SLOT_DATA), n + ".data"},
@@ -177,6 +183,7 @@ te_status run(const Checker &check, const ActivationArgs &args, te_stream stream
     CudaDeviceScope on_device(check.device_id());
     return activation_cuda(args, stream);
   }
+  if (gate_shut_on_cpu(args.gate, args.amax)) return TE_SUCCESS;
   activation_ref(args);
   return TE_SUCCESS;
 }
@@ -197,6 +204,7 @@ te_status te_activation_forward(te_activation act, const te_tensor *input, te_te
     te::ActivationArgs args;
     if (!te::check_forward(check, act, input, output, &args)) return check.status();
     args.accumulate_amax = accumulate_amax != 0;
+    if (!te::check_gate(check, output, "output", &args)) return check.status();
     return te::run(check, args, stream);
   });
 }
@@ -211,6 +219,7 @@ te_status te_activation_backward(te_activation act, const te_tensor *grad_output
       return check.status();
     }
     args.accumulate_amax = accumulate_amax != 0;
+    if (!te::check_gate(check, grad_input, "grad_input", &args)) return check.status();
     return te::run(check, args, stream);
   });
 }

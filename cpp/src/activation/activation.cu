@@ -116,6 +116,7 @@ te_status activation_cuda(const ActivationArgs &a, te_stream stream_handle) {
   p.scale = a.scale;
   p.scale_inv = a.scale_inv;
   p.amax = a.amax;
+  p.gate = a.gate;
   p.rows = a.rows;
   p.n = a.n;
   p.in_cols = a.in_cols();

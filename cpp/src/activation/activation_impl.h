@@ -29,6 +29,7 @@ struct ActivationArgs {
   bool accumulate_amax;     // amax = max(amax, this call's) instead of this call's
   void *dbias;              // backward: [out_cols] or null
   te_dtype dbias_dtype;
+  const float *gate = nullptr;  // [1] or null: run only while it holds 0 (tensor.h)
 
   int64_t in_cols() const { return gated ? 2 * n : n; }
   int64_t out_cols() const { return backward && gated ? 2 * n : n; }

@@ -32,6 +32,7 @@ struct ActParams {
   const float *scale;
   float *scale_inv;
   float *amax;
+  const float *gate;  // [1] or null: run only while it holds 0 (tensor.h)
   float *partial;  // [tiles_r, out_cols] or null
   int64_t rows, n, in_cols, out_cols, tiles_r, tiles_c, num_tiles;
   int stages;  // input stages in shared memory (1 or 2; kernels that stage inputs)

@@ -18,6 +18,7 @@ namespace activation_detail {
 template <te_dtype kIn, te_activation kAct, bool kBackward, Out kKind>
 __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBlocks))
     activation_kernel(const ActParams p) {
+  if (p.gate != nullptr && *p.gate != 0.0f) return;  // a shut gate: the amax stays 0 (tensor.h)
   using S = Shape<kIn, kAct, kBackward>;
   using T = StagedTile<kIn>;
   constexpr int kOps = S::kOps, kOut = S::kOut;

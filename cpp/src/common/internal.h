@@ -57,6 +57,9 @@ std::string describe(const te_buffer &buffer);
 std::string shape_string(const int64_t *shape, int ndim);
 
 int64_t numel(const te_buffer &buffer);
+// A CPU call whose gate (Checker::gate_of) holds a nonzero value: sets *amax = 0 and returns
+// true, the call then writing nothing else; false when there is no gate or it holds 0.
+bool gate_shut_on_cpu(const float *gate, float *amax);
 // Whether the two buffers share a byte (on the same device).
 bool overlap(const te_buffer &a, const te_buffer &b);
 // Rows of the [M, K] matrix view: product of all dimensions but the last (1 for rank 0).
@@ -94,6 +97,11 @@ class Checker {
     return present(buffer, what) && same_device(*buffer, what) &&
            dtype_is(*buffer, what, TE_DTYPE_FLOAT32) && numel_is(*buffer, what, 1);
   }
+    // The gate of tensor t (TE_SLOT_GATE, see tensor.h): *gate = null when unset, else its one
+  // fp32 value's address. A gated call must write a fresh AMAX and nothing the gate could
+  // leave stale behind it: accumulate, transposed and dbias outputs are refused.
+  bool gate_of(const te_tensor *t, const char *what, bool has_amax, bool accumulates,
+               bool other_outputs, const float **gate);
   // Same device type and id as the first buffer checked with this call.
   bool same_device(const te_buffer &buffer, const char *what);
   // Every output shares no byte with another output or with an input: the CUDA kernels write

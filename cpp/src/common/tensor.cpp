@@ -35,6 +35,7 @@ const char *slot_name(te_tensor_slot slot) {
     case TE_SLOT_SCALE_INV: return "scale_inv";
     case TE_SLOT_COLUMNWISE_SCALE_INV: return "columnwise_scale_inv";
     case TE_SLOT_AMAX: return "amax";
+    case TE_SLOT_GATE: return "gate";
     default: return "invalid slot";
   }
 }
@@ -145,6 +146,29 @@ bool Checker::same_device(const te_buffer &b, const char *what) {
   if (device_ == TE_DEVICE_CUDA) expected += ":" + std::to_string(device_id_);
   return fail(TE_ERROR_VALUE, std::string(what) + " must be on " + expected +
                                   " like the other arguments, got " + describe(b));
+}
+
+bool Checker::gate_of(const te_tensor *t, const char *what, bool has_amax, bool accumulates,
+                      bool other_outputs, const float **gate) {
+  const te_buffer *g = slot(t, TE_SLOT_GATE);
+  *gate = nullptr;
+  if (g == nullptr) return true;
+  const std::string name = std::string(what) + ".gate";
+  if (!fp32_scalar(g, name.c_str())) return false;
+  if (!has_amax) return fail(TE_ERROR_VALUE, name + " needs " + what + ".amax set (a gated call computes only the amax)");
+  if (accumulates) return fail(TE_ERROR_VALUE, name + " needs accumulate_amax = 0, got 1");
+  if (other_outputs) {
+    return fail(TE_ERROR_VALUE, name + " allows no transposed (columnwise_data) or dbias output, got one");
+  }
+  *gate = static_cast<const float *>(g->data);
+  return true;
+}
+
+// A gated CPU call whose gate is shut: AMAX = 0 and nothing else written.
+bool gate_shut_on_cpu(const float *gate, float *amax) {
+  if (gate == nullptr || *gate == 0.0f) return false;
+  *amax = 0.0f;
+  return true;
 }
 
 bool overlap(const te_buffer &a, const te_buffer &b) {

@@ -143,6 +143,10 @@ bool check_forward(Checker &check, const te_norm_config *config, const te_tensor
     a->scale_inv = static_cast<float *>(sinv->data);
     a->amax = amax != nullptr ? static_cast<float *>(amax->data) : nullptr;
     a->accumulate_amax = config->accumulate_amax != 0;
+    if (!check.gate_of(output_fp8, "output_fp8", amax != nullptr, a->accumulate_amax,
+                       qt != nullptr || out != nullptr, &a->gate)) {
+      return false;
+    }
   }
   if (ln) {
     if (!check_stats(check, mu, "mu", a->rows)) return false;
@@ -252,6 +256,7 @@ te_status te_norm_forward(const te_norm_config *config, const te_tensor *input, 
       te::CudaDeviceScope on_device(check.device_id());
       return te::norm_forward_cuda(args, stream);
     }
+    if (te::gate_shut_on_cpu(args.gate, args.amax)) return TE_SUCCESS;
     te::norm_forward_ref(args);
     return TE_SUCCESS;
   });

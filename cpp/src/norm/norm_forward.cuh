@@ -190,6 +190,7 @@ __device__ __forceinline__ void fill_weights(const NormForwardArgs &a, int nvec,
 // kF8: the FP8 output's dtype or kNoFp8.
 template <te_dtype kIn, int kVecs, bool kLn, te_dtype kF8>
 __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(const NormForwardArgs a) {
+  if (a.gate != nullptr && *a.gate != 0.0f) return;  // a shut gate: the amax stays 0 (tensor.h)
   constexpr int kRows = kStepRows<kIn, kVecs>;
   constexpr int kSteps = kBandRows / (kGroups * kRows);  // steps of a group per band
   constexpr bool kFp8 = kF8 != kNoFp8;
@@ -405,6 +406,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
 template <te_dtype kIn>
 __global__ void __launch_bounds__(kThreads) norm_forward_any_kernel(const NormForwardArgs a, bool whole,
                                                                     bool weights8) {
+  if (a.gate != nullptr && *a.gate != 0.0f) return;  // a shut gate: the amax stays 0 (tensor.h)
   __shared__ LaneScratch<1> scratch[2];
   __shared__ uint32_t warp_amax[kGroupWarps];
   const bool ln = a.type == TE_NORM_LAYERNORM;

@@ -38,6 +38,7 @@ struct NormForwardArgs {
   float *scale_inv, *amax;  // amax may be null
   bool accumulate_amax;     // amax = max(amax, max|y|) instead of max|y|
   float *mu, *rsigma;       // [rows]; mu null for RMSNorm
+  const float *gate = nullptr;  // [1] or null: run only while it holds 0 (tensor.h)
 };
 
 struct NormBackwardArgs {

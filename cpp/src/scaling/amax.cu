@@ -22,7 +22,9 @@ constexpr int kBlocksPerSm = 4;
 
 template <te_dtype kIn>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
-    compute_amax_kernel(const void *__restrict__ input, int64_t n, bool vectorized, float *__restrict__ amax) {
+    compute_amax_kernel(const void *__restrict__ input, int64_t n, bool vectorized, float *__restrict__ amax,
+                        const float *gate) {
+  if (gate != nullptr && *gate != 0.0f) return;  // the amax stays the launcher's 0
   __shared__ uint32_t scratch[kThreads / 32];
   uint32_t m = 0;
   if (vectorized) {
@@ -81,7 +83,7 @@ te_status compute_amax_cuda(const AmaxArgs &a, te_stream stream_handle) {
   return with_hp_dtype(a.input_dtype, [&](auto in) {
     constexpr te_dtype kIn = decltype(in)::value;
     compute_amax_kernel<kIn><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a.input, a.numel, vectorized,
-                                                                                     a.amax);
+                                                                                     a.amax, a.gate);
     return launch_status(op);
   });
 }

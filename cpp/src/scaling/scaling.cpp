@@ -55,11 +55,14 @@ te_status te_compute_amax(const te_tensor *input, te_tensor *output, te_stream s
     const te_buffer *amax = te::slot(output, TE_SLOT_AMAX);
     if (!check.fp32_scalar(amax, "output.amax")) return check.status();
     if (!check.disjoint({{amax, "output.amax"}}, {{in, "input.data"}})) return check.status();
-    te::AmaxArgs args{in->data, in->dtype, te::numel(*in), static_cast<float *>(amax->data)};
+    const float *gate = nullptr;
+    if (!check.gate_of(output, "output", true, false, false, &gate)) return check.status();
+    te::AmaxArgs args{in->data, in->dtype, te::numel(*in), static_cast<float *>(amax->data), gate};
     if (check.device() == TE_DEVICE_CUDA) {
       te::CudaDeviceScope on_device(check.device_id());
       return te::compute_amax_cuda(args, stream);
     }
+    if (te::gate_shut_on_cpu(gate, args.amax)) return TE_SUCCESS;
     te::compute_amax_ref(args);
     return TE_SUCCESS;
   });

@@ -15,6 +15,7 @@ struct AmaxArgs {
   te_dtype input_dtype;  // fp32/fp16/bf16
   int64_t numel;
   float *amax;  // [1]
+  const float *gate = nullptr;  // [1] or null: run only while it holds 0 (tensor.h)
 };
 
 struct ScaleFromAmaxArgs {
