@@ -31,7 +31,7 @@ ffi::Error activation_of(const char *op, int32_t act, te_activation *out) {
 ffi::Error result_tensor(const char *op, const char *name, const ffi::AnyBuffer &scale,
                          const ffi::AnyBuffer &data, const ffi::AnyBuffer &columnwise_data,
                          const ffi::AnyBuffer &scale_inv, const ffi::AnyBuffer &amax,
-                         bool rowwise, bool columnwise, bool compute_amax, const Device &dev,
+                         const ffi::AnyBuffer &gate, bool rowwise, bool columnwise, bool compute_amax, const Device &dev,
                          Tensor *t) {
   if (!rowwise && !columnwise) {
     return invalid(op, "rowwise or columnwise must be true, got neither");
@@ -51,10 +51,10 @@ ffi::Error result_tensor(const char *op, const char *name, const ffi::AnyBuffer 
     TE_JAX_RETURN_IF_ERROR(t->set(TE_SLOT_SCALE_INV, "scale_inv", scale_inv, dev));
   }
   if (compute_amax) TE_JAX_RETURN_IF_ERROR(t->set(TE_SLOT_AMAX, "amax", amax, dev));
-  return ffi::Error::Success();
+  return t->set_gate(gate, dev);
 }
 
-ffi::Error ActivationForwardImpl(ffi::AnyBuffer input, ffi::AnyBuffer scale,
+ffi::Error ActivationForwardImpl(ffi::AnyBuffer input, ffi::AnyBuffer scale, ffi::AnyBuffer gate,
                                  ffi::Result<ffi::AnyBuffer> output,
                                  ffi::Result<ffi::AnyBuffer> columnwise_output,
                                  ffi::Result<ffi::AnyBuffer> scale_inv,
@@ -66,8 +66,8 @@ ffi::Error ActivationForwardImpl(ffi::AnyBuffer input, ffi::AnyBuffer scale,
   Tensor in, out;
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "input", input, dev, &in));
   TE_JAX_RETURN_IF_ERROR(result_tensor(op, "output", scale, *output, *columnwise_output,
-                                       *scale_inv, *amax, rowwise, columnwise, compute_amax, dev,
-                                       &out));
+                                       *scale_inv, *amax, gate, rowwise, columnwise, compute_amax,
+                                       dev, &out));
   return from_status(te_activation_forward(a, in.get(), out.get(), 0, dev.stream));
 }
 
@@ -75,6 +75,7 @@ auto TeActivationForwardBinding() {
   return ffi::Ffi::Bind()
       .Arg<ffi::AnyBuffer>()  // input [.., K] fp32/fp16/bf16 (gated: K = 2N)
       .Arg<ffi::AnyBuffer>()  // scale fp32 [1] (read when the output is FP8)
+      .Arg<ffi::AnyBuffer>()  // gate fp32 [1] of the output, or empty for none (tensor.h)
       .Ret<ffi::AnyBuffer>()  // output [.., N]: high precision or FP8 (empty unless rowwise)
       .Ret<ffi::AnyBuffer>()  // columnwise_output: FP8 transpose [N, M] (empty unless columnwise)
       .Ret<ffi::AnyBuffer>()  // scale_inv fp32 [1] (FP8 output; else empty)
@@ -86,7 +87,8 @@ auto TeActivationForwardBinding() {
 }
 
 ffi::Error ActivationBackwardImpl(ffi::AnyBuffer grad_output, ffi::AnyBuffer input,
-                                  ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> grad_input,
+                                  ffi::AnyBuffer scale, ffi::AnyBuffer gate,
+                                  ffi::Result<ffi::AnyBuffer> grad_input,
                                   ffi::Result<ffi::AnyBuffer> columnwise_grad_input,
                                   ffi::Result<ffi::AnyBuffer> scale_inv,
                                   ffi::Result<ffi::AnyBuffer> amax,
@@ -102,7 +104,7 @@ ffi::Error ActivationBackwardImpl(ffi::AnyBuffer grad_output, ffi::AnyBuffer inp
   const bool reads_input = a != TE_ACTIVATION_IDENTITY;
   if (reads_input) TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "input", input, dev, &tx));
   TE_JAX_RETURN_IF_ERROR(result_tensor(op, "grad_input", scale, *grad_input,
-                                       *columnwise_grad_input, *scale_inv, *amax, rowwise,
+                                       *columnwise_grad_input, *scale_inv, *amax, gate, rowwise,
                                        columnwise, compute_amax, dev, &tdx));
   if (compute_dbias) TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dbias", *dbias, dev, &tdbias));
   return from_status(te_activation_backward(a, tdy.get(), reads_input ? tx.get() : nullptr,
@@ -115,6 +117,7 @@ auto TeActivationBackwardBinding() {
       .Arg<ffi::AnyBuffer>()  // grad_output [.., N]
       .Arg<ffi::AnyBuffer>()  // input [.., K], the forward's (empty for IDENTITY)
       .Arg<ffi::AnyBuffer>()  // scale fp32 [1] (read when grad_input is FP8)
+      .Arg<ffi::AnyBuffer>()  // gate fp32 [1] of grad_input, or empty for none (tensor.h)
       .Ret<ffi::AnyBuffer>()  // grad_input [.., K]: high precision or FP8 (empty unless rowwise)
       .Ret<ffi::AnyBuffer>()  // columnwise_grad_input: FP8 transpose [K, M] (empty unless columnwise)
       .Ret<ffi::AnyBuffer>()  // scale_inv fp32 [1] (FP8 grad_input; else empty)

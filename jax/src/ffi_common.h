@@ -114,6 +114,11 @@ class Tensor {
     return from_status(te_tensor_set(handle_.get(), slot, &buffer));
   }
 
+  // The gate (tensor.h): a [1] fp32 buffer sets the slot, an empty one (no gate) leaves it.
+  ffi::Error set_gate(const ffi::AnyBuffer &gate, const Device &dev) {
+    if (gate.element_count() == 0) return ffi::Error::Success();
+    return set(TE_SLOT_GATE, "gate", gate, dev);
+  }
   ffi::Error set(te_tensor_slot slot, const te_buffer &buffer) {
     return from_status(te_tensor_set(handle_.get(), slot, &buffer));
   }

@@ -30,7 +30,7 @@ ffi::Error norm_config(const char *op, int32_t norm_type, float eps, bool zero_c
 }
 
 ffi::Error NormForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
-                           ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> y,
+                           ffi::AnyBuffer scale, ffi::AnyBuffer gate, ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::AnyBuffer> mu, ffi::Result<ffi::AnyBuffer> rsigma,
                            ffi::Result<ffi::AnyBuffer> y_fp8,
                            ffi::Result<ffi::AnyBuffer> y_fp8_columnwise,
@@ -65,6 +65,7 @@ ffi::Error NormForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffe
     TE_JAX_RETURN_IF_ERROR(tq.set(TE_SLOT_SCALE, "scale", scale, dev));
     TE_JAX_RETURN_IF_ERROR(tq.set(TE_SLOT_SCALE_INV, "scale_inv", *scale_inv, dev));
     if (compute_amax) TE_JAX_RETURN_IF_ERROR(tq.set(TE_SLOT_AMAX, "amax", *amax, dev));
+    TE_JAX_RETURN_IF_ERROR(tq.set_gate(gate, dev));
   }
   return from_status(te_norm_forward(&config, tx.get(), tgamma.get(), ln ? tbeta.get() : nullptr,
                                      write_output ? ty.get() : nullptr, fp8 ? tq.get() : nullptr,
@@ -77,6 +78,7 @@ auto TeNormForwardBinding() {
       .Arg<ffi::AnyBuffer>()  // gamma [N]
       .Arg<ffi::AnyBuffer>()  // beta [N] (LayerNorm; zero-size for RMSNorm)
       .Arg<ffi::AnyBuffer>()  // scale fp32 [1] of the FP8 output (read when fp8)
+      .Arg<ffi::AnyBuffer>()  // gate fp32 [1] of the FP8 output, or empty for none (tensor.h)
       .Ret<ffi::AnyBuffer>()  // y, x's shape and dtype (empty unless write_output)
       .Ret<ffi::AnyBuffer>()  // mu fp32 [M] (LayerNorm; zero-size for RMSNorm)
       .Ret<ffi::AnyBuffer>()  // rsigma fp32 [M]

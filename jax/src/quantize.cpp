@@ -81,18 +81,21 @@ auto TeDequantizeBinding() {
       .Attr<int32_t>("scaling_mode");
 }
 
-ffi::Error ComputeAmaxImpl(ffi::AnyBuffer input, ffi::Result<ffi::AnyBuffer> amax, Device dev) {
+ffi::Error ComputeAmaxImpl(ffi::AnyBuffer input, ffi::AnyBuffer gate, ffi::Result<ffi::AnyBuffer> amax,
+                           Device dev) {
   constexpr const char *op = "compute_amax";
   Tensor in, out;
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "input", input, dev, &in));
   TE_JAX_RETURN_IF_ERROR(out.init(op, TE_SCALING_TENSOR));
   TE_JAX_RETURN_IF_ERROR(out.set(TE_SLOT_AMAX, "amax", *amax, dev));
+  TE_JAX_RETURN_IF_ERROR(out.set_gate(gate, dev));
   return from_status(te_compute_amax(in.get(), out.get(), dev.stream));
 }
 
 auto TeComputeAmaxBinding() {
   return ffi::Ffi::Bind()
       .Arg<ffi::AnyBuffer>()   // input: fp32/fp16/bf16
+      .Arg<ffi::AnyBuffer>()   // gate: fp32 [1], or empty for none (tensor.h)
       .Ret<ffi::AnyBuffer>();  // amax: fp32 [1]
 }
 

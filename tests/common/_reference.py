@@ -3,9 +3,10 @@
 Written from the C API's doc comments (cpp/include/transformer_engine/*.h), not from the
 core's sources, and by other means: FP8 rounding is ml_dtypes' cast (round to nearest even)
 after an explicit clip of finite values to the finite range (the core saturates them, where
-ml_dtypes would give NaN or Inf; infinities stay non-finite, as in the core), blocks are numpy reshapes, the MXFP8 exponent is found with exact float64
-comparisons, and delayed scaling is a plain loop over the history columns. Each product and
-quotient is one float32 operation, as in the core, so the results are comparable bit for bit.
+ml_dtypes would give NaN or Inf; infinities stay non-finite, as in the core), blocks are
+numpy reshapes, the MXFP8 exponent is found with exact float64 comparisons, and delayed
+scaling is a plain loop over the history columns. Each product and quotient is one float32
+operation, as in the core, so the results are comparable bit for bit.
 
 Tensors are viewed as matrices [M, K]: K is the last dimension, M the product of the rest.
 """

@@ -109,7 +109,8 @@ def test_shut_gate_writes_only_a_zero_amax(device, op, gate):
 def test_gate_is_refused_where_it_cannot_serve():
     x = np.ones((4, 8), F32)
     g = np.zeros(1, F32)
-    with pytest.raises(ValueError, match=r"^compute_amax: output.gate must have 1 element, got float32 \[2\]"):
+    with pytest.raises(ValueError,
+                       match=r"^compute_amax: output.gate must have 1 element, got float32 \[2\]"):
         core.compute_amax(x, core.Tensor(amax=np.zeros(1, F32), gate=np.zeros(2, F32)))
     with pytest.raises(TypeError, match=r"^compute_amax: output.gate must be float32"):
         core.compute_amax(x, core.Tensor(amax=np.zeros(1, F32), gate=np.zeros(1, np.float16)))

@@ -111,3 +111,23 @@ def test_same_numbers_in_both_frameworks(name):
                 np.ascontiguousarray(b[key]).view(np.uint32),
                 err_msg=f"{name}, step {i}: {key} differs between PyTorch and JAX",
             )
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if n.startswith("delayed")])
+def test_same_first_step_scaled_from_the_tensors_own_amaxes(name):
+    # A mean loss's output gradient (2^-22 here) underflows E5M2 at the initial scale of 1;
+    # both frameworks scale a tensor whose amax history is empty from its own amax, with the
+    # same core calls: the same bits, and a weight gradient near the float32 one.
+    r = RECIPES[name]
+    w, xs, _ = data()
+    dys = [np.full((TOKENS, OUT), 2.0**-22, np.float32)]
+    got_torch, got_jax = run_torch(r, w, xs[:1], dys), run_jax(r, w, xs[:1], dys)
+    for key in got_torch[0]:
+        np.testing.assert_array_equal(got_torch[0][key].view(np.uint32),
+                                      np.ascontiguousarray(got_jax[0][key]).view(np.uint32),
+                                      err_msg=f"{name}: {key} differs between PyTorch and JAX")
+    want = dys[0].T.astype(np.float64) @ xs[0]
+    dw = got_torch[0]["dw"]
+    assert np.abs(dw).max() > 0
+    # E4M3 inputs (2^-4 relative per element), an exact power-of-two gradient.
+    assert np.abs(dw - want).max() < 0.1 * np.abs(want).max()

@@ -39,6 +39,16 @@ def scale_from_amax(amax: float, fmt: str, epsilon: float = 0.0, pow2: bool = Fa
     return float(s)
 
 
+def step_scale(history: np.ndarray, scale: float, amax: float, fmt: str, margin: int = 0) -> float:
+    """The scale delayed scaling quantizes a tensor with in a step: the stored ``scale``, or,
+    while the history is still empty with the initial scale of 1 (a first step), the update's
+    formula on the tensor's own
+    ``amax``."""
+    if np.any(history != 0) or scale != 1.0:
+        return scale
+    return delayed_update(np.array([amax], np.float32), scale, fmt, margin)[1]
+
+
 def delayed_update(history: np.ndarray, scale: float, fmt: str, margin: int = 0,
                    algo: str = "max") -> tuple[np.ndarray, float]:
     """recipe.DelayedScaling's update of one tensor: (rolled history, new scale)."""

@@ -86,6 +86,8 @@ def _delayed_sets(scales):
         state = te.new_fp8_state(r)
         for role, value in s.items():
             state[role]["scale"] = jnp.array([value], jnp.float32)
+        for role in state:  # a history from an earlier step: the stored scales apply
+            state[role]["amax_history"] = jnp.array([0.0, 1.0], jnp.float32)
         sets.append(te.make_quantizer_set(r, state))
     return tuple(sets)
 
@@ -214,7 +216,10 @@ def test_fp8_metas_of_both_gemms_follow_the_recipe_over_steps():
         _, (_, new_metas) = step(params, metas, x, c)
         y = np.asarray(te.layernorm(x, params["scale"], params["ln_bias"], epsilon=EPS))
         # The gradient of fc1's output from the FP8 values of the step (fp64 GEMM).
-        s_g2, s_k2 = model[("wo", "grad")][1], model[("wo", "kernel")][1]
+        # (The first step's scales are those of the tensors' own amaxes.)
+        s_g2 = ref.step_scale(*model[("wo", "grad")], np.abs(c).max(), "float8_e5m2")
+        s_k2 = ref.step_scale(*model[("wo", "kernel")], np.abs(params["wo_kernel"]).max(),
+                              "float8_e4m3")
         da = (ref.fake_quantize(np.asarray(c).reshape(M, K), s_g2, "float8_e5m2")
               @ ref.fake_quantize(params["wo_kernel"], s_k2, "float8_e4m3").T)
         h = jnp.asarray(q["fc1_out"])
@@ -250,11 +255,13 @@ def test_hlo_each_kernel_writes_the_next_fp8_operand(activations):
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(variables, x).compile().as_text()
     counts = hlo.target_counts(text)
     assert hlo.count_fp8_gemms(text) == 6
+    # Each delayed-scaling cast comes with its first-step twin: the same op gated on the
+    # role's history (one early return once the history holds an amax) and one scale call.
     assert counts["te_quantize_ffi"] == 2  # the two kernels; every activation comes fused
-    assert counts["te_norm_forward_ffi"] == 1 and counts["te_activation_forward_ffi"] == 1
+    assert counts["te_norm_forward_ffi"] == 2 and counts["te_activation_forward_ffi"] == 2
     # The bias gradient + cast of d_out, and dact + dbias + cast of fc1's output gradient.
-    assert counts["te_activation_backward_ffi"] == 2
-    assert counts["te_delayed_scaling_update_ffi"] == 4
+    assert counts["te_activation_backward_ffi"] == 2 * 2
+    assert counts["te_delayed_scaling_update_ffi"] == 4 + 6
 
 
 def test_bad_inputs_fail_at_trace_time():

@@ -4,7 +4,8 @@ Python model of the recipe's documented rule (recipe.py, scaling.h).
 
 None of this calls the core; it is written from the documented semantics: the scaled value
 ``x * scale`` is computed in fp32, clipped to the format's finite range when finite (the core
-saturates finite values and keeps infinities non-finite) and rounded to nearest even by torch's cast.
+saturates finite values and keeps infinities non-finite) and rounded to nearest even by
+torch's cast.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from te_torch_tests.test_attention import _assert_fp8_close
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from transformer_engine.pytorch import ops
+from transformer_engine.pytorch import first_step, ops
 
 bf16 = torch.bfloat16
 # cuDNN's FP8 attention on sm_90 takes head dim 128; the CPU reference is slow at that size.
@@ -56,8 +56,9 @@ def test_delayed_fp8_output_is_the_cast_of_the_gemm_result(device, module):
     scale."""
     layer = getattr(te, module)(64, 48, params_dtype=bf16, device=device)
     x = torch.randn(32, 64, dtype=bf16, device=device)
+    first_step.mark_empty(layer.amax_history_fwd, ())  # no first-step scales: the 1s apply
     with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
-        want = layer(x)  # the same FP8 operands (scales of 1 on the first step)
+        want = layer(x)  # the same FP8 operands as below (scales of 1)
     layer.scale_out.fill_(4.0)
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
         layer.scale_fwd.fill_(1.0)

@@ -12,6 +12,7 @@ from te_torch_tests._tolerances import assert_gemm_close
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
+from transformer_engine.pytorch import first_step
 
 E4M3, E5M2 = "float8_e4m3", "float8_e5m2"
 
@@ -90,13 +91,15 @@ def test_fp8_linear_matches_gemms_of_quantized_operands(name, dtype, device):
 def test_hybrid_puts_gradients_in_e5m2():
     """A gradient beyond E4M3's range (448) but within E5M2's survives HYBRID, not E4M3."""
     weight = torch.randn(16, 32)
-    qw = ref.quantize_tensor(weight, 1.0, E4M3)  # scale 1 on the first delayed step
+    qw = ref.quantize_tensor(weight, 1.0, E4M3)  # scale 1: a module past its first step
     g = torch.full((16, 16), 1000.0)
     # 1000 on the E5M2 grid (768, 896, 1024) is 1024; E4M3 saturates it to 448.
     for fmt, g_fp8 in ((recipe.Format.HYBRID, 1024.0), (recipe.Format.E4M3, 448.0)):
         layer = te.Linear(32, 16, bias=False, device="cpu")
         with torch.no_grad():
             layer.weight.copy_(weight)
+        for history in (layer.amax_history_fwd, layer.amax_history_bwd):
+            first_step.mark_empty(history, ())  # no first-step scales: the scales of 1 apply
         x = torch.randn(16, 32, requires_grad=True)
         _step(layer, recipe.DelayedScaling(fp8_format=fmt), x, g)
         want = torch.full((16, 16), g_fp8, dtype=torch.float64) @ qw
@@ -115,7 +118,7 @@ def test_seed_example_runs_on_cpu():
     loss.backward()
     assert out.shape == (hidden_size, out_features)
     assert model.weight.grad is not None and torch.isfinite(model.weight.grad).all()
-    # scale 1 on the first step: close to the high-precision result (E4M3 keeps ~2^-4).
+    # close to the high-precision result (E4M3 keeps ~2^-4).
     hp = torch.nn.functional.linear(inp, model.weight, model.bias)
     assert (out - hp).abs().max() < 0.1 * hp.abs().max()
 

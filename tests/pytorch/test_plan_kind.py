@@ -3,8 +3,12 @@
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling,
-                                              Float8CurrentScaling, MXFP8BlockScaling)
+from transformer_engine.common.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+)
 from transformer_engine.pytorch.quantization import kind_of
 
 

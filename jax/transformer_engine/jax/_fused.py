@@ -3,10 +3,12 @@
 Under per-tensor delayed scaling the scale is known before the tensor exists, so the kernel
 that computes it writes its FP8 data (row-wise and the transpose that the wgrad GEMM reads)
 and its amax in the same pass: the norm writes the first GEMM's input, the activation the
-second GEMM's input, the activation's backward the gradient of the first GEMM's output
-(with the bias gradient). Current scaling needs the tensor's amax before its scale, so the
-kernel writes the high-precision tensor and its amax, and a quantization follows; block
-scaling has no fused kernel and quantizes the high-precision tensor by blocks.
+second GEMM's input, the activation's backward the gradient of the first GEMM's output (with
+the bias gradient). A first step (an empty amax history) first asks the same kernel, gated
+on the history, for the tensor's amax (quantizer.step_scale). Current scaling needs the
+tensor's amax before its scale, so the kernel writes the high-precision tensor and its amax,
+and a quantization follows; block scaling has no fused kernel and quantizes the
+high-precision tensor by blocks.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ import jax
 import jax.numpy as jnp
 from transformer_engine.common.plan import GEMM_GRANULE
 from transformer_engine.jax import ops
-from transformer_engine.jax.quantizer import QuantizerSet, quantize_role, role_dtype, role_mode
+from transformer_engine.jax.quantizer import (
+    QuantizerSet,
+    quantize_role,
+    role_dtype,
+    role_mode,
+    step_scale,
+)
 
 
 def _fp8_bias_epilogue(dtype) -> bool:
@@ -67,9 +75,15 @@ def norm_quantized(x2, gamma, beta, cfg: NormConfig, qset: QuantizerSet, need_ou
     """
     recipe = qset.recipe
     if recipe.delayed():
-        return ops.norm_forward_fp8(x2, gamma, beta, qset.state["x"]["scale"],
-                                    role_dtype(recipe, "x"), write_output=need_output,
-                                    columnwise=True, compute_amax=True, **cfg.kwargs())
+        dtype = role_dtype(recipe, "x")
+
+        def amax_of(gate):
+            return ops.norm_forward_fp8(x2, gamma, beta, qset.state["x"]["scale"], dtype,
+                                        columnwise=False, gate=gate, **cfg.kwargs())[1].amax
+
+        return ops.norm_forward_fp8(x2, gamma, beta, step_scale(qset, "x", amax_of), dtype,
+                                    write_output=need_output, columnwise=True, compute_amax=True,
+                                    **cfg.kwargs())
     y, mu, rsigma = ops.norm_forward(x2, gamma, beta, **cfg.kwargs())
     return y, quantize_role(y, qset, "x"), mu, rsigma
 
@@ -78,8 +92,13 @@ def activation_quantized(h, act: ops.Activation, qset: QuantizerSet) -> ops.Quan
     """act(h) as the FP8 input of a GEMM (role ``x`` of ``qset``)."""
     recipe = qset.recipe
     if recipe.delayed():
-        return ops.activation_forward_fp8(h, act, qset.state["x"]["scale"],
-                                          role_dtype(recipe, "x"))
+        dtype = role_dtype(recipe, "x")
+
+        def amax_of(gate):
+            return ops.activation_forward_fp8(h, act, qset.state["x"]["scale"], dtype,
+                                              columnwise=False, gate=gate).amax
+
+        return ops.activation_forward_fp8(h, act, step_scale(qset, "x", amax_of), dtype)
     if recipe.float8_current_scaling():
         a, amax = ops.activation_forward(h, act, compute_amax=True)
         return _quantize_tensor_mode(a, _current_scale(amax, qset, "x"), qset, "x", amax)
@@ -93,8 +112,14 @@ def grad_quantized(dy, act: ops.Activation, act_input: Optional[jax.Array], qset
     recipe = qset.recipe
     identity = ops.Activation(act) == ops.Activation.IDENTITY
     if recipe.delayed():
-        return ops.activation_backward_fp8(dy, act_input, act, qset.state["grad"]["scale"],
-                                           role_dtype(recipe, "grad"), dbias_dtype=dbias_dtype)
+        dtype = role_dtype(recipe, "grad")
+
+        def amax_of(gate):
+            return ops.activation_backward_fp8(dy, act_input, act, qset.state["grad"]["scale"],
+                                               dtype, columnwise=False, gate=gate)[0].amax
+
+        return ops.activation_backward_fp8(dy, act_input, act, step_scale(qset, "grad", amax_of),
+                                           dtype, dbias_dtype=dbias_dtype)
     if recipe.float8_current_scaling() and identity:
         amax = ops.compute_amax(dy)
         q, dbias = ops.activation_backward_fp8(dy, None, act, _current_scale(amax, qset, "grad"),

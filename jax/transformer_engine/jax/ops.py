@@ -142,11 +142,19 @@ def dequantize(data: jax.Array, scale_inv: jax.Array, dtype=_F32, *,
     return call(data, scale_inv, scaling_mode=np.int32(ScalingMode(scaling_mode)))
 
 
-def compute_amax(x: jax.Array) -> jax.Array:
-    """max|x| as a [1] float32 array (NaN if any element is NaN)."""
+def compute_amax(x: jax.Array, *, gate: Optional[jax.Array] = None) -> jax.Array:
+    """max|x| as a [1] float32 array (NaN if any element is NaN).
+
+    ``gate`` ([1] float32): the call runs only while it holds 0, else gives 0 at the cost of
+    one early-returning launch (the core's gate, tensor.h). The FP8 casts below take it too.
+    """
     call = jax.ffi.ffi_call(TARGETS["compute_amax"], jax.ShapeDtypeStruct((1,), _F32),
                             vmap_method=_VMAP)
-    return call(x)
+    return call(x, _gate(gate))
+
+
+def _gate(gate: Optional[jax.Array]) -> jax.Array:
+    return _zeros_f32() if gate is None else jnp.reshape(gate, (1,)).astype(_F32)
 
 
 def scale_from_amax(amax: jax.Array, dtype, *, force_pow2_scales: bool = False,
@@ -252,7 +260,7 @@ def _norm_backward_workspace_bytes(rows: int, cols: int) -> int:
 
 
 def _norm_forward_call(x, gamma, beta, scale, fp8, *, norm_type, epsilon, zero_centered_gamma,
-                       write_output, columnwise, compute_amax):
+                       write_output, columnwise, compute_amax, gate=None):
     kind = NormType(norm_type)
     m, n = math.prod(x.shape[:-1]), x.shape[-1]
     ln = kind == NormType.LAYERNORM
@@ -267,7 +275,7 @@ def _norm_forward_call(x, gamma, beta, scale, fp8, *, norm_type, epsilon, zero_c
                jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
     call = jax.ffi.ffi_call(TARGETS["norm_forward"], results, vmap_method=_VMAP)
     return call(x, gamma, beta if ln else jnp.zeros((0,), gamma.dtype),
-                scale if scale is not None else _zeros_f32(), norm_type=np.int32(kind),
+                scale if scale is not None else _zeros_f32(), _gate(gate), norm_type=np.int32(kind),
                 eps=np.float32(epsilon), zero_centered_gamma=bool(zero_centered_gamma),
                 write_output=bool(write_output), fp8=fp8 is not None,
                 columnwise=bool(columnwise), compute_amax=bool(compute_amax))
@@ -293,7 +301,7 @@ def norm_forward_fp8(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
                      scale: jax.Array, dtype, *, norm_type: NormType = NormType.LAYERNORM,
                      epsilon: float = 1e-6, zero_centered_gamma: bool = False,
                      write_output: bool = False, columnwise: bool = True,
-                     compute_amax: bool = True):
+                     compute_amax: bool = True, gate: Optional[jax.Array] = None):
     """:func:`norm_forward` whose y comes out as per-tensor FP8 ``dtype`` with ``scale``
     ([1] float32), in the same pass: the operand of an FP8 GEMM.
 
@@ -306,7 +314,7 @@ def norm_forward_fp8(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
     y, mu, rsigma, data, col, scale_inv, amax = _norm_forward_call(
         x, gamma, beta, scale, fp8, norm_type=norm_type, epsilon=epsilon,
         zero_centered_gamma=zero_centered_gamma, write_output=write_output,
-        columnwise=columnwise, compute_amax=compute_amax)
+        columnwise=columnwise, compute_amax=compute_amax, gate=gate)
     q = QuantizedTensor(data, col, scale_inv, _zeros_f32(), amax)
     return (y if write_output else None), q, mu, rsigma
 
@@ -382,14 +390,16 @@ def activation_forward(x: jax.Array, act: Activation, *, compute_amax: bool = Fa
     results = (jax.ShapeDtypeStruct(shape, x.dtype), _empty(x.dtype), _empty(),
                jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
     call = jax.ffi.ffi_call(TARGETS["activation_forward"], results, vmap_method=_VMAP)
-    y, _, _, amax = call(x, _zeros_f32(), act=np.int32(act), rowwise=True, columnwise=False,
+    y, _, _, amax = call(x, _zeros_f32(), _zeros_f32(), act=np.int32(act), rowwise=True,
+                         columnwise=False,
                          compute_amax=bool(compute_amax))
     return (y, amax) if compute_amax else y
 
 
 def activation_forward_fp8(x: jax.Array, act: Activation, scale: jax.Array, dtype, *,
                            rowwise: bool = True, columnwise: bool = True,
-                           compute_amax: bool = True) -> QuantizedTensor:
+                           compute_amax: bool = True,
+                           gate: Optional[jax.Array] = None) -> QuantizedTensor:
     """act(x) as per-tensor FP8 ``dtype`` with ``scale`` ([1] fp32), in one pass: the
     row-wise data, the transpose [N, M], or both, with scale_inv and the amax."""
     act = Activation(act)
@@ -399,13 +409,14 @@ def activation_forward_fp8(x: jax.Array, act: Activation, scale: jax.Array, dtyp
     call = jax.ffi.ffi_call(TARGETS["activation_forward"],
                             _fp8_results(shape, fp8, rowwise, columnwise, compute_amax),
                             vmap_method=_VMAP)
-    data, col, scale_inv, amax = call(x, scale, act=np.int32(act), rowwise=bool(rowwise),
+    data, col, scale_inv, amax = call(x, scale, _gate(gate), act=np.int32(act),
+                                      rowwise=bool(rowwise),
                                       columnwise=bool(columnwise), compute_amax=bool(compute_amax))
     return QuantizedTensor(data, col, scale_inv, _zeros_f32(), amax)
 
 
 def _activation_backward_call(dy, x, act, scale, results, dbias_dtype, *, rowwise, columnwise,
-                              compute_amax):
+                              compute_amax, gate=None):
     act = Activation(act)
     if act != Activation.IDENTITY:
         expected = _activation_out_shape(x.shape, act)
@@ -418,7 +429,7 @@ def _activation_backward_call(dy, x, act, scale, results, dbias_dtype, *, rowwis
              else _empty(dy.dtype))
     call = jax.ffi.ffi_call(TARGETS["activation_backward"], (*results, dbias), vmap_method=_VMAP)
     out = call(dy, x if act != Activation.IDENTITY else jnp.zeros((0,), dy.dtype),
-               scale if scale is not None else _zeros_f32(), act=np.int32(act),
+               scale if scale is not None else _zeros_f32(), _gate(gate), act=np.int32(act),
                rowwise=bool(rowwise), columnwise=bool(columnwise),
                compute_amax=bool(compute_amax), compute_dbias=dbias_dtype is not None)
     return out
@@ -444,7 +455,8 @@ def activation_backward(dy: jax.Array, x: Optional[jax.Array], act: Activation, 
 
 def activation_backward_fp8(dy: jax.Array, x: Optional[jax.Array], act: Activation,
                             scale: jax.Array, dtype, *, dbias_dtype=None, rowwise: bool = True,
-                            columnwise: bool = True, compute_amax: bool = True):
+                            columnwise: bool = True, compute_amax: bool = True,
+                            gate: Optional[jax.Array] = None):
     """:func:`activation_backward` whose grad_input comes out as per-tensor FP8 ``dtype``
     (row-wise and/or the transpose, scale_inv, amax), with the bias gradient of the fp32
     values in the same pass. With IDENTITY this is the fused bias gradient + cast +
@@ -456,6 +468,6 @@ def activation_backward_fp8(dy: jax.Array, x: Optional[jax.Array], act: Activati
     shape = tuple(x.shape) if act != Activation.IDENTITY else tuple(dy.shape)
     data, col, scale_inv, amax, dbias = _activation_backward_call(
         dy, x, act, scale, _fp8_results(shape, fp8, rowwise, columnwise, compute_amax),
-        dbias_dtype, rowwise=rowwise, columnwise=columnwise, compute_amax=compute_amax)
+        dbias_dtype, rowwise=rowwise, columnwise=columnwise, compute_amax=compute_amax, gate=gate)
     q = QuantizedTensor(data, col, scale_inv, _zeros_f32(), amax)
     return q, (dbias if dbias_dtype is not None else None)

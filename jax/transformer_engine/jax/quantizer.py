@@ -123,7 +123,7 @@ def quantize_role(x2: jax.Array, qset: QuantizerSet, role: str) -> ops.Quantized
     plan = _plan_of(recipe)
     dtype = role_dtype(recipe, role)
     if plan.kind == "delayed":
-        scale = qset.state[role]["scale"]
+        scale = step_scale(qset, role, lambda gate: ops.compute_amax(x2, gate=gate))
         q = ops.quantize(x2, scale, dtype, rowwise=True, columnwise=True, compute_amax=True)
         return q
     if plan.kind == "current":
@@ -139,6 +139,31 @@ def quantize_role(x2: jax.Array, qset: QuantizerSet, role: str) -> ops.Quantized
                          amax_epsilon=plan.amax_epsilon)
         return q
     raise NotImplementedError(f"quantize_role: plan kind {plan.kind!r} is not supported")
+
+
+def step_scale(qset: QuantizerSet, role: str, amax_of) -> jax.Array:
+    """The scale that delayed scaling gives ``role``'s tensor in this step.
+
+    A role whose amax history is still empty (all zero with the initial scale of 1: a first
+    step, or a reset state) is
+    scaled from the tensor's own amax, the formula of the scale update applied to it, so that
+    a first step is as good as current scaling (a mean loss's gradient, about 1e-7, would
+    underflow E5M2 at the initial scale of 1); every later step uses the stored scale. Whether
+    the history is empty is known only on the device, so ``amax_of(gate)`` makes the tensor's
+    amax with a gated call of the op that computes the tensor (the core's gate, tensor.h:
+    it runs only while the gate, the history's max, is 0, else gives 0 after one early
+    return); an amax of 0 leaves the stored scale, as the update's rule does.
+    """
+    state = qset.state[role]
+    # Empty: an all-zero history and the initial scale of 1 (a history of one step is all
+    # zero again after each update; the scale tells the steps after the first apart).
+    gate = jnp.max(state["amax_history"], keepdims=True) + jnp.abs(state["scale"] - 1.0)
+    # Under vmap the state is shared: the scale of one call on the whole batch.
+    amax = _amax_of_all_mapped(amax_of(gate))
+    _, (scale,), _ = ops.delayed_scaling_update([amax], [state["scale"]],
+                                                role_dtype(qset.recipe, role), algo="max",
+                                                margin=_plan_of(qset.recipe).margin)
+    return scale
 
 
 @jax.custom_batching.custom_vmap

@@ -35,11 +35,11 @@ class _FirstRun(contextlib.AbstractContextManager):
     def __enter__(self):
         if self.tracker is not None:
             self.tracker_states.update(self.tracker.get_states())
-        fp8.RECOMPUTE.recording = self.scales
+        fp8.RECOMPUTE.recording, fp8.RECOMPUTE.sources = self.scales, []
         return self
 
     def __exit__(self, *exc) -> None:
-        fp8.RECOMPUTE.recording = None
+        fp8.RECOMPUTE.recording = fp8.RECOMPUTE.sources = None
 
 
 class _Recompute(contextlib.AbstractContextManager):

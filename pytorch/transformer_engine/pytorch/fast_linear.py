@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from . import fp8
+from . import first_step, fp8
 from ._compiled import ext as _ext
 from .linear_fn import linear_backward
 from .ops._backend import dtype_code, workspace_for
@@ -44,10 +44,13 @@ def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     (the compiled function declines a bias of another dtype), and not in an activation
     checkpoint: neither its first run nor
     its recompute (torch's checkpoint demands that both runs save tensors of the same shapes,
-    and the compiled forward saves one buffer where the Python path saves four)."""
+    and the compiled forward saves one buffer where the Python path saves four); nor a first
+    step, whose empty history the Python path scales from the tensors' own amaxes
+    (first_step.py)."""
     kind = plan.kind
     return (_ext is not None and _eager_outside_checkpoint()
-            and ((kind == "delayed" and not general_update and history is not None)
+            and ((kind == "delayed" and not general_update and history is not None
+                  and not first_step.has_empty(history))
                  or (kind == "current" and plan.input_mode == "tensor"))
             and type(inp) in _PLAIN and type(weight) in _PLAIN
             and (bias is None or type(bias) in _PLAIN))

@@ -54,6 +54,7 @@ class _Recompute:
     """
 
     recording: Optional[list] = None
+    sources: Optional[list] = None  # the live scales each recorded copy was taken from
     replay: Optional[list] = None
     index: int = 0
 
@@ -82,7 +83,21 @@ def checkpoint_scales(scale_fwd: torch.Tensor) -> torch.Tensor:
         return scales
     if r.recording is not None:
         r.recording.append(scale_fwd.detach().clone())
+        r.sources.append(scale_fwd)
     return scale_fwd
+
+
+def refresh_recorded(scale: torch.Tensor) -> None:
+    """A first step wrote a scale into live forward scales (first_step.py): the copy an
+    activation checkpoint's first run recorded of them takes it too, so that the recompute
+    quantizes as the first run did."""
+    r = RECOMPUTE
+    if r.recording is None:
+        return
+    ptr = scale.untyped_storage().data_ptr()
+    for source, copy in zip(r.sources, r.recording, strict=True):
+        if source.untyped_storage().data_ptr() == ptr:
+            copy.copy_(source)
 
 
 def is_fp8_available() -> tuple[bool, str]:

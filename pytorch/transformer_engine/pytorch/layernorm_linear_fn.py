@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import ops
+from .first_step import step_scales
 from .linear_fn import backward_gemms, fp8_gemm, fp8_output, grad_to_fp8, update_backward
 from .quantization import Operand, Plan, quantize
 
@@ -48,6 +49,10 @@ def norm_to_fp8(plan: Plan, x: torch.Tensor, gamma, beta, cfg: NormConfig, scale
     them the norm writes high precision and the existing quantize reads it back.
     """
     if plan.kind == "delayed":
+        scale = step_scales(scale, 0, history, column, plan.fwd_dtype, plan.margin,
+                            lambda gate: ops.norm_forward_fp8(
+                                x, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma,
+                                scale, plan.fwd_dtype, False, False, None, 0, gate)[4])
         y, data, col, sinv, _, mu, rsigma = ops.norm_forward_fp8(
             x, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma, scale, plan.fwd_dtype,
             columnwise, cfg.return_ln_out, history, column)

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from . import ops
+from .first_step import step_scales
 from .layernorm_linear_fn import norm_backward, norm_to_fp8
 from .linear_fn import backward_gemms, fp8_gemm, grad_to_fp8, update_backward
 from .quantization import Operand, Plan, quantize
@@ -35,6 +36,9 @@ def act_to_fp8(plan: Plan, h: torch.Tensor, act: str, scale: torch.Tensor, colum
     """act(h) as FC2's FP8 ``input`` operand. Delayed scaling raises the amax history's slot
     ``[0, column]`` in the same pass (``history`` None: a recompute, which records nothing)."""
     if plan.kind == "delayed":
+        scale = step_scales(scale, 0, history, column, plan.fwd_dtype, plan.margin,
+                            lambda gate: ops.activation_forward_fp8(
+                                h, act, scale, plan.fwd_dtype, True, False, None, 0, gate)[3])
         data, col, sinv, _ = ops.activation_forward_fp8(h, act, scale, plan.fwd_dtype, True,
                                                         columnwise, history, column)
         return Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformer_engine.common.plan import GEMM_GRANULE
 
 from . import fp8, ops
+from .first_step import step_scales
 from .float8_tensor import Float8Tensor
 from .quantization import Operand, Plan, quantize, record_amax
 from .release import release
@@ -245,6 +246,10 @@ def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str,
         _, dbias = ops.activation_backward(dy, h, act, with_dbias)
         return None, dbias if with_dbias else None
     if plan.kind == "delayed" and not (identity and not with_dbias):
+        scales = step_scales(scales, column, history, column, plan.bwd_dtype, plan.margin,
+                             lambda gate: ops.activation_backward_fp8(
+                                 dy, h, act, scales[column:column + 1], plan.bwd_dtype, True,
+                                 False, False, None, 0, gate)[3])
         data, col, sinv, _, dbias = ops.activation_backward_fp8(
             dy, h, act, scales[column:column + 1], plan.bwd_dtype, rowwise, columnwise,
             with_dbias, history, column)

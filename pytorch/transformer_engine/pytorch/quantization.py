@@ -19,6 +19,7 @@ from transformer_engine.common.plan import ROLES, Plan
 from transformer_engine.common.recipe import Recipe
 
 from . import ops
+from .first_step import step_scales
 
 __all__ = ["ROLES", "Plan", "Operand", "make_plan", "plan_of", "kind_of", "quantize",
            "record_amax"]
@@ -73,6 +74,8 @@ def quantize(plan: Plan, role: str, x: torch.Tensor, rowwise: bool, columnwise: 
     dtype, mode = plan.dtype_of(role), plan.mode_of(role)
     kind = plan.kind
     if kind == "delayed":
+        scales = step_scales(scales, column, history, column, dtype, plan.margin,
+                             lambda gate: ops.amax(x, gate))
         data, col, sinv = ops.quantize_delayed(x, scales, column, history, dtype, rowwise,
                                                columnwise)
         return Operand(data, sinv, col, sinv, dtype, mode)

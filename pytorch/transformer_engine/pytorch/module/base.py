@@ -20,7 +20,7 @@ import torch
 
 from transformer_engine.common.recipe import DelayedScaling, Recipe
 
-from .. import fp8
+from .. import first_step, fp8
 from ..float8_tensor import Float8Tensor
 from ..quantization import Operand, Plan, plan_of, quantize
 
@@ -120,6 +120,7 @@ class FP8Module(torch.nn.Module):
             columns = per_gemm * self._num_gemms
             if kind == "history":
                 t = torch.zeros(history_len, columns, dtype=torch.float32, device=device)
+                first_step.mark_empty(t)
             else:
                 t = torch.ones(columns, dtype=torch.float32, device=device)
             self.register_buffer(name, t, persistent=False)
@@ -249,7 +250,8 @@ class FP8Module(torch.nn.Module):
         for name, old in saved.items():
             new = self._buffers[name]
             if new.dtype != torch.float32:
-                self._buffers[name] = old.to(new.device)
+                new = self._buffers[name] = old.to(new.device)
+            first_step.move_marks(old, new)
         return result
 
     def __setstate__(self, state) -> None:
@@ -290,7 +292,13 @@ class FP8Module(torch.nn.Module):
                                  f"shape {list(t.shape)}")
             # Contiguous whatever the saved layout: quantize reaches single elements of these
             # buffers by address (ops.quantize_delayed).
+            if name.startswith("amax_history"):  # columns as new (first_step.py): a first step
+                scale = state.get(name.replace("amax_history", "scale"))
+                empty = [c for c in range(columns) if not bool(t[:, c].any())
+                         and (scale is None or float(scale[c]) == 1.0)]
             t = t.to(device, torch.float32).clone(memory_format=torch.contiguous_format)
+            if name.startswith("amax_history"):
+                first_step.mark_empty(t, empty)
             self.register_buffer(name, t, persistent=False)
         self._recipe_summary = dict(state.get("recipe", {}))
         self._fp8_recipe = None  # the loaded history may not fit the recipe in use

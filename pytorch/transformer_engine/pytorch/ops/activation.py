@@ -78,10 +78,12 @@ def _dbias(x: torch.Tensor, with_dbias: bool) -> torch.Tensor:
     return x.new_empty((x.shape[1],) if with_dbias else (0,), dtype=torch.float32)
 
 
-def _fp8_tensor(c, data, col, scale, scale_inv, raw_amax, fp8_dtype, rowwise, columnwise):
+def _fp8_tensor(c, data, col, scale, scale_inv, raw_amax, fp8_dtype, rowwise, columnwise,
+                gate=None):
     return c.Tensor(raw(data) if rowwise else None, dtype=te_dtype(fp8_dtype), scale=raw(scale),
                     scale_inv=raw(scale_inv), amax=raw_amax,
-                    columnwise_data=raw(col) if columnwise else None)
+                    columnwise_data=raw(col) if columnwise else None,
+                    gate=None if gate is None else raw(gate))
 
 
 # ------------------------------------------------------------ forward
@@ -108,11 +110,14 @@ def _(x, act):
 def activation_forward_fp8(
     x: torch.Tensor, act: str, scale: torch.Tensor, fp8_dtype: str, rowwise: bool,
     columnwise: bool, amax_history: Optional[torch.Tensor] = None, index: int = 0,
+    gate: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 data of ``act(x) * scale`` (row-wise [M, N] and/or its transpose [N, M]),
     ``scale_inv`` and ``amax = max|act(x)|`` of the fp32 values: (data, col, scale_inv, amax).
     ``scale`` is [1] fp32. Given a delayed-scaling ``amax_history``, the amax is raised into
-    ``amax_history[0, index]`` instead (and returned empty; see amax_destination)."""
+    ``amax_history[0, index]`` instead (and returned empty; see amax_destination). ``gate``
+    ([1] fp32, the core's gate, tensor.h): the call runs only while it holds 0, else returns
+    amax 0 and leaves the rest unwritten."""
     n = _check("activation_forward_fp8", x, act)
     check_fp8_dtype("activation_forward_fp8", fp8_dtype)
     data, col = _fp8_pair(x, x.shape[0], n, rowwise, columnwise)
@@ -121,14 +126,15 @@ def activation_forward_fp8(
                                                   index)
     c = core()
     x, scale = x.contiguous(), scale.contiguous()
-    out = _fp8_tensor(c, data, col, scale, scale_inv, raw_amax, fp8_dtype, rowwise, columnwise)
+    out = _fp8_tensor(c, data, col, scale, scale_inv, raw_amax, fp8_dtype, rowwise, columnwise,
+                      gate)
     c.activation_forward(_te_act(act), raw(x), out, accumulate_amax=accumulate,
                          stream=stream_of(x))
     return data, col, scale_inv, amax
 
 
 @activation_forward_fp8.register_fake
-def _(x, act, scale, fp8_dtype, rowwise, columnwise, amax_history=None, index=0):
+def _(x, act, scale, fp8_dtype, rowwise, columnwise, amax_history=None, index=0, gate=None):
     n = _check("activation_forward_fp8", x, act)
     return (*_fp8_pair(x, x.shape[0], n, rowwise, columnwise), _scalar(x),
             amax_fake(x, amax_history))
@@ -169,12 +175,13 @@ def activation_backward_fp8(
     dy: torch.Tensor, x: torch.Tensor, act: str, scale: torch.Tensor, fp8_dtype: str,
     rowwise: bool, columnwise: bool, with_dbias: bool,
     amax_history: Optional[torch.Tensor] = None, index: int = 0,
+    gate: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``grad_input = act'(x) * dy`` written as FP8 with ``scale`` (row-wise [M, K] and/or its
     transpose [K, M]) in one pass with its amax and (``with_dbias``) the fp32 column sums of
     the unscaled grad_input: (data, col, scale_inv, amax, dbias). For ``identity`` x is only
     read for its shape (its values may be anything, e.g. dy itself). ``amax_history`` and
-    ``index`` as for activation_forward_fp8."""
+    ``index`` and ``gate`` as for activation_forward_fp8."""
     _check_grad("activation_backward_fp8", dy, x, act)
     check_fp8_dtype("activation_backward_fp8", fp8_dtype)
     m, k = x.shape
@@ -184,7 +191,8 @@ def activation_backward_fp8(
                                                   index)
     c = core()
     dy, x, scale = dy.contiguous(), x.contiguous(), scale.contiguous()
-    out = _fp8_tensor(c, data, col, scale, scale_inv, raw_amax, fp8_dtype, rowwise, columnwise)
+    out = _fp8_tensor(c, data, col, scale, scale_inv, raw_amax, fp8_dtype, rowwise, columnwise,
+                      gate)
     c.activation_backward(_te_act(act), raw(dy), _input_arg(x, act), out,
                           dbias=raw(dbias) if with_dbias else None, accumulate_amax=accumulate,
                           stream=stream_of(x))
@@ -193,7 +201,7 @@ def activation_backward_fp8(
 
 @activation_backward_fp8.register_fake
 def _(dy, x, act, scale, fp8_dtype, rowwise, columnwise, with_dbias, amax_history=None,
-      index=0):
+      index=0, gate=None):
     _check_grad("activation_backward_fp8", dy, x, act)
     m, k = x.shape
     return (*_fp8_pair(x, m, k, rowwise, columnwise), _scalar(x), amax_fake(x, amax_history),

@@ -114,6 +114,7 @@ def norm_forward_fp8(
     x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor], norm: str, eps: float,
     zero_centered_gamma: bool, scale: torch.Tensor, fp8_dtype: str, columnwise: bool,
     with_output: bool, amax_history: Optional[torch.Tensor] = None, index: int = 0,
+    gate: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """The normalized output as FP8 ``y * scale`` ([M, N] and, with ``columnwise``, its
@@ -121,7 +122,8 @@ def norm_forward_fp8(
     dtype, only ``with_output``; else an empty tensor). ``scale`` is [1] fp32. Returns
     (y, data, col, scale_inv, amax = max|y|, mu, rsigma). Given a delayed-scaling
     ``amax_history``, the amax is raised into ``amax_history[0, index]`` instead (and returned
-    empty; see amax_destination)."""
+    empty; see amax_destination). ``gate`` ([1] fp32, the core's gate, tensor.h): the call
+    runs only while it holds 0, else returns amax 0 and leaves the rest unwritten."""
     _check("norm_forward_fp8", x, gamma, beta, norm, True)
     check_fp8_dtype("norm_forward_fp8", fp8_dtype)
     if eps < 0:
@@ -139,7 +141,8 @@ def norm_forward_fp8(
     beta = None if beta is None else beta.contiguous()
     out = c.Tensor(raw(data), dtype=te_dtype(fp8_dtype), scale=raw(scale),
                    scale_inv=raw(scale_inv), amax=raw_amax,
-                   columnwise_data=raw(col) if columnwise else None)
+                   columnwise_data=raw(col) if columnwise else None,
+                   gate=None if gate is None else raw(gate))
     c.norm_forward(_te_norm(norm), raw(x), raw(gamma), None if beta is None else raw(beta),
                    output=raw(y) if with_output else None, output_fp8=out,
                    mu=raw(mu) if norm == "layernorm" else None, rsigma=raw(rsigma), eps=eps,
@@ -150,7 +153,7 @@ def norm_forward_fp8(
 
 @norm_forward_fp8.register_fake
 def _(x, gamma, beta, norm, eps, zero_centered_gamma, scale, fp8_dtype, columnwise,
-      with_output, amax_history=None, index=0):
+      with_output, amax_history=None, index=0, gate=None):
     _check("norm_forward_fp8", x, gamma, beta, norm, True)
     return (*_fp8_outputs(x, columnwise, with_output), amax_fake(x, amax_history),
             *_stats(x, norm))

@@ -261,15 +261,17 @@ def _(data):
 
 
 @custom_op(f"{_NS}::amax", mutates_args=())
-def amax(x: torch.Tensor) -> torch.Tensor:
-    """max|x| as [1] fp32 (NaN when x holds a NaN)."""
+def amax(x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """max|x| as [1] fp32 (NaN when x holds a NaN). ``gate`` ([1] fp32, the core's gate,
+    tensor.h): the call runs only while it holds 0, else gives 0 after one early return."""
     c = core()
     out = _scalar(x)
     x = x.contiguous()
-    c.compute_amax(raw(x), c.Tensor(amax=raw(out)), stream=stream_of(x))
+    c.compute_amax(raw(x), c.Tensor(amax=raw(out), gate=None if gate is None else raw(gate)),
+                   stream=stream_of(x))
     return out
 
 
 @amax.register_fake
-def _(x):
+def _(x, gate=None):
     return _scalar(x)

@@ -1,0 +1,95 @@
+"""Delayed scaling's first step: a tensor whose amax history is still empty is scaled from
+its own amax.
+
+Delayed scaling quantizes with a scale made from earlier steps' amaxes. Before any step there
+are none, and the initial scale of 1 loses what is small: a mean loss's output gradient
+(about 1e-7 per element) underflows E5M2 and the first weight gradient comes out zero. So a
+history column that no step has written yet gives its tensor the scale the update would make
+from the tensor's own amax (the core's delayed-scaling formula, the recipe's margin); the
+amax still goes into the history, and from the next step on the recipe runs as before. The
+JAX package applies the same rule with the same core calls, so both give the same bits.
+
+Whether a column is still empty is known on the host here, in eager mode: the module marks
+its histories when it makes them (and when a checkpoint loads empty ones), and the first
+quantization of each column takes the mark, so later steps pay nothing. A compiled graph
+cannot ask the host, so there the op that makes the tensor runs once more with the core's
+gate (tensor.h): it computes the amax only while the column and its scale are as a new module
+has them (all zero, and 1: a history of one step is all zero again after each update, so the
+history alone cannot tell), and costs one early-returning launch afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from transformer_engine.common.plan import FP8_MAX
+
+from . import ops
+
+# The columns no step has written yet live on the history tensor itself, as an attribute:
+# a deep copy or a pickle of the module carries them, and a new tensor (a device move, a
+# loaded checkpoint) gets them from the module (move_marks, mark_empty).
+_MARK = "_te_empty_columns"
+
+
+def mark_empty(history: torch.Tensor, columns=None) -> None:
+    """Marks ``history``'s ``columns`` (default: all) as never written."""
+    setattr(history, _MARK, set(range(history.shape[1])) if columns is None else set(columns))
+
+
+def move_marks(old: torch.Tensor, new: torch.Tensor) -> None:
+    """``new`` replaces ``old`` (a module moved to another device): it keeps old's marks."""
+    cols = getattr(old, _MARK, None)
+    if cols is not None and new is not old:
+        mark_empty(new, cols)
+
+
+def has_empty(history: torch.Tensor) -> bool:
+    """Whether some column of ``history`` is still marked as never written."""
+    return bool(getattr(history, _MARK, None))
+
+
+def _take_mark(history: torch.Tensor, column: int) -> bool:
+    cols = getattr(history, _MARK, None)
+    if not cols or column not in cols:
+        return False
+    cols.discard(column)
+    return True
+
+
+def step_scales(scales: torch.Tensor, index: int, history: Optional[torch.Tensor],
+                column: int, fp8_dtype: str, margin: int,
+                amax_of: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+    """The scales to quantize with in this step, ``scales[index]`` being the stored scale of
+    the tensor whose amaxes go into ``history``'s ``column``: ``scales`` itself, where, while
+    that column is empty, ``index`` now holds the scale from the tensor's own amax (written in
+    place in eager mode, in a copy when compiled).
+    ``amax_of(gate)`` gives that amax with the op that makes the tensor (``gate`` None: just
+    run it; else the core's gate). ``history`` None (a checkpoint's recompute, which quantizes
+    as its first run did) keeps ``scales``."""
+    if history is None:
+        return scales
+    if torch.compiler.is_compiling():
+        stored = scales[index:index + 1]
+        amax = amax_of(history[:, column].amax().reshape(1) + (stored - 1.0).abs())
+        # The update's formula (scaling.h) in torch ops, into a copy (a graph's inputs are not
+        # written in place); the core's update op inside an inductor graph gave other numbers.
+        s = (torch.full_like(stored, FP8_MAX[fp8_dtype]) / amax) / (2.0 ** margin)
+        s = torch.where(torch.isfinite(s), s, torch.full_like(s, torch.finfo(torch.float32).max))
+        scale = torch.where((amax > 0) & torch.isfinite(amax), s, stored)
+        return torch.cat([scales[:index], scale, scales[index + 1:]])
+    if not _take_mark(history, column):
+        return scales
+    # The update's formula (scaling.h) on a one-step history holding the amax: an amax of 0
+    # (an all-zero tensor) or a non-finite one keeps the stored scale. Written into the stored
+    # scales, which the step's update makes from the history again, so that what recorded
+    # them (an activation checkpoint's first run) sees it too.
+    scale = scales[index:index + 1]
+    ops.delayed_scaling_update([amax_of(None).reshape(1, 1).clone()], [scale],
+                               [torch.empty_like(scale)], fp8_dtype, "max", margin)
+    from . import fp8  # (fp8 imports the modules that import this one)
+
+    fp8.refresh_recorded(scales)
+    return scales

@@ -1,0 +1,111 @@
+"""Delayed scaling's first step (first_step.py): a tensor whose amax history is still empty is
+scaled from its own amax, so a first step learns as current scaling would; later steps follow
+the recipe, and the fast paths run again."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+from transformer_engine.pytorch import first_step
+
+DELAYED = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=4)
+
+
+def _module(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "Linear":
+        return te.Linear(128, 64)
+    if kind == "LayerNormLinear":
+        return te.LayerNormLinear(128, 64)
+    return te.LayerNormMLP(128, 256)
+
+
+def _weight_grads(module, x, fp8: bool, call=None):
+    module.zero_grad(set_to_none=True)
+    with te.fp8_autocast(enabled=fp8, fp8_recipe=DELAYED):
+        y = (module if call is None else call)(x)
+    y.mean().backward()
+    return {n: p.grad.clone() for n, p in module.named_parameters()
+            if n.endswith("weight") and p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_first_step_with_a_mean_loss_learns(kind):
+    # The output gradient of a mean over 64 x 64 outputs is 2.4e-4; GEMM outputs of it are
+    # far below E5M2's smallest subnormal (1.5e-5) at the initial scale of 1.
+    m = _module(kind)
+    ref = copy.deepcopy(m)
+    x = torch.randn(64, 128)
+    got = _weight_grads(m, x, fp8=True)
+    want = _weight_grads(ref, x, fp8=False)
+    for name, g in got.items():
+        w = want[name]
+        assert float(g.abs().max()) > 0, f"{kind}.{name}: zero weight gradient"
+        # FP8 operands (E4M3 forward, E5M2 gradient): a few per cent of the largest entry
+        rel = float((g - w).abs().max() / w.abs().max())
+        assert rel < 0.15, f"{kind}.{name}: relative error {rel:.3f}"
+
+
+def test_first_step_scale_is_the_one_the_update_then_keeps():
+    m = _module("Linear")
+    x = torch.randn(64, 128) * 3
+    _weight_grads(m, x, fp8=True)
+    # After the step the update made the scales from the history, which holds only this
+    # step's amaxes: the input's scale is the one its first cast used.
+    fp8_max = 448.0
+    assert torch.equal(m.scale_fwd[0], torch.tensor(fp8_max) / x.abs().max())
+    assert not first_step.has_empty(m.amax_history_fwd)
+    assert not first_step.has_empty(m.amax_history_bwd)
+
+
+def test_second_step_uses_the_stored_scale(monkeypatch):
+    m = _module("Linear")
+    x = torch.randn(64, 128)
+    _weight_grads(m, x, fp8=True)
+    calls = []
+    real = first_step.ops.delayed_scaling_update
+    monkeypatch.setattr(first_step.ops, "delayed_scaling_update",
+                        lambda *a, **k: calls.append(a) or real(*a, **k))
+    _weight_grads(m, x * 100, fp8=True)
+    assert calls == []  # no first-step scale any more
+
+
+def test_marks_follow_the_module_and_come_back_with_an_empty_checkpoint():
+    m = _module("LayerNormMLP")
+    moved = m.to(torch.float32)  # _apply: the buffers may be new tensors
+    assert first_step.has_empty(moved.amax_history_fwd)
+    state = copy.deepcopy(m.state_dict())  # saved before any step: empty histories
+    _weight_grads(m, torch.randn(16, 128), fp8=True)
+    assert not first_step.has_empty(m.amax_history_fwd)
+    m.load_state_dict(state)
+    assert first_step.has_empty(m.amax_history_fwd)
+    assert first_step.has_empty(m.amax_history_bwd)
+
+
+def test_checkpoint_of_a_trained_module_loads_without_marks():
+    m = _module("Linear")
+    _weight_grads(m, torch.randn(16, 128), fp8=True)
+    fresh = _module("Linear")
+    fresh.load_state_dict(m.state_dict())
+    assert not first_step.has_empty(fresh.amax_history_fwd)
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_compiled_first_steps_equal_eager(kind):
+    # Compiled, the rule runs on the device (the core's gate): the same bits as eager's host
+    # rule over a first and a second step.
+    eager, compiled = _module(kind), _module(kind)
+    fwd = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    xs = [torch.randn(32, 128) * s for s in (1.0, 4.0)]
+    for x in xs:
+        a = _weight_grads(eager, x, fp8=True)
+        b = _weight_grads(compiled, x, fp8=True, call=fwd)
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=0)
+        assert torch.equal(eager.scale_fwd, compiled.scale_fwd)
+        assert torch.equal(eager.scale_bwd, compiled.scale_bwd)
