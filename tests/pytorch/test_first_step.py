@@ -109,3 +109,24 @@ def test_compiled_first_steps_equal_eager(kind):
             torch.testing.assert_close(b[name], a[name], rtol=0, atol=0)
         assert torch.equal(eager.scale_fwd, compiled.scale_fwd)
         assert torch.equal(eager.scale_bwd, compiled.scale_bwd)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_first_step_on_cuda_scales_as_on_the_cpu(kind):
+    # The amaxes are exact and the scale is the core's formula: the same scales bit for bit
+    # on both devices; the gradients agree to the GEMMs' accumulation order.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cpu = _module(kind)
+    gpu = copy.deepcopy(cpu).cuda()
+    assert first_step.has_empty(gpu.amax_history_fwd)  # the marks moved with the module
+    x = torch.randn(64, 128)
+    a = _weight_grads(cpu, x, fp8=True)
+    b = _weight_grads(gpu, x.cuda(), fp8=True)
+    assert torch.equal(cpu.scale_fwd, gpu.scale_fwd.cpu())
+    assert torch.equal(cpu.scale_bwd, gpu.scale_bwd.cpu())
+    for name in a:
+        assert float(b[name].abs().max()) > 0
+        torch.testing.assert_close(b[name].cpu(), a[name], rtol=0.02, atol=1e-3 * float(
+            a[name].abs().max()))
