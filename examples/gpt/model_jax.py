@@ -2,7 +2,9 @@
 
     bytes -> nn.Embed -> [TransformerLayer (causal, RoPE)] x layers -> LayerNorm -> DenseGeneral
 
-Under ``fp8_autocast`` every GEMM of the layers and of the output head runs in FP8. With
+Under ``fp8_autocast`` every GEMM of the layers runs in FP8; the output head stays in high
+precision, as is usual in FP8 training (its gradient, that of a mean over every token's
+logits, is the smallest, and its errors reach the loss directly). With
 delayed scaling the FP8 state is the ``fp8_metas`` collection: ``jax.value_and_grad`` over
 ``(params, fp8_metas)`` returns, as the gradient of ``fp8_metas``, the state of the next step,
 which ``update_collections`` puts in place (as jax/examples/train_mlp_fp8.py does).
@@ -75,9 +77,12 @@ class GPT(nn.Module):
                 name=f"layer_{i}")(x, deterministic=True, decode=decode)
         # fp32 norm parameters (the module's default dtype); it computes in x's dtype.
         x = te_flax.LayerNorm(layernorm_type=_NORMS[size.normalization], name="norm")(x)
-        # Small output weights: the first logits are near zero, the loss near ln(256).
-        return te_flax.DenseGeneral(VOCAB, use_bias=False, kernel_init=nn.initializers.normal(0.02),
-                                    dtype=self.dtype, name="head")(x)
+        # Small output weights: the first logits are near zero, the loss near ln(256). The
+        # head runs in high precision.
+        with te.fp8_autocast(enabled=False):
+            return te_flax.DenseGeneral(VOCAB, use_bias=False,
+                                        kernel_init=nn.initializers.normal(0.02),
+                                        dtype=self.dtype, name="head")(x)
 
 
 def build(size, device: str, seed: int) -> dict:

@@ -2,9 +2,10 @@
 
     bytes -> embedding -> [TransformerLayer (causal, RoPE)] x layers -> norm -> te.Linear -> logits
 
-Under ``te.fp8_autocast`` every GEMM of the layers and of the output head runs in FP8; the
-embedding lookup, softmax-cross-entropy and optimizer stay in high precision, as in real
-FP8 training.
+Under ``te.fp8_autocast`` every GEMM of the layers runs in FP8; the output head (the layer
+whose gradient, that of a mean over every token's logits, is the smallest and whose errors
+reach the loss directly), the embedding lookup, softmax-cross-entropy and optimizer stay in
+high precision, as is usual in FP8 training.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class GPT(torch.nn.Module):
         freqs = self.rope(max_positions or tokens.shape[1])
         for layer in self.layers:
             x = layer(x, rotary_pos_emb=freqs, inference_params=inference_params)
-        return self.head(self.norm(x))
+        with te.fp8_autocast(enabled=False):  # the output head in high precision
+            return self.head(self.norm(x))
 
 
 def build(size, device: str, seed: int) -> GPT:

@@ -19,10 +19,10 @@ DELAYED = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_le
 def _module(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "Linear":
-        return te.Linear(128, 64)
+        return te.Linear(128, 64, device="cpu")
     if kind == "LayerNormLinear":
-        return te.LayerNormLinear(128, 64)
-    return te.LayerNormMLP(128, 256)
+        return te.LayerNormLinear(128, 64, device="cpu")
+    return te.LayerNormMLP(128, 256, device="cpu")
 
 
 def _weight_grads(module, x, fp8: bool, call=None):
