@@ -131,5 +131,6 @@ def test_first_step_on_cuda_scales_as_on_the_cpu(kind):
     torch.testing.assert_close(gpu.scale_bwd.cpu(), cpu.scale_bwd, rtol=0.02, atol=0)
     for name in a:
         assert float(b[name].abs().max()) > 0
-        torch.testing.assert_close(b[name].cpu(), a[name], rtol=0.02, atol=1e-3 * float(
+        # (an FP8 operand made from a GEMM's result may round one FP8 step apart)
+        torch.testing.assert_close(b[name].cpu(), a[name], rtol=0.02, atol=0.02 * float(
             a[name].abs().max()))
