@@ -112,43 +112,82 @@ class _Norm(torch.nn.Module):
         return apply_norm(inp, weight, bias, self._norm, self.eps, self.zero_centered_gamma)
 
 
+def _size_of(op: str, normalized_shape, hidden_size) -> int:
+    """The normalized size from NVIDIA's ``normalized_shape`` (an int or a 1-element
+    tuple/list, as torch.nn.LayerNorm takes it) or its older name ``hidden_size``; the size
+    itself is checked, as ``hidden_size``, by _Norm."""
+    if normalized_shape is None and hidden_size is None:
+        raise TypeError(f"{op}: give normalized_shape (or its older name hidden_size)")
+    size = hidden_size
+    if normalized_shape is not None:
+        shape = normalized_shape
+        if isinstance(shape, (tuple, list)):
+            if len(shape) != 1:
+                raise ValueError(f"{op}: normalized_shape must be an int or a 1-element "
+                                 f"tuple/list (normalization over the last dimension only), "
+                                 f"got {normalized_shape!r}")
+            (shape,) = shape
+        if hidden_size is not None and hidden_size != shape:
+            raise ValueError(f"{op}: normalized_shape ({normalized_shape!r}) and hidden_size "
+                             f"({hidden_size!r}) name the same size and must agree; give one")
+        size = shape
+    return size
+
+
+def _dtype_of(op: str, params_dtype, dtype):
+    """NVIDIA's ``dtype`` keyword is ``params_dtype``'s newer name."""
+    if params_dtype is not None and dtype is not None and params_dtype != dtype:
+        raise ValueError(f"{op}: params_dtype ({params_dtype}) and dtype ({dtype}) name the "
+                         f"same thing and must agree; give one")
+    return dtype if dtype is not None else params_dtype
+
+
 class LayerNorm(_Norm):
     """``y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias`` over the last dimension,
-    like ``torch.nn.LayerNorm(hidden_size, eps)``.
+    like ``torch.nn.LayerNorm(normalized_shape, eps)``.
 
-    Args:
-        hidden_size: size of the last dimension, normalized over.
+    Args (NVIDIA Transformer Engine's, in its order):
+        normalized_shape: size of the last dimension, normalized over: an int or a
+            1-element tuple/list (other shapes raise).
         eps: added to the variance.
-        zero_centered_gamma: ``weight`` holds ``gamma - 1`` (initialized to 0), so the scale
-            is ``1 + weight``: better precision near 1 in low-precision parameters.
-        params_dtype: dtype of the parameters (default: ``torch.get_default_dtype()``).
-        device: where the parameters live (default: the current CUDA device when there is
-            one, else the CPU).
         sequence_parallel: marks the parameters (``param.sequence_parallel``) for a caller
             that sums their gradients over a sequence-parallel group; the module itself
             computes on the tokens it is given.
+        params_dtype: dtype of the parameters (default: ``torch.get_default_dtype()``);
+            ``dtype`` is its newer name.
+        zero_centered_gamma: ``weight`` holds ``gamma - 1`` (initialized to 0), so the scale
+            is ``1 + weight``: better precision near 1 in low-precision parameters.
+        hidden_size: the older name of ``normalized_shape`` (an int).
+        device: where the parameters live (default: the current CUDA device when there is
+            one, else the CPU).
     """
 
     _norm, _name = "layernorm", "te.LayerNorm"
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, *, zero_centered_gamma: bool = False,
-                 params_dtype: Optional[torch.dtype] = None,
+    def __init__(self, normalized_shape: Union[int, tuple, list, None] = None,
+                 eps: float = 1e-5, sequence_parallel: Optional[bool] = None,
+                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
+                 hidden_size: Optional[int] = None, *,
                  device: Union[torch.device, str, None] = None,
-                 sequence_parallel: bool = False) -> None:
-        super().__init__(hidden_size, eps, zero_centered_gamma, params_dtype, device,
-                         sequence_parallel, bias=True)
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(_size_of(self._name, normalized_shape, hidden_size), eps,
+                         zero_centered_gamma, _dtype_of(self._name, params_dtype, dtype), device,
+                         bool(sequence_parallel), bias=True)
 
 
 class RMSNorm(_Norm):
     """``y = x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, like
-    ``torch.nn.RMSNorm(hidden_size, eps)``; the arguments are those of :class:`LayerNorm`
+    ``torch.nn.RMSNorm(normalized_shape, eps)``; the arguments are those of :class:`LayerNorm`
     (there is no bias)."""
 
     _norm, _name = "rmsnorm", "te.RMSNorm"
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, *, zero_centered_gamma: bool = False,
-                 params_dtype: Optional[torch.dtype] = None,
+    def __init__(self, normalized_shape: Union[int, tuple, list, None] = None,
+                 eps: float = 1e-5, sequence_parallel: Optional[bool] = None,
+                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
+                 hidden_size: Optional[int] = None, *,
                  device: Union[torch.device, str, None] = None,
-                 sequence_parallel: bool = False) -> None:
-        super().__init__(hidden_size, eps, zero_centered_gamma, params_dtype, device,
-                         sequence_parallel, bias=False)
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(_size_of(self._name, normalized_shape, hidden_size), eps,
+                         zero_centered_gamma, _dtype_of(self._name, params_dtype, dtype), device,
+                         bool(sequence_parallel), bias=False)
