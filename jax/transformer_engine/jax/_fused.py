@@ -21,6 +21,7 @@ from transformer_engine.common.plan import GEMM_GRANULE
 from transformer_engine.jax import ops
 from transformer_engine.jax.quantizer import (
     QuantizerSet,
+    _plan_of,
     quantize_role,
     role_dtype,
     role_mode,
@@ -54,10 +55,10 @@ class NormConfig(NamedTuple):
 
 
 def _current_scale(amax, qset: QuantizerSet, role: str):
-    recipe = qset.recipe
-    scale, _ = ops.scale_from_amax(amax, role_dtype(recipe, role),
-                                   force_pow2_scales=recipe.power_2_scale,
-                                   amax_epsilon=recipe.amax_epsilon)
+    plan = _plan_of(qset.recipe)
+    scale, _ = ops.scale_from_amax(amax, role_dtype(qset.recipe, role),
+                                   force_pow2_scales=plan.force_pow2_scales,
+                                   amax_epsilon=plan.amax_epsilon)
     return scale
 
 
@@ -73,9 +74,8 @@ def norm_quantized(x2, gamma, beta, cfg: NormConfig, qset: QuantizerSet, need_ou
     Returns ``(y, q, mu, rsigma)``; y (x2's dtype) is None unless ``need_output`` (or the
     recipe needs it to quantize).
     """
-    recipe = qset.recipe
-    if recipe.delayed():
-        dtype = role_dtype(recipe, "x")
+    if _plan_of(qset.recipe).kind == "delayed":
+        dtype = role_dtype(qset.recipe, "x")
 
         def amax_of(gate):
             return ops.norm_forward_fp8(x2, gamma, beta, qset.state["x"]["scale"], dtype,
@@ -90,16 +90,16 @@ def norm_quantized(x2, gamma, beta, cfg: NormConfig, qset: QuantizerSet, need_ou
 
 def activation_quantized(h, act: ops.Activation, qset: QuantizerSet) -> ops.QuantizedTensor:
     """act(h) as the FP8 input of a GEMM (role ``x`` of ``qset``)."""
-    recipe = qset.recipe
-    if recipe.delayed():
-        dtype = role_dtype(recipe, "x")
+    kind = _plan_of(qset.recipe).kind
+    if kind == "delayed":
+        dtype = role_dtype(qset.recipe, "x")
 
         def amax_of(gate):
             return ops.activation_forward_fp8(h, act, qset.state["x"]["scale"], dtype,
                                               columnwise=False, gate=gate).amax
 
         return ops.activation_forward_fp8(h, act, step_scale(qset, "x", amax_of), dtype)
-    if recipe.float8_current_scaling():
+    if kind == "current":
         a, amax = ops.activation_forward(h, act, compute_amax=True)
         return _quantize_tensor_mode(a, _current_scale(amax, qset, "x"), qset, "x", amax)
     return quantize_role(ops.activation_forward(h, act), qset, "x")
@@ -110,8 +110,9 @@ def grad_quantized(dy, act: ops.Activation, act_input: Optional[jax.Array], qset
     """The gradient of a GEMM's output, ``dact(act_input) * dy`` (IDENTITY: dy itself), as
     the FP8 ``grad`` of ``qset``, with its bias gradient (``dbias_dtype``; None: none)."""
     recipe = qset.recipe
+    kind = _plan_of(recipe).kind
     identity = ops.Activation(act) == ops.Activation.IDENTITY
-    if recipe.delayed():
+    if kind == "delayed":
         dtype = role_dtype(recipe, "grad")
 
         def amax_of(gate):
@@ -120,7 +121,7 @@ def grad_quantized(dy, act: ops.Activation, act_input: Optional[jax.Array], qset
 
         return ops.activation_backward_fp8(dy, act_input, act, step_scale(qset, "grad", amax_of),
                                            dtype, dbias_dtype=dbias_dtype)
-    if recipe.float8_current_scaling() and identity:
+    if kind == "current" and identity:
         amax = ops.compute_amax(dy)
         q, dbias = ops.activation_backward_fp8(dy, None, act, _current_scale(amax, qset, "grad"),
                                                role_dtype(recipe, "grad"),
@@ -133,8 +134,8 @@ def grad_quantized(dy, act: ops.Activation, act_input: Optional[jax.Array], qset
     else:
         g, dbias, amax = ops.activation_backward(
             dy, act_input, act, dbias_dtype=dbias_dtype,
-            compute_amax=recipe.float8_current_scaling())
-    if recipe.float8_current_scaling():
+            compute_amax=kind == "current")
+    if kind == "current":
         return _quantize_tensor_mode(g, _current_scale(amax, qset, "grad"), qset, "grad",
                                      amax), dbias
     return quantize_role(g, qset, "grad"), dbias

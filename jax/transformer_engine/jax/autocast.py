@@ -70,7 +70,7 @@ def autocast(enabled: bool = False, recipe: Optional[Recipe] = None,
         >>> import transformer_engine.jax as te
         >>> from transformer_engine.common import recipe
         >>> with te.autocast(enabled=True, recipe=recipe.DelayedScaling()):
-        ...     te.get_fp8_recipe().delayed()
+        ...     te.get_fp8_recipe() == recipe.DelayedScaling()
         True
     """
     if not isinstance(enabled, bool):

@@ -31,6 +31,7 @@ from transformer_engine.jax import _fused, ops
 from transformer_engine.jax.quantizer import (
     QuantizerSet,
     make_quantizer_set,
+    plan_kind,
     quantize_role,
     updated_state,
 )
@@ -168,7 +169,7 @@ def _dense_bwd(recipe, residuals, dy):
                                    None if b2 is None else b2.dtype)
     dx, dk = _fused.backward_gemms(qg, saved, recipe, dy.dtype)
     new_state = {}
-    if recipe.delayed():
+    if plan_kind(recipe) == "delayed":
         new_state = updated_state(recipe, state, {"x": amax_x, "kernel": amax_k, "grad": qg.amax})
     return dx, dk, db, new_state
 

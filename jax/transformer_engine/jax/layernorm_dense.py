@@ -26,6 +26,7 @@ from transformer_engine.jax.layernorm import norm_inputs
 from transformer_engine.jax.quantizer import (
     QuantizerSet,
     make_quantizer_set,
+    plan_kind,
     quantize_role,
     updated_state,
 )
@@ -188,7 +189,7 @@ def _bwd(cfg, recipe, return_ln, residuals, cotangents):
                                        None if b2 is None else b2.dtype)
         dy, dk = _fused.backward_gemms(qg, saved, recipe, d_out.dtype)
         new_state = {}
-        if recipe.delayed():
+        if plan_kind(recipe) == "delayed":
             new_state = updated_state(recipe, state, {**amaxes, "grad": qg.amax})
     if return_ln:
         dy = dy + d_ln.astype(dy.dtype)

@@ -31,7 +31,7 @@ from transformer_engine.jax.layernorm_dense import (
     check_quantizer_set,
     compute_dtype,
 )
-from transformer_engine.jax.quantizer import QuantizerSet, quantize_role, updated_state
+from transformer_engine.jax.quantizer import QuantizerSet, plan_kind, quantize_role, updated_state
 
 __all__ = ["layernorm_mlp", "layernorm_mlp_fp8_operands", "activation", "activation_of"]
 
@@ -242,7 +242,7 @@ def _bwd(cfg, act, recipe, return_ln, residuals, cotangents):
         qg1, db1 = _fused.grad_quantized(da, act, h, qset1, None if b1 is None else b1.dtype)
         dy, dk1 = _fused.backward_gemms(qg1, saved1, recipe, d_out.dtype)
         new1, new2 = {}, {}
-        if recipe.delayed():
+        if plan_kind(recipe) == "delayed":
             new1 = updated_state(recipe, state1, {**amaxes[0], "grad": qg1.amax})
             new2 = updated_state(recipe, state2, {**amaxes[1], "grad": qg2.amax})
     if return_ln:

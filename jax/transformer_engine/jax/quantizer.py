@@ -21,12 +21,12 @@ from typing import Mapping, Optional
 import jax
 import jax.numpy as jnp
 from transformer_engine.common import plan as _plan
-from transformer_engine.common.recipe import DelayedScaling, Recipe
+from transformer_engine.common.recipe import Recipe
 from transformer_engine.jax import ops
 from transformer_engine.jax.autocast import get_fp8_recipe
 
 __all__ = ["ROLES", "FP8_COLLECTION", "QuantizerSet", "new_fp8_state", "make_quantizer_set",
-           "update_collections"]
+           "update_collections", "plan_kind"]
 
 ROLES = ("x", "kernel", "grad")
 FP8_COLLECTION = "fp8_metas"
@@ -41,11 +41,25 @@ def _plan_of(recipe: Recipe, caller: str = "make_quantizer_set") -> _plan.Plan:
     return _plan.plan_of(recipe, caller)
 
 
+def plan_kind(recipe: Optional[Recipe]) -> Optional[str]:
+    """The kind of the recipe's plan (``"delayed"``, ``"current"``, ``"block"``), or None for
+    no recipe (FP8 off) and for a recipe that has no plan (e.g. MXFP8): for checks that only
+    ask which kind a recipe is; the quantizer set refuses a recipe without a plan itself. The
+    package branches on this, never on the recipe's class, so a new recipe is a new plan."""
+    if recipe is None:
+        return None
+    try:
+        return _plan_of(recipe).kind
+    except NotImplementedError:
+        return None
+
+
 def new_fp8_state(recipe: Optional[Recipe]) -> dict:
     """The initial FP8 state of one dense layer: scale 1 and an all-zero history per role
     for delayed scaling, ``{}`` for every other recipe (and for no recipe)."""
-    if recipe is None or not recipe.delayed():
+    if plan_kind(recipe) != "delayed":
         return {}
+    # The history length is no field of the plan (it shapes state, not numerics): the recipe's.
     return {role: {"scale": jnp.ones((1,), jnp.float32),
                    "amax_history": jnp.zeros((recipe.amax_history_len,), jnp.float32)}
             for role in ROLES}
@@ -92,7 +106,8 @@ def make_quantizer_set(recipe: Optional[Recipe] = None, state: Optional[Mapping]
     return QuantizerSet(recipe, {})
 
 
-def _check_state(recipe: DelayedScaling, state: Mapping) -> None:
+def _check_state(recipe: Recipe, state: Mapping) -> None:
+    # The expected history length is the recipe's amax_history_len (no field of the plan).
     for role in ROLES:
         if role not in state or set(state[role]) != {"scale", "amax_history"}:
             raise ValueError(f"make_quantizer_set: state must map each of {ROLES} to a dict with "
@@ -185,7 +200,7 @@ def _amax_of_all_mapped_vmap(axis_size, in_batched, amax):
     return jnp.max(amax, axis=0), False
 
 
-def updated_state(recipe: DelayedScaling, state: Mapping, amaxes: Mapping) -> dict:
+def updated_state(recipe: Recipe, state: Mapping, amaxes: Mapping) -> dict:
     """The delayed-scaling state after a step whose amaxes were ``amaxes`` (role -> [1]).
 
     Each role's amax goes into slot 0 of its history, then the recipe's update runs: the
@@ -209,12 +224,16 @@ def updated_state(recipe: DelayedScaling, state: Mapping, amaxes: Mapping) -> di
         return new
     # User callables are written with jax ops (the recipe's contract): same rule, in jnp.
     for r in ROLES:
-        new[r] = _update_with_callables(recipe, histories[r], scales[r],
+        new[r] = _update_with_callables(recipe, plan, histories[r], scales[r],
                                         plan.fp8_max_of(_PLAN_ROLE[r]))
     return new
 
 
-def _update_with_callables(recipe: DelayedScaling, history, scale, fp8_max: float) -> dict:
+def _update_with_callables(recipe: Recipe, plan: _plan.Plan, history, scale,
+                           fp8_max: float) -> dict:
+    # The plan says only that a callable is involved ("callable"); the callables themselves
+    # (and the amax algorithm's name beside a user scaling callable) live on the recipe, and
+    # the user's scaling callable is given the recipe, as its contract says.
     algo = recipe.amax_compute_algo
     if callable(algo):
         amax = jnp.reshape(algo(history), (1,)).astype(jnp.float32)
@@ -225,7 +244,7 @@ def _update_with_callables(recipe: DelayedScaling, history, scale, fp8_max: floa
     if recipe.scaling_factor_compute_algo is not None:
         new_scale = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
     else:
-        computed = (fp8_max / amax) / (2.0 ** recipe.margin)
+        computed = (fp8_max / amax) / (2.0 ** plan.margin)
         computed = jnp.where(jnp.isinf(computed), jnp.finfo(jnp.float32).max, computed)
         new_scale = jnp.where(jnp.isfinite(amax) & (amax > 0), computed, scale)
     history = jnp.roll(history, -1, axis=0).at[0].set(0.0)

@@ -20,6 +20,7 @@ from transformer_engine.jax.flax._checks import (
 )
 from transformer_engine.jax.flax.module import Initializer, _as_matrix_init, _as_tuple, fp8_state
 from transformer_engine.jax.layernorm_dense import layernorm_dense
+from transformer_engine.jax.quantizer import plan_kind
 from transformer_engine.jax.sharding import check_unsharded
 
 __all__ = ["LayerNormDenseGeneral"]
@@ -51,7 +52,7 @@ def fp8_quantizer_set(module: nn.Module, prefix: str = ""):
     """The autocast's quantizer set for one GEMM of ``module``, with its state (delayed
     scaling) in the ``fp8_metas`` collection under ``prefix``."""
     recipe = get_fp8_recipe()
-    state = fp8_state(module, recipe, prefix) if recipe is not None and recipe.delayed() else None
+    state = fp8_state(module, recipe, prefix) if plan_kind(recipe) == "delayed" else None
     return quantizer_set_for(type(module).__name__, recipe, state)
 
 

@@ -23,6 +23,7 @@ from transformer_engine.jax.quantizer import (
     FP8_COLLECTION,
     ROLES,
     new_fp8_state,
+    plan_kind,
 )
 from transformer_engine.jax.sharding import check_unsharded
 
@@ -118,7 +119,7 @@ class DenseGeneral(nn.Module):
         bias = self.param("bias", bias_init, features, param_dtype) if self.use_bias else None
         recipe = get_fp8_recipe()
         state = None
-        if recipe is not None and recipe.delayed():
+        if plan_kind(recipe) == "delayed":
             state = fp8_state(self, recipe)
         quantizer_set = quantizer_set_for("DenseGeneral", recipe, state)
         dtype = compute_dtype_of(inputs, param_dtype)
