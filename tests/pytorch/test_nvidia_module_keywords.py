@@ -51,3 +51,126 @@ def test_norm_bad_shapes(cls, name):
         cls(device=CPU)
     with pytest.raises(ValueError, match=name + r": params_dtype .* and dtype .* must agree"):
         cls(16, params_dtype=torch.float32, dtype=torch.bfloat16, device=CPU)
+
+
+# DotProductAttention.forward: NVIDIA's keyword names and order
+
+def _dpa(**kw):
+    kw.setdefault("qkv_format", "bshd")
+    kw.setdefault("attn_mask_type", "causal")
+    return te.DotProductAttention(2, 16, device=CPU, attention_dropout=0.0, **kw)
+
+
+def _qkv(grad=False, shape=(2, 8, 2, 16)):
+    torch.manual_seed(0)
+    return [torch.randn(*shape, requires_grad=grad) for _ in range(3)]
+
+
+def test_dpa_nvidia_keyword_names():
+    m = _dpa()
+    q, k, v = _qkv()
+    ref = m(q, k, v)
+    by_nvidia = m(query_layer=q, key_layer=k, value_layer=v, attention_mask=None,
+                  qkv_format="bshd", attn_mask_type="causal", window_size=None,
+                  checkpoint_core_attention=False, core_attention_bias_type="no_bias",
+                  core_attention_bias=None, alibi_slopes=None, fast_zero_fill=True,
+                  inference_params=None, pad_between_seqs=None, fp8_output=False,
+                  cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None)
+    by_ours = m(query=q, key=k, value=v)
+    assert torch.equal(by_nvidia, ref) and torch.equal(by_ours, ref)
+    # a mask type of the call changes the result: the keyword is read, not dropped
+    assert not torch.equal(m(query_layer=q, key_layer=k, value_layer=v,
+                             attn_mask_type="no_mask"), ref)
+
+
+def test_dpa_nvidia_positional_order():
+    """query, key, value, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
+    cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type."""
+    m = _dpa(qkv_format="thd", attn_mask_type="padding_causal")
+    q, k, v = _qkv(shape=(10, 2, 16))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    ref = m(q, k, v, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6,
+            max_seqlen_kv=6, attn_mask_type="padding_causal")
+    out = m(q, k, v, None, "thd", cu, cu, None, None, 6, 6, "padding_causal")
+    assert torch.equal(out, ref)
+    # the first token of the second sequence sees itself only: its output is its value
+    torch.testing.assert_close(out[4].view(2, 16), v[4])
+
+
+def test_dpa_one_name_per_input():
+    m = _dpa()
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="DotProductAttention: query_layer and query name "
+                                        "the same input"):
+        m(q, k, v, query=q)
+    with pytest.raises(TypeError, match="DotProductAttention: forward needs value_layer "
+                                        r"\(or value\)"):
+        m(query_layer=q, key_layer=k)
+
+
+def _grads(m, checkpoint_core_attention):
+    q, k, v = _qkv(grad=True)
+    out = m(q, k, v, checkpoint_core_attention=checkpoint_core_attention)
+    (out * torch.arange(out.numel()).view(out.shape).sin()).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def test_dpa_checkpoint_core_attention_recomputes(monkeypatch):
+    m = _dpa()
+    calls = []
+    attend = m._attend
+    monkeypatch.setattr(m, "_attend", lambda *a: calls.append(1) or attend(*a))
+    plain = _grads(m, False)
+    assert len(calls) == 1
+    recomputed = _grads(m, True)
+    assert len(calls) == 3  # once forward, once again in the backward
+    for a, b in zip(plain, recomputed, strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # nothing to recompute without autograd
+        m(*_qkv(), checkpoint_core_attention=True)
+    assert len(calls) == 4
+
+
+def test_dpa_checkpoint_core_attention_fp8_delayed():
+    from transformer_engine.common.recipe import DelayedScaling
+    recipe = DelayedScaling(fp8_dpa=True)
+    results = []
+    for ckpt in (False, True):
+        m = _dpa(qkv_format="bshd")
+        with te.fp8_autocast(fp8_recipe=recipe):
+            results.append(_grads(m, ckpt))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(core_attention_bias_type="post_scale_bias"), NotImplementedError,
+     ["core_attention_bias_type='post_scale_bias'", "only 'no_bias'"]),
+    (dict(core_attention_bias_type="alibi"), NotImplementedError, ["'alibi'", "ALiBi"]),
+    (dict(core_attention_bias_type="relative"), ValueError,
+     ["core_attention_bias_type must be one of", "'relative'"]),
+    (dict(core_attention_bias=torch.zeros(1, 2, 8, 8)), NotImplementedError,
+     ["core_attention_bias", "only None", "Tensor"]),
+    (dict(alibi_slopes=torch.ones(2)), NotImplementedError, ["alibi_slopes", "only None"]),
+    (dict(pad_between_seqs=True), NotImplementedError, ["pad_between_seqs", "True"]),
+    (dict(cu_seqlens_q_padded=torch.tensor([0, 8, 16])), NotImplementedError,
+     ["cu_seqlens_q_padded", "must be None"]),
+    (dict(cu_seqlens_kv_padded=torch.tensor([0, 8, 16])), NotImplementedError,
+     ["cu_seqlens_kv_padded", "must be None"]),
+    (dict(inference_params=object()), NotImplementedError,
+     ["inference_params", "te.MultiheadAttention"]),
+    (dict(fp8_output=True), NotImplementedError, ["fp8_output=True", "fp8_mha=True"]),
+])
+def test_dpa_refused_keywords(kwargs, error, words):
+    with pytest.raises(error) as info:
+        _dpa()(*_qkv(), **kwargs)
+    message = str(info.value)
+    assert message.startswith("DotProductAttention: ")
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_mha_refusals_name_the_module():
+    mha = te.MultiheadAttention(32, 2, attention_dropout=0.0, device=CPU)
+    with pytest.raises(NotImplementedError, match=r"te\.MultiheadAttention: alibi_slopes"):
+        mha(torch.randn(8, 2, 32), alibi_slopes=torch.ones(2))

@@ -29,6 +29,7 @@ from transformer_engine.common.recipe import Format, Recipe
 from .. import fp8 as _fp8
 from .. import ops
 from ..attention_fn import fused_attention, fused_attention_fp8, unfused_attention
+from ..checkpoint import checkpoint
 from ..float8_tensor import Float8Tensor, to_high_precision
 from ..fp8 import STATE
 from ..ops._backend import core
@@ -349,9 +350,57 @@ class DotProductAttention(FP8Module):
         self.deterministic = deterministic
         self.attention_backend = attention_backend
 
-    def forward(self, query, key, value, attention_mask=None, qkv_format=None, cu_seqlens_q=None,
-                cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None,
-                window_size=None, attention_backend=None):
+    def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
+                qkv_format=None, cu_seqlens_q=None, cu_seqlens_kv=None,
+                cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, max_seqlen_q=None,
+                max_seqlen_kv=None, attn_mask_type=None, window_size=None,
+                checkpoint_core_attention: bool = False,
+                core_attention_bias_type: str = "no_bias", core_attention_bias=None,
+                alibi_slopes=None, fast_zero_fill: bool = True, inference_params=None,
+                pad_between_seqs: Optional[bool] = None, fp8_output: bool = False, *,
+                attention_backend=None, query=None, key=None, value=None):
+        """Attention of ``query_layer``, ``key_layer``, ``value_layer`` (NVIDIA's names and
+        order; ``query``, ``key``, ``value`` are accepted as keywords too).
+
+        ``checkpoint_core_attention``: recompute attention in the backward (te.checkpoint)
+        instead of keeping its activations; inside a checkpoint of an enclosing block it is
+        recomputed already. ``fast_zero_fill`` is accepted (padded rows are always zeros).
+        Attention biases, ALiBi, padded packed sequences, ``inference_params`` (use
+        te.MultiheadAttention's) and ``fp8_output`` outside ``fp8_mha`` are not implemented:
+        they raise."""
+        query = _one_of("query_layer", query_layer, "query", query)
+        key = _one_of("key_layer", key_layer, "key", key)
+        value = _one_of("value_layer", value_layer, "value", value)
+        if (core_attention_bias_type != "no_bias" or core_attention_bias is not None
+                or alibi_slopes is not None or pad_between_seqs
+                or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None):
+            refuse_forward_args("DotProductAttention", core_attention_bias_type,
+                                core_attention_bias, alibi_slopes, pad_between_seqs,
+                                cu_seqlens_q_padded, cu_seqlens_kv_padded)
+        if inference_params is not None:
+            raise NotImplementedError("DotProductAttention: inference_params is not "
+                                      "implemented here (only None); te.MultiheadAttention "
+                                      "takes it and keeps the KV cache")
+        if fp8_output:
+            state = STATE
+            if not (state.enabled and _runs_fp8(state.recipe) and state.recipe.fp8_mha):
+                raise NotImplementedError("DotProductAttention: fp8_output=True is supported "
+                                          "only under fp8_autocast with a recipe that has "
+                                          "fp8_dpa=True and fp8_mha=True (the output is FP8 "
+                                          "there anyway); got it outside one")
+        args = (query, key, value, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
+                max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size, attention_backend)
+        recompute = _fp8.RECOMPUTE
+        # Inside a checkpoint of an enclosing block attention is recomputed already (and
+        # checkpoints do not nest).
+        if (checkpoint_core_attention and torch.is_grad_enabled()
+                and recompute.recording is None and not recompute.replaying):
+            return checkpoint(self._attend, *args)
+        return self._attend(*args)
+
+    def _attend(self, query, key, value, attention_mask, qkv_format, cu_seqlens_q,
+                cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
+                attention_backend):
         layout = qkv_format or self.qkv_format
         mask = attn_mask_type or self.attn_mask_type
         asked = attention_backend or self.attention_backend or _env_backend()
@@ -470,6 +519,49 @@ class DotProductAttention(FP8Module):
         bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
         return fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params, self.deterministic, plan,
                                    scales, history, bwd_meta, bwd_recipe, group, out_fp8)
+
+
+def _one_of(name: str, value, old_name: str, old_value):
+    """A forward input given by NVIDIA's name or by ours (one of them)."""
+    if value is not None and old_value is not None:
+        raise TypeError(f"DotProductAttention: {name} and {old_name} name the same input; "
+                        "give one")
+    value = value if value is not None else old_value
+    if value is None:
+        raise TypeError(f"DotProductAttention: forward needs {name} (or {old_name})")
+    return value
+
+
+BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
+
+
+def refuse_forward_args(op: str, bias_type, bias, alibi_slopes, pad_between_seqs,
+                        cu_q_padded, cu_kv_padded) -> None:
+    """Raises for the first of NVIDIA's attention arguments given a value not implemented
+    here: the core attention has no additive bias (attention.h), nor offsets of padded packed
+    sequences."""
+    if bias_type not in BIAS_TYPES:
+        raise ValueError(f"{op}: core_attention_bias_type must be one of {BIAS_TYPES}, got "
+                         f"{bias_type!r}")
+    if bias_type != "no_bias":
+        raise NotImplementedError(f"{op}: core_attention_bias_type={bias_type!r} is not "
+                                  "implemented (the core attention takes no additive bias "
+                                  "and has no ALiBi); only 'no_bias' is supported")
+    if bias is not None:
+        raise NotImplementedError(f"{op}: core_attention_bias is not implemented (the core "
+                                  "attention takes no bias); only None is supported, got a "
+                                  f"{type(bias).__name__}")
+    if alibi_slopes is not None:
+        raise NotImplementedError(f"{op}: alibi_slopes (ALiBi) is not implemented; only None "
+                                  f"is supported, got a {type(alibi_slopes).__name__}")
+    for name, value in (("pad_between_seqs", pad_between_seqs),
+                        ("cu_seqlens_q_padded", cu_q_padded),
+                        ("cu_seqlens_kv_padded", cu_kv_padded)):
+        if value is not None and value is not False:
+            got = value if isinstance(value, bool) else type(value).__name__
+            raise NotImplementedError(f"{op}: padding between packed sequences is not "
+                                      f"implemented; {name} must be None (or False), got "
+                                      f"{got}")
 
 
 def _takes_fp8(t: torch.Tensor) -> bool:

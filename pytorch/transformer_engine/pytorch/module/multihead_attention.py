@@ -28,7 +28,7 @@ from ..float8_tensor import to_high_precision
 from ..rope import apply_rotary_pos_emb
 from ._checks import check_device, check_params_dtype, check_sizes
 from ._heads import split_heads
-from .attention import DotProductAttention, _runs_fp8
+from .attention import DotProductAttention, _runs_fp8, refuse_forward_args
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear, _default_device, check_unsupported
@@ -268,8 +268,9 @@ class MultiheadAttention(torch.nn.Module):
         if (core_attention_bias_type != "no_bias" or core_attention_bias is not None
                 or alibi_slopes is not None or pad_between_seqs
                 or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None):
-            _refuse_forward_args(core_attention_bias_type, core_attention_bias, alibi_slopes,
-                                 pad_between_seqs, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+            refuse_forward_args("te.MultiheadAttention", core_attention_bias_type,
+                                core_attention_bias, alibi_slopes, pad_between_seqs,
+                                cu_seqlens_q_padded, cu_seqlens_kv_padded)
         mask = attn_mask_type or self.attn_mask_type
         window = window_size if window_size is not None else self.window_size
         cache = inference_params if self.attention_type == "self" else None
@@ -367,19 +368,3 @@ def _l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     x = to_high_precision(x)
     xf = x.float()
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _refuse_forward_args(bias_type, bias, alibi_slopes, pad_between_seqs, cu_q_padded,
-                         cu_kv_padded) -> None:
-    op = "te.MultiheadAttention"
-    if bias_type not in ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi"):
-        raise ValueError(f"{op}: core_attention_bias_type must be one of 'no_bias', "
-                         f"'pre_scale_bias', 'post_scale_bias', 'alibi', got {bias_type!r}")
-    if bias_type != "no_bias" or bias is not None or alibi_slopes is not None:
-        raise NotImplementedError(f"{op}: attention biases and ALiBi are not implemented yet; "
-                                  f"core_attention_bias_type must be 'no_bias' (got "
-                                  f"{bias_type!r}) with no core_attention_bias or alibi_slopes")
-    raise NotImplementedError(f"{op}: padding between packed sequences (pad_between_seqs, "
-                              "cu_seqlens_q_padded, cu_seqlens_kv_padded) is not implemented "
-                              "yet")
-
