@@ -174,3 +174,80 @@ def test_mha_refusals_name_the_module():
     mha = te.MultiheadAttention(32, 2, attention_dropout=0.0, device=CPU)
     with pytest.raises(NotImplementedError, match=r"te\.MultiheadAttention: alibi_slopes"):
         mha(torch.randn(8, 2, 32), alibi_slopes=torch.ones(2))
+
+
+# LayerNormMLP / TransformerLayer: NVIDIA's activation names
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+
+
+# NVIDIA's definitions; a gated one activates the first half of FC1's output, times the second.
+NVIDIA_ACTIVATIONS = {
+    "gelu": _gelu_tanh,
+    "relu": torch.relu,
+    "silu": lambda x: x * torch.sigmoid(x),
+    "qgelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "srelu": lambda x: torch.relu(x) ** 2,
+    "geglu": _gelu_tanh,
+    "swiglu": lambda x: x * torch.sigmoid(x),
+    "reglu": torch.relu,
+}
+GATED = ("geglu", "swiglu", "reglu")
+
+
+@pytest.mark.parametrize("act", sorted(NVIDIA_ACTIVATIONS))
+def test_mlp_activation_names_compute_nvidias_functions(act):
+    torch.manual_seed(0)
+    mlp = te.LayerNormMLP(32, 48, activation=act, device=CPU)
+    with torch.no_grad():
+        mlp.fc1_bias.normal_()
+        mlp.fc1_weight.mul_(20.0)  # FC1 outputs of order 1: the functions differ there
+    x = torch.randn(6, 32, dtype=torch.float64).float()
+    ln = torch.nn.functional.layer_norm(x, (32,), mlp.layer_norm_weight, mlp.layer_norm_bias,
+                                        mlp.cfg.eps)
+    h = ln @ mlp.fc1_weight.t() + mlp.fc1_bias
+    f = NVIDIA_ACTIVATIONS[act]
+    if act in GATED:
+        assert mlp.fc1_weight.shape[0] == 96
+        a, b = h.chunk(2, dim=-1)
+        h_act = f(a) * b
+    else:
+        h_act = f(h)
+    expected = h_act @ mlp.fc2_weight.t() + mlp.fc2_bias
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("act", sorted(NVIDIA_ACTIVATIONS))
+def test_transformer_layer_takes_every_core_activation(act):
+    layer = te.TransformerLayer(32, 48, 2, hidden_dropout=0.0, attention_dropout=0.0,
+                                activation=act, device=CPU)
+    assert layer.layernorm_mlp.activation == act
+    x = torch.randn(4, 2, 32, requires_grad=True)
+    layer(x).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda act: te.LayerNormMLP(32, 48, activation=act, device=CPU), "te.LayerNormMLP"),
+    (lambda act: te.TransformerLayer(32, 48, 2, activation=act, device=CPU),
+     "te.TransformerLayer"),
+])
+@pytest.mark.parametrize("act", ["qgeglu", "sreglu", "clamped_swiglu"])
+def test_nvidia_activations_the_core_lacks_are_refused(make, name, act):
+    with pytest.raises(NotImplementedError) as info:
+        make(act)
+    message = str(info.value)
+    assert message.startswith(name + f": activation {act!r}")
+    assert "supported: ('gelu', 'relu', 'silu', 'qgelu', 'srelu', 'geglu', 'swiglu', " \
+           "'reglu')" in message
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: te.LayerNormMLP(32, 48, activation="tanh", device=CPU), "te.LayerNormMLP"),
+    (lambda: te.TransformerLayer(32, 48, 2, activation="tanh", device=CPU),
+     "te.TransformerLayer"),
+])
+def test_unknown_activation_is_a_value_error(make, name):
+    with pytest.raises(ValueError, match=name + r": activation must be one of .*'tanh'"):
+        make()

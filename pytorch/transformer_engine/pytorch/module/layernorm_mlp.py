@@ -41,6 +41,18 @@ from .linear import (
 __all__ = ["LayerNormMLP"]
 
 ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu")
+# NVIDIA TE's activation names that the core has no kernel for (activation.h).
+NVIDIA_ONLY_ACTIVATIONS = ("qgeglu", "sreglu", "clamped_swiglu")
+
+
+def check_activation(op: str, activation) -> None:
+    """``activation`` must be one the core computes; NVIDIA's others are named as such."""
+    if activation in NVIDIA_ONLY_ACTIVATIONS:
+        raise NotImplementedError(f"{op}: activation {activation!r} (NVIDIA Transformer "
+                                  f"Engine's) is not implemented here: the core has no kernel "
+                                  f"for it; supported: {ACTIVATIONS}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
 class _ActivationFunction(torch.autograd.Function):
@@ -114,9 +126,7 @@ class LayerNormMLP(FP8Module):
                           self._name)
         check_sizes(self._name, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_params_dtype(self._name, params_dtype)
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"{self._name}: activation must be one of {ACTIVATIONS}, got "
-                             f"{activation!r}")
+        check_activation(self._name, activation)
         cfg = norm_config(self._name, normalization, eps, zero_centered_gamma,
                           return_layernorm_output)
         device = _default_device(device)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ._checks import check_device, check_params_dtype, check_sizes
 from .layernorm import LayerNorm, RMSNorm
-from .layernorm_mlp import LayerNormMLP
+from .layernorm_mlp import LayerNormMLP, check_activation
 from .linear import _default_device, check_unsupported
 from .multihead_attention import MultiheadAttention, default_init_method, refuse_unsupported
 
@@ -130,6 +130,7 @@ class TransformerLayer(torch.nn.Module):
         optional = {"kv_channels": kv_channels, "num_gqa_groups": num_gqa_groups}
         check_sizes(op, **{k: v for k, v in optional.items() if v is not None})
         check_params_dtype(op, params_dtype)
+        check_activation(op, activation)
         _check_args(op, layer_type, attn_input_format, hidden_dropout, drop_path_rate,
                     parallel_attention_mlp, apply_residual_connection_post_layernorm,
                     output_layernorm, normalization)
