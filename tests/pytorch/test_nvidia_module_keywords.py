@@ -251,3 +251,62 @@ def test_nvidia_activations_the_core_lacks_are_refused(make, name, act):
 def test_unknown_activation_is_a_value_error(make, name):
     with pytest.raises(ValueError, match=name + r": activation must be one of .*'tanh'"):
         make()
+
+
+# MultiheadAttention: qk_norm_type, qk_norm_eps, qk_norm_before_rope
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w
+
+
+def _ln(x, w, b, eps):
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], w, b, eps)
+
+
+@pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("before_rope", [False, True])
+def test_mha_qk_norm_per_head(kind, before_rope):
+    """q and k reach attention normalized per head over head_dim with learned weights, before
+    or after RoPE; v does not."""
+    from transformer_engine.pytorch.rope import apply_rotary_pos_emb
+    torch.manual_seed(0)
+    eps = 1e-3
+    mha = te.MultiheadAttention(32, 2, attention_dropout=0.0, qk_norm_type=kind,
+                                qk_norm_eps=eps, qk_norm_before_rope=before_rope, device=CPU)
+    assert mha.q_norm.weight.shape == (16,) and mha.k_norm.eps == eps
+    with torch.no_grad():  # learned weights that RoPE does not commute with
+        for p in (*mha.q_norm.parameters(), *mha.k_norm.parameters()):
+            p.normal_()
+    seen = {}
+    mha.qkv.register_forward_hook(lambda m, a, out: seen.update(projected=out))
+    mha.core_attention.register_forward_pre_hook(lambda m, a: seen.update(qkv=a[:3]))
+    freqs = te.RotaryPositionEmbedding(16)(6)
+    x = torch.randn(6, 2, 32)
+    mha(x, rotary_pos_emb=freqs)
+
+    q, k, v = (t.reshape(6, 2, 2, 16) for t in seen["projected"].split(32, dim=-1))
+
+    def norm(t, n):
+        return (_rms(t, n.weight, eps) if kind == "RMSNorm"
+                else _ln(t, n.weight, n.bias, eps))
+
+    def rope(t):
+        return apply_rotary_pos_emb(t, freqs, tensor_format="sbhd")
+
+    if before_rope:
+        q, k = rope(norm(q, mha.q_norm)), rope(norm(k, mha.k_norm))
+    else:
+        q, k = norm(rope(q), mha.q_norm), norm(rope(k), mha.k_norm)
+    for want, got in zip((q, k, v), seen["qkv"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mha_qk_norm_through_transformer_layer_and_refusal():
+    layer = te.TransformerLayer(32, 48, 2, qk_norm_type="RMSNorm", qk_norm_eps=1e-5,
+                                qk_norm_before_rope=True, device=CPU)
+    sa = layer.self_attention
+    assert (sa.qk_norm_type, sa.qk_norm_eps, sa.qk_norm_before_rope) == ("RMSNorm", 1e-5, True)
+    assert isinstance(sa.q_norm, te.RMSNorm)
+    with pytest.raises(ValueError, match=r"te\.MultiheadAttention: qk_norm_type must be one "
+                                         r"of .*'RMSNorm'.*got 'BatchNorm'"):
+        te.MultiheadAttention(32, 2, qk_norm_type="BatchNorm", device=CPU)
