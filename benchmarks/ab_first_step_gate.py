@@ -18,8 +18,13 @@ sys.path.insert(0, str(HERE))
 def _without_compiled_gate() -> None:
     import torch
 
-    from transformer_engine.pytorch import (first_step, layernorm_linear_fn, layernorm_mlp_fn,
-                                            linear_fn, quantization)
+    from transformer_engine.pytorch import (
+        first_step,
+        layernorm_linear_fn,
+        layernorm_mlp_fn,
+        linear_fn,
+        quantization,
+    )
 
     real = first_step.step_scales
 
