@@ -134,3 +134,27 @@ def test_first_step_on_cuda_scales_as_on_the_cpu(kind):
         # (an FP8 operand made from a GEMM's result may round one FP8 step apart)
         torch.testing.assert_close(b[name].cpu(), a[name], rtol=0.02, atol=0.02 * float(
             a[name].abs().max()))
+
+
+def test_compiled_steps_after_the_first_have_nothing_of_the_rule():
+    # The first step's graph asks for the amaxes; the module's state of the rule then changes
+    # and the compiler traces the next step again, without them (and without the gate).
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    amax_ops = []
+
+    def backend(gm, inputs):
+        def count(g, _):
+            amax_ops.append(sum(1 for n in g.graph.nodes
+                                if n.op == "call_function" and "transformer_engine.amax" in str(
+                                    n.target)))
+            return g.forward
+        return aot_module_simplified(gm, inputs, fw_compiler=count, bw_compiler=count)
+
+    torch._dynamo.reset()
+    m = _module("Linear")
+    f = torch.compile(m, backend=backend, fullgraph=True)
+    for _ in range(3):
+        _weight_grads(m, torch.randn(32, 128), fp8=True, call=f)
+    # forward and backward of the first step's graph, then of the later steps' one
+    assert amax_ops == [2, 0, 0, 0]

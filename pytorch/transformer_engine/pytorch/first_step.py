@@ -12,10 +12,14 @@ JAX package applies the same rule with the same core calls, so both give the sam
 Whether a column is still empty is known on the host here, in eager mode: the module marks
 its histories when it makes them (and when a checkpoint loads empty ones), and the first
 quantization of each column takes the mark, so later steps pay nothing. A compiled graph
-cannot ask the host, so there the op that makes the tensor runs once more with the core's
-gate (tensor.h): it computes the amax only while the column and its scale are as a new module
-has them (all zero, and 1: a history of one step is all zero again after each update, so the
-history alone cannot tell), and costs one early-returning launch afterwards.
+cannot take marks, so there the module decides at trace time from an attribute the compiler
+guards on: its first step's graph computes the amaxes, and the graph of the steps after it
+(traced again once the attribute has changed) has nothing of this rule. Where some columns
+are empty and others not (a forward run eagerly without a backward before compiling), the op
+that makes the tensor runs once more with the core's gate (tensor.h): it computes the amax
+only while the column and its scale are as a new module has them (all zero, and 1: a history
+of one step is all zero again after each update, so the history alone cannot tell), and costs
+one early-returning launch on later steps.
 """
 
 from __future__ import annotations
@@ -46,6 +50,29 @@ def move_marks(old: torch.Tensor, new: torch.Tensor) -> None:
         mark_empty(new, cols)
 
 
+# What the compiled graph of the module being traced does at its quantizations: "first" (a
+# first step: every column is empty), "later" (none is) or "mixed" (ask the device: the gate).
+# The module's forward sets it from an attribute of the module (trace_module), on which the
+# compiler guards, so that the graph of a first step is traced again for the next step.
+_compiled = "mixed"
+
+
+def trace_module(module_state: str, histories) -> str:
+    """Called by a module's forward while a compiler traces it, with the module's state of the
+    rule: "first" (no step has written its histories), "done" (a compiled first step has), or
+    "eager" (eager steps took the marks: they decide between "later" and "mixed"). Returns the
+    module's state after this step."""
+    global _compiled
+    if module_state == "first":
+        _compiled = "first"
+        return "done"
+    if module_state == "eager" and any(has_empty(h) for h in histories):
+        _compiled = "mixed"
+    else:
+        _compiled = "later"
+    return module_state
+
+
 def has_empty(history: torch.Tensor) -> bool:
     """Whether some column of ``history`` is still marked as never written."""
     return bool(getattr(history, _MARK, None))
@@ -72,8 +99,13 @@ def step_scales(scales: torch.Tensor, index: int, history: Optional[torch.Tensor
     if history is None:
         return scales
     if torch.compiler.is_compiling():
+        if _compiled == "later":
+            return scales
         stored = scales[index:index + 1]
-        amax = amax_of(history[:, column].amax().reshape(1) + (stored - 1.0).abs())
+        if _compiled == "first":  # this graph serves the first step alone
+            amax = amax_of(None)
+        else:
+            amax = amax_of(history[:, column].amax().reshape(1) + (stored - 1.0).abs())
         # The update's formula (scaling.h) in torch ops, into a copy (a graph's inputs are not
         # written in place); the core's update op inside an inductor graph gave other numbers.
         s = (torch.full_like(stored, FP8_MAX[fp8_dtype]) / amax) / (2.0 ** margin)

@@ -116,6 +116,8 @@ class FP8Module(torch.nn.Module):
 
     def _make_fp8_meta(self, history_len: int, device: torch.device) -> None:
         self._fp8_recipe = None
+        # The first-step rule's state for compiled graphs (first_step.trace_module).
+        self._fp8_first_step = "first"
         for name, (kind, per_gemm) in _META.items():
             columns = per_gemm * self._num_gemms
             if kind == "history":
@@ -147,6 +149,13 @@ class FP8Module(torch.nn.Module):
         if fp8.RECOMPUTE.replaying:
             return plan, self._forward_scales(), None
         fp8.register_forward_amaxes(self, recipe)
+        if torch.compiler.is_compiling():
+            state = first_step.trace_module(
+                self._fp8_first_step, (buffers["amax_history_fwd"], buffers["amax_history_bwd"]))
+            if state != self._fp8_first_step:
+                self._fp8_first_step = state
+        elif self._fp8_first_step == "first":  # eager: the marks decide, column by column
+            self._fp8_first_step = "eager"
         return plan, self._forward_scales(), buffers["amax_history_fwd"]
 
     def _plan_of(self, recipe: Recipe) -> Plan:
@@ -257,6 +266,7 @@ class FP8Module(torch.nn.Module):
     def __setstate__(self, state) -> None:
         # A copy (copy.deepcopy, pickle) of an unused module is an unused module too.
         super().__setstate__(state)
+        self.__dict__.setdefault("_fp8_first_step", "eager")  # a pickle from before the rule
         if self.__dict__.setdefault("_fp8_unused", False):
             fp8.track_unused(self, self._buffers["amax_history_fwd"].shape[0])
 
@@ -279,6 +289,7 @@ class FP8Module(torch.nn.Module):
         if self._fp8_unused:  # loaded state is kept until a forward meets another length
             fp8.mark_used(self)
         device = self.amax_history_fwd.device
+        counts = [0, 0]  # empty history columns, all history columns
         for name, (_, per_gemm) in _META.items():
             t = state.get(name) if name in _OPTIONAL else state[name]
             if t is None:  # a checkpoint from before the FP8 output: fresh state, sized alike
@@ -299,9 +310,14 @@ class FP8Module(torch.nn.Module):
             t = t.to(device, torch.float32).clone(memory_format=torch.contiguous_format)
             if name.startswith("amax_history"):
                 first_step.mark_empty(t, empty)
+                counts[0] += len(empty)
+                counts[1] += columns
             self.register_buffer(name, t, persistent=False)
         self._recipe_summary = dict(state.get("recipe", {}))
         self._fp8_recipe = None  # the loaded history may not fit the recipe in use
+        # Every column empty: a first step again; some: the marks decide (first_step.py).
+        self._fp8_first_step = ("first" if counts[0] == counts[1] else
+                                "eager" if counts[0] else "done")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
