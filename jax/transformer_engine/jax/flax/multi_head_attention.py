@@ -28,6 +28,11 @@ __all__ = ["MultiHeadAttention"]
 
 _BIAS_TYPES = (None, "no_bias", "pre_scale_bias", "post_scale_bias")
 
+# qkv_layout names -> how the projections are packed: "qkv" one kernel [hidden, 3, H * D],
+# "kv" a query kernel and one [hidden, 2, G * D], "none" three kernels. Inputs stay [b, s, ..]
+# or [s, b, ..] by transpose_batch_sequence, as for DotProductAttention's NVIDIA names.
+_PACKINGS = {"bs3hd": "qkv", "bshd_bs2hd": "kv", "bshd_bshd_bshd": "none", "bshd": "none"}
+
 
 def default_kernel_init(dtype=jnp.float32) -> Initializer:
     """variance_scaling(1.0, 'fan_in', 'normal'): the projections' default initializer."""
@@ -100,6 +105,13 @@ class MultiHeadAttention(nn.Module):
             LoRA is not supported: the scope must be ``"none"``.
         dtype: the dtype of the parameters (the computation runs in the inputs' dtype).
         fuse_qkv_params: one kernel for Q, K, V (self-attention) or K, V (cross, GQA).
+        qkv_layout: (ours; NVIDIA's module derives it from ``fuse_qkv_params``) the packing of
+            the projections by NVIDIA's layout name: ``"bs3hd"`` (one ``qkv`` kernel:
+            self-attention without GQA only), ``"bshd_bs2hd"`` (``query`` and a ``kv``
+            kernel), ``"bshd_bshd_bshd"`` (``query``, ``key``, ``value``), or the
+            ``QKVLayout`` members. The packing changes the parameter tree, not the numbers.
+            None: from ``fuse_qkv_params``. A packed layout with ``fuse_qkv_params=False`` is
+            an error (they disagree); the thd layouts are refused (the inputs are padded).
         transpose_batch_sequence: inputs are [seqlen, batch, hidden] (else [batch, seqlen,
             hidden]).
         enable_sequence_parallel: recorded only (no sharding constraints yet).
@@ -167,6 +179,7 @@ class MultiHeadAttention(nn.Module):
     scaled_query_init: bool = True
     float32_logits: bool = False
     window_size: Optional[Tuple[int, int]] = None
+    qkv_layout: Optional[str] = None
     # Deprecated spellings.
     num_heads: Optional[int] = None
     dropout_rate: Optional[float] = None
@@ -304,7 +317,8 @@ class MultiHeadAttention(nn.Module):
                     epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
                     **common)
         want_ln = self.return_layernorm_output
-        if self.fuse_qkv_params and is_self and groups == heads:
+        packing = self._packing(is_self, heads, groups)
+        if packing == "qkv":
             qkv, ln_out = LayerNormDenseGeneral(
                 features=(3, heads * d), return_layernorm_output=want_ln,
                 kernel_init=_stacked_init([query_init, kernel_init, kernel_init]), name="qkv",
@@ -316,7 +330,7 @@ class MultiHeadAttention(nn.Module):
                                               **norm)(inputs_q)
             kv_in = ln_out if is_self else inputs_kv
             ln_out = ln_out if want_ln else None
-            if self.fuse_qkv_params:
+            if packing == "kv":
                 kv = DenseGeneral(features=(2, groups * d), axis=-1,
                                   kernel_init=_stacked_init([kernel_init, kernel_init]),
                                   name="kv", **common)(kv_in)
@@ -330,6 +344,30 @@ class MultiHeadAttention(nn.Module):
         k = k.reshape(*k.shape[:2], groups, d).astype(dtype)
         v = v.reshape(*v.shape[:2], groups, d).astype(dtype)
         return q, k, v, ln_out
+
+    def _packing(self, is_self, heads, groups) -> str:
+        """"qkv", "kv" or "none": how the Q, K, V projections are packed (see qkv_layout)."""
+        name = "MultiHeadAttention"
+        fuse = self.fuse_qkv if self.fuse_qkv is not None else self.fuse_qkv_params
+        if self.qkv_layout is None:
+            if fuse and is_self and groups == heads:
+                return "qkv"
+            return "kv" if fuse else "none"
+        layout = str(getattr(self.qkv_layout, "value", self.qkv_layout)).lower()
+        if layout not in _PACKINGS:
+            raise ValueError(f"{name}: qkv_layout must be None or one of {tuple(_PACKINGS)} "
+                             f"(the thd layouts need unpadded inputs, which this module does "
+                             f"not take), got {self.qkv_layout!r}")
+        packing = _PACKINGS[layout]
+        if packing != "none" and not fuse:
+            raise ValueError(f"{name}: qkv_layout {layout!r} packs the projections but "
+                             f"fuse_qkv_params is False; pass one of them")
+        if packing == "qkv" and not (is_self and groups == heads):
+            raise ValueError(f"{name}: qkv_layout 'bs3hd' needs self-attention (inputs_q is "
+                             f"inputs_kv) and num_gqa_groups == num_attention_heads, got "
+                             f"{'self' if is_self else 'cross'}-attention with {heads} heads "
+                             f"and {groups} groups; use 'bshd_bs2hd' or 'bshd_bshd_bshd'")
+        return packing
 
     def _cache(self, k, v) -> Optional[dict]:
         """The cache's variables, made (zero) at the first decode call; None at that call

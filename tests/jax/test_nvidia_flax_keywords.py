@@ -1,0 +1,111 @@
+"""NVIDIA's Flax keywords on our modules: MultiHeadAttention's qkv_layout packings give the
+default's numbers from the same weights; RelativePositionBiases' dtype is the parameters'
+dtype; the logical-axis keywords annotate and never change numbers; LoRA on the dense
+modules against its definition; DotProductAttention's attn_bias_type and bias."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_engine.jax.attention import QKVLayout
+from transformer_engine.jax.flax import MultiHeadAttention
+
+B, S, HIDDEN, HEADS, D = 2, 8, 32, 4, 8
+
+
+def _x(shape, seed=0, dtype=jnp.float32):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+
+
+# ---- MultiHeadAttention(qkv_layout=...) -------------------------------------------------------
+
+def _mha(**kw):
+    cfg = dict(head_dim=D, num_attention_heads=HEADS, transpose_batch_sequence=False,
+               attn_mask_type="causal", use_bias=True)
+    cfg.update(kw)
+    return MultiHeadAttention(**cfg)
+
+
+def _repack(params, packing):
+    """The default (one qkv kernel [hidden, 3, H * D]) parameters as the other packings."""
+    qkv = params["qkv"]
+    norm = {k: qkv[k] for k in ("scale", "ln_bias")}
+    kernel, bias = qkv["kernel"], qkv["bias"]
+    out = {"out": params["out"],
+           "query": dict(norm, kernel=kernel[:, 0], bias=bias[0])}
+    if packing == "kv":
+        out["kv"] = {"kernel": kernel[:, 1:], "bias": bias[1:]}
+    else:
+        out["key"] = {"kernel": kernel[:, 1], "bias": bias[1]}
+        out["value"] = {"kernel": kernel[:, 2], "bias": bias[2]}
+    return out
+
+
+@pytest.mark.parametrize("layout,packing", [
+    ("bshd_bs2hd", "kv"), ("bshd_bshd_bshd", "none"), (QKVLayout.BSHD_BS2HD, "kv"),
+    (QKVLayout.BSHD_BSHD_BSHD, "none")])
+def test_mha_qkv_layout_packs_the_same_numbers(layout, packing):
+    x = _x((B, S, HIDDEN))
+    base = _mha()
+    params = base.init(jax.random.PRNGKey(1), x, x)["params"]
+    params = jax.tree_util.tree_map(lambda p: p + 0.1 * _x(p.shape, 3), params)  # biases != 0
+    expected, _ = base.apply({"params": params}, x, x, deterministic=True)
+
+    mha = _mha(qkv_layout=layout)
+    fresh = mha.init(jax.random.PRNGKey(1), x, x)["params"]
+    repacked = _repack(params, packing)
+    assert jax.tree_util.tree_structure(fresh) == jax.tree_util.tree_structure(repacked)
+    assert jax.tree_util.tree_map(jnp.shape, fresh) == jax.tree_util.tree_map(jnp.shape,
+                                                                              repacked)
+    out, _ = mha.apply({"params": repacked}, x, x, deterministic=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["bs3hd", QKVLayout.BS3HD, None])
+def test_mha_bs3hd_is_the_default_packing(layout):
+    x = _x((B, S, HIDDEN))
+    v = _mha().init(jax.random.PRNGKey(1), x, x)
+    w = _mha(qkv_layout=layout).init(jax.random.PRNGKey(1), x, x)
+    assert set(w["params"]) == {"qkv", "out"}
+    for a, b in zip(jax.tree_util.tree_leaves(v), jax.tree_util.tree_leaves(w), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mha_qkv_layout_cross_attention_and_gqa():
+    x, enc = _x((B, S, HIDDEN)), _x((B, S + 2, HIDDEN), 1)
+    kv = _mha(qkv_layout="bshd_bs2hd").init(jax.random.PRNGKey(0), x, enc)["params"]
+    assert set(kv) == {"query", "kv", "out"}
+    sep = _mha(qkv_layout="bshd_bshd_bshd", num_gqa_groups=2).init(
+        jax.random.PRNGKey(0), x, x)["params"]
+    assert set(sep) == {"query", "key", "value", "out"}
+    assert sep["key"]["kernel"].shape == (HIDDEN, 2 * D)
+    with pytest.raises(ValueError, match="MultiHeadAttention: qkv_layout 'bs3hd' needs "
+                       "self-attention.*cross-attention"):
+        _mha(qkv_layout="bs3hd").init(jax.random.PRNGKey(0), x, enc)
+    with pytest.raises(ValueError, match="bs3hd.*4 heads and 2 groups"):
+        _mha(qkv_layout="bs3hd", num_gqa_groups=2).init(jax.random.PRNGKey(0), x, x)
+
+
+@pytest.mark.parametrize("layout", ["t3hd", "thd_thd_thd", "sbhd_sb2hd", "bogus"])
+def test_mha_qkv_layout_refuses_what_it_cannot_take(layout):
+    x = _x((B, S, HIDDEN))
+    with pytest.raises(ValueError, match=f"MultiHeadAttention: qkv_layout must be None or one "
+                       f"of .*'bs3hd'.*got '{layout}'"):
+        _mha(qkv_layout=layout).init(jax.random.PRNGKey(0), x, x)
+
+
+def test_mha_packed_qkv_layout_disagreeing_with_fuse_qkv_params():
+    x = _x((B, S, HIDDEN))
+    with pytest.raises(ValueError, match="qkv_layout 'bshd_bs2hd' packs the projections but "
+                       "fuse_qkv_params is False"):
+        _mha(qkv_layout="bshd_bs2hd", fuse_qkv_params=False).init(jax.random.PRNGKey(0), x, x)
+
+
+def test_mha_deprecated_fuse_qkv_is_read():
+    x = _x((B, S, HIDDEN))
+    with pytest.warns(DeprecationWarning, match="fuse_qkv is deprecated"):
+        params = _mha(fuse_qkv=False).init(jax.random.PRNGKey(0), x, x)["params"]
+    assert set(params) == {"query", "key", "value", "out"}
