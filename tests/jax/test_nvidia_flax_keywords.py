@@ -5,13 +5,18 @@ modules against its definition; DotProductAttention's attn_bias_type and bias.""
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from transformer_engine.jax.attention import QKVLayout
-from transformer_engine.jax.flax import MultiHeadAttention
+from transformer_engine.jax.flax import (
+    MultiHeadAttention,
+    RelativePositionBiases,
+    TransformerLayer,
+)
 
 B, S, HIDDEN, HEADS, D = 2, 8, 32, 4, 8
 
@@ -109,3 +114,43 @@ def test_mha_deprecated_fuse_qkv_is_read():
     with pytest.warns(DeprecationWarning, match="fuse_qkv is deprecated"):
         params = _mha(fuse_qkv=False).init(jax.random.PRNGKey(0), x, x)["params"]
     assert set(params) == {"query", "key", "value", "out"}
+
+
+# ---- RelativePositionBiases(dtype=...) --------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_relative_position_biases_dtype_is_the_parameters(dtype):
+    rpb = RelativePositionBiases(num_buckets=8, max_distance=16, num_attention_heads=2,
+                                 dtype=dtype)
+    v = rpb.init(jax.random.PRNGKey(0), 5, 6)
+    table = nn.unbox(v["params"])["rel_embedding"]
+    assert table.dtype == dtype
+    out = rpb.apply(v, 5, 6)
+    assert out.dtype == dtype and out.shape == (1, 2, 5, 6)
+    # A gather from the table, nothing computed: offset 0 (the diagonal) is bucket 0.
+    for i in range(5):
+        np.testing.assert_array_equal(np.asarray(out[0, :, i, i], np.float32),
+                                      np.asarray(table[:, 0], np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, "nonsense"])
+def test_relative_position_biases_refuses_a_non_float_dtype(dtype):
+    rpb = RelativePositionBiases(num_buckets=8, max_distance=16, num_attention_heads=2,
+                                 dtype=dtype)
+    with pytest.raises(TypeError, match="RelativePositionBiases: dtype must be a "
+                       "floating-point dtype"):
+        rpb.init(jax.random.PRNGKey(0), 5, 6)
+
+
+def test_transformer_layer_dtype_reaches_the_relative_bias():
+    """TransformerLayer(dtype=bf16) on fp32 inputs: bf16 parameters everywhere (the relative
+    embedding's too), a float32 output."""
+    layer = TransformerLayer(hidden_size=HIDDEN, mlp_hidden_size=64, num_attention_heads=HEADS,
+                             hidden_dropout=0.0, attention_dropout=0.0,
+                             intermediate_dropout=0.0, dtype=jnp.bfloat16)
+    x = _x((B, S, HIDDEN))
+    v = layer.init(jax.random.PRNGKey(0), x, deterministic=True)
+    dtypes = {p.dtype for p in jax.tree_util.tree_leaves(nn.unbox(v["params"]))}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}
+    assert nn.unbox(v["params"])["relpos_bias"]["rel_embedding"].dtype == jnp.bfloat16
+    assert layer.apply(v, x, deterministic=True).dtype == jnp.float32

@@ -69,7 +69,10 @@ class RelativePositionBiases(nn.Module):
         num_attention_heads: heads of the attention that adds the bias.
         embedding_init: initializer of ``rel_embedding``.
         embedding_axes: logical axis names of ``rel_embedding`` (recorded for sharding).
-        dtype: the dtype of the parameter and the bias.
+        dtype: the dtype of the parameter (NVIDIA's meaning, as in every module here). The
+            call has no floating-point input whose dtype the computation could follow (only
+            lengths), so the bias comes out in this dtype too, as NVIDIA's does; the attention
+            adds it to its fp32 logits.
 
     The call ``(q_seqlen, k_seqlen, bidirectional=True)`` returns the bias
     [1, num_attention_heads, q_seqlen, k_seqlen]; ``bidirectional=False`` buckets only keys
@@ -93,6 +96,10 @@ class RelativePositionBiases(nn.Module):
 
     @nn.compact
     def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True) -> jax.Array:
+        check_sizes("RelativePositionBiases", num_buckets=self.num_buckets,
+                    max_distance=self.max_distance,
+                    num_attention_heads=self.num_attention_heads)
+        check_float_dtype("RelativePositionBiases", "dtype", self.dtype)
         min_buckets = 4 if bidirectional else 2
         if self.num_buckets < min_buckets or self.max_distance <= self.num_buckets // 4:
             raise ValueError(f"RelativePositionBiases: num_buckets must be >= {min_buckets} and "
