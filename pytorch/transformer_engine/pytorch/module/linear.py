@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformer_engine.common.plan import GEMM_GRANULE
 from transformer_engine.common.recipe import Recipe
 
-from .. import fast_linear, fp8, ops
+from .. import distributed, fast_linear, fp8, ops
 from ..float8_tensor import Float8Tensor, to_high_precision
 from ..linear_fn import Fp8LinearFunction, takes_fp8_input
 from ..quantization import kind_of, plan_of, record_amax
@@ -76,18 +76,59 @@ class _LinearBase(FP8Module):
     # (recipe, arguments) of the last compiled forward (fast_linear.py); a class default, so
     # that modules pickled before it existed load with none.
     _fast_linear = None
+    # Tensor parallelism (distributed.py): "column" or "row" when the layer is split over
+    # tp_size > 1 ranks of tp_group, else None. Class defaults: a module pickled before they
+    # existed loads as a plain layer.
+    _tp_mode: Optional[str] = None
+    tp_group = None
+    tp_size = 1
 
     def _setup_linear(self, in_features: int, out_features: int, bias: bool, params_dtype,
-                      device: torch.device, init_method, parameters_split) -> None:
+                      device: torch.device, init_method, parameters_split,
+                      tp_mode: Optional[str] = None, tp_group=None, tp_size: int = 1) -> None:
         check_sizes(self._name, in_features=in_features, out_features=out_features)
         check_params_dtype(self._name, params_dtype)
         self.in_features, self.out_features = int(in_features), int(out_features)
         # Checked before the initializers draw from torch's generator.
         self._splits = _split_sizes(out_features, parameters_split, self._name)
+        if tp_mode is not None:
+            if self._splits is not None:
+                raise NotImplementedError(f"{self._name}: parameters_split with "
+                                          f"parallel_mode={tp_mode!r} is not implemented yet")
+            split, name = ((out_features, "out_features") if tp_mode == "column"
+                           else (in_features, "in_features"))
+            distributed.check_divisible(self._name, name, split, tp_size)
+            self._tp_mode, self.tp_group, self.tp_size = tp_mode, tp_group, tp_size
         dtype = params_dtype or torch.get_default_dtype()
+        # A parallel layer draws the full weight and bias too (same generator state on every
+        # rank: the same values as the layer on one process) and keeps its slice.
         weight = init_weight(out_features, in_features, dtype, device, init_method)
         full_bias = init_bias(out_features, in_features, dtype, device) if bias else None
+        if tp_mode is not None:
+            weight, full_bias = self._shard(weight, full_bias)
         self._register_params(weight, full_bias)
+        if tp_mode is not None:
+            # Where the slice lies in the full tensor, for tools that gather or re-split
+            # (Megatron's attribute names).
+            dim = 0 if tp_mode == "column" else 1
+            for p in ((self.weight, self.bias) if tp_mode == "column" else (self.weight,)):
+                if p is not None:
+                    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+
+    def _shard(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        """This rank's slice of the full weight and bias: rows (and bias) for "column",
+        columns for "row" (the bias is added once, after the sum, and is not split)."""
+        import torch.distributed as dist
+
+        rank = dist.get_rank(self.tp_group)
+        if self._tp_mode == "column":
+            n = self.out_features // self.tp_size
+            rows = slice(rank * n, (rank + 1) * n)
+            # clone: the slice alone, not a view holding the full tensor's storage.
+            return (weight[rows].clone(),
+                    None if bias is None else bias[rows].clone())
+        k = self.in_features // self.tp_size
+        return weight[:, rank * k:(rank + 1) * k].clone(), bias
 
     def _register_params(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         def param(t: torch.Tensor) -> torch.nn.Parameter:
@@ -135,7 +176,10 @@ class _LinearBase(FP8Module):
     def extra_repr(self) -> str:
         # With parameters_split and a bias there is no "bias" attribute, only <name>_bias.
         bias = getattr(self, "bias", None) is not None or bool(getattr(self, "bias_names", None))
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+        text = f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+        if self._tp_mode is not None:
+            text += f", parallel_mode={self._tp_mode!r}, tp_size={self.tp_size}"
+        return text
 
 
 class Linear(_LinearBase):
@@ -153,8 +197,19 @@ class Linear(_LinearBase):
             default: nn.Linear's (Kaiming uniform).
         parameters_split: names (even split) or ``{name: size}`` of row blocks of the weight
             kept as separate parameters ``<name>_weight`` / ``<name>_bias`` (e.g. q, k, v).
-        tp_group, tp_size, parallel_mode, sequence_parallel: tensor parallelism; accepted
-            for compatibility, only ``tp_size=1`` is implemented.
+        tp_group, tp_size, parallel_mode: tensor parallelism over the torch.distributed
+            group ``tp_group`` of ``tp_size`` ranks (tp_size must equal the group's size).
+            ``"column"`` splits out_features: each rank holds weight [out/tp, in] and bias
+            [out/tp], takes the full input and returns its shard of the output; the input's
+            gradient is all-reduced in the backward. ``"row"`` splits in_features: each rank
+            holds weight [out, in/tp] and the full bias, takes its shard of the input
+            [..., in/tp] and returns the full output (partial products all-reduced, then the
+            bias added once). Each rank initializes the full weight and keeps its slice, so
+            the same seed on every rank gives the single-process layer's values. In FP8 the
+            GEMMs are local; pass ``fp8_group=tp_group`` to :func:`fp8_autocast` so that
+            delayed scaling gives every rank the same scales. ``parallel_mode=None`` (or
+            tp_size 1): not split.
+        sequence_parallel: not implemented (refused).
         fuse_wgrad_accumulation: accumulating wgrad into ``main_grad``; not implemented.
 
     Example:
@@ -171,14 +226,17 @@ class Linear(_LinearBase):
                  parameters_split=None, tp_group=None, tp_size: int = 1,
                  parallel_mode: Optional[str] = None, sequence_parallel: bool = False,
                  fuse_wgrad_accumulation: bool = False, name: Optional[str] = None) -> None:
-        check_unsupported(tp_group, tp_size, parallel_mode, sequence_parallel,
-                          fuse_wgrad_accumulation, self._name)
+        tp = distributed.check_tensor_parallel(self._name, tp_group, tp_size, parallel_mode)
+        if sequence_parallel:
+            raise NotImplementedError(f"{self._name}: sequence_parallel=True is not "
+                                      "implemented yet (parallel_mode 'column' and 'row' are)")
+        check_unsupported(None, 1, parallel_mode, False, fuse_wgrad_accumulation, self._name)
         device = _default_device(device)
         super().__init__(device)
         self.return_bias, self.name = return_bias, name
         self.parallel_mode = parallel_mode
         self._setup_linear(in_features, out_features, bias, params_dtype, device, init_method,
-                           parameters_split)
+                           parameters_split, parallel_mode if tp > 1 else None, tp_group, tp)
 
     # ------------------------------------------------------------------ forward
 
@@ -195,6 +253,8 @@ class Linear(_LinearBase):
         (DotProductAttention under ``fp8_mha``); delayed scaling casts it in the GEMM with this
         module's output scale. Ignored otherwise. An input that is such a Float8Tensor is used
         without a cast."""
+        if self._tp_mode is not None:
+            return self._parallel_forward(inp, is_first_microbatch, fp8_output)
         state = fp8.STATE
         if state.enabled and is_first_microbatch is None and not fp8_output:
             out = fast_linear.steady_forward(self, inp)
@@ -219,6 +279,46 @@ class Linear(_LinearBase):
             # Float8Tensor weight dequantizes in it (__torch_dispatch__).
             out = F.linear(inp, weight.to(inp.dtype),
                            None if gemm_bias is None else gemm_bias.to(inp.dtype))
+        return (out, bias) if self.return_bias else out
+
+    def _parallel_forward(self, inp: torch.Tensor, is_first_microbatch, fp8_output: bool):
+        """The forward of a column- or row-parallel layer: the local GEMM on this rank's
+        slice, and the layer's collective (distributed.py). A row-parallel layer's output is
+        high precision (the sum is taken in it): fp8_output is ignored there."""
+        column = self._tp_mode == "column"
+        weight, bias = self._weight_and_bias()
+        local_in = weight.shape[1]
+        if inp.dim() == 0 or inp.shape[-1] != local_in:
+            what = ("in_features" if column else
+                    f"in_features / tp_size = {self.in_features} / {self.tp_size}")
+            raise ValueError(f"te.Linear ({self._tp_mode}-parallel over {self.tp_size} ranks): "
+                             f"input must have {local_in} ({what}) as its last dimension, got "
+                             f"shape {list(inp.shape)}")
+        check_device(self._name, "input", inp, weight)
+        if column:
+            if torch.is_grad_enabled() and inp.requires_grad:
+                inp = distributed.copy_to_tensor_parallel(inp, self.tp_group)
+            gemm_bias = None if self.return_bias else bias
+        else:
+            gemm_bias, fp8_output = None, False  # the bias is added once, after the sum
+        state = fp8.STATE
+        if state.enabled:
+            # The GEMM's feature dimensions are the local ones.
+            check_fp8_shape(inp, local_in, weight.shape[0], self._name)
+            out = self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch,
+                                    fp8_output)
+        else:  # as forward's high-precision branch
+            if isinstance(inp, Float8Tensor):
+                inp = to_high_precision(inp)
+            check_float_input(self._name, "input", inp)
+            if state.calibrating and kind_of(state.recipe) == "delayed":
+                self._calibrate(inp, weight, state.recipe)
+            out = F.linear(inp, weight.to(inp.dtype),
+                           None if gemm_bias is None else gemm_bias.to(inp.dtype))
+        if not column:
+            out = distributed.reduce_from_tensor_parallel(out, self.tp_group)
+            if bias is not None and not self.return_bias:
+                out = out + bias.to(out.dtype)
         return (out, bias) if self.return_bias else out
 
     def _calibrate(self, inp: torch.Tensor, weight: torch.Tensor, recipe: Recipe) -> None:

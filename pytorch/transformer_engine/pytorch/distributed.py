@@ -1,0 +1,110 @@
+"""Tensor parallelism on torch.distributed: the collectives of the parallel layers, as autograd
+functions, and the checks of the arguments that describe the group.
+
+A column-parallel layer (``parallel_mode="column"``) holds a slice of the output features:
+its input is the full activation, which every rank has, so the forward needs no collective;
+the input's gradient is the sum of every rank's partial gradient (all-reduce in the
+backward). A row-parallel layer (``parallel_mode="row"``) holds a slice of the input features:
+its output is a partial sum, all-reduced in the forward; the output's gradient is already
+whole on every rank (nothing in the backward).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["copy_to_tensor_parallel", "reduce_from_tensor_parallel"]
+
+PARALLEL_MODES = (None, "column", "row")
+
+
+def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
+    import torch.distributed as dist
+
+    # The collective writes in place: a fresh contiguous tensor, so that no view or saved
+    # tensor of the caller changes.
+    out = t.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity in the forward; all-reduce (sum) of the gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return inp.view_as(inp)  # a new tensor object, so autograd records this node
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """All-reduce (sum) in the forward; identity for the gradient."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, group: Any) -> torch.Tensor:
+        return _all_reduce(inp, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_tensor_parallel(inp: torch.Tensor, group: Any) -> torch.Tensor:
+    """The input of a column-parallel layer: ``inp`` itself; its gradient is summed over
+    ``group``."""
+    return _CopyToTensorParallel.apply(inp, group)
+
+
+def reduce_from_tensor_parallel(inp: torch.Tensor, group: Any) -> torch.Tensor:
+    """The output of a row-parallel layer: the sum of every rank's ``inp`` over ``group``."""
+    return _ReduceFromTensorParallel.apply(inp, group)
+
+
+# ------------------------------------------------------------------ argument checks
+
+
+def group_size(op: str, tp_group: Any) -> int:
+    """The size of ``tp_group`` (a torch.distributed ProcessGroup)."""
+    size = getattr(tp_group, "size", None)
+    if not callable(size):
+        raise TypeError(f"{op}: tp_group must be a torch.distributed ProcessGroup or None, "
+                        f"got {type(tp_group).__name__}")
+    return int(size())
+
+
+def check_tensor_parallel(op: str, tp_group: Any, tp_size: int,
+                          parallel_mode: Optional[str]) -> int:
+    """Checks a module's (tp_group, tp_size, parallel_mode); returns the number of ranks the
+    parallel dimension is split over (1: not split)."""
+    if parallel_mode not in PARALLEL_MODES:
+        raise ValueError(f"{op}: parallel_mode must be None, 'column' or 'row', got "
+                         f"{parallel_mode!r}")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"{op}: tp_size must be a positive int, got {tp_size!r}")
+    if tp_group is None:
+        if tp_size != 1:
+            # NVIDIA's modules accept the group later (set_tensor_parallel_group); here the
+            # group comes with the module.
+            raise NotImplementedError(
+                f"{op}: without a tp_group, tp_size must be 1, got {tp_size}; pass the "
+                "tensor-parallel process group as tp_group (supplying it after construction "
+                "is not implemented)")
+        return 1
+    size = group_size(op, tp_group)
+    if tp_size != size:
+        raise ValueError(f"{op}: tp_size must equal the size of tp_group ({size}), got "
+                         f"{tp_size}")
+    return size if parallel_mode is not None else 1
+
+
+def check_divisible(op: str, name: str, value: int, tp_size: int) -> int:
+    """``value // tp_size``, the per-rank share of a split dimension."""
+    if value % tp_size:
+        raise ValueError(f"{op}: {name} must be divisible by tp_size={tp_size}, got {value}")
+    return value // tp_size

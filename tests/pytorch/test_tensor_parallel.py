@@ -1,0 +1,115 @@
+"""te.Linear with parallel_mode "column" and "row" on torch.distributed (gloo, CPU processes).
+
+Each world runs _tp_rank.py in one process per rank: every rank builds the parallel layer and
+the single-process layer from the same seed and checks its shards of the output, the input
+gradient and the parameter gradients against the single-process layer's (bit-exact in fp32
+where the arithmetic is the same; bounded where a sum is taken in another order; FP8 against
+FP8 within FP8's rounding), and that with fp8_group=tp_group every rank ends each delayed-
+scaling step with the same scales. The argument checks run here, with a stand-in group.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+
+_RANK_SCRIPT = Path(__file__).resolve().parent / "_tp_rank.py"
+_TIMEOUT_S = 120  # a hung collective fails the test instead of stalling the suite
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_world(world: int) -> None:
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(_RANK_SCRIPT), str(rank), str(world), port],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(world)]
+    errors = []
+    try:
+        for rank, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=_TIMEOUT_S)
+            if proc.returncode != 0:
+                errors.append(f"rank {rank} exited {proc.returncode}:\n{err[-4000:]}")
+            else:
+                assert out.strip().endswith(f"rank {rank}: ok"), out
+    finally:
+        for proc in procs:  # after a timeout (or a failed rank), the others may wait forever
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.slow
+def test_two_ranks():
+    """Column and row, fp32 and bf16, every FP8 recipe kind, fp8_group scales, bad inputs."""
+    _run_world(2)
+
+
+@pytest.mark.slow
+def test_four_ranks():
+    """Column and row in fp32 and under delayed scaling with fp8_group."""
+    _run_world(4)
+
+
+class _Group:
+    """Stands in for a ProcessGroup where only its size is read (checks before any
+    collective)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(parallel_mode="diagonal"), ValueError,
+     ["te.Linear", "parallel_mode", "'column' or 'row'", "'diagonal'"]),
+    (dict(tp_group=_Group(2), tp_size=4, parallel_mode="column"), ValueError,
+     ["te.Linear", "tp_size must equal the size of tp_group (2)", "got 4"]),
+    (dict(tp_group=_Group(2), parallel_mode="row"), ValueError,  # tp_size left at 1
+     ["tp_size must equal the size of tp_group (2)", "got 1"]),
+    (dict(tp_size=2, parallel_mode="column"), NotImplementedError,
+     ["te.Linear", "without a tp_group", "tp_size must be 1, got 2"]),
+    (dict(tp_group=object(), tp_size=2, parallel_mode="row"), TypeError,
+     ["te.Linear", "tp_group must be a torch.distributed ProcessGroup", "object"]),
+    (dict(tp_group=_Group(3), tp_size=3, parallel_mode="row"), ValueError,
+     ["te.Linear", "in_features must be divisible by tp_size=3, got 32"]),
+    (dict(tp_group=_Group(3), tp_size=3, parallel_mode="column"), ValueError,
+     ["te.Linear", "out_features must be divisible by tp_size=3, got 64"]),
+    (dict(tp_size=0), ValueError, ["te.Linear", "tp_size must be a positive int", "0"]),
+    (dict(tp_group=_Group(2), tp_size=2, parallel_mode="row", sequence_parallel=True),
+     NotImplementedError, ["te.Linear", "sequence_parallel=True is not implemented"]),
+    (dict(tp_group=_Group(2), tp_size=2, parallel_mode="column", parameters_split=["q", "k"]),
+     NotImplementedError, ["te.Linear", "parameters_split", "'column'", "not implemented"]),
+], ids=["mode", "size-mismatch", "size-default", "no-group", "not-a-group", "in-features",
+        "out-features", "size-zero", "sequence-parallel", "parameters-split"])
+def test_bad_arguments_are_refused(kwargs, error, words):
+    with pytest.raises(error) as info:
+        te.Linear(32, 64, device="cpu", **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_replicated_layer_with_a_group_is_a_plain_layer():
+    """parallel_mode=None with a group: nothing is split (the group is only checked), and the
+    layer is the one tp_size=1 builds from the same seed."""
+    torch.manual_seed(0)
+    plain = te.Linear(32, 64, device="cpu")
+    torch.manual_seed(0)
+    replicated = te.Linear(32, 64, device="cpu", tp_group=_Group(2), tp_size=2)
+    assert replicated.tp_group is None and replicated.weight.shape == (64, 32)
+    assert torch.equal(plain.weight, replicated.weight)
+    assert torch.equal(plain.bias, replicated.bias)
