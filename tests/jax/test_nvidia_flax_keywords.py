@@ -13,6 +13,9 @@ import pytest
 
 from transformer_engine.jax.attention import QKVLayout
 from transformer_engine.jax.flax import (
+    DenseGeneral,
+    LayerNormDenseGeneral,
+    LayerNormMLP,
     MultiHeadAttention,
     RelativePositionBiases,
     TransformerLayer,
@@ -154,3 +157,102 @@ def test_transformer_layer_dtype_reaches_the_relative_bias():
     assert dtypes == {jnp.dtype(jnp.bfloat16)}
     assert nn.unbox(v["params"])["relpos_bias"]["rel_embedding"].dtype == jnp.bfloat16
     assert layer.apply(v, x, deterministic=True).dtype == jnp.float32
+
+
+# ---- logical-axis keywords --------------------------------------------------------------------
+
+# NVIDIA's defaults and usual names for each module's axis keywords.
+AXES = {
+    DenseGeneral: dict(kernel_axes=("embed", "mlp"), bias_axes=("mlp",),
+                       input_axes=("batch", "length", "embed"), transpose_batch_sequence=True),
+    LayerNormDenseGeneral: dict(kernel_axes=("embed", "mlp"), bias_axes=("mlp",),
+                                scale_axes=("embed",), ln_bias_axes=("embed",),
+                                layernorm_input_axes=("batch", "length", "embed"),
+                                dot_input_axes=("batch", "length", "embed"),
+                                transpose_batch_sequence=True),
+    LayerNormMLP: dict(kernel_axes_1=("embed", "act", "mlp"), kernel_axes_2=("mlp", "embed"),
+                       bias_axes_1=("act", "mlp"), bias_axes_2=("embed",),
+                       scale_axes=("embed",), ln_bias_axes=("embed",),
+                       layernorm_input_axes=("batch", "length", "embed"),
+                       dot_1_input_axes=("batch", "length", "embed"),
+                       dot_2_input_axes=("batch", "length", "mlp"), ffn1_ckpt_name="a",
+                       ffn2_ckpt_name="b", transpose_batch_sequence=True, axis=-1),
+}
+SIZE = {DenseGeneral: dict(features=16), LayerNormDenseGeneral: dict(features=16),
+        LayerNormMLP: dict(intermediate_dim=16, activations=("gelu", "linear"))}
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("cls", list(AXES))
+def test_axis_keywords_annotate_and_change_no_number(cls):
+    x = _x((B, S, HIDDEN))
+    plain = cls(use_bias=True, **SIZE[cls])
+    named = cls(use_bias=True, **SIZE[cls], **AXES[cls])
+    v = plain.init(jax.random.PRNGKey(0), x)
+    w = named.init(jax.random.PRNGKey(0), x)
+    assert not any(isinstance(p, nn.Partitioned) for p in jax.tree_util.tree_leaves(
+        v, is_leaf=lambda p: isinstance(p, nn.Partitioned)))
+    specs = nn.get_partition_spec(w)["params"]
+    for key, value in AXES[cls].items():
+        if key.endswith("axes") and not key.endswith("input_axes"):
+            param = {"kernel_axes": "kernel", "bias_axes": "bias", "scale_axes": "scale",
+                     "ln_bias_axes": "ln_bias"}.get(key)
+            param = param or {"kernel_axes_1": "wi_kernel", "kernel_axes_2": "wo_kernel",
+                              "bias_axes_1": "wi_bias", "bias_axes_2": "wo_bias"}[key]
+            assert tuple(specs[param]) == value, key
+    for a, b in zip(jax.tree_util.tree_leaves(v), jax.tree_util.tree_leaves(nn.unbox(w)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(_first(plain.apply(v, x))),
+                                  np.asarray(_first(named.apply(w, x))))
+
+
+@pytest.mark.parametrize("cls", list(AXES))
+def test_axis_keywords_are_checked(cls):
+    x = _x((B, S, HIDDEN))
+    first = next(iter(AXES[cls]))  # a kernel's
+    with pytest.raises(ValueError, match=f"{cls.__name__}: {first} must name each of the "
+                       f"[23] axes"):
+        cls(**SIZE[cls], **{first: ("embed",)}).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(TypeError, match=f"{cls.__name__}: {first} must be None or a tuple"):
+        cls(**SIZE[cls], **{first: "embed"}).init(jax.random.PRNGKey(0), x)
+    input_key = [k for k in AXES[cls] if k.endswith("input_axes")][0]
+    with pytest.raises(ValueError, match=f"{cls.__name__}: {input_key} must name each of the "
+                       f"3 axes"):
+        cls(**SIZE[cls], **{input_key: ("batch", "embed")}).init(jax.random.PRNGKey(0), x)
+
+
+@pytest.mark.parametrize("cls", list(AXES))
+def test_kernel_init_none_is_the_default(cls):
+    x = _x((B, S, HIDDEN))
+    v = cls(**SIZE[cls]).init(jax.random.PRNGKey(0), x)
+    w = cls(**SIZE[cls], kernel_init=None).init(jax.random.PRNGKey(0), x)
+    for a, b in zip(jax.tree_util.tree_leaves(v), jax.tree_util.tree_leaves(w), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_layernorm_mlp_refuses_activation_params_and_another_axis():
+    x = _x((B, S, HIDDEN))
+    with pytest.raises(NotImplementedError, match="LayerNormMLP: activation_params must be "
+                       "None.*'limit'"):
+        LayerNormMLP(intermediate_dim=16, activation_params={"limit": 7.0}).init(
+            jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match=r"LayerNormMLP: axis must be the last axis \(-1\).*"
+                       "got 1"):
+        LayerNormMLP(intermediate_dim=16, axis=1).init(jax.random.PRNGKey(0), x)
+    LayerNormMLP(intermediate_dim=16, axis=(2,)).init(jax.random.PRNGKey(0), x)
+
+
+@pytest.mark.parametrize("enable_layernorm", [True, False])
+def test_layernorm_dense_depth_scaling_divides_the_output(enable_layernorm):
+    x = _x((B, S, HIDDEN))
+    base = LayerNormDenseGeneral(features=16, enable_layernorm=enable_layernorm,
+                                 return_layernorm_output=True)
+    v = base.init(jax.random.PRNGKey(0), x)
+    out, ln = base.apply(v, x)
+    scaled, ln2 = base.clone(depth_scaling=4.0).apply(v, x)
+    np.testing.assert_allclose(np.asarray(scaled), np.asarray(out) / 4.0, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(ln), np.asarray(ln2))

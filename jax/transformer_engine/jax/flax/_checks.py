@@ -113,3 +113,20 @@ def compute_dtype_of(inputs: jnp.ndarray, param_dtype: Any) -> Any:
     if jnp.issubdtype(inputs.dtype, jnp.floating):
         return inputs.dtype
     return jnp.dtype(param_dtype)
+
+
+def check_logical_axes(op: str, name: str, axes: Any, rank: Optional[int] = None) -> None:
+    """A logical-axis keyword (``kernel_axes``, ``input_axes``, ...): None or a sequence of
+    axis names (str, or None for an unnamed axis), one per axis of its tensor when ``rank`` is
+    known and the sequence is not empty. Checked here because a wrong one would otherwise be
+    found only when a mesh partitions the model."""
+    if axes is None:
+        return
+    ok = isinstance(axes, Sequence) and not isinstance(axes, str)
+    if ok and all(a is None or isinstance(a, str) for a in axes):
+        if rank is None or len(axes) in (0, rank):
+            return
+        raise ValueError(f"{op}: {name} must name each of the {rank} axes of its tensor (or be "
+                         f"empty), got {tuple(axes)!r}")
+    raise TypeError(f"{op}: {name} must be None or a tuple of logical axis names (str or "
+                    f"None), got {axes!r}")

@@ -13,12 +13,19 @@ from transformer_engine.jax.autocast import get_fp8_recipe
 from transformer_engine.jax.dense import dense
 from transformer_engine.jax.flax._checks import (
     check_input_features,
+    check_logical_axes,
     check_sizes,
     compute_dtype_of,
     param_dtype_of,
     quantizer_set_for,
 )
-from transformer_engine.jax.flax.module import Initializer, _as_matrix_init, _as_tuple, fp8_state
+from transformer_engine.jax.flax.module import (
+    Initializer,
+    _as_matrix_init,
+    _as_tuple,
+    default_init,
+    fp8_state,
+)
 from transformer_engine.jax.layernorm_dense import layernorm_dense
 from transformer_engine.jax.quantizer import plan_kind
 from transformer_engine.jax.sharding import check_unsharded
@@ -85,8 +92,16 @@ class LayerNormDenseGeneral(nn.Module):
             follow the input's dtype (an integer input is cast to ``dtype``).
         param_dtype: the former name of ``dtype``'s meaning: None, or equal to ``dtype``
             (anything else is an error, as it asked for a computation dtype).
-        kernel_axes, bias_axes, scale_axes, ln_bias_axes: logical axis names (recorded for
-            sharding).
+        kernel_axes, bias_axes, scale_axes, ln_bias_axes: logical axis names of the
+            parameters, which are annotated with them (``nn.with_logical_partitioning``;
+            no value changes). Default () where NVIDIA's defaults name ``"embed"`` for the
+            norm's: unannotated parameters unless asked for.
+        layernorm_input_axes, dot_input_axes: logical axis names of the input and of the
+            GEMM's input (NVIDIA's sharding constraints): checked and recorded; the
+            constraints come with the distributed work, and they change no value.
+        depth_scaling: None, or the output is divided by it (NVIDIA's meaning).
+        transpose_batch_sequence: accepted for NVIDIA's signature; a position-wise layer
+            computes the same either way.
 
     The call returns ``(out, ln_out)`` as NVIDIA's module does: ``out`` [..., *features],
     ``ln_out`` the norm's output (the input itself without ``enable_layernorm``) with
@@ -111,7 +126,7 @@ class LayerNormDenseGeneral(nn.Module):
     scale_init: Optional[Initializer] = None
     ln_bias_init: Initializer = nn.initializers.zeros
     use_bias: bool = False
-    kernel_init: Initializer = nn.initializers.lecun_normal()
+    kernel_init: Optional[Initializer] = nn.initializers.lecun_normal()
     bias_init: Initializer = nn.initializers.zeros
     return_layernorm_output: bool = False
     dtype: Any = jnp.float32
@@ -120,6 +135,10 @@ class LayerNormDenseGeneral(nn.Module):
     bias_axes: Tuple[str, ...] = ()
     scale_axes: Tuple[str, ...] = ()
     ln_bias_axes: Tuple[str, ...] = ()
+    layernorm_input_axes: Optional[Tuple[str, ...]] = None
+    dot_input_axes: Optional[Tuple[str, ...]] = None
+    depth_scaling: Optional[float] = None
+    transpose_batch_sequence: bool = False
 
     @nn.compact
     def __call__(self, inputs: jax.Array):
@@ -142,7 +161,13 @@ class LayerNormDenseGeneral(nn.Module):
             check_input_features(self, "LayerNormDenseGeneral", inputs,
                                  "scale" if self.enable_layernorm else "kernel")
         kernel_shape = tuple(inputs.shape[a] for a in axis) + features
-        kernel_init = _as_matrix_init(self.kernel_init, len(axis))
+        op = "LayerNormDenseGeneral"
+        for name, rank in (("kernel_axes", len(kernel_shape)), ("bias_axes", len(features)),
+                           ("scale_axes", 1), ("ln_bias_axes", 1),
+                           ("layernorm_input_axes", inputs.ndim),
+                           ("dot_input_axes", inputs.ndim)):
+            check_logical_axes(op, name, getattr(self, name), rank)
+        kernel_init = _as_matrix_init(default_init(self.kernel_init), len(axis))
         bias_init = _as_matrix_init(self.bias_init, 0)
         if self.kernel_axes:
             kernel_init = nn.with_logical_partitioning(kernel_init, self.kernel_axes)
@@ -164,9 +189,15 @@ class LayerNormDenseGeneral(nn.Module):
         if not self.enable_layernorm:
             out = dense(x, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))),
                         quantizer_set=qset)
-            return out, (x if self.return_layernorm_output else None)
-        out = layernorm_dense(x, scale, ln_bias, kernel, bias, norm_type=self.layernorm_type,
-                              zero_centered_gamma=self.zero_centered_gamma,
-                              epsilon=self.epsilon, quantizer_set=qset,
-                              return_layernorm_output=self.return_layernorm_output)
-        return out if self.return_layernorm_output else (out, None)
+            ln_out = x
+        else:
+            want_ln = self.return_layernorm_output
+            out = layernorm_dense(x, scale, ln_bias, kernel, bias,
+                                  norm_type=self.layernorm_type,
+                                  zero_centered_gamma=self.zero_centered_gamma,
+                                  epsilon=self.epsilon, quantizer_set=qset,
+                                  return_layernorm_output=want_ln)
+            out, ln_out = out if want_ln else (out, None)
+        if self.depth_scaling is not None:
+            out = out / jnp.asarray(self.depth_scaling, out.dtype)
+        return out, (ln_out if self.return_layernorm_output else None)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
 
@@ -13,17 +13,28 @@ from transformer_engine.jax import ops
 from transformer_engine.jax.dense import dense
 from transformer_engine.jax.flax._checks import (
     check_input_features,
+    check_logical_axes,
     check_sizes,
     compute_dtype_of,
     param_dtype_of,
 )
 from transformer_engine.jax.flax.layernorm_dense import fp8_quantizer_set, norm_params
-from transformer_engine.jax.flax.module import Initializer, _as_matrix_init
+from transformer_engine.jax.flax.module import (
+    Initializer,
+    _as_matrix_init,
+    _as_tuple,
+    default_init,
+)
 from transformer_engine.jax.layernorm_dense import layernorm_dense
 from transformer_engine.jax.layernorm_mlp import activation, activation_of, layernorm_mlp
 from transformer_engine.jax.sharding import check_unsharded
 
 __all__ = ["LayerNormMLP"]
+
+
+def _plain(value):
+    """A dict as the user wrote it (flax stores module attributes as FrozenDicts)."""
+    return dict(value) if hasattr(value, "items") else value
 
 
 class LayerNormMLP(nn.Module):
@@ -63,7 +74,21 @@ class LayerNormMLP(nn.Module):
         param_dtype: the former name of ``dtype``'s meaning: None, or equal to ``dtype``
             (anything else is an error, as it asked for a computation dtype).
         kernel_axes_1, kernel_axes_2, bias_axes_1, bias_axes_2, scale_axes, ln_bias_axes:
-            logical axis names (recorded for sharding).
+            logical axis names of the parameters, which are annotated with them
+            (``nn.with_logical_partitioning``; no value changes). Default () where NVIDIA's
+            name ``"embed"``, ``"act"``, ``"mlp"``: unannotated parameters unless asked for.
+        layernorm_input_axes, dot_1_input_axes, dot_2_input_axes: logical axis names of the
+            input, of the first GEMM's input and of the second's (NVIDIA's sharding
+            constraints): checked and recorded; the constraints come with the distributed
+            work, and they change no value.
+        ffn1_ckpt_name, ffn2_ckpt_name: NVIDIA's names of the GEMMs' outputs for remat
+            policies: accepted and recorded; the fused block saves what its custom VJP
+            needs whatever the policy, so no name is applied (no value changes).
+        activation_params: must be None (only NVIDIA's clamped_swiglu takes parameters, and it
+            is refused).
+        axis: the contracted axis: only the last (-1) is supported.
+        transpose_batch_sequence: accepted for NVIDIA's signature; a position-wise block
+            computes the same either way.
 
     The call returns ``(out, ln_out)`` as NVIDIA's module does: ``out`` in the input's
     shape, ``ln_out`` the norm's output (the input itself without ``enable_layernorm``)
@@ -88,7 +113,7 @@ class LayerNormMLP(nn.Module):
     ln_bias_init: Initializer = nn.initializers.zeros
     activations: Sequence[str] = ("gelu",)
     use_bias: bool = False
-    kernel_init: Initializer = nn.initializers.lecun_normal()
+    kernel_init: Optional[Initializer] = nn.initializers.lecun_normal()
     bias_init: Initializer = nn.initializers.zeros
     return_layernorm_output: bool = False
     intermediate_dropout_rate: float = 0.0
@@ -102,9 +127,33 @@ class LayerNormMLP(nn.Module):
     scale_axes: Tuple[str, ...] = ()
     ln_bias_axes: Tuple[str, ...] = ()
     intermediate_dropout_rng_name: str = "dropout"
+    layernorm_input_axes: Optional[Tuple[str, ...]] = None
+    dot_1_input_axes: Optional[Tuple[str, ...]] = None
+    dot_2_input_axes: Optional[Tuple[str, ...]] = None
+    ffn1_ckpt_name: str = "ffn1"
+    ffn2_ckpt_name: str = "ffn2"
+    activation_params: Optional[dict] = None
+    axis: Union[int, Sequence[int]] = -1
+    transpose_batch_sequence: bool = False
+
+    def _check_keywords(self, ndim: int) -> None:
+        op = "LayerNormMLP"
+        for name, rank in (("kernel_axes_1", 3), ("kernel_axes_2", 2), ("bias_axes_1", 2),
+                           ("bias_axes_2", 1), ("scale_axes", 1), ("ln_bias_axes", 1),
+                           ("layernorm_input_axes", ndim), ("dot_1_input_axes", ndim),
+                           ("dot_2_input_axes", ndim)):
+            check_logical_axes(op, name, getattr(self, name), rank)
+        if self.activation_params is not None:
+            raise NotImplementedError(f"{op}: activation_params must be None (no parametrized "
+                                      f"activation is supported), got "
+                                      f"{_plain(self.activation_params)!r}")
+        axis = _as_tuple(self.axis)
+        if len(axis) != 1 or not isinstance(axis[0], int) or axis[0] % ndim != ndim - 1:
+            raise ValueError(f"{op}: axis must be the last axis (-1), the norm's and the "
+                             f"first GEMM's, got {self.axis!r}")
 
     def _param(self, name, init, shape, n_in, axes, dtype):
-        init = _as_matrix_init(init, n_in)
+        init = _as_matrix_init(default_init(init) if n_in else init, n_in)
         if axes:
             init = nn.with_logical_partitioning(init, axes)
         return self.param(name, init, shape, dtype)
@@ -120,6 +169,7 @@ class LayerNormMLP(nn.Module):
                              f"{inputs.shape}")
         check_input_features(self, "LayerNormMLP", inputs,
                              "scale" if self.enable_layernorm else "wi_kernel")
+        self._check_keywords(inputs.ndim)
         act = activation_of(self.activations)
         if not 0.0 <= self.intermediate_dropout_rate < 1.0:
             raise ValueError("LayerNormMLP: intermediate_dropout_rate must be in [0, 1), got "

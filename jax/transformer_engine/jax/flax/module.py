@@ -13,6 +13,7 @@ from transformer_engine.jax.autocast import get_fp8_recipe
 from transformer_engine.jax.dense import dense
 from transformer_engine.jax.flax._checks import (
     check_input_features,
+    check_logical_axes,
     check_sizes,
     compute_dtype_of,
     param_dtype_of,
@@ -58,15 +59,22 @@ class DenseGeneral(nn.Module):
         features: output size(s).
         axis: input axis or axes contracted with the kernel.
         use_bias: add a bias of shape ``features``.
-        kernel_init: initializer of the kernel (flax's ``lecun_normal`` default).
+        kernel_init: initializer of the kernel (None: flax's ``lecun_normal``, NVIDIA's
+            variance_scaling(1, fan_in, truncated_normal)).
         bias_init: initializer of the bias.
         dtype: the dtype of the parameters (NVIDIA's meaning). The computation and the output
             follow the input's dtype (the parameters are cast to it; an integer input is
             cast to ``dtype``).
         param_dtype: the former name of ``dtype``'s meaning: None, or equal to ``dtype``
             (anything else is an error, as it asked for a computation dtype).
-        kernel_axes: logical axis names of the kernel (recorded for sharding).
-        bias_axes: logical axis names of the bias.
+        kernel_axes: logical axis names of the kernel: the parameter is annotated with them
+            (``nn.with_logical_partitioning``), which changes no value.
+        bias_axes: logical axis names of the bias (annotated likewise).
+        input_axes: logical axis names of the input (NVIDIA's sharding constraint on it):
+            checked and recorded; the constraint comes with the distributed work (the
+            modules run unsharded), and it changes no value.
+        transpose_batch_sequence: accepted for NVIDIA's signature; a dense layer over
+            ``axis`` computes the same either way.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -80,12 +88,14 @@ class DenseGeneral(nn.Module):
     features: Union[int, Sequence[int]]
     axis: Union[int, Sequence[int]] = -1
     use_bias: bool = True
-    kernel_init: Initializer = nn.initializers.lecun_normal()
+    kernel_init: Optional[Initializer] = nn.initializers.lecun_normal()
     bias_init: Initializer = nn.initializers.zeros
     dtype: Any = jnp.float32
     param_dtype: Optional[Any] = None
     kernel_axes: Tuple[str, ...] = ()
     bias_axes: Tuple[str, ...] = ()
+    input_axes: Optional[Tuple[str, ...]] = ()
+    transpose_batch_sequence: bool = False
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -101,6 +111,9 @@ class DenseGeneral(nn.Module):
         if len(set(axis)) != len(axis):
             raise ValueError(f"DenseGeneral: axis must not repeat an axis, got {self.axis}")
         kernel_shape = tuple(inputs.shape[a] for a in axis) + features
+        check_logical_axes("DenseGeneral", "kernel_axes", self.kernel_axes, len(kernel_shape))
+        check_logical_axes("DenseGeneral", "bias_axes", self.bias_axes, len(features))
+        check_logical_axes("DenseGeneral", "input_axes", self.input_axes, inputs.ndim)
         if self.has_variable("params", "kernel"):  # flax's own error names no input
             have = jnp.shape(nn.unbox(self.get_variable("params", "kernel")))
             if tuple(have) != kernel_shape:
@@ -109,7 +122,7 @@ class DenseGeneral(nn.Module):
                                  f"{list(have)}), got shape {list(inputs.shape)}")
         # Initialized as the [in, out] matrix, then reshaped: fan-in is the product of the
         # contracted dims (as flax's DenseGeneral computes it).
-        kernel_init = _as_matrix_init(self.kernel_init, len(axis))
+        kernel_init = _as_matrix_init(default_init(self.kernel_init), len(axis))
         bias_init = _as_matrix_init(self.bias_init, 0)
         if self.kernel_axes:
             kernel_init = nn.with_logical_partitioning(kernel_init, self.kernel_axes)
@@ -128,6 +141,11 @@ class DenseGeneral(nn.Module):
         bias = None if bias is None else bias.astype(dtype)
         contracting = (axis, tuple(range(len(axis))))
         return dense(x, kernel, bias, contracting_dims=contracting, quantizer_set=quantizer_set)
+
+
+def default_init(kernel_init: Optional[Initializer]) -> Initializer:
+    """A kernel initializer, None meaning the default (NVIDIA's signatures default to None)."""
+    return nn.initializers.lecun_normal() if kernel_init is None else kernel_init
 
 
 def fp8_state(module: nn.Module, recipe, prefix: str = "") -> dict:
