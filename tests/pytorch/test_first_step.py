@@ -158,3 +158,14 @@ def test_compiled_steps_after_the_first_have_nothing_of_the_rule():
         _weight_grads(m, torch.randn(32, 128), fp8=True, call=f)
     # forward and backward of the first step's graph, then of the later steps' one
     assert amax_ops == [2, 0, 0, 0]
+
+
+def test_fp8_weights_take_no_first_step_scale_and_leave_no_mark():
+    # An fp8_model_init weight keeps its own bytes: its column is not waiting for a first-step
+    # scale, and once the input's and gradient's columns are written nothing is (so the fast
+    # paths serve the next steps).
+    with te.fp8_model_init(enabled=True, recipe=DELAYED):
+        m = te.Linear(128, 64, device="cpu")
+    _weight_grads(m, torch.randn(32, 128), fp8=True)
+    assert not first_step.has_empty(m.amax_history_fwd)
+    assert not first_step.has_empty(m.amax_history_bwd)

@@ -78,6 +78,13 @@ def has_empty(history: torch.Tensor) -> bool:
     return bool(getattr(history, _MARK, None))
 
 
+def written_elsewhere(history: Optional[torch.Tensor], column: int) -> None:
+    """The tensor of ``column`` is quantized without a first-step scale (an FP8 weight keeps its
+    own bytes): the column is no longer waiting for one."""
+    if history is not None:
+        _take_mark(history, column)
+
+
 def _take_mark(history: torch.Tensor, column: int) -> bool:
     cols = getattr(history, _MARK, None)
     if not cols or column not in cols:

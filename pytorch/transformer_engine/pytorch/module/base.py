@@ -210,6 +210,8 @@ class FP8Module(torch.nn.Module):
                 and weight._scaling_mode == plan.weight_mode):
             empty = weight._data.new_empty(0)
             cache = not torch.compiler.is_compiling()
+            if cache:
+                first_step.written_elsewhere(history, 2 * gemm + 1)
             col, col_sinv = weight.transpose_data(cache) if need_col else (empty, empty)
             return Operand(weight._data, weight._scale_inv, col, col_sinv, plan.fwd_dtype,
                            plan.weight_mode)
