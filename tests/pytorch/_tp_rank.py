@@ -202,6 +202,27 @@ def check_scales_shared(mode, group):
             assert not same[1], f"{mode} without fp8_group: forward scales equal on all ranks"
 
 
+def check_options(mode):
+    """return_bias: the output without the bias (a row layer's summed over the ranks) and the
+    bias this rank adds; is_first_microbatch: the kept FP8 weight gives the same output."""
+    full, _ = layers(mode)
+    torch.manual_seed(0)
+    par = te.Linear(K, N, device="cpu", tp_group=GROUP, tp_size=WORLD, parallel_mode=mode,
+                    return_bias=True)
+    x, _ = data(torch.float32)
+    xp = x if mode == "column" else shard(x, mode)
+    out, bias = par(xp)
+    want_bias = shard(full.bias, mode, 0) if mode == "column" else full.bias
+    assert bias is par.bias and torch.equal(bias, want_bias), f"{mode} return_bias: bias"
+    y = full(x)
+    want = shard(y, mode) if mode == "column" else y
+    torch.testing.assert_close(out + bias, want, rtol=1e-5, atol=1e-5)
+    with te.fp8_autocast(fp8_recipe=RECIPES["current"]):
+        ys = [par(xp, is_first_microbatch=first)[0] for first in (None, True, False)]
+    for first, y in zip((True, False), ys[1:], strict=True):
+        assert torch.equal(y, ys[0]), f"{mode} is_first_microbatch={first}"
+
+
 def check_bad_arguments():
     import pytest  # only its raises()
 
@@ -229,6 +250,7 @@ if __name__ == "__main__":
                 case(check_fp8, mode, name)
             case(check_scales_shared, mode, None)
         case(check_scales_shared, mode, GROUP)
+        case(check_options, mode)
     case(check_bad_arguments)
     dist.destroy_process_group()
     if failures:
