@@ -10,7 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from te_jax_tests._tolerances import assert_relative_max_error
 
+import transformer_engine.jax as te
+from transformer_engine.common import recipe
 from transformer_engine.jax.attention import QKVLayout
 from transformer_engine.jax.flax import (
     DenseGeneral,
@@ -256,3 +259,147 @@ def test_layernorm_dense_depth_scaling_divides_the_output(enable_layernorm):
     scaled, ln2 = base.clone(depth_scaling=4.0).apply(v, x)
     np.testing.assert_allclose(np.asarray(scaled), np.asarray(out) / 4.0, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(ln), np.asarray(ln2))
+
+
+# ---- LoRA -------------------------------------------------------------------------------------
+
+R = 4
+
+
+def _lora_ref(x, a, b, alpha):
+    """(x @ A @ B) * alpha / r in float64, per output group (A [K, *G, r], B [*G, r, N])."""
+    x, a, b = (np.asarray(t, np.float64) for t in (x, a, b))
+    a2 = a.reshape(a.shape[0], -1, a.shape[-1])  # [K, G, r]
+    b2 = b.reshape(-1, *b.shape[-2:])            # [G, r, N]
+    y = np.einsum("...k,kgr,grn->...gn", x, a2, b2)
+    y = y.reshape(*x.shape[:-1], *b.shape[:-2], b.shape[-1])
+    return y * (1.0 if alpha is None else alpha / a.shape[-1])
+
+
+def _with_random_b(params, seed=5):
+    """LoRA's B kernels made nonzero (they start at zeros)."""
+    def fill(path, p):
+        name = jax.tree_util.keystr(path)
+        return 0.3 * _x(p.shape, seed) if "lora_b_kernel" in name else p
+    return jax.tree_util.tree_map_with_path(fill, params)
+
+
+def _without_lora(params):
+    if isinstance(params, dict):
+        return {k: _without_lora(v) for k, v in params.items() if "lora" not in k}
+    return params
+
+
+@pytest.mark.parametrize("features,alpha", [(16, None), ((2, 8), 8.0), (16, 2.0)])
+def test_dense_general_lora(features, alpha):
+    x = _x((B, S, HIDDEN))
+    layer = DenseGeneral(features=features, enable_low_rank_adaptation=True,
+                         low_rank_adaptation_dim=R, low_rank_adaptation_alpha=alpha)
+    params = layer.init(jax.random.PRNGKey(0), x)["params"]
+    lead = (features[:-1] if isinstance(features, tuple) else ())
+    last = features[-1] if isinstance(features, tuple) else features
+    assert params["lora_a_kernel"].shape == (HIDDEN, *lead, R)
+    assert params["lora_b_kernel"].shape == (*lead, R, last)
+    plain = DenseGeneral(features=features)
+    base = plain.apply({"params": _without_lora(params)}, x)
+    # B starts at zeros: the layer starts as the one without LoRA.
+    np.testing.assert_array_equal(np.asarray(layer.apply({"params": params}, x)),
+                                  np.asarray(base))
+    params = _with_random_b(params)
+    out = layer.apply({"params": params}, x)
+    expected = np.asarray(base, np.float64) + _lora_ref(x, params["lora_a_kernel"],
+                                                         params["lora_b_kernel"], alpha)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
+    # Both LoRA kernels learn (B's gradient is nonzero from the start, as A is).
+    grads = jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, x) ** 2))(params)
+    assert float(jnp.abs(grads["lora_a_kernel"]).max()) > 0
+    assert float(jnp.abs(grads["lora_b_kernel"]).max()) > 0
+
+
+@pytest.mark.parametrize("enable_layernorm", [True, False])
+def test_layernorm_dense_general_lora_reads_the_normed_input(enable_layernorm):
+    x = _x((B, S, HIDDEN))
+    alpha = 2.0
+    layer = LayerNormDenseGeneral(features=16, enable_layernorm=enable_layernorm,
+                                  enable_low_rank_adaptation=True, low_rank_adaptation_dim=R,
+                                  low_rank_adaptation_alpha=alpha)
+    params = _with_random_b(layer.init(jax.random.PRNGKey(0), x)["params"])
+    out, ln = layer.apply({"params": params}, x)
+    assert ln is None
+    plain = LayerNormDenseGeneral(features=16, enable_layernorm=enable_layernorm,
+                                  return_layernorm_output=True)
+    base, ln_out = plain.apply({"params": _without_lora(params)}, x)
+    expected = np.asarray(base, np.float64) + _lora_ref(ln_out, params["lora_a_kernel"],
+                                                         params["lora_b_kernel"], alpha)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activations,enable_layernorm", [
+    (("gelu", "linear"), True), (("relu",), True), (("silu", "linear"), False)])
+def test_layernorm_mlp_lora_on_both_gemms(activations, enable_layernorm):
+    from transformer_engine.jax.layernorm_mlp import activation
+
+    x = _x((B, S, HIDDEN))
+    f, alpha = 16, None
+    layer = LayerNormMLP(intermediate_dim=f, activations=activations, use_bias=True,
+                         enable_layernorm=enable_layernorm, intermediate_dropout_rate=0.0,
+                         enable_low_rank_adaptation=True, low_rank_adaptation_dim=R,
+                         low_rank_adaptation_alpha=alpha)
+    params = layer.init(jax.random.PRNGKey(0), x)["params"]
+    n_act = len(activations)
+    assert params["wi_lora_a_kernel"].shape == (HIDDEN, n_act, R)
+    assert params["wi_lora_b_kernel"].shape == (n_act, R, f)
+    assert params["wo_lora_a_kernel"].shape == (f, R)
+    assert params["wo_lora_b_kernel"].shape == (R, HIDDEN)
+    plain = layer.clone(enable_low_rank_adaptation=False, return_layernorm_output=True)
+    base, ln = plain.apply({"params": _without_lora(params)}, x)
+    np.testing.assert_allclose(np.asarray(layer.apply({"params": params}, x)[0]),
+                               np.asarray(base), rtol=1e-5, atol=1e-6)
+    params = _with_random_b(params)
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    h = np.einsum("...k,kaf->...af", np.asarray(ln, np.float64), p["wi_kernel"]) + p["wi_bias"]
+    h = h + _lora_ref(ln, p["wi_lora_a_kernel"], p["wi_lora_b_kernel"], alpha)
+    a = np.asarray(activation(jnp.asarray(h.reshape(*h.shape[:-2], -1), jnp.float32),
+                              activations), np.float64)
+    expected = a @ p["wo_kernel"] + p["wo_bias"] + _lora_ref(a, p["wo_lora_a_kernel"],
+                                                             p["wo_lora_b_kernel"], alpha)
+    out, ln_none = layer.apply({"params": params}, x)
+    assert ln_none is None
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cls", list(AXES))
+def test_lora_in_bf16_and_fp8(cls):
+    x = _x((B, S, HIDDEN), dtype=jnp.bfloat16)
+    layer = cls(**SIZE[cls], enable_low_rank_adaptation=True, low_rank_adaptation_dim=R)
+    v = layer.init(jax.random.PRNGKey(0), x)
+    assert _first(layer.apply(v, x)).dtype == jnp.bfloat16
+    with te.fp8_autocast(enabled=True, fp8_recipe=recipe.Float8CurrentScaling()):
+        v = layer.init(jax.random.PRNGKey(0), x)
+        with_lora = _first(layer.apply(v, x))
+        without = _first(layer.clone(enable_low_rank_adaptation=False).apply(
+            {"params": _without_lora(v["params"])}, x))
+    # B is zero at init: the FP8 layer with LoRA gives the FP8 layer's numbers; LayerNormMLP's
+    # up to its unfused path (the activation's output is no longer written in FP8 by it).
+    if cls is LayerNormMLP:
+        assert_relative_max_error(with_lora, without, "fp8_forward_vs_fp32")
+    else:
+        np.testing.assert_array_equal(np.asarray(with_lora, np.float32),
+                                      np.asarray(without, np.float32))
+
+
+@pytest.mark.parametrize("cls", list(AXES))
+def test_lora_keywords_are_checked(cls):
+    x = _x((B, S, HIDDEN))
+    with pytest.raises(ValueError, match=f"{cls.__name__}: low_rank_adaptation_dim must be "
+                       "positive"):
+        cls(**SIZE[cls], enable_low_rank_adaptation=True, low_rank_adaptation_dim=0).init(
+            jax.random.PRNGKey(0), x)
+    with pytest.raises(TypeError, match=f"{cls.__name__}: low_rank_adaptation_alpha must be "
+                       "None or a number"):
+        cls(**SIZE[cls], enable_low_rank_adaptation=True, low_rank_adaptation_alpha="8").init(
+            jax.random.PRNGKey(0), x)
+    # Off, the LoRA keywords make no parameter.
+    v = cls(**SIZE[cls], low_rank_adaptation_dim=0).init(jax.random.PRNGKey(0), x)
+    assert not any("lora" in jax.tree_util.keystr(p) for p, _ in
+                   jax.tree_util.tree_leaves_with_path(v))

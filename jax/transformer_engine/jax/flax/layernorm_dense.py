@@ -23,8 +23,11 @@ from transformer_engine.jax.flax.module import (
     Initializer,
     _as_matrix_init,
     _as_tuple,
+    add_lora,
+    check_lora,
     default_init,
     fp8_state,
+    lora_delta,
 )
 from transformer_engine.jax.layernorm_dense import layernorm_dense
 from transformer_engine.jax.quantizer import plan_kind
@@ -102,6 +105,9 @@ class LayerNormDenseGeneral(nn.Module):
         depth_scaling: None, or the output is divided by it (NVIDIA's meaning).
         transpose_batch_sequence: accepted for NVIDIA's signature; a position-wise layer
             computes the same either way.
+        enable_low_rank_adaptation, low_rank_adaptation_dim, low_rank_adaptation_alpha: LoRA
+            on the dense layer, from the normed input (see
+            :class:`~transformer_engine.jax.flax.DenseGeneral`).
 
     The call returns ``(out, ln_out)`` as NVIDIA's module does: ``out`` [..., *features],
     ``ln_out`` the norm's output (the input itself without ``enable_layernorm``) with
@@ -139,12 +145,18 @@ class LayerNormDenseGeneral(nn.Module):
     dot_input_axes: Optional[Tuple[str, ...]] = None
     depth_scaling: Optional[float] = None
     transpose_batch_sequence: bool = False
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: Optional[float] = None
 
     @nn.compact
     def __call__(self, inputs: jax.Array):
         check_unsharded("LayerNormDenseGeneral")
         check_sizes("LayerNormDenseGeneral", features=self.features)
         param_dtype = param_dtype_of("LayerNormDenseGeneral", self.dtype, self.param_dtype)
+        lora = self.enable_low_rank_adaptation
+        check_lora("LayerNormDenseGeneral", lora, self.low_rank_adaptation_dim,
+                   self.low_rank_adaptation_alpha)
         inputs = jnp.asarray(inputs)
         if inputs.ndim < 1:
             raise ValueError(f"LayerNormDenseGeneral: the input must have rank >= 1, got shape "
@@ -191,13 +203,17 @@ class LayerNormDenseGeneral(nn.Module):
                         quantizer_set=qset)
             ln_out = x
         else:
-            want_ln = self.return_layernorm_output
+            want_ln = self.return_layernorm_output or lora  # LoRA reads the normed input
             out = layernorm_dense(x, scale, ln_bias, kernel, bias,
                                   norm_type=self.layernorm_type,
                                   zero_centered_gamma=self.zero_centered_gamma,
                                   epsilon=self.epsilon, quantizer_set=qset,
                                   return_layernorm_output=want_ln)
             out, ln_out = out if want_ln else (out, None)
+        if lora:
+            out = add_lora(out, lora_delta(self, ln_out, axis, features,
+                                           self.low_rank_adaptation_dim,
+                                           self.low_rank_adaptation_alpha, param_dtype))
         if self.depth_scaling is not None:
             out = out / jnp.asarray(self.depth_scaling, out.dtype)
         return out, (ln_out if self.return_layernorm_output else None)

@@ -23,7 +23,10 @@ from transformer_engine.jax.flax.module import (
     Initializer,
     _as_matrix_init,
     _as_tuple,
+    add_lora,
+    check_lora,
     default_init,
+    lora_delta,
 )
 from transformer_engine.jax.layernorm_dense import layernorm_dense
 from transformer_engine.jax.layernorm_mlp import activation, activation_of, layernorm_mlp
@@ -89,6 +92,11 @@ class LayerNormMLP(nn.Module):
         axis: the contracted axis: only the last (-1) is supported.
         transpose_batch_sequence: accepted for NVIDIA's signature; a position-wise block
             computes the same either way.
+        enable_low_rank_adaptation, low_rank_adaptation_dim, low_rank_adaptation_alpha: LoRA
+            on both dense layers (``wi_lora_a_kernel`` [K, A, r], ``wi_lora_b_kernel``
+            [A, r, F], ``wo_lora_a_kernel`` [F, r], ``wo_lora_b_kernel`` [r, K]; see
+            :class:`~transformer_engine.jax.flax.DenseGeneral`). The block then runs as
+            ``layernorm_dense``, the activation and ``dense``, as with dropout.
 
     The call returns ``(out, ln_out)`` as NVIDIA's module does: ``out`` in the input's
     shape, ``ln_out`` the norm's output (the input itself without ``enable_layernorm``)
@@ -135,6 +143,9 @@ class LayerNormMLP(nn.Module):
     activation_params: Optional[dict] = None
     axis: Union[int, Sequence[int]] = -1
     transpose_batch_sequence: bool = False
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: Optional[float] = None
 
     def _check_keywords(self, ndim: int) -> None:
         op = "LayerNormMLP"
@@ -151,6 +162,16 @@ class LayerNormMLP(nn.Module):
         if len(axis) != 1 or not isinstance(axis[0], int) or axis[0] % ndim != ndim - 1:
             raise ValueError(f"{op}: axis must be the last axis (-1), the norm's and the "
                              f"first GEMM's, got {self.axis!r}")
+        check_lora(op, self.enable_low_rank_adaptation, self.low_rank_adaptation_dim,
+                   self.low_rank_adaptation_alpha)
+
+    def _lora(self, out, x, features, prefix, param_dtype):
+        """out plus the LoRA update of one GEMM (out itself without LoRA)."""
+        if not self.enable_low_rank_adaptation:
+            return out
+        return add_lora(out, lora_delta(self, x, (x.ndim - 1,), features,
+                                        self.low_rank_adaptation_dim,
+                                        self.low_rank_adaptation_alpha, param_dtype, prefix))
 
     def _param(self, name, init, shape, n_in, axes, dtype):
         init = _as_matrix_init(default_init(init) if n_in else init, n_in)
@@ -196,31 +217,37 @@ class LayerNormMLP(nn.Module):
         k1, k2 = k1.astype(dtype), k2.astype(dtype)
         b1 = None if b1 is None else b1.astype(dtype)
         b2 = None if b2 is None else b2.astype(dtype)
+        lora = self.enable_low_rank_adaptation
+        second = dict(k2=k2, b2=b2, qset=qsets[1], deterministic=deterministic,
+                      param_dtype=param_dtype)
         if not self.enable_layernorm:
             # No norm: the same block from its unfused parts.
-            h = dense(x, k1, b1, quantizer_set=qsets[0])
-            out = self._second_half(h.reshape(*h.shape[:-2], n_act * f), k2, b2, qsets[1],
-                                    deterministic)
+            h = self._lora(dense(x, k1, b1, quantizer_set=qsets[0]), x, (n_act, f), "wi_",
+                           param_dtype)
+            out = self._second_half(h.reshape(*h.shape[:-2], n_act * f), **second)
             return out, (x if self.return_layernorm_output else None)
         norm = dict(norm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma,
                     epsilon=self.epsilon)
-        if self.intermediate_dropout_rate > 0.0 and not deterministic:
+        if (self.intermediate_dropout_rate > 0.0 and not deterministic) or lora:
+            # Unfused: dropout, or LoRA, acts between the GEMMs.
+            want_ln = self.return_layernorm_output or lora
             h = layernorm_dense(x, gamma, beta, k1, b1, quantizer_set=qsets[0],
-                                return_layernorm_output=self.return_layernorm_output, **norm)
-            h, ln = h if self.return_layernorm_output else (h, None)
-            out = self._second_half(h.reshape(*h.shape[:-2], n_act * f), k2, b2, qsets[1],
-                                    deterministic)
-            return out, ln
+                                return_layernorm_output=want_ln, **norm)
+            h, ln = h if want_ln else (h, None)
+            h = self._lora(h, ln, (n_act, f), "wi_", param_dtype)
+            out = self._second_half(h.reshape(*h.shape[:-2], n_act * f), **second)
+            return out, (ln if self.return_layernorm_output else None)
         out = layernorm_mlp(x, gamma, beta, (k1, k2), None if b1 is None else (b1, b2),
                             activations=self.activations, quantizer_sets=qsets,
                             return_layernorm_output=self.return_layernorm_output, **norm)
         return out if self.return_layernorm_output else (out, None)
 
-    def _second_half(self, h, k2, b2, qset, deterministic):
+    def _second_half(self, h, k2, b2, qset, deterministic, param_dtype):
         a = activation(h, self.activations)
         if self.intermediate_dropout_rate > 0.0:
             a = nn.Dropout(rate=self.intermediate_dropout_rate,
                            broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
                            rng_collection=self.intermediate_dropout_rng_name)(
                                a, deterministic=deterministic)
-        return dense(a, k2, b2, quantizer_set=qset)
+        return self._lora(dense(a, k2, b2, quantizer_set=qset), a, (k2.shape[-1],), "wo_",
+                          param_dtype)

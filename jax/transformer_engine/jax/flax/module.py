@@ -75,6 +75,13 @@ class DenseGeneral(nn.Module):
             modules run unsharded), and it changes no value.
         transpose_batch_sequence: accepted for NVIDIA's signature; a dense layer over
             ``axis`` computes the same either way.
+        enable_low_rank_adaptation: add LoRA: ``lora_a_kernel``
+            ``(*in, *features[:-1], low_rank_adaptation_dim)`` and ``lora_b_kernel``
+            ``(*features[:-1], low_rank_adaptation_dim, features[-1])`` (zeros at init); the
+            output gains (x @ A @ B) * alpha / dim, computed in fp32 outside FP8.
+        low_rank_adaptation_dim: the rank of the update.
+        low_rank_adaptation_alpha: None (scale 1, NVIDIA's meaning) or alpha (scale alpha /
+            dim).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -96,12 +103,17 @@ class DenseGeneral(nn.Module):
     bias_axes: Tuple[str, ...] = ()
     input_axes: Optional[Tuple[str, ...]] = ()
     transpose_batch_sequence: bool = False
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: Optional[float] = None
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
         check_unsharded("DenseGeneral")
         check_sizes("DenseGeneral", features=self.features)
         param_dtype = param_dtype_of("DenseGeneral", self.dtype, self.param_dtype)
+        check_lora("DenseGeneral", self.enable_low_rank_adaptation,
+                   self.low_rank_adaptation_dim, self.low_rank_adaptation_alpha)
         inputs = jnp.asarray(inputs)
         if inputs.ndim < 1:
             raise ValueError(f"DenseGeneral: inputs must have rank >= 1, got shape "
@@ -140,7 +152,59 @@ class DenseGeneral(nn.Module):
         kernel = kernel.astype(dtype)
         bias = None if bias is None else bias.astype(dtype)
         contracting = (axis, tuple(range(len(axis))))
-        return dense(x, kernel, bias, contracting_dims=contracting, quantizer_set=quantizer_set)
+        out = dense(x, kernel, bias, contracting_dims=contracting, quantizer_set=quantizer_set)
+        if self.enable_low_rank_adaptation:
+            out = add_lora(out, lora_delta(self, x, axis, features, self.low_rank_adaptation_dim,
+                                           self.low_rank_adaptation_alpha, param_dtype))
+        return out
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def check_lora(op: str, enabled: bool, dim: Any, alpha: Any) -> None:
+    """The LoRA keywords: ``low_rank_adaptation_dim`` a positive int, ``..._alpha`` None or a
+    number (checked only when LoRA is on, as they are unused otherwise)."""
+    if not enabled:
+        return
+    check_sizes(op, low_rank_adaptation_dim=dim)
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
+        raise TypeError(f"{op}: low_rank_adaptation_alpha must be None or a number, got "
+                        f"{alpha!r}")
+
+
+def lora_delta(module: nn.Module, x: jax.Array, axis: Tuple[int, ...],
+               features: Tuple[int, ...], rank: int, alpha: Optional[float], param_dtype,
+               prefix: str = "") -> jax.Array:
+    """The low-rank update (x @ A @ B) * alpha / rank (1 when alpha is None), in fp32.
+
+    ``<prefix>lora_a_kernel`` is ``(*x.shape[axis], *features[:-1], rank)`` and
+    ``<prefix>lora_b_kernel`` ``(*features[:-1], rank, features[-1])``: a kernel with several
+    output groups (the fused QKV's (3, N), the gated MLP's (2, F)) gets one pair per group.
+    B starts at zeros, so the layer starts as it would without LoRA."""
+    lead = tuple(features[:-1])
+    a_shape = tuple(x.shape[a] for a in axis) + lead + (rank,)
+    b_shape = lead + (rank, features[-1])
+    a_init = _as_matrix_init(nn.initializers.variance_scaling(1.0, "fan_in", "normal"),
+                             len(axis))
+    a = module.param(f"{prefix}lora_a_kernel", a_init, a_shape, param_dtype)
+    b = module.param(f"{prefix}lora_b_kernel", nn.initializers.zeros, b_shape, param_dtype)
+    # einsum letters: x's axes first, then the output groups, the rank and the last feature.
+    x_sub = _LETTERS[:x.ndim]
+    lead_sub = _LETTERS[x.ndim:x.ndim + len(lead)]
+    r_sub, n_sub = _LETTERS[x.ndim + len(lead)], _LETTERS[x.ndim + len(lead) + 1]
+    kept = "".join(c for i, c in enumerate(x_sub) if i not in axis)
+    a_sub = "".join(x_sub[i] for i in axis) + lead_sub + r_sub
+    spec = f"{x_sub},{a_sub},{lead_sub}{r_sub}{n_sub}->{kept}{lead_sub}{n_sub}"
+    f32 = jnp.float32
+    delta = jnp.einsum(spec, x.astype(f32), a.astype(f32), b.astype(f32),
+                       precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32)
+    return delta * (1.0 if alpha is None else float(alpha) / rank)
+
+
+def add_lora(out: jax.Array, delta: jax.Array) -> jax.Array:
+    """out + delta, summed in fp32 and returned in out's dtype."""
+    return (out.astype(jnp.float32) + delta).astype(out.dtype)
 
 
 def default_init(kernel_init: Optional[Initializer]) -> Initializer:
