@@ -223,6 +223,44 @@ def check_options(mode):
         assert torch.equal(y, ys[0]), f"{mode} is_first_microbatch={first}"
 
 
+SPLIT = {"q": 64, "k": 32, "v": 32}  # parameters_split: out_features' named row blocks
+
+
+def check_parameters_split(mode):
+    """parameters_split: a column layer splits each named block over the ranks (this rank's
+    rows of q, of k and of v); a row layer keeps the blocks and splits the input features."""
+    torch.manual_seed(0)
+    full = te.Linear(K, N, device="cpu", parameters_split=SPLIT)
+    torch.manual_seed(0)
+    par = te.Linear(K, N, device="cpu", parameters_split=SPLIT, tp_group=GROUP, tp_size=WORLD,
+                    parallel_mode=mode)
+    col = mode == "column"
+    x, g = data(torch.float32)
+    y = full(x)
+    for name in SPLIT:
+        for kind in ("weight", "bias"):
+            got, want = getattr(par, f"{name}_{kind}"), getattr(full, f"{name}_{kind}")
+            want = shard(want, mode, 0) if col else (want if kind == "bias" else
+                                                      shard(want, mode, 1))
+            exact(got.detach(), want.detach(), f"{mode} split init {name}_{kind}")
+    if col:
+        blocks = y.split(list(SPLIT.values()), dim=-1)
+        want = torch.cat([shard(b, mode) for b in blocks], dim=-1)
+        yp = par(x)
+        exact(yp, want, f"{mode} split output")
+        g_local = torch.cat([shard(b, mode) for b in g.split(list(SPLIT.values()), -1)], -1)
+        (yp * g_local).sum().backward()
+        (y * g).sum().backward()
+        for name in SPLIT:
+            exact(getattr(par, f"{name}_weight").grad,
+                  shard(getattr(full, f"{name}_weight").grad, mode, 0),
+                  f"{mode} split wgrad {name}")
+    else:
+        mag = x.double().abs() @ torch.cat([full.q_weight, full.k_weight, full.v_weight]
+                                           ).detach().double().abs().t()
+        within(par(shard(x, mode)), y, 4 * K * 2.0**-24 * (mag + 1), f"{mode} split output")
+
+
 def check_bad_arguments():
     import pytest  # only its raises()
 
@@ -251,6 +289,7 @@ if __name__ == "__main__":
             case(check_scales_shared, mode, None)
         case(check_scales_shared, mode, GROUP)
         case(check_options, mode)
+        case(check_parameters_split, mode)
     case(check_bad_arguments)
     dist.destroy_process_group()
     if failures:

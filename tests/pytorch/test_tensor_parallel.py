@@ -92,10 +92,12 @@ class _Group:
     (dict(tp_size=0), ValueError, ["te.Linear", "tp_size must be a positive int", "0"]),
     (dict(tp_group=_Group(2), tp_size=2, parallel_mode="row", sequence_parallel=True),
      NotImplementedError, ["te.Linear", "sequence_parallel=True is not implemented"]),
-    (dict(tp_group=_Group(2), tp_size=2, parallel_mode="column", parameters_split=["q", "k"]),
-     NotImplementedError, ["te.Linear", "parameters_split", "'column'", "not implemented"]),
+    (dict(tp_group=_Group(2), tp_size=2, parallel_mode="column",
+          parameters_split={"q": 33, "k": 31}), ValueError,
+     ["te.Linear", "the size of parameters_split block 'q' must be divisible by tp_size=2",
+      "got 33"]),
 ], ids=["mode", "size-mismatch", "size-default", "no-group", "not-a-group", "in-features",
-        "out-features", "size-zero", "sequence-parallel", "parameters-split"])
+        "out-features", "size-zero", "sequence-parallel", "split-block"])
 def test_bad_arguments_are_refused(kwargs, error, words):
     with pytest.raises(error) as info:
         te.Linear(32, 64, device="cpu", **kwargs)

@@ -92,12 +92,15 @@ class _LinearBase(FP8Module):
         # Checked before the initializers draw from torch's generator.
         self._splits = _split_sizes(out_features, parameters_split, self._name)
         if tp_mode is not None:
-            if self._splits is not None:
-                raise NotImplementedError(f"{self._name}: parameters_split with "
-                                          f"parallel_mode={tp_mode!r} is not implemented yet")
             split, name = ((out_features, "out_features") if tp_mode == "column"
                            else (in_features, "in_features"))
             distributed.check_divisible(self._name, name, split, tp_size)
+            if tp_mode == "column" and self._splits is not None:
+                # Each named block (e.g. q, k, v) is split over the ranks on its own.
+                for split_name, size in self._splits.items():
+                    distributed.check_divisible(
+                        self._name, f"the size of parameters_split block {split_name!r}",
+                        size, tp_size)
             self._tp_mode, self.tp_group, self.tp_size = tp_mode, tp_group, tp_size
         dtype = params_dtype or torch.get_default_dtype()
         # A parallel layer draws the full weight and bias too (same generator state on every
@@ -109,10 +112,10 @@ class _LinearBase(FP8Module):
         self._register_params(weight, full_bias)
         if tp_mode is not None:
             # Where the slice lies in the full tensor, for tools that gather or re-split
-            # (Megatron's attribute names).
+            # (Megatron's attribute names); a row layer's bias is not split.
             dim = 0 if tp_mode == "column" else 1
-            for p in ((self.weight, self.bias) if tp_mode == "column" else (self.weight,)):
-                if p is not None:
+            for name, p in self.named_parameters(recurse=False):
+                if tp_mode == "column" or name.endswith("weight"):
                     p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
 
     def _shard(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
@@ -122,11 +125,17 @@ class _LinearBase(FP8Module):
 
         rank = dist.get_rank(self.tp_group)
         if self._tp_mode == "column":
-            n = self.out_features // self.tp_size
-            rows = slice(rank * n, (rank + 1) * n)
-            # clone: the slice alone, not a view holding the full tensor's storage.
-            return (weight[rows].clone(),
-                    None if bias is None else bias[rows].clone())
+            blocks = self._splits or {"": self.out_features}
+            rows, start = [], 0
+            for size in blocks.values():  # this rank's rows of each block
+                n = size // self.tp_size
+                rows.append(torch.arange(start + rank * n, start + (rank + 1) * n))
+                start += size
+            rows = torch.cat(rows).to(weight.device)
+            if self._splits is not None:
+                self._splits = {name: size // self.tp_size for name, size in blocks.items()}
+            # (Indexing copies: the slice alone, not a view holding the full storage.)
+            return weight[rows], None if bias is None else bias[rows]
         k = self.in_features // self.tp_size
         return weight[:, rank * k:(rank + 1) * k].clone(), bias
 
@@ -207,8 +216,9 @@ class Linear(_LinearBase):
             bias added once). Each rank initializes the full weight and keeps its slice, so
             the same seed on every rank gives the single-process layer's values. In FP8 the
             GEMMs are local; pass ``fp8_group=tp_group`` to :func:`fp8_autocast` so that
-            delayed scaling gives every rank the same scales. ``parallel_mode=None`` (or
-            tp_size 1): not split.
+            delayed scaling gives every rank the same scales. With ``parameters_split``, a
+            column layer splits each named block over the ranks (a rank holds its rows of
+            each). ``parallel_mode=None`` (or tp_size 1): not split.
         sequence_parallel: not implemented (refused).
         fuse_wgrad_accumulation: accumulating wgrad into ``main_grad``; not implemented.
 
