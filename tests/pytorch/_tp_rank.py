@@ -9,6 +9,7 @@ import); it needs only torch and transformer_engine.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import sys
 import traceback
@@ -221,6 +222,10 @@ def check_options(mode):
         ys = [par(xp, is_first_microbatch=first)[0] for first in (None, True, False)]
     for first, y in zip((True, False), ys[1:], strict=True):
         assert torch.equal(y, ys[0]), f"{mode} is_first_microbatch={first}"
+    # A deep copy shares the group (communicators cannot be copied) and computes the same.
+    twin = copy.deepcopy(par)
+    assert twin.tp_group is GROUP and twin.weight is not par.weight, f"{mode} deepcopy"
+    exact(twin(xp)[0], par(xp)[0], f"{mode} deepcopy output")
 
 
 SPLIT = {"q": 64, "k": 32, "v": 32}  # parameters_split: out_features' named row blocks

@@ -66,6 +66,20 @@ def reduce_from_tensor_parallel(inp: torch.Tensor, group: Any) -> torch.Tensor:
     return _ReduceFromTensorParallel.apply(inp, group)
 
 
+class SharedGroup:
+    """A module's process group. A deep copy of the module (an EMA copy, a test's reference)
+    shares it: a group names live communicators, which cannot be copied. (Pickling still
+    fails on the group itself: a process group means nothing in another process.)"""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo) -> "SharedGroup":
+        return self
+
+
 # ------------------------------------------------------------------ argument checks
 
 

@@ -80,8 +80,13 @@ class _LinearBase(FP8Module):
     # tp_size > 1 ranks of tp_group, else None. Class defaults: a module pickled before they
     # existed loads as a plain layer.
     _tp_mode: Optional[str] = None
-    tp_group = None
+    _tp_group: Optional[distributed.SharedGroup] = None
     tp_size = 1
+
+    @property
+    def tp_group(self):
+        """The process group the layer is split over (None: not split)."""
+        return None if self._tp_group is None else self._tp_group.group
 
     def _setup_linear(self, in_features: int, out_features: int, bias: bool, params_dtype,
                       device: torch.device, init_method, parameters_split,
@@ -101,7 +106,8 @@ class _LinearBase(FP8Module):
                     distributed.check_divisible(
                         self._name, f"the size of parameters_split block {split_name!r}",
                         size, tp_size)
-            self._tp_mode, self.tp_group, self.tp_size = tp_mode, tp_group, tp_size
+            self._tp_mode, self.tp_size = tp_mode, tp_size
+            self._tp_group = distributed.SharedGroup(tp_group)
         dtype = params_dtype or torch.get_default_dtype()
         # A parallel layer draws the full weight and bias too (same generator state on every
         # rank: the same values as the layer on one process) and keeps its slice.
