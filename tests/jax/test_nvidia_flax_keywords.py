@@ -14,9 +14,10 @@ from te_jax_tests._tolerances import assert_relative_max_error
 
 import transformer_engine.jax as te
 from transformer_engine.common import recipe
-from transformer_engine.jax.attention import QKVLayout
+from transformer_engine.jax.attention import AttnBiasType, QKVLayout
 from transformer_engine.jax.flax import (
     DenseGeneral,
+    DotProductAttention,
     LayerNormDenseGeneral,
     LayerNormMLP,
     MultiHeadAttention,
@@ -403,3 +404,98 @@ def test_lora_keywords_are_checked(cls):
     v = cls(**SIZE[cls], low_rank_adaptation_dim=0).init(jax.random.PRNGKey(0), x)
     assert not any("lora" in jax.tree_util.keystr(p) for p, _ in
                    jax.tree_util.tree_leaves_with_path(v))
+
+
+# ---- DotProductAttention(attn_bias_type=...), bias --------------------------------------------
+
+def _attention_ref(q, k, v, allowed, scale, bias, bias_type):
+    """softmax over the allowed keys in float64; q [b, s, h, d], k, v [b, s, g, d]."""
+    q, k, v, bias = (np.asarray(t, np.float64) for t in (q, k, v, bias))
+    rep = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k)
+    logits = (logits + bias) * scale if bias_type == "pre_scale_bias" else logits * scale + bias
+    logits = np.where(allowed, logits, -np.inf)
+    m = np.max(np.where(allowed, logits, -1e300), axis=-1, keepdims=True)
+    e = np.where(allowed, np.exp(logits - m), 0.0)
+    p = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
+    return np.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+@pytest.mark.parametrize("bias_type", [None, "post_scale_bias", "pre_scale_bias",
+                                       AttnBiasType.PRE_SCALE_BIAS])
+@pytest.mark.parametrize("mask_type", ["no_mask", "causal", "padding_causal"])
+def test_dot_product_attention_bias(bias_type, mask_type):
+    groups = 2
+    q, k, v = _x((B, S, HEADS, D), 1), _x((B, S, groups, D), 2), _x((B, S, groups, D), 3)
+    bias = _x((1, HEADS, S, S), 4)
+    lengths = np.array([S, S - 3])
+    valid = np.arange(S)[None, :] < lengths[:, None]
+    mask = ~(valid[:, None, :, None] & valid[:, None, None, :])
+    attn = DotProductAttention(head_dim=D, num_attention_heads=HEADS, num_gqa_groups=groups,
+                               attn_mask_type=mask_type, attn_bias_type=bias_type,
+                               scale_factor=0.3)
+    out = attn.apply({}, q, k, v, jnp.asarray(mask), jnp.asarray(bias))
+    allowed = np.ones((B, 1, S, S), bool)
+    if "causal" in mask_type:
+        allowed &= np.tril(np.ones((S, S), bool))
+    if mask_type.startswith("padding"):
+        allowed &= ~mask
+    kind = "pre_scale_bias" if bias_type == "pre_scale_bias" else "post_scale_bias"
+    expected = _attention_ref(q, k, v, allowed, 0.3, bias, kind)
+    expected = np.where(allowed.any(-1)[:, 0, :, None, None], expected, 0.0)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dot_product_attention_zero_bias_is_the_fused_result():
+    q, k, v = _x((S, B, HEADS, D), 1), _x((S, B, HEADS, D), 2), _x((S, B, HEADS, D), 3)
+    attn = DotProductAttention(head_dim=D, num_attention_heads=HEADS, attn_mask_type="causal",
+                               transpose_batch_sequence=True)
+    fused = attn.apply({}, q, k, v)
+    biased = attn.apply({}, q, k, v, None, jnp.zeros((B, HEADS, S, S)))
+    np.testing.assert_allclose(np.asarray(biased), np.asarray(fused), rtol=1e-5, atol=1e-5)
+    no_bias = attn.clone(attn_bias_type="no_bias").apply({}, q, k, v)
+    np.testing.assert_array_equal(np.asarray(no_bias), np.asarray(fused))
+    # Gradients reach the bias (a learned relative bias trains through it).
+    g = jax.grad(lambda b: jnp.sum(attn.apply({}, q, k, v, None, b) ** 2))(
+        _x((1, HEADS, S, S), 5))
+    assert float(jnp.abs(g).max()) > 0
+
+
+def test_dot_product_attention_bias_errors():
+    q = _x((B, S, HEADS, D))
+    bias = jnp.zeros((1, HEADS, S, S))
+    attn = DotProductAttention(head_dim=D, num_attention_heads=HEADS)
+    with pytest.raises(ValueError, match="DotProductAttention: a bias was given but "
+                       "attn_bias_type is 'no_bias'"):
+        attn.clone(attn_bias_type="no_bias").apply({}, q, q, q, None, bias)
+    with pytest.raises(ValueError, match="DotProductAttention: attn_bias_type "
+                       "'post_scale_bias' needs the call's bias"):
+        attn.clone(attn_bias_type="post_scale_bias").apply({}, q, q, q)
+    with pytest.raises(ValueError, match="DotProductAttention: attn_bias_type must be one of"):
+        attn.clone(attn_bias_type="alibi").apply({}, q, q, q)
+    with pytest.raises(ValueError, match=r"DotProductAttention: bias must have shape \[1 or "
+                       rf"{B}, {HEADS}, {S}, {S}\]"):
+        attn.apply({}, q, q, q, None, jnp.zeros((HEADS, S, S)))
+    t = _x((2 * S, HEADS, D))
+    cu = jnp.array([0, S, 2 * S], jnp.int32)
+    with pytest.raises(NotImplementedError, match="DotProductAttention: attn_bias_type "
+                       "'post_scale_bias' .*not implemented for the thd layouts"):
+        DotProductAttention(head_dim=D, num_attention_heads=HEADS, qkv_layout="thd_thd_thd",
+                            attn_mask_type="padding").apply(
+            {}, t, t, t, None, bias, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+
+
+def test_dot_product_attention_other_nvidia_keywords():
+    q = _x((B, S, HEADS, D))
+    base = DotProductAttention(head_dim=D, num_attention_heads=HEADS, attention_dropout=0.5)
+    expected = base.apply({}, q, q, q, rngs={"dropout": jax.random.PRNGKey(3)})
+    named = base.clone(dropout_rng_name="attn", dtype=jnp.bfloat16, float32_logits=True,
+                       max_segments_per_seq=2, context_checkpoint_name="ctx")
+    out = named.apply({}, q, q, q, rngs={"attn": jax.random.PRNGKey(3)})
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+    with pytest.raises(NotImplementedError, match="DotProductAttention: context parallelism "
+                       "is not implemented"):
+        base.clone(context_parallel_axis="cp").apply({}, q, q, q, deterministic=True)
+    with pytest.raises(TypeError, match="DotProductAttention: dtype must be a floating"):
+        base.clone(dtype=jnp.int8).apply({}, q, q, q, deterministic=True)

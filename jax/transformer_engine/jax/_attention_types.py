@@ -12,8 +12,9 @@ reject them as they reject any unknown string:
   ``DotProductAttention`` accepts them (and NVIDIA's lower-case names) and takes the packed
   array apart before calling it.
 
-``AttnBiasType``'s values are the ``attn_bias_type`` strings of ``MultiHeadAttention`` and
-``TransformerLayer``; ``DotProductAttention`` and ``fused_attn`` take no bias.
+``AttnBiasType``'s values are the ``attn_bias_type`` strings of ``DotProductAttention``,
+``MultiHeadAttention`` and ``TransformerLayer``; ``fused_attn`` takes no bias (the modules
+run a biased attention in jnp).
 """
 
 from __future__ import annotations

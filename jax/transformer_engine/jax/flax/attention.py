@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 
 import jax
 import jax.numpy as jnp
 from transformer_engine.jax.attention import fused_attn
-from transformer_engine.jax.flax._checks import check_mask, check_sizes
+from transformer_engine.jax.flax._checks import check_float_dtype, check_mask, check_sizes
+from transformer_engine.jax.flax._unfused_attention import (
+    allowed_keys,
+    query_positions,
+    unfused_attention,
+)
 from transformer_engine.jax.sharding import check_unsharded
 
 __all__ = ["DotProductAttention"]
@@ -44,6 +49,18 @@ def _unpack(x: jax.Array, n: int, name: str, layout: str) -> list[jax.Array]:
     return [x[..., i, :, :] for i in range(n)]
 
 
+_BIAS_TYPES = (None, "no_bias", "pre_scale_bias", "post_scale_bias")
+
+
+def _padding_mask(cu_q: jax.Array, cu_kv: jax.Array, sq: int, skv: int) -> jax.Array:
+    """bool [batch, 1, sq, skv], True = masked: the keys or queries past each sequence's
+    length (cumulative lengths cu_q, cu_kv), padding at the end as the fused path reads it."""
+    len_q, len_kv = jnp.diff(cu_q), jnp.diff(cu_kv)
+    q_ok = jnp.arange(sq)[None, :] < len_q[:, None]
+    k_ok = jnp.arange(skv)[None, :] < len_kv[:, None]
+    return ~(q_ok[:, None, :, None] & k_ok[:, None, None, :])
+
+
 def _cu_seqlens(valid: jax.Array) -> jax.Array:
     """int32 [batch + 1] cumulative lengths of a [batch, seqlen] validity mask."""
     lengths = valid.sum(axis=-1).astype(jnp.int32)
@@ -71,6 +88,21 @@ class DotProductAttention(nn.Module):
             and the ``QKVLayout`` members.
         scale_factor: default 1 / sqrt(head_dim).
         window_size: (left, right) sliding window, -1 an unbounded side.
+        attn_bias_type: ``"no_bias"``, ``"pre_scale_bias"`` (softmax((q k^T + bias) *
+            scale)) or ``"post_scale_bias"`` (softmax(q k^T * scale + bias)); None:
+            post_scale_bias when the call gets a ``bias``, else no_bias (NVIDIA's rule). The
+            core's fused attention takes no bias, so with one the attention runs in jnp (as
+            :class:`MultiHeadAttention` does: logits and softmax in fp32); not for ``thd``.
+        dtype: the dtype of the parameters (NVIDIA's signature; the module has none, and the
+            computation follows the inputs): checked only.
+        dropout_rng_name: the rng stream that attention dropout draws from.
+        float32_logits: the jnp path (with a bias) computes the logits from fp32 q and k;
+            the fused path always accumulates them in fp32.
+        max_segments_per_seq: NVIDIA's capacity hint for ``thd``; the lengths here come from
+            cu_seqlens, so any positive value runs the same.
+        context_parallel_causal_load_balanced, context_parallel_axis: context parallelism is
+            not implemented: False and ``""`` only.
+        context_checkpoint_name: NVIDIA's remat name of the context: recorded only.
 
     The call takes ``mask`` [batch, 1, sq, skv] (True = masked) for the padding masks: the
     lengths are the rows and columns that are not fully masked. It returns q's layout, heads
@@ -96,16 +128,53 @@ class DotProductAttention(nn.Module):
     qkv_layout: str = "bshd_bshd_bshd"  # NVIDIA's name of our "bshd"
     scale_factor: Optional[float] = None
     window_size: Optional[tuple[int, int]] = None
+    attn_bias_type: Optional[str] = None
+    dtype: Any = jnp.float32
+    dropout_rng_name: str = "dropout"
+    float32_logits: bool = False
+    max_segments_per_seq: int = 1
+    context_parallel_causal_load_balanced: bool = False
+    context_parallel_axis: str = ""
+    context_checkpoint_name: str = "context"
+
+    def _check_keywords(self, bias, layout) -> str:
+        """The bias type after NVIDIA's default rule, with the keywords checked."""
+        name = "DotProductAttention"
+        check_float_dtype(name, "dtype", self.dtype)
+        check_sizes(name, max_segments_per_seq=self.max_segments_per_seq)
+        if self.context_parallel_causal_load_balanced or self.context_parallel_axis:
+            raise NotImplementedError(
+                f"{name}: context parallelism is not implemented: "
+                f"context_parallel_causal_load_balanced must be False and "
+                f"context_parallel_axis '', got {self.context_parallel_causal_load_balanced!r} "
+                f"and {self.context_parallel_axis!r}")
+        bias_type = getattr(self.attn_bias_type, "value", self.attn_bias_type)
+        if bias_type not in _BIAS_TYPES:
+            raise ValueError(f"{name}: attn_bias_type must be one of {_BIAS_TYPES}, got "
+                             f"{self.attn_bias_type!r}")
+        if bias_type is None:
+            bias_type = "no_bias" if bias is None else "post_scale_bias"
+        if bias is not None and bias_type == "no_bias":
+            raise ValueError(f"{name}: a bias was given but attn_bias_type is 'no_bias'")
+        if bias is None and bias_type != "no_bias":
+            raise ValueError(f"{name}: attn_bias_type {bias_type!r} needs the call's bias "
+                             "[1 or batch, heads, sq, skv]")
+        if bias is not None and layout == "thd":
+            raise NotImplementedError(f"{name}: attn_bias_type {bias_type!r} (a bias) is not "
+                                      "implemented for the thd layouts: the core's fused "
+                                      "attention takes no bias; use a bshd or sbhd layout")
+        return bias_type
 
     @nn.compact
     def __call__(self, query: jax.Array, key: Optional[jax.Array] = None,
-                 value: Optional[jax.Array] = None, mask: Optional[jax.Array] = None, *,
-                 deterministic: bool = False,
+                 value: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
+                 bias: Optional[jax.Array] = None, *, deterministic: bool = False,
                  cu_seqlens_q: Optional[jax.Array] = None,
                  cu_seqlens_kv: Optional[jax.Array] = None, max_seqlen_q: Optional[int] = None,
                  max_seqlen_kv: Optional[int] = None) -> jax.Array:
         check_unsharded("DotProductAttention")
         layout, packed = _layout(self.qkv_layout, self.transpose_batch_sequence)
+        bias_type = self._check_keywords(bias, layout)
         if packed == "qkv":
             query, key, value = _unpack(jnp.asarray(query), 3, "query", layout)
         elif packed == "kv":
@@ -151,10 +220,35 @@ class DotProductAttention(nn.Module):
             cu_seqlens_q = _cu_seqlens(allowed.any(axis=-1))
             cu_seqlens_kv = _cu_seqlens(allowed.any(axis=-2))
         dropout = 0.0 if deterministic else self.attention_dropout
-        rng = self.make_rng("dropout") if dropout > 0.0 else None
+        rng = self.make_rng(self.dropout_rng_name) if dropout > 0.0 else None
+        if bias is not None:
+            return self._with_bias(query, key, value, mask, bias, bias_type, mask_type, layout,
+                                   cu_seqlens_q, cu_seqlens_kv, dropout, rng)
         o = fused_attn(query, key, value, qkv_layout=layout, attn_mask_type=mask_type,
                        window_size=self.window_size, scale_factor=self.scale_factor,
                        dropout_probability=dropout, dropout_rng=rng, cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                        max_seqlen_kv=max_seqlen_kv)
         return o
+
+    def _with_bias(self, q, k, v, mask, bias, bias_type, mask_type, layout, cu_q, cu_kv,
+                   dropout, rng):
+        """Attention with an additive bias, in jnp (the fused kernel has no bias input)."""
+        seq = 0 if layout == "sbhd" else 1
+        batch, sq, skv = q.shape[1 - seq], q.shape[seq], k.shape[seq]
+        bias = jnp.asarray(bias)
+        if (bias.ndim != 4 or bias.shape[0] not in (1, batch)
+                or bias.shape[1:] != (self.num_attention_heads, sq, skv)):
+            raise ValueError(f"DotProductAttention: bias must have shape [1 or {batch}, "
+                             f"{self.num_attention_heads}, {sq}, {skv}] ([1 or batch, heads, "
+                             f"sq, skv]), got {list(bias.shape)}")
+        if mask_type.startswith("padding") and cu_q is not None:
+            mask = _padding_mask(cu_q, cu_kv if cu_kv is not None else cu_q, sq, skv)
+        scale = self.scale_factor
+        if scale is None:
+            scale = 1.0 / float(self.head_dim) ** 0.5
+        q_pos = query_positions(mask_type, sq, skv, mask)
+        allowed = allowed_keys(mask_type, q_pos, jnp.arange(skv), self.window_size, mask)
+        return unfused_attention(q, k, v, allowed, scale=scale, bias=bias, bias_type=bias_type,
+                                 dropout_rate=dropout, dropout_rng=rng,
+                                 float32_logits=self.float32_logits, seq_first=seq == 0)
