@@ -499,3 +499,77 @@ def test_dot_product_attention_other_nvidia_keywords():
         base.clone(context_parallel_axis="cp").apply({}, q, q, q, deterministic=True)
     with pytest.raises(TypeError, match="DotProductAttention: dtype must be a floating"):
         base.clone(dtype=jnp.int8).apply({}, q, q, q, deterministic=True)
+
+
+# ---- LoRA scopes of MultiHeadAttention and TransformerLayer ------------------------------------
+
+def _merged(params, alpha):
+    """Each LoRA pair folded into its kernel: W + A @ B * alpha / r (LoRA is linear in x)."""
+    if not isinstance(params, dict):
+        return params
+    out = {k: _merged(v, alpha) for k, v in params.items() if "lora" not in k}
+    if "lora_a_kernel" in params:
+        a, b = params["lora_a_kernel"], params["lora_b_kernel"]
+        lead = a.ndim - b.ndim + 1  # the contracted axes of the kernel
+        a2 = a.reshape(int(np.prod(a.shape[:lead])), -1, a.shape[-1])   # [in, G, r]
+        b2 = b.reshape(-1, *b.shape[-2:])                                # [G, r, N]
+        delta = jnp.einsum("igr,grn->ign", a2, b2).reshape(out["kernel"].shape)
+        out["kernel"] = out["kernel"] + delta * (1.0 if alpha is None else alpha / a.shape[-1])
+    return out
+
+
+@pytest.mark.parametrize("scope,where", [
+    ("all", {"qkv", "out"}), ("qkv_proj", {"qkv"}), ("OUTPUT_PROJ", {"out"}),
+    ("exclude_qkv_proj", {"out"}), ("exclude_output_proj", {"qkv"}), ("mlp", set())])
+def test_mha_lora_scope(scope, where):
+    x = _x((B, S, HIDDEN))
+    alpha = 2.0
+    mha = _mha(low_rank_adaptation_scope=scope, low_rank_adaptation_dim=R,
+               low_rank_adaptation_alpha=alpha)
+    params = _with_random_b(mha.init(jax.random.PRNGKey(0), x, x)["params"])
+    assert {k for k, v in params.items() if "lora_a_kernel" in v} == where
+    if "qkv" in where:
+        assert params["qkv"]["lora_a_kernel"].shape == (HIDDEN, 3, R)
+        assert params["qkv"]["lora_b_kernel"].shape == (3, R, HEADS * D)
+    out, _ = mha.apply({"params": params}, x, x, deterministic=True)
+    # The same as the layer without LoRA whose kernels hold W + A @ B * alpha / r.
+    expected, _ = _mha().apply({"params": _merged(params, alpha)}, x, x, deterministic=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    if where:
+        plain, _ = _mha().apply({"params": _without_lora(params)}, x, x, deterministic=True)
+        assert not np.allclose(np.asarray(out), np.asarray(plain), atol=1e-3)
+
+
+def test_mha_lora_scope_with_separate_projections():
+    x = _x((B, S, HIDDEN))
+    mha = _mha(low_rank_adaptation_scope="qkv_proj", low_rank_adaptation_dim=R,
+               qkv_layout="bshd_bshd_bshd")
+    params = _with_random_b(mha.init(jax.random.PRNGKey(0), x, x)["params"])
+    assert {k for k, v in params.items() if "lora_a_kernel" in v} == {"query", "key", "value"}
+    out, _ = mha.apply({"params": params}, x, x, deterministic=True)
+    expected, _ = _mha(qkv_layout="bshd_bshd_bshd").apply({"params": _merged(params, None)},
+                                                           x, x, deterministic=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scope,attention,mlp", [
+    ("mlp", False, True), ("exclude_mlp", True, False), ("all", True, True),
+    ("none", False, False)])
+def test_transformer_layer_lora_scope(scope, attention, mlp):
+    layer = TransformerLayer(hidden_size=HIDDEN, mlp_hidden_size=64, num_attention_heads=HEADS,
+                             hidden_dropout=0.0, attention_dropout=0.0,
+                             intermediate_dropout=0.0, low_rank_adaptation_scope=scope,
+                             low_rank_adaptation_dim=R)
+    x = _x((B, S, HIDDEN))
+    params = nn.unbox(layer.init(jax.random.PRNGKey(0), x, deterministic=True)["params"])
+    names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)}
+    assert any("'attention']['qkv']['lora_a_kernel'" in n for n in names) == attention
+    assert any("'attention']['out']['lora_b_kernel'" in n for n in names) == attention
+    assert any("'mlp']['wi_lora_a_kernel'" in n for n in names) == mlp
+    assert any("'mlp']['wo_lora_b_kernel'" in n for n in names) == mlp
+    # B starts at zeros: the layer starts as the one without LoRA.
+    plain = layer.clone(low_rank_adaptation_scope="none")
+    np.testing.assert_allclose(
+        np.asarray(layer.apply({"params": params}, x, deterministic=True)),
+        np.asarray(plain.apply({"params": _without_lora(params)}, x, deterministic=True)),
+        rtol=1e-5, atol=1e-5)

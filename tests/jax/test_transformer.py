@@ -453,8 +453,8 @@ def test_bad_arguments_give_clear_errors():
     _raises(ValueError, "a bias was given but attn_bias_type is 'no_bias'",
             MultiHeadAttention(attn_bias_type="no_bias", **mha), x, x, None,
             jnp.zeros((1, HEADS, S, S)))
-    _raises(NotImplementedError, "low_rank_adaptation_scope must be 'none'",
-            MultiHeadAttention(low_rank_adaptation_scope="all", **mha), x, x)
+    _raises(ValueError, "low_rank_adaptation_scope must be one of",
+            MultiHeadAttention(low_rank_adaptation_scope="everything", **mha), x, x)
     _raises(ValueError, r"attention_dropout must be in \[0, 1\)",
             MultiHeadAttention(attention_dropout=-0.1, **mha), x, x)
     _raises(TypeError, "the same dtype", MultiHeadAttention(**mha), x,

@@ -207,6 +207,24 @@ def add_lora(out: jax.Array, delta: jax.Array) -> jax.Array:
     return (out.astype(jnp.float32) + delta).astype(out.dtype)
 
 
+# NVIDIA's low_rank_adaptation_scope values -> LoRA on (the QKV projections, the output
+# projection, the MLP).
+LORA_SCOPES = {"none": (False, False, False), "all": (True, True, True),
+               "qkv_proj": (True, False, False), "output_proj": (False, True, False),
+               "mlp": (False, False, True), "exclude_qkv_proj": (False, True, True),
+               "exclude_output_proj": (True, False, True),
+               "exclude_mlp": (True, True, False)}
+
+
+def lora_scope(op: str, scope: Any) -> Tuple[bool, bool, bool]:
+    """(qkv projections, output projection, MLP) that a low_rank_adaptation_scope covers."""
+    key = str(scope).lower()
+    if key not in LORA_SCOPES:
+        raise ValueError(f"{op}: low_rank_adaptation_scope must be one of {tuple(LORA_SCOPES)}, "
+                         f"got {scope!r}")
+    return LORA_SCOPES[key]
+
+
 def default_init(kernel_init: Optional[Initializer]) -> Initializer:
     """A kernel initializer, None meaning the default (NVIDIA's signatures default to None)."""
     return nn.initializers.lecun_normal() if kernel_init is None else kernel_init

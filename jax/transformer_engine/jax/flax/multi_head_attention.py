@@ -21,7 +21,7 @@ from transformer_engine.jax.flax._unfused_attention import (
 )
 from transformer_engine.jax.flax.attention import MASK_ALIASES, _cu_seqlens
 from transformer_engine.jax.flax.layernorm_dense import LayerNormDenseGeneral
-from transformer_engine.jax.flax.module import DenseGeneral, Initializer
+from transformer_engine.jax.flax.module import DenseGeneral, Initializer, check_lora, lora_scope
 from transformer_engine.jax.sharding import check_unsharded
 
 __all__ = ["MultiHeadAttention"]
@@ -101,8 +101,14 @@ class MultiHeadAttention(nn.Module):
             (max / min) ** (2i / D)).
         rotary_pos_emb_group_method: ``"consecutive"`` pairs features (2i, 2i + 1);
             ``"alternate"`` pairs i with i + D / 2.
-        low_rank_adaptation_scope, low_rank_adaptation_dim, low_rank_adaptation_alpha:
-            LoRA is not supported: the scope must be ``"none"``.
+        low_rank_adaptation_scope: LoRA on the projections (NVIDIA's scopes): ``"none"``,
+            ``"all"``, ``"qkv_proj"``, ``"output_proj"``, ``"exclude_qkv_proj"``,
+            ``"exclude_output_proj"``, ``"mlp"`` / ``"exclude_mlp"`` (the MLP is
+            :class:`TransformerLayer`'s). Each covered projection gains ``lora_a_kernel`` and
+            ``lora_b_kernel`` (see :class:`DenseGeneral`; a fused kernel gets one pair per
+            part: ``qkv``'s A is [hidden, 3, r]).
+        low_rank_adaptation_dim, low_rank_adaptation_alpha: the rank r and alpha (scale
+            alpha / r; 1 when alpha is None).
         dtype: the dtype of the parameters (the computation runs in the inputs' dtype).
         fuse_qkv_params: one kernel for Q, K, V (self-attention) or K, V (cross, GQA).
         qkv_layout: (ours; NVIDIA's module derives it from ``fuse_qkv_params``) the packing of
@@ -219,9 +225,8 @@ class MultiHeadAttention(nn.Module):
                              f"{self.attn_bias_type!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"{name}: attention_dropout must be in [0, 1), got {dropout}")
-        if str(self.low_rank_adaptation_scope).lower() != "none":
-            raise NotImplementedError(f"{name}: low_rank_adaptation_scope must be 'none' (LoRA "
-                                      f"is not supported), got {self.low_rank_adaptation_scope!r}")
+        check_lora(name, any(lora_scope(name, self.low_rank_adaptation_scope)),
+                   self.low_rank_adaptation_dim, self.low_rank_adaptation_alpha)
         return heads, groups, dropout, mask_type
 
     @nn.compact
@@ -295,8 +300,15 @@ class MultiHeadAttention(nn.Module):
         x = x.reshape(*x.shape[:2], heads * d)
         out = DenseGeneral(features=inputs_q.shape[-1], axis=-1, use_bias=self.use_bias,
                            kernel_init=self._kernel_init(), bias_init=self.bias_init,
-                           dtype=self.dtype, name="out")(x)
+                           dtype=self.dtype, name="out", **self._lora(1))(x)
         return out.astype(inputs_q.dtype), ln_out
+
+    def _lora(self, part: int) -> dict:
+        """The LoRA keywords of a projection: part 0 the QKV ones, 1 the output one."""
+        on = lora_scope("MultiHeadAttention", self.low_rank_adaptation_scope)[part]
+        return dict(enable_low_rank_adaptation=on,
+                    low_rank_adaptation_dim=self.low_rank_adaptation_dim,
+                    low_rank_adaptation_alpha=self.low_rank_adaptation_alpha)
 
     def _kernel_init(self) -> Initializer:
         return self.kernel_init if self.kernel_init is not None else default_kernel_init()
@@ -312,7 +324,8 @@ class MultiHeadAttention(nn.Module):
 
         # The submodules' dtype is their parameters' (NVIDIA's meaning), as is ours; they
         # compute in the inputs' dtype.
-        common = dict(use_bias=self.use_bias, bias_init=self.bias_init, dtype=self.dtype)
+        common = dict(use_bias=self.use_bias, bias_init=self.bias_init, dtype=self.dtype,
+                      **self._lora(0))
         norm = dict(enable_layernorm=self.input_layernorm, layernorm_type=self.layernorm_type,
                     epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
                     **common)

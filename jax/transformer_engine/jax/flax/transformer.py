@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from transformer_engine.jax.flax._checks import check_float_dtype, check_mask, check_sizes
 from transformer_engine.jax.flax.layernorm_mlp import LayerNormMLP
-from transformer_engine.jax.flax.module import Initializer, LayerNorm
+from transformer_engine.jax.flax.module import Initializer, LayerNorm, lora_scope
 from transformer_engine.jax.flax.multi_head_attention import (
     MultiHeadAttention,
     default_kernel_init,
@@ -165,7 +165,8 @@ class TransformerLayer(nn.Module):
         enable_rotary_pos_emb, rotary_pos_emb_windows, rotary_pos_emb_group_method: RoPE (see
             :class:`MultiHeadAttention`).
         low_rank_adaptation_scope, low_rank_adaptation_dim, low_rank_adaptation_alpha:
-            LoRA is not supported: the scope must be ``"none"``.
+            LoRA (see :class:`MultiHeadAttention`); scopes covering ``"mlp"`` put it on both
+            of the MLP's dense layers (see :class:`LayerNormMLP`).
         dtype: the dtype of the parameters (the computation runs in the inputs' dtype).
         drop_path: stochastic depth: drop each sample's block output with this probability.
         fuse_qkv_params: one kernel for Q, K, V (see :class:`MultiHeadAttention`).
@@ -378,7 +379,11 @@ class TransformerLayer(nn.Module):
             bias_init=self.bias_init, return_layernorm_output=post_ln,
             intermediate_dropout_rate=self.intermediate_dropout,
             intermediate_hidden_dropout_dims=tuple(self.intermediate_dropout_dims),
-            intermediate_dropout_rng_name=self.dropout_rng_name, dtype=self.dtype, name="mlp")
+            intermediate_dropout_rng_name=self.dropout_rng_name, dtype=self.dtype,
+            enable_low_rank_adaptation=lora_scope("TransformerLayer",
+                                                  self.low_rank_adaptation_scope)[2],
+            low_rank_adaptation_dim=self.low_rank_adaptation_dim,
+            low_rank_adaptation_alpha=self.low_rank_adaptation_alpha, name="mlp")
         z, ln_out = mlp(x, deterministic=deterministic)
         residual = ln_out if post_ln else x
         z = self._block_output(z, deterministic) + residual
