@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["copy_to_tensor_parallel", "reduce_from_tensor_parallel"]
+__all__ = ["copy_to_tensor_parallel", "gradient_on_first_rank", "reduce_from_tensor_parallel"]
 
 PARALLEL_MODES = (None, "column", "row")
 
@@ -53,6 +53,30 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+class _GradientOnFirstRank(torch.autograd.Function):
+    """Identity in the forward; the gradient passes on the group's first rank and is zero on
+    the others."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.first = dist.get_rank(group) == 0
+        return inp.view_as(inp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad if ctx.first else torch.zeros_like(grad)), None
+
+
+def gradient_on_first_rank(inp: torch.Tensor, group: Any) -> torch.Tensor:
+    """``inp`` itself, for a value every rank holds whole whose gradient joins one that is
+    summed over ``group`` later (e.g. a norm's output returned next to a column-parallel
+    layer's partial input gradient): every rank receives the same gradient, so passing it on
+    one rank only adds it once to the sum."""
+    return _GradientOnFirstRank.apply(inp, group)
 
 
 def copy_to_tensor_parallel(inp: torch.Tensor, group: Any) -> torch.Tensor:

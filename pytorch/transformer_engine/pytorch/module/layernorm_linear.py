@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from transformer_engine.common.recipe import Recipe
 
-from .. import fp8, ops
+from .. import distributed, fp8, ops
 from ..float8_tensor import Float8Tensor
 from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig
 from ..quantization import kind_of, record_amax
@@ -74,6 +74,30 @@ def fp8_input(op: str, inp: torch.Tensor) -> torch.Tensor:
     return inp
 
 
+def parallel_norm_inputs(inp: torch.Tensor, norm: tuple, group) -> tuple:
+    """The input and the norm's (gamma, beta) of a block whose first GEMM is column-parallel.
+    Each rank's GEMM gives only its share of the gradient of the norm's output, and the norm's
+    backward is linear in that gradient: so each rank's input, gamma and beta gradients are
+    shares too, summed over the ranks in the backward (the fused FP8 functions run the norm's
+    backward themselves, so the sum cannot come between the GEMM and the norm)."""
+    grad = torch.is_grad_enabled()
+
+    def copy(t):
+        if t is None or not (grad and t.requires_grad):
+            return t
+        return distributed.copy_to_tensor_parallel(t, group)
+
+    return copy(inp), (copy(norm[0]), copy(norm[1]))
+
+
+def parallel_ln_out(ln_out: torch.Tensor, group) -> torch.Tensor:
+    """The norm's output returned by a parallel block: its gradient (the same on every rank)
+    joins the gradient shares that are summed over the ranks, so it enters on one rank."""
+    if torch.is_grad_enabled() and ln_out.requires_grad:
+        return distributed.gradient_on_first_rank(ln_out, group)
+    return ln_out
+
+
 def check_input(op: str, inp: torch.Tensor, features: int, param: torch.Tensor) -> None:
     """Shape, dtype and device (``param``'s, one of the module's parameters) of the input."""
     if inp.dim() == 0 or inp.shape[-1] != features:
@@ -121,8 +145,18 @@ class LayerNormLinear(_LinearBase):
                  parameters_split=None, tp_group=None, tp_size: int = 1,
                  parallel_mode: Optional[str] = None, sequence_parallel: bool = False,
                  fuse_wgrad_accumulation: bool = False, name: Optional[str] = None) -> None:
-        check_unsupported(tp_group, tp_size, parallel_mode, sequence_parallel,
-                          fuse_wgrad_accumulation, self._name)
+        tp = distributed.check_tensor_parallel(self._name, tp_group, tp_size, parallel_mode)
+        if sequence_parallel:
+            raise NotImplementedError(f"{self._name}: sequence_parallel=True is not "
+                                      "implemented yet (parallel_mode 'column' is)")
+        if tp > 1 and parallel_mode == "row":
+            # Each rank would hold a slice of the input features, but the norm needs all of
+            # them: it would have to gather the input first.
+            raise NotImplementedError(
+                f"{self._name}: parallel_mode='row' is not implemented (the norm needs the "
+                "full input features on every rank); use parallel_mode='column', or te.Linear "
+                "for a row-parallel layer")
+        check_unsupported(None, 1, parallel_mode, False, fuse_wgrad_accumulation, self._name)
         check_sizes(self._name, in_features=in_features, out_features=out_features)
         check_params_dtype(self._name, params_dtype)
         cfg = norm_config(self._name, normalization, eps, zero_centered_gamma,
@@ -134,7 +168,7 @@ class LayerNormLinear(_LinearBase):
         dtype = params_dtype or torch.get_default_dtype()
         register_norm_params(self, int(in_features), cfg, dtype, device)
         self._setup_linear(in_features, out_features, bias, params_dtype, device, init_method,
-                           parameters_split)
+                           parameters_split, parallel_mode if tp > 1 else None, tp_group, tp)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, normalization={self.normalization}, eps={self.cfg.eps}"
@@ -143,6 +177,8 @@ class LayerNormLinear(_LinearBase):
                 fp8_output: bool = False):
         """``inp`` [..., in_features] -> [..., out_features] (see the class docstring for
         what else comes back); ``is_first_microbatch`` and ``fp8_output`` as for te.Linear."""
+        if self._tp_mode is not None:
+            return self._parallel_forward(inp, is_first_microbatch, fp8_output)
         check_input(self._name, inp, self.in_features, self.layer_norm_weight)
         weight, bias = self._weight_and_bias()
         gemm_bias = None if self.return_bias else bias
@@ -160,8 +196,35 @@ class LayerNormLinear(_LinearBase):
             ((ln_out,) if ln_out is not None else ())
         return result if len(result) > 1 else out
 
-    def _hp_forward(self, inp, weight, bias, state):
-        gamma, beta = norm_params(self, inp.dtype)
+    def _parallel_forward(self, inp, is_first_microbatch, fp8_output: bool):
+        """A column-parallel block: the norm on the full input on every rank, the GEMM on this
+        rank's rows of the weight (its shard of the output features); the gradients of the
+        input and of the norm's parameters summed over the ranks (parallel_norm_inputs)."""
+        check_input(self._name, inp, self.in_features, self.layer_norm_weight)
+        weight, bias = self._weight_and_bias()
+        gemm_bias = None if self.return_bias else bias
+        group = self.tp_group
+        state = fp8.STATE
+        if state.enabled:
+            inp = fp8_input(self._name, inp)
+            check_fp8_shape(inp, self.in_features, weight.shape[0], self._name)
+            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group)
+            out = self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch,
+                                    fp8_output, norm)
+        else:
+            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group)
+            out = self._hp_forward(inp, weight, gemm_bias, state, norm)
+        ln_out = None
+        if self.cfg.return_ln_out:
+            out, ln_out = out
+            ln_out = parallel_ln_out(ln_out, group)
+        result = (out,) + ((bias,) if self.return_bias else ()) + \
+            ((ln_out,) if ln_out is not None else ())
+        return result if len(result) > 1 else out
+
+    def _hp_forward(self, inp, weight, bias, state, norm=None):
+        # norm: (gamma, beta) as the parallel forward hands them over
+        gamma, beta = norm_params(self, inp.dtype) if norm is None else norm
         cfg = self.cfg
         ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
         if state.calibrating and kind_of(state.recipe) == "delayed":
@@ -175,11 +238,11 @@ class LayerNormLinear(_LinearBase):
         return (out, ln_out) if cfg.return_ln_out else out
 
     def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch,
-                     fp8_output: bool = False):
+                     fp8_output: bool = False, norm=None):
         inp = fp8_input(self._name, inp)
         check_fp8_shape(inp, self.in_features, self.out_features, self._name)
         plan, scales, history = self._fp8_meta_of(recipe)
-        gamma, beta = norm_params(self, inp.dtype)
+        gamma, beta = norm_params(self, inp.dtype) if norm is None else norm
         grad = torch.is_grad_enabled()
         need_dgrad = grad and (inp.requires_grad or gamma.requires_grad
                                or (beta is not None and beta.requires_grad))

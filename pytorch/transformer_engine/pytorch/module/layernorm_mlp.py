@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from transformer_engine.common.recipe import Recipe
 
-from .. import fp8, ops
+from .. import distributed, fp8, ops
 from ..float8_tensor import Float8Tensor
 from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction
 from ..ops.activation import GATED
@@ -27,6 +27,8 @@ from .layernorm_linear import (
     fp8_input,
     norm_config,
     norm_params,
+    parallel_ln_out,
+    parallel_norm_inputs,
     register_norm_params,
 )
 from .linear import (
@@ -97,8 +99,20 @@ class LayerNormMLP(FP8Module):
         params_dtype, device: as te.Linear.
         init_method, output_layer_init_method: initialize FC1's resp. FC2's weight in place
             (default: nn.Linear's).
-        tp_group, tp_size, set_parallel_mode, sequence_parallel, fuse_wgrad_accumulation:
-            accepted for compatibility; only one rank and no wgrad fusion are implemented.
+        tp_group, tp_size, set_parallel_mode: tensor parallelism over the torch.distributed
+            group ``tp_group`` of ``tp_size`` ranks (tp_size must equal the group's size).
+            With ``set_parallel_mode=True`` FC1 is column-parallel and FC2 row-parallel: each
+            rank holds ``ffn_hidden_size / tp_size`` of the features between the GEMMs (FC1's
+            rows, of each half under a gated activation; FC2's columns) and FC1's bias slice,
+            and the full norm parameters and FC2 bias. Every rank takes the full input and
+            returns the full output: FC2's partial products are all-reduced in the forward,
+            then FC2's bias is added once; the gradients of the input and of the norm's
+            parameters are all-reduced in the backward. Each rank initializes the full weights
+            and keeps its slices (the same seed on every rank gives the single-process
+            block's values). In FP8 the GEMMs are local; pass ``fp8_group=tp_group`` to
+            :func:`fp8_autocast` so that delayed scaling gives every rank the same scales.
+            ``set_parallel_mode=False``: not split.
+        sequence_parallel, fuse_wgrad_accumulation: not implemented (refused).
 
     Returns ``output``, then FC2's bias when ``return_bias``, then the norm's output when
     ``return_layernorm_output``.
@@ -122,9 +136,19 @@ class LayerNormMLP(FP8Module):
                  tp_group=None, tp_size: int = 1, set_parallel_mode: bool = False,
                  sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
                  name: Optional[str] = None) -> None:
-        check_unsupported(tp_group, tp_size, None, sequence_parallel, fuse_wgrad_accumulation,
-                          self._name)
+        if not isinstance(set_parallel_mode, bool):
+            raise TypeError(f"{self._name}: set_parallel_mode must be a bool, got "
+                            f"{set_parallel_mode!r}")
+        # FC1's mode stands for the pair (FC2 is then row-parallel).
+        tp = distributed.check_tensor_parallel(self._name, tp_group, tp_size,
+                                               "column" if set_parallel_mode else None)
+        if sequence_parallel:
+            raise NotImplementedError(f"{self._name}: sequence_parallel=True is not "
+                                      "implemented yet (set_parallel_mode=True is)")
+        check_unsupported(None, 1, None, False, fuse_wgrad_accumulation, self._name)
         check_sizes(self._name, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        if tp > 1:
+            distributed.check_divisible(self._name, "ffn_hidden_size", ffn_hidden_size, tp)
         check_params_dtype(self._name, params_dtype)
         check_activation(self._name, activation)
         cfg = norm_config(self._name, normalization, eps, zero_centered_gamma,
@@ -137,24 +161,64 @@ class LayerNormMLP(FP8Module):
         dtype = params_dtype or torch.get_default_dtype()
         register_norm_params(self, self.hidden_size, cfg, dtype, device)
         fc1_out = self.ffn_hidden_size * (2 if activation in GATED else 1)
-        self.fc1_weight = fp8_weight_param(
-            init_weight(fc1_out, self.hidden_size, dtype, device, init_method), plan_of)
-        self.register_parameter("fc1_bias", torch.nn.Parameter(
-            init_bias(fc1_out, self.hidden_size, dtype, device)) if bias else None)
-        self.fc2_weight = fp8_weight_param(
-            init_weight(self.hidden_size, self.ffn_hidden_size, dtype, device,
-                        output_layer_init_method), plan_of)
-        self.register_parameter("fc2_bias", torch.nn.Parameter(
-            init_bias(self.hidden_size, self.ffn_hidden_size, dtype, device)) if bias else None)
+        w1 = init_weight(fc1_out, self.hidden_size, dtype, device, init_method)
+        b1 = init_bias(fc1_out, self.hidden_size, dtype, device) if bias else None
+        w2 = init_weight(self.hidden_size, self.ffn_hidden_size, dtype, device,
+                         output_layer_init_method)
+        b2 = init_bias(self.hidden_size, self.ffn_hidden_size, dtype, device) if bias else None
+        if tp > 1:
+            # Drawn whole (the same generator state on every rank), then this rank's slices.
+            w1, b1, w2 = self._shard(w1, b1, w2, tp_group, tp)
+        self.fc1_weight = fp8_weight_param(w1, plan_of)
+        self.register_parameter("fc1_bias", None if b1 is None else torch.nn.Parameter(b1))
+        self.fc2_weight = fp8_weight_param(w2, plan_of)
+        self.register_parameter("fc2_bias", None if b2 is None else torch.nn.Parameter(b2))
+        if tp > 1:
+            # Where each slice lies in the full tensor (Megatron's attribute names); FC2's
+            # bias is not split.
+            for p, dim in ((self.fc1_weight, 0), (self.fc1_bias, 0), (self.fc2_weight, 1)):
+                if p is not None:
+                    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+
+    # Tensor parallelism: a class default, so that a module pickled before it existed loads
+    # as a plain block.
+    _tp_group: Optional[distributed.SharedGroup] = None
+    tp_size = 1
+
+    @property
+    def tp_group(self):
+        """The process group the block is split over (None: not split)."""
+        return None if self._tp_group is None else self._tp_group.group
+
+    def _shard(self, w1, b1, w2, group, tp: int):
+        """This rank's rows of FC1 (of each half [a, b] under a gated activation, so that the
+        rank's a and b features stay paired) and its columns of FC2."""
+        import torch.distributed as dist
+
+        self._tp_group, self.tp_size = distributed.SharedGroup(group), tp
+        rank = dist.get_rank(group)
+        n = self.ffn_hidden_size // tp
+        halves = 2 if self.activation in GATED else 1
+        rows = torch.cat([torch.arange(h * self.ffn_hidden_size + rank * n,
+                                       h * self.ffn_hidden_size + (rank + 1) * n)
+                          for h in range(halves)]).to(w1.device)
+        # (Indexing copies: the slices alone, not views holding the full storage.)
+        return (w1[rows], None if b1 is None else b1[rows],
+                w2[:, rank * n:(rank + 1) * n].clone())
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+        text = (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"activation={self.activation}, normalization={self.normalization}, "
                 f"bias={self.fc1_bias is not None}")
+        if self._tp_group is not None:
+            text += f", set_parallel_mode=True, tp_size={self.tp_size}"
+        return text
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """``inp`` [..., hidden_size] -> [..., hidden_size] (see the class docstring for what
         else comes back); ``is_first_microbatch`` as for te.Linear, for both weights."""
+        if self._tp_group is not None:
+            return self._parallel_forward(inp, is_first_microbatch)
         check_input(self._name, inp, self.hidden_size, self.layer_norm_weight)
         fc2_bias = None if self.return_bias else self.fc2_bias
         state = fp8.STATE
@@ -169,9 +233,37 @@ class LayerNormMLP(FP8Module):
             ((ln_out,) if ln_out is not None else ())
         return result if len(result) > 1 else out
 
-    def _hp_forward(self, inp, fc2_bias, state):
+    def _parallel_forward(self, inp, is_first_microbatch):
+        """FC1 column-parallel, FC2 row-parallel: the local block without FC2's bias, the sum
+        of the ranks' outputs, then the bias once. The gradients of the input and of the
+        norm's parameters are summed over the ranks (parallel_norm_inputs)."""
+        check_input(self._name, inp, self.hidden_size, self.layer_norm_weight)
+        group = self.tp_group
+        state = fp8.STATE
+        if state.enabled:
+            inp = fp8_input(self._name, inp)
+            # The GEMMs' feature dimensions are the local ones.
+            check_fp8_shape(inp, self.hidden_size, self.fc2_weight.shape[1], self._name)
+            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group)
+            out = self._fp8_forward(inp, None, state.recipe, is_first_microbatch, norm)
+        else:
+            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group)
+            out = self._hp_forward(inp, None, state, norm)
+        ln_out = None
+        if self.cfg.return_ln_out:
+            out, ln_out = out
+            ln_out = parallel_ln_out(ln_out, group)
+        out = distributed.reduce_from_tensor_parallel(out, group)
+        if self.fc2_bias is not None and not self.return_bias:
+            out = out + self.fc2_bias.to(out.dtype)
+        result = (out,) + ((self.fc2_bias,) if self.return_bias else ()) + \
+            ((ln_out,) if ln_out is not None else ())
+        return result if len(result) > 1 else out
+
+    def _hp_forward(self, inp, fc2_bias, state, norm=None):
         cfg, dtype = self.cfg, inp.dtype
-        gamma, beta = norm_params(self, dtype)
+        # norm: (gamma, beta) as the parallel forward hands them over
+        gamma, beta = norm_params(self, dtype) if norm is None else norm
         ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
         b1 = None if self.fc1_bias is None else self.fc1_bias.to(dtype)
         h = F.linear(ln_out, self.fc1_weight.to(dtype), b1)
@@ -191,13 +283,13 @@ class LayerNormMLP(FP8Module):
                         ops.amax(t.detach().reshape(-1, t.shape[-1])))
         fp8.register_forward_amaxes(self, recipe)
 
-    def _fp8_forward(self, inp, fc2_bias, recipe: Recipe, is_first_microbatch):
+    def _fp8_forward(self, inp, fc2_bias, recipe: Recipe, is_first_microbatch, norm=None):
         inp = fp8_input(self._name, inp)
         w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
         check_fp8_shape(inp, self.hidden_size, w1.shape[0], self._name)
         check_fp8_shape(inp, self.hidden_size, self.ffn_hidden_size, self._name)
         plan, scales, history = self._fp8_meta_of(recipe)
-        gamma, beta = norm_params(self, inp.dtype)
+        gamma, beta = norm_params(self, inp.dtype) if norm is None else norm
         grad = torch.is_grad_enabled()
         need_dgrad = grad and (inp.requires_grad or gamma.requires_grad
                                or (beta is not None and beta.requires_grad))
