@@ -1,0 +1,140 @@
+"""te.LayerNormLinear (parallel_mode="column") and te.LayerNormMLP (set_parallel_mode=True) on
+torch.distributed (gloo, CPU processes).
+
+Each world runs _tp_rank_ln.py in one process per rank: every rank builds the parallel modules
+and the single-process ones from the same seed and checks its shards of the outputs, the input
+gradient and the parameter gradients against the single-process module's (bit-exact in fp32
+where the arithmetic is the same; bounded where the ranks sum what one process sums in one
+GEMM; FP8 against FP8 within FP8's rounding), and that with fp8_group=tp_group every rank ends
+each delayed-scaling step with the same scales. The argument checks run here, with a stand-in
+group.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+
+_RANK_SCRIPT = Path(__file__).resolve().parent / "_tp_rank_ln.py"
+_TIMEOUT_S = 120  # a hung collective fails the test instead of stalling the suite
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_world(world: int) -> None:
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(_RANK_SCRIPT), str(rank), str(world), port],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(world)]
+    errors = []
+    try:
+        for rank, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=_TIMEOUT_S)
+            if proc.returncode != 0:
+                errors.append(f"rank {rank} exited {proc.returncode}:\n{err[-4000:]}")
+            else:
+                assert out.strip().endswith(f"rank {rank}: ok"), out
+    finally:
+        for proc in procs:  # after a timeout (or a failed rank), the others may wait forever
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.slow
+def test_two_ranks():
+    """Both modules (LayerNorm and RMSNorm, GELU and SwiGLU, the norm's output returned), fp32
+    and bf16, every FP8 recipe kind, fp8_group scales, options, bad inputs."""
+    _run_world(2)
+
+
+@pytest.mark.slow
+def test_four_ranks():
+    """Both modules in fp32, and under delayed scaling with fp8_group."""
+    _run_world(4)
+
+
+class _Group:
+    """Stands in for a ProcessGroup where only its size is read (checks before any
+    collective)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(tp_group=_Group(2), tp_size=2, parallel_mode="row"), NotImplementedError,
+     ["te.LayerNormLinear", "parallel_mode='row' is not implemented", "full input features",
+      "parallel_mode='column'"]),
+    (dict(tp_group=_Group(2), tp_size=2, parallel_mode="column", sequence_parallel=True),
+     NotImplementedError, ["te.LayerNormLinear", "sequence_parallel=True is not implemented"]),
+    (dict(tp_group=_Group(3), tp_size=3, parallel_mode="column"), ValueError,
+     ["te.LayerNormLinear", "out_features must be divisible by tp_size=3, got 64"]),
+    (dict(tp_group=_Group(2), tp_size=4, parallel_mode="column"), ValueError,
+     ["te.LayerNormLinear", "tp_size must equal the size of tp_group (2)", "got 4"]),
+    (dict(tp_size=2, parallel_mode="column"), NotImplementedError,
+     ["te.LayerNormLinear", "without a tp_group", "tp_size must be 1, got 2"]),
+    (dict(parallel_mode="diagonal"), ValueError,
+     ["te.LayerNormLinear", "parallel_mode", "'diagonal'"]),
+], ids=["row", "sequence-parallel", "out-features", "size-mismatch", "no-group", "mode"])
+def test_layernorm_linear_bad_arguments(kwargs, error, words):
+    with pytest.raises(error) as info:
+        te.LayerNormLinear(32, 64, device="cpu", **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(tp_group=_Group(3), tp_size=3, set_parallel_mode=True), ValueError,
+     ["te.LayerNormMLP", "ffn_hidden_size must be divisible by tp_size=3, got 64"]),
+    (dict(tp_group=_Group(2), tp_size=4, set_parallel_mode=True), ValueError,
+     ["te.LayerNormMLP", "tp_size must equal the size of tp_group (2)", "got 4"]),
+    (dict(tp_group=_Group(2), set_parallel_mode=True), ValueError,  # tp_size left at 1
+     ["tp_size must equal the size of tp_group (2)", "got 1"]),
+    (dict(tp_size=2, set_parallel_mode=True), NotImplementedError,
+     ["te.LayerNormMLP", "without a tp_group", "tp_size must be 1, got 2"]),
+    (dict(tp_group=object(), tp_size=2, set_parallel_mode=True), TypeError,
+     ["te.LayerNormMLP", "tp_group must be a torch.distributed ProcessGroup"]),
+    (dict(tp_group=_Group(2), tp_size=2, set_parallel_mode=True, sequence_parallel=True),
+     NotImplementedError, ["te.LayerNormMLP", "sequence_parallel=True is not implemented"]),
+    (dict(tp_group=_Group(2), tp_size=2, set_parallel_mode="column"), TypeError,
+     ["te.LayerNormMLP", "set_parallel_mode must be a bool", "'column'"]),
+], ids=["ffn", "size-mismatch", "size-default", "no-group", "not-a-group",
+        "sequence-parallel", "mode-not-bool"])
+def test_layernorm_mlp_bad_arguments(kwargs, error, words):
+    with pytest.raises(error) as info:
+        te.LayerNormMLP(32, 64, device="cpu", **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize("cls, args, tp", [
+    (te.LayerNormLinear, (32, 64), dict(parallel_mode=None)),
+    (te.LayerNormMLP, (32, 64), dict(set_parallel_mode=False)),
+], ids=["layernorm-linear", "layernorm-mlp"])
+def test_replicated_module_with_a_group_is_a_plain_module(cls, args, tp):
+    """No parallel mode with a group: nothing is split (the group is only checked), and the
+    module is the one tp_size=1 builds from the same seed."""
+    torch.manual_seed(0)
+    plain = cls(*args, device="cpu")
+    torch.manual_seed(0)
+    replicated = cls(*args, device="cpu", tp_group=_Group(2), tp_size=2, **tp)
+    assert replicated.tp_group is None
+    for (name, a), (_, b) in zip(plain.named_parameters(), replicated.named_parameters(),
+                                 strict=True):
+        assert torch.equal(a, b), name
