@@ -122,8 +122,13 @@ class LayerNormLinear(_LinearBase):
         return_layernorm_output: also return the norm's output (high precision; e.g. for a
             residual taken after the norm). Its gradient joins the block's.
         return_bias: return the bias instead of adding it (see te.Linear).
-        params_dtype, device, init_method, parameters_split, tp_group, tp_size,
-        parallel_mode, sequence_parallel, fuse_wgrad_accumulation, name: as te.Linear.
+        params_dtype, device, init_method, parameters_split, sequence_parallel,
+            fuse_wgrad_accumulation, name: as te.Linear.
+        tp_group, tp_size, parallel_mode: as te.Linear, ``"column"`` only: each rank holds
+            the full norm parameters and its rows of the weight, normalizes the full input
+            and returns its shard of the output features; the gradients of the input and of
+            the norm's parameters are all-reduced in the backward. ``"row"`` is refused (the
+            norm needs every input feature on every rank).
 
     Returns ``output``, then the bias when ``return_bias``, then the norm's output when
     ``return_layernorm_output``.
