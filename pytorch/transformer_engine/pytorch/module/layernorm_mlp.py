@@ -124,6 +124,10 @@ class LayerNormMLP(FP8Module):
     """
 
     _name = "te.LayerNormMLP"
+    # Tensor parallelism (set_parallel_mode=True over tp_size > 1 ranks): class defaults, so
+    # that a module pickled before they existed loads as a plain block.
+    _tp_group: Optional[distributed.SharedGroup] = None
+    tp_size = 1
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
                  bias: bool = True, *, normalization: str = "LayerNorm",
@@ -179,11 +183,6 @@ class LayerNormMLP(FP8Module):
             for p, dim in ((self.fc1_weight, 0), (self.fc1_bias, 0), (self.fc2_weight, 1)):
                 if p is not None:
                     p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
-
-    # Tensor parallelism: a class default, so that a module pickled before it existed loads
-    # as a plain block.
-    _tp_group: Optional[distributed.SharedGroup] = None
-    tp_size = 1
 
     @property
     def tp_group(self):
