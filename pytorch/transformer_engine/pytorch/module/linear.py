@@ -282,20 +282,24 @@ class Linear(_LinearBase):
         weight, bias = self._weight_and_bias()
         check_device(self._name, "input", inp, weight)
         gemm_bias = None if self.return_bias else bias
-        if state.enabled:
-            out = self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch,
-                                    fp8_output)
-        else:
-            if isinstance(inp, Float8Tensor):
-                inp = to_high_precision(inp)
-            check_float_input(self._name, "input", inp)
-            if state.calibrating and kind_of(state.recipe) == "delayed":
-                self._calibrate(inp, weight, state.recipe)
-            # .to() (a no-op for the same dtype) keeps autograd's link to the parameter; a
-            # Float8Tensor weight dequantizes in it (__torch_dispatch__).
-            out = F.linear(inp, weight.to(inp.dtype),
-                           None if gemm_bias is None else gemm_bias.to(inp.dtype))
+        out = self._gemm(inp, weight, gemm_bias, state, is_first_microbatch, fp8_output)
         return (out, bias) if self.return_bias else out
+
+    def _gemm(self, inp, weight, gemm_bias, state, is_first_microbatch, fp8_output: bool):
+        """``inp @ weight^T (+ gemm_bias)`` in FP8 under an enabled autocast, else in the
+        input's dtype (calibrating the FP8 state where asked)."""
+        if state.enabled:
+            return self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch,
+                                     fp8_output)
+        if isinstance(inp, Float8Tensor):
+            inp = to_high_precision(inp)
+        check_float_input(self._name, "input", inp)
+        if state.calibrating and kind_of(state.recipe) == "delayed":
+            self._calibrate(inp, weight, state.recipe)
+        # .to() (a no-op for the same dtype) keeps autograd's link to the parameter; a
+        # Float8Tensor weight dequantizes in it (__torch_dispatch__).
+        return F.linear(inp, weight.to(inp.dtype),
+                        None if gemm_bias is None else gemm_bias.to(inp.dtype))
 
     def _parallel_forward(self, inp: torch.Tensor, is_first_microbatch, fp8_output: bool):
         """The forward of a column- or row-parallel layer: the local GEMM on this rank's
@@ -318,19 +322,9 @@ class Linear(_LinearBase):
         else:
             gemm_bias, fp8_output = None, False  # the bias is added once, after the sum
         state = fp8.STATE
-        if state.enabled:
-            # The GEMM's feature dimensions are the local ones.
+        if state.enabled:  # the GEMM's feature dimensions are the local ones
             check_fp8_shape(inp, local_in, weight.shape[0], self._name)
-            out = self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch,
-                                    fp8_output)
-        else:  # as forward's high-precision branch
-            if isinstance(inp, Float8Tensor):
-                inp = to_high_precision(inp)
-            check_float_input(self._name, "input", inp)
-            if state.calibrating and kind_of(state.recipe) == "delayed":
-                self._calibrate(inp, weight, state.recipe)
-            out = F.linear(inp, weight.to(inp.dtype),
-                           None if gemm_bias is None else gemm_bias.to(inp.dtype))
+        out = self._gemm(inp, weight, gemm_bias, state, is_first_microbatch, fp8_output)
         if not column:
             out = distributed.reduce_from_tensor_parallel(out, self.tp_group)
             if bias is not None and not self.return_bias:
