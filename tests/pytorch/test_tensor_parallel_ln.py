@@ -12,45 +12,19 @@ group.
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from te_torch_tests._tp_world import run_world
 
 import transformer_engine.pytorch as te
 
 _RANK_SCRIPT = Path(__file__).resolve().parent / "_tp_rank_ln.py"
-_TIMEOUT_S = 120  # a hung collective fails the test instead of stalling the suite
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_world(world: int) -> None:
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(_RANK_SCRIPT), str(rank), str(world), port],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(world)]
-    errors = []
-    try:
-        for rank, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=_TIMEOUT_S)
-            if proc.returncode != 0:
-                errors.append(f"rank {rank} exited {proc.returncode}:\n{err[-4000:]}")
-            else:
-                assert out.strip().endswith(f"rank {rank}: ok"), out
-    finally:
-        for proc in procs:  # after a timeout (or a failed rank), the others may wait forever
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert not errors, "\n".join(errors)
+    run_world(_RANK_SCRIPT, world)
 
 
 @pytest.mark.slow
