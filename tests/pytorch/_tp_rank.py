@@ -12,10 +12,11 @@ from __future__ import annotations
 import copy
 import datetime
 import sys
-import traceback
 
+import _tp_world  # (beside this script)
 import torch
 import torch.distributed as dist
+from _tp_world import case, exact, failures, rms_close, within
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -30,35 +31,6 @@ RECIPES = {
     "current": recipe.Float8CurrentScaling(),
     "block": recipe.Float8BlockScaling(),
 }
-
-failures: list[str] = []
-
-
-def case(fn, *args):
-    """Runs a check now; a failure is recorded with its traceback and the next runs."""
-    try:
-        fn(*args)
-    except Exception:  # noqa: BLE001 (every failure is reported, the others still run)
-        failures.append(f"rank {RANK} {fn.__name__}{args}:\n{traceback.format_exc()}")
-
-
-def exact(got, want, what):
-    assert torch.equal(got, want), f"{what}: not bit-exact, max diff {(got - want).abs().max()}"
-
-
-def within(got, want, bound, what):
-    """|got - want| <= bound elementwise."""
-    err = (got.double() - want.double()).abs()
-    worst = (err / (bound.double() + 1e-30)).max().item()
-    assert worst <= 1.0, f"{what}: error {worst:.3g}x the bound"
-
-
-def rms_close(got, want, rel, what):
-    """The error's norm within ``rel`` of the reference's: what a missing or doubled sum, a
-    wrong slice or a bias added per rank would all exceed by far."""
-    err = (got.double() - want.double()).norm() / want.double().norm()
-    assert err <= rel, f"{what}: relative rms error {err:.3g} > {rel}"
-
 
 def layers(mode, dtype=torch.float32, seed=0):
     """(single-process layer, this rank's parallel layer): the same draws of the generator."""
@@ -181,9 +153,7 @@ def check_fp8(mode, name, group=None, steps=1):
 
 
 def gathered(t):
-    out = [torch.empty_like(t) for _ in range(WORLD)]
-    dist.all_gather(out, t.contiguous(), group=GROUP)
-    return out
+    return _tp_world.gathered(t, WORLD, GROUP)
 
 
 def check_scales_shared(mode, group):

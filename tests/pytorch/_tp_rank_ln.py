@@ -14,11 +14,12 @@ from __future__ import annotations
 import copy
 import datetime
 import sys
-import traceback
 
+import _tp_world  # (beside this script)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _tp_world import case, exact, failures, rms_close, within
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -46,32 +47,6 @@ CONFIGS = {
     "mlp-swiglu": ("mlp", dict(activation="swiglu", normalization="RMSNorm",
                                return_layernorm_output=True, return_bias=True)),
 }
-
-failures: list[str] = []
-
-
-def case(fn, *args):
-    """Runs a check now; a failure is recorded with its traceback and the next runs."""
-    try:
-        fn(*args)
-    except Exception:  # noqa: BLE001 (every failure is reported, the others still run)
-        failures.append(f"rank {RANK} {fn.__name__}{args}:\n{traceback.format_exc()}")
-
-
-def exact(got, want, what):
-    assert torch.equal(got, want), f"{what}: not bit-exact, max diff {(got - want).abs().max()}"
-
-
-def within(got, want, bound, what):
-    err = (got.double() - want.double()).abs()
-    worst = (err / (bound.double() + 1e-30)).max().item()
-    assert worst <= 1.0, f"{what}: error {worst:.3g}x the bound"
-
-
-def rms_close(got, want, rel, what):
-    err = (got.double() - want.double()).norm() / want.double().norm()
-    assert err <= rel, f"{what}: relative rms error {err:.3g} > {rel}"
-
 
 def shard(t, dim=-1, halves=1):
     """This rank's slice of ``t`` along ``dim`` (of each of ``halves`` equal blocks)."""
@@ -323,9 +298,7 @@ def check_fp8(config, name, group=None, steps=1):
 
 
 def gathered(t):
-    out = [torch.empty_like(t) for _ in range(WORLD)]
-    dist.all_gather(out, t.contiguous(), group=GROUP)
-    return out
+    return _tp_world.gathered(t, WORLD, GROUP)
 
 
 def check_scales_shared(config, group):

@@ -6,7 +6,11 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import traceback
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 TIMEOUT_S = 120  # a hung collective fails the test instead of stalling the suite
 
@@ -38,3 +42,43 @@ def run_world(script: Path, world: int) -> None:
                 proc.kill()
                 proc.wait()
     assert not errors, "\n".join(errors)
+
+
+# ---------------------------------------------------------------- inside a rank script
+
+# The failed checks of this rank, each with its traceback (the script prints them and exits 1).
+failures: list[str] = []
+
+
+def case(fn, *args):
+    """Runs a check now; a failure is recorded with its traceback and the next runs."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 (every failure is reported, the others still run)
+        rank = sys.argv[1] if len(sys.argv) > 1 else "?"
+        failures.append(f"rank {rank} {fn.__name__}{args}:\n{traceback.format_exc()}")
+
+
+def exact(got, want, what):
+    assert torch.equal(got, want), f"{what}: not bit-exact, max diff {(got - want).abs().max()}"
+
+
+def within(got, want, bound, what):
+    """|got - want| <= bound elementwise."""
+    err = (got.double() - want.double()).abs()
+    worst = (err / (bound.double() + 1e-30)).max().item()
+    assert worst <= 1.0, f"{what}: error {worst:.3g}x the bound"
+
+
+def rms_close(got, want, rel, what):
+    """The error's norm within ``rel`` of the reference's: what a missing or doubled sum, a
+    wrong slice or a bias added per rank would all exceed by far."""
+    err = (got.double() - want.double()).norm() / want.double().norm()
+    assert err <= rel, f"{what}: relative rms error {err:.3g} > {rel}"
+
+
+def gathered(t, world: int, group):
+    """Every rank's ``t``, in rank order."""
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
