@@ -310,3 +310,18 @@ def test_mha_qk_norm_through_transformer_layer_and_refusal():
     with pytest.raises(ValueError, match=r"te\.MultiheadAttention: qk_norm_type must be one "
                                          r"of .*'RMSNorm'.*got 'BatchNorm'"):
         te.MultiheadAttention(32, 2, qk_norm_type="BatchNorm", device=CPU)
+
+
+def test_norms_accept_sm_margin_and_mlp_refuses_activation_params():
+    # sm_margin (SMs left for overlapped communication) changes nothing here: same numbers.
+    x = torch.randn(4, 32)
+    for cls in (te.LayerNorm, te.RMSNorm):
+        torch.manual_seed(0)
+        plain = cls(32, device="cpu")
+        torch.manual_seed(0)
+        margin = cls(32, device="cpu", sm_margin=8)
+        assert torch.equal(plain(x), margin(x))
+        with pytest.raises(ValueError, match=r"sm_margin must be an int >= 0, got -1"):
+            cls(32, device="cpu", sm_margin=-1)
+    with pytest.raises(NotImplementedError, match=r"te.LayerNormMLP: activation_params is not "):
+        te.LayerNormMLP(32, 64, device="cpu", activation_params={"limit": 7.0})

@@ -142,6 +142,13 @@ def _dtype_of(op: str, params_dtype, dtype):
     return dtype if dtype is not None else params_dtype
 
 
+def _check_sm_margin(name: str, sm_margin) -> None:
+    """NVIDIA's sm_margin (SMs left free for overlapped communication) is accepted: the core's
+    norm kernels size their grid themselves, so it changes nothing here, numbers included."""
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0:
+        raise ValueError(f"{name}: sm_margin must be an int >= 0, got {sm_margin!r}")
+
+
 class LayerNorm(_Norm):
     """``y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias`` over the last dimension,
     like ``torch.nn.LayerNorm(normalized_shape, eps)``.
@@ -169,7 +176,8 @@ class LayerNorm(_Norm):
                  params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
                  hidden_size: Optional[int] = None, *,
                  device: Union[torch.device, str, None] = None,
-                 dtype: Optional[torch.dtype] = None) -> None:
+                 dtype: Optional[torch.dtype] = None, sm_margin: int = 0) -> None:
+        _check_sm_margin(self._name, sm_margin)
         super().__init__(_size_of(self._name, normalized_shape, hidden_size), eps,
                          zero_centered_gamma, _dtype_of(self._name, params_dtype, dtype), device,
                          bool(sequence_parallel), bias=True)
@@ -187,7 +195,8 @@ class RMSNorm(_Norm):
                  params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
                  hidden_size: Optional[int] = None, *,
                  device: Union[torch.device, str, None] = None,
-                 dtype: Optional[torch.dtype] = None) -> None:
+                 dtype: Optional[torch.dtype] = None, sm_margin: int = 0) -> None:
+        _check_sm_margin(self._name, sm_margin)
         super().__init__(_size_of(self._name, normalized_shape, hidden_size), eps,
                          zero_centered_gamma, _dtype_of(self._name, params_dtype, dtype), device,
                          bool(sequence_parallel), bias=False)

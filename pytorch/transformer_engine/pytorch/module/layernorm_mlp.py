@@ -139,7 +139,11 @@ class LayerNormMLP(FP8Module):
                  output_layer_init_method: Optional[Callable[[torch.Tensor], None]] = None,
                  tp_group=None, tp_size: int = 1, set_parallel_mode: bool = False,
                  sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
-                 name: Optional[str] = None) -> None:
+                 name: Optional[str] = None, activation_params: Optional[dict] = None) -> None:
+        if activation_params is not None:  # NVIDIA's parameters of a parametrized activation
+            raise NotImplementedError(
+                f"{self._name}: activation_params is not supported (none of the core's "
+                f"activations takes parameters); it must be None, got {activation_params!r}")
         if not isinstance(set_parallel_mode, bool):
             raise TypeError(f"{self._name}: set_parallel_mode must be a bool, got "
                             f"{set_parallel_mode!r}")
