@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from te_torch_tests._tp_world import run_world
+from te_torch_tests._tp_world import SizedGroup, run_world
 
 import transformer_engine.pytorch as te
 
@@ -37,36 +37,28 @@ def test_four_ranks():
     _run_world(4)
 
 
-class _Group:
-    """Stands in for a ProcessGroup where only its size is read (checks before any
-    collective)."""
 
-    def __init__(self, size: int) -> None:
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
     (dict(parallel_mode="diagonal"), ValueError,
      ["te.Linear", "parallel_mode", "'column' or 'row'", "'diagonal'"]),
-    (dict(tp_group=_Group(2), tp_size=4, parallel_mode="column"), ValueError,
+    (dict(tp_group=SizedGroup(2), tp_size=4, parallel_mode="column"), ValueError,
      ["te.Linear", "tp_size must equal the size of tp_group (2)", "got 4"]),
-    (dict(tp_group=_Group(2), parallel_mode="row"), ValueError,  # tp_size left at 1
+    (dict(tp_group=SizedGroup(2), parallel_mode="row"), ValueError,  # tp_size left at 1
      ["tp_size must equal the size of tp_group (2)", "got 1"]),
     (dict(tp_size=2, parallel_mode="column"), NotImplementedError,
      ["te.Linear", "without a tp_group", "tp_size must be 1, got 2"]),
     (dict(tp_group=object(), tp_size=2, parallel_mode="row"), TypeError,
      ["te.Linear", "tp_group must be a torch.distributed ProcessGroup", "object"]),
-    (dict(tp_group=_Group(3), tp_size=3, parallel_mode="row"), ValueError,
+    (dict(tp_group=SizedGroup(3), tp_size=3, parallel_mode="row"), ValueError,
      ["te.Linear", "in_features must be divisible by tp_size=3, got 32"]),
-    (dict(tp_group=_Group(3), tp_size=3, parallel_mode="column"), ValueError,
+    (dict(tp_group=SizedGroup(3), tp_size=3, parallel_mode="column"), ValueError,
      ["te.Linear", "out_features must be divisible by tp_size=3, got 64"]),
     (dict(tp_size=0), ValueError, ["te.Linear", "tp_size must be a positive int", "0"]),
-    (dict(tp_group=_Group(2), tp_size=2, parallel_mode="row", sequence_parallel=True),
+    (dict(tp_group=SizedGroup(2), tp_size=2, parallel_mode="row", sequence_parallel=True),
      NotImplementedError, ["te.Linear", "sequence_parallel=True is not implemented"]),
-    (dict(tp_group=_Group(2), tp_size=2, parallel_mode="column",
+    (dict(tp_group=SizedGroup(2), tp_size=2, parallel_mode="column",
           parameters_split={"q": 33, "k": 31}), ValueError,
      ["te.Linear", "the size of parameters_split block 'q' must be divisible by tp_size=2",
       "got 33"]),
@@ -85,7 +77,7 @@ def test_replicated_layer_with_a_group_is_a_plain_layer():
     torch.manual_seed(0)
     plain = te.Linear(32, 64, device="cpu")
     torch.manual_seed(0)
-    replicated = te.Linear(32, 64, device="cpu", tp_group=_Group(2), tp_size=2)
+    replicated = te.Linear(32, 64, device="cpu", tp_group=SizedGroup(2), tp_size=2)
     assert replicated.tp_group is None and replicated.weight.shape == (64, 32)
     assert torch.equal(plain.weight, replicated.weight)
     assert torch.equal(plain.bias, replicated.bias)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from te_torch_tests._tp_world import run_world
+from te_torch_tests._tp_world import SizedGroup, run_world
 
 import transformer_engine.pytorch as te
 
@@ -40,26 +40,18 @@ def test_four_ranks():
     _run_world(4)
 
 
-class _Group:
-    """Stands in for a ProcessGroup where only its size is read (checks before any
-    collective)."""
 
-    def __init__(self, size: int) -> None:
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
-    (dict(tp_group=_Group(2), tp_size=2, parallel_mode="row"), NotImplementedError,
+    (dict(tp_group=SizedGroup(2), tp_size=2, parallel_mode="row"), NotImplementedError,
      ["te.LayerNormLinear", "parallel_mode='row' is not implemented", "full input features",
       "parallel_mode='column'"]),
-    (dict(tp_group=_Group(2), tp_size=2, parallel_mode="column", sequence_parallel=True),
+    (dict(tp_group=SizedGroup(2), tp_size=2, parallel_mode="column", sequence_parallel=True),
      NotImplementedError, ["te.LayerNormLinear", "sequence_parallel=True is not implemented"]),
-    (dict(tp_group=_Group(3), tp_size=3, parallel_mode="column"), ValueError,
+    (dict(tp_group=SizedGroup(3), tp_size=3, parallel_mode="column"), ValueError,
      ["te.LayerNormLinear", "out_features must be divisible by tp_size=3, got 64"]),
-    (dict(tp_group=_Group(2), tp_size=4, parallel_mode="column"), ValueError,
+    (dict(tp_group=SizedGroup(2), tp_size=4, parallel_mode="column"), ValueError,
      ["te.LayerNormLinear", "tp_size must equal the size of tp_group (2)", "got 4"]),
     (dict(tp_size=2, parallel_mode="column"), NotImplementedError,
      ["te.LayerNormLinear", "without a tp_group", "tp_size must be 1, got 2"]),
@@ -74,19 +66,19 @@ def test_layernorm_linear_bad_arguments(kwargs, error, words):
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
-    (dict(tp_group=_Group(3), tp_size=3, set_parallel_mode=True), ValueError,
+    (dict(tp_group=SizedGroup(3), tp_size=3, set_parallel_mode=True), ValueError,
      ["te.LayerNormMLP", "ffn_hidden_size must be divisible by tp_size=3, got 64"]),
-    (dict(tp_group=_Group(2), tp_size=4, set_parallel_mode=True), ValueError,
+    (dict(tp_group=SizedGroup(2), tp_size=4, set_parallel_mode=True), ValueError,
      ["te.LayerNormMLP", "tp_size must equal the size of tp_group (2)", "got 4"]),
-    (dict(tp_group=_Group(2), set_parallel_mode=True), ValueError,  # tp_size left at 1
+    (dict(tp_group=SizedGroup(2), set_parallel_mode=True), ValueError,  # tp_size left at 1
      ["tp_size must equal the size of tp_group (2)", "got 1"]),
     (dict(tp_size=2, set_parallel_mode=True), NotImplementedError,
      ["te.LayerNormMLP", "without a tp_group", "tp_size must be 1, got 2"]),
     (dict(tp_group=object(), tp_size=2, set_parallel_mode=True), TypeError,
      ["te.LayerNormMLP", "tp_group must be a torch.distributed ProcessGroup"]),
-    (dict(tp_group=_Group(2), tp_size=2, set_parallel_mode=True, sequence_parallel=True),
+    (dict(tp_group=SizedGroup(2), tp_size=2, set_parallel_mode=True, sequence_parallel=True),
      NotImplementedError, ["te.LayerNormMLP", "sequence_parallel=True is not implemented"]),
-    (dict(tp_group=_Group(2), tp_size=2, set_parallel_mode="column"), TypeError,
+    (dict(tp_group=SizedGroup(2), tp_size=2, set_parallel_mode="column"), TypeError,
      ["te.LayerNormMLP", "set_parallel_mode must be a bool", "'column'"]),
 ], ids=["ffn", "size-mismatch", "size-default", "no-group", "not-a-group",
         "sequence-parallel", "mode-not-bool"])
@@ -107,7 +99,7 @@ def test_replicated_module_with_a_group_is_a_plain_module(cls, args, tp):
     torch.manual_seed(0)
     plain = cls(*args, device="cpu")
     torch.manual_seed(0)
-    replicated = cls(*args, device="cpu", tp_group=_Group(2), tp_size=2, **tp)
+    replicated = cls(*args, device="cpu", tp_group=SizedGroup(2), tp_size=2, **tp)
     assert replicated.tp_group is None
     for (name, a), (_, b) in zip(plain.named_parameters(), replicated.named_parameters(),
                                  strict=True):
