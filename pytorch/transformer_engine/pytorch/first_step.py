@@ -103,7 +103,9 @@ def step_scales(scales: torch.Tensor, index: int, history: Optional[torch.Tensor
     ``amax_of(gate)`` gives that amax with the op that makes the tensor (``gate`` None: just
     run it; else the core's gate). ``history`` None (a checkpoint's recompute, which quantizes
     as its first run did) keeps ``scales``."""
-    if history is None:
+    # A column is marked in every state that needs the rule (a compiled graph takes no marks),
+    # so an unmarked history ends here: a later eager step pays one attribute lookup.
+    if history is None or not getattr(history, _MARK, None):
         return scales
     if torch.compiler.is_compiling():
         if _compiled == "later":

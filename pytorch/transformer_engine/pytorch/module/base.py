@@ -136,7 +136,8 @@ class FP8Module(torch.nn.Module):
         registered for the exit update; the other recipes ignore both tensors."""
         # Under torch.compile the lookups run at trace time only, and an identity test would
         # make the graph's guards demand this very recipe object (a recompile per new one).
-        if torch.compiler.is_compiling() or recipe is not self._fp8_recipe:
+        compiling = torch.compiler.is_compiling()
+        if compiling or recipe is not self._fp8_recipe:
             plan = self._plan_of(recipe)
             if plan.kind == "delayed":
                 self._fit_fp8_meta(recipe)  # may make new buffers (and reset the cache)
@@ -149,7 +150,7 @@ class FP8Module(torch.nn.Module):
         if fp8.RECOMPUTE.replaying:
             return plan, self._forward_scales(), None
         fp8.register_forward_amaxes(self, recipe)
-        if torch.compiler.is_compiling():
+        if compiling:
             state = first_step.trace_module(
                 self._fp8_first_step, (buffers["amax_history_fwd"], buffers["amax_history_bwd"]))
             if state != self._fp8_first_step:
