@@ -31,8 +31,8 @@
 //     thread (d/da at column c, d/db at N + c), staged side by side.
 //   - dbias: each thread sums its patch's 8 rows per column; the 16 patch rows of a column are
 //     summed in order through shared memory; the tile's column sums go to a partial buffer
-//     [tiles_r, K] (cudaMallocAsync on the stream: the C API has no workspace argument), and a
-//     second kernel sums each column's partials in tile-row order. That is the documented
+//     [tiles_r, K] (scratch from the core's stream-ordered pool, scratch.cuh: the C API has no
+//     workspace argument), and a second kernel sums each column's partials in tile-row order. That is the documented
 //     order (activation.h), the one the CPU reference follows, whatever the grid.
 //   - The transposes and column sums are staged in the tile's input stage, free once every
 //     thread's arithmetic is done (or in their own space, without staging). So a tile takes
@@ -53,6 +53,7 @@
 #include <string>
 
 #include "activation/activation_kernel.cuh"
+#include "common/scratch.cuh"
 
 namespace te {
 namespace activation_detail {
@@ -140,7 +141,7 @@ te_status activation_cuda(const ActivationArgs &a, te_stream stream_handle) {
   const size_t partial_bytes = a.dbias != nullptr ? static_cast<size_t>(tiles_r * p.out_cols) * sizeof(float) : 0;
   if (partial_bytes > 0) {
     void *w = nullptr;
-    if (te_status s = cuda_status(kOp, cudaMallocAsync(&w, partial_bytes, stream))) return s;
+    if (te_status s = scratch_alloc(kOp, partial_bytes, stream, &w)) return s;
     p.partial = static_cast<float *>(w);
   }
   te_status status = with_hp_dtype(a.in_dtype, [&](auto in) {
@@ -154,7 +155,7 @@ te_status activation_cuda(const ActivationArgs &a, te_stream stream_handle) {
     status = launch_status(kOp);
   }
   if (p.partial != nullptr) {
-    const te_status s = cuda_status(kOp, cudaFreeAsync(p.partial, stream));
+    const te_status s = scratch_free(kOp, p.partial, stream);
     if (status == TE_SUCCESS) status = s;
   }
   return status;
