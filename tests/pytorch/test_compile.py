@@ -84,3 +84,37 @@ def test_eager_fast_path_takes_parameters_not_subclasses():
     plain, param = torch.ones(2), torch.nn.Parameter(torch.ones(2))
     assert _backend._plain_eager([plain, param, None, 3])
     assert not _backend._plain_eager([plain, plain.as_subclass(Sub)])
+
+
+def _stack(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    kw = dict(params_dtype=torch.float32, device="cpu")
+    if kind == "TransformerLayer":
+        return te.TransformerLayer(64, 128, 2, hidden_dropout=0.0, attention_dropout=0.0,
+                                   attn_input_format="bshd", **kw)
+    return torch.nn.Sequential(
+        te.MultiheadAttention(64, 2, input_layernorm=True, attention_dropout=0.0,
+                              qkv_format="bshd", **kw),
+        te.LayerNormMLP(64, 128, **kw))
+
+
+# Dynamo alone (the "eager" backend): what breaks a graph is in the trace, not in inductor.
+@pytest.mark.parametrize("kind", ["MHA+LayerNormMLP", "TransformerLayer"])
+@pytest.mark.parametrize("make", [recipe.DelayedScaling, recipe.Float8CurrentScaling, None],
+                         ids=["delayed", "current", "bf16"])
+def test_whole_stack_step_traces_as_one_graph(kind, make):
+    torch._dynamo.reset()
+    r = make() if make else None  # a recipe no eager forward has met before the trace
+    eager = _stack(kind)
+    traced_model = copy.deepcopy(eager)
+    traced = torch.compile(traced_model, backend="eager", fullgraph=True)
+    for _ in range(2):
+        x = torch.randn(2, 16, 64)
+        for model in (traced, eager):
+            with te.fp8_autocast(enabled=r is not None, fp8_recipe=r):
+                model(x).float().square().mean().backward()
+        for (name, a), b in zip(traced_model.named_parameters(), eager.parameters(),
+                                strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=COMPILE_RTOL, atol=1e-7,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+            a.grad = b.grad = None

@@ -99,7 +99,10 @@ class FP8Module(torch.nn.Module):
     def __init__(self, device: torch.device, history_len: int | None = None,
                  num_gemms: int = 1) -> None:
         super().__init__()
-        self._recipe_summary: dict = {}
+        # The recipe a checkpoint describes: the last one met, summarized when saved (the
+        # summary reads every field, which a compiled forward should not trace), or the
+        # summary a loaded checkpoint carried.
+        self._recipe_summary: dict | Recipe = {}
         # The recipe the last FP8 forward met and its plan: a forward under the same recipe
         # object skips the lookups and the fit (None: meet the next recipe afresh).
         self._fp8_recipe: Recipe | None = None
@@ -141,7 +144,7 @@ class FP8Module(torch.nn.Module):
             plan = self._plan_of(recipe)
             if plan.kind == "delayed":
                 self._fit_fp8_meta(recipe)  # may make new buffers (and reset the cache)
-            self._recipe_summary = recipe_summary(recipe)
+            self._recipe_summary = recipe
             self._fp8_recipe, self._fp8_plan = recipe, plan
         plan = self._fp8_plan
         buffers = self._buffers  # one dict read instead of nn.Module.__getattr__ per buffer
@@ -233,7 +236,7 @@ class FP8Module(torch.nn.Module):
     def _fit_fp8_meta(self, recipe: DelayedScaling) -> None:
         """Meets a delayed recipe: a new history length starts the histories afresh."""
         self._fp8_recipe = None  # e.g. calibration: the next FP8 forward meets its recipe afresh
-        self._recipe_summary = recipe_summary(recipe)
+        self._recipe_summary = recipe
         length = self._buffers["amax_history_fwd"].shape[0]
         if torch.compiler.is_compiling():
             if length != recipe.amax_history_len:
@@ -274,8 +277,10 @@ class FP8Module(torch.nn.Module):
             fp8.track_unused(self, self._buffers["amax_history_fwd"].shape[0])
 
     def get_extra_state(self) -> dict:
+        summary = self._recipe_summary
         state: dict[str, Any] = {"version": EXTRA_STATE_VERSION,
-                                 "recipe": dict(self._recipe_summary)}
+                                 "recipe": recipe_summary(summary) if isinstance(summary, Recipe)
+                                 else dict(summary)}
         for name in _META:
             state[name] = getattr(self, name).detach().cpu().clone()
         return state

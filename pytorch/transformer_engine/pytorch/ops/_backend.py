@@ -9,6 +9,7 @@ name of the core's ``DType`` member.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Optional
 
 import torch
@@ -131,7 +132,7 @@ def amax_destination(op: str, x: torch.Tensor, amax_history: Optional[torch.Tens
     delayed-scaling ``amax_history`` [H, n], the op raises ``amax_history[0, index]`` in place
     (max with what the slot holds: the forwards of one step keep the largest) and returns an
     empty tensor: one core call, no separate record of the amax."""
-    if amax_history is None:
+    if amax_history is None or amax_history.numel() == 0:  # (empty: None, see custom_op)
         amax = x.new_empty(1, dtype=torch.float32)
         return amax, raw(amax), False
     return x.new_empty(0, dtype=torch.float32), history_slot(op, amax_history, index), True
@@ -149,7 +150,8 @@ def history_slot(op: str, amax_history: torch.Tensor, index: int) -> tuple:
 
 def amax_fake(x: torch.Tensor, amax_history: Optional[torch.Tensor]) -> torch.Tensor:
     """The returned amax of amax_destination, for fake implementations."""
-    return x.new_empty(1 if amax_history is None else 0, dtype=torch.float32)
+    none = amax_history is None or amax_history.numel() == 0
+    return x.new_empty(1 if none else 0, dtype=torch.float32)
 
 
 # torch's current CUDA stream as an int; the private call skips building a torch.cuda.Stream
@@ -238,15 +240,35 @@ def custom_op(name: str, *, mutates_args=()):
     the same implementation directly: the custom-op machinery costs ~100 us of host time per
     call, more than the kernels of a small layer, and in eager mode it adds nothing (the ops
     have no autograd formula of their own; autograd.Functions call them).
+
+    A traced call gets an empty tensor for a mutated argument left None at its default (the
+    ops read both as "none"): the boxed call drops trailing arguments at their defaults, and
+    some torch releases then fail to trace the op (an IndexError in its version bump).
     """
 
     def wrap(fn):
         op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        params = list(inspect.signature(fn).parameters.values())
+        optional = [(i, p.name) for i, p in enumerate(params)
+                    if p.name in mutates_args and p.default is None]
+
+        def filled(args, kwargs):
+            like = next(a for a in args if isinstance(a, torch.Tensor))
+            args = list(args)
+            for i, key in optional:
+                if i < len(args):
+                    if args[i] is None:
+                        args[i] = like.new_empty(0, dtype=torch.float32)
+                elif kwargs.get(key) is None:
+                    kwargs = {**kwargs, key: like.new_empty(0, dtype=torch.float32)}
+            return args, kwargs
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
             if _plain_eager(args, kwargs):
                 return fn(*args, **kwargs)
+            if optional:
+                args, kwargs = filled(args, kwargs)
             return op(*args, **kwargs)
 
         call.register_fake = op.register_fake
