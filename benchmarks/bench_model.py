@@ -14,7 +14,9 @@ Ours run under three recipes, fp8_delayed (DelayedScaling), fp8_current
     compiled forward, as a user writes it;
   - reduce_overhead: torch.compile(model, mode="reduce-overhead") (inductor's CUDA graphs);
   - cuda_graph (ours only): the whole step (autocast, forward, backward) captured once with
-    torch.cuda.graph after warm-up steps on a side stream, on a static input; replays timed.
+    torch.cuda.graph after warm-up steps on a side stream, on a static input; replays timed;
+  - graphed_modules (ours only): each module of the stack graphed on its own (forward and
+    backward) by te.make_graphed_callables, the step issued eagerly around the replays.
 A step drops the gradients (as optimizer.zero_grad does), runs the forward and the backward of
 loss = out.float().square().mean(). Each case builds a fresh model, and a case that fails
 records its error and the run goes on.
@@ -65,8 +67,8 @@ MODULE_HIDDEN, MODULE_HEADS, MODULE_TOKENS = 256, 2, 16
 STACKS = ("te_mha_mlp", "te_layer", "torch")
 RECIPES = {"fp8_delayed": recipe.DelayedScaling, "fp8_current": recipe.Float8CurrentScaling,
            "bf16": None}
-EXECUTIONS = ("eager", "compile", "reduce_overhead", "cuda_graph")
-CUDA_ONLY = ("reduce_overhead", "cuda_graph")
+EXECUTIONS = ("eager", "compile", "reduce_overhead", "cuda_graph", "graphed_modules")
+CUDA_ONLY = ("reduce_overhead", "cuda_graph", "graphed_modules")
 COMPILED = ("compile", "reduce_overhead")
 # The cases the issue's ratios read: a run short of time measures these first, for every
 # hidden size, and the others after them.
@@ -176,6 +178,18 @@ def capture(step, warmup: int = 3):
     return lambda _=0: graph.replay()
 
 
+def graph_modules(model, x, fp8_recipe) -> None:
+    """te.make_graphed_callables over the stack's modules, each graphed on its own (forward
+    and backward), after one eager step so that delayed scaling starts from real scales."""
+    modules = (tuple(model) if isinstance(model, torch.nn.Sequential) else
+               tuple(m for pair in zip(model.attention, model.mlp, strict=True) for m in pair))
+    make_step(model, model, x, fp8_recipe)()
+    model.zero_grad(set_to_none=True)
+    sample = tuple((torch.randn_like(x).requires_grad_(),) for _ in modules)
+    te.make_graphed_callables(modules, sample, fp8_enabled=fp8_recipe is not None,
+                              fp8_recipe=fp8_recipe)
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -223,6 +237,8 @@ def run_case(stack, recipe_name, execution, shape, device, steps, backend) -> di
     start = time.perf_counter()
     if execution == "cuda_graph":
         step = capture(step)
+    elif execution == "graphed_modules":
+        graph_modules(model, x, fp8_recipe)
     step()
     _sync(device)
     first_step_s = time.perf_counter() - start
@@ -258,7 +274,7 @@ def case_names() -> list[str]:
     for stack in STACKS:
         for recipe_name in (("bf16",) if stack == "torch" else RECIPES):
             for execution in EXECUTIONS:
-                if not (stack == "torch" and execution == "cuda_graph"):
+                if not (stack == "torch" and execution in ("cuda_graph", "graphed_modules")):
                     names.append(f"{stack}/{recipe_name}/{execution}")
     return names
 
@@ -450,7 +466,8 @@ def main(argv: list[str] | None = None) -> Path | None:
                        "causal: te_mha_mlp = te.MultiheadAttention + te.LayerNormMLP with "
                        "residuals, te_layer = te.TransformerLayer, torch = the same blocks "
                        "from torch modules (SDPA); executions eager, compile (inductor), "
-                       "reduce_overhead, cuda_graph (whole step captured, replays timed). "
+                       "reduce_overhead, cuda_graph (whole step captured, replays timed), "
+                       "graphed_modules (te.make_graphed_callables per module). "
                        "median_ms: step time from CUDA events; host_issue_ms: wall time from a "
                        "step's start to its backward's return, issued on an idle GPU, "
                        "median; host_back_to_back_ms: wall time of issuing `steps` steps back "

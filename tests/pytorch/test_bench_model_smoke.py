@@ -42,11 +42,11 @@ def test_tiny_cpu_run_writes_every_case(tmp_path):
     assert env["device"].startswith("cpu") and env["git_commit"] == "test123" and env["date"]
     assert data["config"]["shapes_bsh_heads"] == [[2, 32, 256, 2]]
     rows = {row["case"]: row for row in data["results"]}
-    assert len(rows) == len(data["results"]) == 27  # 2 stacks x 3 recipes x 4 + torch's 3
+    assert len(rows) == len(data["results"]) == 33  # 2 stacks x 3 recipes x 5 + torch's 3
     for name, row in rows.items():
         stack, recipe, execution = name.split("/")
         assert "error" not in row, (name, row["error"])
-        if execution in ("reduce_overhead", "cuda_graph"):
+        if execution in ("reduce_overhead", "cuda_graph", "graphed_modules"):
             assert row["skipped"] == "needs CUDA", name
         elif execution == "compile":
             assert row["skipped"] == "--no-compile", name

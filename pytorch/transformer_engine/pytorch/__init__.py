@@ -25,6 +25,7 @@ from .availability import (
 from .checkpoint import checkpoint
 from .float8_tensor import Float8Tensor
 from .fp8 import autocast, fp8_autocast, fp8_model_init
+from .graphs import make_graphed_callables
 from .inference import InferenceParams
 from .model_init import quantized_model_init
 from .module import (
@@ -50,4 +51,4 @@ __all__ = ["AttentionBackend", "DotProductAttention", "Float8Tensor", "Inference
            "get_attention_backend", "get_cudnn_version", "get_default_recipe",
            "get_device_compute_capability", "is_bf16_available", "is_fp8_available",
            "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available",
-           "quantized_model_init"]
+           "make_graphed_callables", "quantized_model_init"]

@@ -85,6 +85,13 @@ def written_elsewhere(history: Optional[torch.Tensor], column: int) -> None:
         _take_mark(history, column)
 
 
+def written_elsewhere_all(history: torch.Tensor) -> None:
+    """No column of ``history`` waits for a first-step scale any more (its steps run where
+    the rule does not: a CUDA graph's replays)."""
+    if getattr(history, _MARK, None):
+        setattr(history, _MARK, set())
+
+
 def _take_mark(history: torch.Tensor, column: int) -> bool:
     cols = getattr(history, _MARK, None)
     if not cols or column not in cols:

@@ -1,0 +1,168 @@
+"""te.make_graphed_callables: each module's forward and backward as CUDA graphs, FP8 included.
+
+For a model that cannot be captured as one whole step (data-dependent control flow between
+the layers, host work in the loop), graphing the layers one by one still removes their host
+cost: a replay is one launch for the forward and one for the backward, whatever the module
+does inside.
+
+Built on ``torch.cuda.make_graphed_callables`` (the static inputs, the warm-up on a side
+stream, the two graphs per callable and the autograd function that replays them). What FP8
+adds is decided here: each module runs inside its own ``fp8_autocast`` during warm-up and
+capture, so the forward graph holds the module's casts, its amax recording *and* the exit
+update of its forward scales, and the backward graph holds the backward's own update of the
+gradient scales. A replay therefore advances the FP8 state exactly as an eager step of the
+module in its own ``fp8_autocast`` does; the caller's autocast has nothing left to do for it.
+
+Differences from an eager module that follow from replaying a recording:
+- The FP8 state after this call is the one before it: the warm-up runs real forwards and
+  backwards (torch's, with uninitialized output gradients), whose amaxes are not the
+  model's, so every buffer is put back in place once the graphs are made (the parameters and
+  their ``.grad`` are not touched by the warm-up).
+- A replay does not apply delayed scaling's first-step rule (first_step.py): a module that
+  never ran quantizes its first replayed step with the initial scales of 1. Run one eager
+  step before graphing to start from real scales.
+- The recipe, the autocast arguments and the module's train/eval mode are those of the
+  capture. A module in the other mode runs its eager forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import first_step
+from .fp8 import fp8_autocast
+
+_NVIDIA_ONLY = ("_order", "_num_layers_per_chunk", "_reuse_graph_input_output_buffers")
+
+
+class _InAutocast(torch.nn.Module):
+    """``module`` run inside ``fp8_autocast(*autocast_args)``: what torch captures. A module,
+    so that torch passes the wrapped module's parameters to the backward graph."""
+
+    def __init__(self, module: torch.nn.Module, autocast_args: tuple) -> None:
+        super().__init__()
+        self.module = module
+        self._autocast_args = autocast_args
+        # The module's own forward: its `forward` attribute becomes the replay afterwards.
+        self._eager_forward = module.forward
+
+    def forward(self, *args):
+        enabled, calibrating, recipe, group = self._autocast_args
+        with fp8_autocast(enabled=enabled, calibrating=calibrating, fp8_recipe=recipe,
+                          fp8_group=group):
+            return self._eager_forward(*args)
+
+
+def _as_tuples(sample_args, count: int) -> tuple:
+    if count == 1 and isinstance(sample_args, tuple) and all(
+            isinstance(a, torch.Tensor) for a in sample_args):
+        return (sample_args,)
+    if not isinstance(sample_args, (tuple, list)) or len(sample_args) != count or not all(
+            isinstance(a, tuple) for a in sample_args):
+        raise TypeError(f"make_graphed_callables: sample_args must be a tuple of tensors for "
+                        f"one module, or one such tuple per module ({count}), got "
+                        f"{type(sample_args).__name__}")
+    return tuple(sample_args)
+
+
+def _refuse(sample_kwargs, fp8_weight_caching: bool, retain_graph_in_backward: bool,
+            nvidia_only: dict) -> None:
+    if sample_kwargs and any(sample_kwargs if isinstance(sample_kwargs, dict)
+                             else (kw for kw in sample_kwargs if kw)):
+        raise NotImplementedError("make_graphed_callables: sample_kwargs (keyword inputs of "
+                                  "the graphed forward) are not supported; pass the inputs "
+                                  "positionally in sample_args")
+    if fp8_weight_caching:
+        raise NotImplementedError("make_graphed_callables: fp8_weight_caching=True is not "
+                                  "supported (a replay casts the weights to FP8 every time); "
+                                  "only False")
+    if retain_graph_in_backward:
+        raise NotImplementedError("make_graphed_callables: retain_graph_in_backward=True is "
+                                  "not supported; only False")
+    for name, value in nvidia_only.items():
+        if name not in _NVIDIA_ONLY:
+            raise TypeError(f"make_graphed_callables() got an unexpected keyword argument "
+                            f"{name!r}")
+        if value is not None and value is not False:
+            raise NotImplementedError(f"make_graphed_callables: {name} (pipeline-parallel "
+                                      "schedules) is not supported; only its default")
+
+
+def make_graphed_callables(
+    modules, sample_args, num_warmup_iters: int = 3, allow_unused_input: bool = False,
+    sample_kwargs=None, fp8_enabled: bool = False, fp8_calibrating: bool = False,
+    fp8_recipe=None, fp8_group: Any = None, fp8_weight_caching: bool = False,
+    pool: Optional[tuple] = None, retain_graph_in_backward: bool = False, **nvidia_only,
+):
+    """Graphs of each module's forward and backward, FP8 state updates inside them.
+
+    Args:
+        modules: one ``torch.nn.Module`` or a tuple of them (graphed in order, sharing a
+            memory pool: call them in that order).
+        sample_args: a tuple of CUDA tensors for one module, or one tuple per module; the
+            shapes, dtypes and ``requires_grad`` every later call must have.
+        num_warmup_iters: eager forwards and backwards before the capture (the FP8 state
+            is put back after them: see the module docstring).
+        allow_unused_input: as in ``torch.cuda.make_graphed_callables``.
+        fp8_enabled, fp8_calibrating, fp8_recipe, fp8_group: the ``fp8_autocast`` each module
+            runs in, at capture and so at every replay.
+        pool: a memory pool handle (``torch.cuda.graph_pool_handle()``) to share with other
+            graphs.
+
+    Returns the modules (one, or the tuple), whose ``forward`` replays the graphs while the
+    module is in the train/eval mode it was captured in. ``sample_kwargs``,
+    ``fp8_weight_caching=True``, ``retain_graph_in_backward=True`` and NVIDIA's
+    pipeline-schedule arguments raise ``NotImplementedError``.
+    """
+    _refuse(sample_kwargs, fp8_weight_caching, retain_graph_in_backward, nvidia_only)
+    single = isinstance(modules, torch.nn.Module)
+    group = (modules,) if single else tuple(modules)
+    for m in group:
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"make_graphed_callables: modules must be torch.nn.Module "
+                            f"objects, got {type(m).__name__}")
+    args = _as_tuples(sample_args, len(group))
+    for i, sample in enumerate(args):
+        for t in sample:
+            if not (isinstance(t, torch.Tensor) and t.is_cuda):
+                raise ValueError(f"make_graphed_callables: sample_args[{i}] must hold CUDA "
+                                 f"tensors (CUDA graphs), got "
+                                 f"{t.device if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("make_graphed_callables: CUDA graphs need a CUDA device; none is "
+                           "available")
+    autocast_args = (bool(fp8_enabled), bool(fp8_calibrating), fp8_recipe, fp8_group)
+    wrappers = tuple(_InAutocast(m, autocast_args).train(m.training) for m in group)
+    kwargs = {"num_warmup_iters": num_warmup_iters, "allow_unused_input": allow_unused_input}
+    if pool is not None:
+        kwargs["pool"] = pool
+    saved = [(b, b.clone()) for m in group for b in m.buffers()]
+    torch.cuda.make_graphed_callables(wrappers, args, **kwargs)
+    with torch.no_grad():
+        for b, value in saved:  # in place: the graphs hold these very buffers
+            b.copy_(value)
+            first_step.written_elsewhere_all(b)
+    for m, w in zip(group, wrappers, strict=True):
+        _replay_in_mode(m, w)
+    return group[0] if single else group
+
+
+def _replay_in_mode(module: torch.nn.Module, wrapper: _InAutocast) -> None:
+    """Points ``module.forward`` at the wrapper's graphed forward (torch replaced it) while
+    the module is in the train/eval mode of the capture; in the other mode the module runs its
+    own forward, in the caller's autocast."""
+    graphed: Callable = wrapper.forward
+    eager: Callable = wrapper._eager_forward
+    captured = wrapper.training
+
+    def forward(*args, **kwargs):
+        if module.training != captured:
+            return eager(*args, **kwargs)
+        if kwargs:
+            raise TypeError(f"{type(module).__name__} (graphed): the graphed forward takes "
+                            f"its inputs positionally, got keywords {sorted(kwargs)}")
+        return graphed(*args)
+
+    module.forward = forward
