@@ -59,7 +59,7 @@ def _input(kind: str, scale: float = 1.0) -> torch.Tensor:
 def test_replays_equal_eager_steps_with_their_scale_updates(kind, r):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    ok, why = te.is_fp8_available()
+    ok, why = te.is_fp8_available(return_reason=True)
     if not ok:
         pytest.skip(why)
     eager = _modules(kind)
@@ -95,7 +95,7 @@ def test_replays_equal_eager_steps_with_their_scale_updates(kind, r):
 def test_modules_graphed_together_follow_train_and_eval():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    ok, why = te.is_fp8_available()
+    ok, why = te.is_fp8_available(return_reason=True)
     if not ok:
         pytest.skip(why)
     r = recipe.DelayedScaling()

@@ -232,22 +232,46 @@ def _plain_eager(args, kwargs=None) -> bool:
     return True
 
 
-def custom_op(name: str, *, mutates_args=()):
-    """``torch.library.custom_op`` whose eager calls skip the dispatcher.
+# The library every op of the package is defined in (kept alive: dropping it unregisters them).
+_LIBRARIES: dict[str, torch.library.Library] = {}
 
-    Tracing (torch.compile, fake tensors) goes through the registered op, which is what makes
-    the op one graph node with its fake implementation. An eager call with plain tensors runs
-    the same implementation directly: the custom-op machinery costs ~100 us of host time per
-    call, more than the kernels of a small layer, and in eager mode it adds nothing (the ops
-    have no autograd formula of their own; autograd.Functions call them).
+
+def _library(namespace: str) -> torch.library.Library:
+    lib = _LIBRARIES.get(namespace)
+    if lib is None:
+        lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "DEF")
+    return lib
+
+
+def custom_op(name: str, *, mutates_args=()):
+    """A torch operator ``name`` ("namespace::op") over ``fn``, whose eager calls skip the
+    dispatcher.
+
+    Tracing (torch.compile, fake tensors) goes through the registered operator, which is what
+    makes the op one graph node with its fake implementation. An eager call with plain tensors
+    runs the same implementation directly: the dispatcher costs host time per call, more than
+    the kernels of a small layer, and in eager mode it adds nothing (the ops have no autograd
+    formula of their own; autograd.Functions call them).
+
+    The operator is defined with the schema torch infers from ``fn``'s annotations and one
+    kernel for every device (CompositeExplicitAutograd), not with torch.library.custom_op:
+    that adds Python autograd and version-counter layers to every dispatched call (~20 us of
+    host time per op in a compiled graph, which calls every op through the dispatcher), and
+    these ops need neither (no autograd formula; the tensors they write in place are FP8
+    state, never saved for a backward).
 
     A traced call gets an empty tensor for a mutated argument left None at its default (the
     ops read both as "none"): the boxed call drops trailing arguments at their defaults, and
-    some torch releases then fail to trace the op (an IndexError in its version bump).
+    some torch releases then failed to trace the op.
     """
+    namespace, short = name.split("::")
 
     def wrap(fn):
-        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        lib = _library(namespace)
+        schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
+        lib.define(short + schema, tags=(torch.Tag.pt2_compliant_tag,))
+        lib.impl(short, fn, "CompositeExplicitAutograd")
+        op = getattr(getattr(torch.ops, namespace), short).default
         params = list(inspect.signature(fn).parameters.values())
         optional = [(i, p.name) for i, p in enumerate(params)
                     if p.name in mutates_args and p.default is None]
@@ -271,7 +295,11 @@ def custom_op(name: str, *, mutates_args=()):
                 args, kwargs = filled(args, kwargs)
             return op(*args, **kwargs)
 
-        call.register_fake = op.register_fake
+        def register_fake(fake):
+            torch.library.register_fake(name, fake, lib=lib)
+            return fake
+
+        call.register_fake = register_fake
         call.op = op
         return call
 
