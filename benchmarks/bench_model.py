@@ -74,7 +74,7 @@ COMPILED = ("compile", "reduce_overhead")
 # hidden size, and the others after them.
 CORE = {"torch/bf16/compile", "torch/bf16/reduce_overhead",
         *(f"{s}/fp8_delayed/{e}" for s in ("te_mha_mlp", "te_layer")
-          for e in ("eager", "compile", "cuda_graph"))}
+          for e in ("eager", "compile", "cuda_graph", "graphed_modules"))}
 # (ratio name, our execution, torch's execution): our median_ms / torch's (below 1: ours is
 # faster).
 RATIOS = (("eager_over_torch_compiled", "eager", "compile"),
