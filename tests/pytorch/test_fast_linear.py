@@ -398,3 +398,28 @@ def test_steady_entry_follows_a_parametrized_weight(entries):
     parametrize.register_parametrization(m, "weight", Double())
     _forward(m, x, r)
     assert entries["steady"] == 1
+
+
+def test_a_fast_path_that_cannot_load_says_why(monkeypatch):
+    # Never silently slower: a module built for another torch release names both releases.
+    from transformer_engine.pytorch import _compiled
+
+    monkeypatch.delenv("TE_FAST_LINEAR", raising=False)
+    monkeypatch.setattr(torch, "__version__", "2.0.1")
+    mod, why = _compiled._load()
+    assert mod is None
+    if why != "missing":  # (a pure-Python build has no module to load)
+        assert "torch 2.0 is installed" in why and "--no-build-isolation" in why, why
+
+
+def test_a_build_without_the_fast_path_warns_once(monkeypatch):
+    from transformer_engine.pytorch import _compiled
+
+    monkeypatch.setattr(_compiled, "_missing_said", False)
+    with pytest.warns(RuntimeWarning, match="not part of this installation"):
+        _compiled.warn_if_missing()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _compiled.warn_if_missing()  # the second time: nothing

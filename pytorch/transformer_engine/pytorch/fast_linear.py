@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from . import first_step, fp8
+from . import _compiled, first_step, fp8
 from ._compiled import ext as _ext
 from .linear_fn import linear_backward
 from .ops._backend import dtype_code, workspace_for
@@ -47,8 +47,12 @@ def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     and the compiled forward saves one buffer where the Python path saves four); nor a first
     step, whose empty history the Python path scales from the tensors' own amaxes
     (first_step.py)."""
+    if _ext is None:
+        if inp.is_cuda and not torch.compiler.is_compiling():
+            _compiled.warn_if_missing()  # (once)
+        return False
     kind = plan.kind
-    return (_ext is not None and _eager_outside_checkpoint()
+    return (_eager_outside_checkpoint()
             and ((kind == "delayed" and not general_update and history is not None
                   and not first_step.has_empty(history))
                  or (kind == "current" and plan.input_mode == "tensor"))
