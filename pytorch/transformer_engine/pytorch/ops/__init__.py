@@ -1,7 +1,12 @@
 """The custom ops through which the PyTorch package reaches the core (``transformer_engine::``).
 
-Each is a ``torch.library.custom_op`` with a fake implementation, so that torch.compile traces
-it without running it, and takes the CUDA stream from torch, so that CUDA graphs capture it.
+Each is a torch operator with a fake implementation (``_backend.custom_op``), so that
+torch.compile traces it without running it, and takes the CUDA stream from torch, so that CUDA
+graphs capture it.
+
+The same namespace also answers NVIDIA's fusible-operation names (``te.ops.Sequential``,
+``te.ops.Linear``, ...: ``fusible_ops.py``); NVIDIA's other operations raise an error that
+names them.
 """
 
 from .activation import (
@@ -41,3 +46,23 @@ __all__ = ["activation_backward", "activation_backward_fp8", "activation_forward
            "quantize", "quantize_block", "quantize_current", "quantize_delayed",
            "rope_backward", "rope_forward", "scaled_softmax_backward", "scaled_softmax_forward",
            "transpose"]
+
+
+# NVIDIA's te.ops operations that have no counterpart here (fusible_ops.py has the others).
+_NVIDIA_UNSUPPORTED = ("FusibleOperation", "BasicOperation", "FusedOperation", "Quantize",
+                       "AddExtraInput", "AddInPlace", "MakeExtraOutput", "AllGather",
+                       "AllReduce", "ReduceScatter", "L2Normalization", "ClampedSwiGLU",
+                       "GroupedLinear")
+
+
+def __getattr__(name: str):
+    from .. import fusible_ops
+
+    if name in fusible_ops.NAMES:
+        return getattr(fusible_ops, name)
+    if name in _NVIDIA_UNSUPPORTED:
+        raise NotImplementedError(
+            f"te.ops.{name} (NVIDIA's fusible-operation API) is not implemented here; the "
+            f"supported operations are {', '.join(fusible_ops.NAMES)}, or use the modules "
+            "(te.Linear, te.LayerNormLinear, te.LayerNormMLP)")
+    raise AttributeError(f"module 'transformer_engine.pytorch.ops' has no attribute {name!r}")

@@ -1,0 +1,220 @@
+"""``te.ops``' module API, for programs written against NVIDIA's fusible operations.
+
+NVIDIA TE's ``transformer_engine.pytorch.ops`` holds composable operations (``Sequential``,
+``Linear``, ``Bias``, norms, activations) that its ``Sequential`` may fuse. Here they are plain
+modules over this package's: ``Linear`` is te.Linear (FP8 inside ``fp8_autocast``), the norms
+are te.LayerNorm / te.RMSNorm, the activations compute what the core's activations compute, in
+torch ops. ``Sequential`` runs them in order without fusing across them (the numbers are the
+unfused ones; for fused blocks use te.LayerNormLinear and te.LayerNormMLP). NVIDIA's
+operations not listed in ``NAMES`` raise a NotImplementedError naming themselves
+(``ops/__init__.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from .module.layernorm import LayerNorm as _LayerNorm
+from .module.layernorm import RMSNorm as _RMSNorm
+from .module.linear import Linear as _Linear
+
+Device = Union[torch.device, str, None]
+
+
+def _refuse(op: str, **given) -> None:
+    """NVIDIA's distribution keywords, accepted at their defaults only."""
+    for name, value in given.items():
+        if value not in (None, False, 1):
+            raise NotImplementedError(f"te.ops.{op}: {name}={value!r} is not supported here "
+                                      "(only its default); te.Linear's tp_group / "
+                                      "parallel_mode give tensor parallelism")
+
+
+class Sequential(torch.nn.Sequential):
+    """Runs its operations in order (NVIDIA's fuses neighbours; the numbers here are the
+    unfused ones)."""
+
+
+class Linear(_Linear):
+    """``y = x @ weight^T (+ bias)``: te.Linear under NVIDIA's te.ops keywords."""
+
+    _name = "te.ops.Linear"
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
+                 device: Device = None, dtype: Optional[torch.dtype] = None,
+                 tensor_parallel_mode: Optional[str] = None, tensor_parallel_group=None,
+                 sequence_parallel: bool = False, rng_state_tracker_function=None,
+                 accumulate_into_main_grad: bool = False) -> None:
+        _refuse("Linear", tensor_parallel_mode=tensor_parallel_mode,
+                tensor_parallel_group=tensor_parallel_group, sequence_parallel=sequence_parallel,
+                rng_state_tracker_function=rng_state_tracker_function,
+                accumulate_into_main_grad=accumulate_into_main_grad)
+        super().__init__(in_features, out_features, bias, params_dtype=dtype, device=device)
+
+
+class BasicLinear(Linear):
+    """``y = x @ weight^T``: the Linear without a bias."""
+
+    _name = "te.ops.BasicLinear"
+
+    def __init__(self, in_features: int, out_features: int, *, device: Device = None,
+                 dtype: Optional[torch.dtype] = None, **kwargs) -> None:
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype,
+                         **kwargs)
+
+
+class Bias(torch.nn.Module):
+    """``y = x + bias`` over the last dimension (``bias`` [size], zeros at init)."""
+
+    def __init__(self, size: int, *, device: Device = None,
+                 dtype: Optional[torch.dtype] = None, tensor_parallel: bool = False,
+                 tensor_parallel_group=None) -> None:
+        super().__init__()
+        _refuse("Bias", tensor_parallel=tensor_parallel,
+                tensor_parallel_group=tensor_parallel_group)
+        if not isinstance(size, int) or size <= 0:
+            raise ValueError(f"te.ops.Bias: size must be a positive int, got {size!r}")
+        device = torch.device("cuda" if device is None and torch.cuda.is_available()
+                              else device or "cpu")
+        self.bias = torch.nn.Parameter(torch.zeros(size, device=device,
+                                                   dtype=dtype or torch.get_default_dtype()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.bias.shape[0]:
+            raise ValueError(f"te.ops.Bias: input's last dimension must be "
+                             f"{self.bias.shape[0]}, got shape {list(x.shape)}")
+        return x + self.bias.to(x.dtype)
+
+
+class LayerNorm(_LayerNorm):
+    """te.LayerNorm under NVIDIA's te.ops keywords."""
+
+    _name = "te.ops.LayerNorm"
+
+    def __init__(self, normalized_shape, *, eps: float = 1e-5, device: Device = None,
+                 dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
+                 sm_margin: int = 0) -> None:
+        super().__init__(normalized_shape, eps, zero_centered_gamma=zero_centered_gamma,
+                         device=device, dtype=dtype, sm_margin=sm_margin)
+
+
+class RMSNorm(_RMSNorm):
+    """te.RMSNorm under NVIDIA's te.ops keywords."""
+
+    _name = "te.ops.RMSNorm"
+
+    def __init__(self, normalized_shape, *, eps: float = 1e-5, device: Device = None,
+                 dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
+                 sm_margin: int = 0) -> None:
+        super().__init__(normalized_shape, eps, zero_centered_gamma=zero_centered_gamma,
+                         device=device, dtype=dtype, sm_margin=sm_margin)
+
+
+class Identity(torch.nn.Identity):
+    """``y = x``."""
+
+
+class Reshape(torch.nn.Module):
+    """``y = x.reshape(shape)``."""
+
+    def __init__(self, shape) -> None:
+        super().__init__()
+        self.shape = tuple(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(self.shape)
+
+
+class ConstantScale(torch.nn.Module):
+    """``y = scale * x``."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = float(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class Dropout(torch.nn.Dropout):
+    """Dropout with probability ``p`` (training only)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__(p)
+
+
+# The activations, as the core defines them (activation.h): GELU is the tanh approximation,
+# QGELU x * sigmoid(1.702 x), SReLU relu(x)^2; a gated one (GLU) activates the first half of
+# the last dimension and multiplies by the second.
+def _gelu(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def _qgelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _srelu(x):
+    return torch.relu(x).square()
+
+
+class _Activation(torch.nn.Module):
+    fn = staticmethod(torch.relu)
+    gated = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return type(self).fn(x)
+        if x.shape[-1] % 2:
+            raise ValueError(f"te.ops.{type(self).__name__}: a gated activation needs an even "
+                             f"last dimension, got shape {list(x.shape)}")
+        a, b = x.chunk(2, dim=-1)
+        return type(self).fn(a) * b
+
+
+class GELU(_Activation):
+    fn = staticmethod(_gelu)
+
+
+class QGELU(_Activation):
+    fn = staticmethod(_qgelu)
+
+
+class ReLU(_Activation):
+    fn = staticmethod(torch.relu)
+
+
+class SReLU(_Activation):
+    fn = staticmethod(_srelu)
+
+
+class SiLU(_Activation):
+    fn = staticmethod(F.silu)
+
+
+class GEGLU(_Activation):
+    fn, gated = staticmethod(_gelu), True
+
+
+class QGEGLU(_Activation):
+    fn, gated = staticmethod(_qgelu), True
+
+
+class ReGLU(_Activation):
+    fn, gated = staticmethod(torch.relu), True
+
+
+class SReGLU(_Activation):
+    fn, gated = staticmethod(_srelu), True
+
+
+class SwiGLU(_Activation):
+    fn, gated = staticmethod(F.silu), True
+
+
+NAMES = ("Sequential", "Linear", "BasicLinear", "Bias", "LayerNorm", "RMSNorm", "Identity",
+         "Reshape", "ConstantScale", "Dropout", "GELU", "QGELU", "ReLU", "SReLU", "SiLU",
+         "GEGLU", "QGEGLU", "ReGLU", "SReGLU", "SwiGLU")

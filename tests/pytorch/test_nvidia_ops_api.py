@@ -1,0 +1,80 @@
+"""te.ops under NVIDIA's fusible-operation names: the basic operations as modules of this
+package (same numbers as the core's activations and te.Linear), clear errors for the rest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+from transformer_engine.pytorch import ops
+
+# te.ops name -> the core's activation of the same definition
+CORE_ACTIVATIONS = {"GELU": "gelu", "QGELU": "qgelu", "ReLU": "relu", "SReLU": "srelu",
+                    "SiLU": "silu", "GEGLU": "geglu", "SwiGLU": "swiglu", "ReGLU": "reglu"}
+
+
+@pytest.mark.parametrize("name", sorted(CORE_ACTIVATIONS))
+def test_activations_compute_what_the_core_computes(name):
+    x = torch.randn(32, 64, dtype=torch.float32)
+    got = getattr(te.ops, name)()(x)
+    want = ops.activation_forward(x, CORE_ACTIVATIONS[name])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gated_activations_need_an_even_last_dimension():
+    with pytest.raises(ValueError, match="te.ops.SwiGLU: a gated activation needs an even"):
+        te.ops.SwiGLU()(torch.randn(4, 7))
+
+
+def test_linear_is_te_linear_with_nvidia_keywords():
+    torch.manual_seed(0)
+    a = te.ops.Linear(64, 32, device="cpu", dtype=torch.float32)
+    b = te.Linear(64, 32, device="cpu")
+    b.load_state_dict(a.state_dict())
+    assert [n for n, _ in a.named_parameters()] == ["weight", "bias"]
+    assert [n for n, _ in te.ops.BasicLinear(64, 32, device="cpu").named_parameters()] == \
+        ["weight"]
+    x = torch.randn(16, 64)
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+        ya, yb = a(x), b(x)
+    assert torch.equal(ya, yb)
+
+
+def test_sequence_trains_in_fp8_and_names_its_parameters():
+    torch.manual_seed(0)
+    model = te.ops.Sequential(te.ops.LayerNorm(64, device="cpu"),
+                              te.ops.Linear(64, 128, device="cpu"), te.ops.SwiGLU(),
+                              te.ops.BasicLinear(64, 32, device="cpu"),
+                              te.ops.Bias(32, device="cpu"), te.ops.ConstantScale(0.5),
+                              te.ops.Reshape((-1, 4, 8)))
+    x = torch.randn(16, 64, requires_grad=True)
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+        y = model(x)
+    y.float().square().mean().backward()
+    assert y.shape == (16, 4, 8)
+    assert [n for n, _ in model.named_parameters()] == [
+        "0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "4.bias"]
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0
+               for p in model.parameters())
+    # the same chain of plain torch ops, in high precision, is within FP8 error
+    ln, lin1, _, lin2, bias = list(model)[:5]
+    with torch.no_grad():
+        h = torch.nn.functional.layer_norm(x, (64,), ln.weight, ln.bias, 1e-5)
+        h = h @ lin1.weight.T + lin1.bias
+        a, g = h.chunk(2, dim=-1)
+        want = ((torch.nn.functional.silu(a) * g) @ lin2.weight.T + bias.bias) * 0.5
+    rel = float((y.detach().reshape(16, 32) - want).abs().max() / want.abs().max())
+    assert rel < 0.1, rel
+
+
+def test_nvidia_operations_not_here_name_themselves():
+    with pytest.raises(NotImplementedError, match="te.ops.MakeExtraOutput .*not implemented"):
+        te.ops.MakeExtraOutput  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'Bogus'"):
+        te.ops.Bogus  # noqa: B018
+    with pytest.raises(NotImplementedError, match="te.ops.Linear: tensor_parallel_mode"):
+        te.ops.Linear(8, 8, device="cpu", tensor_parallel_mode="column")
+    with pytest.raises(ValueError, match="te.ops.Bias: size must be a positive int"):
+        te.ops.Bias(0, device="cpu")
