@@ -68,12 +68,13 @@ def test_parameters_split_keeps_named_blocks():
         te.Linear(16, 48, device="cpu", parameters_split=("a", "b", "c", "d", "e"))
 
 
-def test_tensor_parallel_arguments_are_accepted_but_not_implemented():
+def test_tensor_parallel_arguments_without_a_group():
     te.Linear(16, 16, device="cpu", tp_size=1, parallel_mode="column")
     with pytest.raises(NotImplementedError, match="tp_size must be 1, got 2"):
         te.Linear(16, 16, device="cpu", tp_size=2)
-    with pytest.raises(NotImplementedError, match="sequence_parallel"):
-        te.Linear(16, 16, device="cpu", sequence_parallel=True)
+    # sequence parallelism splits the activations of a split layer only
+    unsplit = te.Linear(16, 16, device="cpu", sequence_parallel=True)
+    assert not unsplit.sequence_parallel and not hasattr(unsplit.bias, "sequence_parallel")
     with pytest.raises(ValueError, match="parallel_mode must be"):
         te.Linear(16, 16, device="cpu", parallel_mode="diagonal")
 

@@ -56,14 +56,12 @@ def test_four_ranks():
     (dict(tp_group=SizedGroup(3), tp_size=3, parallel_mode="column"), ValueError,
      ["te.Linear", "out_features must be divisible by tp_size=3, got 64"]),
     (dict(tp_size=0), ValueError, ["te.Linear", "tp_size must be a positive int", "0"]),
-    (dict(tp_group=SizedGroup(2), tp_size=2, parallel_mode="row", sequence_parallel=True),
-     NotImplementedError, ["te.Linear", "sequence_parallel=True is not implemented"]),
     (dict(tp_group=SizedGroup(2), tp_size=2, parallel_mode="column",
           parameters_split={"q": 33, "k": 31}), ValueError,
      ["te.Linear", "the size of parameters_split block 'q' must be divisible by tp_size=2",
       "got 33"]),
 ], ids=["mode", "size-mismatch", "size-default", "no-group", "not-a-group", "in-features",
-        "out-features", "size-zero", "sequence-parallel", "split-block"])
+        "out-features", "size-zero", "split-block"])
 def test_bad_arguments_are_refused(kwargs, error, words):
     with pytest.raises(error) as info:
         te.Linear(32, 64, device="cpu", **kwargs)

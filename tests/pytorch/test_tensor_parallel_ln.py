@@ -47,8 +47,6 @@ def test_four_ranks():
     (dict(tp_group=SizedGroup(2), tp_size=2, parallel_mode="row"), NotImplementedError,
      ["te.LayerNormLinear", "parallel_mode='row' is not implemented", "full input features",
       "parallel_mode='column'"]),
-    (dict(tp_group=SizedGroup(2), tp_size=2, parallel_mode="column", sequence_parallel=True),
-     NotImplementedError, ["te.LayerNormLinear", "sequence_parallel=True is not implemented"]),
     (dict(tp_group=SizedGroup(3), tp_size=3, parallel_mode="column"), ValueError,
      ["te.LayerNormLinear", "out_features must be divisible by tp_size=3, got 64"]),
     (dict(tp_group=SizedGroup(2), tp_size=4, parallel_mode="column"), ValueError,
@@ -57,7 +55,7 @@ def test_four_ranks():
      ["te.LayerNormLinear", "without a tp_group", "tp_size must be 1, got 2"]),
     (dict(parallel_mode="diagonal"), ValueError,
      ["te.LayerNormLinear", "parallel_mode", "'diagonal'"]),
-], ids=["row", "sequence-parallel", "out-features", "size-mismatch", "no-group", "mode"])
+], ids=["row", "out-features", "size-mismatch", "no-group", "mode"])
 def test_layernorm_linear_bad_arguments(kwargs, error, words):
     with pytest.raises(error) as info:
         te.LayerNormLinear(32, 64, device="cpu", **kwargs)
@@ -76,12 +74,10 @@ def test_layernorm_linear_bad_arguments(kwargs, error, words):
      ["te.LayerNormMLP", "without a tp_group", "tp_size must be 1, got 2"]),
     (dict(tp_group=object(), tp_size=2, set_parallel_mode=True), TypeError,
      ["te.LayerNormMLP", "tp_group must be a torch.distributed ProcessGroup"]),
-    (dict(tp_group=SizedGroup(2), tp_size=2, set_parallel_mode=True, sequence_parallel=True),
-     NotImplementedError, ["te.LayerNormMLP", "sequence_parallel=True is not implemented"]),
     (dict(tp_group=SizedGroup(2), tp_size=2, set_parallel_mode="column"), TypeError,
      ["te.LayerNormMLP", "set_parallel_mode must be a bool", "'column'"]),
 ], ids=["ffn", "size-mismatch", "size-default", "no-group", "not-a-group",
-        "sequence-parallel", "mode-not-bool"])
+        "mode-not-bool"])
 def test_layernorm_mlp_bad_arguments(kwargs, error, words):
     with pytest.raises(error) as info:
         te.LayerNormMLP(32, 64, device="cpu", **kwargs)

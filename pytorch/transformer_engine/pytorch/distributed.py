@@ -7,6 +7,15 @@ the input's gradient is the sum of every rank's partial gradient (all-reduce in 
 backward). A row-parallel layer (``parallel_mode="row"``) holds a slice of the input features:
 its output is a partial sum, all-reduced in the forward; the output's gradient is already
 whole on every rank (nothing in the backward).
+
+Sequence parallelism (``sequence_parallel=True``, Megatron's scheme) keeps the activations
+between the parallel regions split along their first dimension (the sequence of an sbhd
+tensor): a column-parallel layer all-gathers its input along that dimension (its gradient is
+reduce-scattered back), a row-parallel layer reduce-scatters its partial output instead of
+all-reducing it (its gradient is all-gathered). Parameters applied to a sequence shard (a
+row-parallel bias, the norm of a block that gathers its input) then get a gradient from that
+shard only: as in NVIDIA's modules they carry ``param.sequence_parallel = True``, and the
+caller sums their gradients over the group (Megatron's finalize step does).
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["copy_to_tensor_parallel", "gradient_on_first_rank", "reduce_from_tensor_parallel"]
+__all__ = ["copy_to_tensor_parallel", "gather_from_sequence_parallel", "gradient_on_first_rank",
+           "reduce_from_tensor_parallel", "reduce_scatter_to_sequence_parallel"]
 
 PARALLEL_MODES = (None, "column", "row")
 
@@ -28,6 +38,80 @@ def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
     out = t.contiguous().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
+
+
+def _gather_first_dim(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's ``t`` concatenated along dimension 0, in rank order."""
+    import torch.distributed as dist
+
+    t = t.contiguous()
+    out = t.new_empty((t.shape[0] * dist.get_world_size(group), *t.shape[1:]))
+    dist.all_gather_into_tensor(out, t, group=group)
+    return out
+
+
+def _reduce_scatter_first_dim(t: torch.Tensor, group: Any, op: str) -> torch.Tensor:
+    """The sum over the ranks of ``t``, this rank's share of dimension 0."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    if t.dim() == 0 or t.shape[0] % size:
+        raise ValueError(f"{op}: sequence parallelism splits the first dimension over the "
+                         f"{size} ranks, so it must be divisible by {size}, got shape "
+                         f"{list(t.shape)}")
+    t = t.contiguous()
+    out = t.new_empty((t.shape[0] // size, *t.shape[1:]))
+    # (reduce_scatter_single is the newer name; older releases have only the other)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, t, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    """All-gather along dimension 0 in the forward; reduce-scatter of the gradient."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _gather_first_dim(inp, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_first_dim(grad, ctx.group, "sequence parallelism"), None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    """Reduce-scatter along dimension 0 in the forward; all-gather of the gradient."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, group: Any, op: str) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_first_dim(inp, group, op)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_first_dim(grad, ctx.group), None, None
+
+
+def gather_from_sequence_parallel(inp: torch.Tensor, group: Any) -> torch.Tensor:
+    """The input of a column-parallel layer under sequence parallelism: every rank's shard of
+    the first dimension, gathered; its gradient is summed over ``group`` and split again."""
+    return _GatherFromSequenceParallel.apply(inp, group)
+
+
+def reduce_scatter_to_sequence_parallel(inp: torch.Tensor, group: Any,
+                                        op: str = "sequence parallelism") -> torch.Tensor:
+    """The output of a row-parallel layer under sequence parallelism: the sum over ``group``
+    of every rank's ``inp``, this rank's share of the first dimension (``op`` names the layer
+    in the error for a dimension the ranks cannot share)."""
+    return _ReduceScatterToSequenceParallel.apply(inp, group, op)
+
+
+def mark_sequence_parallel(*params) -> None:
+    """Marks parameters whose gradient comes from this rank's sequence shard only."""
+    for p in params:
+        if p is not None:
+            p.sequence_parallel = True
 
 
 class _CopyToTensorParallel(torch.autograd.Function):

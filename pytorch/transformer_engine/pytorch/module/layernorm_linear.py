@@ -74,12 +74,21 @@ def fp8_input(op: str, inp: torch.Tensor) -> torch.Tensor:
     return inp
 
 
-def parallel_norm_inputs(inp: torch.Tensor, norm: tuple, group) -> tuple:
+def parallel_norm_inputs(inp: torch.Tensor, norm: tuple, group, sequence: bool = False
+                         ) -> tuple:
     """The input and the norm's (gamma, beta) of a block whose first GEMM is column-parallel.
     Each rank's GEMM gives only its share of the gradient of the norm's output, and the norm's
     backward is linear in that gradient: so each rank's input, gamma and beta gradients are
     shares too, summed over the ranks in the backward (the fused FP8 functions run the norm's
-    backward themselves, so the sum cannot come between the GEMM and the norm)."""
+    backward themselves, so the sum cannot come between the GEMM and the norm).
+
+    Under sequence parallelism (``sequence``) the input is this rank's shard of the first
+    dimension: it is gathered (its gradient shares reduce-scattered back), and gamma's and
+    beta's shares are left to the caller's sum over the group, as their
+    ``sequence_parallel`` mark asks (distributed.py). The norm then runs on the gathered
+    input on every rank, so the fused block stays one function."""
+    if sequence:
+        return distributed.gather_from_sequence_parallel(inp, group), norm
     grad = torch.is_grad_enabled()
 
     def copy(t):
@@ -151,9 +160,6 @@ class LayerNormLinear(_LinearBase):
                  parallel_mode: Optional[str] = None, sequence_parallel: bool = False,
                  fuse_wgrad_accumulation: bool = False, name: Optional[str] = None) -> None:
         tp = distributed.check_tensor_parallel(self._name, tp_group, tp_size, parallel_mode)
-        if sequence_parallel:
-            raise NotImplementedError(f"{self._name}: sequence_parallel=True is not "
-                                      "implemented yet (parallel_mode 'column' is)")
         if tp > 1 and parallel_mode == "row":
             # Each rank would hold a slice of the input features, but the norm needs all of
             # them: it would have to gather the input first.
@@ -174,6 +180,11 @@ class LayerNormLinear(_LinearBase):
         register_norm_params(self, int(in_features), cfg, dtype, device)
         self._setup_linear(in_features, out_features, bias, params_dtype, device, init_method,
                            parameters_split, parallel_mode if tp > 1 else None, tp_group, tp)
+        # (no effect unless the layer is split)
+        self.sequence_parallel = bool(sequence_parallel) and tp > 1
+        if self.sequence_parallel:
+            distributed.mark_sequence_parallel(self.layer_norm_weight,
+                                               getattr(self, "layer_norm_bias", None))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, normalization={self.normalization}, eps={self.cfg.eps}"
@@ -213,11 +224,13 @@ class LayerNormLinear(_LinearBase):
         if state.enabled:
             inp = fp8_input(self._name, inp)
             check_fp8_shape(inp, self.in_features, weight.shape[0], self._name)
-            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group)
+            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group,
+                                             self.sequence_parallel)
             out = self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch,
                                     fp8_output, norm)
         else:
-            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group)
+            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group,
+                                             self.sequence_parallel)
             out = self._hp_forward(inp, weight, gemm_bias, state, norm)
         ln_out = None
         if self.cfg.return_ln_out:

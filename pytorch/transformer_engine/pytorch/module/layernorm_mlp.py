@@ -112,7 +112,11 @@ class LayerNormMLP(FP8Module):
             block's values). In FP8 the GEMMs are local; pass ``fp8_group=tp_group`` to
             :func:`fp8_autocast` so that delayed scaling gives every rank the same scales.
             ``set_parallel_mode=False``: not split.
-        sequence_parallel, fuse_wgrad_accumulation: not implemented (refused).
+        sequence_parallel: with ``set_parallel_mode``, the input and output are this rank's
+            shard of the first dimension (te.Linear): the input is gathered before the norm,
+            the output reduce-scattered; the norm's parameters and FC2's bias are marked
+            ``sequence_parallel`` for the caller's gradient sum over the group.
+        fuse_wgrad_accumulation: not implemented (refused).
 
     Returns ``output``, then FC2's bias when ``return_bias``, then the norm's output when
     ``return_layernorm_output``.
@@ -150,9 +154,6 @@ class LayerNormMLP(FP8Module):
         # FC1's mode stands for the pair (FC2 is then row-parallel).
         tp = distributed.check_tensor_parallel(self._name, tp_group, tp_size,
                                                "column" if set_parallel_mode else None)
-        if sequence_parallel:
-            raise NotImplementedError(f"{self._name}: sequence_parallel=True is not "
-                                      "implemented yet (set_parallel_mode=True is)")
         check_unsupported(None, 1, None, False, fuse_wgrad_accumulation, self._name)
         check_sizes(self._name, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         if tp > 1:
@@ -187,6 +188,12 @@ class LayerNormMLP(FP8Module):
             for p, dim in ((self.fc1_weight, 0), (self.fc1_bias, 0), (self.fc2_weight, 1)):
                 if p is not None:
                     p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+        # (no effect unless the block is split)
+        self.sequence_parallel = bool(sequence_parallel) and tp > 1
+        if self.sequence_parallel:  # applied to sequence shards: the caller sums them
+            distributed.mark_sequence_parallel(self.layer_norm_weight,
+                                               getattr(self, "layer_norm_bias", None),
+                                               self.fc2_bias)
 
     @property
     def tp_group(self):
@@ -247,16 +254,19 @@ class LayerNormMLP(FP8Module):
             inp = fp8_input(self._name, inp)
             # The GEMMs' feature dimensions are the local ones.
             check_fp8_shape(inp, self.hidden_size, self.fc2_weight.shape[1], self._name)
-            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group)
+            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group,
+                                             self.sequence_parallel)
             out = self._fp8_forward(inp, None, state.recipe, is_first_microbatch, norm)
         else:
-            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group)
+            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group,
+                                             self.sequence_parallel)
             out = self._hp_forward(inp, None, state, norm)
         ln_out = None
         if self.cfg.return_ln_out:
             out, ln_out = out
             ln_out = parallel_ln_out(ln_out, group)
-        out = distributed.reduce_from_tensor_parallel(out, group)
+        out = (distributed.reduce_scatter_to_sequence_parallel(out, group, self._name)
+               if self.sequence_parallel else distributed.reduce_from_tensor_parallel(out, group))
         if self.fc2_bias is not None and not self.return_bias:
             out = out + self.fc2_bias.to(out.dtype)
         result = (out,) + ((self.fc2_bias,) if self.return_bias else ()) + \

@@ -225,7 +225,11 @@ class Linear(_LinearBase):
             delayed scaling gives every rank the same scales. With ``parameters_split``, a
             column layer splits each named block over the ranks (a rank holds its rows of
             each). ``parallel_mode=None`` (or tp_size 1): not split.
-        sequence_parallel: not implemented (refused).
+        sequence_parallel: with ``parallel_mode``, activations outside the layer are split
+            along their first dimension over the group (distributed.py): a column-parallel
+            layer gathers its input, a row-parallel one reduce-scatters its output (and its
+            bias, applied to a shard, is marked ``sequence_parallel`` for the caller's
+            gradient sum). No effect on a layer that is not split.
         fuse_wgrad_accumulation: accumulating wgrad into ``main_grad``; not implemented.
 
     Example:
@@ -243,16 +247,17 @@ class Linear(_LinearBase):
                  parallel_mode: Optional[str] = None, sequence_parallel: bool = False,
                  fuse_wgrad_accumulation: bool = False, name: Optional[str] = None) -> None:
         tp = distributed.check_tensor_parallel(self._name, tp_group, tp_size, parallel_mode)
-        if sequence_parallel:
-            raise NotImplementedError(f"{self._name}: sequence_parallel=True is not "
-                                      "implemented yet (parallel_mode 'column' and 'row' are)")
         check_unsupported(None, 1, parallel_mode, False, fuse_wgrad_accumulation, self._name)
         device = _default_device(device)
         super().__init__(device)
         self.return_bias, self.name = return_bias, name
         self.parallel_mode = parallel_mode
+        # (no effect unless the layer is split: a replicated layer sees whole activations)
+        self.sequence_parallel = bool(sequence_parallel) and tp > 1
         self._setup_linear(in_features, out_features, bias, params_dtype, device, init_method,
                            parameters_split, parallel_mode if tp > 1 else None, tp_group, tp)
+        if self.sequence_parallel and parallel_mode == "row":
+            distributed.mark_sequence_parallel(self._parameters.get("bias"))
 
     # ------------------------------------------------------------------ forward
 
@@ -315,8 +320,11 @@ class Linear(_LinearBase):
                              f"input must have {local_in} ({what}) as its last dimension, got "
                              f"shape {list(inp.shape)}")
         check_device(self._name, "input", inp, weight)
+        sequence = self.sequence_parallel
         if column:
-            if torch.is_grad_enabled() and inp.requires_grad:
+            if sequence:  # this rank's shard of the first dimension: gather the whole
+                inp = distributed.gather_from_sequence_parallel(inp, self.tp_group)
+            elif torch.is_grad_enabled() and inp.requires_grad:
                 inp = distributed.copy_to_tensor_parallel(inp, self.tp_group)
             gemm_bias = None if self.return_bias else bias
         else:
@@ -326,7 +334,9 @@ class Linear(_LinearBase):
             check_fp8_shape(inp, local_in, weight.shape[0], self._name)
         out = self._gemm(inp, weight, gemm_bias, state, is_first_microbatch, fp8_output)
         if not column:
-            out = distributed.reduce_from_tensor_parallel(out, self.tp_group)
+            out = (distributed.reduce_scatter_to_sequence_parallel(out, self.tp_group,
+                                                                   self._name) if sequence
+                   else distributed.reduce_from_tensor_parallel(out, self.tp_group))
             if bias is not None and not self.return_bias:
                 out = out + bias.to(out.dtype)
         return (out, bias) if self.return_bias else out
