@@ -22,7 +22,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .. import fp8
+from .. import distributed, fp8
 from ..checkpoint import checkpoint
 from ..float8_tensor import to_high_precision
 from ..rope import apply_rotary_pos_emb
@@ -80,8 +80,15 @@ class MultiheadAttention(torch.nn.Module):
             Biases start at 0.
         layer_number: this block's key in an InferenceParams cache (default 1).
         attn_mask_type, window_size: as DotProductAttention (forward may override them).
-        tp_group, tp_size, sequence_parallel, fuse_wgrad_accumulation, set_parallel_mode,
-            get_rng_state_tracker: tensor parallelism; only one rank is implemented.
+        tp_group, tp_size, set_parallel_mode: tensor parallelism over ``tp_group`` (with
+            ``set_parallel_mode=True``): each rank holds num_gqa_groups / tp_size key/value
+            groups and their query heads (QKV projection column-parallel) and its slice of
+            the output projection (row-parallel); the output is whole on every rank.
+        sequence_parallel: with tensor parallelism, hidden_states and the output are this
+            rank's shard of the first dimension (docs/distributed.md).
+        get_rng_state_tracker: with tensor parallelism and attention dropout, the dropout
+            runs in its ``fork()`` (Megatron-LM's per-rank stream).
+        fuse_wgrad_accumulation: not implemented (refused).
         num_gqa_groups: key/value heads (GQA; 1 is MQA); default num_attention_heads.
         params_dtype, device: of the parameters (device default: the current CUDA device when
             there is one, else the CPU).
@@ -142,9 +149,10 @@ class MultiheadAttention(torch.nn.Module):
                  attention_backend: Optional[str] = None) -> None:
         super().__init__()
         op = "te.MultiheadAttention"
-        # As in NVIDIA TE, sequence parallelism only acts with tensor parallelism.
-        check_unsupported(tp_group, tp_size, None, sequence_parallel and tp_size > 1,
-                          fuse_wgrad_accumulation, op)
+        tp = self._check_tensor_parallel(op, tp_group, tp_size, set_parallel_mode,
+                                         num_attention_heads, num_gqa_groups, qk_norm_type,
+                                         fuse_qkv_params, qkv_weight_interleaved)
+        check_unsupported(None, 1, None, False, fuse_wgrad_accumulation, op)
         refuse_unsupported(op, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
                            ub_bulk_wgrad=ub_bulk_wgrad, softmax_type=softmax_type)
@@ -190,38 +198,52 @@ class MultiheadAttention(torch.nn.Module):
         self.rotary_pos_interleaved = rotary_pos_interleaved
         self.get_rng_state_tracker = get_rng_state_tracker
         self.set_parallel_mode = set_parallel_mode
+        # Tensor parallelism: each rank holds num_gqa_groups / tp key/value groups with their
+        # query heads (the QKV projection column-parallel, whole groups per rank: _heads.py)
+        # and its slice of the output projection's input features (row-parallel).
+        self.tp_size = tp
+        self.sequence_parallel = bool(sequence_parallel) and tp > 1
+        self.num_attention_heads_per_partition = self.num_attention_heads // tp
+        self._local_groups = self.num_gqa_groups // tp
+        self._attention_dropout = float(attention_dropout)
         common = dict(bias=bias, params_dtype=params_dtype, device=device)
+        parallel = dict(tp_group=tp_group, tp_size=tp, sequence_parallel=self.sequence_parallel)
+        column = dict(parallel, parallel_mode="column") if tp > 1 else {}
+        row = dict(parallel, parallel_mode="row") if tp > 1 else {}
         hq, hkv = self.num_attention_heads * self.head_dim, self.num_gqa_groups * self.head_dim
         norm = dict(normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                     return_layernorm_output=return_layernorm_output)
         if attention_type == "self":
-            split = None if fuse_qkv_params else OrderedDict(
+            qkv_split = None if fuse_qkv_params else OrderedDict(
                 (("query", hq), ("key", hkv), ("value", hkv)))
             if input_layernorm:
                 self.layernorm_qkv = LayerNormLinear(
                     hidden_size, hq + 2 * hkv, layernorm_epsilon, init_method=init_method,
-                    parameters_split=split, **norm, **common)
+                    parameters_split=qkv_split, **norm, **common, **column)
             else:
                 self.qkv = Linear(hidden_size, hq + 2 * hkv, init_method=init_method,
-                                  parameters_split=split, **common)
+                                  parameters_split=qkv_split, **common, **column)
         else:
             if input_layernorm:
                 self.layernorm_query = LayerNormLinear(
                     hidden_size, hq, layernorm_epsilon, init_method=init_method,
-                    parameters_split=None if fuse_qkv_params else ("query",), **norm, **common)
+                    parameters_split=None if fuse_qkv_params else ("query",), **norm, **common,
+                    **column)
             else:
-                self.query_layer = Linear(hidden_size, hq, init_method=init_method, **common)
+                self.query_layer = Linear(hidden_size, hq, init_method=init_method, **common,
+                                          **column)
             self.key_value = Linear(hidden_size, 2 * hkv, init_method=init_method,
                                     parameters_split=None if fuse_qkv_params else
-                                    ("key", "value"), **common)
+                                    ("key", "value"), **common, **column)
         self.core_attention = DotProductAttention(
-            num_attention_heads, kv_channels, num_gqa_groups=groups,
+            self.num_attention_heads_per_partition, kv_channels,
+            num_gqa_groups=self._local_groups,
             attention_dropout=attention_dropout, qkv_format=qkv_format,
             attn_mask_type=attn_mask_type, window_size=window_size,
             layer_number=self.layer_number, attention_type=attention_type,
             attention_backend=attention_backend, device=device)
         self.proj = Linear(hq, hidden_size, init_method=output_layer_init_method,
-                           return_bias=return_bias, **common)
+                           return_bias=return_bias, **common, **row)
         zero_biases(self)
         self.qk_norm_type, self.qk_norm_eps = qk_norm_type, float(qk_norm_eps)
         self.qk_norm_before_rope = qk_norm_before_rope
@@ -285,7 +307,7 @@ class MultiheadAttention(torch.nn.Module):
         ln_out = None
         if self.return_layernorm_output:
             projected, ln_out = projected
-        g, d = self.num_gqa_groups, self.head_dim
+        g, d = self._local_groups, self.head_dim
         if self.attention_type == "self":
             q, k, v = split_heads(projected, g, self._parts, d, self.qkv_weight_interleaved)
         else:
@@ -319,6 +341,9 @@ class MultiheadAttention(torch.nn.Module):
                 and recompute.recording is None and not recompute.replaying):
             o = checkpoint(self.core_attention, q, k, v, qkv_format=layout,
                            get_rng_state_tracker=self.get_rng_state_tracker, **attend)
+        elif self._forks_rng():
+            with self.get_rng_state_tracker().fork():
+                o = self.core_attention(q, k, v, qkv_format=layout, **attend)
         else:
             o = self.core_attention(q, k, v, qkv_format=layout, **attend)
         if layout != self.qkv_format:  # a cached sbhd step attended in bshd
@@ -327,6 +352,42 @@ class MultiheadAttention(torch.nn.Module):
         if ln_out is None:
             return out
         return (*out, ln_out) if isinstance(out, tuple) else (out, ln_out)
+
+    def _forks_rng(self) -> bool:
+        """Whether attention dropout draws from the tensor-parallel RNG tracker's stream (a
+        split block with a tracker: each rank's heads get their own dropout masks, and the
+        default generator stays in step across the ranks, as in Megatron-LM)."""
+        return (self.tp_size > 1 and self.get_rng_state_tracker is not None and self.training
+                and self._attention_dropout > 0)
+
+    @staticmethod
+    def _check_tensor_parallel(op, tp_group, tp_size, set_parallel_mode, heads, groups,
+                               qk_norm_type, fuse_qkv_params, interleaved) -> int:
+        """The number of ranks the block is split over (1: not split), after the checks that
+        tensor parallelism adds."""
+        tp = distributed.check_tensor_parallel(op, tp_group, tp_size,
+                                               "column" if set_parallel_mode else None)
+        if tp_size > 1 and not set_parallel_mode:
+            raise NotImplementedError(
+                f"{op}: tp_size={tp_size} needs set_parallel_mode=True (the QKV projection "
+                "column-parallel, the output projection row-parallel); a block replicated on "
+                "every rank of a group is not implemented")
+        if tp == 1:
+            return 1
+        groups = heads if groups is None else groups
+        for name, value in (("num_attention_heads", heads), ("num_gqa_groups", groups)):
+            distributed.check_divisible(op, name, value, tp)
+        if qk_norm_type in ("RMSNorm", "LayerNorm"):
+            raise NotImplementedError(
+                f"{op}: qk_norm_type={qk_norm_type!r} with tensor parallelism is not "
+                "implemented (its weights would get a share of their gradient on each rank); "
+                "use 'L2Normalization' or None")
+        if fuse_qkv_params and not interleaved:
+            raise NotImplementedError(
+                f"{op}: fuse_qkv_params=True with qkv_weight_interleaved=False and tensor "
+                "parallelism is not implemented (a rank's rows of [q | k | v] would not hold "
+                "whole key/value groups); use qkv_weight_interleaved=True")
+        return tp
 
     def _norm_qk(self, q, k):
         """qk_norm_type over each head's features of q and k."""

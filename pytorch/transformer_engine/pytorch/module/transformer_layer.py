@@ -49,11 +49,15 @@ class TransformerLayer(torch.nn.Module):
             ``causal`` (default), ``padding``, ``no_mask``, ``arbitrary``, ``padding_causal``,
             ``causal_bottom_right``, ``padding_causal_bottom_right``; sliding window.
         enc_dec_attn_mask_type, enc_dec_window_size: the same for cross attention.
-        tp_group, tp_size, sequence_parallel, set_parallel_mode, get_rng_state_tracker,
-            fuse_wgrad_accumulation, ub_*: tensor parallelism, communication overlap and
-            wgrad fusion; accepted for compatibility, anything but one rank and no overlap
-            raises NotImplementedError (``get_rng_state_tracker`` is handed to the attention
-            recompute of ``checkpoint_core_attention``).
+        tp_group, tp_size, set_parallel_mode, sequence_parallel, get_rng_state_tracker:
+            tensor parallelism (with ``set_parallel_mode=True``): the attention blocks split
+            their heads and the MLP its hidden features over ``tp_group``, as
+            te.MultiheadAttention and te.LayerNormMLP do; with ``sequence_parallel`` the
+            layer's input and output are this rank's shard of the first dimension
+            (docs/distributed.md). ``get_rng_state_tracker``'s ``fork()`` holds the attention
+            dropout of a split layer (and the recompute of ``checkpoint_core_attention``).
+        fuse_wgrad_accumulation, ub_*: wgrad fusion and communication overlap; accepted for
+            compatibility, anything but their defaults raises NotImplementedError.
         params_dtype, device: of the parameters (device default: the current CUDA device when
             there is one, else the CPU).
         seq_length, micro_batch_size, name: accepted; unused.
@@ -120,9 +124,11 @@ class TransformerLayer(torch.nn.Module):
                  attention_backend: Optional[str] = None) -> None:
         super().__init__()
         op = "te.TransformerLayer"
-        # As in NVIDIA TE, sequence parallelism only acts with tensor parallelism.
-        check_unsupported(tp_group, tp_size, None, sequence_parallel and tp_size > 1,
-                          fuse_wgrad_accumulation, op)
+        # The blocks split themselves; the layer's checks first, in the layer's name.
+        MultiheadAttention._check_tensor_parallel(
+            op, tp_group, tp_size, set_parallel_mode, num_attention_heads, num_gqa_groups,
+            qk_norm_type, fuse_qkv_params, qkv_weight_interleaved)
+        check_unsupported(None, 1, None, False, fuse_wgrad_accumulation, op)
         # The ub_* switches only act with ub_tp_comm_overlap (their defaults are True).
         refuse_unsupported(op, ub_tp_comm_overlap=ub_tp_comm_overlap)
         check_sizes(op, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
@@ -153,6 +159,7 @@ class TransformerLayer(torch.nn.Module):
         attention = dict(
             layer_number=layer_number, num_gqa_groups=num_gqa_groups, params_dtype=params_dtype,
             get_rng_state_tracker=get_rng_state_tracker, set_parallel_mode=set_parallel_mode,
+            tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel,
             fuse_qkv_params=fuse_qkv_params, zero_centered_gamma=zero_centered_gamma,
             qkv_weight_interleaved=qkv_weight_interleaved, bias=bias,
             normalization=normalization, device=device, qkv_format=attn_input_format,
@@ -176,7 +183,8 @@ class TransformerLayer(torch.nn.Module):
             activation=activation, zero_centered_gamma=zero_centered_gamma,
             return_layernorm_output=post, params_dtype=params_dtype, device=device,
             init_method=init_method, output_layer_init_method=output_layer_init_method,
-            set_parallel_mode=set_parallel_mode,
+            set_parallel_mode=set_parallel_mode, tp_group=tp_group, tp_size=tp_size,
+            sequence_parallel=sequence_parallel,
             name=None if name is None else name + ".layernorm_mlp")
         with torch.no_grad():  # NVIDIA TE's MLP biases start at 0 too
             for p in (self.layernorm_mlp.fc1_bias, self.layernorm_mlp.fc2_bias):
@@ -184,7 +192,9 @@ class TransformerLayer(torch.nn.Module):
                     p.zero_()
         if output_layernorm:
             norm = LayerNorm if normalization == "LayerNorm" else RMSNorm
+            # (on a sequence shard under sequence parallelism: marked for the caller's sum)
             self.layernorm = norm(hidden_size, layernorm_epsilon,
+                                  sequence_parallel=self.self_attention.sequence_parallel,
                                   zero_centered_gamma=zero_centered_gamma,
                                   params_dtype=params_dtype, device=device)
         # Stochastic depth drops whole samples: the batch dimension of the layout.
