@@ -96,11 +96,6 @@ class FP8Module(torch.nn.Module):
     """Base of te modules: delayed-scaling buffers of ``num_gemms`` GEMMs, the extra state
     that saves them, and the FP8 copies of the weights."""
 
-    # History columns (by buffer) that no delayed-scaling cast of this module ever writes:
-    # not marked as waiting for a first-step scale (first_step.py), so a module whose every
-    # used column has been written is done with the rule.
-    _UNWRITTEN: dict[str, tuple[int, ...]] = {}
-
     def __init__(self, device: torch.device, history_len: int | None = None,
                  num_gemms: int = 1) -> None:
         super().__init__()
@@ -130,8 +125,7 @@ class FP8Module(torch.nn.Module):
             columns = per_gemm * self._num_gemms
             if kind == "history":
                 t = torch.zeros(history_len, columns, dtype=torch.float32, device=device)
-                never = self._UNWRITTEN.get(name, ())
-                first_step.mark_empty(t, [c for c in range(columns) if c not in never])
+                first_step.mark_empty(t)
             else:
                 t = torch.ones(columns, dtype=torch.float32, device=device)
             self.register_buffer(name, t, persistent=False)
@@ -319,14 +313,13 @@ class FP8Module(torch.nn.Module):
             # buffers by address (ops.quantize_delayed).
             if name.startswith("amax_history"):  # columns as new (first_step.py): a first step
                 scale = state.get(name.replace("amax_history", "scale"))
-                never = self._UNWRITTEN.get(name, ())
-                empty = [c for c in range(columns) if c not in never and not bool(t[:, c].any())
+                empty = [c for c in range(columns) if not bool(t[:, c].any())
                          and (scale is None or float(scale[c]) == 1.0)]
             t = t.to(device, torch.float32).clone(memory_format=torch.contiguous_format)
             if name.startswith("amax_history"):
                 first_step.mark_empty(t, empty)
                 counts[0] += len(empty)
-                counts[1] += columns - len(never)
+                counts[1] += columns
             self.register_buffer(name, t, persistent=False)
         self._recipe_summary = dict(state.get("recipe", {}))
         self._fp8_recipe = None  # the loaded history may not fit the recipe in use
