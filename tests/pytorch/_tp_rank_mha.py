@@ -97,6 +97,24 @@ def check(kind, sequence=False, r=None, kw=None):
     assert attention.num_attention_heads_per_partition == HEADS // WORLD, what
 
 
+def check_dropout_draws_from_the_tracker():
+    """A split block's attention dropout runs in the tracker's fork: the default generator
+    (the same on every rank) does not move, the rank's own stream does, and the ranks' masks
+    differ."""
+    tracker = te.distributed.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 1000 + RANK)
+    torch.manual_seed(0)
+    par = te.MultiheadAttention(H, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.5,
+                                input_layernorm=True, device="cpu", tp_group=GROUP,
+                                tp_size=WORLD, set_parallel_mode=True,
+                                get_rng_state_tracker=lambda: tracker)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
+    before, stream = torch.get_rng_state(), tracker.get_states()["model-parallel-rng"]
+    par(x)
+    assert torch.equal(torch.get_rng_state(), before), "the default generator moved"
+    assert not torch.equal(tracker.get_states()["model-parallel-rng"], stream), "no draw"
+
+
 def check_refusals():
     import pytest  # only its raises()
 
@@ -127,6 +145,7 @@ if __name__ == "__main__":
     case(check, "TransformerLayer", False, None, dict(fuse_qkv_params=True,
                                                       output_layernorm=True))
     case(check, "TransformerLayer", True, None, dict(output_layernorm=True))
+    case(check_dropout_draws_from_the_tracker)
     case(check_refusals)
     dist.destroy_process_group()
     if failures:

@@ -24,7 +24,11 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["copy_to_tensor_parallel", "gather_from_sequence_parallel", "gradient_on_first_rank",
+from .rng_tracker import CudaRNGStatesTracker
+
+# (and ``checkpoint``, te.checkpoint under NVIDIA's path, made on first use: see the end)
+__all__ = ["CudaRNGStatesTracker", "copy_to_tensor_parallel",
+           "gather_along_first_dim", "gather_from_sequence_parallel", "gradient_on_first_rank",
            "reduce_from_tensor_parallel", "reduce_scatter_to_sequence_parallel"]
 
 PARALLEL_MODES = (None, "column", "row")
@@ -105,6 +109,16 @@ def reduce_scatter_to_sequence_parallel(inp: torch.Tensor, group: Any,
     of every rank's ``inp``, this rank's share of the first dimension (``op`` names the layer
     in the error for a dimension the ranks cannot share)."""
     return _ReduceScatterToSequenceParallel.apply(inp, group, op)
+
+
+def gather_along_first_dim(inp: torch.Tensor, process_group: Any, async_op: bool = False
+                           ) -> tuple[torch.Tensor, None]:
+    """NVIDIA's helper: every rank's ``inp`` concatenated along dimension 0 (in rank order),
+    and None for the work handle (the gather completes before it returns)."""
+    if async_op:
+        raise NotImplementedError("gather_along_first_dim: async_op=True is not supported; "
+                                  "the gather completes before the call returns")
+    return _gather_first_dim(inp, process_group), None
 
 
 def mark_sequence_parallel(*params) -> None:
@@ -230,3 +244,13 @@ def check_divisible(op: str, name: str, value: int, tp_size: int) -> int:
     if value % tp_size:
         raise ValueError(f"{op}: {name} must be divisible by tp_size={tp_size}, got {value}")
     return value // tp_size
+
+
+def __getattr__(name: str):
+    # te.checkpoint under NVIDIA's path, imported on first use (it imports the modules, which
+    # import this one).
+    if name == "checkpoint":
+        from .checkpoint import checkpoint
+
+        return checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
