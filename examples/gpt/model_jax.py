@@ -37,6 +37,8 @@ RECIPES = {
     "block": lambda: recipe.Float8BlockScaling(),
 }
 _NORMS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
+# te.TransformerLayer's default initialization (PyTorch), used for the Flax layers too.
+_INIT_STD = 0.023
 # TE's activations by the PyTorch names; a pair is a gated unit (act(x W1) * (x W2)).
 _ACTIVATIONS = {"gelu": ("gelu",), "swiglu": ("silu", "linear")}
 
@@ -74,6 +76,13 @@ class GPT(nn.Module):
                 attention_dropout=0.0, intermediate_dropout=0.0, self_attn_mask_type="causal",
                 enable_relative_embedding=False, enable_rotary_pos_emb=True,
                 transpose_batch_sequence=False, dtype=self.dtype,
+                # The PyTorch model's attention and initialization (te.TransformerLayer's
+                # defaults), not Flax's: logits scaled by 1/sqrt(head_dim), kernels
+                # N(0, 0.023^2). Flax's defaults (unscaled logits with a scaled query init,
+                # fan-in kernels) train this model to a clearly higher loss.
+                scale_attn_logits=True, scaled_query_init=False,
+                mha_kernel_init=nn.initializers.normal(_INIT_STD),
+                mlp_kernel_init=nn.initializers.normal(_INIT_STD),
                 name=f"layer_{i}")(x, deterministic=True, decode=decode)
         # fp32 norm parameters (the module's default dtype); it computes in x's dtype.
         x = te_flax.LayerNorm(layernorm_type=_NORMS[size.normalization], name="norm")(x)
