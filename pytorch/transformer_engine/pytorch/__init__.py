@@ -31,6 +31,7 @@ from .model_init import quantized_model_init
 from .module import (
     AttentionBackend,
     DotProductAttention,
+    GroupedLinear,
     LayerNorm,
     LayerNormLinear,
     LayerNormMLP,
@@ -44,7 +45,8 @@ from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionBackend", "DotProductAttention", "Float8Tensor", "InferenceParams",
+__all__ = ["AttentionBackend", "DotProductAttention", "Float8Tensor", "GroupedLinear",
+           "InferenceParams",
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "__version__",
            "apply_rotary_pos_emb", "autocast", "checkpoint", "fp8_autocast", "fp8_model_init",

@@ -1,6 +1,7 @@
 """te modules."""
 
 from .attention import AttentionBackend, DotProductAttention, get_attention_backend
+from .grouped_linear import GroupedLinear
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
@@ -8,6 +9,7 @@ from .linear import Linear
 from .multihead_attention import MultiheadAttention
 from .transformer_layer import TransformerLayer
 
-__all__ = ["AttentionBackend", "DotProductAttention", "LayerNorm", "LayerNormLinear",
+__all__ = ["AttentionBackend", "DotProductAttention", "GroupedLinear", "LayerNorm",
+           "LayerNormLinear",
            "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm", "TransformerLayer",
            "get_attention_backend"]

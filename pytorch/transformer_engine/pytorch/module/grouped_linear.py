@@ -1,0 +1,132 @@
+"""GroupedLinear: ``num_gemms`` linear layers applied to consecutive row groups of one input
+(the experts of a mixture-of-experts layer, their tokens sorted by expert).
+
+Each group is its own te.Linear (``gemms[i]``): its FP8 state, its weight and bias, its fast
+path. NVIDIA TE runs the groups as one grouped GEMM; here they run one after the other, so the
+numbers are exactly those of separate te.Linear layers and the host time grows with
+``num_gemms``. NVIDIA's parameter names (``weight0``, ``bias0``, ...) are attributes of the
+module and the keys of its ``state_dict``, so checkpoints carry over both ways.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from ._checks import check_sizes
+from .linear import Linear, _default_device
+
+__all__ = ["GroupedLinear"]
+
+_OURS = "gemms."  # the state_dict prefix of the submodules' entries
+
+
+class GroupedLinear(torch.nn.Module):
+    """``out[rows of group i] = inp[rows of group i] @ weight{i}^T + bias{i}``.
+
+    Args (NVIDIA TE's):
+        num_gemms: number of groups (and of weights).
+        in_features, out_features: as te.Linear, the same for every group.
+        bias, return_bias, params_dtype, device, init_method: as te.Linear, for each group
+            (``return_bias``: the output without the biases, then the list of biases).
+        sequence_parallel, fuse_wgrad_accumulation, tp_group, tp_size, parallel_mode,
+            get_rng_state_tracker, rng_tracker_name, ub_*, delay_wgrad_compute,
+            save_original_input: accepted at their defaults; other values raise
+            NotImplementedError (no tensor parallelism for the groups here).
+
+    ``forward(inp, m_splits, is_first_microbatch=None)``: ``inp`` [sum(m_splits), in_features]
+    (a leading shape is flattened), ``m_splits`` the rows of each group in order.
+    """
+
+    _name = "te.GroupedLinear"
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int,
+                 sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
+                 tp_group=None, tp_size: int = 1, get_rng_state_tracker=None,
+                 rng_tracker_name: Optional[str] = None,
+                 init_method: Optional[Callable[[torch.Tensor], None]] = None,
+                 bias: bool = True, return_bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, parallel_mode: Optional[str] = None,
+                 device: Union[torch.device, str, None] = None, ub_overlap_rs: bool = False,
+                 ub_overlap_ag: bool = False, ub_name: Optional[str] = None,
+                 delay_wgrad_compute: bool = False, save_original_input: bool = False,
+                 name: Optional[str] = None) -> None:
+        super().__init__()
+        op = self._name
+        check_sizes(op, num_gemms=num_gemms)
+        defaults = {"sequence_parallel": (sequence_parallel, False),
+                    "fuse_wgrad_accumulation": (fuse_wgrad_accumulation, False),
+                    "tp_group": (tp_group, None), "tp_size": (tp_size, 1),
+                    "parallel_mode": (parallel_mode, None),
+                    "ub_overlap_rs": (ub_overlap_rs, False),
+                    "ub_overlap_ag": (ub_overlap_ag, False),
+                    "delay_wgrad_compute": (delay_wgrad_compute, False),
+                    "save_original_input": (save_original_input, False)}
+        for arg, (value, default) in defaults.items():
+            if value != default:
+                raise NotImplementedError(f"{op}: {arg}={value!r} is not supported here (only "
+                                          f"{default!r}); the groups are not split over ranks")
+        device = _default_device(device)
+        self.num_gemms = int(num_gemms)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.return_bias, self.use_bias, self.name = return_bias, bias, name
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
+        self.gemms = torch.nn.ModuleList(
+            Linear(in_features, out_features, bias, return_bias=return_bias,
+                   params_dtype=params_dtype, device=device, init_method=init_method)
+            for _ in range(self.num_gemms))
+        self._register_state_dict_hook(_to_nvidia_names)
+        self._register_load_state_dict_pre_hook(_from_nvidia_names)
+
+    def __getattr__(self, name: str):
+        # weight{i} / bias{i}: NVIDIA's names of the groups' parameters
+        for kind in ("weight", "bias"):
+            if name.startswith(kind) and name[len(kind):].isdigit():
+                i = int(name[len(kind):])
+                gemms = self._modules["gemms"]
+                if i < len(gemms):
+                    return getattr(gemms[i], kind)
+        return super().__getattr__(name)
+
+    def forward(self, inp: torch.Tensor, m_splits: Sequence[int],
+                is_first_microbatch: Optional[bool] = None):
+        op = self._name
+        splits = [int(m) for m in m_splits]
+        if len(splits) != self.num_gemms or any(m < 0 for m in splits):
+            raise ValueError(f"{op}: m_splits must be {self.num_gemms} non-negative row "
+                             f"counts, got {list(m_splits)}")
+        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
+            raise ValueError(f"{op}: input must have in_features={self.in_features} as its last "
+                             f"dimension, got shape {list(inp.shape)}")
+        rows = inp.reshape(-1, self.in_features)
+        if sum(splits) != rows.shape[0]:
+            raise ValueError(f"{op}: m_splits must add up to the input's {rows.shape[0]} rows, "
+                             f"got {splits} (sum {sum(splits)})")
+        outs, biases = [], []
+        for gemm, part in zip(self.gemms, torch.split(rows, splits), strict=True):
+            y = gemm(part, is_first_microbatch)
+            if self.return_bias:
+                y, b = y
+                biases.append(b)
+            outs.append(y)
+        out = torch.cat(outs).view(*inp.shape[:-1], self.out_features)
+        return (out, biases) if self.return_bias else out
+
+
+def _to_nvidia_names(module, state_dict, prefix, local_metadata):
+    """gemms.{i}.weight -> weight{i} (bias likewise); each group's FP8 state keeps its key."""
+    for key in [k for k in state_dict if k.startswith(prefix + _OURS)]:
+        index, _, rest = key[len(prefix + _OURS):].partition(".")
+        if rest in ("weight", "bias"):
+            state_dict[f"{prefix}{rest}{index}"] = state_dict.pop(key)
+    return state_dict
+
+
+def _from_nvidia_names(state_dict, prefix, local_metadata, strict, missing_keys,
+                       unexpected_keys, error_msgs):
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix):]
+        for kind in ("weight", "bias"):
+            if rest.startswith(kind) and rest[len(kind):].isdigit():
+                state_dict[f"{prefix}{_OURS}{rest[len(kind):]}.{kind}"] = state_dict.pop(key)

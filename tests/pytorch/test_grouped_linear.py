@@ -1,0 +1,72 @@
+"""te.GroupedLinear: each row group through its own te.Linear, bit for bit, under every recipe;
+NVIDIA's parameter names and state_dict keys; its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+
+RECIPES = {"bf16": None, "delayed": recipe.DelayedScaling(), "current":
+           recipe.Float8CurrentScaling(), "block": recipe.Float8BlockScaling()}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_groups_equal_separate_linears(name):
+    r = RECIPES[name]
+    torch.manual_seed(0)
+    grouped = te.GroupedLinear(3, 64, 32, device="cpu")
+    singles = []
+    for i in range(3):
+        lin = te.Linear(64, 32, device="cpu")
+        lin.load_state_dict({"weight": getattr(grouped, f"weight{i}").detach(),
+                             "bias": getattr(grouped, f"bias{i}").detach()}, strict=False)
+        singles.append(lin)
+    splits = [40, 0, 24]  # an empty group too
+    x = torch.randn(64, 64)
+    xg, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with te.fp8_autocast(enabled=r is not None, fp8_recipe=r):
+        y = grouped(xg, splits)
+        ys = torch.cat([m(p) for m, p in zip(singles, torch.split(xs, splits), strict=True)])
+    assert torch.equal(y, ys)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    (ys * g).sum().backward()
+    assert torch.equal(xg.grad, xs.grad)
+    for i, m in enumerate(singles):
+        assert torch.equal(getattr(grouped, f"weight{i}").grad, m.weight.grad)
+        assert torch.equal(getattr(grouped, f"bias{i}").grad, m.bias.grad)
+
+
+def test_nvidia_state_dict_keys_round_trip():
+    a = te.GroupedLinear(2, 16, 8, device="cpu")
+    sd = a.state_dict()
+    assert {"weight0", "weight1", "bias0", "bias1"} <= set(sd)
+    assert not any(k.startswith("gemms.") and k.endswith(("weight", "bias")) for k in sd)
+    b = te.GroupedLinear(2, 16, 8, device="cpu")
+    b.load_state_dict(sd)
+    assert torch.equal(b.weight1, a.weight1) and torch.equal(b.bias0, a.bias0)
+
+
+def test_return_bias_and_leading_dimensions():
+    m = te.GroupedLinear(2, 16, 8, device="cpu", return_bias=True)
+    out, biases = m(torch.randn(2, 5, 16), [6, 4])
+    assert out.shape == (2, 5, 8) and [b is getattr(m, f"bias{i}") for i, b in
+                                       enumerate(biases)] == [True, True]
+
+
+def test_bad_inputs_name_the_module_and_argument():
+    m = te.GroupedLinear(2, 16, 8, device="cpu")
+    with pytest.raises(ValueError, match=r"te.GroupedLinear: m_splits must add up to the "
+                                         r"input's 10 rows, got \[3, 3\]"):
+        m(torch.randn(10, 16), [3, 3])
+    with pytest.raises(ValueError, match="m_splits must be 2 non-negative row counts"):
+        m(torch.randn(10, 16), [10])
+    with pytest.raises(ValueError, match="in_features=16"):
+        m(torch.randn(10, 15), [5, 5])
+    with pytest.raises(NotImplementedError, match="te.GroupedLinear: tp_size=2"):
+        te.GroupedLinear(2, 16, 8, device="cpu", tp_size=2)
+    with pytest.raises(ValueError, match="num_gemms"):
+        te.GroupedLinear(0, 16, 8, device="cpu")
