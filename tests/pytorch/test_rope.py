@@ -215,7 +215,10 @@ def test_bad_arguments_are_refused(fused):
     t = torch.randn(4, 2, 2, 8)
     freqs = te.RotaryPositionEmbedding(8)(4)
     with pytest.raises(NotImplementedError, match="context parallelism"):
-        te.apply_rotary_pos_emb(t, freqs, fused=fused, cp_size=2, cp_rank=1)
+        te.apply_rotary_pos_emb(t.reshape(8, 2, 8), freqs, "thd", fused=fused, cp_size=2,
+                                cp_rank=1, cu_seqlens=torch.tensor([0, 4, 8]))
+    with pytest.raises(ValueError, match="cp_rank in"):
+        te.apply_rotary_pos_emb(t, freqs, fused=fused, cp_size=2, cp_rank=2)
     with pytest.raises(ValueError, match="apply_rotary_pos_emb: tensor_format"):
         te.apply_rotary_pos_emb(t, freqs, "sbdh", fused=fused)
     with pytest.raises(ValueError, match="freqs must have at least the sequence length 6"):
@@ -332,3 +335,19 @@ def test_math_is_exact_for_quarter_turns():
         y = te.apply_rotary_pos_emb(t, freqs, fused=fused).double().flatten()
         torch.testing.assert_close(y, torch.stack((torch.cos(a), torch.sin(a))), rtol=0,
                                    atol=2.0**-24)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_context_parallel_chunks_take_their_positions(fused):
+    # Rank r of cp holds chunks r and 2cp-1-r: its rotation equals those rows of the whole
+    # sequence's.
+    cp, s = 2, 16
+    t = torch.randn(s, 2, 2, 8)
+    freqs = te.RotaryPositionEmbedding(8)(s)
+    whole = te.apply_rotary_pos_emb(t, freqs, fused=fused)
+    c = s // (2 * cp)
+    for rank in range(cp):
+        rows = list(range(rank * c, (rank + 1) * c)) + list(
+            range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c))
+        got = te.apply_rotary_pos_emb(t[rows], freqs, fused=fused, cp_size=cp, cp_rank=rank)
+        assert torch.equal(got, whole[rows])

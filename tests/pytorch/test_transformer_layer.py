@@ -650,5 +650,5 @@ def test_bad_forward_arguments_are_refused():
         _layer()(_data(), core_attention_bias_type="alibi")
     with pytest.raises(ValueError, match="hidden_size"):
         _layer()(torch.randn(B, S, HIDDEN + 1))
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        _layer().set_context_parallel_group(None, [0], None)
+    with pytest.raises(ValueError, match="cp_comm_type must be one of"):
+        _layer().set_context_parallel_group(None, [0], None, "ring")

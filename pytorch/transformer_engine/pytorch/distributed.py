@@ -44,7 +44,7 @@ def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
-def _gather_first_dim(t: torch.Tensor, group: Any) -> torch.Tensor:
+def gather_first_dim(t: torch.Tensor, group: Any) -> torch.Tensor:
     """Every rank's ``t`` concatenated along dimension 0, in rank order."""
     import torch.distributed as dist
 
@@ -54,7 +54,7 @@ def _gather_first_dim(t: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
-def _reduce_scatter_first_dim(t: torch.Tensor, group: Any, op: str) -> torch.Tensor:
+def reduce_scatter_first_dim(t: torch.Tensor, group: Any, op: str) -> torch.Tensor:
     """The sum over the ranks of ``t``, this rank's share of dimension 0."""
     import torch.distributed as dist
 
@@ -77,11 +77,11 @@ class _GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        return _gather_first_dim(inp, group)
+        return gather_first_dim(inp, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_first_dim(grad, ctx.group, "sequence parallelism"), None
+        return reduce_scatter_first_dim(grad, ctx.group, "sequence parallelism"), None
 
 
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
@@ -90,11 +90,11 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp: torch.Tensor, group: Any, op: str) -> torch.Tensor:
         ctx.group = group
-        return _reduce_scatter_first_dim(inp, group, op)
+        return reduce_scatter_first_dim(inp, group, op)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _gather_first_dim(grad, ctx.group), None, None
+        return gather_first_dim(grad, ctx.group), None, None
 
 
 def gather_from_sequence_parallel(inp: torch.Tensor, group: Any) -> torch.Tensor:
@@ -118,7 +118,7 @@ def gather_along_first_dim(inp: torch.Tensor, process_group: Any, async_op: bool
     if async_op:
         raise NotImplementedError("gather_along_first_dim: async_op=True is not supported; "
                                   "the gather completes before the call returns")
-    return _gather_first_dim(inp, process_group), None
+    return gather_first_dim(inp, process_group), None
 
 
 def mark_sequence_parallel(*params) -> None:

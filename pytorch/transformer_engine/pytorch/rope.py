@@ -110,9 +110,9 @@ def _check(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str, cu_seqlens,
            start_positions) -> torch.Tensor:
     """The angles as a matrix [rows, rot_dim], after checking every argument."""
     op = "apply_rotary_pos_emb"
-    if cp_size != 1:
-        raise NotImplementedError(f"{op}: cp_size must be 1 (context parallelism is not "
-                                  f"supported yet), got {cp_size}")
+    if cp_size != 1 and (tensor_format == "thd" or start_positions is not None):
+        raise NotImplementedError(f"{op}: context parallelism (cp_size={cp_size}) takes "
+                                  "tensor_format 'sbhd' or 'bshd' without start_positions")
     if tensor_format not in TENSOR_FORMATS:
         raise ValueError(f"{op}: tensor_format must be one of {TENSOR_FORMATS}, "
                          f"got {tensor_format!r}")
@@ -236,7 +236,9 @@ def apply_rotary_pos_emb(
             which is the reference the fused path is tested against.
         cu_seqlens: for ``"thd"``, the int32/int64 offsets [batch + 1] of the packed sequences;
             each sequence's tokens take positions 0, 1, ...
-        cp_size, cp_rank: context parallelism; only ``cp_size == 1`` is supported.
+        cp_size, cp_rank: context parallelism (sbhd and bshd): ``t`` holds this rank's chunks
+            ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of the sequence, ``freqs`` the whole
+            sequence's angles (as te.DotProductAttention's ``cp_group`` splits it).
         start_positions: optional integer [batch]: token ``i`` of sequence ``b`` takes
             position ``start_positions[b] + i`` (decoding with a KV cache). ``freqs`` must
             have a row for every position used.
@@ -244,7 +246,23 @@ def apply_rotary_pos_emb(
     Returns:
         A tensor of ``t``'s shape and dtype; the arithmetic runs in float32.
     """
-    del cp_rank  # Only meaningful with context parallelism, which _check refuses.
+    if not isinstance(cp_size, int) or cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"apply_rotary_pos_emb: cp_size must be a positive int and cp_rank in "
+                         f"[0, cp_size), got cp_size={cp_size!r}, cp_rank={cp_rank!r}")
+    if cp_size > 1 and tensor_format in ("sbhd", "bshd"):
+        # t holds this rank's chunks cp_rank and 2*cp_size-1-cp_rank of the sequence
+        # (context_parallel.py): their rows of the whole sequence's angles.
+        seq = t.shape[0 if tensor_format == "sbhd" else 1]
+        if seq % 2:
+            raise ValueError(f"apply_rotary_pos_emb: under context parallelism t holds two "
+                             f"equal chunks of the sequence, so an even length, got {seq}")
+        c = seq // 2
+        first, second = cp_rank, 2 * cp_size - 1 - cp_rank
+        if freqs.shape[0] < (second + 1) * c:
+            raise ValueError(f"apply_rotary_pos_emb: freqs must cover the whole sequence "
+                             f"({2 * cp_size * c} positions) under context parallelism, got "
+                             f"{freqs.shape[0]}")
+        freqs = torch.cat([freqs[first * c:(first + 1) * c], freqs[second * c:(second + 1) * c]])
     freqs2d = _check(t, freqs, tensor_format, cu_seqlens, cp_size, start_positions)
     if fused:
         if t.dtype not in _FUSED_DTYPES:

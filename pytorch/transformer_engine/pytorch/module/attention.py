@@ -319,7 +319,8 @@ class DotProductAttention(FP8Module):
                  softmax_scale: Optional[float] = None, layer_number: Optional[int] = None,
                  attention_type: str = "self", deterministic: bool = False,
                  attention_backend: Optional[str] = None,
-                 device: Union[torch.device, str, None] = None) -> None:
+                 device: Union[torch.device, str, None] = None, *, cp_group=None,
+                 cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p") -> None:
         dims = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
         groups = num_gqa_groups if num_gqa_groups is not None else num_attention_heads
         if len(dims) != 2:
@@ -349,6 +350,25 @@ class DotProductAttention(FP8Module):
         self.layer_number, self.attention_type = layer_number, attention_type
         self.deterministic = deterministic
         self.attention_backend = attention_backend
+        self._cp = None
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
+                                   cp_comm_type: str = "p2p") -> None:
+        """Splits the sequence over ``cp_group`` (context_parallel.py; None or a group of one
+        rank: not split). ``cp_global_ranks`` and ``cp_stream`` are accepted and unused (the
+        gather runs on the current stream); every ``cp_comm_type`` computes the same rows,
+        with the all-gather of k and v."""
+        from ..context_parallel import ContextParallel
+
+        if cp_group is None:
+            if cp_comm_type not in ("p2p", "all_gather", "a2a", "a2a+p2p"):
+                raise ValueError(f"DotProductAttention: cp_comm_type must be one of 'p2p', "
+                                 f"'all_gather', 'a2a', 'a2a+p2p', got {cp_comm_type!r}")
+            self._cp = None
+            return
+        cp = ContextParallel(cp_group, cp_comm_type)
+        self._cp = cp if cp.size > 1 else None
 
     def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
                 qkv_format=None, cu_seqlens_q=None, cu_seqlens_kv=None,
@@ -391,12 +411,33 @@ class DotProductAttention(FP8Module):
         args = (query, key, value, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
                 max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size, attention_backend)
         recompute = _fp8.RECOMPUTE
+        attend = self._attend if self._cp is None else self._attend_context_parallel
         # Inside a checkpoint of an enclosing block attention is recomputed already (and
         # checkpoints do not nest).
         if (checkpoint_core_attention and torch.is_grad_enabled()
                 and recompute.recording is None and not recompute.replaying):
-            return checkpoint(self._attend, *args)
-        return self._attend(*args)
+            return checkpoint(attend, *args)
+        return attend(*args)
+
+    def _attend_context_parallel(self, query, key, value, attention_mask, qkv_format,
+                                 cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                 attn_mask_type, window_size, attention_backend):
+        """This rank's rows of attention over the sequence split across the group."""
+        from ..context_parallel import attend
+
+        window = window_size if window_size is not None else self.window_size
+        if (attention_mask is not None or cu_seqlens_q is not None or cu_seqlens_kv is not None
+                or window not in (None, (-1, -1), (-1, 0))):
+            raise NotImplementedError("DotProductAttention: context parallelism takes no "
+                                      "attention_mask, cu_seqlens or sliding window here")
+
+        def one(q, k, v, mask, layout):
+            return self._attend(q, k, v, None, layout, None, None, None, None, mask, None,
+                                attention_backend)
+
+        layout = qkv_format or self.qkv_format
+        return attend(one, self._cp, query, key, value, layout,
+                      attn_mask_type or self.attn_mask_type, (layout,))
 
     def _attend(self, query, key, value, attention_mask, qkv_format, cu_seqlens_q,
                 cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,

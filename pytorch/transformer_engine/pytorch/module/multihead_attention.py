@@ -353,6 +353,14 @@ class MultiheadAttention(torch.nn.Module):
             return out
         return (*out, ln_out) if isinstance(out, tuple) else (out, ln_out)
 
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
+                                   cp_comm_type: str = "p2p") -> None:
+        """Splits the sequence over ``cp_group`` (DotProductAttention's): hidden_states and
+        the output are this rank's two chunks of the sequence (context_parallel.py), and
+        rotary angles given for the whole sequence are taken at the chunks' positions."""
+        self.core_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream,
+                                                       cp_comm_type)
+
     def _forks_rng(self) -> bool:
         """Whether attention dropout draws from the tensor-parallel RNG tracker's stream (a
         split block with a tracker: each rank's heads get their own dropout masks, and the
@@ -406,8 +414,10 @@ class MultiheadAttention(torch.nn.Module):
             if offset:
                 seq = q.shape[0] if self.qkv_format == "sbhd" else q.shape[1]
                 q_freqs, k_freqs = (f[offset:offset + seq] for f in (q_freqs, k_freqs))
+        cp = self.core_attention._cp  # this rank's chunks of the sequence: their angles
         kw = dict(tensor_format=self.qkv_format, interleaved=self.rotary_pos_interleaved,
-                  fused=True, start_positions=start)
+                  fused=True, start_positions=start, cp_size=1 if cp is None else cp.size,
+                  cp_rank=0 if cp is None else cp.rank)
         return (apply_rotary_pos_emb(q, q_freqs, cu_seqlens=cu_seqlens_q, **kw),
                 apply_rotary_pos_emb(k, k_freqs, cu_seqlens=cu_seqlens_kv, **kw))
 

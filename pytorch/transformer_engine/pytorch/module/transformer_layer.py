@@ -204,11 +204,15 @@ class TransformerLayer(torch.nn.Module):
         """Accepted for compatibility: only a group of one rank (no tensor parallelism)."""
         check_unsupported(tp_group, 1, None, False, False, "te.TransformerLayer")
 
-    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
                                    cp_comm_type: str = "p2p") -> None:
-        """Context parallelism is not implemented yet."""
-        raise NotImplementedError("te.TransformerLayer: context parallelism "
-                                  "(set_context_parallel_group) is not implemented yet")
+        """Splits the sequence over ``cp_group`` in the attention blocks
+        (te.MultiheadAttention's): the layer's input and output are this rank's two chunks of
+        the sequence (context_parallel.py)."""
+        for name in ("self_attention", "inter_attention"):
+            if name in self._modules:
+                self._modules[name].set_context_parallel_group(cp_group, cp_global_ranks,
+                                                               cp_stream, cp_comm_type)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 self_attn_mask_type: Optional[str] = None, window_size=None,
