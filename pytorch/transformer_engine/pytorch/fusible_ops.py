@@ -17,6 +17,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from .module._deferred_init import DeferredInit
 from .module.layernorm import LayerNorm as _LayerNorm
 from .module.layernorm import RMSNorm as _RMSNorm
 from .module.linear import Linear as _Linear
@@ -66,7 +67,7 @@ class BasicLinear(Linear):
                          **kwargs)
 
 
-class Bias(torch.nn.Module):
+class Bias(DeferredInit, torch.nn.Module):
     """``y = x + bias`` over the last dimension (``bias`` [size], zeros at init)."""
 
     def __init__(self, size: int, *, device: Device = None,

@@ -23,6 +23,7 @@ from transformer_engine.common.recipe import DelayedScaling, Recipe
 from .. import first_step, fp8
 from ..float8_tensor import Float8Tensor
 from ..quantization import Operand, Plan, plan_of, quantize
+from ._deferred_init import DeferredInit
 
 EXTRA_STATE_VERSION = 1
 # name -> (kind, columns per GEMM)
@@ -92,7 +93,7 @@ def fp8_weight_param(t: torch.Tensor, plan_of) -> torch.nn.Parameter:
                                                     scaling_mode=plan.weight_mode))
 
 
-class FP8Module(torch.nn.Module):
+class FP8Module(DeferredInit, torch.nn.Module):
     """Base of te modules: delayed-scaling buffers of ``num_gemms`` GEMMs, the extra state
     that saves them, and the FP8 copies of the weights."""
 

@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ._checks import check_sizes
+from ._deferred_init import DeferredInit
 from .linear import Linear, _default_device
 
 __all__ = ["GroupedLinear"]
@@ -22,7 +23,7 @@ __all__ = ["GroupedLinear"]
 _OURS = "gemms."  # the state_dict prefix of the submodules' entries
 
 
-class GroupedLinear(torch.nn.Module):
+class GroupedLinear(DeferredInit, torch.nn.Module):
     """``out[rows of group i] = inp[rows of group i] @ weight{i}^T + bias{i}``.
 
     Args (NVIDIA TE's):

@@ -84,8 +84,11 @@ class _Norm(torch.nn.Module):
             p.sequence_parallel = self.sequence_parallel
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """weight = 1 (0 with zero_centered_gamma, which stores g - 1), bias = 0."""
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """weight = 1 (0 with zero_centered_gamma, which stores g - 1), bias = 0
+        (``defer_init=True``: nothing, NVIDIA's argument for a later call)."""
+        if defer_init:
+            return
         with torch.no_grad():
             self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
             if self.bias is not None:

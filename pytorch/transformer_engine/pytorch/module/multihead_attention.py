@@ -27,6 +27,7 @@ from ..checkpoint import checkpoint
 from ..float8_tensor import to_high_precision
 from ..rope import apply_rotary_pos_emb
 from ._checks import check_device, check_params_dtype, check_sizes
+from ._deferred_init import DeferredInit
 from ._heads import split_heads
 from .attention import DotProductAttention, _runs_fp8, refuse_forward_args
 from .layernorm import LayerNorm, RMSNorm
@@ -66,7 +67,7 @@ def zero_biases(module: torch.nn.Module) -> None:
                 p.zero_()
 
 
-class MultiheadAttention(torch.nn.Module):
+class MultiheadAttention(DeferredInit, torch.nn.Module):
     """Self- or cross-attention with its projections, in FP8 under :func:`fp8_autocast`.
 
     Args (in NVIDIA Transformer Engine's order):

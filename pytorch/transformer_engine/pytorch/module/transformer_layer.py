@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_device, check_params_dtype, check_sizes
+from ._deferred_init import DeferredInit
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_mlp import LayerNormMLP, check_activation
 from .linear import _default_device, check_unsupported
@@ -30,7 +31,7 @@ _LAYER_TYPES = ("encoder", "decoder")
 _FORMATS = ("sbhd", "bshd", "thd")
 
 
-class TransformerLayer(torch.nn.Module):
+class TransformerLayer(DeferredInit, torch.nn.Module):
     """A transformer layer with NVIDIA Transformer Engine's arguments (same names, order and
     defaults), in FP8 under :func:`fp8_autocast`.
 
