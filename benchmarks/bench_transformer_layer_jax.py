@@ -15,6 +15,10 @@ The FP8 target is printed beside the figures, never asserted.
 
     python benchmarks/bench_transformer_layer_jax.py          # writes transformer_layer_jax.json
     python benchmarks/bench_transformer_layer_jax.py --smoke  # tiny CPU shapes, writes nothing
+
+``--model`` times the model stack of PyTorch's bench_model.py instead (4 layers, 8192 tokens
+as batch 4 x sequence 2048, hidden 1024 / 2048 / 4096 with hidden / 128 heads and a 4 x hidden
+MLP, no dropout: the same blocks and step as above, stacked) and writes model_jax.json.
 """
 
 from __future__ import annotations
@@ -43,6 +47,25 @@ BASELINE = "flax_layer_bf16"
 TARGET_FP8_VS_FLAX = 1.5
 
 
+# The model stack (--model): bench_model.py's shapes.
+MODEL_LAYERS, MODEL_SEQ, MODEL_BATCH, MODEL_HEAD_DIM = 4, 2048, 4, 128
+MODEL_HIDDENS = (1024, 2048, 4096)
+SMOKE_MODEL = dict(layers=2, seq=32, batch=2, hiddens=(64,), head_dim=16)
+
+
+class Stack(nn.Module):
+    """``layers`` copies of a layer (each with its own parameters), applied in turn."""
+
+    make: object  # () -> nn.Module
+    layers: int
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = False):
+        for i in range(self.layers):
+            x = self.make(name=f"layer_{i}")(x, deterministic=deterministic)
+        return x
+
+
 class FlaxLayer(nn.Module):
     """The layer from flax's modules: pre-LayerNorm causal self-attention (fused QKV Dense,
     jax.nn.dot_product_attention, output Dense), hidden dropout, residual; pre-LayerNorm MLP
@@ -52,12 +75,13 @@ class FlaxLayer(nn.Module):
     heads: int
     implementation: str | None
     dtype: object = jnp.bfloat16
+    dropout_rate: float = HIDDEN_DROPOUT
 
     @nn.compact
     def __call__(self, x, deterministic: bool = False):
         b, s, hidden = x.shape
         kw = dict(dtype=self.dtype, param_dtype=self.dtype)
-        dropout = nn.Dropout(HIDDEN_DROPOUT, deterministic=deterministic)
+        dropout = nn.Dropout(self.dropout_rate, deterministic=deterministic)
         qkv = nn.Dense(3 * hidden, **kw)(nn.LayerNorm(epsilon=1e-6, **kw)(x))
         q, k, v = jnp.split(qkv.reshape(b, s, 3 * self.heads, hidden // self.heads), 3, axis=2)
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -67,20 +91,32 @@ class FlaxLayer(nn.Module):
         return x + dropout(nn.Dense(hidden, **kw)(h))
 
 
-def contenders(shape, implementation) -> dict:
-    """name -> (flax module, the recipe it runs under, or None)."""
+def contenders(shape, implementation, layers: int = 0, dropout: float = HIDDEN_DROPOUT
+               ) -> dict:
+    """name -> (flax module, the recipe it runs under, or None); ``layers`` > 0: a stack of
+    that many layers of each kind."""
     from transformer_engine.jax.flax import TransformerLayer
 
     _, _, hidden, ffn, heads = shape
-    ours = TransformerLayer(hidden_size=hidden, mlp_hidden_size=ffn, num_attention_heads=heads,
-                            layernorm_type="layernorm", mlp_activations=("gelu",),
-                            use_bias=True, hidden_dropout=HIDDEN_DROPOUT,
-                            attention_dropout=ATTENTION_DROPOUT, intermediate_dropout=0.0,
-                            self_attn_mask_type="causal", transpose_batch_sequence=False,
-                            enable_relative_embedding=False, dtype=jnp.bfloat16)
-    out = {f"te_transformer_layer_fp8_{name}": (ours, r) for name, r in RECIPES.items()}
-    out["te_transformer_layer_bf16"] = (ours, None)
-    out[BASELINE] = (FlaxLayer(ffn, heads, implementation), None)
+
+    def ours(name=None):
+        return TransformerLayer(hidden_size=hidden, mlp_hidden_size=ffn,
+                                num_attention_heads=heads, layernorm_type="layernorm",
+                                mlp_activations=("gelu",), use_bias=True,
+                                hidden_dropout=dropout, attention_dropout=ATTENTION_DROPOUT,
+                                intermediate_dropout=0.0, self_attn_mask_type="causal",
+                                transpose_batch_sequence=False,
+                                enable_relative_embedding=False, dtype=jnp.bfloat16, name=name)
+
+    def flax_layer(name=None):
+        return FlaxLayer(ffn, heads, implementation, dropout_rate=dropout, name=name)
+
+    def build(make):
+        return Stack(make, layers) if layers else make()
+
+    out = {f"te_transformer_layer_fp8_{name}": (build(ours), r) for name, r in RECIPES.items()}
+    out["te_transformer_layer_bf16"] = (build(ours), None)
+    out[BASELINE] = (build(flax_layer), None)
     return out
 
 
@@ -161,18 +197,14 @@ def model_flops(shape) -> float:
     return 3 * (gemms + 4.0 * b * s * s * hidden / 2)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, print, write nothing")
-    args = parser.parse_args()
-    shape = SMOKE_SHAPE if args.smoke else SHAPE
-    timing = dict(batch=2, repeats=2, warmup=1) if args.smoke else dict(batch=5, repeats=10,
-                                                                         warmup=2)
-    implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
+def run_contenders(shape, implementation, timing, layers: int = 0,
+                   dropout: float = HIDDEN_DROPOUT) -> dict:
+    """name -> row: compile info, step times, TFLOP/s (per layer count) and the speedup over
+    the flax bf16 contender."""
     s, b, hidden, _, _ = shape
     x = jax.random.normal(jax.random.PRNGKey(2), (b, s, hidden), jnp.bfloat16)
     runs, rows = {}, {}
-    for name, (model, fp8_recipe) in contenders(shape, implementation).items():
+    for name, (model, fp8_recipe) in contenders(shape, implementation, layers, dropout).items():
         try:
             runs[name], rows[name] = prepare(name, model, fp8_recipe, x)
             runs[name]()  # one step outside the timing: a contender that fails, fails here
@@ -181,17 +213,72 @@ def main() -> None:
             rows[name] = {"name": name, "error": f"{type(err).__name__}: {err}"[:2000]}
             runs.pop(name, None)
     for name, t in time_interleaved(runs, **timing).items():
-        rows[name].update(t, shape_sbhfn=list(shape),
-                          tflops=model_flops(shape) / (t["median_ms"] * 1e-3) / 1e12,
-                          loss_after=float(runs[name]()))
+        rows[name].update(t, shape_sbhfn=list(shape), layers=max(layers, 1),
+                          tflops=max(layers, 1) * model_flops(shape) / (t["median_ms"] * 1e-3)
+                          / 1e12, loss_after=float(runs[name]()))
     base = rows.get(BASELINE, {}).get("median_ms")
+    for row in rows.values():
+        if "median_ms" in row and base is not None:
+            row["speedup_vs_flax_bf16"] = base / row["median_ms"]
+    return rows
+
+
+def main_model(smoke: bool) -> None:
+    """The model stack (--model): every hidden size, all contenders, model_jax.json."""
+    size = SMOKE_MODEL if smoke else dict(layers=MODEL_LAYERS, seq=MODEL_SEQ,
+                                          batch=MODEL_BATCH, hiddens=MODEL_HIDDENS,
+                                          head_dim=MODEL_HEAD_DIM)
+    timing = dict(batch=2, repeats=2, warmup=1) if smoke else dict(batch=5, repeats=10,
+                                                                    warmup=2)
+    implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    rows = []
+    for hidden in size["hiddens"]:
+        shape = (size["seq"], size["batch"], hidden, 4 * hidden, hidden // size["head_dim"])
+        for name, row in run_contenders(shape, implementation, timing, size["layers"],
+                                        dropout=0.0).items():
+            rows.append({**row, "hidden": hidden})
+            if "median_ms" in row:
+                print(f"hidden {hidden:5d} {name:36s} {row['median_ms']:9.3f} ms  "
+                      f"{row.get('speedup_vs_flax_bf16', float('nan')):.2f}x flax bf16")
+    payload = {
+        "description": "jitted training step of a stack of layers (bench_model.py's stack: "
+                       "value_and_grad of the output's mean square over params, fp8_metas and "
+                       "input; SGD): our Flax TransformerLayer in FP8 and bf16 beside flax's "
+                       "layer, no dropout; speedup_vs_flax_bf16 = flax ms / ms",
+        "config": {**size, "layout": "bshd", "dtype": "bfloat16", "mask": "causal",
+                   "recipes": {k: repr(v) for k, v in RECIPES.items()},
+                   "attention_implementation_of_flax_layer": implementation,
+                   "jax": jax.__version__, "flax": flax.__version__,
+                   "jax_devices": [str(d) for d in jax.devices()]},
+        "training_step": rows,
+    }
+    if smoke:
+        print(json.dumps(payload, indent=1)[:2000])
+        return
+    from harness import write_result  # torch-based; imported only for a real run
+
+    write_result("model_jax", payload)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, print, write nothing")
+    parser.add_argument("--model", action="store_true",
+                        help="the model stack of bench_model.py instead (model_jax.json)")
+    args = parser.parse_args()
+    if args.model:
+        main_model(args.smoke)
+        return
+    shape = SMOKE_SHAPE if args.smoke else SHAPE
+    timing = dict(batch=2, repeats=2, warmup=1) if args.smoke else dict(batch=5, repeats=10,
+                                                                         warmup=2)
+    implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    rows = run_contenders(shape, implementation, timing)
     for name, row in rows.items():
         if "median_ms" not in row:
             continue
-        if base is not None:
-            row["speedup_vs_flax_bf16"] = base / row["median_ms"]
         note = ""
-        if name.startswith("te_transformer_layer_fp8") and base is not None:
+        if name.startswith("te_transformer_layer_fp8") and "speedup_vs_flax_bf16" in row:
             met = row["speedup_vs_flax_bf16"] >= TARGET_FP8_VS_FLAX
             note = (f"  {row['speedup_vs_flax_bf16']:.2f}x flax bf16 (target >= "
                     f"{TARGET_FP8_VS_FLAX}x: {'met' if met else 'NOT met'})")
