@@ -8,7 +8,8 @@ using namespace nb::literals;
 void register_activation(nb::module_ &m) {
   nb::enum_<te_activation>(m, "Activation",
                            "Activations of the MLP block (see the core's activation.h); the gated "
-                           "ones (geglu, swiglu, reglu) split their input's last dimension [a, b].")
+                           "ones (geglu, swiglu, reglu, qgeglu, sreglu, glu) split their input's last "
+                           "dimension [a, b].")
       .value("identity", TE_ACTIVATION_IDENTITY)
       .value("gelu", TE_ACTIVATION_GELU)
       .value("relu", TE_ACTIVATION_RELU)
@@ -17,7 +18,10 @@ void register_activation(nb::module_ &m) {
       .value("srelu", TE_ACTIVATION_SRELU)
       .value("geglu", TE_ACTIVATION_GEGLU)
       .value("swiglu", TE_ACTIVATION_SWIGLU)
-      .value("reglu", TE_ACTIVATION_REGLU);
+      .value("reglu", TE_ACTIVATION_REGLU)
+      .value("qgeglu", TE_ACTIVATION_QGEGLU)
+      .value("sreglu", TE_ACTIVATION_SREGLU)
+      .value("glu", TE_ACTIVATION_GLU);
 
   m.def(
       "activation_forward",

@@ -19,8 +19,11 @@ from te_common_tests import _reference as ref
 
 from transformer_engine.common import _core as core
 
-ACTS = ["identity", "gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu"]
-GATED = {"geglu": "gelu", "swiglu": "silu", "reglu": "relu"}
+ACTS = ["identity", "gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu",
+        "qgeglu", "sreglu", "glu"]
+# A gated activation's function of a ("sigmoid": GLU's gate, not an activation of its own).
+GATED = {"geglu": "gelu", "swiglu": "silu", "reglu": "relu", "qgeglu": "qgelu",
+         "sreglu": "srelu", "glu": "sigmoid"}
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 # Output shapes [..., N]; a gated input is [..., 2N]. (144, 136) has partial tiles and is on
 # the CUDA fast path; (17, 33) and (2, 3, 40) take its masked path.
@@ -85,6 +88,10 @@ def formula(act: str, x: np.ndarray):
         r = np.where(xf > 0, xf, np.where(np.isnan(xf), np.nan, 0.0))  # NaN stays NaN
         step = np.where(np.isnan(xf), np.nan, (xf > 0) * 1.0)
         f, t1, t2, z = (r, step, zero, zero) if act == "relu" else (r * r, 2 * r, zero, zero)
+    elif act == "sigmoid":
+        z = xf
+        s = _sigmoid(z)
+        f, t1, t2 = s, s * _sigmoid(-z), zero
     else:
         if act == "gelu":
             z, dz = C2 * (xf + A * xf**3), C2 * (1 + 3 * A * xf * xf)
@@ -95,6 +102,8 @@ def formula(act: str, x: np.ndarray):
         f, t1, t2 = xf * s, s, xf * s * _sigmoid(-z) * dz
     limit_f = np.where(x > 0, np.inf, -np.inf if act == "identity" else 0.0)
     limit_d = np.where(x > 0, np.inf if act == "srelu" else 1.0, 1.0 if act == "identity" else 0.0)
+    if act == "sigmoid":  # bounded: 1 and 0 at the ends, flat there
+        limit_f, limit_d = np.where(x > 0, 1.0, 0.0), np.zeros_like(xf)
     f = np.where(inf, limit_f, f)
     t1 = np.where(inf, limit_d, t1)
     t2 = np.where(inf, 0.0, t2)
@@ -110,6 +119,8 @@ def _eval_error(act, x):
     err_d = BOUNDS.fp32_eval * (np.abs(t1) + np.abs(t2)) + BOUNDS.exp_argument * az * (
         np.abs(t1) * _sigmoid(-z) + np.abs(t2)
     )
+    if act == "sigmoid":  # s (1 - s): exp's argument error lands on the smaller factor itself
+        err_d = (BOUNDS.fp32_eval + BOUNDS.exp_argument * az) * np.abs(t1)
     return f, t1 + t2, rel_f, err_d
 
 
@@ -361,6 +372,8 @@ def test_large_and_tiny_magnitudes(device, act, direction):
     x = random_values(rng, input_shape(act, shape), np.float32, -44, 38)
     if act in GATED:  # b moderate: a product of three extremes over- or underflows in fp32
         x[:, shape[1] :] = random_values(rng, shape, np.float32, -3, 3)
+    if act == "sreglu":  # relu(a)^2 is an fp32 value of its own (activation.h): |a| < 2^63
+        x[:, : shape[1]] = np.clip(x[:, : shape[1]], -1e18, 1e18)
     g = random_values(rng, shape, np.float32, -10, 10) if direction == "backward" else None
 
     def again(d):

@@ -31,6 +31,9 @@ JAX_ACTIVATIONS = {
     A.GEGLU: _gated(jax.nn.gelu),
     A.SWIGLU: _gated(jax.nn.silu),
     A.REGLU: _gated(jax.nn.relu),
+    A.QGEGLU: _gated(lambda x: x * jax.nn.sigmoid(1.702 * x)),
+    A.SREGLU: _gated(lambda x: jnp.square(jax.nn.relu(x))),
+    A.GLU: _gated(jax.nn.sigmoid),
 }
 
 

@@ -130,8 +130,10 @@ _ACT64 = {
     "silu": torch.nn.functional.silu,
     "qgelu": lambda h: h * torch.sigmoid(1.702 * h),
     "srelu": lambda h: torch.relu(h).square(),
+    "sigmoid": torch.sigmoid,  # GLU's gate
 }
-GATED = {"geglu": "gelu", "swiglu": "silu", "reglu": "relu"}
+GATED = {"geglu": "gelu", "swiglu": "silu", "reglu": "relu", "qgeglu": "qgelu",
+         "sreglu": "srelu", "glu": "sigmoid"}
 
 
 def act64(h: torch.Tensor, act: str) -> torch.Tensor:

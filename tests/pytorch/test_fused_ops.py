@@ -16,8 +16,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.ops._backend import TORCH_FP8
 
-ACTS = ["identity", "gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu"]
-GATED = ("geglu", "swiglu", "reglu")
+ACTS = ["identity", "gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu",
+        "qgeglu", "sreglu", "glu"]
+GATED = ("geglu", "swiglu", "reglu", "qgeglu", "sreglu", "glu")
 E4M3, E5M2 = "float8_e4m3", "float8_e5m2"
 M, N = 40, 72  # no multiple of the CUDA kernels' tiles
 

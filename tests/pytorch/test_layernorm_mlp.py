@@ -31,7 +31,8 @@ RECIPES = {
     "current": recipe.Float8CurrentScaling(),
     "block": recipe.Float8BlockScaling(),
 }
-ACTS = ["gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu"]
+ACTS = ["gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu", "qgeglu",
+        "sreglu", "glu"]
 # [B, S, H] with 48 tokens; H = 160 leaves a ragged 1x128 block; FFN = 144 a ragged tile.
 B, S, H, FFN = 2, 24, 160, 144
 NAMES = ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight",

@@ -12,7 +12,8 @@ from transformer_engine.pytorch import ops
 
 # te.ops name -> the core's activation of the same definition
 CORE_ACTIVATIONS = {"GELU": "gelu", "QGELU": "qgelu", "ReLU": "relu", "SReLU": "srelu",
-                    "SiLU": "silu", "GEGLU": "geglu", "SwiGLU": "swiglu", "ReGLU": "reglu"}
+                    "SiLU": "silu", "GEGLU": "geglu", "SwiGLU": "swiglu", "ReGLU": "reglu",
+                    "QGEGLU": "qgeglu", "SReGLU": "sreglu"}
 
 
 @pytest.mark.parametrize("name", sorted(CORE_ACTIVATIONS))

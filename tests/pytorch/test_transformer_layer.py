@@ -42,8 +42,10 @@ def _gelu(x):
 
 
 _ACTS = {"gelu": _gelu, "relu": torch.relu, "silu": F.silu,
-         "qgelu": lambda x: x * torch.sigmoid(1.702 * x), "srelu": lambda x: torch.relu(x) ** 2}
-_GATED = {"geglu": "gelu", "swiglu": "silu", "reglu": "relu"}
+         "qgelu": lambda x: x * torch.sigmoid(1.702 * x), "srelu": lambda x: torch.relu(x) ** 2,
+         "sigmoid": torch.sigmoid}
+_GATED = {"geglu": "gelu", "swiglu": "silu", "reglu": "relu", "qgeglu": "qgelu",
+          "sreglu": "srelu", "glu": "sigmoid"}
 
 
 def _rope(x, positions, interleaved=False, base=10000.0):

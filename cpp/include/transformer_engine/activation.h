@@ -14,6 +14,9 @@
  *   QGELU     x sigmoid(1.702 x)                                 ("quick GELU")
  *   SRELU     max(x, 0)^2                                        (squared ReLU)
  *   GEGLU     gelu(a) * b,  SWIGLU  silu(a) * b,  REGLU  relu(a) * b    -> output [M, N]
+ *   QGEGLU    qgelu(a) * b, SREGLU  srelu(a) * b, GLU    sigmoid(a) * b
+ * The gated forms compute act(a) as an fp32 value, then the product: srelu(a) overflows to
+ * inf for |a| >= 2^64 even where srelu(a) * b would not.
  * A NaN operand makes NaN every value computed from it (forward and backward); an infinite
  * input gives the function's limit (gelu(-inf) = -0, silu(+inf) = +inf, d gelu/dx at -inf = 0,
  * ...), and products of the gated forms follow IEEE rules (inf * 0 = NaN). A NaN written as
@@ -40,10 +43,14 @@ typedef enum {
   TE_ACTIVATION_GEGLU = 6,  /* gated: the input holds [a, b] along its last dimension */
   TE_ACTIVATION_SWIGLU = 7,
   TE_ACTIVATION_REGLU = 8,
-  TE_ACTIVATION_COUNT = 9
+  TE_ACTIVATION_QGEGLU = 9,
+  TE_ACTIVATION_SREGLU = 10,
+  TE_ACTIVATION_GLU = 11,
+  TE_ACTIVATION_COUNT = 12
 } te_activation;
 
-/* 1 when act is gated (GEGLU, SWIGLU, REGLU), else 0 (also for out-of-range values). */
+/* 1 when act is gated (GEGLU, SWIGLU, REGLU, QGEGLU, SREGLU, GLU), else 0 (also for
+ * out-of-range values). */
 int te_activation_is_gated(te_activation act);
 
 /* output = act(input).

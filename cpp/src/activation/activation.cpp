@@ -10,7 +10,8 @@ namespace te {
 namespace {
 
 const char *const kActivationNames[TE_ACTIVATION_COUNT] = {
-    "identity", "gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu"};
+    "identity", "gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu",
+    "qgeglu", "sreglu", "glu"};
 
 bool check_act(Checker &check, te_activation act) {
   if (static_cast<unsigned>(act) < TE_ACTIVATION_COUNT) return true;
@@ -194,7 +195,8 @@ te_status run(const Checker &check, const ActivationArgs &args, te_stream stream
 extern "C" {
 
 int te_activation_is_gated(te_activation act) {
-  return act == TE_ACTIVATION_GEGLU || act == TE_ACTIVATION_SWIGLU || act == TE_ACTIVATION_REGLU;
+  return act == TE_ACTIVATION_GEGLU || act == TE_ACTIVATION_SWIGLU || act == TE_ACTIVATION_REGLU ||
+         act == TE_ACTIVATION_QGEGLU || act == TE_ACTIVATION_SREGLU || act == TE_ACTIVATION_GLU;
 }
 
 te_status te_activation_forward(te_activation act, const te_tensor *input, te_tensor *output,

@@ -269,6 +269,9 @@ te_status launch_act(const ActParams &p, te_activation act, cudaStream_t stream,
     case TE_ACTIVATION_GEGLU: return launch_kind<kIn, TE_ACTIVATION_GEGLU, kBackward>(p, stream, sms);
     case TE_ACTIVATION_SWIGLU: return launch_kind<kIn, TE_ACTIVATION_SWIGLU, kBackward>(p, stream, sms);
     case TE_ACTIVATION_REGLU: return launch_kind<kIn, TE_ACTIVATION_REGLU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_QGEGLU: return launch_kind<kIn, TE_ACTIVATION_QGEGLU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_SREGLU: return launch_kind<kIn, TE_ACTIVATION_SREGLU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_GLU: return launch_kind<kIn, TE_ACTIVATION_GLU, kBackward>(p, stream, sms);
     default: return launch_kind<kIn, TE_ACTIVATION_IDENTITY, kBackward>(p, stream, sms);
   }
 }

@@ -186,14 +186,27 @@ TE_HOST_DEVICE float srelu(float x) {
 }
 TE_HOST_DEVICE float dsrelu(float x) { return 2.0f * relu(x); }
 
+// The logistic function (GLU's gate) and its derivative s (1 - s).
+TE_HOST_DEVICE float sigmoid(float x) {
+  x = clamp(x, -200.0f, 200.0f);  // s is exactly 0 or 1 beyond +-105
+  return sigmoid_log2(x * kLog2e).s;
+}
+
+TE_HOST_DEVICE float dsigmoid(float x) {
+  x = clamp(x, -200.0f, 200.0f);
+  const Sigmoid s = sigmoid_log2(x * kLog2e);
+  return s.s * s.one_minus_s;
+}
+
 // The activation (of a gated one: of its first half) and its derivative.
 template <te_activation kAct>
 TE_HOST_DEVICE float forward(float x) {
   if constexpr (kAct == TE_ACTIVATION_GELU || kAct == TE_ACTIVATION_GEGLU) return gelu(x);
   if constexpr (kAct == TE_ACTIVATION_RELU || kAct == TE_ACTIVATION_REGLU) return relu(x);
   if constexpr (kAct == TE_ACTIVATION_SILU || kAct == TE_ACTIVATION_SWIGLU) return silu(x);
-  if constexpr (kAct == TE_ACTIVATION_QGELU) return qgelu(x);
-  if constexpr (kAct == TE_ACTIVATION_SRELU) return srelu(x);
+  if constexpr (kAct == TE_ACTIVATION_QGELU || kAct == TE_ACTIVATION_QGEGLU) return qgelu(x);
+  if constexpr (kAct == TE_ACTIVATION_SRELU || kAct == TE_ACTIVATION_SREGLU) return srelu(x);
+  if constexpr (kAct == TE_ACTIVATION_GLU) return sigmoid(x);
   return x;
 }
 
@@ -202,14 +215,16 @@ TE_HOST_DEVICE float derivative(float x) {
   if constexpr (kAct == TE_ACTIVATION_GELU || kAct == TE_ACTIVATION_GEGLU) return dgelu(x);
   if constexpr (kAct == TE_ACTIVATION_RELU || kAct == TE_ACTIVATION_REGLU) return drelu(x);
   if constexpr (kAct == TE_ACTIVATION_SILU || kAct == TE_ACTIVATION_SWIGLU) return dsilu(x);
-  if constexpr (kAct == TE_ACTIVATION_QGELU) return dqgelu(x);
-  if constexpr (kAct == TE_ACTIVATION_SRELU) return dsrelu(x);
+  if constexpr (kAct == TE_ACTIVATION_QGELU || kAct == TE_ACTIVATION_QGEGLU) return dqgelu(x);
+  if constexpr (kAct == TE_ACTIVATION_SRELU || kAct == TE_ACTIVATION_SREGLU) return dsrelu(x);
+  if constexpr (kAct == TE_ACTIVATION_GLU) return dsigmoid(x);
   return 1.0f;
 }
 
 template <te_activation kAct>
 constexpr bool kIsGated =
-    kAct == TE_ACTIVATION_GEGLU || kAct == TE_ACTIVATION_SWIGLU || kAct == TE_ACTIVATION_REGLU;
+    kAct == TE_ACTIVATION_GEGLU || kAct == TE_ACTIVATION_SWIGLU || kAct == TE_ACTIVATION_REGLU ||
+    kAct == TE_ACTIVATION_QGEGLU || kAct == TE_ACTIVATION_SREGLU || kAct == TE_ACTIVATION_GLU;
 
 // The values that reach the outputs (and amax, and dbias); NaN with any payload.
 // Forward: y = act(x), gated y = act(a) * b.

@@ -100,6 +100,9 @@ void activation_ref(const ActivationArgs &a) {
     case TE_ACTIVATION_GEGLU: return activation_ref_impl<TE_ACTIVATION_GEGLU>(a);
     case TE_ACTIVATION_SWIGLU: return activation_ref_impl<TE_ACTIVATION_SWIGLU>(a);
     case TE_ACTIVATION_REGLU: return activation_ref_impl<TE_ACTIVATION_REGLU>(a);
+    case TE_ACTIVATION_QGEGLU: return activation_ref_impl<TE_ACTIVATION_QGEGLU>(a);
+    case TE_ACTIVATION_SREGLU: return activation_ref_impl<TE_ACTIVATION_SREGLU>(a);
+    case TE_ACTIVATION_GLU: return activation_ref_impl<TE_ACTIVATION_GLU>(a);
     default: return;
   }
 }

@@ -41,7 +41,8 @@ _ACTIVATIONS = {
     ("linear",): _A.IDENTITY, ("gelu",): _A.GELU, ("relu",): _A.RELU, ("silu",): _A.SILU,
     ("swish",): _A.SILU, ("quick_gelu",): _A.QGELU, ("squared_relu",): _A.SRELU,
     ("gelu", "linear"): _A.GEGLU, ("silu", "linear"): _A.SWIGLU, ("swish", "linear"): _A.SWIGLU,
-    ("relu", "linear"): _A.REGLU,
+    ("relu", "linear"): _A.REGLU, ("quick_gelu", "linear"): _A.QGEGLU,
+    ("squared_relu", "linear"): _A.SREGLU, ("sigmoid", "linear"): _A.GLU,
 }
 
 
@@ -133,8 +134,10 @@ def layernorm_mlp(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
             :func:`~transformer_engine.jax.layernorm`.
         activations: ``("gelu",)``, ``("relu",)``, ``("silu",)``, ``("quick_gelu",)``,
             ``("squared_relu",)``, ``("linear",)``, or gated ``("gelu", "linear")`` (GeGLU),
-            ``("silu", "linear")`` (SwiGLU), ``("relu", "linear")`` (ReGLU). GELU is the
-            tanh approximation (``jax.nn.gelu``'s default).
+            ``("silu", "linear")`` (SwiGLU), ``("relu", "linear")`` (ReGLU),
+            ``("quick_gelu", "linear")``, ``("squared_relu", "linear")``,
+            ``("sigmoid", "linear")`` (GLU). GELU is the tanh approximation
+            (``jax.nn.gelu``'s default).
         quantizer_sets: None or a pair of quantizer sets (one per GEMM, the same recipe);
             None: from the enclosing autocast.
         return_layernorm_output: also return norm(x) in the compute dtype.

@@ -357,10 +357,14 @@ class Activation(enum.IntEnum):
     GEGLU = 6
     SWIGLU = 7
     REGLU = 8
+    QGEGLU = 9
+    SREGLU = 10
+    GLU = 11
 
 
 def is_gated(act: Activation) -> bool:
-    return Activation(act) in (Activation.GEGLU, Activation.SWIGLU, Activation.REGLU)
+    return Activation(act) in (Activation.GEGLU, Activation.SWIGLU, Activation.REGLU,
+                               Activation.QGEGLU, Activation.SREGLU, Activation.GLU)
 
 
 def _activation_out_shape(x_shape, act):

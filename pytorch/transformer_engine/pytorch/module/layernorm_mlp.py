@@ -42,9 +42,10 @@ from .linear import (
 
 __all__ = ["LayerNormMLP"]
 
-ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu")
+ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu", "qgeglu",
+               "sreglu", "glu")
 # NVIDIA TE's activation names that the core has no kernel for (activation.h).
-NVIDIA_ONLY_ACTIVATIONS = ("qgeglu", "sreglu", "clamped_swiglu")
+NVIDIA_ONLY_ACTIVATIONS = ("clamped_swiglu",)
 
 
 def check_activation(op: str, activation) -> None:
@@ -88,13 +89,14 @@ class LayerNormMLP(FP8Module):
     Args:
         hidden_size: the input's and the output's features (normalized over).
         ffn_hidden_size: features between the GEMMs. A gated activation (geglu, swiglu,
-            reglu) takes FC1's output as [a, b] halves, so FC1 has 2 * ffn_hidden_size rows.
+            reglu, qgeglu, sreglu, glu) takes FC1's output as [a, b] halves, so FC1 has
+            2 * ffn_hidden_size rows.
         eps, normalization, zero_centered_gamma, return_layernorm_output: the norm's, as in
             te.LayerNormLinear.
         bias: learn FC1's and FC2's biases.
         activation: one of ``gelu`` (tanh approximation), ``relu``, ``silu``, ``qgelu``
-            (x sigmoid(1.702 x)), ``srelu`` (relu(x)^2), ``geglu``, ``swiglu``, ``reglu``
-            (act(a) * b).
+            (x sigmoid(1.702 x)), ``srelu`` (relu(x)^2), ``geglu``, ``swiglu``, ``reglu``,
+            ``qgeglu``, ``sreglu`` (act(a) * b), ``glu`` (sigmoid(a) * b).
         return_bias: return FC2's bias instead of adding it.
         params_dtype, device: as te.Linear.
         init_method, output_layer_init_method: initialize FC1's resp. FC2's weight in place

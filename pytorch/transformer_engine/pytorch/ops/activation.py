@@ -30,8 +30,8 @@ from ._backend import (
 
 _NS = "transformer_engine"
 ACTIVATIONS = ("identity", "gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu",
-               "reglu")
-GATED = ("geglu", "swiglu", "reglu")
+               "reglu", "qgeglu", "sreglu", "glu")
+GATED = ("geglu", "swiglu", "reglu", "qgeglu", "sreglu", "glu")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
