@@ -63,12 +63,35 @@ def check(r, rel, group=None):
             p.grad = q.grad = None
 
 
+def check_meta_init():
+    """Built on the meta device, sharded, moved with to_empty and reset: the sharded stack
+    holds the values of one built on the CPU (reset_parameters fills each rank's shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ref = stack()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(te.TransformerLayer(H, 2 * H, 4, hidden_dropout=0.0,
+                                                      attention_dropout=0.0, device="meta")
+                                  for _ in range(2)))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for layer in model:
+        layer.reset_parameters()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q), name
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     case(check, None, 1e-5)
     case(check, recipe.Float8CurrentScaling(), 0.15)
     case(check, recipe.DelayedScaling(), 0.15, dist.group.WORLD)
+    case(check_meta_init)
     dist.destroy_process_group()
     if failures:
         print("\n".join(failures), file=sys.stderr)

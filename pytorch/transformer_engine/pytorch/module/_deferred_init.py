@@ -86,7 +86,7 @@ class DeferredInit:
                     raise RuntimeError(f"{name}.reset_parameters: {key} has shape "
                                        f"{list(p.shape)}, the constructor makes "
                                        f"{list(q.shape)}")
-                p.copy_(q)
+                p.copy_(_like(q, p))
             for b, c in zip(self.buffers(), fresh.buffers(), strict=True):
                 b.copy_(c)
                 first_step.move_marks(c, b)
@@ -97,3 +97,15 @@ class DeferredInit:
             caches = mine.__dict__.get("_weight_caches")
             if caches:
                 caches.clear()
+
+
+def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``value`` laid out as ``param``: a DTensor parameter (FSDP2's shard) gets this rank's
+    share of the whole value, which every rank made alike."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value, mesh, param.placements)
+
