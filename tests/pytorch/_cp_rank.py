@@ -13,10 +13,10 @@ import copy
 import datetime
 import sys
 
-import _tp_world  # noqa: F401 (beside this script: the shared check helpers)
+import _tp_world  # (beside this script)
 import torch
 import torch.distributed as dist
-from _tp_world import case, failures, rms_close
+from _tp_world import case, rms_close
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -114,7 +114,4 @@ if __name__ == "__main__":
     case(check_block, "TransformerLayer")
     case(check_refusals)
     dist.destroy_process_group()
-    if failures:
-        print("\n".join(failures), file=sys.stderr)
-        sys.exit(1)
-    print(f"rank {RANK}: ok")
+    _tp_world.finish(RANK)

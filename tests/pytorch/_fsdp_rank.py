@@ -13,10 +13,10 @@ import copy
 import datetime
 import sys
 
-import _tp_world  # noqa: F401 (beside this script: the shared check helpers)
+import _tp_world  # (beside this script)
 import torch
 import torch.distributed as dist
-from _tp_world import case, failures, rms_close
+from _tp_world import case, rms_close
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -39,15 +39,13 @@ def loss_of(model, x, r, group=None):
 
 
 def check(r, rel, group=None):
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     ref = stack()
     model = copy.deepcopy(ref)
-    mesh = init_device_mesh("cpu", (WORLD,))
     for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=MESH)
+    fully_shard(model, mesh=MESH)
     x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
     for step in range(2):
         loss_of(ref, x, r).backward()
@@ -66,7 +64,6 @@ def check(r, rel, group=None):
 def check_meta_init():
     """Built on the meta device, sharded, moved with to_empty and reset: the sharded stack
     holds the values of one built on the CPU (reset_parameters fills each rank's shard)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     ref = stack()
@@ -74,9 +71,8 @@ def check_meta_init():
     model = torch.nn.Sequential(*(te.TransformerLayer(H, 2 * H, 4, hidden_dropout=0.0,
                                                       attention_dropout=0.0, device="meta")
                                   for _ in range(2)))
-    mesh = init_device_mesh("cpu", (WORLD,))
     for layer in model:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=MESH)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     for layer in model:
@@ -88,12 +84,12 @@ def check_meta_init():
 if __name__ == "__main__":
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    MESH = init_device_mesh("cpu", (WORLD,))  # one mesh for every check
     case(check, None, 1e-5)
     case(check, recipe.Float8CurrentScaling(), 0.15)
     case(check, recipe.DelayedScaling(), 0.15, dist.group.WORLD)
     case(check_meta_init)
     dist.destroy_process_group()
-    if failures:
-        print("\n".join(failures), file=sys.stderr)
-        sys.exit(1)
-    print(f"rank {RANK}: ok")
+    _tp_world.finish(RANK)

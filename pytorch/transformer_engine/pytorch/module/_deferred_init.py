@@ -101,11 +101,12 @@ class DeferredInit:
 
 def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``value`` laid out as ``param``: a DTensor parameter (FSDP2's shard) gets this rank's
-    share of the whole value, which every rank made alike."""
+    share of the whole value, which every rank made alike (so each takes its share of its own
+    copy: no communication)."""
     mesh = getattr(param, "device_mesh", None)
     if mesh is None:
         return value
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(value, mesh, param.placements)
+    return distribute_tensor(value, mesh, param.placements, src_data_rank=None)
 
