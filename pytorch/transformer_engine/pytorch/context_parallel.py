@@ -18,10 +18,16 @@ import torch
 
 from . import distributed
 
-__all__ = ["ContextParallel", "attend"]
+__all__ = ["ContextParallel", "attend", "check_comm_type"]
 
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 MASKS = ("causal", "no_mask")
+
+
+def check_comm_type(comm_type: str) -> None:
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"DotProductAttention: cp_comm_type must be one of {COMM_TYPES}, got "
+                         f"{comm_type!r}")
 
 
 class ContextParallel:
@@ -33,9 +39,7 @@ class ContextParallel:
     def __init__(self, group: Any, comm_type: str) -> None:
         import torch.distributed as dist
 
-        if comm_type not in COMM_TYPES:
-            raise ValueError(f"DotProductAttention: cp_comm_type must be one of {COMM_TYPES}, "
-                             f"got {comm_type!r}")
+        check_comm_type(comm_type)
         self.group, self.comm_type = group, comm_type
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
@@ -71,9 +75,9 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def attend(attend_one: Callable, cp: ContextParallel, query, key, value, layout: str,
-           mask: str, rest: tuple) -> torch.Tensor:
-    """The rank's rows of attention over the whole sequence. ``attend_one(q, k, v, mask,
-    *rest)`` is the module's attention of one call (in ``layout``)."""
+           mask: str) -> torch.Tensor:
+    """The rank's rows of attention over the whole sequence. ``attend_one(q, k, v, mask)`` is
+    the module's attention of one call (in ``layout``)."""
     if layout not in ("sbhd", "bshd"):
         raise NotImplementedError(f"DotProductAttention: context parallelism takes qkv_format "
                                   f"'sbhd' or 'bshd', got {layout!r}")
@@ -93,12 +97,12 @@ def attend(attend_one: Callable, cp: ContextParallel, query, key, value, layout:
 
     keys, values = gather(key), gather(value)
     if mask == "no_mask":
-        return attend_one(query, keys, values, "no_mask", *rest)
+        return attend_one(query, keys, values, "no_mask")
     c = local // 2
     outs = []
     for i, chunk in enumerate(cp.chunks()):
         q = query.narrow(seq, i * c, c)
         end = (chunk + 1) * c  # keys up to this chunk's end, the last c of them its own
         outs.append(attend_one(q, keys.narrow(seq, 0, end), values.narrow(seq, 0, end),
-                               "causal_bottom_right", *rest))
+                               "causal_bottom_right"))
     return torch.cat(outs, dim=seq)

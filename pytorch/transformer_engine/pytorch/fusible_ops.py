@@ -17,6 +17,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from .module._checks import refuse_non_defaults
 from .module._deferred_init import DeferredInit
 from .module.layernorm import LayerNorm as _LayerNorm
 from .module.layernorm import RMSNorm as _RMSNorm
@@ -25,13 +26,7 @@ from .module.linear import Linear as _Linear
 Device = Union[torch.device, str, None]
 
 
-def _refuse(op: str, **given) -> None:
-    """NVIDIA's distribution keywords, accepted at their defaults only."""
-    for name, value in given.items():
-        if value not in (None, False, 1):
-            raise NotImplementedError(f"te.ops.{op}: {name}={value!r} is not supported here "
-                                      "(only its default); te.Linear's tp_group / "
-                                      "parallel_mode give tensor parallelism")
+_NO_SPLIT = "te.Linear's tp_group / parallel_mode give tensor parallelism"
 
 
 class Sequential(torch.nn.Sequential):
@@ -49,10 +44,12 @@ class Linear(_Linear):
                  tensor_parallel_mode: Optional[str] = None, tensor_parallel_group=None,
                  sequence_parallel: bool = False, rng_state_tracker_function=None,
                  accumulate_into_main_grad: bool = False) -> None:
-        _refuse("Linear", tensor_parallel_mode=tensor_parallel_mode,
-                tensor_parallel_group=tensor_parallel_group, sequence_parallel=sequence_parallel,
-                rng_state_tracker_function=rng_state_tracker_function,
-                accumulate_into_main_grad=accumulate_into_main_grad)
+        refuse_non_defaults(
+            "te.ops.Linear", _NO_SPLIT, tensor_parallel_mode=(tensor_parallel_mode, None),
+            tensor_parallel_group=(tensor_parallel_group, None),
+            sequence_parallel=(sequence_parallel, False),
+            rng_state_tracker_function=(rng_state_tracker_function, None),
+            accumulate_into_main_grad=(accumulate_into_main_grad, False))
         super().__init__(in_features, out_features, bias, params_dtype=dtype, device=device)
 
 
@@ -74,8 +71,8 @@ class Bias(DeferredInit, torch.nn.Module):
                  dtype: Optional[torch.dtype] = None, tensor_parallel: bool = False,
                  tensor_parallel_group=None) -> None:
         super().__init__()
-        _refuse("Bias", tensor_parallel=tensor_parallel,
-                tensor_parallel_group=tensor_parallel_group)
+        refuse_non_defaults("te.ops.Bias", _NO_SPLIT, tensor_parallel=(tensor_parallel, False),
+                            tensor_parallel_group=(tensor_parallel_group, None))
         if not isinstance(size, int) or size <= 0:
             raise ValueError(f"te.ops.Bias: size must be a positive int, got {size!r}")
         device = torch.device("cuda" if device is None and torch.cuda.is_available()
@@ -90,28 +87,26 @@ class Bias(DeferredInit, torch.nn.Module):
         return x + self.bias.to(x.dtype)
 
 
-class LayerNorm(_LayerNorm):
+class _NormKeywords:
+    """NVIDIA's te.ops keyword-only signature over te.LayerNorm / te.RMSNorm's."""
+
+    def __init__(self, normalized_shape, *, eps: float = 1e-5, device: Device = None,
+                 dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
+                 sm_margin: int = 0) -> None:
+        super().__init__(normalized_shape, eps, zero_centered_gamma=zero_centered_gamma,
+                         device=device, dtype=dtype, sm_margin=sm_margin)
+
+
+class LayerNorm(_NormKeywords, _LayerNorm):
     """te.LayerNorm under NVIDIA's te.ops keywords."""
 
     _name = "te.ops.LayerNorm"
 
-    def __init__(self, normalized_shape, *, eps: float = 1e-5, device: Device = None,
-                 dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
-                 sm_margin: int = 0) -> None:
-        super().__init__(normalized_shape, eps, zero_centered_gamma=zero_centered_gamma,
-                         device=device, dtype=dtype, sm_margin=sm_margin)
 
-
-class RMSNorm(_RMSNorm):
+class RMSNorm(_NormKeywords, _RMSNorm):
     """te.RMSNorm under NVIDIA's te.ops keywords."""
 
     _name = "te.ops.RMSNorm"
-
-    def __init__(self, normalized_shape, *, eps: float = 1e-5, device: Device = None,
-                 dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
-                 sm_margin: int = 0) -> None:
-        super().__init__(normalized_shape, eps, zero_centered_gamma=zero_centered_gamma,
-                         device=device, dtype=dtype, sm_margin=sm_margin)
 
 
 class Identity(torch.nn.Identity):

@@ -42,3 +42,14 @@ def check_float_input(op: str, name: str, t: torch.Tensor) -> None:
     if not t.dtype.is_floating_point:
         raise TypeError(f"{op}: {name} must be a floating-point tensor (float32, bfloat16 or "
                         f"float16), got {t.dtype}")
+
+
+def refuse_non_defaults(op: str, why: str, **given) -> None:
+    """NotImplementedError naming the first argument given a value other than its default
+    (``given``: name -> (value, default)): NVIDIA's keywords for features not built here are
+    accepted at their defaults only, never silently ignored."""
+    for name, (value, default) in given.items():
+        if value is not default and value != default:
+            raise NotImplementedError(f"{op}: {name}={value!r} is not supported here (only "
+                                      f"{default!r}); {why}")
+

@@ -359,16 +359,11 @@ class DotProductAttention(FP8Module):
         rank: not split). ``cp_global_ranks`` and ``cp_stream`` are accepted and unused (the
         gather runs on the current stream); every ``cp_comm_type`` computes the same rows,
         with the all-gather of k and v."""
-        from ..context_parallel import ContextParallel
+        from ..context_parallel import ContextParallel, check_comm_type
 
-        if cp_group is None:
-            if cp_comm_type not in ("p2p", "all_gather", "a2a", "a2a+p2p"):
-                raise ValueError(f"DotProductAttention: cp_comm_type must be one of 'p2p', "
-                                 f"'all_gather', 'a2a', 'a2a+p2p', got {cp_comm_type!r}")
-            self._cp = None
-            return
-        cp = ContextParallel(cp_group, cp_comm_type)
-        self._cp = cp if cp.size > 1 else None
+        check_comm_type(cp_comm_type)
+        cp = None if cp_group is None else ContextParallel(cp_group, cp_comm_type)
+        self._cp = cp if cp is not None and cp.size > 1 else None
 
     def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
                 qkv_format=None, cu_seqlens_q=None, cu_seqlens_kv=None,
@@ -391,12 +386,9 @@ class DotProductAttention(FP8Module):
         query = _one_of("query_layer", query_layer, "query", query)
         key = _one_of("key_layer", key_layer, "key", key)
         value = _one_of("value_layer", value_layer, "value", value)
-        if (core_attention_bias_type != "no_bias" or core_attention_bias is not None
-                or alibi_slopes is not None or pad_between_seqs
-                or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None):
-            refuse_forward_args("DotProductAttention", core_attention_bias_type,
-                                core_attention_bias, alibi_slopes, pad_between_seqs,
-                                cu_seqlens_q_padded, cu_seqlens_kv_padded)
+        refuse_forward_args("DotProductAttention", core_attention_bias_type,
+                            core_attention_bias, alibi_slopes, pad_between_seqs,
+                            cu_seqlens_q_padded, cu_seqlens_kv_padded)
         if inference_params is not None:
             raise NotImplementedError("DotProductAttention: inference_params is not "
                                       "implemented here (only None); te.MultiheadAttention "
@@ -431,13 +423,14 @@ class DotProductAttention(FP8Module):
             raise NotImplementedError("DotProductAttention: context parallelism takes no "
                                       "attention_mask, cu_seqlens or sliding window here")
 
-        def one(q, k, v, mask, layout):
+        layout = qkv_format or self.qkv_format
+
+        def one(q, k, v, mask):
             return self._attend(q, k, v, None, layout, None, None, None, None, mask, None,
                                 attention_backend)
 
-        layout = qkv_format or self.qkv_format
         return attend(one, self._cp, query, key, value, layout,
-                      attn_mask_type or self.attn_mask_type, (layout,))
+                      attn_mask_type or self.attn_mask_type)
 
     def _attend(self, query, key, value, attention_mask, qkv_format, cu_seqlens_q,
                 cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
@@ -580,7 +573,10 @@ def refuse_forward_args(op: str, bias_type, bias, alibi_slopes, pad_between_seqs
                         cu_q_padded, cu_kv_padded) -> None:
     """Raises for the first of NVIDIA's attention arguments given a value not implemented
     here: the core attention has no additive bias (attention.h), nor offsets of padded packed
-    sequences."""
+    sequences. Returns at once where every one holds its default (every forward calls it)."""
+    if (bias_type == "no_bias" and bias is None and alibi_slopes is None
+            and not pad_between_seqs and cu_q_padded is None and cu_kv_padded is None):
+        return
     if bias_type not in BIAS_TYPES:
         raise ValueError(f"{op}: core_attention_bias_type must be one of {BIAS_TYPES}, got "
                          f"{bias_type!r}")

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ._checks import check_sizes
+from ._checks import check_sizes, refuse_non_defaults
 from ._deferred_init import DeferredInit
 from .linear import Linear, _default_device
 
@@ -56,18 +56,14 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         super().__init__()
         op = self._name
         check_sizes(op, num_gemms=num_gemms)
-        defaults = {"sequence_parallel": (sequence_parallel, False),
-                    "fuse_wgrad_accumulation": (fuse_wgrad_accumulation, False),
-                    "tp_group": (tp_group, None), "tp_size": (tp_size, 1),
-                    "parallel_mode": (parallel_mode, None),
-                    "ub_overlap_rs": (ub_overlap_rs, False),
-                    "ub_overlap_ag": (ub_overlap_ag, False),
-                    "delay_wgrad_compute": (delay_wgrad_compute, False),
-                    "save_original_input": (save_original_input, False)}
-        for arg, (value, default) in defaults.items():
-            if value != default:
-                raise NotImplementedError(f"{op}: {arg}={value!r} is not supported here (only "
-                                          f"{default!r}); the groups are not split over ranks")
+        refuse_non_defaults(
+            op, "the groups are not split over ranks",
+            sequence_parallel=(sequence_parallel, False),
+            fuse_wgrad_accumulation=(fuse_wgrad_accumulation, False),
+            tp_group=(tp_group, None), tp_size=(tp_size, 1), parallel_mode=(parallel_mode, None),
+            ub_overlap_rs=(ub_overlap_rs, False), ub_overlap_ag=(ub_overlap_ag, False),
+            delay_wgrad_compute=(delay_wgrad_compute, False),
+            save_original_input=(save_original_input, False))
         device = _default_device(device)
         self.num_gemms = int(num_gemms)
         self.in_features, self.out_features = int(in_features), int(out_features)

@@ -288,12 +288,9 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
                      self.proj._parameters["weight"])
         if self.attention_type == "cross" and encoder_output is None:
             raise ValueError("te.MultiheadAttention: cross attention needs encoder_output")
-        if (core_attention_bias_type != "no_bias" or core_attention_bias is not None
-                or alibi_slopes is not None or pad_between_seqs
-                or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None):
-            refuse_forward_args("te.MultiheadAttention", core_attention_bias_type,
-                                core_attention_bias, alibi_slopes, pad_between_seqs,
-                                cu_seqlens_q_padded, cu_seqlens_kv_padded)
+        refuse_forward_args("te.MultiheadAttention", core_attention_bias_type,
+                            core_attention_bias, alibi_slopes, pad_between_seqs,
+                            cu_seqlens_q_padded, cu_seqlens_kv_padded)
         mask = attn_mask_type or self.attn_mask_type
         window = window_size if window_size is not None else self.window_size
         cache = inference_params if self.attention_type == "self" else None
