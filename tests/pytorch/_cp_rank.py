@@ -1,4 +1,4 @@
-"""One rank of the context-parallel tests (test_context_parallel.py): ``python _cp_rank.py
+"""One rank of the context-parallel tests (test_parallel_worlds.py): ``python _cp_rank.py
 RANK WORLD PORT``. Every rank holds chunks r and 2*WORLD-1-r of the sequence (the
 load-balanced layout) and checks its rows of the output and of q's, k's and v's gradients (k's
 and v's summed over the ranks by the backward's reduce-scatter) against attention over the
@@ -10,7 +10,6 @@ A standalone script, like _tp_rank.py.
 from __future__ import annotations
 
 import copy
-import datetime
 import sys
 
 import _tp_world  # (beside this script)
@@ -103,9 +102,7 @@ def check_refusals():
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    GROUP = dist.new_group(list(range(WORLD)))
+    GROUP = _tp_world.start(RANK, WORLD, PORT)
     for layout in ("sbhd", "bshd"):
         for mask in ("causal", "no_mask"):
             case(check_attention, layout, mask)

@@ -1,4 +1,4 @@
-"""One rank of the FSDP2 tests (test_fsdp2.py): ``python _fsdp_rank.py RANK WORLD PORT``.
+"""One rank of the FSDP2 tests (test_parallel_worlds.py): ``python _fsdp_rank.py RANK WORLD PORT``.
 A stack of te.TransformerLayer sharded with torch's ``fully_shard`` (each layer, then the
 whole) trains on this rank's share of a batch; its gradients (FSDP averages them over the
 ranks) are checked against the unsharded stack's on the whole batch, in fp32 and in FP8
@@ -10,7 +10,6 @@ A standalone script, like _tp_rank.py.
 from __future__ import annotations
 
 import copy
-import datetime
 import sys
 
 import _tp_world  # (beside this script)
@@ -82,8 +81,7 @@ def check_meta_init():
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    _tp_world.start(RANK, WORLD, PORT)
     from torch.distributed.device_mesh import init_device_mesh
 
     MESH = init_device_mesh("cpu", (WORLD,))  # one mesh for every check

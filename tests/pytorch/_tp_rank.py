@@ -10,7 +10,6 @@ import); it needs only torch and transformer_engine.
 from __future__ import annotations
 
 import copy
-import datetime
 import sys
 
 import _tp_world  # (beside this script)
@@ -152,20 +151,13 @@ def check_fp8(mode, name, group=None, steps=1):
     return par
 
 
-def gathered(t):
-    return _tp_world.gathered(t, WORLD, GROUP)
-
-
 def check_scales_shared(mode, group):
     """Delayed scaling under fp8_autocast(fp8_group=tp_group): after each step every rank
     holds the same amax histories and scales; without the group the slices' different amaxes
     give different scales (so the check can fail)."""
     for steps in (1, 2):
         par = check_fp8(mode, "delayed", group, steps)
-        state = [getattr(par, n).detach() for n in
-                 ("amax_history_fwd", "scale_fwd", "scale_inv_fwd", "amax_history_bwd",
-                  "scale_bwd", "scale_inv_bwd")]
-        same = [all(torch.equal(o, gathered(t)[0]) for o in gathered(t)) for t in state]
+        same = _tp_world.fp8_state_same_on_ranks(par, WORLD, GROUP)
         if group is not None:
             assert all(same), f"{mode} fp8_group, step {steps}: ranks differ: {same}"
         else:
@@ -251,9 +243,7 @@ def check_bad_arguments():
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    GROUP = dist.new_group(list(range(WORLD)))
+    GROUP = _tp_world.start(RANK, WORLD, PORT)
     quick = WORLD > 2  # larger worlds: high precision and delayed scaling only
     for mode in ("column", "row"):
         case(check_high_precision, mode, torch.float32)

@@ -12,7 +12,6 @@ could not import).
 from __future__ import annotations
 
 import copy
-import datetime
 import sys
 
 import _tp_world  # (beside this script)
@@ -297,20 +296,13 @@ def check_fp8(config, name, group=None, steps=1):
     return par
 
 
-def gathered(t):
-    return _tp_world.gathered(t, WORLD, GROUP)
-
-
 def check_scales_shared(config, group):
     """Delayed scaling with fp8_group=tp_group: every rank ends each step with the same amax
     histories and scales; without the group the weight slices' amaxes give different forward
     scales (so the check can fail)."""
     for steps in (1, 2):
         par = check_fp8(config, "delayed", group, steps)
-        state = [getattr(par, n).detach() for n in
-                 ("amax_history_fwd", "scale_fwd", "scale_inv_fwd", "amax_history_bwd",
-                  "scale_bwd", "scale_inv_bwd")]
-        same = [all(torch.equal(o, gathered(t)[0]) for o in gathered(t)) for t in state]
+        same = _tp_world.fp8_state_same_on_ranks(par, WORLD, GROUP)
         if group is not None:
             assert all(same), f"{config} fp8_group, step {steps}: ranks differ: {same}"
         else:
@@ -349,9 +341,7 @@ def check_bad_input():
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    GROUP = dist.new_group(list(range(WORLD)))
+    GROUP = _tp_world.start(RANK, WORLD, PORT)
     quick = WORLD > 2  # larger worlds: fp32, and delayed scaling with the group for two
     for config in CONFIGS:
         case(check_high_precision, config, torch.float32)

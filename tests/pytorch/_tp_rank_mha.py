@@ -1,4 +1,4 @@
-"""One rank of the tensor-parallel attention tests (test_tensor_parallel_mha.py): ``python
+"""One rank of the tensor-parallel attention tests (test_parallel_worlds.py): ``python
 _tp_rank_mha.py RANK WORLD PORT``. Every rank builds te.MultiheadAttention and
 te.TransformerLayer split over the group (``set_parallel_mode=True``, with and without
 ``sequence_parallel``) and the same modules unsplit from the same seed, runs forward and
@@ -12,7 +12,6 @@ A standalone script, like _tp_rank.py.
 
 from __future__ import annotations
 
-import datetime
 import sys
 
 import _tp_world  # (beside this script)
@@ -130,10 +129,7 @@ def check_refusals():
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    GROUP = dist.new_group(list(range(WORLD)))
-    _tp_world.GROUP = GROUP
+    GROUP = _tp_world.start(RANK, WORLD, PORT)
     for sequence in (False, True):
         case(check, "MultiheadAttention", sequence)
         case(check, "MultiheadAttention", sequence, None, dict(fuse_qkv_params=True))

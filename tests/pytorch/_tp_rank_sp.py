@@ -1,4 +1,4 @@
-"""One rank of the sequence-parallel tests (test_sequence_parallel.py): ``python
+"""One rank of the sequence-parallel tests (test_parallel_worlds.py): ``python
 _tp_rank_sp.py RANK WORLD PORT``. Every rank builds te.Linear (column and row),
 te.LayerNormLinear and te.LayerNormMLP with ``sequence_parallel=True`` and the same modules
 unsplit from the same seed, feeds its shard of the sequence (the first dimension of an sbhd
@@ -11,7 +11,6 @@ A standalone script, like _tp_rank.py.
 
 from __future__ import annotations
 
-import datetime
 import sys
 
 import _tp_world  # (beside this script)
@@ -118,10 +117,7 @@ def check_indivisible_sequence():
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    GROUP = dist.new_group(list(range(WORLD)))
-    _tp_world.GROUP = GROUP
+    GROUP = _tp_world.start(RANK, WORLD, PORT)
     for r in (None, CURRENT):
         case(check, "Linear", "column", r)
         case(check, "Linear", "row", r)

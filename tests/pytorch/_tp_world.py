@@ -50,6 +50,27 @@ def run_world(script: Path, world: int) -> None:
 failures: list[str] = []
 
 
+def start(rank: int, world: int, port: int):
+    """Joins the gloo world of this rank script; returns a group of all its ranks."""
+    import datetime
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    return dist.new_group(list(range(world)))
+
+
+def fp8_state_same_on_ranks(module, world: int, group) -> list:
+    """For each delayed-scaling state buffer of ``module`` (histories, scales, scale_invs of
+    the forward and the backward), whether every rank holds the same values."""
+    names = ("amax_history_fwd", "scale_fwd", "scale_inv_fwd", "amax_history_bwd",
+             "scale_bwd", "scale_inv_bwd")
+    same = []
+    for name in names:
+        copies = gathered(getattr(module, name).detach(), world, group)
+        same.append(all(torch.equal(c, copies[0]) for c in copies))
+    return same
+
+
 def finish(rank: int) -> None:
     """Ends a rank script: its failures on stderr and exit status 1, else "rank R: ok". The
     process ends here without the interpreter's teardown, where the threads of torch's

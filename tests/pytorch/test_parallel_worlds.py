@@ -1,0 +1,32 @@
+"""The distributed features on torch.distributed (gloo, CPU processes), each in a world of
+rank processes that check themselves against the unsplit modules (run_world):
+
+- ``_tp_rank_sp.py``: sequence parallelism of te.Linear (column, row), te.LayerNormLinear and
+  te.LayerNormMLP, fp32 and FP8 (current scaling);
+- ``_tp_rank_mha.py``: tensor (and sequence) parallelism of te.MultiheadAttention and
+  te.TransformerLayer (self, cross, GQA attention), fp32 and FP8;
+- ``_cp_rank.py``: context parallelism of te.DotProductAttention, te.MultiheadAttention with
+  RoPE and te.TransformerLayer against attention over the whole sequence, fp32 and FP8;
+- ``_fsdp_rank.py``: FSDP2 (fully_shard) of a te.TransformerLayer stack, fp32, current and
+  delayed scaling, and its meta-device init.
+
+(te.Linear's and the LayerNorm blocks' tensor parallelism: test_tensor_parallel*.py.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from te_torch_tests._tp_world import run_world
+
+HERE = Path(__file__).resolve().parent
+WORLDS = [("_tp_rank_sp.py", 2), ("_tp_rank_sp.py", 4), ("_tp_rank_mha.py", 2),
+          ("_cp_rank.py", 2), ("_cp_rank.py", 4), ("_fsdp_rank.py", 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, world", WORLDS,
+                         ids=[f"{s[1:-3]}-{w}-ranks" for s, w in WORLDS])
+def test_every_rank_agrees_with_the_unsplit_modules(script, world):
+    run_world(HERE / script, world)
