@@ -177,6 +177,26 @@ def tests_torch(session: nox.Session) -> None:
     _pytest(session, "tests/common", "tests/pytorch")
 
 
+@nox.session(default=False)
+def tests_torch_release(session: nox.Session) -> None:
+    """The pytorch package, built beside the tests' torch pin, under another torch release.
+
+    `nox -s tests_torch_release` (torch 2.11.0, the oldest release the compiled eager ops are
+    built for), or `-- 2.12.1` for another. It checks that the ops' one binary (LibTorch stable
+    ABI, pytorch/setup.py) loads there with its fast path on, then runs te.Linear's tests. Not
+    in the default run: PyPI has no CPU-only build of those releases, and theirs pull several GB
+    of CUDA libraries.
+    """
+    release = session.posargs[0] if session.posargs else "2.11.0"
+    _install(session, "pytorch", f"torch=={release}", "-r", "tests/requirements.txt")
+    session.run("python", "-c", (
+        "import torch; from transformer_engine.pytorch import fast_linear; "
+        f"assert torch.__version__.split('+')[0] == {release!r}, torch.__version__; "
+        "assert fast_linear.available(), 'the compiled eager ops did not load'; "
+        "print('torch', torch.__version__, ': compiled eager ops loaded')"))
+    session.run("pytest", "-q", "tests/pytorch/test_fast_linear.py", "tests/pytorch/test_linear.py")
+
+
 @nox.session
 def tests_jax(session: nox.Session) -> None:
     """pytest over tests/common and tests/jax, with jax and flax only."""

@@ -1,12 +1,18 @@
-"""Builds transformer_engine.pytorch._linear_fast, te.Linear's compiled eager FP8 forward
-(csrc/linear_fast.cpp, see transformer_engine/pytorch/fast_linear.py), when torch and
-transformer-engine-common are installed where the build runs (--no-build-isolation). Without
-them the package is pure Python and te.Linear takes its Python path."""
+"""Builds transformer_engine.pytorch's compiled eager ops (csrc/eager_ops.cpp, see
+transformer_engine/pytorch/_compiled.py) when torch and transformer-engine-common are installed
+where the build runs (--no-build-isolation). Without them the package is pure Python and
+te.Linear takes its Python path.
+
+The ops use only the LibTorch stable ABI, targeted at the oldest torch release the package
+supports (OLDEST_TORCH): the one binary loads under that release and every later one, whichever
+torch it was built beside."""
 
 import importlib.util
 from pathlib import Path
 
 from setuptools import setup
+
+OLDEST_TORCH = (2, 11)  # also pyproject.toml's lower bound on torch
 
 
 def _extension():
@@ -18,18 +24,21 @@ def _extension():
         torch = None
     if torch is None or common is None:
         print("transformer-engine-torch: torch or transformer-engine-common is not installed "
-              "here, so te.Linear's compiled fast path is not built (the package is pure Python)")
+              "here, so the compiled eager ops are not built (the package is pure Python)")
         return [], {}
     root = Path(common.submodule_search_locations[0])
-    major, minor = torch.__version__.split(".")[:2]
+    major, minor = OLDEST_TORCH
+    target = f"0x{major:02x}{minor:02x}000000000000"
     ext = CppExtension(
-        "transformer_engine.pytorch._linear_fast",
-        ["csrc/linear_fast.cpp"],
+        "transformer_engine.pytorch._eager_ops",
+        ["csrc/eager_ops.cpp"],
         include_dirs=[str(root / "include")],
         library_dirs=[str(root / "lib")],
         libraries=["transformer_engine"],
-        define_macros=[("TE_TORCH_MAJOR", major), ("TE_TORCH_MINOR", minor)],
-        extra_compile_args=["-O2", "-g0"],
+        define_macros=[("TORCH_TARGET_VERSION", target)],
+        extra_compile_args=["-O2", "-g0", "-std=c++17"],
+        # No Python symbols: torch.ops.load_library loads it (_compiled.py).
+        py_limited_api=True,
         # The core's library sits in the common wheel, beside this package in site-packages.
         extra_link_args=["-Wl,-rpath,$ORIGIN/../common/lib"],
     )

@@ -183,16 +183,12 @@ def _torch():
 
 
 def test_torch_amax_algorithms():
-    fp8, *_ = _torch()
-    assert fp8._ALGOS == _by_suffix("te_amax_compute_algo", "TE_AMAX_COMPUTE_")
-
-
-def test_torch_fast_linear_scaling_kinds():
-    """fast_linear's scaling codes are linear_fast.cpp's own ``enum Scaling``."""
-    _, fast_linear, *_ = _torch()
-    source = (ROOT / "pytorch" / "csrc" / "linear_fast.cpp").read_text()
-    scaling = parse_enums(source, _CPP_ENUM)["Scaling"]
-    assert fast_linear._SCALING == {k[1:].lower(): v for k, v in scaling.items()}
+    """The compiled scale update takes the algorithms by the binding's codes (the header's)."""
+    fp8, _, backend, _ = _torch()
+    header = _by_suffix("te_amax_compute_algo", "TE_AMAX_COMPUTE_")
+    assert set(fp8.COMPILED_ALGOS) == set(header)
+    for name in fp8.COMPILED_ALGOS:
+        assert backend.algo_code(name) == header[name]
 
 
 def test_torch_names_are_members_of_the_binding_enums():

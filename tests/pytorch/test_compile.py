@@ -82,8 +82,8 @@ def test_eager_fast_path_takes_parameters_not_subclasses():
         pass
 
     plain, param = torch.ones(2), torch.nn.Parameter(torch.ones(2))
-    assert _backend._plain_eager([plain, param, None, 3])
-    assert not _backend._plain_eager([plain, plain.as_subclass(Sub)])
+    assert _backend.plain_eager([plain, param, None, 3])
+    assert not _backend.plain_eager([plain, plain.as_subclass(Sub)])
 
 
 def _stack(kind: str) -> torch.nn.Module:

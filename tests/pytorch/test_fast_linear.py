@@ -1,6 +1,6 @@
-"""te.Linear's compiled eager forward (fast_linear.py, pytorch/csrc/linear_fast.cpp).
+"""te.Linear's compiled eager forward (fast_linear.py, pytorch/csrc/eager_ops.cpp).
 
-It must be built where the tests run (noxfile.py builds the pytorch wheel against the tested
+It must be built where the tests run (noxfile.py builds the pytorch package beside the tested
 torch), must be taken exactly where it computes what the Python path computes, and must then
 give the same bits: outputs, gradients and every FP8 buffer, step after step.
 """
@@ -31,9 +31,25 @@ def spy(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def backward_spy(monkeypatch):
+    """Counts the backwards that the compiled operator computes."""
+    calls = []
+    compiled = fast_linear._compiled_backward
+
+    def counting(*args):
+        out = compiled(*args)
+        if out is not None:
+            calls.append(1)
+        return out
+
+    monkeypatch.setattr(fast_linear, "_compiled_backward", counting)
+    return calls
+
+
 def test_built():
     assert fast_linear.available(), (
-        "transformer_engine.pytorch._linear_fast is missing or built for another torch: build the "
+        "transformer_engine.pytorch's compiled eager ops are missing or cannot load: build the "
         "pytorch package with --no-build-isolation where torch and transformer-engine-common are "
         "installed (noxfile.py does)")
 
@@ -90,9 +106,9 @@ def _assert_same_bits(fast, python):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("bias", [True, False])
-def test_same_bits_as_python_path(device, spy, dtype, bias):
+def test_same_bits_as_python_path(device, spy, backward_spy, dtype, bias):
     fast = _train(device, True, bias=bias, dtype=dtype)
-    assert len(spy) == FAST_DELAYED_STEPS
+    assert len(spy) == len(backward_spy) == FAST_DELAYED_STEPS
     python = _train(device, False, bias=bias, dtype=dtype)
     assert len(spy) == FAST_DELAYED_STEPS  # the Python path did not take it
     _assert_same_bits(fast, python)
@@ -102,9 +118,9 @@ def test_same_bits_as_python_path(device, spy, dtype, bias):
     dict(frozen_weight=True), dict(input_grad=False), dict(return_bias=True),
     dict(shape=(48, 64)),
 ], ids=["frozen-weight", "no-input-grad", "return-bias", "2d"])
-def test_same_bits_variants(device, spy, case):
+def test_same_bits_variants(device, spy, backward_spy, case):
     fast = _train(device, True, **case)
-    assert len(spy) == FAST_DELAYED_STEPS
+    assert len(spy) == len(backward_spy) == FAST_DELAYED_STEPS
     _assert_same_bits(fast, _train(device, False, **case))
 
 
@@ -117,11 +133,12 @@ CURRENT_RECIPES = {
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", CURRENT_RECIPES)
-def test_same_bits_as_python_path_current_scaling(device, spy, name, dtype):
-    """Current scaling: each scale from its tensor's amax in the compiled forward too."""
+def test_same_bits_as_python_path_current_scaling(device, spy, backward_spy, name, dtype):
+    """Current scaling: each scale from its tensor's amax in the compiled forward and backward
+    too."""
     r = CURRENT_RECIPES[name]
     fast = _train(device, True, dtype=dtype, fp8_recipe=r)
-    assert len(spy) == 4
+    assert len(spy) == len(backward_spy) == 4
     _assert_same_bits(fast, _train(device, False, dtype=dtype, fp8_recipe=r))
     case = dict(frozen_weight=True, fp8_recipe=r)
     _assert_same_bits(_train(device, True, **case), _train(device, False, **case))
@@ -189,9 +206,10 @@ def test_python_path_under_checkpoint_and_compile(spy):
     assert len(spy) == 1
 
 
-def test_error_in_backward_is_raised(device, monkeypatch):
-    """An error in the backward (which the compiled forward hands to Python) reaches the caller
-    as an exception, not a crash."""
+@pytest.mark.parametrize("where", ["_compiled_backward", "linear_backward"])
+def test_error_in_backward_is_raised(device, monkeypatch, where):
+    """An error in the compiled forward's backward (the compiled operator's, or the Python
+    backward's that it falls back to) reaches the caller as an exception, not a crash."""
     m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
     x = torch.randn(16, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
     r = recipe.DelayedScaling()
@@ -201,15 +219,45 @@ def test_error_in_backward_is_raised(device, monkeypatch):
     def broken(*args):
         raise ValueError("backward failed on purpose")
 
-    monkeypatch.setattr(fast_linear, "backward", broken)
+    if where == "linear_backward":
+        monkeypatch.setattr(fast_linear, "_compiled_backward", lambda *args: None)
+    monkeypatch.setattr(fast_linear, where, broken)
     with pytest.raises(Exception, match="backward failed on purpose"):
         y.sum().backward()
+
+
+def test_operators_check_their_inputs(device):
+    """The compiled operators refuse what their Python callers would never send, with an error
+    naming the operator, before writing anything."""
+    from transformer_engine.pytorch import _compiled
+
+    ops = _compiled.ops
+    x = torch.randn(24, 64, device=device)  # M = 24: not a multiple of 16
+    w = torch.randn(32, 64, device=device)
+    history, scales = torch.zeros(4, 3, device=device), torch.ones(3, device=device)
+    e4m3 = fast_linear.dtype_code("float8_e4m3")
+    with pytest.raises(RuntimeError, match="linear_fp8_forward: M, N and K must be multiples"):
+        ops.linear_fp8_forward.default(x, w, None, scales, history, fast_linear._EMPTY, False,
+                                       e4m3, False, 0.0, True, True, 0)
+    with pytest.raises(RuntimeError, match="linear_fp8_forward: bias must be"):
+        ops.linear_fp8_forward.default(x[:16], w, torch.zeros(5, device=device), scales,
+                                       history, fast_linear._EMPTY, False, e4m3, False, 0.0,
+                                       True, True, 0)
+    assert torch.equal(history, torch.zeros(4, 3, device=device))
+    g = torch.randn(16, 32, device=device)
+    with pytest.raises(RuntimeError, match="linear_fp8_backward: the column-wise weight"):
+        ops.linear_fp8_backward.default(
+            g, scales[:1], scales[:1], torch.empty(0, dtype=torch.uint8),
+            torch.empty(64, 31, dtype=torch.uint8), history, scales[:1], scales[:1],
+            fast_linear._EMPTY, False, e4m3, e4m3, False, 0.0, 0, 0, True, False,
+            torch.float32, torch.float32, None, 0)
+    assert torch.equal(history, torch.zeros(4, 3, device=device))
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("fp8_dtype", ["float8_e4m3", "float8_e5m2"])
 def test_compiled_scale_update_equals_the_op(device, algo, fp8_dtype):
-    """fp8.scale_update (the compiled module's core call in eager mode) updates scales and
+    """fp8.scale_update (the compiled operator's core call in eager mode) updates scales and
     histories exactly as the custom op does: columns with an amax, with none (scale kept), with
     an infinite one (scale kept), two groups in one call, a margin."""
     from transformer_engine.pytorch import _compiled, fp8, ops
@@ -227,28 +275,23 @@ def test_compiled_scale_update_equals_the_op(device, algo, fp8_dtype):
     ops.delayed_scaling_update(*b, fp8_dtype, algo, 2)
     for x, y in zip(sum(a, []), sum(b, []), strict=True):
         assert torch.equal(x, y)
-    assert _compiled.ext is not None
+    assert _compiled.ops is not None
 
 
-def test_exit_update_takes_the_compiled_module(monkeypatch):
+def test_exit_update_takes_the_compiled_operator(monkeypatch):
+    from types import SimpleNamespace
+
     from transformer_engine.pytorch import _compiled
 
     calls = []
+    op = _compiled.ops.delayed_scaling_update.default
 
-    class Spy:
-        """The compiled module, counting its scale updates."""
+    def counting(*args):
+        calls.append(len(args[0]))
+        return op(*args)
 
-        def __init__(self, ext):
-            self.ext = ext
-
-        def __getattr__(self, name):
-            return getattr(self.ext, name)
-
-        def delayed_scaling_update(self, *args):
-            calls.append(len(args[0]))
-            return self.ext.delayed_scaling_update(*args)
-
-    monkeypatch.setattr(_compiled, "ext", Spy(_compiled.ext))
+    spy = SimpleNamespace(delayed_scaling_update=SimpleNamespace(default=counting))
+    monkeypatch.setattr(_compiled, "ops", spy)
     m = te.Linear(32, 32, params_dtype=torch.bfloat16, device="cpu")
     with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
         m(torch.randn(16, 32, dtype=torch.bfloat16))
@@ -401,15 +444,35 @@ def test_steady_entry_follows_a_parametrized_weight(entries):
 
 
 def test_a_fast_path_that_cannot_load_says_why(monkeypatch):
-    # Never silently slower: a module built for another torch release names both releases.
+    # Never silently slower: under a torch older than the stable ABI the ops are built for,
+    # the warning names both releases.
     from transformer_engine.pytorch import _compiled
 
     monkeypatch.delenv("TE_FAST_LINEAR", raising=False)
-    monkeypatch.setattr(torch, "__version__", "2.0.1")
+    monkeypatch.setattr(torch, "__version__", "2.10.1")
     mod, why = _compiled._load()
     assert mod is None
-    if why != "missing":  # (a pure-Python build has no module to load)
-        assert "torch 2.0 is installed" in why and "--no-build-isolation" in why, why
+    if why != "missing":  # (a pure-Python build has no library to load)
+        assert "torch >= 2.11" in why and "torch 2.10.1 is installed" in why, why
+
+
+def test_the_library_is_built_on_the_stable_abi():
+    """One build serves every torch from 2.11 on: the library imports nothing of torch but the
+    stable C shim (no C++ symbol of libtorch, whose ABI changes between releases)."""
+    import shutil
+    import subprocess
+
+    from transformer_engine.pytorch import _compiled
+
+    path, nm = _compiled._library_path(), shutil.which("nm")
+    if path is None or nm is None:
+        pytest.skip("no compiled library in this build, or no nm on this machine")
+    undefined = subprocess.run([nm, "-D", "--undefined-only", str(path)], check=True,
+                               capture_output=True, text=True).stdout.split()
+    prefixes = tuple(f"_Z{k}{ns}" for k in ("N", "NK") for ns in ("3c10", "2at", "5torch"))
+    torch_cxx = [s for s in undefined if s.startswith(prefixes)]
+    assert torch_cxx == []
+    assert any(s.startswith("aoti_torch_") for s in undefined)
 
 
 def test_a_build_without_the_fast_path_warns_once(monkeypatch):

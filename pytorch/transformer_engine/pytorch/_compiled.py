@@ -1,61 +1,71 @@
-"""The optional compiled module ``_linear_fast`` (``pytorch/csrc/linear_fast.cpp``), or None.
+"""The compiled eager ops (``pytorch/csrc/eager_ops.cpp``): ``torch.ops.te_eager``, or None.
 
-Built with the package for the torch release installed at build time (``pytorch/setup.py``);
-None in a pure-Python build, under another torch release (its C++ ABI is not stable across
-releases), or with ``TE_FAST_LINEAR=0`` in the environment. Its users (``fast_linear.py`` and
-the delayed-scaling update in ``fp8.py``) fall back to the custom ops without it: the same
-numbers, more host time per call. So that this is never silent, a module that was built but
-cannot load (another torch release, a load error) says why in one warning at import, and a
-package built without it says so once, at the first FP8 forward of a te.Linear on a GPU
-(``warn_if_missing``), where its host time matters.
+They are built on the LibTorch stable ABI for torch >= 2.11 (``pytorch/setup.py``), so one build
+loads under every torch release from 2.11 on. None in a pure-Python build, under an older torch,
+when the library cannot load, or with ``TE_FAST_LINEAR=0`` in the environment. Their users
+(``fast_linear.py`` and the delayed-scaling update in ``fp8.py``) fall back to the custom ops
+without them: the same numbers, more host time per call. So that this is never silent, a library
+that was built but cannot load says why in one warning at import, and a package built without it
+says so once, at the first FP8 forward of a te.Linear on a GPU (``warn_if_missing``), where its
+host time matters.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.machinery
 import os
 import warnings
+from pathlib import Path
 
 import torch
 
-_REBUILD = ("reinstall transformer-engine-torch with --no-build-isolation against the torch "
-            "in use to get it back")
+OLDEST_TORCH = (2, 11)  # the stable ABI version the library targets (setup.py)
+_REBUILD = ("reinstall transformer-engine-torch with --no-build-isolation beside torch and "
+            "transformer-engine-common to get it")
+
+
+def _library_path() -> Path | None:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_eager_ops{suffix}"
+        if path.is_file():
+            return path
+    return None
 
 
 def _load() -> tuple[object | None, str | None]:
-    """(the module or None, why it is None when that is worth a warning)."""
+    """(torch.ops.te_eager or None, why it is None when that is worth a warning)."""
     if os.environ.get("TE_FAST_LINEAR", "1") == "0":
         return None, None  # switched off on purpose
-    if importlib.util.find_spec(f"{__package__}._linear_fast") is None:
+    path = _library_path()
+    if path is None:
         return None, "missing"
+    installed = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    if installed < OLDEST_TORCH:
+        return None, (f"the compiled eager ops need torch >= {OLDEST_TORCH[0]}.{OLDEST_TORCH[1]} "
+                      f"(the stable ABI they are built on) and torch {torch.__version__} is "
+                      f"installed, so FP8 te.Linear runs its Python path, with more host time "
+                      f"per call")
     try:
-        from . import _linear_fast as mod
-    except ImportError as err:
-        return None, (f"te.Linear's compiled fast path could not be loaded ({err}); FP8 "
-                      f"te.Linear runs its Python path, with more host time per call: "
-                      f"{_REBUILD}")
-    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
-    built = tuple(mod.torch_version)
-    if built != (major, minor):
-        return None, (f"te.Linear's compiled fast path was built for torch "
-                      f"{built[0]}.{built[1]} and torch {major}.{minor} is installed (its C++ "
-                      f"ABI differs between releases), so it is off and FP8 te.Linear runs its "
-                      f"Python path, with more host time per call: {_REBUILD}")
-    return mod, None
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as err:
+        return None, (f"the compiled eager ops could not be loaded ({err}); FP8 te.Linear runs "
+                      f"its Python path, with more host time per call: {_REBUILD}")
+    return torch.ops.te_eager, None
 
 
-ext, _why = _load()
+ops, _why = _load()
 if _why is not None and _why != "missing":
     warnings.warn(_why, RuntimeWarning, stacklevel=2)
 _missing_said = _why != "missing"
 
 
 def warn_if_missing() -> None:
-    """Once per process, where the package was built without the compiled module."""
+    """Once per process, where the package was built without the compiled ops."""
     global _missing_said
     if not _missing_said:
         _missing_said = True
-        warnings.warn("te.Linear's compiled fast path is not part of this installation (the "
-                      "package was built without torch or transformer-engine-common present), "
-                      "so FP8 te.Linear runs its Python path, with more host time per call: "
+        warnings.warn("the compiled eager ops are not part of this installation (the package "
+                      "was built without torch or transformer-engine-common present), so FP8 "
+                      "te.Linear runs its Python path, with more host time per call: "
                       f"{_REBUILD}", RuntimeWarning, stacklevel=3)

@@ -1,53 +1,55 @@
-"""The compiled eager path of te.Linear's FP8 forward under delayed and current scaling.
+"""The compiled eager path of te.Linear's FP8 step under delayed and current scaling.
 
-A small layer's forward is bound by host time, and in Python most of it is spent around the
-kernels (autograd.Function, the op wrappers). ``_linear_fast`` (``pytorch/csrc/linear_fast.cpp``)
-does the forward as one C++ autograd function over the core's C API: the same casts and GEMM
-with the same arguments as :class:`~transformer_engine.pytorch.linear_fn.Fp8LinearFunction`,
-so the same bits, and a backward that comes back here to share that function's backward.
-te.Linear's full forward reaches it after its own checks (``forward``); once it has, the
-module's later forwards under the same recipe go to it first (``steady_forward``), and the C++
-checks the input itself, declining what the Python path must handle.
+A small layer's step is bound by host time, and in Python most of it is spent around the
+kernels (the op wrappers, their tensor bookkeeping). Here the forward is one autograd.Function
+whose forward and backward are each one call of a compiled operator
+(``torch.ops.te_eager.linear_fp8_forward`` and ``linear_fp8_backward``,
+``pytorch/csrc/eager_ops.cpp``, on the LibTorch stable ABI): the same casts and GEMMs with the
+same arguments as :class:`~transformer_engine.pytorch.linear_fn.Fp8LinearFunction` and
+``linear_fn.linear_backward``, so the same bits (the backward falls back to
+``linear_backward`` in the cases ``_compiled_backward`` lists). te.Linear's full forward
+reaches it after its own checks (``forward``); once it has, the module's later forwards under
+the same recipe go to it first (``steady_forward``), which checks the input (``takes``).
 
-The extension is built with the package when torch and transformer-engine-common are present
-at build time, for that torch release (``_compiled.py``); without it te.Linear takes its Python
-path, which is also the one torch.compile traces. ``TE_FAST_LINEAR=0`` in the environment
-turns it off, and so does ``enabled = False`` here (te.Linear's forward only).
+The operator is built with the package when torch and transformer-engine-common are present
+at build time (``_compiled.py``); without it te.Linear takes its Python path, which is also
+the one torch.compile traces. ``TE_FAST_LINEAR=0`` in the environment turns it off, and so does
+``enabled = False`` here (te.Linear's forward only).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _compiled, first_step, fp8
-from ._compiled import ext as _ext
 from .linear_fn import linear_backward
-from .ops._backend import dtype_code, workspace_for
+from .ops._backend import algo_code, dtype_code, stream_of, workspace_for
 from .quantization import Plan
 
 enabled = True
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_GRANULE = 16  # FP8 tensor cores work on 16x16 granules: M, N and K must be multiples
 
 
 def available() -> bool:
     """Whether te.Linear's FP8 forward can take the compiled path in this process."""
-    return _ext is not None and enabled
+    return _compiled.ops is not None and enabled
 
 
 def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            history: Optional[torch.Tensor], general_update: bool) -> bool:
     """Whether this forward (of an input te.Linear has checked) is one the compiled path
     computes exactly as the Python path: an eager call under per-tensor delayed scaling (with
-    the scale update in the core and amaxes recorded) or current scaling, plain tensors
-    (the compiled function declines a bias of another dtype), and not in an activation
-    checkpoint: neither its first run nor
-    its recompute (torch's checkpoint demands that both runs save tensors of the same shapes,
-    and the compiled forward saves one buffer where the Python path saves four); nor a first
-    step, whose empty history the Python path scales from the tensors' own amaxes
-    (first_step.py)."""
-    if _ext is None:
+    the scale update in the core and amaxes recorded) or current scaling, plain tensors, and
+    not in an activation checkpoint: neither its first run nor its recompute (torch's
+    checkpoint demands that both runs save tensors of the same shapes, and the two paths save
+    different ones); nor a first step, whose empty history the Python path scales from the
+    tensors' own amaxes (first_step.py). The input itself is checked by ``takes``."""
+    if _compiled.ops is None:
         if inp.is_cuda and not torch.compiler.is_compiling():
             _compiled.warn_if_missing()  # (once)
         return False
@@ -62,53 +64,156 @@ def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[t
 
 def _eager_outside_checkpoint() -> bool:
     """Switched on, not traced by torch.compile, and no activation checkpoint recording or
-    replaying. (The rest the compiled function checks itself: the input's shape, dtype and
-    device, the bias's dtype, torch.autocast, an active dispatch mode.)"""
+    replaying."""
     r = fp8.RECOMPUTE
     return (enabled and r.recording is None and r.replay is None
             and not torch.compiler.is_compiling())
 
 
-_SCALING = {"delayed": 0, "current": 1}  # linear_fast.cpp's Scaling
+def takes(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether the compiled forward computes this input as the Python path would; where not,
+    the Python path takes the call (and raises the errors where the input is wrong): shapes
+    the FP8 GEMM cannot take unpadded, tensors on different devices, dtypes other than
+    fp32/bf16/fp16, a bias of another dtype than the input (added in fp32 there), an input
+    torch.autocast would cast, an active dispatch mode (a tracer or fake tensors)."""
+    if inp.dim() == 0 or weight.dim() != 2:
+        return False
+    n, k = weight.shape
+    if inp.shape[-1] != k or k % _GRANULE or n % _GRANULE or (inp.numel() // k) % _GRANULE:
+        return False
+    dtype = inp.dtype
+    if dtype not in _FLOATS or weight.dtype not in _FLOATS or inp.device != weight.device:
+        return False
+    if bias is not None and (bias.dtype != dtype or bias.shape != (n,)
+                             or bias.device != inp.device):
+        return False
+    device_type = "cuda" if inp.is_cuda else inp.device.type
+    if torch.is_autocast_enabled(device_type) and \
+            torch.get_autocast_dtype(device_type) != dtype:
+        return False
+    return _get_current_dispatch_mode() is None
+
+
+class Codes(NamedTuple):
+    """What the compiled forward needs of a plan, as its operator takes it (kept on the module
+    after its first compiled forward, with the plan for the backward)."""
+
+    plan: Plan
+    current: bool  # current scaling (else delayed)
+    fp8_dtype: int  # the core's te_dtype code of the forward format
+    pow2: bool
+    epsilon: float
+
+
+def codes_of(plan: Plan) -> Codes:
+    return Codes(plan, plan.kind == "current", dtype_code(plan.fwd_dtype),
+                 plan.force_pow2_scales, plan.amax_epsilon)
+
+
+class _Backward(NamedTuple):
+    """What the backward of one compiled forward needs besides its saved tensors."""
+
+    plan: Plan
+    bwd_meta: tuple  # (history, scale, scale_inv) of grad_output, updated in place (delayed)
+    need: tuple  # (dgrad, wgrad, bias)
+    dtypes: tuple  # of input, weight and bias
+    input_shape: torch.Size
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """``inp @ weight^T (+ bias)`` through the compiled forward, saving the FP8 column-wise
+    input and weight (what Fp8LinearFunction saves) for linear_backward."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias, scales, history, codes: Codes, bwd_meta: tuple,
+                need_dgrad: bool, need_wgrad: bool):
+        ws = workspace_for(inp)
+        out, x_sinv, w_sinv, x_col, w_col = _compiled.ops.linear_fp8_forward.default(
+            inp, weight, bias, scales, history, _EMPTY if ws is None else ws, codes.current,
+            codes.fp8_dtype, codes.pow2, codes.epsilon, need_dgrad, need_wgrad, stream_of(inp))
+        ctx.save_for_backward(x_sinv, w_sinv, x_col, w_col)
+        ctx.info = _Backward(codes.plan, bwd_meta, (need_dgrad, need_wgrad, bias is not None),
+                             (inp.dtype, weight.dtype, None if bias is None else bias.dtype),
+                             inp.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x_sinv, w_sinv, x_col, w_col = ctx.saved_tensors
+        b = ctx.info
+        need_dgrad, need_wgrad, has_bias = b.need
+        grads = _compiled_backward(grad_output, x_sinv, w_sinv, x_col, w_col, b)
+        if grads is None:
+            saved = (x_col if need_wgrad else None, x_sinv, w_col if need_dgrad else None, w_sinv)
+            grads = linear_backward(grad_output, saved, b.plan, b.bwd_meta, None, None, b.need,
+                                    b.dtypes, b.input_shape)
+        return (*grads, None, None, None, None, None, None)
+
+
+def _compiled_backward(grad_output, x_sinv, w_sinv, x_col, w_col, b: _Backward):
+    """(grad_input, grad_weight, grad_bias) through the compiled backward, each None where not
+    needed; None where linear_backward must compute them: no GEMM needed (the bias gradient
+    alone), a delayed grad_output history no step has written yet (first_step.py), a traced
+    or dispatch-mode backward, a grad_output of another tensor type."""
+    need_dgrad, need_wgrad, has_bias = b.need
+    plan = b.plan
+    history, scale, scale_inv = b.bwd_meta
+    current = plan.kind == "current"
+    if (not (need_dgrad or need_wgrad) or type(grad_output) is not torch.Tensor
+            or (not current and (first_step.has_empty(history)
+                                 or plan.algo not in fp8.COMPILED_ALGOS))
+            or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None):
+        return None
+    g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+    ws = workspace_for(g)
+    in_dtype, w_dtype, b_dtype = b.dtypes
+    gi, gw, gb = _compiled.ops.linear_fp8_backward.default(
+        g, x_sinv, w_sinv, x_col, w_col, history, scale, scale_inv, _EMPTY if ws is None else ws,
+        current, dtype_code(plan.fwd_dtype), dtype_code(plan.bwd_dtype), plan.force_pow2_scales,
+        plan.amax_epsilon, algo_code(plan.algo) if not current else 0, plan.margin, need_dgrad,
+        need_wgrad, in_dtype, w_dtype, b_dtype, stream_of(g))
+    return (gi.view(b.input_shape) if need_dgrad else None, gw if need_wgrad else None,
+            gb if has_bias else None)
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)  # the workspace on the CPU (whose GEMM needs none)
 
 
 def forward(module: torch.nn.Module, inp: torch.Tensor, weight: torch.Tensor,
             bias: Optional[torch.Tensor], plan: Plan, scales: torch.Tensor,
             history: Optional[torch.Tensor], bwd_meta: tuple) -> Optional[torch.Tensor]:
     """``inp @ weight^T (+ bias)`` with FP8 operands, as Fp8LinearFunction computes it, for
-    te.Linear's full forward once ``usable`` said yes; None where the compiled function
-    declines the input (linear_fast.cpp, ``takes``). (Current scaling reads neither ``scales``
-    nor ``history``.)
+    te.Linear's full forward once ``usable`` said yes; None where ``takes`` declines the input.
+    (Current scaling reads neither ``scales`` nor ``history``.)
 
-    Once it has served a forward, the module keeps the plan's arguments, so that its later
+    Once it has served a forward, the module keeps the plan's codes, so that its later
     forwards under the same recipe start at :func:`steady_forward`."""
-    args = (_SCALING[plan.kind], plan.force_pow2_scales, plan.amax_epsilon,
-            dtype_code(plan.fwd_dtype), dtype_code(plan.bwd_dtype), plan.margin, plan.algo)
-    out = run(inp, weight, bias, scales, scales if history is None else history, bwd_meta, args)
+    codes = codes_of(plan)
+    out = run(inp, weight, bias, scales, scales if history is None else history, bwd_meta, codes)
     if out is not None and weight is module._parameters.get("weight"):  # not split or derived
-        module._fast_linear = (module._fp8_recipe, args)
+        module._fast_linear = (module._fp8_recipe, codes)
     return out
 
 
 def steady_forward(module: torch.nn.Module, inp: torch.Tensor) -> Optional[torch.Tensor]:
     """te.Linear's forward under the recipe its last compiled forward ran under, straight to
     the compiled function; None (the full forward then runs) where anything differs from that
-    forward's conditions or the compiled function declines the input.
+    forward's conditions or ``takes`` declines the input.
 
     What ``usable`` checks for the full forward holds here: the module has met this recipe
     (``_fp8_recipe``, reset when its state is reloaded or recalibrated), whose plan the
-    arguments come from; the checks that can change between calls are made again (plain
-    tensors, no checkpoint, no amax group under delayed scaling, not traced), and those on the
-    input are the compiled function's own. A small layer's forward is bound by host time, and
-    the full forward's checks and lookups cost as much as the compiled call itself."""
+    codes come from; the checks that can change between calls are made again (plain
+    tensors, no checkpoint, no amax group under delayed scaling, not traced). A small layer's
+    forward is bound by host time, and the full forward's checks and lookups cost as much as
+    the compiled call itself."""
     state = fp8.STATE
     recipe, fast = state.recipe, module._fast_linear
     if (fast is None or fast[0] is not recipe or recipe is not module._fp8_recipe
             or type(inp) is not torch.Tensor or module._weight_caches
             or not _eager_outside_checkpoint()):
         return None
-    args = fast[1]
-    delayed = args[0] == 0
+    codes = fast[1]
+    delayed = not codes.current
     if delayed and state.group is not None:  # the backward update takes the general path
         return None
     params, buffers = module._parameters, module._buffers
@@ -122,7 +227,7 @@ def steady_forward(module: torch.nn.Module, inp: torch.Tensor) -> Optional[torch
         bias = None
     out = run(inp, weight, bias, buffers["scale_fwd"], buffers["amax_history_fwd"],
               (buffers["amax_history_bwd"], buffers["scale_bwd"], buffers["scale_inv_bwd"]),
-              args)
+              codes)
     if out is not None and delayed:
         state.pending[id(module)] = (module, recipe, None)  # fp8.register_forward_amaxes
     return out
@@ -130,39 +235,13 @@ def steady_forward(module: torch.nn.Module, inp: torch.Tensor) -> Optional[torch
 
 def run(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         scales: torch.Tensor, history: torch.Tensor, bwd_meta: tuple,
-        args: tuple) -> Optional[torch.Tensor]:
-    """The compiled function (``args``: scaling, pow2, epsilon, the FP8 formats' codes,
-    margin, algo), or None where it declines the input."""
-    ws = workspace_for(inp)
-    return _ext.linear_fp8(inp, weight, bias, scales, history, bwd_meta,
-                           _empty if ws is None else ws, *args)
-
-
-_empty = torch.empty(0, dtype=torch.uint8)
-_plans: dict = {}
-
-
-def backward(grad_output, keep, layout, history, scale, scale_inv, plan_fields: tuple,
-             need_dgrad: bool, need_wgrad: bool, has_bias: bool, in_carrier, w_carrier,
-             b_carrier, input_shape):
-    """The compiled forward's backward (called from C++): Fp8LinearFunction's, with the
-    plan rebuilt from its fields (kind, formats, pow2, epsilon, algo, margin) and the dtypes
-    carried by empty tensors.
-
-    ``keep`` is the forward's one saved byte buffer: the input's scale_inv (fp32) at byte 0,
-    the weight's at byte ``s_at``, the column-wise input [K, M] at byte ``x_at`` (when wgrad
-    is needed) and the column-wise weight [K, N] at byte ``w_at`` (when dgrad is);
-    ``layout`` = (M, N, K, s_at, x_at, w_at)."""
-    plan = _plans.get(plan_fields)
-    if plan is None:
-        kind, fwd_dtype, bwd_dtype, pow2, epsilon, algo, margin = plan_fields
-        plan = _plans[plan_fields] = Plan(kind, fwd_dtype, bwd_dtype, "tensor", "tensor",
-                                          "tensor", pow2, epsilon, algo, margin)
-    m, n, k, s_at, x_at, w_at = layout
-    in_sinv, w_sinv = keep[:4].view(torch.float32), keep[s_at:s_at + 4].view(torch.float32)
-    in_col = keep[x_at:x_at + k * m].view(k, m) if need_wgrad else None
-    w_col = keep[w_at:w_at + k * n].view(k, n) if need_dgrad else None
-    dtypes = (in_carrier.dtype, w_carrier.dtype, None if b_carrier is None else b_carrier.dtype)
-    return linear_backward(grad_output, (in_col, in_sinv, w_col, w_sinv), plan,
-                           (history, scale, scale_inv), None, None,
-                           (need_dgrad, need_wgrad, has_bias), dtypes, input_shape)
+        codes: Codes) -> Optional[torch.Tensor]:
+    """The compiled forward, or None where ``takes`` declines the input. Whether the backward
+    needs dgrad and wgrad is read here, outside the autograd function (whose forward runs with
+    grad mode off)."""
+    if not takes(inp, weight, bias):
+        return None
+    grad = torch.is_grad_enabled()
+    return _Fp8Linear.apply(inp.contiguous(), weight.contiguous(),
+                            None if bias is None else bias.contiguous(), scales, history, codes,
+                            bwd_meta, grad and inp.requires_grad, grad and weight.requires_grad)

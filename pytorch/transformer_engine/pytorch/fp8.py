@@ -21,7 +21,7 @@ import torch
 from transformer_engine.common.recipe import DelayedScaling, Recipe
 
 from . import _compiled, ops
-from .ops._backend import _plain_eager, dtype_code
+from .ops._backend import algo_code, dtype_code, plain_eager, stream_of
 from .quantization import kind_of
 
 __all__ = ["autocast", "fp8_autocast", "fp8_model_init", "is_fp8_available"]
@@ -315,17 +315,18 @@ def _python_update(history, scale, scale_inv, fp8_max: float, recipe: DelayedSca
     history[0].zero_()
 
 
-_ALGOS = {"max": 0, "most_recent": 1}  # te_amax_compute_algo
+COMPILED_ALGOS = ("max", "most_recent")  # the core's own; a callable runs in torch ops
 
 
 def scale_update(histories: list, scales: list, scale_invs: list, fp8_dtype: str, algo: str,
                  margin: int) -> None:
-    """``ops.delayed_scaling_update``; in eager mode through the compiled module when it is
+    """``ops.delayed_scaling_update``; in eager mode through the compiled operator when it is
     built (the same core call without the custom op's wrapper: it runs at every autocast exit
     and in every backward, and a small model's step is bound by host time)."""
-    if _compiled.ext is not None and algo in _ALGOS and _plain_eager(()):
-        _compiled.ext.delayed_scaling_update(histories, scales, scale_invs,
-                                             dtype_code(fp8_dtype), _ALGOS[algo], margin)
+    if _compiled.ops is not None and algo in COMPILED_ALGOS and plain_eager(()):
+        _compiled.ops.delayed_scaling_update.default(
+            histories, scales, scale_invs, dtype_code(fp8_dtype), algo_code(algo), margin,
+            stream_of(histories[0]) if histories else 0)
     else:
         ops.delayed_scaling_update(histories, scales, scale_invs, fp8_dtype, algo, margin)
 

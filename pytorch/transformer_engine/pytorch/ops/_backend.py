@@ -77,6 +77,15 @@ def dtype_code(name: str) -> int:
     return c
 
 
+def algo_code(algo: str) -> int:
+    """The core's te_amax_compute_algo value of an amax algorithm name (``"max"``,
+    ``"most_recent"``)."""
+    c = _codes.get(("algo", algo))
+    if c is None:
+        c = _codes[("algo", algo)] = int(_enum("AmaxComputeAlgo", algo).value)
+    return c
+
+
 _TORCH_TO_TE = {
     torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
     torch.uint8: "uint8", torch.int8: "int8", torch.float8_e4m3fn: "float8_e4m3",
@@ -216,7 +225,7 @@ def placeholder(like: torch.Tensor) -> torch.Tensor:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _plain_eager(args, kwargs=None) -> bool:
+def plain_eager(args, kwargs=None) -> bool:
     """True when a call can run its implementation directly: not traced (torch.compile, an
     active dispatch mode such as FakeTensorMode or make_fx) and no tensor subclass other than
     nn.Parameter among the arguments. (Plain loops: this runs before every eager op.)"""
@@ -289,7 +298,7 @@ def custom_op(name: str, *, mutates_args=()):
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if _plain_eager(args, kwargs):
+            if plain_eager(args, kwargs):
                 return fn(*args, **kwargs)
             if optional:
                 args, kwargs = filled(args, kwargs)

@@ -1,0 +1,440 @@
+// The torch operators of te.Linear's eager FP8 fast path, on the LibTorch stable ABI.
+//
+// Why compiled code: a small layer's forward is bound by host time, and in Python that time is
+// spent around the kernels, not in them (benchmarks/results/host_probes.md). Here te.Linear's
+// FP8 forward (both casts and the GEMM) and delayed scaling's scale update are each one call
+// into the core's C API, with outputs from torch's allocator.
+//
+// Why the stable ABI: this file includes only torch/csrc/stable and torch/headeronly, and is
+// compiled with TORCH_TARGET_VERSION set to the oldest supported torch release (setup.py), so
+// one binary loads under that release and every later one. The autograd node stays in Python
+// (fast_linear.py): the stable ABI has no C++ autograd.
+//
+// te_eager::linear_fp8_forward computes what linear_fn.Fp8LinearFunction's forward computes
+// under per-tensor delayed or current scaling (the same core calls with the same arguments, so
+// the same bits) for the inputs fast_linear.takes accepts; it checks them again here and raises
+// (never writes) on anything else.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "transformer_engine/activation.h"
+#include "transformer_engine/gemm.h"
+#include "transformer_engine/quantize.h"
+#include "transformer_engine/scaling.h"
+#include "transformer_engine/tensor.h"
+
+namespace {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+void check(te_status status, const char *op) { STD_TORCH_CHECK(status == TE_SUCCESS, op, ": ", te_last_error()); }
+
+te_dtype core_dtype(ScalarType t, const char *op) {
+  switch (t) {
+    case ScalarType::Float: return TE_DTYPE_FLOAT32;
+    case ScalarType::Half: return TE_DTYPE_FLOAT16;
+    case ScalarType::BFloat16: return TE_DTYPE_BFLOAT16;
+    case ScalarType::Byte: return TE_DTYPE_UINT8;
+    default: STD_TORCH_CHECK(false, op, ": tensors must be float32, float16, bfloat16 or uint8");
+  }
+  return TE_DTYPE_FLOAT32;
+}
+
+// The core's view of a contiguous tensor as the matrix (or vector) of `shape`, with the core's
+// dtype (an FP8 format for uint8 bytes).
+te_buffer buffer(void *data, te_dtype dtype, std::initializer_list<int64_t> shape, const Tensor &on) {
+  te_buffer b{};
+  b.data = data;
+  b.dtype = dtype;
+  b.ndim = static_cast<int32_t>(shape.size());
+  int i = 0;
+  for (int64_t s : shape) b.shape[i++] = s;
+  b.device = on.is_cuda() ? TE_DEVICE_CUDA : TE_DEVICE_CPU;
+  b.device_id = on.is_cuda() ? on.get_device_index() : 0;
+  return b;
+}
+
+// Float element i of a contiguous fp32 tensor as a [1] buffer (a scale, an amax history slot).
+te_buffer element(const Tensor &t, int64_t i) {
+  return buffer(static_cast<float *>(t.data_ptr()) + i, TE_DTYPE_FLOAT32, {1}, t);
+}
+
+// An owning te_tensor handle (the buffers stay torch's).
+class Handle {
+ public:
+  explicit Handle(const char *op) : op_(op) { check(te_tensor_create(TE_SCALING_TENSOR, &t_), op_); }
+  ~Handle() { te_tensor_destroy(t_); }
+  Handle(const Handle &) = delete;
+  Handle &operator=(const Handle &) = delete;
+  Handle &set(te_tensor_slot slot, const te_buffer &b) {
+    check(te_tensor_set(t_, slot, &b), op_);
+    return *this;
+  }
+  te_tensor *get() const { return t_; }
+
+ private:
+  const char *op_;
+  te_tensor *t_ = nullptr;
+};
+
+// An uninitialized contiguous tensor on `like`'s device (the C shim's allocation: no
+// dispatcher on the way).
+Tensor empty(std::initializer_list<int64_t> shape, int32_t dtype, const Tensor &like) {
+  std::vector<int64_t> sizes(shape), strides(sizes.size());
+  int64_t stride = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= sizes[i];
+  }
+  const int32_t device_type = like.is_cuda() ? aoti_torch_device_type_cuda() : aoti_torch_device_type_cpu();
+  AtenTensorHandle handle = nullptr;
+  STD_TORCH_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(), dtype,
+                                           device_type, like.is_cuda() ? like.get_device_index() : 0,
+                                           &handle) == AOTI_TORCH_SUCCESS,
+                  "te_eager: allocation failed");
+  return Tensor(handle);
+}
+
+// The C shim's code of a float dtype (float32 for anything else: callers pass float dtypes).
+int32_t torch_dtype(ScalarType t) {
+  switch (t) {
+    case ScalarType::Half: return aoti_torch_dtype_float16();
+    case ScalarType::BFloat16: return aoti_torch_dtype_bfloat16();
+    default: return aoti_torch_dtype_float32();
+  }
+}
+
+// Byte counts rounded up to 256, so that each piece of a shared buffer starts as aligned as a
+// fresh allocation would (cuBLASLt picks its kernels by the operands' alignment).
+int64_t aligned(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// FP8 tensor cores work on 16x16 granules: every GEMM dimension must be a multiple of 16.
+constexpr int64_t kGranule = 16;
+constexpr const char *kLinear = "te_eager.linear_fp8_forward";
+
+bool floating(ScalarType t) { return t == ScalarType::Float || t == ScalarType::BFloat16 || t == ScalarType::Half; }
+
+// The checks of fast_linear.takes, made again where the data is read.
+void check_linear(const Tensor &input, const Tensor &weight, const std::optional<Tensor> &bias) {
+  STD_TORCH_CHECK(input.dim() >= 1 && weight.dim() == 2 && input.size(-1) == weight.size(1), kLinear,
+                  ": input must end in the weight's in_features (", weight.size(-1), ")");
+  STD_TORCH_CHECK(input.is_contiguous() && weight.is_contiguous(), kLinear, ": input and weight must be contiguous");
+  const int64_t k = weight.size(1), n = weight.size(0), m = k > 0 ? input.numel() / k : 0;
+  STD_TORCH_CHECK(k % kGranule == 0 && n % kGranule == 0 && m % kGranule == 0, kLinear,
+                  ": M, N and K must be multiples of 16, got M=", m, " N=", n, " K=", k);
+  STD_TORCH_CHECK(floating(input.scalar_type()) && floating(weight.scalar_type()), kLinear,
+                  ": input and weight must be float32, bfloat16 or float16");
+  STD_TORCH_CHECK(input.is_cuda() == weight.is_cuda() && input.get_device() == weight.get_device(), kLinear,
+                  ": input and weight must be on one device");
+  if (bias.has_value()) {
+    STD_TORCH_CHECK(bias->scalar_type() == input.scalar_type() && bias->dim() == 1 && bias->size(0) == n &&
+                        bias->is_contiguous() && bias->get_device() == input.get_device(),
+                    kLinear, ": bias must be a contiguous [", n, "] tensor of the input's dtype and device");
+  }
+}
+
+// Current scaling's scale of x's cast: amax = max|x|, then scale and scale_inv from it (the first
+// two core calls of ops.quantize_current; the cast is the third).
+void current_scale(const te_buffer &x, const te_buffer &data, const te_buffer *col, const te_buffer &scale,
+                   const te_buffer &scale_inv, const te_buffer &amax, bool pow2, double epsilon, te_stream stream) {
+  Handle in(kLinear), reduced(kLinear), scaled(kLinear);
+  in.set(TE_SLOT_DATA, x);
+  reduced.set(TE_SLOT_AMAX, amax);
+  check(te_compute_amax(in.get(), reduced.get(), stream), kLinear);
+  scaled.set(TE_SLOT_DATA, data).set(TE_SLOT_SCALE, scale).set(TE_SLOT_SCALE_INV, scale_inv).set(TE_SLOT_AMAX, amax);
+  if (col != nullptr) scaled.set(TE_SLOT_COLUMNWISE_DATA, *col);
+  te_quantize_config config{};
+  config.force_pow2_scales = pow2 ? 1 : 0;
+  config.amax_epsilon = static_cast<float>(epsilon);
+  check(te_compute_scale_from_amax(scaled.get(), &config, stream), kLinear);
+}
+
+// input [..., K] @ weight[N, K]^T (+ bias) with both operands cast to `fp8_dtype` (a te_dtype
+// code) as the GEMM's row-wise operands and, where the backward needs them, as column-wise
+// copies. Delayed scaling (current = false) casts with scales[0] (input) and scales[1] (weight)
+// and raises history[0, 0] and history[0, 1]; current scaling takes each scale from its
+// tensor's amax (pow2, epsilon as the recipe says) and reads neither.
+//
+// Returns (output [..., N], input scale_inv [1], weight scale_inv [1], column-wise input [K, M]
+// or [0] unless need_wgrad, column-wise weight [K, N] or [0] unless need_dgrad): the output and
+// what the backward keeps instead of the activation.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward(
+    Tensor input, Tensor weight, std::optional<Tensor> bias, Tensor scales, Tensor history, Tensor workspace,
+    bool current, int64_t fp8_dtype, bool pow2, double epsilon, bool need_dgrad, bool need_wgrad, int64_t stream_handle) {
+  check_linear(input, weight, bias);
+  const auto fp8 = static_cast<te_dtype>(fp8_dtype);
+  const te_stream stream = reinterpret_cast<te_stream>(stream_handle);
+  const int64_t k = weight.size(1), n = weight.size(0), m = k > 0 ? input.numel() / k : 0;
+  const int32_t u8 = aoti_torch_dtype_uint8(), f32 = aoti_torch_dtype_float32();
+  // The row-wise copies, which only the GEMM reads, share one allocation (each costs host time,
+  // and at small sizes host time is the forward's cost).
+  const int64_t w_row_at = aligned(m * k);
+  const Tensor rows = empty({w_row_at + n * k}, u8, input);
+  auto *row_bytes = static_cast<uint8_t *>(rows.data_ptr());
+  const te_buffer x_data = buffer(row_bytes, fp8, {m, k}, input), w_data = buffer(row_bytes + w_row_at, fp8, {n, k}, input);
+  const Tensor x_sinv_t = empty({1}, f32, input), w_sinv_t = empty({1}, f32, input);
+  const Tensor x_col_t = empty({need_wgrad ? k : 0, m}, u8, input), w_col_t = empty({need_dgrad ? k : 0, n}, u8, input);
+  const te_buffer x_sinv = element(x_sinv_t, 0), w_sinv = element(w_sinv_t, 0);
+  const te_buffer x_col = buffer(x_col_t.data_ptr(), fp8, {k, m}, input);
+  const te_buffer w_col = buffer(w_col_t.data_ptr(), fp8, {k, n}, input);
+  const te_buffer *x_col_out = need_wgrad ? &x_col : nullptr, *w_col_out = need_dgrad ? &w_col : nullptr;
+  const te_buffer x = buffer(input.data_ptr(), core_dtype(input.scalar_type(), kLinear), {m, k}, input);
+  const te_buffer w = buffer(weight.data_ptr(), core_dtype(weight.scalar_type(), kLinear), {n, k}, weight);
+
+  // Both casts in one core call: on the GPU one kernel launch where both have a column-wise
+  // copy and the same input dtype (a training step's forward).
+  Handle x_in(kLinear), x_out(kLinear), w_in(kLinear), w_out(kLinear);
+  x_in.set(TE_SLOT_DATA, x);
+  w_in.set(TE_SLOT_DATA, w);
+  x_out.set(TE_SLOT_DATA, x_data).set(TE_SLOT_SCALE_INV, x_sinv);
+  w_out.set(TE_SLOT_DATA, w_data).set(TE_SLOT_SCALE_INV, w_sinv);
+  if (x_col_out != nullptr) x_out.set(TE_SLOT_COLUMNWISE_DATA, x_col);
+  if (w_col_out != nullptr) w_out.set(TE_SLOT_COLUMNWISE_DATA, w_col);
+  te_quantize_config cast_config{};
+  Tensor scratch;  // current scaling's scale and amax of each operand: [x scale, x amax, w scale, w amax]
+  if (!current) {
+    x_out.set(TE_SLOT_SCALE, element(scales, 0)).set(TE_SLOT_AMAX, element(history, 0));
+    w_out.set(TE_SLOT_SCALE, element(scales, 1)).set(TE_SLOT_AMAX, element(history, 1));
+    cast_config.accumulate_amax = 1;  // the step's forwards keep the largest amax
+  } else {
+    scratch = empty({4}, f32, input);
+    current_scale(x, x_data, x_col_out, element(scratch, 0), x_sinv, element(scratch, 1), pow2, epsilon, stream);
+    current_scale(w, w_data, w_col_out, element(scratch, 2), w_sinv, element(scratch, 3), pow2, epsilon, stream);
+    // The amaxes are known: the casts need not reduce them again.
+    x_out.set(TE_SLOT_SCALE, element(scratch, 0));
+    w_out.set(TE_SLOT_SCALE, element(scratch, 2));
+  }
+  const te_tensor *cast_in[] = {x_in.get(), w_in.get()};
+  te_tensor *cast_out[] = {x_out.get(), w_out.get()};
+  check(te_quantize_many(cast_in, cast_out, 2, &cast_config, stream), kLinear);
+
+  // The output in its final shape, which the core sees as the matrix [M, N].
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = n;
+  std::vector<int64_t> strides(shape.size());
+  int64_t stride = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= shape[i];
+  }
+  AtenTensorHandle out_handle = nullptr;
+  STD_TORCH_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(), strides.data(),
+                                           torch_dtype(input.scalar_type()),
+                                           input.is_cuda() ? aoti_torch_device_type_cuda() : aoti_torch_device_type_cpu(),
+                                           input.is_cuda() ? input.get_device_index() : 0,
+                                           &out_handle) == AOTI_TORCH_SUCCESS,
+                  kLinear, ": allocation failed");
+  Tensor out(out_handle);
+  const te_dtype out_dtype = core_dtype(input.scalar_type(), kLinear);
+  Handle a(kLinear), b(kLinear), d(kLinear), bias_handle(kLinear);
+  a.set(TE_SLOT_DATA, x_data).set(TE_SLOT_SCALE_INV, x_sinv);
+  b.set(TE_SLOT_DATA, w_data).set(TE_SLOT_SCALE_INV, w_sinv);
+  d.set(TE_SLOT_DATA, buffer(out.data_ptr(), out_dtype, {m, n}, input));
+  // The bias rides in the GEMM's epilogue for a bf16/fp16 output; cuBLASLt takes only a bf16
+  // bias beside FP8 operands and an fp32 output, so there it is added afterwards, in fp32 (as
+  // linear_fn.fp8_gemm does).
+  const bool fused_bias = bias.has_value() && out_dtype != TE_DTYPE_FLOAT32;
+  if (fused_bias) bias_handle.set(TE_SLOT_DATA, buffer(bias->data_ptr(), out_dtype, {n}, input));
+  te_gemm_config config{};
+  config.transpose_b = 1;  // both operands K-major ("TN"); fast accumulation in the forward
+  void *ws = workspace.numel() > 0 ? workspace.data_ptr() : nullptr;
+  check(te_gemm(a.get(), b.get(), d.get(), fused_bias ? bias_handle.get() : nullptr, nullptr, &config, ws,
+                static_cast<size_t>(workspace.numel()), stream),
+        kLinear);
+  // out - (-1) * bias = out + bias, exactly (the stable ABI has no in-place add).
+  if (bias.has_value() && !fused_bias) out = torch::stable::subtract(out, *bias, -1.0);
+  return {out, x_sinv_t, w_sinv_t, x_col_t, w_col_t};
+}
+
+// Current scaling's FP8 cast of x (both copies as asked) with its scale from its own amax: the
+// three core calls of ops.quantize_current.
+void quantize_current(const te_buffer &x, const te_buffer *data, const te_buffer *col, const te_buffer &scale,
+                      const te_buffer &scale_inv, const te_buffer &amax, bool pow2, double epsilon, te_stream stream,
+                      const char *op) {
+  const te_buffer &fmt = data != nullptr ? *data : *col;
+  current_scale(x, fmt, nullptr, scale, scale_inv, amax, pow2, epsilon, stream);
+  Handle in(op), out(op);
+  in.set(TE_SLOT_DATA, x);
+  if (data != nullptr) out.set(TE_SLOT_DATA, *data);
+  if (col != nullptr) out.set(TE_SLOT_COLUMNWISE_DATA, *col);
+  out.set(TE_SLOT_SCALE, scale).set(TE_SLOT_SCALE_INV, scale_inv);
+  check(te_quantize(in.get(), out.get(), nullptr, stream), op);
+}
+
+constexpr const char *kLinearBackward = "te_eager.linear_fp8_backward";
+
+// te.Linear's FP8 backward from linear_fp8_forward's saved tensors (linear_fn.linear_backward
+// with the same core calls and arguments, so the same bits): grad_output [M, N] cast to
+// `bwd_dtype` with the bias gradient in the same pass (delayed scaling: with grad_scale, its
+// amax raising grad_history[0, 0], then the update of grad_history, grad_scale, grad_scale_inv
+// by `algo` and `margin`; current scaling: from its own amax), then dgrad = grad_output @ W
+// (from the column-wise weight) and wgrad = grad_output^T @ X (from the column-wise input),
+// both with split accumulation. At least one of dgrad and wgrad is needed (linear_backward
+// handles the bias-only case).
+//
+// Returns (grad_input [M, K] in input_dtype, grad_weight [N, K] in weight_dtype, grad_bias [N] in
+// bias_dtype), each [0] where not needed.
+std::tuple<Tensor, Tensor, Tensor> linear_fp8_backward(
+    Tensor grad_output, Tensor x_sinv, Tensor w_sinv, Tensor x_col, Tensor w_col, Tensor grad_history,
+    Tensor grad_scale, Tensor grad_scale_inv, Tensor workspace, bool current, int64_t fwd_dtype, int64_t bwd_dtype,
+    bool pow2, double epsilon, int64_t algo, int64_t margin, bool need_dgrad, bool need_wgrad,
+    ScalarType input_dtype, ScalarType weight_dtype, std::optional<ScalarType> bias_dtype, int64_t stream_handle) {
+  const char *op = kLinearBackward;
+  STD_TORCH_CHECK(need_dgrad || need_wgrad, op, ": dgrad or wgrad must be needed");
+  STD_TORCH_CHECK(grad_output.dim() == 2 && grad_output.is_contiguous() && floating(grad_output.scalar_type()), op,
+                  ": grad_output must be a contiguous float32/bfloat16/float16 matrix [M, N]");
+  const int64_t m = grad_output.size(0), n = grad_output.size(1);
+  const int64_t k = need_dgrad ? w_col.size(0) : x_col.size(0);
+  STD_TORCH_CHECK(!need_dgrad || (w_col.dim() == 2 && w_col.size(1) == n), op, ": the column-wise weight must be [K, ",
+                  n, "]");
+  STD_TORCH_CHECK(!need_wgrad || (x_col.dim() == 2 && x_col.size(0) == k && x_col.size(1) == m), op,
+                  ": the column-wise input must be [", k, ", ", m, "]");
+  const auto fwd = static_cast<te_dtype>(fwd_dtype), bwd = static_cast<te_dtype>(bwd_dtype);
+  const te_stream stream = reinterpret_cast<te_stream>(stream_handle);
+  const int32_t u8 = aoti_torch_dtype_uint8(), f32 = aoti_torch_dtype_float32();
+  const te_buffer g = buffer(grad_output.data_ptr(), core_dtype(grad_output.scalar_type(), op), {m, n}, grad_output);
+
+  // grad_output in FP8: row-wise for dgrad, column-wise for wgrad, one scale_inv for both.
+  const Tensor g_row_t = empty({need_dgrad ? m : 0, n}, u8, grad_output);
+  const Tensor g_col_t = empty({need_wgrad ? n : 0, m}, u8, grad_output);
+  const Tensor g_sinv_t = empty({1}, f32, grad_output);
+  const te_buffer g_row = buffer(g_row_t.data_ptr(), bwd, {m, n}, grad_output);
+  const te_buffer g_col = buffer(g_col_t.data_ptr(), bwd, {n, m}, grad_output);
+  const te_buffer g_sinv = element(g_sinv_t, 0);
+  const te_buffer *row_out = need_dgrad ? &g_row : nullptr, *col_out = need_wgrad ? &g_col : nullptr;
+  Tensor dbias;
+  if (bias_dtype.has_value()) dbias = empty({n}, torch_dtype(*bias_dtype), grad_output);
+  Tensor scratch;  // current scaling: [scale, amax]
+  te_buffer scale = element(grad_scale, 0), amax = element(grad_history, 0);
+  if (current) {
+    scratch = empty({2}, f32, grad_output);
+    scale = element(scratch, 0);
+    amax = element(scratch, 1);
+  }
+  if (bias_dtype.has_value()) {
+    // "Bias gradient + cast + transpose" in one pass: the core's activation backward of
+    // identity. Current scaling takes grad_output's scale first.
+    if (current) current_scale(g, row_out ? g_row : g_col, nullptr, scale, g_sinv, amax, pow2, epsilon, stream);
+    Handle gh(op), gi(op), db(op);
+    gh.set(TE_SLOT_DATA, g);
+    if (row_out != nullptr) gi.set(TE_SLOT_DATA, g_row);
+    if (col_out != nullptr) gi.set(TE_SLOT_COLUMNWISE_DATA, g_col);
+    gi.set(TE_SLOT_SCALE, scale).set(TE_SLOT_SCALE_INV, g_sinv).set(TE_SLOT_AMAX, amax);
+    db.set(TE_SLOT_DATA, buffer(dbias.data_ptr(), core_dtype(*bias_dtype, op), {n}, grad_output));
+    check(te_activation_backward(TE_ACTIVATION_IDENTITY, gh.get(), nullptr, gi.get(), db.get(), current ? 0 : 1,
+                                 stream),
+          op);
+  } else if (current) {
+    quantize_current(g, row_out, col_out, scale, g_sinv, amax, pow2, epsilon, stream, op);
+  } else {
+    Handle in(op), out(op);
+    in.set(TE_SLOT_DATA, g);
+    if (row_out != nullptr) out.set(TE_SLOT_DATA, g_row);
+    if (col_out != nullptr) out.set(TE_SLOT_COLUMNWISE_DATA, g_col);
+    out.set(TE_SLOT_SCALE, scale).set(TE_SLOT_SCALE_INV, g_sinv).set(TE_SLOT_AMAX, amax);
+    te_quantize_config config{};
+    config.accumulate_amax = 1;
+    check(te_quantize(in.get(), out.get(), &config, stream), op);
+  }
+  if (!current) {  // the next step's grad_output scale, from this step's amaxes
+    Handle h(op), s(op), si(op);
+    h.set(TE_SLOT_DATA, buffer(grad_history.data_ptr(), TE_DTYPE_FLOAT32, {grad_history.size(0), grad_history.size(1)},
+                               grad_history));
+    s.set(TE_SLOT_DATA, buffer(grad_scale.data_ptr(), TE_DTYPE_FLOAT32, {grad_scale.numel()}, grad_scale));
+    si.set(TE_SLOT_DATA,
+           buffer(grad_scale_inv.data_ptr(), TE_DTYPE_FLOAT32, {grad_scale_inv.numel()}, grad_scale_inv));
+    te_tensor *hs[] = {h.get()}, *ss[] = {s.get()}, *sis[] = {si.get()};
+    check(te_delayed_scaling_update(hs, ss, sis, 1, bwd, static_cast<te_amax_compute_algo>(algo),
+                                    static_cast<int32_t>(margin), stream),
+          op);
+  }
+
+  // The GEMMs, "TN" with split accumulation (linear_fn.backward_gemms).
+  void *ws = workspace.numel() > 0 ? workspace.data_ptr() : nullptr;
+  const auto gemm = [&](const te_buffer &a_data, const te_buffer &b_data, const Tensor &b_sinv, Tensor &d,
+                        ScalarType d_dtype, int64_t rows, int64_t cols) {
+    d = empty({rows, cols}, torch_dtype(d_dtype), grad_output);
+    Handle a(op), b(op), dh(op);
+    a.set(TE_SLOT_DATA, a_data).set(TE_SLOT_SCALE_INV, g_sinv);
+    b.set(TE_SLOT_DATA, b_data).set(TE_SLOT_SCALE_INV, element(b_sinv, 0));
+    dh.set(TE_SLOT_DATA, buffer(d.data_ptr(), core_dtype(d_dtype, op), {rows, cols}, grad_output));
+    te_gemm_config config{};
+    config.transpose_b = 1;
+    config.use_split_accumulator = 1;
+    check(te_gemm(a.get(), b.get(), dh.get(), nullptr, nullptr, &config, ws, static_cast<size_t>(workspace.numel()),
+                  stream),
+          op);
+  };
+  Tensor grad_input = empty({0}, torch_dtype(input_dtype), grad_output);
+  Tensor grad_weight = empty({0}, torch_dtype(weight_dtype), grad_output);
+  if (need_dgrad) gemm(g_row, buffer(w_col.data_ptr(), fwd, {k, n}, w_col), w_sinv, grad_input, input_dtype, m, k);
+  if (need_wgrad) gemm(g_col, buffer(x_col.data_ptr(), fwd, {k, m}, x_col), x_sinv, grad_weight, weight_dtype, n, k);
+  if (!bias_dtype.has_value()) dbias = empty({0}, f32, grad_output);
+  return {grad_input, grad_weight, dbias};
+}
+
+// Delayed scaling's update of histories[i], scales[i], scale_invs[i] in one core call (what
+// ops.delayed_scaling_update does), for the autocast exit and the backward in eager mode.
+void delayed_scaling_update(std::vector<Tensor> histories, std::vector<Tensor> scales, std::vector<Tensor> scale_invs,
+                            int64_t fp8_dtype, int64_t algo, int64_t margin, int64_t stream_handle) {
+  constexpr const char *op = "te_eager.delayed_scaling_update";
+  const size_t n = histories.size();
+  STD_TORCH_CHECK(scales.size() == n && scale_invs.size() == n, op,
+                  ": histories, scales and scale_invs must be as many, got ", n, ", ", scales.size(), " and ",
+                  scale_invs.size());
+  if (n == 0) return;
+  std::deque<Handle> handles;  // (a deque: handles do not move)
+  std::vector<te_tensor *> h(n), s(n), si(n);
+  const auto whole = [](const Tensor &t) {
+    te_buffer b = buffer(t.data_ptr(), TE_DTYPE_FLOAT32, {}, t);
+    b.ndim = static_cast<int32_t>(t.dim());
+    for (int64_t i = 0; i < t.dim(); ++i) b.shape[i] = t.size(i);
+    return b;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    for (const Tensor *t : {&histories[i], &scales[i], &scale_invs[i]}) {
+      STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float && t->is_contiguous(), op,
+                      ": histories, scales and scale_invs must be contiguous float32 tensors");
+    }
+    h[i] = handles.emplace_back(op).set(TE_SLOT_DATA, whole(histories[i])).get();
+    s[i] = handles.emplace_back(op).set(TE_SLOT_DATA, whole(scales[i])).get();
+    si[i] = handles.emplace_back(op).set(TE_SLOT_DATA, whole(scale_invs[i])).get();
+  }
+  check(te_delayed_scaling_update(h.data(), s.data(), si.data(), n, static_cast<te_dtype>(fp8_dtype),
+                                  static_cast<te_amax_compute_algo>(algo), static_cast<int32_t>(margin),
+                                  reinterpret_cast<te_stream>(stream_handle)),
+        op);
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(te_eager, m) {
+  m.def(
+      "linear_fp8_forward(Tensor input, Tensor weight, Tensor? bias, Tensor scales, Tensor(a!) history, "
+      "Tensor(b!) workspace, bool current, int fp8_dtype, bool pow2, float epsilon, bool need_dgrad, "
+      "bool need_wgrad, int stream) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "linear_fp8_backward(Tensor grad_output, Tensor x_sinv, Tensor w_sinv, Tensor x_col, Tensor w_col, "
+      "Tensor(a!) grad_history, Tensor(b!) grad_scale, Tensor(c!) grad_scale_inv, Tensor(d!) workspace, "
+      "bool current, int fwd_dtype, int bwd_dtype, bool pow2, float epsilon, int algo, int margin, "
+      "bool need_dgrad, bool need_wgrad, ScalarType input_dtype, ScalarType weight_dtype, "
+      "ScalarType? bias_dtype, int stream) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "delayed_scaling_update(Tensor(a!)[] histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, "
+      "int fp8_dtype, int algo, int margin, int stream) -> ()");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(te_eager, CompositeExplicitAutograd, m) {
+  m.impl("linear_fp8_forward", TORCH_BOX(&linear_fp8_forward));
+  m.impl("linear_fp8_backward", TORCH_BOX(&linear_fp8_backward));
+  m.impl("delayed_scaling_update", TORCH_BOX(&delayed_scaling_update));
+}
