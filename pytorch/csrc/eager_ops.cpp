@@ -86,21 +86,39 @@ class Handle {
   te_tensor *t_ = nullptr;
 };
 
-// An uninitialized contiguous tensor on `like`'s device (the C shim's allocation: no
-// dispatcher on the way).
-Tensor empty(std::initializer_list<int64_t> shape, int32_t dtype, const Tensor &like) {
-  std::vector<int64_t> sizes(shape), strides(sizes.size());
+// Row-major strides of `shape`.
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t> &shape) {
+  std::vector<int64_t> strides(shape.size());
   int64_t stride = 1;
-  for (size_t i = sizes.size(); i-- > 0;) {
+  for (size_t i = shape.size(); i-- > 0;) {
     strides[i] = stride;
-    stride *= sizes[i];
+    stride *= shape[i];
   }
+  return strides;
+}
+
+// An uninitialized contiguous tensor on `like`'s device (the C shim's allocation: no
+// dispatcher on the way). Each allocation costs microseconds of host time, so the ops below
+// allocate a few buffers and hand out pieces of them (`piece`).
+Tensor empty(const std::vector<int64_t> &shape, int32_t dtype, const Tensor &like) {
+  const std::vector<int64_t> strides = contiguous_strides(shape);
   const int32_t device_type = like.is_cuda() ? aoti_torch_device_type_cuda() : aoti_torch_device_type_cpu();
   AtenTensorHandle handle = nullptr;
-  STD_TORCH_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(), dtype,
+  STD_TORCH_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(), strides.data(), dtype,
                                            device_type, like.is_cuda() ? like.get_device_index() : 0,
                                            &handle) == AOTI_TORCH_SUCCESS,
-                  "te_eager: allocation failed");
+                  "te_eager: allocation of ", shape.size(), "-d tensor failed");
+  return Tensor(handle);
+}
+
+// The contiguous [shape] piece of the 1-d tensor `whole` that starts `offset` elements in: a
+// tensor of its own that shares whole's storage (and keeps it alive).
+Tensor piece(const Tensor &whole, const std::vector<int64_t> &shape, int64_t offset) {
+  const std::vector<int64_t> strides = contiguous_strides(shape);
+  AtenTensorHandle handle = nullptr;
+  STD_TORCH_CHECK(aoti_torch__reinterpret_tensor(whole.get(), static_cast<int64_t>(shape.size()), shape.data(),
+                                                 strides.data(), offset, &handle) == AOTI_TORCH_SUCCESS,
+                  "te_eager: a view of a buffer failed");
   return Tensor(handle);
 }
 
@@ -120,6 +138,7 @@ int64_t aligned(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 // FP8 tensor cores work on 16x16 granules: every GEMM dimension must be a multiple of 16.
 constexpr int64_t kGranule = 16;
 constexpr const char *kLinear = "te_eager.linear_fp8_forward";
+constexpr int64_t kScalarRow = 64;  // floats: 256 bytes, an allocation's alignment
 
 bool floating(ScalarType t) { return t == ScalarType::Float || t == ScalarType::BFloat16 || t == ScalarType::Half; }
 
@@ -175,15 +194,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward(
   const te_stream stream = reinterpret_cast<te_stream>(stream_handle);
   const int64_t k = weight.size(1), n = weight.size(0), m = k > 0 ? input.numel() / k : 0;
   const int32_t u8 = aoti_torch_dtype_uint8(), f32 = aoti_torch_dtype_float32();
-  // The row-wise copies, which only the GEMM reads, share one allocation (each costs host time,
-  // and at small sizes host time is the forward's cost).
+  // Four allocations (each costs host time, and at small sizes host time is the forward's
+  // cost): the row-wise copies, which only the GEMM reads; the output; the scalars, one row of
+  // kScalarRow floats per operand (scale_inv, then current scaling's scale and amax), each row
+  // at a fresh allocation's alignment (cuBLASLt takes the scale_invs as pointers, and 4 bytes
+  // apart fails); the column-wise copies.
   const int64_t w_row_at = aligned(m * k);
   const Tensor rows = empty({w_row_at + n * k}, u8, input);
   auto *row_bytes = static_cast<uint8_t *>(rows.data_ptr());
   const te_buffer x_data = buffer(row_bytes, fp8, {m, k}, input), w_data = buffer(row_bytes + w_row_at, fp8, {n, k}, input);
-  const Tensor x_sinv_t = empty({1}, f32, input), w_sinv_t = empty({1}, f32, input);
-  const Tensor x_col_t = empty({need_wgrad ? k : 0, m}, u8, input), w_col_t = empty({need_dgrad ? k : 0, n}, u8, input);
-  const te_buffer x_sinv = element(x_sinv_t, 0), w_sinv = element(w_sinv_t, 0);
+  const Tensor scalars = empty({2 * kScalarRow}, f32, input);
+  const Tensor x_sinv_t = piece(scalars, {1}, 0), w_sinv_t = piece(scalars, {1}, kScalarRow);
+  const int64_t x_col_size = need_wgrad ? aligned(k * m) : 0;
+  const Tensor cols = empty({x_col_size + (need_dgrad ? k * n : 0)}, u8, input);
+  const Tensor x_col_t = piece(cols, {need_wgrad ? k : 0, m}, 0);
+  const Tensor w_col_t = piece(cols, {need_dgrad ? k : 0, n}, x_col_size);
+  const te_buffer x_sinv = element(scalars, 0), w_sinv = element(scalars, kScalarRow);
   const te_buffer x_col = buffer(x_col_t.data_ptr(), fp8, {k, m}, input);
   const te_buffer w_col = buffer(w_col_t.data_ptr(), fp8, {k, n}, input);
   const te_buffer *x_col_out = need_wgrad ? &x_col : nullptr, *w_col_out = need_dgrad ? &w_col : nullptr;
@@ -200,18 +226,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward(
   if (x_col_out != nullptr) x_out.set(TE_SLOT_COLUMNWISE_DATA, x_col);
   if (w_col_out != nullptr) w_out.set(TE_SLOT_COLUMNWISE_DATA, w_col);
   te_quantize_config cast_config{};
-  Tensor scratch;  // current scaling's scale and amax of each operand: [x scale, x amax, w scale, w amax]
   if (!current) {
     x_out.set(TE_SLOT_SCALE, element(scales, 0)).set(TE_SLOT_AMAX, element(history, 0));
     w_out.set(TE_SLOT_SCALE, element(scales, 1)).set(TE_SLOT_AMAX, element(history, 1));
     cast_config.accumulate_amax = 1;  // the step's forwards keep the largest amax
   } else {
-    scratch = empty({4}, f32, input);
-    current_scale(x, x_data, x_col_out, element(scratch, 0), x_sinv, element(scratch, 1), pow2, epsilon, stream);
-    current_scale(w, w_data, w_col_out, element(scratch, 2), w_sinv, element(scratch, 3), pow2, epsilon, stream);
+    const te_buffer x_scale = element(scalars, 1), w_scale = element(scalars, kScalarRow + 1);
+    current_scale(x, x_data, x_col_out, x_scale, x_sinv, element(scalars, 2), pow2, epsilon, stream);
+    current_scale(w, w_data, w_col_out, w_scale, w_sinv, element(scalars, kScalarRow + 2), pow2, epsilon, stream);
     // The amaxes are known: the casts need not reduce them again.
-    x_out.set(TE_SLOT_SCALE, element(scratch, 0));
-    w_out.set(TE_SLOT_SCALE, element(scratch, 2));
+    x_out.set(TE_SLOT_SCALE, x_scale);
+    w_out.set(TE_SLOT_SCALE, w_scale);
   }
   const te_tensor *cast_in[] = {x_in.get(), w_in.get()};
   te_tensor *cast_out[] = {x_out.get(), w_out.get()};
@@ -220,20 +245,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward(
   // The output in its final shape, which the core sees as the matrix [M, N].
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = n;
-  std::vector<int64_t> strides(shape.size());
-  int64_t stride = 1;
-  for (size_t i = shape.size(); i-- > 0;) {
-    strides[i] = stride;
-    stride *= shape[i];
-  }
-  AtenTensorHandle out_handle = nullptr;
-  STD_TORCH_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(), strides.data(),
-                                           torch_dtype(input.scalar_type()),
-                                           input.is_cuda() ? aoti_torch_device_type_cuda() : aoti_torch_device_type_cpu(),
-                                           input.is_cuda() ? input.get_device_index() : 0,
-                                           &out_handle) == AOTI_TORCH_SUCCESS,
-                  kLinear, ": allocation failed");
-  Tensor out(out_handle);
+  Tensor out = empty(shape, torch_dtype(input.scalar_type()), input);
   const te_dtype out_dtype = core_dtype(input.scalar_type(), kLinear);
   Handle a(kLinear), b(kLinear), d(kLinear), bias_handle(kLinear);
   a.set(TE_SLOT_DATA, x_data).set(TE_SLOT_SCALE_INV, x_sinv);
@@ -282,7 +294,7 @@ constexpr const char *kLinearBackward = "te_eager.linear_fp8_backward";
 // handles the bias-only case).
 //
 // Returns (grad_input [M, K] in input_dtype, grad_weight [N, K] in weight_dtype, grad_bias [N] in
-// bias_dtype), each [0] where not needed.
+// bias_dtype), each an empty tensor (of any dtype) where not needed.
 std::tuple<Tensor, Tensor, Tensor> linear_fp8_backward(
     Tensor grad_output, Tensor x_sinv, Tensor w_sinv, Tensor x_col, Tensor w_col, Tensor grad_history,
     Tensor grad_scale, Tensor grad_scale_inv, Tensor workspace, bool current, int64_t fwd_dtype, int64_t bwd_dtype,
@@ -303,22 +315,22 @@ std::tuple<Tensor, Tensor, Tensor> linear_fp8_backward(
   const int32_t u8 = aoti_torch_dtype_uint8(), f32 = aoti_torch_dtype_float32();
   const te_buffer g = buffer(grad_output.data_ptr(), core_dtype(grad_output.scalar_type(), op), {m, n}, grad_output);
 
-  // grad_output in FP8: row-wise for dgrad, column-wise for wgrad, one scale_inv for both.
-  const Tensor g_row_t = empty({need_dgrad ? m : 0, n}, u8, grad_output);
-  const Tensor g_col_t = empty({need_wgrad ? n : 0, m}, u8, grad_output);
-  const Tensor g_sinv_t = empty({1}, f32, grad_output);
-  const te_buffer g_row = buffer(g_row_t.data_ptr(), bwd, {m, n}, grad_output);
-  const te_buffer g_col = buffer(g_col_t.data_ptr(), bwd, {n, m}, grad_output);
-  const te_buffer g_sinv = element(g_sinv_t, 0);
+  // grad_output in FP8: row-wise for dgrad, column-wise for wgrad (one allocation), one
+  // scale_inv for both (with current scaling's scale and amax beside it).
+  const int64_t g_row_size = need_dgrad ? aligned(m * n) : 0;
+  const Tensor g_bytes = empty({g_row_size + (need_wgrad ? n * m : 0)}, u8, grad_output);
+  const Tensor g_scalars = empty({3}, f32, grad_output);
+  auto *g_data = static_cast<uint8_t *>(g_bytes.data_ptr());
+  const te_buffer g_row = buffer(g_data, bwd, {m, n}, grad_output);
+  const te_buffer g_col = buffer(g_data + g_row_size, bwd, {n, m}, grad_output);
+  const te_buffer g_sinv = element(g_scalars, 0);
   const te_buffer *row_out = need_dgrad ? &g_row : nullptr, *col_out = need_wgrad ? &g_col : nullptr;
   Tensor dbias;
   if (bias_dtype.has_value()) dbias = empty({n}, torch_dtype(*bias_dtype), grad_output);
-  Tensor scratch;  // current scaling: [scale, amax]
   te_buffer scale = element(grad_scale, 0), amax = element(grad_history, 0);
   if (current) {
-    scratch = empty({2}, f32, grad_output);
-    scale = element(scratch, 0);
-    amax = element(scratch, 1);
+    scale = element(g_scalars, 1);
+    amax = element(g_scalars, 2);
   }
   if (bias_dtype.has_value()) {
     // "Bias gradient + cast + transpose" in one pass: the core's activation backward of
@@ -374,11 +386,12 @@ std::tuple<Tensor, Tensor, Tensor> linear_fp8_backward(
                   stream),
           op);
   };
-  Tensor grad_input = empty({0}, torch_dtype(input_dtype), grad_output);
-  Tensor grad_weight = empty({0}, torch_dtype(weight_dtype), grad_output);
+  // What is not needed comes back as an empty piece of a buffer (no allocation).
+  const Tensor none = piece(g_scalars, {0}, 0);
+  Tensor grad_input = none, grad_weight = none;
   if (need_dgrad) gemm(g_row, buffer(w_col.data_ptr(), fwd, {k, n}, w_col), w_sinv, grad_input, input_dtype, m, k);
   if (need_wgrad) gemm(g_col, buffer(x_col.data_ptr(), fwd, {k, m}, x_col), x_sinv, grad_weight, weight_dtype, n, k);
-  if (!bias_dtype.has_value()) dbias = empty({0}, f32, grad_output);
+  if (!bias_dtype.has_value()) dbias = none;
   return {grad_input, grad_weight, dbias};
 }
 
