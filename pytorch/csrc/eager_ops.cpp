@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <deque>
 #include <optional>
+#include <stdexcept>
+#include <type_traits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -36,7 +38,26 @@ namespace {
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
 
-void check(te_status status, const char *op) { STD_TORCH_CHECK(status == TE_SUCCESS, op, ": ", te_last_error()); }
+// Error messages are made with std::to_string and concatenation, not with torch's checks'
+// ostream formatting: where the C++ runtime is linked in statically, its streams may not be
+// set up, and a message would come out cut short.
+void append(std::string &s, const char *v) { s += v; }
+template <class T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+void append(std::string &s, T v) {
+  s += std::to_string(v);
+}
+template <class... A>
+[[noreturn]] void fail(const A &...parts) {
+  std::string message;
+  (append(message, parts), ...);
+  throw std::runtime_error(message);
+}
+#define TE_EAGER_CHECK(cond, ...) \
+  do {                            \
+    if (!(cond)) fail(__VA_ARGS__); \
+  } while (0)
+
+void check(te_status status, const char *op) { TE_EAGER_CHECK(status == TE_SUCCESS, op, ": ", te_last_error()); }
 
 te_dtype core_dtype(ScalarType t, const char *op) {
   switch (t) {
@@ -44,7 +65,7 @@ te_dtype core_dtype(ScalarType t, const char *op) {
     case ScalarType::Half: return TE_DTYPE_FLOAT16;
     case ScalarType::BFloat16: return TE_DTYPE_BFLOAT16;
     case ScalarType::Byte: return TE_DTYPE_UINT8;
-    default: STD_TORCH_CHECK(false, op, ": tensors must be float32, float16, bfloat16 or uint8");
+    default: TE_EAGER_CHECK(false, op, ": tensors must be float32, float16, bfloat16 or uint8");
   }
   return TE_DTYPE_FLOAT32;
 }
@@ -104,7 +125,7 @@ Tensor empty(const std::vector<int64_t> &shape, int32_t dtype, const Tensor &lik
   const std::vector<int64_t> strides = contiguous_strides(shape);
   const int32_t device_type = like.is_cuda() ? aoti_torch_device_type_cuda() : aoti_torch_device_type_cpu();
   AtenTensorHandle handle = nullptr;
-  STD_TORCH_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(), strides.data(), dtype,
+  TE_EAGER_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(), strides.data(), dtype,
                                            device_type, like.is_cuda() ? like.get_device_index() : 0,
                                            &handle) == AOTI_TORCH_SUCCESS,
                   "te_eager: allocation of ", shape.size(), "-d tensor failed");
@@ -116,7 +137,7 @@ Tensor empty(const std::vector<int64_t> &shape, int32_t dtype, const Tensor &lik
 Tensor piece(const Tensor &whole, const std::vector<int64_t> &shape, int64_t offset) {
   const std::vector<int64_t> strides = contiguous_strides(shape);
   AtenTensorHandle handle = nullptr;
-  STD_TORCH_CHECK(aoti_torch__reinterpret_tensor(whole.get(), static_cast<int64_t>(shape.size()), shape.data(),
+  TE_EAGER_CHECK(aoti_torch__reinterpret_tensor(whole.get(), static_cast<int64_t>(shape.size()), shape.data(),
                                                  strides.data(), offset, &handle) == AOTI_TORCH_SUCCESS,
                   "te_eager: a view of a buffer failed");
   return Tensor(handle);
@@ -144,18 +165,18 @@ bool floating(ScalarType t) { return t == ScalarType::Float || t == ScalarType::
 
 // The checks of fast_linear.takes, made again where the data is read.
 void check_linear(const Tensor &input, const Tensor &weight, const std::optional<Tensor> &bias) {
-  STD_TORCH_CHECK(input.dim() >= 1 && weight.dim() == 2 && input.size(-1) == weight.size(1), kLinear,
+  TE_EAGER_CHECK(input.dim() >= 1 && weight.dim() == 2 && input.size(-1) == weight.size(1), kLinear,
                   ": input must end in the weight's in_features (", weight.size(-1), ")");
-  STD_TORCH_CHECK(input.is_contiguous() && weight.is_contiguous(), kLinear, ": input and weight must be contiguous");
+  TE_EAGER_CHECK(input.is_contiguous() && weight.is_contiguous(), kLinear, ": input and weight must be contiguous");
   const int64_t k = weight.size(1), n = weight.size(0), m = k > 0 ? input.numel() / k : 0;
-  STD_TORCH_CHECK(k % kGranule == 0 && n % kGranule == 0 && m % kGranule == 0, kLinear,
+  TE_EAGER_CHECK(k % kGranule == 0 && n % kGranule == 0 && m % kGranule == 0, kLinear,
                   ": M, N and K must be multiples of 16, got M=", m, " N=", n, " K=", k);
-  STD_TORCH_CHECK(floating(input.scalar_type()) && floating(weight.scalar_type()), kLinear,
+  TE_EAGER_CHECK(floating(input.scalar_type()) && floating(weight.scalar_type()), kLinear,
                   ": input and weight must be float32, bfloat16 or float16");
-  STD_TORCH_CHECK(input.is_cuda() == weight.is_cuda() && input.get_device() == weight.get_device(), kLinear,
+  TE_EAGER_CHECK(input.is_cuda() == weight.is_cuda() && input.get_device() == weight.get_device(), kLinear,
                   ": input and weight must be on one device");
   if (bias.has_value()) {
-    STD_TORCH_CHECK(bias->scalar_type() == input.scalar_type() && bias->dim() == 1 && bias->size(0) == n &&
+    TE_EAGER_CHECK(bias->scalar_type() == input.scalar_type() && bias->dim() == 1 && bias->size(0) == n &&
                         bias->is_contiguous() && bias->get_device() == input.get_device(),
                     kLinear, ": bias must be a contiguous [", n, "] tensor of the input's dtype and device");
   }
@@ -186,7 +207,7 @@ void current_scale(const te_buffer &x, const te_buffer &data, const te_buffer *c
 // Returns (output [..., N], input scale_inv [1], weight scale_inv [1], column-wise input [K, M]
 // or [0] unless need_wgrad, column-wise weight [K, N] or [0] unless need_dgrad): the output and
 // what the backward keeps instead of the activation.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward_impl(
     Tensor input, Tensor weight, std::optional<Tensor> bias, Tensor scales, Tensor history, Tensor workspace,
     bool current, int64_t fp8_dtype, bool pow2, double epsilon, bool need_dgrad, bool need_wgrad, int64_t stream_handle) {
   check_linear(input, weight, bias);
@@ -295,20 +316,20 @@ constexpr const char *kLinearBackward = "te_eager.linear_fp8_backward";
 //
 // Returns (grad_input [M, K] in input_dtype, grad_weight [N, K] in weight_dtype, grad_bias [N] in
 // bias_dtype), each an empty tensor (of any dtype) where not needed.
-std::tuple<Tensor, Tensor, Tensor> linear_fp8_backward(
+std::tuple<Tensor, Tensor, Tensor> linear_fp8_backward_impl(
     Tensor grad_output, Tensor x_sinv, Tensor w_sinv, Tensor x_col, Tensor w_col, Tensor grad_history,
     Tensor grad_scale, Tensor grad_scale_inv, Tensor workspace, bool current, int64_t fwd_dtype, int64_t bwd_dtype,
     bool pow2, double epsilon, int64_t algo, int64_t margin, bool need_dgrad, bool need_wgrad,
     ScalarType input_dtype, ScalarType weight_dtype, std::optional<ScalarType> bias_dtype, int64_t stream_handle) {
   const char *op = kLinearBackward;
-  STD_TORCH_CHECK(need_dgrad || need_wgrad, op, ": dgrad or wgrad must be needed");
-  STD_TORCH_CHECK(grad_output.dim() == 2 && grad_output.is_contiguous() && floating(grad_output.scalar_type()), op,
+  TE_EAGER_CHECK(need_dgrad || need_wgrad, op, ": dgrad or wgrad must be needed");
+  TE_EAGER_CHECK(grad_output.dim() == 2 && grad_output.is_contiguous() && floating(grad_output.scalar_type()), op,
                   ": grad_output must be a contiguous float32/bfloat16/float16 matrix [M, N]");
   const int64_t m = grad_output.size(0), n = grad_output.size(1);
   const int64_t k = need_dgrad ? w_col.size(0) : x_col.size(0);
-  STD_TORCH_CHECK(!need_dgrad || (w_col.dim() == 2 && w_col.size(1) == n), op, ": the column-wise weight must be [K, ",
+  TE_EAGER_CHECK(!need_dgrad || (w_col.dim() == 2 && w_col.size(1) == n), op, ": the column-wise weight must be [K, ",
                   n, "]");
-  STD_TORCH_CHECK(!need_wgrad || (x_col.dim() == 2 && x_col.size(0) == k && x_col.size(1) == m), op,
+  TE_EAGER_CHECK(!need_wgrad || (x_col.dim() == 2 && x_col.size(0) == k && x_col.size(1) == m), op,
                   ": the column-wise input must be [", k, ", ", m, "]");
   const auto fwd = static_cast<te_dtype>(fwd_dtype), bwd = static_cast<te_dtype>(bwd_dtype);
   const te_stream stream = reinterpret_cast<te_stream>(stream_handle);
@@ -397,11 +418,11 @@ std::tuple<Tensor, Tensor, Tensor> linear_fp8_backward(
 
 // Delayed scaling's update of histories[i], scales[i], scale_invs[i] in one core call (what
 // ops.delayed_scaling_update does), for the autocast exit and the backward in eager mode.
-void delayed_scaling_update(std::vector<Tensor> histories, std::vector<Tensor> scales, std::vector<Tensor> scale_invs,
+void delayed_scaling_update_impl(std::vector<Tensor> histories, std::vector<Tensor> scales, std::vector<Tensor> scale_invs,
                             int64_t fp8_dtype, int64_t algo, int64_t margin, int64_t stream_handle) {
   constexpr const char *op = "te_eager.delayed_scaling_update";
   const size_t n = histories.size();
-  STD_TORCH_CHECK(scales.size() == n && scale_invs.size() == n, op,
+  TE_EAGER_CHECK(scales.size() == n && scale_invs.size() == n, op,
                   ": histories, scales and scale_invs must be as many, got ", n, ", ", scales.size(), " and ",
                   scale_invs.size());
   if (n == 0) return;
@@ -415,7 +436,7 @@ void delayed_scaling_update(std::vector<Tensor> histories, std::vector<Tensor> s
   };
   for (size_t i = 0; i < n; ++i) {
     for (const Tensor *t : {&histories[i], &scales[i], &scale_invs[i]}) {
-      STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float && t->is_contiguous(), op,
+      TE_EAGER_CHECK(t->scalar_type() == ScalarType::Float && t->is_contiguous(), op,
                       ": histories, scales and scale_invs must be contiguous float32 tensors");
     }
     h[i] = handles.emplace_back(op).set(TE_SLOT_DATA, whole(histories[i])).get();
@@ -428,26 +449,92 @@ void delayed_scaling_update(std::vector<Tensor> histories, std::vector<Tensor> s
         op);
 }
 
+// Errors leave the operators as a status, not as a C++ exception. An exception would have to
+// cross from this library into libtorch, and where the toolchain links the C++ runtime into
+// the library statically (some compiler setups do by default) it cannot be caught there: the
+// process dies instead of raising. So each operator catches everything here and returns a
+// nonzero status with empty tensors; its Python caller then raises last_error() (_compiled.py).
+thread_local std::string last_error_message;
+
+int64_t caught(const char *op) {
+  try {
+    throw;
+  } catch (const std::exception &e) {
+    last_error_message = e.what();
+  } catch (...) {
+    last_error_message = std::string(op) + ": unknown error";
+  }
+  return 1;
+}
+
+std::string last_error() { return last_error_message; }
+
+std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward(
+    Tensor input, Tensor weight, std::optional<Tensor> bias, Tensor scales, Tensor history, Tensor workspace,
+    bool current, int64_t fp8_dtype, bool pow2, double epsilon, bool need_dgrad, bool need_wgrad, int64_t stream) {
+  try {
+    auto [out, x_sinv, w_sinv, x_col, w_col] = linear_fp8_forward_impl(
+        input, weight, bias, scales, history, workspace, current, fp8_dtype, pow2, epsilon, need_dgrad, need_wgrad, stream);
+    return {0, out, x_sinv, w_sinv, x_col, w_col};
+  } catch (...) {
+    const int64_t status = caught(kLinear);
+    const Tensor none = empty({0}, aoti_torch_dtype_uint8(), input);
+    return {status, none, none, none, none, none};
+  }
+}
+
+std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
+    Tensor grad_output, Tensor x_sinv, Tensor w_sinv, Tensor x_col, Tensor w_col, Tensor grad_history,
+    Tensor grad_scale, Tensor grad_scale_inv, Tensor workspace, bool current, int64_t fwd_dtype, int64_t bwd_dtype,
+    bool pow2, double epsilon, int64_t algo, int64_t margin, bool need_dgrad, bool need_wgrad,
+    ScalarType input_dtype, ScalarType weight_dtype, std::optional<ScalarType> bias_dtype, int64_t stream) {
+  try {
+    auto [grad_input, grad_weight, grad_bias] = linear_fp8_backward_impl(
+        grad_output, x_sinv, w_sinv, x_col, w_col, grad_history, grad_scale, grad_scale_inv, workspace, current,
+        fwd_dtype, bwd_dtype, pow2, epsilon, algo, margin, need_dgrad, need_wgrad, input_dtype, weight_dtype,
+        bias_dtype, stream);
+    return {0, grad_input, grad_weight, grad_bias};
+  } catch (...) {
+    const int64_t status = caught(kLinearBackward);
+    const Tensor none = empty({0}, aoti_torch_dtype_uint8(), grad_output);
+    return {status, none, none, none};
+  }
+}
+
+int64_t delayed_scaling_update(std::vector<Tensor> histories, std::vector<Tensor> scales,
+                               std::vector<Tensor> scale_invs, int64_t fp8_dtype, int64_t algo, int64_t margin,
+                               int64_t stream) {
+  try {
+    delayed_scaling_update_impl(std::move(histories), std::move(scales), std::move(scale_invs), fp8_dtype, algo,
+                                margin, stream);
+    return 0;
+  } catch (...) {
+    return caught("te_eager.delayed_scaling_update");
+  }
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY(te_eager, m) {
   m.def(
       "linear_fp8_forward(Tensor input, Tensor weight, Tensor? bias, Tensor scales, Tensor(a!) history, "
       "Tensor(b!) workspace, bool current, int fp8_dtype, bool pow2, float epsilon, bool need_dgrad, "
-      "bool need_wgrad, int stream) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool need_wgrad, int stream) -> (int, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "linear_fp8_backward(Tensor grad_output, Tensor x_sinv, Tensor w_sinv, Tensor x_col, Tensor w_col, "
       "Tensor(a!) grad_history, Tensor(b!) grad_scale, Tensor(c!) grad_scale_inv, Tensor(d!) workspace, "
       "bool current, int fwd_dtype, int bwd_dtype, bool pow2, float epsilon, int algo, int margin, "
       "bool need_dgrad, bool need_wgrad, ScalarType input_dtype, ScalarType weight_dtype, "
-      "ScalarType? bias_dtype, int stream) -> (Tensor, Tensor, Tensor)");
+      "ScalarType? bias_dtype, int stream) -> (int, Tensor, Tensor, Tensor)");
   m.def(
       "delayed_scaling_update(Tensor(a!)[] histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, "
-      "int fp8_dtype, int algo, int margin, int stream) -> ()");
+      "int fp8_dtype, int algo, int margin, int stream) -> int");
+  m.def("last_error() -> str");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(te_eager, CompositeExplicitAutograd, m) {
   m.impl("linear_fp8_forward", TORCH_BOX(&linear_fp8_forward));
   m.impl("linear_fp8_backward", TORCH_BOX(&linear_fp8_backward));
   m.impl("delayed_scaling_update", TORCH_BOX(&delayed_scaling_update));
+  m.impl("last_error", TORCH_BOX(&last_error));
 }

@@ -228,7 +228,8 @@ def test_error_in_backward_is_raised(device, monkeypatch, where):
 
 def test_operators_check_their_inputs(device):
     """The compiled operators refuse what their Python callers would never send, with an error
-    naming the operator, before writing anything."""
+    naming the operator, before writing anything. They return the error as a status (no C++
+    exception crosses into libtorch), which raise_if_failed turns into a RuntimeError."""
     from transformer_engine.pytorch import _compiled
 
     ops = _compiled.ops
@@ -236,22 +237,76 @@ def test_operators_check_their_inputs(device):
     w = torch.randn(32, 64, device=device)
     history, scales = torch.zeros(4, 3, device=device), torch.ones(3, device=device)
     e4m3 = fast_linear.dtype_code("float8_e4m3")
+
+    def forward(*args):
+        status, *_ = ops.linear_fp8_forward.default(*args)
+        _compiled.raise_if_failed(status)
+
     with pytest.raises(RuntimeError, match="linear_fp8_forward: M, N and K must be multiples"):
-        ops.linear_fp8_forward.default(x, w, None, scales, history, fast_linear._EMPTY, False,
-                                       e4m3, False, 0.0, True, True, 0)
+        forward(x, w, None, scales, history, fast_linear._EMPTY, False, e4m3, False, 0.0, True,
+                True, 0)
     with pytest.raises(RuntimeError, match="linear_fp8_forward: bias must be"):
-        ops.linear_fp8_forward.default(x[:16], w, torch.zeros(5, device=device), scales,
-                                       history, fast_linear._EMPTY, False, e4m3, False, 0.0,
-                                       True, True, 0)
+        forward(x[:16], w, torch.zeros(5, device=device), scales, history, fast_linear._EMPTY,
+                False, e4m3, False, 0.0, True, True, 0)
     assert torch.equal(history, torch.zeros(4, 3, device=device))
     g = torch.randn(16, 32, device=device)
+    status, *_ = ops.linear_fp8_backward.default(
+        g, scales[:1], scales[:1], torch.empty(0, dtype=torch.uint8),
+        torch.empty(64, 31, dtype=torch.uint8), history, scales[:1], scales[:1],
+        fast_linear._EMPTY, False, e4m3, e4m3, False, 0.0, 0, 0, True, False, torch.float32,
+        torch.float32, None, 0)
     with pytest.raises(RuntimeError, match="linear_fp8_backward: the column-wise weight"):
-        ops.linear_fp8_backward.default(
-            g, scales[:1], scales[:1], torch.empty(0, dtype=torch.uint8),
-            torch.empty(64, 31, dtype=torch.uint8), history, scales[:1], scales[:1],
-            fast_linear._EMPTY, False, e4m3, e4m3, False, 0.0, 0, 0, True, False,
-            torch.float32, torch.float32, None, 0)
+        _compiled.raise_if_failed(status)
     assert torch.equal(history, torch.zeros(4, 3, device=device))
+    status = ops.delayed_scaling_update.default([history], [scales[:2]], [scales[:1]], e4m3, 0,
+                                                0, 0)
+    assert status != 0 and "delayed_scaling_update" in ops.last_error.default()
+
+
+_STATIC_RUNTIME_PROBE = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+status, *_ = torch.ops.te_eager.linear_fp8_forward.default(
+    torch.randn(24, 64), torch.randn(32, 64), None, torch.ones(3), torch.zeros(4, 3),
+    torch.empty(0, dtype=torch.uint8), False, int(sys.argv[2]), False, 0.0, True, True, 0)
+print(status, torch.ops.te_eager.last_error.default())
+"""
+
+
+def test_errors_survive_a_static_cxx_runtime(tmp_path):
+    """Some toolchains link the C++ runtime into a library statically; a C++ exception thrown
+    from such a library into libtorch kills the process. The operators return their errors
+    instead, with the whole message: built that way here, a bad input gives a status and the
+    message, in a process that lives on."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import transformer_engine.common as common
+
+    cxx = shutil.which("g++")
+    source = Path(__file__).parents[2] / "pytorch" / "csrc" / "eager_ops.cpp"
+    if cxx is None or not source.is_file():
+        pytest.skip("needs g++ and the source tree")
+    torch_dir = Path(torch.__file__).parent
+    core_dir = Path(common.__file__).parent
+    lib = tmp_path / "eager_ops_static.so"
+    subprocess.run([cxx, "-O1", "-fPIC", "-shared", "-std=c++17",
+                    "-DTORCH_TARGET_VERSION=0x020b000000000000", f"-I{torch_dir / 'include'}",
+                    f"-I{core_dir / 'include'}", str(source), f"-L{torch_dir / 'lib'}",
+                    f"-L{core_dir / 'lib'}", "-ltransformer_engine", "-lc10", "-ltorch",
+                    "-ltorch_cpu", "-static-libstdc++", "-static-libgcc",
+                    f"-Wl,-rpath,{core_dir / 'lib'}", "-o", str(lib)],
+                   check=True, capture_output=True)
+    env = {**os.environ, "TE_FAST_LINEAR": "0"}
+    run = subprocess.run([sys.executable, "-c", _STATIC_RUNTIME_PROBE, str(lib),
+                          str(fast_linear.dtype_code("float8_e4m3"))],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == ("1 te_eager.linear_fp8_forward: M, N and K must be multiples "
+                                  "of 16, got M=24 N=32 K=64")
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])

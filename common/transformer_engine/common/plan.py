@@ -54,10 +54,8 @@ _BLOCK_MODES = {1: "block_1x128", 2: "block_128x128"}
 
 
 class Plan(NamedTuple):
-    """The numerics of the GEMMs of one layer, decided from the recipe.
-
-    The field order is part of the interface: compiled code builds a plan positionally.
-    """
+    """The numerics of the GEMMs of one layer, decided from the recipe. (Compiled code never
+    sees it whole: the torch operators take the fields they need as named arguments.)"""
 
     kind: str  # "delayed", "current" or "block"
     fwd_dtype: str  # FP8 format name of input and weight

@@ -60,6 +60,13 @@ if _why is not None and _why != "missing":
 _missing_said = _why != "missing"
 
 
+def raise_if_failed(status: int) -> None:
+    """Raises the error of a compiled operator that returned a nonzero status (they return
+    their errors rather than throw them across into libtorch: eager_ops.cpp says why)."""
+    if status:
+        raise RuntimeError(ops.last_error.default())
+
+
 def warn_if_missing() -> None:
     """Once per process, where the package was built without the compiled ops."""
     global _missing_said

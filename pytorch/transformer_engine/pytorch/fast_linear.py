@@ -128,9 +128,10 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, inp, weight, bias, scales, history, codes: Codes, bwd_meta: tuple,
                 need_dgrad: bool, need_wgrad: bool):
         ws = workspace_for(inp)
-        out, x_sinv, w_sinv, x_col, w_col = _compiled.ops.linear_fp8_forward.default(
+        status, out, x_sinv, w_sinv, x_col, w_col = _compiled.ops.linear_fp8_forward.default(
             inp, weight, bias, scales, history, _EMPTY if ws is None else ws, codes.current,
             codes.fp8_dtype, codes.pow2, codes.epsilon, need_dgrad, need_wgrad, stream_of(inp))
+        _compiled.raise_if_failed(status)
         ctx.save_for_backward(x_sinv, w_sinv, x_col, w_col)
         ctx.info = _Backward(codes.plan, bwd_meta, (need_dgrad, need_wgrad, bias is not None),
                              (inp.dtype, weight.dtype, None if bias is None else bias.dtype),
@@ -167,11 +168,12 @@ def _compiled_backward(grad_output, x_sinv, w_sinv, x_col, w_col, b: _Backward):
     g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
     ws = workspace_for(g)
     in_dtype, w_dtype, b_dtype = b.dtypes
-    gi, gw, gb = _compiled.ops.linear_fp8_backward.default(
+    status, gi, gw, gb = _compiled.ops.linear_fp8_backward.default(
         g, x_sinv, w_sinv, x_col, w_col, history, scale, scale_inv, _EMPTY if ws is None else ws,
         current, dtype_code(plan.fwd_dtype), dtype_code(plan.bwd_dtype), plan.force_pow2_scales,
         plan.amax_epsilon, algo_code(plan.algo) if not current else 0, plan.margin, need_dgrad,
         need_wgrad, in_dtype, w_dtype, b_dtype, stream_of(g))
+    _compiled.raise_if_failed(status)
     return (gi.view(b.input_shape) if need_dgrad else None, gw if need_wgrad else None,
             gb if has_bias else None)
 

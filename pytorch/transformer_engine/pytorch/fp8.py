@@ -324,9 +324,9 @@ def scale_update(histories: list, scales: list, scale_invs: list, fp8_dtype: str
     built (the same core call without the custom op's wrapper: it runs at every autocast exit
     and in every backward, and a small model's step is bound by host time)."""
     if _compiled.ops is not None and algo in COMPILED_ALGOS and plain_eager(()):
-        _compiled.ops.delayed_scaling_update.default(
+        _compiled.raise_if_failed(_compiled.ops.delayed_scaling_update.default(
             histories, scales, scale_invs, dtype_code(fp8_dtype), algo_code(algo), margin,
-            stream_of(histories[0]) if histories else 0)
+            stream_of(histories[0]) if histories else 0))
     else:
         ops.delayed_scaling_update(histories, scales, scale_invs, fp8_dtype, algo, margin)
 
