@@ -305,39 +305,59 @@ void quantize_current(const te_buffer &x, const te_buffer *data, const te_buffer
 
 constexpr const char *kLinearBackward = "te_eager.linear_fp8_backward";
 
-// te.Linear's FP8 backward from linear_fp8_forward's saved tensors (linear_fn.linear_backward
-// with the same core calls and arguments, so the same bits): grad_output [M, N] cast to
-// `bwd_dtype` with the bias gradient in the same pass (delayed scaling: with grad_scale, its
-// amax raising grad_history[0, 0], then the update of grad_history, grad_scale, grad_scale_inv
-// by `algo` and `margin`; current scaling: from its own amax), then dgrad = grad_output @ W
-// (from the column-wise weight) and wgrad = grad_output^T @ X (from the column-wise input),
-// both with split accumulation. At least one of dgrad and wgrad is needed (linear_backward
-// handles the bias-only case).
+// The backward of one FP8 linear layer (linear_fn: grad_to_fp8, the scale update and
+// backward_gemms, with the same core calls and arguments, so the same bits), for te.Linear,
+// LayerNormLinear and both GEMMs of LayerNormMLP.
+//
+// The layer's grad_output G [M, N] is act'(H) * grad_output, with `act` a te_activation code and
+// H = act_input [M, N] (absent for identity: G is grad_output itself; a gated act's
+// grad_output is [M, N/2]). G is cast to `bwd_dtype`, with the bias gradient (the column sums
+// of G, in bias_dtype) in the same pass where there is a bias: delayed scaling casts with
+// grad_scale[column] and raises grad_history[0, column], and with `update` then updates
+// grad_history, grad_scale and grad_scale_inv (all columns) by `algo` and `margin`; current
+// scaling takes the scale from G's own amax (pow2, epsilon). Then dgrad = G @ W (from the
+// column-wise weight [K, N]) and wgrad = G^T @ X (from the column-wise input [K, M]), both
+// with split accumulation. At least one of dgrad and wgrad is needed.
 //
 // Returns (grad_input [M, K] in input_dtype, grad_weight [N, K] in weight_dtype, grad_bias [N] in
 // bias_dtype), each an empty tensor (of any dtype) where not needed.
 std::tuple<Tensor, Tensor, Tensor> linear_fp8_backward_impl(
-    Tensor grad_output, Tensor x_sinv, Tensor w_sinv, Tensor x_col, Tensor w_col, Tensor grad_history,
-    Tensor grad_scale, Tensor grad_scale_inv, Tensor workspace, bool current, int64_t fwd_dtype, int64_t bwd_dtype,
-    bool pow2, double epsilon, int64_t algo, int64_t margin, bool need_dgrad, bool need_wgrad,
-    ScalarType input_dtype, ScalarType weight_dtype, std::optional<ScalarType> bias_dtype, int64_t stream_handle) {
+    Tensor grad_output, std::optional<Tensor> act_input, int64_t act, Tensor x_sinv, Tensor w_sinv, Tensor x_col,
+    Tensor w_col, Tensor grad_history, Tensor grad_scale, Tensor grad_scale_inv, int64_t column, bool update,
+    Tensor workspace, bool current, int64_t fwd_dtype, int64_t bwd_dtype, bool pow2, double epsilon, int64_t algo,
+    int64_t margin, bool need_dgrad, bool need_wgrad, ScalarType input_dtype, ScalarType weight_dtype,
+    std::optional<ScalarType> bias_dtype, int64_t stream_handle) {
   const char *op = kLinearBackward;
+  const auto activation = static_cast<te_activation>(act);
+  const bool identity = activation == TE_ACTIVATION_IDENTITY;
   TE_EAGER_CHECK(need_dgrad || need_wgrad, op, ": dgrad or wgrad must be needed");
   TE_EAGER_CHECK(grad_output.dim() == 2 && grad_output.is_contiguous() && floating(grad_output.scalar_type()), op,
-                  ": grad_output must be a contiguous float32/bfloat16/float16 matrix [M, N]");
-  const int64_t m = grad_output.size(0), n = grad_output.size(1);
+                 ": grad_output must be a contiguous float32/bfloat16/float16 matrix");
+  TE_EAGER_CHECK(identity != act_input.has_value(), op, ": act_input must be given exactly when act is not identity");
+  const int64_t m = grad_output.size(0);
+  const int64_t n = identity ? grad_output.size(1) : act_input->size(-1);
+  if (!identity) {
+    TE_EAGER_CHECK(act_input->dim() == 2 && act_input->size(0) == m && act_input->is_contiguous() &&
+                       act_input->scalar_type() == grad_output.scalar_type(),
+                   op, ": act_input must be a contiguous [", m, ", N] matrix of grad_output's dtype");
+  }
   const int64_t k = need_dgrad ? w_col.size(0) : x_col.size(0);
   TE_EAGER_CHECK(!need_dgrad || (w_col.dim() == 2 && w_col.size(1) == n), op, ": the column-wise weight must be [K, ",
-                  n, "]");
+                 n, "]");
   TE_EAGER_CHECK(!need_wgrad || (x_col.dim() == 2 && x_col.size(0) == k && x_col.size(1) == m), op,
-                  ": the column-wise input must be [", k, ", ", m, "]");
+                 ": the column-wise input must be [", k, ", ", m, "]");
+  TE_EAGER_CHECK(grad_history.dim() == 2 && column >= 0 && column < grad_history.size(1) &&
+                     column < grad_scale.numel(),
+                 op, ": column ", column, " is out of the grad_output history's range");
   const auto fwd = static_cast<te_dtype>(fwd_dtype), bwd = static_cast<te_dtype>(bwd_dtype);
   const te_stream stream = reinterpret_cast<te_stream>(stream_handle);
   const int32_t u8 = aoti_torch_dtype_uint8(), f32 = aoti_torch_dtype_float32();
-  const te_buffer g = buffer(grad_output.data_ptr(), core_dtype(grad_output.scalar_type(), op), {m, n}, grad_output);
+  const te_dtype g_dtype = core_dtype(grad_output.scalar_type(), op);
+  const te_buffer dy = buffer(grad_output.data_ptr(), g_dtype, {m, grad_output.size(1)}, grad_output);
+  const te_buffer h = identity ? dy : buffer(act_input->data_ptr(), g_dtype, {m, n}, grad_output);
 
-  // grad_output in FP8: row-wise for dgrad, column-wise for wgrad (one allocation), one
-  // scale_inv for both (with current scaling's scale and amax beside it).
+  // G in FP8: row-wise for dgrad, column-wise for wgrad (one allocation), one scale_inv for
+  // both (with current scaling's scale and amax beside it).
   const int64_t g_row_size = need_dgrad ? aligned(m * n) : 0;
   const Tensor g_bytes = empty({g_row_size + (need_wgrad ? n * m : 0)}, u8, grad_output);
   const Tensor g_scalars = empty({3}, f32, grad_output);
@@ -348,45 +368,60 @@ std::tuple<Tensor, Tensor, Tensor> linear_fp8_backward_impl(
   const te_buffer *row_out = need_dgrad ? &g_row : nullptr, *col_out = need_wgrad ? &g_col : nullptr;
   Tensor dbias;
   if (bias_dtype.has_value()) dbias = empty({n}, torch_dtype(*bias_dtype), grad_output);
-  te_buffer scale = element(grad_scale, 0), amax = element(grad_history, 0);
+  te_buffer scale = element(grad_scale, column), amax = element(grad_history, column);
   if (current) {
     scale = element(g_scalars, 1);
     amax = element(g_scalars, 2);
   }
-  if (bias_dtype.has_value()) {
-    // "Bias gradient + cast + transpose" in one pass: the core's activation backward of
-    // identity. Current scaling takes grad_output's scale first.
-    if (current) current_scale(g, row_out ? g_row : g_col, nullptr, scale, g_sinv, amax, pow2, epsilon, stream);
-    Handle gh(op), gi(op), db(op);
-    gh.set(TE_SLOT_DATA, g);
+  // The cast of G (the branches of linear_fn.grad_to_fp8).
+  const auto fp8_grad = [&](Handle &gi) -> Handle & {
     if (row_out != nullptr) gi.set(TE_SLOT_DATA, g_row);
     if (col_out != nullptr) gi.set(TE_SLOT_COLUMNWISE_DATA, g_col);
-    gi.set(TE_SLOT_SCALE, scale).set(TE_SLOT_SCALE_INV, g_sinv).set(TE_SLOT_AMAX, amax);
-    db.set(TE_SLOT_DATA, buffer(dbias.data_ptr(), core_dtype(*bias_dtype, op), {n}, grad_output));
-    check(te_activation_backward(TE_ACTIVATION_IDENTITY, gh.get(), nullptr, gi.get(), db.get(), current ? 0 : 1,
+    return gi.set(TE_SLOT_SCALE, scale).set(TE_SLOT_SCALE_INV, g_sinv).set(TE_SLOT_AMAX, amax);
+  };
+  Handle db(op);
+  if (bias_dtype.has_value()) db.set(TE_SLOT_DATA, buffer(dbias.data_ptr(), core_dtype(*bias_dtype, op), {n}, grad_output));
+  te_tensor *db_ptr = bias_dtype.has_value() ? db.get() : nullptr;
+  Handle gh(op), hh(op);
+  gh.set(TE_SLOT_DATA, dy);
+  if (!identity) hh.set(TE_SLOT_DATA, h);
+  if (!current && (!identity || bias_dtype.has_value())) {
+    // act' * grad_output (+ bias gradient) + cast + transpose in one pass, the amax raising
+    // the history's slot.
+    Handle gi(op);
+    check(te_activation_backward(activation, gh.get(), identity ? nullptr : hh.get(), fp8_grad(gi).get(), db_ptr, 1,
                                  stream),
           op);
-  } else if (current) {
-    quantize_current(g, row_out, col_out, scale, g_sinv, amax, pow2, epsilon, stream, op);
-  } else {
-    Handle in(op), out(op);
-    in.set(TE_SLOT_DATA, g);
-    if (row_out != nullptr) out.set(TE_SLOT_DATA, g_row);
-    if (col_out != nullptr) out.set(TE_SLOT_COLUMNWISE_DATA, g_col);
-    out.set(TE_SLOT_SCALE, scale).set(TE_SLOT_SCALE_INV, g_sinv).set(TE_SLOT_AMAX, amax);
+  } else if (!current) {
+    Handle gi(op);
     te_quantize_config config{};
     config.accumulate_amax = 1;
-    check(te_quantize(in.get(), out.get(), &config, stream), op);
+    check(te_quantize(gh.get(), fp8_grad(gi).get(), &config, stream), op);
+  } else if (identity && bias_dtype.has_value()) {
+    // grad_output's scale first, then the same fused bias gradient + cast.
+    current_scale(dy, row_out ? g_row : g_col, nullptr, scale, g_sinv, amax, pow2, epsilon, stream);
+    Handle gi(op);
+    check(te_activation_backward(activation, gh.get(), nullptr, fp8_grad(gi).get(), db_ptr, 0, stream), op);
+  } else if (identity) {
+    quantize_current(dy, row_out, col_out, scale, g_sinv, amax, pow2, epsilon, stream, op);
+  } else {
+    // G in high precision (with the bias gradient), then its cast with its own scale.
+    const Tensor dh_t = empty({m, n}, torch_dtype(grad_output.scalar_type()), grad_output);
+    const te_buffer dh = buffer(dh_t.data_ptr(), g_dtype, {m, n}, grad_output);
+    Handle dhh(op);
+    dhh.set(TE_SLOT_DATA, dh);
+    check(te_activation_backward(activation, gh.get(), hh.get(), dhh.get(), db_ptr, 0, stream), op);
+    quantize_current(dh, row_out, col_out, scale, g_sinv, amax, pow2, epsilon, stream, op);
   }
-  if (!current) {  // the next step's grad_output scale, from this step's amaxes
-    Handle h(op), s(op), si(op);
-    h.set(TE_SLOT_DATA, buffer(grad_history.data_ptr(), TE_DTYPE_FLOAT32, {grad_history.size(0), grad_history.size(1)},
-                               grad_history));
-    s.set(TE_SLOT_DATA, buffer(grad_scale.data_ptr(), TE_DTYPE_FLOAT32, {grad_scale.numel()}, grad_scale));
-    si.set(TE_SLOT_DATA,
-           buffer(grad_scale_inv.data_ptr(), TE_DTYPE_FLOAT32, {grad_scale_inv.numel()}, grad_scale_inv));
-    te_tensor *hs[] = {h.get()}, *ss[] = {s.get()}, *sis[] = {si.get()};
-    check(te_delayed_scaling_update(hs, ss, sis, 1, bwd, static_cast<te_amax_compute_algo>(algo),
+  if (!current && update) {  // the next step's grad_output scales, from this step's amaxes
+    Handle hs(op), ss(op), sis(op);
+    hs.set(TE_SLOT_DATA, buffer(grad_history.data_ptr(), TE_DTYPE_FLOAT32,
+                                {grad_history.size(0), grad_history.size(1)}, grad_history));
+    ss.set(TE_SLOT_DATA, buffer(grad_scale.data_ptr(), TE_DTYPE_FLOAT32, {grad_scale.numel()}, grad_scale));
+    sis.set(TE_SLOT_DATA,
+            buffer(grad_scale_inv.data_ptr(), TE_DTYPE_FLOAT32, {grad_scale_inv.numel()}, grad_scale_inv));
+    te_tensor *histories[] = {hs.get()}, *scales[] = {ss.get()}, *scale_invs[] = {sis.get()};
+    check(te_delayed_scaling_update(histories, scales, scale_invs, 1, bwd, static_cast<te_amax_compute_algo>(algo),
                                     static_cast<int32_t>(margin), stream),
           op);
   }
@@ -484,15 +519,16 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward(
 }
 
 std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
-    Tensor grad_output, Tensor x_sinv, Tensor w_sinv, Tensor x_col, Tensor w_col, Tensor grad_history,
-    Tensor grad_scale, Tensor grad_scale_inv, Tensor workspace, bool current, int64_t fwd_dtype, int64_t bwd_dtype,
-    bool pow2, double epsilon, int64_t algo, int64_t margin, bool need_dgrad, bool need_wgrad,
-    ScalarType input_dtype, ScalarType weight_dtype, std::optional<ScalarType> bias_dtype, int64_t stream) {
+    Tensor grad_output, std::optional<Tensor> act_input, int64_t act, Tensor x_sinv, Tensor w_sinv, Tensor x_col,
+    Tensor w_col, Tensor grad_history, Tensor grad_scale, Tensor grad_scale_inv, int64_t column, bool update,
+    Tensor workspace, bool current, int64_t fwd_dtype, int64_t bwd_dtype, bool pow2, double epsilon, int64_t algo,
+    int64_t margin, bool need_dgrad, bool need_wgrad, ScalarType input_dtype, ScalarType weight_dtype,
+    std::optional<ScalarType> bias_dtype, int64_t stream) {
   try {
     auto [grad_input, grad_weight, grad_bias] = linear_fp8_backward_impl(
-        grad_output, x_sinv, w_sinv, x_col, w_col, grad_history, grad_scale, grad_scale_inv, workspace, current,
-        fwd_dtype, bwd_dtype, pow2, epsilon, algo, margin, need_dgrad, need_wgrad, input_dtype, weight_dtype,
-        bias_dtype, stream);
+        grad_output, act_input, act, x_sinv, w_sinv, x_col, w_col, grad_history, grad_scale, grad_scale_inv, column,
+        update, workspace, current, fwd_dtype, bwd_dtype, pow2, epsilon, algo, margin, need_dgrad, need_wgrad,
+        input_dtype, weight_dtype, bias_dtype, stream);
     return {0, grad_input, grad_weight, grad_bias};
   } catch (...) {
     const int64_t status = caught(kLinearBackward);
@@ -521,9 +557,10 @@ STABLE_TORCH_LIBRARY(te_eager, m) {
       "Tensor(b!) workspace, bool current, int fp8_dtype, bool pow2, float epsilon, bool need_dgrad, "
       "bool need_wgrad, int stream) -> (int, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "linear_fp8_backward(Tensor grad_output, Tensor x_sinv, Tensor w_sinv, Tensor x_col, Tensor w_col, "
-      "Tensor(a!) grad_history, Tensor(b!) grad_scale, Tensor(c!) grad_scale_inv, Tensor(d!) workspace, "
-      "bool current, int fwd_dtype, int bwd_dtype, bool pow2, float epsilon, int algo, int margin, "
+      "linear_fp8_backward(Tensor grad_output, Tensor? act_input, int act, Tensor x_sinv, Tensor w_sinv, "
+      "Tensor x_col, Tensor w_col, Tensor(a!) grad_history, Tensor(b!) grad_scale, Tensor(c!) grad_scale_inv, "
+      "int column, bool update, Tensor(d!) workspace, bool current, int fwd_dtype, int bwd_dtype, bool pow2, "
+      "float epsilon, int algo, int margin, "
       "bool need_dgrad, bool need_wgrad, ScalarType input_dtype, ScalarType weight_dtype, "
       "ScalarType? bias_dtype, int stream) -> (int, Tensor, Tensor, Tensor)");
   m.def(

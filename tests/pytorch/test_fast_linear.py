@@ -33,17 +33,17 @@ def spy(monkeypatch):
 
 @pytest.fixture
 def backward_spy(monkeypatch):
-    """Counts the backwards that the compiled operator computes."""
+    """Counts the backwards that the compiled operator computes (from either forward path)."""
+    from transformer_engine.pytorch import compiled_grads
+
     calls = []
-    compiled = fast_linear._compiled_backward
+    compiled = compiled_grads.linear_grads
 
     def counting(*args):
-        out = compiled(*args)
-        if out is not None:
-            calls.append(1)
-        return out
+        calls.append(1)
+        return compiled(*args)
 
-    monkeypatch.setattr(fast_linear, "_compiled_backward", counting)
+    monkeypatch.setattr(compiled_grads, "linear_grads", counting)
     return calls
 
 
@@ -59,7 +59,9 @@ def _train(device, enabled: bool, *, bias=True, dtype=torch.bfloat16, shape=(2, 
     """Steps of a te.Linear under ``fp8_recipe`` (DelayedScaling with a short history and a
     margin by default) with the fast path on or off: every output, gradient and buffer, in
     order."""
-    fast_linear.enabled = enabled
+    from transformer_engine.pytorch import compiled_grads
+
+    fast_linear.enabled = compiled_grads.enabled = enabled
     try:
         torch.manual_seed(0)
         m = te.Linear(64, 48, bias=bias, params_dtype=dtype, device=device,
@@ -80,7 +82,7 @@ def _train(device, enabled: bool, *, bias=True, dtype=torch.bfloat16, shape=(2, 
             seen += [b.clone() for b in m.buffers()]
         return seen
     finally:
-        fast_linear.enabled = True
+        fast_linear.enabled = compiled_grads.enabled = True
 
 
 # Of _train's 4 delayed-scaling steps, the compiled path computes the last 3: a first step,
@@ -206,22 +208,25 @@ def test_python_path_under_checkpoint_and_compile(spy):
     assert len(spy) == 1
 
 
-@pytest.mark.parametrize("where", ["_compiled_backward", "linear_backward"])
+@pytest.mark.parametrize("where", ["linear_grads", "linear_backward"])
 def test_error_in_backward_is_raised(device, monkeypatch, where):
     """An error in the compiled forward's backward (the compiled operator's, or the Python
-    backward's that it falls back to) reaches the caller as an exception, not a crash."""
+    steps' of a first backward, whose history is still empty) reaches the caller as an
+    exception, not a crash."""
+    from transformer_engine.pytorch import compiled_grads
+
     m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
     x = torch.randn(16, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
     r = recipe.DelayedScaling()
     _first_step(m, x, r)
+    if where == "linear_grads":  # a backward has written the history: the operator serves
+        _forward(m, x, r).sum().backward()
     y = _forward(m, x, r)
 
     def broken(*args):
         raise ValueError("backward failed on purpose")
 
-    if where == "linear_backward":
-        monkeypatch.setattr(fast_linear, "_compiled_backward", lambda *args: None)
-    monkeypatch.setattr(fast_linear, where, broken)
+    monkeypatch.setattr(compiled_grads if where == "linear_grads" else fast_linear, where, broken)
     with pytest.raises(Exception, match="backward failed on purpose"):
         y.sum().backward()
 
@@ -251,8 +256,8 @@ def test_operators_check_their_inputs(device):
     assert torch.equal(history, torch.zeros(4, 3, device=device))
     g = torch.randn(16, 32, device=device)
     status, *_ = ops.linear_fp8_backward.default(
-        g, scales[:1], scales[:1], torch.empty(0, dtype=torch.uint8),
-        torch.empty(64, 31, dtype=torch.uint8), history, scales[:1], scales[:1],
+        g, None, 0, scales[:1], scales[:1], torch.empty(0, dtype=torch.uint8),
+        torch.empty(64, 31, dtype=torch.uint8), history, scales[:1], scales[:1], 0, True,
         fast_linear._EMPTY, False, e4m3, e4m3, False, 0.0, 0, 0, True, False, torch.float32,
         torch.float32, None, 0)
     with pytest.raises(RuntimeError, match="linear_fp8_backward: the column-wise weight"):
@@ -359,7 +364,9 @@ def test_output_takes_in_place_ops(device, enabled, shape):
     """The FP8 output may be modified in place (e.g. nn.ReLU(inplace=True) after the layer):
     neither path returns a view made inside its autograd function, and the gradient is that of
     the in-place op applied to the output."""
-    fast_linear.enabled = enabled
+    from transformer_engine.pytorch import compiled_grads
+
+    fast_linear.enabled = compiled_grads.enabled = enabled
     try:
         m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
         x = torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -370,7 +377,7 @@ def test_output_takes_in_place_ops(device, enabled, shape):
         assert x.grad is not None and x.grad.shape == x.shape
         assert m.weight.grad is not None
     finally:
-        fast_linear.enabled = True
+        fast_linear.enabled = compiled_grads.enabled = True
 
 
 @pytest.fixture

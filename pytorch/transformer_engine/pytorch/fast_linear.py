@@ -6,8 +6,8 @@ whose forward and backward are each one call of a compiled operator
 (``torch.ops.te_eager.linear_fp8_forward`` and ``linear_fp8_backward``,
 ``pytorch/csrc/eager_ops.cpp``, on the LibTorch stable ABI): the same casts and GEMMs with the
 same arguments as :class:`~transformer_engine.pytorch.linear_fn.Fp8LinearFunction` and
-``linear_fn.linear_backward``, so the same bits (the backward falls back to
-``linear_backward`` in the cases ``_compiled_backward`` lists). te.Linear's full forward
+``linear_fn.linear_backward``, so the same bits. (The backward is ``linear_backward``, which
+takes the compiled operator where ``compiled_grads.usable`` says so.) te.Linear's full forward
 reaches it after its own checks (``forward``); once it has, the module's later forwards under
 the same recipe go to it first (``steady_forward``), which checks the input (``takes``).
 
@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _compiled, first_step, fp8
 from .linear_fn import linear_backward
-from .ops._backend import algo_code, dtype_code, stream_of, workspace_for
+from .ops._backend import dtype_code, stream_of, workspace_for
 from .quantization import Plan
 
 enabled = True
@@ -142,40 +142,12 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, grad_output):
         x_sinv, w_sinv, x_col, w_col = ctx.saved_tensors
         b = ctx.info
-        need_dgrad, need_wgrad, has_bias = b.need
-        grads = _compiled_backward(grad_output, x_sinv, w_sinv, x_col, w_col, b)
-        if grads is None:
-            saved = (x_col if need_wgrad else None, x_sinv, w_col if need_dgrad else None, w_sinv)
-            grads = linear_backward(grad_output, saved, b.plan, b.bwd_meta, None, None, b.need,
-                                    b.dtypes, b.input_shape)
+        need_dgrad, need_wgrad, _ = b.need
+        saved = (x_col if need_wgrad else None, x_sinv, w_col if need_dgrad else None, w_sinv)
+        # (one compiled operator call where compiled_grads.usable says so)
+        grads = linear_backward(grad_output, saved, b.plan, b.bwd_meta, None, None, b.need,
+                                b.dtypes, b.input_shape)
         return (*grads, None, None, None, None, None, None)
-
-
-def _compiled_backward(grad_output, x_sinv, w_sinv, x_col, w_col, b: _Backward):
-    """(grad_input, grad_weight, grad_bias) through the compiled backward, each None where not
-    needed; None where linear_backward must compute them: no GEMM needed (the bias gradient
-    alone), a delayed grad_output history no step has written yet (first_step.py), a traced
-    or dispatch-mode backward, a grad_output of another tensor type."""
-    need_dgrad, need_wgrad, has_bias = b.need
-    plan = b.plan
-    history, scale, scale_inv = b.bwd_meta
-    current = plan.kind == "current"
-    if (not (need_dgrad or need_wgrad) or type(grad_output) is not torch.Tensor
-            or (not current and (first_step.has_empty(history)
-                                 or plan.algo not in fp8.COMPILED_ALGOS))
-            or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None):
-        return None
-    g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
-    ws = workspace_for(g)
-    in_dtype, w_dtype, b_dtype = b.dtypes
-    status, gi, gw, gb = _compiled.ops.linear_fp8_backward.default(
-        g, x_sinv, w_sinv, x_col, w_col, history, scale, scale_inv, _EMPTY if ws is None else ws,
-        current, dtype_code(plan.fwd_dtype), dtype_code(plan.bwd_dtype), plan.force_pow2_scales,
-        plan.amax_epsilon, algo_code(plan.algo) if not current else 0, plan.margin, need_dgrad,
-        need_wgrad, in_dtype, w_dtype, b_dtype, stream_of(g))
-    _compiled.raise_if_failed(status)
-    return (gi.view(b.input_shape) if need_dgrad else None, gw if need_wgrad else None,
-            gb if has_bias else None)
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)  # the workspace on the CPU (whose GEMM needs none)

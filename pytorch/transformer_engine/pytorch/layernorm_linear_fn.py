@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import ops
+from . import compiled_grads, ops
 from .first_step import step_scales
 from .linear_fn import backward_gemms, fp8_gemm, fp8_output, grad_to_fp8, update_backward
 from .quantization import Operand, Plan, quantize
@@ -123,20 +123,28 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
         d_ln = grad_weight = grad_bias = None
         dx = dgamma = dbeta = None
         history, scale, _ = ctx.bwd_meta
-        q_g, dbias = grad_to_fp8(plan, g, g, "identity", scale, 0, need_dgrad, need_wgrad,
-                                 has_bias, history)
-        if q_g is not None:
-            if plan.kind == "delayed":
-                update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
-            d_ln, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
-                                               in_col_sinv, x.dtype, w_dtype, need_dgrad,
-                                               need_wgrad)
-            del q_g  # the FP8 grad_output (both copies) goes before the norm's backward
+        saved = (in_col, in_col_sinv, w_col, w_col_sinv)
+        if (need_dgrad or need_wgrad) and compiled_grads.usable(
+                plan, ctx.recipe, history, g.shape[0], g, *saved):
+            # the cast of grad_output, the scale update and both GEMMs in one call
+            d_ln, grad_weight, grad_bias = compiled_grads.linear_grads(
+                g, None, "identity", saved, plan, ctx.bwd_meta, 0, True,
+                (need_dgrad, need_wgrad, has_bias), (x.dtype, w_dtype, b_dtype))
+        else:
+            q_g, dbias = grad_to_fp8(plan, g, g, "identity", scale, 0, need_dgrad, need_wgrad,
+                                     has_bias, history)
+            if q_g is not None:
+                if plan.kind == "delayed":
+                    update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
+                d_ln, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
+                                                   in_col_sinv, x.dtype, w_dtype, need_dgrad,
+                                                   need_wgrad)
+                del q_g  # the FP8 grad_output (both copies) goes before the norm's backward
+            if has_bias:
+                grad_bias = dbias.to(b_dtype)
         if need_dgrad:
             if grad_ln_out is not None:  # ln_out was returned and used: its gradient joins
                 d_ln = d_ln + grad_ln_out.reshape(d_ln.shape).to(d_ln.dtype)
             dx, dgamma, dbeta = norm_backward(cfg, d_ln, x, mu, rsigma, gamma, has_beta)
             dx = dx.view(ctx.input_shape)
-        if has_bias:
-            grad_bias = dbias.to(b_dtype)
         return (dx, dgamma, dbeta, grad_weight, grad_bias) + (None,) * 8

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from . import ops
+from . import compiled_grads, ops
 from .first_step import step_scales
 from .layernorm_linear_fn import norm_backward, norm_to_fp8
 from .linear_fn import backward_gemms, fp8_gemm, grad_to_fp8, update_backward
@@ -112,18 +112,29 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         # hold FC2's operands while FC1's gradient is made. The weights' FP8 copies go too
         # when they were made for this forward alone (not a cache's).
         free = may_release()
-        # FC2: its grad_output with its bias gradient in one pass (backward column 1)
-        q_g2, dbias2 = grad_to_fp8(plan, g, g, "identity", scale, 1, need_fc1, need_wgrad2,
-                                   has_b2, history)
-        # Whether an amax went into the backward history (delayed scaling only).
+        # FC2: its grad_output with its bias gradient in one pass (backward column 1), then
+        # its GEMMs: one compiled call where compiled_grads.usable says so. (FC1's backward
+        # stays in the steps below: they free FC1's output and its gradient as soon as the
+        # activation's backward has read them, which one call could not: its peak would be
+        # higher.) `recorded`: whether an amax went into the backward history (delayed only).
         delayed = plan.kind == "delayed"
-        recorded = delayed and q_g2 is not None
-        grad_act = None
-        if q_g2 is not None:
-            grad_act, grad_w2 = backward_gemms(plan, q_g2, w2_col, w2_col_sinv, a_col,
-                                               a_col_sinv, h.dtype, w2_dtype, need_fc1,
-                                               need_wgrad2)
-            del q_g2
+        grad_act = dbias2 = None
+        fc2 = (a_col, a_col_sinv, w2_col, w2_col_sinv)
+        if (need_fc1 or need_wgrad2) and compiled_grads.usable(plan, ctx.recipe, history,
+                                                               g.shape[0], g, *fc2):
+            grad_act, grad_w2, grad_b2 = compiled_grads.linear_grads(
+                g, None, "identity", fc2, plan, ctx.bwd_meta, 1, False,
+                (need_fc1, need_wgrad2, has_b2), (h.dtype, w2_dtype, b2_dtype))
+            recorded = delayed
+        else:
+            q_g2, dbias2 = grad_to_fp8(plan, g, g, "identity", scale, 1, need_fc1, need_wgrad2,
+                                       has_b2, history)
+            recorded = delayed and q_g2 is not None
+            if q_g2 is not None:
+                grad_act, grad_w2 = backward_gemms(plan, q_g2, w2_col, w2_col_sinv, a_col,
+                                                   a_col_sinv, h.dtype, w2_dtype, need_fc1,
+                                                   need_wgrad2)
+                del q_g2
         if free:
             release(a_col, w2_col if ctx.own_weights else None)
         if need_fc1:
@@ -147,7 +158,7 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
                 d_ln = d_ln + grad_ln_out.reshape(d_ln.shape).to(d_ln.dtype)
             dx, dgamma, dbeta = norm_backward(cfg, d_ln, x, mu, rsigma, gamma, has_beta)
             dx = dx.view(ctx.input_shape)
-        if has_b2:
+        if dbias2 is not None:
             grad_b2 = dbias2.to(b2_dtype)
         return (dx, dgamma, dbeta, grad_w1, grad_b1, None, None, None, None, grad_w2, grad_b2) \
             + (None,) * 8

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from transformer_engine.common.plan import GEMM_GRANULE
 
-from . import fp8, ops
+from . import compiled_grads, fp8, ops
 from .first_step import step_scales
 from .float8_tensor import Float8Tensor
 from .quantization import Operand, Plan, quantize, record_amax
@@ -209,6 +209,13 @@ def linear_backward(grad_output: torch.Tensor, saved, plan: Plan, bwd_meta: tupl
     g = g.contiguous()
     grad_input = grad_weight = grad_bias = None
     history, scale, _ = bwd_meta
+    if (need_dgrad or need_wgrad) and compiled_grads.usable(plan, recipe, history, g.shape[0],
+                                                            g, *saved):
+        grad_input, grad_weight, grad_bias = compiled_grads.linear_grads(
+            g, None, "identity", saved, plan, bwd_meta, 0, True, need, dtypes)
+        if grad_input is not None and len(input_shape) != 2:
+            grad_input = grad_input.view(input_shape)
+        return grad_input, grad_weight, grad_bias
     q_g, dbias = grad_to_fp8(plan, g, g, "identity", scale, 0, need_dgrad, need_wgrad,
                              has_bias, history)
     if q_g is not None:

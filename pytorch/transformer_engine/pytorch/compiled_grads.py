@@ -1,0 +1,94 @@
+"""The backward of an FP8 linear layer as one compiled operator call, in eager mode.
+
+The backward of every per-tensor FP8 linear layer is the same few steps: its grad_output
+(through an activation's derivative in LayerNormMLP's first GEMM) cast to FP8 with the bias
+gradient in the same pass, delayed scaling's scale update, the dgrad and wgrad GEMMs. In
+Python that is five to ten op calls, each with its wrapper's host time; here it is one call of
+``torch.ops.te_eager.linear_fp8_backward`` (``pytorch/csrc/eager_ops.cpp``, on the LibTorch
+stable ABI), which makes the same core calls with the same arguments, so the same bits
+(``tests/pytorch/test_compiled_grads.py``). te.Linear (both of its forward paths),
+LayerNormLinear and LayerNormMLP's second GEMM take it where ``usable`` says so, and their
+Python steps otherwise. (The operator can run LayerNormMLP's first GEMM too, through the
+activation's derivative, but the Python steps free FC1's output and its gradient as soon as
+the activation's backward has read them, which keeps that backward's peak memory lower than
+one call could.) ``enabled = False`` turns it off (for comparisons).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from transformer_engine.common.plan import GEMM_GRANULE
+
+from . import _compiled, first_step
+from .ops._backend import algo_code, dtype_code, stream_of, workspace_for
+from .quantization import Plan
+
+enabled = True
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_COMPILED_ALGOS = ("max", "most_recent")  # the core's own; a callable runs in torch ops
+_EMPTY = torch.empty(0, dtype=torch.uint8)  # an operand not needed, and the CPU workspace
+_ACT_CODES: dict[str, int] = {}
+
+
+def usable(plan: Plan, recipe: Any, history: torch.Tensor, tokens: int,
+           *tensors: Optional[torch.Tensor]) -> bool:
+    """Whether the backward under ``plan`` can run through the compiled operator: it is built
+    and on, per-tensor delayed scaling with the core's scale update (``recipe`` None: no user
+    callable, no amax group) and a grad_output history that some step has written (a first
+    step's rule is first_step.py's), or per-tensor current scaling; a token count the GEMMs
+    take unpadded (a multiple of 16; linear_fn pads other counts); eager (not traced, no
+    dispatch mode) with plain ``tensors`` (None where absent)."""
+    if _compiled.ops is None or not enabled or tokens % GEMM_GRANULE:
+        return False
+    if plan.kind == "delayed":
+        if (recipe is not None or plan.algo not in _COMPILED_ALGOS
+                or first_step.has_empty(history)):
+            return False
+    elif plan.kind != "current" or plan.grad_mode != "tensor" or plan.input_mode != "tensor":
+        return False
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+def _act_code(act: str) -> int:
+    code = _ACT_CODES.get(act)
+    if code is None:
+        from .ops._backend import core
+
+        code = _ACT_CODES[act] = int(getattr(core().Activation, act).value)
+    return code
+
+
+def linear_grads(g: torch.Tensor, h: Optional[torch.Tensor], act: str, saved: tuple,
+                 plan: Plan, bwd_meta: tuple, column: int, update: bool, need: tuple,
+                 dtypes: tuple) -> tuple:
+    """(grad_input [M, K], grad_weight [N, K], grad_bias [N]) of one FP8 linear layer, each
+    None where ``need`` = (dgrad, wgrad, bias) says so (dgrad or wgrad must be needed), for a
+    backward ``usable`` accepted.
+
+    ``g`` [M, N'] is the grad_output reaching the layer's activation ``act`` (``"identity"``:
+    none, ``h`` None), whose forward input was ``h`` [M, N]; ``saved`` = (column-wise input
+    [K, M], its scale_inv, column-wise weight [K, N], its scale_inv), None where the GEMM that
+    reads it is not needed; ``bwd_meta`` = (history, scale, scale_inv) of grad_output, whose
+    ``column`` this layer's amax goes into, updated (all columns) when ``update``;
+    ``dtypes`` = of grad_input, weight and bias."""
+    in_col, in_sinv, w_col, w_sinv = saved
+    need_dgrad, need_wgrad, has_bias = need
+    history, scale, scale_inv = bwd_meta
+    grad_dtype, w_dtype, b_dtype = dtypes
+    current = plan.kind == "current"
+    ws = workspace_for(g)
+    status, gi, gw, gb = _compiled.ops.linear_fp8_backward.default(
+        g, h, _act_code(act), in_sinv, w_sinv, _EMPTY if in_col is None else in_col,
+        _EMPTY if w_col is None else w_col, history, scale, scale_inv, column, update,
+        _EMPTY if ws is None else ws, current, dtype_code(plan.fwd_dtype),
+        dtype_code(plan.bwd_dtype), plan.force_pow2_scales, plan.amax_epsilon,
+        0 if current else algo_code(plan.algo), plan.margin, need_dgrad, need_wgrad,
+        grad_dtype, w_dtype, b_dtype if has_bias else None, stream_of(g))
+    _compiled.raise_if_failed(status)
+    return (gi if need_dgrad else None, gw if need_wgrad else None, gb if has_bias else None)
