@@ -80,3 +80,24 @@ def test_bad_arguments_name_the_quantizer_and_argument():
         Float8CurrentScalingQuantizer("float8_e4m3", "cpu", with_amax_reduction=True)
     with pytest.raises(ValueError, match="block_scaling_dim must be 1 or 2"):
         Float8BlockQuantizer("float8_e4m3", block_scaling_dim=3)
+
+
+def test_tex_dtype_names_the_formats():
+    """NVIDIA's programs import its extension as ``tex`` and pass ``tex.DType.kFloat8E4M3``:
+    the module exists with DType (the core's codes), and its FP8 members serve as fp8_dtype."""
+    import transformer_engine_torch as tex
+
+    from transformer_engine.pytorch.ops._backend import dtype_code
+
+    for member, ours in [(tex.DType.kFloat8E4M3, "float8_e4m3"),
+                         (tex.DType.kFloat8E5M2, "float8_e5m2"),
+                         (tex.DType.kBFloat16, "bfloat16"), (tex.DType.kFloat32, "float32")]:
+        assert int(member) == dtype_code(ours)
+    x = _x()
+    by_tex = Float8Quantizer(torch.full((1,), 8.0), torch.zeros(1), tex.DType.kFloat8E5M2)(x)
+    by_name = Float8Quantizer(torch.full((1,), 8.0), torch.zeros(1), "float8_e5m2")(x)
+    assert torch.equal(by_tex._data, by_name._data)
+    with pytest.raises(TypeError, match="tex.DType.kFloat8E4M3"):
+        Float8Quantizer(torch.ones(1), torch.zeros(1), tex.DType.kBFloat16)
+    with pytest.raises(AttributeError, match="gives only DType"):
+        tex.quantize  # noqa: B018 (NVIDIA's internals are not reproduced)

@@ -34,8 +34,11 @@ def _fp8_name(owner: str, fp8_dtype) -> str:
     name = getattr(fp8_dtype, "name", None)  # recipe.Format.E4M3 / E5M2
     if name in ("E4M3", "E5M2"):
         return f"float8_{name.lower()}"
-    raise TypeError(f"{owner}: fp8_dtype must be one of {FP8_DTYPES}, a torch float8 dtype or "
-                    f"recipe.Format.E4M3 / E5M2, got {fp8_dtype!r}")
+    if name in ("kFloat8E4M3", "kFloat8E5M2"):  # NVIDIA's tex.DType (transformer_engine_torch)
+        return f"float8_{name[-4:].lower()}"
+    raise TypeError(f"{owner}: fp8_dtype must be one of {FP8_DTYPES}, a torch float8 dtype, "
+                    f"recipe.Format.E4M3 / E5M2 or tex.DType.kFloat8E4M3 / kFloat8E5M2, got "
+                    f"{fp8_dtype!r}")
 
 
 def _matrix(owner: str, x: torch.Tensor) -> torch.Tensor:
