@@ -15,7 +15,7 @@ statistics (for the norm backward) and the FP8 column-wise ln_out (for wgrad).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -70,6 +70,19 @@ def norm_backward(cfg: NormConfig, d_ln: torch.Tensor, x, mu, rsigma, gamma, has
     return dx, dgamma, dbeta if has_beta else None
 
 
+class NormLinearConsts(NamedTuple):
+    """The non-tensor arguments of Fp8LayerNormLinearFunction (one argument: each costs host
+    time)."""
+
+    plan: Plan
+    recipe: Any  # the recipe when the backward update takes the general path, else None
+    group: Any  # the amax reduction group, or None
+    cfg: NormConfig
+    need_dgrad: bool
+    need_wgrad: bool
+    out_meta: Optional[tuple]  # None: a high-precision output; else what fp8_output needs
+
+
 class Fp8LayerNormLinearFunction(torch.autograd.Function):
     """``norm(input) @ weight^T + bias`` with FP8 GEMMs (see the module docstring).
 
@@ -87,7 +100,7 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, gamma, beta, weight, bias, w_data, w_scale_inv, w_col, w_col_scale_inv,
-                history_fwd, scale_fwd, bwd_meta: tuple, consts: tuple):
+                history_fwd, scale_fwd, bwd_meta: tuple, consts: NormLinearConsts):
         plan, recipe, group, cfg, need_dgrad, need_wgrad, out_meta = consts
         k = inp.shape[-1]
         x = inp.reshape(-1, k)

@@ -19,13 +19,13 @@ State columns (base.py): FC1 is GEMM 0, FC2 is GEMM 1.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from . import compiled_grads, ops
 from .first_step import step_scales
-from .layernorm_linear_fn import norm_backward, norm_to_fp8
+from .layernorm_linear_fn import NormConfig, norm_backward, norm_to_fp8
 from .linear_fn import backward_gemms, fp8_gemm, grad_to_fp8, update_backward
 from .quantization import Operand, Plan, quantize
 from .release import may_release, release
@@ -43,6 +43,19 @@ def act_to_fp8(plan: Plan, h: torch.Tensor, act: str, scale: torch.Tensor, colum
                                                         columnwise, history, column)
         return Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode)
     return quantize(plan, "input", ops.activation_forward(h, act), True, columnwise)
+
+
+class MlpConsts(NamedTuple):
+    """The non-tensor arguments of Fp8LayerNormMLPFunction (one argument: each costs host
+    time)."""
+
+    plan: Plan
+    recipe: Any  # the recipe when the backward update takes the general path, else None
+    group: Any  # the amax reduction group, or None
+    cfg: NormConfig
+    act: str
+    need: tuple  # (dgrad, FC1's wgrad, FC2's wgrad, FC1's backward at all)
+    own_weights: bool  # the weights' FP8 copies were made for this forward alone
 
 
 class Fp8LayerNormMLPFunction(torch.autograd.Function):
@@ -64,7 +77,7 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, gamma, beta, w1, b1, w1_data, w1_sinv, w1_col, w1_col_sinv, w2, b2,
                 w2_data, w2_sinv, w2_col, w2_col_sinv, history_fwd, scale_fwd, bwd_meta: tuple,
-                consts: tuple):
+                consts: MlpConsts):
         plan, recipe, group, cfg, act, need, own_weights = consts
         need_dgrad, need_wgrad1, need_wgrad2, _ = need
         x = inp.reshape(-1, inp.shape[-1])

@@ -17,7 +17,7 @@ boundary in high precision.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +138,17 @@ def takes_fp8_input(inp: torch.Tensor, plan: Plan) -> bool:
             and plan.input_mode == "tensor" and inp._fp8_dtype == plan.fwd_dtype)
 
 
+class LinearConsts(NamedTuple):
+    """The non-tensor arguments of Fp8LinearFunction (one argument: each costs host time)."""
+
+    plan: Plan
+    recipe: Any  # the recipe when the backward update takes the general path, else None
+    group: Any  # the amax reduction group, or None
+    need_dgrad: bool
+    need_wgrad: bool
+    out_meta: Optional[tuple]  # None: a high-precision output; else what fp8_output needs
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     """``output = input @ weight^T + bias`` with FP8 operands (see the module docstring).
 
@@ -155,7 +166,7 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, weight, bias, w_data, w_scale_inv, w_col, w_col_scale_inv,
-                history_fwd, scale_fwd, bwd_meta: tuple, cfg: tuple):
+                history_fwd, scale_fwd, bwd_meta: tuple, cfg: LinearConsts):
         plan, recipe, group, need_dgrad, need_wgrad, out_meta = cfg
         if isinstance(inp, Float8Tensor):
             q_in = fp8_input_operand(inp, need_wgrad)

@@ -15,7 +15,7 @@ from transformer_engine.common.recipe import Recipe
 
 from .. import distributed, fp8, ops
 from ..float8_tensor import Float8Tensor
-from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig
+from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig, NormLinearConsts
 from ..quantization import kind_of, record_amax
 from ._checks import check_device, check_params_dtype, check_sizes
 from .base import with_leading_dims
@@ -269,7 +269,8 @@ class LayerNormLinear(_LinearBase):
         col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
         bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
         out_meta = self._output_meta(plan) if fp8_output else None
-        consts = (plan, bwd_recipe, group, self.cfg, need_dgrad, need_wgrad, out_meta)
+        consts = NormLinearConsts(plan, bwd_recipe, group, self.cfg, need_dgrad, need_wgrad,
+                                  out_meta)
         return with_leading_dims(Fp8LayerNormLinearFunction.apply(
             inp, gamma, beta, weight, bias, w.data, w.scale_inv, w.columnwise, col_sinv,
             history, scales, bwd_meta, consts), inp)

@@ -16,7 +16,7 @@ from transformer_engine.common.recipe import Recipe
 
 from .. import distributed, fp8, ops
 from ..float8_tensor import Float8Tensor
-from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction
+from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction, MlpConsts
 from ..ops.activation import GATED
 from ..quantization import kind_of, record_amax
 from ._checks import check_params_dtype, check_sizes
@@ -318,7 +318,7 @@ class LayerNormMLP(FP8Module):
         # Copies quantized for this forward alone: the backward may free them once read.
         own_weights = is_first_microbatch is None and not isinstance(w1, Float8Tensor) \
             and not isinstance(w2, Float8Tensor)
-        consts = (plan, bwd_recipe, group, self.cfg, self.activation, need, own_weights)
+        consts = MlpConsts(plan, bwd_recipe, group, self.cfg, self.activation, need, own_weights)
         return with_leading_dims(Fp8LayerNormMLPFunction.apply(
             inp, gamma, beta, w1, b1, q1.data, q1.scale_inv, q1.columnwise,
             None if per_tensor else q1.columnwise_scale_inv, w2, fc2_bias, q2.data,

@@ -13,7 +13,7 @@ from transformer_engine.common.recipe import Recipe
 
 from .. import distributed, fast_linear, fp8, ops
 from ..float8_tensor import Float8Tensor, to_high_precision
-from ..linear_fn import Fp8LinearFunction, takes_fp8_input
+from ..linear_fn import Fp8LinearFunction, LinearConsts, takes_fp8_input
 from ..quantization import kind_of, plan_of, record_amax
 from ._checks import check_device, check_float_input, check_params_dtype, check_sizes
 from ._split_rows import join_rows, pack_rows
@@ -380,7 +380,7 @@ class Linear(_LinearBase):
         # torch.compile takes no tensor twice, so the column-wise one goes as None.
         col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
         out_meta = self._output_meta(plan) if fp8_output else None
-        cfg = (plan, bwd_recipe, group, need_dgrad, need_wgrad, out_meta)
+        cfg = LinearConsts(plan, bwd_recipe, group, need_dgrad, need_wgrad, out_meta)
         return with_leading_dims(
             Fp8LinearFunction.apply(inp, weight, bias, w.data, w.scale_inv, w.columnwise,
                                     col_sinv, history, scales, bwd_meta, cfg), inp)
