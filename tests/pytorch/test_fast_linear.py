@@ -146,13 +146,31 @@ def test_same_bits_as_python_path_current_scaling(device, spy, backward_spy, nam
     _assert_same_bits(_train(device, True, **case), _train(device, False, **case))
 
 
-def test_no_grad_forward(device, spy):
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_no_grad_forward(device, spy, monkeypatch, recipe_name):
+    """Without gradients (torch.no_grad, or nothing that requires one) the operator is called
+    without the autograd function, and gives the bits of a forward that has one."""
+    r = (recipe.DelayedScaling() if recipe_name == "delayed"
+         else recipe.Float8CurrentScaling())
     m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
     x = torch.randn(16, 64, device=device, dtype=torch.bfloat16)
-    with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+    with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):
         m(x)  # the first step
+    with te.fp8_autocast(fp8_recipe=r):
+        want = m(x).detach()  # through the autograd function (the weight requires grad)
+
+    def refused(*args):
+        raise AssertionError("the autograd function was applied without gradients")
+
+    monkeypatch.setattr(fast_linear._Fp8Linear, "apply", refused)
+    calls = len(spy)
+    with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):
         y = m(x)
-    assert len(spy) == 1 and y.grad_fn is None and y.shape == (16, 32)
+    m.requires_grad_(False)
+    with te.fp8_autocast(fp8_recipe=r):
+        z = m(x)
+    assert len(spy) == calls + 2 and y.grad_fn is None and z.grad_fn is None
+    assert torch.equal(y, want) and torch.equal(z, want)
 
 
 def _forward(m, x, r, **kwargs):

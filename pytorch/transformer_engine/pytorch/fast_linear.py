@@ -120,6 +120,18 @@ class _Backward(NamedTuple):
     input_shape: torch.Size
 
 
+def _forward(inp, weight, bias, scales, history, codes: Codes, need_dgrad: bool,
+             need_wgrad: bool) -> list:
+    """The compiled operator's call: [output, input scale_inv, weight scale_inv, column-wise
+    input, column-wise weight]."""
+    ws = workspace_for(inp)
+    status, *outs = _compiled.ops.linear_fp8_forward.default(
+        inp, weight, bias, scales, history, _EMPTY if ws is None else ws, codes.current,
+        codes.fp8_dtype, codes.pow2, codes.epsilon, need_dgrad, need_wgrad, stream_of(inp))
+    _compiled.raise_if_failed(status)
+    return outs
+
+
 class _Fp8Linear(torch.autograd.Function):
     """``inp @ weight^T (+ bias)`` through the compiled forward, saving the FP8 column-wise
     input and weight (what Fp8LinearFunction saves) for linear_backward."""
@@ -127,11 +139,8 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, scales, history, codes: Codes, bwd_meta: tuple,
                 need_dgrad: bool, need_wgrad: bool):
-        ws = workspace_for(inp)
-        status, out, x_sinv, w_sinv, x_col, w_col = _compiled.ops.linear_fp8_forward.default(
-            inp, weight, bias, scales, history, _EMPTY if ws is None else ws, codes.current,
-            codes.fp8_dtype, codes.pow2, codes.epsilon, need_dgrad, need_wgrad, stream_of(inp))
-        _compiled.raise_if_failed(status)
+        out, x_sinv, w_sinv, x_col, w_col = _forward(inp, weight, bias, scales, history, codes,
+                                                     need_dgrad, need_wgrad)
         ctx.save_for_backward(x_sinv, w_sinv, x_col, w_col)
         ctx.info = _Backward(codes.plan, bwd_meta, (need_dgrad, need_wgrad, bias is not None),
                              (inp.dtype, weight.dtype, None if bias is None else bias.dtype),
@@ -212,10 +221,15 @@ def run(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         codes: Codes) -> Optional[torch.Tensor]:
     """The compiled forward, or None where ``takes`` declines the input. Whether the backward
     needs dgrad and wgrad is read here, outside the autograd function (whose forward runs with
-    grad mode off)."""
+    grad mode off); where no gradient is needed at all (inference, evaluation) the operator is
+    called without the autograd function, whose host time would buy nothing."""
     if not takes(inp, weight, bias):
         return None
     grad = torch.is_grad_enabled()
-    return _Fp8Linear.apply(inp.contiguous(), weight.contiguous(),
-                            None if bias is None else bias.contiguous(), scales, history, codes,
-                            bwd_meta, grad and inp.requires_grad, grad and weight.requires_grad)
+    need_dgrad, need_wgrad = grad and inp.requires_grad, grad and weight.requires_grad
+    inp, weight = inp.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    if not (need_dgrad or need_wgrad or (grad and bias is not None and bias.requires_grad)):
+        return _forward(inp, weight, bias, scales, history, codes, False, False)[0]
+    return _Fp8Linear.apply(inp, weight, bias, scales, history, codes, bwd_meta, need_dgrad,
+                            need_wgrad)
