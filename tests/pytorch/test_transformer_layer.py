@@ -648,7 +648,7 @@ def test_bad_forward_arguments_are_refused():
     layer = _layer(layer_type="decoder")
     with pytest.raises(ValueError, match="encoder_output"):
         layer(_data())
-    with pytest.raises(NotImplementedError, match="ALiBi"):
+    with pytest.raises(ValueError, match="'alibi' needs alibi_slopes"):
         _layer()(_data(), core_attention_bias_type="alibi")
     with pytest.raises(ValueError, match="hidden_size"):
         _layer()(torch.randn(B, S, HIDDEN + 1))

@@ -19,7 +19,7 @@ import torch
 
 from transformer_engine.common.plan import FP8_MAX
 
-from . import ops
+from . import attention_bias, ops
 from .float8_tensor import Float8Tensor
 from .linear_fn import update_backward
 from .quantization import Plan, record_amax
@@ -329,10 +329,12 @@ def _pad_thd(x: torch.Tensor, cu: torch.Tensor, seqlen: int):
 
 def unfused_attention(q, k, v, layout: str, mask: str, window: tuple[int, int],
                       softmax_scale: float, dropout: float, cu_q, cu_kv, max_seqlen_q: int,
-                      max_seqlen_kv: int, attention_mask: Optional[torch.Tensor] = None):
+                      max_seqlen_kv: int, attention_mask: Optional[torch.Tensor] = None,
+                      bias: Optional[attention_bias.Bias] = None):
     """o = attention(q, k, v) as matmul -> scaled masked softmax -> dropout -> matmul, in q's
     layout and dtype. attention_mask (bool, True = masked, [b or 1, h or 1, sq, skv]) is the
-    mask itself for the "arbitrary" mask type."""
+    mask itself for the "arbitrary" mask type. ``bias`` is added to the scores (in fp32) before
+    or after the scale, as attention_bias.py says."""
     if layout == "thd":
         qh, q_index, q_valid = _pad_thd(q, cu_q, max_seqlen_q)
         kh, _, _ = _pad_thd(k, cu_kv, max_seqlen_kv)
@@ -359,7 +361,12 @@ def unfused_attention(q, k, v, layout: str, mask: str, window: tuple[int, int],
         lq = _lengths(cu_q if padding else None, batch, sq, q.device)
         lk = _lengths(cu_kv if padding else None, batch, skv, q.device)
         kind, m = _softmax_mask(mask, window, lq, lk, sq, skv, padding, q.device)
-    p = _ScaledSoftmax.apply(scores.contiguous(), m.contiguous(), kind, softmax_scale)
+    scale = softmax_scale
+    if bias is not None:
+        scores, scale = attention_bias.add(scores, bias, softmax_scale)
+    p = _ScaledSoftmax.apply(scores.contiguous(), m.contiguous(), kind, scale)
+    if p.dtype != vh.dtype:  # (fp32 scores of a bias)
+        p = p.to(vh.dtype)
     if dropout > 0.0:
         p = torch.nn.functional.dropout(p, dropout, training=True)
     o = torch.matmul(p, vh)  # [b, h, sq, dv]

@@ -26,8 +26,8 @@ import torch
 
 from transformer_engine.common.recipe import Format, Recipe
 
+from .. import attention_bias, ops
 from .. import fp8 as _fp8
-from .. import ops
 from ..attention_fn import fused_attention, fused_attention_fp8, unfused_attention
 from ..checkpoint import checkpoint
 from ..float8_tensor import Float8Tensor, to_high_precision
@@ -380,15 +380,22 @@ class DotProductAttention(FP8Module):
         ``checkpoint_core_attention``: recompute attention in the backward (te.checkpoint)
         instead of keeping its activations; inside a checkpoint of an enclosing block it is
         recomputed already. ``fast_zero_fill`` is accepted (padded rows are always zeros).
-        Attention biases, ALiBi, padded packed sequences, ``inference_params`` (use
-        te.MultiheadAttention's) and ``fp8_output`` outside ``fp8_mha`` are not implemented:
-        they raise."""
+        ``core_attention_bias_type`` with ``core_attention_bias`` or ``alibi_slopes``: an
+        additive bias (attention_bias.py) on the unfused path, in high precision. Padded packed
+        sequences, ``inference_params`` (use te.MultiheadAttention's) and ``fp8_output``
+        outside ``fp8_mha`` are not implemented: they raise."""
         query = _one_of("query_layer", query_layer, "query", query)
         key = _one_of("key_layer", key_layer, "key", key)
         value = _one_of("value_layer", value_layer, "value", value)
-        refuse_forward_args("DotProductAttention", core_attention_bias_type,
-                            core_attention_bias, alibi_slopes, pad_between_seqs,
-                            cu_seqlens_q_padded, cu_seqlens_kv_padded)
+        refuse_forward_args("DotProductAttention", pad_between_seqs, cu_seqlens_q_padded,
+                            cu_seqlens_kv_padded)
+        bias = None
+        if attention_bias.check_type("DotProductAttention", core_attention_bias_type,
+                                     core_attention_bias, alibi_slopes):
+            bias = (core_attention_bias_type, core_attention_bias, alibi_slopes)
+            if self._cp is not None:
+                raise NotImplementedError("DotProductAttention: an attention bias with "
+                                          "context parallelism is not implemented")
         if inference_params is not None:
             raise NotImplementedError("DotProductAttention: inference_params is not "
                                       "implemented here (only None); te.MultiheadAttention "
@@ -401,7 +408,8 @@ class DotProductAttention(FP8Module):
                                           "fp8_dpa=True and fp8_mha=True (the output is FP8 "
                                           "there anyway); got it outside one")
         args = (query, key, value, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
-                max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size, attention_backend)
+                max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size, attention_backend,
+                bias)
         recompute = _fp8.RECOMPUTE
         attend = self._attend if self._cp is None else self._attend_context_parallel
         # Inside a checkpoint of an enclosing block attention is recomputed already (and
@@ -413,7 +421,7 @@ class DotProductAttention(FP8Module):
 
     def _attend_context_parallel(self, query, key, value, attention_mask, qkv_format,
                                  cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                                 attn_mask_type, window_size, attention_backend):
+                                 attn_mask_type, window_size, attention_backend, bias=None):
         """This rank's rows of attention over the sequence split across the group."""
         from ..context_parallel import attend
 
@@ -434,7 +442,7 @@ class DotProductAttention(FP8Module):
 
     def _attend(self, query, key, value, attention_mask, qkv_format, cu_seqlens_q,
                 cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
-                attention_backend):
+                attention_backend, bias=None):
         layout = qkv_format or self.qkv_format
         mask = attn_mask_type or self.attn_mask_type
         asked = attention_backend or self.attention_backend or _env_backend()
@@ -468,6 +476,9 @@ class DotProductAttention(FP8Module):
             raise ValueError("DotProductAttention: qkv_format 'thd' needs max_seqlen_q and "
                              "max_seqlen_kv (the longest sequence of each)")
         dropout = self.attention_dropout if self.training else 0.0
+        if bias is not None:
+            return self._attend_with_bias(query, key, value, attention_mask, layout, mask,
+                                          window, dropout, asked, bias)
         recipe = self._fp8_recipe_of_call(query, key, value)
         if recipe is None or not all(_takes_fp8(t) for t in (query, key, value)):
             # FP8 inputs go as they are only into FP8 attention and only as E4M3 per tensor
@@ -499,6 +510,33 @@ class DotProductAttention(FP8Module):
                             cu_seqlens_kv, max_seqlen_q or 0, max_seqlen_kv or 0, name, recipe)
             if isinstance(o, Float8Tensor):  # fp8_mha: flattened over the heads already
                 return o
+        return o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
+
+    def _attend_with_bias(self, query, key, value, attention_mask, layout: str, mask: str,
+                          window, dropout: float, asked: Optional[str], bias: tuple):
+        """Attention with an additive bias (attention_bias.py): on the unfused path, the only
+        one that takes a bias, in high precision."""
+        op = "DotProductAttention"
+        if asked not in (None, "auto", "unfused"):
+            raise NotImplementedError(f"{op}: an attention bias runs on the unfused path only "
+                                      f"(the fused attention takes none), but attention_backend "
+                                      f"{asked!r} was asked for")
+        state = STATE
+        if state.enabled and _runs_fp8(state.recipe) and state.recipe.fp8_dpa:
+            raise NotImplementedError(f"{op}: FP8 attention (fp8_dpa=True) with an attention "
+                                      "bias is not implemented: the FP8 attention takes no "
+                                      "bias; run it with fp8_dpa=False")
+        if layout == "thd" or mask.startswith("padding"):
+            raise NotImplementedError(f"{op}: an attention bias with padded or packed "
+                                      f"sequences (qkv_format {layout!r}, attn_mask_type "
+                                      f"{mask!r}) is not implemented")
+        query, key, value = (to_high_precision(t) for t in (query, key, value))
+        seq = 0 if layout == "sbhd" else 1
+        batch = query.shape[1 - seq]
+        resolved = attention_bias.resolve(op, *bias, batch, self.num_attention_heads,
+                                          query.shape[seq], key.shape[seq], mask, query)
+        o = unfused_attention(query, key, value, layout, mask, window, self.softmax_scale,
+                              dropout, None, None, 0, 0, attention_mask, resolved)
         return o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
 
     def _fp8_recipe_of_call(self, q, k, v) -> Optional[Recipe]:
@@ -566,31 +604,12 @@ def _one_of(name: str, value, old_name: str, old_value):
     return value
 
 
-BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
-
-
-def refuse_forward_args(op: str, bias_type, bias, alibi_slopes, pad_between_seqs,
-                        cu_q_padded, cu_kv_padded) -> None:
-    """Raises for the first of NVIDIA's attention arguments given a value not implemented
-    here: the core attention has no additive bias (attention.h), nor offsets of padded packed
-    sequences. Returns at once where every one holds its default (every forward calls it)."""
-    if (bias_type == "no_bias" and bias is None and alibi_slopes is None
-            and not pad_between_seqs and cu_q_padded is None and cu_kv_padded is None):
+def refuse_forward_args(op: str, pad_between_seqs, cu_q_padded, cu_kv_padded) -> None:
+    """Raises for NVIDIA's arguments of padded packed sequences given a value: the core has no
+    offsets of padding between packed sequences. Returns at once where each holds its default
+    (every forward calls it)."""
+    if not pad_between_seqs and cu_q_padded is None and cu_kv_padded is None:
         return
-    if bias_type not in BIAS_TYPES:
-        raise ValueError(f"{op}: core_attention_bias_type must be one of {BIAS_TYPES}, got "
-                         f"{bias_type!r}")
-    if bias_type != "no_bias":
-        raise NotImplementedError(f"{op}: core_attention_bias_type={bias_type!r} is not "
-                                  "implemented (the core attention takes no additive bias "
-                                  "and has no ALiBi); only 'no_bias' is supported")
-    if bias is not None:
-        raise NotImplementedError(f"{op}: core_attention_bias is not implemented (the core "
-                                  "attention takes no bias); only None is supported, got a "
-                                  f"{type(bias).__name__}")
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"{op}: alibi_slopes (ALiBi) is not implemented; only None "
-                                  f"is supported, got a {type(alibi_slopes).__name__}")
     for name, value in (("pad_between_seqs", pad_between_seqs),
                         ("cu_seqlens_q_padded", cu_q_padded),
                         ("cu_seqlens_kv_padded", cu_kv_padded)):

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .. import distributed, fp8
+from .. import attention_bias, distributed, fp8
 from ..checkpoint import checkpoint
 from ..float8_tensor import to_high_precision
 from ..rope import apply_rotary_pos_emb
@@ -259,6 +259,17 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
         hpg = self.num_attention_heads // self.num_gqa_groups
         self._parts = (hpg, 1, 1) if attention_type == "self" else (hpg,)
 
+    def _check_bias(self, cache, fp8_mha: bool) -> None:
+        """An attention bias goes to DotProductAttention's unfused path; refused where this
+        module would attend otherwise."""
+        where = ("a KV cache (inference_params)" if cache is not None
+                 else "tensor parallelism (the bias would be the whole block's heads)"
+                 if self._local_groups != self.num_gqa_groups
+                 else "FP8 attention (fp8_mha)" if fp8_mha else None)
+        if where is not None:
+            raise NotImplementedError(f"te.MultiheadAttention: an attention bias with {where} "
+                                      "is not implemented")
+
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, encoder_output=None,
                 attn_mask_type: Optional[str] = None, window_size=None,
                 is_first_microbatch: Optional[bool] = None,
@@ -288,9 +299,10 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
                      self.proj._parameters["weight"])
         if self.attention_type == "cross" and encoder_output is None:
             raise ValueError("te.MultiheadAttention: cross attention needs encoder_output")
-        refuse_forward_args("te.MultiheadAttention", core_attention_bias_type,
-                            core_attention_bias, alibi_slopes, pad_between_seqs,
-                            cu_seqlens_q_padded, cu_seqlens_kv_padded)
+        refuse_forward_args("te.MultiheadAttention", pad_between_seqs, cu_seqlens_q_padded,
+                            cu_seqlens_kv_padded)
+        biased = attention_bias.check_type("te.MultiheadAttention", core_attention_bias_type,
+                                           core_attention_bias, alibi_slopes)
         mask = attn_mask_type or self.attn_mask_type
         window = window_size if window_size is not None else self.window_size
         cache = inference_params if self.attention_type == "self" else None
@@ -330,6 +342,10 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
         attend = dict(attention_mask=attention_mask, attn_mask_type=mask, window_size=window,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                       max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+        if biased:
+            self._check_bias(cache, fp8_mha)
+            attend.update(core_attention_bias_type=core_attention_bias_type,
+                          core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes)
         if cache is not None:
             q, k, v, layout = self._cached(cache, q, k, v, mask, attend)
         recompute = fp8.RECOMPUTE
