@@ -36,46 +36,49 @@ def _alibi(slopes, sq, skv, bottom_right: bool):
     return -slopes.double().reshape(-1, H, 1, 1) * distance
 
 
-def _qkv(dtype=torch.float32, sq=SQ, skv=SKV):
+def _qkv(dtype=torch.float32, sq=SQ, skv=SKV, device="cpu"):
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(B, s, H, D, generator=g).to(dtype).requires_grad_(True)
+    return [torch.randn(B, s, H, D, generator=g).to(device, dtype).requires_grad_(True)
             for s in (sq, skv, skv)]
 
 
-def _dpa(mask="no_mask", layout="bshd"):
+def _dpa(mask="no_mask", layout="bshd", device="cpu"):
     return te.DotProductAttention(H, D, attention_dropout=0.0, qkv_format=layout,
-                                  attn_mask_type=mask)
+                                  attn_mask_type=mask, device=device)
 
 
 @pytest.mark.parametrize("bias_type", ["post_scale_bias", "pre_scale_bias"])
 @pytest.mark.parametrize("shape", [(B, H), (1, H), (B, 1), (1, 1)], ids=str)
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])
-def test_bias_equals_the_reference_with_gradients(bias_type, shape, mask):
-    q, k, v = _qkv()
+def test_bias_equals_the_reference_with_gradients(device, bias_type, shape, mask):
+    q, k, v = _qkv(device=device)
     bias = (torch.randn(*shape, SQ, SKV, generator=torch.Generator().manual_seed(1)) * 2
-            ).requires_grad_(True)
-    out = _dpa(mask)(q, k, v, core_attention_bias_type=bias_type, core_attention_bias=bias)
-    qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    br = bias.detach().clone().requires_grad_(True)
+            ).to(device).requires_grad_(True)
+    out = _dpa(mask, device=device)(q, k, v, core_attention_bias_type=bias_type,
+                                    core_attention_bias=bias)
+    qr, kr, vr = (t.detach().cpu().requires_grad_(True) for t in (q, k, v))
+    br = bias.detach().cpu().requires_grad_(True)
     ref = _reference(qr, kr, vr, br, bias_type == "pre_scale_bias", mask == "causal")
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(out)
     out.backward(g)
-    ref.backward(g.double())
+    ref.backward(g.double().cpu())
     for ours, want in zip((q, k, v, bias), (qr, kr, vr, br), strict=True):
-        torch.testing.assert_close(ours.grad.double(), want.grad.double(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ours.grad.double().cpu(), want.grad.double(), rtol=1e-4,
+                                   atol=1e-5)
 
 
 @pytest.mark.parametrize("slopes_shape", [(H,), (B, H)], ids=["h", "bh"])
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])
-def test_alibi_equals_the_reference(slopes_shape, mask):
-    q, k, v = _qkv()
+def test_alibi_equals_the_reference(device, slopes_shape, mask):
+    q, k, v = _qkv(device=device)
     slopes = torch.rand(*slopes_shape, generator=torch.Generator().manual_seed(2))
-    out = _dpa(mask)(q, k, v, core_attention_bias_type="alibi", alibi_slopes=slopes)
+    out = _dpa(mask, device=device)(q, k, v, core_attention_bias_type="alibi",
+                                    alibi_slopes=slopes.to(device))
     # NVIDIA's alignment: top-left under the top-left causal mask, else bottom-right
-    ref = _reference(q, k, v, _alibi(slopes, SQ, SKV, mask != "causal"), False,
-                     mask == "causal")
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    ref = _reference(*(t.detach().cpu() for t in (q, k, v)),
+                     _alibi(slopes, SQ, SKV, mask != "causal"), False, mask == "causal")
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_sbhd_and_bf16():
