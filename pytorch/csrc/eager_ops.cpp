@@ -1,9 +1,10 @@
-// The torch operators of te.Linear's eager FP8 fast path, on the LibTorch stable ABI.
+// The torch operators of the eager FP8 fast paths, on the LibTorch stable ABI.
 //
-// Why compiled code: a small layer's forward is bound by host time, and in Python that time is
+// Why compiled code: a small layer's step is bound by host time, and in Python that time is
 // spent around the kernels, not in them (benchmarks/results/host_probes.md). Here te.Linear's
-// FP8 forward (both casts and the GEMM) and delayed scaling's scale update are each one call
-// into the core's C API, with outputs from torch's allocator.
+// FP8 forward (both casts and the GEMM), the backward of any per-tensor FP8 linear layer (the
+// grad_output cast, the scale update, both GEMMs) and delayed scaling's scale update are each
+// one call into the core's C API, with outputs from torch's allocator.
 //
 // Why the stable ABI: this file includes only torch/csrc/stable and torch/headeronly, and is
 // compiled with TORCH_TARGET_VERSION set to the oldest supported torch release (setup.py), so
@@ -12,8 +13,8 @@
 //
 // te_eager::linear_fp8_forward computes what linear_fn.Fp8LinearFunction's forward computes
 // under per-tensor delayed or current scaling (the same core calls with the same arguments, so
-// the same bits) for the inputs fast_linear.takes accepts; it checks them again here and raises
-// (never writes) on anything else.
+// the same bits) for the inputs fast_linear.takes accepts; it checks them again here and fails
+// (never writes) on anything else. Failures come back as a status (see `caught` below).
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -22,8 +23,8 @@
 #include <deque>
 #include <optional>
 #include <stdexcept>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 #include <tuple>
 #include <vector>
 
@@ -307,7 +308,8 @@ constexpr const char *kLinearBackward = "te_eager.linear_fp8_backward";
 
 // The backward of one FP8 linear layer (linear_fn: grad_to_fp8, the scale update and
 // backward_gemms, with the same core calls and arguments, so the same bits), for te.Linear,
-// LayerNormLinear and both GEMMs of LayerNormMLP.
+// LayerNormLinear and LayerNormMLP's second GEMM (compiled_grads.py; its first GEMM, through
+// the activation's derivative, is tested against the same steps but not sent here).
 //
 // The layer's grad_output G [M, N] is act'(H) * grad_output, with `act` a te_activation code and
 // H = act_input [M, N] (absent for identity: G is grad_output itself; a gated act's
