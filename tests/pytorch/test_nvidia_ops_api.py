@@ -70,6 +70,53 @@ def test_sequence_trains_in_fp8_and_names_its_parameters():
     assert rel < 0.1, rel
 
 
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("fp8_recipe", [recipe.DelayedScaling(amax_history_len=4),
+                                        recipe.Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_sequential_fuses_a_norm_and_the_linear_after_it(norm, fp8_recipe, bias):
+    """te.ops.Sequential(norm, Linear) in FP8 is te.LayerNormLinear with the same parameters:
+    the same bits, step after step (outputs, gradients, FP8 state), and the forward of neither
+    module runs on its own."""
+    torch.manual_seed(0)
+    ops_norm = getattr(te.ops, norm)(64, device="cpu", zero_centered_gamma=True)
+    linear = (te.ops.Linear(64, 48, device="cpu") if bias
+              else te.ops.BasicLinear(64, 48, device="cpu"))
+    model = te.ops.Sequential(ops_norm, linear)
+    fused = te.LayerNormLinear(64, 48, bias=bias, normalization=norm, zero_centered_gamma=True,
+                               device="cpu")
+    with torch.no_grad():
+        ops_norm.weight.normal_()
+        fused.layer_norm_weight.copy_(ops_norm.weight)
+        if norm == "LayerNorm":
+            ops_norm.bias.normal_()
+            fused.layer_norm_bias.copy_(ops_norm.bias)
+        fused.weight.copy_(linear.weight)
+        if bias:
+            linear.bias.normal_()
+            fused.bias.copy_(linear.bias)
+    ops_norm.forward = linear.forward = None  # (the fused pair calls neither)
+    for step in range(3):
+        x = torch.randn(2, 16, 64) * (step + 1)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        with te.fp8_autocast(fp8_recipe=fp8_recipe):
+            ya, yb = model(xa), fused(xb)
+        assert torch.equal(ya, yb)
+        g = torch.randn_like(ya)
+        ya.backward(g)
+        yb.backward(g)
+        assert torch.equal(xa.grad, xb.grad)
+    assert torch.equal(ops_norm.weight.grad, fused.layer_norm_weight.grad)
+    assert torch.equal(linear.weight.grad, fused.weight.grad)
+    if bias:
+        assert torch.equal(linear.bias.grad, fused.bias.grad)
+    if norm == "LayerNorm":
+        assert torch.equal(ops_norm.bias.grad, fused.layer_norm_bias.grad)
+    for a, b in zip(linear.buffers(), fused.buffers(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_nvidia_operations_not_here_name_themselves():
     with pytest.raises(NotImplementedError, match="te.ops.MakeExtraOutput .*not implemented"):
         te.ops.MakeExtraOutput  # noqa: B018

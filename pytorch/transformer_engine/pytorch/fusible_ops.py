@@ -4,8 +4,9 @@ NVIDIA TE's ``transformer_engine.pytorch.ops`` holds composable operations (``Se
 ``Linear``, ``Bias``, norms, activations) that its ``Sequential`` may fuse. Here they are plain
 modules over this package's: ``Linear`` is te.Linear (FP8 inside ``fp8_autocast``), the norms
 are te.LayerNorm / te.RMSNorm, the activations compute what the core's activations compute, in
-torch ops. ``Sequential`` runs them in order without fusing across them (the numbers are the
-unfused ones; for fused blocks use te.LayerNormLinear and te.LayerNormMLP). NVIDIA's
+torch ops. ``Sequential`` runs them in order and fuses a norm with the Linear after it (as
+te.LayerNormLinear computes them); other neighbours are not fused (for the whole MLP block use
+te.LayerNormMLP). NVIDIA's
 operations not listed in ``NAMES`` raise a NotImplementedError naming themselves
 (``ops/__init__.py``).
 """
@@ -30,8 +31,26 @@ _NO_SPLIT = "te.Linear's tp_group / parallel_mode give tensor parallelism"
 
 
 class Sequential(torch.nn.Sequential):
-    """Runs its operations in order (NVIDIA's fuses neighbours; the numbers here are the
-    unfused ones)."""
+    """Runs its operations in order, fusing a ``LayerNorm`` or ``RMSNorm`` with a ``Linear`` /
+    ``BasicLinear`` right after it: inside an FP8 autocast the norm then writes the Linear's
+    FP8 input in its own pass (te.LayerNormLinear's computation, its bits, with the two
+    operations' parameters and the Linear's FP8 state). Other neighbours run one after the
+    other. A fused pair runs without the two modules' own forward calls (their forward hooks
+    do not fire)."""
+
+    def forward(self, x):
+        ops = list(self)
+        i = 0
+        while i < len(ops):
+            op = ops[i]
+            if (isinstance(op, (LayerNorm, RMSNorm)) and i + 1 < len(ops)
+                    and isinstance(ops[i + 1], Linear)):
+                x = ops[i + 1]._forward_after_norm(x, op)
+                i += 2
+            else:
+                x = op(x)
+                i += 1
+        return x
 
 
 class Linear(_Linear):
