@@ -266,17 +266,17 @@ def test_operators_check_their_inputs(device):
         _compiled.raise_if_failed(status)
 
     with pytest.raises(RuntimeError, match="linear_fp8_forward: M, N and K must be multiples"):
-        forward(x, w, None, scales, history, fast_linear._EMPTY, False, e4m3, False, 0.0, True,
+        forward(x, w, None, scales, history, _compiled.NO_TENSOR, False, e4m3, False, 0.0, True,
                 True, 0)
     with pytest.raises(RuntimeError, match="linear_fp8_forward: bias must be"):
-        forward(x[:16], w, torch.zeros(5, device=device), scales, history, fast_linear._EMPTY,
+        forward(x[:16], w, torch.zeros(5, device=device), scales, history, _compiled.NO_TENSOR,
                 False, e4m3, False, 0.0, True, True, 0)
     assert torch.equal(history, torch.zeros(4, 3, device=device))
     g = torch.randn(16, 32, device=device)
     status, *_ = ops.linear_fp8_backward.default(
         g, None, 0, scales[:1], scales[:1], torch.empty(0, dtype=torch.uint8),
         torch.empty(64, 31, dtype=torch.uint8), history, scales[:1], scales[:1], 0, True,
-        fast_linear._EMPTY, False, e4m3, e4m3, False, 0.0, 0, 0, True, False, torch.float32,
+        _compiled.NO_TENSOR, False, e4m3, e4m3, False, 0.0, 0, 0, True, False, torch.float32,
         torch.float32, None, 0)
     with pytest.raises(RuntimeError, match="linear_fp8_backward: the column-wise weight"):
         _compiled.raise_if_failed(status)

@@ -54,6 +54,10 @@ def _load() -> tuple[object | None, str | None]:
     return torch.ops.te_eager, None
 
 
+# What the operators take for a tensor argument that is not needed (an operand of a GEMM that
+# does not run) and for the GEMM workspace on the CPU (whose GEMM needs none).
+NO_TENSOR = torch.empty(0, dtype=torch.uint8)
+
 ops, _why = _load()
 if _why is not None and _why != "missing":
     warnings.warn(_why, RuntimeWarning, stacklevel=2)

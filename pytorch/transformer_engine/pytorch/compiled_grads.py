@@ -30,7 +30,6 @@ from .quantization import Plan
 enabled = True
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _COMPILED_ALGOS = ("max", "most_recent")  # the core's own; a callable runs in torch ops
-_EMPTY = torch.empty(0, dtype=torch.uint8)  # an operand not needed, and the CPU workspace
 _ACT_CODES: dict[str, int] = {}
 
 
@@ -83,10 +82,11 @@ def linear_grads(g: torch.Tensor, h: Optional[torch.Tensor], act: str, saved: tu
     grad_dtype, w_dtype, b_dtype = dtypes
     current = plan.kind == "current"
     ws = workspace_for(g)
+    none = _compiled.NO_TENSOR
     status, gi, gw, gb = _compiled.ops.linear_fp8_backward.default(
-        g, h, _act_code(act), in_sinv, w_sinv, _EMPTY if in_col is None else in_col,
-        _EMPTY if w_col is None else w_col, history, scale, scale_inv, column, update,
-        _EMPTY if ws is None else ws, current, dtype_code(plan.fwd_dtype),
+        g, h, _act_code(act), in_sinv, w_sinv, none if in_col is None else in_col,
+        none if w_col is None else w_col, history, scale, scale_inv, column, update,
+        none if ws is None else ws, current, dtype_code(plan.fwd_dtype),
         dtype_code(plan.bwd_dtype), plan.force_pow2_scales, plan.amax_epsilon,
         0 if current else algo_code(plan.algo), plan.margin, need_dgrad, need_wgrad,
         grad_dtype, w_dtype, b_dtype if has_bias else None, stream_of(g))

@@ -126,8 +126,9 @@ def _forward(inp, weight, bias, scales, history, codes: Codes, need_dgrad: bool,
     input, column-wise weight]."""
     ws = workspace_for(inp)
     status, *outs = _compiled.ops.linear_fp8_forward.default(
-        inp, weight, bias, scales, history, _EMPTY if ws is None else ws, codes.current,
-        codes.fp8_dtype, codes.pow2, codes.epsilon, need_dgrad, need_wgrad, stream_of(inp))
+        inp, weight, bias, scales, history, _compiled.NO_TENSOR if ws is None else ws,
+        codes.current, codes.fp8_dtype, codes.pow2, codes.epsilon, need_dgrad, need_wgrad,
+        stream_of(inp))
     _compiled.raise_if_failed(status)
     return outs
 
@@ -159,7 +160,6 @@ class _Fp8Linear(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-_EMPTY = torch.empty(0, dtype=torch.uint8)  # the workspace on the CPU (whose GEMM needs none)
 
 
 def forward(module: torch.nn.Module, inp: torch.Tensor, weight: torch.Tensor,
