@@ -2,9 +2,10 @@
 //
 // Why compiled code: a small layer's step is bound by host time, and in Python that time is
 // spent around the kernels, not in them (benchmarks/results/host_probes.md). Here te.Linear's
-// FP8 forward (both casts and the GEMM), the backward of any per-tensor FP8 linear layer (the
-// grad_output cast, the scale update, both GEMMs) and delayed scaling's scale update are each
-// one call into the core's C API, with outputs from torch's allocator.
+// FP8 forward (both casts and the GEMM), a norm with the FP8 GEMM after it (LayerNormLinear,
+// LayerNormMLP's first half), the backward of any per-tensor FP8 linear layer (the grad_output
+// cast, the scale update, both GEMMs) and delayed scaling's scale update are each one call
+// into the core's C API, with outputs from torch's allocator.
 //
 // Why the stable ABI: this file includes only torch/csrc/stable and torch/headeronly, and is
 // compiled with TORCH_TARGET_VERSION set to the oldest supported torch release (setup.py), so
@@ -30,6 +31,7 @@
 
 #include "transformer_engine/activation.h"
 #include "transformer_engine/gemm.h"
+#include "transformer_engine/norm.h"
 #include "transformer_engine/quantize.h"
 #include "transformer_engine/scaling.h"
 #include "transformer_engine/tensor.h"
@@ -199,6 +201,31 @@ void current_scale(const te_buffer &x, const te_buffer &data, const te_buffer *c
   check(te_compute_scale_from_amax(scaled.get(), &config, stream), kLinear);
 }
 
+// out [M, N] = a [M, K] @ w [N, K]^T (+ bias), FP8 operands, as linear_fn.fp8_gemm computes it
+// (fast accumulation). The bias rides in the GEMM's epilogue for a bf16/fp16 output; cuBLASLt
+// takes only a bf16 bias beside FP8 operands and an fp32 output, so there it is added
+// afterwards, in fp32. Returns the output (a new tensor in that case).
+Tensor forward_gemm(const te_buffer &a_data, const te_buffer &a_sinv, const te_buffer &w_data, const te_buffer &w_sinv,
+                    const std::optional<Tensor> &bias, Tensor out, int64_t m, int64_t n, const Tensor &workspace,
+                    te_stream stream, const char *op) {
+  const te_dtype out_dtype = core_dtype(out.scalar_type(), op);
+  Handle a(op), b(op), d(op), bias_handle(op);
+  a.set(TE_SLOT_DATA, a_data).set(TE_SLOT_SCALE_INV, a_sinv);
+  b.set(TE_SLOT_DATA, w_data).set(TE_SLOT_SCALE_INV, w_sinv);
+  d.set(TE_SLOT_DATA, buffer(out.data_ptr(), out_dtype, {m, n}, out));
+  const bool fused_bias = bias.has_value() && out_dtype != TE_DTYPE_FLOAT32;
+  if (fused_bias) bias_handle.set(TE_SLOT_DATA, buffer(bias->data_ptr(), out_dtype, {n}, out));
+  te_gemm_config config{};
+  config.transpose_b = 1;  // both operands K-major ("TN"); fast accumulation in the forward
+  void *ws = workspace.numel() > 0 ? workspace.data_ptr() : nullptr;
+  check(te_gemm(a.get(), b.get(), d.get(), fused_bias ? bias_handle.get() : nullptr, nullptr, &config, ws,
+                static_cast<size_t>(workspace.numel()), stream),
+        op);
+  // out - (-1) * bias = out + bias, exactly (the stable ABI has no in-place add).
+  if (bias.has_value() && !fused_bias) out = torch::stable::subtract(out, *bias, -1.0);
+  return out;
+}
+
 // input [..., K] @ weight[N, K]^T (+ bias) with both operands cast to `fp8_dtype` (a te_dtype
 // code) as the GEMM's row-wise operands and, where the backward needs them, as column-wise
 // copies. Delayed scaling (current = false) casts with scales[0] (input) and scales[1] (weight)
@@ -268,24 +295,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward_impl(
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = n;
   Tensor out = empty(shape, torch_dtype(input.scalar_type()), input);
-  const te_dtype out_dtype = core_dtype(input.scalar_type(), kLinear);
-  Handle a(kLinear), b(kLinear), d(kLinear), bias_handle(kLinear);
-  a.set(TE_SLOT_DATA, x_data).set(TE_SLOT_SCALE_INV, x_sinv);
-  b.set(TE_SLOT_DATA, w_data).set(TE_SLOT_SCALE_INV, w_sinv);
-  d.set(TE_SLOT_DATA, buffer(out.data_ptr(), out_dtype, {m, n}, input));
-  // The bias rides in the GEMM's epilogue for a bf16/fp16 output; cuBLASLt takes only a bf16
-  // bias beside FP8 operands and an fp32 output, so there it is added afterwards, in fp32 (as
-  // linear_fn.fp8_gemm does).
-  const bool fused_bias = bias.has_value() && out_dtype != TE_DTYPE_FLOAT32;
-  if (fused_bias) bias_handle.set(TE_SLOT_DATA, buffer(bias->data_ptr(), out_dtype, {n}, input));
-  te_gemm_config config{};
-  config.transpose_b = 1;  // both operands K-major ("TN"); fast accumulation in the forward
-  void *ws = workspace.numel() > 0 ? workspace.data_ptr() : nullptr;
-  check(te_gemm(a.get(), b.get(), d.get(), fused_bias ? bias_handle.get() : nullptr, nullptr, &config, ws,
-                static_cast<size_t>(workspace.numel()), stream),
-        kLinear);
-  // out - (-1) * bias = out + bias, exactly (the stable ABI has no in-place add).
-  if (bias.has_value() && !fused_bias) out = torch::stable::subtract(out, *bias, -1.0);
+  out = forward_gemm(x_data, x_sinv, w_data, w_sinv, bias, out, m, n, workspace, stream, kLinear);
   return {out, x_sinv_t, w_sinv_t, x_col_t, w_col_t};
 }
 
@@ -302,6 +312,95 @@ void quantize_current(const te_buffer &x, const te_buffer *data, const te_buffer
   if (col != nullptr) out.set(TE_SLOT_COLUMNWISE_DATA, *col);
   out.set(TE_SLOT_SCALE, scale).set(TE_SLOT_SCALE_INV, scale_inv);
   check(te_quantize(in.get(), out.get(), nullptr, stream), op);
+}
+
+constexpr const char *kNormLinear = "te_eager.norm_linear_fp8_forward";
+
+// norm(input) @ weight^T (+ bias), the norm writing the GEMM's FP8 input (layernorm_linear_fn:
+// norm_to_fp8 then fp8_gemm, with the same core calls and arguments, so the same bits), for
+// LayerNormLinear and LayerNormMLP's first GEMM. input [M, K]; gamma, beta (LayerNorm; none for
+// RMSNorm) [K]; `norm` a te_norm_type; the weight already in FP8: w_data [N, K] with w_sinv.
+// Delayed scaling casts the norm's output with scales[0] and raises history[0, 0] in the norm's
+// own pass; current scaling has the norm write high precision, then casts it with the scale
+// of its own amax.
+//
+// Returns (output [M, N] in input's dtype, the norm output's FP8 scale_inv [1], its column-wise
+// copy [K, M] ([0, M] unless need_col), mu [M] (LayerNorm; [0] for RMSNorm), rsigma [M]).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear_fp8_forward_impl(
+    Tensor input, Tensor gamma, std::optional<Tensor> beta, int64_t norm, double eps, bool zero_centered_gamma,
+    Tensor w_data, Tensor w_sinv, std::optional<Tensor> bias, Tensor scales, Tensor history, Tensor workspace,
+    bool current, int64_t fp8_dtype, bool pow2, double epsilon, bool need_col, int64_t stream_handle) {
+  const char *op = kNormLinear;
+  TE_EAGER_CHECK(input.dim() == 2 && input.is_contiguous() && floating(input.scalar_type()), op,
+                 ": input must be a contiguous float32/bfloat16/float16 matrix [M, K]");
+  const int64_t m = input.size(0), k = input.size(1), n = w_data.size(0);
+  TE_EAGER_CHECK(w_data.dim() == 2 && w_data.size(1) == k && w_data.scalar_type() == ScalarType::Byte &&
+                     w_data.is_contiguous(),
+                 op, ": the weight's FP8 data must be a contiguous uint8 [N, ", k, "] matrix");
+  TE_EAGER_CHECK(m % kGranule == 0 && n % kGranule == 0 && k % kGranule == 0, op,
+                 ": M, N and K must be multiples of 16, got M=", m, " N=", n, " K=", k);
+  const auto norm_type = static_cast<te_norm_type>(norm);
+  const bool layernorm = norm_type == TE_NORM_LAYERNORM;
+  TE_EAGER_CHECK(gamma.dim() == 1 && gamma.size(0) == k && gamma.is_contiguous() &&
+                     (!beta.has_value() || (beta->dim() == 1 && beta->size(0) == k && beta->is_contiguous())) &&
+                     layernorm == beta.has_value(),
+                 op, ": gamma (and, for LayerNorm only, beta) must be contiguous [", k, "] vectors");
+  TE_EAGER_CHECK(!bias.has_value() || (bias->scalar_type() == input.scalar_type() && bias->dim() == 1 &&
+                                       bias->size(0) == n && bias->is_contiguous()),
+                 op, ": bias must be a contiguous [", n, "] tensor of the input's dtype");
+  const auto fp8 = static_cast<te_dtype>(fp8_dtype);
+  const te_stream stream = reinterpret_cast<te_stream>(stream_handle);
+  const int32_t u8 = aoti_torch_dtype_uint8(), f32 = aoti_torch_dtype_float32();
+  const te_dtype in_dtype = core_dtype(input.scalar_type(), op);
+  const te_buffer x = buffer(input.data_ptr(), in_dtype, {m, k}, input);
+
+  // The row-wise FP8 copy (the GEMM's alone), the scalars (scale_inv; current scaling's scale
+  // and amax), the column-wise copy (wgrad's), the statistics (mu, then rsigma).
+  const Tensor rows = empty({m * k}, u8, input);
+  const Tensor scalars = empty({3}, f32, input);
+  const Tensor col_t = empty({need_col ? k : 0, m}, u8, input);
+  const Tensor stats = empty({(layernorm ? m : 0) + m}, f32, input);
+  const Tensor mu_t = piece(stats, {layernorm ? m : 0}, 0), rsigma_t = piece(stats, {m}, layernorm ? m : 0);
+  const Tensor sinv_t = piece(scalars, {1}, 0);
+  const te_buffer data = buffer(rows.data_ptr(), fp8, {m, k}, input);
+  const te_buffer col = buffer(col_t.data_ptr(), fp8, {k, m}, input);
+  const te_buffer sinv = element(scalars, 0);
+  Handle in(op), g(op), b(op), mu(op), rsigma(op);
+  in.set(TE_SLOT_DATA, x);
+  g.set(TE_SLOT_DATA, buffer(gamma.data_ptr(), core_dtype(gamma.scalar_type(), op), {k}, gamma));
+  if (layernorm) {
+    b.set(TE_SLOT_DATA, buffer(beta->data_ptr(), core_dtype(beta->scalar_type(), op), {k}, gamma));
+    mu.set(TE_SLOT_DATA, buffer(mu_t.data_ptr(), TE_DTYPE_FLOAT32, {m}, input));
+  }
+  rsigma.set(TE_SLOT_DATA, buffer(rsigma_t.data_ptr(), TE_DTYPE_FLOAT32, {m}, input));
+  te_norm_config config{};
+  config.type = norm_type;
+  config.eps = static_cast<float>(eps);
+  config.zero_centered_gamma = zero_centered_gamma ? 1 : 0;
+  if (!current) {
+    Handle q(op);
+    q.set(TE_SLOT_DATA, data).set(TE_SLOT_SCALE, element(scales, 0)).set(TE_SLOT_SCALE_INV, sinv);
+    q.set(TE_SLOT_AMAX, element(history, 0));
+    if (need_col) q.set(TE_SLOT_COLUMNWISE_DATA, col);
+    config.accumulate_amax = 1;  // the step's forwards keep the largest amax
+    check(te_norm_forward(&config, in.get(), g.get(), layernorm ? b.get() : nullptr, nullptr, q.get(),
+                          layernorm ? mu.get() : nullptr, rsigma.get(), stream),
+          op);
+  } else {
+    const Tensor y_t = empty({m, k}, torch_dtype(input.scalar_type()), input);
+    const te_buffer y = buffer(y_t.data_ptr(), in_dtype, {m, k}, input);
+    Handle yh(op);
+    yh.set(TE_SLOT_DATA, y);
+    check(te_norm_forward(&config, in.get(), g.get(), layernorm ? b.get() : nullptr, yh.get(), nullptr,
+                          layernorm ? mu.get() : nullptr, rsigma.get(), stream),
+          op);
+    quantize_current(y, &data, need_col ? &col : nullptr, element(scalars, 1), sinv, element(scalars, 2), pow2,
+                     epsilon, stream, op);
+  }
+  Tensor out = empty({m, n}, torch_dtype(input.scalar_type()), input);
+  out = forward_gemm(data, sinv, buffer(w_data.data_ptr(), fp8, {n, k}, w_data), element(w_sinv, 0), bias, out, m, n,
+                     workspace, stream, op);
+  return {out, sinv_t, col_t, mu_t, rsigma_t};
 }
 
 constexpr const char *kLinearBackward = "te_eager.linear_fp8_backward";
@@ -539,6 +638,22 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
   }
 }
 
+std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear_fp8_forward(
+    Tensor input, Tensor gamma, std::optional<Tensor> beta, int64_t norm, double eps, bool zero_centered_gamma,
+    Tensor w_data, Tensor w_sinv, std::optional<Tensor> bias, Tensor scales, Tensor history, Tensor workspace,
+    bool current, int64_t fp8_dtype, bool pow2, double epsilon, bool need_col, int64_t stream) {
+  try {
+    auto [out, sinv, col, mu, rsigma] =
+        norm_linear_fp8_forward_impl(input, gamma, beta, norm, eps, zero_centered_gamma, w_data, w_sinv, bias, scales,
+                                     history, workspace, current, fp8_dtype, pow2, epsilon, need_col, stream);
+    return {0, out, sinv, col, mu, rsigma};
+  } catch (...) {
+    const int64_t status = caught(kNormLinear);
+    const Tensor none = empty({0}, aoti_torch_dtype_uint8(), input);
+    return {status, none, none, none, none, none};
+  }
+}
+
 int64_t delayed_scaling_update(std::vector<Tensor> histories, std::vector<Tensor> scales,
                                std::vector<Tensor> scale_invs, int64_t fp8_dtype, int64_t algo, int64_t margin,
                                int64_t stream) {
@@ -566,6 +681,11 @@ STABLE_TORCH_LIBRARY(te_eager, m) {
       "bool need_dgrad, bool need_wgrad, ScalarType input_dtype, ScalarType weight_dtype, "
       "ScalarType? bias_dtype, int stream) -> (int, Tensor, Tensor, Tensor)");
   m.def(
+      "norm_linear_fp8_forward(Tensor input, Tensor gamma, Tensor? beta, int norm, float eps, "
+      "bool zero_centered_gamma, Tensor w_data, Tensor w_sinv, Tensor? bias, Tensor scales, "
+      "Tensor(a!) history, Tensor(b!) workspace, bool current, int fp8_dtype, bool pow2, float epsilon, "
+      "bool need_col, int stream) -> (int, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "delayed_scaling_update(Tensor(a!)[] histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, "
       "int fp8_dtype, int algo, int margin, int stream) -> int");
   m.def("last_error() -> str");
@@ -574,6 +694,7 @@ STABLE_TORCH_LIBRARY(te_eager, m) {
 STABLE_TORCH_LIBRARY_IMPL(te_eager, CompositeExplicitAutograd, m) {
   m.impl("linear_fp8_forward", TORCH_BOX(&linear_fp8_forward));
   m.impl("linear_fp8_backward", TORCH_BOX(&linear_fp8_backward));
+  m.impl("norm_linear_fp8_forward", TORCH_BOX(&norm_linear_fp8_forward));
   m.impl("delayed_scaling_update", TORCH_BOX(&delayed_scaling_update));
   m.impl("last_error", TORCH_BOX(&last_error));
 }

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from . import compiled_grads, ops
+from . import compiled_grads, compiled_norm_linear, ops
 from .first_step import step_scales
 from .linear_fn import backward_gemms, fp8_gemm, fp8_output, grad_to_fp8, update_backward
 from .quantization import Operand, Plan, quantize
@@ -104,15 +104,24 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
         plan, recipe, group, cfg, need_dgrad, need_wgrad, out_meta = consts
         k = inp.shape[-1]
         x = inp.reshape(-1, k)
-        q, ln_out, mu, rsigma = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
-                                            need_wgrad, history_fwd, 0)
-        out_shape = (*inp.shape[:-1], w_data.shape[0])
-        if out_meta is not None:
-            out = fp8_output(plan, q, w_data, w_scale_inv, bias, out_meta, out_shape, inp.dtype)
+        if out_meta is None and compiled_norm_linear.usable(plan, cfg, x, gamma, beta, w_data,
+                                                            w_scale_inv, bias, history_fwd):
+            # the norm writing the GEMM's FP8 input, then the GEMM, in one call
+            x = x.contiguous()
+            out, q, mu, rsigma = compiled_norm_linear.forward(
+                plan, cfg, x, gamma, beta, w_data, w_scale_inv, bias, scale_fwd, history_fwd,
+                need_wgrad)
+            ln_out = None
         else:
-            out = fp8_gemm(q.data, q.scale_inv, w_data, w_scale_inv, plan.fwd_dtype,
-                           plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype, bias,
-                           False)  # [M, N]: the module gives it inp's leading dimensions
+            q, ln_out, mu, rsigma = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
+                                                need_wgrad, history_fwd, 0)
+            if out_meta is not None:
+                out = fp8_output(plan, q, w_data, w_scale_inv, bias, out_meta,
+                                 (*inp.shape[:-1], w_data.shape[0]), inp.dtype)
+            else:  # [M, N]: the module gives it inp's leading dimensions
+                out = fp8_gemm(q.data, q.scale_inv, w_data, w_scale_inv, plan.fwd_dtype,
+                               plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype,
+                               bias, False)
         if w_col_scale_inv is None:  # per-tensor: shared with the row-wise copy
             w_col_scale_inv = w_scale_inv
         ctx.save_for_backward(x, mu, rsigma, gamma, q.columnwise, q.columnwise_scale_inv, w_col,

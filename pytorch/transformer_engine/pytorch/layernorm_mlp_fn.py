@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from . import compiled_grads, ops
+from . import compiled_grads, compiled_norm_linear, ops
 from .first_step import step_scales
 from .layernorm_linear_fn import NormConfig, norm_backward, norm_to_fp8
 from .linear_fn import backward_gemms, fp8_gemm, grad_to_fp8, update_backward
@@ -81,10 +81,19 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         plan, recipe, group, cfg, act, need, own_weights = consts
         need_dgrad, need_wgrad1, need_wgrad2, _ = need
         x = inp.reshape(-1, inp.shape[-1])
-        q1, ln_out, mu, rsigma = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
-                                             need_wgrad1, history_fwd, 0)
-        h = fp8_gemm(q1.data, q1.scale_inv, w1_data, w1_sinv, plan.fwd_dtype, plan.fwd_dtype,
-                     plan.input_mode, plan.weight_mode, inp.dtype, b1, False)
+        if compiled_norm_linear.usable(plan, cfg, x, gamma, beta, w1_data, w1_sinv, b1,
+                                       history_fwd):
+            # the norm writing FC1's FP8 input, then FC1, in one call
+            x = x.contiguous()
+            h, q1, mu, rsigma = compiled_norm_linear.forward(
+                plan, cfg, x, gamma, beta, w1_data, w1_sinv, b1, scale_fwd, history_fwd,
+                need_wgrad1)
+            ln_out = None
+        else:
+            q1, ln_out, mu, rsigma = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
+                                                 need_wgrad1, history_fwd, 0)
+            h = fp8_gemm(q1.data, q1.scale_inv, w1_data, w1_sinv, plan.fwd_dtype,
+                         plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype, b1, False)
         # Only FC1's wgrad reads ln_out again (column-wise): its row-wise bytes go before the
         # activation allocates FC2's input.
         ln_col, ln_col_sinv = q1.columnwise, q1.columnwise_scale_inv

@@ -1,0 +1,127 @@
+"""A norm and the FP8 GEMM after it through the compiled operator (compiled_norm_linear.py).
+
+LayerNormLinear's forward and LayerNormMLP's first half take it where it computes what their
+Python steps compute, and must then give the same bits: outputs, gradients and every FP8
+buffer, step after step, under delayed and current scaling.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+from transformer_engine.pytorch import compiled_norm_linear
+
+RECIPES = {
+    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4, margin=1),
+    "current": lambda: recipe.Float8CurrentScaling(),
+    "current-pow2-eps": lambda: recipe.Float8CurrentScaling(power_2_scale=True,
+                                                            amax_epsilon=1e-3),
+}
+
+MODULES = {
+    "layernorm_linear": lambda dtype, bias, zc, dev: te.LayerNormLinear(
+        64, 48, bias=bias, zero_centered_gamma=zc, params_dtype=dtype, device=dev),
+    "rmsnorm_linear": lambda dtype, bias, zc, dev: te.LayerNormLinear(
+        64, 48, bias=bias, normalization="RMSNorm", zero_centered_gamma=zc, params_dtype=dtype,
+        device=dev),
+    "layernorm_mlp": lambda dtype, bias, zc, dev: te.LayerNormMLP(
+        64, 128, bias=bias, zero_centered_gamma=zc, params_dtype=dtype, device=dev),
+    "rmsnorm_mlp_swiglu": lambda dtype, bias, zc, dev: te.LayerNormMLP(
+        64, 128, bias=bias, normalization="RMSNorm", activation="swiglu", zero_centered_gamma=zc,
+        params_dtype=dtype, device=dev),
+}
+
+STEPS = 4
+
+
+def _train(device, compiled: bool, module: str, recipe_name: str, dtype, bias: bool,
+           zero_centered: bool):
+    """Every output, gradient and buffer of STEPS training steps, the compiled forward on or
+    off."""
+    compiled_norm_linear.enabled = compiled
+    try:
+        torch.manual_seed(0)
+        m = MODULES[module](dtype, bias, zero_centered, device)
+        with torch.no_grad():  # norm parameters away from their initial values
+            for name, p in m.named_parameters():
+                if "layer_norm" in name:
+                    p.add_(torch.randn_like(p) * 0.3)
+        r = RECIPES[recipe_name]()
+        seen = []
+        for step in range(STEPS):
+            x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(dtype)
+            x.requires_grad_(True)
+            with te.fp8_autocast(fp8_recipe=r):
+                y = m(x)
+            y.backward(torch.randn_like(y))
+            seen += [y.detach(), x.grad]
+            seen += [p.grad.clone() for p in m.parameters()]
+            seen += [b.clone() for b in m.buffers()]
+        return seen
+    finally:
+        compiled_norm_linear.enabled = True
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen = []
+    real = compiled_norm_linear.forward
+
+    def counting(*args):
+        seen.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(compiled_norm_linear, "forward", counting)
+    return seen
+
+
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero-centered"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("module", list(MODULES))
+def test_same_bits_as_the_python_steps(device, calls, module, recipe_name, bias, dtype,
+                                       zero_centered):
+    compiled = _train(device, True, module, recipe_name, dtype, bias, zero_centered)
+    # A delayed-scaling step whose history no step has written yet (the first) takes the
+    # Python steps (first_step.py); current scaling takes the operator from the first step.
+    assert len(calls) == (STEPS - 1 if recipe_name == "delayed" else STEPS)
+    python = _train(device, False, module, recipe_name, dtype, bias, zero_centered)
+    assert len(compiled) == len(python)
+    for i, (a, b) in enumerate(zip(compiled, python, strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"item {i}"
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), \
+            f"item {i} differs"
+
+
+def test_not_taken_where_the_steps_differ(calls):
+    """return_layernorm_output, a token count that needs padding and block scaling take the
+    Python steps."""
+    for kwargs, tokens, r in [
+            (dict(return_layernorm_output=True), 32, recipe.Float8CurrentScaling()),
+            ({}, 24, recipe.Float8CurrentScaling()),
+            ({}, 32, recipe.Float8BlockScaling())]:
+        m = te.LayerNormLinear(128, 128, params_dtype=torch.bfloat16, **kwargs)
+        x = torch.randn(tokens, 128, dtype=torch.bfloat16, requires_grad=True)
+        with te.fp8_autocast(fp8_recipe=r):
+            out = m(x)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    assert calls == []
+
+
+def test_the_operator_checks_its_inputs():
+    from transformer_engine.pytorch import _compiled
+    from transformer_engine.pytorch.ops._backend import dtype_code
+
+    ops = _compiled.ops
+    x = torch.randn(32, 64)
+    status, *_ = ops.norm_linear_fp8_forward.default(
+        x, torch.ones(64), None, 0, 1e-5, False, torch.zeros(48, 64, dtype=torch.uint8),
+        torch.ones(1), None, torch.ones(3), torch.zeros(4, 3), _compiled.NO_TENSOR, False,
+        dtype_code("float8_e4m3"), False, 0.0, True, 0)
+    assert status != 0
+    assert "norm_linear_fp8_forward: gamma (and, for LayerNorm only, beta)" in \
+        ops.last_error.default()
