@@ -3,7 +3,8 @@
 // Why compiled code: a small layer's step is bound by host time, and in Python that time is
 // spent around the kernels, not in them (benchmarks/results/host_probes.md). Here te.Linear's
 // FP8 forward (both casts and the GEMM), a norm with the FP8 GEMM after it (LayerNormLinear,
-// LayerNormMLP's first half), the backward of any per-tensor FP8 linear layer (the grad_output
+// LayerNormMLP's first half), an activation with the FP8 GEMM after it (LayerNormMLP's second
+// half), the backward of any per-tensor FP8 linear layer (the grad_output
 // cast, the scale update, both GEMMs) and delayed scaling's scale update are each one call
 // into the core's C API, with outputs from torch's allocator.
 //
@@ -403,6 +404,72 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear_fp8_forward_impl(
   return {out, sinv_t, col_t, mu_t, rsigma_t};
 }
 
+constexpr const char *kActLinear = "te_eager.act_linear_fp8_forward";
+
+// act(h) @ weight^T (+ bias), the activation writing the GEMM's FP8 input (layernorm_mlp_fn:
+// act_to_fp8 then fp8_gemm, with the same core calls and arguments, so the same bits), for
+// LayerNormMLP's second half. h [M, K] (gated: [M, 2K]); `act` a te_activation; the weight
+// already in FP8: w_data [N, K] with w_sinv. Delayed scaling casts with scales[2] and raises
+// history[0, 2] (FC2's input column) in the activation's own pass; current scaling has the
+// activation write high precision, then casts it with the scale of its own amax.
+//
+// Returns (output [M, N] in h's dtype, the activation output's FP8 scale_inv [1], its
+// column-wise copy [K, M] ([0, M] unless need_col)).
+std::tuple<Tensor, Tensor, Tensor> act_linear_fp8_forward_impl(
+    Tensor h, int64_t act, Tensor w_data, Tensor w_sinv, std::optional<Tensor> bias, Tensor scales, Tensor history,
+    Tensor workspace, bool current, int64_t fp8_dtype, bool pow2, double epsilon, bool need_col,
+    int64_t stream_handle) {
+  const char *op = kActLinear;
+  constexpr int64_t kColumn = 2;  // FC2's input in the forward state (base.py)
+  const auto activation = static_cast<te_activation>(act);
+  TE_EAGER_CHECK(h.dim() == 2 && h.is_contiguous() && floating(h.scalar_type()), op,
+                 ": h must be a contiguous float32/bfloat16/float16 matrix");
+  const bool gated = te_activation_is_gated(activation) != 0;
+  const int64_t m = h.size(0), k = gated ? h.size(1) / 2 : h.size(1), n = w_data.size(0);
+  TE_EAGER_CHECK(w_data.dim() == 2 && w_data.size(1) == k && w_data.scalar_type() == ScalarType::Byte &&
+                     w_data.is_contiguous(),
+                 op, ": the weight's FP8 data must be a contiguous uint8 [N, ", k, "] matrix");
+  TE_EAGER_CHECK(m % kGranule == 0 && n % kGranule == 0 && k % kGranule == 0, op,
+                 ": M, N and K must be multiples of 16, got M=", m, " N=", n, " K=", k);
+  TE_EAGER_CHECK(!bias.has_value() || (bias->scalar_type() == h.scalar_type() && bias->dim() == 1 &&
+                                       bias->size(0) == n && bias->is_contiguous()),
+                 op, ": bias must be a contiguous [", n, "] tensor of h's dtype");
+  TE_EAGER_CHECK(scales.numel() > kColumn && history.dim() == 2 && history.size(1) > kColumn, op,
+                 ": the forward state must have FC2's input column");
+  const auto fp8 = static_cast<te_dtype>(fp8_dtype);
+  const te_stream stream = reinterpret_cast<te_stream>(stream_handle);
+  const int32_t u8 = aoti_torch_dtype_uint8(), f32 = aoti_torch_dtype_float32();
+  const te_dtype h_dtype = core_dtype(h.scalar_type(), op);
+  const Tensor rows = empty({m * k}, u8, h);
+  const Tensor scalars = empty({3}, f32, h);
+  const Tensor col_t = empty({need_col ? k : 0, m}, u8, h);
+  const Tensor sinv_t = piece(scalars, {1}, 0);
+  const te_buffer data = buffer(rows.data_ptr(), fp8, {m, k}, h);
+  const te_buffer col = buffer(col_t.data_ptr(), fp8, {k, m}, h);
+  const te_buffer sinv = element(scalars, 0);
+  Handle in(op);
+  in.set(TE_SLOT_DATA, buffer(h.data_ptr(), h_dtype, {m, h.size(1)}, h));
+  if (!current) {
+    Handle q(op);
+    q.set(TE_SLOT_DATA, data).set(TE_SLOT_SCALE, element(scales, kColumn)).set(TE_SLOT_SCALE_INV, sinv);
+    q.set(TE_SLOT_AMAX, element(history, kColumn));
+    if (need_col) q.set(TE_SLOT_COLUMNWISE_DATA, col);
+    check(te_activation_forward(activation, in.get(), q.get(), 1, stream), op);
+  } else {
+    const Tensor a_t = empty({m, k}, torch_dtype(h.scalar_type()), h);
+    const te_buffer a = buffer(a_t.data_ptr(), h_dtype, {m, k}, h);
+    Handle ah(op);
+    ah.set(TE_SLOT_DATA, a);
+    check(te_activation_forward(activation, in.get(), ah.get(), 0, stream), op);
+    quantize_current(a, &data, need_col ? &col : nullptr, element(scalars, 1), sinv, element(scalars, 2), pow2,
+                     epsilon, stream, op);
+  }
+  Tensor out = empty({m, n}, torch_dtype(h.scalar_type()), h);
+  out = forward_gemm(data, sinv, buffer(w_data.data_ptr(), fp8, {n, k}, w_data), element(w_sinv, 0), bias, out, m, n,
+                     workspace, stream, op);
+  return {out, sinv_t, col_t};
+}
+
 constexpr const char *kLinearBackward = "te_eager.linear_fp8_backward";
 
 // The backward of one FP8 linear layer (linear_fn: grad_to_fp8, the scale update and
@@ -654,6 +721,20 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear_fp8_forw
   }
 }
 
+std::tuple<int64_t, Tensor, Tensor, Tensor> act_linear_fp8_forward(
+    Tensor h, int64_t act, Tensor w_data, Tensor w_sinv, std::optional<Tensor> bias, Tensor scales, Tensor history,
+    Tensor workspace, bool current, int64_t fp8_dtype, bool pow2, double epsilon, bool need_col, int64_t stream) {
+  try {
+    auto [out, sinv, col] = act_linear_fp8_forward_impl(h, act, w_data, w_sinv, bias, scales, history, workspace,
+                                                        current, fp8_dtype, pow2, epsilon, need_col, stream);
+    return {0, out, sinv, col};
+  } catch (...) {
+    const int64_t status = caught(kActLinear);
+    const Tensor none = empty({0}, aoti_torch_dtype_uint8(), h);
+    return {status, none, none, none};
+  }
+}
+
 int64_t delayed_scaling_update(std::vector<Tensor> histories, std::vector<Tensor> scales,
                                std::vector<Tensor> scale_invs, int64_t fp8_dtype, int64_t algo, int64_t margin,
                                int64_t stream) {
@@ -686,6 +767,10 @@ STABLE_TORCH_LIBRARY(te_eager, m) {
       "Tensor(a!) history, Tensor(b!) workspace, bool current, int fp8_dtype, bool pow2, float epsilon, "
       "bool need_col, int stream) -> (int, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "act_linear_fp8_forward(Tensor h, int act, Tensor w_data, Tensor w_sinv, Tensor? bias, "
+      "Tensor scales, Tensor(a!) history, Tensor(b!) workspace, bool current, int fp8_dtype, bool pow2, "
+      "float epsilon, bool need_col, int stream) -> (int, Tensor, Tensor, Tensor)");
+  m.def(
       "delayed_scaling_update(Tensor(a!)[] histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, "
       "int fp8_dtype, int algo, int margin, int stream) -> int");
   m.def("last_error() -> str");
@@ -695,6 +780,7 @@ STABLE_TORCH_LIBRARY_IMPL(te_eager, CompositeExplicitAutograd, m) {
   m.impl("linear_fp8_forward", TORCH_BOX(&linear_fp8_forward));
   m.impl("linear_fp8_backward", TORCH_BOX(&linear_fp8_backward));
   m.impl("norm_linear_fp8_forward", TORCH_BOX(&norm_linear_fp8_forward));
+  m.impl("act_linear_fp8_forward", TORCH_BOX(&act_linear_fp8_forward));
   m.impl("delayed_scaling_update", TORCH_BOX(&delayed_scaling_update));
   m.impl("last_error", TORCH_BOX(&last_error));
 }

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from . import compiled_grads, compiled_norm_linear, ops
+from . import compiled_forward, compiled_grads, ops
 from .first_step import step_scales
 from .linear_fn import backward_gemms, fp8_gemm, fp8_output, grad_to_fp8, update_backward
 from .quantization import Operand, Plan, quantize
@@ -104,11 +104,12 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
         plan, recipe, group, cfg, need_dgrad, need_wgrad, out_meta = consts
         k = inp.shape[-1]
         x = inp.reshape(-1, k)
-        if out_meta is None and compiled_norm_linear.usable(plan, cfg, x, gamma, beta, w_data,
-                                                            w_scale_inv, bias, history_fwd):
+        if (out_meta is None and not cfg.return_ln_out
+                and compiled_forward.usable(plan, x, (gamma, beta, w_data, w_scale_inv), bias,
+                                            history_fwd)):
             # the norm writing the GEMM's FP8 input, then the GEMM, in one call
             x = x.contiguous()
-            out, q, mu, rsigma = compiled_norm_linear.forward(
+            out, q, mu, rsigma = compiled_forward.norm_linear(
                 plan, cfg, x, gamma, beta, w_data, w_scale_inv, bias, scale_fwd, history_fwd,
                 need_wgrad)
             ln_out = None

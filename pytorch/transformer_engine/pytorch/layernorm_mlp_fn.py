@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from . import compiled_grads, compiled_norm_linear, ops
+from . import compiled_forward, compiled_grads, ops
 from .first_step import step_scales
 from .layernorm_linear_fn import NormConfig, norm_backward, norm_to_fp8
 from .linear_fn import backward_gemms, fp8_gemm, grad_to_fp8, update_backward
@@ -81,11 +81,13 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         plan, recipe, group, cfg, act, need, own_weights = consts
         need_dgrad, need_wgrad1, need_wgrad2, _ = need
         x = inp.reshape(-1, inp.shape[-1])
-        if compiled_norm_linear.usable(plan, cfg, x, gamma, beta, w1_data, w1_sinv, b1,
-                                       history_fwd):
+        fused = compiled_forward.usable(plan, x, (gamma, beta, w1_data, w1_sinv, w2_data,
+                                                  w2_sinv), b1, history_fwd) \
+            and (b2 is None or b2.dtype == x.dtype)
+        if fused and not cfg.return_ln_out:
             # the norm writing FC1's FP8 input, then FC1, in one call
             x = x.contiguous()
-            h, q1, mu, rsigma = compiled_norm_linear.forward(
+            h, q1, mu, rsigma = compiled_forward.norm_linear(
                 plan, cfg, x, gamma, beta, w1_data, w1_sinv, b1, scale_fwd, history_fwd,
                 need_wgrad1)
             ln_out = None
@@ -98,9 +100,15 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         # activation allocates FC2's input.
         ln_col, ln_col_sinv = q1.columnwise, q1.columnwise_scale_inv
         del q1
-        q2 = act_to_fp8(plan, h, act, scale_fwd[2:3], need_wgrad2, history_fwd, 2)
-        out = fp8_gemm(q2.data, q2.scale_inv, w2_data, w2_sinv, plan.fwd_dtype, plan.fwd_dtype,
-                       plan.input_mode, plan.weight_mode, inp.dtype, b2, False)
+        if fused and h.dtype == x.dtype:
+            # the activation writing FC2's FP8 input, then FC2, in one call
+            out, q2 = compiled_forward.act_linear(plan, act, h, w2_data, w2_sinv, b2, scale_fwd,
+                                                  history_fwd, need_wgrad2)
+        else:
+            q2 = act_to_fp8(plan, h, act, scale_fwd[2:3], need_wgrad2, history_fwd, 2)
+            out = fp8_gemm(q2.data, q2.scale_inv, w2_data, w2_sinv, plan.fwd_dtype,
+                           plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype, b2,
+                           False)
         # per-tensor: the column-wise copies share the row-wise scale_inv
         w1_col_sinv = w1_sinv if w1_col_sinv is None else w1_col_sinv
         w2_col_sinv = w2_sinv if w2_col_sinv is None else w2_col_sinv

@@ -1,8 +1,10 @@
-"""A norm and the FP8 GEMM after it through the compiled operator (compiled_norm_linear.py).
+"""The forward steps of the fused FP8 blocks through the compiled operators
+(compiled_forward.py): a norm with the GEMM after it (LayerNormLinear, LayerNormMLP's first
+half) and an activation with the GEMM after it (LayerNormMLP's second half).
 
-LayerNormLinear's forward and LayerNormMLP's first half take it where it computes what their
-Python steps compute, and must then give the same bits: outputs, gradients and every FP8
-buffer, step after step, under delayed and current scaling.
+They are taken where they compute what the Python steps compute, and must then give the same
+bits: outputs, gradients and every FP8 buffer, step after step, under delayed and current
+scaling.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from transformer_engine.pytorch import compiled_norm_linear
+from transformer_engine.pytorch import compiled_forward
 
 RECIPES = {
     "delayed": lambda: recipe.DelayedScaling(amax_history_len=4, margin=1),
@@ -41,7 +43,7 @@ def _train(device, compiled: bool, module: str, recipe_name: str, dtype, bias: b
            zero_centered: bool):
     """Every output, gradient and buffer of STEPS training steps, the compiled forward on or
     off."""
-    compiled_norm_linear.enabled = compiled
+    compiled_forward.enabled = compiled
     try:
         torch.manual_seed(0)
         m = MODULES[module](dtype, bias, zero_centered, device)
@@ -62,19 +64,21 @@ def _train(device, compiled: bool, module: str, recipe_name: str, dtype, bias: b
             seen += [b.clone() for b in m.buffers()]
         return seen
     finally:
-        compiled_norm_linear.enabled = True
+        compiled_forward.enabled = True
 
 
 @pytest.fixture
 def calls(monkeypatch):
+    """The names of the compiled step pairs called, in order."""
     seen = []
-    real = compiled_norm_linear.forward
+    for name in ("norm_linear", "act_linear"):
+        real = getattr(compiled_forward, name)
 
-    def counting(*args):
-        seen.append(1)
-        return real(*args)
+        def counting(*args, _name=name, _real=real):
+            seen.append(_name)
+            return _real(*args)
 
-    monkeypatch.setattr(compiled_norm_linear, "forward", counting)
+        monkeypatch.setattr(compiled_forward, name, counting)
     return seen
 
 
@@ -88,7 +92,9 @@ def test_same_bits_as_the_python_steps(device, calls, module, recipe_name, bias,
     compiled = _train(device, True, module, recipe_name, dtype, bias, zero_centered)
     # A delayed-scaling step whose history no step has written yet (the first) takes the
     # Python steps (first_step.py); current scaling takes the operator from the first step.
-    assert len(calls) == (STEPS - 1 if recipe_name == "delayed" else STEPS)
+    steps = STEPS - 1 if recipe_name == "delayed" else STEPS
+    pairs = ["norm_linear", "act_linear"] if "mlp" in module else ["norm_linear"]
+    assert calls == pairs * steps
     python = _train(device, False, module, recipe_name, dtype, bias, zero_centered)
     assert len(compiled) == len(python)
     for i, (a, b) in enumerate(zip(compiled, python, strict=True)):
@@ -118,10 +124,17 @@ def test_the_operator_checks_its_inputs():
 
     ops = _compiled.ops
     x = torch.randn(32, 64)
+    e4m3 = dtype_code("float8_e4m3")
     status, *_ = ops.norm_linear_fp8_forward.default(
         x, torch.ones(64), None, 0, 1e-5, False, torch.zeros(48, 64, dtype=torch.uint8),
         torch.ones(1), None, torch.ones(3), torch.zeros(4, 3), _compiled.NO_TENSOR, False,
-        dtype_code("float8_e4m3"), False, 0.0, True, 0)
+        e4m3, False, 0.0, True, 0)
     assert status != 0
     assert "norm_linear_fp8_forward: gamma (and, for LayerNorm only, beta)" in \
+        ops.last_error.default()
+    status, *_ = ops.act_linear_fp8_forward.default(
+        x, 1, torch.zeros(48, 64, dtype=torch.uint8), torch.ones(1), None, torch.ones(1),
+        torch.zeros(4, 1), _compiled.NO_TENSOR, False, e4m3, False, 0.0, True, 0)
+    assert status != 0
+    assert "act_linear_fp8_forward: the forward state must have FC2's input column" in \
         ops.last_error.default()
