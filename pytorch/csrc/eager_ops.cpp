@@ -326,7 +326,7 @@ constexpr const char *kNormLinear = "te_eager.norm_linear_fp8_forward";
 // of its own amax.
 //
 // Returns (output [M, N] in input's dtype, the norm output's FP8 scale_inv [1], its column-wise
-// copy [K, M] ([0, M] unless need_col), mu [M] (LayerNorm; [0] for RMSNorm), rsigma [M]).
+// copy [K, M] ([0] unless need_col), mu [M] (LayerNorm; [0] for RMSNorm), rsigma [M]).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear_fp8_forward_impl(
     Tensor input, Tensor gamma, std::optional<Tensor> beta, int64_t norm, double eps, bool zero_centered_gamma,
     Tensor w_data, Tensor w_sinv, std::optional<Tensor> bias, Tensor scales, Tensor history, Tensor workspace,
@@ -359,7 +359,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear_fp8_forward_impl(
   // and amax), the column-wise copy (wgrad's), the statistics (mu, then rsigma).
   const Tensor rows = empty({m * k}, u8, input);
   const Tensor scalars = empty({3}, f32, input);
-  const Tensor col_t = empty({need_col ? k : 0, m}, u8, input);
+  // (unneeded: [0], the shape of the Python steps' placeholder: a checkpoint's recompute may
+  // take those steps and must save tensors of the same shapes)
+  const Tensor col_t = need_col ? empty({k, m}, u8, input) : empty({0}, u8, input);
   const Tensor stats = empty({(layernorm ? m : 0) + m}, f32, input);
   const Tensor mu_t = piece(stats, {layernorm ? m : 0}, 0), rsigma_t = piece(stats, {m}, layernorm ? m : 0);
   const Tensor sinv_t = piece(scalars, {1}, 0);
@@ -414,7 +416,7 @@ constexpr const char *kActLinear = "te_eager.act_linear_fp8_forward";
 // activation write high precision, then casts it with the scale of its own amax.
 //
 // Returns (output [M, N] in h's dtype, the activation output's FP8 scale_inv [1], its
-// column-wise copy [K, M] ([0, M] unless need_col)).
+// column-wise copy [K, M] ([0] unless need_col)).
 std::tuple<Tensor, Tensor, Tensor> act_linear_fp8_forward_impl(
     Tensor h, int64_t act, Tensor w_data, Tensor w_sinv, std::optional<Tensor> bias, Tensor scales, Tensor history,
     Tensor workspace, bool current, int64_t fp8_dtype, bool pow2, double epsilon, bool need_col,
@@ -442,7 +444,7 @@ std::tuple<Tensor, Tensor, Tensor> act_linear_fp8_forward_impl(
   const te_dtype h_dtype = core_dtype(h.scalar_type(), op);
   const Tensor rows = empty({m * k}, u8, h);
   const Tensor scalars = empty({3}, f32, h);
-  const Tensor col_t = empty({need_col ? k : 0, m}, u8, h);
+  const Tensor col_t = need_col ? empty({k, m}, u8, h) : empty({0}, u8, h);  // (as above)
   const Tensor sinv_t = piece(scalars, {1}, 0);
   const te_buffer data = buffer(rows.data_ptr(), fp8, {m, k}, h);
   const te_buffer col = buffer(col_t.data_ptr(), fp8, {k, m}, h);

@@ -138,3 +138,31 @@ def test_the_operator_checks_its_inputs():
     assert status != 0
     assert "act_linear_fp8_forward: the forward state must have FC2's input column" in \
         ops.last_error.default()
+
+
+@pytest.mark.parametrize("module", ["layernorm_linear", "layernorm_mlp"])
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-weights"])
+def test_under_activation_checkpointing(module, recipe_name, frozen):
+    """Under te.checkpoint the first run may take the compiled steps and the recompute the
+    Python ones (delayed scaling records no amax there): both save tensors of the same shapes,
+    as the checkpoint demands, and the gradients are those of the run without checkpoint."""
+    def run(checkpointed: bool):
+        torch.manual_seed(0)
+        m = MODULES[module](torch.bfloat16, True, False, "cpu")
+        if frozen:
+            for name, p in m.named_parameters():
+                if "weight" in name and "layer_norm" not in name:
+                    p.requires_grad_(False)
+        r = RECIPES[recipe_name]()
+        grads = []
+        for step in range(3):
+            x = (torch.randn(2, 16, 64) * (step + 1)).to(torch.bfloat16).requires_grad_(True)
+            with te.fp8_autocast(fp8_recipe=r):
+                y = te.checkpoint(m, x) if checkpointed else m(x)
+            y.float().square().mean().backward()
+            grads += [x.grad] + [p.grad.clone() for p in m.parameters() if p.grad is not None]
+        return grads
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert torch.equal(a, b)
