@@ -1,4 +1,4 @@
-"""Builds transformer_engine.pytorch's compiled eager ops (csrc/eager_ops.cpp, see
+"""Builds transformer_engine.pytorch's compiled eager ops (csrc/eager/, see
 transformer_engine/pytorch/_compiled.py) when torch and transformer-engine-common are installed
 where the build runs (--no-build-isolation). Without them the package is pure Python and
 te.Linear takes its Python path.
@@ -12,7 +12,8 @@ from pathlib import Path
 
 from setuptools import setup
 
-OLDEST_TORCH = (2, 11)  # also pyproject.toml's lower bound on torch
+OLDEST_TORCH = (2, 11)  # the stable ABI the library targets (_compiled.py checks it too)
+HERE = Path(__file__).parent
 
 
 def _extension():
@@ -31,7 +32,7 @@ def _extension():
     target = f"0x{major:02x}{minor:02x}000000000000"
     ext = CppExtension(
         "transformer_engine.pytorch._eager_ops",
-        ["csrc/eager_ops.cpp"],
+        sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc" / "eager").glob("*.cpp")),
         include_dirs=[str(root / "include")],
         library_dirs=[str(root / "lib")],
         libraries=["transformer_engine"],

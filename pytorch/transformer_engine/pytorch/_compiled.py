@@ -1,4 +1,4 @@
-"""The compiled eager ops (``pytorch/csrc/eager_ops.cpp``): ``torch.ops.te_eager``, or None.
+"""The compiled eager ops (``pytorch/csrc/eager/``): ``torch.ops.te_eager``, or None.
 
 They are built on the LibTorch stable ABI for torch >= 2.11 (``pytorch/setup.py``), so one build
 loads under every torch release from 2.11 on. None in a pure-Python build, under an older torch,
@@ -66,7 +66,7 @@ _missing_said = _why != "missing"
 
 def raise_if_failed(status: int) -> None:
     """Raises the error of a compiled operator that returned a nonzero status (they return
-    their errors rather than throw them across into libtorch: eager_ops.cpp says why)."""
+    their errors rather than throw them across into libtorch: csrc/eager/common.h says why)."""
     if status:
         raise RuntimeError(ops.last_error.default())
 

@@ -4,7 +4,7 @@ LayerNormLinear's forward is the norm writing the GEMM's FP8 input
 (layernorm_linear_fn.norm_to_fp8) and the GEMM (linear_fn.fp8_gemm); LayerNormMLP's is that,
 then the activation writing FC2's FP8 input (layernorm_mlp_fn.act_to_fp8) and FC2. In Python
 each step is an op call with its wrapper's host time. ``torch.ops.te_eager``'s
-``norm_linear_fp8_forward`` and ``act_linear_fp8_forward`` (``pytorch/csrc/eager_ops.cpp``, on
+``norm_linear_fp8_forward`` and ``act_linear_fp8_forward`` (``pytorch/csrc/eager/``, on
 the LibTorch stable ABI) make the same core calls with the same arguments, a pair of steps per
 call, so the same bits (``tests/pytorch/test_compiled_forward.py``). The autograd functions
 take them where ``usable`` says so, and their Python steps otherwise; ``enabled = False`` turns

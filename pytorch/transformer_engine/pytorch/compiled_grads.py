@@ -4,7 +4,7 @@ The backward of every per-tensor FP8 linear layer is the same few steps: its gra
 (through an activation's derivative in LayerNormMLP's first GEMM) cast to FP8 with the bias
 gradient in the same pass, delayed scaling's scale update, the dgrad and wgrad GEMMs. In
 Python that is five to ten op calls, each with its wrapper's host time; here it is one call of
-``torch.ops.te_eager.linear_fp8_backward`` (``pytorch/csrc/eager_ops.cpp``, on the LibTorch
+``torch.ops.te_eager.linear_fp8_backward`` (``pytorch/csrc/eager/``, on the LibTorch
 stable ABI), which makes the same core calls with the same arguments, so the same bits
 (``tests/pytorch/test_compiled_grads.py``). te.Linear (both of its forward paths),
 LayerNormLinear and LayerNormMLP's second GEMM take it where ``usable`` says so, and their

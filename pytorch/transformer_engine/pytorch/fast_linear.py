@@ -4,7 +4,7 @@ A small layer's step is bound by host time, and in Python most of it is spent ar
 kernels (the op wrappers, their tensor bookkeeping). Here the forward is one autograd.Function
 whose forward and backward are each one call of a compiled operator
 (``torch.ops.te_eager.linear_fp8_forward`` and ``linear_fp8_backward``,
-``pytorch/csrc/eager_ops.cpp``, on the LibTorch stable ABI): the same casts and GEMMs with the
+``pytorch/csrc/eager/``, on the LibTorch stable ABI): the same casts and GEMMs with the
 same arguments as :class:`~transformer_engine.pytorch.linear_fn.Fp8LinearFunction` and
 ``linear_fn.linear_backward``, so the same bits. (The backward is ``linear_backward``, which
 takes the compiled operator where ``compiled_grads.usable`` says so.) te.Linear's full forward
