@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+from .first_step import has_empty
+from .ops._backend import plain_eager
+
 OLDEST_TORCH = (2, 11)  # the stable ABI version the library targets (setup.py)
 _REBUILD = ("reinstall transformer-engine-torch with --no-build-isolation beside torch and "
             "transformer-engine-common to get it")
@@ -62,6 +65,23 @@ ops, _why = _load()
 if _why is not None and _why != "missing":
     warnings.warn(_why, RuntimeWarning, stacklevel=2)
 _missing_said = _why != "missing"
+
+
+def serves(plan, history, tensors) -> bool:
+    """The rule the compiled operators share: they compute a step under ``plan`` as the Python
+    steps do where they are built; the recipe scales per tensor, with delayed scaling's
+    ``history`` one that some step has written (None, a checkpoint's recompute, records nothing
+    there; an unwritten one takes first_step.py's rule); and the call is eager with plain
+    ``tensors`` (None where absent). Each caller adds its own conditions (token counts, the
+    scale update, dtypes)."""
+    if ops is None:
+        return False
+    if plan.kind == "delayed":
+        if history is None or has_empty(history):
+            return False
+    elif plan.kind != "current":  # (delayed and current plans scale every role per tensor)
+        return False
+    return plain_eager(tensors)
 
 
 def raise_if_failed(status: int) -> None:

@@ -16,49 +16,28 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from transformer_engine.common.plan import GEMM_GRANULE
 
-from . import _compiled, first_step
-from .ops._backend import core, dtype_code, stream_of, workspace_for
+from . import _compiled
+from .ops._backend import dtype_code, enum_code, stream_of, workspace_for
 from .quantization import Operand, Plan
 
 if TYPE_CHECKING:  # (layernorm_linear_fn imports this module)
     from .layernorm_linear_fn import NormConfig
 
 enabled = True
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_CODES: dict[tuple, int] = {}
 
 
 def usable(plan: Plan, x: torch.Tensor, tensors: tuple, bias,
            history: Optional[torch.Tensor]) -> bool:
     """Whether a step pair on x [M, K] (norm or activation, then the GEMM) can run through a
-    compiled operator: it is built and on; per-tensor delayed scaling recording its amax
-    (``history``, None in a checkpoint's recompute) into a history some step has written (a
-    first step's rule is first_step.py's), or per-tensor current scaling; a token count the
-    GEMM takes unpadded (a multiple of 16); a bias in x's dtype; eager, plain ``tensors``."""
-    if _compiled.ops is None or not enabled or x.shape[0] % GEMM_GRANULE:
-        return False
-    if plan.kind == "delayed":
-        if history is None or first_step.has_empty(history):
-            return False
-    elif plan.kind != "current" or plan.input_mode != "tensor":
-        return False
-    if plan.weight_mode != "tensor" or (bias is not None and bias.dtype != x.dtype):
-        return False
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    return all(t is None or type(t) in _PLAIN for t in (x, bias, *tensors))
-
-
-def _code(kind: str, name: str) -> int:
-    """The core's code of a norm ("Norm") or an activation ("Activation") by name."""
-    code = _CODES.get((kind, name))
-    if code is None:
-        code = _CODES[(kind, name)] = int(getattr(getattr(core(), kind), name).value)
-    return code
+    compiled operator: the rule of every compiled operator (_compiled.serves; ``history`` None
+    in a checkpoint's recompute, which records no amax), a token count the GEMM takes unpadded
+    (a multiple of 16) and a bias in x's dtype."""
+    return (enabled and x.shape[0] % GEMM_GRANULE == 0
+            and (bias is None or bias.dtype == x.dtype)
+            and _compiled.serves(plan, history, (x, bias, *tensors)))
 
 
 def norm_linear(plan: Plan, cfg: NormConfig, x: torch.Tensor, gamma, beta, w_data, w_sinv, bias,
@@ -71,8 +50,8 @@ def norm_linear(plan: Plan, cfg: NormConfig, x: torch.Tensor, gamma, beta, w_dat
     ws = workspace_for(x)
     none = _compiled.NO_TENSOR
     status, out, sinv, col, mu, rsigma = _compiled.ops.norm_linear_fp8_forward.default(
-        x, gamma, beta, _code("Norm", cfg.norm), cfg.eps, cfg.zero_centered_gamma, w_data, w_sinv,
-        bias, scales, scales if history is None else history, none if ws is None else ws,
+        x, gamma, beta, enum_code("Norm", cfg.norm), cfg.eps, cfg.zero_centered_gamma, w_data,
+        w_sinv, bias, scales, scales if history is None else history, none if ws is None else ws,
         plan.kind == "current", dtype_code(plan.fwd_dtype), plan.force_pow2_scales,
         plan.amax_epsilon, columnwise, stream_of(x))
     _compiled.raise_if_failed(status)
@@ -88,7 +67,7 @@ def act_linear(plan: Plan, act: str, h: torch.Tensor, w_data, w_sinv, bias,
     ws = workspace_for(h)
     none = _compiled.NO_TENSOR
     status, out, sinv, col = _compiled.ops.act_linear_fp8_forward.default(
-        h, _code("Activation", act), w_data, w_sinv, bias, scales,
+        h, enum_code("Activation", act), w_data, w_sinv, bias, scales,
         scales if history is None else history, none if ws is None else ws,
         plan.kind == "current", dtype_code(plan.fwd_dtype), plan.force_pow2_scales,
         plan.amax_epsilon, columnwise, stream_of(h))

@@ -19,48 +19,26 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from transformer_engine.common.plan import GEMM_GRANULE
 
-from . import _compiled, first_step
-from .ops._backend import algo_code, dtype_code, stream_of, workspace_for
+from . import _compiled
+from .fp8 import COMPILED_ALGOS
+from .ops._backend import algo_code, dtype_code, enum_code, stream_of, workspace_for
 from .quantization import Plan
 
 enabled = True
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_COMPILED_ALGOS = ("max", "most_recent")  # the core's own; a callable runs in torch ops
-_ACT_CODES: dict[str, int] = {}
 
 
 def usable(plan: Plan, recipe: Any, history: torch.Tensor, tokens: int,
            *tensors: Optional[torch.Tensor]) -> bool:
-    """Whether the backward under ``plan`` can run through the compiled operator: it is built
-    and on, per-tensor delayed scaling with the core's scale update (``recipe`` None: no user
-    callable, no amax group) and a grad_output history that some step has written (a first
-    step's rule is first_step.py's), or per-tensor current scaling; a token count the GEMMs
-    take unpadded (a multiple of 16; linear_fn pads other counts); eager (not traced, no
-    dispatch mode) with plain ``tensors`` (None where absent)."""
-    if _compiled.ops is None or not enabled or tokens % GEMM_GRANULE:
-        return False
-    if plan.kind == "delayed":
-        if (recipe is not None or plan.algo not in _COMPILED_ALGOS
-                or first_step.has_empty(history)):
-            return False
-    elif plan.kind != "current" or plan.grad_mode != "tensor" or plan.input_mode != "tensor":
-        return False
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    return all(t is None or type(t) in _PLAIN for t in tensors)
-
-
-def _act_code(act: str) -> int:
-    code = _ACT_CODES.get(act)
-    if code is None:
-        from .ops._backend import core
-
-        code = _ACT_CODES[act] = int(getattr(core().Activation, act).value)
-    return code
+    """Whether the backward under ``plan`` can run through the compiled operator: the rule of
+    every compiled operator (_compiled.serves), a token count the GEMMs take unpadded (a
+    multiple of 16; linear_fn pads other counts), and under delayed scaling the core's scale
+    update (``recipe`` None: no user callable, no amax group)."""
+    return (enabled and tokens % GEMM_GRANULE == 0
+            and (plan.kind == "current" or (recipe is None and plan.algo in COMPILED_ALGOS))
+            and _compiled.serves(plan, history, tensors))
 
 
 def linear_grads(g: torch.Tensor, h: Optional[torch.Tensor], act: str, saved: tuple,
@@ -84,7 +62,7 @@ def linear_grads(g: torch.Tensor, h: Optional[torch.Tensor], act: str, saved: tu
     ws = workspace_for(g)
     none = _compiled.NO_TENSOR
     status, gi, gw, gb = _compiled.ops.linear_fp8_backward.default(
-        g, h, _act_code(act), in_sinv, w_sinv, none if in_col is None else in_col,
+        g, h, enum_code("Activation", act), in_sinv, w_sinv, none if in_col is None else in_col,
         none if w_col is None else w_col, history, scale, scale_inv, column, update,
         none if ws is None else ws, current, dtype_code(plan.fwd_dtype),
         dtype_code(plan.bwd_dtype), plan.force_pow2_scales, plan.amax_epsilon,

@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import _compiled, first_step, fp8
+from . import _compiled, fp8
 from .linear_fn import linear_backward
 from .ops._backend import dtype_code, stream_of, workspace_for
 from .quantization import Plan
@@ -53,13 +53,9 @@ def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         if inp.is_cuda and not torch.compiler.is_compiling():
             _compiled.warn_if_missing()  # (once)
         return False
-    kind = plan.kind
     return (_eager_outside_checkpoint()
-            and ((kind == "delayed" and not general_update and history is not None
-                  and not first_step.has_empty(history))
-                 or (kind == "current" and plan.input_mode == "tensor"))
-            and type(inp) in _PLAIN and type(weight) in _PLAIN
-            and (bias is None or type(bias) in _PLAIN))
+            and not (plan.kind == "delayed" and general_update)
+            and _compiled.serves(plan, history, (inp, weight, bias)))
 
 
 def _eager_outside_checkpoint() -> bool:

@@ -69,21 +69,24 @@ def te_mode(mode: str):
 _codes: dict = {}
 
 
-def dtype_code(name: str) -> int:
-    """The core's te_dtype value of a dtype name (for the compiled module, which takes ints)."""
-    c = _codes.get(name)
+def enum_code(kind: str, name: str) -> int:
+    """The core's value of member ``name`` of the binding's enum ``kind`` (``DType``,
+    ``AmaxComputeAlgo``, ``Norm``, ``Activation``), for the compiled operators, which take ints."""
+    c = _codes.get((kind, name))
     if c is None:
-        c = _codes[name] = int(te_dtype(name).value)
+        c = _codes[(kind, name)] = int(_enum(kind, name).value)
     return c
+
+
+def dtype_code(name: str) -> int:
+    """The core's te_dtype value of a dtype name."""
+    return enum_code("DType", name)
 
 
 def algo_code(algo: str) -> int:
     """The core's te_amax_compute_algo value of an amax algorithm name (``"max"``,
     ``"most_recent"``)."""
-    c = _codes.get(("algo", algo))
-    if c is None:
-        c = _codes[("algo", algo)] = int(_enum("AmaxComputeAlgo", algo).value)
-    return c
+    return enum_code("AmaxComputeAlgo", algo)
 
 
 _TORCH_TO_TE = {
