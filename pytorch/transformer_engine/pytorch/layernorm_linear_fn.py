@@ -63,6 +63,26 @@ def norm_to_fp8(plan: Plan, x: torch.Tensor, gamma, beta, cfg: NormConfig, scale
     return op, (y if cfg.return_ln_out else None), mu, rsigma
 
 
+def norm_then_gemm(plan: Plan, cfg: NormConfig, x: torch.Tensor, gamma, beta, w_data, w_sinv,
+                   bias, scales: torch.Tensor, history: Optional[torch.Tensor],
+                   columnwise: bool) -> tuple:
+    """norm(x) written as the FP8 input of the GEMM after it, then ``@ w^T (+ bias)`` in x's
+    dtype: (output [M, N], the norm output's operand, ln_out or None, mu, rsigma, x as the
+    backward keeps it). One compiled operator call where compiled_forward.usable says so (and
+    no ln_out is asked for), else norm_to_fp8 and fp8_gemm: the same bits."""
+    if not cfg.return_ln_out and compiled_forward.usable(plan, x, (gamma, beta, w_data, w_sinv),
+                                                         bias, history):
+        x = x.contiguous()
+        out, q, mu, rsigma = compiled_forward.norm_linear(
+            plan, cfg, x, gamma, beta, w_data, w_sinv, bias, scales, history, columnwise)
+        return out, q, None, mu, rsigma, x
+    q, ln_out, mu, rsigma = norm_to_fp8(plan, x, gamma, beta, cfg, scales[0:1], columnwise,
+                                        history, 0)
+    out = fp8_gemm(q.data, q.scale_inv, w_data, w_sinv, plan.fwd_dtype, plan.fwd_dtype,
+                   plan.input_mode, plan.weight_mode, x.dtype, bias, False)
+    return out, q, ln_out, mu, rsigma, x
+
+
 def norm_backward(cfg: NormConfig, d_ln: torch.Tensor, x, mu, rsigma, gamma, has_beta: bool):
     """(grad_input, grad_gamma, grad_beta or None) of the block's norm."""
     dx, dgamma, dbeta = ops.norm_backward(d_ln.to(x.dtype).contiguous(), x, mu, rsigma, gamma,
@@ -104,25 +124,15 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
         plan, recipe, group, cfg, need_dgrad, need_wgrad, out_meta = consts
         k = inp.shape[-1]
         x = inp.reshape(-1, k)
-        if (out_meta is None and not cfg.return_ln_out
-                and compiled_forward.usable(plan, x, (gamma, beta, w_data, w_scale_inv), bias,
-                                            history_fwd)):
-            # the norm writing the GEMM's FP8 input, then the GEMM, in one call
-            x = x.contiguous()
-            out, q, mu, rsigma = compiled_forward.norm_linear(
-                plan, cfg, x, gamma, beta, w_data, w_scale_inv, bias, scale_fwd, history_fwd,
-                need_wgrad)
-            ln_out = None
+        if out_meta is None:  # [M, N]: the module gives it inp's leading dimensions
+            out, q, ln_out, mu, rsigma, x = norm_then_gemm(plan, cfg, x, gamma, beta, w_data,
+                                                           w_scale_inv, bias, scale_fwd,
+                                                           history_fwd, need_wgrad)
         else:
             q, ln_out, mu, rsigma = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
                                                 need_wgrad, history_fwd, 0)
-            if out_meta is not None:
-                out = fp8_output(plan, q, w_data, w_scale_inv, bias, out_meta,
-                                 (*inp.shape[:-1], w_data.shape[0]), inp.dtype)
-            else:  # [M, N]: the module gives it inp's leading dimensions
-                out = fp8_gemm(q.data, q.scale_inv, w_data, w_scale_inv, plan.fwd_dtype,
-                               plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype,
-                               bias, False)
+            out = fp8_output(plan, q, w_data, w_scale_inv, bias, out_meta,
+                             (*inp.shape[:-1], w_data.shape[0]), inp.dtype)
         if w_col_scale_inv is None:  # per-tensor: shared with the row-wise copy
             w_col_scale_inv = w_scale_inv
         ctx.save_for_backward(x, mu, rsigma, gamma, q.columnwise, q.columnwise_scale_inv, w_col,

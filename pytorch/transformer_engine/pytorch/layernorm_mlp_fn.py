@@ -25,7 +25,7 @@ import torch
 
 from . import compiled_forward, compiled_grads, ops
 from .first_step import step_scales
-from .layernorm_linear_fn import NormConfig, norm_backward, norm_to_fp8
+from .layernorm_linear_fn import NormConfig, norm_backward, norm_then_gemm
 from .linear_fn import backward_gemms, fp8_gemm, grad_to_fp8, update_backward
 from .quantization import Operand, Plan, quantize
 from .release import may_release, release
@@ -81,26 +81,14 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         plan, recipe, group, cfg, act, need, own_weights = consts
         need_dgrad, need_wgrad1, need_wgrad2, _ = need
         x = inp.reshape(-1, inp.shape[-1])
-        fused = compiled_forward.usable(plan, x, (gamma, beta, w1_data, w1_sinv, w2_data,
-                                                  w2_sinv), b1, history_fwd) \
-            and (b2 is None or b2.dtype == x.dtype)
-        if fused and not cfg.return_ln_out:
-            # the norm writing FC1's FP8 input, then FC1, in one call
-            x = x.contiguous()
-            h, q1, mu, rsigma = compiled_forward.norm_linear(
-                plan, cfg, x, gamma, beta, w1_data, w1_sinv, b1, scale_fwd, history_fwd,
-                need_wgrad1)
-            ln_out = None
-        else:
-            q1, ln_out, mu, rsigma = norm_to_fp8(plan, x, gamma, beta, cfg, scale_fwd[0:1],
-                                                 need_wgrad1, history_fwd, 0)
-            h = fp8_gemm(q1.data, q1.scale_inv, w1_data, w1_sinv, plan.fwd_dtype,
-                         plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype, b1, False)
+        h, q1, ln_out, mu, rsigma, x = norm_then_gemm(plan, cfg, x, gamma, beta, w1_data,
+                                                      w1_sinv, b1, scale_fwd, history_fwd,
+                                                      need_wgrad1)
         # Only FC1's wgrad reads ln_out again (column-wise): its row-wise bytes go before the
         # activation allocates FC2's input.
         ln_col, ln_col_sinv = q1.columnwise, q1.columnwise_scale_inv
         del q1
-        if fused and h.dtype == x.dtype:
+        if compiled_forward.usable(plan, h, (w2_data, w2_sinv), b2, history_fwd):
             # the activation writing FC2's FP8 input, then FC2, in one call
             out, q2 = compiled_forward.act_linear(plan, act, h, w2_data, w2_sinv, b2, scale_fwd,
                                                   history_fwd, need_wgrad2)
