@@ -54,9 +54,13 @@ def register_norm_params(module: torch.nn.Module, hidden: int, cfg: NormConfig,
 
 
 def norm_params(module: torch.nn.Module, dtype: torch.dtype):
+    """The module's gamma and beta for the kernels (cast_norm_params)."""
+    return cast_norm_params(module.layer_norm_weight, module.layer_norm_bias, dtype)
+
+
+def cast_norm_params(gamma: torch.Tensor, beta, dtype: torch.dtype):
     """gamma and beta for the kernels, which take fp32 or the input's dtype (any other dtype
     is cast; autograd casts the gradient back)."""
-    gamma, beta = module.layer_norm_weight, module.layer_norm_bias
     if gamma.dtype not in (dtype, torch.float32):
         gamma = gamma.to(dtype)
         beta = None if beta is None else beta.to(dtype)
@@ -115,6 +119,29 @@ def check_input(op: str, inp: torch.Tensor, features: int, param: torch.Tensor) 
     if inp.dtype not in _DTYPES:
         raise TypeError(f"{op}: input must be float32, bfloat16 or float16, got {inp.dtype}")
     check_device(op, "input", inp, param)
+
+
+def fp8_norm_linear(module, inp, gamma, beta, cfg: NormConfig, weight, bias, recipe: Recipe,
+                    is_first_microbatch, fp8_output: bool = False):
+    """The FP8 forward of ``norm(inp) @ weight^T (+ bias)`` with ``module``'s FP8 state (a
+    module with one GEMM's state: te.LayerNormLinear, and te.Linear after a norm that
+    te.ops.Sequential fuses with it)."""
+    inp = fp8_input(module._name, inp)
+    check_fp8_shape(inp, module.in_features, module.out_features, module._name)
+    plan, scales, history = module._fp8_meta_of(recipe)
+    gamma, beta = cast_norm_params(gamma, beta, inp.dtype)
+    grad = torch.is_grad_enabled()
+    need_dgrad = grad and (inp.requires_grad or gamma.requires_grad
+                           or (beta is not None and beta.requires_grad))
+    need_wgrad = grad and weight.requires_grad
+    w = module._weight_operand(plan, weight, need_dgrad, is_first_microbatch, scales, history)
+    col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
+    bwd_meta, bwd_recipe, group = module._backward_state(plan, recipe)
+    out_meta = module._output_meta(plan) if fp8_output else None
+    consts = NormLinearConsts(plan, bwd_recipe, group, cfg, need_dgrad, need_wgrad, out_meta)
+    return with_leading_dims(Fp8LayerNormLinearFunction.apply(
+        inp, gamma, beta, weight, bias, w.data, w.scale_inv, w.columnwise, col_sinv, history,
+        scales, bwd_meta, consts), inp)
 
 
 class LayerNormLinear(_LinearBase):
@@ -257,20 +284,6 @@ class LayerNormLinear(_LinearBase):
 
     def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch,
                      fp8_output: bool = False, norm=None):
-        inp = fp8_input(self._name, inp)
-        check_fp8_shape(inp, self.in_features, self.out_features, self._name)
-        plan, scales, history = self._fp8_meta_of(recipe)
-        gamma, beta = norm_params(self, inp.dtype) if norm is None else norm
-        grad = torch.is_grad_enabled()
-        need_dgrad = grad and (inp.requires_grad or gamma.requires_grad
-                               or (beta is not None and beta.requires_grad))
-        need_wgrad = grad and weight.requires_grad
-        w = self._weight_operand(plan, weight, need_dgrad, is_first_microbatch, scales, history)
-        col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
-        bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
-        out_meta = self._output_meta(plan) if fp8_output else None
-        consts = NormLinearConsts(plan, bwd_recipe, group, self.cfg, need_dgrad, need_wgrad,
-                                  out_meta)
-        return with_leading_dims(Fp8LayerNormLinearFunction.apply(
-            inp, gamma, beta, weight, bias, w.data, w.scale_inv, w.columnwise, col_sinv,
-            history, scales, bwd_meta, consts), inp)
+        gamma, beta = (self.layer_norm_weight, self.layer_norm_bias) if norm is None else norm
+        return fp8_norm_linear(self, inp, gamma, beta, self.cfg, weight, bias, recipe,
+                               is_first_microbatch, fp8_output)

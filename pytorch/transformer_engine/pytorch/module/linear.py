@@ -299,8 +299,8 @@ class Linear(_LinearBase):
         state = fp8.STATE
         if not state.enabled or self._tp_mode is not None or self.return_bias:
             return self(norm(inp))
-        from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig, NormLinearConsts
-        from .layernorm_linear import fp8_input
+        from ..layernorm_linear_fn import NormConfig
+        from .layernorm_linear import fp8_norm_linear  # (it imports this module)
 
         if inp.dim() == 0 or inp.shape[-1] != norm.hidden_size or \
                 norm.hidden_size != self.in_features:
@@ -309,24 +309,9 @@ class Linear(_LinearBase):
                              f"dimension, got shape {list(inp.shape)}")
         weight, bias = self._weight_and_bias()
         check_device(self._name, "input", inp, weight)
-        inp = fp8_input(self._name, inp)
-        check_fp8_shape(inp, self.in_features, self.out_features, self._name)
-        gamma, beta = norm.weight, norm.bias
-        if gamma.dtype not in (inp.dtype, torch.float32):  # (as te.LayerNormLinear casts)
-            gamma, beta = gamma.to(inp.dtype), None if beta is None else beta.to(inp.dtype)
-        plan, scales, history = self._fp8_meta_of(state.recipe)
-        grad = torch.is_grad_enabled()
-        need_dgrad = grad and (inp.requires_grad or gamma.requires_grad
-                               or (beta is not None and beta.requires_grad))
-        need_wgrad = grad and weight.requires_grad
-        w = self._weight_operand(plan, weight, need_dgrad, None, scales, history)
-        col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
-        bwd_meta, bwd_recipe, group = self._backward_state(plan, state.recipe)
         cfg = NormConfig(norm._norm, norm.eps, norm.zero_centered_gamma, False)
-        consts = NormLinearConsts(plan, bwd_recipe, group, cfg, need_dgrad, need_wgrad, None)
-        return with_leading_dims(Fp8LayerNormLinearFunction.apply(
-            inp, gamma, beta, weight, bias, w.data, w.scale_inv, w.columnwise, col_sinv,
-            history, scales, bwd_meta, consts), inp)
+        return fp8_norm_linear(self, inp, norm.weight, norm.bias, cfg, weight, bias, state.recipe,
+                               None)
 
     def _gemm(self, inp, weight, gemm_bias, state, is_first_microbatch, fp8_output: bool):
         """``inp @ weight^T (+ gemm_bias)`` in FP8 under an enabled autocast, else in the
