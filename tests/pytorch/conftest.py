@@ -32,6 +32,25 @@ def device(request) -> torch.device:
     return torch.device("cpu")
 
 
+@pytest.fixture
+def record_calls(monkeypatch):
+    """``record_calls(owner, *names)``: a list that gets a name each time ``owner.<name>`` is
+    called (the function still runs), for tests that check which path a step took."""
+    def record(owner, *names):
+        seen = []
+        for name in names:
+            real = getattr(owner, name)
+
+            def recording(*args, _name=name, _real=real, **kwargs):
+                seen.append(_name)
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(owner, name, recording)
+        return seen
+
+    return record
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

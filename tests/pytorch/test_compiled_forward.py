@@ -68,18 +68,9 @@ def _train(device, compiled: bool, module: str, recipe_name: str, dtype, bias: b
 
 
 @pytest.fixture
-def calls(monkeypatch):
+def calls(record_calls):
     """The names of the compiled step pairs called, in order."""
-    seen = []
-    for name in ("norm_linear", "act_linear"):
-        real = getattr(compiled_forward, name)
-
-        def counting(*args, _name=name, _real=real):
-            seen.append(_name)
-            return _real(*args)
-
-        monkeypatch.setattr(compiled_forward, name, counting)
-    return seen
+    return record_calls(compiled_forward, "norm_linear", "act_linear")
 
 
 @pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero-centered"])

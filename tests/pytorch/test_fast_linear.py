@@ -32,19 +32,11 @@ def spy(monkeypatch):
 
 
 @pytest.fixture
-def backward_spy(monkeypatch):
-    """Counts the backwards that the compiled operator computes (from either forward path)."""
+def backward_spy(record_calls):
+    """The backwards that the compiled operator computes (from either forward path)."""
     from transformer_engine.pytorch import compiled_grads
 
-    calls = []
-    compiled = compiled_grads.linear_grads
-
-    def counting(*args):
-        calls.append(1)
-        return compiled(*args)
-
-    monkeypatch.setattr(compiled_grads, "linear_grads", counting)
-    return calls
+    return record_calls(compiled_grads, "linear_grads")
 
 
 def test_built():
