@@ -1,8 +1,9 @@
 """One rank of the context-parallel tests (test_parallel_worlds.py): ``python _cp_rank.py
 RANK WORLD PORT``. Every rank holds chunks r and 2*WORLD-1-r of the sequence (the
-load-balanced layout) and checks its rows of the output and of q's, k's and v's gradients (k's
-and v's summed over the ranks by the backward's reduce-scatter) against attention over the
-whole sequence; then te.MultiheadAttention with RoPE and te.TransformerLayer the same way.
+load-balanced layout) and checks its rows of the output and of q's, k's and v's gradients
+against attention over the whole sequence, under each cp_comm_type (all_gather, the p2p ring,
+a2a); then te.MultiheadAttention with RoPE and te.TransformerLayer the same way, and the ring's
+dropout against its own directional derivative.
 
 A standalone script, like _tp_rank.py.
 """
@@ -19,9 +20,12 @@ from _tp_world import case, rms_close
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
+from transformer_engine.pytorch.context_parallel import ContextParallel
+from transformer_engine.pytorch.context_parallel_ring import ring_attention
 
 RANK, WORLD, PORT = (int(a) for a in sys.argv[1:4])
 S, B, HEADS, D = 32, 2, 4, 16  # whole sequence, batch, heads, head dim
+COMM_TYPES = ("all_gather", "p2p", "a2a")
 
 
 def local(t, seq):
@@ -31,16 +35,17 @@ def local(t, seq):
                      dim=seq)
 
 
-def check_attention(layout, mask, r=None):
+def check_attention(comm, layout, mask, r=None, groups=HEADS):
     seq = 0 if layout == "sbhd" else 1
     shape = (S, B, HEADS, D) if layout == "sbhd" else (B, S, HEADS, D)
+    kv_shape = shape[:2] + (groups, D)
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(*shape, generator=gen) for _ in range(3))
+    q = torch.randn(*shape, generator=gen)
+    k, v = (torch.randn(*kv_shape, generator=gen) for _ in range(2))
     g = torch.randn(*shape[:2], HEADS * D, generator=gen)
-    full = te.DotProductAttention(HEADS, D, qkv_format=layout, attn_mask_type=mask,
-                                  device="cpu")
-    part = te.DotProductAttention(HEADS, D, qkv_format=layout, attn_mask_type=mask,
-                                  device="cpu", cp_group=GROUP, cp_comm_type="p2p")
+    kw = dict(num_gqa_groups=groups, qkv_format=layout, attn_mask_type=mask, device="cpu")
+    full = te.DotProductAttention(HEADS, D, **kw)
+    part = te.DotProductAttention(HEADS, D, **kw, cp_group=GROUP, cp_comm_type=comm)
 
     def run(module, q, k, v, g):
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
@@ -55,10 +60,40 @@ def check_attention(layout, mask, r=None):
     # so the two differ by up to twice one side's rounding (as in _tp_rank.py's FP8_RMS).
     rel = 1e-5 if r is None else 0.2
     for name, a, b in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
-        rms_close(a, local(b, seq), rel, f"{layout} {mask} {r is not None} {name}")
+        rms_close(a, local(b, seq), rel, f"{comm} {layout} {mask} {r is not None} {name}")
 
 
-def check_block(kind):
+def check_ring_dropout():
+    """The ring's gradients (fp64, dropout 0.3) against its own directional derivative: the
+    backward replays each block's dropout mask (seeded from torch's generator, reset here
+    before each forward)."""
+    cp = ContextParallel(GROUP, "p2p")
+    gen = torch.Generator().manual_seed(3)
+    local_shape = (B, HEADS, S // WORLD, D)
+    q, k, v, dq, dk, dv, g = (torch.randn(*local_shape, generator=gen, dtype=torch.float64)
+                              for _ in range(7))
+
+    def ring(q, k, v, dropout=0.3):
+        torch.manual_seed(7)
+        return ring_attention(cp, q, k, v, True, 0.25, dropout)
+
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o = ring(q, k, v)
+    (o * g).sum().backward()
+    assert not torch.allclose(o, ring(q, k, v, 0.0)), "dropout 0.3 dropped nothing"
+    eps = 1e-6
+    with torch.no_grad():
+        plus = (ring(q + eps * dq, k + eps * dk, v + eps * dv) * g).sum()
+        minus = (ring(q - eps * dq, k - eps * dk, v - eps * dv) * g).sum()
+    numeric = (plus - minus) / (2 * eps)
+    analytic = (q.grad * dq).sum() + (k.grad * dk).sum() + (v.grad * dv).sum()
+    # each rank's share of the sequence: the sum over the ranks is the whole derivative
+    total = torch.stack([numeric, analytic])
+    dist.all_reduce(total, group=GROUP)
+    assert abs(total[0] - total[1]) <= 1e-6 * abs(total[1]), f"directional derivative {total}"
+
+
+def check_block(kind, comm):
     torch.manual_seed(0)
     if kind == "MultiheadAttention":
         full = te.MultiheadAttention(HEADS * D, HEADS, attention_dropout=0.0,
@@ -67,7 +102,7 @@ def check_block(kind):
         full = te.TransformerLayer(HEADS * D, 2 * HEADS * D, HEADS, hidden_dropout=0.0,
                                    attention_dropout=0.0, device="cpu")
     part = copy.deepcopy(full)
-    part.set_context_parallel_group(GROUP, list(range(WORLD)), None, "all_gather")
+    part.set_context_parallel_group(GROUP, list(range(WORLD)), None, comm)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(S, B, HEADS * D, generator=gen)
     g = torch.randn(S, B, HEADS * D, generator=gen)
@@ -81,12 +116,12 @@ def check_block(kind):
 
     y, dx = run(full, x, g)
     yp, dxp = run(part, local(x, 0), local(g, 0))
-    rms_close(yp, local(y, 0), 1e-5, f"{kind} output")
-    rms_close(dxp, local(dx, 0), 1e-5, f"{kind} input gradient")
+    rms_close(yp, local(y, 0), 1e-5, f"{kind} {comm} output")
+    rms_close(dxp, local(dx, 0), 1e-5, f"{kind} {comm} input gradient")
     for (name, p), q in zip(part.named_parameters(), full.parameters(), strict=True):
         grad = p.grad.contiguous().clone()
         dist.all_reduce(grad, group=GROUP)  # each rank's share of the sequence
-        rms_close(grad, q.grad, 1e-5, f"{kind} {name}.grad")
+        rms_close(grad, q.grad, 1e-5, f"{kind} {comm} {name}.grad")
 
 
 def check_refusals():
@@ -103,12 +138,16 @@ def check_refusals():
 
 if __name__ == "__main__":
     GROUP = _tp_world.start(RANK, WORLD, PORT)
-    for layout in ("sbhd", "bshd"):
-        for mask in ("causal", "no_mask"):
-            case(check_attention, layout, mask)
-    case(check_attention, "sbhd", "causal", recipe.Float8CurrentScaling(fp8_dpa=True))
-    case(check_block, "MultiheadAttention")
-    case(check_block, "TransformerLayer")
+    for comm in COMM_TYPES:
+        for layout in ("sbhd", "bshd"):
+            for mask in ("causal", "no_mask"):
+                case(check_attention, comm, layout, mask)
+        case(check_attention, comm, "sbhd", "causal", recipe.Float8CurrentScaling(fp8_dpa=True))
+        case(check_attention, comm, "bshd", "causal", None, WORLD)  # GQA for a2a on 4 ranks
+        case(check_block, "MultiheadAttention", comm)
+        case(check_block, "TransformerLayer", comm)
+    case(check_attention, "p2p", "sbhd", "causal", None, 1)  # one kv head
+    case(check_ring_dropout)
     case(check_refusals)
     dist.destroy_process_group()
     _tp_world.finish(RANK)

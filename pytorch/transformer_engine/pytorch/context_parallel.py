@@ -2,12 +2,23 @@
 
 Each rank holds two of the sequence's ``2 * cp`` equal chunks, ``r`` and ``2 * cp - 1 - r``
 (the load-balanced layout that NVIDIA TE and Megatron-LM use: under a causal mask every rank
-then has the same amount of work). Attention gathers k and v over the group (all-gather along
-the sequence, put back in sequence order; the backward reduce-scatters their gradients) and
-each local q chunk attends to the keys up to its own end with a bottom-right causal mask (or
-to all keys without a mask), so every rank computes exactly its rows of full attention. This
-is NVIDIA's ``cp_comm_type="all_gather"``; the other comm types (p2p rings, all-to-all) give
-the same numbers with other communication and run this one here.
+then has the same amount of work), and computes exactly its rows of attention over the whole
+sequence. ``cp_comm_type`` says how the rest of the sequence reaches it:
+
+* ``"all_gather"`` (here): k and v are gathered over the group (all-gather along the sequence,
+  put back in sequence order; the backward reduce-scatters their gradients) and each local q
+  chunk attends to the keys up to its own end with a bottom-right causal mask (or to all keys
+  without a mask), through the module's own attention (its backends, FP8).
+* ``"p2p"`` (context_parallel_ring.py): a ring; the k/v blocks travel from rank to rank and
+  the partial results merge by their softmax statistics, so a rank holds two blocks of k and v
+  at a time, never the whole sequence.
+* ``"a2a"`` (context_parallel_a2a.py): all-to-alls trade the split of the sequence for a split
+  of the heads and back; each rank attends whole sequences for ``h / cp`` heads.
+* ``"a2a+p2p"`` (all-to-all inside one group, a ring across another) is not implemented.
+
+The ring and the all-to-all compute attention themselves (the module does not return its
+softmax statistics, and checks for its own number of heads), in high precision: under
+``fp8_dpa`` only ``"all_gather"`` runs attention in FP8.
 """
 
 from __future__ import annotations
@@ -16,7 +27,11 @@ from typing import Any, Callable
 
 import torch
 
-from . import distributed
+from . import attention_fn, distributed
+from .context_parallel_a2a import a2a_attention
+from .context_parallel_ring import ring_attention
+from .float8_tensor import to_high_precision
+from .fp8 import fp8_autocast
 
 __all__ = ["ContextParallel", "attend", "check_comm_type"]
 
@@ -40,6 +55,10 @@ class ContextParallel:
         import torch.distributed as dist
 
         check_comm_type(comm_type)
+        if comm_type == "a2a+p2p":
+            raise NotImplementedError("DotProductAttention: cp_comm_type 'a2a+p2p' (all-to-all "
+                                      "inside one group, a ring across another) is not "
+                                      "implemented; use 'p2p', 'a2a' or 'all_gather'")
         self.group, self.comm_type = group, comm_type
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
@@ -76,8 +95,8 @@ class _GatherSequence(torch.autograd.Function):
 
 def attend(attend_one: Callable, cp: ContextParallel, query, key, value, layout: str,
            mask: str) -> torch.Tensor:
-    """The rank's rows of attention over the whole sequence. ``attend_one(q, k, v, mask)`` is
-    the module's attention of one call (in ``layout``)."""
+    """The rank's rows of attention over the whole sequence, flattened over the heads.
+    ``attend_one(q, k, v, mask)`` is the module's attention of one call (in ``layout``)."""
     if layout not in ("sbhd", "bshd"):
         raise NotImplementedError(f"DotProductAttention: context parallelism takes qkv_format "
                                   f"'sbhd' or 'bshd', got {layout!r}")
@@ -90,6 +109,39 @@ def attend(attend_one: Callable, cp: ContextParallel, query, key, value, layout:
         raise ValueError(f"DotProductAttention: under context parallelism each rank holds two "
                          f"equal chunks of the sequence (an even local length, the same for q "
                          f"and k), got q {list(query.shape)} and k {list(key.shape)}")
+    if cp.comm_type == "all_gather":
+        return _attend_gathered(attend_one, cp, query, key, value, seq, mask)
+    query, key, value = (to_high_precision(t) for t in (query, key, value))
+    scale, dropout = _softmax_parameters(attend_one, query, key, value, seq)
+    causal = mask == "causal"
+    if cp.comm_type == "a2a":  # works in sbhd
+        q, k, v = (t.movedim(seq, 0) for t in (query, key, value))
+        o = a2a_attention(cp, q, k, v, causal, scale, dropout).movedim(0, seq)
+    else:  # the ring works in [b, h, s, d]
+        q, k, v = (t.movedim(seq, 2) if seq == 0 else t.transpose(1, 2)
+                   for t in (query, key, value))
+        o = ring_attention(cp, q, k, v, causal, scale, dropout)
+        o = o.permute(2, 0, 1, 3) if seq == 0 else o.transpose(1, 2)
+    return o.reshape(*o.shape[:2], o.shape[2] * o.shape[3])
+
+
+def _softmax_parameters(attend_one: Callable, query, key, value, seq: int) -> tuple[float, float]:
+    """(softmax_scale, dropout) of the module's attention, read from one call of it on one
+    position of one sequence, in high precision and without a graph (the module hands context
+    parallelism only its attention function)."""
+    batch = 1 - seq
+    one = [t.narrow(seq, 0, 1).narrow(batch, 0, 1) for t in (query, key, value)]
+    with attention_fn.observed_calls() as calls, torch.no_grad(), fp8_autocast(enabled=False):
+        attend_one(*one, "no_mask")
+    if not calls:
+        raise RuntimeError("DotProductAttention: context parallelism could not read the "
+                           "module's softmax scale and dropout from its attention call")
+    return calls[-1]
+
+
+def _attend_gathered(attend_one: Callable, cp: ContextParallel, query, key, value, seq: int,
+                     mask: str) -> torch.Tensor:
+    """``"all_gather"``: k and v gathered over the group, attended by the module."""
 
     def gather(t):
         t = t.movedim(seq, 0)
@@ -98,7 +150,7 @@ def attend(attend_one: Callable, cp: ContextParallel, query, key, value, layout:
     keys, values = gather(key), gather(value)
     if mask == "no_mask":
         return attend_one(query, keys, values, "no_mask")
-    c = local // 2
+    c = query.shape[seq] // 2
     outs = []
     for i, chunk in enumerate(cp.chunks()):
         q = query.narrow(seq, i * c, c)
