@@ -65,6 +65,14 @@ def _empty(dtype=_F32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((0,), dtype)
 
 
+def _partitioner():
+    """The partitioned forms of the ops (:mod:`transformer_engine.jax.partitioning`) while a
+    mesh is in context or the mesh resource names axes, else None (the plain custom calls)."""
+    from transformer_engine.jax import partitioning
+
+    return partitioning if partitioning.active() else None
+
+
 class QuantizedTensor(NamedTuple):
     """The FP8 buffers of one tensor; a slot that was not asked for is an empty array.
 
@@ -127,6 +135,17 @@ def quantize(x: jax.Array, scale: Optional[jax.Array], dtype, *,
         csi,
         jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty(),
     )
+    part = _partitioner()
+    if part is not None and mode == ScalingMode.TENSOR:
+        def body(xs, s):
+            return tuple(quantize(xs, s, fp8, rowwise=rowwise, columnwise=columnwise,
+                                  compute_amax=compute_amax))
+
+        flat = (jax.ShapeDtypeStruct((m, k), fp8) if rowwise else _empty(fp8), *results[1:])
+        out = part.quantize(x.reshape(m, k), scale, body, flat, rowwise=rowwise,
+                            columnwise=columnwise, compute_amax=compute_amax)
+        data = out[0].reshape(x.shape) if rowwise else out[0]
+        return QuantizedTensor(data, *out[1:])
     call = jax.ffi.ffi_call(TARGETS["quantize"], results, vmap_method=_VMAP)
     out = call(x, scale, scaling_mode=np.int32(mode), rowwise=bool(rowwise),
                columnwise=bool(columnwise), compute_amax=bool(compute_amax),
@@ -148,6 +167,9 @@ def compute_amax(x: jax.Array, *, gate: Optional[jax.Array] = None) -> jax.Array
     ``gate`` ([1] float32): the call runs only while it holds 0, else gives 0 at the cost of
     one early-returning launch (the core's gate, tensor.h). The FP8 casts below take it too.
     """
+    part = _partitioner()
+    if part is not None:
+        return part.compute_amax(x, _gate(gate))
     call = jax.ffi.ffi_call(TARGETS["compute_amax"], jax.ShapeDtypeStruct((1,), _F32),
                             vmap_method=_VMAP)
     return call(x, _gate(gate))
@@ -229,6 +251,23 @@ def gemm(a: jax.Array, b: jax.Array, *, a_scale_inv: Optional[jax.Array] = None,
     lead = (a.shape[1],) if transpose_a else a.shape[:-1]
     out_dtype = jnp.dtype(out_dtype if out_dtype is not None else a.dtype)
     empty = jnp.zeros((0,), _F32)
+    part = _partitioner()
+    if (part is not None and ScalingMode(a_scaling_mode) == ScalingMode.TENSOR
+            and ScalingMode(b_scaling_mode) == ScalingMode.TENSOR):
+        def run(a_, a_si, b_, b_si, bias_):
+            return gemm(a_, b_, a_scale_inv=a_si if a_si.size else None,
+                        b_scale_inv=b_si if b_si.size else None, transpose_a=transpose_a,
+                        transpose_b=transpose_b, bias=bias_ if bias_.size else None,
+                        out_dtype=out_dtype, use_split_accumulator=use_split_accumulator)
+
+        a2 = a if transpose_a else a.reshape(math.prod(lead), a.shape[-1])
+        d, amax = part.gemm(a2, a_scale_inv if a_scale_inv is not None else empty, b,
+                            b_scale_inv if b_scale_inv is not None else empty,
+                            bias if bias is not None else jnp.zeros((0,), out_dtype),
+                            transpose_a=transpose_a, transpose_b=transpose_b,
+                            fp8=a_scale_inv is not None, compute_amax=compute_amax, run=run)
+        d = d.reshape(*lead, n)
+        return (d, amax) if compute_amax else d
     results = (jax.ShapeDtypeStruct((*lead, n), out_dtype),
                jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty(),
                jax.ShapeDtypeStruct((_gemm_workspace_bytes(),), jnp.uint8))
@@ -273,9 +312,27 @@ def _norm_forward_call(x, gamma, beta, scale, fp8, *, norm_type, epsilon, zero_c
                jax.ShapeDtypeStruct((n, m), fp8) if columnwise else _empty(jnp.uint8),
                jax.ShapeDtypeStruct((1,), _F32) if fp8 is not None else _empty(),
                jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
+    args = (x, gamma, beta if ln else jnp.zeros((0,), gamma.dtype),
+            scale if scale is not None else _zeros_f32(), _gate(gate))
+    part = _partitioner()
+    if part is not None:
+        def body(xs, g, b, sc, gt):
+            return _norm_forward_call(xs, g, b if ln else None, sc, fp8, norm_type=kind,
+                                      epsilon=epsilon, zero_centered_gamma=zero_centered_gamma,
+                                      write_output=write_output, columnwise=columnwise,
+                                      compute_amax=compute_amax, gate=gt if gt.size else None)
+
+        flat = list(results)
+        for i in (0, 3):  # y and the FP8 data have x's shape: flattened to [M, N]
+            if results[i].shape == x.shape:
+                flat[i] = jax.ShapeDtypeStruct((m, n), results[i].dtype)
+        out = list(part.norm_forward((x.reshape(m, n), *args[1:]), body, flat))
+        for i in (0, 3):
+            if results[i].shape == x.shape:
+                out[i] = out[i].reshape(x.shape)
+        return tuple(out)
     call = jax.ffi.ffi_call(TARGETS["norm_forward"], results, vmap_method=_VMAP)
-    return call(x, gamma, beta if ln else jnp.zeros((0,), gamma.dtype),
-                scale if scale is not None else _zeros_f32(), _gate(gate), norm_type=np.int32(kind),
+    return call(*args, norm_type=np.int32(kind),
                 eps=np.float32(epsilon), zero_centered_gamma=bool(zero_centered_gamma),
                 write_output=bool(write_output), fp8=fp8 is not None,
                 columnwise=bool(columnwise), compute_amax=bool(compute_amax))
@@ -333,6 +390,17 @@ def norm_backward(dy: jax.Array, x: jax.Array, mu: jax.Array, rsigma: jax.Array,
                jax.ShapeDtypeStruct((n,), gamma.dtype),
                jax.ShapeDtypeStruct((n,), gamma.dtype) if ln else _empty(gamma.dtype),
                jax.ShapeDtypeStruct((_norm_backward_workspace_bytes(m, n),), jnp.uint8))
+    part = _partitioner()
+    if part is not None:
+        def body(dys, xs, mus, rs, g):
+            return norm_backward(dys, xs, mus, rs, g, norm_type=kind, epsilon=epsilon,
+                                 zero_centered_gamma=zero_centered_gamma)
+
+        flat = (jax.ShapeDtypeStruct((m, n), x.dtype), *results[1:3])
+        dx, dgamma, dbeta = part.norm_backward(
+            (dy.reshape(m, n), x.reshape(m, n), mu if ln else _zeros_f32(), rsigma, gamma),
+            body, flat)
+        return dx.reshape(x.shape), dgamma, dbeta
     call = jax.ffi.ffi_call(TARGETS["norm_backward"], results, vmap_method=_VMAP)
     dx, dgamma, dbeta, _ = call(dy, x, mu if ln else _zeros_f32(), rsigma, gamma,
                                 norm_type=np.int32(kind), eps=np.float32(epsilon),
@@ -386,17 +454,51 @@ def _fp8_results(shape, fp8, rowwise, columnwise, compute_amax):
             jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
 
 
+def _as_rows(x: jax.Array) -> jax.Array:
+    """x as the [M, K] matrix that the partitioned ops lay out (K its last dimension)."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def _activation_forward_call(x, act, scale, gate, fp8, *, rowwise, columnwise, compute_amax):
+    """The activation's custom call: (y or FP8 data, transpose, scale_inv, amax); ``fp8``
+    None gives y in x's dtype and empty FP8 slots."""
+    shape = _activation_out_shape(x.shape, act)
+    if fp8 is None:
+        results = (jax.ShapeDtypeStruct(shape, x.dtype), _empty(x.dtype), _empty(),
+                   jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
+        args = (x, _zeros_f32(), _zeros_f32())
+    else:
+        results = _fp8_results(shape, fp8, rowwise, columnwise, compute_amax)
+        args = (x, scale, _gate(gate))
+    part = _partitioner()
+    if part is not None:
+        def body(xs, sc, gt):
+            return _activation_forward_call(xs, act, sc, gt if gt.size else None, fp8,
+                                            rowwise=rowwise, columnwise=columnwise,
+                                            compute_amax=compute_amax)
+
+        flat = list(results)
+        if rowwise:
+            flat[0] = jax.ShapeDtypeStruct((math.prod(shape[:-1]), shape[-1]), results[0].dtype)
+        out = list(part.activation_forward((_as_rows(x), *args[1:]), body, flat,
+                                           gated=is_gated(act), rowwise=rowwise,
+                                           columnwise=columnwise and fp8 is not None,
+                                           compute_amax=compute_amax))
+        if rowwise:
+            out[0] = out[0].reshape(shape)
+        return tuple(out)
+    call = jax.ffi.ffi_call(TARGETS["activation_forward"], results, vmap_method=_VMAP)
+    return call(*args, act=np.int32(act), rowwise=bool(rowwise) or fp8 is None,
+                columnwise=bool(columnwise) and fp8 is not None,
+                compute_amax=bool(compute_amax))
+
+
 def activation_forward(x: jax.Array, act: Activation, *, compute_amax: bool = False):
     """act(x) in x's dtype (fp32/fp16/bf16), and max|act(x)| ([1] fp32) with
     ``compute_amax``: returns y, or (y, amax)."""
     act = Activation(act)
-    shape = _activation_out_shape(x.shape, act)
-    results = (jax.ShapeDtypeStruct(shape, x.dtype), _empty(x.dtype), _empty(),
-               jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
-    call = jax.ffi.ffi_call(TARGETS["activation_forward"], results, vmap_method=_VMAP)
-    y, _, _, amax = call(x, _zeros_f32(), _zeros_f32(), act=np.int32(act), rowwise=True,
-                         columnwise=False,
-                         compute_amax=bool(compute_amax))
+    y, _, _, amax = _activation_forward_call(x, act, None, None, None, rowwise=True,
+                                             columnwise=False, compute_amax=compute_amax)
     return (y, amax) if compute_amax else y
 
 
@@ -409,34 +511,60 @@ def activation_forward_fp8(x: jax.Array, act: Activation, scale: jax.Array, dtyp
     act = Activation(act)
     fp8 = jnp.dtype(dtype)
     _te_fp8(fp8)
-    shape = _activation_out_shape(x.shape, act)
-    call = jax.ffi.ffi_call(TARGETS["activation_forward"],
-                            _fp8_results(shape, fp8, rowwise, columnwise, compute_amax),
-                            vmap_method=_VMAP)
-    data, col, scale_inv, amax = call(x, scale, _gate(gate), act=np.int32(act),
-                                      rowwise=bool(rowwise),
-                                      columnwise=bool(columnwise), compute_amax=bool(compute_amax))
+    data, col, scale_inv, amax = _activation_forward_call(
+        x, act, scale, gate, fp8, rowwise=rowwise, columnwise=columnwise,
+        compute_amax=compute_amax)
     return QuantizedTensor(data, col, scale_inv, _zeros_f32(), amax)
 
 
-def _activation_backward_call(dy, x, act, scale, results, dbias_dtype, *, rowwise, columnwise,
+def _activation_backward_call(dy, x, act, scale, fp8, dbias_dtype, *, rowwise, columnwise,
                               compute_amax, gate=None):
+    """The activation's backward custom call: (grad_input or its FP8 data, transpose,
+    scale_inv, amax, dbias); ``fp8`` None gives grad_input in dy's dtype."""
     act = Activation(act)
-    if act != Activation.IDENTITY:
+    identity = act == Activation.IDENTITY
+    if not identity:
         expected = _activation_out_shape(x.shape, act)
         if tuple(dy.shape) != expected:
             raise ValueError(f"activation_backward: grad_output must have shape {expected} for "
                              f"an input of shape {tuple(x.shape)} ({act.name}), got "
                              f"{tuple(dy.shape)}")
-    k = x.shape[-1] if act != Activation.IDENTITY else dy.shape[-1]
+    shape = tuple(dy.shape) if identity else tuple(x.shape)
+    if fp8 is None:
+        results = (jax.ShapeDtypeStruct(shape, dy.dtype), _empty(dy.dtype), _empty(),
+                   jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
+    else:
+        results = _fp8_results(shape, fp8, rowwise, columnwise, compute_amax)
+    k = shape[-1]
     dbias = (jax.ShapeDtypeStruct((k,), dbias_dtype) if dbias_dtype is not None
              else _empty(dy.dtype))
+    args = (dy, jnp.zeros((0,), dy.dtype) if identity else x,
+            scale if scale is not None else _zeros_f32(), _gate(gate))
+    part = _partitioner()
+    if part is not None:
+        def body(dys, xs, sc, gt):
+            return _activation_backward_call(dys, None if identity else xs, act,
+                                             sc if fp8 is not None else None, fp8, dbias_dtype,
+                                             rowwise=rowwise, columnwise=columnwise,
+                                             compute_amax=compute_amax,
+                                             gate=gt if gt.size else None)
+
+        flat = list(results) + [dbias]
+        if rowwise or fp8 is None:
+            flat[0] = jax.ShapeDtypeStruct((math.prod(shape[:-1]), k), results[0].dtype)
+        x2 = args[1] if identity else _as_rows(x)
+        out = list(part.activation_backward((_as_rows(dy), x2, *args[2:]), body, flat,
+                                            gated=is_gated(act),
+                                            rowwise=rowwise or fp8 is None,
+                                            columnwise=columnwise and fp8 is not None,
+                                            compute_amax=compute_amax))
+        if rowwise or fp8 is None:
+            out[0] = out[0].reshape(shape)
+        return tuple(out)
     call = jax.ffi.ffi_call(TARGETS["activation_backward"], (*results, dbias), vmap_method=_VMAP)
-    out = call(dy, x if act != Activation.IDENTITY else jnp.zeros((0,), dy.dtype),
-               scale if scale is not None else _zeros_f32(), _gate(gate), act=np.int32(act),
-               rowwise=bool(rowwise), columnwise=bool(columnwise),
-               compute_amax=bool(compute_amax), compute_dbias=dbias_dtype is not None)
-    return out
+    return call(*args, act=np.int32(act), rowwise=bool(rowwise) or fp8 is None,
+                columnwise=bool(columnwise) and fp8 is not None,
+                compute_amax=bool(compute_amax), compute_dbias=dbias_dtype is not None)
 
 
 def activation_backward(dy: jax.Array, x: Optional[jax.Array], act: Activation, *,
@@ -447,11 +575,7 @@ def activation_backward(dy: jax.Array, x: Optional[jax.Array], act: Activation, 
     ``x`` is the forward's input in dy's dtype (unused, may be None, for IDENTITY). Returns
     ``(dx, dbias, amax)``; the ones not asked for are None.
     """
-    act = Activation(act)
-    shape = tuple(x.shape) if act != Activation.IDENTITY else tuple(dy.shape)
-    results = (jax.ShapeDtypeStruct(shape, dy.dtype), _empty(dy.dtype), _empty(),
-               jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
-    dx, _, _, amax, dbias = _activation_backward_call(dy, x, act, None, results, dbias_dtype,
+    dx, _, _, amax, dbias = _activation_backward_call(dy, x, act, None, None, dbias_dtype,
                                                       rowwise=True, columnwise=False,
                                                       compute_amax=compute_amax)
     return dx, (dbias if dbias_dtype is not None else None), (amax if compute_amax else None)
@@ -466,12 +590,10 @@ def activation_backward_fp8(dy: jax.Array, x: Optional[jax.Array], act: Activati
     values in the same pass. With IDENTITY this is the fused bias gradient + cast +
     transpose of a dense layer's grad_output. Returns ``(q, dbias)`` (dbias None unless
     ``dbias_dtype``)."""
-    act = Activation(act)
     fp8 = jnp.dtype(dtype)
     _te_fp8(fp8)
-    shape = tuple(x.shape) if act != Activation.IDENTITY else tuple(dy.shape)
     data, col, scale_inv, amax, dbias = _activation_backward_call(
-        dy, x, act, scale, _fp8_results(shape, fp8, rowwise, columnwise, compute_amax),
-        dbias_dtype, rowwise=rowwise, columnwise=columnwise, compute_amax=compute_amax, gate=gate)
+        dy, x, act, scale, fp8, dbias_dtype, rowwise=rowwise, columnwise=columnwise,
+        compute_amax=compute_amax, gate=gate)
     q = QuantizedTensor(data, col, scale_inv, _zeros_f32(), amax)
     return q, (dbias if dbias_dtype is not None else None)
