@@ -2,8 +2,9 @@
 RANK WORLD PORT``. Every rank holds chunks r and 2*WORLD-1-r of the sequence (the
 load-balanced layout) and checks its rows of the output and of q's, k's and v's gradients
 against attention over the whole sequence, under each cp_comm_type (all_gather, the p2p ring,
-a2a); then te.MultiheadAttention with RoPE and te.TransformerLayer the same way, and the ring's
-dropout against its own directional derivative.
+a2a; on 4 ranks a2a+p2p too, as two all-to-all groups of 2 on a ring of 2); then
+te.MultiheadAttention with RoPE and te.TransformerLayer the same way, and the ring's dropout
+against its own directional derivative.
 
 A standalone script, like _tp_rank.py.
 """
@@ -20,12 +21,24 @@ from _tp_world import case, rms_close
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from transformer_engine.pytorch.context_parallel import ContextParallel
-from transformer_engine.pytorch.context_parallel_ring import ring_attention
+from transformer_engine.pytorch.context_parallel_ring import Ring, ring_attention
 
 RANK, WORLD, PORT = (int(a) for a in sys.argv[1:4])
 S, B, HEADS, D = 32, 2, 4, 16  # whole sequence, batch, heads, head dim
-COMM_TYPES = ("all_gather", "p2p", "a2a")
+COMM_TYPES = ("all_gather", "p2p", "a2a") + (("a2a+p2p",) if WORLD == 4 else ())
+
+
+def cp_group(comm):
+    """The cp_group argument of ``comm``: [all-to-all group, ring group] for a2a+p2p."""
+    return HIERARCHY if comm == "a2a+p2p" else GROUP
+
+
+def hierarchy():
+    """This rank's all-to-all group (ranks 0, 1 or 2, 3) and ring group (0, 2 or 1, 3); every
+    rank makes every group, in one order."""
+    a2a = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])]
+    ring = [dist.new_group(ranks) for ranks in ([0, 2], [1, 3])]
+    return [a2a[RANK // 2], ring[RANK % 2]]
 
 
 def local(t, seq):
@@ -45,7 +58,7 @@ def check_attention(comm, layout, mask, r=None, groups=HEADS):
     g = torch.randn(*shape[:2], HEADS * D, generator=gen)
     kw = dict(num_gqa_groups=groups, qkv_format=layout, attn_mask_type=mask, device="cpu")
     full = te.DotProductAttention(HEADS, D, **kw)
-    part = te.DotProductAttention(HEADS, D, **kw, cp_group=GROUP, cp_comm_type=comm)
+    part = te.DotProductAttention(HEADS, D, **kw, cp_group=cp_group(comm), cp_comm_type=comm)
 
     def run(module, q, k, v, g):
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
@@ -67,7 +80,7 @@ def check_ring_dropout():
     """The ring's gradients (fp64, dropout 0.3) against its own directional derivative: the
     backward replays each block's dropout mask (seeded from torch's generator, reset here
     before each forward)."""
-    cp = ContextParallel(GROUP, "p2p")
+    ring_of_all = Ring(GROUP, [(r, 2 * WORLD - 1 - r) for r in range(WORLD)])
     gen = torch.Generator().manual_seed(3)
     local_shape = (B, HEADS, S // WORLD, D)
     q, k, v, dq, dk, dv, g = (torch.randn(*local_shape, generator=gen, dtype=torch.float64)
@@ -75,7 +88,7 @@ def check_ring_dropout():
 
     def ring(q, k, v, dropout=0.3):
         torch.manual_seed(7)
-        return ring_attention(cp, q, k, v, True, 0.25, dropout)
+        return ring_attention(ring_of_all, q, k, v, True, 0.25, dropout)
 
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     o = ring(q, k, v)
@@ -102,7 +115,7 @@ def check_block(kind, comm):
         full = te.TransformerLayer(HEADS * D, 2 * HEADS * D, HEADS, hidden_dropout=0.0,
                                    attention_dropout=0.0, device="cpu")
     part = copy.deepcopy(full)
-    part.set_context_parallel_group(GROUP, list(range(WORLD)), None, comm)
+    part.set_context_parallel_group(cp_group(comm), list(range(WORLD)), None, comm)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(S, B, HEADS * D, generator=gen)
     g = torch.randn(S, B, HEADS * D, generator=gen)
@@ -138,12 +151,15 @@ def check_refusals():
 
 if __name__ == "__main__":
     GROUP = _tp_world.start(RANK, WORLD, PORT)
+    HIERARCHY = hierarchy() if WORLD == 4 else None
     for comm in COMM_TYPES:
         for layout in ("sbhd", "bshd"):
             for mask in ("causal", "no_mask"):
                 case(check_attention, comm, layout, mask)
         case(check_attention, comm, "sbhd", "causal", recipe.Float8CurrentScaling(fp8_dpa=True))
-        case(check_attention, comm, "bshd", "causal", None, WORLD)  # GQA for a2a on 4 ranks
+        # GQA: 2 kv heads (a2a on 4 ranks splits the heads 4 ways: there, 4 kv heads)
+        kv_heads = 4 if (comm, WORLD) == ("a2a", 4) else 2
+        case(check_attention, comm, "bshd", "causal", None, kv_heads)
         case(check_block, "MultiheadAttention", comm)
         case(check_block, "TransformerLayer", comm)
     case(check_attention, "p2p", "sbhd", "causal", None, 1)  # one kv head

@@ -44,13 +44,13 @@ def test_the_ring_holds_one_block_of_keys_at_a_time(group, monkeypatch):
             return _real(q, k, *args, **kwargs)
 
         monkeypatch.setattr(context_parallel_ring, name, spy)
-    real_exchange = context_parallel_ring._Ring.exchange
+    real_exchange = context_parallel_ring.Ring.exchange
 
     def exchange(self, tensors):
         sent.extend(t.numel() for t in tensors)
         return real_exchange(self, tensors)
 
-    monkeypatch.setattr(context_parallel_ring._Ring, "exchange", exchange)
+    monkeypatch.setattr(context_parallel_ring.Ring, "exchange", exchange)
     attn = te.DotProductAttention(HEADS, D, device="cpu", cp_group=group, cp_comm_type="p2p")
     q, k, v = _inputs()
     attn(q, k, v).sum().backward()
@@ -65,7 +65,8 @@ def test_the_ring_holds_one_block_of_keys_at_a_time(group, monkeypatch):
 def test_the_ring_and_a2a_attend_with_the_modules_scale_and_dropout(group, monkeypatch):
     seen = []
     for owner, name in ((context_parallel, "ring_attention"), (context_parallel, "a2a_attention")):
-        def spy(cp, q, k, v, causal, scale, dropout, _name=name):
+        def spy(*args, _name=name):  # (where to, q, k, v, causal, scale, dropout)
+            q, _, v, causal, scale, dropout = args[-6:]
             seen.append((_name, causal, scale, dropout))
             return q.new_zeros((*q.shape[:-1], v.shape[-1]))
 
@@ -83,14 +84,19 @@ def test_the_ring_and_a2a_attend_with_the_modules_scale_and_dropout(group, monke
 
 def test_a2a_refuses_heads_not_divisible_by_the_group(group):
     attn = te.DotProductAttention(6, D, device="cpu", cp_group=group, cp_comm_type="a2a")
-    with pytest.raises(ValueError, match=r"cp_comm_type 'a2a' splits the heads over the 4 "
-                                         r"ranks .* divisible by 4, got 6 and 6"):
+    with pytest.raises(ValueError, match=r"all-to-all splits the heads over the 4 ranks of its "
+                                         r"group, .* divisible by 4, got 6 and 6"):
         attn(*_inputs(6))
 
 
-def test_a2a_p2p_is_refused_by_name(group):
-    with pytest.raises(NotImplementedError, match="cp_comm_type 'a2a\\+p2p'"):
+def test_a2a_p2p_takes_a_pair_of_groups_and_only_it_does(group):
+    with pytest.raises(ValueError, match="list of two process groups .* got ProcessGroup"):
         te.DotProductAttention(HEADS, D, device="cpu", cp_group=group, cp_comm_type="a2a+p2p")
+    with pytest.raises(ValueError, match="list of two process groups .* got list with 'p2p'"):
+        te.DotProductAttention(HEADS, D, device="cpu", cp_group=[group, group])
+    with pytest.raises(ValueError, match=r"\[all-to-all group, ring group\], got 3 groups"):
+        te.DotProductAttention(HEADS, D, device="cpu", cp_group=[group] * 3,
+                               cp_comm_type="a2a+p2p")
 
 
 @pytest.mark.parametrize("diagonal", [False, True])

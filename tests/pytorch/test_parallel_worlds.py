@@ -6,7 +6,8 @@ rank processes that check themselves against the unsplit modules (run_world):
 - ``_tp_rank_mha.py``: tensor (and sequence) parallelism of te.MultiheadAttention and
   te.TransformerLayer (self, cross, GQA attention), fp32 and FP8;
 - ``_cp_rank.py``: context parallelism of te.DotProductAttention, te.MultiheadAttention with
-  RoPE and te.TransformerLayer against attention over the whole sequence, fp32 and FP8;
+  RoPE and te.TransformerLayer against attention over the whole sequence, fp32 and FP8, under
+  each cp_comm_type (all_gather, p2p, a2a; a2a+p2p on 4 ranks);
 - ``_fsdp_rank.py``: FSDP2 (fully_shard) of a te.TransformerLayer stack, fp32, current and
   delayed scaling, and its meta-device init.
 

@@ -14,7 +14,9 @@ sequence. ``cp_comm_type`` says how the rest of the sequence reaches it:
   at a time, never the whole sequence.
 * ``"a2a"`` (context_parallel_a2a.py): all-to-alls trade the split of the sequence for a split
   of the heads and back; each rank attends whole sequences for ``h / cp`` heads.
-* ``"a2a+p2p"`` (all-to-all inside one group, a ring across another) is not implemented.
+* ``"a2a+p2p"`` (``cp_group`` = [all-to-all group, ring group]): an all-to-all inside the
+  first group gives each of its ranks all its chunks for a share of the heads, and those
+  travel the ring across the groups.
 
 The ring and the all-to-all compute attention themselves (the module does not return its
 softmax statistics, and checks for its own number of heads), in high precision: under
@@ -28,8 +30,8 @@ from typing import Any, Callable
 import torch
 
 from . import attention_fn, distributed
-from .context_parallel_a2a import a2a_attention
-from .context_parallel_ring import ring_attention
+from .context_parallel_a2a import a2a_attention, check_heads, heads_to_ranks, sequence_to_ranks
+from .context_parallel_ring import Ring, ring_attention
 from .float8_tensor import to_high_precision
 from .fp8 import fp8_autocast
 
@@ -47,27 +49,50 @@ def check_comm_type(comm_type: str) -> None:
 
 class ContextParallel:
     """A module's context-parallel group (shared, not copied, by a deep copy of the module:
-    communicators cannot be copied)."""
+    communicators cannot be copied). ``size`` and ``rank`` are those of the whole split; under
+    ``"a2a+p2p"`` ``group`` is the pair (all-to-all group, ring group) and the rank is
+    ``ring rank * all-to-all size + all-to-all rank`` (the all-to-all groups hold consecutive
+    ranks)."""
 
-    __slots__ = ("group", "size", "rank", "comm_type")
+    __slots__ = ("group", "size", "rank", "comm_type", "a2a_size")
 
     def __init__(self, group: Any, comm_type: str) -> None:
         import torch.distributed as dist
 
         check_comm_type(comm_type)
-        if comm_type == "a2a+p2p":
-            raise NotImplementedError("DotProductAttention: cp_comm_type 'a2a+p2p' (all-to-all "
-                                      "inside one group, a ring across another) is not "
-                                      "implemented; use 'p2p', 'a2a' or 'all_gather'")
+        hierarchical = comm_type == "a2a+p2p"
+        if hierarchical != isinstance(group, (list, tuple)):
+            raise ValueError(f"DotProductAttention: cp_group must be a list of two process "
+                             f"groups (all-to-all, ring) exactly when cp_comm_type is "
+                             f"'a2a+p2p', got {type(group).__name__} with {comm_type!r}")
         self.group, self.comm_type = group, comm_type
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if hierarchical:
+            if len(group) != 2:
+                raise ValueError(f"DotProductAttention: cp_comm_type 'a2a+p2p' takes cp_group "
+                                 f"as [all-to-all group, ring group], got {len(group)} groups")
+            a2a, ring = group
+            self.a2a_size = dist.get_world_size(a2a)
+            self.size = self.a2a_size * dist.get_world_size(ring)
+            self.rank = dist.get_rank(ring) * self.a2a_size + dist.get_rank(a2a)
+        else:
+            self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+            self.a2a_size = self.size if comm_type == "a2a" else 1
 
     def __deepcopy__(self, memo) -> "ContextParallel":
         return self
 
+    def chunks_of(self, rank: int) -> tuple[int, int]:
+        """The sequence chunks ``rank`` holds, in order."""
+        return rank, 2 * self.size - 1 - rank
+
     def chunks(self) -> tuple[int, int]:
         """The sequence chunks this rank holds, in order."""
-        return self.rank, 2 * self.size - 1 - self.rank
+        return self.chunks_of(self.rank)
+
+    def a2a_chunks(self, ring_rank: int) -> list[tuple[int, int]]:
+        """The chunks of each rank of the all-to-all group at ``ring_rank`` on the ring."""
+        first = ring_rank * self.a2a_size
+        return [self.chunks_of(first + i) for i in range(self.a2a_size)]
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -116,13 +141,35 @@ def attend(attend_one: Callable, cp: ContextParallel, query, key, value, layout:
     causal = mask == "causal"
     if cp.comm_type == "a2a":  # works in sbhd
         q, k, v = (t.movedim(seq, 0) for t in (query, key, value))
-        o = a2a_attention(cp, q, k, v, causal, scale, dropout).movedim(0, seq)
-    else:  # the ring works in [b, h, s, d]
+        o = a2a_attention(cp.group, cp.a2a_chunks(0), q, k, v, causal, scale, dropout)
+        o = o.movedim(0, seq)
+    elif cp.comm_type == "p2p":  # the ring works in [b, h, s, d]
         q, k, v = (t.movedim(seq, 2) if seq == 0 else t.transpose(1, 2)
                    for t in (query, key, value))
-        o = ring_attention(cp, q, k, v, causal, scale, dropout)
+        ring = Ring(cp.group, [cp.chunks_of(r) for r in range(cp.size)])
+        o = ring_attention(ring, q, k, v, causal, scale, dropout)
         o = o.permute(2, 0, 1, 3) if seq == 0 else o.transpose(1, 2)
+    else:
+        q, k, v = (t.movedim(seq, 0) for t in (query, key, value))
+        o = _attend_hierarchical(cp, q, k, v, causal, scale, dropout).movedim(0, seq)
     return o.reshape(*o.shape[:2], o.shape[2] * o.shape[3])
+
+
+def _attend_hierarchical(cp: ContextParallel, q, k, v, causal: bool, scale: float,
+                         dropout: float) -> torch.Tensor:
+    """``"a2a+p2p"``: an all-to-all inside the all-to-all group trades its ranks' chunks for
+    a share of the heads, the ring across the groups attends those chunks, and an all-to-all
+    trades back. [s_local, b, h, d] -> [s_local, b, h, dv]."""
+    a2a_group, ring_group = cp.group
+    check_heads(cp.a2a_size, q.shape[2], k.shape[2])
+    ring_size = cp.size // cp.a2a_size
+    here = cp.a2a_chunks(cp.rank // cp.a2a_size)
+    # each all-to-all group's chunks, ascending: the order heads_to_ranks puts them in
+    blocks = [tuple(sorted(c for pair in cp.a2a_chunks(r) for c in pair))
+              for r in range(ring_size)]
+    qs, ks, vs = (heads_to_ranks(t, a2a_group, here).permute(1, 2, 0, 3) for t in (q, k, v))
+    o = ring_attention(Ring(ring_group, blocks), qs, ks, vs, causal, scale, dropout)
+    return sequence_to_ranks(o.permute(2, 0, 1, 3), a2a_group, here)
 
 
 def _softmax_parameters(attend_one: Callable, query, key, value, seq: int) -> tuple[float, float]:

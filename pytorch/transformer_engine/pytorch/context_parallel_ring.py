@@ -1,13 +1,14 @@
-"""Context parallelism's ring (``cp_comm_type="p2p"``): each rank keeps its queries and the
-key/value blocks travel around the ranks of the group.
+"""Context parallelism's ring (``cp_comm_type="p2p"``, and the ``"a2a+p2p"`` ring across
+all-to-all groups): each rank keeps its queries and the key/value blocks travel around the
+ranks of the ring's group.
 
-At step ``t`` rank ``r`` holds the block of rank ``r - t`` (its two chunks of the sequence),
-sends it on to rank ``r + 1`` and receives the next one from rank ``r - 1`` while it attends
-its queries to the block it holds. The partial results merge by their softmax statistics
-(log-sum-exp, as online softmax does), so a rank never holds more than two blocks of keys and
-values, whatever the number of ranks. Under a causal mask a query chunk ``i`` sees a key chunk
-``j`` fully when ``j < i``, with the causal mask when ``j == i``, and not at all when
-``j > i`` (those blocks are skipped).
+At step ``t`` rank ``r`` holds the block of rank ``r - t`` (its chunks of the sequence: two
+under "p2p"), sends it on to rank ``r + 1`` and receives the next one from rank ``r - 1``
+while it attends its queries to the block it holds. The partial results merge by their
+softmax statistics (log-sum-exp, as online softmax does), so a rank never holds more than two
+blocks of keys and values, whatever the number of ranks. Under a causal mask a query chunk
+``i`` sees a key chunk ``j`` fully when ``j < i``, with the causal mask when ``j == i``, and
+not at all when ``j > i`` (those blocks are skipped).
 
 The backward is a ring as well: the blocks travel the same way again, and each block's key and
 value gradients travel one step behind it, every rank adding its share, until they come back
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ring_attention"]
+__all__ = ["Ring", "ring_attention"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -57,11 +58,11 @@ def _sum_groups(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t if heads == kv_heads else t.view(b, kv_heads, heads // kv_heads, s, d).sum(2)
 
 
-def _keep_mask(seed: int, step: int, chunk: int, shape, dropout: float, device) -> torch.Tensor:
+def _keep_mask(seed: int, block: int, shape, dropout: float, device) -> torch.Tensor:
     """The dropout's keep mask of one (step, query chunk) block: drawn from its own seed, so
     the backward draws the same one."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed + 2 * step + chunk)
+    gen.manual_seed(seed + block)
     return torch.rand(shape, generator=gen, device=device) >= dropout
 
 
@@ -101,15 +102,20 @@ def block_backward(q, k, v, d_o, lse, delta, scale: float, diagonal: bool, keep=
     return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
 
 
-class _Ring:
-    """The group's ring: this rank's neighbours and the block chunks of each rank."""
+class Ring:
+    """A ring over ``group``: each rank's chunks of the sequence (``chunks[i]``: those of the
+    group's rank i, ascending, all of one length), which are its queries' and its block's."""
 
-    def __init__(self, cp) -> None:
+    def __init__(self, group, chunks: list[tuple[int, ...]]) -> None:
         import torch.distributed as dist
 
-        self.cp = cp
-        self.next = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size)
-        self.prev = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size)
+        self.group, self.chunks = group, chunks
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if len(chunks) != self.size:
+            raise ValueError(f"context parallelism's ring: one chunk list per rank of its "
+                             f"group ({self.size}), got {len(chunks)}")
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
     def exchange(self, tensors: list) -> tuple[list, list]:
         """Starts sending ``tensors`` to the next rank and receiving the previous rank's (the
@@ -119,14 +125,13 @@ class _Ring:
         if not tensors:
             return [], []
         received = [torch.empty_like(t) for t in tensors]
-        ops = ([dist.P2POp(dist.isend, t, self.next, self.cp.group) for t in tensors]
-               + [dist.P2POp(dist.irecv, t, self.prev, self.cp.group) for t in received])
+        ops = ([dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+               + [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received])
         return received, dist.batch_isend_irecv(ops)
 
-    def block_of_step(self, step: int) -> tuple[int, int]:
+    def block_of_step(self, step: int) -> tuple[int, ...]:
         """The chunks of the block this rank holds at ``step``."""
-        owner = (self.cp.rank - step) % self.cp.size
-        return owner, 2 * self.cp.size - 1 - owner
+        return self.chunks[(self.rank - step) % self.size]
 
 
 def _wait(works) -> None:
@@ -134,11 +139,11 @@ def _wait(works) -> None:
         work.wait()
 
 
-def _visits(ring: _Ring, step: int, q_chunk_len: int, causal: bool):
+def _visits(ring: Ring, step: int, q_chunk_len: int, causal: bool):
     """(rows of q, keys of the block seen by them, whether under the causal mask) for each
     local query chunk that sees some of the block at ``step``."""
     kv_chunks = ring.block_of_step(step)
-    for i, q_chunk in enumerate(ring.cp.chunks()):
+    for i, q_chunk in enumerate(ring.chunks[ring.rank]):
         seen, diagonal = _visible_prefix(q_chunk, kv_chunks, causal)
         if seen:
             yield slice(i * q_chunk_len, (i + 1) * q_chunk_len), seen * q_chunk_len, diagonal
@@ -148,25 +153,25 @@ class _RingAttention(torch.autograd.Function):
     """q [b, h, s_local, d], k, v [b, hk, s_local, d] -> o [b, h, s_local, dv] in q's dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp, causal: bool, scale: float, dropout: float):
-        ring = _Ring(cp)
+    def forward(ctx, q, k, v, ring: Ring, causal: bool, scale: float, dropout: float):
         work = _compute_dtype(q.dtype)
         qw = q.to(work)
-        c = q.shape[2] // 2
+        n = len(ring.chunks[ring.rank])
+        c = q.shape[2] // n
         o = qw.new_zeros((*q.shape[:3], v.shape[-1]))
         lse = qw.new_full(q.shape[:3], float("-inf"))
         seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0.0 else 0
         blocks = (k, v)
-        for step in range(cp.size):
+        for step in range(ring.size):
             # the next block travels while this one is attended
-            incoming, works = ring.exchange(list(blocks) if step + 1 < cp.size else [])
+            incoming, works = ring.exchange(list(blocks) if step + 1 < ring.size else [])
             kb, vb = (t.to(work) for t in blocks)
             for rows, keys, diagonal in _visits(ring, step, c, causal):
                 qr = qw[:, :, rows]
                 keep = None
                 if dropout > 0.0:
-                    keep = _keep_mask(seed, step, rows.start // c,
-                                      (*qr.shape[:3], keys), dropout, q.device)
+                    keep = _keep_mask(seed, step * n + rows.start // c, (*qr.shape[:3], keys),
+                                      dropout, q.device)
                 ob, lb = block_forward(qr, kb[:, :, :keys], vb[:, :, :keys], scale, diagonal,
                                        keep, dropout)
                 _merge(o[:, :, rows], lse[:, :, rows], ob, lb)
@@ -174,31 +179,31 @@ class _RingAttention(torch.autograd.Function):
             blocks = incoming or blocks
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (cp, causal, scale, dropout, seed)
+        ctx.args = (ring, causal, scale, dropout, seed)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, causal, scale, dropout, seed = ctx.args
-        ring = _Ring(cp)
+        ring, causal, scale, dropout, seed = ctx.args
         work = _compute_dtype(q.dtype)
         qw, dow = q.to(work), d_out.to(work)
         delta = (dow * out.to(work)).sum(-1)
-        c = q.shape[2] // 2
+        n = len(ring.chunks[ring.rank])
+        c = q.shape[2] // n
         dq = torch.zeros_like(qw)
         blocks = (k, v)
         grads = None  # the gradients of the block held at the previous step, to pass on
-        for step in range(cp.size):
-            travelling = (list(blocks) if step + 1 < cp.size else []) + list(grads or ())
+        for step in range(ring.size):
+            travelling = (list(blocks) if step + 1 < ring.size else []) + list(grads or ())
             incoming, works = ring.exchange(travelling)
             kb, vb = (t.to(work) for t in blocks)
             dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
             for rows, keys, diagonal in _visits(ring, step, c, causal):
                 keep = None
                 if dropout > 0.0:
-                    keep = _keep_mask(seed, step, rows.start // c,
-                                      (*qw.shape[:2], c, keys), dropout, q.device)
+                    keep = _keep_mask(seed, step * n + rows.start // c, (*qw.shape[:2], c, keys),
+                                      dropout, q.device)
                 dqb, dkb, dvb = block_backward(qw[:, :, rows], kb[:, :, :keys], vb[:, :, :keys],
                                                dow[:, :, rows], lse[:, :, rows],
                                                delta[:, :, rows], scale, diagonal, keep, dropout)
@@ -210,7 +215,7 @@ class _RingAttention(torch.autograd.Function):
                 dk += incoming[-2]
                 dv += incoming[-1]
             grads = (dk, dv)
-            if step + 1 < cp.size:
+            if step + 1 < ring.size:
                 blocks = incoming[:2]
         # the last block's gradients go home: to the next rank, whose block it is
         (dk, dv), works = ring.exchange(list(grads))
@@ -225,7 +230,8 @@ def _merge(o, lse, ob, lb) -> None:
     lse.copy_(new)
 
 
-def ring_attention(cp, q, k, v, causal: bool, scale: float, dropout: float) -> torch.Tensor:
+def ring_attention(ring: Ring, q, k, v, causal: bool, scale: float,
+                   dropout: float) -> torch.Tensor:
     """This rank's rows of attention over the whole sequence, by the ring: q [b, h, s_local,
-    d], k, v [b, hk, s_local, d] (this rank's two chunks, in order) -> [b, h, s_local, dv]."""
-    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), cp, causal, scale, dropout)
+    d], k, v [b, hk, s_local, d] (this rank's chunks, ascending) -> [b, h, s_local, dv]."""
+    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), ring, causal, scale, dropout)
