@@ -40,11 +40,11 @@ TEST_CASE(forward_values_by_hand) {
   TensorHandle in, out;
   in.set(TE_SLOT_DATA, x.data(), TE_DTYPE_FLOAT32, {1, 4});
   out.set(TE_SLOT_DATA, y.data(), TE_DTYPE_FLOAT32, {1, 4});
-  CHECK(te_activation_forward(TE_ACTIVATION_GELU, in, out, 0, nullptr) == TE_SUCCESS);
+  CHECK(te_activation_forward(TE_ACTIVATION_GELU, nullptr, in, out, 0, nullptr) == TE_SUCCESS);
   CHECK(near(y[0], 0.8411919906082768) && near(y[1], -0.15880800939172324) && y[2] == 0.0f);
-  CHECK(te_activation_forward(TE_ACTIVATION_SILU, in, out, 0, nullptr) == TE_SUCCESS);
+  CHECK(te_activation_forward(TE_ACTIVATION_SILU, nullptr, in, out, 0, nullptr) == TE_SUCCESS);
   CHECK(near(y[0], 0.7310585786300049) && near(y[1], -0.2689414213699951) && near(y[3], 1.7615941559557646));
-  CHECK(te_activation_forward(TE_ACTIVATION_SRELU, in, out, 0, nullptr) == TE_SUCCESS);
+  CHECK(te_activation_forward(TE_ACTIVATION_SRELU, nullptr, in, out, 0, nullptr) == TE_SUCCESS);
   CHECK(y[0] == 1.0f && y[1] == 0.0f && y[3] == 4.0f);
 }
 
@@ -54,13 +54,13 @@ TEST_CASE(swiglu_forward_and_backward_by_hand) {
   TensorHandle in, out, tg, tgi, tdb;
   in.set(TE_SLOT_DATA, x.data(), TE_DTYPE_FLOAT32, {1, 4});
   out.set(TE_SLOT_DATA, y.data(), TE_DTYPE_FLOAT32, {1, 2});
-  CHECK(te_activation_forward(TE_ACTIVATION_SWIGLU, in, out, 0, nullptr) == TE_SUCCESS);
+  CHECK(te_activation_forward(TE_ACTIVATION_SWIGLU, nullptr, in, out, 0, nullptr) == TE_SUCCESS);
   const double s1 = 1 / (1 + std::exp(-1.0)), s2 = 1 / (1 + std::exp(2.0));
   CHECK(near(y[0], 1 * s1 * 3) && near(y[1], -2 * s2 * 0.5));
   tg.set(TE_SLOT_DATA, g.data(), TE_DTYPE_FLOAT32, {1, 2});
   tgi.set(TE_SLOT_DATA, gi.data(), TE_DTYPE_FLOAT32, {1, 4});
   tdb.set(TE_SLOT_DATA, db.data(), TE_DTYPE_FLOAT32, {4});
-  CHECK(te_activation_backward(TE_ACTIVATION_SWIGLU, tg, in, tgi, tdb, 0, nullptr) == TE_SUCCESS);
+  CHECK(te_activation_backward(TE_ACTIVATION_SWIGLU, nullptr, tg, in, tgi, tdb, 0, nullptr) == TE_SUCCESS);
   const double d1 = s1 * (1 + 1 * (1 - s1)), d2 = s2 * (1 - 2 * (1 - s2));
   CHECK(near(gi[0], 2 * d1 * 3, 1e-6) && near(gi[1], 4 * d2 * 0.5, 1e-6));
   CHECK(near(gi[2], 2 * 1 * s1) && near(gi[3], 4 * -2 * s2));
@@ -103,7 +103,7 @@ TEST_CASE(fp8_output_with_transpose_and_amax) {
   out.set(TE_SLOT_SCALE, &scale, TE_DTYPE_FLOAT32, {1});
   out.set(TE_SLOT_SCALE_INV, &scale_inv, TE_DTYPE_FLOAT32, {1});
   out.set(TE_SLOT_AMAX, &amax, TE_DTYPE_FLOAT32, {1});
-  CHECK(te_activation_forward(TE_ACTIVATION_RELU, in, out, 0, nullptr) == TE_SUCCESS);
+  CHECK(te_activation_forward(TE_ACTIVATION_RELU, nullptr, in, out, 0, nullptr) == TE_SUCCESS);
   const float relu[6] = {1, 0, 2, 0, 4, 0.5f};
   for (int i = 0; i < 6; ++i) CHECK(q[i] == te::float_to_e4m3(relu[i] * 2.0f));
   for (int r = 0; r < 2; ++r) {
@@ -112,10 +112,10 @@ TEST_CASE(fp8_output_with_transpose_and_amax) {
   CHECK(amax == 4.0f && scale_inv == 0.5f);
   // accumulate_amax raises the amax it finds (a history slot) instead of overwriting it.
   amax = 9.0f;
-  CHECK(te_activation_forward(TE_ACTIVATION_RELU, in, out, 1, nullptr) == TE_SUCCESS);
+  CHECK(te_activation_forward(TE_ACTIVATION_RELU, nullptr, in, out, 1, nullptr) == TE_SUCCESS);
   CHECK(amax == 9.0f);
   amax = 3.0f;
-  CHECK(te_activation_forward(TE_ACTIVATION_RELU, in, out, 1, nullptr) == TE_SUCCESS);
+  CHECK(te_activation_forward(TE_ACTIVATION_RELU, nullptr, in, out, 1, nullptr) == TE_SUCCESS);
   CHECK(amax == 4.0f);
 }
 
@@ -130,7 +130,7 @@ TEST_CASE(dbias_follows_the_documented_order) {
   tg.set(TE_SLOT_DATA, g.data(), TE_DTYPE_FLOAT32, {m, 1});
   tgi.set(TE_SLOT_DATA, gi.data(), TE_DTYPE_FLOAT32, {m, 1});
   tdb.set(TE_SLOT_DATA, db.data(), TE_DTYPE_FLOAT32, {1});
-  CHECK(te_activation_backward(TE_ACTIVATION_IDENTITY, tg, nullptr, tgi, tdb, 0, nullptr) == TE_SUCCESS);
+  CHECK(te_activation_backward(TE_ACTIVATION_IDENTITY, nullptr, tg, nullptr, tgi, tdb, 0, nullptr) == TE_SUCCESS);
   // Chunk 0: 1e8 + 15 * 8 = 100000120 (exact); plus chunk 1: 100000128.
   CHECK(db[0] == 100000128.0f);
 }
@@ -141,15 +141,15 @@ TEST_CASE(rejects_bad_arguments_and_writes_nothing) {
   in.set(TE_SLOT_DATA, x.data(), TE_DTYPE_FLOAT32, {2, 6});
   out.set(TE_SLOT_DATA, y.data(), TE_DTYPE_FLOAT32, {2, 3});
   wrong.set(TE_SLOT_DATA, bad.data(), TE_DTYPE_FLOAT32, {5});
-  CHECK_ERROR(te_activation_forward(TE_ACTIVATION_GELU, in, out, 0, nullptr), TE_ERROR_VALUE,
+  CHECK_ERROR(te_activation_forward(TE_ACTIVATION_GELU, nullptr, in, out, 0, nullptr), TE_ERROR_VALUE,
               "activation_forward: output.data must have shape [2, 6], got float32 [2, 3] on cpu");
-  CHECK_ERROR(te_activation_forward(static_cast<te_activation>(42), in, out, 0, nullptr), TE_ERROR_VALUE,
+  CHECK_ERROR(te_activation_forward(static_cast<te_activation>(42), nullptr, in, out, 0, nullptr), TE_ERROR_VALUE,
               "activation_forward: act must be a te_activation", "got 42");
-  CHECK_ERROR(te_activation_backward(TE_ACTIVATION_GEGLU, out, in, in, nullptr, 0, nullptr), TE_ERROR_VALUE,
+  CHECK_ERROR(te_activation_backward(TE_ACTIVATION_GEGLU, nullptr, out, in, in, nullptr, 0, nullptr), TE_ERROR_VALUE,
               "activation_backward: grad_input.data must not overlap the input input.data");
-  CHECK_ERROR(te_activation_backward(TE_ACTIVATION_RELU, out, nullptr, out, nullptr, 0, nullptr), TE_ERROR_VALUE,
+  CHECK_ERROR(te_activation_backward(TE_ACTIVATION_RELU, nullptr, out, nullptr, out, nullptr, 0, nullptr), TE_ERROR_VALUE,
               "activation_backward: input must be a tensor handle, got NULL");
-  CHECK_ERROR(te_activation_backward(TE_ACTIVATION_GEGLU, out, in, in, wrong, 0, nullptr), TE_ERROR_VALUE,
+  CHECK_ERROR(te_activation_backward(TE_ACTIVATION_GEGLU, nullptr, out, in, in, wrong, 0, nullptr), TE_ERROR_VALUE,
               "activation_backward: dbias.data must have shape [6], got float32 [5] on cpu");
   for (float v : y) CHECK(v == 7.0f);
   for (float v : bad) CHECK(v == 7.0f);

@@ -68,7 +68,7 @@ ffi::Error ActivationForwardImpl(ffi::AnyBuffer input, ffi::AnyBuffer scale, ffi
   TE_JAX_RETURN_IF_ERROR(result_tensor(op, "output", scale, *output, *columnwise_output,
                                        *scale_inv, *amax, gate, rowwise, columnwise, compute_amax,
                                        dev, &out));
-  return from_status(te_activation_forward(a, in.get(), out.get(), 0, dev.stream));
+  return from_status(te_activation_forward(a, nullptr, in.get(), out.get(), 0, dev.stream));
 }
 
 auto TeActivationForwardBinding() {
@@ -107,7 +107,7 @@ ffi::Error ActivationBackwardImpl(ffi::AnyBuffer grad_output, ffi::AnyBuffer inp
                                        *columnwise_grad_input, *scale_inv, *amax, gate, rowwise,
                                        columnwise, compute_amax, dev, &tdx));
   if (compute_dbias) TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dbias", *dbias, dev, &tdbias));
-  return from_status(te_activation_backward(a, tdy.get(), reads_input ? tx.get() : nullptr,
+  return from_status(te_activation_backward(a, nullptr, tdy.get(), reads_input ? tx.get() : nullptr,
                                             tdx.get(), compute_dbias ? tdbias.get() : nullptr,
                                             0, dev.stream));
 }

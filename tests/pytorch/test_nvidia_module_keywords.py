@@ -232,21 +232,6 @@ def test_transformer_layer_takes_every_core_activation(act):
 
 
 @pytest.mark.parametrize("make, name", [
-    (lambda act: te.LayerNormMLP(32, 48, activation=act, device=CPU), "te.LayerNormMLP"),
-    (lambda act: te.TransformerLayer(32, 48, 2, activation=act, device=CPU),
-     "te.TransformerLayer"),
-])
-@pytest.mark.parametrize("act", ["clamped_swiglu"])
-def test_nvidia_activations_the_core_lacks_are_refused(make, name, act):
-    with pytest.raises(NotImplementedError) as info:
-        make(act)
-    message = str(info.value)
-    assert message.startswith(name + f": activation {act!r}")
-    assert "supported: ('gelu', 'relu', 'silu', 'qgelu', 'srelu', 'geglu', 'swiglu', " \
-           "'reglu', 'qgeglu', 'sreglu', 'glu')" in message
-
-
-@pytest.mark.parametrize("make, name", [
     (lambda: te.LayerNormMLP(32, 48, activation="tanh", device=CPU), "te.LayerNormMLP"),
     (lambda: te.TransformerLayer(32, 48, 2, activation="tanh", device=CPU),
      "te.TransformerLayer"),
@@ -315,7 +300,7 @@ def test_mha_qk_norm_through_transformer_layer_and_refusal():
         te.MultiheadAttention(32, 2, qk_norm_type="BatchNorm", device=CPU)
 
 
-def test_norms_accept_sm_margin_and_mlp_refuses_activation_params():
+def test_norms_accept_sm_margin_and_activation_params_only_for_clamped_swiglu():
     # sm_margin (SMs left for overlapped communication) changes nothing here: same numbers.
     x = torch.randn(4, 32)
     for cls in (te.LayerNorm, te.RMSNorm):
@@ -326,5 +311,7 @@ def test_norms_accept_sm_margin_and_mlp_refuses_activation_params():
         assert torch.equal(plain(x), margin(x))
         with pytest.raises(ValueError, match=r"sm_margin must be an int >= 0, got -1"):
             cls(32, device="cpu", sm_margin=-1)
-    with pytest.raises(NotImplementedError, match=r"te.LayerNormMLP: activation_params is not "):
+    # (clamped_swiglu's own tests: test_clamped_swiglu.py)
+    with pytest.raises(ValueError, match=r"te.LayerNormMLP: activation_params apply to "
+                                         r"activation='clamped_swiglu' only"):
         te.LayerNormMLP(32, 64, device="cpu", activation_params={"limit": 7.0})

@@ -15,6 +15,11 @@
  *   SRELU     max(x, 0)^2                                        (squared ReLU)
  *   GEGLU     gelu(a) * b,  SWIGLU  silu(a) * b,  REGLU  relu(a) * b    -> output [M, N]
  *   QGEGLU    qgelu(a) * b, SREGLU  srelu(a) * b, GLU    sigmoid(a) * b
+ *   CLAMPED_SWIGLU  g sigmoid(alpha g) * (u + linear_offset), with g = min(a, limit) and
+ *             u = clamp(b, -limit, limit): SwiGLU with both halves clamped (as in GPT-OSS),
+ *             the one activation that takes parameters (te_activation_params). Its gradient
+ *             is zero where a clamp is active (a > limit, |b| > limit) and passes at the
+ *             bounds themselves, as torch.clamp's does.
  * The gated forms compute act(a) as an fp32 value, then the product: srelu(a) overflows to
  * inf for |a| >= 2^64 even where srelu(a) * b would not.
  * A NaN operand makes NaN every value computed from it (forward and backward); an infinite
@@ -46,15 +51,29 @@ typedef enum {
   TE_ACTIVATION_QGEGLU = 9,
   TE_ACTIVATION_SREGLU = 10,
   TE_ACTIVATION_GLU = 11,
-  TE_ACTIVATION_COUNT = 12
+  TE_ACTIVATION_CLAMPED_SWIGLU = 12,
+  TE_ACTIVATION_COUNT = 13
 } te_activation;
 
-/* 1 when act is gated (GEGLU, SWIGLU, REGLU, QGEGLU, SREGLU, GLU), else 0 (also for
- * out-of-range values). */
+/* The parameters of a parametrized activation (CLAMPED_SWIGLU: limit finite and > 0, alpha
+ * finite and > 0, linear_offset finite). The others take none: they ignore this. */
+typedef struct {
+  float limit;
+  float alpha;
+  float linear_offset;
+} te_activation_params;
+
+/* 1 when act is gated (GEGLU, SWIGLU, REGLU, QGEGLU, SREGLU, GLU, CLAMPED_SWIGLU), else 0
+ * (also for out-of-range values). */
 int te_activation_is_gated(te_activation act);
+
+/* 1 when act takes parameters (CLAMPED_SWIGLU), else 0. */
+int te_activation_has_params(te_activation act);
 
 /* output = act(input).
  *   [in]  act     the activation.
+ *   [in]  params  its parameters: required when te_activation_has_params(act), else ignored
+ *                 (may be NULL).
  *   [in]  input   DATA: fp32/fp16/bf16 [M, K]; gated: K = 2N, the output has N columns.
  *   [out] output  one of two kinds, by the dtype of its DATA slot:
  *           high precision: DATA fp32/fp16/bf16 [M, N] (rounded to nearest even); optional
@@ -69,11 +88,13 @@ int te_activation_is_gated(te_activation act);
  *                 overwriting it (delayed scaling records into an amax history this way).
  *   [in]  stream  CUDA stream (ignored on the CPU).
  * All buffers live on one device; outputs must not overlap each other or an input. */
-te_status te_activation_forward(te_activation act, const te_tensor *input, te_tensor *output,
+te_status te_activation_forward(te_activation act, const te_activation_params *params,
+                                const te_tensor *input, te_tensor *output,
                                 int32_t accumulate_amax, te_stream stream);
 
 /* grad_input = d act(input) / d input * grad_output, with the bias gradient in the same pass.
  *   [in]  act          the activation.
+ *   [in]  params       as for te_activation_forward.
  *   [in]  grad_output  DATA: fp32/fp16/bf16 [M, N].
  *   [in]  input        DATA: the forward's input [M, K] in the dtype of grad_output, K = N
  *                      (gated: K = 2N). May be NULL for IDENTITY, which does not read it.
@@ -81,7 +102,8 @@ te_status te_activation_forward(te_activation act, const te_tensor *input, te_te
  *                      (FP8: DATA and/or the transpose [K, M] in COLUMNWISE_DATA, SCALE read,
  *                      SCALE_INV and optional AMAX written). Gated: columns [0, N) hold
  *                      d/da = (grad_output * act'(a)) * b, columns [N, 2N) hold
- *                      d/db = grad_output * act(a).
+ *                      d/db = grad_output * act(a) (CLAMPED_SWIGLU: b is
+ *                      u + linear_offset, and d/db is zero where b's clamp is active).
  *   [out] dbias        NULL, or DATA fp32/fp16/bf16 [K]: the column sums of grad_input in
  *                      fp32, before any rounding or scaling. The order of the sums is fixed
  *                      by the shape alone, so the result is deterministic and identical on
@@ -92,8 +114,9 @@ te_status te_activation_forward(te_activation act, const te_tensor *input, te_te
  *   [in]  stream       CUDA stream (ignored on the CPU).
  * IDENTITY makes this the "bias gradient + cast + transpose" of a linear layer's grad_output.
  * All buffers live on one device; outputs must not overlap each other or an input. */
-te_status te_activation_backward(te_activation act, const te_tensor *grad_output,
-                                 const te_tensor *input, te_tensor *grad_input, te_tensor *dbias,
+te_status te_activation_backward(te_activation act, const te_activation_params *params,
+                                 const te_tensor *grad_output, const te_tensor *input,
+                                 te_tensor *grad_input, te_tensor *dbias,
                                  int32_t accumulate_amax, te_stream stream);
 
 #ifdef __cplusplus

@@ -1,5 +1,6 @@
 // C entry points te_activation_forward and te_activation_backward: validate every argument,
 // then dispatch to the CPU reference or the CUDA kernels by the device of the buffers.
+#include <cmath>
 #include <string>
 
 #include "activation/activation_impl.h"
@@ -11,13 +12,33 @@ namespace {
 
 const char *const kActivationNames[TE_ACTIVATION_COUNT] = {
     "identity", "gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu",
-    "qgeglu", "sreglu", "glu"};
+    "qgeglu", "sreglu", "glu", "clamped_swiglu"};
 
 bool check_act(Checker &check, te_activation act) {
   if (static_cast<unsigned>(act) < TE_ACTIVATION_COUNT) return true;
   return check.fail(TE_ERROR_VALUE, "act must be a te_activation in [0, " +
                                         std::to_string(TE_ACTIVATION_COUNT) + "), got " +
                                         std::to_string(static_cast<int>(act)));
+}
+
+// The parameters of act: present and in range where act takes them (activation.h).
+bool check_params(Checker &check, te_activation act, const te_activation_params *params,
+                  ActivationArgs *args) {
+  if (te_activation_has_params(act) == 0) return true;
+  const std::string name = kActivationNames[act];
+  if (params == nullptr) return check.fail(TE_ERROR_VALUE, "params must be set for " + name + ", got NULL");
+  auto positive = [&](float v, const char *field) {
+    if (std::isfinite(v) && v > 0.0f) return true;
+    return check.fail(TE_ERROR_VALUE, std::string("params.") + field + " must be finite and > 0 for " + name +
+                                          ", got " + std::to_string(v));
+  };
+  if (!positive(params->limit, "limit") || !positive(params->alpha, "alpha")) return false;
+  if (!std::isfinite(params->linear_offset)) {
+    return check.fail(TE_ERROR_VALUE, "params.linear_offset must be finite for " + name + ", got " +
+                                          std::to_string(params->linear_offset));
+  }
+  args->params = act::make_params(act, params);
+  return true;
 }
 
 // The high-precision DATA of an input handle, on the call's device.
@@ -111,10 +132,10 @@ std::vector<Checker::Named> written(const te_tensor *out, const std::string &n, 
           {slot(out, TE_SLOT_AMAX), n + ".amax"}};
 }
 
-bool check_forward(Checker &check, te_activation act, const te_tensor *input, te_tensor *output,
-                   ActivationArgs *args) {
+bool check_forward(Checker &check, te_activation act, const te_activation_params *params,
+                   const te_tensor *input, te_tensor *output, ActivationArgs *args) {
   *args = ActivationArgs{};
-  if (!check_act(check, act)) return false;
+  if (!check_act(check, act) || !check_params(check, act, params, args)) return false;
   const te_buffer *in = check_hp_input(check, input, "input", "input.data");
   if (in == nullptr) return false;
   args->act = act;
@@ -133,11 +154,11 @@ bool check_forward(Checker &check, te_activation act, const te_tensor *input, te
                         {{in, "input.data"}, {args->fp8_out() ? slot(output, TE_SLOT_SCALE) : nullptr, "output.scale"}});
 }
 
-bool check_backward(Checker &check, te_activation act, const te_tensor *grad_output,
-                    const te_tensor *input, te_tensor *grad_input, te_tensor *dbias,
-                    ActivationArgs *args) {
+bool check_backward(Checker &check, te_activation act, const te_activation_params *params,
+                    const te_tensor *grad_output, const te_tensor *input, te_tensor *grad_input,
+                    te_tensor *dbias, ActivationArgs *args) {
   *args = ActivationArgs{};
-  if (!check_act(check, act)) return false;
+  if (!check_act(check, act) || !check_params(check, act, params, args)) return false;
   const te_buffer *g = check_hp_input(check, grad_output, "grad_output", "grad_output.data");
   if (g == nullptr) return false;
   args->act = act;
@@ -196,28 +217,33 @@ extern "C" {
 
 int te_activation_is_gated(te_activation act) {
   return act == TE_ACTIVATION_GEGLU || act == TE_ACTIVATION_SWIGLU || act == TE_ACTIVATION_REGLU ||
-         act == TE_ACTIVATION_QGEGLU || act == TE_ACTIVATION_SREGLU || act == TE_ACTIVATION_GLU;
+         act == TE_ACTIVATION_QGEGLU || act == TE_ACTIVATION_SREGLU || act == TE_ACTIVATION_GLU ||
+         act == TE_ACTIVATION_CLAMPED_SWIGLU;
 }
 
-te_status te_activation_forward(te_activation act, const te_tensor *input, te_tensor *output,
+int te_activation_has_params(te_activation act) { return act == TE_ACTIVATION_CLAMPED_SWIGLU; }
+
+te_status te_activation_forward(te_activation act, const te_activation_params *params,
+                                const te_tensor *input, te_tensor *output,
                                 int32_t accumulate_amax, te_stream stream) {
   return te::guarded("activation_forward", [&]() -> te_status {
     te::Checker check("activation_forward");
     te::ActivationArgs args;
-    if (!te::check_forward(check, act, input, output, &args)) return check.status();
+    if (!te::check_forward(check, act, params, input, output, &args)) return check.status();
     args.accumulate_amax = accumulate_amax != 0;
     if (!te::check_gate(check, output, "output", &args)) return check.status();
     return te::run(check, args, stream);
   });
 }
 
-te_status te_activation_backward(te_activation act, const te_tensor *grad_output,
-                                 const te_tensor *input, te_tensor *grad_input, te_tensor *dbias,
+te_status te_activation_backward(te_activation act, const te_activation_params *params,
+                                 const te_tensor *grad_output, const te_tensor *input,
+                                 te_tensor *grad_input, te_tensor *dbias,
                                  int32_t accumulate_amax, te_stream stream) {
   return te::guarded("activation_backward", [&]() -> te_status {
     te::Checker check("activation_backward");
     te::ActivationArgs args;
-    if (!te::check_backward(check, act, grad_output, input, grad_input, dbias, &args)) {
+    if (!te::check_backward(check, act, params, grad_output, input, grad_input, dbias, &args)) {
       return check.status();
     }
     args.accumulate_amax = accumulate_amax != 0;

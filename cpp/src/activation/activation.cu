@@ -118,6 +118,7 @@ te_status activation_cuda(const ActivationArgs &a, te_stream stream_handle) {
   p.scale_inv = a.scale_inv;
   p.amax = a.amax;
   p.gate = a.gate;
+  p.params = a.params;
   p.rows = a.rows;
   p.n = a.n;
   p.in_cols = a.in_cols();

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "activation/activation_math.h"
 #include "transformer_engine/activation.h"
 
 namespace te {
@@ -14,6 +15,7 @@ namespace te {
 // input's columns.
 struct ActivationArgs {
   te_activation act;
+  act::Params params;  // CLAMPED_SWIGLU's; zero for the others
   bool backward;
   bool gated;
   int64_t rows, n;

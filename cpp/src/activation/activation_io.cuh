@@ -33,6 +33,7 @@ struct ActParams {
   float *scale_inv;
   float *amax;
   const float *gate;  // [1] or null: run only while it holds 0 (tensor.h)
+  act::Params params;  // CLAMPED_SWIGLU's
   float *partial;  // [tiles_r, out_cols] or null
   int64_t rows, n, in_cols, out_cols, tiles_r, tiles_c, num_tiles;
   int stages;  // input stages in shared memory (1 or 2; kernels that stage inputs)
@@ -200,16 +201,16 @@ __device__ __forceinline__ void read_direct(const ActParams &p, int o, int64_t r
 
 // The element values of one patch row (8 columns) from the decoded operands.
 template <te_activation kAct, bool kBackward, int kOps, int kOut>
-__device__ __forceinline__ void row_values(const float (&x)[kOps][8], float (&y)[kOut][8]) {
+__device__ __forceinline__ void row_values(const float (&x)[kOps][8], float (&y)[kOut][8], const act::Params &ap) {
   constexpr bool kGated = act::kIsGated<kAct>;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     if constexpr (!kBackward) {
-      y[0][j] = act::forward_value<kAct>(x[0][j], kGated ? x[kOps - 1][j] : 0.0f);
+      y[0][j] = act::forward_value<kAct>(x[0][j], kGated ? x[kOps - 1][j] : 0.0f, ap);
     } else if constexpr (kGated) {
-      act::gated_backward_values<kAct>(x[0][j], x[1][j], x[2][j], &y[0][j], &y[kOut - 1][j]);
+      act::gated_backward_values<kAct>(x[0][j], x[1][j], x[2][j], ap, &y[0][j], &y[kOut - 1][j]);
     } else {
-      y[0][j] = act::backward_value<kAct>(x[0][j], kOps > 1 ? x[kOps - 1][j] : 0.0f);
+      y[0][j] = act::backward_value<kAct>(x[0][j], kOps > 1 ? x[kOps - 1][j] : 0.0f, ap);
     }
   }
 }

@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBl
         }
       }
       float y[kOut][8];
-      row_values<kAct, kBackward, kOps, kOut>(x, y);
+      row_values<kAct, kBackward, kOps, kOut>(x, y, p.params);
       const int64_t row = prow + i;
 #pragma unroll
       for (int q = 0; q < kOut; ++q) {
@@ -272,6 +272,8 @@ te_status launch_act(const ActParams &p, te_activation act, cudaStream_t stream,
     case TE_ACTIVATION_QGEGLU: return launch_kind<kIn, TE_ACTIVATION_QGEGLU, kBackward>(p, stream, sms);
     case TE_ACTIVATION_SREGLU: return launch_kind<kIn, TE_ACTIVATION_SREGLU, kBackward>(p, stream, sms);
     case TE_ACTIVATION_GLU: return launch_kind<kIn, TE_ACTIVATION_GLU, kBackward>(p, stream, sms);
+    case TE_ACTIVATION_CLAMPED_SWIGLU:
+      return launch_kind<kIn, TE_ACTIVATION_CLAMPED_SWIGLU, kBackward>(p, stream, sms);
     default: return launch_kind<kIn, TE_ACTIVATION_IDENTITY, kBackward>(p, stream, sms);
   }
 }

@@ -198,6 +198,52 @@ TE_HOST_DEVICE float dsigmoid(float x) {
   return s.s * s.one_minus_s;
 }
 
+// The parameters of a parametrized activation (CLAMPED_SWIGLU), resolved once on the host so
+// that the CPU and CUDA paths use the same fp32 constants. Zero for the other activations.
+struct Params {
+  float limit = 0.0f;    // a is clamped above at limit, b to [-limit, limit]
+  float alpha = 0.0f;    // the sigmoid's slope
+  float alpha_w = 0.0f;  // alpha log2(e), rounded once: the sigmoid's argument in log2 units
+  float offset = 0.0f;   // added to the clamped b
+  float floor = 0.0f;    // -200 / alpha_w: below it sigmoid(alpha a) is exactly 0 in fp32
+};
+
+inline Params make_params(te_activation act, const te_activation_params *p) {
+  Params r;
+  if (act != TE_ACTIVATION_CLAMPED_SWIGLU || p == nullptr) return r;
+  r.limit = p->limit;
+  r.alpha = p->alpha;
+  r.alpha_w = p->alpha * kLog2e;
+  r.offset = p->linear_offset;
+  r.floor = -200.0f / r.alpha_w;
+  return r;
+}
+
+// Clamped SwiGLU's gate half, g sigmoid(alpha g) for g = min(a, limit), and its derivative in
+// a (zero above the limit, where the clamp is active). The sigmoid's argument is clamped below
+// at the floor, beyond which the sigmoid is exactly 0 in fp32 already, so the forward's value
+// comes out bit for bit and the derivative has no -inf * 0.
+TE_HOST_DEVICE float clamped_silu(float a, const Params &p) {
+  const float g = max_keep_nan(min_keep_nan(a, p.limit), -kFloatMax);
+  return g * sigmoid_log2(g * p.alpha_w).s;
+}
+
+TE_HOST_DEVICE void clamped_silu_value_and_derivative(float a, const Params &p, float *f, float *d) {
+  const float g = min_keep_nan(a, p.limit);
+  const float gc = max_keep_nan(g, p.floor);
+  const Sigmoid s = sigmoid_log2(gc * p.alpha_w);
+  *f = max_keep_nan(g, -kFloatMax) * s.s;
+  const float inside = s.s * fma_f32(gc * p.alpha, s.one_minus_s, 1.0f);
+  *d = a > p.limit ? 0.0f : inside;  // NaN a: inside is NaN
+}
+
+// Clamped SwiGLU's linear half u = clamp(b, -limit, limit) + offset, and its derivative in b:
+// 1 inside the bounds (inclusive), 0 outside, NaN for NaN.
+TE_HOST_DEVICE float clamped_linear(float b, const Params &p) { return clamp(b, -p.limit, p.limit) + p.offset; }
+TE_HOST_DEVICE float clamped_linear_derivative(float b, const Params &p) {
+  return fabsf(b) <= p.limit ? 1.0f : (b != b ? b : 0.0f);
+}
+
 // The activation (of a gated one: of its first half) and its derivative.
 template <te_activation kAct>
 TE_HOST_DEVICE float forward(float x) {
@@ -224,13 +270,17 @@ TE_HOST_DEVICE float derivative(float x) {
 template <te_activation kAct>
 constexpr bool kIsGated =
     kAct == TE_ACTIVATION_GEGLU || kAct == TE_ACTIVATION_SWIGLU || kAct == TE_ACTIVATION_REGLU ||
-    kAct == TE_ACTIVATION_QGEGLU || kAct == TE_ACTIVATION_SREGLU || kAct == TE_ACTIVATION_GLU;
+    kAct == TE_ACTIVATION_QGEGLU || kAct == TE_ACTIVATION_SREGLU || kAct == TE_ACTIVATION_GLU ||
+    kAct == TE_ACTIVATION_CLAMPED_SWIGLU;
 
-// The values that reach the outputs (and amax, and dbias); NaN with any payload.
+// The values that reach the outputs (and amax, and dbias); NaN with any payload. ``p``: the
+// parameters (read by CLAMPED_SWIGLU alone).
 // Forward: y = act(x), gated y = act(a) * b.
 template <te_activation kAct>
-TE_HOST_DEVICE float forward_value(float a, float b) {
-  if constexpr (kIsGated<kAct>) {
+TE_HOST_DEVICE float forward_value(float a, float b, const Params &p) {
+  if constexpr (kAct == TE_ACTIVATION_CLAMPED_SWIGLU) {
+    return clamped_silu(a, p) * clamped_linear(b, p);
+  } else if constexpr (kIsGated<kAct>) {
     return forward<kAct>(a) * b;
   } else {
     return forward<kAct>(a);
@@ -239,7 +289,7 @@ TE_HOST_DEVICE float forward_value(float a, float b) {
 
 // Backward, non-gated: g * act'(x) (IDENTITY: g itself).
 template <te_activation kAct>
-TE_HOST_DEVICE float backward_value(float g, float x) {
+TE_HOST_DEVICE float backward_value(float g, float x, const Params &) {
   if constexpr (kAct == TE_ACTIVATION_IDENTITY) {
     return g;
   } else {
@@ -270,14 +320,21 @@ TE_HOST_DEVICE void gated_value_and_derivative(float x, float *f, float *d) {
   }
 }
 
-// Backward, gated: d/da = (g * act'(a)) * b, d/db = g * act(a). |act'| <= ~1.13, so
+// Backward, gated: d/da = (g * act'(a)) * b, d/db = g * act(a) (clamped SwiGLU: b is the
+// clamped linear half, and d/db carries its derivative). |act'| <= ~1.13, so
 // g * act'(a) cannot overflow where g does not, and a zero derivative gives 0 whatever b.
 template <te_activation kAct>
-TE_HOST_DEVICE void gated_backward_values(float g, float a, float b, float *da, float *db) {
+TE_HOST_DEVICE void gated_backward_values(float g, float a, float b, const Params &p, float *da, float *db) {
   float f, d;
-  gated_value_and_derivative<kAct>(a, &f, &d);
-  *da = (g * d) * b;
-  *db = g * f;
+  if constexpr (kAct == TE_ACTIVATION_CLAMPED_SWIGLU) {
+    clamped_silu_value_and_derivative(a, p, &f, &d);
+    *da = (g * d) * clamped_linear(b, p);
+    *db = (g * f) * clamped_linear_derivative(b, p);
+  } else {
+    gated_value_and_derivative<kAct>(a, &f, &d);
+    *da = (g * d) * b;
+    *db = g * f;
+  }
 }
 
 }  // namespace act

@@ -26,18 +26,18 @@ void chunk_values(const ActivationArgs &a, int64_t r0, int64_t r1, float *v) {
       if (!a.backward) {
         const float x = load_hp(a.input, r * in_cols + c, dt);
         const float b = a.gated ? load_hp(a.input, r * in_cols + n + c, dt) : 0.0f;
-        row[c] = canonical(act::forward_value<kAct>(x, b));
+        row[c] = canonical(act::forward_value<kAct>(x, b, a.params));
       } else if (a.gated) {
         const float g = load_hp(a.grad_output, r * n + c, dt);
         const float x = load_hp(a.input, r * in_cols + c, dt);
         const float b = load_hp(a.input, r * in_cols + n + c, dt);
-        act::gated_backward_values<kAct>(g, x, b, &row[c], &row[n + c]);
+        act::gated_backward_values<kAct>(g, x, b, a.params, &row[c], &row[n + c]);
         row[c] = canonical(row[c]);
         row[n + c] = canonical(row[n + c]);
       } else {
         const float g = load_hp(a.grad_output, r * n + c, dt);
         const float x = a.input != nullptr ? load_hp(a.input, r * in_cols + c, dt) : 0.0f;
-        row[c] = canonical(act::backward_value<kAct>(g, x));
+        row[c] = canonical(act::backward_value<kAct>(g, x, a.params));
       }
     }
   }
@@ -103,6 +103,7 @@ void activation_ref(const ActivationArgs &a) {
     case TE_ACTIVATION_QGEGLU: return activation_ref_impl<TE_ACTIVATION_QGEGLU>(a);
     case TE_ACTIVATION_SREGLU: return activation_ref_impl<TE_ACTIVATION_SREGLU>(a);
     case TE_ACTIVATION_GLU: return activation_ref_impl<TE_ACTIVATION_GLU>(a);
+    case TE_ACTIVATION_CLAMPED_SWIGLU: return activation_ref_impl<TE_ACTIVATION_CLAMPED_SWIGLU>(a);
     default: return;
   }
 }

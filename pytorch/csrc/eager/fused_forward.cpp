@@ -150,13 +150,13 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> act_linear_fp8_forward(
       q.set(TE_SLOT_DATA, data).set(TE_SLOT_SCALE, element(scales, kColumn)).set(TE_SLOT_SCALE_INV, sinv);
       q.set(TE_SLOT_AMAX, element(history, kColumn));
       if (need_col) q.set(TE_SLOT_COLUMNWISE_DATA, col);
-      check(te_activation_forward(activation, in.get(), q.get(), 1, stream), op);
+      check(te_activation_forward(activation, nullptr, in.get(), q.get(), 1, stream), op);
     } else {
       const Tensor a_t = empty({m, k}, torch_dtype(h.scalar_type()), h);
       const te_buffer a = buffer(a_t.data_ptr(), h_dtype, {m, k}, h);
       Handle ah(op);
       ah.set(TE_SLOT_DATA, a);
-      check(te_activation_forward(activation, in.get(), ah.get(), 0, stream), op);
+      check(te_activation_forward(activation, nullptr, in.get(), ah.get(), 0, stream), op);
       quantize_current(a, &data, need_col ? &col : nullptr, element(scalars, 1), sinv, element(scalars, 2), pow2,
                        epsilon, stream, op);
     }

@@ -192,7 +192,7 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
       // act' * grad_output (+ bias gradient) + cast + transpose in one pass, the amax raising
       // the history's slot.
       Handle gi(op);
-      check(te_activation_backward(activation, gh.get(), identity ? nullptr : hh.get(), fp8_grad(gi).get(), db_ptr, 1,
+      check(te_activation_backward(activation, nullptr, gh.get(), identity ? nullptr : hh.get(), fp8_grad(gi).get(), db_ptr, 1,
                                    stream),
             op);
     } else if (!current) {
@@ -204,7 +204,7 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
       // grad_output's scale first, then the same fused bias gradient + cast.
       current_scale(dy, row_out ? g_row : g_col, nullptr, scale, g_sinv, amax, pow2, epsilon, stream, op);
       Handle gi(op);
-      check(te_activation_backward(activation, gh.get(), nullptr, fp8_grad(gi).get(), db_ptr, 0, stream), op);
+      check(te_activation_backward(activation, nullptr, gh.get(), nullptr, fp8_grad(gi).get(), db_ptr, 0, stream), op);
     } else if (identity) {
       quantize_current(dy, row_out, col_out, scale, g_sinv, amax, pow2, epsilon, stream, op);
     } else {
@@ -213,7 +213,7 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
       const te_buffer dh = buffer(dh_t.data_ptr(), g_dtype, {m, n}, grad_output);
       Handle dhh(op);
       dhh.set(TE_SLOT_DATA, dh);
-      check(te_activation_backward(activation, gh.get(), hh.get(), dhh.get(), db_ptr, 0, stream), op);
+      check(te_activation_backward(activation, nullptr, gh.get(), hh.get(), dhh.get(), db_ptr, 0, stream), op);
       quantize_current(dh, row_out, col_out, scale, g_sinv, amax, pow2, epsilon, stream, op);
     }
     if (!current && update) {  // the next step's grad_output scales, from this step's amaxes

@@ -22,7 +22,9 @@ from .module._checks import refuse_non_defaults
 from .module._deferred_init import DeferredInit
 from .module.layernorm import LayerNorm as _LayerNorm
 from .module.layernorm import RMSNorm as _RMSNorm
+from .module.layernorm_mlp import apply_activation
 from .module.linear import Linear as _Linear
+from .ops.activation import clamped_swiglu
 
 Device = Union[torch.device, str, None]
 
@@ -230,6 +232,32 @@ class SwiGLU(_Activation):
     fn, gated = staticmethod(F.silu), True
 
 
+class ClampedSwiGLU(torch.nn.Module):
+    """SwiGLU with both halves clamped (GPT-OSS's): ``g sigmoid(alpha g) * (u + 1)`` with
+    ``g = min(a, limit)``, ``u = clamp(b, -limit, limit)`` over the [a, b] halves of the last
+    dimension; the core's kernel, as te.LayerNormMLP(activation="clamped_swiglu") runs it."""
+
+    def __init__(self, *, limit: float = 7.0, alpha: float = 1.702,
+                 cache_quantized_input: bool = False) -> None:
+        super().__init__()
+        refuse_non_defaults("te.ops.ClampedSwiGLU", "the activation keeps no quantized copy "
+                            "of its input", cache_quantized_input=(cache_quantized_input, False))
+        try:
+            self._act = clamped_swiglu(limit, alpha)
+        except ValueError as e:
+            raise ValueError(f"te.ops.ClampedSwiGLU: {e}") from None
+        self.limit, self.alpha = float(limit), float(alpha)
+
+    def extra_repr(self) -> str:
+        return f"limit={self.limit}, alpha={self.alpha}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % 2:
+            raise ValueError(f"te.ops.ClampedSwiGLU: a gated activation needs an even last "
+                             f"dimension, got shape {list(x.shape)}")
+        return apply_activation(x, self._act)
+
+
 NAMES = ("Sequential", "Linear", "BasicLinear", "Bias", "LayerNorm", "RMSNorm", "Identity",
          "Reshape", "ConstantScale", "Dropout", "GELU", "QGELU", "ReLU", "SReLU", "SiLU",
-         "GEGLU", "QGEGLU", "ReGLU", "SReGLU", "SwiGLU")
+         "GEGLU", "QGEGLU", "ReGLU", "SReGLU", "SwiGLU", "ClampedSwiGLU")

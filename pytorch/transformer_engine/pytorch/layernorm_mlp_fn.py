@@ -88,7 +88,9 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         # activation allocates FC2's input.
         ln_col, ln_col_sinv = q1.columnwise, q1.columnwise_scale_inv
         del q1
-        if compiled_forward.usable(plan, h, (w2_data, w2_sinv), b2, history_fwd):
+        # (the compiled operator takes an activation's code, not its parameters)
+        if not ops.activation.has_params(act) and compiled_forward.usable(
+                plan, h, (w2_data, w2_sinv), b2, history_fwd):
             # the activation writing FC2's FP8 input, then FC2, in one call
             out, q2 = compiled_forward.act_linear(plan, act, h, w2_data, w2_sinv, b2, scale_fwd,
                                                   history_fwd, need_wgrad2)

@@ -17,7 +17,7 @@ from transformer_engine.common.recipe import Recipe
 from .. import distributed, fp8, ops
 from ..float8_tensor import Float8Tensor
 from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction, MlpConsts
-from ..ops.activation import GATED
+from ..ops.activation import GATED, clamped_swiglu
 from ..quantization import kind_of, record_amax
 from ._checks import check_params_dtype, check_sizes
 from .base import FP8Module, fp8_weight_param, with_leading_dims
@@ -43,19 +43,41 @@ from .linear import (
 __all__ = ["LayerNormMLP"]
 
 ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu", "qgeglu",
-               "sreglu", "glu")
-# NVIDIA TE's activation names that the core has no kernel for (activation.h).
-NVIDIA_ONLY_ACTIVATIONS = ("clamped_swiglu",)
+               "sreglu", "glu", "clamped_swiglu")
+# The keys of activation_params (NVIDIA TE's names) -> the keywords of ops.activation's
+# clamped_swiglu.
+_CLAMPED_SWIGLU_PARAMS = {"limit": "limit", "alpha": "alpha",
+                          "glu_linear_offset": "linear_offset"}
 
 
 def check_activation(op: str, activation) -> None:
-    """``activation`` must be one the core computes; NVIDIA's others are named as such."""
-    if activation in NVIDIA_ONLY_ACTIVATIONS:
-        raise NotImplementedError(f"{op}: activation {activation!r} (NVIDIA Transformer "
-                                  f"Engine's) is not implemented here: the core has no kernel "
-                                  f"for it; supported: {ACTIVATIONS}")
+    """``activation`` must be one the core computes."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def activation_spec(op: str, activation: str, params: Optional[dict]) -> str:
+    """The kernels' ``act`` (ops.activation) of ``activation`` with NVIDIA's
+    ``activation_params``: clamped_swiglu takes ``limit``, ``alpha`` and
+    ``glu_linear_offset`` (defaults 7.0, 1.702 and 1.0); the others take none."""
+    check_activation(op, activation)
+    if params is not None and not isinstance(params, dict):
+        raise TypeError(f"{op}: activation_params must be a dict or None, got "
+                        f"{type(params).__name__}")
+    if activation != "clamped_swiglu":
+        if params:
+            raise ValueError(f"{op}: activation_params apply to activation='clamped_swiglu' "
+                             f"only; activation={activation!r} takes none, got {params!r}")
+        return activation
+    params = params or {}
+    unknown = sorted(set(params) - set(_CLAMPED_SWIGLU_PARAMS))
+    if unknown:
+        raise ValueError(f"{op}: activation_params of clamped_swiglu takes the keys "
+                         f"{tuple(_CLAMPED_SWIGLU_PARAMS)}, got unknown {unknown}")
+    try:
+        return clamped_swiglu(**{_CLAMPED_SWIGLU_PARAMS[k]: v for k, v in params.items()})
+    except ValueError as e:
+        raise ValueError(f"{op}: activation_params: {e}") from None
 
 
 class _ActivationFunction(torch.autograd.Function):
@@ -96,7 +118,12 @@ class LayerNormMLP(FP8Module):
         bias: learn FC1's and FC2's biases.
         activation: one of ``gelu`` (tanh approximation), ``relu``, ``silu``, ``qgelu``
             (x sigmoid(1.702 x)), ``srelu`` (relu(x)^2), ``geglu``, ``swiglu``, ``reglu``,
-            ``qgeglu``, ``sreglu`` (act(a) * b), ``glu`` (sigmoid(a) * b).
+            ``qgeglu``, ``sreglu`` (act(a) * b), ``glu`` (sigmoid(a) * b),
+            ``clamped_swiglu`` (g sigmoid(alpha g) * (u + glu_linear_offset) with
+            g = min(a, limit), u = clamp(b, -limit, limit), as in GPT-OSS).
+        activation_params: clamped_swiglu's ``{"limit": 7.0, "alpha": 1.702,
+            "glu_linear_offset": 1.0}`` (these are the defaults; any subset); None for the
+            other activations.
         return_bias: return FC2's bias instead of adding it.
         params_dtype, device: as te.Linear.
         init_method, output_layer_init_method: initialize FC1's resp. FC2's weight in place
@@ -146,10 +173,6 @@ class LayerNormMLP(FP8Module):
                  tp_group=None, tp_size: int = 1, set_parallel_mode: bool = False,
                  sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
                  name: Optional[str] = None, activation_params: Optional[dict] = None) -> None:
-        if activation_params is not None:  # NVIDIA's parameters of a parametrized activation
-            raise NotImplementedError(
-                f"{self._name}: activation_params is not supported (none of the core's "
-                f"activations takes parameters); it must be None, got {activation_params!r}")
         if not isinstance(set_parallel_mode, bool):
             raise TypeError(f"{self._name}: set_parallel_mode must be a bool, got "
                             f"{set_parallel_mode!r}")
@@ -161,13 +184,15 @@ class LayerNormMLP(FP8Module):
         if tp > 1:
             distributed.check_divisible(self._name, "ffn_hidden_size", ffn_hidden_size, tp)
         check_params_dtype(self._name, params_dtype)
-        check_activation(self._name, activation)
+        act = activation_spec(self._name, activation, activation_params)
         cfg = norm_config(self._name, normalization, eps, zero_centered_gamma,
                           return_layernorm_output)
         device = _default_device(device)
         super().__init__(device, num_gemms=2)
         self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
         self.activation, self.normalization, self.cfg = activation, normalization, cfg
+        self.activation_params = activation_params
+        self._act = act  # the kernels' name of the activation, with its parameters
         self.return_bias, self.name, self.set_parallel_mode = return_bias, name, set_parallel_mode
         dtype = params_dtype or torch.get_default_dtype()
         register_norm_params(self, self.hidden_size, cfg, dtype, device)
@@ -282,7 +307,7 @@ class LayerNormMLP(FP8Module):
         ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
         b1 = None if self.fc1_bias is None else self.fc1_bias.to(dtype)
         h = F.linear(ln_out, self.fc1_weight.to(dtype), b1)
-        a = apply_activation(h, self.activation)
+        a = apply_activation(h, self._act)
         if state.calibrating and kind_of(state.recipe) == "delayed":
             self._calibrate(ln_out, a, state.recipe)
         out = F.linear(a, self.fc2_weight.to(dtype), None if fc2_bias is None else
@@ -318,7 +343,7 @@ class LayerNormMLP(FP8Module):
         # Copies quantized for this forward alone: the backward may free them once read.
         own_weights = is_first_microbatch is None and not isinstance(w1, Float8Tensor) \
             and not isinstance(w2, Float8Tensor)
-        consts = MlpConsts(plan, bwd_recipe, group, self.cfg, self.activation, need, own_weights)
+        consts = MlpConsts(plan, bwd_recipe, group, self.cfg, self._act, need, own_weights)
         return with_leading_dims(Fp8LayerNormMLPFunction.apply(
             inp, gamma, beta, w1, b1, q1.data, q1.scale_inv, q1.columnwise,
             None if per_tensor else q1.columnwise_scale_inv, w2, fc2_bias, q2.data,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ._checks import check_device, check_params_dtype, check_sizes
 from ._deferred_init import DeferredInit
 from .layernorm import LayerNorm, RMSNorm
-from .layernorm_mlp import LayerNormMLP, check_activation
+from .layernorm_mlp import LayerNormMLP, activation_spec
 from .linear import _default_device, check_unsupported
 from .multihead_attention import MultiheadAttention, default_init_method, refuse_unsupported
 
@@ -76,7 +76,8 @@ class TransformerLayer(DeferredInit, torch.nn.Module):
         fuse_qkv_params, qkv_weight_interleaved: the QKV weight as one parameter, in group
             order (see te.MultiheadAttention); default separate query/key/value weights.
         zero_centered_gamma, normalization (``"LayerNorm"`` / ``"RMSNorm"``), bias,
-            activation (every one of te.LayerNormMLP): of the blocks.
+            activation (every one of te.LayerNormMLP), activation_params (keyword only;
+            clamped_swiglu's, as te.LayerNormMLP): of the blocks.
         attn_input_format: ``"sbhd"`` ([s, b, hidden], default), ``"bshd"``, or ``"thd"``
             ([tokens, hidden], sequences packed back to back; forward takes cu_seqlens_q /
             cu_seqlens_kv and max_seqlen_q / max_seqlen_kv).
@@ -122,7 +123,8 @@ class TransformerLayer(DeferredInit, torch.nn.Module):
                  name: Optional[str] = None, *, rotary_pos_interleaved: bool = False,
                  qk_norm_type: Optional[str] = None, qk_norm_eps: float = 1e-6,
                  qk_norm_before_rope: bool = False, softmax_type: str = "vanilla",
-                 attention_backend: Optional[str] = None) -> None:
+                 attention_backend: Optional[str] = None,
+                 activation_params: Optional[dict] = None) -> None:
         super().__init__()
         op = "te.TransformerLayer"
         # The blocks split themselves; the layer's checks first, in the layer's name.
@@ -137,7 +139,7 @@ class TransformerLayer(DeferredInit, torch.nn.Module):
         optional = {"kv_channels": kv_channels, "num_gqa_groups": num_gqa_groups}
         check_sizes(op, **{k: v for k, v in optional.items() if v is not None})
         check_params_dtype(op, params_dtype)
-        check_activation(op, activation)
+        activation_spec(op, activation, activation_params)
         _check_args(op, layer_type, attn_input_format, hidden_dropout, drop_path_rate,
                     parallel_attention_mlp, apply_residual_connection_post_layernorm,
                     output_layernorm, normalization)
@@ -181,8 +183,9 @@ class TransformerLayer(DeferredInit, torch.nn.Module):
                 name=None if name is None else name + ".inter_attention", **attention)
         self.layernorm_mlp = LayerNormMLP(
             hidden_size, ffn_hidden_size, layernorm_epsilon, bias, normalization=normalization,
-            activation=activation, zero_centered_gamma=zero_centered_gamma,
-            return_layernorm_output=post, params_dtype=params_dtype, device=device,
+            activation=activation, activation_params=activation_params,
+            zero_centered_gamma=zero_centered_gamma, return_layernorm_output=post,
+            params_dtype=params_dtype, device=device,
             init_method=init_method, output_layer_init_method=output_layer_init_method,
             set_parallel_mode=set_parallel_mode, tp_group=tp_group, tp_size=tp_size,
             sequence_parallel=sequence_parallel,

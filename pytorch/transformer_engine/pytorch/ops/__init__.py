@@ -51,7 +51,7 @@ __all__ = ["activation_backward", "activation_backward_fp8", "activation_forward
 # NVIDIA's te.ops operations that have no counterpart here (fusible_ops.py has the others).
 _NVIDIA_UNSUPPORTED = ("FusibleOperation", "BasicOperation", "FusedOperation", "Quantize",
                        "AddExtraInput", "AddInPlace", "MakeExtraOutput", "AllGather",
-                       "AllReduce", "ReduceScatter", "L2Normalization", "ClampedSwiGLU",
+                       "AllReduce", "ReduceScatter", "L2Normalization",
                        "GroupedLinear")
 
 

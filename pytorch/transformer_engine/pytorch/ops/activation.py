@@ -8,10 +8,16 @@ pass: forward, the activation writes the next GEMM's input directly in FP8; back
 writes the previous GEMM's grad_output in FP8 together with the bias gradient ("dbias +
 dactivation + cast + transpose"). ``identity`` makes the backward a linear layer's "dbias +
 cast + transpose" of its grad_output. Semantics and bit-exactness: ``activation.h``.
+
+``act`` is an activation's name, or for the one that takes parameters (clamped SwiGLU) the
+name with its parameters as :func:`clamped_swiglu` writes it: a string is what a custom op's
+argument can be, so the parameters travel with the name through every layer unchanged.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Optional
 
 import torch
@@ -30,20 +36,66 @@ from ._backend import (
 
 _NS = "transformer_engine"
 ACTIVATIONS = ("identity", "gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu",
-               "reglu", "qgeglu", "sreglu", "glu")
-GATED = ("geglu", "swiglu", "reglu", "qgeglu", "sreglu", "glu")
+               "reglu", "qgeglu", "sreglu", "glu", "clamped_swiglu")
+GATED = ("geglu", "swiglu", "reglu", "qgeglu", "sreglu", "glu", "clamped_swiglu")
+# The activations that take parameters, with their names in order (activation.h).
+PARAMETRIZED = {"clamped_swiglu": ("limit", "alpha", "linear_offset")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def clamped_swiglu(limit: float = 7.0, alpha: float = 1.702, linear_offset: float = 1.0) -> str:
+    """The ``act`` of clamped SwiGLU, ``g sigmoid(alpha g) * (u + linear_offset)`` with
+    ``g = min(a, limit)`` and ``u = clamp(b, -limit, limit)`` (the defaults are NVIDIA TE's
+    and GPT-OSS's). The parameters are used in fp32."""
+    for name, value in (("limit", limit), ("alpha", alpha)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"clamped_swiglu: {name} must be a finite number > 0, got "
+                             f"{value!r}")
+    if not (isinstance(linear_offset, (int, float)) and math.isfinite(linear_offset)):
+        raise ValueError(f"clamped_swiglu: linear_offset must be a finite number, got "
+                         f"{linear_offset!r}")
+    return f"clamped_swiglu:{float(limit)!r}:{float(alpha)!r}:{float(linear_offset)!r}"
+
+
+@functools.lru_cache(maxsize=None)
+def parse(act: str) -> tuple[str, Optional[tuple]]:
+    """(name, parameters or None) of an ``act``; ValueError for one the core does not have."""
+    name, _, rest = act.partition(":") if isinstance(act, str) else (act, "", "")
+    if name not in ACTIVATIONS:
+        raise ValueError(f"act must be one of {ACTIVATIONS}, got {act!r}")
+    if name not in PARAMETRIZED:
+        if rest:
+            raise ValueError(f"act {name!r} takes no parameters, got {act!r}")
+        return name, None
+    try:
+        params = tuple(float(v) for v in rest.split(":"))
+    except ValueError:
+        params = ()
+    if len(params) != len(PARAMETRIZED[name]):
+        raise ValueError(f"act {name!r} needs its parameters {PARAMETRIZED[name]} (write it "
+                         f"with ops.activation.{name}(...)), got {act!r}")
+    return name, params
+
+
+def is_gated(act: str) -> bool:
+    return parse(act)[0] in GATED
+
+
+def has_params(act: str) -> bool:
+    return parse(act)[1] is not None
 
 
 def _check(op: str, x: torch.Tensor, act: str) -> int:
     """The output's column count, after checking the input."""
-    if act not in ACTIVATIONS:
-        raise ValueError(f"{op}: act must be one of {ACTIVATIONS}, got {act!r}")
+    try:
+        parse(act)
+    except ValueError as e:
+        raise ValueError(f"{op}: {e}") from None
     if x.dim() != 2:
         raise ValueError(f"{op}: input must be a matrix [M, K], got shape {list(x.shape)}")
     if x.dtype not in _DTYPES:
         raise TypeError(f"{op}: input must be float32, bfloat16 or float16, got {x.dtype}")
-    if act in GATED:
+    if is_gated(act):
         if x.shape[1] % 2:
             raise ValueError(f"{op}: a gated activation ({act}) needs an even number of "
                              f"input columns [a, b], got shape {list(x.shape)}")
@@ -59,7 +111,11 @@ def _check_grad(op: str, dy: torch.Tensor, x: torch.Tensor, act: str) -> None:
 
 
 def _te_act(act: str):
-    return getattr(core().Activation, act)
+    return getattr(core().Activation, parse(act)[0])
+
+
+def _params(act: str):
+    return parse(act)[1]
 
 
 def _fp8_pair(x: torch.Tensor, m: int, n: int, rowwise: bool, columnwise: bool):
@@ -97,7 +153,8 @@ def activation_forward(x: torch.Tensor, act: str) -> torch.Tensor:
     if x.numel() == 0:
         return out
     x = x.contiguous()  # kept alive across the call: raw() holds only its pointer
-    core().activation_forward(_te_act(act), raw(x), raw(out), stream=stream_of(x))
+    core().activation_forward(_te_act(act), raw(x), raw(out), params=_params(act),
+                              stream=stream_of(x))
     return out
 
 
@@ -129,7 +186,7 @@ def activation_forward_fp8(
     out = _fp8_tensor(c, data, col, scale, scale_inv, raw_amax, fp8_dtype, rowwise, columnwise,
                       gate)
     c.activation_forward(_te_act(act), raw(x), out, accumulate_amax=accumulate,
-                         stream=stream_of(x))
+                         params=_params(act), stream=stream_of(x))
     return data, col, scale_inv, amax
 
 
@@ -160,7 +217,8 @@ def activation_backward(dy: torch.Tensor, x: torch.Tensor, act: str, with_dbias:
         return dx, dbias
     dy, x = dy.contiguous(), x.contiguous()
     core().activation_backward(_te_act(act), raw(dy), _input_arg(x, act), raw(dx),
-                               dbias=raw(dbias) if with_dbias else None, stream=stream_of(x))
+                               dbias=raw(dbias) if with_dbias else None, params=_params(act),
+                               stream=stream_of(x))
     return dx, dbias
 
 
@@ -195,7 +253,7 @@ def activation_backward_fp8(
                       gate)
     c.activation_backward(_te_act(act), raw(dy), _input_arg(x, act), out,
                           dbias=raw(dbias) if with_dbias else None, accumulate_amax=accumulate,
-                          stream=stream_of(x))
+                          params=_params(act), stream=stream_of(x))
     return data, col, scale_inv, amax, dbias
 
 
