@@ -136,6 +136,8 @@ def attend(attend_one: Callable, cp: ContextParallel, query, key, value, layout:
                          f"and k), got q {list(query.shape)} and k {list(key.shape)}")
     if cp.comm_type == "all_gather":
         return _attend_gathered(attend_one, cp, query, key, value, seq, mask)
+    if cp.comm_type != "p2p":
+        check_heads(cp.comm_type, cp.a2a_size, query.shape[-2], key.shape[-2])
     query, key, value = (to_high_precision(t) for t in (query, key, value))
     scale, dropout = _softmax_parameters(attend_one, query, key, value, seq)
     causal = mask == "causal"
@@ -161,7 +163,6 @@ def _attend_hierarchical(cp: ContextParallel, q, k, v, causal: bool, scale: floa
     a share of the heads, the ring across the groups attends those chunks, and an all-to-all
     trades back. [s_local, b, h, d] -> [s_local, b, h, dv]."""
     a2a_group, ring_group = cp.group
-    check_heads(cp.a2a_size, q.shape[2], k.shape[2])
     ring_size = cp.size // cp.a2a_size
     here = cp.a2a_chunks(cp.rank // cp.a2a_size)
     # each all-to-all group's chunks, ascending: the order heads_to_ranks puts them in

@@ -18,12 +18,12 @@ import torch
 __all__ = ["a2a_attention", "check_heads", "heads_to_ranks", "sequence_to_ranks"]
 
 
-def check_heads(size: int, heads: int, kv_heads: int) -> None:
+def check_heads(comm_type: str, size: int, heads: int, kv_heads: int) -> None:
     if heads % size or kv_heads % size:
-        raise ValueError(f"DotProductAttention: context parallelism's all-to-all splits the "
-                         f"heads over the {size} ranks of its group, so the query heads and the "
-                         f"key/value heads must be divisible by {size}, got {heads} and "
-                         f"{kv_heads}")
+        raise ValueError(f"DotProductAttention: cp_comm_type {comm_type!r} splits the heads "
+                         f"over the {size} ranks of its all-to-all group, so "
+                         f"num_attention_heads and num_gqa_groups must be divisible by {size}, "
+                         f"got {heads} and {kv_heads}")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -90,8 +90,8 @@ def a2a_attention(group, chunks: list[tuple[int, ...]], q, k, v, causal: bool, s
                   dropout: float) -> torch.Tensor:
     """This rank's rows of attention over the whole sequence, split over ``group`` (rank i
     holding ``chunks[i]``, together every chunk): q [s_local, b, h, d], k, v
-    [s_local, b, hk, d] -> [s_local, b, h, dv]."""
-    check_heads(len(chunks), q.shape[2], k.shape[2])
+    [s_local, b, hk, d] -> [s_local, b, h, dv]. The heads must divide by the group's size
+    (check_heads)."""
     qs, ks, vs = (heads_to_ranks(t, group, chunks).permute(1, 2, 0, 3) for t in (q, k, v))
     o = torch.nn.functional.scaled_dot_product_attention(
         qs, ks, vs, dropout_p=dropout, is_causal=causal, scale=scale,

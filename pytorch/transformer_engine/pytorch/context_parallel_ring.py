@@ -122,8 +122,8 @@ class Ring:
         same shapes); returns (the receive buffers, the works to wait for)."""
         import torch.distributed as dist
 
-        if not tensors:
-            return [], []
+        if not tensors or self.size == 1:  # (a ring of one: what it would send comes back)
+            return list(tensors), []
         received = [torch.empty_like(t) for t in tensors]
         ops = ([dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
                + [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received])
