@@ -242,8 +242,8 @@ def _modules():
     ]
 
 
-@pytest.mark.parametrize("field", ["tp_resource", "fsdp_resource", "cp_resource",
-                                   "tpsp_resource"])
+# Tensor and fully-sharded data parallelism are implemented (tests/jax/test_sharding_mesh.py).
+@pytest.mark.parametrize("field", ["cp_resource", "tpsp_resource"])
 def test_modules_refuse_parallelism_they_do_not_implement(field):
     from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 

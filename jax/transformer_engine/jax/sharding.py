@@ -1,17 +1,30 @@
-"""The mesh axis names of each kind of parallelism, under the names NVIDIA's JAX programs use.
+"""The mesh axes of each kind of parallelism, and how the modules' logical axis names map to
+them (under the names NVIDIA's JAX programs use).
 
 :class:`MeshResource` is the one of :mod:`transformer_engine.jax.autocast`, and
 :func:`global_shard_guard` sets the same value that ``autocast(mesh_resource=...)`` sets, so
 either way of naming the mesh axes is seen by :func:`global_mesh_resource` (and
 ``get_mesh_resource``).
 
-The names are recorded, and the modules run unsharded: they never split a weight, a batch or
-a sequence over a mesh axis. Data parallelism (``dp_resource``) and pipelining
-(``pp_resource``) need nothing from the modules, so they are accepted. Tensor, sequence,
-fully-sharded and context parallelism (``tp_resource``, ``tpsp_resource``, ``fsdp_resource``,
-``cp_resource``) would change how the modules lay out and compute their tensors, which they do
-not do yet: the Flax modules raise NotImplementedError naming the axis instead of silently
-running unsharded.
+Under ``jax.jit`` with a mesh in context (``jax.set_mesh(mesh)``, its axes of type
+``AxisType.Auto``) the modules lay out their tensors by their logical-axis keywords
+(``kernel_axes``, ``input_axes``, ``kernel_axes_1``, ...): each logical name maps to the mesh
+axes of a :class:`MeshResource` field (:data:`LOGICAL_RULES`), and the tensor gets that
+sharding as a constraint. The core's ops follow the shardings (see
+:mod:`transformer_engine.jax.partitioning`), so
+
+* data parallelism (``dp_resource``): the batch is split, weights are whole;
+* tensor parallelism (``tp_resource``): a kernel split along its output features
+  (``"mlp"``, ``"heads"``, ...) is column parallel, one split along its input features
+  row parallel (the partial products are summed); in ``LayerNormMLP`` the first GEMM is
+  column parallel and the second row parallel, so the activation stays split between them;
+* fully-sharded data parallelism (``fsdp_resource``): the batch is split over the axis and so
+  are the weights (their ``"embed"`` dimension); each weight is gathered just before its
+  GEMM (in FP8, its FP8 copy), and its gradient is reduced back to the shards.
+
+Pipelining (``pp_resource``) needs nothing from the modules. Context parallelism
+(``cp_resource``) and sequence parallelism (``tpsp_resource``) are not implemented: the
+modules raise NotImplementedError naming the field rather than run unsharded.
 
 Example:
     >>> from transformer_engine.jax.sharding import (MeshResource, global_mesh_resource,
@@ -26,8 +39,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
 from transformer_engine.jax.autocast import (
     MeshResource,
     autocast,
@@ -35,12 +50,46 @@ from transformer_engine.jax.autocast import (
     get_mesh_resource,
 )
 
-__all__ = ["MeshResource", "global_shard_guard", "global_mesh_resource"]
+__all__ = ["MeshResource", "global_shard_guard", "global_mesh_resource", "LOGICAL_RULES",
+           "logical_axis_rules", "logical_to_mesh_spec", "with_sharding_constraint_by_logical_axes",
+           "BATCH_AXES", "SEQLEN_AXES", "HIDDEN_AXES", "HIDDEN_TP_AXES", "HEAD_AXES",
+           "W_FSDP_AXES", "W_TP_AXES", "W_NO_SHARD_AXES", "W_JOINED_AXES"]
 
-# The MeshResource fields that would change what a module computes, and what they stand for.
-_UNSUPPORTED = {"tp_resource": "tensor parallelism", "tpsp_resource": "sequence parallelism",
-                "fsdp_resource": "fully-sharded data parallelism",
-                "cp_resource": "context parallelism"}
+# What each MeshResource field stands for, and the ones no module implements yet.
+_FEATURES = {"dp_resource": "data parallelism", "tp_resource": "tensor parallelism",
+             "fsdp_resource": "fully-sharded data parallelism",
+             "pp_resource": "pipeline parallelism", "tpsp_resource": "sequence parallelism",
+             "cp_resource": "context parallelism"}
+_UNSUPPORTED = ("tpsp_resource", "cp_resource")
+
+# Logical axis name -> the MeshResource fields whose mesh axes split it (in that order).
+# A weight's "embed" (hidden) dimension is split over the FSDP axis; on an activation the
+# same name comes after "batch", which already uses that axis, so it stays whole there.
+LOGICAL_RULES = {
+    "batch": ("dp_resource", "fsdp_resource"),
+    "embed": ("fsdp_resource",),
+    "mlp": ("tp_resource",),
+    "heads": ("tp_resource",),
+    "kv_heads": ("tp_resource",),
+    "joined_kv": ("tp_resource",),
+    "vocab": ("tp_resource",),
+    "length": (),
+    "act": (),
+    "kv": (),
+    "head_dim": (),
+    "relpos_buckets": (),
+}
+
+# NVIDIA's constants for the same names (activations, then weights).
+BATCH_AXES = "batch"
+SEQLEN_AXES = "length"
+HIDDEN_AXES = "hidden"  # an activation's features: never split
+HIDDEN_TP_AXES = "mlp"
+HEAD_AXES = "heads"
+W_FSDP_AXES = "embed"
+W_TP_AXES = "mlp"
+W_NO_SHARD_AXES = "act"
+W_JOINED_AXES = "joined_kv"
 
 
 @contextlib.contextmanager
@@ -63,14 +112,78 @@ def global_mesh_resource() -> MeshResource:
     return get_mesh_resource()
 
 
-def check_unsharded(caller: str) -> None:
-    """Raises NotImplementedError, in ``caller``'s name, when the mesh resource in effect asks
-    for a kind of parallelism that would change what the modules compute (see the module
-    docstring); the modules call it when they are applied."""
+def logical_axis_rules(resource: Optional[MeshResource] = None) -> tuple:
+    """The ``(logical name, mesh axes)`` pairs of :data:`LOGICAL_RULES` under ``resource``
+    (default: the one in effect), in flax's form: pass them to ``nn.logical_to_mesh_sharding``
+    to place parameters annotated by the modules (``nn.get_partition_spec(variables)``)."""
+    resource = get_mesh_resource() if resource is None else resource
+    rules = []
+    for name, fields in LOGICAL_RULES.items():
+        axes = tuple(getattr(resource, f) for f in fields if getattr(resource, f) is not None)
+        rules.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
+    return tuple(rules)
+
+
+def logical_to_mesh_spec(axes: Sequence[Optional[str]],
+                         resource: Optional[MeshResource] = None) -> PartitionSpec:
+    """The mesh PartitionSpec of a tensor whose dimensions have the logical names ``axes``
+    (None or an unknown name: not split). A mesh axis splits at most one dimension: a later
+    dimension that asks for an axis already used keeps the rest (or stays whole)."""
+    rules = dict(logical_axis_rules(resource))
+    used, entries = set(), []
+    for name in axes:
+        mapped = rules.get(name) if name is not None else None
+        mapped = () if mapped is None else (mapped if isinstance(mapped, tuple) else (mapped,))
+        free = tuple(a for a in mapped if a not in used)
+        used.update(free)
+        entries.append(None if not free else free[0] if len(free) == 1 else free)
+    return PartitionSpec(*entries)
+
+
+def _mesh():
+    """The mesh in context (``jax.set_mesh``), or None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
+
+
+def with_sharding_constraint_by_logical_axes(x: jax.Array, axes: Optional[Sequence]):
+    """``x`` constrained to the sharding its logical ``axes`` name, while a mesh is in context
+    and the mesh resource names axes; ``x`` itself otherwise (and for empty ``axes``)."""
+    if not axes or x is None:
+        return x
+    mesh = _mesh()
     resource = get_mesh_resource()
-    for field, feature in _UNSUPPORTED.items():
+    if mesh is None or resource == MeshResource():
+        return x
+    spec = logical_to_mesh_spec(axes, resource)
+    missing = {a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))
+               if a not in mesh.axis_names}
+    if missing:
+        raise ValueError(f"sharding: the MeshResource names mesh axes {sorted(missing)} that the "
+                         f"mesh in context does not have (its axes: {list(mesh.axis_names)})")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def check_supported(caller: str, also_unsupported: Sequence[str] = ()) -> None:
+    """Raises NotImplementedError, in ``caller``'s name, when the mesh resource in effect asks
+    for a kind of parallelism that the modules do not implement (sequence and context
+    parallelism, and the fields in ``also_unsupported`` that ``caller`` lacks), and
+    ValueError when the mesh in context has Explicit axes (the modules constrain shardings
+    the way Auto axes take them)."""
+    resource = get_mesh_resource()
+    unsupported = (*_UNSUPPORTED, *also_unsupported)
+    for field in unsupported:
         axis = getattr(resource, field)
         if axis is not None:
+            ok = [f for f in _FEATURES if f not in unsupported]
             raise NotImplementedError(
-                f"{caller}: {feature} (MeshResource.{field}={axis!r}) is not implemented: the "
-                "modules run unsharded. Leave it None; dp_resource and pp_resource are accepted")
+                f"{caller}: {_FEATURES[field]} (MeshResource.{field}={axis!r}) is not "
+                f"implemented here. Leave it None; {', '.join(ok)} are supported")
+    mesh = _mesh()
+    if mesh is not None and resource != MeshResource():
+        explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                    if t != jax.sharding.AxisType.Auto]
+        if explicit:
+            raise ValueError(f"{caller}: the mesh in context must have Auto axes (make it with "
+                             "jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * n)), "
+                             f"got non-Auto axes {explicit}")

@@ -16,7 +16,7 @@ from transformer_engine.jax.flax._unfused_attention import (
     query_positions,
     unfused_attention,
 )
-from transformer_engine.jax.sharding import check_unsharded
+from transformer_engine.jax.sharding import check_supported
 
 __all__ = ["DotProductAttention"]
 
@@ -172,7 +172,7 @@ class DotProductAttention(nn.Module):
                  cu_seqlens_q: Optional[jax.Array] = None,
                  cu_seqlens_kv: Optional[jax.Array] = None, max_seqlen_q: Optional[int] = None,
                  max_seqlen_kv: Optional[int] = None) -> jax.Array:
-        check_unsharded("DotProductAttention")
+        check_supported("DotProductAttention", also_unsupported=("tp_resource", "fsdp_resource"))
         layout, packed = _layout(self.qkv_layout, self.transpose_batch_sequence)
         bias_type = self._check_keywords(bias, layout)
         if packed == "qkv":

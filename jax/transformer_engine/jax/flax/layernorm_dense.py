@@ -31,7 +31,10 @@ from transformer_engine.jax.flax.module import (
 )
 from transformer_engine.jax.layernorm_dense import layernorm_dense
 from transformer_engine.jax.quantizer import plan_kind
-from transformer_engine.jax.sharding import check_unsharded
+from transformer_engine.jax.sharding import check_supported
+from transformer_engine.jax.sharding import (
+    with_sharding_constraint_by_logical_axes as constrain,
+)
 
 __all__ = ["LayerNormDenseGeneral"]
 
@@ -96,12 +99,14 @@ class LayerNormDenseGeneral(nn.Module):
         param_dtype: the former name of ``dtype``'s meaning: None, or equal to ``dtype``
             (anything else is an error, as it asked for a computation dtype).
         kernel_axes, bias_axes, scale_axes, ln_bias_axes: logical axis names of the
-            parameters, which are annotated with them (``nn.with_logical_partitioning``;
-            no value changes). Default () where NVIDIA's defaults name ``"embed"`` for the
+            parameters, which are annotated with them (``nn.with_logical_partitioning``) and,
+            under a mesh and a ``MeshResource``, laid out by them (see
+            :mod:`transformer_engine.jax.sharding`; ``("embed", "mlp")``: column parallel).
+            No value changes. Default () where NVIDIA's defaults name ``"embed"`` for the
             norm's: unannotated parameters unless asked for.
-        layernorm_input_axes, dot_input_axes: logical axis names of the input and of the
-            GEMM's input (NVIDIA's sharding constraints): checked and recorded; the
-            constraints come with the distributed work, and they change no value.
+        layernorm_input_axes, dot_input_axes: logical axis names of the input (with the
+            norm, and without it): under a mesh and a ``MeshResource`` the input is
+            constrained to that layout. The norm needs its features whole on each device.
         depth_scaling: None, or the output is divided by it (NVIDIA's meaning).
         transpose_batch_sequence: accepted for NVIDIA's signature; a position-wise layer
             computes the same either way.
@@ -151,7 +156,7 @@ class LayerNormDenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array):
-        check_unsharded("LayerNormDenseGeneral")
+        check_supported("LayerNormDenseGeneral")
         check_sizes("LayerNormDenseGeneral", features=self.features)
         param_dtype = param_dtype_of("LayerNormDenseGeneral", self.dtype, self.param_dtype)
         lora = self.enable_low_rank_adaptation
@@ -195,9 +200,12 @@ class LayerNormDenseGeneral(nn.Module):
         bias = self.param("bias", bias_init, features, param_dtype) if self.use_bias else None
         qset = fp8_quantizer_set(self)
         dtype = compute_dtype_of(inputs, param_dtype)
-        x = inputs.astype(dtype)
-        kernel = kernel.astype(dtype)
-        bias = None if bias is None else bias.astype(dtype)
+        x = constrain(inputs.astype(dtype), self.layernorm_input_axes if self.enable_layernorm
+                      else self.dot_input_axes)
+        kernel = constrain(kernel.astype(dtype), self.kernel_axes)
+        bias = None if bias is None else constrain(bias.astype(dtype), self.bias_axes)
+        scale = None if scale is None else constrain(scale, self.scale_axes)
+        ln_bias = None if ln_bias is None else constrain(ln_bias, self.ln_bias_axes)
         if not self.enable_layernorm:
             out = dense(x, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))),
                         quantizer_set=qset)

@@ -30,7 +30,10 @@ from transformer_engine.jax.flax.module import (
 )
 from transformer_engine.jax.layernorm_dense import layernorm_dense
 from transformer_engine.jax.layernorm_mlp import activation, activation_of, layernorm_mlp
-from transformer_engine.jax.sharding import check_unsharded
+from transformer_engine.jax.sharding import check_supported
+from transformer_engine.jax.sharding import (
+    with_sharding_constraint_by_logical_axes as constrain,
+)
 
 __all__ = ["LayerNormMLP"]
 
@@ -78,12 +81,17 @@ class LayerNormMLP(nn.Module):
             (anything else is an error, as it asked for a computation dtype).
         kernel_axes_1, kernel_axes_2, bias_axes_1, bias_axes_2, scale_axes, ln_bias_axes:
             logical axis names of the parameters, which are annotated with them
-            (``nn.with_logical_partitioning``; no value changes). Default () where NVIDIA's
-            name ``"embed"``, ``"act"``, ``"mlp"``: unannotated parameters unless asked for.
+            (``nn.with_logical_partitioning``) and, under a mesh and a ``MeshResource``,
+            laid out by them (:mod:`transformer_engine.jax.sharding`): e.g.
+            ``kernel_axes_1=("embed", "act", "mlp")`` and ``kernel_axes_2=("mlp", "embed")``
+            make the first GEMM column parallel and the second row parallel. No value
+            changes. Default () where NVIDIA's name ``"embed"``, ``"act"``, ``"mlp"``:
+            unannotated parameters unless asked for.
         layernorm_input_axes, dot_1_input_axes, dot_2_input_axes: logical axis names of the
-            input, of the first GEMM's input and of the second's (NVIDIA's sharding
-            constraints): checked and recorded; the constraints come with the distributed
-            work, and they change no value.
+            input (with the norm, and without it: the first GEMM's input) and of the second
+            GEMM's input: under a mesh and a ``MeshResource`` the input is constrained to its
+            layout (``dot_2_input_axes`` is checked; the fused block keeps the activation in
+            the layout the first GEMM gives it).
         ffn1_ckpt_name, ffn2_ckpt_name: NVIDIA's names of the GEMMs' outputs for remat
             policies: accepted and recorded; the fused block saves what its custom VJP
             needs whatever the policy, so no name is applied (no value changes).
@@ -181,7 +189,7 @@ class LayerNormMLP(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool = False):
-        check_unsharded("LayerNormMLP")
+        check_supported("LayerNormMLP")
         check_sizes("LayerNormMLP", intermediate_dim=self.intermediate_dim)
         param_dtype = param_dtype_of("LayerNormMLP", self.dtype, self.param_dtype)
         inputs = jnp.asarray(inputs)
@@ -213,10 +221,15 @@ class LayerNormMLP(nn.Module):
             b2 = self._param("wo_bias", self.bias_init, (k,), 0, self.bias_axes_2, param_dtype)
         qsets = (fp8_quantizer_set(self, "wi_"), fp8_quantizer_set(self, "wo_"))
         dtype = compute_dtype_of(inputs, param_dtype)
-        x = inputs.astype(dtype)
-        k1, k2 = k1.astype(dtype), k2.astype(dtype)
-        b1 = None if b1 is None else b1.astype(dtype)
-        b2 = None if b2 is None else b2.astype(dtype)
+        x = constrain(inputs.astype(dtype), self.layernorm_input_axes if self.enable_layernorm
+                      else self.dot_1_input_axes)
+        k1 = constrain(k1.astype(dtype), self.kernel_axes_1)
+        k2 = constrain(k2.astype(dtype), self.kernel_axes_2)
+        b1 = None if b1 is None else constrain(b1.astype(dtype), self.bias_axes_1)
+        b2 = None if b2 is None else constrain(b2.astype(dtype), self.bias_axes_2)
+        if gamma is not None:
+            gamma = constrain(gamma, self.scale_axes)
+            beta = None if beta is None else constrain(beta, self.ln_bias_axes)
         lora = self.enable_low_rank_adaptation
         second = dict(k2=k2, b2=b2, qset=qsets[1], deterministic=deterministic,
                       param_dtype=param_dtype)
@@ -243,7 +256,7 @@ class LayerNormMLP(nn.Module):
         return out if self.return_layernorm_output else (out, None)
 
     def _second_half(self, h, k2, b2, qset, deterministic, param_dtype):
-        a = activation(h, self.activations)
+        a = constrain(activation(h, self.activations), self.dot_2_input_axes)
         if self.intermediate_dropout_rate > 0.0:
             a = nn.Dropout(rate=self.intermediate_dropout_rate,
                            broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),

@@ -26,7 +26,10 @@ from transformer_engine.jax.quantizer import (
     new_fp8_state,
     plan_kind,
 )
-from transformer_engine.jax.sharding import check_unsharded
+from transformer_engine.jax.sharding import check_supported
+from transformer_engine.jax.sharding import (
+    with_sharding_constraint_by_logical_axes as constrain,
+)
 
 __all__ = ["DenseGeneral", "LayerNorm"]
 
@@ -68,11 +71,13 @@ class DenseGeneral(nn.Module):
         param_dtype: the former name of ``dtype``'s meaning: None, or equal to ``dtype``
             (anything else is an error, as it asked for a computation dtype).
         kernel_axes: logical axis names of the kernel: the parameter is annotated with them
-            (``nn.with_logical_partitioning``), which changes no value.
-        bias_axes: logical axis names of the bias (annotated likewise).
-        input_axes: logical axis names of the input (NVIDIA's sharding constraint on it):
-            checked and recorded; the constraint comes with the distributed work (the
-            modules run unsharded), and it changes no value.
+            (``nn.with_logical_partitioning``) and, under a mesh and a ``MeshResource``,
+            laid out by them (:mod:`transformer_engine.jax.sharding`: e.g.
+            ``("embed", "mlp")`` column parallel, ``("mlp", "embed")`` row parallel, "embed"
+            split over the FSDP axis). No value changes.
+        bias_axes: logical axis names of the bias (annotated and laid out likewise).
+        input_axes: logical axis names of the input (e.g. ``("batch", "length", "embed")``):
+            under a mesh and a ``MeshResource`` the input is constrained to that layout.
         transpose_batch_sequence: accepted for NVIDIA's signature; a dense layer over
             ``axis`` computes the same either way.
         enable_low_rank_adaptation: add LoRA: ``lora_a_kernel``
@@ -109,7 +114,7 @@ class DenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
-        check_unsharded("DenseGeneral")
+        check_supported("DenseGeneral")
         check_sizes("DenseGeneral", features=self.features)
         param_dtype = param_dtype_of("DenseGeneral", self.dtype, self.param_dtype)
         check_lora("DenseGeneral", self.enable_low_rank_adaptation,
@@ -148,9 +153,9 @@ class DenseGeneral(nn.Module):
             state = fp8_state(self, recipe)
         quantizer_set = quantizer_set_for("DenseGeneral", recipe, state)
         dtype = compute_dtype_of(inputs, param_dtype)
-        x = inputs.astype(dtype)
-        kernel = kernel.astype(dtype)
-        bias = None if bias is None else bias.astype(dtype)
+        x = constrain(inputs.astype(dtype), self.input_axes)
+        kernel = constrain(kernel.astype(dtype), self.kernel_axes)
+        bias = None if bias is None else constrain(bias.astype(dtype), self.bias_axes)
         contracting = (axis, tuple(range(len(axis))))
         out = dense(x, kernel, bias, contracting_dims=contracting, quantizer_set=quantizer_set)
         if self.enable_low_rank_adaptation:
@@ -284,7 +289,7 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        check_unsharded("LayerNorm")
+        check_supported("LayerNorm")
         if self.layernorm_type not in ("layernorm", "rmsnorm"):
             raise ValueError(f"LayerNorm: layernorm_type must be 'layernorm' or 'rmsnorm', got "
                              f"{self.layernorm_type!r}")

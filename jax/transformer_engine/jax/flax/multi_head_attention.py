@@ -22,7 +22,7 @@ from transformer_engine.jax.flax._unfused_attention import (
 from transformer_engine.jax.flax.attention import MASK_ALIASES, _cu_seqlens
 from transformer_engine.jax.flax.layernorm_dense import LayerNormDenseGeneral
 from transformer_engine.jax.flax.module import DenseGeneral, Initializer, check_lora, lora_scope
-from transformer_engine.jax.sharding import check_unsharded
+from transformer_engine.jax.sharding import check_supported
 
 __all__ = ["MultiHeadAttention"]
 
@@ -234,7 +234,7 @@ class MultiHeadAttention(nn.Module):
                  mask: Optional[jax.Array] = None, bias: Optional[jax.Array] = None, *,
                  decode: bool = False, deterministic: bool = False,
                  query_position_offset: Optional[jax.Array] = None):
-        check_unsharded("MultiHeadAttention")
+        check_supported("MultiHeadAttention", also_unsupported=("tp_resource", "fsdp_resource"))
         heads, groups, dropout, mask_type = self._settings()
         name = "MultiHeadAttention"
         is_self = inputs_q is inputs_kv

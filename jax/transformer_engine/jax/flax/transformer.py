@@ -18,7 +18,7 @@ from transformer_engine.jax.flax.multi_head_attention import (
     MultiHeadAttention,
     default_kernel_init,
 )
-from transformer_engine.jax.sharding import check_unsharded
+from transformer_engine.jax.sharding import check_supported
 
 __all__ = ["RelativePositionBiases", "TransformerLayer", "TransformerLayerType"]
 
@@ -329,7 +329,7 @@ class TransformerLayer(nn.Module):
                  attention_mask: Optional[jax.Array] = None,
                  encoder_decoder_mask: Optional[jax.Array] = None, deterministic: bool = False,
                  decode: bool = False, max_decode_length: Optional[int] = None) -> jax.Array:
-        check_unsharded("TransformerLayer")
+        check_supported("TransformerLayer", also_unsupported=("tp_resource", "fsdp_resource"))
         inputs = jnp.asarray(inputs)
         self._check(inputs, encoded)
         if not decode:  # decoding reads them against the cache (MultiHeadAttention checks)
