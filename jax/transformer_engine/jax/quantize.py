@@ -13,12 +13,13 @@ GPU does (FP8 values, fp32 accumulation), only slowly; this is the answer the Py
 ``is_fp8_available`` gives too. On a GPU it needs compute capability 8.9 and a core built with
 its CUDA kernels.
 
-Not provided: NVIDIA's quantizer objects (``QuantizerFactory``, ``DelayedScaleQuantizer``,
-``ScaledTensor``, ...). There a quantizer is one tensor's object that holds its own scale and
-amax history and quantizes on request; here the recipe decides how every tensor of a layer is
-quantized, and the delayed-scaling state travels as the ``fp8_metas`` collection through
-:class:`~transformer_engine.jax.QuantizerSet` (see :mod:`transformer_engine.jax.quantizer`).
-Use :func:`~transformer_engine.jax.make_quantizer_set` with a recipe instead.
+* NVIDIA's quantizer objects, ``QuantizerFactory``, ``Quantizer``, ``ScaledTensor``,
+  ``QuantizeLayout`` and ``noop_quantizer_set``, as far as they map onto this package's
+  recipes: see :mod:`transformer_engine.jax.quantizer_factory`. Here the recipe decides how
+  every tensor of a layer is quantized, and the delayed-scaling state travels as the
+  ``fp8_metas`` collection through :class:`~transformer_engine.jax.QuantizerSet` (see
+  :mod:`transformer_engine.jax.quantizer`); NVIDIA's per-class quantizers
+  (``DelayedScaleQuantizer``, ...) are not provided.
 
 Example:
     >>> from transformer_engine.jax.quantize import ScalingMode, is_scaling_mode_supported
@@ -40,7 +41,8 @@ from transformer_engine.jax._native import load
 from transformer_engine.jax.cpp_extensions.misc import _gpus, get_device_compute_capability
 
 __all__ = ["ScalingMode", "is_fp8_available", "is_scaling_mode_supported",
-           "get_device_compute_capability"]
+           "get_device_compute_capability", "QuantizeLayout", "Quantizer", "QuantizerFactory",
+           "ScaledTensor", "noop_quantizer_set"]
 
 _FP8_MIN_CC = 89  # FP8 tensor cores: Ada (8.9) and newer
 _BLOCK_MIN_CC = 90  # cuBLASLt's 1x128 / 128x128 block-scaled FP8 GEMM: Hopper and newer
@@ -163,3 +165,13 @@ def is_fp8_available(scaling_mode=None, gpu_id: Optional[int] = None) -> tuple[b
     if scaling_mode is None:
         scaling_mode = ScalingMode.DELAYED_TENSOR_SCALING
     return is_scaling_mode_supported(scaling_mode, gpu_id)
+
+
+# NVIDIA's quantizer objects (they use ScalingMode above, so they come after it).
+from transformer_engine.jax.quantizer_factory import (  # noqa: E402
+    QuantizeLayout,
+    Quantizer,
+    QuantizerFactory,
+    ScaledTensor,
+    noop_quantizer_set,
+)
