@@ -172,7 +172,7 @@ def run_case(name: str) -> dict:
             }
     kernels = {jax.tree_util.keystr(p): list(a.shape)
                for p, a in jax.tree_util.tree_leaves_with_path(variables["params"])
-               if a.ndim >= 2}
+               if jax.tree_util.keystr(p).endswith("kernel']")}
     return {"leaves": leaves, "collectives": collectives(hlo), "kernels": kernels}
 
 
