@@ -148,8 +148,9 @@ def _mesh():
 
 def with_sharding_constraint_by_logical_axes(x: jax.Array, axes: Optional[Sequence]):
     """``x`` constrained to the sharding its logical ``axes`` name, while a mesh is in context
-    and the mesh resource names axes; ``x`` itself otherwise (and for empty ``axes``)."""
-    if not axes or x is None:
+    and the mesh resource names axes; ``x`` itself otherwise (for empty ``axes``, and outside
+    ``jax.jit``, where each op runs on the arrays as they are placed)."""
+    if not axes or x is None or not isinstance(x, jax.core.Tracer):
         return x
     mesh = _mesh()
     resource = get_mesh_resource()
