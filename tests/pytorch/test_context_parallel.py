@@ -82,6 +82,32 @@ def test_the_ring_and_a2a_attend_with_the_modules_scale_and_dropout(group, monke
                     ("a2a_attention", False, 0.5, 0.25), ("a2a_attention", False, 0.5, 0.0)]
 
 
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_fp8_attention_gathers_instead_and_says_so(group, monkeypatch, comm):
+    """Under fp8_dpa the ring and the all-to-all (whose blocks run in high precision) give
+    way to the all-gather path, which runs the module's FP8 attention, with a warning."""
+    from transformer_engine.common import recipe
+
+    def refuse(*args):
+        raise AssertionError("ran the high-precision path under fp8_dpa")
+
+    monkeypatch.setattr(context_parallel, "ring_attention", refuse)
+    monkeypatch.setattr(context_parallel, "a2a_attention", refuse)
+    monkeypatch.setattr(context_parallel, "_WARNED_FP8", set())
+    gathered = []
+    real = context_parallel._attend_gathered
+    monkeypatch.setattr(context_parallel, "_attend_gathered",
+                        lambda *a: gathered.append(1) or real(*a))
+    attn = te.DotProductAttention(HEADS, D, attn_mask_type="no_mask", device="cpu",
+                                  cp_group=group, cp_comm_type=comm)
+    with pytest.warns(UserWarning, match=f"FP8 attention \\(fp8_dpa\\) under context "
+                                         f"parallelism gathers k and v .* instead of "
+                                         f"cp_comm_type '{comm}'"):
+        with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling(fp8_dpa=True)):
+            attn(*_inputs())
+    assert gathered == [1]
+
+
 def test_a2a_refuses_heads_not_divisible_by_the_group(group):
     attn = te.DotProductAttention(6, D, device="cpu", cp_group=group, cp_comm_type="a2a")
     with pytest.raises(ValueError, match=r"cp_comm_type 'a2a' splits the heads over the 4 "

@@ -13,7 +13,6 @@ Both compute the same function (``attention.h``); they draw different dropout ma
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Optional
 
 import torch
@@ -25,28 +24,7 @@ from .float8_tensor import Float8Tensor
 from .linear_fn import update_backward
 from .quantization import Plan, record_amax
 
-__all__ = ["fused_attention", "fused_attention_fp8", "observed_calls", "unfused_attention"]
-
-# Context parallelism's ring and all-to-all (context_parallel*.py) compute attention blocks
-# themselves and need the module's softmax scale and dropout, but the module hands them only
-# its attention function: inside observed_calls() every call here appends its
-# (softmax_scale, dropout) to the list it yields.
-_OBSERVED: Optional[list] = None
-
-
-@contextlib.contextmanager
-def observed_calls():
-    global _OBSERVED
-    outer, _OBSERVED = _OBSERVED, []
-    try:
-        yield _OBSERVED
-    finally:
-        _OBSERVED = outer
-
-
-def _observe(softmax_scale: float, dropout: float) -> None:
-    if _OBSERVED is not None:
-        _OBSERVED.append((softmax_scale, dropout))
+__all__ = ["fused_attention", "fused_attention_fp8", "unfused_attention"]
 
 # (layout, mask, window_left, window_right, softmax_scale, dropout, max_seqlen_q,
 #  max_seqlen_kv, backend): the non-tensor arguments of the fused ops, in their order.
@@ -77,7 +55,6 @@ class _FusedAttention(torch.autograd.Function):
 
 def fused_attention(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bool = False):
     """o = attention(q, k, v) through the core (cu_q, cu_kv, rng: tensors, empty if absent)."""
-    _observe(params[4], params[5])
     return _FusedAttention.apply(q, k, v, cu_q, cu_kv, rng, params, deterministic)
 
 
@@ -289,7 +266,6 @@ def fused_attention_fp8(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic
     # Whether a backward can follow, read here: inside the Function's forward grad mode is off,
     # and ctx.needs_input_grad says True under no_grad for inputs that require grad.
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    _observe(params[4], params[5])
     return _FusedAttentionFP8.apply(q, k, v, cu_q, cu_kv, rng, scales, history, bwd_meta,
                                     (params, deterministic, plan, recipe, group, out_fp8, grad))
 
@@ -359,7 +335,6 @@ def unfused_attention(q, k, v, layout: str, mask: str, window: tuple[int, int],
     layout and dtype. attention_mask (bool, True = masked, [b or 1, h or 1, sq, skv]) is the
     mask itself for the "arbitrary" mask type. ``bias`` is added to the scores (in fp32) before
     or after the scale, as attention_bias.py says."""
-    _observe(softmax_scale, dropout)
     if layout == "thd":
         qh, q_index, q_valid = _pad_thd(q, cu_q, max_seqlen_q)
         kh, _, _ = _pad_thd(k, cu_kv, max_seqlen_kv)

@@ -19,21 +19,23 @@ sequence. ``cp_comm_type`` says how the rest of the sequence reaches it:
   travel the ring across the groups.
 
 The ring and the all-to-all compute attention themselves (the module does not return its
-softmax statistics, and checks for its own number of heads), in high precision: under
-``fp8_dpa`` only ``"all_gather"`` runs attention in FP8.
+softmax statistics, and checks for its own number of heads), in high precision, with the
+module's softmax scale and dropout. Under ``fp8_dpa`` attention stays FP8 whatever the comm
+type: the other types then gather k and v as ``"all_gather"`` does, with a warning (once per
+comm type) that says so.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
 
-from . import attention_fn, distributed
+from . import distributed
 from .context_parallel_a2a import a2a_attention, check_heads, heads_to_ranks, sequence_to_ranks
 from .context_parallel_ring import Ring, ring_attention
 from .float8_tensor import to_high_precision
-from .fp8 import fp8_autocast
 
 __all__ = ["ContextParallel", "attend", "check_comm_type"]
 
@@ -95,6 +97,26 @@ class ContextParallel:
         return [self.chunks_of(first + i) for i in range(self.a2a_size)]
 
 
+def _gather_ranks(t: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """Every rank's ``t`` along dimension 0, in rank order. Under ``"a2a+p2p"`` inside the
+    all-to-all group first, then across the ring: ring-major, as the ranks are numbered."""
+    if isinstance(cp.group, (list, tuple)):
+        a2a, ring = cp.group
+        return distributed.gather_first_dim(distributed.gather_first_dim(t, a2a), ring)
+    return distributed.gather_first_dim(t, cp.group)
+
+
+def _reduce_scatter_ranks(t: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """The reverse of _gather_ranks: this rank's share of ``t`` summed over every rank (across
+    the ring first, then inside the all-to-all group)."""
+    what = "context parallelism"
+    if isinstance(cp.group, (list, tuple)):
+        a2a, ring = cp.group
+        return distributed.reduce_scatter_first_dim(
+            distributed.reduce_scatter_first_dim(t, ring, what), a2a, what)
+    return distributed.reduce_scatter_first_dim(t, cp.group, what)
+
+
 class _GatherSequence(torch.autograd.Function):
     """Every rank's two chunks (dimension 0) gathered and put in sequence order; the backward
     sums the gradient over the ranks and returns this rank's two chunks."""
@@ -102,7 +124,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
         ctx.cp = cp
-        gathered = distributed.gather_first_dim(t, cp.group)  # rank-major: [r: c_r, c_2cp-1-r]
+        gathered = _gather_ranks(t, cp)  # rank-major: [r: c_r, c_2cp-1-r]
         pieces = gathered.chunk(2 * cp.size)
         order = [None] * (2 * cp.size)
         for r in range(cp.size):
@@ -114,14 +136,16 @@ class _GatherSequence(torch.autograd.Function):
         cp = ctx.cp
         pieces = grad.chunk(2 * cp.size)
         rank_major = [p for r in range(cp.size) for p in (pieces[r], pieces[2 * cp.size - 1 - r])]
-        return distributed.reduce_scatter_first_dim(torch.cat(rank_major), cp.group,
-                                                    "context parallelism"), None
+        return _reduce_scatter_ranks(torch.cat(rank_major), cp), None
 
 
 def attend(attend_one: Callable, cp: ContextParallel, query, key, value, layout: str,
-           mask: str) -> torch.Tensor:
+           mask: str, softmax_scale: float, dropout: float, fp8: bool) -> torch.Tensor:
     """The rank's rows of attention over the whole sequence, flattened over the heads.
-    ``attend_one(q, k, v, mask)`` is the module's attention of one call (in ``layout``)."""
+    ``attend_one(q, k, v, mask)`` is the module's attention of one call (in ``layout``);
+    ``softmax_scale`` and ``dropout`` (0 outside training) are the module's, for the paths
+    that compute attention blocks themselves; ``fp8``: the module's attention runs in FP8
+    (fp8_dpa), which only the all-gather path keeps."""
     if layout not in ("sbhd", "bshd"):
         raise NotImplementedError(f"DotProductAttention: context parallelism takes qkv_format "
                                   f"'sbhd' or 'bshd', got {layout!r}")
@@ -134,12 +158,14 @@ def attend(attend_one: Callable, cp: ContextParallel, query, key, value, layout:
         raise ValueError(f"DotProductAttention: under context parallelism each rank holds two "
                          f"equal chunks of the sequence (an even local length, the same for q "
                          f"and k), got q {list(query.shape)} and k {list(key.shape)}")
-    if cp.comm_type == "all_gather":
+    if cp.comm_type == "all_gather" or fp8:
+        if fp8 and cp.comm_type != "all_gather":
+            _warn_fp8_gathers(cp.comm_type)
         return _attend_gathered(attend_one, cp, query, key, value, seq, mask)
     if cp.comm_type != "p2p":
         check_heads(cp.comm_type, cp.a2a_size, query.shape[-2], key.shape[-2])
     query, key, value = (to_high_precision(t) for t in (query, key, value))
-    scale, dropout = _softmax_parameters(attend_one, query, key, value, seq)
+    scale = softmax_scale
     causal = mask == "causal"
     if cp.comm_type == "a2a":  # works in sbhd
         q, k, v = (t.movedim(seq, 0) for t in (query, key, value))
@@ -173,18 +199,20 @@ def _attend_hierarchical(cp: ContextParallel, q, k, v, causal: bool, scale: floa
     return sequence_to_ranks(o.permute(2, 0, 1, 3), a2a_group, here)
 
 
-def _softmax_parameters(attend_one: Callable, query, key, value, seq: int) -> tuple[float, float]:
-    """(softmax_scale, dropout) of the module's attention, read from one call of it on one
-    position of one sequence, in high precision and without a graph (the module hands context
-    parallelism only its attention function)."""
-    batch = 1 - seq
-    one = [t.narrow(seq, 0, 1).narrow(batch, 0, 1) for t in (query, key, value)]
-    with attention_fn.observed_calls() as calls, torch.no_grad(), fp8_autocast(enabled=False):
-        attend_one(*one, "no_mask")
-    if not calls:
-        raise RuntimeError("DotProductAttention: context parallelism could not read the "
-                           "module's softmax scale and dropout from its attention call")
-    return calls[-1]
+_WARNED_FP8: set = set()
+
+
+def _warn_fp8_gathers(comm_type: str) -> None:
+    """FP8 attention keeps its numerics over the comm type: the ring and the all-to-all
+    compute their blocks in high precision, so under fp8_dpa k and v are all-gathered
+    instead (said once per comm type)."""
+    if comm_type not in _WARNED_FP8:
+        _WARNED_FP8.add(comm_type)
+        warnings.warn(f"DotProductAttention: FP8 attention (fp8_dpa) under context parallelism "
+                      f"gathers k and v (cp_comm_type 'all_gather') instead of "
+                      f"cp_comm_type {comm_type!r}, whose attention blocks run in high "
+                      f"precision here; the results are FP8 attention's, the memory that of "
+                      f"whole-sequence k and v", stacklevel=4)
 
 
 def _attend_gathered(attend_one: Callable, cp: ContextParallel, query, key, value, seq: int,

@@ -356,9 +356,12 @@ class DotProductAttention(FP8Module):
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
                                    cp_comm_type: str = "p2p") -> None:
         """Splits the sequence over ``cp_group`` (context_parallel.py; None or a group of one
-        rank: not split). ``cp_global_ranks`` and ``cp_stream`` are accepted and unused (the
-        gather runs on the current stream); every ``cp_comm_type`` computes the same rows,
-        with the all-gather of k and v."""
+        rank: not split; ``"a2a+p2p"``: the pair [all-to-all group, ring group]).
+        ``cp_global_ranks`` and ``cp_stream`` are accepted and unused (the communication runs
+        on the current stream). ``cp_comm_type``: ``"p2p"`` a ring of k/v blocks,
+        ``"all_gather"`` k and v gathered, ``"a2a"`` the heads split by all-to-all,
+        ``"a2a+p2p"`` both; every type computes the same rows (FP8 attention gathers k and v,
+        with a warning, under every type)."""
         from ..context_parallel import ContextParallel, check_comm_type
 
         check_comm_type(cp_comm_type)
@@ -437,8 +440,11 @@ class DotProductAttention(FP8Module):
             return self._attend(q, k, v, None, layout, None, None, None, None, mask, None,
                                 attention_backend)
 
+        state = STATE
+        fp8 = state.enabled and _runs_fp8(state.recipe) and state.recipe.fp8_dpa
         return attend(one, self._cp, query, key, value, layout,
-                      attn_mask_type or self.attn_mask_type)
+                      attn_mask_type or self.attn_mask_type, self.softmax_scale,
+                      self.attention_dropout if self.training else 0.0, bool(fp8))
 
     def _attend(self, query, key, value, attention_mask, qkv_format, cu_seqlens_q,
                 cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
