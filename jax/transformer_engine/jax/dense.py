@@ -16,6 +16,11 @@ FP8 copy and the kernel's row-wise FP8 data are kept for the backward pass.
 
 Without FP8 the same three GEMMs run in the inputs' dtype through the same custom call, with
 the core's transpose flags instead of transposed copies.
+
+Under ``jax.jit`` over a mesh the quantizations and GEMMs follow the shardings of ``x`` and
+``kernel`` (:mod:`transformer_engine.jax.partitioning`): a kernel split along N is column
+parallel, one split along K (with x split the same way) row parallel, the FP8 scales those of
+the whole tensors.
 """
 
 from __future__ import annotations

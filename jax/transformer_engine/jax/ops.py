@@ -6,6 +6,9 @@ its last dimension), its column-wise FP8 copy is the transpose [K, M], and the s
 inverses of the block modes are laid out per block of that view.
 
 Under ``jax.vmap`` every op runs once per element of the mapped axis (``sequential``).
+While a mesh is in context (``jax.set_mesh``) or a ``MeshResource`` names mesh axes, the ops
+are partitioned calls that follow their operands' shardings, each device computing on its
+shards (:mod:`transformer_engine.jax.partitioning`; the block scaling modes excepted).
 """
 
 from __future__ import annotations
