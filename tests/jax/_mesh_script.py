@@ -40,9 +40,12 @@ from transformer_engine.jax.sharding import (  # noqa: E402
 INPUT_AXES = ("batch", "length", "embed")
 RECIPES = {"none": None, "delayed": recipe.DelayedScaling(),
            "current": recipe.Float8CurrentScaling()}
-MESHES = {  # name -> (axis names, MeshResource)
-    "dp2_tp4": (("dp", "tp"), MeshResource(dp_resource="dp", tp_resource="tp")),
-    "dp2_fsdp4": (("dp", "fsdp"), MeshResource(dp_resource="dp", fsdp_resource="fsdp")),
+MESHES = {  # name -> (shape, axis names, MeshResource)
+    "dp2_tp4": ((2, 4), ("dp", "tp"), MeshResource(dp_resource="dp", tp_resource="tp")),
+    "dp2_fsdp4": ((2, 4), ("dp", "fsdp"),
+                  MeshResource(dp_resource="dp", fsdp_resource="fsdp")),
+    "dp2_fsdp2_tp2": ((2, 2, 2), ("dp", "fsdp", "tp"),
+                      MeshResource(dp_resource="dp", fsdp_resource="fsdp", tp_resource="tp")),
 }
 
 
@@ -86,6 +89,7 @@ CASES = {
     "layernorm_dense-dp2_tp4-current-float32": ("layernorm_dense", "dp2_tp4", "current",
                                                 "float32"),
     "swiglu_mlp-dp2_tp4-delayed-float32": ("swiglu_mlp", "dp2_tp4", "delayed", "float32"),
+    "mlp-dp2_fsdp2_tp2-delayed-bfloat16": ("mlp", "dp2_fsdp2_tp2", "delayed", "bfloat16"),
 }
 
 _COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
@@ -131,8 +135,8 @@ def run_case(name: str) -> dict:
     model_name, mesh_name, recipe_name, dtype = CASES[name]
     model = MODELS[model_name]()
     fp8 = RECIPES[recipe_name]
-    axis_names, resource = MESHES[mesh_name]
-    mesh = jax.make_mesh((2, 4), axis_names, axis_types=(AxisType.Auto,) * 2)
+    shape, axis_names, resource = MESHES[mesh_name]
+    mesh = jax.make_mesh(shape, axis_names, axis_types=(AxisType.Auto,) * len(shape))
     x = jax.random.normal(jax.random.PRNGKey(1), (8, 16, 64), jnp.float32).astype(dtype)
     with te.fp8_autocast(enabled=fp8 is not None, fp8_recipe=fp8):
         boxed = model.init(jax.random.PRNGKey(0), x)

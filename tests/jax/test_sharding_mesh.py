@@ -54,6 +54,7 @@ _CASES = [
     "mlp-dp2_fsdp4-delayed-bfloat16", "mlp-dp2_fsdp4-current-float32",
     "dense_pair-dp2_tp4-none-float32", "dense_pair-dp2_tp4-delayed-bfloat16",
     "layernorm_dense-dp2_tp4-current-float32", "swiglu_mlp-dp2_tp4-delayed-float32",
+    "mlp-dp2_fsdp2_tp2-delayed-bfloat16",
 ]
 
 
@@ -79,7 +80,7 @@ def _bitwise(case: str, leaf: str) -> bool:
     model, mesh, _, _ = case.split("-")
     if "fp8_metas" in leaf and "grad_" not in leaf:
         return True
-    if mesh == "dp2_fsdp4":  # the batch split: only the token sums (gradients) differ
+    if "tp" not in mesh:  # the batch split: only the token sums (gradients) differ
         return leaf.endswith(("['out']", "['dx']")) or "fp8_metas" in leaf
     # tp: the output of a column-parallel layer is summed over no split dimension
     return model == "layernorm_dense" and leaf.endswith("['out']")
@@ -102,10 +103,10 @@ def _numel(shape) -> int:
     return int(np.prod(shape)) if shape else 1
 
 
-def _weight_sized(run, kinds):
-    """The arrays of weight size (a whole kernel's element count) that collectives of
-    ``kinds`` move."""
-    sizes = {_numel(s) for s in run["kernels"].values()}
+def _weight_sized(run, kinds, tp: int = 1):
+    """The arrays of weight size (a whole kernel's element count, or its slice over ``tp``
+    devices) that collectives of ``kinds`` move."""
+    sizes = {_numel(s) // tp for s in run["kernels"].values()}
     return [(kind, dtype, shape) for kind, arrays in run["collectives"] if kind in kinds
             for dtype, shape in arrays if _numel(shape) in sizes]
 
@@ -128,7 +129,8 @@ def test_tensor_parallel_moves_no_weight(mesh_runs, case):
 @pytest.mark.parametrize("case", [c for c in _CASES if "fsdp" in c])
 def test_fsdp_gathers_weights_once_per_gemm_and_scatters_their_gradients(mesh_runs, case):
     run = mesh_runs[case]
-    gathered = _weight_sized(run, ("all-gather",))
+    tp = 2 if "tp2" in case else 1  # with tensor parallelism too, each tp slice is gathered
+    gathered = _weight_sized(run, ("all-gather",), tp)
     # each kernel is gathered before its GEMMs: in FP8 its column-wise copy for the forward
     # and its row-wise copy for the dgrad; in high precision XLA gathers it once for both
     expected = len(run["kernels"]) * (1 if "-none-" in case else 2)
@@ -137,7 +139,7 @@ def test_fsdp_gathers_weights_once_per_gemm_and_scatters_their_gradients(mesh_ru
         # the FP8 copies travel, not the kernels: XLA:CPU carries FP8 as f16 in collectives
         assert all(dtype in ("f8e4m3fn", "f8e5m2", "f16") for _, dtype, _ in gathered), gathered
     # the weight gradients are reduce-scattered to the shards, never all-reduced whole
-    assert not _weight_sized(run, ("all-reduce",))
+    assert not _weight_sized(run, ("all-reduce",), tp)
     assert sum(kind == "reduce-scatter" for kind, _ in run["collectives"]) == len(run["kernels"])
 
 
