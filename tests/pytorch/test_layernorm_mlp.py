@@ -195,6 +195,34 @@ def test_fp8_is_bit_identical_to_the_unfused_te_modules(name, act, dtype):
         assert torch.equal(mlp.scale_bwd, torch.cat([fc1.scale_bwd, fc2.scale_bwd]))
 
 
+@pytest.mark.parametrize("name,act,bias", [
+    ("delayed", "gelu", True), ("delayed", "swiglu", False), ("current", "gelu", True),
+    ("block", "swiglu", True)])
+def test_memory_lean_backward_is_bit_identical(monkeypatch, name, act, bias):
+    """The backward's order for large blocks (FC2's wgrad first, FC1's FP8 gradient written
+    row-wise, then transposed; layernorm_mlp_fn.LEAN_BYTES) gives the same bits as the fused
+    order over several steps: gradients and FP8 state."""
+    from transformer_engine.pytorch import layernorm_mlp_fn
+
+    r = RECIPES[name]
+    mlps = [_mlp(act, bias=bias) for _ in range(2)]
+    mlps[1].load_state_dict(mlps[0].state_dict())
+    x = torch.randn(B, S, H)
+    g = torch.randn(B, S, H) * 1e-2
+    for _ in range(3):
+        grads = []
+        for mlp, lean_bytes in zip(mlps, (2**62, 0), strict=True):
+            monkeypatch.setattr(layernorm_mlp_fn, "LEAN_BYTES", lean_bytes)
+            xi = x.clone().requires_grad_()
+            y = _step(mlp, xi, g, r)
+            grads.append([y, xi.grad, *[p.grad for p in mlp.parameters()]])
+            mlp.zero_grad()
+        for a, b_ in zip(*grads, strict=True):
+            assert torch.equal(a, b_)
+        for (n, a), b_ in zip(mlps[0].named_buffers(), mlps[1].buffers(), strict=True):
+            assert torch.equal(a, b_), n
+
+
 def test_gated_activations_double_fc1():
     mlp = te.LayerNormMLP(H, FFN, activation="swiglu", device="cpu", bias=False)
     assert mlp.fc1_weight.shape == (2 * FFN, H) and mlp.fc2_weight.shape == (H, FFN)

@@ -161,6 +161,27 @@ def test_fp8_step_saves_at_most_what_its_backward_needs(name, bf16):
     assert peak <= bf16[1], (peak, bf16[1])
 
 
+@pytest.mark.parametrize("name", ["delayed", "fp8_mha"])
+def test_lean_mlp_backward_lowers_the_peak(monkeypatch, name):
+    """For large blocks (layernorm_mlp_fn.LEAN_BYTES) the MLP backward computes FC2's wgrad
+    before its dgrad, so FC2's saved FP8 input (TF bytes) is gone before the activation's
+    gradient is made, and writes FC1's FP8 gradient row-wise, transposing it once FC1's
+    output and the activation's gradient are gone (TF bytes): the peak, which is the
+    activation's backward, drops by at least TF bytes (one of the two moves the peak)."""
+    from transformer_engine.pytorch import layernorm_mlp_fn
+
+    r = RECIPES[name]
+    peaks = []
+    for lean_bytes in (2**62, 0):
+        monkeypatch.setattr(layernorm_mlp_fn, "LEAN_BYTES", lean_bytes)
+        layer, x, grad = _setup()
+        for _ in range(2):
+            _step(layer, x, grad, r)
+        peaks.append(_backward_peak(layer, x, grad, r))
+    # (1 KiB: the scalars beside the FP8 tensors, scale_inv and amax, move with the order)
+    assert peaks[1] <= peaks[0] - T * F + 1024, peaks
+
+
 def _held(layer) -> list:
     """(module, attribute) of every tensor a module holds outside parameters, buffers and
     gradients."""

@@ -244,7 +244,8 @@ def linear_backward(grad_output: torch.Tensor, saved, plan: Plan, bwd_meta: tupl
 
 def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str,
                 scales: torch.Tensor, column: int, rowwise: bool, columnwise: bool,
-                with_dbias: bool, history: torch.Tensor, free: bool = False):
+                with_dbias: bool, history: torch.Tensor, free: bool = False,
+                transpose_after: bool = False):
     """``act'(h) * dy`` as a GEMM's FP8 ``grad_output`` with the fp32 column sums of the
     unquantized values (the bias gradient): (operand or None when no GEMM needs it, dbias or
     None). Delayed scaling uses ``scales[column]`` and raises ``history[0, column]``.
@@ -256,7 +257,10 @@ def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str,
 
     ``free`` (an activation's): dy and h are the caller's own and read here for the last time,
     so they are freed once the activation's backward has read them (release.py), before the
-    quantization of its result (current and block scaling) allocates the FP8 copies."""
+    quantization of its result (current and block scaling) allocates the FP8 copies. With
+    ``transpose_after`` too, delayed scaling's one pass writes only the row-wise bytes and the
+    column-wise ones are their transpose, made once dy and h are gone (a lower peak for one
+    more launch)."""
     identity = act == "identity"
     if not (rowwise or columnwise):  # no GEMM needs it: only the bias gradient, if any
         if identity:
@@ -268,11 +272,16 @@ def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str,
                              lambda gate: ops.activation_backward_fp8(
                                  dy, h, act, scales[column:column + 1], plan.bwd_dtype, True,
                                  False, False, None, 0, gate)[3])
+        # transpose_after: the row-wise bytes first, dy and h freed, then the transpose, so
+        # that the column-wise bytes never coexist with dy and h (the same bytes as one pass).
+        split = transpose_after and rowwise and columnwise
         data, col, sinv, _, dbias = ops.activation_backward_fp8(
-            dy, h, act, scales[column:column + 1], plan.bwd_dtype, rowwise, columnwise,
-            with_dbias, history, column)
+            dy, h, act, scales[column:column + 1], plan.bwd_dtype, rowwise,
+            columnwise and not split, with_dbias, history, column)
         if free:
             release(dy, h)
+        if split:
+            col = ops.transpose(data)
         op = Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode)
         return op, dbias if with_dbias else None
     if plan.kind == "current" and identity and with_dbias:
