@@ -30,9 +30,12 @@ class MeshResource:
         cp_resource: context-parallel axis (the sequence split over it).
         tpsp_resource: tensor- and sequence-parallel axis.
 
-    The modules do not shard anything yet: under a data- or pipeline-parallel axis they run
-    as they would without a mesh, and a tensor-, sequence-, fully-sharded- or context-parallel
-    axis makes them raise NotImplementedError naming the axis, rather than compute unsharded.
+    Under ``jax.jit`` over a mesh with these axes the dense modules (``DenseGeneral``,
+    ``LayerNormDenseGeneral``, ``LayerNormMLP``) lay out their inputs and parameters by their
+    logical axes (:mod:`transformer_engine.jax.sharding`): data, tensor and fully-sharded
+    parallelism. The attention modules still raise NotImplementedError naming a tensor- or
+    fully-sharded axis, and a context- or sequence-parallel axis is refused everywhere, rather
+    than computed unsharded.
     """
 
     dp_resource: Optional[str] = None
