@@ -26,7 +26,8 @@ import torch
 
 from .rng_tracker import CudaRNGStatesTracker
 
-# (and ``checkpoint``, te.checkpoint under NVIDIA's path, made on first use: see the end)
+# (and ``checkpoint``, te.checkpoint under NVIDIA's path, and ``fp8_all_gather``, FSDP2's FP8
+# all-gather of high-precision weights: both made on first use, see the end)
 __all__ = ["CudaRNGStatesTracker", "copy_to_tensor_parallel",
            "gather_along_first_dim", "gather_from_sequence_parallel", "gradient_on_first_rank",
            "reduce_from_tensor_parallel", "reduce_scatter_to_sequence_parallel"]
@@ -253,4 +254,8 @@ def __getattr__(name: str):
         from .checkpoint import checkpoint
 
         return checkpoint
+    if name == "fp8_all_gather":  # (fsdp_fp8 imports this module)
+        from .fsdp_fp8 import fp8_all_gather
+
+        return fp8_all_gather
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,10 +7,17 @@ directly; any other torch op sees the dequantized values (``__torch_dispatch__``
 high precision). In-place ops (an optimizer step, ``copy_`` from ``load_state_dict``) compute
 in high precision and quantize the result back into the same bytes, with a scale from its own
 amax, so the tensor stays FP8 throughout.
+
+Under torch's FSDP2 (``fully_shard``) a per-tensor Float8Tensor parameter stays FP8 when cut
+into shards (the layout ops below keep its bytes and its one scale), and its all-gather moves
+those bytes (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, implemented in
+:mod:`.fsdp_fp8`): each rank's shard holds the bytes of the whole weight quantized with one
+scale, so the gathered bytes are the whole weight's.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -25,6 +32,13 @@ __all__ = ["Float8Tensor", "to_high_precision"]
 _aten = torch.ops.aten
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 _PASSTHROUGH = {_aten.detach.default, _aten.alias.default}
+# Ops that only lay out a per-tensor Float8Tensor's bytes (how FSDP2 cuts a parameter into
+# shards and pads them): they run on the bytes and keep the one scale, so the result is FP8
+# too. Block-scaled tensors take the high-precision fallback: their scale grid follows the
+# 2-D shape.
+_LAYOUT = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.slice.Tensor,
+           _aten.as_strided.default, _aten.new_zeros.default, _aten.new_empty.default,
+           _aten.view.default}
 
 # Set by quantized_model_init(preserve_high_precision_init_val=True) while modules are built:
 # quantize() then keeps a CPU copy of the value it quantized (the initial weight).
@@ -86,6 +100,13 @@ class Float8Tensor(torch.Tensor):
         self._transpose = None if transpose is None else as_bytes(transpose)
         self._transpose_scale_inv = transpose_scale_inv
         self._high_precision_init_val = None
+        # Set on an FSDP2 shard by its first all-gather (fsdp_fp8): the group whose ranks
+        # hold the other shards. In-place updates then take their amax over the whole
+        # weight, so that every shard keeps one scale.
+        self._amax_group = None
+        # True on a weight FSDP2 gathered: its column-wise copy is not kept, since FSDP frees
+        # the gathered bytes after the forward and the copy would hold the whole weight.
+        self._gathered = False
         return self
 
     # ------------------------------------------------------------ making and reading
@@ -147,7 +168,7 @@ class Float8Tensor(torch.Tensor):
         data = ops.transpose(self._data.reshape(-1, self._data.shape[-1]))
         scale_inv = (self._scale_inv if self._scaling_mode == "tensor"
                      else self._scale_inv.t().contiguous())
-        if cache:
+        if cache and not self._gathered:
             self._transpose, self._transpose_scale_inv = data, scale_inv
         return data, scale_inv
 
@@ -162,6 +183,20 @@ class Float8Tensor(torch.Tensor):
             return head + ")"
         return (head + f", scale_inv={self._scale_inv.flatten()[:4].tolist()}, "
                 f"values={self.dequantize().flatten()[:6].tolist()})")
+
+    # ------------------------------------------------------------ FSDP2 (fully_shard)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """FSDP2's all-gather input of this shard: its FP8 bytes (see :mod:`.fsdp_fp8`)."""
+        from .fsdp_fp8 import float8_shard_for_gather
+
+        return float8_shard_for_gather(self, mesh, outer_size)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The whole weight as a Float8Tensor over the gathered bytes."""
+        from .fsdp_fp8 import float8_from_gather
+
+        return float8_from_gather(all_gather_outputs, metadata, param_dtype, out)
 
     # ------------------------------------------------------------ torch.compile, pickling
 
@@ -192,8 +227,27 @@ class Float8Tensor(torch.Tensor):
         fields.update(changes)
         return Float8Tensor(**fields)
 
+    def _view(self, data: torch.Tensor) -> "Float8Tensor":
+        """A per-tensor Float8Tensor over ``data`` (a view of this tensor's bytes) sharing
+        this tensor's scale_inv, as a view shares its base's storage: a write through the
+        view (FSDP copies a shard into its padded buffer so) reaches both."""
+        same = data.shape == self._data.shape
+        out = self._with(data=data, transpose=self._transpose if same else None,
+                         transpose_scale_inv=self._transpose_scale_inv if same else None)
+        out._amax_group, out._gathered = self._amax_group, self._gathered
+        return out
+
     def _assign(self, values: torch.Tensor) -> None:
-        """Quantizes ``values`` into this tensor's own buffers (current scaling)."""
+        """Quantizes ``values`` into this tensor's own buffers (current scaling; on an FSDP2
+        shard with the amax of the whole weight, reduced over the shard's group)."""
+        if self._amax_group is not None and self._scaling_mode == "tensor":
+            from .fsdp_fp8 import quantize_with_group_amax
+
+            data, scale_inv = quantize_with_group_amax(values.to(self.dtype), self._fp8_dtype,
+                                                       self._amax_group.group)
+            self._copy_from(Float8Tensor(data.view(self.shape), scale_inv, self._fp8_dtype,
+                                         self.dtype))
+            return
         fresh = Float8Tensor.quantize(values.to(self.dtype), self._fp8_dtype,
                                       scaling_mode=self._scaling_mode,
                                       with_transpose=self._scaling_mode != "tensor"
@@ -223,7 +277,15 @@ class Float8Tensor(torch.Tensor):
             # An alias is the same tensor (nn.Parameter detaches what it wraps): it keeps the
             # initial value too.
             out._high_precision_init_val = args[0]._high_precision_init_val
+            out._amax_group, out._gathered = args[0]._amax_group, args[0]._gathered
             return out
+        # (Eager only: FSDP shards eagerly, and a traced graph keeps the fallback's plain
+        # tensors, which the custom ops it calls take.)
+        if (func in _LAYOUT and args[0]._scaling_mode == "tensor"
+                and not torch.compiler.is_compiling()):
+            out = _layout(func, *args, **kwargs)
+            if out is not NotImplemented:
+                return out
         if func is _aten.clone.default:
             t = args[0]
             clone = lambda x: None if x is None else x.clone()  # noqa: E731
@@ -250,6 +312,49 @@ class Float8Tensor(torch.Tensor):
             target._assign(unwrapped_args[0])
             return target
         return out
+
+
+def _layout(func, t: Float8Tensor, *args, **kwargs):
+    """``func`` (one of _LAYOUT; ``args`` those after the tensor) on the bytes of the
+    per-tensor ``t``; NotImplemented where the result would not be whole rows of t (the
+    caller then falls back to high precision)."""
+    if func in (_aten.new_zeros.default, _aten.new_empty.default):
+        if kwargs.get("dtype") not in (None, t.dtype):
+            return NotImplemented
+        device = kwargs.get("device") or t.device
+        make = torch.zeros if func is _aten.new_zeros.default else torch.empty
+        data = make(args[0], dtype=torch.uint8, device=device)  # FP8 zero is byte 0
+        return Float8Tensor(data, t._scale_inv.clone().to(device), t._fp8_dtype, t.dtype)
+    if func is _aten.view.default:
+        # Only the flat view (FSDP keeps its shard so): any other view keeps giving high
+        # precision values, which code that reshapes FP8 activations expects.
+        if list(args[0]) not in ([-1], [t.numel()]):
+            return NotImplemented
+        return t._view(t._data.view(-1))
+    if func is _aten.as_strided.default:
+        # Only a leading run of whole rows (how FSDP2 takes the unpadded weight out of its
+        # gathered buffer): anything else is no view of the bytes alone.
+        size, stride = list(args[0]), list(args[1])
+        offset = args[2] if len(args) > 2 else kwargs.get("storage_offset")
+        contiguous = stride == [math.prod(size[i + 1:]) for i in range(len(size))]
+        if (not size or not contiguous or offset not in (None, 0) or not t._data.is_contiguous()
+                or size[1:] != list(t.shape[1:]) or size[0] > t.shape[0]):
+            return NotImplemented
+        return t._view(t._data[:size[0]])
+    # split(split_size, dim), split_with_sizes(split_sizes, dim), slice(dim, start, end, step)
+    slicing = func is _aten.slice.Tensor
+    names = ("dim", "start", "end", "step") if slicing else ("sizes", "dim")
+    given = dict(zip(names, args, strict=False))  # (trailing arguments may be left out)
+    given.update(kwargs)
+    dim = given.get("dim", 0)
+    if t.dim() == 0 or dim % t.dim() != 0:
+        return NotImplemented
+    if not slicing:
+        sizes = given.get("sizes", given.get("split_size", given.get("split_sizes")))
+        return [t._view(d) for d in t._data.split(sizes, 0)]
+    if given.get("step", 1) != 1:
+        return NotImplemented
+    return t._view(t._data[given.get("start"):given.get("end")])
 
 
 def _unwrap(x: Any) -> Any:
