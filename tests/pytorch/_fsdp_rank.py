@@ -4,6 +4,12 @@ whole) trains on this rank's share of a batch; its gradients (FSDP averages them
 ranks) are checked against the unsharded stack's on the whole batch, in fp32 and in FP8
 (current scaling; delayed scaling with the amaxes reduced over the group).
 
+The FP8 all-gather: fp8_model_init weights (Float8Tensor shards) and high-precision weights
+opted in with te.distributed.fp8_all_gather reach the modules as Float8Tensors whose bytes
+and scale are exactly those of the whole weight quantized (a deliberately wrong scale fails
+that check), an optimizer step on the shards keeps them so, and every all-gather moves uint8,
+one byte per weight element where bf16 moves two.
+
 A standalone script, like _tp_rank.py.
 """
 
@@ -19,16 +25,30 @@ from _tp_world import case, rms_close
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
+from transformer_engine.pytorch import fsdp_fp8
+from transformer_engine.pytorch.float8_tensor import Float8Tensor
+from transformer_engine.pytorch.module.base import FP8Module
 
 RANK, WORLD, PORT = (int(a) for a in sys.argv[1:4])
 S, B, H = 16, 4, 64  # sequence, global batch (split over the ranks), hidden
 
 
-def stack():
+def stack(fp8_weights=None):
+    """Two layers; ``fp8_weights`` a recipe: built under fp8_model_init with it."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(*(te.TransformerLayer(H, 2 * H, 4, hidden_dropout=0.0,
-                                                     attention_dropout=0.0, device="cpu")
-                                 for _ in range(2)))
+    with te.fp8_model_init(enabled=fp8_weights is not None, recipe=fp8_weights):
+        return torch.nn.Sequential(*(te.TransformerLayer(H, 2 * H, 4, hidden_dropout=0.0,
+                                                         attention_dropout=0.0, device="cpu")
+                                     for _ in range(2)))
+
+
+def shard(model, **kwargs):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        fully_shard(layer, mesh=MESH, **kwargs)
+    fully_shard(model, mesh=MESH, **kwargs)
+    return model
 
 
 def loss_of(model, x, r, group=None):
@@ -38,26 +58,172 @@ def loss_of(model, x, r, group=None):
 
 
 def check(r, rel, group=None):
-    from torch.distributed.fsdp import fully_shard
-
     ref = stack()
-    model = copy.deepcopy(ref)
-    for layer in model:
-        fully_shard(layer, mesh=MESH)
-    fully_shard(model, mesh=MESH)
+    model = shard(copy.deepcopy(ref))
     x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
     for step in range(2):
         loss_of(ref, x, r).backward()
         loss_of(model, x.chunk(WORLD, dim=1)[RANK], r, group).backward()
-        scale = max(float(q.grad.norm()) for q in ref.parameters())
-        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-            got = p.grad.full_tensor()
-            what = f"{r} step {step} {name}.grad"
-            if float(q.grad.norm()) < 1e-4 * scale:  # the key bias: zero but for rounding
-                assert float(got.norm()) < 1e-3 * scale, what
-            else:
-                rms_close(got, q.grad, rel, what)
-            p.grad = q.grad = None
+        grads_close(model, ref, rel, f"{r} step {step}")
+        for p in (*model.parameters(), *ref.parameters()):
+            p.grad = None
+
+
+def grads_close(model, ref, rel, what):
+    """The sharded model's gradients (whole) against the unsharded one's."""
+    scale = max(float(q.grad.norm()) for q in ref.parameters())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        got = p.grad.full_tensor()
+        if float(q.grad.norm()) < 1e-4 * scale:  # the key bias: zero but for rounding
+            assert float(got.norm()) < 1e-3 * scale, f"{what} {name}.grad"
+        else:
+            rms_close(got, q.grad, rel, f"{what} {name}.grad")
+
+
+# ---------------------------------------------------------------- the FP8 all-gather
+
+
+def record_weights(model):
+    """Records, for each forward of a te module, the GEMM weights it is handed (after FSDP's
+    gather): {module name: {param name: (type, bytes, scale_inv)}}, the last forward's."""
+    seen = {}
+
+    def hook(name):
+        def record(module, args):
+            seen[name] = {n: (type(p), p._data.clone(), p._scale_inv.clone())
+                          if isinstance(p, Float8Tensor) else (type(p), None, None)
+                          for n, p in module.named_parameters(recurse=False) if p.dim() == 2}
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in model.named_modules()
+               if isinstance(m, FP8Module) and any(True for _ in m.parameters(recurse=False))]
+    return seen, handles
+
+
+def expected_weights(model):
+    """What the modules must be handed: each whole weight quantized at once (current scaling of
+    the whole weight); a Float8Tensor weight (gathered from its shards) as it is."""
+    want = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Module):
+            for n, p in m.named_parameters(recurse=False):
+                if p.dim() == 2:
+                    full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                    q = full if isinstance(full, Float8Tensor) else Float8Tensor.quantize(full)
+                    want.setdefault(name, {})[n] = (q._data, q._scale_inv)
+    return want
+
+
+def same_weights(seen, want, what):
+    assert seen.keys() == want.keys(), f"{what}: modules {sorted(seen)} vs {sorted(want)}"
+    for name, params in want.items():
+        for n, (data, scale_inv) in params.items():
+            kind, got_data, got_scale_inv = seen[name][n]
+            assert kind is Float8Tensor, f"{what} {name}.{n}: handed a {kind.__name__}"
+            assert torch.equal(got_scale_inv, scale_inv), \
+                f"{what} {name}.{n}: scale_inv {got_scale_inv} vs {scale_inv}"
+            assert torch.equal(got_data, data), f"{what} {name}.{n}: not the same bytes"
+
+
+def check_fp8_weights(r, rel, group=None):
+    """fp8_model_init weights: sharded as Float8Tensors, gathered as their bytes; an SGD step
+    on the shards (each quantized back with the whole weight's amax) leaves the bytes the
+    unsharded weights get from the same update."""
+    ref = stack(fp8_weights=r)
+    model = shard(copy.deepcopy(ref))
+    for p in model.parameters():
+        if p.dim() == 2:
+            assert type(p.to_local()) is Float8Tensor, "a shard of an FP8 weight is not FP8"
+    seen, handles = record_weights(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
+    for step in range(2):
+        loss_of(ref, x, r).backward()
+        want = expected_weights(ref)
+        loss_of(model, x.chunk(WORLD, dim=1)[RANK], r, group).backward()
+        same_weights(seen, want, f"{r} step {step}")
+        grads_close(model, ref, rel, f"{r} step {step}")
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            q.grad = p.grad.full_tensor()  # the same update on both sides
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for h in handles:
+        h.remove()
+
+
+def check_fp8_all_gather(r, rel, group=None, broken=False):
+    """High-precision weights under te.distributed.fp8_all_gather: the modules are handed the
+    whole weights quantized at once, and train as the unsharded stack does. ``broken``: the
+    shared scale is doubled, which the bytes check must catch."""
+    ref = stack()
+    model = copy.deepcopy(ref)
+    te.distributed.fp8_all_gather(model)
+    shard(model)
+    seen, handles = record_weights(model)
+    want = expected_weights(model)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
+    good_scale = fsdp_fp8.scale_from_amax
+    if broken:
+        fsdp_fp8.scale_from_amax = lambda amax, fp8_dtype: 2 * good_scale(amax, fp8_dtype)
+    try:
+        loss_of(model, x.chunk(WORLD, dim=1)[RANK], r, group).backward()
+    finally:
+        fsdp_fp8.scale_from_amax = good_scale
+        for h in handles:
+            h.remove()
+    if broken:
+        try:
+            same_weights(seen, want, "doubled scale")
+        except AssertionError:
+            return
+        raise AssertionError("a doubled scale passed the bytes check")
+    same_weights(seen, want, str(r))
+    loss_of(ref, x, r).backward()
+    grads_close(model, ref, rel, str(r))
+
+
+def check_bytes_moved():
+    """Every all-gather of FSDP's forward, with bf16 parameters (mixed precision): the FP8
+    gathers (high-precision weights opted in, or fp8_model_init weights) move uint8, one byte
+    per weight element where the plain gather moves two; the 1-D parameters stay bf16."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    moved = []
+    gathers = {name: getattr(dist, name) for name in ("all_gather_single",
+                                                      "all_gather_into_tensor")
+               if hasattr(dist, name)}
+
+    def recording(gather):
+        def run(out, inp, *args, **kwargs):
+            moved.append((inp.dtype, inp.numel() * inp.element_size() * WORLD))
+            return gather(out, inp, *args, **kwargs)
+        return run
+
+    x = torch.randn(S, B // WORLD, H, dtype=torch.bfloat16)
+    weights = sum(p.numel() for p in stack().parameters() if p.dim() == 2) // 2  # per layer
+    others = sum(p.numel() for p in stack().parameters() if p.dim() == 1) // 2
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for name, gather in gathers.items():
+        setattr(dist, name, recording(gather))
+    try:
+        for kind in ("bf16", "fp8_all_gather", "fp8_model_init"):
+            model = stack(recipe.Float8CurrentScaling() if kind == "fp8_model_init" else None)
+            if kind == "fp8_all_gather":
+                te.distributed.fp8_all_gather(model)
+            shard(model, mp_policy=mp)
+            moved.clear()
+            with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+                model(x)
+            per_element = 2 if kind == "bf16" else 1
+            want = [(torch.bfloat16 if kind == "bf16" else torch.uint8,
+                     weights * per_element + others * 2)] * 2  # one gather per layer
+            assert moved == want, f"{kind}: gathered {moved}, want {want}"
+    finally:
+        for name, gather in gathers.items():
+            setattr(dist, name, gather)
 
 
 def check_meta_init():
@@ -89,5 +255,11 @@ if __name__ == "__main__":
     case(check, recipe.Float8CurrentScaling(), 0.15)
     case(check, recipe.DelayedScaling(), 0.15, dist.group.WORLD)
     case(check_meta_init)
+    case(check_fp8_weights, recipe.Float8CurrentScaling(), 0.15)
+    case(check_fp8_weights, recipe.DelayedScaling(), 0.15, dist.group.WORLD)
+    case(check_fp8_all_gather, recipe.Float8CurrentScaling(), 0.15)
+    case(check_fp8_all_gather, recipe.DelayedScaling(), 0.15, dist.group.WORLD)
+    case(check_fp8_all_gather, recipe.Float8CurrentScaling(), 0.15, None, True)
+    case(check_bytes_moved)
     dist.destroy_process_group()
     _tp_world.finish(RANK)

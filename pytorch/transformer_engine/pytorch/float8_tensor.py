@@ -326,11 +326,15 @@ def _layout(func, t: Float8Tensor, *args, **kwargs):
         data = make(args[0], dtype=torch.uint8, device=device)  # FP8 zero is byte 0
         return Float8Tensor(data, t._scale_inv.clone().to(device), t._fp8_dtype, t.dtype)
     if func is _aten.view.default:
-        # Only the flat view (FSDP keeps its shard so): any other view keeps giving high
-        # precision values, which code that reshapes FP8 activations expects.
-        if list(args[0]) not in ([-1], [t.numel()]):
+        # Only the flat view (FSDP keeps its shard so) and the identity (DTensor.to_local,
+        # which a distributed checkpoint reads and writes through): any other view keeps
+        # giving high-precision values, which code that reshapes FP8 activations expects.
+        size = list(args[0])
+        if size in ([-1], [t.numel()]):
+            return t._view(t._data.view(-1))
+        if size != list(t.shape):
             return NotImplemented
-        return t._view(t._data.view(-1))
+        return t._view(t._data.view(size))
     if func is _aten.as_strided.default:
         # Only a leading run of whole rows (how FSDP2 takes the unpadded weight out of its
         # gathered buffer): anything else is no view of the bytes alone.
