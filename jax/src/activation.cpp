@@ -7,6 +7,8 @@
 // FP8 `output` or a non-empty `columnwise_output` makes it FP8 (TENSOR scaling, the scale
 // read from the `scale` argument); otherwise `output` is high precision and the transpose
 // stays empty. Results a call does not want are empty buffers, left out of the handle.
+// Every call carries the parameters of a parametrized activation (limit, alpha,
+// linear_offset); the activations without parameters ignore them.
 #include "ffi_common.h"
 #include "handlers.h"
 #include "transformer_engine/activation.h"
@@ -16,6 +18,14 @@ namespace {
 
 bool is_fp8(ffi::DataType t) {
   return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2;
+}
+
+// The parameters the core reads, for the activations that take them (else none).
+const te_activation_params *params_of(te_activation a, float limit, float alpha,
+                                      float linear_offset, te_activation_params *storage) {
+  if (te_activation_has_params(a) == 0) return nullptr;
+  *storage = te_activation_params{limit, alpha, linear_offset};
+  return storage;
 }
 
 ffi::Error activation_of(const char *op, int32_t act, te_activation *out) {
@@ -59,7 +69,8 @@ ffi::Error ActivationForwardImpl(ffi::AnyBuffer input, ffi::AnyBuffer scale, ffi
                                  ffi::Result<ffi::AnyBuffer> columnwise_output,
                                  ffi::Result<ffi::AnyBuffer> scale_inv,
                                  ffi::Result<ffi::AnyBuffer> amax, int32_t act, bool rowwise,
-                                 bool columnwise, bool compute_amax, Device dev) {
+                                 bool columnwise, bool compute_amax, float limit, float alpha,
+                                 float linear_offset, Device dev) {
   constexpr const char *op = "activation_forward";
   te_activation a;
   TE_JAX_RETURN_IF_ERROR(activation_of(op, act, &a));
@@ -68,7 +79,9 @@ ffi::Error ActivationForwardImpl(ffi::AnyBuffer input, ffi::AnyBuffer scale, ffi
   TE_JAX_RETURN_IF_ERROR(result_tensor(op, "output", scale, *output, *columnwise_output,
                                        *scale_inv, *amax, gate, rowwise, columnwise, compute_amax,
                                        dev, &out));
-  return from_status(te_activation_forward(a, nullptr, in.get(), out.get(), 0, dev.stream));
+  te_activation_params storage{};
+  const te_activation_params *params = params_of(a, limit, alpha, linear_offset, &storage);
+  return from_status(te_activation_forward(a, params, in.get(), out.get(), 0, dev.stream));
 }
 
 auto TeActivationForwardBinding() {
@@ -83,7 +96,10 @@ auto TeActivationForwardBinding() {
       .Attr<int32_t>("act")
       .Attr<bool>("rowwise")
       .Attr<bool>("columnwise")
-      .Attr<bool>("compute_amax");
+      .Attr<bool>("compute_amax")
+      .Attr<float>("limit")
+      .Attr<float>("alpha")
+      .Attr<float>("linear_offset");
 }
 
 ffi::Error ActivationBackwardImpl(ffi::AnyBuffer grad_output, ffi::AnyBuffer input,
@@ -94,7 +110,7 @@ ffi::Error ActivationBackwardImpl(ffi::AnyBuffer grad_output, ffi::AnyBuffer inp
                                   ffi::Result<ffi::AnyBuffer> amax,
                                   ffi::Result<ffi::AnyBuffer> dbias, int32_t act, bool rowwise,
                                   bool columnwise, bool compute_amax, bool compute_dbias,
-                                  Device dev) {
+                                  float limit, float alpha, float linear_offset, Device dev) {
   constexpr const char *op = "activation_backward";
   te_activation a;
   TE_JAX_RETURN_IF_ERROR(activation_of(op, act, &a));
@@ -107,7 +123,9 @@ ffi::Error ActivationBackwardImpl(ffi::AnyBuffer grad_output, ffi::AnyBuffer inp
                                        *columnwise_grad_input, *scale_inv, *amax, gate, rowwise,
                                        columnwise, compute_amax, dev, &tdx));
   if (compute_dbias) TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dbias", *dbias, dev, &tdbias));
-  return from_status(te_activation_backward(a, nullptr, tdy.get(), reads_input ? tx.get() : nullptr,
+  te_activation_params storage{};
+  const te_activation_params *params = params_of(a, limit, alpha, linear_offset, &storage);
+  return from_status(te_activation_backward(a, params, tdy.get(), reads_input ? tx.get() : nullptr,
                                             tdx.get(), compute_dbias ? tdbias.get() : nullptr,
                                             0, dev.stream));
 }
@@ -127,7 +145,10 @@ auto TeActivationBackwardBinding() {
       .Attr<bool>("rowwise")
       .Attr<bool>("columnwise")
       .Attr<bool>("compute_amax")
-      .Attr<bool>("compute_dbias");
+      .Attr<bool>("compute_dbias")
+      .Attr<float>("limit")
+      .Attr<float>("alpha")
+      .Attr<float>("linear_offset");
 }
 
 }  // namespace

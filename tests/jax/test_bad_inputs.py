@@ -104,7 +104,7 @@ SETTINGS = [
     _p("mlp-int8-params", LayerNormMLP(intermediate_dim=16, param_dtype=jnp.int8), (X,),
        TypeError, ["LayerNormMLP", "param_dtype", "int8"]),
     _p("mlp-activation", LayerNormMLP(intermediate_dim=16, activations=("tanh",)), (X,),
-       ValueError, ["layernorm_mlp", "activations", "tanh"]),
+       ValueError, ["LayerNormMLP", "activations", "tanh"]),
     _p("mlp-dropout", LayerNormMLP(intermediate_dim=16, intermediate_dropout_rate=1.5), (X,),
        ValueError, ["LayerNormMLP", "intermediate_dropout_rate"]),
     _p("mlp-scalar", LayerNormMLP(intermediate_dim=16), (jnp.ones(()),), ValueError,
@@ -154,7 +154,7 @@ SETTINGS = [
     _p("tl-layer-type", _tl(layer_type="enc"), (SEQ,), TypeError,
        ["TransformerLayer", "layer_type"]),
     _p("tl-activation-params", _tl(mlp_activation_params={"a": 1}), (SEQ,),
-       NotImplementedError, ["TransformerLayer", "mlp_activation_params"]),
+       ValueError, ["TransformerLayer", "mlp_activation_params"]),
     _p("tl-decoder-no-encoded", _tl(layer_type=TransformerLayerType.DECODER), (SEQ,),
        ValueError, ["TransformerLayer", "encoded"]),
 ]

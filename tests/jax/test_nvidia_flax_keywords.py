@@ -238,10 +238,11 @@ def test_kernel_init_none_is_the_default(cls):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_layernorm_mlp_refuses_activation_params_and_another_axis():
+def test_layernorm_mlp_takes_activation_params_for_clamped_swiglu_only_and_no_other_axis():
     x = _x((B, S, HIDDEN))
-    with pytest.raises(NotImplementedError, match="LayerNormMLP: activation_params must be "
-                       "None.*'limit'"):
+    # (clamped SwiGLU itself: test_clamped_swiglu.py)
+    with pytest.raises(ValueError, match="LayerNormMLP: activation_params apply to "
+                       r"\('clamped_silu', 'clamped_linear'\) only; \('gelu',\) takes none"):
         LayerNormMLP(intermediate_dim=16, activation_params={"limit": 7.0}).init(
             jax.random.PRNGKey(0), x)
     with pytest.raises(ValueError, match=r"LayerNormMLP: axis must be the last axis \(-1\).*"

@@ -433,7 +433,8 @@ def test_bad_arguments_give_clear_errors():
             TransformerLayer(hidden_dropout=1.0, **kw), x)
     _raises(ValueError, "hidden_dropout_dims must be axes",
             TransformerLayer(hidden_dropout_dims=(3,), **kw), x)
-    _raises(NotImplementedError, "mlp_activation_params must be None",
+    _raises(ValueError, r"mlp_activations / mlp_activation_params: activation_params apply "
+            r"to \('clamped_silu', 'clamped_linear'\) only",
             TransformerLayer(mlp_activation_params={"limit": 7.0}, **kw), x)
     mha = dict(head_dim=16, num_attention_heads=HEADS, transpose_batch_sequence=False)
     _raises(ValueError, "attn_mask_type must be one of",

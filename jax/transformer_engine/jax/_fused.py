@@ -111,7 +111,7 @@ def grad_quantized(dy, act: ops.Activation, act_input: Optional[jax.Array], qset
     the FP8 ``grad`` of ``qset``, with its bias gradient (``dbias_dtype``; None: none)."""
     recipe = qset.recipe
     kind = _plan_of(recipe).kind
-    identity = ops.Activation(act) == ops.Activation.IDENTITY
+    identity = ops.kind_of(act) == ops.Activation.IDENTITY
     if kind == "delayed":
         dtype = role_dtype(recipe, "grad")
 

@@ -15,7 +15,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +28,13 @@ __all__ = ["activation"]
 
 
 def activation(x: jax.Array, activation_type: Sequence[str] = ("gelu",),
-               quantizer=None) -> jax.Array:
+               quantizer=None, act_params: Optional[dict] = None) -> jax.Array:
     """``activation_type`` applied to ``x`` [..., len(activation_type), K], differentiable;
     returns [..., K] in x's dtype. The activations are the ones
     :func:`transformer_engine.jax.layernorm_mlp.activation_of` names (``("gelu",)``,
     ``("relu",)``, ``("silu",)``, ``("quick_gelu",)``, ``("squared_relu",)``, ``("linear",)``
-    and the gated ``("gelu" | "silu" | "relu", "linear")``)."""
+    and the gated ``("gelu" | "silu" | "relu", "linear")``, ``("clamped_silu",
+    "clamped_linear")`` with ``act_params`` ``{"limit", "alpha", "glu_linear_offset"}``)."""
     if quantizer is not None:
         raise NotImplementedError(
             "activation: quantizer is not supported: NVIDIA's quantizer objects have no "
@@ -42,8 +43,8 @@ def activation(x: jax.Array, activation_type: Sequence[str] = ("gelu",),
         activation_type = (activation_type,)
     activation_type = tuple(activation_type)
     try:
-        activation_of(activation_type)
-    except ValueError as err:
+        activation_of(activation_type, act_params)
+    except (TypeError, ValueError) as err:
         raise ValueError(f"activation: unsupported activation_type {activation_type!r} ({err})")\
             from None
     x = jnp.asarray(x)
@@ -52,4 +53,4 @@ def activation(x: jax.Array, activation_type: Sequence[str] = ("gelu",),
         raise ValueError(f"activation: x must have shape [..., {n}, K] for activation_type "
                          f"{activation_type!r} (axis -2 of size len(activation_type)), got "
                          f"{x.shape}")
-    return _activation(x.reshape(*x.shape[:-2], n * x.shape[-1]), activation_type)
+    return _activation(x.reshape(*x.shape[:-2], n * x.shape[-1]), activation_type, act_params)

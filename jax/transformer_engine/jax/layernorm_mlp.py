@@ -46,20 +46,46 @@ _ACTIVATIONS = {
 }
 
 
-def activation_of(activations: Sequence[str]) -> ops.Activation:
+# NVIDIA's name of clamped SwiGLU, the one activation with parameters, and its parameters'
+# keys (activation_params) -> ops.ClampedSwiGLU's fields.
+CLAMPED_SWIGLU = ("clamped_silu", "clamped_linear")
+_CLAMPED_KEYS = {"limit": "limit", "alpha": "alpha", "glu_linear_offset": "linear_offset"}
+
+
+def activation_of(activations: Sequence[str], activation_params: Optional[dict] = None):
     """The core's activation of a flax-style ``activations`` tuple (``("gelu",)``,
-    ``("silu", "linear")`` for SwiGLU, ...)."""
+    ``("silu", "linear")`` for SwiGLU, ...): an :class:`ops.Activation`, or for
+    ``("clamped_silu", "clamped_linear")`` an :class:`ops.ClampedSwiGLU` with
+    ``activation_params`` (``limit``, ``alpha``, ``glu_linear_offset``; defaults 7.0, 1.702,
+    1.0), which only it takes."""
     key = tuple(a.lower() if isinstance(a, str) else a for a in activations)
+    if activation_params is not None and not isinstance(activation_params, dict):
+        raise TypeError(f"layernorm_mlp: activation_params must be a dict or None, got "
+                        f"{type(activation_params).__name__}")
+    if key == CLAMPED_SWIGLU:
+        unknown = sorted(set(activation_params or {}) - set(_CLAMPED_KEYS))
+        if unknown:
+            raise ValueError(f"layernorm_mlp: activation_params of {CLAMPED_SWIGLU} takes the "
+                             f"keys {tuple(_CLAMPED_KEYS)}, got unknown {unknown}")
+        fields = {_CLAMPED_KEYS[k]: v for k, v in (activation_params or {}).items()}
+        try:
+            return ops.ClampedSwiGLU(**fields).checked()
+        except ValueError as e:
+            raise ValueError(f"layernorm_mlp: activation_params: {e}") from None
     if key not in _ACTIVATIONS:
         raise ValueError("layernorm_mlp: activations must be one of "
-                         f"{sorted(_ACTIVATIONS)}, got {tuple(activations)!r}")
+                         f"{sorted([*_ACTIVATIONS, CLAMPED_SWIGLU])}, got "
+                         f"{tuple(activations)!r}")
+    if activation_params:
+        raise ValueError(f"layernorm_mlp: activation_params apply to {CLAMPED_SWIGLU} only; "
+                         f"{tuple(activations)!r} takes none, got {activation_params!r}")
     return _ACTIVATIONS[key]
 
 
 def _prepare(x, gamma, beta, kernels, biases, norm_type, zero_centered_gamma, epsilon,
-             activations, quantizer_sets):
+             activations, quantizer_sets, activation_params=None):
     op = "layernorm_mlp"
-    act = activation_of(activations)
+    act = activation_of(activations, activation_params)
     n_act = 2 if ops.is_gated(act) else 1
     try:
         k1, k2 = (jnp.asarray(k) for k in kernels)
@@ -121,7 +147,8 @@ def layernorm_mlp(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
                   norm_type: str = "layernorm", zero_centered_gamma: bool = False,
                   epsilon: float = 1e-6, activations: Sequence[str] = ("gelu",),
                   quantizer_sets: Optional[Sequence[QuantizerSet]] = None,
-                  return_layernorm_output: bool = False):
+                  return_layernorm_output: bool = False,
+                  activation_params: Optional[dict] = None):
     """The MLP block ``act(norm(x) @ kernel_1 + bias_1) @ kernel_2 + bias_2``.
 
     Args:
@@ -136,8 +163,10 @@ def layernorm_mlp(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
             ``("squared_relu",)``, ``("linear",)``, or gated ``("gelu", "linear")`` (GeGLU),
             ``("silu", "linear")`` (SwiGLU), ``("relu", "linear")`` (ReGLU),
             ``("quick_gelu", "linear")``, ``("squared_relu", "linear")``,
-            ``("sigmoid", "linear")`` (GLU). GELU is the tanh approximation
-            (``jax.nn.gelu``'s default).
+            ``("sigmoid", "linear")`` (GLU), ``("clamped_silu", "clamped_linear")`` (clamped
+            SwiGLU, GPT-OSS's). GELU is the tanh approximation (``jax.nn.gelu``'s default).
+        activation_params: clamped SwiGLU's ``{"limit": 7.0, "alpha": 1.702,
+            "glu_linear_offset": 1.0}`` (the defaults; any subset); None for the others.
         quantizer_sets: None or a pair of quantizer sets (one per GEMM, the same recipe);
             None: from the enclosing autocast.
         return_layernorm_output: also return norm(x) in the compute dtype.
@@ -156,7 +185,7 @@ def layernorm_mlp(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
     """
     args, cfg, act, qsets, out_shape = _prepare(x, gamma, beta, kernels, biases, norm_type,
                                                 zero_centered_gamma, epsilon, activations,
-                                                quantizer_sets)
+                                                quantizer_sets, activation_params)
     out, ln = _layernorm_mlp(*args, cfg, act, qsets[0].recipe, bool(return_layernorm_output),
                              dict(qsets[0].state), dict(qsets[1].state))
     out = out.reshape(out_shape)
@@ -168,14 +197,15 @@ def layernorm_mlp(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
 def layernorm_mlp_fp8_operands(x, gamma, beta, kernels, biases=None, *,
                                norm_type: str = "layernorm", zero_centered_gamma: bool = False,
                                epsilon: float = 1e-6, activations: Sequence[str] = ("gelu",),
-                               quantizer_sets: Optional[Sequence[QuantizerSet]] = None) -> dict:
+                               quantizer_sets: Optional[Sequence[QuantizerSet]] = None,
+                               activation_params: Optional[dict] = None) -> dict:
     """The forward's FP8 GEMM operands and the first GEMM's output, for comparing with
     another implementation: ``{"ln_out", "kernel_1", "act_out", "kernel_2"}`` as
     :class:`~transformer_engine.jax.ops.QuantizedTensor` (row-wise and transposed data) and
     ``"fc1_out"`` (h, high precision). Needs an FP8 recipe."""
     args, cfg, act, qsets, _ = _prepare(x, gamma, beta, kernels, biases, norm_type,
                                         zero_centered_gamma, epsilon, activations,
-                                        quantizer_sets)
+                                        quantizer_sets, activation_params)
     if qsets[0].recipe is None:
         raise ValueError("layernorm_mlp_fp8_operands: needs an FP8 recipe (quantizer_sets "
                          "with one, or an enabled fp8_autocast), got none")
@@ -258,10 +288,11 @@ def _bwd(cfg, act, recipe, return_ln, residuals, cotangents):
 _layernorm_mlp.defvjp(_fwd, _bwd)
 
 
-def activation(x: jax.Array, activations: Sequence[str] = ("gelu",)) -> jax.Array:
+def activation(x: jax.Array, activations: Sequence[str] = ("gelu",),
+               activation_params: Optional[dict] = None) -> jax.Array:
     """act(x) over the last axis with the core's kernels (gated: x = [a, b], act(a) * b),
     differentiable; the unfused middle of :func:`layernorm_mlp` (e.g. around a dropout)."""
-    act = activation_of(activations)
+    act = activation_of(activations, activation_params)
     x = jnp.asarray(x)
     if x.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
         raise TypeError(f"activation: x must be float32, float16 or bfloat16, got {x.dtype}")

@@ -25,7 +25,8 @@ from transformer_engine.jax._native import TARGETS, load
 
 __all__ = ["ScalingMode", "QuantizedTensor", "fp8_dtype", "quantize", "dequantize",
            "compute_amax", "scale_from_amax", "delayed_scaling_update", "gemm", "NormType",
-           "norm_forward", "norm_forward_fp8", "norm_backward", "Activation", "is_gated",
+           "norm_forward", "norm_forward_fp8", "norm_backward", "Activation", "ClampedSwiGLU",
+           "is_gated", "kind_of",
            "activation_forward", "activation_forward_fp8", "activation_backward",
            "activation_backward_fp8"]
 
@@ -431,11 +432,51 @@ class Activation(enum.IntEnum):
     QGEGLU = 9
     SREGLU = 10
     GLU = 11
+    CLAMPED_SWIGLU = 12
 
 
-def is_gated(act: Activation) -> bool:
-    return Activation(act) in (Activation.GEGLU, Activation.SWIGLU, Activation.REGLU,
-                               Activation.QGEGLU, Activation.SREGLU, Activation.GLU)
+class ClampedSwiGLU(NamedTuple):
+    """The ``act`` of clamped SwiGLU (GPT-OSS's; the core's CLAMPED_SWIGLU, the one activation
+    with parameters): ``g sigmoid(alpha g) * (u + linear_offset)`` with ``g = min(a, limit)``
+    and ``u = clamp(b, -limit, limit)``; the parameters are used in fp32. Hashable, so it
+    passes as a static argument like an :class:`Activation`."""
+
+    limit: float = 7.0
+    alpha: float = 1.702
+    linear_offset: float = 1.0
+
+    def checked(self) -> "ClampedSwiGLU":
+        for name in ("limit", "alpha"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"clamped_swiglu: {name} must be a finite number > 0, got "
+                                 f"{value!r}")
+        if not (isinstance(self.linear_offset, (int, float))
+                and math.isfinite(self.linear_offset)):
+            raise ValueError(f"clamped_swiglu: linear_offset must be a finite number, got "
+                             f"{self.linear_offset!r}")
+        return ClampedSwiGLU(*(float(v) for v in self))
+
+
+def kind_of(act) -> Activation:
+    """The core's activation of an ``act`` (an Activation or a ClampedSwiGLU)."""
+    return Activation.CLAMPED_SWIGLU if isinstance(act, ClampedSwiGLU) else Activation(act)
+
+
+def _params_attrs(act) -> dict:
+    """The FFI calls' parameter attributes (zeros for the activations without any)."""
+    p = act.checked() if isinstance(act, ClampedSwiGLU) else ClampedSwiGLU(0.0, 0.0, 0.0)
+    if kind_of(act) == Activation.CLAMPED_SWIGLU and not isinstance(act, ClampedSwiGLU):
+        raise ValueError("activation: CLAMPED_SWIGLU takes parameters: pass "
+                         "ops.ClampedSwiGLU(limit, alpha, linear_offset) as act")
+    return {"limit": np.float32(p.limit), "alpha": np.float32(p.alpha),
+            "linear_offset": np.float32(p.linear_offset)}
+
+
+def is_gated(act) -> bool:
+    return kind_of(act) in (Activation.GEGLU, Activation.SWIGLU, Activation.REGLU,
+                            Activation.QGEGLU, Activation.SREGLU, Activation.GLU,
+                            Activation.CLAMPED_SWIGLU)
 
 
 def _activation_out_shape(x_shape, act):
@@ -443,7 +484,7 @@ def _activation_out_shape(x_shape, act):
         raise ValueError("activation: the input must have rank >= 1, got a scalar")
     if is_gated(act):
         if x_shape[-1] % 2:
-            raise ValueError(f"activation: a gated activation ({Activation(act).name}) needs "
+            raise ValueError(f"activation: a gated activation ({kind_of(act).name}) needs "
                              f"an even last dimension [a, b], got shape {tuple(x_shape)}")
         return (*x_shape[:-1], x_shape[-1] // 2)
     return tuple(x_shape)
@@ -491,15 +532,15 @@ def _activation_forward_call(x, act, scale, gate, fp8, *, rowwise, columnwise, c
             out[0] = out[0].reshape(shape)
         return tuple(out)
     call = jax.ffi.ffi_call(TARGETS["activation_forward"], results, vmap_method=_VMAP)
-    return call(*args, act=np.int32(act), rowwise=bool(rowwise) or fp8 is None,
+    return call(*args, act=np.int32(kind_of(act)), rowwise=bool(rowwise) or fp8 is None,
                 columnwise=bool(columnwise) and fp8 is not None,
-                compute_amax=bool(compute_amax))
+                compute_amax=bool(compute_amax), **_params_attrs(act))
 
 
 def activation_forward(x: jax.Array, act: Activation, *, compute_amax: bool = False):
     """act(x) in x's dtype (fp32/fp16/bf16), and max|act(x)| ([1] fp32) with
     ``compute_amax``: returns y, or (y, amax)."""
-    act = Activation(act)
+    act = act if isinstance(act, ClampedSwiGLU) else Activation(act)
     y, _, _, amax = _activation_forward_call(x, act, None, None, None, rowwise=True,
                                              columnwise=False, compute_amax=compute_amax)
     return (y, amax) if compute_amax else y
@@ -511,7 +552,7 @@ def activation_forward_fp8(x: jax.Array, act: Activation, scale: jax.Array, dtyp
                            gate: Optional[jax.Array] = None) -> QuantizedTensor:
     """act(x) as per-tensor FP8 ``dtype`` with ``scale`` ([1] fp32), in one pass: the
     row-wise data, the transpose [N, M], or both, with scale_inv and the amax."""
-    act = Activation(act)
+    act = act if isinstance(act, ClampedSwiGLU) else Activation(act)
     fp8 = jnp.dtype(dtype)
     _te_fp8(fp8)
     data, col, scale_inv, amax = _activation_forward_call(
@@ -524,13 +565,13 @@ def _activation_backward_call(dy, x, act, scale, fp8, dbias_dtype, *, rowwise, c
                               compute_amax, gate=None):
     """The activation's backward custom call: (grad_input or its FP8 data, transpose,
     scale_inv, amax, dbias); ``fp8`` None gives grad_input in dy's dtype."""
-    act = Activation(act)
-    identity = act == Activation.IDENTITY
+    act = act if isinstance(act, ClampedSwiGLU) else Activation(act)
+    identity = kind_of(act) == Activation.IDENTITY
     if not identity:
         expected = _activation_out_shape(x.shape, act)
         if tuple(dy.shape) != expected:
             raise ValueError(f"activation_backward: grad_output must have shape {expected} for "
-                             f"an input of shape {tuple(x.shape)} ({act.name}), got "
+                             f"an input of shape {tuple(x.shape)} ({kind_of(act).name}), got "
                              f"{tuple(dy.shape)}")
     shape = tuple(dy.shape) if identity else tuple(x.shape)
     if fp8 is None:
@@ -565,9 +606,10 @@ def _activation_backward_call(dy, x, act, scale, fp8, dbias_dtype, *, rowwise, c
             out[0] = out[0].reshape(shape)
         return tuple(out)
     call = jax.ffi.ffi_call(TARGETS["activation_backward"], (*results, dbias), vmap_method=_VMAP)
-    return call(*args, act=np.int32(act), rowwise=bool(rowwise) or fp8 is None,
+    return call(*args, act=np.int32(kind_of(act)), rowwise=bool(rowwise) or fp8 is None,
                 columnwise=bool(columnwise) and fp8 is not None,
-                compute_amax=bool(compute_amax), compute_dbias=dbias_dtype is not None)
+                compute_amax=bool(compute_amax), compute_dbias=dbias_dtype is not None,
+                **_params_attrs(act))
 
 
 def activation_backward(dy: jax.Array, x: Optional[jax.Array], act: Activation, *,

@@ -95,8 +95,9 @@ class LayerNormMLP(nn.Module):
         ffn1_ckpt_name, ffn2_ckpt_name: NVIDIA's names of the GEMMs' outputs for remat
             policies: accepted and recorded; the fused block saves what its custom VJP
             needs whatever the policy, so no name is applied (no value changes).
-        activation_params: must be None (only NVIDIA's clamped_swiglu takes parameters, and it
-            is refused).
+        activation_params: the parameters of ``activations=("clamped_silu",
+            "clamped_linear")`` (clamped SwiGLU): ``{"limit": 7.0, "alpha": 1.702,
+            "glu_linear_offset": 1.0}`` (the defaults; any subset); None for the others.
         axis: the contracted axis: only the last (-1) is supported.
         transpose_batch_sequence: accepted for NVIDIA's signature; a position-wise block
             computes the same either way.
@@ -162,16 +163,15 @@ class LayerNormMLP(nn.Module):
                            ("layernorm_input_axes", ndim), ("dot_1_input_axes", ndim),
                            ("dot_2_input_axes", ndim)):
             check_logical_axes(op, name, getattr(self, name), rank)
-        if self.activation_params is not None:
-            raise NotImplementedError(f"{op}: activation_params must be None (no parametrized "
-                                      f"activation is supported), got "
-                                      f"{_plain(self.activation_params)!r}")
         axis = _as_tuple(self.axis)
         if len(axis) != 1 or not isinstance(axis[0], int) or axis[0] % ndim != ndim - 1:
             raise ValueError(f"{op}: axis must be the last axis (-1), the norm's and the "
                              f"first GEMM's, got {self.axis!r}")
         check_lora(op, self.enable_low_rank_adaptation, self.low_rank_adaptation_dim,
                    self.low_rank_adaptation_alpha)
+
+    def _activation_params(self):
+        return None if self.activation_params is None else _plain(self.activation_params)
 
     def _lora(self, out, x, features, prefix, param_dtype):
         """out plus the LoRA update of one GEMM (out itself without LoRA)."""
@@ -199,7 +199,10 @@ class LayerNormMLP(nn.Module):
         check_input_features(self, "LayerNormMLP", inputs,
                              "scale" if self.enable_layernorm else "wi_kernel")
         self._check_keywords(inputs.ndim)
-        act = activation_of(self.activations)
+        try:
+            act = activation_of(self.activations, self._activation_params())
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"LayerNormMLP: {str(e).removeprefix('layernorm_mlp: ')}") from None
         if not 0.0 <= self.intermediate_dropout_rate < 1.0:
             raise ValueError("LayerNormMLP: intermediate_dropout_rate must be in [0, 1), got "
                              f"{self.intermediate_dropout_rate}")
@@ -252,11 +255,13 @@ class LayerNormMLP(nn.Module):
             return out, (ln if self.return_layernorm_output else None)
         out = layernorm_mlp(x, gamma, beta, (k1, k2), None if b1 is None else (b1, b2),
                             activations=self.activations, quantizer_sets=qsets,
-                            return_layernorm_output=self.return_layernorm_output, **norm)
+                            return_layernorm_output=self.return_layernorm_output,
+                            activation_params=self._activation_params(), **norm)
         return out if self.return_layernorm_output else (out, None)
 
     def _second_half(self, h, k2, b2, qset, deterministic, param_dtype):
-        a = constrain(activation(h, self.activations), self.dot_2_input_axes)
+        a = constrain(activation(h, self.activations, self._activation_params()),
+                      self.dot_2_input_axes)
         if self.intermediate_dropout_rate > 0.0:
             a = nn.Dropout(rate=self.intermediate_dropout_rate,
                            broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),

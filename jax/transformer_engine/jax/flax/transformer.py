@@ -12,12 +12,13 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from transformer_engine.jax.flax._checks import check_float_dtype, check_mask, check_sizes
-from transformer_engine.jax.flax.layernorm_mlp import LayerNormMLP
+from transformer_engine.jax.flax.layernorm_mlp import LayerNormMLP, _plain
 from transformer_engine.jax.flax.module import Initializer, LayerNorm, lora_scope
 from transformer_engine.jax.flax.multi_head_attention import (
     MultiHeadAttention,
     default_kernel_init,
 )
+from transformer_engine.jax.layernorm_mlp import activation_of
 from transformer_engine.jax.sharding import check_supported
 
 __all__ = ["RelativePositionBiases", "TransformerLayer", "TransformerLayerType"]
@@ -149,7 +150,8 @@ class TransformerLayer(nn.Module):
         mlp_kernel_init: initializer of the MLP's kernels (default variance_scaling(1, fan_in,
             truncated_normal)).
         mlp_activations: the MLP's activations (see :class:`LayerNormMLP`).
-        mlp_activation_params: must be None (no parametrized activation is supported).
+        mlp_activation_params: the MLP's ``activation_params`` (clamped SwiGLU's, with
+            ``mlp_activations=("clamped_silu", "clamped_linear")``; see LayerNormMLP).
         use_bias, bias_init: biases of every projection.
         apply_residual_connection_post_layernorm: residuals from the normed inputs.
         output_layernorm: post-norm (see above).
@@ -263,10 +265,13 @@ class TransformerLayer(nn.Module):
             if any(not -3 <= d < 3 for d in dims):
                 raise ValueError(f"{name}: {dim_name} must be axes of a rank-3 tensor, got "
                                  f"{dims}")
-        if self.mlp_activation_params is not None:
-            raise NotImplementedError(f"{name}: mlp_activation_params must be None (no "
-                                      f"parametrized activation is supported), got "
-                                      f"{self.mlp_activation_params!r}")
+        params = self.mlp_activation_params
+        try:
+            activation_of(tuple(self.mlp_activations),
+                          None if params is None else _plain(params))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}: mlp_activations / mlp_activation_params: "
+                          f"{str(e).removeprefix('layernorm_mlp: ')}") from None
 
     def _attention(self, name: str, mask_type: str, bias_type: Optional[str],
                    input_layernorm: bool) -> MultiHeadAttention:
@@ -374,6 +379,7 @@ class TransformerLayer(nn.Module):
             intermediate_dim=self.mlp_hidden_size, layernorm_type=self.layernorm_type,
             epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
             activations=tuple(self.mlp_activations), use_bias=self.use_bias,
+            activation_params=self.mlp_activation_params,
             kernel_init=self.mlp_kernel_init or nn.initializers.variance_scaling(
                 1.0, "fan_in", "truncated_normal"),
             bias_init=self.bias_init, return_layernorm_output=post_ln,
