@@ -9,7 +9,14 @@ rank processes that check themselves against the unsplit modules (run_world):
   RoPE and te.TransformerLayer against attention over the whole sequence, fp32 and FP8, under
   each cp_comm_type (all_gather, p2p, a2a; a2a+p2p on 4 ranks);
 - ``_fsdp_rank.py``: FSDP2 (fully_shard) of a te.TransformerLayer stack, fp32, current and
-  delayed scaling, and its meta-device init.
+  delayed scaling, and its meta-device init; the FP8 all-gather of fp8_model_init weights and
+  of high-precision weights under te.distributed.fp8_all_gather (the modules get the whole
+  weight's FP8 bytes exactly; uint8 gathers, half of bf16's bytes);
+- ``_ddp_rank.py``: DistributedDataParallel of the stack, fp32, current and delayed scaling,
+  fp8_model_init weights: each step (gradients, SGD update) as on the whole batch;
+- ``_dcp_rank.py``: a distributed checkpoint (torch.distributed.checkpoint) of the FSDP2
+  stack with its FP8 state and FP8 weights, loaded into a fresh one: the next step equal bit
+  for bit.
 
 (te.Linear's and the LayerNorm blocks' tensor parallelism: test_tensor_parallel*.py.)
 """
@@ -23,7 +30,8 @@ from te_torch_tests._tp_world import run_world
 
 HERE = Path(__file__).resolve().parent
 WORLDS = [("_tp_rank_sp.py", 2), ("_tp_rank_sp.py", 4), ("_tp_rank_mha.py", 2),
-          ("_cp_rank.py", 2), ("_cp_rank.py", 4), ("_fsdp_rank.py", 2)]
+          ("_cp_rank.py", 2), ("_cp_rank.py", 4), ("_fsdp_rank.py", 2), ("_fsdp_rank.py", 4),
+          ("_ddp_rank.py", 2), ("_ddp_rank.py", 4), ("_dcp_rank.py", 2), ("_dcp_rank.py", 4)]
 
 
 @pytest.mark.slow
