@@ -185,6 +185,41 @@ def check_fp8_all_gather(r, rel, group=None, broken=False):
     grads_close(model, ref, rel, str(r))
 
 
+def check_uneven_shards():
+    """Weights whose rows do not split evenly (FSDP pads the last shards; with 3 rows on 4 ranks
+    one shard is empty): the modules are still handed the whole weight's bytes, also after an
+    SGD step on the shards. Run in high precision (the modules dequantize the FP8 weight), as
+    FP8 GEMMs take no such shapes."""
+    from torch.distributed.fsdp import fully_shard
+
+    for rows in (30, 3):
+        for kind in ("fp8_model_init", "fp8_all_gather"):
+            torch.manual_seed(0)
+            with te.fp8_model_init(enabled=kind == "fp8_model_init"):
+                ref = te.Linear(H, rows, device="cpu")
+            model = copy.deepcopy(ref)
+            if kind == "fp8_all_gather":
+                te.distributed.fp8_all_gather(model)
+            fully_shard(model, mesh=MESH)
+            seen, handles = record_weights(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+            x = torch.randn(8, H, generator=torch.Generator().manual_seed(2))
+            for step in range(2):
+                want = {"": {"weight": expected_weights(ref)[""]["weight"]}}
+                model(x).square().sum().backward()
+                ref(x).square().sum().backward()
+                same_weights(seen, want, f"{kind} {rows} rows step {step}")
+                for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                    q.grad = p.grad.full_tensor()
+                opt.step()
+                ref_opt.step()
+                opt.zero_grad()
+                ref_opt.zero_grad()
+            for h in handles:
+                h.remove()
+
+
 def check_bytes_moved():
     """Every all-gather of FSDP's forward, with bf16 parameters (mixed precision): the FP8
     gathers (high-precision weights opted in, or fp8_model_init weights) move uint8, one byte
@@ -261,5 +296,6 @@ if __name__ == "__main__":
     case(check_fp8_all_gather, recipe.DelayedScaling(), 0.15, dist.group.WORLD)
     case(check_fp8_all_gather, recipe.Float8CurrentScaling(), 0.15, None, True)
     case(check_bytes_moved)
+    case(check_uneven_shards)
     dist.destroy_process_group()
     _tp_world.finish(RANK)
