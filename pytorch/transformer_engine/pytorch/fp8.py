@@ -182,7 +182,7 @@ class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a func
                 raise RuntimeError(f"fp8_autocast: FP8 is not available: {reason}")
         # (Not while torch.compile traces an autocast inside the compiled function: modules
         # meet a recipe of another history length there as they would without this.)
-        if (_UNUSED and (enabled or calibrating) and recipe.delayed()
+        if (_UNUSED and (enabled or calibrating) and kind_of(recipe) == "delayed"
                 and (len(_UNUSED) > 1 or recipe.amax_history_len not in _UNUSED)
                 and not torch.compiler.is_compiling()):
             _fit_unused(recipe.amax_history_len)

@@ -265,7 +265,7 @@ def _runs_fp8(recipe: Optional[Recipe]) -> bool:
     """Whether attention runs in FP8 under ``recipe``: delayed or current scaling that asks
     for it with ``fp8_dpa`` (the other recipes have no such field)."""
     return bool(recipe is not None and getattr(recipe, "fp8_dpa", False)
-                and (recipe.delayed() or recipe.float8_current_scaling()))
+                and kind_of(recipe) in ("delayed", "current"))
 
 
 class DotProductAttention(FP8Module):
@@ -587,7 +587,7 @@ class DotProductAttention(FP8Module):
         return fused_attention(q, k, v, cu_q, cu_kv, rng, params, self.deterministic)
 
     def _fused_fp8(self, q, k, v, cu_q, cu_kv, rng, params, recipe: Recipe):
-        if recipe.delayed():  # before _fp8_meta_of registers anything
+        if kind_of(recipe) == "delayed":  # before _fp8_meta_of registers anything
             _check_state_device(q, self._buffers["scale_fwd"])
         plan, scales, history = self._fp8_meta_of(recipe)
         out_fp8 = bool(recipe.fp8_mha)
