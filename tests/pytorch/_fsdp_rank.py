@@ -135,7 +135,8 @@ def check_fp8_weights(r, rel, group=None):
         if p.dim() == 2:
             assert type(p.to_local()) is Float8Tensor, "a shard of an FP8 weight is not FP8"
     seen, handles = record_weights(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # foreach: the optimizers' default for DTensor parameters on GPUs (one op over the list).
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, foreach=True)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
     for step in range(2):

@@ -311,6 +311,12 @@ class Float8Tensor(torch.Tensor):
             # An in-place op (optimizer step): it ran on a high-precision copy; store it back.
             target._assign(unwrapped_args[0])
             return target
+        if func._schema.is_mutable and isinstance(target, (list, tuple)):
+            # A foreach op in place (the optimizers' default for DTensor parameters on GPUs,
+            # which FSDP2's are): each Float8Tensor of the list likewise.
+            for t, values in zip(target, unwrapped_args[0], strict=True):
+                if isinstance(t, Float8Tensor):
+                    t._assign(values)
         return out
 
 
