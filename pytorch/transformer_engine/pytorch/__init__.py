@@ -41,6 +41,13 @@ from .module import (
     TransformerLayer,
     get_attention_backend,
 )
+from .moe import (
+    moe_permute,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
+)
 from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 __version__ = "0.1.0"
@@ -53,4 +60,6 @@ __all__ = ["AttentionBackend", "DotProductAttention", "Float8Tensor", "GroupedLi
            "get_attention_backend", "get_cudnn_version", "get_default_recipe",
            "get_device_compute_capability", "is_bf16_available", "is_fp8_available",
            "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available",
-           "make_graphed_callables", "quantized_model_init"]
+           "make_graphed_callables", "moe_permute", "moe_permute_with_probs",
+           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "moe_unpermute",
+           "quantized_model_init"]
