@@ -221,6 +221,19 @@ def check_uneven_shards():
                 h.remove()
 
 
+def check_bad_inputs():
+    """fp8_all_gather refuses, by name, a model already sharded, one without te modules and an
+    unknown FP8 format."""
+    import pytest
+
+    with pytest.raises(ValueError, match=r"fp8_all_gather: .*weight is a DTensor already"):
+        te.distributed.fp8_all_gather(shard(stack()))
+    with pytest.raises(ValueError, match="fp8_all_gather: model must hold te modules"):
+        te.distributed.fp8_all_gather(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="fp8_all_gather: fp8_dtype must be one of"):
+        te.distributed.fp8_all_gather(stack(), fp8_dtype="int8")
+
+
 def check_bytes_moved():
     """Every all-gather of FSDP's forward, with bf16 parameters (mixed precision): the FP8
     gathers (high-precision weights opted in, or fp8_model_init weights) move uint8, one byte
@@ -298,5 +311,6 @@ if __name__ == "__main__":
     case(check_fp8_all_gather, recipe.Float8CurrentScaling(), 0.15, None, True)
     case(check_bytes_moved)
     case(check_uneven_shards)
+    case(check_bad_inputs)
     dist.destroy_process_group()
     _tp_world.finish(RANK)
