@@ -126,7 +126,7 @@ def test_transformer_layer_takes_mlp_activation_params():
 
 
 @pytest.mark.parametrize("params, error, message", [
-    ({"beta": 1.0}, ValueError, r"activation_params of \('clamped_silu', 'clamped_linear'\) "
+    ({"beta": 1.0}, ValueError, r"activation_params of clamped_swiglu "
                                 r"takes the keys \('limit', 'alpha', 'glu_linear_offset'\), "
                                 r"got unknown \['beta'\]"),
     ({"limit": 0.0}, ValueError, r"activation_params: clamped_swiglu: limit must be a finite "

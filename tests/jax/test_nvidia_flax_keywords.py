@@ -242,7 +242,7 @@ def test_layernorm_mlp_takes_activation_params_for_clamped_swiglu_only_and_no_ot
     x = _x((B, S, HIDDEN))
     # (clamped SwiGLU itself: test_clamped_swiglu.py)
     with pytest.raises(ValueError, match="LayerNormMLP: activation_params apply to "
-                       r"\('clamped_silu', 'clamped_linear'\) only; \('gelu',\) takes none"):
+                       r"clamped_swiglu only; \('gelu',\) takes none"):
         LayerNormMLP(intermediate_dim=16, activation_params={"limit": 7.0}).init(
             jax.random.PRNGKey(0), x)
     with pytest.raises(ValueError, match=r"LayerNormMLP: axis must be the last axis \(-1\).*"

@@ -434,7 +434,7 @@ def test_bad_arguments_give_clear_errors():
     _raises(ValueError, "hidden_dropout_dims must be axes",
             TransformerLayer(hidden_dropout_dims=(3,), **kw), x)
     _raises(ValueError, r"mlp_activations / mlp_activation_params: activation_params apply "
-            r"to \('clamped_silu', 'clamped_linear'\) only",
+            r"to clamped_swiglu only; \('relu',\) takes none",
             TransformerLayer(mlp_activation_params={"limit": 7.0}, **kw), x)
     mha = dict(head_dim=16, num_attention_heads=HEADS, transpose_batch_sequence=False)
     _raises(ValueError, "attn_mask_type must be one of",

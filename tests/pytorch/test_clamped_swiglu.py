@@ -193,7 +193,7 @@ def test_te_ops_clamped_swiglu_is_the_core_activation():
 
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"activation": "gelu", "activation_params": {"limit": 1.0}}, ValueError,
-     r"te.LayerNormMLP: activation_params apply to activation='clamped_swiglu' only"),
+     r"te.LayerNormMLP: activation_params apply to clamped_swiglu only; 'gelu' takes none"),
     ({"activation": "clamped_swiglu", "activation_params": {"beta": 1.0}}, ValueError,
      r"te.LayerNormMLP: activation_params of clamped_swiglu takes the keys \('limit', 'alpha', "
      r"'glu_linear_offset'\), got unknown \['beta'\]"),

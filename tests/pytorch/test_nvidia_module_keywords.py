@@ -313,5 +313,5 @@ def test_norms_accept_sm_margin_and_activation_params_only_for_clamped_swiglu():
             cls(32, device="cpu", sm_margin=-1)
     # (clamped_swiglu's own tests: test_clamped_swiglu.py)
     with pytest.raises(ValueError, match=r"te.LayerNormMLP: activation_params apply to "
-                                         r"activation='clamped_swiglu' only"):
+                                         r"clamped_swiglu only; 'gelu' takes none"):
         te.LayerNormMLP(32, 64, device="cpu", activation_params={"limit": 7.0})

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from transformer_engine.common.activation_params import check_no_params, clamped_swiglu_params
 from transformer_engine.jax import _fused, ops
 from transformer_engine.jax.layernorm import norm_inputs
 from transformer_engine.jax.layernorm_dense import (
@@ -46,10 +47,9 @@ _ACTIVATIONS = {
 }
 
 
-# NVIDIA's name of clamped SwiGLU, the one activation with parameters, and its parameters'
-# keys (activation_params) -> ops.ClampedSwiGLU's fields.
+# NVIDIA's name of clamped SwiGLU, the one activation with parameters
+# (transformer_engine.common.activation_params).
 CLAMPED_SWIGLU = ("clamped_silu", "clamped_linear")
-_CLAMPED_KEYS = {"limit": "limit", "alpha": "alpha", "glu_linear_offset": "linear_offset"}
 
 
 def activation_of(activations: Sequence[str], activation_params: Optional[dict] = None):
@@ -59,26 +59,16 @@ def activation_of(activations: Sequence[str], activation_params: Optional[dict] 
     ``activation_params`` (``limit``, ``alpha``, ``glu_linear_offset``; defaults 7.0, 1.702,
     1.0), which only it takes."""
     key = tuple(a.lower() if isinstance(a, str) else a for a in activations)
-    if activation_params is not None and not isinstance(activation_params, dict):
-        raise TypeError(f"layernorm_mlp: activation_params must be a dict or None, got "
-                        f"{type(activation_params).__name__}")
-    if key == CLAMPED_SWIGLU:
-        unknown = sorted(set(activation_params or {}) - set(_CLAMPED_KEYS))
-        if unknown:
-            raise ValueError(f"layernorm_mlp: activation_params of {CLAMPED_SWIGLU} takes the "
-                             f"keys {tuple(_CLAMPED_KEYS)}, got unknown {unknown}")
-        fields = {_CLAMPED_KEYS[k]: v for k, v in (activation_params or {}).items()}
-        try:
-            return ops.ClampedSwiGLU(**fields).checked()
-        except ValueError as e:
-            raise ValueError(f"layernorm_mlp: activation_params: {e}") from None
-    if key not in _ACTIVATIONS:
+    if key != CLAMPED_SWIGLU and key not in _ACTIVATIONS:
         raise ValueError("layernorm_mlp: activations must be one of "
                          f"{sorted([*_ACTIVATIONS, CLAMPED_SWIGLU])}, got "
                          f"{tuple(activations)!r}")
-    if activation_params:
-        raise ValueError(f"layernorm_mlp: activation_params apply to {CLAMPED_SWIGLU} only; "
-                         f"{tuple(activations)!r} takes none, got {activation_params!r}")
+    try:
+        if key == CLAMPED_SWIGLU:
+            return ops.ClampedSwiGLU(*clamped_swiglu_params(activation_params))
+        check_no_params(tuple(activations), activation_params)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"layernorm_mlp: {e}") from None
     return _ACTIVATIONS[key]
 
 

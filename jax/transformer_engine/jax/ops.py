@@ -21,6 +21,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from transformer_engine.common.activation_params import ClampedSwiGLUParams
 from transformer_engine.jax._native import TARGETS, load
 
 __all__ = ["ScalingMode", "QuantizedTensor", "fp8_dtype", "quantize", "dequantize",
@@ -446,16 +447,7 @@ class ClampedSwiGLU(NamedTuple):
     linear_offset: float = 1.0
 
     def checked(self) -> "ClampedSwiGLU":
-        for name in ("limit", "alpha"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"clamped_swiglu: {name} must be a finite number > 0, got "
-                                 f"{value!r}")
-        if not (isinstance(self.linear_offset, (int, float))
-                and math.isfinite(self.linear_offset)):
-            raise ValueError(f"clamped_swiglu: linear_offset must be a finite number, got "
-                             f"{self.linear_offset!r}")
-        return ClampedSwiGLU(*(float(v) for v in self))
+        return ClampedSwiGLU(*ClampedSwiGLUParams(*self).checked())
 
 
 def kind_of(act) -> Activation:

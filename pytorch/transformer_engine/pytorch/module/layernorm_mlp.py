@@ -12,6 +12,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from transformer_engine.common.activation_params import check_no_params, clamped_swiglu_params
 from transformer_engine.common.recipe import Recipe
 
 from .. import distributed, fp8, ops
@@ -30,6 +31,7 @@ from .layernorm_linear import (
     parallel_ln_out,
     parallel_norm_inputs,
     register_norm_params,
+    sequence_parallel_norm,
 )
 from .linear import (
     _default_device,
@@ -44,10 +46,6 @@ __all__ = ["LayerNormMLP"]
 
 ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "swiglu", "reglu", "qgeglu",
                "sreglu", "glu", "clamped_swiglu")
-# The keys of activation_params (NVIDIA TE's names) -> the keywords of ops.activation's
-# clamped_swiglu.
-_CLAMPED_SWIGLU_PARAMS = {"limit": "limit", "alpha": "alpha",
-                          "glu_linear_offset": "linear_offset"}
 
 
 def check_activation(op: str, activation) -> None:
@@ -58,26 +56,16 @@ def check_activation(op: str, activation) -> None:
 
 def activation_spec(op: str, activation: str, params: Optional[dict]) -> str:
     """The kernels' ``act`` (ops.activation) of ``activation`` with NVIDIA's
-    ``activation_params``: clamped_swiglu takes ``limit``, ``alpha`` and
-    ``glu_linear_offset`` (defaults 7.0, 1.702 and 1.0); the others take none."""
+    ``activation_params`` (clamped_swiglu's ``limit``, ``alpha``, ``glu_linear_offset``: see
+    transformer_engine.common.activation_params; the others take none)."""
     check_activation(op, activation)
-    if params is not None and not isinstance(params, dict):
-        raise TypeError(f"{op}: activation_params must be a dict or None, got "
-                        f"{type(params).__name__}")
-    if activation != "clamped_swiglu":
-        if params:
-            raise ValueError(f"{op}: activation_params apply to activation='clamped_swiglu' "
-                             f"only; activation={activation!r} takes none, got {params!r}")
-        return activation
-    params = params or {}
-    unknown = sorted(set(params) - set(_CLAMPED_SWIGLU_PARAMS))
-    if unknown:
-        raise ValueError(f"{op}: activation_params of clamped_swiglu takes the keys "
-                         f"{tuple(_CLAMPED_SWIGLU_PARAMS)}, got unknown {unknown}")
     try:
-        return clamped_swiglu(**{_CLAMPED_SWIGLU_PARAMS[k]: v for k, v in params.items()})
-    except ValueError as e:
-        raise ValueError(f"{op}: activation_params: {e}") from None
+        if activation != "clamped_swiglu":
+            check_no_params(activation, params)
+            return activation
+        return clamped_swiglu(*clamped_swiglu_params(params))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{op}: {e}") from None
 
 
 class _ActivationFunction(torch.autograd.Function):
@@ -142,8 +130,10 @@ class LayerNormMLP(FP8Module):
             :func:`fp8_autocast` so that delayed scaling gives every rank the same scales.
             ``set_parallel_mode=False``: not split.
         sequence_parallel: with ``set_parallel_mode``, the input and output are this rank's
-            shard of the first dimension (te.Linear): the input is gathered before the norm,
-            the output reduce-scattered; the norm's parameters and FC2's bias are marked
+            shard of the first dimension (te.Linear): the norm runs on the shard and its
+            output is gathered for FC1 (as FP8 bytes under DelayedScaling with an
+            ``fp8_group`` holding the ranks, and Float8CurrentScaling), the output is
+            reduce-scattered; the norm's parameters and FC2's bias are marked
             ``sequence_parallel`` for the caller's gradient sum over the group.
         fuse_wgrad_accumulation: not implemented (refused).
 
@@ -273,7 +263,10 @@ class LayerNormMLP(FP8Module):
     def _parallel_forward(self, inp, is_first_microbatch):
         """FC1 column-parallel, FC2 row-parallel: the local block without FC2's bias, the sum
         of the ranks' outputs, then the bias once. The gradients of the input and of the
-        norm's parameters are summed over the ranks (parallel_norm_inputs)."""
+        norm's parameters are summed over the ranks (parallel_norm_inputs). Under sequence
+        parallelism the norm runs on this rank's shard and its output is gathered
+        (sequence_parallel_norm; in FP8 under the per-tensor recipes), and the output is
+        reduce-scattered."""
         check_input(self._name, inp, self.hidden_size, self.layer_norm_weight)
         group = self.tp_group
         state = fp8.STATE
@@ -281,17 +274,25 @@ class LayerNormMLP(FP8Module):
             inp = fp8_input(self._name, inp)
             # The GEMMs' feature dimensions are the local ones.
             check_fp8_shape(inp, self.hidden_size, self.fc2_weight.shape[1], self._name)
-            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group,
-                                             self.sequence_parallel)
-            out = self._fp8_forward(inp, None, state.recipe, is_first_microbatch, norm)
+        if self.sequence_parallel:
+            ln_full, ln_out = sequence_parallel_norm(self, inp, state)
+            if state.enabled:
+                out = self._fp8_forward(ln_full, None, state.recipe, is_first_microbatch,
+                                        normalized=True)
+            else:
+                out = self._hp_forward(ln_full, None, state, normalized=True)
+                if self.cfg.return_ln_out:
+                    out = out[0]  # (the gathered norm output; this rank's shard is returned)
         else:
-            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group,
-                                             self.sequence_parallel)
-            out = self._hp_forward(inp, None, state, norm)
-        ln_out = None
-        if self.cfg.return_ln_out:
-            out, ln_out = out
-            ln_out = parallel_ln_out(ln_out, group)
+            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group)
+            if state.enabled:
+                out = self._fp8_forward(inp, None, state.recipe, is_first_microbatch, norm)
+            else:
+                out = self._hp_forward(inp, None, state, norm)
+            ln_out = None
+            if self.cfg.return_ln_out:
+                out, ln_out = out
+                ln_out = parallel_ln_out(ln_out, group)
         out = (distributed.reduce_scatter_to_sequence_parallel(out, group, self._name)
                if self.sequence_parallel else distributed.reduce_from_tensor_parallel(out, group))
         if self.fc2_bias is not None and not self.return_bias:
@@ -300,11 +301,15 @@ class LayerNormMLP(FP8Module):
             ((ln_out,) if ln_out is not None else ())
         return result if len(result) > 1 else out
 
-    def _hp_forward(self, inp, fc2_bias, state, norm=None):
+    def _hp_forward(self, inp, fc2_bias, state, norm=None, normalized: bool = False):
         cfg, dtype = self.cfg, inp.dtype
-        # norm: (gamma, beta) as the parallel forward hands them over
-        gamma, beta = norm_params(self, dtype) if norm is None else norm
-        ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
+        # norm: (gamma, beta) as the parallel forward hands them over; normalized: inp is the
+        # norm's output already (sequence parallelism normalizes each shard, then gathers)
+        if normalized:
+            ln_out = inp
+        else:
+            gamma, beta = norm_params(self, dtype) if norm is None else norm
+            ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
         b1 = None if self.fc1_bias is None else self.fc1_bias.to(dtype)
         h = F.linear(ln_out, self.fc1_weight.to(dtype), b1)
         a = apply_activation(h, self._act)
@@ -323,15 +328,23 @@ class LayerNormMLP(FP8Module):
                         ops.amax(t.detach().reshape(-1, t.shape[-1])))
         fp8.register_forward_amaxes(self, recipe)
 
-    def _fp8_forward(self, inp, fc2_bias, recipe: Recipe, is_first_microbatch, norm=None):
-        inp = fp8_input(self._name, inp)
+    def _fp8_forward(self, inp, fc2_bias, recipe: Recipe, is_first_microbatch, norm=None,
+                     normalized: bool = False):
+        # normalized: inp is the norm's output already (sequence parallelism's gathered one,
+        # checked before its norm; a Float8Tensor in the per-tensor recipes): the block
+        # function then skips its norm (no NormConfig) and returns that output's gradient
         w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
-        check_fp8_shape(inp, self.hidden_size, w1.shape[0], self._name)
-        check_fp8_shape(inp, self.hidden_size, self.ffn_hidden_size, self._name)
+        if normalized:
+            gamma = beta = cfg = None
+        else:
+            inp = fp8_input(self._name, inp)
+            check_fp8_shape(inp, self.hidden_size, w1.shape[0], self._name)
+            check_fp8_shape(inp, self.hidden_size, self.ffn_hidden_size, self._name)
+            gamma, beta = norm_params(self, inp.dtype) if norm is None else norm
+            cfg = self.cfg
         plan, scales, history = self._fp8_meta_of(recipe)
-        gamma, beta = norm_params(self, inp.dtype) if norm is None else norm
         grad = torch.is_grad_enabled()
-        need_dgrad = grad and (inp.requires_grad or gamma.requires_grad
+        need_dgrad = grad and (inp.requires_grad or (gamma is not None and gamma.requires_grad)
                                or (beta is not None and beta.requires_grad))
         need_wgrad1 = grad and w1.requires_grad
         need_fc1 = need_dgrad or need_wgrad1 or (grad and b1 is not None and b1.requires_grad)
@@ -343,7 +356,7 @@ class LayerNormMLP(FP8Module):
         # Copies quantized for this forward alone: the backward may free them once read.
         own_weights = is_first_microbatch is None and not isinstance(w1, Float8Tensor) \
             and not isinstance(w2, Float8Tensor)
-        consts = MlpConsts(plan, bwd_recipe, group, self.cfg, self._act, need, own_weights)
+        consts = MlpConsts(plan, bwd_recipe, group, cfg, self._act, need, own_weights)
         return with_leading_dims(Fp8LayerNormMLPFunction.apply(
             inp, gamma, beta, w1, b1, q1.data, q1.scale_inv, q1.columnwise,
             None if per_tensor else q1.columnwise_scale_inv, w2, fc2_bias, q2.data,

@@ -17,10 +17,11 @@ argument can be, so the parameters travel with the name through every layer unch
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import torch
+
+from transformer_engine.common.activation_params import ClampedSwiGLUParams
 
 from ._backend import (
     amax_destination,
@@ -47,14 +48,8 @@ def clamped_swiglu(limit: float = 7.0, alpha: float = 1.702, linear_offset: floa
     """The ``act`` of clamped SwiGLU, ``g sigmoid(alpha g) * (u + linear_offset)`` with
     ``g = min(a, limit)`` and ``u = clamp(b, -limit, limit)`` (the defaults are NVIDIA TE's
     and GPT-OSS's). The parameters are used in fp32."""
-    for name, value in (("limit", limit), ("alpha", alpha)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"clamped_swiglu: {name} must be a finite number > 0, got "
-                             f"{value!r}")
-    if not (isinstance(linear_offset, (int, float)) and math.isfinite(linear_offset)):
-        raise ValueError(f"clamped_swiglu: linear_offset must be a finite number, got "
-                         f"{linear_offset!r}")
-    return f"clamped_swiglu:{float(limit)!r}:{float(alpha)!r}:{float(linear_offset)!r}"
+    p = ClampedSwiGLUParams(limit, alpha, linear_offset).checked()
+    return f"clamped_swiglu:{p.limit!r}:{p.alpha!r}:{p.linear_offset!r}"
 
 
 @functools.lru_cache(maxsize=None)
