@@ -25,8 +25,15 @@ import torch
 
 from . import compiled_forward, compiled_grads, ops
 from .first_step import step_scales
+from .float8_tensor import Float8Tensor
 from .layernorm_linear_fn import NormConfig, norm_backward, norm_then_gemm
-from .linear_fn import backward_gemms, fp8_gemm, grad_to_fp8, update_backward
+from .linear_fn import (
+    backward_gemms,
+    fp8_gemm,
+    fp8_input_operand,
+    grad_to_fp8,
+    update_backward,
+)
 from .quantization import Operand, Plan, quantize
 from .release import may_release, release
 
@@ -45,6 +52,23 @@ def act_to_fp8(plan: Plan, h: torch.Tensor, act: str, scale: torch.Tensor, colum
     return quantize(plan, "input", ops.activation_forward(h, act), True, columnwise)
 
 
+def normalized_fc1(plan: Plan, inp: torch.Tensor, w1_data, w1_sinv, b1, scales: torch.Tensor,
+                   history: Optional[torch.Tensor], columnwise: bool) -> tuple:
+    """FC1 on an input that is the norm's output already (the block's norm ran elsewhere:
+    sequence parallelism normalizes each rank's shard, then gathers): (FC1's output [M, N],
+    its input operand, an empty tensor of the input's dtype standing for the norm's input in
+    the backward). A per-tensor Float8Tensor input is used as it is (its column-wise copy a
+    byte transpose), a high-precision one quantized as FC1's input."""
+    if isinstance(inp, Float8Tensor):
+        q = fp8_input_operand(inp, columnwise)
+    else:
+        q = quantize(plan, "input", inp.reshape(-1, inp.shape[-1]), True, columnwise, scales,
+                     0, history)
+    h = fp8_gemm(q.data, q.scale_inv, w1_data, w1_sinv, plan.fwd_dtype, plan.fwd_dtype,
+                 plan.input_mode, plan.weight_mode, inp.dtype, b1, False)
+    return h, q, torch.empty(0, dtype=inp.dtype, device=inp.device)
+
+
 # The size of FC1's output (bytes) from which the backward takes its memory-lean order:
 # FC2's wgrad before its dgrad, and the FP8 gradient of FC1's output written row-wise, then
 # transposed (two more launches than the fused order, which is kept for small blocks, where
@@ -60,7 +84,7 @@ class MlpConsts(NamedTuple):
     plan: Plan
     recipe: Any  # the recipe when the backward update takes the general path, else None
     group: Any  # the amax reduction group, or None
-    cfg: NormConfig
+    cfg: Optional[NormConfig]  # None: the input is the norm's output (normalized_fc1)
     act: str
     need: tuple  # (dgrad, FC1's wgrad, FC2's wgrad, FC1's backward at all)
     own_weights: bool  # the weights' FP8 copies were made for this forward alone
@@ -79,6 +103,9 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
     weight need gradients and whether anything before FC2 does; whether the weights' FP8
     copies were made for this forward alone (the backward may free them; not a cache's, nor
     a Float8Tensor parameter's). Returns the output, and ln_out too when cfg.return_ln_out.
+    With no NormConfig the input is the norm's output already (a per-tensor Float8Tensor or
+    high precision; sequence parallelism normalizes each rank's shard before its gather):
+    gamma and beta are None, and the input's gradient is that of the norm's output.
     (Tuples: every argument of apply costs host time.)
     """
 
@@ -88,10 +115,15 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
                 consts: MlpConsts):
         plan, recipe, group, cfg, act, need, own_weights = consts
         need_dgrad, need_wgrad1, need_wgrad2, _ = need
-        x = inp.reshape(-1, inp.shape[-1])
-        h, q1, ln_out, mu, rsigma, x = norm_then_gemm(plan, cfg, x, gamma, beta, w1_data,
-                                                      w1_sinv, b1, scale_fwd, history_fwd,
-                                                      need_wgrad1)
+        if cfg is None:  # inp is the norm's output (sequence parallelism's gathered one)
+            h, q1, x = normalized_fc1(plan, inp, w1_data, w1_sinv, b1, scale_fwd, history_fwd,
+                                      need_wgrad1)
+            ln_out = mu = rsigma = None
+        else:
+            x = inp.reshape(-1, inp.shape[-1])
+            h, q1, ln_out, mu, rsigma, x = norm_then_gemm(plan, cfg, x, gamma, beta, w1_data,
+                                                          w1_sinv, b1, scale_fwd, history_fwd,
+                                                          need_wgrad1)
         # Only FC1's wgrad reads ln_out again (column-wise): its row-wise bytes go before the
         # activation allocates FC2's input.
         ln_col, ln_col_sinv = q1.columnwise, q1.columnwise_scale_inv
@@ -120,7 +152,7 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
                       None if b2 is None else b2.dtype)
         ctx.input_shape = inp.shape
         # [M, N] and [M, K]: the module gives them inp's leading dimensions (with_leading_dims)
-        if cfg.return_ln_out:
+        if cfg is not None and cfg.return_ln_out:
             return out, ln_out
         return out
 
@@ -196,10 +228,13 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         if recorded:  # delayed scaling: one update of both columns, after both were recorded
             update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
         if need_dgrad:
-            if grad_ln_out is not None:
-                d_ln = d_ln + grad_ln_out.reshape(d_ln.shape).to(d_ln.dtype)
-            dx, dgamma, dbeta = norm_backward(cfg, d_ln, x, mu, rsigma, gamma, has_beta)
-            dx = dx.view(ctx.input_shape)
+            if cfg is None:  # the input was the norm's output: its gradient is the input's
+                dx = d_ln.view(ctx.input_shape)
+            else:
+                if grad_ln_out is not None:
+                    d_ln = d_ln + grad_ln_out.reshape(d_ln.shape).to(d_ln.dtype)
+                dx, dgamma, dbeta = norm_backward(cfg, d_ln, x, mu, rsigma, gamma, has_beta)
+                dx = dx.view(ctx.input_shape)
         if dbias2 is not None:
             grad_b2 = dbias2.to(b2_dtype)
         return (dx, dgamma, dbeta, grad_w1, grad_b1, None, None, None, None, grad_w2, grad_b2) \

@@ -13,14 +13,20 @@ import torch.nn.functional as F
 
 from transformer_engine.common.recipe import Recipe
 
-from .. import distributed, fp8, ops
+from .. import distributed, fp8, ops, sequence_parallel
 from ..float8_tensor import Float8Tensor
 from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig, NormLinearConsts
 from ..quantization import kind_of, record_amax
 from ._checks import check_device, check_params_dtype, check_sizes
 from .base import with_leading_dims
 from .layernorm import apply_norm
-from .linear import _default_device, _LinearBase, check_fp8_shape, check_unsupported
+from .linear import (
+    _default_device,
+    _LinearBase,
+    check_fp8_shape,
+    check_unsupported,
+    fp8_input,
+)
 
 __all__ = ["LayerNormLinear"]
 
@@ -67,32 +73,13 @@ def cast_norm_params(gamma: torch.Tensor, beta, dtype: torch.dtype):
     return gamma, beta
 
 
-def fp8_input(op: str, inp: torch.Tensor) -> torch.Tensor:
-    """The input in the activation dtype of an FP8 forward (torch.autocast picks it)."""
-    device_type = inp.device.type
-    if torch.is_autocast_enabled(device_type):
-        inp = inp.to(torch.get_autocast_dtype(device_type))
-    if inp.dtype not in _DTYPES:
-        raise TypeError(f"{op}: input must be float32, bfloat16 or float16 in FP8, got "
-                        f"{inp.dtype}")
-    return inp
-
-
-def parallel_norm_inputs(inp: torch.Tensor, norm: tuple, group, sequence: bool = False
-                         ) -> tuple:
-    """The input and the norm's (gamma, beta) of a block whose first GEMM is column-parallel.
-    Each rank's GEMM gives only its share of the gradient of the norm's output, and the norm's
-    backward is linear in that gradient: so each rank's input, gamma and beta gradients are
-    shares too, summed over the ranks in the backward (the fused FP8 functions run the norm's
-    backward themselves, so the sum cannot come between the GEMM and the norm).
-
-    Under sequence parallelism (``sequence``) the input is this rank's shard of the first
-    dimension: it is gathered (its gradient shares reduce-scattered back), and gamma's and
-    beta's shares are left to the caller's sum over the group, as their
-    ``sequence_parallel`` mark asks (distributed.py). The norm then runs on the gathered
-    input on every rank, so the fused block stays one function."""
-    if sequence:
-        return distributed.gather_from_sequence_parallel(inp, group), norm
+def parallel_norm_inputs(inp: torch.Tensor, norm: tuple, group) -> tuple:
+    """The input and the norm's (gamma, beta) of a block whose first GEMM is column-parallel
+    (without sequence parallelism: see sequence_parallel_norm). Each rank's GEMM gives only
+    its share of the gradient of the norm's output, and the norm's backward is linear in that
+    gradient: so each rank's input, gamma and beta gradients are shares too, summed over the
+    ranks in the backward (the fused FP8 functions run the norm's backward themselves, so the
+    sum cannot come between the GEMM and the norm)."""
     grad = torch.is_grad_enabled()
 
     def copy(t):
@@ -101,6 +88,32 @@ def parallel_norm_inputs(inp: torch.Tensor, norm: tuple, group, sequence: bool =
         return distributed.copy_to_tensor_parallel(t, group)
 
     return copy(inp), (copy(norm[0]), copy(norm[1]))
+
+
+def sequence_parallel_norm(module, inp: torch.Tensor, state) -> tuple:
+    """The norm of a sequence-parallel block (te.LayerNormLinear, te.LayerNormMLP) on this
+    rank's shard of the tokens, gathered over the group for the column-parallel GEMM after
+    it: (the whole norm output, this rank's shard of it in high precision or None).
+
+    Under a per-tensor FP8 recipe whose scale the ranks share (sequence_parallel.gathers_fp8)
+    the norm writes FP8 with that scale and the FP8 bytes are gathered (a Float8Tensor, which
+    the GEMM takes as it is); otherwise the norm's output is gathered in the input's dtype.
+    Either way the norm runs on the shard only. The gather's backward reduce-scatters the
+    gradient of the norm's output (each rank's GEMM gives a share of it) before the norm's
+    backward, so the input gradient is this rank's shard of the whole one, and gamma's and
+    beta's gradients are this shard's shares, which the caller sums over the group (their
+    ``sequence_parallel`` mark)."""
+    cfg, group = module.cfg, module.tp_group
+    gamma, beta = norm_params(module, inp.dtype)
+    if state.enabled:
+        plan, scales, history = module._fp8_meta_of(state.recipe)
+        if sequence_parallel.gathers_fp8(plan, state.recipe, group):
+            q, ln_out = sequence_parallel.norm_to_fp8(inp, gamma, beta, cfg, plan, scales,
+                                                      history, group)
+            return sequence_parallel.gather_fp8(q, group), ln_out
+    ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
+    return (distributed.gather_from_sequence_parallel(ln_out, group),
+            ln_out if cfg.return_ln_out else None)
 
 
 def parallel_ln_out(ln_out: torch.Tensor, group) -> torch.Tensor:
@@ -156,10 +169,14 @@ class LayerNormLinear(_LinearBase):
         zero_centered_gamma: ``layer_norm_weight`` holds ``gamma - 1`` (initialized to 0):
             better precision near 1 in low-precision parameters.
         return_layernorm_output: also return the norm's output (high precision; e.g. for a
-            residual taken after the norm). Its gradient joins the block's.
+            residual taken after the norm). Its gradient joins the block's. Under sequence
+            parallelism: this rank's shard of it (the tokens its norm computed).
         return_bias: return the bias instead of adding it (see te.Linear).
-        params_dtype, device, init_method, parameters_split, sequence_parallel,
-            fuse_wgrad_accumulation, name: as te.Linear.
+        params_dtype, device, init_method, parameters_split, fuse_wgrad_accumulation,
+            name: as te.Linear.
+        sequence_parallel: as te.Linear; the norm runs on this rank's shard of the first
+            dimension and its output is gathered for the GEMM (as FP8 bytes where te.Linear
+            gathers FP8); the norm's parameters are marked ``sequence_parallel``.
         tp_group, tp_size, parallel_mode: as te.Linear, ``"column"`` only: each rank holds
             the full norm parameters and its rows of the weight, normalizes the full input
             and returns its shard of the output features; the gradients of the input and of
@@ -240,9 +257,11 @@ class LayerNormLinear(_LinearBase):
         return result if len(result) > 1 else out
 
     def _parallel_forward(self, inp, is_first_microbatch, fp8_output: bool):
-        """A column-parallel block: the norm on the full input on every rank, the GEMM on this
-        rank's rows of the weight (its shard of the output features); the gradients of the
-        input and of the norm's parameters summed over the ranks (parallel_norm_inputs)."""
+        """A column-parallel block: the norm on the full input on every rank (on this rank's
+        sequence shard, then gathered, under sequence parallelism), the GEMM on this rank's
+        rows of the weight (its shard of the output features); the gradients of the input and
+        of the norm's parameters summed over the ranks (parallel_norm_inputs; reduce-scattered
+        before the norm's backward under sequence parallelism, sequence_parallel_norm)."""
         check_input(self._name, inp, self.in_features, self.layer_norm_weight)
         weight, bias = self._weight_and_bias()
         gemm_bias = None if self.return_bias else bias
@@ -251,27 +270,39 @@ class LayerNormLinear(_LinearBase):
         if state.enabled:
             inp = fp8_input(self._name, inp)
             check_fp8_shape(inp, self.in_features, weight.shape[0], self._name)
-            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group,
-                                             self.sequence_parallel)
-            out = self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch,
-                                    fp8_output, norm)
+        if self.sequence_parallel:
+            ln_full, ln_out = sequence_parallel_norm(self, inp, state)
+            if state.enabled:
+                out = self._fp8_linear(ln_full, weight, gemm_bias, state.recipe,
+                                       is_first_microbatch, fp8_output)
+            else:
+                out = self._hp_forward(ln_full, weight, gemm_bias, state, normalized=True)
+                if self.cfg.return_ln_out:
+                    out = out[0]  # (the gathered norm output; this rank's shard is returned)
         else:
-            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group,
-                                             self.sequence_parallel)
-            out = self._hp_forward(inp, weight, gemm_bias, state, norm)
-        ln_out = None
-        if self.cfg.return_ln_out:
-            out, ln_out = out
-            ln_out = parallel_ln_out(ln_out, group)
+            inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group)
+            if state.enabled:
+                out = self._fp8_forward(inp, weight, gemm_bias, state.recipe,
+                                        is_first_microbatch, fp8_output, norm)
+            else:
+                out = self._hp_forward(inp, weight, gemm_bias, state, norm)
+            ln_out = None
+            if self.cfg.return_ln_out:
+                out, ln_out = out
+                ln_out = parallel_ln_out(ln_out, group)
         result = (out,) + ((bias,) if self.return_bias else ()) + \
             ((ln_out,) if ln_out is not None else ())
         return result if len(result) > 1 else out
 
-    def _hp_forward(self, inp, weight, bias, state, norm=None):
-        # norm: (gamma, beta) as the parallel forward hands them over
-        gamma, beta = norm_params(self, inp.dtype) if norm is None else norm
+    def _hp_forward(self, inp, weight, bias, state, norm=None, normalized: bool = False):
+        # norm: (gamma, beta) as the parallel forward hands them over; normalized: inp is the
+        # norm's output already (sequence parallelism normalizes each shard, then gathers)
         cfg = self.cfg
-        ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
+        if normalized:
+            ln_out = inp
+        else:
+            gamma, beta = norm_params(self, inp.dtype) if norm is None else norm
+            ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
         if state.calibrating and kind_of(state.recipe) == "delayed":
             self._fit_fp8_meta(state.recipe)
             w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight

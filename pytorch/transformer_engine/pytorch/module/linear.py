@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformer_engine.common.plan import GEMM_GRANULE
 from transformer_engine.common.recipe import Recipe
 
-from .. import distributed, fast_linear, fp8, ops
+from .. import distributed, fast_linear, fp8, ops, sequence_parallel
 from ..float8_tensor import Float8Tensor, to_high_precision
 from ..linear_fn import Fp8LinearFunction, LinearConsts, takes_fp8_input
 from ..quantization import kind_of, plan_of, record_amax
@@ -188,6 +188,45 @@ class _LinearBase(FP8Module):
             else None
         return weight, bias
 
+    def _fp8_linear(self, inp, weight, bias, recipe: Recipe, is_first_microbatch,
+                    fp8_output: bool = False):
+        """``inp @ weight^T (+ bias)`` with FP8 GEMMs and this layer's FP8 state: te.Linear's
+        FP8 forward, and te.LayerNormLinear's after its sequence-parallel gather of the norm's
+        output. ``inp`` may be a per-tensor Float8Tensor (used without a cast)."""
+        # torch.autocast picks the activation dtype. The core takes CPU and CUDA tensors only,
+        # so is_cuda names the device type (inp.device would build an object per call).
+        device_type = "cuda" if inp.is_cuda else "cpu"
+        if torch.is_autocast_enabled(device_type):
+            inp = inp.to(torch.get_autocast_dtype(device_type))
+        check_fp8_shape(inp, self.in_features, self.out_features, self._name)
+        if inp.get_device() != weight.get_device():  # (ints: .device would build objects)
+            raise RuntimeError(f"{self._name}: input must be on the device of the module's weight "
+                               f"({weight.device}), got {inp.device}")
+        if inp.dtype not in _FP8_INPUT_DTYPES:
+            raise TypeError(f"{self._name}: input must be float32, bfloat16 or float16 in FP8, "
+                            f"got {inp.dtype}")
+        plan, scales, history = self._fp8_meta_of(recipe)
+        if isinstance(inp, Float8Tensor) and not takes_fp8_input(inp, plan):
+            inp = to_high_precision(inp)
+        grad = torch.is_grad_enabled()
+        need_dgrad = grad and inp.requires_grad
+        need_wgrad = grad and weight.requires_grad
+        bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
+        if (not fp8_output and is_first_microbatch is None and not self._weight_caches
+                and fast_linear.usable(plan, inp, weight, bias, history, bwd_recipe is not None)):
+            out = fast_linear.forward(self, inp, weight, bias, plan, scales, history, bwd_meta)
+            if out is not None:
+                return out
+        w = self._weight_operand(plan, weight, need_dgrad, is_first_microbatch, scales, history)
+        # Per-tensor scaling shares one scale_inv between the copies; autograd.Function under
+        # torch.compile takes no tensor twice, so the column-wise one goes as None.
+        col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
+        out_meta = self._output_meta(plan) if fp8_output else None
+        cfg = LinearConsts(plan, bwd_recipe, group, need_dgrad, need_wgrad, out_meta)
+        return with_leading_dims(
+            Fp8LinearFunction.apply(inp, weight, bias, w.data, w.scale_inv, w.columnwise,
+                                    col_sinv, history, scales, bwd_meta, cfg), inp)
+
     def extra_repr(self) -> str:
         # With parameters_split and a bias there is no "bias" attribute, only <name>_bias.
         bias = getattr(self, "bias", None) is not None or bool(getattr(self, "bias_names", None))
@@ -229,7 +268,10 @@ class Linear(_LinearBase):
             along their first dimension over the group (distributed.py): a column-parallel
             layer gathers its input, a row-parallel one reduce-scatters its output (and its
             bias, applied to a shard, is marked ``sequence_parallel`` for the caller's
-            gradient sum). No effect on a layer that is not split.
+            gradient sum). Under DelayedScaling (with an ``fp8_group`` holding the ranks) and
+            Float8CurrentScaling the column layer quantizes its shard with a scale the ranks
+            share and gathers the FP8 bytes (sequence_parallel.py). No effect on a layer that
+            is not split.
         fuse_wgrad_accumulation: accumulating wgrad into ``main_grad``; not implemented.
 
     Example:
@@ -317,8 +359,8 @@ class Linear(_LinearBase):
         """``inp @ weight^T (+ gemm_bias)`` in FP8 under an enabled autocast, else in the
         input's dtype (calibrating the FP8 state where asked)."""
         if state.enabled:
-            return self._fp8_forward(inp, weight, gemm_bias, state.recipe, is_first_microbatch,
-                                     fp8_output)
+            return self._fp8_linear(inp, weight, gemm_bias, state.recipe, is_first_microbatch,
+                                    fp8_output)
         if isinstance(inp, Float8Tensor):
             inp = to_high_precision(inp)
         check_float_input(self._name, "input", inp)
@@ -344,17 +386,17 @@ class Linear(_LinearBase):
                              f"shape {list(inp.shape)}")
         check_device(self._name, "input", inp, weight)
         sequence = self.sequence_parallel
+        state = fp8.STATE
+        if state.enabled:  # the GEMM's feature dimensions are the local ones
+            check_fp8_shape(inp, local_in, weight.shape[0], self._name)
         if column:
             if sequence:  # this rank's shard of the first dimension: gather the whole
-                inp = distributed.gather_from_sequence_parallel(inp, self.tp_group)
+                inp = self._gather_sequence(inp, state)
             elif torch.is_grad_enabled() and inp.requires_grad:
                 inp = distributed.copy_to_tensor_parallel(inp, self.tp_group)
             gemm_bias = None if self.return_bias else bias
         else:
             gemm_bias, fp8_output = None, False  # the bias is added once, after the sum
-        state = fp8.STATE
-        if state.enabled:  # the GEMM's feature dimensions are the local ones
-            check_fp8_shape(inp, local_in, weight.shape[0], self._name)
         out = self._gemm(inp, weight, gemm_bias, state, is_first_microbatch, fp8_output)
         if not column:
             out = (distributed.reduce_scatter_to_sequence_parallel(out, self.tp_group,
@@ -364,6 +406,21 @@ class Linear(_LinearBase):
                 out = out + bias.to(out.dtype)
         return (out, bias) if self.return_bias else out
 
+    def _gather_sequence(self, inp: torch.Tensor, state) -> torch.Tensor:
+        """The whole input of a column-parallel layer from this rank's sequence shard: under
+        a per-tensor FP8 recipe whose scale the ranks share, the shard quantized with that
+        scale and its FP8 bytes gathered (a Float8Tensor the GEMM takes as it is); else the
+        shard gathered as it is (sequence_parallel.py). The gradient is reduce-scattered."""
+        group = self.tp_group
+        if state.enabled:
+            plan, scales, history = self._fp8_meta_of(state.recipe)
+            if sequence_parallel.gathers_fp8(plan, state.recipe, group):
+                # (an FP8 input with its own scale is re-quantized with the group's)
+                inp = fp8_input(self._name, to_high_precision(inp))
+                shard = sequence_parallel.quantize_shard(inp, plan, scales, history, group)
+                return sequence_parallel.gather_fp8(shard, group)
+        return distributed.gather_from_sequence_parallel(inp, group)
+
     def _calibrate(self, inp: torch.Tensor, weight: torch.Tensor, recipe: Recipe) -> None:
         """Records the forward amaxes (high-precision compute) for the next scale update."""
         self._fit_fp8_meta(recipe)
@@ -372,44 +429,18 @@ class Linear(_LinearBase):
         record_amax(self.amax_history_fwd, 1, ops.amax(w.detach()))
         fp8.register_forward_amaxes(self, recipe)
 
-    def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch,
-                     fp8_output: bool = False):
-        # torch.autocast picks the activation dtype. The core takes CPU and CUDA tensors only,
-        # so is_cuda names the device type (inp.device would build an object per call).
-        device_type = "cuda" if inp.is_cuda else "cpu"
-        if torch.is_autocast_enabled(device_type):
-            inp = inp.to(torch.get_autocast_dtype(device_type))
-        check_fp8_shape(inp, self.in_features, self.out_features, self._name)
-        if inp.get_device() != weight.get_device():  # (ints: .device would build objects)
-            raise RuntimeError(f"te.Linear: input must be on the device of the module's weight "
-                               f"({weight.device}), got {inp.device}")
-        if inp.dtype not in _FP8_INPUT_DTYPES:
-            raise TypeError(f"te.Linear: input must be float32, bfloat16 or float16 in FP8, "
-                            f"got {inp.dtype}")
-        plan, scales, history = self._fp8_meta_of(recipe)
-        if isinstance(inp, Float8Tensor) and not takes_fp8_input(inp, plan):
-            inp = to_high_precision(inp)
-        grad = torch.is_grad_enabled()
-        need_dgrad = grad and inp.requires_grad
-        need_wgrad = grad and weight.requires_grad
-        bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
-        if (not fp8_output and is_first_microbatch is None and not self._weight_caches
-                and fast_linear.usable(plan, inp, weight, bias, history, bwd_recipe is not None)):
-            out = fast_linear.forward(self, inp, weight, bias, plan, scales, history, bwd_meta)
-            if out is not None:
-                return out
-        w = self._weight_operand(plan, weight, need_dgrad, is_first_microbatch, scales, history)
-        # Per-tensor scaling shares one scale_inv between the copies; autograd.Function under
-        # torch.compile takes no tensor twice, so the column-wise one goes as None.
-        col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
-        out_meta = self._output_meta(plan) if fp8_output else None
-        cfg = LinearConsts(plan, bwd_recipe, group, need_dgrad, need_wgrad, out_meta)
-        return with_leading_dims(
-            Fp8LinearFunction.apply(inp, weight, bias, w.data, w.scale_inv, w.columnwise,
-                                    col_sinv, history, scales, bwd_meta, cfg), inp)
-
-
 _FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fp8_input(op: str, inp: torch.Tensor) -> torch.Tensor:
+    """The input in the activation dtype of an FP8 forward (torch.autocast picks it)."""
+    device_type = inp.device.type
+    if torch.is_autocast_enabled(device_type):
+        inp = inp.to(torch.get_autocast_dtype(device_type))
+    if inp.dtype not in _FP8_INPUT_DTYPES:
+        raise TypeError(f"{op}: input must be float32, bfloat16 or float16 in FP8, got "
+                        f"{inp.dtype}")
+    return inp
 
 
 def check_fp8_shape(inp: torch.Tensor, k: int, n: int, op: str) -> None:
