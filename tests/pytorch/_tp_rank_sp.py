@@ -229,6 +229,16 @@ def check_fp8_moves_half_of_bf16():
     assert moved["fp8"] == (torch.uint8, S * B * H), moved
 
 
+def check_delayed_without_group_gathers_high_precision():
+    """Delayed scaling without an fp8_group: the ranks' scales may differ, so the gather
+    moves the input's dtype."""
+    par = build("LayerNormLinear", split=True)
+    gathers = []
+    step(par, torch.randn(S // WORLD, B, H), torch.ones(S, B, F // WORLD), DELAYED,
+         watch=(gathers, []))
+    assert [d for d, _, _ in gathers] == [torch.float32], gathers
+
+
 @contextmanager
 def broken(piece):
     """te's gather in the wrong rank order, or its reduce-scatter taking this rank's share of
@@ -282,6 +292,7 @@ if __name__ == "__main__":
         case(check, "LayerNormLinear", None, name, "LayerNorm", True)
     case(check, "LayerNormMLP", None, "current", "RMSNorm", True)
     case(check_fp8_moves_half_of_bf16)
+    case(check_delayed_without_group_gathers_high_precision)
     case(check_broken_pieces_fail)
     case(check_indivisible_sequence)
     dist.destroy_process_group()

@@ -2,7 +2,9 @@
 rank processes that check themselves against the unsplit modules (run_world):
 
 - ``_tp_rank_sp.py``: sequence parallelism of te.Linear (column, row), te.LayerNormLinear and
-  te.LayerNormMLP, fp32 and FP8 (current scaling);
+  te.LayerNormMLP, fp32 and FP8 (delayed scaling with fp8_group, current scaling): the
+  gathers move FP8 bytes (uint8, the whole tensor's quantization), the norm runs on the shard;
+  a gather in the wrong order or a reduce-scatter without the sum fails;
 - ``_tp_rank_mha.py``: tensor (and sequence) parallelism of te.MultiheadAttention and
   te.TransformerLayer (self, cross, GQA attention), fp32 and FP8;
 - ``_cp_rank.py``: context parallelism of te.DotProductAttention, te.MultiheadAttention with

@@ -34,7 +34,8 @@ from .quantization import Plan
 
 __all__ = ["gather_fp8", "gathers_fp8", "norm_to_fp8", "quantize_shard"]
 
-# (id(tp group), id(fp8 group)) -> whether every rank of the first is in the second.
+# (id(tp group), id(fp8 group)) -> (the groups, whether every rank of the first is in the
+# second). The entry holds the groups, so that their ids cannot name other groups later.
 _GROUP_COVERS: dict = {}
 
 
@@ -51,14 +52,14 @@ def gathers_fp8(plan: Plan, recipe: Any, tp_group: Any) -> bool:
     if plan.kind != "delayed" or fp8_group is None or not getattr(recipe, "reduce_amax", True):
         return False
     key = (id(tp_group), id(fp8_group))
-    covers = _GROUP_COVERS.get(key)
-    if covers is None:
+    entry = _GROUP_COVERS.get(key)
+    if entry is None:
         import torch.distributed as dist
 
         covers = set(dist.get_process_group_ranks(tp_group)) <= \
             set(dist.get_process_group_ranks(fp8_group))
-        _GROUP_COVERS[key] = covers
-    return covers
+        entry = _GROUP_COVERS[key] = (tp_group, fp8_group, covers)
+    return entry[2]
 
 
 def _group_amax(amax: torch.Tensor, group: Any) -> torch.Tensor:
