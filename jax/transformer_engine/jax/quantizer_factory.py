@@ -152,12 +152,12 @@ class Quantizer:
     scale: Optional[jax.Array] = None
     amax_history: Optional[jax.Array] = None
     margin: int = 0
-    amax_compute_algo: str = "max"
+    amax_algo: str = "max"  # the delayed-scaling rule over the history ("max", "most_recent")
 
     def tree_flatten(self):
         return ((self.scale, self.amax_history),
                 (self.scaling_mode, self.q_dtype, self.q_layout, self.margin,
-                 self.amax_compute_algo))
+                 self.amax_algo))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -213,7 +213,7 @@ class Quantizer:
             return self
         history = self.amax_history.at[0].set(jnp.reshape(amax, ()).astype(jnp.float32))
         (history,), (scale,), _ = ops.delayed_scaling_update(
-            [history], [self.scale], self.q_dtype, algo=self.amax_compute_algo,
+            [history], [self.scale], self.q_dtype, algo=self.amax_algo,
             margin=self.margin)
         return dataclasses.replace(self, scale=scale, amax_history=history)
 
@@ -309,7 +309,7 @@ def _delayed_state(op: str, mode, kwargs: dict) -> dict:
     return {"scale": jnp.asarray(scale, jnp.float32).reshape(1),
             "amax_history": jnp.asarray(history, jnp.float32),
             "margin": int(kwargs.get("margin", 0)),
-            "amax_compute_algo": kwargs.get("amax_compute_algo", "max")}
+            "amax_algo": kwargs.get("amax_compute_algo", "max")}
 
 
 noop_quantizer_set = QuantizerSet(None, {})
