@@ -6,6 +6,14 @@ Semantics (masks, windows, GQA, padding, dropout) are the core's ``attention.h``
 saves ``o`` and the fp32 row log-sum-exp for the backward pass. Dropout draws its
 (seed, offset) from the ``dropout_rng`` key: the same key gives the same mask.
 
+Under ``jax.jit`` over a mesh both calls are partitioned
+(:func:`transformer_engine.jax.partitioning.attention_forward`): the batch and the heads of
+q, k, v may stay split (each device attends its own rows and heads, with no communication),
+the sequences and head dims are made whole. With the heads split, each device's key/value
+heads must be those of its query heads: the key/value head count a multiple of the split (or
+one, MQA); otherwise the heads are gathered. Dropout gives each shard its own random
+numbers; with only the batch split they are those of the unsharded call.
+
 NVIDIA's enums :class:`AttnMaskType`, :class:`QKVLayout` (and :class:`QKVFormat`,
 :class:`AttnBiasType`, :class:`SequenceDescriptor`) are defined in ``_attention_types``; the
 members are our option strings, so they can be passed as ``attn_mask_type`` / ``qkv_layout``.
@@ -79,10 +87,43 @@ def _attrs(params) -> dict:
                 max_seqlen_kv=np.int64(max_skv), backend=np.int32(_BACKEND_AUTO))
 
 
+def _partitioner():
+    """The partitioned forms of the calls (:mod:`transformer_engine.jax.partitioning`) while a
+    mesh is in context or the mesh resource names axes, else None."""
+    from transformer_engine.jax import partitioning
+
+    return partitioning if partitioning.active() else None
+
+
+def _lengths(cu: jax.Array, layout: str) -> jax.Array:
+    """What the partitioned call takes for cu_seqlens: each sequence's length (a [batch] array
+    that splits with the batch; the shard's cu_seqlens are rebuilt from its lengths), or the
+    cu_seqlens themselves for thd (whose packed tokens are not split)."""
+    return cu if layout == "thd" or not cu.size else jnp.diff(cu)
+
+
+def _cumulative(lengths: jax.Array, layout: str) -> jax.Array:
+    if layout == "thd" or not lengths.size:
+        return lengths
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
+
+
 def _forward_call(q, k, v, cu_q, cu_kv, rng, params):
     layout = list(LAYOUTS)[params[0]]
     batch = cu_q.shape[0] - 1 if layout == "thd" else None
     sizes = _sizes(q, k, v, layout, batch, params[6], params[7])
+    part = _partitioner()
+    if part is not None:
+        def body(qs, ks, vs, lq, lkv, r):
+            return _forward_call(qs, ks, vs, _cumulative(lq, layout), _cumulative(lkv, layout),
+                                 r, params)
+
+        results = (jax.ShapeDtypeStruct((*q.shape[:-1], v.shape[-1]), q.dtype),
+                   jax.ShapeDtypeStruct((sizes[0], sizes[1], sizes[3]), jnp.float32))
+        o, lse = part.attention_forward(
+            (q, k, v, _lengths(cu_q, layout), _lengths(cu_kv, layout), rng), body, results,
+            layout=layout, shape=(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]))
+        return o, lse
     lse_shape = (sizes[0], sizes[1], sizes[3])
     results = (jax.ShapeDtypeStruct((*q.shape[:-1], v.shape[-1]), q.dtype),
                jax.ShapeDtypeStruct(lse_shape, jnp.float32),
@@ -96,6 +137,19 @@ def _backward_call(q, k, v, o, d_o, lse, cu_q, cu_kv, rng, params):
     layout = list(LAYOUTS)[params[0]]
     batch = cu_q.shape[0] - 1 if layout == "thd" else None
     sizes = _sizes(q, k, v, layout, batch, params[6], params[7])
+    part = _partitioner()
+    if part is not None:
+        def body(qs, ks, vs, os_, dos, lses, lq, lkv, r):
+            return _backward_call(qs, ks, vs, os_, dos, lses, _cumulative(lq, layout),
+                                  _cumulative(lkv, layout), r, params)
+
+        results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct(k.shape, k.dtype),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype))
+        dq, dk, dv = part.attention_backward(
+            (q, k, v, o, d_o, lse, _lengths(cu_q, layout), _lengths(cu_kv, layout), rng), body,
+            results, layout=layout, shape=(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]))
+        return dq, dk, dv
     results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                jax.ShapeDtypeStruct(v.shape, v.dtype),
                jax.ShapeDtypeStruct((_workspace_bytes(params, sizes, q.dtype, True),), jnp.uint8))

@@ -465,3 +465,146 @@ def _padded_gemm(run, a, a_si, b, b_si, bias, *, transpose_a, transpose_b, fp8):
     if pn and _size(bias):
         bias = jnp.pad(bias, (0, pn))
     return run(a, a_si, b, b_si, bias)[:m, :n]
+
+
+# --- fused attention -----------------------------------------------------------------------
+
+
+def _attention_factors(layout: str) -> dict:
+    """The rule's factors of q, k, v, o and the row log-sum-exp in ``layout``: batch ``b``,
+    query heads ``h``, key/value heads ``g`` (a factor of their own: GQA gives them another
+    size), and the dimensions that must stay whole (sequences, head dims)."""
+    if layout == "thd":  # tokens of packed sequences: only the heads can be split
+        return dict(q=("tq", "h", "d"), k=("tkv", "g", "d"), v=("tkv", "g", "dv"),
+                    o=("tq", "h", "dv"), lse=None)
+    seq_first = layout == "sbhd"
+
+    def lay(s, h, d):
+        return (s, "b", h, d) if seq_first else ("b", s, h, d)
+
+    return dict(q=lay("sq", "h", "d"), k=lay("skv", "g", "d"), v=lay("skv", "g", "dv"),
+                o=lay("sq", "h", "dv"), lse=("b", "h", "sq"))
+
+
+_ATTENTION_WHOLE = ("sq", "skv", "tq", "tkv", "d", "dv")
+
+
+def _attention_layout(q_dims, layout: str, shape, sizes):
+    """(batch axes, query-head axes, key/value-head axes) of one attention call from q's
+    proposed layout: the heads stay split when every shard gets whole groups of query heads
+    with their key/value heads (or all shards share MQA's single one), else they are made
+    whole; the batch stays split (not for thd, whose sequences are packed)."""
+    batch, heads, groups = shape[0], shape[1], shape[2]
+    b_axes = () if layout == "thd" else q_dims[1 if layout == "sbhd" else 0]
+    h_axes = q_dims[-2]
+    n = _count(h_axes, sizes)
+    if n > 1 and (heads % n or (groups % n and groups != 1)):
+        h_axes = ()
+    if b_axes and batch % _count(b_axes, sizes):
+        b_axes = ()
+    g_axes = h_axes if groups % max(_count(h_axes, sizes), 1) == 0 else ()
+    return b_axes, h_axes, g_axes
+
+
+def _attention_dims(layout: str, ndim: int, b_axes: Axes, h_axes: Axes) -> list:
+    if layout == "thd":
+        return [(), h_axes, ()]
+    dims = [(), b_axes, h_axes, ()] if layout == "sbhd" else [b_axes, (), h_axes, ()]
+    return dims[:ndim]
+
+
+def _dropout_counter_table(shards: int, counters: int) -> jax.Array:
+    """uint32 [shards, 2]: the (low, high) words of ``shard * counters`` for each shard."""
+    import numpy as np
+
+    values = [i * counters for i in range(shards)]
+    return jnp.asarray(np.array([[v & 0xFFFFFFFF, (v >> 32) & 0xFFFFFFFF] for v in values],
+                                np.uint32))
+
+
+def _shard_rng(rng: jax.Array, axes: Axes, sizes: dict, counters: int) -> jax.Array:
+    """The dropout (seed, offset) of this shard: the offset (the 64-bit words 2 and 3) moved
+    past the counters of the shards before it, so no two shards draw the same random
+    numbers. The kernel numbers each shard's elements (batch row, head, query, key) from
+    the offset on, so with only the batch split each element keeps the number it has in the
+    unsharded call, and so its dropout decision."""
+    if not _size(rng) or not axes:
+        return rng
+    table = _dropout_counter_table(_count(axes, sizes), counters)
+    add_lo, add_hi = table[jax.lax.axis_index(tuple(axes))]
+    lo = rng[2] + add_lo
+    carry = (lo < add_lo).astype(jnp.uint32)
+    return jnp.stack([rng[0], rng[1], lo, rng[3] + add_hi + carry])
+
+
+def _attention_op(args, body, results, *, layout: str, shape, arg_names, result_names):
+    """One attention custom call (forward or backward) as a partitioned op; ``shape`` is
+    (batch, heads, groups, max query length, max key length)."""
+    factors = _attention_factors(layout)
+    rule = _Rule()
+    per_seq = layout != "thd"  # lengths [batch] ride along with the batch
+
+    def tagged(arrays, names):
+        out = []
+        for x, name in zip(arrays, names, strict=True):
+            if name == "lengths":
+                out.append((x, ("b",) if per_seq else None))
+            else:
+                out.append((x, factors.get(name)))
+        return out
+
+    spec = rule(tagged(args, arg_names), tagged(results, result_names))
+    batch, heads, _, sq, skv = shape
+
+    def plan(dims, proposed, sizes):
+        del proposed
+        b_axes, h_axes, g_axes = _attention_layout(dims[0], layout, shape, sizes)
+
+        def layout_of(x, name):
+            if name in ("q", "o", "dq", "d_o"):
+                return _attention_dims(layout, x.ndim, b_axes, h_axes)
+            if name in ("k", "v", "dk", "dv"):
+                return _attention_dims(layout, x.ndim, b_axes, g_axes)
+            if name == "lse" and layout != "thd":
+                return [b_axes, h_axes, ()]
+            if name == "lengths" and per_seq and _size(x):
+                return [b_axes]
+            return _whole(x.ndim)
+
+        counters = (batch // _count(b_axes, sizes)) * (heads // _count(h_axes, sizes)) * sq * skv
+        rng_at = arg_names.index("rng")
+
+        def per_shard(*shards):
+            shards = list(shards)
+            shards[rng_at] = _shard_rng(shards[rng_at], b_axes + h_axes, sizes, counters)
+            return body(*shards)
+
+        arg_dims = [layout_of(x, n) for x, n in zip(args, arg_names, strict=True)]
+        result_dims = [layout_of(x, n) for x, n in zip(results, result_names, strict=True)]
+        return arg_dims, result_dims, per_shard
+
+    names = spec.replace(",", " ").replace("->", " ").split()
+    whole = tuple(f for f in _ATTENTION_WHOLE if f in names)
+    return _run(body, args, spec, plan, need_replication_factors=whole)
+
+
+def attention_forward(args: Sequence[jax.Array], body: Callable, results: Sequence, *,
+                      layout: str, shape):
+    """The fused attention's forward (``body(q, k, v, lengths_q, lengths_kv, rng)`` giving
+    ``(o, lse)``; the lengths int32 [batch], or cu_seqlens for thd): each shard attends its
+    own batch rows and heads, so nothing is communicated. The sequences and head dims are
+    made whole (a query attends to every key). Dropout: see :func:`_shard_rng`."""
+    return _attention_op(args, body, results, layout=layout, shape=shape,
+                         arg_names=("q", "k", "v", "lengths", "lengths", "rng"),
+                         result_names=("o", "lse"))
+
+
+def attention_backward(args: Sequence[jax.Array], body: Callable, results: Sequence, *,
+                       layout: str, shape):
+    """The fused attention's backward (``body(q, k, v, o, d_o, lse, lengths_q, lengths_kv,
+    rng)`` giving ``(dq, dk, dv)``), split as the forward: each shard's key/value heads
+    serve only its own query heads, so dk and dv need no sum over shards."""
+    return _attention_op(args, body, results, layout=layout, shape=shape,
+                         arg_names=("q", "k", "v", "o", "d_o", "lse", "lengths", "lengths",
+                                    "rng"),
+                         result_names=("dq", "dk", "dv"))

@@ -22,6 +22,8 @@ sharding as a constraint. The core's ops follow the shardings (see
   are the weights (their ``"embed"`` dimension); each weight is gathered just before its
   GEMM (in FP8, its FP8 copy), and its gradient is reduced back to the shards.
 
+The attention modules split their heads over tp (QKV column parallel, the output projection
+row parallel) and attend each device's heads and batch rows without communication.
 Pipelining (``pp_resource``) needs nothing from the modules. Context parallelism
 (``cp_resource``) and sequence parallelism (``tpsp_resource``) are not implemented: the
 modules raise NotImplementedError naming the field rather than run unsharded.
@@ -75,6 +77,7 @@ LOGICAL_RULES = {
     "vocab": ("tp_resource",),
     "length": (),
     "act": (),
+    "joined": (),
     "kv": (),
     "head_dim": (),
     "relpos_buckets": (),
@@ -89,7 +92,7 @@ HEAD_AXES = "heads"
 W_FSDP_AXES = "embed"
 W_TP_AXES = "mlp"
 W_NO_SHARD_AXES = "act"
-W_JOINED_AXES = "joined_kv"
+W_JOINED_AXES = "joined"  # the stacked q, k, v (or gate, linear) of a fused kernel: whole
 
 
 @contextlib.contextmanager
@@ -144,6 +147,24 @@ def _mesh():
     """The mesh in context (``jax.set_mesh``), or None."""
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh.empty else mesh
+
+
+def lays_out() -> bool:
+    """Whether the mesh resource in effect names mesh axes: then the modules annotate their
+    parameters with logical axes and constrain their tensors to them."""
+    return get_mesh_resource() != MeshResource()
+
+
+def mesh_axis_size(field: str) -> Optional[int]:
+    """The size of the mesh axis that the mesh resource's ``field`` names: 1 when it names
+    none, None when it names one but no mesh is in context (the size is not known)."""
+    axis = getattr(get_mesh_resource(), field)
+    if axis is None:
+        return 1
+    mesh = _mesh()
+    if mesh is None or axis not in mesh.axis_names:
+        return None
+    return int(dict(mesh.shape)[axis])
 
 
 def with_sharding_constraint_by_logical_axes(x: jax.Array, axes: Optional[Sequence]):

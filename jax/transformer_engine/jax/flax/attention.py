@@ -110,6 +110,9 @@ class DotProductAttention(nn.Module):
     [s, b, ...]; ``thd``: [t, heads, head_dim_v]). Merge them with ``reshape`` before an output
     projection.
 
+    Under ``jax.jit`` over a mesh the fused call keeps q, k and v split as they come on their
+    batch and heads (see :func:`~transformer_engine.jax.attention.fused_attn`).
+
     Example:
         >>> import jax, jax.numpy as jnp
         >>> from transformer_engine.jax.flax import DotProductAttention
@@ -172,7 +175,7 @@ class DotProductAttention(nn.Module):
                  cu_seqlens_q: Optional[jax.Array] = None,
                  cu_seqlens_kv: Optional[jax.Array] = None, max_seqlen_q: Optional[int] = None,
                  max_seqlen_kv: Optional[int] = None) -> jax.Array:
-        check_supported("DotProductAttention", also_unsupported=("tp_resource", "fsdp_resource"))
+        check_supported("DotProductAttention")
         layout, packed = _layout(self.qkv_layout, self.transpose_batch_sequence)
         bias_type = self._check_keywords(bias, layout)
         if packed == "qkv":

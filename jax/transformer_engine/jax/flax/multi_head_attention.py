@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from transformer_engine.jax.attention import MASKS, fused_attn
 from transformer_engine.jax.flax._checks import check_float_dtype, check_mask, check_sizes
+from transformer_engine.jax.flax._heads_projection import HeadsProjection
 from transformer_engine.jax.flax._rotary import rotary_pos_emb
 from transformer_engine.jax.flax._unfused_attention import (
     allowed_keys,
@@ -22,7 +23,16 @@ from transformer_engine.jax.flax._unfused_attention import (
 from transformer_engine.jax.flax.attention import MASK_ALIASES, _cu_seqlens
 from transformer_engine.jax.flax.layernorm_dense import LayerNormDenseGeneral
 from transformer_engine.jax.flax.module import DenseGeneral, Initializer, check_lora, lora_scope
-from transformer_engine.jax.sharding import check_supported
+from transformer_engine.jax.sharding import (
+    W_JOINED_AXES,
+    W_NO_SHARD_AXES,
+    check_supported,
+    lays_out,
+    mesh_axis_size,
+)
+from transformer_engine.jax.sharding import (
+    with_sharding_constraint_by_logical_axes as constrain,
+)
 
 __all__ = ["MultiHeadAttention"]
 
@@ -32,6 +42,45 @@ _BIAS_TYPES = (None, "no_bias", "pre_scale_bias", "post_scale_bias")
 # "kv" a query kernel and one [hidden, 2, G * D], "none" three kernels. Inputs stay [b, s, ..]
 # or [s, b, ..] by transpose_batch_sequence, as for DotProductAttention's NVIDIA names.
 _PACKINGS = {"bs3hd": "qkv", "bshd_bs2hd": "kv", "bshd_bshd_bshd": "none", "bshd": "none"}
+
+
+def token_axes(seq_first: bool, *rest: Optional[str]) -> Tuple[Optional[str], ...]:
+    """The logical axes of an activation: batch and length in the layout's order, then
+    ``rest``."""
+    return (("length", "batch") if seq_first else ("batch", "length")) + tuple(rest)
+
+
+class _Layout:
+    """The logical axes of the module's parameters and activations while the mesh resource
+    names axes (all empty otherwise: unannotated parameters, no constraints, as without a
+    mesh). Query heads split over ``tp``; the key/value heads too when ``tp`` divides their
+    count, else they are whole on every device."""
+
+    def __init__(self, seq_first: bool, heads: int, groups: int):
+        self.on = lays_out()
+        tp = mesh_axis_size("tp_resource")
+        if self.on and tp is not None and heads % tp:
+            raise ValueError(f"MultiHeadAttention: num_attention_heads ({heads}) must be a "
+                             f"multiple of the tensor-parallel size ({tp}, the mesh axis of "
+                             "MeshResource.tp_resource): each device takes whole heads")
+        # Without a mesh in context the tp size is unknown: only plain multi-head attention
+        # (groups == heads) is sure to split.
+        self.kv_split = groups % tp == 0 if tp is not None else groups == heads
+        # the key/value heads repeated up to the query heads before the fused attention, so
+        # that they split with them (kept whole, their groups would not follow the split)
+        self.repeat_kv = self.on and tp not in (None, 1) and not self.kv_split and groups > 1
+        kv_heads = "kv_heads" if self.kv_split else None
+        self.kv_joined = "joined_kv" if self.kv_split else None
+        self.seq_first = seq_first
+        self.kv_heads = kv_heads
+        # the fused kernels multiply head-major only where the heads split (HeadsProjection)
+        self.head_major = self.on and tp not in (None, 1)
+
+    def __call__(self, *axes):
+        return tuple(axes) if self.on else ()
+
+    def tokens(self, *rest):
+        return self(*token_axes(self.seq_first, *rest))
 
 
 def default_kernel_init(dtype=jnp.float32) -> Initializer:
@@ -120,7 +169,7 @@ class MultiHeadAttention(nn.Module):
             an error (they disagree); the thd layouts are refused (the inputs are padded).
         transpose_batch_sequence: inputs are [seqlen, batch, hidden] (else [batch, seqlen,
             hidden]).
-        enable_sequence_parallel: recorded only (no sharding constraints yet).
+        enable_sequence_parallel: recorded only (sequence parallelism is not implemented).
         scale_attn_logits: scale the logits by 1 / sqrt(D); False: no scale (the default;
             ``scaled_query_init`` puts the factor into the query kernel's initial values).
         scaled_query_init: divide the query kernel's initial values by sqrt(D).
@@ -134,6 +183,18 @@ class MultiHeadAttention(nn.Module):
     deterministic=False)`` returns ``(out, ln_out)``: out in inputs_q's shape and dtype,
     ln_out the normed input with ``return_layernorm_output`` (else None). ``mask``
     [batch, 1, sq, skv] is True where masked; ``bias`` [1 or batch, H, sq, skv].
+
+    Under ``jax.jit`` over a mesh with a ``MeshResource`` naming its axes (dp, tp, fsdp) the
+    parameters carry NVIDIA's logical axes (``qkv`` kernel ``("embed", "joined",
+    "joined_kv")``, ``query`` ``("embed", "joined_kv")``, ``out`` ``("joined_kv", "embed")``;
+    unannotated without a ``MeshResource``): the QKV projection is column parallel over the
+    heads (the fused kernels multiply head-major, see :class:`HeadsProjection`), each device
+    attends its own heads and batch rows, and the output projection is row parallel. The key /
+    value heads split when tp divides ``num_gqa_groups``, else they are whole and repeated up
+    to the query heads before the fused attention; ``num_attention_heads`` must be a multiple
+    of tp. Under fsdp the kernels' ``"embed"`` axis is split and gathered before each GEMM.
+    Keep the batch first (``transpose_batch_sequence=False``) when it is split: the GEMMs
+    flatten [seq, batch] otherwise, and a split batch is gathered around them.
 
     Decoding: ``init`` (or a first apply with ``mutable=["cache"]``) with ``decode=True`` and
     inputs of the longest length L makes the ``cache`` collection (``cached_key``,
@@ -234,8 +295,9 @@ class MultiHeadAttention(nn.Module):
                  mask: Optional[jax.Array] = None, bias: Optional[jax.Array] = None, *,
                  decode: bool = False, deterministic: bool = False,
                  query_position_offset: Optional[jax.Array] = None):
-        check_supported("MultiHeadAttention", also_unsupported=("tp_resource", "fsdp_resource"))
+        check_supported("MultiHeadAttention")
         heads, groups, dropout, mask_type = self._settings()
+        layout = _Layout(self.transpose_batch_sequence, heads, groups)
         name = "MultiHeadAttention"
         is_self = inputs_q is inputs_kv
         inputs_q, inputs_kv = jnp.asarray(inputs_q), jnp.asarray(inputs_kv)
@@ -257,7 +319,7 @@ class MultiHeadAttention(nn.Module):
         if bias is not None and bias_type == "no_bias":
             raise ValueError(f"{name}: a bias was given but attn_bias_type is 'no_bias'")
         d = self.head_dim
-        q, k, v, ln_out = self._project(inputs_q, inputs_kv, is_self, heads, groups)
+        q, k, v, ln_out = self._project(inputs_q, inputs_kv, is_self, heads, groups, layout)
         seq_axis = 0 if self.transpose_batch_sequence else 1
         cache = self._cache(k, v) if decode else None
         start = cache["index"] if cache is not None else None
@@ -296,11 +358,19 @@ class MultiHeadAttention(nn.Module):
                                   float32_logits=self.float32_logits,
                                   seq_first=self.transpose_batch_sequence)
         else:
+            if layout.repeat_kv:
+                k, v = (constrain(jnp.repeat(t, heads // groups, axis=2),
+                                  layout.tokens("heads", "head_dim")) for t in (k, v))
             x = self._fused(q, k, v, mask, mask_type, scale, rate, rng)
         x = x.reshape(*x.shape[:2], heads * d)
+        # Row parallel under tp: each device's heads meet their rows of the kernel, and the
+        # partial outputs are summed.
         out = DenseGeneral(features=inputs_q.shape[-1], axis=-1, use_bias=self.use_bias,
                            kernel_init=self._kernel_init(), bias_init=self.bias_init,
-                           dtype=self.dtype, name="out", **self._lora(1))(x)
+                           dtype=self.dtype, kernel_axes=layout("joined_kv", "embed"),
+                           bias_axes=layout(W_NO_SHARD_AXES),
+                           input_axes=layout.tokens("joined_kv"), name="out",
+                           **self._lora(1))(x)
         return out.astype(inputs_q.dtype), ln_out
 
     def _lora(self, part: int) -> dict:
@@ -313,8 +383,11 @@ class MultiHeadAttention(nn.Module):
     def _kernel_init(self) -> Initializer:
         return self.kernel_init if self.kernel_init is not None else default_kernel_init()
 
-    def _project(self, inputs_q, inputs_kv, is_self, heads, groups):
-        """q [.., .., H, D], k and v [.., .., G, D], and the normed input (or None)."""
+    def _project(self, inputs_q, inputs_kv, is_self, heads, groups, layout):
+        """q [.., .., H, D], k and v [.., .., G, D], and the normed input (or None).
+
+        Column parallel under tp: each device computes its own heads of q, k and v (the
+        fused kernels multiply head-major, see :class:`HeadsProjection`)."""
         d, dtype = self.head_dim, inputs_q.dtype
         kernel_init = self._kernel_init()
         depth = math.sqrt(d) if self.scaled_query_init else 1.0
@@ -328,34 +401,48 @@ class MultiHeadAttention(nn.Module):
                       **self._lora(0))
         norm = dict(enable_layernorm=self.input_layernorm, layernorm_type=self.layernorm_type,
                     epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                    scale_axes=layout(W_NO_SHARD_AXES), ln_bias_axes=layout(W_NO_SHARD_AXES),
                     **common)
+        fused = dict(kernel_axes=layout("embed", W_JOINED_AXES, "joined_kv"),
+                     bias_axes=layout(W_JOINED_AXES, "joined_kv"))
+        kv_fused = dict(kernel_axes=layout("embed", W_JOINED_AXES, layout.kv_joined),
+                        bias_axes=layout(W_JOINED_AXES, layout.kv_joined))
+        separate = dict(kernel_axes=layout("embed", "joined_kv"), bias_axes=layout("joined_kv"))
+        kv_separate = dict(kernel_axes=layout("embed", layout.kv_joined),
+                           bias_axes=layout(layout.kv_joined))
+        tokens = layout.tokens("embed")
         want_ln = self.return_layernorm_output
         packing = self._packing(is_self, heads, groups)
         if packing == "qkv":
-            qkv, ln_out = LayerNormDenseGeneral(
-                features=(3, heads * d), return_layernorm_output=want_ln,
-                kernel_init=_stacked_init([query_init, kernel_init, kernel_init]), name="qkv",
-                **norm)(inputs_q)
+            qkv, ln_out = HeadsProjection(
+                parts=3, heads=heads, head_dim=d, return_layernorm_output=want_ln,
+                kernel_init=_stacked_init([query_init, kernel_init, kernel_init]),
+                input_axes=tokens, head_major=layout.head_major, head_axis="heads", name="qkv",
+                **fused, **norm)(inputs_q)
             q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         else:
             q, ln_out = LayerNormDenseGeneral(features=heads * d, return_layernorm_output=True,
-                                              kernel_init=query_init, name="query",
-                                              **norm)(inputs_q)
+                                              kernel_init=query_init, layernorm_input_axes=tokens,
+                                              dot_input_axes=tokens, name="query",
+                                              **separate, **norm)(inputs_q)
             kv_in = ln_out if is_self else inputs_kv
             ln_out = ln_out if want_ln else None
             if packing == "kv":
-                kv = DenseGeneral(features=(2, groups * d), axis=-1,
-                                  kernel_init=_stacked_init([kernel_init, kernel_init]),
-                                  name="kv", **common)(kv_in)
+                kv, _ = HeadsProjection(
+                    parts=2, heads=groups, head_dim=d, enable_layernorm=False,
+                    kernel_init=_stacked_init([kernel_init, kernel_init]), input_axes=tokens,
+                    head_major=layout.head_major, head_axis=layout.kv_heads, name="kv",
+                    **kv_fused, **common)(kv_in)
                 k, v = kv[..., 0, :], kv[..., 1, :]
             else:
                 k = DenseGeneral(features=groups * d, axis=-1, kernel_init=kernel_init,
-                                 name="key", **common)(kv_in)
+                                 input_axes=tokens, name="key", **kv_separate, **common)(kv_in)
                 v = DenseGeneral(features=groups * d, axis=-1, kernel_init=kernel_init,
-                                 name="value", **common)(kv_in)
-        q = q.reshape(*q.shape[:2], heads, d).astype(dtype)
-        k = k.reshape(*k.shape[:2], groups, d).astype(dtype)
-        v = v.reshape(*v.shape[:2], groups, d).astype(dtype)
+                                 input_axes=tokens, name="value", **kv_separate, **common)(kv_in)
+        q = constrain(q.reshape(*q.shape[:2], heads, d).astype(dtype),
+                      layout.tokens("heads", "head_dim"))
+        k, v = (constrain(t.reshape(*t.shape[:2], groups, d).astype(dtype),
+                          layout.tokens(layout.kv_heads, "head_dim")) for t in (k, v))
         return q, k, v, ln_out
 
     def _packing(self, is_self, heads, groups) -> str:

@@ -17,9 +17,13 @@ from transformer_engine.jax.flax.module import Initializer, LayerNorm, lora_scop
 from transformer_engine.jax.flax.multi_head_attention import (
     MultiHeadAttention,
     default_kernel_init,
+    token_axes,
 )
 from transformer_engine.jax.layernorm_mlp import activation_of
-from transformer_engine.jax.sharding import check_supported
+from transformer_engine.jax.sharding import W_NO_SHARD_AXES, check_supported, lays_out
+from transformer_engine.jax.sharding import (
+    with_sharding_constraint_by_logical_axes as constrain,
+)
 
 __all__ = ["RelativePositionBiases", "TransformerLayer", "TransformerLayerType"]
 
@@ -173,7 +177,13 @@ class TransformerLayer(nn.Module):
         drop_path: stochastic depth: drop each sample's block output with this probability.
         fuse_qkv_params: one kernel for Q, K, V (see :class:`MultiHeadAttention`).
         transpose_batch_sequence: inputs are [seqlen, batch, hidden].
-        enable_sequence_parallel: recorded only.
+        enable_sequence_parallel: recorded only (sequence parallelism is not implemented).
+
+    Under ``jax.jit`` over a mesh with a ``MeshResource`` the attention blocks are laid out as
+    :class:`MultiHeadAttention` lays them out (tp: QKV column parallel over the heads, output
+    projection row parallel) and the MLP as FC1 column / FC2 row parallel; fsdp splits the
+    kernels' ``"embed"`` axis and the batch. Context and sequence parallelism
+    (``cp_resource``, ``tpsp_resource``) raise NotImplementedError.
         scale_attn_logits, scaled_query_init: see :class:`MultiHeadAttention`.
         window_size: (left, right) sliding window of the attentions.
 
@@ -334,9 +344,16 @@ class TransformerLayer(nn.Module):
                  attention_mask: Optional[jax.Array] = None,
                  encoder_decoder_mask: Optional[jax.Array] = None, deterministic: bool = False,
                  decode: bool = False, max_decode_length: Optional[int] = None) -> jax.Array:
-        check_supported("TransformerLayer", also_unsupported=("tp_resource", "fsdp_resource"))
+        check_supported("TransformerLayer")
         inputs = jnp.asarray(inputs)
         self._check(inputs, encoded)
+        on = lays_out()
+
+        def axes(*names):  # logical axes while the mesh resource names axes, else none
+            return tuple(names) if on else ()
+
+        tokens = axes(*token_axes(self.transpose_batch_sequence, "embed"))
+        inputs = constrain(inputs, tokens)
         if not decode:  # decoding reads them against the cache (MultiHeadAttention checks)
             s_axis = 0 if self.transpose_batch_sequence else 1
             batch, s = inputs.shape[1 - s_axis], inputs.shape[s_axis]
@@ -370,11 +387,14 @@ class TransformerLayer(nn.Module):
                 skv = encoded.shape[0 if self.transpose_batch_sequence else 1]
                 batch = x.shape[1 if self.transpose_batch_sequence else 0]
                 encoder_decoder_mask = jnp.zeros((batch, 1, sq, skv), bool)
-            y, ln_out = cross(x, jnp.asarray(encoded, x.dtype), encoder_decoder_mask,
+            encoded = constrain(jnp.asarray(encoded, x.dtype), tokens)
+            y, ln_out = cross(x, encoded, encoder_decoder_mask,
                               deterministic=deterministic, query_position_offset=offset)
             x = self._dropout(y, self.hidden_dropout, self.hidden_dropout_dims,
                               deterministic) + (ln_out if post_ln else x)
 
+        # FC1 column parallel, FC2 row parallel under tp (the activation stays split).
+        hidden = axes(*token_axes(self.transpose_batch_sequence, "mlp"))
         mlp = LayerNormMLP(
             intermediate_dim=self.mlp_hidden_size, layernorm_type=self.layernorm_type,
             epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
@@ -389,7 +409,12 @@ class TransformerLayer(nn.Module):
             enable_low_rank_adaptation=lora_scope("TransformerLayer",
                                                   self.low_rank_adaptation_scope)[2],
             low_rank_adaptation_dim=self.low_rank_adaptation_dim,
-            low_rank_adaptation_alpha=self.low_rank_adaptation_alpha, name="mlp")
+            low_rank_adaptation_alpha=self.low_rank_adaptation_alpha,
+            kernel_axes_1=axes("embed", "act", "mlp"), kernel_axes_2=axes("mlp", "embed"),
+            bias_axes_1=axes("act", "mlp"), bias_axes_2=axes(W_NO_SHARD_AXES),
+            scale_axes=axes(W_NO_SHARD_AXES), ln_bias_axes=axes(W_NO_SHARD_AXES),
+            layernorm_input_axes=tokens, dot_1_input_axes=tokens, dot_2_input_axes=hidden,
+            name="mlp")
         z, ln_out = mlp(x, deterministic=deterministic)
         residual = ln_out if post_ln else x
         z = self._block_output(z, deterministic) + residual
