@@ -43,10 +43,12 @@ ffi::Error result_tensor(const char *op, const char *name, const ffi::AnyBuffer 
                          const ffi::AnyBuffer &scale_inv, const ffi::AnyBuffer &amax,
                          const ffi::AnyBuffer &gate, bool rowwise, bool columnwise, bool compute_amax, const Device &dev,
                          Tensor *t) {
-  if (!rowwise && !columnwise) {
-    return invalid(op, "rowwise or columnwise must be true, got neither");
+  if (!rowwise && !columnwise && !compute_amax) {
+    return invalid(op, "rowwise, columnwise or compute_amax must be true, got none");
   }
-  const bool fp8 = columnwise || is_fp8(data.element_type());
+  // Neither copy: an amax-only call (current scaling's first pass; the core writes the amax
+  // alone), high precision.
+  const bool fp8 = columnwise || (rowwise && is_fp8(data.element_type()));
   if (columnwise && rowwise && !is_fp8(data.element_type())) {
     return invalid(op, std::string(name) + " must be FP8 when columnwise is set, got XLA "
                        "element type " + std::to_string(static_cast<int>(data.element_type())));

@@ -666,3 +666,24 @@ def test_many_tiles_per_block_on_cuda(cuda_device, act, direction, shape):
 
     got = again(cuda_device)
     check_cuda_matches_cpu(cuda_device, got, again)
+
+
+@pytest.mark.parametrize("act, direction", [("gelu", "forward"), ("swiglu", "forward"),
+                                             ("gelu", "backward"), ("swiglu", "backward"),
+                                             ("identity", "backward")])
+def test_amax_only_calls_write_the_amax_alone(device, act, direction):
+    """An output with neither data slot but an amax (current scaling's first pass) gets the
+    amax of the full call's fp32 values, and nothing is written anywhere else."""
+    x, g = make_inputs(act, direction, (144, 136), "bfloat16", 5)
+    full = run(device.cpu, act, direction, x, g)
+    amax = device.put(np.array([-7.0], np.float32))
+    out = core.Tensor(amax=amax)
+    if direction == "forward":
+        core.activation_forward(activation(act), device.put(x), out, stream=device.stream)
+    else:
+        core.activation_backward(activation(act), device.put(g), device.put(x), out,
+                                 stream=device.stream)
+    ref.assert_float_equal(device.get(amax), full["amax"], "amax")
+    with pytest.raises(ValueError, match="output.data, output.columnwise_data or output.amax "
+                                         "must be set, got none"):
+        core.activation_forward(activation("gelu"), device.put(x), core.Tensor())

@@ -81,6 +81,9 @@ int te_activation_has_params(te_activation act);
  *           FP8 (TENSOR scaling mode): DATA [M, N] and/or COLUMNWISE_DATA, the transpose
  *                           [N, M], both E4M3 or both E5M2; reads SCALE [1] fp32, writes
  *                           SCALE_INV = 1/scale and, when set, AMAX.
+ *           amax only:      neither DATA nor COLUMNWISE_DATA, AMAX set: only the amax is
+ *                           computed (current scaling's first pass, before the scale is
+ *                           known; SCALE and SCALE_INV are not read).
  *         AMAX is max |act(input)| of the fp32 values before any rounding or scaling (NaN if
  *         any is NaN; 0 when empty). FP8 bytes are those te_quantize gives for the fp32
  *         activation with the same scale.

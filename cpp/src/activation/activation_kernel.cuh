@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBl
         if constexpr (kFp8) {
           lo[q][i] = fp8x4_raw<kKind>(y[q][0] * scale, y[q][1] * scale, y[q][2] * scale, y[q][3] * scale);
           hi[q][i] = fp8x4_raw<kKind>(y[q][4] * scale, y[q][5] * scale, y[q][6] * scale, y[q][7] * scale);
-        } else {
+        } else if (p.out != nullptr) {  // (none: an amax-only call)
           const int64_t base = row * p.out_cols + q * p.n + pcol;  // row-wise index of y[q][0]
           if (p.fast) {
             if (row < p.rows && pcol < p.n) store_hp_eight(p.out, base, p.out_dtype, y[q]);

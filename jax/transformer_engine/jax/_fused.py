@@ -62,12 +62,6 @@ def _current_scale(amax, qset: QuantizerSet, role: str):
     return scale
 
 
-def _quantize_tensor_mode(t, scale, qset: QuantizerSet, role: str, amax) -> ops.QuantizedTensor:
-    q = ops.quantize(t, scale, role_dtype(qset.recipe, role), rowwise=True, columnwise=True,
-                     compute_amax=False)
-    return q._replace(amax=amax)
-
-
 def norm_quantized(x2, gamma, beta, cfg: NormConfig, qset: QuantizerSet, need_output: bool):
     """The norm of ``x2`` [M, K] as the FP8 input of a GEMM (role ``x`` of ``qset``).
 
@@ -100,8 +94,11 @@ def activation_quantized(h, act: ops.Activation, qset: QuantizerSet) -> ops.Quan
 
         return ops.activation_forward_fp8(h, act, step_scale(qset, "x", amax_of), dtype)
     if kind == "current":
-        a, amax = ops.activation_forward(h, act, compute_amax=True)
-        return _quantize_tensor_mode(a, _current_scale(amax, qset, "x"), qset, "x", amax)
+        # the scale from an amax-only pass, then one FP8 pass (no high-precision act(h))
+        amax = ops.activation_amax(h, act)
+        q = ops.activation_forward_fp8(h, act, _current_scale(amax, qset, "x"),
+                                       role_dtype(qset.recipe, "x"), compute_amax=False)
+        return q._replace(amax=amax)
     return quantize_role(ops.activation_forward(h, act), qset, "x")
 
 
@@ -121,23 +118,22 @@ def grad_quantized(dy, act: ops.Activation, act_input: Optional[jax.Array], qset
 
         return ops.activation_backward_fp8(dy, act_input, act, step_scale(qset, "grad", amax_of),
                                            dtype, dbias_dtype=dbias_dtype)
-    if kind == "current" and identity:
-        amax = ops.compute_amax(dy)
-        q, dbias = ops.activation_backward_fp8(dy, None, act, _current_scale(amax, qset, "grad"),
+    if kind == "current":
+        # the scale from dy's amax (or an amax-only pass of the activation's backward), then
+        # one pass: act' * dy + bias gradient + cast + transpose (no high-precision copy)
+        amax = (ops.compute_amax(dy) if identity
+                else ops.activation_backward_amax(dy, act_input, act))
+        q, dbias = ops.activation_backward_fp8(dy, None if identity else act_input, act,
+                                               _current_scale(amax, qset, "grad"),
                                                role_dtype(recipe, "grad"),
                                                dbias_dtype=dbias_dtype, compute_amax=False)
         return q._replace(amax=amax), dbias
-    if identity:
+    if identity:  # block scaling
         g, dbias = dy, None
         if dbias_dtype is not None:
             dbias = jnp.sum(dy, axis=0, dtype=jnp.float32).astype(dbias_dtype)
     else:
-        g, dbias, amax = ops.activation_backward(
-            dy, act_input, act, dbias_dtype=dbias_dtype,
-            compute_amax=kind == "current")
-    if kind == "current":
-        return _quantize_tensor_mode(g, _current_scale(amax, qset, "grad"), qset, "grad",
-                                     amax), dbias
+        g, dbias, _ = ops.activation_backward(dy, act_input, act, dbias_dtype=dbias_dtype)
     return quantize_role(g, qset, "grad"), dbias
 
 

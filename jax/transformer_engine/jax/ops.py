@@ -29,7 +29,7 @@ __all__ = ["ScalingMode", "QuantizedTensor", "fp8_dtype", "quantize", "dequantiz
            "norm_forward", "norm_forward_fp8", "norm_backward", "Activation", "ClampedSwiGLU",
            "is_gated", "kind_of",
            "activation_forward", "activation_forward_fp8", "activation_backward",
-           "activation_backward_fp8"]
+           "activation_backward_fp8", "activation_amax", "activation_backward_amax"]
 
 load()
 
@@ -497,10 +497,12 @@ def _as_rows(x: jax.Array) -> jax.Array:
 
 def _activation_forward_call(x, act, scale, gate, fp8, *, rowwise, columnwise, compute_amax):
     """The activation's custom call: (y or FP8 data, transpose, scale_inv, amax); ``fp8``
-    None gives y in x's dtype and empty FP8 slots."""
+    None gives y in x's dtype (none with ``rowwise`` False: the amax alone) and empty FP8
+    slots."""
     shape = _activation_out_shape(x.shape, act)
     if fp8 is None:
-        results = (jax.ShapeDtypeStruct(shape, x.dtype), _empty(x.dtype), _empty(),
+        y = jax.ShapeDtypeStruct(shape, x.dtype) if rowwise else _empty(x.dtype)
+        results = (y, _empty(x.dtype), _empty(),
                    jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
         args = (x, _zeros_f32(), _zeros_f32())
     else:
@@ -524,7 +526,7 @@ def _activation_forward_call(x, act, scale, gate, fp8, *, rowwise, columnwise, c
             out[0] = out[0].reshape(shape)
         return tuple(out)
     call = jax.ffi.ffi_call(TARGETS["activation_forward"], results, vmap_method=_VMAP)
-    return call(*args, act=np.int32(kind_of(act)), rowwise=bool(rowwise) or fp8 is None,
+    return call(*args, act=np.int32(kind_of(act)), rowwise=bool(rowwise),
                 columnwise=bool(columnwise) and fp8 is not None,
                 compute_amax=bool(compute_amax), **_params_attrs(act))
 
@@ -536,6 +538,14 @@ def activation_forward(x: jax.Array, act: Activation, *, compute_amax: bool = Fa
     y, _, _, amax = _activation_forward_call(x, act, None, None, None, rowwise=True,
                                              columnwise=False, compute_amax=compute_amax)
     return (y, amax) if compute_amax else y
+
+
+def activation_amax(x: jax.Array, act) -> jax.Array:
+    """max|act(x)| ([1] fp32) of the fp32 values, without writing act(x): current scaling's
+    first pass before the FP8 one."""
+    act = act if isinstance(act, ClampedSwiGLU) else Activation(act)
+    return _activation_forward_call(x, act, None, None, None, rowwise=False, columnwise=False,
+                                     compute_amax=True)[3]
 
 
 def activation_forward_fp8(x: jax.Array, act: Activation, scale: jax.Array, dtype, *,
@@ -567,7 +577,8 @@ def _activation_backward_call(dy, x, act, scale, fp8, dbias_dtype, *, rowwise, c
                              f"{tuple(dy.shape)}")
     shape = tuple(dy.shape) if identity else tuple(x.shape)
     if fp8 is None:
-        results = (jax.ShapeDtypeStruct(shape, dy.dtype), _empty(dy.dtype), _empty(),
+        dx = jax.ShapeDtypeStruct(shape, dy.dtype) if rowwise else _empty(dy.dtype)
+        results = (dx, _empty(dy.dtype), _empty(),
                    jax.ShapeDtypeStruct((1,), _F32) if compute_amax else _empty())
     else:
         results = _fp8_results(shape, fp8, rowwise, columnwise, compute_amax)
@@ -586,19 +597,19 @@ def _activation_backward_call(dy, x, act, scale, fp8, dbias_dtype, *, rowwise, c
                                              gate=gt if gt.size else None)
 
         flat = list(results) + [dbias]
-        if rowwise or fp8 is None:
+        if rowwise:
             flat[0] = jax.ShapeDtypeStruct((math.prod(shape[:-1]), k), results[0].dtype)
         x2 = args[1] if identity else _as_rows(x)
         out = list(part.activation_backward((_as_rows(dy), x2, *args[2:]), body, flat,
                                             gated=is_gated(act),
-                                            rowwise=rowwise or fp8 is None,
+                                            rowwise=rowwise,
                                             columnwise=columnwise and fp8 is not None,
                                             compute_amax=compute_amax))
-        if rowwise or fp8 is None:
+        if rowwise:
             out[0] = out[0].reshape(shape)
         return tuple(out)
     call = jax.ffi.ffi_call(TARGETS["activation_backward"], (*results, dbias), vmap_method=_VMAP)
-    return call(*args, act=np.int32(kind_of(act)), rowwise=bool(rowwise) or fp8 is None,
+    return call(*args, act=np.int32(kind_of(act)), rowwise=bool(rowwise),
                 columnwise=bool(columnwise) and fp8 is not None,
                 compute_amax=bool(compute_amax), compute_dbias=dbias_dtype is not None,
                 **_params_attrs(act))
@@ -616,6 +627,13 @@ def activation_backward(dy: jax.Array, x: Optional[jax.Array], act: Activation, 
                                                       rowwise=True, columnwise=False,
                                                       compute_amax=compute_amax)
     return dx, (dbias if dbias_dtype is not None else None), (amax if compute_amax else None)
+
+
+def activation_backward_amax(dy: jax.Array, x: jax.Array, act) -> jax.Array:
+    """max|act'(x) * dy| ([1] fp32) of the fp32 values, without writing them: current
+    scaling's first pass before the FP8 one."""
+    return _activation_backward_call(dy, x, act, None, None, None, rowwise=False,
+                                     columnwise=False, compute_amax=True)[3]
 
 
 def activation_backward_fp8(dy: jax.Array, x: Optional[jax.Array], act: Activation,

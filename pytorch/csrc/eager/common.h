@@ -170,6 +170,30 @@ inline void current_scale(const te_buffer &x, const te_buffer &data, const te_bu
   check(te_compute_scale_from_amax(scaled.get(), &config, stream), op);
 }
 
+// Current scaling's scale of an activation's output (forward: act(h); backward, with dy:
+// act'(h) * dy) from its own amax, without writing it: the activation's amax-only call, then
+// the scale (ops.activation_scale / activation_backward_scale; the FP8 pass with that scale
+// follows). `data` names the FP8 format, as in current_scale.
+inline void activation_current_scale(te_activation act, const te_buffer *dy, const te_buffer &h, const te_buffer &data,
+                                     const te_buffer &scale, const te_buffer &scale_inv, const te_buffer &amax,
+                                     bool pow2, double epsilon, te_stream stream, const char *op) {
+  Handle in(op), reduced(op), scaled(op);
+  in.set(TE_SLOT_DATA, h);
+  reduced.set(TE_SLOT_AMAX, amax);
+  if (dy == nullptr) {
+    check(te_activation_forward(act, nullptr, in.get(), reduced.get(), 0, stream), op);
+  } else {
+    Handle g(op);
+    g.set(TE_SLOT_DATA, *dy);
+    check(te_activation_backward(act, nullptr, g.get(), in.get(), reduced.get(), nullptr, 0, stream), op);
+  }
+  scaled.set(TE_SLOT_DATA, data).set(TE_SLOT_SCALE, scale).set(TE_SLOT_SCALE_INV, scale_inv).set(TE_SLOT_AMAX, amax);
+  te_quantize_config config{};
+  config.force_pow2_scales = pow2 ? 1 : 0;
+  config.amax_epsilon = static_cast<float>(epsilon);
+  check(te_compute_scale_from_amax(scaled.get(), &config, stream), op);
+}
+
 // Current scaling's FP8 cast of x (both copies as asked) with its scale from its own amax: the
 // three core calls of ops.quantize_current.
 inline void quantize_current(const te_buffer &x, const te_buffer *data, const te_buffer *col, const te_buffer &scale,

@@ -105,8 +105,8 @@ constexpr const char *kActLinear = "te_eager.act_linear_fp8_forward";
 // act_to_fp8 then fp8_gemm, with the same core calls and arguments, so the same bits), for
 // LayerNormMLP's second half. h [M, K] (gated: [M, 2K]); `act` a te_activation; the weight
 // already in FP8: w_data [N, K] with w_sinv. Delayed scaling casts with scales[2] and raises
-// history[0, 2] (FC2's input column) in the activation's own pass; current scaling has the
-// activation write high precision, then casts it with the scale of its own amax.
+// history[0, 2] (FC2's input column) in the activation's own pass; current scaling takes the
+// scale from the activation's amax (an amax-only pass over h), then the same one FP8 pass.
 //
 // Returns (output [M, N] in h's dtype, the activation output's FP8 scale_inv [1], its
 // column-wise copy [K, M] ([0] unless need_col)).
@@ -145,21 +145,18 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> act_linear_fp8_forward(
     const te_buffer sinv = element(scalars, 0);
     Handle in(op);
     in.set(TE_SLOT_DATA, buffer(h.data_ptr(), h_dtype, {m, h.size(1)}, h));
-    if (!current) {
-      Handle q(op);
-      q.set(TE_SLOT_DATA, data).set(TE_SLOT_SCALE, element(scales, kColumn)).set(TE_SLOT_SCALE_INV, sinv);
-      q.set(TE_SLOT_AMAX, element(history, kColumn));
-      if (need_col) q.set(TE_SLOT_COLUMNWISE_DATA, col);
-      check(te_activation_forward(activation, nullptr, in.get(), q.get(), 1, stream), op);
-    } else {
-      const Tensor a_t = empty({m, k}, torch_dtype(h.scalar_type()), h);
-      const te_buffer a = buffer(a_t.data_ptr(), h_dtype, {m, k}, h);
-      Handle ah(op);
-      ah.set(TE_SLOT_DATA, a);
-      check(te_activation_forward(activation, nullptr, in.get(), ah.get(), 0, stream), op);
-      quantize_current(a, &data, need_col ? &col : nullptr, element(scalars, 1), sinv, element(scalars, 2), pow2,
-                       epsilon, stream, op);
+    const te_buffer h_buf = buffer(h.data_ptr(), h_dtype, {m, h.size(1)}, h);
+    te_buffer scale = element(scales, kColumn);
+    if (current) {  // the scale from the activation's own amax first (an amax-only pass)
+      scale = element(scalars, 1);
+      activation_current_scale(activation, nullptr, h_buf, data, scale, sinv, element(scalars, 2), pow2, epsilon,
+                               stream, op);
     }
+    Handle q(op);
+    q.set(TE_SLOT_DATA, data).set(TE_SLOT_SCALE, scale).set(TE_SLOT_SCALE_INV, sinv);
+    if (!current) q.set(TE_SLOT_AMAX, element(history, kColumn));
+    if (need_col) q.set(TE_SLOT_COLUMNWISE_DATA, col);
+    check(te_activation_forward(activation, nullptr, in.get(), q.get(), current ? 0 : 1, stream), op);
     Tensor out = empty({m, n}, torch_dtype(h.scalar_type()), h);
     out = forward_gemm(data, sinv, buffer(w_data.data_ptr(), fp8, {n, k}, w_data), element(w_sinv, 0), bias, out, m, n,
                        workspace, stream, op);

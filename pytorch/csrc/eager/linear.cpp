@@ -208,13 +208,13 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
     } else if (identity) {
       quantize_current(dy, row_out, col_out, scale, g_sinv, amax, pow2, epsilon, stream, op);
     } else {
-      // G in high precision (with the bias gradient), then its cast with its own scale.
-      const Tensor dh_t = empty({m, n}, torch_dtype(grad_output.scalar_type()), grad_output);
-      const te_buffer dh = buffer(dh_t.data_ptr(), g_dtype, {m, n}, grad_output);
-      Handle dhh(op);
-      dhh.set(TE_SLOT_DATA, dh);
-      check(te_activation_backward(activation, nullptr, gh.get(), hh.get(), dhh.get(), db_ptr, 0, stream), op);
-      quantize_current(dh, row_out, col_out, scale, g_sinv, amax, pow2, epsilon, stream, op);
+      // G's scale from its own amax (an amax-only pass), then the same fused pass as delayed
+      // scaling: act' * grad_output (+ bias gradient) + cast + transpose.
+      activation_current_scale(activation, &dy, h, row_out ? g_row : g_col, scale, g_sinv, amax, pow2, epsilon,
+                               stream, op);
+      Handle gi(op);
+      check(te_activation_backward(activation, nullptr, gh.get(), hh.get(), fp8_grad(gi).get(), db_ptr, 0, stream),
+            op);
     }
     if (!current && update) {  // the next step's grad_output scales, from this step's amaxes
       Handle hs(op), ss(op), sis(op);

@@ -12,8 +12,10 @@
 
 Under delayed scaling the kernels that produce a GEMM operand write it in FP8 themselves (the
 norm, the activation, the activation's backward), so only fc1_out exists in high precision
-between the GEMMs. The other recipes compute their scales from the values, so those kernels
-write high precision and the recipe's quantize follows (see layernorm_linear_fn.norm_to_fp8).
+between the GEMMs. Current scaling does the same for the activation and its backward, after
+an amax-only pass of the same kernel gives the scale; its norm writes high precision and the
+recipe's quantize follows (see layernorm_linear_fn.norm_to_fp8), as block scaling's kernels
+do.
 State columns (base.py): FC1 is GEMM 0, FC2 is GEMM 1.
 """
 
@@ -40,16 +42,23 @@ from .release import may_release, release
 
 def act_to_fp8(plan: Plan, h: torch.Tensor, act: str, scale: torch.Tensor, columnwise: bool,
                history: Optional[torch.Tensor], column: int) -> Operand:
-    """act(h) as FC2's FP8 ``input`` operand. Delayed scaling raises the amax history's slot
-    ``[0, column]`` in the same pass (``history`` None: a recompute, which records nothing)."""
+    """act(h) as FC2's FP8 ``input`` operand, written by the activation's own pass. Delayed
+    scaling raises the amax history's slot ``[0, column]`` in that pass (``history`` None: a
+    recompute, which records nothing); current scaling takes its scale from an amax-only pass
+    first (no high-precision copy of act(h) is made). Block scaling quantizes act(h)."""
     if plan.kind == "delayed":
         scale = step_scales(scale, 0, history, column, plan.fwd_dtype, plan.margin,
                             lambda gate: ops.activation_forward_fp8(
                                 h, act, scale, plan.fwd_dtype, True, False, None, 0, gate)[3])
-        data, col, sinv, _ = ops.activation_forward_fp8(h, act, scale, plan.fwd_dtype, True,
-                                                        columnwise, history, column)
-        return Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode)
-    return quantize(plan, "input", ops.activation_forward(h, act), True, columnwise)
+    elif plan.kind == "current":
+        scale, _ = ops.activation_scale(h, act, plan.fwd_dtype, plan.force_pow2_scales,
+                                        plan.amax_epsilon)
+        history = None
+    else:
+        return quantize(plan, "input", ops.activation_forward(h, act), True, columnwise)
+    data, col, sinv, _ = ops.activation_forward_fp8(h, act, scale, plan.fwd_dtype, True,
+                                                    columnwise, history, column)
+    return Operand(data, sinv, col, sinv, plan.fwd_dtype, plan.input_mode)
 
 
 def normalized_fc1(plan: Plan, inp: torch.Tensor, w1_data, w1_sinv, b1, scales: torch.Tensor,

@@ -250,49 +250,53 @@ def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str,
     unquantized values (the bias gradient): (operand or None when no GEMM needs it, dbias or
     None). Delayed scaling uses ``scales[column]`` and raises ``history[0, column]``.
 
-    ``act="identity"`` (h = dy) is a linear layer's grad_output: under delayed scaling with a
-    bias, "bias gradient + cast + transpose" is one pass over dy (the core's activation
-    backward of identity) instead of a quantize and a column sum that read dy twice; current
-    scaling with a bias takes dy's amax and scale, then the same pass.
+    ``act="identity"`` (h = dy) is a linear layer's grad_output: with a bias, "bias gradient +
+    cast + transpose" is one pass over dy (the core's activation backward of identity)
+    instead of a quantize and a column sum that read dy twice (current scaling takes dy's
+    amax and scale first).
 
     ``free`` (an activation's): dy and h are the caller's own and read here for the last time,
     so they are freed once the activation's backward has read them (release.py), before the
-    quantization of its result (current and block scaling) allocates the FP8 copies. With
-    ``transpose_after`` too, delayed scaling's one pass writes only the row-wise bytes and the
-    column-wise ones are their transpose, made once dy and h are gone (a lower peak for one
-    more launch)."""
+    quantization of its result (block scaling) allocates the FP8 copies. With
+    ``transpose_after`` too, the one pass of delayed and current scaling writes only the
+    row-wise bytes and the column-wise ones are their transpose, made once dy and h are gone
+    (a lower peak for one more launch)."""
     identity = act == "identity"
     if not (rowwise or columnwise):  # no GEMM needs it: only the bias gradient, if any
         if identity:
             return None, dy.sum(0, dtype=torch.float32) if with_dbias else None
         _, dbias = ops.activation_backward(dy, h, act, with_dbias)
         return None, dbias if with_dbias else None
-    if plan.kind == "delayed" and not (identity and not with_dbias):
-        scales = step_scales(scales, column, history, column, plan.bwd_dtype, plan.margin,
-                             lambda gate: ops.activation_backward_fp8(
-                                 dy, h, act, scales[column:column + 1], plan.bwd_dtype, True,
-                                 False, False, None, 0, gate)[3])
+    if plan.kind in ("delayed", "current") and not (identity and not with_dbias):
+        # One pass: act' * dy (+ the bias gradient) + cast + transpose. Delayed scaling casts
+        # with its stored scale and raises the history's slot; current scaling takes the
+        # scale from the values' own amax first (an amax-only pass; for identity, dy's amax),
+        # so no high-precision copy of the gradient is made. The bias gradient is the core's
+        # column sum, as in the JAX layers, not torch's (whose order of the additions differs
+        # in the last bits).
+        if plan.kind == "delayed":
+            scales = step_scales(scales, column, history, column, plan.bwd_dtype, plan.margin,
+                                 lambda gate: ops.activation_backward_fp8(
+                                     dy, h, act, scales[column:column + 1], plan.bwd_dtype,
+                                     True, False, False, None, 0, gate)[3])
+            scale, where = scales[column:column + 1], column
+        else:
+            pow2, eps = plan.force_pow2_scales, plan.amax_epsilon
+            scale, _ = (ops.current_scale(dy, plan.bwd_dtype, pow2, eps) if identity else
+                        ops.activation_backward_scale(dy, h, act, plan.bwd_dtype, pow2, eps))
+            history, where = None, 0
         # transpose_after: the row-wise bytes first, dy and h freed, then the transpose, so
         # that the column-wise bytes never coexist with dy and h (the same bytes as one pass).
         split = transpose_after and rowwise and columnwise
         data, col, sinv, _, dbias = ops.activation_backward_fp8(
-            dy, h, act, scales[column:column + 1], plan.bwd_dtype, rowwise,
-            columnwise and not split, with_dbias, history, column)
+            dy, h, act, scale, plan.bwd_dtype, rowwise, columnwise and not split, with_dbias,
+            history, where)
         if free:
             release(dy, h)
         if split:
             col = ops.transpose(data)
         op = Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode)
         return op, dbias if with_dbias else None
-    if plan.kind == "current" and identity and with_dbias:
-        # dy's scale first (its amax), then the same fused bias gradient + cast as delayed
-        # scaling: the bias gradient is the core's column sum, as in the JAX layers, not
-        # torch's (whose order of the additions differs in the last bits).
-        scale, _ = ops.current_scale(dy, plan.bwd_dtype, plan.force_pow2_scales,
-                                     plan.amax_epsilon)
-        data, col, sinv, _, dbias = ops.activation_backward_fp8(
-            dy, dy, act, scale, plan.bwd_dtype, rowwise, columnwise, True)
-        return Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode), dbias
     if identity:
         dh, dbias = dy, dy.sum(0, dtype=torch.float32) if with_dbias else None
     else:

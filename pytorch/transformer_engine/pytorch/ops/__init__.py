@@ -12,8 +12,10 @@ names them.
 from .activation import (
     activation_backward,
     activation_backward_fp8,
+    activation_backward_scale,
     activation_forward,
     activation_forward_fp8,
+    activation_scale,
 )
 from .attention import (
     attention_backward,
@@ -38,8 +40,9 @@ from .quantize import (
 from .rope import rope_backward, rope_forward
 from .scaling import delayed_scaling_update
 
-__all__ = ["activation_backward", "activation_backward_fp8", "activation_forward",
-           "activation_forward_fp8", "amax", "attention_backward", "attention_backward_fp8",
+__all__ = ["activation_backward", "activation_backward_fp8", "activation_backward_scale",
+           "activation_forward", "activation_forward_fp8", "activation_scale", "amax",
+           "attention_backward", "attention_backward_fp8",
            "attention_forward", "attention_forward_fp8", "current_scale",
            "delayed_scaling_update", "dequantize", "gemm_fp8", "gemm_fp8_to_fp8",
            "norm_backward", "norm_forward", "norm_forward_fp8",

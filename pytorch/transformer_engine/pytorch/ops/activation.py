@@ -259,3 +259,58 @@ def _(dy, x, act, scale, fp8_dtype, rowwise, columnwise, with_dbias, amax_histor
     m, k = x.shape
     return (*_fp8_pair(x, m, k, rowwise, columnwise), _scalar(x), amax_fake(x, amax_history),
             _dbias(x, with_dbias))
+
+
+# ------------------------------------------------------------ current scaling's scale
+
+
+def _scale_from_amax(c, x: torch.Tensor, amax: torch.Tensor, fp8_dtype: str,
+                     force_pow2_scales: bool, amax_epsilon: float) -> torch.Tensor:
+    scale, scale_inv = _scalar(x), _scalar(x)
+    # The core reads the FP8 format from the data slot: an empty buffer of that format.
+    out = c.Tensor(raw(placeholder(x)), dtype=te_dtype(fp8_dtype), scale=raw(scale),
+                   scale_inv=raw(scale_inv), amax=raw(amax))
+    c.compute_scale_from_amax(out, force_pow2_scales=force_pow2_scales,
+                              amax_epsilon=amax_epsilon, stream=stream_of(x))
+    return scale
+
+
+@custom_op(f"{_NS}::activation_scale", mutates_args=())
+def activation_scale(x: torch.Tensor, act: str, fp8_dtype: str, force_pow2_scales: bool,
+                     amax_epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current scaling's scale of ``act(x)`` without writing it: (scale, amax), each [1]
+    fp32, from the activation's amax-only pass (the fp32 values' amax, activation.h); the
+    FP8 pass with that scale (activation_forward_fp8) follows."""
+    _check("activation_scale", x, act)
+    check_fp8_dtype("activation_scale", fp8_dtype)
+    c = core()
+    amax = _scalar(x)
+    x = x.contiguous()
+    c.activation_forward(_te_act(act), raw(x), c.Tensor(amax=raw(amax)), params=_params(act),
+                         stream=stream_of(x))
+    return _scale_from_amax(c, x, amax, fp8_dtype, force_pow2_scales, amax_epsilon), amax
+
+
+@activation_scale.register_fake
+def _(x, act, fp8_dtype, force_pow2_scales, amax_epsilon):
+    return _scalar(x), _scalar(x)
+
+
+@custom_op(f"{_NS}::activation_backward_scale", mutates_args=())
+def activation_backward_scale(dy: torch.Tensor, x: torch.Tensor, act: str, fp8_dtype: str,
+                              force_pow2_scales: bool, amax_epsilon: float
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`activation_scale` of the backward's ``act'(x) * dy``: (scale, amax)."""
+    _check_grad("activation_backward_scale", dy, x, act)
+    check_fp8_dtype("activation_backward_scale", fp8_dtype)
+    c = core()
+    amax = _scalar(x)
+    dy, x = dy.contiguous(), x.contiguous()
+    c.activation_backward(_te_act(act), raw(dy), _input_arg(x, act), c.Tensor(amax=raw(amax)),
+                          params=_params(act), stream=stream_of(x))
+    return _scale_from_amax(c, x, amax, fp8_dtype, force_pow2_scales, amax_epsilon), amax
+
+
+@activation_backward_scale.register_fake
+def _(dy, x, act, fp8_dtype, force_pow2_scales, amax_epsilon):
+    return _scalar(x), _scalar(x)
