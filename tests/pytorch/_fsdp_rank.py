@@ -21,7 +21,7 @@ import sys
 import _tp_world  # (beside this script)
 import torch
 import torch.distributed as dist
-from _tp_world import case, rms_close
+from _tp_world import case, layer_stack, rms_close
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -34,12 +34,8 @@ S, B, H = 16, 4, 64  # sequence, global batch (split over the ranks), hidden
 
 
 def stack(fp8_weights=None):
-    """Two layers; ``fp8_weights`` a recipe: built under fp8_model_init with it."""
-    torch.manual_seed(0)
-    with te.fp8_model_init(enabled=fp8_weights is not None, recipe=fp8_weights):
-        return torch.nn.Sequential(*(te.TransformerLayer(H, 2 * H, 4, hidden_dropout=0.0,
-                                                         attention_dropout=0.0, device="cpu")
-                                     for _ in range(2)))
+    """Two layers (_tp_world.layer_stack); ``fp8_weights`` a recipe: under fp8_model_init."""
+    return layer_stack(H, fp8_weights)
 
 
 def shard(model, **kwargs):

@@ -130,3 +130,16 @@ class SizedGroup:
 
     def size(self) -> int:
         return self._size
+
+
+def layer_stack(hidden: int, fp8_weights=None) -> torch.nn.Sequential:
+    """Two te.TransformerLayers (ffn 2 x hidden, 4 heads, no dropout) on the CPU, from seed 0;
+    ``fp8_weights`` a recipe: built under fp8_model_init with it. The same on every rank."""
+    import transformer_engine.pytorch as te
+
+    torch.manual_seed(0)
+    with te.fp8_model_init(enabled=fp8_weights is not None, recipe=fp8_weights):
+        return torch.nn.Sequential(*(te.TransformerLayer(hidden, 2 * hidden, 4,
+                                                         hidden_dropout=0.0,
+                                                         attention_dropout=0.0, device="cpu")
+                                     for _ in range(2)))
