@@ -169,17 +169,7 @@ def run_case(name: str) -> dict:
         specs = {jax.tree_util.keystr(p): str(s.spec) for p, s in
                  jax.tree_util.tree_leaves_with_path(shardings["params"])}
 
-    leaves = {}
-    for i, (r, g) in enumerate(zip(ref, got, strict=True)):
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(r),
-                                jax.tree_util.tree_leaves(g), strict=True):
-            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-            leaves[f"step{i}{jax.tree_util.keystr(path)}"] = {
-                "equal": bool(np.array_equal(a, b)),
-                "max_abs_diff": float(np.max(np.abs(a - b))) if a.size else 0.0,
-                "ref_max_abs": float(np.max(np.abs(a))) if a.size else 0.0,
-                "rel_norm_diff": float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)),
-            }
+    leaves = base.leaf_diffs(ref, got)
     kernels = {jax.tree_util.keystr(p): list(a.shape)
                for p, a in jax.tree_util.tree_leaves_with_path(variables["params"])
                if jax.tree_util.keystr(p).endswith("kernel']")}

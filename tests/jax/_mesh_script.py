@@ -109,6 +109,24 @@ def collectives(hlo: str) -> list:
     return found
 
 
+def leaf_diffs(ref, got) -> dict:
+    """Per step and leaf of the unsharded (``ref``) and sharded (``got``) steps: equal bits,
+    the largest difference, the reference's largest magnitude, the relative norm of the
+    difference."""
+    leaves = {}
+    for i, (r, g) in enumerate(zip(ref, got, strict=True)):
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(r),
+                                jax.tree_util.tree_leaves(g), strict=True):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            leaves[f"step{i}{jax.tree_util.keystr(path)}"] = {
+                "equal": bool(np.array_equal(a, b)),
+                "max_abs_diff": float(np.max(np.abs(a - b))) if a.size else 0.0,
+                "ref_max_abs": float(np.max(np.abs(a))) if a.size else 0.0,
+                "rel_norm_diff": float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)),
+            }
+    return leaves
+
+
 def train_step(model):
     """(loss, output, grads of params, new FP8 state, grad of x) of a mean-square loss."""
 
@@ -164,16 +182,7 @@ def run_case(name: str) -> dict:
             v = next_variables(v, got[-1])
         hlo = compiled.as_text()
 
-    leaves = {}
-    for i, (r, g) in enumerate(zip(ref, got, strict=True)):
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(r),
-                                jax.tree_util.tree_leaves(g), strict=True):
-            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-            leaves[f"step{i}{jax.tree_util.keystr(path)}"] = {
-                "equal": bool(np.array_equal(a, b)),
-                "max_abs_diff": float(np.max(np.abs(a - b))) if a.size else 0.0,
-                "ref_max_abs": float(np.max(np.abs(a))) if a.size else 0.0,
-            }
+    leaves = leaf_diffs(ref, got)
     kernels = {jax.tree_util.keystr(p): list(a.shape)
                for p, a in jax.tree_util.tree_leaves_with_path(variables["params"])
                if jax.tree_util.keystr(p).endswith("kernel']")}
