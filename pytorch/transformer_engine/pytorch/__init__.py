@@ -23,6 +23,7 @@ from .availability import (
     is_nvfp4_available,
 )
 from .checkpoint import checkpoint
+from .distributed import CudaRNGStatesTracker
 from .float8_tensor import Float8Tensor
 from .fp8 import autocast, fp8_autocast, fp8_model_init
 from .graphs import make_graphed_callables
@@ -31,6 +32,8 @@ from .model_init import quantized_model_init
 from .module import (
     AttentionBackend,
     DotProductAttention,
+    Fp8Padding,
+    Fp8Unpadding,
     GroupedLinear,
     LayerNorm,
     LayerNormLinear,
@@ -49,11 +52,20 @@ from .moe import (
     moe_unpermute,
 )
 from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+from .tensor import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    QuantizedTensor,
+    Quantizer,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionBackend", "DotProductAttention", "Float8Tensor", "GroupedLinear",
-           "InferenceParams",
+__all__ = ["AttentionBackend", "CudaRNGStatesTracker", "DotProductAttention",
+           "Float8BlockQuantizer", "Float8CurrentScalingQuantizer", "Float8Quantizer",
+           "Float8Tensor", "Fp8Padding", "Fp8Unpadding", "GroupedLinear", "InferenceParams",
+           "QuantizedTensor", "Quantizer",
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "__version__",
            "apply_rotary_pos_emb", "autocast", "checkpoint", "fp8_autocast", "fp8_model_init",
@@ -63,3 +75,41 @@ __all__ = ["AttentionBackend", "DotProductAttention", "Float8Tensor", "GroupedLi
            "make_graphed_callables", "moe_permute", "moe_permute_with_probs",
            "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "moe_unpermute",
            "quantized_model_init"]
+
+# NVIDIA TE's public names that this package does not provide, by what they stand for: asking
+# for one raises an error that says so, instead of a bare AttributeError (te.ops does the same
+# for NVIDIA's fusible operations).
+_NOT_PROVIDED = {
+    "initialize_ub": "userbuffers communication overlap",
+    "destroy_ub": "userbuffers communication overlap",
+    "UserBufferQuantizationMode": "userbuffers communication overlap",
+    "get_cpu_offload_context": "activation offloading to the CPU",
+    "mark_not_offload": "activation offloading to the CPU",
+    "ManualOffloadSynchronizer": "activation offloading to the CPU",
+    "onnx_export": "ONNX export",
+    "parallel_cross_entropy": "the fused vocabulary-parallel cross entropy",
+    "moe_permute_and_pad_with_probs": "the fused MoE permute with padding (use moe_permute_"
+                                      "with_probs, then Fp8Padding)",
+    "GatedDeltaNetAttention": "gated delta-net attention",
+    "FusedMLAQUpProjFunction": "the fused multi-latent-attention projections",
+    "FusedMLAQUpProjRopeQuant": "the fused multi-latent-attention projections",
+    "MXFP8Quantizer": "MXFP8 (Blackwell) tensors",
+    "MXFP8Tensor": "MXFP8 (Blackwell) tensors",
+    "NVFP4Quantizer": "NVFP4 (FP4) tensors",
+    "NVFP4Tensor": "NVFP4 (FP4) tensors",
+}
+
+
+class NotProvidedError(AttributeError, NotImplementedError):
+    """An NVIDIA TE name this package does not provide: a NotImplementedError that says why,
+    and an AttributeError, so that ``hasattr`` and ``getattr(te, name, default)`` feature
+    checks keep working."""
+
+
+def __getattr__(name: str):
+    if name in _NOT_PROVIDED:
+        raise NotProvidedError(
+            f"transformer_engine.pytorch.{name} (NVIDIA Transformer Engine's) is not "
+            f"provided here: {_NOT_PROVIDED[name]} is not implemented. See "
+            "docs/nvidia_compat.md for what is.")
+    raise AttributeError(f"module 'transformer_engine.pytorch' has no attribute {name!r}")
