@@ -30,9 +30,8 @@ from transformer_engine.jax.flax._checks import check_input_features, compute_dt
 from transformer_engine.jax.flax.layernorm_dense import fp8_quantizer_set, norm_params
 from transformer_engine.jax.flax.module import (
     Initializer,
-    _as_matrix_init,
     add_lora,
-    default_init,
+    dense_inits,
     lora_delta,
 )
 from transformer_engine.jax.layernorm_dense import layernorm_dense
@@ -86,12 +85,7 @@ class HeadsProjection(nn.Module):
         n, h, d = self.parts, self.heads, self.head_dim
         hidden = inputs.shape[-1]
         check_input_features(self, name, inputs, "scale" if self.enable_layernorm else "kernel")
-        kernel_init = _as_matrix_init(default_init(self.kernel_init), 1)
-        bias_init = _as_matrix_init(self.bias_init, 0)
-        if self.kernel_axes:
-            kernel_init = nn.with_logical_partitioning(kernel_init, self.kernel_axes)
-        if self.bias_axes:
-            bias_init = nn.with_logical_partitioning(bias_init, self.bias_axes)
+        kernel_init, bias_init = dense_inits(self, 1)
         scale = ln_bias = None
         if self.enable_layernorm:
             scale, ln_bias = norm_params(self, hidden, self.layernorm_type,

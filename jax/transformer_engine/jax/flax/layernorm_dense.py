@@ -21,11 +21,10 @@ from transformer_engine.jax.flax._checks import (
 )
 from transformer_engine.jax.flax.module import (
     Initializer,
-    _as_matrix_init,
     _as_tuple,
     add_lora,
     check_lora,
-    default_init,
+    dense_inits,
     fp8_state,
     lora_delta,
 )
@@ -184,12 +183,7 @@ class LayerNormDenseGeneral(nn.Module):
                            ("layernorm_input_axes", inputs.ndim),
                            ("dot_input_axes", inputs.ndim)):
             check_logical_axes(op, name, getattr(self, name), rank)
-        kernel_init = _as_matrix_init(default_init(self.kernel_init), len(axis))
-        bias_init = _as_matrix_init(self.bias_init, 0)
-        if self.kernel_axes:
-            kernel_init = nn.with_logical_partitioning(kernel_init, self.kernel_axes)
-        if self.bias_axes:
-            bias_init = nn.with_logical_partitioning(bias_init, self.bias_axes)
+        kernel_init, bias_init = dense_inits(self, len(axis))
         scale = ln_bias = None
         if self.enable_layernorm:
             scale, ln_bias = norm_params(self, inputs.shape[-1], self.layernorm_type,

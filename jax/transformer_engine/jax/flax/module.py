@@ -48,6 +48,19 @@ def _as_matrix_init(init: Initializer, n_in: int) -> Initializer:
     return matrix_init
 
 
+def dense_inits(module, n_in: int):
+    """(kernel_init, bias_init) of a dense module: its ``kernel_init`` (the default one when
+    None) over ``n_in`` contracted dims and its ``bias_init``, as matrix initializers (see
+    _as_matrix_init), annotated with its ``kernel_axes`` / ``bias_axes`` where given."""
+    kernel_init = _as_matrix_init(default_init(module.kernel_init), n_in)
+    bias_init = _as_matrix_init(module.bias_init, 0)
+    if module.kernel_axes:
+        kernel_init = nn.with_logical_partitioning(kernel_init, module.kernel_axes)
+    if module.bias_axes:
+        bias_init = nn.with_logical_partitioning(bias_init, module.bias_axes)
+    return kernel_init, bias_init
+
+
 class DenseGeneral(nn.Module):
     """A dense layer over any input axes, in FP8 inside ``fp8_autocast``.
 
@@ -139,12 +152,7 @@ class DenseGeneral(nn.Module):
                                  f"{list(have)}), got shape {list(inputs.shape)}")
         # Initialized as the [in, out] matrix, then reshaped: fan-in is the product of the
         # contracted dims (as flax's DenseGeneral computes it).
-        kernel_init = _as_matrix_init(default_init(self.kernel_init), len(axis))
-        bias_init = _as_matrix_init(self.bias_init, 0)
-        if self.kernel_axes:
-            kernel_init = nn.with_logical_partitioning(kernel_init, self.kernel_axes)
-        if self.bias_axes:
-            bias_init = nn.with_logical_partitioning(bias_init, self.bias_axes)
+        kernel_init, bias_init = dense_inits(self, len(axis))
         kernel = self.param("kernel", kernel_init, kernel_shape, param_dtype)
         bias = self.param("bias", bias_init, features, param_dtype) if self.use_bias else None
         recipe = get_fp8_recipe()
