@@ -267,5 +267,5 @@ def test_bad_inputs_give_clear_errors():
         te.LayerNormLinear(K, 24, device="cpu")(torch.randn(16, K))
     with pytest.raises(ValueError, match="normalization must be one of"):
         te.LayerNormLinear(K, N, normalization="BatchNorm")
-    with pytest.raises(NotImplementedError, match="tp_size must be 1, got 2"):
-        te.LayerNormLinear(K, N, tp_size=2)
+    with pytest.raises(ValueError, match="tp_size must be a positive int, got 0"):
+        te.LayerNormLinear(K, N, tp_size=0)

@@ -18,7 +18,10 @@ rank processes that check themselves against the unsplit modules (run_world):
   fp8_model_init weights: each step (gradients, SGD update) as on the whole batch;
 - ``_dcp_rank.py``: a distributed checkpoint (torch.distributed.checkpoint) of the FSDP2
   stack with its FP8 state and FP8 weights, loaded into a fresh one: the next step equal bit
-  for bit.
+  for bit;
+- ``_tp_rank_late_group.py``: modules built with tp_size and no group, given it later by
+  set_tensor_parallel_group (NVIDIA's way): the same parameters, outputs and gradients as
+  built with it.
 
 (te.Linear's and the LayerNorm blocks' tensor parallelism: test_tensor_parallel*.py.)
 """
@@ -33,7 +36,8 @@ from te_torch_tests._tp_world import run_world
 HERE = Path(__file__).resolve().parent
 WORLDS = [("_tp_rank_sp.py", 2), ("_tp_rank_sp.py", 4), ("_tp_rank_mha.py", 2),
           ("_cp_rank.py", 2), ("_cp_rank.py", 4), ("_fsdp_rank.py", 2), ("_fsdp_rank.py", 4),
-          ("_ddp_rank.py", 2), ("_ddp_rank.py", 4), ("_dcp_rank.py", 2), ("_dcp_rank.py", 4)]
+          ("_ddp_rank.py", 2), ("_ddp_rank.py", 4), ("_dcp_rank.py", 2), ("_dcp_rank.py", 4),
+          ("_tp_rank_late_group.py", 2)]
 
 
 @pytest.mark.slow

@@ -47,8 +47,6 @@ def test_four_ranks():
      ["te.Linear", "tp_size must equal the size of tp_group (2)", "got 4"]),
     (dict(tp_group=SizedGroup(2), parallel_mode="row"), ValueError,  # tp_size left at 1
      ["tp_size must equal the size of tp_group (2)", "got 1"]),
-    (dict(tp_size=2, parallel_mode="column"), NotImplementedError,
-     ["te.Linear", "without a tp_group", "tp_size must be 1, got 2"]),
     (dict(tp_group=object(), tp_size=2, parallel_mode="row"), TypeError,
      ["te.Linear", "tp_group must be a torch.distributed ProcessGroup", "object"]),
     (dict(tp_group=SizedGroup(3), tp_size=3, parallel_mode="row"), ValueError,
@@ -60,7 +58,7 @@ def test_four_ranks():
           parameters_split={"q": 33, "k": 31}), ValueError,
      ["te.Linear", "the size of parameters_split block 'q' must be divisible by tp_size=2",
       "got 33"]),
-], ids=["mode", "size-mismatch", "size-default", "no-group", "not-a-group", "in-features",
+], ids=["mode", "size-mismatch", "size-default", "not-a-group", "in-features",
         "out-features", "size-zero", "split-block"])
 def test_bad_arguments_are_refused(kwargs, error, words):
     with pytest.raises(error) as info:
@@ -79,3 +77,31 @@ def test_replicated_layer_with_a_group_is_a_plain_layer():
     assert replicated.tp_group is None and replicated.weight.shape == (64, 32)
     assert torch.equal(plain.weight, replicated.weight)
     assert torch.equal(plain.bias, replicated.bias)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: te.Linear(32, 64, tp_size=2, parallel_mode="column", device="cpu"),
+    lambda: te.LayerNormMLP(32, 64, tp_size=2, set_parallel_mode=True, device="cpu"),
+    lambda: te.TransformerLayer(32, 64, 4, tp_size=2, set_parallel_mode=True, device="cpu"),
+], ids=["Linear", "LayerNormMLP", "TransformerLayer"])
+def test_built_without_its_group_a_module_waits_for_set_tensor_parallel_group(make):
+    """NVIDIA's way: tp_size at construction, the group later. Until then the forward refuses;
+    a group of another size is refused (the late group itself: _tp_rank_late_group.py)."""
+    m = make()
+    x = torch.randn(2, 3, 32) if isinstance(m, te.TransformerLayer) else torch.randn(4, 32)
+    with pytest.raises(RuntimeError, match=r"split over tp_size=2 ranks but has no "
+                                           r"tensor-parallel group yet; call "
+                                           r"set_tensor_parallel_group\(tp_group\)"):
+        m(x)
+    with pytest.raises(ValueError, match="the group must have tp_size=2 ranks, got 3"):
+        m.set_tensor_parallel_group(SizedGroup(3))
+    with pytest.raises(ValueError, match="set_tensor_parallel_group needs the group"):
+        m.set_tensor_parallel_group(None)
+
+
+def test_a_module_not_split_takes_only_a_group_of_one():
+    m = te.Linear(32, 64, device="cpu")
+    m.set_tensor_parallel_group(None)
+    m.set_tensor_parallel_group(SizedGroup(1))
+    with pytest.raises(ValueError, match="got a group of 2 ranks, but the module is not split"):
+        m.set_tensor_parallel_group(SizedGroup(2))

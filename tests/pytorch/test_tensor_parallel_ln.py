@@ -51,11 +51,9 @@ def test_four_ranks():
      ["te.LayerNormLinear", "out_features must be divisible by tp_size=3, got 64"]),
     (dict(tp_group=SizedGroup(2), tp_size=4, parallel_mode="column"), ValueError,
      ["te.LayerNormLinear", "tp_size must equal the size of tp_group (2)", "got 4"]),
-    (dict(tp_size=2, parallel_mode="column"), NotImplementedError,
-     ["te.LayerNormLinear", "without a tp_group", "tp_size must be 1, got 2"]),
     (dict(parallel_mode="diagonal"), ValueError,
      ["te.LayerNormLinear", "parallel_mode", "'diagonal'"]),
-], ids=["row", "out-features", "size-mismatch", "no-group", "mode"])
+], ids=["row", "out-features", "size-mismatch", "mode"])
 def test_layernorm_linear_bad_arguments(kwargs, error, words):
     with pytest.raises(error) as info:
         te.LayerNormLinear(32, 64, device="cpu", **kwargs)
@@ -70,13 +68,11 @@ def test_layernorm_linear_bad_arguments(kwargs, error, words):
      ["te.LayerNormMLP", "tp_size must equal the size of tp_group (2)", "got 4"]),
     (dict(tp_group=SizedGroup(2), set_parallel_mode=True), ValueError,  # tp_size left at 1
      ["tp_size must equal the size of tp_group (2)", "got 1"]),
-    (dict(tp_size=2, set_parallel_mode=True), NotImplementedError,
-     ["te.LayerNormMLP", "without a tp_group", "tp_size must be 1, got 2"]),
     (dict(tp_group=object(), tp_size=2, set_parallel_mode=True), TypeError,
      ["te.LayerNormMLP", "tp_group must be a torch.distributed ProcessGroup"]),
     (dict(tp_group=SizedGroup(2), tp_size=2, set_parallel_mode="column"), TypeError,
      ["te.LayerNormMLP", "set_parallel_mode must be a bool", "'column'"]),
-], ids=["ffn", "size-mismatch", "size-default", "no-group", "not-a-group",
+], ids=["ffn", "size-mismatch", "size-default", "not-a-group",
         "mode-not-bool"])
 def test_layernorm_mlp_bad_arguments(kwargs, error, words):
     with pytest.raises(error) as info:

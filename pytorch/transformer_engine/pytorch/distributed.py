@@ -225,19 +225,45 @@ def check_tensor_parallel(op: str, tp_group: Any, tp_size: int,
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"{op}: tp_size must be a positive int, got {tp_size!r}")
     if tp_group is None:
-        if tp_size != 1:
-            # NVIDIA's modules accept the group later (set_tensor_parallel_group); here the
-            # group comes with the module.
-            raise NotImplementedError(
-                f"{op}: without a tp_group, tp_size must be 1, got {tp_size}; pass the "
-                "tensor-parallel process group as tp_group (supplying it after construction "
-                "is not implemented)")
-        return 1
+        # NVIDIA's way: the group comes later, through set_tensor_parallel_group; the module
+        # is split over tp_size ranks and refuses to run until then.
+        return tp_size if parallel_mode is not None else 1
     size = group_size(op, tp_group)
     if tp_size != size:
         raise ValueError(f"{op}: tp_size must equal the size of tp_group ({size}), got "
                          f"{tp_size}")
     return size if parallel_mode is not None else 1
+
+
+def check_group_to_set(op: str, tp_group: Any, tp_size: int, current: Any) -> bool:
+    """The checks of ``set_tensor_parallel_group``: True when a module split over ``tp_size``
+    ranks and still without its group (``current`` None) is to take ``tp_group`` now; False
+    when there is nothing to do (not split, and no group of more than one rank given; or the
+    same group again)."""
+    if tp_size == 1:
+        if tp_group is not None and group_size(op, tp_group) != 1:
+            raise ValueError(f"{op}: set_tensor_parallel_group got a group of "
+                             f"{group_size(op, tp_group)} ranks, but the module is not split "
+                             "(build it with tp_size and a parallel mode)")
+        return False
+    if current is not None:
+        if tp_group is current:
+            return False
+        raise ValueError(f"{op}: the module has its tensor-parallel group already; "
+                         "set_tensor_parallel_group takes a group only once")
+    if tp_group is None:
+        raise ValueError(f"{op}: set_tensor_parallel_group needs the group of the tp_size="
+                         f"{tp_size} ranks the module is split over, got None")
+    if group_size(op, tp_group) != tp_size:
+        raise ValueError(f"{op}: the group must have tp_size={tp_size} ranks, got "
+                         f"{group_size(op, tp_group)}")
+    return True
+
+
+def refuse_without_group(op: str, tp_size: int) -> None:
+    raise RuntimeError(f"{op}: the module is split over tp_size={tp_size} ranks but has no "
+                       "tensor-parallel group yet; call set_tensor_parallel_group(tp_group) "
+                       "before its forward")
 
 
 def check_divisible(op: str, name: str, value: int, tp_size: int) -> int:

@@ -336,3 +336,12 @@ class FP8Module(DeferredInit, torch.nn.Module):
         key = prefix + "_extra_state"
         if key in missing_keys:
             missing_keys.remove(key)
+
+
+def set_group_of_children(module: torch.nn.Module, tp_group) -> None:
+    """``set_tensor_parallel_group(tp_group)`` of each direct child that has one (a block's
+    projections, a layer's blocks)."""
+    for child in module.children():
+        setter = getattr(child, "set_tensor_parallel_group", None)
+        if setter is not None:
+            setter(tp_group)

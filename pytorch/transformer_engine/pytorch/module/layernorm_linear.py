@@ -262,6 +262,8 @@ class LayerNormLinear(_LinearBase):
         rows of the weight (its shard of the output features); the gradients of the input and
         of the norm's parameters summed over the ranks (parallel_norm_inputs; reduce-scattered
         before the norm's backward under sequence parallelism, sequence_parallel_norm)."""
+        if self._tp_group is None:
+            distributed.refuse_without_group(self._name, self.tp_size)
         check_input(self._name, inp, self.in_features, self.layer_norm_weight)
         weight, bias = self._weight_and_bias()
         gemm_bias = None if self.return_bias else bias

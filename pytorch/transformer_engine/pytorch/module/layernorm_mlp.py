@@ -192,19 +192,12 @@ class LayerNormMLP(FP8Module):
         w2 = init_weight(self.hidden_size, self.ffn_hidden_size, dtype, device,
                          output_layer_init_method)
         b2 = init_bias(self.hidden_size, self.ffn_hidden_size, dtype, device) if bias else None
-        if tp > 1:
-            # Drawn whole (the same generator state on every rank), then this rank's slices.
+        self.tp_size = tp
+        if tp > 1 and tp_group is not None:
+            # Drawn whole (the same generator state on every rank), then this rank's slices;
+            # without the group, once set_tensor_parallel_group gives it.
             w1, b1, w2 = self._shard(w1, b1, w2, tp_group, tp)
-        self.fc1_weight = fp8_weight_param(w1, plan_of)
-        self.register_parameter("fc1_bias", None if b1 is None else torch.nn.Parameter(b1))
-        self.fc2_weight = fp8_weight_param(w2, plan_of)
-        self.register_parameter("fc2_bias", None if b2 is None else torch.nn.Parameter(b2))
-        if tp > 1:
-            # Where each slice lies in the full tensor (Megatron's attribute names); FC2's
-            # bias is not split.
-            for p, dim in ((self.fc1_weight, 0), (self.fc1_bias, 0), (self.fc2_weight, 1)):
-                if p is not None:
-                    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+        self._register_fc_params(w1, b1, w2, b2)
         # (no effect unless the block is split)
         self.sequence_parallel = bool(sequence_parallel) and tp > 1
         if self.sequence_parallel:  # applied to sequence shards: the caller sums them
@@ -216,6 +209,38 @@ class LayerNormMLP(FP8Module):
     def tp_group(self):
         """The process group the block is split over (None: not split)."""
         return None if self._tp_group is None else self._tp_group.group
+
+    def _register_fc_params(self, w1, b1, w2, b2) -> None:
+        self.fc1_weight = fp8_weight_param(w1, plan_of)
+        self.register_parameter("fc1_bias", None if b1 is None else torch.nn.Parameter(b1))
+        self.fc2_weight = fp8_weight_param(w2, plan_of)
+        self.register_parameter("fc2_bias", None if b2 is None else torch.nn.Parameter(b2))
+        if self._tp_group is not None:
+            # Where each slice lies in the full tensor (Megatron's attribute names); FC2's
+            # bias is not split.
+            for p, dim in ((self.fc1_weight, 0), (self.fc1_bias, 0), (self.fc2_weight, 1)):
+                if p is not None:
+                    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Supplies the tensor-parallel group of a block built with ``set_parallel_mode=True``,
+        ``tp_size`` > 1 and no ``tp_group`` (NVIDIA's way): it then keeps this rank's slices
+        of the weights drawn whole at construction (as te.Linear.set_tensor_parallel_group;
+        the parameters are new objects)."""
+        if not distributed.check_group_to_set(self._name, tp_group, self.tp_size,
+                                              self.tp_group):
+            return
+        w1, w2 = self.fc1_weight, self.fc2_weight
+        if isinstance(w1, Float8Tensor) or isinstance(w2, Float8Tensor):
+            raise NotImplementedError(
+                f"{self._name}: set_tensor_parallel_group on fp8_model_init weights is not "
+                "implemented; pass tp_group when building the module")
+        b1, b2 = self.fc1_bias, self.fc2_bias
+        w1, b1, w2 = self._shard(w1.detach(), None if b1 is None else b1.detach(),
+                                 w2.detach(), tp_group, self.tp_size)
+        self._register_fc_params(w1, b1, w2, None if b2 is None else b2.detach())
+        if self.sequence_parallel:  # (the new FC2 bias)
+            distributed.mark_sequence_parallel(self.fc2_bias)
 
     def _shard(self, w1, b1, w2, group, tp: int):
         """This rank's rows of FC1 (of each half [a, b] under a gated activation, so that the
@@ -244,7 +269,7 @@ class LayerNormMLP(FP8Module):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """``inp`` [..., hidden_size] -> [..., hidden_size] (see the class docstring for what
         else comes back); ``is_first_microbatch`` as for te.Linear, for both weights."""
-        if self._tp_group is not None:
+        if self.tp_size > 1:
             return self._parallel_forward(inp, is_first_microbatch)
         check_input(self._name, inp, self.hidden_size, self.layer_norm_weight)
         fc2_bias = None if self.return_bias else self.fc2_bias
@@ -267,6 +292,8 @@ class LayerNormMLP(FP8Module):
         parallelism the norm runs on this rank's shard and its output is gathered
         (sequence_parallel_norm; in FP8 under the per-tensor recipes), and the output is
         reduce-scattered."""
+        if self._tp_group is None:
+            distributed.refuse_without_group(self._name, self.tp_size)
         check_input(self._name, inp, self.hidden_size, self.layer_norm_weight)
         group = self.tp_group
         state = fp8.STATE

@@ -107,22 +107,47 @@ class _LinearBase(FP8Module):
                         self._name, f"the size of parameters_split block {split_name!r}",
                         size, tp_size)
             self._tp_mode, self.tp_size = tp_mode, tp_size
-            self._tp_group = distributed.SharedGroup(tp_group)
+            # (None: the group comes later, set_tensor_parallel_group)
+            self._tp_group = None if tp_group is None else distributed.SharedGroup(tp_group)
         dtype = params_dtype or torch.get_default_dtype()
         # A parallel layer draws the full weight and bias too (same generator state on every
-        # rank: the same values as the layer on one process) and keeps its slice.
+        # rank: the same values as the layer on one process) and keeps its slice, once it
+        # knows its rank in the group.
         weight = init_weight(out_features, in_features, dtype, device, init_method)
         full_bias = init_bias(out_features, in_features, dtype, device) if bias else None
-        if tp_mode is not None:
+        if self._tp_group is not None:
             weight, full_bias = self._shard(weight, full_bias)
         self._register_params(weight, full_bias)
-        if tp_mode is not None:
-            # Where the slice lies in the full tensor, for tools that gather or re-split
-            # (Megatron's attribute names); a row layer's bias is not split.
-            dim = 0 if tp_mode == "column" else 1
-            for name, p in self.named_parameters(recurse=False):
-                if tp_mode == "column" or name.endswith("weight"):
-                    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+        if self._tp_group is not None:
+            self._mark_partitions()
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Supplies the tensor-parallel group of a layer built with ``tp_size`` > 1 and no
+        ``tp_group`` (NVIDIA's way): the layer then keeps this rank's slice of the weights it
+        drew whole at construction, the values it would hold had the group come then (the
+        parameters are new objects: make the optimizer after this call). A group is taken
+        once; a layer that is not split takes None or a group of one rank."""
+        if not distributed.check_group_to_set(self._name, tp_group, self.tp_size,
+                                              self.tp_group):
+            return
+        weight, bias = self._weight_and_bias()
+        if isinstance(weight, Float8Tensor):
+            raise NotImplementedError(
+                f"{self._name}: set_tensor_parallel_group on fp8_model_init weights is not "
+                "implemented; pass tp_group when building the module")
+        self._tp_group = distributed.SharedGroup(tp_group)
+        weight, bias = self._shard(weight.detach(), None if bias is None else bias.detach())
+        device = self._parameters.get("weight", weight).device
+        self._register_params(weight.to(device), None if bias is None else bias.to(device))
+        self._mark_partitions()
+
+    def _mark_partitions(self) -> None:
+        """Where each slice lies in the full tensor, for tools that gather or re-split
+        (Megatron's attribute names); a row layer's bias is not split."""
+        dim = 0 if self._tp_mode == "column" else 1
+        for name, p in self.named_parameters(recurse=False):
+            if self._tp_mode == "column" or name.endswith("weight"):
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
 
     def _shard(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
         """This rank's slice of the full weight and bias: rows (and bias) for "column",
@@ -375,6 +400,8 @@ class Linear(_LinearBase):
         """The forward of a column- or row-parallel layer: the local GEMM on this rank's
         slice, and the layer's collective (distributed.py). A row-parallel layer's output is
         high precision (the sum is taken in it): fp8_output is ignored there."""
+        if self._tp_group is None:
+            distributed.refuse_without_group(self._name, self.tp_size)
         column = self._tp_mode == "column"
         weight, bias = self._weight_and_bias()
         local_in = weight.shape[1]

@@ -30,6 +30,7 @@ from ._checks import check_device, check_params_dtype, check_sizes
 from ._deferred_init import DeferredInit
 from ._heads import split_heads
 from .attention import DotProductAttention, _runs_fp8, refuse_forward_args
+from .base import set_group_of_children
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear, _default_device, check_unsupported
@@ -381,6 +382,12 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
         default generator stays in step across the ranks, as in Megatron-LM)."""
         return (self.tp_size > 1 and self.get_rng_state_tracker is not None and self.training
                 and self._attention_dropout > 0)
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Supplies the tensor-parallel group of a block built with ``set_parallel_mode=True``,
+        ``tp_size`` > 1 and no ``tp_group`` (NVIDIA's way): its projections keep this rank's
+        slices (te.Linear.set_tensor_parallel_group)."""
+        set_group_of_children(self, tp_group)
 
     @staticmethod
     def _check_tensor_parallel(op, tp_group, tp_size, set_parallel_mode, heads, groups,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ._checks import check_device, check_params_dtype, check_sizes
 from ._deferred_init import DeferredInit
+from .base import set_group_of_children
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_mlp import LayerNormMLP, activation_spec
 from .linear import _default_device, check_unsupported
@@ -205,8 +206,11 @@ class TransformerLayer(DeferredInit, torch.nn.Module):
         self._batch_dim = 1 if attn_input_format == "sbhd" else 0
 
     def set_tensor_parallel_group(self, tp_group) -> None:
-        """Accepted for compatibility: only a group of one rank (no tensor parallelism)."""
-        check_unsupported(tp_group, 1, None, False, False, "te.TransformerLayer")
+        """Supplies the tensor-parallel group of a layer built with ``set_parallel_mode=True``,
+        ``tp_size`` > 1 and no ``tp_group`` (NVIDIA's way): its blocks keep this rank's
+        slices (te.Linear.set_tensor_parallel_group). A layer that is not split takes None or
+        a group of one rank."""
+        set_group_of_children(self, tp_group)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
                                    cp_comm_type: str = "p2p") -> None:
