@@ -77,7 +77,10 @@ def is_gated(act: str) -> bool:
 
 
 def has_params(act: str) -> bool:
-    return parse(act)[1] is not None
+    """Whether ``act`` carries parameters (as clamped_swiglu writes them). A plain string test,
+    no parse: the modules ask it in traced code, where torch.compile would look through
+    parse's cache (the ops check the whole string)."""
+    return ":" in act
 
 
 def _check(op: str, x: torch.Tensor, act: str) -> int:
