@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from te_torch_tests._train_steps import record_steps
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -51,18 +52,7 @@ def _train(device, compiled: bool, module: str, recipe_name: str, dtype, bias: b
             for name, p in m.named_parameters():
                 if "layer_norm" in name:
                     p.add_(torch.randn_like(p) * 0.3)
-        r = RECIPES[recipe_name]()
-        seen = []
-        for step in range(STEPS):
-            x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(dtype)
-            x.requires_grad_(True)
-            with te.fp8_autocast(fp8_recipe=r):
-                y = m(x)
-            y.backward(torch.randn_like(y))
-            seen += [y.detach(), x.grad]
-            seen += [p.grad.clone() for p in m.parameters()]
-            seen += [b.clone() for b in m.buffers()]
-        return seen
+        return record_steps(m, RECIPES[recipe_name](), STEPS, device, dtype)
     finally:
         compiled_forward.enabled = True
 
