@@ -121,6 +121,17 @@ def same_weights(seen, want, what):
             assert torch.equal(got_data, data), f"{what} {name}.{n}: not the same bytes"
 
 
+def step_both(model, ref, opt, ref_opt) -> None:
+    """One optimizer step of the sharded model and of the whole reference with the same
+    update: the reference takes the sharded model's gradients."""
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        q.grad = p.grad.full_tensor()
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad()
+    ref_opt.zero_grad()
+
+
 def check_fp8_weights(r, rel, group=None):
     """fp8_model_init weights: sharded as Float8Tensors, gathered as their bytes; an SGD step
     on the shards (each quantized back with the whole weight's amax) leaves the bytes the
@@ -141,12 +152,7 @@ def check_fp8_weights(r, rel, group=None):
         loss_of(model, x.chunk(WORLD, dim=1)[RANK], r, group).backward()
         same_weights(seen, want, f"{r} step {step}")
         grads_close(model, ref, rel, f"{r} step {step}")
-        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-            q.grad = p.grad.full_tensor()  # the same update on both sides
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_both(model, ref, opt, ref_opt)
     for h in handles:
         h.remove()
 
@@ -207,12 +213,7 @@ def check_uneven_shards():
                 model(x).square().sum().backward()
                 ref(x).square().sum().backward()
                 same_weights(seen, want, f"{kind} {rows} rows step {step}")
-                for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-                    q.grad = p.grad.full_tensor()
-                opt.step()
-                ref_opt.step()
-                opt.zero_grad()
-                ref_opt.zero_grad()
+                step_both(model, ref, opt, ref_opt)
             for h in handles:
                 h.remove()
 
