@@ -495,9 +495,13 @@ def test_dot_product_attention_other_nvidia_keywords():
                        max_segments_per_seq=2, context_checkpoint_name="ctx")
     out = named.apply({}, q, q, q, rngs={"attn": jax.random.PRNGKey(3)})
     np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
-    with pytest.raises(NotImplementedError, match="DotProductAttention: context parallelism "
-                       "is not implemented"):
-        base.clone(context_parallel_axis="cp").apply({}, q, q, q, deterministic=True)
+    # No mesh in context: nothing to split, the call runs as it is.
+    plain = base.apply({}, q, q, q, deterministic=True)
+    for kw in (dict(context_parallel_axis="cp"), dict(context_parallel_strategy="ALL_GATHER"),
+               dict(context_parallel_causal_load_balanced=True)):
+        np.testing.assert_array_equal(
+            np.asarray(base.clone(**kw).apply({}, q, q, q, deterministic=True)),
+            np.asarray(plain))
     with pytest.raises(TypeError, match="DotProductAttention: dtype must be a floating"):
         base.clone(dtype=jnp.int8).apply({}, q, q, q, deterministic=True)
 

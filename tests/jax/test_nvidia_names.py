@@ -242,8 +242,9 @@ def _modules():
     ]
 
 
-# Tensor and fully-sharded data parallelism are implemented (tests/jax/test_sharding_mesh.py).
-@pytest.mark.parametrize("field", ["cp_resource", "tpsp_resource"])
+# Tensor, fully-sharded data and context parallelism are implemented
+# (tests/jax/test_sharding_mesh.py, tests/jax/test_context_parallel.py).
+@pytest.mark.parametrize("field", ["tpsp_resource"])
 def test_modules_refuse_parallelism_they_do_not_implement(field):
     from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 
@@ -261,14 +262,15 @@ def test_modules_refuse_parallelism_they_do_not_implement(field):
             module.apply(variables, *args, rngs={"dropout": jax.random.PRNGKey(1)})
 
 
-def test_modules_accept_data_and_pipeline_axes_unchanged():
+def test_modules_accept_data_pipeline_and_context_axes_unchanged():
     from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 
     for module, args in _modules():
         variables = module.init(jax.random.PRNGKey(0), *args)
         rngs = {"dropout": jax.random.PRNGKey(1)}
         expected = module.apply(variables, *args, rngs=rngs)
-        with global_shard_guard(MeshResource(dp_resource="data", pp_resource="stage")):
+        with global_shard_guard(MeshResource(dp_resource="data", pp_resource="stage",
+                                             cp_resource="context")):
             got = module.apply(variables, *args, rngs=rngs)
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected),
                         strict=True):

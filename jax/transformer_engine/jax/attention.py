@@ -29,6 +29,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from transformer_engine.jax import context_parallel
 from transformer_engine.jax._attention_types import (
     AttnBiasType,
     AttnMaskType,
@@ -37,9 +38,17 @@ from transformer_engine.jax._attention_types import (
     SequenceDescriptor,
 )
 from transformer_engine.jax._native import TARGETS, load
+from transformer_engine.jax.autocast import get_mesh_resource
+from transformer_engine.jax.context_parallel import (
+    CPStrategy,
+    ReorderStrategy,
+    inverse_reorder_causal_load_balancing,
+    reorder_causal_load_balancing,
+)
 
 __all__ = ["fused_attn", "LAYOUTS", "MASKS", "AttnMaskType", "AttnBiasType", "QKVFormat",
-           "QKVLayout", "SequenceDescriptor"]
+           "QKVLayout", "SequenceDescriptor", "CPStrategy", "ReorderStrategy",
+           "reorder_causal_load_balancing", "inverse_reorder_causal_load_balancing"]
 
 load()
 
@@ -108,7 +117,60 @@ def _cumulative(lengths: jax.Array, layout: str) -> jax.Array:
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
 
 
-def _forward_call(q, k, v, cu_q, cu_kv, rng, params):
+def _cp_params(params, kv_lengths):
+    """The plain call's params and masks for one device's piece of a context-parallel
+    attention (:mod:`~transformer_engine.jax.context_parallel`): unmasked without
+    ``kv_lengths``, else causal through each sequence's last visible key."""
+    if kv_lengths is None:
+        return params, None
+    mask = MASKS["padding_causal_bottom_right"]
+    return (params[0], mask, *params[2:]), _cumulative(kv_lengths, "bshd")
+
+
+def _cp_forward_piece(q, k, v, kv_lengths, *, params):
+    plain, cu_kv = _cp_params(params, kv_lengths)
+    empty = jnp.zeros((0,), jnp.int32)
+    cu_q = empty
+    if cu_kv is not None:
+        seq = 0 if params[0] == LAYOUTS["sbhd"] else 1
+        cu_q = _cumulative(jnp.full((q.shape[1 - seq],), q.shape[seq], jnp.int32), "bshd")
+    return _forward_call(q, k, v, cu_q, empty if cu_kv is None else cu_kv,
+                         jnp.zeros((0,), jnp.uint32), plain)
+
+
+def _cp_backward_piece(q, k, v, o, d_o, lse, kv_lengths, *, params):
+    plain, cu_kv = _cp_params(params, kv_lengths)
+    empty = jnp.zeros((0,), jnp.int32)
+    cu_q = empty
+    if cu_kv is not None:
+        seq = 0 if params[0] == LAYOUTS["sbhd"] else 1
+        cu_q = _cumulative(jnp.full((q.shape[1 - seq],), q.shape[seq], jnp.int32), "bshd")
+    return _backward_call(q, k, v, o, d_o, lse, cu_q, empty if cu_kv is None else cu_kv,
+                          jnp.zeros((0,), jnp.uint32), plain)
+
+
+def _cp_shard(cp, params, backward: bool):
+    """(axis, the per-device function) of the partitioned call under context parallelism,
+    or None; ``cp`` is (mesh axis, its size, load balanced) or None."""
+    if cp is None:
+        return None
+    axis, size, balanced = cp
+    layout = list(LAYOUTS)[params[0]]
+    kw = dict(layout=layout, causal=params[1] != MASKS["no_mask"], axis=axis, size=size,
+              balanced=balanced)
+    if backward:
+        def shard(qs, ks, vs, os_, dos, lses, *_):
+            return context_parallel.shard_backward(
+                functools.partial(_cp_backward_piece, params=params), qs, ks, vs, os_, dos,
+                lses, **kw)
+    else:
+        def shard(qs, ks, vs, *_):
+            return context_parallel.shard_forward(
+                functools.partial(_cp_forward_piece, params=params), qs, ks, vs, **kw)
+    return axis, shard
+
+
+def _forward_call(q, k, v, cu_q, cu_kv, rng, params, cp=None):
     layout = list(LAYOUTS)[params[0]]
     batch = cu_q.shape[0] - 1 if layout == "thd" else None
     sizes = _sizes(q, k, v, layout, batch, params[6], params[7])
@@ -122,7 +184,8 @@ def _forward_call(q, k, v, cu_q, cu_kv, rng, params):
                    jax.ShapeDtypeStruct((sizes[0], sizes[1], sizes[3]), jnp.float32))
         o, lse = part.attention_forward(
             (q, k, v, _lengths(cu_q, layout), _lengths(cu_kv, layout), rng), body, results,
-            layout=layout, shape=(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]))
+            layout=layout, shape=(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]),
+            cp=_cp_shard(cp, params, backward=False))
         return o, lse
     lse_shape = (sizes[0], sizes[1], sizes[3])
     results = (jax.ShapeDtypeStruct((*q.shape[:-1], v.shape[-1]), q.dtype),
@@ -133,7 +196,7 @@ def _forward_call(q, k, v, cu_q, cu_kv, rng, params):
     return o, lse
 
 
-def _backward_call(q, k, v, o, d_o, lse, cu_q, cu_kv, rng, params):
+def _backward_call(q, k, v, o, d_o, lse, cu_q, cu_kv, rng, params, cp=None):
     layout = list(LAYOUTS)[params[0]]
     batch = cu_q.shape[0] - 1 if layout == "thd" else None
     sizes = _sizes(q, k, v, layout, batch, params[6], params[7])
@@ -148,7 +211,8 @@ def _backward_call(q, k, v, o, d_o, lse, cu_q, cu_kv, rng, params):
                    jax.ShapeDtypeStruct(v.shape, v.dtype))
         dq, dk, dv = part.attention_backward(
             (q, k, v, o, d_o, lse, _lengths(cu_q, layout), _lengths(cu_kv, layout), rng), body,
-            results, layout=layout, shape=(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]))
+            results, layout=layout, shape=(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]),
+            cp=_cp_shard(cp, params, backward=True))
         return dq, dk, dv
     results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                jax.ShapeDtypeStruct(v.shape, v.dtype),
@@ -159,19 +223,20 @@ def _backward_call(q, k, v, o, d_o, lse, cu_q, cu_kv, rng, params):
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, cu_q, cu_kv, rng, params):
-    return _forward_call(q, k, v, cu_q, cu_kv, rng, params)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _attention(q, k, v, cu_q, cu_kv, rng, params, cp):
+    return _forward_call(q, k, v, cu_q, cu_kv, rng, params, cp)[0]
 
 
-def _attention_fwd(q, k, v, cu_q, cu_kv, rng, params):
-    o, lse = _forward_call(q, k, v, cu_q, cu_kv, rng, params)
+def _attention_fwd(q, k, v, cu_q, cu_kv, rng, params, cp):
+    o, lse = _forward_call(q, k, v, cu_q, cu_kv, rng, params, cp)
     return o, (q, k, v, o, lse, cu_q, cu_kv, rng)
 
 
-def _attention_bwd(params, residuals, d_o):
+def _attention_bwd(params, cp, residuals, d_o):
     q, k, v, o, lse, cu_q, cu_kv, rng = residuals
-    dq, dk, dv = _backward_call(q, k, v, o, d_o.astype(o.dtype), lse, cu_q, cu_kv, rng, params)
+    dq, dk, dv = _backward_call(q, k, v, o, d_o.astype(o.dtype), lse, cu_q, cu_kv, rng, params,
+                                cp)
     return dq, dk, dv, None, None, None
 
 
@@ -200,7 +265,10 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
                scale_factor: Optional[float] = None, dropout_probability: float = 0.0,
                dropout_rng: Optional[jax.Array] = None, cu_seqlens_q: Optional[jax.Array] = None,
                cu_seqlens_kv: Optional[jax.Array] = None, max_seqlen_q: Optional[int] = None,
-               max_seqlen_kv: Optional[int] = None, deterministic: bool = False) -> jax.Array:
+               max_seqlen_kv: Optional[int] = None, deterministic: bool = False,
+               context_parallel_strategy="default",
+               context_parallel_causal_load_balanced: bool = False,
+               context_parallel_axis: Optional[str] = None) -> jax.Array:
     """softmax(q k^T * scale_factor + mask) v per head, in q's layout with v's head dim.
 
     Args:
@@ -216,6 +284,15 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
             when the probability is > 0.
         max_seqlen_q, max_seqlen_kv: thd only: the longest sequences (static ints).
         deterministic: ask the backward for a deterministic dk/dv reduction.
+        context_parallel_axis: the mesh axis the sequences are split over (default
+            ``MeshResource.cp_resource``); under ``jax.jit`` over a mesh where it has more than
+            one device, the attention runs context parallel
+            (:mod:`~transformer_engine.jax.context_parallel`: all-gather strategy).
+        context_parallel_causal_load_balanced: the sequences come in the order of
+            :func:`reorder_causal_load_balancing` (for that axis's size), and the output goes
+            out in it.
+        context_parallel_strategy: ``"default"`` / ``"all_gather"`` (or NVIDIA's
+            :class:`CPStrategy` members; RING is not implemented).
 
     Example:
         >>> import jax.numpy as jnp
@@ -255,4 +332,32 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
     params = (LAYOUTS[layout], MASKS[attn_mask_type], int(left), int(right), float(scale),
               float(dropout_probability), int(max_seqlen_q or 0), int(max_seqlen_kv or 0),
               bool(deterministic))
-    return _attention(q, k, v, cu_q, cu_kv, rng, params)
+    cp = _context_parallel(context_parallel_axis, context_parallel_strategy,
+                           bool(context_parallel_causal_load_balanced), q, k, layout,
+                           attn_mask_type, window_size, dropout_probability)
+    return _attention(q, k, v, cu_q, cu_kv, rng, params, cp)
+
+
+def _context_parallel(axis: Optional[str], strategy, balanced: bool, q, k, layout: str,
+                      mask: str, window, dropout: float) -> Optional[tuple]:
+    """(mesh axis, its size, load balanced) when the call runs context parallel: the axis
+    (the given one, or the mesh resource's cp_resource) is in the mesh in context with more
+    than one device. None otherwise (nothing to split: the call runs as it is)."""
+    caller = "fused_attn"
+    axis = axis or get_mesh_resource().cp_resource
+    if not axis:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    if axis not in mesh.axis_names:
+        raise ValueError(f"{caller}: the context-parallel axis {axis!r} is not an axis of the "
+                         f"mesh in context (its axes: {list(mesh.axis_names)})")
+    size = int(dict(mesh.shape)[axis])
+    if size == 1:
+        return None
+    seq = 0 if layout == "sbhd" else 1
+    context_parallel.check_call(caller, layout=layout, mask=mask, window=window,
+                                dropout=dropout, strategy=strategy, sq=q.shape[seq],
+                                skv=k.shape[seq], size=size, balanced=balanced)
+    return axis, size, balanced

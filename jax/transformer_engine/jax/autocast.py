@@ -32,10 +32,10 @@ class MeshResource:
 
     Under ``jax.jit`` over a mesh with these axes the dense modules (``DenseGeneral``,
     ``LayerNormDenseGeneral``, ``LayerNormMLP``) lay out their inputs and parameters by their
-    logical axes (:mod:`transformer_engine.jax.sharding`): data, tensor and fully-sharded
-    parallelism. The attention modules still raise NotImplementedError naming a tensor- or
-    fully-sharded axis, and a context- or sequence-parallel axis is refused everywhere, rather
-    than computed unsharded.
+    logical axes (:mod:`transformer_engine.jax.sharding`): data, tensor, fully-sharded and
+    context parallelism (the sequence split; the attention modules run context parallel). A
+    sequence-parallel axis (``tpsp_resource``) is refused everywhere rather than computed
+    unsharded.
     """
 
     dp_resource: Optional[str] = None

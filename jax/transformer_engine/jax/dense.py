@@ -40,6 +40,7 @@ from transformer_engine.jax.quantizer import (
     quantize_role,
     updated_state,
 )
+from transformer_engine.jax.sharding import token_rows
 
 __all__ = ["dense"]
 
@@ -71,7 +72,8 @@ def _normalize_dims(contracting_dims, x_ndim: int, k_ndim: int):
 
 def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
           contracting_dims: Optional[Sequence[Sequence[int]]] = None,
-          quantizer_set: Optional[QuantizerSet] = None) -> jax.Array:
+          quantizer_set: Optional[QuantizerSet] = None, *,
+          input_axes: Optional[Sequence[Optional[str]]] = None) -> jax.Array:
     """``x`` contracted with ``kernel`` over ``contracting_dims`` (+ ``bias``).
 
     Args:
@@ -82,6 +84,10 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
         quantizer_set: from :func:`~transformer_engine.jax.make_quantizer_set`; default: the
             recipe of the enclosing ``fp8_autocast`` (none: no FP8). Delayed scaling needs
             one with its state (the flax ``DenseGeneral`` manages it).
+        input_axes: x's logical axis names (``("batch", "length", "embed")``, ...), or None.
+            Under context parallelism they say which dim is the split sequence, so that the
+            tokens become the GEMM's rows without moving (see
+            :func:`~transformer_engine.jax.sharding.token_rows`).
 
     Returns:
         An array of shape (x's non-contracted dims, kernel's non-contracted dims) in the
@@ -116,7 +122,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     k_free = [d for d in range(kernel.ndim) if d not in k_dims]
     batch_shape = tuple(x.shape[d] for d in x_free)
     feature_shape = tuple(kernel.shape[d] for d in k_free)
-    m, n = math.prod(batch_shape), math.prod(feature_shape)
+    n = math.prod(feature_shape)
     k = math.prod(x.shape[d] for d in x_dims)
     # The token count M may be anything in FP8: the GEMM's operands are padded inside
     # (_fused.fp8_gemm).
@@ -129,7 +135,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     x_perm, k_perm = (*x_free, *x_dims), (*k_dims, *k_free)
     x2 = (x if x_perm == tuple(range(x.ndim)) else jnp.transpose(x, x_perm))
     k2 = (kernel if k_perm == tuple(range(kernel.ndim)) else jnp.transpose(kernel, k_perm))
-    x2 = x2.astype(dtype).reshape(m, k)
+    lead_axes = [input_axes[d] for d in x_free] if input_axes else None
+    x2, back = token_rows(x2.astype(dtype), len(x_free), lead_axes)
     k2 = k2.astype(dtype).reshape(k, n)
     b2 = None
     if bias is not None:
@@ -139,7 +146,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
                              f"non-contracted dims), got {bias.shape}")
         b2 = bias.astype(dtype).reshape(n)
     out = _dense(x2, k2, b2, quantizer_set.recipe, dict(quantizer_set.state))
-    return out.reshape(*batch_shape, *feature_shape)
+    return back(out).reshape(*batch_shape, *feature_shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ from transformer_engine.jax.quantizer import (
     quantize_role,
     updated_state,
 )
+from transformer_engine.jax.sharding import token_rows
 
 __all__ = ["layernorm_dense", "layernorm_dense_fp8_operands"]
 
@@ -65,7 +66,7 @@ def compute_dtype(op: str, *arrays):
 
 
 def _prepare(x, gamma, beta, kernel, bias, norm_type, zero_centered_gamma, epsilon,
-             quantizer_set):
+             quantizer_set, input_axes=None):
     op = "layernorm_dense"
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     if x.ndim < 1 or kernel.ndim < 2:
@@ -78,7 +79,7 @@ def _prepare(x, gamma, beta, kernel, bias, norm_type, zero_centered_gamma, epsil
     x, g, b, kind, epsilon = norm_inputs(op, x.astype(dtype), gamma, beta, norm_type, epsilon)
     qset = check_quantizer_set(op, quantizer_set)
     features = kernel.shape[1:]
-    m, k, n = math.prod(x.shape[:-1]), x.shape[-1], math.prod(features)
+    k, n = x.shape[-1], math.prod(features)
     check_fp8_dims(op, qset.recipe, K=k, N=n)
     b2 = None
     if bias is not None:
@@ -88,15 +89,18 @@ def _prepare(x, gamma, beta, kernel, bias, norm_type, zero_centered_gamma, epsil
                              f"dims), got {bias.shape}")
         b2 = bias.astype(dtype).reshape(n)
     cfg = _fused.NormConfig(kind, bool(zero_centered_gamma), epsilon)
-    args = (x.reshape(m, k), g, b, kernel.astype(dtype).reshape(k, n), b2)
-    return args, cfg, qset, (*x.shape[:-1], *features)
+    rows, back = token_rows(x, x.ndim - 1, tuple(input_axes)[:-1] if input_axes else None)
+    args = (rows, g, b, kernel.astype(dtype).reshape(k, n), b2)
+    return args, cfg, qset, (*x.shape[:-1], *features), back
 
 
 def layernorm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
                     kernel: jax.Array, bias: Optional[jax.Array] = None, *,
                     norm_type: str = "layernorm", zero_centered_gamma: bool = False,
                     epsilon: float = 1e-6, quantizer_set: Optional[QuantizerSet] = None,
-                    return_layernorm_output: bool = False):
+                    return_layernorm_output: bool = False,
+                    layernorm_input_axes: Optional[Sequence[Optional[str]]] = None,
+                    dot_input_axes: Optional[Sequence[Optional[str]]] = None):
     """``norm(x) @ kernel (+ bias)``, the norm over x's last axis (size K).
 
     Args:
@@ -112,6 +116,8 @@ def layernorm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
             autocast's recipe; delayed scaling needs one with its state).
         return_layernorm_output: also return norm(x) in the compute dtype (in FP8 the norm
             kernel then writes it beside the FP8 operand, from the same fp32 values).
+        layernorm_input_axes, dot_input_axes: x's logical axis names (either; NVIDIA's
+            keywords), as ``input_axes`` of :func:`~transformer_engine.jax.dense`.
 
     Returns:
         ``out`` of shape [..., *features] in the promoted dtype of x and kernel, or
@@ -124,13 +130,14 @@ def layernorm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
         >>> out.shape
         (2, 3)
     """
-    args, cfg, qset, out_shape = _prepare(x, gamma, beta, kernel, bias, norm_type,
-                                          zero_centered_gamma, epsilon, quantizer_set)
+    args, cfg, qset, out_shape, back = _prepare(x, gamma, beta, kernel, bias, norm_type,
+                                                zero_centered_gamma, epsilon, quantizer_set,
+                                                layernorm_input_axes or dot_input_axes)
     out, ln = _layernorm_dense(*args, cfg, qset.recipe, bool(return_layernorm_output),
                                dict(qset.state))
-    out = out.reshape(out_shape)
+    out = back(out).reshape(out_shape)
     if return_layernorm_output:
-        return out, ln.reshape(jnp.shape(x))
+        return out, back(ln).reshape(jnp.shape(x))
     return out
 
 
@@ -141,8 +148,8 @@ def layernorm_dense_fp8_operands(x, gamma, beta, kernel, bias=None, *,
     """The FP8 operands that :func:`layernorm_dense`'s forward GEMM reads, for comparing
     with another implementation: ``{"ln_out": QuantizedTensor [M, K] (and its transpose),
     "kernel": QuantizedTensor [K, N] (and its transpose [N, K])}``. Needs an FP8 recipe."""
-    args, cfg, qset, _ = _prepare(x, gamma, beta, kernel, bias, norm_type, zero_centered_gamma,
-                                  epsilon, quantizer_set)
+    args, cfg, qset, _, _ = _prepare(x, gamma, beta, kernel, bias, norm_type,
+                                     zero_centered_gamma, epsilon, quantizer_set)
     if qset.recipe is None:
         raise ValueError("layernorm_dense_fp8_operands: needs an FP8 recipe (a quantizer_set "
                          "with one, or an enabled fp8_autocast), got none")

@@ -33,6 +33,7 @@ from transformer_engine.jax.layernorm_dense import (
     compute_dtype,
 )
 from transformer_engine.jax.quantizer import QuantizerSet, plan_kind, quantize_role, updated_state
+from transformer_engine.jax.sharding import token_rows
 
 __all__ = ["layernorm_mlp", "layernorm_mlp_fp8_operands", "activation", "activation_of"]
 
@@ -73,7 +74,7 @@ def activation_of(activations: Sequence[str], activation_params: Optional[dict] 
 
 
 def _prepare(x, gamma, beta, kernels, biases, norm_type, zero_centered_gamma, epsilon,
-             activations, quantizer_sets, activation_params=None):
+             activations, quantizer_sets, activation_params=None, input_axes=None):
     op = "layernorm_mlp"
     act = activation_of(activations, activation_params)
     n_act = 2 if ops.is_gated(act) else 1
@@ -114,7 +115,6 @@ def _prepare(x, gamma, beta, kernels, biases, norm_type, zero_centered_gamma, ep
     if q1.recipe != q2.recipe:
         raise ValueError(f"{op}: both quantizer sets must have the same recipe, got "
                          f"{q1.recipe!r} and {q2.recipe!r}")
-    m = math.prod(x.shape[:-1])
     check_fp8_dims(op, q1.recipe, K=k, F=f, N=n)
     out_biases = []
     for i, (bias, width) in enumerate(zip(biases, (f_total, n), strict=True)):
@@ -127,9 +127,10 @@ def _prepare(x, gamma, beta, kernels, biases, norm_type, zero_centered_gamma, ep
                              + (f" or ({n_act}, {f})" if i == 0 else "") + f", got {bias.shape}")
         out_biases.append(bias.astype(dtype).reshape(width))
     cfg = _fused.NormConfig(kind, bool(zero_centered_gamma), epsilon)
-    args = (x.reshape(m, k), g, b, k1.astype(dtype).reshape(k, f_total), out_biases[0],
+    rows, back = token_rows(x, x.ndim - 1, tuple(input_axes)[:-1] if input_axes else None)
+    args = (rows, g, b, k1.astype(dtype).reshape(k, f_total), out_biases[0],
             k2.astype(dtype), out_biases[1])
-    return args, cfg, act, (q1, q2), (*x.shape[:-1], n)
+    return args, cfg, act, (q1, q2), (*x.shape[:-1], n), back
 
 
 def layernorm_mlp(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
@@ -138,7 +139,10 @@ def layernorm_mlp(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
                   epsilon: float = 1e-6, activations: Sequence[str] = ("gelu",),
                   quantizer_sets: Optional[Sequence[QuantizerSet]] = None,
                   return_layernorm_output: bool = False,
-                  activation_params: Optional[dict] = None):
+                  activation_params: Optional[dict] = None,
+                  norm_input_axes: Optional[Sequence[Optional[str]]] = None,
+                  dot_1_input_axes: Optional[Sequence[Optional[str]]] = None,
+                  dot_2_input_axes: Optional[Sequence[Optional[str]]] = None):
     """The MLP block ``act(norm(x) @ kernel_1 + bias_1) @ kernel_2 + bias_2``.
 
     Args:
@@ -160,6 +164,9 @@ def layernorm_mlp(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
         quantizer_sets: None or a pair of quantizer sets (one per GEMM, the same recipe);
             None: from the enclosing autocast.
         return_layernorm_output: also return norm(x) in the compute dtype.
+        norm_input_axes, dot_1_input_axes: x's logical axis names (either; NVIDIA's
+            keywords), as ``input_axes`` of :func:`~transformer_engine.jax.dense`;
+            ``dot_2_input_axes`` (the activation's) is accepted and follows x's tokens.
 
     Returns:
         ``out`` [..., N] in the promoted dtype of x and the kernels, or ``(out, norm(x))``.
@@ -173,14 +180,15 @@ def layernorm_mlp(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
         >>> out.shape
         (2, 4)
     """
-    args, cfg, act, qsets, out_shape = _prepare(x, gamma, beta, kernels, biases, norm_type,
-                                                zero_centered_gamma, epsilon, activations,
-                                                quantizer_sets, activation_params)
+    del dot_2_input_axes  # the hidden activation's rows are x's
+    args, cfg, act, qsets, out_shape, back = _prepare(
+        x, gamma, beta, kernels, biases, norm_type, zero_centered_gamma, epsilon, activations,
+        quantizer_sets, activation_params, norm_input_axes or dot_1_input_axes)
     out, ln = _layernorm_mlp(*args, cfg, act, qsets[0].recipe, bool(return_layernorm_output),
                              dict(qsets[0].state), dict(qsets[1].state))
-    out = out.reshape(out_shape)
+    out = back(out).reshape(out_shape)
     if return_layernorm_output:
-        return out, ln.reshape(jnp.shape(x))
+        return out, back(ln).reshape(jnp.shape(x))
     return out
 
 
@@ -193,9 +201,9 @@ def layernorm_mlp_fp8_operands(x, gamma, beta, kernels, biases=None, *,
     another implementation: ``{"ln_out", "kernel_1", "act_out", "kernel_2"}`` as
     :class:`~transformer_engine.jax.ops.QuantizedTensor` (row-wise and transposed data) and
     ``"fc1_out"`` (h, high precision). Needs an FP8 recipe."""
-    args, cfg, act, qsets, _ = _prepare(x, gamma, beta, kernels, biases, norm_type,
-                                        zero_centered_gamma, epsilon, activations,
-                                        quantizer_sets, activation_params)
+    args, cfg, act, qsets, _, _ = _prepare(x, gamma, beta, kernels, biases, norm_type,
+                                           zero_centered_gamma, epsilon, activations,
+                                           quantizer_sets, activation_params)
     if qsets[0].recipe is None:
         raise ValueError("layernorm_mlp_fp8_operands: needs an FP8 recipe (quantizer_sets "
                          "with one, or an enabled fp8_autocast), got none")

@@ -43,7 +43,7 @@ __all__ = ["active", "compute_amax", "quantize", "norm_forward", "norm_backward"
            "activation_forward", "activation_backward", "gemm"]
 
 # The MeshResource fields whose axes the modules lay tensors out on.
-_LAYOUT_FIELDS = ("dp_resource", "tp_resource", "fsdp_resource")
+_LAYOUT_FIELDS = ("dp_resource", "tp_resource", "fsdp_resource", "cp_resource")
 
 _local = threading.local()
 
@@ -506,10 +506,11 @@ def _attention_layout(q_dims, layout: str, shape, sizes):
     return b_axes, h_axes, g_axes
 
 
-def _attention_dims(layout: str, ndim: int, b_axes: Axes, h_axes: Axes) -> list:
+def _attention_dims(layout: str, ndim: int, b_axes: Axes, h_axes: Axes,
+                    s_axes: Axes = ()) -> list:
     if layout == "thd":
         return [(), h_axes, ()]
-    dims = [(), b_axes, h_axes, ()] if layout == "sbhd" else [b_axes, (), h_axes, ()]
+    dims = [s_axes, b_axes, h_axes, ()] if layout == "sbhd" else [b_axes, s_axes, h_axes, ()]
     return dims[:ndim]
 
 
@@ -537,9 +538,13 @@ def _shard_rng(rng: jax.Array, axes: Axes, sizes: dict, counters: int) -> jax.Ar
     return jnp.stack([rng[0], rng[1], lo, rng[3] + add_hi + carry])
 
 
-def _attention_op(args, body, results, *, layout: str, shape, arg_names, result_names):
+def _attention_op(args, body, results, *, layout: str, shape, arg_names, result_names,
+                  cp: Optional[tuple] = None):
     """One attention custom call (forward or backward) as a partitioned op; ``shape`` is
-    (batch, heads, groups, max query length, max key length)."""
+    (batch, heads, groups, max query length, max key length). ``cp``: (mesh axis, the
+    per-device function) when the sequences are split over that axis (context
+    parallelism: :mod:`transformer_engine.jax.context_parallel`); the per-device function
+    takes the shards ``body`` takes and does its own communication."""
     factors = _attention_factors(layout)
     rule = _Rule()
     per_seq = layout != "thd"  # lengths [batch] ride along with the batch
@@ -559,14 +564,16 @@ def _attention_op(args, body, results, *, layout: str, shape, arg_names, result_
     def plan(dims, proposed, sizes):
         del proposed
         b_axes, h_axes, g_axes = _attention_layout(dims[0], layout, shape, sizes)
+        s_axes = (cp[0],) if cp is not None else ()
+        b_axes, h_axes, g_axes = (_without(a, s_axes) for a in (b_axes, h_axes, g_axes))
 
         def layout_of(x, name):
             if name in ("q", "o", "dq", "d_o"):
-                return _attention_dims(layout, x.ndim, b_axes, h_axes)
+                return _attention_dims(layout, x.ndim, b_axes, h_axes, s_axes)
             if name in ("k", "v", "dk", "dv"):
-                return _attention_dims(layout, x.ndim, b_axes, g_axes)
+                return _attention_dims(layout, x.ndim, b_axes, g_axes, s_axes)
             if name == "lse" and layout != "thd":
-                return [b_axes, h_axes, ()]
+                return [b_axes, h_axes, s_axes]
             if name == "lengths" and per_seq and _size(x):
                 return [b_axes]
             return _whole(x.ndim)
@@ -575,6 +582,8 @@ def _attention_op(args, body, results, *, layout: str, shape, arg_names, result_
         rng_at = arg_names.index("rng")
 
         def per_shard(*shards):
+            if cp is not None:
+                return cp[1](*shards)
             shards = list(shards)
             shards[rng_at] = _shard_rng(shards[rng_at], b_axes + h_axes, sizes, counters)
             return body(*shards)
@@ -584,27 +593,29 @@ def _attention_op(args, body, results, *, layout: str, shape, arg_names, result_
         return arg_dims, result_dims, per_shard
 
     names = spec.replace(",", " ").replace("->", " ").split()
-    whole = tuple(f for f in _ATTENTION_WHOLE if f in names)
+    kept = ("sq", "skv") if cp is not None else ()  # split over the context-parallel axis
+    whole = tuple(f for f in _ATTENTION_WHOLE if f in names and f not in kept)
     return _run(body, args, spec, plan, need_replication_factors=whole)
 
 
 def attention_forward(args: Sequence[jax.Array], body: Callable, results: Sequence, *,
-                      layout: str, shape):
+                      layout: str, shape, cp: Optional[tuple] = None):
     """The fused attention's forward (``body(q, k, v, lengths_q, lengths_kv, rng)`` giving
     ``(o, lse)``; the lengths int32 [batch], or cu_seqlens for thd): each shard attends its
     own batch rows and heads, so nothing is communicated. The sequences and head dims are
-    made whole (a query attends to every key). Dropout: see :func:`_shard_rng`."""
+    made whole (a query attends to every key), unless ``cp`` splits them (see
+    :func:`_attention_op`). Dropout: see :func:`_shard_rng`."""
     return _attention_op(args, body, results, layout=layout, shape=shape,
                          arg_names=("q", "k", "v", "lengths", "lengths", "rng"),
-                         result_names=("o", "lse"))
+                         result_names=("o", "lse"), cp=cp)
 
 
 def attention_backward(args: Sequence[jax.Array], body: Callable, results: Sequence, *,
-                       layout: str, shape):
+                       layout: str, shape, cp: Optional[tuple] = None):
     """The fused attention's backward (``body(q, k, v, o, d_o, lse, lengths_q, lengths_kv,
     rng)`` giving ``(dq, dk, dv)``), split as the forward: each shard's key/value heads
     serve only its own query heads, so dk and dv need no sum over shards."""
     return _attention_op(args, body, results, layout=layout, shape=shape,
                          arg_names=("q", "k", "v", "o", "d_o", "lse", "lengths", "lengths",
                                     "rng"),
-                         result_names=("dq", "dk", "dv"))
+                         result_names=("dq", "dk", "dv"), cp=cp)

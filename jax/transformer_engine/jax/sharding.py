@@ -24,8 +24,10 @@ sharding as a constraint. The core's ops follow the shardings (see
 
 The attention modules split their heads over tp (QKV column parallel, the output projection
 row parallel) and attend each device's heads and batch rows without communication.
-Pipelining (``pp_resource``) needs nothing from the modules. Context parallelism
-(``cp_resource``) and sequence parallelism (``tpsp_resource``) are not implemented: the
+Context parallelism (``cp_resource``): the sequence (``"length"``) is split over the axis;
+every token-wise op keeps its tokens, and the fused attention all-gathers the keys and values
+(see :mod:`transformer_engine.jax.context_parallel`). Pipelining (``pp_resource``) needs
+nothing from the modules. Sequence parallelism (``tpsp_resource``) is not implemented: the
 modules raise NotImplementedError naming the field rather than run unsharded.
 
 Example:
@@ -41,9 +43,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterator, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 from transformer_engine.jax.autocast import (
     MeshResource,
@@ -55,14 +59,14 @@ from transformer_engine.jax.autocast import (
 __all__ = ["MeshResource", "global_shard_guard", "global_mesh_resource", "LOGICAL_RULES",
            "logical_axis_rules", "logical_to_mesh_spec", "with_sharding_constraint_by_logical_axes",
            "BATCH_AXES", "SEQLEN_AXES", "HIDDEN_AXES", "HIDDEN_TP_AXES", "HEAD_AXES",
-           "W_FSDP_AXES", "W_TP_AXES", "W_NO_SHARD_AXES", "W_JOINED_AXES"]
+           "W_FSDP_AXES", "W_TP_AXES", "W_NO_SHARD_AXES", "W_JOINED_AXES", "token_rows"]
 
 # What each MeshResource field stands for, and the ones no module implements yet.
 _FEATURES = {"dp_resource": "data parallelism", "tp_resource": "tensor parallelism",
              "fsdp_resource": "fully-sharded data parallelism",
              "pp_resource": "pipeline parallelism", "tpsp_resource": "sequence parallelism",
              "cp_resource": "context parallelism"}
-_UNSUPPORTED = ("tpsp_resource", "cp_resource")
+_UNSUPPORTED = ("tpsp_resource",)
 
 # Logical axis name -> the MeshResource fields whose mesh axes split it (in that order).
 # A weight's "embed" (hidden) dimension is split over the FSDP axis; on an activation the
@@ -75,7 +79,7 @@ LOGICAL_RULES = {
     "kv_heads": ("tp_resource",),
     "joined_kv": ("tp_resource",),
     "vocab": ("tp_resource",),
-    "length": (),
+    "length": ("cp_resource",),
     "act": (),
     "joined": (),
     "kv": (),
@@ -186,10 +190,63 @@ def with_sharding_constraint_by_logical_axes(x: jax.Array, axes: Optional[Sequen
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def token_rows(x: jax.Array, lead: int, lead_axes: Optional[Sequence] = None):
+    """``x`` [*lead dims, *rest] as rows [M, prod(rest)] for the GEMMs and row-wise ops, and
+    ``back``, which gives an array of rows [M, *tail] the lead dims again ([*lead, *tail]).
+
+    Normally both are reshapes. Under a mesh, when ``lead_axes`` (the lead dims' logical
+    names) say that a lead dim after the first is split (the batch of [seq, batch, ...], or
+    the sequence under context parallelism), the rows are ordered with the split parts first:
+    (context-parallel shard, the split dims, the whole dims, position in the shard). Then each
+    device's tokens are one block of rows and nothing moves, where a plain reshape of
+    [seq, batch] with the batch split (or of [batch, seq] with both split) is no split of the
+    rows, and XLA would gather to make one. The ops between the two calls treat rows
+    independently, so their order does not matter to them.
+    """
+    shape = tuple(x.shape)
+    lead_shape, rest = shape[:lead], shape[lead:]
+    m = math.prod(lead_shape)
+
+    def plain():
+        return x.reshape(m, math.prod(rest)), lambda r: r.reshape(*lead_shape, *r.shape[1:])
+
+    names = tuple(lead_axes or ())
+    if len(names) != lead or lead < 2 or _mesh() is None or not lays_out():
+        return plain()
+    spec = tuple(logical_to_mesh_spec(names))
+    cp = mesh_axis_size("cp_resource") or 1
+    parts, split, whole = [], [], []  # parts: the sizes; split / whole: indices into parts
+    for d, (size, entry) in enumerate(zip(lead_shape, spec, strict=True)):
+        if names[d] == "length" and cp > 1 and size % cp == 0:
+            # The shard index goes first: one per device, so the split dim after it still
+            # gives each device one block of rows.
+            split.insert(0, len(parts))
+            whole.append(len(parts) + 1)
+            parts += [cp, size // cp]
+            continue
+        (split if entry is not None else whole).append(len(parts))
+        parts.append(size)
+    order = split + whole
+    if order == sorted(order):
+        return plain()
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    k = len(rest)
+    rows = jnp.transpose(x.reshape(*parts, *rest), (*order, *range(len(parts), len(parts) + k)))
+    rows = rows.reshape(m, math.prod(rest))
+
+    def back(r: jax.Array) -> jax.Array:
+        tail = r.shape[1:]
+        t = r.reshape(*(parts[i] for i in order), *tail)
+        t = jnp.transpose(t, (*inverse, *range(len(parts), len(parts) + len(tail))))
+        return t.reshape(*lead_shape, *tail)
+
+    return rows, back
+
+
 def check_supported(caller: str, also_unsupported: Sequence[str] = ()) -> None:
     """Raises NotImplementedError, in ``caller``'s name, when the mesh resource in effect asks
-    for a kind of parallelism that the modules do not implement (sequence and context
-    parallelism, and the fields in ``also_unsupported`` that ``caller`` lacks), and
+    for a kind of parallelism that the modules do not implement (sequence parallelism, and
+    the fields in ``also_unsupported`` that ``caller`` lacks), and
     ValueError when the mesh in context has Explicit axes (the modules constrain shardings
     the way Auto axes take them)."""
     resource = get_mesh_resource()

@@ -110,11 +110,12 @@ class HeadsProjection(nn.Module):
             out = layernorm_dense(x, scale, ln_bias, kernel, bias, norm_type=self.layernorm_type,
                                   zero_centered_gamma=self.zero_centered_gamma,
                                   epsilon=self.epsilon, quantizer_set=qset,
-                                  return_layernorm_output=want_ln)
+                                  return_layernorm_output=want_ln,
+                                  layernorm_input_axes=self.input_axes or None)
             out, ln_out = out if want_ln else (out, None)
         else:
             out = dense(x, kernel, bias, contracting_dims=((x.ndim - 1,), (0,)),
-                        quantizer_set=qset)
+                        quantizer_set=qset, input_axes=self.input_axes or None)
             ln_out = x
         parts_axis = x.ndim - 1
         if lora:

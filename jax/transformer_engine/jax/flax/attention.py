@@ -100,8 +100,15 @@ class DotProductAttention(nn.Module):
             the fused path always accumulates them in fp32.
         max_segments_per_seq: NVIDIA's capacity hint for ``thd``; the lengths here come from
             cu_seqlens, so any positive value runs the same.
-        context_parallel_causal_load_balanced, context_parallel_axis: context parallelism is
-            not implemented: False and ``""`` only.
+        context_parallel_axis: the mesh axis the sequences are split over (``""``: the mesh
+            resource's ``cp_resource``). Under ``jax.jit`` over a mesh where it has more than
+            one device the fused attention runs context parallel (see
+            :mod:`transformer_engine.jax.context_parallel`).
+        context_parallel_causal_load_balanced: the inputs come in the order of
+            :func:`~transformer_engine.jax.attention.reorder_causal_load_balancing` for that
+            axis's size (and the output goes out in it). Not with a bias.
+        context_parallel_strategy: ``"DEFAULT"`` / ``"ALL_GATHER"`` (any case, or
+            :class:`~transformer_engine.jax.attention.CPStrategy`); ``"RING"`` is refused.
         context_checkpoint_name: NVIDIA's remat name of the context: recorded only.
 
     The call takes ``mask`` [batch, 1, sq, skv] (True = masked) for the padding masks: the
@@ -111,7 +118,8 @@ class DotProductAttention(nn.Module):
     projection.
 
     Under ``jax.jit`` over a mesh the fused call keeps q, k and v split as they come on their
-    batch and heads (see :func:`~transformer_engine.jax.attention.fused_attn`).
+    batch and heads (see :func:`~transformer_engine.jax.attention.fused_attn`), and on their
+    sequence over the context-parallel axis.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -139,18 +147,13 @@ class DotProductAttention(nn.Module):
     context_parallel_causal_load_balanced: bool = False
     context_parallel_axis: str = ""
     context_checkpoint_name: str = "context"
+    context_parallel_strategy: Any = "DEFAULT"
 
     def _check_keywords(self, bias, layout) -> str:
         """The bias type after NVIDIA's default rule, with the keywords checked."""
         name = "DotProductAttention"
         check_float_dtype(name, "dtype", self.dtype)
         check_sizes(name, max_segments_per_seq=self.max_segments_per_seq)
-        if self.context_parallel_causal_load_balanced or self.context_parallel_axis:
-            raise NotImplementedError(
-                f"{name}: context parallelism is not implemented: "
-                f"context_parallel_causal_load_balanced must be False and "
-                f"context_parallel_axis '', got {self.context_parallel_causal_load_balanced!r} "
-                f"and {self.context_parallel_axis!r}")
         bias_type = getattr(self.attn_bias_type, "value", self.attn_bias_type)
         if bias_type not in _BIAS_TYPES:
             raise ValueError(f"{name}: attn_bias_type must be one of {_BIAS_TYPES}, got "
@@ -162,6 +165,10 @@ class DotProductAttention(nn.Module):
         if bias is None and bias_type != "no_bias":
             raise ValueError(f"{name}: attn_bias_type {bias_type!r} needs the call's bias "
                              "[1 or batch, heads, sq, skv]")
+        if bias is not None and self.context_parallel_causal_load_balanced:
+            raise NotImplementedError(f"{name}: a bias with context_parallel_causal_load_balanced "
+                                      "is not implemented (the biased attention runs in jnp, "
+                                      "which does not undo the load-balanced order)")
         if bias is not None and layout == "thd":
             raise NotImplementedError(f"{name}: attn_bias_type {bias_type!r} (a bias) is not "
                                       "implemented for the thd layouts: the core's fused "
@@ -231,7 +238,13 @@ class DotProductAttention(nn.Module):
                        window_size=self.window_size, scale_factor=self.scale_factor,
                        dropout_probability=dropout, dropout_rng=rng, cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-                       max_seqlen_kv=max_seqlen_kv)
+                       max_seqlen_kv=max_seqlen_kv,
+                       context_parallel_strategy=str(getattr(
+                           self.context_parallel_strategy, "value",
+                           self.context_parallel_strategy)).lower(),
+                       context_parallel_causal_load_balanced=(
+                           self.context_parallel_causal_load_balanced),
+                       context_parallel_axis=self.context_parallel_axis or None)
         return o
 
     def _with_bias(self, q, k, v, mask, bias, bias_type, mask_type, layout, cu_q, cu_kv,

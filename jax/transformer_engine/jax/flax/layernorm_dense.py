@@ -202,7 +202,7 @@ class LayerNormDenseGeneral(nn.Module):
         ln_bias = None if ln_bias is None else constrain(ln_bias, self.ln_bias_axes)
         if not self.enable_layernorm:
             out = dense(x, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))),
-                        quantizer_set=qset)
+                        quantizer_set=qset, input_axes=self.dot_input_axes or None)
             ln_out = x
         else:
             want_ln = self.return_layernorm_output or lora  # LoRA reads the normed input
@@ -210,7 +210,8 @@ class LayerNormDenseGeneral(nn.Module):
                                   norm_type=self.layernorm_type,
                                   zero_centered_gamma=self.zero_centered_gamma,
                                   epsilon=self.epsilon, quantizer_set=qset,
-                                  return_layernorm_output=want_ln)
+                                  return_layernorm_output=want_ln,
+                                  layernorm_input_axes=self.layernorm_input_axes or None)
             out, ln_out = out if want_ln else (out, None)
         if lora:
             out = add_lora(out, lora_delta(self, ln_out, axis, features,

@@ -238,7 +238,8 @@ class LayerNormMLP(nn.Module):
                       param_dtype=param_dtype)
         if not self.enable_layernorm:
             # No norm: the same block from its unfused parts.
-            h = self._lora(dense(x, k1, b1, quantizer_set=qsets[0]), x, (n_act, f), "wi_",
+            h = self._lora(dense(x, k1, b1, quantizer_set=qsets[0],
+                                 input_axes=self.dot_1_input_axes or None), x, (n_act, f), "wi_",
                            param_dtype)
             out = self._second_half(h.reshape(*h.shape[:-2], n_act * f), **second)
             return out, (x if self.return_layernorm_output else None)
@@ -248,7 +249,8 @@ class LayerNormMLP(nn.Module):
             # Unfused: dropout, or LoRA, acts between the GEMMs.
             want_ln = self.return_layernorm_output or lora
             h = layernorm_dense(x, gamma, beta, k1, b1, quantizer_set=qsets[0],
-                                return_layernorm_output=want_ln, **norm)
+                                return_layernorm_output=want_ln,
+                                layernorm_input_axes=self.layernorm_input_axes or None, **norm)
             h, ln = h if want_ln else (h, None)
             h = self._lora(h, ln, (n_act, f), "wi_", param_dtype)
             out = self._second_half(h.reshape(*h.shape[:-2], n_act * f), **second)
@@ -256,7 +258,8 @@ class LayerNormMLP(nn.Module):
         out = layernorm_mlp(x, gamma, beta, (k1, k2), None if b1 is None else (b1, b2),
                             activations=self.activations, quantizer_sets=qsets,
                             return_layernorm_output=self.return_layernorm_output,
-                            activation_params=self._activation_params(), **norm)
+                            activation_params=self._activation_params(),
+                            norm_input_axes=self.layernorm_input_axes or None, **norm)
         return out if self.return_layernorm_output else (out, None)
 
     def _second_half(self, h, k2, b2, qset, deterministic, param_dtype):
@@ -267,5 +270,6 @@ class LayerNormMLP(nn.Module):
                            broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
                            rng_collection=self.intermediate_dropout_rng_name)(
                                a, deterministic=deterministic)
-        return self._lora(dense(a, k2, b2, quantizer_set=qset), a, (k2.shape[-1],), "wo_",
-                          param_dtype)
+        return self._lora(dense(a, k2, b2, quantizer_set=qset,
+                                input_axes=self.dot_2_input_axes or None), a,
+                          (k2.shape[-1],), "wo_", param_dtype)

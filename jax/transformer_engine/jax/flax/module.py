@@ -165,7 +165,8 @@ class DenseGeneral(nn.Module):
         kernel = constrain(kernel.astype(dtype), self.kernel_axes)
         bias = None if bias is None else constrain(bias.astype(dtype), self.bias_axes)
         contracting = (axis, tuple(range(len(axis))))
-        out = dense(x, kernel, bias, contracting_dims=contracting, quantizer_set=quantizer_set)
+        out = dense(x, kernel, bias, contracting_dims=contracting, quantizer_set=quantizer_set,
+                    input_axes=self.input_axes or None)
         if self.enable_low_rank_adaptation:
             out = add_lora(out, lora_delta(self, x, axis, features, self.low_rank_adaptation_dim,
                                            self.low_rank_adaptation_alpha, param_dtype))

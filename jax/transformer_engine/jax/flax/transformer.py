@@ -182,8 +182,9 @@ class TransformerLayer(nn.Module):
     Under ``jax.jit`` over a mesh with a ``MeshResource`` the attention blocks are laid out as
     :class:`MultiHeadAttention` lays them out (tp: QKV column parallel over the heads, output
     projection row parallel) and the MLP as FC1 column / FC2 row parallel; fsdp splits the
-    kernels' ``"embed"`` axis and the batch. Context and sequence parallelism
-    (``cp_resource``, ``tpsp_resource``) raise NotImplementedError.
+    kernels' ``"embed"`` axis and the batch; cp splits the sequence (the attentions run
+    context parallel, see :mod:`transformer_engine.jax.context_parallel`). Sequence
+    parallelism (``tpsp_resource``) raises NotImplementedError.
         scale_attn_logits, scaled_query_init: see :class:`MultiHeadAttention`.
         window_size: (left, right) sliding window of the attentions.
 

@@ -1,0 +1,240 @@
+"""Context parallelism for the fused attention: the sequence split over a mesh axis.
+
+Under ``jax.jit`` over a mesh whose context-parallel axis (``MeshResource.cp_resource``, or
+the ``context_parallel_axis`` given to the attention) has ``n > 1`` devices, each device
+holds ``1/n`` of every sequence: its queries and its keys and values. The attention runs as
+NVIDIA's all-gather strategy does:
+
+* forward: each device all-gathers the keys and values along the sequence (``n - 1``
+  shards received) and attends its own queries to them;
+* backward: the keys and values are gathered again, each device computes its queries'
+  gradient and its share of every key's and value's gradient, and those shares are
+  reduce-scattered back to the devices that hold the keys.
+
+So no device holds another's queries, outputs or output gradients, and the extra memory is
+one layer's whole keys and values. Causal masks take each device's offset into account: a
+device's queries, at global positions ``p``, attend keys ``j <= p``. The core expresses that
+as a bottom-right causal mask over the keys up to the device's last query (a padding mask
+marks the keys after them), so the mask is a run-time length, not a branch per device.
+
+Causal attention leaves the devices unevenly loaded with a plain split (the last device's
+queries see every key, the first's only their own). :func:`reorder_causal_load_balancing`
+(NVIDIA's "dual chunk swap") cuts the sequence into ``2n`` chunks and gives device ``r``
+chunks ``r`` and ``2n - 1 - r``: every device then attends the same number of keys. A model
+run with ``context_parallel_causal_load_balanced=True`` takes its inputs (and labels)
+reordered that way and gives its outputs in that order; the attention undoes the order of
+the gathered keys and attends each of the device's two chunks with its own offset.
+
+Supported: the ``bshd`` and ``sbhd`` layouts, ``no_mask`` and the causal masks, GQA/MQA,
+the heads and the batch split over other axes. Refused with an error naming the feature:
+``thd`` and padding masks, sliding windows, dropout, and the ring strategy.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["CPStrategy", "ReorderStrategy", "reorder_causal_load_balancing",
+           "inverse_reorder_causal_load_balancing"]
+
+
+class CPStrategy(str, enum.Enum):
+    """How context-parallel attention exchanges the keys and values (NVIDIA's enum)."""
+
+    DEFAULT = "default"  # the all-gather strategy here
+    ALL_GATHER = "all_gather"
+    RING = "ring"
+
+
+class ReorderStrategy(str, enum.Enum):
+    """How :func:`reorder_causal_load_balancing` orders the sequence (NVIDIA's enum)."""
+
+    DualChunkSwap = "dual_chunk_swap"
+    Striped = "striped"
+
+
+def _seq_dim_of(caller: str, tensor_format) -> int:
+    fmt = str(getattr(tensor_format, "value", tensor_format)).lower()
+    if fmt not in ("bshd", "sbhd"):
+        raise ValueError(f"{caller}: tensor_format must be 'bshd' or 'sbhd' (QKVFormat.BSHD / "
+                         f"SBHD), got {tensor_format!r}")
+    return 0 if fmt == "sbhd" else 1
+
+
+def _parse(caller: str, args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(cp_size, seq_dim) from NVIDIA's two signatures: ``(cp_size, tensor_format)`` and
+    ``(strategy, cp_size, seq_dim)``."""
+    if args and isinstance(args[0], ReorderStrategy) or "strategy" in kwargs:
+        names = ("strategy", "cp_size", "seq_dim")
+        values = dict(zip(names, args, strict=False), **kwargs)
+        strategy = values.get("strategy")
+        if strategy != ReorderStrategy.DualChunkSwap:
+            raise NotImplementedError(f"{caller}: strategy {strategy!r} is not implemented; "
+                                      "ReorderStrategy.DualChunkSwap is")
+        return int(values["cp_size"]), int(values["seq_dim"])
+    names = ("cp_size", "tensor_format")
+    values = dict(zip(names, args, strict=False), **kwargs)
+    if set(values) != set(names):
+        raise TypeError(f"{caller}: takes (tensor, cp_size, tensor_format) or (tensor, strategy, "
+                        f"cp_size, seq_dim), got {len(args)} positional and {sorted(kwargs)}")
+    return int(values["cp_size"]), _seq_dim_of(caller, values["tensor_format"])
+
+
+def _chunk_order(cp_size: int) -> list[int]:
+    """The natural chunk at each position of the reordered sequence: device r's two chunks,
+    r and 2n - 1 - r, side by side."""
+    return [c for r in range(cp_size) for c in (r, 2 * cp_size - 1 - r)]
+
+
+def _permute_chunks(caller: str, tensor: jax.Array, cp_size: int, seq_dim: int,
+                    order: list[int]) -> jax.Array:
+    if cp_size < 1:
+        raise ValueError(f"{caller}: cp_size must be >= 1, got {cp_size}")
+    if cp_size == 1:
+        return tensor
+    tensor = jnp.asarray(tensor)
+    seq_dim = seq_dim % tensor.ndim
+    length = tensor.shape[seq_dim]
+    if length % (2 * cp_size):
+        raise ValueError(f"{caller}: the sequence (dimension {seq_dim}, length {length}) must be "
+                         f"a multiple of 2 * cp_size = {2 * cp_size}")
+    shape = tensor.shape
+    chunks = tensor.reshape(*shape[:seq_dim], 2 * cp_size, length // (2 * cp_size),
+                            *shape[seq_dim + 1:])
+    return jnp.take(chunks, jnp.asarray(order), axis=seq_dim).reshape(shape)
+
+
+def reorder_causal_load_balancing(tensor: jax.Array, *args, **kwargs) -> jax.Array:
+    """The sequence of ``tensor`` in the load-balanced order of causal context parallelism:
+    cut into ``2 * cp_size`` chunks, device r's shard is chunks r and 2 cp_size - 1 - r.
+
+    Takes NVIDIA's ``(tensor, cp_size, tensor_format)`` or ``(tensor, strategy, cp_size,
+    seq_dim)`` (``ReorderStrategy.DualChunkSwap`` only)."""
+    caller = "reorder_causal_load_balancing"
+    cp_size, seq_dim = _parse(caller, args, kwargs)
+    return _permute_chunks(caller, tensor, cp_size, seq_dim, _chunk_order(cp_size))
+
+
+def inverse_reorder_causal_load_balancing(tensor: jax.Array, *args, **kwargs) -> jax.Array:
+    """The inverse of :func:`reorder_causal_load_balancing` (same arguments): the sequence
+    back in its natural order."""
+    caller = "inverse_reorder_causal_load_balancing"
+    cp_size, seq_dim = _parse(caller, args, kwargs)
+    order = _chunk_order(cp_size)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return _permute_chunks(caller, tensor, cp_size, seq_dim, inverse)
+
+
+# --- what one device computes ---------------------------------------------------------------
+
+
+def _gather(t: jax.Array, axis: str, seq: int, size: int, balanced: bool) -> jax.Array:
+    """The whole sequence of this device's shard ``t``, in the natural order."""
+    whole = jax.lax.all_gather(t, axis, axis=seq, tiled=True)
+    if balanced:
+        order = _chunk_order(size)
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        whole = _permute_chunks("context parallel attention", whole, size, seq, inverse)
+    return whole
+
+
+def _scatter(t: jax.Array, axis: str, seq: int, size: int, balanced: bool) -> jax.Array:
+    """This device's shard of the sum over devices of ``t`` (the whole sequence, natural
+    order): the reverse of :func:`_gather`."""
+    if balanced:
+        t = _permute_chunks("context parallel attention", t, size, seq, _chunk_order(size))
+    return jax.lax.psum_scatter(t, axis, scatter_dimension=seq, tiled=True)
+
+
+def _pieces(local: int, size: int, balanced: bool, rank) -> list[tuple[int, int, jax.Array]]:
+    """(start, length, keys visible to the piece's last query) of each run of consecutive
+    positions among this device's queries; ``rank`` is the device's index on the axis."""
+    if not balanced:
+        return [(0, local, (rank + 1) * local)]
+    half = local // 2
+    return [(0, half, (rank + 1) * half), (half, half, (2 * size - rank) * half)]
+
+
+def _slice(x: jax.Array, dim: int, start: int, length: int) -> jax.Array:
+    return jax.lax.slice_in_dim(x, start, start + length, axis=dim)
+
+
+def shard_forward(run: Callable, q, k, v, *, layout: str, causal: bool, axis: str, size: int,
+                  balanced: bool):
+    """(o, lse) of this device's queries. ``run(q, k, v, kv_lengths)`` is the plain forward
+    call: no lengths for the unmasked attention, else the keys each sequence has (int32
+    [batch]) under a bottom-right causal padding mask."""
+    seq = 0 if layout == "sbhd" else 1
+    k, v = (_gather(t, axis, seq, size, balanced) for t in (k, v))
+    if not causal:
+        return run(q, k, v, None)
+    rank = jax.lax.axis_index(axis)
+    batch = q.shape[1 - seq]
+    outs = [run(_slice(q, seq, start, n), k, v, jnp.full((batch,), keys, jnp.int32))
+            for start, n, keys in _pieces(q.shape[seq], size, balanced, rank)]
+    if len(outs) == 1:
+        return outs[0]
+    return (jnp.concatenate([o for o, _ in outs], axis=seq),
+            jnp.concatenate([lse for _, lse in outs], axis=2))
+
+
+def shard_backward(run: Callable, q, k, v, o, d_o, lse, *, layout: str, causal: bool, axis: str,
+                   size: int, balanced: bool):
+    """(dq, dk, dv) of this device's shards. ``run(q, k, v, o, d_o, lse, kv_lengths)`` is the
+    plain backward call (see :func:`shard_forward`); the keys' and values' gradients of every
+    device's queries are summed onto the devices that hold the keys."""
+    seq = 0 if layout == "sbhd" else 1
+    kg, vg = (_gather(t, axis, seq, size, balanced) for t in (k, v))
+    if not causal:
+        dq, dk, dv = run(q, kg, vg, o, d_o, lse, None)
+    else:
+        rank = jax.lax.axis_index(axis)
+        batch = q.shape[1 - seq]
+        dqs, dk, dv = [], None, None
+        for start, n, keys in _pieces(q.shape[seq], size, balanced, rank):
+            part = run(_slice(q, seq, start, n), kg, vg,
+                       _slice(o, seq, start, n), _slice(d_o, seq, start, n),
+                       _slice(lse, 2, start, n), jnp.full((batch,), keys, jnp.int32))
+            dqs.append(part[0])
+            # The two pieces' shares are added in fp32: one rounding to the gradient's dtype.
+            dk = part[1].astype(jnp.float32) + (0.0 if dk is None else dk)
+            dv = part[2].astype(jnp.float32) + (0.0 if dv is None else dv)
+        dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs, axis=seq)
+        dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
+    return (dq, _scatter(dk, axis, seq, size, balanced), _scatter(dv, axis, seq, size, balanced))
+
+
+def check_call(caller: str, *, layout: str, mask: str, window: Optional[tuple], dropout: float,
+               strategy, sq: int, skv: int, size: int, balanced: bool) -> None:
+    """Raises, naming the feature, for what context parallelism does not do here."""
+    name = str(getattr(strategy, "value", strategy)).lower()
+    if name not in ("default", "all_gather"):
+        raise NotImplementedError(f"{caller}: context_parallel_strategy {strategy!r} is not "
+                                  "implemented; the all-gather strategy ('all_gather', "
+                                  "CPStrategy.ALL_GATHER or DEFAULT) is")
+    if layout == "thd":
+        raise NotImplementedError(f"{caller}: context parallelism is not implemented for the "
+                                  "thd layout; use bshd or sbhd")
+    if mask not in ("no_mask", "causal", "causal_bottom_right"):
+        raise NotImplementedError(f"{caller}: context parallelism takes attn_mask_type "
+                                  f"'no_mask' or a causal mask, got {mask!r} (padding masks "
+                                  "are not implemented under context parallelism)")
+    if mask != "no_mask" and sq != skv:
+        raise NotImplementedError(f"{caller}: causal context parallelism needs as many queries "
+                                  f"as keys, got {sq} and {skv}")
+    if window is not None and tuple(window) not in ((-1, -1), (-1, 0)):
+        raise NotImplementedError(f"{caller}: sliding windows are not implemented under context "
+                                  f"parallelism, got window_size {tuple(window)}")
+    if dropout > 0.0:
+        raise NotImplementedError(f"{caller}: attention dropout is not implemented under context "
+                                  f"parallelism, got dropout_probability {dropout}")
+    granule = 2 * size if balanced else size
+    for what, n in (("query", sq), ("key", skv)):
+        if n % granule:
+            raise ValueError(f"{caller}: the {what} sequence length {n} must be a multiple of "
+                             f"{granule} ({'2 x ' if balanced else ''}the context-parallel "
+                             f"axis's {size} devices)")
