@@ -126,3 +126,18 @@ def cuda_device() -> Device:
     if not _cuda_usable():
         pytest.skip("this build of the core has no CUDA kernels")
     return Device("cuda")
+
+
+@pytest.fixture(scope="module")
+def workspaces():
+    """The GEMM's CUDA workspace for a device (None on the CPU, which needs none)."""
+    cache = {}
+
+    def get(device):
+        if not device.is_cuda:
+            return None
+        if "cuda" not in cache:
+            cache["cuda"] = device.put(np.zeros(core.gemm_workspace_size(), np.uint8))
+        return cache["cuda"]
+
+    return get

@@ -22,20 +22,6 @@ HP = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat
 FP8_PAIRS = [("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3")]
 
 
-@pytest.fixture(scope="module")
-def workspaces():
-    cache = {}
-
-    def get(device):
-        if not device.is_cuda:
-            return None
-        if "cuda" not in cache:
-            cache["cuda"] = device.put(np.zeros(core.gemm_workspace_size(), np.uint8))
-        return cache["cuda"]
-
-    return get
-
-
 def fp8_dtype(name: str):
     return getattr(core.DType, "float8_" + name)
 

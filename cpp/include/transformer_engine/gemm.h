@@ -68,6 +68,23 @@ te_status te_gemm(const te_tensor *a, const te_tensor *b, te_tensor *d, const te
                   te_tensor *pre_gelu_out, const te_gemm_config *config, void *workspace,
                   size_t workspace_size, te_stream stream);
 
+/* Grouped GEMM: D_g = op(A_g) @ op(B_g) (+ bias_g) for every group g in [0, groups), in one
+ * call (the experts of a mixture-of-experts layer, each with its own tokens and weight).
+ * Each group follows te_gemm's rules on its own: its dtypes, scaling modes and scales (an
+ * expert's per-tensor FP8 scales are its own), and its M, N, K; config (gelu must be 0)
+ * applies to every group. A group with M = 0 or N = 0 writes nothing; one with K = 0 (a
+ * weight gradient of an expert that got no token) sets D_g to 0, or leaves it with
+ * config->accumulate (no bias and no FP8 output then).
+ * Every group is checked before any runs: an error names the group ("group 3: b.data ...")
+ * and nothing is written. No output may overlap another group's output or any group's input.
+ * [in] a, b, d: groups handles each; [in] bias: NULL, or groups entries each NULL or a bias;
+ * workspace and stream as for te_gemm. On CUDA the groups run one after the other on the
+ * stream (cuBLASLt). */
+te_status te_grouped_gemm(const te_tensor *const *a, const te_tensor *const *b,
+                          te_tensor *const *d, const te_tensor *const *bias, size_t groups,
+                          const te_gemm_config *config, void *workspace, size_t workspace_size,
+                          te_stream stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -385,9 +385,16 @@ te_status gemm_cuda(const GemmArgs &g, te_stream stream) {
     return TE_SUCCESS;
   }
   if (g.k == 0) {
-    return fail(TE_ERROR_UNSUPPORTED, kOp,
-                "K (the contraction dimension) must be positive on CUDA, got 0 (cuBLASLt takes no "
-                "empty contraction; the CPU path does)");
+    // An empty sum (the weight gradient of an expert that got no token): D = 0, or D as it is
+    // when accumulating. cuBLASLt takes no empty contraction, so it is written here.
+    if (g.bias != nullptr || g.d_amax != nullptr || is_fp8(g.d_dtype) || g.gelu) {
+      return fail(TE_ERROR_UNSUPPORTED, kOp,
+                  "K (the contraction dimension) = 0 takes no bias, amax, FP8 output or GELU on "
+                  "CUDA (D would be 0 or the bias alone); the CPU path does");
+    }
+    if (g.accumulate) return TE_SUCCESS;
+    const size_t bytes = static_cast<size_t>(g.m * g.n) * te_dtype_size(g.d_dtype);
+    return cuda_status(kOp, cudaMemsetAsync(g.d, 0, bytes, s));
   }
   return run(g, s);
 }

@@ -1,0 +1,173 @@
+"""te_grouped_gemm: each group equal, bit for bit, to te_gemm of that group alone (the grouped
+call runs each group by te_gemm's rules), and within te_gemm's bounds of a float64 product.
+Empty groups (M = 0, and K = 0: an expert with no token), per-group FP8 scales, errors that
+name the group, and nothing written when any group is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from te_common_tests import _tolerances as tol
+from te_common_tests._reference import stable_seed
+from te_common_tests.test_gemm import (
+    HP,
+    Operand,
+    fp8_block_operand,
+    fp8_tensor_operand,
+    hp_operand,
+    random_matrix,
+    reference,
+)
+
+from transformer_engine.common import _core as core
+
+
+def _grouped(device, workspaces, a_ops, b_ops, out_dtype, *, transpose_a=False,
+             transpose_b=True, biases=None, accumulate_into=None):
+    """Runs the grouped GEMM; returns the groups' D as float64 arrays."""
+    ds = []
+    for i, (a, b) in enumerate(zip(a_ops, b_ops, strict=True)):
+        m = a.value.shape[1] if transpose_a else a.value.shape[0]
+        n = b.value.shape[0] if transpose_b else b.value.shape[1]
+        d0 = (accumulate_into[i] if accumulate_into is not None
+              else np.full((m, n), np.nan, np.float32))
+        ds.append(device.put(d0.astype(HP[out_dtype])))
+    core.grouped_gemm([a.on(device) for a in a_ops], [b.on(device) for b in b_ops], ds,
+                      bias=None if biases is None else [None if x is None else device.put(x)
+                                                        for x in biases],
+                      transpose_a=transpose_a, transpose_b=transpose_b,
+                      accumulate=accumulate_into is not None, use_split_accumulator=True,
+                      workspace=workspaces(device), stream=device.stream)
+    return [device.get(d).astype(np.float64) for d in ds]
+
+
+def _single(device, workspaces, a, b, out_dtype, *, transpose_a=False,
+            transpose_b=True, bias=None, accumulate_into=None):
+    m = a.value.shape[1] if transpose_a else a.value.shape[0]
+    n = b.value.shape[0] if transpose_b else b.value.shape[1]
+    d0 = accumulate_into if accumulate_into is not None else np.full((m, n), np.nan, np.float32)
+    d = device.put(d0.astype(HP[out_dtype]))
+    core.gemm(a.on(device), b.on(device), d, bias=None if bias is None else device.put(bias),
+              transpose_a=transpose_a, transpose_b=transpose_b,
+              accumulate=accumulate_into is not None, use_split_accumulator=True,
+              workspace=workspaces(device), stream=device.stream)
+    return device.get(d).astype(np.float64)
+
+
+def _check_groups(got, a_ops, b_ops, out, **kw):
+    for i, (g, a, b) in enumerate(zip(got, a_ops, b_ops, strict=True)):
+        want, absp, k = reference(a, b, transpose_b=kw.get("transpose_b", True),
+                                  transpose_a=kw.get("transpose_a", False),
+                                  bias=kw.get("bias", [None] * len(got))[i])
+        if g.size:
+            bound = tol.gemm_bound(absp, want, max(k, 1), out)
+            assert np.all(np.abs(g - want) <= bound), f"group {i}: {np.abs(g - want).max()}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_high_precision_groups_equal_their_single_gemms(device, workspaces, dtype):
+    """Experts of different token counts (one empty), one weight each: the forward shape."""
+    rng = np.random.default_rng(stable_seed("grouped", dtype))
+    k, n = 48, 40
+    rows = [17, 0, 64, 5]
+    a_ops = [hp_operand(random_matrix(rng, (m, k)), dtype) for m in rows]
+    b_ops = [hp_operand(random_matrix(rng, (n, k)), dtype) for _ in rows]
+    biases = [random_matrix(rng, (n,)).astype(HP[dtype]) if i % 2 == 0 else None
+              for i in range(len(rows))]
+    got = _grouped(device, workspaces, a_ops, b_ops, dtype, biases=biases)
+    for i, (a, b) in enumerate(zip(a_ops, b_ops, strict=True)):
+        alone = _single(device, workspaces, a, b, dtype, bias=biases[i])
+        np.testing.assert_array_equal(got[i], alone, err_msg=f"group {i}")
+    assert got[1].shape == (0, n)
+    _check_groups(got, a_ops, b_ops, dtype, bias=biases)
+
+
+def test_weight_gradients_of_experts_without_tokens_are_zero_or_kept(device,
+                                                                      workspaces):
+    """wgrad = dy_g^T @ x_g (transpose_a): an expert with no token has K = 0, so its gradient
+    is 0, or stays as it was when accumulating into it."""
+    rng = np.random.default_rng(5)
+    n, kin = 24, 32
+    tokens = [9, 0, 30]
+    dys = [hp_operand(random_matrix(rng, (t, n)), "float32") for t in tokens]
+    xs = [hp_operand(random_matrix(rng, (t, kin)), "float32") for t in tokens]
+    got = _grouped(device, workspaces, dys, xs, "float32", transpose_a=True, transpose_b=False)
+    np.testing.assert_array_equal(got[1], np.zeros((n, kin)))
+    _check_groups(got, dys, xs, "float32", transpose_a=True, transpose_b=False)
+    before = [random_matrix(rng, (n, kin)) for _ in tokens]
+    acc = _grouped(device, workspaces, dys, xs, "float32", transpose_a=True, transpose_b=False,
+                   accumulate_into=before)
+    np.testing.assert_array_equal(acc[1], before[1].astype(np.float64))
+    for i in (0, 2):
+        alone = _single(device, workspaces, dys[i], xs[i], "float32", transpose_a=True,
+                        transpose_b=False, accumulate_into=before[i])
+        np.testing.assert_array_equal(acc[i], alone)
+
+
+@pytest.mark.parametrize("out", ["float32", "bfloat16"])
+def test_fp8_groups_take_each_their_own_scales(device, workspaces, out):
+    """Per-tensor FP8: every expert's input and weight have their own scale (the weights'
+    magnitudes differ by orders), and block-scaled groups beside them in another call."""
+    rng = np.random.default_rng(stable_seed("grouped-fp8", out))
+    k, n = 64, 32
+    rows = [32, 0, 16]
+    a_ops = [fp8_tensor_operand(random_matrix(rng, (m, k)) * 10.0 ** i, "e4m3", rng)
+             if m else Operand(np.zeros((0, k)), {"data": np.zeros((0, k), np.uint8),
+                                                  "scale_inv": np.ones(1, np.float32)},
+                               core.DType.float8_e4m3)
+             for i, m in enumerate(rows)]
+    b_ops = [fp8_tensor_operand(random_matrix(rng, (n, k)) * 10.0 ** -i, "e4m3", rng)
+             for i in range(len(rows))]
+    got = _grouped(device, workspaces, a_ops, b_ops, out)
+    for i, (a, b) in enumerate(zip(a_ops, b_ops, strict=True)):
+        np.testing.assert_array_equal(got[i], _single(device, workspaces, a, b, out))
+    _check_groups(got, a_ops, b_ops, out)
+
+    a_blk = [fp8_block_operand(random_matrix(rng, (m, 256)), "e4m3", "block_1x128")
+             for m in (48, 16)]
+    b_blk = [fp8_block_operand(random_matrix(rng, (n, 256)), "e4m3", "block_128x128")
+             for _ in range(2)]
+    got = _grouped(device, workspaces, a_blk, b_blk, out)
+    for i, (a, b) in enumerate(zip(a_blk, b_blk, strict=True)):
+        np.testing.assert_array_equal(got[i], _single(device, workspaces, a, b, out))
+
+
+def test_a_refused_group_is_named_and_nothing_is_written(device, workspaces):
+    rng = np.random.default_rng(9)
+    a_ops = [hp_operand(random_matrix(rng, (8, 16)), "float32") for _ in range(3)]
+    b_ops = [hp_operand(random_matrix(rng, (4, 16)), "float32") for _ in range(2)]
+    b_ops.append(hp_operand(random_matrix(rng, (4, 12)), "float32"))  # K = 12, not 16
+    ds = [device.put(np.full((8, 4), 7.0, np.float32)) for _ in range(3)]
+    with pytest.raises(ValueError, match=r"^grouped_gemm: group 2: b.data must have K = 16"):
+        core.grouped_gemm([a.on(device) for a in a_ops], [b.on(device) for b in b_ops], ds,
+                          workspace=workspaces(device), stream=device.stream)
+    for d in ds:  # group 0 and 1 were valid, but nothing ran
+        np.testing.assert_array_equal(device.get(d), np.full((8, 4), 7.0, np.float32))
+
+
+def test_groups_writing_one_buffer_or_reading_another_groups_output_are_refused(device):
+    rng = np.random.default_rng(10)
+    a = device.put(random_matrix(rng, (8, 16)))
+    b = device.put(random_matrix(rng, (4, 16)))
+    d = device.put(np.zeros((8, 4), np.float32))
+    with pytest.raises(ValueError, match=r"^grouped_gemm: group 0 d.data must not overlap "
+                                         r"group 1 d.data"):
+        core.grouped_gemm([a, a], [b, b], [d, d], stream=device.stream)
+    d2 = device.put(np.zeros((8, 16), np.float32))
+    a2 = device.put(random_matrix(rng, (16, 16)))
+    with pytest.raises(ValueError, match=r"group 0 d.data must not overlap the input group 1 "
+                                         r"a.data"):
+        core.grouped_gemm([a, d2], [a2, a2], [d2, device.put(np.zeros((8, 16), np.float32))],
+                          stream=device.stream)
+
+
+def test_argument_lists_must_match_and_no_group_does_nothing():
+    a = np.ones((4, 8), np.float32)
+    b = np.ones((2, 8), np.float32)
+    d = np.zeros((4, 2), np.float32)
+    with pytest.raises(ValueError, match=r"^grouped_gemm: a, b, d .* one entry per group, got "
+                                         r"2, 1, 2"):
+        core.grouped_gemm([a, a], [b], [d, d.copy()])
+    core.grouped_gemm([], [], [])  # no group: nothing to do
+    core.grouped_gemm([a], [b], [d])
+    np.testing.assert_array_equal(d, np.full((4, 2), 8.0, np.float32))
