@@ -1,5 +1,6 @@
-"""te.GroupedLinear: each row group through its own te.Linear, bit for bit, under every recipe;
-NVIDIA's parameter names and state_dict keys; its errors."""
+"""te.GroupedLinear: each row group through its own te.Linear, bit for bit, under every recipe
+(per-tensor FP8 with the groups' GEMMs grouped into one core call each); NVIDIA's parameter
+names and state_dict keys; its errors."""
 
 from __future__ import annotations
 
@@ -70,3 +71,80 @@ def test_bad_inputs_name_the_module_and_argument():
         te.GroupedLinear(2, 16, 8, device="cpu", tp_size=2)
     with pytest.raises(ValueError, match="num_gemms"):
         te.GroupedLinear(0, 16, 8, device="cpu")
+
+
+def _pair(num, k, n, dtype=torch.float32, bias=True):
+    torch.manual_seed(1)
+    grouped = te.GroupedLinear(num, k, n, bias=bias, params_dtype=dtype, device="cpu")
+    singles = []
+    for i in range(num):
+        lin = te.Linear(k, n, bias=bias, params_dtype=dtype, device="cpu")
+        state = {"weight": getattr(grouped, f"weight{i}").detach()}
+        if bias:
+            state["bias"] = getattr(grouped, f"bias{i}").detach()
+        lin.load_state_dict(state, strict=False)
+        singles.append(lin)
+    return grouped, singles
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_fp8_steps_equal_separate_linears_and_make_three_core_calls(name, dtype,
+                                                                             monkeypatch):
+    """Three steps (delayed scaling's state updates included), splits that need padding and
+    an empty group; every step makes one grouped core call per GEMM phase and no single one."""
+    from transformer_engine.pytorch import grouped_linear_fn, ops
+
+    calls = {"grouped": 0}
+    real = grouped_linear_fn.ops.grouped_gemm_fp8
+
+    def counting(*args):
+        calls["grouped"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(grouped_linear_fn.ops, "grouped_gemm_fp8", counting)
+    r = RECIPES[name]
+    grouped, singles = _pair(4, 32, 48, dtype)
+    splits = [21, 16, 0, 35]
+    for step in range(3):
+        x = torch.randn(72, 32, dtype=dtype) * (step + 1)
+        xg, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with te.fp8_autocast(fp8_recipe=r):
+            y = grouped(xg, splits)
+        calls_after_forward = calls["grouped"]
+        with te.fp8_autocast(fp8_recipe=r):
+            ys = torch.cat([m(p) for m, p in zip(singles, torch.split(xs, splits), strict=True)])
+        assert torch.equal(y, ys), step
+        g = torch.randn_like(y)
+        (y.float() * g.float()).sum().backward()
+        (ys.float() * g.float()).sum().backward()
+        assert torch.equal(xg.grad, xs.grad), step
+        for i, m in enumerate(singles):
+            gm = grouped.gemms[i]
+            assert torch.equal(gm.weight.grad, m.weight.grad), (step, i)
+            assert torch.equal(gm.bias.grad, m.bias.grad), (step, i)
+            for key, buf in m.named_buffers():
+                assert torch.equal(dict(gm.named_buffers())[key], buf), (step, i, key)
+            gm.weight.grad = gm.bias.grad = m.weight.grad = m.bias.grad = None
+        assert calls_after_forward == 3 * step + 1 and calls["grouped"] == 3 * (step + 1)
+    assert ops.grouped_gemm_fp8 is counting
+
+
+def test_grouped_fp8_return_bias_frozen_weights_and_first_microbatch():
+    r = recipe.Float8CurrentScaling()
+    grouped, singles = _pair(2, 16, 16)
+    for m in (grouped, *grouped.gemms, *singles):
+        m.return_bias = True
+    for m in (*grouped.gemms, *singles):
+        m.weight.requires_grad_(False)
+    x = torch.randn(20, 16, requires_grad=True)
+    xs = x.detach().clone().requires_grad_()
+    with te.fp8_autocast(fp8_recipe=r):
+        y, biases = grouped(x, [12, 8], is_first_microbatch=True)
+        y2, _ = grouped(x, [12, 8], is_first_microbatch=False)  # the kept weight copies
+        ys = torch.cat([m(p)[0] for m, p in zip(singles, torch.split(xs, [12, 8]),
+                                                 strict=True)])
+    assert torch.equal(y, y2) and torch.equal(y, ys)
+    assert [b is grouped.gemms[i].bias for i, b in enumerate(biases)] == [True, True]
+    y.sum().backward()
+    assert x.grad is not None and grouped.gemms[0].weight.grad is None

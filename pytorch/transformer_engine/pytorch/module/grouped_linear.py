@@ -1,11 +1,13 @@
 """GroupedLinear: ``num_gemms`` linear layers applied to consecutive row groups of one input
 (the experts of a mixture-of-experts layer, their tokens sorted by expert).
 
-Each group is its own te.Linear (``gemms[i]``): its FP8 state, its weight and bias, its fast
-path. NVIDIA TE runs the groups as one grouped GEMM; here they run one after the other, so the
-numbers are exactly those of separate te.Linear layers and the host time grows with
-``num_gemms``. NVIDIA's parameter names (``weight0``, ``bias0``, ...) are attributes of the
-module and the keys of its ``state_dict``, so checkpoints carry over both ways.
+Each group is its own te.Linear (``gemms[i]``): its FP8 state, its weight and bias. Under
+per-tensor FP8 (delayed and current scaling) the groups' GEMMs run as one grouped core call
+per phase (forward, dgrad, wgrad; grouped_linear_fn.py), each group quantized by its own
+layer; other recipes, bf16 and FP8 inputs run the layers one after the other. Either way the
+numbers are exactly those of separate te.Linear layers. NVIDIA's parameter names
+(``weight0``, ``bias0``, ...) are attributes of the module and the keys of its
+``state_dict``, so checkpoints carry over both ways.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ._checks import check_sizes, refuse_non_defaults
+from .. import fp8
+from ..float8_tensor import Float8Tensor
+from ..grouped_linear_fn import GroupedConsts, GroupedFp8Function, GroupMeta
+from ..quantization import kind_of
+from ._checks import check_device, check_sizes, refuse_non_defaults
 from ._deferred_init import DeferredInit
-from .linear import Linear, _default_device
+from .linear import _FP8_INPUT_DTYPES, Linear, _default_device, check_fp8_shape
 
 __all__ = ["GroupedLinear"]
 
@@ -100,6 +106,13 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         if sum(splits) != rows.shape[0]:
             raise ValueError(f"{op}: m_splits must add up to the input's {rows.shape[0]} rows, "
                              f"got {splits} (sum {sum(splits)})")
+        if fp8.STATE.enabled:
+            out = self._grouped_fp8(rows, splits, fp8.STATE.recipe, is_first_microbatch)
+            if out is not None:
+                out = out.view(*inp.shape[:-1], self.out_features)
+                if self.return_bias:
+                    return out, [g._parameters["bias"] for g in self.gemms]
+                return out
         outs, biases = [], []
         for gemm, part in zip(self.gemms, torch.split(rows, splits), strict=True):
             y = gemm(part, is_first_microbatch)
@@ -109,6 +122,39 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
             outs.append(y)
         out = torch.cat(outs).view(*inp.shape[:-1], self.out_features)
         return (out, biases) if self.return_bias else out
+
+
+    def _grouped_fp8(self, rows: torch.Tensor, splits: list, recipe, is_first_microbatch):
+        """The FP8 forward with the groups' GEMMs grouped (grouped_linear_fn.py), or None
+        where the layers run one after the other instead: a recipe other than per-tensor
+        scaling, an FP8 (Float8Tensor) input, or a group's weight in another format."""
+        if isinstance(rows, Float8Tensor) or kind_of(recipe) not in ("delayed", "current"):
+            return None
+        device_type = "cuda" if rows.is_cuda else "cpu"
+        if torch.is_autocast_enabled(device_type):
+            rows = rows.to(torch.get_autocast_dtype(device_type))
+        check_fp8_shape(rows, self.in_features, self.out_features, self._name)
+        if rows.dtype not in _FP8_INPUT_DTYPES:
+            raise TypeError(f"{self._name}: input must be float32, bfloat16 or float16 in FP8, "
+                            f"got {rows.dtype}")
+        grad = torch.is_grad_enabled()
+        need_dgrad = grad and rows.requires_grad
+        params, biases, metas, w_ops = [], [], [], []
+        for gemm in self.gemms:
+            weight, bias = gemm._weight_and_bias()
+            check_device(self._name, "input", rows, weight)
+            plan, scales, history = gemm._fp8_meta_of(recipe)
+            bwd_meta, bwd_recipe, group = gemm._backward_state(plan, recipe)
+            w_ops.append(gemm._weight_operand(plan, weight, need_dgrad, is_first_microbatch,
+                                              scales, history))
+            metas.append(GroupMeta(plan, scales, history, bwd_meta, bwd_recipe, group))
+            params.append(weight)
+            biases.append(bias)
+        need_wgrad = grad and any(w.requires_grad for w in params)
+        if self.use_bias and not self.return_bias:
+            params += biases
+        cfg = GroupedConsts(tuple(splits), tuple(metas), need_dgrad, need_wgrad)
+        return GroupedFp8Function.apply(rows, cfg, tuple(w_ops), *params)
 
 
 def _to_nvidia_names(module, state_dict, prefix, local_metadata):

@@ -112,3 +112,56 @@ def _(a, a_scale_inv, a_fp8_dtype, b, b_scale_inv, b_fp8_dtype, out_fp8_dtype, o
     _check(a, b, torch.float32)
     return (a.new_empty((a.shape[0], b.shape[0]), dtype=torch.uint8),
             a.new_empty(1, dtype=torch.float32), a.new_empty(1, dtype=torch.float32))
+
+
+def _check_grouped(a: list, b: list, out_dtype: torch.dtype) -> int:
+    """The common N of the groups' ``a_g [M_g, K_g] @ b_g [N, K_g]^T``."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"grouped_gemm: a and b must be non-empty lists of one matrix per group, "
+                         f"got {len(a)} and {len(b)}")
+    n = b[0].shape[0] if b[0].dim() == 2 else -1
+    for i, (x, w) in enumerate(zip(a, b, strict=True)):
+        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or w.shape[0] != n:
+            raise ValueError(f"grouped_gemm: group {i}: a [M, K] and b [N, K] must share K, and "
+                             f"every b must have group 0's N = {n}, got shapes "
+                             f"{list(x.shape)} and {list(w.shape)}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"grouped_gemm: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    return n
+
+
+@custom_op("transformer_engine::grouped_gemm_fp8", mutates_args=())
+def grouped_gemm_fp8(
+    a: list[torch.Tensor], a_scale_inv: list[torch.Tensor], a_fp8_dtype: str,
+    b: list[torch.Tensor], b_scale_inv: list[torch.Tensor], b_fp8_dtype: str,
+    out_dtype: torch.dtype, bias: list[Optional[torch.Tensor]], use_split_accumulator: bool,
+) -> torch.Tensor:
+    """The groups' ``D_g = dequant(a_g) @ dequant(b_g)^T (+ bias_g)`` (per-tensor FP8, each
+    group with its own scale_inv) in one core call, stacked by rows: D [sum M_g, N].
+    ``bias``: [] for none, else one entry per group (None: that group has none)."""
+    n = _check_grouped(a, b, out_dtype)
+    c = core()
+    rows = [x.shape[0] for x in a]
+    d = a[0].new_empty((sum(rows), n), dtype=out_dtype)
+    ws = raw_workspace_for(d)
+    a = [x.contiguous() for x in a]
+    b = [w.contiguous() for w in b]
+    a_scale_inv = [s.contiguous() for s in a_scale_inv]
+    b_scale_inv = [s.contiguous() for s in b_scale_inv]
+    bias = [None if x is None else x.contiguous() for x in bias] or None
+    outs = list(torch.split(d, rows))  # views: the core writes each group's rows in place
+    c.grouped_gemm(
+        [_operand(c, x, s, a_fp8_dtype, "tensor") for x, s in zip(a, a_scale_inv, strict=True)],
+        [_operand(c, w, s, b_fp8_dtype, "tensor") for w, s in zip(b, b_scale_inv, strict=True)],
+        [raw(o) for o in outs],
+        bias=None if bias is None else [None if x is None else raw(x) for x in bias],
+        transpose_a=False, transpose_b=True, use_split_accumulator=use_split_accumulator,
+        workspace=ws, stream=stream_of(d))
+    return d
+
+
+@grouped_gemm_fp8.register_fake
+def _(a, a_scale_inv, a_fp8_dtype, b, b_scale_inv, b_fp8_dtype, out_dtype, bias,
+      use_split_accumulator):
+    n = _check_grouped(a, b, out_dtype)
+    return a[0].new_empty((sum(x.shape[0] for x in a), n), dtype=out_dtype)

@@ -1,0 +1,132 @@
+"""The autograd function of te.GroupedLinear under a per-tensor FP8 recipe (delayed or current
+scaling): the groups' three GEMMs each in one grouped core call.
+
+Group g is its own te.Linear (``gemms[g]``): its plan, FP8 state, weight copy and scales are
+those that layer would use, and each group's input and gradient are quantized as that layer
+quantizes them (one core call per group and role). What is grouped is the GEMMs:
+
+    forward  out_g  = x_g @ w_g^T      one te_grouped_gemm over the groups
+    dgrad    dx_g   = dy_g @ w_g       one te_grouped_gemm
+    wgrad    dw_g   = dy_g^T @ x_g     one te_grouped_gemm (an empty group: dw_g = 0)
+
+so the numbers are those of separate te.Linear layers, bit for bit (each group's GEMM is the
+same core GEMM), with three core calls where the layers take 3 per group. Token counts that
+are not multiples of the FP8 GEMM's granule of 16 are padded per group, as te.Linear pads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from . import ops
+from .linear_fn import grad_to_fp8, pad_gemm_operands, update_backward
+from .quantization import Plan, quantize
+
+
+class GroupMeta(NamedTuple):
+    """What one group's FP8 forward and backward need of its layer (see module/base.py)."""
+
+    plan: Plan
+    scales: torch.Tensor  # forward scales (delayed scaling)
+    history: Any  # forward amax history, or None (a checkpoint's recompute)
+    bwd_meta: tuple  # (history, scale, scale_inv) of the backward roles
+    bwd_recipe: Any  # the recipe when the backward update takes the general path
+    group: Any  # the amax reduction group
+
+
+class GroupedConsts(NamedTuple):
+    splits: tuple  # rows of each group
+    metas: tuple  # GroupMeta per group
+    need_dgrad: bool
+    need_wgrad: bool
+
+
+def _stacked_gemm(a_ops: list, b_ops: list, fmt_a: str, fmt_b: str, out_dtype: torch.dtype,
+                  biases, split: bool) -> torch.Tensor:
+    """The groups' ``a_g @ b_g^T (+ bias_g)`` stacked by rows, each pair padded to the
+    granule as te.Linear pads it (:func:`pad_gemm_operands`), the padded rows dropped.
+    ``a_ops`` / ``b_ops``: (data, scale_inv) per group. A bias joins the epilogue in a 16-bit
+    output (as te.Linear's); with an fp32 output it is added afterwards, as there."""
+    a, a_sinv, b, b_sinv, rows, padded = [], [], [], [], [], False
+    for (x, xs), (w, ws) in zip(a_ops, b_ops, strict=True):
+        x, xs, w, m = pad_gemm_operands(x, xs, "tensor", w)
+        a.append(x)
+        a_sinv.append(xs)
+        b.append(w)
+        b_sinv.append(ws)
+        rows.append(m)
+        padded = padded or x.shape[0] != m
+    fused = biases is not None and out_dtype in (torch.bfloat16, torch.float16)
+    gemm_bias = [x if x.dtype == out_dtype else x.to(out_dtype) for x in biases] if fused \
+        else []
+    out = ops.grouped_gemm_fp8(a, a_sinv, fmt_a, b, b_sinv, fmt_b, out_dtype, gemm_bias, split)
+    if padded:
+        parts = torch.split(out, [x.shape[0] for x in a])
+        out = torch.cat([p[:m] for p, m in zip(parts, rows, strict=True)])
+    if biases is not None and not fused:
+        for part, bias in zip(torch.split(out, rows), biases, strict=True):
+            part.add_(bias if bias.dtype == out.dtype else bias.to(out.dtype))
+    return out
+
+
+class GroupedFp8Function(torch.autograd.Function):
+    """``out[rows of g] = x[rows of g] @ weight_g^T (+ bias_g)`` (see the module docstring).
+
+    Arguments: the input [M, K] (the groups' rows back to back); ``cfg``; the weights' FP8
+    copies (one Operand per group, quantized by their layers); then the weights and the
+    biases (none, or one per group) as tensors, so that autograd reaches them."""
+
+    @staticmethod
+    def forward(ctx, inp, cfg: GroupedConsts, w_ops: tuple, *params):
+        groups = len(cfg.splits)
+        weights, biases = params[:groups], params[groups:] or None
+        parts = torch.split(inp, list(cfg.splits))
+        q_in = [quantize(meta.plan, "input", x, True, cfg.need_wgrad, meta.scales, 0,
+                         meta.history) for meta, x in zip(cfg.metas, parts, strict=True)]
+        fmt = cfg.metas[0].plan.fwd_dtype
+        out = _stacked_gemm([(q.data, q.scale_inv) for q in q_in],
+                            [(w.data, w.scale_inv) for w in w_ops], fmt, fmt, inp.dtype,
+                            biases, False)
+        ctx.save_for_backward(*(q.columnwise for q in q_in), *(q.scale_inv for q in q_in),
+                              *(w.columnwise for w in w_ops), *(w.scale_inv for w in w_ops))
+        ctx.cfg = cfg
+        ctx.dtypes = (inp.dtype, weights[0].dtype, None if biases is None else biases[0].dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        cfg = ctx.cfg
+        groups = len(cfg.splits)
+        saved = ctx.saved_tensors
+        in_col, in_sinv = saved[:groups], saved[groups:2 * groups]
+        w_col, w_sinv = saved[2 * groups:3 * groups], saved[3 * groups:]
+        in_dtype, w_dtype, b_dtype = ctx.dtypes
+        has_bias = b_dtype is not None
+        parts = torch.split(grad_output.contiguous(), list(cfg.splits))
+        q_g, dbias = [], []
+        for meta, dy in zip(cfg.metas, parts, strict=True):
+            _, scale, _ = meta.bwd_meta
+            q, db = grad_to_fp8(meta.plan, dy, dy, "identity", scale, 0, cfg.need_dgrad,
+                                cfg.need_wgrad, has_bias, meta.bwd_meta[0])
+            if q is not None and meta.plan.kind == "delayed":
+                update_backward(meta.bwd_meta, meta.plan, meta.bwd_recipe, meta.group)
+            q_g.append(q)
+            dbias.append(db)
+        plan = cfg.metas[0].plan
+        grad_input = grad_weights = None
+        if cfg.need_dgrad:
+            grad_input = _stacked_gemm([(q.data, q.scale_inv) for q in q_g],
+                                       list(zip(w_col, w_sinv, strict=True)), plan.bwd_dtype,
+                                       plan.fwd_dtype, in_dtype, None, True)
+        if cfg.need_wgrad:
+            stacked = _stacked_gemm([(q.columnwise, q.columnwise_scale_inv) for q in q_g],
+                                    list(zip(in_col, in_sinv, strict=True)), plan.bwd_dtype,
+                                    plan.fwd_dtype, w_dtype, None, True)
+            grad_weights = torch.chunk(stacked, groups)
+        grad_biases = ()
+        if has_bias:
+            grad_biases = tuple(db if b_dtype == torch.float32 else db.to(b_dtype)
+                                for db in dbias)
+        return (grad_input, None, None, *(grad_weights or (None,) * groups), *grad_biases)
