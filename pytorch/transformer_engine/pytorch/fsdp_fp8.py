@@ -26,7 +26,7 @@ import math
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from . import ops
 from .distributed import SharedGroup
@@ -181,7 +181,8 @@ class FP8AllGatherWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        fp8_dtype = next(a._fp8_dtype for a in (*args, *kwargs.values()) if isinstance(a, cls))
+        # (Inside lists too: foreach ops, the optimizers' default on GPUs, take lists.)
+        fp8_dtype = next(a._fp8_dtype for a in tree_leaves((args, kwargs)) if isinstance(a, cls))
         unwrap = lambda t: t._weight  # noqa: E731
         out = func(*tree_map_only(cls, unwrap, args), **tree_map_only(cls, unwrap, kwargs))
         if func in _KEEP:
