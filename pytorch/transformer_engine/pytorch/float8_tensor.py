@@ -8,16 +8,19 @@ high precision). In-place ops (an optimizer step, ``copy_`` from ``load_state_di
 in high precision and quantize the result back into the same bytes, with a scale from its own
 amax, so the tensor stays FP8 throughout.
 
-Under torch's FSDP2 (``fully_shard``) a per-tensor Float8Tensor parameter stays FP8 when cut
-into shards (the layout ops below keep its bytes and its one scale), and its all-gather moves
-those bytes (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, implemented in
-:mod:`.fsdp_fp8`): each rank's shard holds the bytes of the whole weight quantized with one
-scale, so the gathered bytes are the whole weight's.
+Under torch's FSDP2 (``fully_shard``) a Float8Tensor parameter stays FP8 when cut into shards
+(the layout ops below keep its bytes and scales), and its all-gather moves those bytes
+(``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, implemented in :mod:`.fsdp_fp8`). A
+per-tensor weight cuts anywhere: each shard holds bytes of the whole weight quantized with one
+scale. A 128x128 block-scaled weight cuts into FP8 shards only at multiples of 128 rows, where
+each shard holds whole blocks with their own scales; cut elsewhere, its pieces are its
+high-precision values (with a warning, once, when it is split so: that is how FSDP2 shards).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -25,17 +28,18 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_map
 
 from . import ops
-from .ops._backend import FP8_DTYPES, SCALING_MODES, TORCH_FP8, as_bytes
+from .ops._backend import BLOCK, FP8_DTYPES, SCALING_MODES, TORCH_FP8, as_bytes, block_grid
 
 __all__ = ["Float8Tensor", "to_high_precision"]
 
 _aten = torch.ops.aten
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 _PASSTHROUGH = {_aten.detach.default, _aten.alias.default}
-# Ops that only lay out a per-tensor Float8Tensor's bytes (how FSDP2 cuts a parameter into
-# shards and pads them): they run on the bytes and keep the one scale, so the result is FP8
-# too. Block-scaled tensors take the high-precision fallback: their scale grid follows the
-# 2-D shape.
+# Ops that only lay out a Float8Tensor's bytes (how FSDP2 cuts a parameter into shards and
+# pads them): they run on the bytes and keep the scales (per tensor: the one scale; 128x128
+# blocks: the rows of the scale grid of whole blocks), so the result is FP8 too. Whatever
+# would cut through a block, and 1x128 block tensors, take the high-precision fallback.
+_LAYOUT_MODES = ("tensor", "block_128x128")
 _LAYOUT = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.slice.Tensor,
            _aten.as_strided.default, _aten.new_zeros.default, _aten.new_empty.default,
            _aten.view.default}
@@ -73,6 +77,9 @@ class Float8Tensor(torch.Tensor):
         scaling_mode: ``"tensor"``, ``"block_1x128"`` or ``"block_128x128"``.
         transpose, transpose_scale_inv: optional column-wise copy ([K, M] of the [M, K] view)
             and its scale_inv (per-tensor: the same as ``scale_inv``).
+        shape: the shape the tensor presents, when not the data's: a block-scaled matrix
+            seen flat (FSDP2 keeps a flat view of each shard) keeps its [M, K] bytes, which
+            its scale grid is laid over.
 
     Example:
         >>> x = torch.randn(32, 64)
@@ -84,15 +91,20 @@ class Float8Tensor(torch.Tensor):
     def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: Optional[str] = None,
                 dtype: torch.dtype = torch.float32, scaling_mode: str = "tensor",
                 transpose: Optional[torch.Tensor] = None,
-                transpose_scale_inv: Optional[torch.Tensor] = None, requires_grad: bool = False):
+                transpose_scale_inv: Optional[torch.Tensor] = None, requires_grad: bool = False,
+                shape: Optional[tuple] = None):
         fp8_dtype = _fp8_name(data, fp8_dtype)
         if dtype not in _HIGH:
             raise TypeError(f"Float8Tensor: dtype must be one of {_HIGH}, got {dtype}")
         if scaling_mode not in SCALING_MODES:
             raise ValueError(f"Float8Tensor: scaling_mode must be one of {SCALING_MODES}, "
                              f"got {scaling_mode!r}")
+        shape = data.shape if shape is None else torch.Size(shape)
+        if shape.numel() != data.numel():
+            raise ValueError(f"Float8Tensor: shape {list(shape)} must hold the data's "
+                             f"{data.numel()} elements")
         self = torch.Tensor._make_wrapper_subclass(
-            cls, data.shape, dtype=dtype, device=data.device, requires_grad=requires_grad)
+            cls, shape, dtype=dtype, device=data.device, requires_grad=requires_grad)
         self._data = as_bytes(data)
         self._scale_inv = scale_inv
         self._fp8_dtype = fp8_dtype
@@ -209,14 +221,21 @@ class Float8Tensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         fp8_dtype, dtype, mode, requires_grad = meta
-        return Float8Tensor(inner["_data"], inner["_scale_inv"], fp8_dtype, dtype, mode,
+        data = inner["_data"]
+        return Float8Tensor(data, inner["_scale_inv"], fp8_dtype, dtype, mode,
                             inner.get("_transpose"), inner.get("_transpose_scale_inv"),
-                            requires_grad=requires_grad)
+                            requires_grad=requires_grad,
+                            shape=None if outer_size == data.shape else outer_size)
 
     def __reduce_ex__(self, protocol):
         return _rebuild, (self._data, self._scale_inv, self._fp8_dtype, self.dtype,
                           self._scaling_mode, self._transpose, self._transpose_scale_inv,
-                          self.requires_grad)
+                          self.requires_grad, self._presented_shape())
+
+    def _presented_shape(self) -> Optional[tuple]:
+        """The shape, where it is not the data's (a flat view of block-scaled bytes); else
+        None."""
+        return None if self.shape == self._data.shape else tuple(self.shape)
 
     # ------------------------------------------------------------ dispatch
 
@@ -225,15 +244,21 @@ class Float8Tensor(torch.Tensor):
                       dtype=self.dtype, scaling_mode=self._scaling_mode,
                       transpose=self._transpose, transpose_scale_inv=self._transpose_scale_inv)
         fields.update(changes)
+        if "shape" not in fields and fields["data"].shape == self._data.shape:
+            fields["shape"] = self._presented_shape()  # the same bytes (moved, cloned)
         return Float8Tensor(**fields)
 
-    def _view(self, data: torch.Tensor) -> "Float8Tensor":
-        """A per-tensor Float8Tensor over ``data`` (a view of this tensor's bytes) sharing
-        this tensor's scale_inv, as a view shares its base's storage: a write through the
-        view (FSDP copies a shard into its padded buffer so) reaches both."""
+    def _view(self, data: torch.Tensor, scale_inv: Optional[torch.Tensor] = None,
+              **changes) -> "Float8Tensor":
+        """A Float8Tensor over ``data`` (a view of this tensor's bytes) sharing this tensor's
+        scale_inv (per tensor), or ``scale_inv`` (a view of its block grid's rows), as a
+        view shares its base's storage: a write through the view (FSDP copies a shard into
+        its padded buffer so) reaches both."""
         same = data.shape == self._data.shape
-        out = self._with(data=data, transpose=self._transpose if same else None,
-                         transpose_scale_inv=self._transpose_scale_inv if same else None)
+        out = self._with(data=data, scale_inv=self._scale_inv if scale_inv is None else scale_inv,
+                         transpose=self._transpose if same else None,
+                         transpose_scale_inv=self._transpose_scale_inv if same else None,
+                         **changes)
         out._amax_group, out._gathered = self._amax_group, self._gathered
         return out
 
@@ -248,7 +273,9 @@ class Float8Tensor(torch.Tensor):
             self._copy_from(Float8Tensor(data.view(self.shape), scale_inv, self._fp8_dtype,
                                          self.dtype))
             return
-        fresh = Float8Tensor.quantize(values.to(self.dtype), self._fp8_dtype,
+        # (A flat view of block-scaled bytes quantizes the matrix its grid is laid over.)
+        fresh = Float8Tensor.quantize(values.to(self.dtype).reshape(self._data.shape),
+                                      self._fp8_dtype,
                                       scaling_mode=self._scaling_mode,
                                       with_transpose=self._scaling_mode != "tensor"
                                       and self._transpose is not None)
@@ -281,7 +308,7 @@ class Float8Tensor(torch.Tensor):
             return out
         # (Eager only: FSDP shards eagerly, and a traced graph keeps the fallback's plain
         # tensors, which the custom ops it calls take.)
-        if (func in _LAYOUT and args[0]._scaling_mode == "tensor"
+        if (func in _LAYOUT and args[0]._scaling_mode in _LAYOUT_MODES
                 and not torch.compiler.is_compiling()):
             out = _layout(func, *args, **kwargs)
             if out is not NotImplemented:
@@ -321,26 +348,45 @@ class Float8Tensor(torch.Tensor):
 
 
 def _layout(func, t: Float8Tensor, *args, **kwargs):
-    """``func`` (one of _LAYOUT; ``args`` those after the tensor) on the bytes of the
-    per-tensor ``t``; NotImplemented where the result would not be whole rows of t (the
-    caller then falls back to high precision)."""
+    """``func`` (one of _LAYOUT; ``args`` those after the tensor) on the bytes of ``t`` (per
+    tensor or in 128x128 blocks); NotImplemented where the result would not be whole rows of
+    t, for a block tensor rows of whole blocks (see _rows): the caller then falls back to high
+    precision."""
+    block = t._scaling_mode != "tensor"
+    if block and func is not _aten.view.default and (t.dim() != 2
+                                                     or t.shape != t._data.shape):
+        # Blocks are laid over a matrix's rows: only a matrix (not one seen flat, nor a
+        # stack of them) is cut or padded.
+        return NotImplemented
     if func in (_aten.new_zeros.default, _aten.new_empty.default):
         if kwargs.get("dtype") not in (None, t.dtype):
             return NotImplemented
+        size = list(args[0])
+        # A block tensor: only matrices of whole blocks of rows, or of t's rows (the padded
+        # shard FSDP copies an FP8 shard into; where its shards are not FP8, which happens
+        # when their row count is no multiple of 128, neither is their padded buffer).
+        if block and (len(size) != 2 or (size[0] % BLOCK and size[0] != t.shape[0])):
+            return NotImplemented
         device = kwargs.get("device") or t.device
         make = torch.zeros if func is _aten.new_zeros.default else torch.empty
-        data = make(args[0], dtype=torch.uint8, device=device)  # FP8 zero is byte 0
+        data = make(size, dtype=torch.uint8, device=device)  # FP8 zero is byte 0
+        if block:  # each block of zeros has scale 1, as quantizing zeros gives
+            scale_inv = torch.ones(block_grid(*size, t._scaling_mode), dtype=torch.float32,
+                                   device=device)
+            return Float8Tensor(data, scale_inv, t._fp8_dtype, t.dtype, t._scaling_mode)
         return Float8Tensor(data, t._scale_inv.clone().to(device), t._fp8_dtype, t.dtype)
     if func is _aten.view.default:
         # Only the flat view (FSDP keeps its shard so) and the identity (DTensor.to_local,
         # which a distributed checkpoint reads and writes through): any other view keeps
         # giving high-precision values, which code that reshapes FP8 activations expects.
+        # Block-scaled bytes stay the matrix their scale grid is laid over, seen flat.
         size = list(args[0])
         if size in ([-1], [t.numel()]):
-            return t._view(t._data.view(-1))
+            return (t._view(t._data, shape=(t.numel(),)) if block
+                    else t._view(t._data.view(-1)))
         if size != list(t.shape):
             return NotImplemented
-        return t._view(t._data.view(size))
+        return t._view(t._data if block else t._data.view(size))
     if func is _aten.as_strided.default:
         # Only a leading run of whole rows (how FSDP2 takes the unpadded weight out of its
         # gathered buffer): anything else is no view of the bytes alone.
@@ -350,7 +396,8 @@ def _layout(func, t: Float8Tensor, *args, **kwargs):
         if (not size or not contiguous or offset not in (None, 0) or not t._data.is_contiguous()
                 or size[1:] != list(t.shape[1:]) or size[0] > t.shape[0]):
             return NotImplemented
-        return t._view(t._data[:size[0]])
+        out = _rows(t, 0, size[0])
+        return NotImplemented if out is None else out
     # split(split_size, dim), split_with_sizes(split_sizes, dim), slice(dim, start, end, step)
     slicing = func is _aten.slice.Tensor
     names = ("dim", "start", "end", "step") if slicing else ("sizes", "dim")
@@ -361,10 +408,57 @@ def _layout(func, t: Float8Tensor, *args, **kwargs):
         return NotImplemented
     if not slicing:
         sizes = given.get("sizes", given.get("split_size", given.get("split_sizes")))
-        return [t._view(d) for d in t._data.split(sizes, 0)]
+        pieces, start = [], 0
+        for d in t._data.split(sizes, 0):
+            piece = _rows(t, start, start + d.shape[0])
+            if piece is None:
+                _warn_block_split(t, sizes)
+                return NotImplemented
+            pieces.append(piece)
+            start += d.shape[0]
+        return pieces
     if given.get("step", 1) != 1:
         return NotImplemented
-    return t._view(t._data[given.get("start"):given.get("end")])
+    rows = range(t.shape[0])[given.get("start"):given.get("end")]
+    out = _rows(t, rows.start, max(rows.start, rows.stop))
+    return NotImplemented if out is None else out
+
+
+def _rows(t: Float8Tensor, start: int, end: int) -> Optional[Float8Tensor]:
+    """Rows [start, end) of ``t`` as a Float8Tensor over its bytes, or None where they make
+    none. Per tensor any rows do. In 128x128 blocks the rows must start a block (their scales
+    are the rows of the grid from there) and end one, or end the tensor, or end where the
+    rest of their last block is zero bytes (FSDP's padding of a shorter last shard): a write
+    through the view rescales that whole block, which other nonzero rows could not follow."""
+    if t._scaling_mode == "tensor":
+        return t._view(t._data[start:end])
+    if start % BLOCK:
+        return None
+    stop = min(t.shape[0], -(-end // BLOCK) * BLOCK)
+    if end < stop and bool(t._data[end:stop].any()):
+        return None
+    return t._view(t._data[start:end], t._scale_inv[start // BLOCK:-(-end // BLOCK)])
+
+
+# (shape, piece sizes) of the block tensors already warned about (warned once each).
+_WARNED_SPLITS: set = set()
+
+
+def _warn_block_split(t: Float8Tensor, sizes) -> None:
+    """Warns, once per shape and piece size, that a 128x128 block tensor was split off its
+    block rows (FSDP2 shards so): its pieces are high-precision values, not FP8."""
+    key = (tuple(t.shape), str(sizes))
+    if key in _WARNED_SPLITS:
+        return
+    _WARNED_SPLITS.add(key)
+    warnings.warn(
+        f"Float8Tensor: a 128x128 block-scaled FP8 tensor of shape {list(t.shape)} is split "
+        f"into pieces of {sizes} rows, which do not all start at a multiple of 128 rows: a "
+        f"piece would cut through blocks whose scales cover 128 rows, so the pieces are its "
+        f"high-precision values. Under FSDP2 (shards of ceil(rows / world size) rows) this "
+        f"weight is then sharded, all-gathered and updated in high precision, not as FP8, and "
+        f"an optimizer step no longer quantizes it back as the unsharded FP8 weight's step "
+        f"does. FSDP2 shards of a multiple of 128 rows stay FP8.", UserWarning, stacklevel=2)
 
 
 def _unwrap(x: Any) -> Any:
@@ -386,9 +480,9 @@ def _to_copy(t: Float8Tensor, dtype=None, device=None, **_ignored) -> torch.Tens
 
 
 def _rebuild(data, scale_inv, fp8_dtype, dtype, mode, transpose, transpose_scale_inv,
-             requires_grad):
+             requires_grad, shape=None):
     return Float8Tensor(data, scale_inv, fp8_dtype, dtype, mode, transpose, transpose_scale_inv,
-                        requires_grad=requires_grad)
+                        requires_grad=requires_grad, shape=shape)
 
 
 # torch.load defaults to weights_only=True, which loads only allow-listed globals.
