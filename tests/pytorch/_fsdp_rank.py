@@ -8,20 +8,28 @@ The FP8 all-gather: fp8_model_init weights (Float8Tensor shards) and high-precis
 opted in with te.distributed.fp8_all_gather reach the modules as Float8Tensors whose bytes
 and scale are exactly those of the whole weight quantized (a deliberately wrong scale fails
 that check), an optimizer step on the shards keeps them so, and every all-gather moves uint8,
-one byte per weight element where bf16 moves two.
+one byte per weight element where bf16 moves two. Under Float8BlockScaling likewise in
+128x128 blocks (te.Linear, te.LayerNormLinear, te.LayerNormMLP): the modules' outputs and
+input gradients equal the unsharded modules' bit for bit, the gathers move the bytes and one
+fp32 scale per block, shards that cut through blocks still gather the whole weight's bytes
+(high-precision weights; dropping the block amax reduction fails that check), and
+fp8_model_init weights whose shards would cut through blocks shard in high precision with a
+warning.
 
 A standalone script, like _tp_rank.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
+import warnings
 
 import _tp_world  # (beside this script)
 import torch
 import torch.distributed as dist
-from _tp_world import case, layer_stack, rms_close
+from _tp_world import case, exact, layer_stack, rms_close
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -79,16 +87,22 @@ def grads_close(model, ref, rel, what):
 # ---------------------------------------------------------------- the FP8 all-gather
 
 
+def handed(module):
+    """The GEMM weights ``module`` holds now: {param name: (type, bytes, scale_inv, mode)}."""
+    return {n: (type(p), p._data.clone(), p._scale_inv.clone(), p._scaling_mode)
+            if isinstance(p, Float8Tensor) else (type(p), None, None, None)
+            for n, p in module.named_parameters(recurse=False) if p.dim() == 2}
+
+
 def record_weights(model):
     """Records, for each forward of a te module, the GEMM weights it is handed (after FSDP's
-    gather): {module name: {param name: (type, bytes, scale_inv)}}, the last forward's."""
+    gather): {module name: {param name: (type, bytes, scale_inv, mode)}}, the last
+    forward's."""
     seen = {}
 
     def hook(name):
         def record(module, args):
-            seen[name] = {n: (type(p), p._data.clone(), p._scale_inv.clone())
-                          if isinstance(p, Float8Tensor) else (type(p), None, None)
-                          for n, p in module.named_parameters(recurse=False) if p.dim() == 2}
+            seen[name] = handed(module)
         return record
 
     handles = [m.register_forward_pre_hook(hook(name)) for name, m in model.named_modules()
@@ -110,12 +124,13 @@ def expected_weights(model):
     return want
 
 
-def same_weights(seen, want, what):
+def same_weights(seen, want, what, mode="tensor"):
     assert seen.keys() == want.keys(), f"{what}: modules {sorted(seen)} vs {sorted(want)}"
     for name, params in want.items():
         for n, (data, scale_inv) in params.items():
-            kind, got_data, got_scale_inv = seen[name][n]
+            kind, got_data, got_scale_inv, got_mode = seen[name][n]
             assert kind is Float8Tensor, f"{what} {name}.{n}: handed a {kind.__name__}"
+            assert got_mode == mode, f"{what} {name}.{n}: handed {got_mode}, not {mode}"
             assert torch.equal(got_scale_inv, scale_inv), \
                 f"{what} {name}.{n}: scale_inv {got_scale_inv} vs {scale_inv}"
             assert torch.equal(got_data, data), f"{what} {name}.{n}: not the same bytes"
@@ -231,12 +246,9 @@ def check_bad_inputs():
         te.distributed.fp8_all_gather(stack(), fp8_dtype="int8")
 
 
-def check_bytes_moved():
-    """Every all-gather of FSDP's forward, with bf16 parameters (mixed precision): the FP8
-    gathers (high-precision weights opted in, or fp8_model_init weights) move uint8, one byte
-    per weight element where the plain gather moves two; the 1-D parameters stay bf16."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
+@contextlib.contextmanager
+def recorded_gathers():
+    """A list that gets (dtype, bytes gathered) for every all-gather while inside."""
     moved = []
     gathers = {name: getattr(dist, name) for name in ("all_gather_single",
                                                       "all_gather_into_tensor")
@@ -248,13 +260,26 @@ def check_bytes_moved():
             return gather(out, inp, *args, **kwargs)
         return run
 
+    for name, gather in gathers.items():
+        setattr(dist, name, recording(gather))
+    try:
+        yield moved
+    finally:
+        for name, gather in gathers.items():
+            setattr(dist, name, gather)
+
+
+def check_bytes_moved():
+    """Every all-gather of FSDP's forward, with bf16 parameters (mixed precision): the FP8
+    gathers (high-precision weights opted in, or fp8_model_init weights) move uint8, one byte
+    per weight element where the plain gather moves two; the 1-D parameters stay bf16."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     x = torch.randn(S, B // WORLD, H, dtype=torch.bfloat16)
     weights = sum(p.numel() for p in stack().parameters() if p.dim() == 2) // 2  # per layer
     others = sum(p.numel() for p in stack().parameters() if p.dim() == 1) // 2
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    for name, gather in gathers.items():
-        setattr(dist, name, recording(gather))
-    try:
+    with recorded_gathers() as moved:
         for kind in ("bf16", "fp8_all_gather", "fp8_model_init"):
             model = stack(recipe.Float8CurrentScaling() if kind == "fp8_model_init" else None)
             if kind == "fp8_all_gather":
@@ -267,9 +292,225 @@ def check_bytes_moved():
             want = [(torch.bfloat16 if kind == "bf16" else torch.uint8,
                      weights * per_element + others * 2)] * 2  # one gather per layer
             assert moved == want, f"{kind}: gathered {moved}, want {want}"
+
+
+# ---------------------------------------------------------------- 128x128 blocks
+
+BLOCKS = recipe.Float8BlockScaling()
+
+
+def block_module(name, kind):
+    """A te module whose GEMM weights have 512 rows (shards of whole 128-row blocks on 2 and 4
+    ranks), from seed 0; ``kind`` "fp8_model_init": its weights are built as FP8 blocks."""
+    torch.manual_seed(0)
+    with te.fp8_model_init(enabled=kind == "fp8_model_init", recipe=BLOCKS):
+        if name == "Linear":
+            return te.Linear(128, 512, device="cpu")
+        if name == "LayerNormLinear":
+            return te.LayerNormLinear(128, 512, device="cpu")
+        return te.LayerNormMLP(512, 512, device="cpu")
+
+
+def block_expected(module):
+    """{"": {param name: (bytes, scale_inv)}}: the whole GEMM weights of the unsharded
+    ``module`` quantized in 128x128 blocks as the recipe quantizes weights (a Float8Tensor
+    weight: its own bytes)."""
+    from transformer_engine.pytorch import ops
+    from transformer_engine.pytorch.quantization import plan_of
+
+    plan = plan_of(BLOCKS)
+    want = {}
+    for n, p in module.named_parameters(recurse=False):
+        if p.dim() != 2:
+            continue
+        if not isinstance(p, Float8Tensor):
+            data, sinv, _, _ = ops.quantize_block(p.detach(), plan.fwd_dtype, plan.weight_mode,
+                                                  True, False, plan.force_pow2_scales,
+                                                  plan.amax_epsilon)
+            p = Float8Tensor(data, sinv, plan.fwd_dtype, p.dtype, plan.weight_mode)
+        want[n] = (p._data, p._scale_inv)
+    return {"": want}
+
+
+@contextlib.contextmanager
+def recorded_block_quantizations():
+    """A list that gets the row count of every matrix quantized in 128x128 blocks while
+    inside."""
+    from transformer_engine.pytorch import ops
+
+    rows, real = [], ops.quantize_block
+
+    def recording(x, fp8_dtype, mode, *args):
+        if mode == "block_128x128":
+            rows.append(x.shape[0])
+        return real(x, fp8_dtype, mode, *args)
+
+    ops.quantize_block = recording
+    try:
+        yield rows
     finally:
-        for name, gather in gathers.items():
-            setattr(dist, name, gather)
+        ops.quantize_block = real
+
+
+def check_block_scaling(name, kind):
+    """Float8BlockScaling, the module sharded (in a sharded Sequential, so that FSDP gathers
+    it again for the backward, outside fp8_autocast): each forward is handed the whole
+    weights' FP8 blocks exactly (fp8_model_init weights, or high-precision ones under
+    fp8_all_gather), and uses them as they are; the outputs and input gradients of this
+    rank's tokens equal the unsharded module's bit for bit (the same bytes, and per-token
+    1x128 blocks of activations and gradients); the weight gradients agree within FP8's
+    rounding (the wgrad GEMM's 1x128 blocks run over tokens); after an SGD step on the shards
+    with the same update as the unsharded module's, all again."""
+    from torch.distributed.fsdp import fully_shard
+
+    ref = block_module(name, kind)
+    model = torch.nn.Sequential(copy.deepcopy(ref))
+    if kind == "fp8_all_gather":
+        te.distributed.fp8_all_gather(model)
+    fully_shard(model[0], mesh=MESH)
+    fully_shard(model, mesh=MESH)
+    for n, p in model.named_parameters():
+        if p.dim() == 2 and kind == "fp8_model_init":
+            assert type(p.to_local()) is Float8Tensor, f"{n}: a shard of an FP8 weight is not FP8"
+    seen, handles = record_weights(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, foreach=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    width = 128 if name != "LayerNormMLP" else 512
+    x = torch.randn(64, width, generator=torch.Generator().manual_seed(3))
+    g = torch.randn(64, 512, generator=torch.Generator().manual_seed(4))  # d loss / d output
+    rows = slice(RANK * 64 // WORLD, (RANK + 1) * 64 // WORLD)
+    for step in range(2):
+        what = f"{name} {kind} step {step}"
+        mine, whole = x[rows].clone().requires_grad_(), x.clone().requires_grad_()
+        want = {"0": block_expected(ref)[""]}
+        with recorded_block_quantizations() as quantized:
+            with te.fp8_autocast(fp8_recipe=BLOCKS):
+                y = model(mine)
+            y.backward(g[rows])
+        # The modules use the gathered bytes as they are, and their transpose for the
+        # backward: nothing quantizes a whole weight in 128x128 blocks; fp8_all_gather
+        # quantizes the shards, in the forward and again (as blocks still) for the backward.
+        shards = [512 // WORLD] * 2 * (1 if name != "LayerNormMLP" else 2)
+        assert quantized == (shards if kind == "fp8_all_gather" else []), \
+            f"{what}: quantized {quantized} rows in 128x128 blocks"
+        with te.fp8_autocast(fp8_recipe=BLOCKS):
+            y_ref = ref(whole)
+        y_ref.backward(g)
+        same_weights(seen, want, what, "block_128x128")
+        exact(y, y_ref[rows], f"{what} output")
+        exact(mine.grad, whole.grad[rows], f"{what} input grad")
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            # FSDP averages the ranks' gradients: the whole batch's sum over WORLD.
+            rms_close(p.grad.full_tensor(), q.grad / WORLD, 0.01, f"{what} {n}.grad")
+        step_both(model, ref, opt, ref_opt)
+    for h in handles:
+        h.remove()
+
+
+def check_block_bytes_moved():
+    """Float8BlockScaling, bf16 parameters: the one all-gather of a te.Linear [512, 128] (even
+    shards of whole blocks) moves uint8: the weight's bytes, one fp32 scale per 128x128 block
+    (4) and its bf16 bias; nothing else is gathered or reduced."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    x = torch.randn(16, 128, dtype=torch.bfloat16)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    want = [(torch.uint8, 512 * 128 + 4 * 4 + 512 * 2)]
+    for kind in ("fp8_all_gather", "fp8_model_init"):
+        model = block_module("Linear", kind)
+        if kind == "fp8_all_gather":
+            te.distributed.fp8_all_gather(model)
+        fully_shard(model, mesh=MESH, mp_policy=mp)
+        reduce = dist.all_reduce
+        dist.all_reduce = None  # (any all-reduce would fail)
+        try:
+            with recorded_gathers() as moved, torch.no_grad(), \
+                    te.fp8_autocast(fp8_recipe=BLOCKS):
+                model(x)
+        finally:
+            dist.all_reduce = reduce
+        assert moved == want, f"{kind}: gathered {moved}, want {want}"
+
+
+def check_block_cut_shards():
+    """Float8BlockScaling with shards that are not of whole blocks (200, 201 and 3 rows) or of
+    uneven size (511, 201, 3 rows: FSDP pads the last shards, and with 3 rows on 4 ranks one
+    is empty). High-precision weights under fp8_all_gather still gather the whole weight's
+    blocks exactly: the blocks the shard boundaries cut take their amax over the shards (half
+    the rows are 64 times larger, so that a cut block differs on each side; without that
+    all-reduce the check fails), also after SGD steps. fp8_model_init weights whose shards
+    hold whole blocks (511 rows) stay FP8, the scale rows of the uneven shards gathered apart;
+    those whose shards would cut through blocks shard in high precision, with a warning (once
+    per shape) that says why, and the module is handed the weight's values. Checked on the
+    weight FSDP hands the module (``unshard`` under fp8_autocast); the steps run in high
+    precision (FP8 GEMMs take no such shapes), outside fp8_autocast: the gathers there keep
+    the last gather's block scaling."""
+    from torch.distributed.fsdp import fully_shard
+
+    for rows in (511, 200, 201, 3):
+        whole_blocks = -(-rows // WORLD) % 128 == 0
+        for kind in ("fp8_all_gather", "fp8_model_init"):
+            what = f"{kind} {rows} rows"
+            torch.manual_seed(0)
+            with te.fp8_model_init(enabled=kind == "fp8_model_init", recipe=BLOCKS):
+                ref = te.Linear(192, rows, device="cpu")
+            if kind == "fp8_all_gather":
+                with torch.no_grad():
+                    ref.weight[:rows // 2] *= 64
+            model = copy.deepcopy(ref)
+            if kind == "fp8_all_gather":
+                te.distributed.fp8_all_gather(model)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fully_shard(model, mesh=MESH)
+                fully_shard(copy.deepcopy(ref), mesh=MESH)  # the same shape: no second warning
+            cut = [w for w in caught if "do not all start at a multiple of 128 rows" in
+                   str(w.message)]
+            fp8 = kind == "fp8_all_gather" or whole_blocks
+            assert len(cut) == (not fp8), f"{what}: {len(cut)} warnings"
+            if kind == "fp8_model_init":
+                local = type(model.weight.to_local())
+                assert (local is Float8Tensor) == fp8, f"{what}: a {local.__name__} shard"
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+            x = torch.randn(8, 192, generator=torch.Generator().manual_seed(2))
+            for step in range(2):
+                with te.fp8_autocast(fp8_recipe=BLOCKS):
+                    model.unshard()
+                got = handed(model)
+                model.reshard()
+                if fp8:
+                    same_weights({"": got}, block_expected(ref), f"{what} step {step}",
+                                 "block_128x128")
+                elif step == 0:  # (then the shards take high-precision updates: the warning)
+                    kind_got, values = got["weight"][0], model.weight.full_tensor()
+                    assert not issubclass(kind_got, Float8Tensor), f"{what}: handed FP8"
+                    assert torch.equal(values, ref.weight.dequantize()), f"{what}: values"
+                model(x).square().sum().backward()
+                ref(x).square().sum().backward()
+                step_both(model, ref, opt, ref_opt)
+            if kind == "fp8_all_gather" and not whole_blocks:
+                check_without_block_amax(model, ref, what)
+
+
+def check_without_block_amax(model, ref, what):
+    """The gather of ``model`` with the block amax all-reduce skipped must not pass the bytes
+    check (each rank would scale a cut block from its own rows)."""
+    reduce = dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: None
+    try:
+        with te.fp8_autocast(fp8_recipe=BLOCKS):
+            model.unshard()
+    finally:
+        dist.all_reduce = reduce
+    got = handed(model)
+    model.reshard()
+    try:
+        same_weights({"": got}, block_expected(ref), what, "block_128x128")
+    except AssertionError:
+        return
+    raise AssertionError(f"{what}: gathered without the block amax all-reduce, the bytes "
+                         f"still passed the check")
 
 
 def check_meta_init():
@@ -309,5 +550,10 @@ if __name__ == "__main__":
     case(check_bytes_moved)
     case(check_uneven_shards)
     case(check_bad_inputs)
+    for module_name in ("Linear", "LayerNormLinear", "LayerNormMLP"):
+        for weights in ("fp8_model_init", "fp8_all_gather"):
+            case(check_block_scaling, module_name, weights)
+    case(check_block_bytes_moved)
+    case(check_block_cut_shards)
     dist.destroy_process_group()
     _tp_world.finish(RANK)
