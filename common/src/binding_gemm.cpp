@@ -81,6 +81,31 @@ void register_gemm(nb::module_ &m) {
       "D_g = op(a_g) @ op(b_g) (+ bias_g) for every group, in one call (lists of one entry per "
       "group; bias None or a list whose entries may be None); see the core's gemm.h.");
 
+  m.def(
+      "grouped_gemm_ragged",
+      [](nb::handle a, nb::handle b, nb::handle d, nb::handle group_sizes, nb::handle bias,
+         bool transpose_a, bool transpose_b, bool accumulate, bool use_split_accumulator,
+         nb::handle workspace, uintptr_t stream) {
+        const char *op = "grouped_gemm_ragged";
+        Handle ha = make_handle(op, "a", a, 0);
+        Handle hb = make_handle(op, "b", b, 0);
+        Handle hd = make_handle(op, "d", d, kAllSlots);
+        Handle hs = make_handle(op, "group_sizes", group_sizes, 0);
+        Handle hbias = bias.is_none() ? Handle() : make_handle(op, "bias", bias, 0);
+        size_t ws_size = 0;
+        void *ws = workspace_of(op, workspace, &ws_size);
+        const te_gemm_config config{transpose_a ? 1 : 0, transpose_b ? 1 : 0, accumulate ? 1 : 0,
+                                    use_split_accumulator ? 1 : 0, 0};
+        nb::gil_scoped_release release;
+        check_status(te_grouped_gemm_ragged(ha.get(), hb.get(), hd.get(), hbias.get(), hs.get(),
+                                            &config, ws, ws_size, as_stream(stream)));
+      },
+      "a"_a, "b"_a, "d"_a, "group_sizes"_a, nb::kw_only(), "bias"_a = nb::none(),
+      "transpose_a"_a = false, "transpose_b"_a = true, "accumulate"_a = false,
+      "use_split_accumulator"_a = false, "workspace"_a = nb::none(), "stream"_a = 0,
+      "The groups stacked in a (rows by group_sizes): d[rows g] = a[rows g] @ op(b[g]), or with "
+      "transpose_a d[g] = a[rows g]^T @ b[rows g]; see the core's gemm.h.");
+
   m.def("gemm_workspace_size", []() { return te_gemm_workspace_size(); },
         "Bytes of CUDA workspace that gemm wants (pass it as a uint8 device array).");
 }

@@ -171,3 +171,87 @@ def test_argument_lists_must_match_and_no_group_does_nothing():
     core.grouped_gemm([], [], [])  # no group: nothing to do
     core.grouped_gemm([a], [b], [d])
     np.testing.assert_array_equal(d, np.full((4, 2), 8.0, np.float32))
+
+
+# --- groups stacked in one operand, sizes on the device (te_grouped_gemm_ragged) -------------
+
+
+def _ragged(device, workspaces, a, b, sizes, out_dtype, *, transpose_a=False,
+            transpose_b=True, bias=None, accumulate_into=None, d_shape=None):
+    d0 = (accumulate_into if accumulate_into is not None
+          else np.full(d_shape, np.nan, np.float32))
+    d = device.put(d0.astype(HP[out_dtype]))
+    core.grouped_gemm_ragged(a, b, d, device.put(np.asarray(sizes, np.int32)),
+                             bias=None if bias is None else device.put(bias),
+                             transpose_a=transpose_a, transpose_b=transpose_b,
+                             accumulate=accumulate_into is not None,
+                             workspace=workspaces(device), stream=device.stream)
+    return device.get(d).astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stacked_groups_equal_their_single_gemms(device, workspaces, dtype):
+    """Forward (b [G, N, K]), dgrad (b [G, K, N]) and weight gradients (d [G, K, N]) of
+    experts stacked by rows, an empty expert and rows past the groups (capacity padding)."""
+    rng = np.random.default_rng(stable_seed("ragged", dtype))
+    sizes, m, k, n = [7, 0, 20, 5], 40, 24, 16
+    x = random_matrix(rng, (m, k)).astype(HP[dtype])
+    w = random_matrix(rng, (4, n, k)).astype(HP[dtype])
+    bias = random_matrix(rng, (4, n)).astype(HP[dtype])
+    got = _ragged(device, workspaces, device.put(x), device.put(w), sizes, dtype, bias=bias,
+                  d_shape=(m, n))
+    row = 0
+    for g, rows in enumerate(sizes):
+        alone = _single(device, workspaces, hp_operand(x[row:row + rows].astype(np.float32),
+                                                       dtype),
+                        hp_operand(w[g].astype(np.float32), dtype), dtype,
+                        bias=bias[g])
+        np.testing.assert_array_equal(got[row:row + rows], alone, err_msg=f"group {g}")
+        row += rows
+    np.testing.assert_array_equal(got[row:], np.zeros((m - row, n)))  # past the groups
+
+    dy = random_matrix(rng, (m, n)).astype(HP[dtype])
+    # dgrad: dx = dy @ w_g, w_g stored [N, K] and read as it is (transpose_b = 0)
+    dx = _ragged(device, workspaces, device.put(dy), device.put(w), sizes, dtype,
+                 transpose_b=False, d_shape=(m, k))
+    dw = _ragged(device, workspaces, device.put(x), device.put(dy), sizes, "float32",
+                 transpose_a=True, transpose_b=False, d_shape=(4, k, n))
+    row = 0
+    for g, rows in enumerate(sizes):
+        xs, dys = x[row:row + rows].astype(np.float32), dy[row:row + rows].astype(np.float32)
+        np.testing.assert_array_equal(
+            dx[row:row + rows],
+            _single(device, workspaces, hp_operand(dys, dtype),
+                    hp_operand(w[g].astype(np.float32), dtype), dtype, transpose_b=False))
+        np.testing.assert_array_equal(
+            dw[g], _single(device, workspaces, hp_operand(xs, dtype), hp_operand(dys, dtype),
+                           "float32", transpose_a=True, transpose_b=False))
+        row += rows
+    np.testing.assert_array_equal(dw[1], np.zeros((k, n)))  # the expert without tokens
+
+
+def test_stacked_weight_gradients_accumulate(device, workspaces):
+    rng = np.random.default_rng(21)
+    x, dy = random_matrix(rng, (10, 8)), random_matrix(rng, (10, 4))
+    before = random_matrix(rng, (2, 8, 4))
+    got = _ragged(device, workspaces, device.put(x), device.put(dy), [0, 10], "float32",
+                  transpose_a=True, transpose_b=False, accumulate_into=before)
+    np.testing.assert_array_equal(got[0], before[0].astype(np.float64))
+    want = before[1].astype(np.float64) + x.astype(np.float64).T @ dy.astype(np.float64)
+    assert np.allclose(got[1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_group_errors_name_the_argument():
+    a = np.ones((6, 8), np.float32)
+    b = np.ones((2, 4, 8), np.float32)
+    d = np.full((6, 4), 3.0, np.float32)
+    with pytest.raises(ValueError, match=r"^grouped_gemm_ragged: group_sizes must be >= 0 and "
+                                         r"sum to at most M = 6 \(a's rows\), got 4 for group 1"):
+        core.grouped_gemm_ragged(a, b, d, np.array([3, 4], np.int32))
+    np.testing.assert_array_equal(d, np.full((6, 4), 3.0, np.float32))  # nothing written
+    with pytest.raises(ValueError, match=r"b.data must be \[G, N, K\] or \[G, K, N\] with G = 3"):
+        core.grouped_gemm_ragged(a, b, d, np.array([1, 2, 3], np.int64))
+    with pytest.raises(TypeError, match=r"group_sizes.data must be int32 or int64"):
+        core.grouped_gemm_ragged(a, b, d, np.array([1.0, 2.0], np.float32))
+    with pytest.raises(TypeError, match=r"FP8 groups stacked in one operand are not implemented"):
+        core.grouped_gemm_ragged(np.zeros((6, 8), np.uint8), b, d, np.array([3, 3], np.int32))

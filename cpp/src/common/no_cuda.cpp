@@ -26,6 +26,10 @@ te_status delayed_scaling_update_cuda(const DelayedScalingArgs &, te_stream) {
 te_status transpose_cuda(const TransposeArgs &, te_stream) { return no_cuda_build("transpose"); }
 te_status gemm_cuda(const GemmArgs &, te_stream) { return no_cuda_build("gemm"); }
 size_t gemm_workspace_size() { return 0; }
+te_status copy_to_host_cuda(void *, const void *, size_t, int, te_stream) {
+  return no_cuda_build("grouped_gemm_ragged");
+}
+te_status zero_cuda(void *, size_t, te_stream) { return no_cuda_build("grouped_gemm_ragged"); }
 te_status norm_forward_cuda(const NormForwardArgs &, te_stream) { return no_cuda_build("norm_forward"); }
 te_status norm_backward_cuda(const NormBackwardArgs &, te_stream) { return no_cuda_build("norm_backward"); }
 te_status attention_forward_cuda(const AttentionForwardArgs &, te_stream) { return no_cuda_build("attention_forward"); }

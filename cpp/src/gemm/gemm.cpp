@@ -1,7 +1,6 @@
 // C entry point te_gemm: validate every argument against the rules of gemm.h, then dispatch to
 // the CPU path or cuBLASLt by the device of the buffers.
 #include <string>
-#include <vector>
 
 #include "common/internal.h"
 #include "gemm/gemm_impl.h"
@@ -200,9 +199,11 @@ bool check_output(Checker &check, te_tensor *d, const te_tensor *bias, te_tensor
   return true;
 }
 
+}  // namespace
+
 // Checks one GEMM's arguments (gemm.h) and resolves them into g: operands, output, and that
 // no output overlaps another output or an input.
-bool resolve(Checker &check, const te_tensor *a, const te_tensor *b, te_tensor *d,
+bool resolve_gemm(Checker &check, const te_tensor *a, const te_tensor *b, te_tensor *d,
              const te_tensor *bias, te_tensor *pre_gelu_out, const te_gemm_config &cfg,
              GemmArgs *g) {
   if (!check_operands(check, a, b, cfg, g) ||
@@ -231,25 +232,7 @@ bool resolve(Checker &check, const te_tensor *a, const te_tensor *b, te_tensor *
   return true;
 }
 
-// The buffers of one resolved group, named for the grouped call's overlap check.
-void group_buffers(const te_tensor *a, const te_tensor *b, te_tensor *d, const te_tensor *bias,
-                   const GemmArgs &g, size_t group, std::vector<Checker::Named> *outputs,
-                   std::vector<Checker::Named> *inputs) {
-  const std::string at = "group " + std::to_string(group) + " ";
-  const te_buffer *none = nullptr;
-  outputs->push_back({slot(d, TE_SLOT_DATA), at + "d.data"});
-  outputs->push_back({g.d_amax != nullptr ? slot(d, TE_SLOT_AMAX) : none, at + "d.amax"});
-  outputs->push_back({g.d_scale_inv != nullptr ? slot(d, TE_SLOT_SCALE_INV) : none,
-                      at + "d.scale_inv"});
-  inputs->push_back({slot(a, TE_SLOT_DATA), at + "a.data"});
-  inputs->push_back({slot(b, TE_SLOT_DATA), at + "b.data"});
-  inputs->push_back({g.fp8 ? slot(a, TE_SLOT_SCALE_INV) : none, at + "a.scale_inv"});
-  inputs->push_back({g.fp8 ? slot(b, TE_SLOT_SCALE_INV) : none, at + "b.scale_inv"});
-  inputs->push_back({is_fp8(g.d_dtype) ? slot(d, TE_SLOT_SCALE) : none, at + "d.scale"});
-  inputs->push_back({bias != nullptr ? slot(bias, TE_SLOT_DATA) : none, at + "bias.data"});
-}
-
-te_status run_one(const GemmArgs &g, te_device_type device, te_stream stream) {
+te_status run_gemm(const GemmArgs &g, te_device_type device, te_stream stream) {
   if (device == TE_DEVICE_CUDA) {
     CudaDeviceScope on_device(g.device);
     return gemm_cuda(g, stream);
@@ -258,7 +241,6 @@ te_status run_one(const GemmArgs &g, te_device_type device, te_stream stream) {
   return TE_SUCCESS;
 }
 
-}  // namespace
 }  // namespace te
 
 extern "C" {
@@ -273,59 +255,11 @@ te_status te_gemm(const te_tensor *a, const te_tensor *b, te_tensor *d, const te
     te_gemm_config cfg{0, 1, 0, 0, 0};
     if (config != nullptr) cfg = *config;
     te::GemmArgs g{};
-    if (!te::resolve(check, a, b, d, bias, pre_gelu_out, cfg, &g)) return check.status();
+    if (!te::resolve_gemm(check, a, b, d, bias, pre_gelu_out, cfg, &g)) return check.status();
     g.workspace = workspace;
     g.workspace_size = workspace != nullptr ? workspace_size : 0;
     g.device = check.device_id();
-    return te::run_one(g, check.device(), stream);
-  });
-}
-
-te_status te_grouped_gemm(const te_tensor *const *a, const te_tensor *const *b,
-                          te_tensor *const *d, const te_tensor *const *bias, size_t groups,
-                          const te_gemm_config *config, void *workspace, size_t workspace_size,
-                          te_stream stream) {
-  return te::guarded("grouped_gemm", [&]() -> te_status {
-    te::Checker check("grouped_gemm");
-    if (groups > 0 && (a == nullptr || b == nullptr || d == nullptr)) {
-      return check.reject(TE_ERROR_VALUE, "a, b and d must be arrays of groups handles, got a "
-                                         "NULL array");
-    }
-    te_gemm_config cfg{0, 1, 0, 0, 0};
-    if (config != nullptr) cfg = *config;
-    if (cfg.gelu) {
-      return check.reject(TE_ERROR_VALUE, "config.gelu must be 0 (no GELU epilogue in a grouped "
-                                          "GEMM), got 1");
-    }
-    std::vector<te::GemmArgs> args(groups);
-    std::vector<te::Checker::Named> outputs, inputs;
-    te_device_type device = TE_DEVICE_CPU;
-    int device_id = 0;
-    for (size_t i = 0; i < groups; ++i) {
-      const std::string name = "grouped_gemm: group " + std::to_string(i);
-      te::Checker group(name.c_str());
-      const te_tensor *bias_i = bias != nullptr ? bias[i] : nullptr;
-      if (!te::resolve(group, a[i], b[i], d[i], bias_i, nullptr, cfg, &args[i])) {
-        return group.status();
-      }
-      if (i > 0 && (group.device() != device || group.device_id() != device_id)) {
-        return check.reject(TE_ERROR_VALUE, "every group must be on the device of group 0, got "
-                                             "group " + std::to_string(i) + " on another");
-      }
-      device = group.device();
-      device_id = group.device_id();
-      args[i].workspace = workspace;
-      args[i].workspace_size = workspace != nullptr ? workspace_size : 0;
-      args[i].device = device_id;
-      te::group_buffers(a[i], b[i], d[i], bias_i, args[i], i, &outputs, &inputs);
-    }
-    // The groups run one after another: a group reading another's output would see it
-    // written or not depending on the order, so no output may meet any group's buffers.
-    if (!check.disjoint(outputs, inputs)) return check.status();
-    for (const te::GemmArgs &g : args) {
-      if (te_status st = te::run_one(g, device, stream); st != TE_SUCCESS) return st;
-    }
-    return TE_SUCCESS;
+    return te::run_gemm(g, check.device(), stream);
   });
 }
 

@@ -40,6 +40,24 @@ struct GemmArgs {
   int device;                // CUDA device of the buffers
 };
 
+class Checker;
+
+// te_gemm's checks of one GEMM's arguments (gemm.h), resolved into *g (all but the workspace
+// and device); false with the error in check otherwise.
+bool resolve_gemm(Checker &check, const te_tensor *a, const te_tensor *b, te_tensor *d,
+                  const te_tensor *bias, te_tensor *pre_gelu_out, const te_gemm_config &cfg,
+                  GemmArgs *g);
+
+// Runs one resolved GEMM on the device of its buffers.
+te_status run_gemm(const GemmArgs &g, te_device_type device, te_stream stream);
+
+// Copies bytes from device memory to the host and waits for them (a grouped GEMM's sizes).
+te_status copy_to_host_cuda(void *dst, const void *src, size_t bytes, int device,
+                            te_stream stream);
+
+// Sets bytes of device memory to 0 on the stream (rows past a grouped GEMM's groups).
+te_status zero_cuda(void *dst, size_t bytes, te_stream stream);
+
 void gemm_ref(const GemmArgs &args);
 
 // CUDA launcher (cuBLASLt; in a CPU-only build it reports that the build has no CUDA path).

@@ -1,0 +1,26 @@
+// The two memory operations of the grouped GEMMs on CUDA: reading the group sizes on the host,
+// and zeroing the rows that no group covers.
+#include <cuda_runtime.h>
+
+#include "common/cuda_utils.cuh"
+#include "gemm/gemm_impl.h"
+
+namespace te {
+
+te_status copy_to_host_cuda(void *dst, const void *src, size_t bytes, int device,
+                            te_stream stream) {
+  (void)device;  // the caller made it current
+  constexpr const char *op = "grouped_gemm_ragged";
+  cudaStream_t s = cuda_stream(stream);
+  if (te_status st = cuda_status(op, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
+      st != TE_SUCCESS) {
+    return st;
+  }
+  return cuda_status(op, cudaStreamSynchronize(s));
+}
+
+te_status zero_cuda(void *dst, size_t bytes, te_stream stream) {
+  return cuda_status("grouped_gemm_ragged", cudaMemsetAsync(dst, 0, bytes, cuda_stream(stream)));
+}
+
+}  // namespace te

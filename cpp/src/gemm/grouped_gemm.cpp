@@ -1,0 +1,270 @@
+// C entry points of the grouped GEMMs (gemm.h): te_grouped_gemm (one handle per group) and
+// te_grouped_gemm_ragged (groups stacked in one operand, sizes on the device). Each group is
+// checked and run as te_gemm checks and runs one GEMM (gemm.cpp), so a group's result is
+// that of te_gemm on it alone.
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/internal.h"
+#include "gemm/gemm_impl.h"
+#include "transformer_engine/gemm.h"
+
+namespace te {
+namespace {
+
+// The buffers of one resolved group, named for the grouped call's overlap check.
+void group_buffers(const te_tensor *a, const te_tensor *b, te_tensor *d, const te_tensor *bias,
+                   const GemmArgs &g, size_t group, std::vector<Checker::Named> *outputs,
+                   std::vector<Checker::Named> *inputs) {
+  const std::string at = "group " + std::to_string(group) + " ";
+  const te_buffer *none = nullptr;
+  outputs->push_back({slot(d, TE_SLOT_DATA), at + "d.data"});
+  outputs->push_back({g.d_amax != nullptr ? slot(d, TE_SLOT_AMAX) : none, at + "d.amax"});
+  outputs->push_back({g.d_scale_inv != nullptr ? slot(d, TE_SLOT_SCALE_INV) : none,
+                      at + "d.scale_inv"});
+  inputs->push_back({slot(a, TE_SLOT_DATA), at + "a.data"});
+  inputs->push_back({slot(b, TE_SLOT_DATA), at + "b.data"});
+  inputs->push_back({g.fp8 ? slot(a, TE_SLOT_SCALE_INV) : none, at + "a.scale_inv"});
+  inputs->push_back({g.fp8 ? slot(b, TE_SLOT_SCALE_INV) : none, at + "b.scale_inv"});
+  inputs->push_back({is_fp8(g.d_dtype) ? slot(d, TE_SLOT_SCALE) : none, at + "d.scale"});
+  inputs->push_back({bias != nullptr ? slot(bias, TE_SLOT_DATA) : none, at + "bias.data"});
+}
+
+struct TensorDeleter {
+  void operator()(te_tensor *t) const { te_tensor_destroy(t); }
+};
+using OwnedTensor = std::unique_ptr<te_tensor, TensorDeleter>;
+
+// A plain tensor over rows [row, row + rows) of the matrix view [*, cols] of buffer b (or, with
+// stride_rows = 0, the whole of dims 1.. of entry `row` of a stacked [G, ...] buffer).
+OwnedTensor slice(const te_buffer &b, int64_t offset_elems, std::vector<int64_t> shape) {
+  te_buffer s = b;
+  s.data = static_cast<char *>(b.data) + offset_elems * static_cast<int64_t>(te_dtype_size(b.dtype));
+  s.ndim = static_cast<int32_t>(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) s.shape[i] = shape[i];
+  te_tensor *t = nullptr;
+  te_tensor_create(TE_SCALING_TENSOR, &t);
+  OwnedTensor owned(t);
+  te_tensor_set(t, TE_SLOT_DATA, &s);
+  return owned;
+}
+
+bool is_hp(te_dtype d) { return is_high_precision(d); }
+bool is_size_dtype(te_dtype d) { return d == TE_DTYPE_INT32 || d == TE_DTYPE_INT64; }
+
+}  // namespace
+}  // namespace te
+
+extern "C" {
+
+te_status te_grouped_gemm(const te_tensor *const *a, const te_tensor *const *b,
+                          te_tensor *const *d, const te_tensor *const *bias, size_t groups,
+                          const te_gemm_config *config, void *workspace, size_t workspace_size,
+                          te_stream stream) {
+  return te::guarded("grouped_gemm", [&]() -> te_status {
+    te::Checker check("grouped_gemm");
+    if (groups > 0 && (a == nullptr || b == nullptr || d == nullptr)) {
+      return check.reject(TE_ERROR_VALUE, "a, b and d must be arrays of groups handles, got a "
+                                         "NULL array");
+    }
+    te_gemm_config cfg{0, 1, 0, 0, 0};
+    if (config != nullptr) cfg = *config;
+    if (cfg.gelu) {
+      return check.reject(TE_ERROR_VALUE, "config.gelu must be 0 (no GELU epilogue in a grouped "
+                                          "GEMM), got 1");
+    }
+    std::vector<te::GemmArgs> args(groups);
+    std::vector<te::Checker::Named> outputs, inputs;
+    te_device_type device = TE_DEVICE_CPU;
+    int device_id = 0;
+    for (size_t i = 0; i < groups; ++i) {
+      const std::string name = "grouped_gemm: group " + std::to_string(i);
+      te::Checker group(name.c_str());
+      const te_tensor *bias_i = bias != nullptr ? bias[i] : nullptr;
+      if (!te::resolve_gemm(group, a[i], b[i], d[i], bias_i, nullptr, cfg, &args[i])) {
+        return group.status();
+      }
+      if (i > 0 && (group.device() != device || group.device_id() != device_id)) {
+        return check.reject(TE_ERROR_VALUE, "every group must be on the device of group 0, got "
+                                             "group " + std::to_string(i) + " on another");
+      }
+      device = group.device();
+      device_id = group.device_id();
+      args[i].workspace = workspace;
+      args[i].workspace_size = workspace != nullptr ? workspace_size : 0;
+      args[i].device = device_id;
+      te::group_buffers(a[i], b[i], d[i], bias_i, args[i], i, &outputs, &inputs);
+    }
+    // The groups run one after another: a group reading another's output would see it
+    // written or not depending on the order, so no output may meet any group's buffers.
+    if (!check.disjoint(outputs, inputs)) return check.status();
+    for (const te::GemmArgs &g : args) {
+      if (te_status st = te::run_gemm(g, device, stream); st != TE_SUCCESS) return st;
+    }
+    return TE_SUCCESS;
+  });
+}
+
+te_status te_grouped_gemm_ragged(const te_tensor *a, const te_tensor *b, te_tensor *d,
+                                 const te_tensor *bias, const te_tensor *group_sizes,
+                                 const te_gemm_config *config, void *workspace,
+                                 size_t workspace_size, te_stream stream) {
+  return te::guarded("grouped_gemm_ragged", [&]() -> te_status {
+    const char *op = "grouped_gemm_ragged";
+    te::Checker check(op);
+    te_gemm_config cfg{0, 1, 0, 0, 0};
+    if (config != nullptr) cfg = *config;
+    if (!check.handle(a, "a") || !check.handle(b, "b") || !check.handle(d, "d") ||
+        !check.handle(group_sizes, "group_sizes")) {
+      return check.status();
+    }
+    const te_buffer *ad = te::slot(a, TE_SLOT_DATA), *bd = te::slot(b, TE_SLOT_DATA);
+    const te_buffer *dd = te::slot(d, TE_SLOT_DATA), *sd = te::slot(group_sizes, TE_SLOT_DATA);
+    if (!check.present(ad, "a.data") || !check.same_device(*ad, "a.data") ||
+        !check.dtype_in(*ad, "a.data", te::is_hp, "float32, float16 or bfloat16 (FP8 groups "
+                        "stacked in one operand are not implemented; use te_grouped_gemm)") ||
+        !check.present(bd, "b.data") || !check.same_device(*bd, "b.data") ||
+        !check.present(dd, "d.data") || !check.same_device(*dd, "d.data") ||
+        !check.present(sd, "group_sizes.data") || !check.same_device(*sd, "group_sizes.data") ||
+        !check.dtype_in(*sd, "group_sizes.data", te::is_size_dtype, "int32 or int64")) {
+      return check.status();
+    }
+    if (cfg.gelu) return check.reject(TE_ERROR_VALUE, "config.gelu must be 0, got 1");
+    if (ad->ndim != 2) {
+      return check.reject(TE_ERROR_VALUE, "a.data must be 2-D [M, K] (the groups' rows stacked), "
+                                          "got " + te::describe(*ad));
+    }
+    if (sd->ndim != 1) {
+      return check.reject(TE_ERROR_VALUE, "group_sizes.data must be 1-D [G], got " +
+                                              te::describe(*sd));
+    }
+    const int64_t groups = sd->shape[0], m = ad->shape[0], k = ad->shape[1];
+    const bool wgrad = cfg.transpose_a != 0;
+    const te_buffer *stacked = wgrad ? dd : bd;  // the operand with one entry per group
+    if (stacked->ndim != 3 || stacked->shape[0] != groups) {
+      return check.reject(TE_ERROR_VALUE,
+                          std::string(wgrad ? "d.data must be [G, K, N]" : "b.data must be [G, N, K] "
+                                      "or [G, K, N]") + " with G = " + std::to_string(groups) +
+                              " (group_sizes' length), got " + te::describe(*stacked));
+    }
+    if (wgrad && (cfg.transpose_b || bias != nullptr)) {
+      return check.reject(TE_ERROR_VALUE, "the weight-gradient form (transpose_a) takes b [M, N] "
+                                          "with transpose_b = 0 and no bias");
+    }
+    const te_buffer *biasd = bias != nullptr ? te::slot(bias, TE_SLOT_DATA) : nullptr;
+    // The sizes (the one read before any write): on the host, after checking every buffer.
+    std::vector<int64_t> sizes(static_cast<size_t>(groups));
+    if (groups > 0) {
+      const size_t elem = te_dtype_size(sd->dtype);
+      std::vector<char> raw(static_cast<size_t>(groups) * elem);
+      if (check.device() == TE_DEVICE_CUDA) {
+        te::CudaDeviceScope on_device(check.device_id());
+        if (te_status st = te::copy_to_host_cuda(raw.data(), sd->data, raw.size(),
+                                                 check.device_id(), stream);
+            st != TE_SUCCESS) {
+          return st;
+        }
+      } else {
+        std::memcpy(raw.data(), sd->data, raw.size());
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        int64_t v = 0;
+        if (sd->dtype == TE_DTYPE_INT32) {
+          int32_t x;
+          std::memcpy(&x, raw.data() + g * 4, 4);
+          v = x;
+        } else {
+          std::memcpy(&v, raw.data() + g * 8, 8);
+        }
+        sizes[static_cast<size_t>(g)] = v;
+      }
+    }
+    int64_t total = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t v = sizes[static_cast<size_t>(g)];
+      if (v < 0 || total + v > m) {
+        return check.reject(TE_ERROR_VALUE, "group_sizes must be >= 0 and sum to at most M = " +
+                                                std::to_string(m) + " (a's rows), got " +
+                                                std::to_string(v) + " for group " +
+                                                std::to_string(g) + " after " +
+                                                std::to_string(total) + " rows");
+      }
+      total += v;
+    }
+    // One te_gemm-checked GEMM per group over slices of the stacked buffers.
+    std::vector<te::GemmArgs> args(static_cast<size_t>(groups));
+    std::vector<te::OwnedTensor> keep;
+    int64_t row = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t rows = sizes[static_cast<size_t>(g)];
+      const std::string name = std::string(op) + ": group " + std::to_string(g);
+      te::Checker group(name.c_str());
+      te::OwnedTensor ta = te::slice(*ad, row * k, {rows, k});
+      te::OwnedTensor tb, td, tbias;
+      if (wgrad) {
+        if (bd->ndim != 2 || bd->shape[0] != m) {
+          return check.reject(TE_ERROR_VALUE, "b.data must be [M, N] with M = " +
+                                                  std::to_string(m) + " in the weight-gradient "
+                                                  "form, got " + te::describe(*bd));
+        }
+        const int64_t n = bd->shape[1];
+        tb = te::slice(*bd, row * n, {rows, n});
+        td = te::slice(*dd, g * dd->shape[1] * dd->shape[2], {dd->shape[1], dd->shape[2]});
+      } else {
+        const int64_t per = bd->shape[1] * bd->shape[2];
+        const int64_t n = cfg.transpose_b ? bd->shape[1] : bd->shape[2];
+        tb = te::slice(*bd, g * per, {bd->shape[1], bd->shape[2]});
+        if (dd->ndim != 2 || dd->shape[0] != m) {
+          return check.reject(TE_ERROR_VALUE, "d.data must be [M, N] with M = " +
+                                                  std::to_string(m) + ", got " + te::describe(*dd));
+        }
+        td = te::slice(*dd, row * dd->shape[1], {rows, dd->shape[1]});
+        if (biasd != nullptr) {
+          if (biasd->ndim != 2 || biasd->shape[0] != groups || biasd->shape[1] != n) {
+            return check.reject(TE_ERROR_VALUE, "bias.data must be [G, N] = [" +
+                                                    std::to_string(groups) + ", " +
+                                                    std::to_string(n) + "], got " +
+                                                    te::describe(*biasd));
+          }
+          tbias = te::slice(*biasd, g * n, {n});
+        }
+      }
+      if (!te::resolve_gemm(group, ta.get(), tb.get(), td.get(), tbias.get(), nullptr, cfg,
+                            &args[static_cast<size_t>(g)])) {
+        return group.status();
+      }
+      args[static_cast<size_t>(g)].workspace = workspace;
+      args[static_cast<size_t>(g)].workspace_size = workspace != nullptr ? workspace_size : 0;
+      args[static_cast<size_t>(g)].device = check.device_id();
+      keep.push_back(std::move(ta));
+      keep.push_back(std::move(tb));
+      keep.push_back(std::move(td));
+      keep.push_back(std::move(tbias));
+      row += rows;
+    }
+    // The whole a and d, against each other (the groups' slices tile them).
+    if (!check.disjoint({{dd, "d.data"}}, {{ad, "a.data"}, {bd, "b.data"}, {sd, "group_sizes.data"},
+                                           {biasd, "bias.data"}})) {
+      return check.status();
+    }
+    for (const te::GemmArgs &g : args) {
+      if (te_status st = te::run_gemm(g, check.device(), stream); st != TE_SUCCESS) return st;
+    }
+    if (!wgrad && total < m) {  // rows past the groups: zeros
+      const int64_t n = dd->shape[1];
+      te::OwnedTensor rest = te::slice(*dd, total * n, {m - total, n});
+      const size_t bytes = static_cast<size_t>((m - total) * n) * te_dtype_size(dd->dtype);
+      void *p = te::slot(rest.get(), TE_SLOT_DATA)->data;
+      if (check.device() == TE_DEVICE_CUDA) {
+        te::CudaDeviceScope on_device(check.device_id());
+        return te::zero_cuda(p, bytes, stream);
+      }
+      std::memset(p, 0, bytes);
+    }
+    return TE_SUCCESS;
+  });
+}
+
+}  // extern "C"
