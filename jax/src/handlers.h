@@ -13,6 +13,7 @@
   X("te_scale_from_amax_ffi", TeScaleFromAmax)        \
   X("te_delayed_scaling_update_ffi", TeDelayedScalingUpdate) \
   X("te_gemm_ffi", TeGemm)                            \
+  X("te_grouped_gemm_ffi", TeGroupedGemm)             \
   X("te_norm_forward_ffi", TeNormForward)             \
   X("te_norm_backward_ffi", TeNormBackward)             \
   X("te_activation_forward_ffi", TeActivationForward)   \

@@ -4,7 +4,9 @@ Importing this package loads the native extension and registers its custom-call 
 for the CPU and CUDA platforms.
 
 * :func:`fp8_autocast` / :func:`autocast`: the recipe in effect while a model is traced.
-* :func:`dense`: a linear layer (``jax.custom_vjp``) in FP8 or the inputs' dtype.
+* :func:`dense`: a linear layer (``jax.custom_vjp``) in FP8 or the inputs' dtype;
+  :func:`grouped_dense` the experts' layers of a mixture-of-experts block (group sizes on the
+  device).
 * :func:`layernorm`: LayerNorm / RMSNorm over the last axis (``jax.custom_vjp``).
 * :func:`layernorm_dense`, :func:`layernorm_mlp`: the norm fused with a dense layer, or with
   the whole MLP block (two dense layers around an activation); in FP8 each kernel writes
@@ -42,7 +44,7 @@ from transformer_engine.jax.cpp_extensions.misc import (
     get_cudnn_version,
     get_device_compute_capability,
 )
-from transformer_engine.jax.dense import dense
+from transformer_engine.jax.dense import dense, grouped_dense
 from transformer_engine.jax.layernorm import layernorm
 from transformer_engine.jax.layernorm_dense import layernorm_dense, layernorm_dense_fp8_operands
 from transformer_engine.jax.layernorm_mlp import layernorm_mlp, layernorm_mlp_fp8_operands
@@ -58,7 +60,8 @@ from transformer_engine.jax.rope import apply_rotary_pos_emb, rotary_freqs
 NVTE_FP8_COLLECTION_NAME = FP8_COLLECTION  # NVIDIA's name of the FP8 state's collection
 
 __all__ = ["__version__", "MeshResource", "fp8_autocast", "autocast", "get_fp8_recipe",
-           "get_mesh_resource", "is_fp8_enabled", "dense", "fused_attn", "layernorm",
+           "get_mesh_resource", "is_fp8_enabled", "dense", "grouped_dense", "fused_attn",
+           "layernorm",
            "layernorm_dense", "layernorm_dense_fp8_operands", "layernorm_mlp",
            "layernorm_mlp_fp8_operands", "QuantizerSet", "make_quantizer_set", "new_fp8_state",
            "update_collections", "FP8_COLLECTION", "ops", "apply_rotary_pos_emb",

@@ -21,6 +21,7 @@ TARGETS = {
     "scale_from_amax": "te_scale_from_amax_ffi",
     "delayed_scaling_update": "te_delayed_scaling_update_ffi",
     "gemm": "te_gemm_ffi",
+    "grouped_gemm": "te_grouped_gemm_ffi",
     "norm_forward": "te_norm_forward_ffi",
     "norm_backward": "te_norm_backward_ffi",
     "activation_forward": "te_activation_forward_ffi",

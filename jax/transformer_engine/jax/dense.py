@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from transformer_engine.common.plan import GEMM_GRANULE
 from transformer_engine.jax import _fused, ops
+from transformer_engine.jax._grouped_dense import grouped_dense
 from transformer_engine.jax.quantizer import (
     QuantizerSet,
     make_quantizer_set,
@@ -42,7 +43,7 @@ from transformer_engine.jax.quantizer import (
 )
 from transformer_engine.jax.sharding import token_rows
 
-__all__ = ["dense"]
+__all__ = ["dense", "grouped_dense"]
 
 _COMPUTE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 

@@ -25,7 +25,8 @@ from transformer_engine.common.activation_params import ClampedSwiGLUParams
 from transformer_engine.jax._native import TARGETS, load
 
 __all__ = ["ScalingMode", "QuantizedTensor", "fp8_dtype", "quantize", "dequantize",
-           "compute_amax", "scale_from_amax", "delayed_scaling_update", "gemm", "NormType",
+           "compute_amax", "scale_from_amax", "delayed_scaling_update", "gemm", "grouped_gemm",
+           "NormType",
            "norm_forward", "norm_forward_fp8", "norm_backward", "Activation", "ClampedSwiGLU",
            "is_gated", "kind_of",
            "activation_forward", "activation_forward_fp8", "activation_backward",
@@ -286,6 +287,44 @@ def gemm(a: jax.Array, b: jax.Array, *, a_scale_inv: Optional[jax.Array] = None,
                    use_bias=bias is not None, compute_amax=bool(compute_amax),
                    use_split_accumulator=bool(use_split_accumulator))
     return (d, amax) if compute_amax else d
+
+
+def grouped_gemm(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *,
+                 transpose_a: bool = False, transpose_b: bool = False,
+                 bias: Optional[jax.Array] = None, out_dtype=None) -> jax.Array:
+    """The groups stacked by rows in ``a`` [M, K] (group g: the ``group_sizes[g]`` rows after
+    the groups before it) with the core's te_grouped_gemm_ragged (gemm.h), high precision:
+
+    * ``transpose_a=False``: D [M, N], ``D[rows g] = a[rows g] @ op(b[g]) (+ bias[g])``, b
+      [G, K, N] (or [G, N, K] with ``transpose_b``), bias [G, N]; rows past the sizes' sum 0;
+    * ``transpose_a=True``: D [G, K, N], ``D[g] = a[rows g]^T @ b[rows g]``, b [M, N].
+
+    ``group_sizes`` int32 [G] stays on the device (traced): the sizes may change every step
+    without a recompile. Under a mesh the call runs on whole operands (no sharding rule)."""
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
+    if a.ndim != 2 or group_sizes.ndim != 1:
+        raise ValueError(f"grouped_gemm: a must be 2-D [M, K] and group_sizes 1-D [G], got "
+                         f"shapes {a.shape} and {group_sizes.shape}")
+    groups = group_sizes.shape[0]
+    if transpose_a:
+        if b.ndim != 2 or b.shape[0] != a.shape[0]:
+            raise ValueError(f"grouped_gemm: with transpose_a b must be [M, N] with a's M = "
+                             f"{a.shape[0]}, got shape {b.shape}")
+        shape = (groups, a.shape[1], b.shape[1])
+    else:
+        if b.ndim != 3 or b.shape[0] != groups:
+            raise ValueError(f"grouped_gemm: b must be [G, K, N] (or [G, N, K] with "
+                             f"transpose_b) with G = {groups}, got shape {b.shape}")
+        shape = (a.shape[0], b.shape[1] if transpose_b else b.shape[2])
+    out_dtype = jnp.dtype(out_dtype if out_dtype is not None else a.dtype)
+    results = (jax.ShapeDtypeStruct(shape, out_dtype),
+               jax.ShapeDtypeStruct((_gemm_workspace_bytes(),), jnp.uint8))
+    call = jax.ffi.ffi_call(TARGETS["grouped_gemm"], results, vmap_method=_VMAP)
+    d, _ = call(a, b, group_sizes, bias if bias is not None else jnp.zeros((0,), out_dtype),
+                transpose_a=bool(transpose_a), transpose_b=bool(transpose_b),
+                use_bias=bias is not None)
+    return d
 
 
 class NormType(enum.IntEnum):
