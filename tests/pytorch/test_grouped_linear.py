@@ -73,12 +73,12 @@ def test_bad_inputs_name_the_module_and_argument():
         te.GroupedLinear(0, 16, 8, device="cpu")
 
 
-def _pair(num, k, n, dtype=torch.float32, bias=True):
+def _pair(num, k, n, dtype=torch.float32, bias=True, device="cpu"):
     torch.manual_seed(1)
-    grouped = te.GroupedLinear(num, k, n, bias=bias, params_dtype=dtype, device="cpu")
+    grouped = te.GroupedLinear(num, k, n, bias=bias, params_dtype=dtype, device=device)
     singles = []
     for i in range(num):
-        lin = te.Linear(k, n, bias=bias, params_dtype=dtype, device="cpu")
+        lin = te.Linear(k, n, bias=bias, params_dtype=dtype, device=device)
         state = {"weight": getattr(grouped, f"weight{i}").detach()}
         if bias:
             state["bias"] = getattr(grouped, f"bias{i}").detach()
@@ -90,7 +90,8 @@ def _pair(num, k, n, dtype=torch.float32, bias=True):
 @pytest.mark.parametrize("name", ["delayed", "current"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_fp8_steps_equal_separate_linears_and_make_three_core_calls(name, dtype,
-                                                                             monkeypatch):
+                                                                             monkeypatch,
+                                                                             device):
     """Three steps (delayed scaling's state updates included), splits that need padding and
     an empty group; every step makes one grouped core call per GEMM phase and no single one."""
     from transformer_engine.pytorch import grouped_linear_fn, ops
@@ -104,10 +105,10 @@ def test_grouped_fp8_steps_equal_separate_linears_and_make_three_core_calls(name
 
     monkeypatch.setattr(grouped_linear_fn.ops, "grouped_gemm_fp8", counting)
     r = RECIPES[name]
-    grouped, singles = _pair(4, 32, 48, dtype)
+    grouped, singles = _pair(4, 32, 48, dtype, device=device)
     splits = [21, 16, 0, 35]
     for step in range(3):
-        x = torch.randn(72, 32, dtype=dtype) * (step + 1)
+        x = torch.randn(72, 32, dtype=dtype, device=device) * (step + 1)
         xg, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
         with te.fp8_autocast(fp8_recipe=r):
             y = grouped(xg, splits)
