@@ -87,7 +87,7 @@ def _pair(num, k, n, dtype=torch.float32, bias=True, device="cpu"):
     return grouped, singles
 
 
-@pytest.mark.parametrize("name", ["delayed", "current"])
+@pytest.mark.parametrize("name", ["delayed", "current", "block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_fp8_steps_equal_separate_linears_and_make_three_core_calls(name, dtype,
                                                                              monkeypatch,

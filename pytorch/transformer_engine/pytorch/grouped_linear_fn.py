@@ -1,5 +1,5 @@
-"""The autograd function of te.GroupedLinear under a per-tensor FP8 recipe (delayed or current
-scaling): the groups' three GEMMs each in one grouped core call.
+"""The autograd function of te.GroupedLinear under an FP8 recipe with a plan (delayed, current
+or block scaling): the groups' three GEMMs each in one grouped core call.
 
 Group g is its own te.Linear (``gemms[g]``): its plan, FP8 state, weight copy and scales are
 those that layer would use, and each group's input and gradient are quantized as that layer
@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import ops
-from .linear_fn import grad_to_fp8, pad_gemm_operands, update_backward
+from .linear_fn import _BLOCK_OUT, grad_to_fp8, pad_gemm_operands, update_backward
 from .quantization import Plan, quantize
 
 
@@ -43,32 +43,38 @@ class GroupedConsts(NamedTuple):
     need_wgrad: bool
 
 
-def _stacked_gemm(a_ops: list, b_ops: list, fmt_a: str, fmt_b: str, out_dtype: torch.dtype,
-                  biases, split: bool) -> torch.Tensor:
+def _stacked_gemm(a_ops: list, b_ops: list, fmt_a: str, fmt_b: str, modes: tuple,
+                  out_dtype: torch.dtype, biases, split: bool) -> torch.Tensor:
     """The groups' ``a_g @ b_g^T (+ bias_g)`` stacked by rows, each pair padded to the
     granule as te.Linear pads it (:func:`pad_gemm_operands`), the padded rows dropped.
-    ``a_ops`` / ``b_ops``: (data, scale_inv) per group. A bias joins the epilogue in a 16-bit
-    output (as te.Linear's); with an fp32 output it is added afterwards, as there."""
+    ``a_ops`` / ``b_ops``: (data, scale_inv) per group; ``modes``: their scaling modes. As in
+    te.Linear's GEMM (linear_fn._fp8_gemm): a bias joins the epilogue of a 16-bit output and
+    is added afterwards to an fp32 one, and a block-scaled GEMM, which writes fp32 or bf16
+    only, writes fp32 for an fp16 output, cast after."""
+    a_mode, b_mode = modes
+    block = a_mode != "tensor"
+    gemm_dtype = out_dtype if not block or out_dtype in _BLOCK_OUT else torch.float32
     a, a_sinv, b, b_sinv, rows, padded = [], [], [], [], [], False
     for (x, xs), (w, ws) in zip(a_ops, b_ops, strict=True):
-        x, xs, w, m = pad_gemm_operands(x, xs, "tensor", w)
+        x, xs, w, m = pad_gemm_operands(x, xs, a_mode, w)
         a.append(x)
         a_sinv.append(xs)
         b.append(w)
         b_sinv.append(ws)
         rows.append(m)
         padded = padded or x.shape[0] != m
-    fused = biases is not None and out_dtype in (torch.bfloat16, torch.float16)
-    gemm_bias = [x if x.dtype == out_dtype else x.to(out_dtype) for x in biases] if fused \
+    fused = biases is not None and gemm_dtype in (torch.bfloat16, torch.float16)
+    gemm_bias = [x if x.dtype == gemm_dtype else x.to(gemm_dtype) for x in biases] if fused \
         else []
-    out = ops.grouped_gemm_fp8(a, a_sinv, fmt_a, b, b_sinv, fmt_b, out_dtype, gemm_bias, split)
+    out = ops.grouped_gemm_fp8(a, a_sinv, fmt_a, a_mode, b, b_sinv, fmt_b, b_mode, gemm_dtype,
+                               gemm_bias, split)
     if padded:
         parts = torch.split(out, [x.shape[0] for x in a])
         out = torch.cat([p[:m] for p, m in zip(parts, rows, strict=True)])
     if biases is not None and not fused:
         for part, bias in zip(torch.split(out, rows), biases, strict=True):
             part.add_(bias if bias.dtype == out.dtype else bias.to(out.dtype))
-    return out
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 class GroupedFp8Function(torch.autograd.Function):
@@ -85,12 +91,15 @@ class GroupedFp8Function(torch.autograd.Function):
         parts = torch.split(inp, list(cfg.splits))
         q_in = [quantize(meta.plan, "input", x, True, cfg.need_wgrad, meta.scales, 0,
                          meta.history) for meta, x in zip(cfg.metas, parts, strict=True)]
-        fmt = cfg.metas[0].plan.fwd_dtype
+        plan = cfg.metas[0].plan
+        fmt = plan.fwd_dtype
         out = _stacked_gemm([(q.data, q.scale_inv) for q in q_in],
-                            [(w.data, w.scale_inv) for w in w_ops], fmt, fmt, inp.dtype,
-                            biases, False)
-        ctx.save_for_backward(*(q.columnwise for q in q_in), *(q.scale_inv for q in q_in),
-                              *(w.columnwise for w in w_ops), *(w.scale_inv for w in w_ops))
+                            [(w.data, w.scale_inv) for w in w_ops], fmt, fmt,
+                            (plan.input_mode, plan.weight_mode), inp.dtype, biases, False)
+        ctx.save_for_backward(*(q.columnwise for q in q_in),
+                              *(q.columnwise_scale_inv for q in q_in),
+                              *(w.columnwise for w in w_ops),
+                              *(w.columnwise_scale_inv for w in w_ops))
         ctx.cfg = cfg
         ctx.dtypes = (inp.dtype, weights[0].dtype, None if biases is None else biases[0].dtype)
         return out
@@ -119,11 +128,13 @@ class GroupedFp8Function(torch.autograd.Function):
         if cfg.need_dgrad:
             grad_input = _stacked_gemm([(q.data, q.scale_inv) for q in q_g],
                                        list(zip(w_col, w_sinv, strict=True)), plan.bwd_dtype,
-                                       plan.fwd_dtype, in_dtype, None, True)
+                                       plan.fwd_dtype, (plan.grad_mode, plan.weight_mode),
+                                       in_dtype, None, True)
         if cfg.need_wgrad:
             stacked = _stacked_gemm([(q.columnwise, q.columnwise_scale_inv) for q in q_g],
                                     list(zip(in_col, in_sinv, strict=True)), plan.bwd_dtype,
-                                    plan.fwd_dtype, w_dtype, None, True)
+                                    plan.fwd_dtype, (plan.grad_mode, plan.input_mode), w_dtype,
+                                    None, True)
             grad_weights = torch.chunk(stacked, groups)
         grad_biases = ()
         if has_bias:

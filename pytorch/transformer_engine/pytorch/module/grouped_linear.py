@@ -2,7 +2,7 @@
 (the experts of a mixture-of-experts layer, their tokens sorted by expert).
 
 Each group is its own te.Linear (``gemms[i]``): its FP8 state, its weight and bias. Under
-per-tensor FP8 (delayed and current scaling) the groups' GEMMs run as one grouped core call
+FP8 (delayed, current and block scaling) the groups' GEMMs run as one grouped core call
 per phase (forward, dgrad, wgrad; grouped_linear_fn.py), each group quantized by its own
 layer; other recipes, bf16 and FP8 inputs run the layers one after the other. Either way the
 numbers are exactly those of separate te.Linear layers. NVIDIA's parameter names
@@ -126,9 +126,10 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
 
     def _grouped_fp8(self, rows: torch.Tensor, splits: list, recipe, is_first_microbatch):
         """The FP8 forward with the groups' GEMMs grouped (grouped_linear_fn.py), or None
-        where the layers run one after the other instead: a recipe other than per-tensor
-        scaling, an FP8 (Float8Tensor) input, or a group's weight in another format."""
-        if isinstance(rows, Float8Tensor) or kind_of(recipe) not in ("delayed", "current"):
+        where the layers run one after the other instead: a recipe other than per-tensor or
+        block scaling, or an FP8 (Float8Tensor) input."""
+        if isinstance(rows, Float8Tensor) or kind_of(recipe) not in ("delayed", "current",
+                                                                     "block"):
             return None
         device_type = "cuda" if rows.is_cuda else "cpu"
         if torch.is_autocast_enabled(device_type):

@@ -133,13 +133,17 @@ def _check_grouped(a: list, b: list, out_dtype: torch.dtype) -> int:
 @custom_op("transformer_engine::grouped_gemm_fp8", mutates_args=())
 def grouped_gemm_fp8(
     a: list[torch.Tensor], a_scale_inv: list[torch.Tensor], a_fp8_dtype: str,
-    b: list[torch.Tensor], b_scale_inv: list[torch.Tensor], b_fp8_dtype: str,
-    out_dtype: torch.dtype, bias: list[Optional[torch.Tensor]], use_split_accumulator: bool,
+    a_scaling_mode: str, b: list[torch.Tensor], b_scale_inv: list[torch.Tensor],
+    b_fp8_dtype: str, b_scaling_mode: str, out_dtype: torch.dtype,
+    bias: list[Optional[torch.Tensor]], use_split_accumulator: bool,
 ) -> torch.Tensor:
-    """The groups' ``D_g = dequant(a_g) @ dequant(b_g)^T (+ bias_g)`` (per-tensor FP8, each
-    group with its own scale_inv) in one core call, stacked by rows: D [sum M_g, N].
-    ``bias``: [] for none, else one entry per group (None: that group has none)."""
+    """The groups' ``D_g = dequant(a_g) @ dequant(b_g)^T (+ bias_g)`` (FP8, each group with
+    its own scale_inv in the scaling mode given) in one core call, stacked by rows:
+    D [sum M_g, N]. ``bias``: [] for none, else one entry per group (None: that group has
+    none)."""
     n = _check_grouped(a, b, out_dtype)
+    check_mode("grouped_gemm", a_scaling_mode)
+    check_mode("grouped_gemm", b_scaling_mode)
     c = core()
     rows = [x.shape[0] for x in a]
     d = a[0].new_empty((sum(rows), n), dtype=out_dtype)
@@ -151,8 +155,10 @@ def grouped_gemm_fp8(
     bias = [None if x is None else x.contiguous() for x in bias] or None
     outs = list(torch.split(d, rows))  # views: the core writes each group's rows in place
     c.grouped_gemm(
-        [_operand(c, x, s, a_fp8_dtype, "tensor") for x, s in zip(a, a_scale_inv, strict=True)],
-        [_operand(c, w, s, b_fp8_dtype, "tensor") for w, s in zip(b, b_scale_inv, strict=True)],
+        [_operand(c, x, s, a_fp8_dtype, a_scaling_mode)
+         for x, s in zip(a, a_scale_inv, strict=True)],
+        [_operand(c, w, s, b_fp8_dtype, b_scaling_mode)
+         for w, s in zip(b, b_scale_inv, strict=True)],
         [raw(o) for o in outs],
         bias=None if bias is None else [None if x is None else raw(x) for x in bias],
         transpose_a=False, transpose_b=True, use_split_accumulator=use_split_accumulator,
@@ -161,7 +167,7 @@ def grouped_gemm_fp8(
 
 
 @grouped_gemm_fp8.register_fake
-def _(a, a_scale_inv, a_fp8_dtype, b, b_scale_inv, b_fp8_dtype, out_dtype, bias,
-      use_split_accumulator):
+def _(a, a_scale_inv, a_fp8_dtype, a_scaling_mode, b, b_scale_inv, b_fp8_dtype, b_scaling_mode,
+      out_dtype, bias, use_split_accumulator):
     n = _check_grouped(a, b, out_dtype)
     return a[0].new_empty((sum(x.shape[0] for x in a), n), dtype=out_dtype)
