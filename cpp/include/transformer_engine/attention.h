@@ -138,6 +138,10 @@ te_status te_attention_forward(const te_attention_config *config, const te_tenso
 /* Backward: the gradients of the forward with the same config, inputs and rng_state.
  * [in] q, k, v, o, softmax_lse, cu_seqlens_q, cu_seqlens_kv, rng_state: as the forward had and
  *   wrote them (FP8: o also sets SCALE_INV, its descale).
+ *   Every backend takes the row term sum over j of p_j dp_j as dot(d_o_i, o_i) from the o
+ *   given, and p from the lse given. So a call over some of a row's keys (a block of k and v),
+ *   given the whole row's o and lse, returns that block's share of dq and its dk, dv: the
+ *   backward of ring attention, which adds the blocks' shares.
  * [in] d_o: DATA, o's shape; o's dtype, or for an E4M3 o E4M3 or E5M2 (each FP8 d_o also sets
  *   SCALE_INV, its descale).
  * [in] softmax_fp8: FP8 only: the forward's softmax_fp8 (SCALE and SCALE_INV of p; the fused

@@ -159,16 +159,17 @@ void attention_backward_ref(const AttentionBackwardArgs &a) {
         if (lo > hi) continue;
         const float lse = a.softmax_lse[(b * s.heads_q + h) * s.seqlen_q + i];
         const int64_t qi = idx.q(b, i, L.q_start, h, dqk), oi = idx.q(b, i, L.q_start, h, dv);
-        // sum_j p_j dp_j, which equals dot(d_o_i, o_i). FP8 takes the dot of the stored o, as
-        // the fused kernels and the CUDA math path do: that o carries E4M3's rounding.
-        float row_dot = fp8 ? dot(d_o, oi, o, oi, dv) : 0.0f;
+        // sum_j p_j dp_j over the whole row, taken as dot(d_o_i, o_i) from the o given, as
+        // the fused kernels and the CUDA math path take it (attention.h): so a call over some
+        // of a row's keys, given the whole row's o and lse, gives those keys' share of the
+        // gradients (ring attention).
+        const float row_dot = dot(d_o, oi, o, oi, dv);
         for (int64_t j = lo; j <= hi; ++j) {
           const float sj = a.softmax_scale * dot(q, qi, k, idx.kv(b, j, L.kv_start, g, dqk), dqk);
           p[j] = std::exp(sj - lse);
           const bool keep = a.dropout <= 0.0f || dropout_keep(seed, offset, s, b, h, i, j, a.dropout);
           const float dpd = dot(d_o, oi, v, idx.kv(b, j, L.kv_start, g, dv), dv);  // grad of dropped p
           dp[j] = keep ? dpd * keep_scale : 0.0f;
-          if (!fp8) row_dot += p[j] * dp[j];
           // dv_j += dropout(p_j) d_o_i, with p rounded as the forward rounded it
           const float pr = fp8 ? round_fp8(p[j], TE_DTYPE_FLOAT8_E4M3, *f.scale_s, *f.descale_s) : p[j];
           const float pd = keep ? pr * keep_scale : 0.0f;
