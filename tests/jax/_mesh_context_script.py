@@ -66,14 +66,19 @@ att.CASES.update({name: tuple(name.split("-")) for name in MODEL_CASES})
 ATTENTION_CASES = [
     "causal-bshd-plain-4", "causal-bshd-balanced-4", "causal-sbhd-balanced-2",
     "no_mask-bshd-plain-4", "no_mask-sbhd-balanced-1",
+    # the ring strategy
+    "causal-bshd-plain-4-ring", "causal-sbhd-balanced-2-ring", "causal-bshd-balanced-4-ring",
+    "no_mask-bshd-plain-1-ring",
 ]
 
 
 def attention_case(name: str) -> dict:
     """One fused_attn training step with q, k, v split over cp = 4 (and the batch over dp =
-    2) against the same step on one device: outputs and gradients, and the collectives."""
-    mask, layout, order, groups = name.split("-")
+    2) against the same step on one device: outputs and gradients, and the collectives. The
+    name: mask-layout-order-kv heads[-strategy] (default all-gather)."""
+    mask, layout, order, groups, *strategy = name.split("-")
     balanced, groups = order == "balanced", int(groups)
+    strategy = strategy[0] if strategy else "all_gather"
     batch, seq, heads, dim = 2, 32, 4, 8
     seq_dim = 0 if layout == "sbhd" else 1
     shape = lambda h: (seq, batch, h, dim) if layout == "sbhd" else (batch, seq, h, dim)  # noqa: E731
@@ -84,7 +89,8 @@ def attention_case(name: str) -> dict:
 
     def loss(q, k, v, w, balanced):
         o = fused_attn(q, k, v, qkv_layout=layout, attn_mask_type=mask,
-                       context_parallel_causal_load_balanced=balanced)
+                       context_parallel_causal_load_balanced=balanced,
+                       context_parallel_strategy=strategy)
         return jnp.sum(o * w), o
 
     grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
@@ -127,7 +133,7 @@ def refused() -> dict:
         "padding": dict(attn_mask_type="padding", cu_seqlens_q=jnp.array([0, 32, 64]),
                         cu_seqlens_kv=jnp.array([0, 32, 64])),
         "dropout": dict(dropout_probability=0.1, dropout_rng=jax.random.PRNGKey(0)),
-        "ring": dict(context_parallel_strategy="ring"),
+        "strategy": dict(context_parallel_strategy="ulysses"),
         "indivisible": dict(context_parallel_causal_load_balanced=True),
     }
     errors = {}

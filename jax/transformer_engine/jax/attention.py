@@ -149,24 +149,47 @@ def _cp_backward_piece(q, k, v, o, d_o, lse, kv_lengths, *, params):
                           jnp.zeros((0,), jnp.uint32), plain)
 
 
+def _ring_params(params, kind: str):
+    """The plain call's params for one (query chunk, key chunk) pair of the ring: every key
+    ("full") or the causal diagonal of two chunks of one length ("causal")."""
+    return (params[0], MASKS["no_mask" if kind == "full" else "causal"], *params[2:])
+
+
+def _ring_forward_piece(q, k, v, kind, *, params):
+    empty = jnp.zeros((0,), jnp.int32)
+    return _forward_call(q, k, v, empty, empty, jnp.zeros((0,), jnp.uint32),
+                         _ring_params(params, kind))
+
+
+def _ring_backward_piece(q, k, v, o, d_o, lse, kind, *, params):
+    empty = jnp.zeros((0,), jnp.int32)
+    return _backward_call(q, k, v, o, d_o, lse, empty, empty, jnp.zeros((0,), jnp.uint32),
+                          _ring_params(params, kind))
+
+
 def _cp_shard(cp, params, backward: bool):
     """(axis, the per-device function) of the partitioned call under context parallelism,
-    or None; ``cp`` is (mesh axis, its size, load balanced) or None."""
+    or None; ``cp`` is (mesh axis, its size, load balanced, strategy) or None."""
     if cp is None:
         return None
-    axis, size, balanced = cp
+    axis, size, balanced, strategy = cp
     layout = list(LAYOUTS)[params[0]]
     kw = dict(layout=layout, causal=params[1] != MASKS["no_mask"], axis=axis, size=size,
               balanced=balanced)
+    ring = strategy == "ring"
     if backward:
+        fn, piece = ((context_parallel.ring_backward, _ring_backward_piece) if ring else
+                     (context_parallel.shard_backward, _cp_backward_piece))
+
         def shard(qs, ks, vs, os_, dos, lses, *_):
-            return context_parallel.shard_backward(
-                functools.partial(_cp_backward_piece, params=params), qs, ks, vs, os_, dos,
-                lses, **kw)
+            return fn(functools.partial(piece, params=params), qs, ks, vs, os_, dos, lses,
+                      **kw)
     else:
+        fn, piece = ((context_parallel.ring_forward, _ring_forward_piece) if ring else
+                     (context_parallel.shard_forward, _cp_forward_piece))
+
         def shard(qs, ks, vs, *_):
-            return context_parallel.shard_forward(
-                functools.partial(_cp_forward_piece, params=params), qs, ks, vs, **kw)
+            return fn(functools.partial(piece, params=params), qs, ks, vs, **kw)
     return axis, shard
 
 
@@ -287,12 +310,13 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
         context_parallel_axis: the mesh axis the sequences are split over (default
             ``MeshResource.cp_resource``); under ``jax.jit`` over a mesh where it has more than
             one device, the attention runs context parallel
-            (:mod:`~transformer_engine.jax.context_parallel`: all-gather strategy).
+            (:mod:`~transformer_engine.jax.context_parallel`).
         context_parallel_causal_load_balanced: the sequences come in the order of
             :func:`reorder_causal_load_balancing` (for that axis's size), and the output goes
             out in it.
-        context_parallel_strategy: ``"default"`` / ``"all_gather"`` (or NVIDIA's
-            :class:`CPStrategy` members; RING is not implemented).
+        context_parallel_strategy: ``"default"`` / ``"all_gather"`` (gather k and v), or
+            ``"ring"`` (pass k and v round the devices, one block held at a time); NVIDIA's
+            :class:`CPStrategy` members too.
 
     Example:
         >>> import jax.numpy as jnp
@@ -360,4 +384,5 @@ def _context_parallel(axis: Optional[str], strategy, balanced: bool, q, k, layou
     context_parallel.check_call(caller, layout=layout, mask=mask, window=window,
                                 dropout=dropout, strategy=strategy, sq=q.shape[seq],
                                 skv=k.shape[seq], size=size, balanced=balanced)
-    return axis, size, balanced
+    name = context_parallel.strategy_name(strategy)
+    return axis, size, balanced, "ring" if name == "ring" else "all_gather"

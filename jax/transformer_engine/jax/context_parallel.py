@@ -2,8 +2,9 @@
 
 Under ``jax.jit`` over a mesh whose context-parallel axis (``MeshResource.cp_resource``, or
 the ``context_parallel_axis`` given to the attention) has ``n > 1`` devices, each device
-holds ``1/n`` of every sequence: its queries and its keys and values. The attention runs as
-NVIDIA's all-gather strategy does:
+holds ``1/n`` of every sequence: its queries and its keys and values. The attention runs by
+one of two strategies (``context_parallel_strategy``). The all-gather strategy (the
+default):
 
 * forward: each device all-gathers the keys and values along the sequence (``n - 1``
   shards received) and attends its own queries to them;
@@ -12,10 +13,14 @@ NVIDIA's all-gather strategy does:
   reduce-scattered back to the devices that hold the keys.
 
 So no device holds another's queries, outputs or output gradients, and the extra memory is
-one layer's whole keys and values. Causal masks take each device's offset into account: a
-device's queries, at global positions ``p``, attend keys ``j <= p``. The core expresses that
-as a bottom-right causal mask over the keys up to the device's last query (a padding mask
-marks the keys after them), so the mask is a run-time length, not a branch per device.
+one layer's whole keys and values. The ring strategy holds one other device's block at a time
+instead (see the ring section below): n - 1 exchanges with the next device forward, n - 1 for
+the blocks and n for their gradients backward.
+
+Causal masks take each device's offset into account: a device's queries, at global positions
+``p``, attend keys ``j <= p``. In the all-gather strategy the core expresses that as a
+bottom-right causal mask over the keys up to the device's last query (a padding mask marks the
+keys after them), so the mask is a run-time length, not a branch per device.
 
 Causal attention leaves the devices unevenly loaded with a plain split (the last device's
 queries see every key, the first's only their own). :func:`reorder_causal_load_balancing`
@@ -26,8 +31,9 @@ reordered that way and gives its outputs in that order; the attention undoes the
 the gathered keys and attends each of the device's two chunks with its own offset.
 
 Supported: the ``bshd`` and ``sbhd`` layouts, ``no_mask`` and the causal masks, GQA/MQA,
-the heads and the batch split over other axes. Refused with an error naming the feature:
-``thd`` and padding masks, sliding windows, dropout, and the ring strategy.
+the heads and the batch split over other axes, both strategies, plain or load balanced.
+Refused with an error naming the feature: ``thd`` and padding masks, sliding windows and
+dropout.
 """
 
 from __future__ import annotations
@@ -208,14 +214,159 @@ def shard_backward(run: Callable, q, k, v, o, d_o, lse, *, layout: str, causal: 
     return (dq, _scatter(dk, axis, seq, size, balanced), _scatter(dv, axis, seq, size, balanced))
 
 
+# --- the ring strategy -----------------------------------------------------------------------
+#
+# Each device keeps its queries and passes its keys and values round the ring (ppermute to the
+# next device, n - 1 times): at each step it attends its queries to the block it holds and
+# merges the partial results by their log-sum-exp, so no device ever holds more than one other
+# block. The backward passes the blocks round again, each with the running sums of its keys' and
+# values' gradients, which a last step brings home. A shard is one chunk of the sequence (plain
+# split) or two (load balanced); a (query chunk, key chunk) pair is attended in full (the keys
+# come first), causally (the same chunk), or not at all (the keys come later), chosen per
+# device at run time.
+
+_SKIP, _CAUSAL, _FULL = 0, 1, 2
+
+
+def _chunks_of(device, size: int, balanced: bool) -> list:
+    """The global chunk indices (traced) of a device's shard, in the order they sit in it."""
+    if not balanced:
+        return [device]
+    return [device, 2 * size - 1 - device]
+
+
+def _relation(q_chunk, k_chunk, causal: bool):
+    if not causal:
+        return jnp.int32(_FULL)
+    return jnp.where(q_chunk < k_chunk, _SKIP, jnp.where(q_chunk == k_chunk, _CAUSAL, _FULL))
+
+
+def _pieces_of(x: jax.Array, dim: int, count: int) -> list:
+    n = x.shape[dim] // count
+    return [_slice(x, dim, i * n, n) for i in range(count)]
+
+
+def _ring_next(x, axis: str, size: int):
+    return jax.lax.ppermute(x, axis, [(i, (i + 1) % size) for i in range(size)])
+
+
+def _lse_as_o(lse: jax.Array, seq: int) -> jax.Array:
+    """lse [b, h, s] laid out as o's [b, s, h, 1] (or [s, b, h, 1])."""
+    t = jnp.transpose(lse, (2, 0, 1) if seq == 0 else (0, 2, 1))
+    return t[..., None]
+
+
+def ring_forward(run: Callable, q, k, v, *, layout: str, causal: bool, axis: str, size: int,
+                 balanced: bool):
+    """(o, lse) of this device's queries by the ring strategy. ``run(q, k, v, kind)`` is the
+    plain forward of one (query chunk, key chunk) pair, ``kind`` "full" or "causal"."""
+    seq = 0 if layout == "sbhd" else 1
+    count = 2 if balanced else 1
+    rank = jax.lax.axis_index(axis)
+    q_chunks = _chunks_of(rank, size, balanced)
+    qs = _pieces_of(q, seq, count)
+    o_acc = [jnp.zeros(p.shape[:-1] + (v.shape[-1],), jnp.float32) for p in qs]
+    lse_acc = [None] * count
+
+    def attend(qp, kp, vp, relation):
+        def skip():
+            b, h = (qp.shape[1], qp.shape[2]) if seq == 0 else (qp.shape[0], qp.shape[2])
+            return (jnp.zeros(qp.shape[:-1] + (vp.shape[-1],), qp.dtype),
+                    jnp.full((b, h, qp.shape[seq]), -jnp.inf, jnp.float32))
+
+        branches = [skip, lambda: run(qp, kp, vp, "causal"), lambda: run(qp, kp, vp, "full")]
+        if not causal:
+            return branches[_FULL]()
+        return jax.lax.switch(relation, branches)
+
+    for step in range(size):
+        src = (rank - step) % size
+        k_chunks = _chunks_of(src, size, balanced)
+        ks, vs = _pieces_of(k, seq, count), _pieces_of(v, seq, count)
+        for i, qp in enumerate(qs):
+            for j in range(count):
+                o_p, lse_p = attend(qp, ks[j], vs[j], _relation(q_chunks[i], k_chunks[j], causal))
+                if lse_acc[i] is None:
+                    o_acc[i], lse_acc[i] = o_p.astype(jnp.float32), lse_p
+                    continue
+                new = jnp.logaddexp(lse_acc[i], lse_p)
+                # exp(-inf - -inf) is nan: a row no key has reached yet keeps weight 0
+                keep = jnp.where(jnp.isneginf(new), 0.0, jnp.exp(lse_acc[i] - new))
+                take = jnp.where(jnp.isneginf(new), 0.0, jnp.exp(lse_p - new))
+                o_acc[i] = (o_acc[i] * _lse_as_o(keep, seq)
+                            + o_p.astype(jnp.float32) * _lse_as_o(take, seq))
+                lse_acc[i] = new
+        if step < size - 1:
+            k, v = _ring_next(k, axis, size), _ring_next(v, axis, size)
+    o = jnp.concatenate(o_acc, axis=seq) if count > 1 else o_acc[0]
+    lse = jnp.concatenate(lse_acc, axis=2) if count > 1 else lse_acc[0]
+    return o.astype(q.dtype), lse
+
+
+def ring_backward(run: Callable, q, k, v, o, d_o, lse, *, layout: str, causal: bool, axis: str,
+                  size: int, balanced: bool):
+    """(dq, dk, dv) of this device's shards by the ring strategy. ``run(q, k, v, o, d_o, lse,
+    kind)`` is the plain backward of one pair, given the final o and lse of its queries (each
+    pair's probabilities are exp(s - lse) with the whole row's lse)."""
+    seq = 0 if layout == "sbhd" else 1
+    count = 2 if balanced else 1
+    rank = jax.lax.axis_index(axis)
+    q_chunks = _chunks_of(rank, size, balanced)
+    qs, os_, dos = (_pieces_of(t, seq, count) for t in (q, o, d_o))
+    lses = _pieces_of(lse, 2, count)
+    dq = [jnp.zeros(p.shape, jnp.float32) for p in qs]
+    dk_acc = jnp.zeros(k.shape, jnp.float32)
+    dv_acc = jnp.zeros(v.shape, jnp.float32)
+
+    def grads(i, kp, vp, relation):
+        def skip():
+            return (jnp.zeros(qs[i].shape, q.dtype), jnp.zeros(kp.shape, k.dtype),
+                    jnp.zeros(vp.shape, v.dtype))
+
+        def with_kind(kind):
+            return lambda: run(qs[i], kp, vp, os_[i], dos[i], lses[i], kind)
+
+        branches = [skip, with_kind("causal"), with_kind("full")]
+        if not causal:
+            return branches[_FULL]()
+        return jax.lax.switch(relation, branches)
+
+    for step in range(size):
+        src = (rank - step) % size
+        k_chunks = _chunks_of(src, size, balanced)
+        ks, vs = _pieces_of(k, seq, count), _pieces_of(v, seq, count)
+        dks, dvs = _pieces_of(dk_acc, seq, count), _pieces_of(dv_acc, seq, count)
+        for i in range(count):
+            for j in range(count):
+                dq_p, dk_p, dv_p = grads(i, ks[j], vs[j],
+                                         _relation(q_chunks[i], k_chunks[j], causal))
+                dq[i] = dq[i] + dq_p.astype(jnp.float32)
+                dks[j] = dks[j] + dk_p.astype(jnp.float32)
+                dvs[j] = dvs[j] + dv_p.astype(jnp.float32)
+        dk_acc = jnp.concatenate(dks, axis=seq) if count > 1 else dks[0]
+        dv_acc = jnp.concatenate(dvs, axis=seq) if count > 1 else dvs[0]
+        # the block and its gradients move on together; after the last step the gradients
+        # take one more hop, home to the device that holds the block
+        if step < size - 1:
+            k, v = _ring_next(k, axis, size), _ring_next(v, axis, size)
+        dk_acc, dv_acc = _ring_next(dk_acc, axis, size), _ring_next(dv_acc, axis, size)
+    dq = jnp.concatenate(dq, axis=seq) if count > 1 else dq[0]
+    return dq.astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype)
+
+
+def strategy_name(strategy) -> str:
+    """``"default"``, ``"all_gather"`` or ``"ring"`` from a string (any case) or a
+    :class:`CPStrategy` member."""
+    return str(getattr(strategy, "value", strategy)).lower()
+
+
 def check_call(caller: str, *, layout: str, mask: str, window: Optional[tuple], dropout: float,
                strategy, sq: int, skv: int, size: int, balanced: bool) -> None:
     """Raises, naming the feature, for what context parallelism does not do here."""
-    name = str(getattr(strategy, "value", strategy)).lower()
-    if name not in ("default", "all_gather"):
-        raise NotImplementedError(f"{caller}: context_parallel_strategy {strategy!r} is not "
-                                  "implemented; the all-gather strategy ('all_gather', "
-                                  "CPStrategy.ALL_GATHER or DEFAULT) is")
+    name = strategy_name(strategy)
+    if name not in ("default", "all_gather", "ring"):
+        raise ValueError(f"{caller}: context_parallel_strategy must be 'default', 'all_gather' "
+                         f"or 'ring' (or a CPStrategy member), got {strategy!r}")
     if layout == "thd":
         raise NotImplementedError(f"{caller}: context parallelism is not implemented for the "
                                   "thd layout; use bshd or sbhd")

@@ -107,8 +107,9 @@ class DotProductAttention(nn.Module):
         context_parallel_causal_load_balanced: the inputs come in the order of
             :func:`~transformer_engine.jax.attention.reorder_causal_load_balancing` for that
             axis's size (and the output goes out in it). Not with a bias.
-        context_parallel_strategy: ``"DEFAULT"`` / ``"ALL_GATHER"`` (any case, or
-            :class:`~transformer_engine.jax.attention.CPStrategy`); ``"RING"`` is refused.
+        context_parallel_strategy: ``"DEFAULT"`` / ``"ALL_GATHER"`` (gather k and v) or
+            ``"RING"`` (pass them round the devices); any case, or
+            :class:`~transformer_engine.jax.attention.CPStrategy`.
         context_checkpoint_name: NVIDIA's remat name of the context: recorded only.
 
     The call takes ``mask`` [batch, 1, sq, skv] (True = masked) for the padding masks: the
