@@ -129,6 +129,54 @@ def test_fp8_model_init_keeps_one_byte_parameters(r, mode):
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+def test_fp8_model_init_weights_take_the_recipes_scale_options_and_keep_them():
+    """Float8BlockScaling asks for power-of-2 scales: an fp8_model_init weight has the bytes
+    and scales that quantizing its value under the recipe's plan gives, at creation and after
+    an optimizer step (which quantizes in place with the same options)."""
+    from transformer_engine.pytorch.quantization import plan_of, quantize
+
+    r = recipe.Float8BlockScaling()
+    plan = plan_of(r)
+    assert plan.force_pow2_scales
+    with te.fp8_model_init(recipe=r):
+        layer = te.Linear(256, 128, device="cpu")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.37)
+    for step in range(2):
+        w = layer.weight
+        sinv = w._scale_inv
+        assert torch.equal(sinv, torch.exp2(torch.round(torch.log2(sinv)))), step
+        want = quantize(plan, "weight", w.dequantize(), True, False)
+        assert torch.equal(w._data, want.data) and torch.equal(sinv, want.scale_inv), step
+        with te.fp8_autocast(fp8_recipe=r):
+            layer(torch.randn(32, 256)).square().mean().backward()
+        opt.step()
+
+
+def test_fp8_model_init_weights_in_1x128_runs_train():
+    """Float8BlockScaling(w_block_scaling_dim=1): 1x128 runs do not transpose, so the weight
+    keeps a column-wise copy quantized from the same values (two bytes per element); a
+    training step runs, and its input gradient is that of the dequantized weight's layer
+    within FP8 rounding."""
+    r = recipe.Float8BlockScaling(w_block_scaling_dim=1)
+    with te.fp8_model_init(recipe=r):
+        layer = te.Linear(256, 128, device="cpu")
+    w = layer.weight
+    assert w._scaling_mode == "block_1x128" and w._transpose is not None
+    ref = te.Linear(256, 128, device="cpu")
+    ref.load_state_dict({"weight": w.dequantize(), "bias": layer.bias.detach()}, strict=False)
+    x = torch.randn(64, 256)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with te.fp8_autocast(fp8_recipe=r):
+        layer(xa).square().mean().backward()
+        ref(xb).square().mean().backward()
+    assert torch.isfinite(xa.grad).all() and w.grad is not None
+    # the same FP8 GEMMs up to the weight's requantization (one E4M3 step, 2^-3 relative)
+    assert torch.allclose(xa.grad, xb.grad, rtol=0.25, atol=1e-3 * xb.grad.abs().max())
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    opt.step()
+    assert layer.weight._transpose is not None  # the update keeps both copies
+
+
 def test_transposed_tiles_equal_a_columnwise_quantization():
     """A 128x128 tensor's lazily transposed copy has the bytes that quantizing with the
     transpose gives (same tiles, same scales)."""

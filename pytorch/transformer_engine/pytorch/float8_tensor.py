@@ -80,6 +80,8 @@ class Float8Tensor(torch.Tensor):
         shape: the shape the tensor presents, when not the data's: a block-scaled matrix
             seen flat (FSDP2 keeps a flat view of each shard) keeps its [M, K] bytes, which
             its scale grid is laid over.
+        scale_options: (force_pow2_scales, amax_epsilon) of the quantization that made it,
+            which an in-place update (an optimizer step) quantizes with again.
 
     Example:
         >>> x = torch.randn(32, 64)
@@ -92,7 +94,7 @@ class Float8Tensor(torch.Tensor):
                 dtype: torch.dtype = torch.float32, scaling_mode: str = "tensor",
                 transpose: Optional[torch.Tensor] = None,
                 transpose_scale_inv: Optional[torch.Tensor] = None, requires_grad: bool = False,
-                shape: Optional[tuple] = None):
+                shape: Optional[tuple] = None, scale_options: tuple = (False, 0.0)):
         fp8_dtype = _fp8_name(data, fp8_dtype)
         if dtype not in _HIGH:
             raise TypeError(f"Float8Tensor: dtype must be one of {_HIGH}, got {dtype}")
@@ -119,6 +121,7 @@ class Float8Tensor(torch.Tensor):
         # True on a weight FSDP2 gathered: its column-wise copy is not kept, since FSDP frees
         # the gathered bytes after the forward and the copy would hold the whole weight.
         self._gathered = False
+        self._scale_options = (bool(scale_options[0]), float(scale_options[1]))
         return self
 
     # ------------------------------------------------------------ making and reading
@@ -126,20 +129,23 @@ class Float8Tensor(torch.Tensor):
     @classmethod
     def quantize(cls, x: torch.Tensor, fp8_dtype: str = "float8_e4m3", *,
                  scaling_mode: str = "tensor", with_transpose: bool = False,
-                 force_pow2_scales: bool = False) -> "Float8Tensor":
-        """Quantizes ``x`` with a scale from its own amax (per tensor) or per block."""
+                 force_pow2_scales: bool = False, amax_epsilon: float = 0.0) -> "Float8Tensor":
+        """Quantizes ``x`` with a scale from its own amax (per tensor) or per block; the scale
+        options are kept for in-place updates, which quantize with them again."""
         x = x.detach()
         m = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
         if scaling_mode == "tensor":
             data, col, _, sinv, _ = ops.quantize_current(m, fp8_dtype, True, with_transpose,
-                                                          force_pow2_scales, 0.0)
+                                                          force_pow2_scales, amax_epsilon)
             col_sinv = sinv if with_transpose else None
         else:
             data, sinv, col, col_sinv = ops.quantize_block(
-                m, fp8_dtype, scaling_mode, True, with_transpose, force_pow2_scales, 0.0)
+                m, fp8_dtype, scaling_mode, True, with_transpose, force_pow2_scales,
+                amax_epsilon)
             col_sinv = col_sinv if with_transpose else None
         out = cls(data.view(x.shape), sinv, fp8_dtype, x.dtype, scaling_mode,
-                  col if with_transpose else None, col_sinv)
+                  col if with_transpose else None, col_sinv,
+                  scale_options=(force_pow2_scales, amax_epsilon))
         if _PRESERVE_INIT[0]:
             # On the CPU: the point of FP8 weights is not to hold a high-precision copy on
             # the GPU.
@@ -216,21 +222,23 @@ class Float8Tensor(torch.Tensor):
         names = ["_data", "_scale_inv"]
         if self._transpose is not None:
             names += ["_transpose", "_transpose_scale_inv"]
-        return names, (self._fp8_dtype, self.dtype, self._scaling_mode, self.requires_grad)
+        return names, (self._fp8_dtype, self.dtype, self._scaling_mode, self.requires_grad,
+                       self._scale_options)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        fp8_dtype, dtype, mode, requires_grad = meta
+        fp8_dtype, dtype, mode, requires_grad, options = meta
         data = inner["_data"]
         return Float8Tensor(data, inner["_scale_inv"], fp8_dtype, dtype, mode,
                             inner.get("_transpose"), inner.get("_transpose_scale_inv"),
                             requires_grad=requires_grad,
-                            shape=None if outer_size == data.shape else outer_size)
+                            shape=None if outer_size == data.shape else outer_size,
+                            scale_options=options)
 
     def __reduce_ex__(self, protocol):
         return _rebuild, (self._data, self._scale_inv, self._fp8_dtype, self.dtype,
                           self._scaling_mode, self._transpose, self._transpose_scale_inv,
-                          self.requires_grad, self._presented_shape())
+                          self.requires_grad, self._presented_shape(), self._scale_options)
 
     def _presented_shape(self) -> Optional[tuple]:
         """The shape, where it is not the data's (a flat view of block-scaled bytes); else
@@ -242,7 +250,8 @@ class Float8Tensor(torch.Tensor):
     def _with(self, **changes) -> "Float8Tensor":
         fields = dict(data=self._data, scale_inv=self._scale_inv, fp8_dtype=self._fp8_dtype,
                       dtype=self.dtype, scaling_mode=self._scaling_mode,
-                      transpose=self._transpose, transpose_scale_inv=self._transpose_scale_inv)
+                      transpose=self._transpose, transpose_scale_inv=self._transpose_scale_inv,
+                      scale_options=self._scale_options)
         fields.update(changes)
         if "shape" not in fields and fields["data"].shape == self._data.shape:
             fields["shape"] = self._presented_shape()  # the same bytes (moved, cloned)
@@ -274,11 +283,13 @@ class Float8Tensor(torch.Tensor):
                                          self.dtype))
             return
         # (A flat view of block-scaled bytes quantizes the matrix its grid is laid over.)
+        pow2, epsilon = self._scale_options
         fresh = Float8Tensor.quantize(values.to(self.dtype).reshape(self._data.shape),
                                       self._fp8_dtype,
                                       scaling_mode=self._scaling_mode,
                                       with_transpose=self._scaling_mode != "tensor"
-                                      and self._transpose is not None)
+                                      and self._transpose is not None,
+                                      force_pow2_scales=pow2, amax_epsilon=epsilon)
         self._copy_from(fresh)
 
     def _copy_from(self, src: "Float8Tensor") -> None:
@@ -373,8 +384,10 @@ def _layout(func, t: Float8Tensor, *args, **kwargs):
         if block:  # each block of zeros has scale 1, as quantizing zeros gives
             scale_inv = torch.ones(block_grid(*size, t._scaling_mode), dtype=torch.float32,
                                    device=device)
-            return Float8Tensor(data, scale_inv, t._fp8_dtype, t.dtype, t._scaling_mode)
-        return Float8Tensor(data, t._scale_inv.clone().to(device), t._fp8_dtype, t.dtype)
+            return Float8Tensor(data, scale_inv, t._fp8_dtype, t.dtype, t._scaling_mode,
+                                scale_options=t._scale_options)
+        return Float8Tensor(data, t._scale_inv.clone().to(device), t._fp8_dtype, t.dtype,
+                            scale_options=t._scale_options)
     if func is _aten.view.default:
         # Only the flat view (FSDP keeps its shard so) and the identity (DTensor.to_local,
         # which a distributed checkpoint reads and writes through): any other view keeps
@@ -480,9 +493,9 @@ def _to_copy(t: Float8Tensor, dtype=None, device=None, **_ignored) -> torch.Tens
 
 
 def _rebuild(data, scale_inv, fp8_dtype, dtype, mode, transpose, transpose_scale_inv,
-             requires_grad, shape=None):
+             requires_grad, shape=None, scale_options=(False, 0.0)):
     return Float8Tensor(data, scale_inv, fp8_dtype, dtype, mode, transpose, transpose_scale_inv,
-                        requires_grad=requires_grad, shape=shape)
+                        requires_grad=requires_grad, shape=shape, scale_options=scale_options)
 
 
 # torch.load defaults to weights_only=True, which loads only allow-listed globals.

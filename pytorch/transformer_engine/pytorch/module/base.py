@@ -89,8 +89,13 @@ def fp8_weight_param(t: torch.Tensor, plan_of) -> torch.nn.Parameter:
     if not init.enabled:
         return torch.nn.Parameter(t)
     plan = plan_of(init.recipe)
-    return torch.nn.Parameter(Float8Tensor.quantize(t, plan.fwd_dtype,
-                                                    scaling_mode=plan.weight_mode))
+    # The recipe's scale options (block scaling's power-of-2 scales), kept by the tensor for
+    # the optimizer's in-place updates. 1x128 runs along rows do not transpose, so such a
+    # weight keeps its column-wise copy (for dgrad) quantized from the same values.
+    return torch.nn.Parameter(Float8Tensor.quantize(
+        t, plan.fwd_dtype, scaling_mode=plan.weight_mode,
+        with_transpose=plan.weight_mode == "block_1x128",
+        force_pow2_scales=plan.force_pow2_scales, amax_epsilon=plan.amax_epsilon))
 
 
 class FP8Module(DeferredInit, torch.nn.Module):
