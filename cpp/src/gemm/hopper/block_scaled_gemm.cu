@@ -1,0 +1,266 @@
+// Block-scaled FP8 GEMM on Hopper (sm_90a) with CUTLASS's blockwise-scaling mainloop
+// (KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum), behind te_gemm's resolved arguments.
+//
+// The problem (row-major, as gemm.h states it):
+//   D[M, N] = sum over K blocks b of  sa[m, b] * sb[n / 128, b] * sum_{k in b} A[m, k] B[n, k]
+//             (+ D[M, N] with accumulate) (+ bias[N])
+// with A [M, K] E4M3 row-major (K contiguous) and its BLOCK_1X128 scale_inv sa [M, ceil(K/128)]
+// row-major, B [N, K] E4M3 row-major and its BLOCK_128X128 scale_inv sb [ceil(N/128), ceil(K/128)]
+// row-major (tensor.h's layouts: what te_quantize writes, and what the CPU path and the cuBLASLt
+// path read).
+//
+// In CUTLASS's terms that is its own (M, N, K) GEMM with A row-major, B column-major (the K-major
+// "TN" layout, the only one Hopper's FP8 tensor cores take) and D row-major; no transposition.
+// The scale layouts map onto CUTLASS's blockwise scale layouts with scale granularity
+// (M, N, K) = (1, 128, 128) and both scale tensors K-major:
+//   SFA ((1, M), (128, ceil(K/128))) : ((0, ceil(K/128)), (0, 1))   == sa[m * ceil(K/128) + b]
+//   SFB ((128, ceil(N/128)), (128, ceil(K/128))) : ((0, ceil(K/128)), (0, 1))
+//                                                                    == sb[(n/128) * ceil(K/128) + b]
+// so the kernel reads our scale buffers as they are, with no staging pass (the cuBLASLt path
+// rewrites them into its own layouts first). K-major scales are loaded by the producer's
+// auxiliary warp with predicated cp.async (CUTLASS takes TMA only for M-major scale columns);
+// rows past M and blocks past K are predicated off, and their accumulators never reach D.
+//
+// Tile 128x128x128, cluster 1x2x1, cooperative persistent kernel:
+// - K = 128 is the scale block: each k-tile is one promotion (four k32 WGMMAs accumulate a
+//   block in the tensor cores, then fp32 accum += block * sa * sb), and the mainloop requires
+//   the tile's K to be a multiple of the scale block; 128 is the smallest, which leaves shared
+//   memory for the most pipeline stages.
+// - N = 128 is B's scale block, so one B scale per k-tile (the tile's N must be a multiple of it).
+// - M = 128 is two consumer warpgroups of 64 rows (cooperative); each thread holds 64 fp32
+//   accumulators plus 64 of the per-block temporary, 128 registers, which is why 128x256 tiles
+//   (256 registers of accumulators) are not used.
+// - The 1x2 cluster multicasts each A tile to the two CTAs that share it along N, halving A's
+//   traffic from L2, which matters for the large-M GEMMs of training.
+// - The persistent tile scheduler launches one CTA per SM (cluster-rounded) and walks the tiles;
+//   the pingpong schedule (64-row tiles per warpgroup, one warpgroup's promotion overlapping the
+//   other's MMAs) is the alternative to measure against it on the H200.
+// One instantiation per D dtype (fp32, bf16); the epilogue is D = acc + bias + beta * C with
+// C = D (beta 1 with accumulate, else 0: C is then not read) and a null bias reading as 0.
+//
+// Numerics. Each 128-block is summed by the tensor cores (with their limited accumulation
+// precision; see the test), then promoted in fp32. This file is compiled with FMA contraction
+// (cmake/cutlass.cmake), unlike the rest of the core: the promotion fma(block, scale, acc) per
+// accumulator and k-tile is on the critical path between MMAs, and as separate multiply and add
+// it would cost twice the fp32 issue slots; it is also one rounding fewer. The result cannot be
+// bitwise the CPU path's anyway (the tensor cores sum a block in their own order and precision).
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/kernel_hardware_info.h"
+#include "cutlass/numeric_types.h"
+
+#include "common/cuda_utils.cuh"
+#include "common/internal.h"
+#include "gemm/hopper/block_scaled_gemm.h"
+
+#if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
+#error "The Hopper block-scaled GEMM needs CUDA 12 or newer (CUTLASS's SM90 support)"
+#endif
+
+namespace te {
+namespace {
+
+constexpr const char *kOp = "hopper_block_scaled_gemm";
+constexpr int64_t kScaleBlock = 128;
+
+// The kernel for one D element type (float or cutlass::bfloat16_t).
+template <typename ElementD>
+struct BlockScaledKernel {
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
+
+  // Scale granularity (M, N, K) = (1, 128, 128), both scale tensors K-major (see the top).
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
+                                                                cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+  using ElementAB = cutlass::float_e4m3_t;
+  using ElementBias = cutlass::bfloat16_t;
+  static constexpr int kAlignmentAB = 16;                     // elements: 16 bytes for TMA
+  static constexpr int kAlignmentD = 16 / sizeof(ElementD);   // elements: 16 bytes for TMA
+
+  // D = alpha * acc + bias[n] + beta * C, computed in fp32, C of D's type.
+  using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<ElementD, float, ElementBias, ElementD, float>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      ElementD, cutlass::layout::RowMajor, kAlignmentD,
+      ElementD, cutlass::layout::RowMajor, kAlignmentD,
+      cutlass::epilogue::TmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      ElementAB, cute::tuple<cutlass::layout::RowMajor, LayoutSFA>, kAlignmentAB,
+      ElementAB, cute::tuple<cutlass::layout::ColumnMajor, LayoutSFB>, kAlignmentAB,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
+
+  // Problem shape (M, N, K, L); the default tile scheduler of this schedule is the persistent one.
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
+                                                      CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+std::string num(int64_t v) { return std::to_string(v); }
+
+te_status cutlass_failure(const char *what, cutlass::Status s) {
+  return fail(s == cutlass::Status::kErrorMisalignedOperand || s == cutlass::Status::kErrorInvalidProblem
+                  ? TE_ERROR_UNSUPPORTED
+                  : TE_ERROR_RUNTIME,
+              kOp, std::string("CUTLASS ") + what + " failed: " + cutlass::cutlassGetStatusString(s));
+}
+
+// The current device must be an sm_90 (the kernel is compiled for sm_90a only).
+te_status check_device() {
+  int device = 0, major = 0, minor = 0;
+  if (te_status st = cuda_status(kOp, cudaGetDevice(&device))) return st;
+  if (te_status st = cuda_status(kOp, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device))) {
+    return st;
+  }
+  if (te_status st = cuda_status(kOp, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device))) {
+    return st;
+  }
+  if (major != 9 || minor != 0) {
+    return fail(TE_ERROR_UNSUPPORTED, kOp,
+                "the device must be an sm_90 (Hopper; the kernel is built for sm_90a only), got sm_" +
+                    num(major) + num(minor));
+  }
+  return TE_SUCCESS;
+}
+
+template <typename ElementD>
+te_status run_kernel(const GemmArgs &g, cudaStream_t stream) {
+  using K = BlockScaledKernel<ElementD>;
+  using Gemm = typename K::Gemm;
+  using StrideA = typename K::Kernel::StrideA;
+  using StrideB = typename K::Kernel::StrideB;
+  using StrideC = typename K::Kernel::StrideC;
+  using StrideD = typename K::Kernel::StrideD;
+
+  const int m = static_cast<int>(g.m), n = static_cast<int>(g.n), k = static_cast<int>(g.k);
+  // Row pitches in elements; the batch stride (L = 1) is the matrix size.
+  const StrideA stride_a = cute::make_stride(g.k, cute::Int<1>{}, g.m * g.k);
+  const StrideB stride_b = cute::make_stride(g.k, cute::Int<1>{}, g.n * g.k);
+  const StrideC stride_c = cute::make_stride(g.n, cute::Int<1>{}, g.m * g.n);
+  const StrideD stride_d = cute::make_stride(g.n, cute::Int<1>{}, g.m * g.n);
+  const auto problem = cute::make_shape(m, n, k, 1);
+
+  int sms = 0;
+  if (te_status st = sm_count(kOp, &sms)) return st;
+
+  typename Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = problem;
+  args.mainloop.ptr_A = static_cast<const typename K::ElementAB *>(g.a.data);
+  args.mainloop.dA = stride_a;
+  args.mainloop.ptr_B = static_cast<const typename K::ElementAB *>(g.b.data);
+  args.mainloop.dB = stride_b;
+  args.mainloop.ptr_SFA = g.a.scale_inv;
+  args.mainloop.layout_SFA = K::ScaleConfig::tile_atom_to_shape_SFA(problem);
+  args.mainloop.ptr_SFB = g.b.scale_inv;
+  args.mainloop.layout_SFB = K::ScaleConfig::tile_atom_to_shape_SFB(problem);
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = g.accumulate ? 1.0f : 0.0f;
+  args.epilogue.thread.bias_ptr = static_cast<const typename K::ElementBias *>(g.bias);  // null: 0
+  // C is D (in place). With beta = 0 the epilogue does not load it; it still gets a valid
+  // address, which its TMA descriptor is made from.
+  args.epilogue.ptr_C = static_cast<const ElementD *>(g.d);
+  args.epilogue.dC = stride_c;
+  args.epilogue.ptr_D = static_cast<ElementD *>(g.d);
+  args.epilogue.dD = stride_d;
+  args.hw_info.device_id = g.device;
+  args.hw_info.sm_count = sms;
+
+  if (cutlass::Status s = Gemm::can_implement(args); s != cutlass::Status::kSuccess) {
+    return cutlass_failure("can_implement", s);
+  }
+  const size_t workspace = Gemm::get_workspace_size(args);
+  if (workspace > 0 && (g.workspace == nullptr || g.workspace_size < workspace)) {
+    return fail(TE_ERROR_VALUE, kOp, "workspace must hold " + num(static_cast<int64_t>(workspace)) +
+                                         " bytes, got " + num(static_cast<int64_t>(g.workspace_size)));
+  }
+  Gemm gemm;
+  // initialize() builds the TMA descriptors and raises the kernel's shared-memory limit.
+  if (cutlass::Status s = gemm.initialize(args, g.workspace, stream); s != cutlass::Status::kSuccess) {
+    return cutlass_failure("initialize", s);
+  }
+  if (cutlass::Status s = gemm.run(stream); s != cutlass::Status::kSuccess) {
+    launch_status(kOp);  // clears a pending launch error; the CUTLASS status is the message
+    return cutlass_failure("launch", s);
+  }
+  return launch_status(kOp);
+}
+
+bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+std::string hopper_block_scaled_gemm_support(const GemmArgs &g) {
+  if (!g.fp8) return "the operands must be FP8";
+  if (g.a.dtype != TE_DTYPE_FLOAT8_E4M3 || g.b.dtype != TE_DTYPE_FLOAT8_E4M3) {
+    return std::string("the operands must both be float8_e4m3 (one instantiation), got ") +
+           te_dtype_name(g.a.dtype) + " x " + te_dtype_name(g.b.dtype);
+  }
+  if (g.a.mode != TE_SCALING_BLOCK_1X128 || g.b.mode != TE_SCALING_BLOCK_128X128) {
+    return std::string("the scaling modes must be block_1x128 x block_128x128, got ") +
+           scaling_mode_name(g.a.mode) + " x " + scaling_mode_name(g.b.mode);
+  }
+  if (g.a.transposed || !g.b.transposed) return "the layout must be A [M, K] and B [N, K] (TN)";
+  if (g.d_dtype != TE_DTYPE_FLOAT32 && g.d_dtype != TE_DTYPE_BFLOAT16) {
+    return std::string("D must be float32 or bfloat16, got ") + te_dtype_name(g.d_dtype);
+  }
+  if (g.gelu || g.pre_gelu != nullptr) return "GELU is not fused";
+  if (g.d_amax != nullptr || g.d_scale_inv != nullptr) return "amax and an FP8 output are not produced";
+  if (g.bias != nullptr && g.bias_dtype != TE_DTYPE_BFLOAT16) {
+    return std::string("bias must be bfloat16, got ") + te_dtype_name(g.bias_dtype);
+  }
+  if (g.m <= 0 || g.n <= 0 || g.k <= 0) {
+    return "M, N and K must be positive, got " + num(g.m) + ", " + num(g.n) + ", " + num(g.k);
+  }
+  // CUTLASS's problem shape and scale layouts hold 32-bit extents and strides.
+  const int64_t kb = ceil_div(g.k, kScaleBlock);
+  if (g.m > INT_MAX || g.n > INT_MAX || g.k > INT_MAX || g.m * kb > INT_MAX || ceil_div(g.n, kScaleBlock) * kb > INT_MAX) {
+    return "M, N, K and the scale counts must fit in 32 bits";
+  }
+  // TMA: 16-byte aligned base addresses and row pitches.
+  if (g.k % 16 != 0) return "K must be a multiple of 16, got " + num(g.k);
+  if (g.n * static_cast<int64_t>(te_dtype_size(g.d_dtype)) % 16 != 0) {
+    return "N must make D's rows a multiple of 16 bytes, got " + num(g.n);
+  }
+  if (!aligned16(g.a.data) || !aligned16(g.b.data) || !aligned16(g.d)) {
+    return "A, B and D must be 16-byte aligned";
+  }
+  if (reinterpret_cast<uintptr_t>(g.a.scale_inv) % 4 != 0 || reinterpret_cast<uintptr_t>(g.b.scale_inv) % 4 != 0 ||
+      reinterpret_cast<uintptr_t>(g.bias) % 2 != 0) {
+    return "scale_inv and bias must be aligned to their element size";
+  }
+  return "";
+}
+
+te_status hopper_block_scaled_gemm(const GemmArgs &g, te_stream stream) {
+  const std::string why = hopper_block_scaled_gemm_support(g);
+  if (!why.empty()) return fail(TE_ERROR_UNSUPPORTED, kOp, "the kernel does not take this call: " + why);
+  if (te_status st = check_device()) return st;
+  const cudaStream_t s = cuda_stream(stream);
+  if (g.d_dtype == TE_DTYPE_FLOAT32) return run_kernel<float>(g, s);
+  return run_kernel<cutlass::bfloat16_t>(g, s);
+}
+
+}  // namespace te
