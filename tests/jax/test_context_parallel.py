@@ -110,6 +110,25 @@ def test_without_a_mesh_the_context_parallel_keywords_change_nothing():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
 
 
+def test_nvidias_sequence_axis_names_map_to_their_mesh_axes():
+    from transformer_engine.jax.sharding import (
+        BATCH_AXES,
+        HIDDEN_AXES,
+        SEQLEN_AXES,
+        SEQLEN_CP_AXES,
+        SEQLEN_TP_AXES,
+        logical_to_mesh_spec,
+    )
+
+    resource = MeshResource(dp_resource="dp", cp_resource="cp", tpsp_resource="tp")
+    spec = jax.sharding.PartitionSpec
+    for seq in (SEQLEN_AXES, SEQLEN_CP_AXES):
+        assert logical_to_mesh_spec((BATCH_AXES, seq, HIDDEN_AXES), resource) == \
+            spec("dp", "cp", None)
+    assert logical_to_mesh_spec((BATCH_AXES, SEQLEN_TP_AXES, HIDDEN_AXES), resource) == \
+        spec("dp", "tp", None)
+
+
 def test_token_rows_is_a_reshape_without_a_mesh():
     x = jnp.arange(2 * 6 * 4.0).reshape(2, 6, 4)
     rows, back = token_rows(x, 2, ("batch", "length"))

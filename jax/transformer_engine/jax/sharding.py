@@ -58,7 +58,8 @@ from transformer_engine.jax.autocast import (
 
 __all__ = ["MeshResource", "global_shard_guard", "global_mesh_resource", "LOGICAL_RULES",
            "logical_axis_rules", "logical_to_mesh_spec", "with_sharding_constraint_by_logical_axes",
-           "BATCH_AXES", "SEQLEN_AXES", "HIDDEN_AXES", "HIDDEN_TP_AXES", "HEAD_AXES",
+           "BATCH_AXES", "SEQLEN_AXES", "SEQLEN_CP_AXES", "SEQLEN_TP_AXES", "HIDDEN_AXES",
+           "HIDDEN_TP_AXES", "HEAD_AXES", "JOINED_AXES",
            "W_FSDP_AXES", "W_TP_AXES", "W_NO_SHARD_AXES", "W_JOINED_AXES", "token_rows"]
 
 # What each MeshResource field stands for, and the ones no module implements yet.
@@ -80,6 +81,8 @@ LOGICAL_RULES = {
     "joined_kv": ("tp_resource",),
     "vocab": ("tp_resource",),
     "length": ("cp_resource",),
+    "length_cp": ("cp_resource",),
+    "length_tp": ("tpsp_resource",),
     "act": (),
     "joined": (),
     "kv": (),
@@ -89,7 +92,10 @@ LOGICAL_RULES = {
 
 # NVIDIA's constants for the same names (activations, then weights).
 BATCH_AXES = "batch"
-SEQLEN_AXES = "length"
+SEQLEN_AXES = "length"  # split over cp_resource: NVIDIA's SEQLEN_CP_AXES is the same here
+SEQLEN_CP_AXES = "length_cp"
+SEQLEN_TP_AXES = "length_tp"  # sequence parallelism's split (tpsp_resource: refused)
+JOINED_AXES = "joined"
 HIDDEN_AXES = "hidden"  # an activation's features: never split
 HIDDEN_TP_AXES = "mlp"
 HEAD_AXES = "heads"
@@ -217,7 +223,7 @@ def token_rows(x: jax.Array, lead: int, lead_axes: Optional[Sequence] = None):
     cp = mesh_axis_size("cp_resource") or 1
     parts, split, whole = [], [], []  # parts: the sizes; split / whole: indices into parts
     for d, (size, entry) in enumerate(zip(lead_shape, spec, strict=True)):
-        if names[d] == "length" and cp > 1 and size % cp == 0:
+        if names[d] in (SEQLEN_AXES, SEQLEN_CP_AXES) and cp > 1 and size % cp == 0:
             # The shard index goes first: one per device, so the split dim after it still
             # gives each device one block of rows.
             split.insert(0, len(parts))
