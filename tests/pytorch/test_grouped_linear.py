@@ -149,3 +149,69 @@ def test_grouped_fp8_return_bias_frozen_weights_and_first_microbatch():
     assert [b is grouped.gemms[i].bias for i, b in enumerate(biases)] == [True, True]
     y.sum().backward()
     assert x.grad is not None and grouped.gemms[0].weight.grad is None
+
+
+class _QuantizeKeepingGrad(torch.autograd.Function):
+    """The tokens as a per-tensor Float8Tensor (current scaling), the gradient passed through
+    (as a layer that hands on FP8 activations does)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        from transformer_engine.pytorch.float8_tensor import Float8Tensor
+
+        return Float8Tensor.quantize(x, "float8_e4m3")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_fp8_dispatch_tokens_permuted_as_bytes_into_the_grouped_experts(name, monkeypatch):
+    """The tokens quantized once, permuted by moe_permute as FP8 bytes (one byte per element
+    moved), and taken as they are by the grouped experts: the same bits as each expert's
+    te.Linear taking its FP8 rows, and the same gradients."""
+    from transformer_engine.pytorch import grouped_linear_fn
+    from transformer_engine.pytorch.float8_tensor import Float8Tensor
+
+    calls = []
+    real = grouped_linear_fn.ops.grouped_gemm_fp8
+    monkeypatch.setattr(grouped_linear_fn.ops, "grouped_gemm_fp8",
+                        lambda *a: calls.append(1) or real(*a))
+    r = RECIPES[name]
+    grouped, singles = _pair(4, 32, 48)
+    torch.manual_seed(5)
+    tokens, top_k = 20, 2
+    routing = torch.stack([torch.randperm(4)[:top_k] for _ in range(tokens)])
+    splits = [int((routing == e).sum()) for e in range(4)]
+    x = torch.randn(tokens, 32)
+    outs, grads = [], []
+    for run in ("grouped", "singles"):
+        inp = x.clone().requires_grad_()
+        x8 = _QuantizeKeepingGrad.apply(inp)
+        permuted, row_map = te.moe_permute(x8, routing, map_type="index")
+        assert isinstance(permuted, Float8Tensor) and permuted._data.dtype == torch.uint8
+        # each (token, slot)'s permuted row holds the token's bytes
+        assert torch.equal(permuted._data[row_map.reshape(-1)],
+                           x8._data.repeat_interleave(top_k, 0))
+        with te.fp8_autocast(fp8_recipe=r):
+            if run == "grouped":
+                y = grouped(permuted, splits)
+            else:  # each expert's layer on its FP8 rows (leaves, to read their gradients)
+                parts = [Float8Tensor(d, permuted._scale_inv, permuted._fp8_dtype,
+                                      permuted.dtype, requires_grad=True)
+                         for d in torch.split(permuted._data, splits)]
+                y = torch.cat([m(p) for m, p in zip(singles, parts, strict=True)])
+        back = te.moe_unpermute(y, row_map, map_type="index")
+        back.square().sum().backward()
+        outs.append(back.detach())
+        if run == "grouped":
+            grads.append(inp.grad)
+        else:  # the parts' gradients summed over each token's copies
+            d_rows = torch.cat([p.grad for p in parts])
+            grads.append(d_rows[row_map.reshape(-1)].view(tokens, top_k, -1).sum(1))
+    assert torch.equal(outs[0], outs[1])
+    for i, m in enumerate(singles):
+        assert torch.equal(grouped.gemms[i].weight.grad, m.weight.grad), i
+    assert torch.allclose(grads[0], grads[1], rtol=1e-6, atol=1e-6)  # (a sum's order)
+    assert len(calls) == 3  # the FP8 tokens took the grouped path: forward, dgrad, wgrad

@@ -21,7 +21,14 @@ from typing import Any, NamedTuple
 import torch
 
 from . import ops
-from .linear_fn import _BLOCK_OUT, grad_to_fp8, pad_gemm_operands, update_backward
+from .float8_tensor import Float8Tensor
+from .linear_fn import (
+    _BLOCK_OUT,
+    fp8_input_operand,
+    grad_to_fp8,
+    pad_gemm_operands,
+    update_backward,
+)
 from .quantization import Plan, quantize
 
 
@@ -77,20 +84,32 @@ def _stacked_gemm(a_ops: list, b_ops: list, fmt_a: str, fmt_b: str, modes: tuple
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
+def _fp8_row_groups(inp: Float8Tensor, splits) -> list:
+    """The groups' rows of a per-tensor Float8Tensor, each a Float8Tensor over its bytes."""
+    data = inp._data.reshape(-1, inp.shape[-1])
+    return [Float8Tensor(part, inp._scale_inv, inp._fp8_dtype, inp.dtype)
+            for part in torch.split(data, list(splits))]
+
+
 class GroupedFp8Function(torch.autograd.Function):
     """``out[rows of g] = x[rows of g] @ weight_g^T (+ bias_g)`` (see the module docstring).
 
-    Arguments: the input [M, K] (the groups' rows back to back); ``cfg``; the weights' FP8
-    copies (one Operand per group, quantized by their layers); then the weights and the
-    biases (none, or one per group) as tensors, so that autograd reaches them."""
+    Arguments: the input [M, K] (the groups' rows back to back; or a per-tensor Float8Tensor
+    in the forward format, whose bytes are the groups' operands as they are); ``cfg``; the
+    weights' FP8 copies (one Operand per group, quantized by their layers); then the weights
+    and the biases (none, or one per group) as tensors, so that autograd reaches them."""
 
     @staticmethod
     def forward(ctx, inp, cfg: GroupedConsts, w_ops: tuple, *params):
         groups = len(cfg.splits)
         weights, biases = params[:groups], params[groups:] or None
-        parts = torch.split(inp, list(cfg.splits))
-        q_in = [quantize(meta.plan, "input", x, True, cfg.need_wgrad, meta.scales, 0,
-                         meta.history) for meta, x in zip(cfg.metas, parts, strict=True)]
+        if isinstance(inp, Float8Tensor):  # FP8 dispatch (moe_permute of FP8 tokens)
+            q_in = [fp8_input_operand(part, cfg.need_wgrad)
+                    for part in _fp8_row_groups(inp, cfg.splits)]
+        else:
+            parts = torch.split(inp, list(cfg.splits))
+            q_in = [quantize(meta.plan, "input", x, True, cfg.need_wgrad, meta.scales, 0,
+                             meta.history) for meta, x in zip(cfg.metas, parts, strict=True)]
         plan = cfg.metas[0].plan
         fmt = plan.fwd_dtype
         out = _stacked_gemm([(q.data, q.scale_inv) for q in q_in],

@@ -14,6 +14,12 @@ of the (token, slot) pairs (``"index"``). The ``row_id_map`` that ``moe_permute`
 Everything is torch indexing (gather, index_add), so it runs on any device, is differentiable
 in the tokens and the probabilities, and needs no host synchronization when
 ``num_out_tokens`` is given (a mask without it counts its entries on the host).
+
+FP8 dispatch: a per-tensor :class:`~transformer_engine.pytorch.Float8Tensor` input (the
+tokens quantized once, before top-k duplicates them) is permuted as its bytes, one byte per
+element moved instead of two, and comes out a Float8Tensor with the same scale, which
+te.GroupedLinear takes as its FP8 input. Its gradient is high precision, as for any FP8
+activation here.
 """
 
 from __future__ import annotations
@@ -71,18 +77,48 @@ def _row_id_map(flat: torch.Tensor, tokens: int, slots: int) -> torch.Tensor:
     return rows.view(tokens, slots)
 
 
+class _PermuteFp8Rows(torch.autograd.Function):
+    """Rows ``token`` of a per-tensor Float8Tensor, as a Float8Tensor over the same scale (the
+    bytes gathered); the gradient (high precision) is scattered back, summed over a token's
+    copies."""
+
+    @staticmethod
+    def forward(ctx, inp, token):
+        from .float8_tensor import Float8Tensor
+
+        ctx.save_for_backward(token)
+        ctx.rows = inp.shape[0]
+        return Float8Tensor(inp._data.index_select(0, token), inp._scale_inv, inp._fp8_dtype,
+                            inp.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.rows, grad.shape[1])).index_add(0, token, grad)
+        return out, None
+
+
+def _take_rows(inp: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    from .float8_tensor import Float8Tensor
+
+    if isinstance(inp, Float8Tensor) and inp._scaling_mode == "tensor":
+        return _PermuteFp8Rows.apply(inp, token)
+    return inp.index_select(0, token)
+
+
 def moe_permute(inp: torch.Tensor, routing_map: torch.Tensor, num_out_tokens: int = -1,
                 max_token_num: int = -1, map_type: str = "mask"
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``inp`` [tokens, hidden] grouped by expert: (permuted [num_out_tokens, hidden],
     row_id_map). ``num_out_tokens``: the rows kept (-1: every routed (token, expert); fewer
     keeps the first ones, dropping from the last experts); ``max_token_num`` is accepted and
-    unused (the buffers are sized by the inputs)."""
+    unused (the buffers are sized by the inputs). A per-tensor Float8Tensor ``inp`` moves as
+    its bytes (see the module doc)."""
     op = "moe_permute"
     _check_tokens(op, inp)
     flat, slots, _ = _routing_order(op, routing_map, inp.shape[0], map_type, num_out_tokens)
     token = torch.div(flat, slots, rounding_mode="floor")
-    return inp.index_select(0, token), _row_id_map(flat, inp.shape[0], slots)
+    return _take_rows(inp, token), _row_id_map(flat, inp.shape[0], slots)
 
 
 def moe_permute_with_probs(inp: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
@@ -97,7 +133,7 @@ def moe_permute_with_probs(inp: torch.Tensor, probs: torch.Tensor, routing_map: 
                          f"{list(routing_map.shape)}, got {list(getattr(probs, 'shape', []))}")
     flat, slots, _ = _routing_order(op, routing_map, inp.shape[0], "mask", num_out_tokens)
     token = torch.div(flat, slots, rounding_mode="floor")
-    return (inp.index_select(0, token), probs.reshape(-1).index_select(0, flat),
+    return (_take_rows(inp, token), probs.reshape(-1).index_select(0, flat),
             _row_id_map(flat, inp.shape[0], slots))
 
 

@@ -19,7 +19,8 @@ import torch
 from .. import fp8
 from ..float8_tensor import Float8Tensor
 from ..grouped_linear_fn import GroupedConsts, GroupedFp8Function, GroupMeta
-from ..quantization import kind_of
+from ..linear_fn import takes_fp8_input
+from ..quantization import kind_of, plan_of
 from ._checks import check_device, check_sizes, refuse_non_defaults
 from ._deferred_init import DeferredInit
 from .linear import _FP8_INPUT_DTYPES, Linear, _default_device, check_fp8_shape
@@ -102,7 +103,8 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         if inp.dim() == 0 or inp.shape[-1] != self.in_features:
             raise ValueError(f"{op}: input must have in_features={self.in_features} as its last "
                              f"dimension, got shape {list(inp.shape)}")
-        rows = inp.reshape(-1, self.in_features)
+        # (A 2-D Float8Tensor stays as it is: FP8 tokens from moe_permute.)
+        rows = inp if inp.dim() == 2 else inp.reshape(-1, self.in_features)
         if sum(splits) != rows.shape[0]:
             raise ValueError(f"{op}: m_splits must add up to the input's {rows.shape[0]} rows, "
                              f"got {splits} (sum {sum(splits)})")
@@ -127,13 +129,18 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
     def _grouped_fp8(self, rows: torch.Tensor, splits: list, recipe, is_first_microbatch):
         """The FP8 forward with the groups' GEMMs grouped (grouped_linear_fn.py), or None
         where the layers run one after the other instead: a recipe other than per-tensor or
-        block scaling, or an FP8 (Float8Tensor) input."""
-        if isinstance(rows, Float8Tensor) or kind_of(recipe) not in ("delayed", "current",
-                                                                     "block"):
+        block scaling, or an FP8 (Float8Tensor) input the plan cannot take as it is (another
+        format or scaling mode)."""
+        if kind_of(recipe) not in ("delayed", "current", "block"):
             return None
-        device_type = "cuda" if rows.is_cuda else "cpu"
-        if torch.is_autocast_enabled(device_type):
-            rows = rows.to(torch.get_autocast_dtype(device_type))
+        if isinstance(rows, Float8Tensor):
+            plan = plan_of(recipe)
+            if not takes_fp8_input(rows, plan):
+                return None  # the layers one after the other dequantize it
+        else:
+            device_type = "cuda" if rows.is_cuda else "cpu"
+            if torch.is_autocast_enabled(device_type):
+                rows = rows.to(torch.get_autocast_dtype(device_type))
         check_fp8_shape(rows, self.in_features, self.out_features, self._name)
         if rows.dtype not in _FP8_INPUT_DTYPES:
             raise TypeError(f"{self._name}: input must be float32, bfloat16 or float16 in FP8, "
