@@ -29,6 +29,7 @@ from transformer_engine.jax.flax import TransformerLayer
 from transformer_engine.jax.sharding import MeshResource
 
 base.MESHES.update({
+    "dp2_tpsp4": ((2, 4), ("dp", "tp"), MeshResource(dp_resource="dp", tpsp_resource="tp")),
     "dp2_cp4": ((2, 4), ("dp", "cp"), MeshResource(dp_resource="dp", cp_resource="cp")),
     "cp2_tp4": ((2, 4), ("cp", "tp"), MeshResource(cp_resource="cp", tp_resource="tp")),
     "fsdp2_cp2_tp2": ((2, 2, 2), ("fsdp", "cp", "tp"),
@@ -50,7 +51,32 @@ class SeqFirstLayer(nn.Module):
 
 att.MODELS["layer_sbhd"] = (SeqFirstLayer, ("length", "batch", "embed"))
 
+
+class SequenceParallelLayer(nn.Module):
+    """An encoder TransformerLayer whose residual stream is split along the sequence over
+    tpsp (enable_sequence_parallel)."""
+
+    seq_first: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        layer = TransformerLayer(hidden_size=att.HIDDEN, mlp_hidden_size=320,
+                                 num_attention_heads=att.HEADS, hidden_dropout=0.0,
+                                 attention_dropout=0.0, intermediate_dropout=0.0,
+                                 use_bias=True, transpose_batch_sequence=self.seq_first,
+                                 enable_relative_embedding=False,
+                                 enable_sequence_parallel=True, name="layer")
+        return layer(x, deterministic=True)
+
+
+att.MODELS["layer_sp"] = (SequenceParallelLayer, ("batch", "length_tp", "embed"))
+att.MODELS["layer_sp_sbhd"] = (lambda: SequenceParallelLayer(seq_first=True),
+                               ("length_tp", "batch", "embed"))
+
 MODEL_CASES = [
+    "layer_sp-dp2_tpsp4-none-float32",
+    "layer_sp-dp2_tpsp4-delayed-bfloat16",
+    "layer_sp_sbhd-dp2_tpsp4-current-float32",
     "layer_sbhd-dp2_cp4-none-float32",
     "layer_sbhd-dp2_tp4-delayed-float32",
     "mha-dp2_cp4-none-float32",

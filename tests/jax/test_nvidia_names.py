@@ -242,27 +242,7 @@ def _modules():
     ]
 
 
-# Tensor, fully-sharded data and context parallelism are implemented
-# (tests/jax/test_sharding_mesh.py, tests/jax/test_context_parallel.py).
-@pytest.mark.parametrize("field", ["tpsp_resource"])
-def test_modules_refuse_parallelism_they_do_not_implement(field):
-    from transformer_engine.jax.sharding import MeshResource, global_shard_guard
-
-    resource = MeshResource(**{field: "model"})
-    for module, args in _modules():
-        name = type(module).__name__
-        variables = module.init(jax.random.PRNGKey(0), *args)
-        with global_shard_guard(resource):
-            with pytest.raises(NotImplementedError, match=rf"^{name}: .*{field}='model'"):
-                module.apply(variables, *args, rngs={"dropout": jax.random.PRNGKey(1)})
-            with pytest.raises(NotImplementedError, match=field):
-                module.init(jax.random.PRNGKey(0), *args)
-        # the same through autocast's mesh_resource
-        with te.autocast(mesh_resource=resource), pytest.raises(NotImplementedError):
-            module.apply(variables, *args, rngs={"dropout": jax.random.PRNGKey(1)})
-
-
-def test_modules_accept_data_pipeline_and_context_axes_unchanged():
+def test_modules_accept_every_parallelism_axis_unchanged_without_a_mesh():
     from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 
     for module, args in _modules():
@@ -270,7 +250,7 @@ def test_modules_accept_data_pipeline_and_context_axes_unchanged():
         rngs = {"dropout": jax.random.PRNGKey(1)}
         expected = module.apply(variables, *args, rngs=rngs)
         with global_shard_guard(MeshResource(dp_resource="data", pp_resource="stage",
-                                             cp_resource="context")):
+                                             cp_resource="context", tpsp_resource="model")):
             got = module.apply(variables, *args, rngs=rngs)
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected),
                         strict=True):

@@ -36,9 +36,7 @@ import transformer_engine.jax as te
 from transformer_engine.common import recipe
 from transformer_engine.jax.flax import (
     DenseGeneral,
-    DotProductAttention,
     LayerNormMLP,
-    MultiHeadAttention,
     TransformerLayer,
 )
 from transformer_engine.jax.sharding import (
@@ -178,22 +176,6 @@ def test_a_mesh_resource_without_a_mesh_changes_no_bit():
     for a, b in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
-@pytest.mark.parametrize("field", ["tpsp_resource"])
-def test_attention_modules_refuse_the_sequence_parallel_axis(field):
-    x = jnp.ones((2, 4, 16))
-    qkv = x.reshape(2, 4, 2, 8)
-    modules = [(DotProductAttention(head_dim=8, num_attention_heads=2), (qkv, qkv, qkv)),
-               (MultiHeadAttention(head_dim=8, num_attention_heads=2), (x, x)),
-               (TransformerLayer(hidden_size=16, mlp_hidden_size=32, num_attention_heads=2,
-                                 hidden_dropout=0.0, attention_dropout=0.0), (x,))]
-    for module, args in modules:
-        variables = module.init(jax.random.PRNGKey(0), *args)
-        name = type(module).__name__
-        with te.autocast(mesh_resource=MeshResource(**{field: "model"})):
-            with pytest.raises(NotImplementedError, match=rf"^{name}: .*{field}='model'"):
-                module.apply(variables, *args, rngs={"dropout": jax.random.PRNGKey(1)})
 
 
 def test_a_mesh_resource_without_a_mesh_changes_no_bit_of_a_transformer_layer():

@@ -28,14 +28,15 @@ class MeshResource:
         fsdp_resource: fully-sharded data-parallel axis (weights and batch split over it).
         pp_resource: pipeline-parallel axis.
         cp_resource: context-parallel axis (the sequence split over it).
-        tpsp_resource: tensor- and sequence-parallel axis.
+        tpsp_resource: tensor- and sequence-parallel axis (tensor parallelism over it, and the
+            residual stream of a TransformerLayer with ``enable_sequence_parallel`` split
+            along the sequence between the blocks).
 
     Under ``jax.jit`` over a mesh with these axes the dense modules (``DenseGeneral``,
     ``LayerNormDenseGeneral``, ``LayerNormMLP``) lay out their inputs and parameters by their
-    logical axes (:mod:`transformer_engine.jax.sharding`): data, tensor, fully-sharded and
-    context parallelism (the sequence split; the attention modules run context parallel). A
-    sequence-parallel axis (``tpsp_resource``) is refused everywhere rather than computed
-    unsharded.
+    logical axes (:mod:`transformer_engine.jax.sharding`): data, tensor, fully-sharded,
+    context (the sequence split; the attention modules run context parallel) and sequence
+    parallelism.
     """
 
     dp_resource: Optional[str] = None

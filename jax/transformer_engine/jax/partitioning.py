@@ -43,7 +43,8 @@ __all__ = ["active", "compute_amax", "quantize", "norm_forward", "norm_backward"
            "activation_forward", "activation_backward", "gemm"]
 
 # The MeshResource fields whose axes the modules lay tensors out on.
-_LAYOUT_FIELDS = ("dp_resource", "tp_resource", "fsdp_resource", "cp_resource")
+_LAYOUT_FIELDS = ("dp_resource", "tp_resource", "fsdp_resource", "cp_resource",
+                  "tpsp_resource")
 
 _local = threading.local()
 

@@ -27,8 +27,11 @@ row parallel) and attend each device's heads and batch rows without communicatio
 Context parallelism (``cp_resource``): the sequence (``"length"``) is split over the axis;
 every token-wise op keeps its tokens, and the fused attention all-gathers the keys and values
 (see :mod:`transformer_engine.jax.context_parallel`). Pipelining (``pp_resource``) needs
-nothing from the modules. Sequence parallelism (``tpsp_resource``) is not implemented: the
-modules raise NotImplementedError naming the field rather than run unsharded.
+nothing from the modules. ``tpsp_resource`` is tensor parallelism over its axis, and a
+TransformerLayer with ``enable_sequence_parallel`` keeps its residual stream split along the
+sequence over it (``"length_tp"``) between the blocks: each block's input is gathered along
+the sequence before its GEMMs (:func:`token_rows`), its row-parallel output summed and split
+again.
 
 Example:
     >>> from transformer_engine.jax.sharding import (MeshResource, global_mesh_resource,
@@ -67,7 +70,7 @@ _FEATURES = {"dp_resource": "data parallelism", "tp_resource": "tensor paralleli
              "fsdp_resource": "fully-sharded data parallelism",
              "pp_resource": "pipeline parallelism", "tpsp_resource": "sequence parallelism",
              "cp_resource": "context parallelism"}
-_UNSUPPORTED = ("tpsp_resource",)
+_UNSUPPORTED = ()
 
 # Logical axis name -> the MeshResource fields whose mesh axes split it (in that order).
 # A weight's "embed" (hidden) dimension is split over the FSDP axis; on an activation the
@@ -75,11 +78,11 @@ _UNSUPPORTED = ("tpsp_resource",)
 LOGICAL_RULES = {
     "batch": ("dp_resource", "fsdp_resource"),
     "embed": ("fsdp_resource",),
-    "mlp": ("tp_resource",),
-    "heads": ("tp_resource",),
-    "kv_heads": ("tp_resource",),
-    "joined_kv": ("tp_resource",),
-    "vocab": ("tp_resource",),
+    "mlp": ("tp_resource", "tpsp_resource"),
+    "heads": ("tp_resource", "tpsp_resource"),
+    "kv_heads": ("tp_resource", "tpsp_resource"),
+    "joined_kv": ("tp_resource", "tpsp_resource"),
+    "vocab": ("tp_resource", "tpsp_resource"),
     "length": ("cp_resource",),
     "length_cp": ("cp_resource",),
     "length_tp": ("tpsp_resource",),
@@ -94,7 +97,7 @@ LOGICAL_RULES = {
 BATCH_AXES = "batch"
 SEQLEN_AXES = "length"  # split over cp_resource: NVIDIA's SEQLEN_CP_AXES is the same here
 SEQLEN_CP_AXES = "length_cp"
-SEQLEN_TP_AXES = "length_tp"  # sequence parallelism's split (tpsp_resource: refused)
+SEQLEN_TP_AXES = "length_tp"  # sequence parallelism's split of the residual stream (tpsp)
 JOINED_AXES = "joined"
 HIDDEN_AXES = "hidden"  # an activation's features: never split
 HIDDEN_TP_AXES = "mlp"
@@ -132,7 +135,9 @@ def logical_axis_rules(resource: Optional[MeshResource] = None) -> tuple:
     resource = get_mesh_resource() if resource is None else resource
     rules = []
     for name, fields in LOGICAL_RULES.items():
-        axes = tuple(getattr(resource, f) for f in fields if getattr(resource, f) is not None)
+        # (tp_resource and tpsp_resource may name one axis: it splits the dimension once)
+        axes = tuple(dict.fromkeys(getattr(resource, f) for f in fields
+                                   if getattr(resource, f) is not None))
         rules.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
     return tuple(rules)
 
@@ -177,6 +182,14 @@ def mesh_axis_size(field: str) -> Optional[int]:
     return int(dict(mesh.shape)[axis])
 
 
+def tensor_parallel_size() -> Optional[int]:
+    """The size of the tensor-parallel mesh axis (tp_resource's, or tpsp_resource's when only
+    that is named): 1 when neither names one, None when no mesh is in context."""
+    resource = get_mesh_resource()
+    field = "tp_resource" if resource.tp_resource is not None else "tpsp_resource"
+    return mesh_axis_size(field)
+
+
 def with_sharding_constraint_by_logical_axes(x: jax.Array, axes: Optional[Sequence]):
     """``x`` constrained to the sharding its logical ``axes`` name, while a mesh is in context
     and the mesh resource names axes; ``x`` itself otherwise (for empty ``axes``, and outside
@@ -219,6 +232,12 @@ def token_rows(x: jax.Array, lead: int, lead_axes: Optional[Sequence] = None):
     names = tuple(lead_axes or ())
     if len(names) != lead or lead < 2 or _mesh() is None or not lays_out():
         return plain()
+    if SEQLEN_TP_AXES in names:
+        # Sequence parallelism's split stream: gathered along the sequence here, before the
+        # GEMMs (whose weights are split over the same axis), as a constraint on the
+        # unflattened tensor, so that XLA moves whole rows.
+        names = tuple(SEQLEN_AXES if n == SEQLEN_TP_AXES else n for n in names)
+        x = with_sharding_constraint_by_logical_axes(x, (*names, *(None,) * len(rest)))
     spec = tuple(logical_to_mesh_spec(names))
     cp = mesh_axis_size("cp_resource") or 1
     parts, split, whole = [], [], []  # parts: the sizes; split / whole: indices into parts
@@ -251,8 +270,8 @@ def token_rows(x: jax.Array, lead: int, lead_axes: Optional[Sequence] = None):
 
 def check_supported(caller: str, also_unsupported: Sequence[str] = ()) -> None:
     """Raises NotImplementedError, in ``caller``'s name, when the mesh resource in effect asks
-    for a kind of parallelism that the modules do not implement (sequence parallelism, and
-    the fields in ``also_unsupported`` that ``caller`` lacks), and
+    for a kind of parallelism that the modules do not implement (the fields in
+    ``also_unsupported`` that ``caller`` lacks), and
     ValueError when the mesh in context has Explicit axes (the modules constrain shardings
     the way Auto axes take them)."""
     resource = get_mesh_resource()

@@ -28,7 +28,7 @@ from transformer_engine.jax.sharding import (
     W_NO_SHARD_AXES,
     check_supported,
     lays_out,
-    mesh_axis_size,
+    tensor_parallel_size,
 )
 from transformer_engine.jax.sharding import (
     with_sharding_constraint_by_logical_axes as constrain,
@@ -44,10 +44,13 @@ _BIAS_TYPES = (None, "no_bias", "pre_scale_bias", "post_scale_bias")
 _PACKINGS = {"bs3hd": "qkv", "bshd_bs2hd": "kv", "bshd_bshd_bshd": "none", "bshd": "none"}
 
 
-def token_axes(seq_first: bool, *rest: Optional[str]) -> Tuple[Optional[str], ...]:
+def token_axes(seq_first: bool, *rest: Optional[str],
+               sequence_parallel: bool = False) -> Tuple[Optional[str], ...]:
     """The logical axes of an activation: batch and length in the layout's order, then
-    ``rest``."""
-    return (("length", "batch") if seq_first else ("batch", "length")) + tuple(rest)
+    ``rest``; with ``sequence_parallel`` the length is sequence parallelism's split one
+    (the residual stream between the blocks)."""
+    length = "length_tp" if sequence_parallel else "length"
+    return ((length, "batch") if seq_first else ("batch", length)) + tuple(rest)
 
 
 class _Layout:
@@ -58,7 +61,7 @@ class _Layout:
 
     def __init__(self, seq_first: bool, heads: int, groups: int):
         self.on = lays_out()
-        tp = mesh_axis_size("tp_resource")
+        tp = tensor_parallel_size()
         if self.on and tp is not None and heads % tp:
             raise ValueError(f"MultiHeadAttention: num_attention_heads ({heads}) must be a "
                              f"multiple of the tensor-parallel size ({tp}, the mesh axis of "

@@ -177,14 +177,17 @@ class TransformerLayer(nn.Module):
         drop_path: stochastic depth: drop each sample's block output with this probability.
         fuse_qkv_params: one kernel for Q, K, V (see :class:`MultiHeadAttention`).
         transpose_batch_sequence: inputs are [seqlen, batch, hidden].
-        enable_sequence_parallel: recorded only (sequence parallelism is not implemented).
+        enable_sequence_parallel: under a mesh with ``MeshResource.tpsp_resource``, the
+            residual stream between the blocks is split along the sequence over that axis
+            (``SEQLEN_TP_AXES``): gathered before each block's GEMMs, scattered after them.
 
     Under ``jax.jit`` over a mesh with a ``MeshResource`` the attention blocks are laid out as
     :class:`MultiHeadAttention` lays them out (tp: QKV column parallel over the heads, output
     projection row parallel) and the MLP as FC1 column / FC2 row parallel; fsdp splits the
     kernels' ``"embed"`` axis and the batch; cp splits the sequence (the attentions run
-    context parallel, see :mod:`transformer_engine.jax.context_parallel`). Sequence
-    parallelism (``tpsp_resource``) raises NotImplementedError.
+    context parallel, see :mod:`transformer_engine.jax.context_parallel`); tpsp is tensor
+    parallelism over its axis and, with ``enable_sequence_parallel``, sequence parallelism
+    of the residual stream.
         scale_attn_logits, scaled_query_init: see :class:`MultiHeadAttention`.
         window_size: (left, right) sliding window of the attentions.
 
@@ -354,7 +357,18 @@ class TransformerLayer(nn.Module):
             return tuple(names) if on else ()
 
         tokens = axes(*token_axes(self.transpose_batch_sequence, "embed"))
-        inputs = constrain(inputs, tokens)
+        # The residual stream: under sequence parallelism (and a tpsp_resource) split along
+        # the sequence between the blocks, gathered where a block's GEMMs read it and
+        # scattered back after its row-parallel output.
+        stream = tokens
+        if self.enable_sequence_parallel:
+            stream = axes(*token_axes(self.transpose_batch_sequence, "embed",
+                                      sequence_parallel=True))
+        inputs = constrain(inputs, stream)
+
+        def to_stream(t):  # (only under sequence parallelism: elsewhere XLA picks freely)
+            return constrain(t, stream) if stream != tokens else t
+
         if not decode:  # decoding reads them against the cache (MultiHeadAttention checks)
             s_axis = 0 if self.transpose_batch_sequence else 1
             batch, s = inputs.shape[1 - s_axis], inputs.shape[s_axis]
@@ -377,7 +391,7 @@ class TransformerLayer(nn.Module):
             offset = self.variables.get("cache", {}).get(attn_name, {}).get("cache_index")
         x, ln_out = attn(inputs, inputs, attention_mask, bias, decode=decode,
                          deterministic=deterministic)
-        x = self._block_output(x, deterministic) + (ln_out if post_ln else inputs)
+        x = to_stream(self._block_output(x, deterministic) + (ln_out if post_ln else inputs))
 
         if decoder:
             cross = self._attention("encoder_decoder_attention", "padding", "no_bias",
@@ -391,8 +405,8 @@ class TransformerLayer(nn.Module):
             encoded = constrain(jnp.asarray(encoded, x.dtype), tokens)
             y, ln_out = cross(x, encoded, encoder_decoder_mask,
                               deterministic=deterministic, query_position_offset=offset)
-            x = self._dropout(y, self.hidden_dropout, self.hidden_dropout_dims,
-                              deterministic) + (ln_out if post_ln else x)
+            x = to_stream(self._dropout(y, self.hidden_dropout, self.hidden_dropout_dims,
+                                        deterministic) + (ln_out if post_ln else x))
 
         # FC1 column parallel, FC2 row parallel under tp (the activation stays split).
         hidden = axes(*token_axes(self.transpose_batch_sequence, "mlp"))
@@ -414,11 +428,11 @@ class TransformerLayer(nn.Module):
             kernel_axes_1=axes("embed", "act", "mlp"), kernel_axes_2=axes("mlp", "embed"),
             bias_axes_1=axes("act", "mlp"), bias_axes_2=axes(W_NO_SHARD_AXES),
             scale_axes=axes(W_NO_SHARD_AXES), ln_bias_axes=axes(W_NO_SHARD_AXES),
-            layernorm_input_axes=tokens, dot_1_input_axes=tokens, dot_2_input_axes=hidden,
+            layernorm_input_axes=stream, dot_1_input_axes=tokens, dot_2_input_axes=hidden,
             name="mlp")
         z, ln_out = mlp(x, deterministic=deterministic)
         residual = ln_out if post_ln else x
-        z = self._block_output(z, deterministic) + residual
+        z = to_stream(self._block_output(z, deterministic) + residual)
 
         if self.output_layernorm:
             z = LayerNorm(epsilon=self.layernorm_epsilon, layernorm_type=self.layernorm_type,
