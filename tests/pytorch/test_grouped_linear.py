@@ -14,9 +14,20 @@ RECIPES = {"bf16": None, "delayed": recipe.DelayedScaling(), "current":
            recipe.Float8CurrentScaling(), "block": recipe.Float8BlockScaling()}
 
 
+def _same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
+    """Bits, or (high precision: the core's GEMM against torch's F.linear, fp32 sums in
+    another order) within 1e-5 of the largest magnitude."""
+    if exact:
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=0, atol=1e-5 * max(float(b.abs().max()), 1e-30))
+
+
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_groups_equal_separate_linears(name):
+    """FP8: the bits of separate te.Linear layers (the same quantizations and core GEMMs).
+    High precision: the groups' GEMMs are the core's, te.Linear's are torch's F.linear."""
     r = RECIPES[name]
+    exact = r is not None
     torch.manual_seed(0)
     grouped = te.GroupedLinear(3, 64, 32, device="cpu")
     singles = []
@@ -31,14 +42,46 @@ def test_groups_equal_separate_linears(name):
     with te.fp8_autocast(enabled=r is not None, fp8_recipe=r):
         y = grouped(xg, splits)
         ys = torch.cat([m(p) for m, p in zip(singles, torch.split(xs, splits), strict=True)])
-    assert torch.equal(y, ys)
+    assert _same(y, ys, exact)
     g = torch.randn_like(y)
     (y * g).sum().backward()
     (ys * g).sum().backward()
-    assert torch.equal(xg.grad, xs.grad)
+    assert _same(xg.grad, xs.grad, exact)
     for i, m in enumerate(singles):
-        assert torch.equal(getattr(grouped, f"weight{i}").grad, m.weight.grad)
+        assert _same(getattr(grouped, f"weight{i}").grad, m.weight.grad, exact)
         assert torch.equal(getattr(grouped, f"bias{i}").grad, m.bias.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_high_precision_groups_make_three_grouped_core_calls(dtype, monkeypatch, device):
+    """Outside FP8 the groups' forward, dgrad and wgrad are one grouped core call each, equal
+    to the core's GEMM of each group alone (bits: the grouped call runs each group as one
+    GEMM) and within fp32 / bf16 rounding of torch's products."""
+    from transformer_engine.pytorch import grouped_linear_fn
+
+    calls = []
+    real = grouped_linear_fn.ops.grouped_gemm
+    monkeypatch.setattr(grouped_linear_fn.ops, "grouped_gemm",
+                        lambda *a: calls.append(1) or real(*a))
+    grouped, _ = _pair(3, 32, 16, dtype, device=device)
+    splits = [7, 0, 9]
+    x = torch.randn(16, 32, dtype=dtype, device=device, requires_grad=True)
+    y = grouped(x, splits)
+    y.float().square().sum().backward()
+    assert len(calls) == 3
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    row = 0
+    for i, m in enumerate(splits):
+        w, b = grouped.gemms[i].weight, grouped.gemms[i].bias
+        xi = x.detach()[row:row + m].float()
+        want = xi @ w.detach().float().t() + b.detach().float()
+        assert torch.allclose(y[row:row + m].float(), want, rtol=0,
+                              atol=tol * max(float(want.abs().max()) if m else 0.0, 1.0)), i
+        dy = 2 * y.detach()[row:row + m].float()
+        dw = dy.t() @ xi
+        assert torch.allclose(w.grad.float(), dw, rtol=0,
+                              atol=tol * max(float(dw.abs().max()) if m else 0.0, 1.0)), i
+        row += m
 
 
 def test_nvidia_state_dict_keys_round_trip():

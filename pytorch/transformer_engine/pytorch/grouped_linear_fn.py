@@ -160,3 +160,43 @@ class GroupedFp8Function(torch.autograd.Function):
             grad_biases = tuple(db if b_dtype == torch.float32 else db.to(b_dtype)
                                 for db in dbias)
         return (grad_input, None, None, *(grad_weights or (None,) * groups), *grad_biases)
+
+
+class GroupedHpFunction(torch.autograd.Function):
+    """``out[rows of g] = x[rows of g] @ weight_g^T (+ bias_g)`` in high precision (the
+    inputs' dtype, fp32 accumulation): the forward, dgrad and wgrad GEMMs of every group each
+    in one grouped core call (ops.grouped_gemm). Arguments: the input [M, K], the rows of each
+    group, then the weights (already in the input's dtype) and the biases (none, or one per
+    group)."""
+
+    @staticmethod
+    def forward(ctx, inp, splits: tuple, *params):
+        groups = len(splits)
+        weights, biases = params[:groups], params[groups:] or None
+        parts = list(torch.split(inp, list(splits)))
+        out = ops.grouped_gemm(parts, list(weights), False, True,
+                               [] if biases is None else
+                               [b if b.dtype == inp.dtype else b.to(inp.dtype) for b in biases])
+        ctx.save_for_backward(inp, *weights)
+        ctx.splits, ctx.has_bias = splits, biases is not None
+        ctx.bias_dtypes = None if biases is None else [b.dtype for b in biases]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        inp, *weights = ctx.saved_tensors
+        splits = list(ctx.splits)
+        dy = grad_output.contiguous()
+        dys = list(torch.split(dy, splits))
+        need_input, need_weights = ctx.needs_input_grad[0], any(ctx.needs_input_grad[2:])
+        grad_input = grad_weights = None
+        if need_input:  # dx_g = dy_g @ w_g (w_g [N, K] read as it is)
+            grad_input = ops.grouped_gemm(dys, list(weights), False, False, [])
+        if need_weights:  # dw_g = dy_g^T @ x_g
+            stacked = ops.grouped_gemm(dys, list(torch.split(inp, splits)), True, False, [])
+            grad_weights = torch.chunk(stacked, len(splits))
+        grad_biases = ()
+        if ctx.has_bias:
+            grad_biases = tuple(part.sum(0).to(dt) for part, dt in zip(dys, ctx.bias_dtypes,
+                                                                        strict=True))
+        return (grad_input, None, *(grad_weights or (None,) * len(splits)), *grad_biases)

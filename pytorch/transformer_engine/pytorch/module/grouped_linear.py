@@ -4,8 +4,10 @@
 Each group is its own te.Linear (``gemms[i]``): its FP8 state, its weight and bias. Under
 FP8 (delayed, current and block scaling) the groups' GEMMs run as one grouped core call
 per phase (forward, dgrad, wgrad; grouped_linear_fn.py), each group quantized by its own
-layer; other recipes, bf16 and FP8 inputs run the layers one after the other. Either way the
-numbers are exactly those of separate te.Linear layers. NVIDIA's parameter names
+layer: the numbers are exactly those of separate te.Linear layers. Outside FP8 the GEMMs are
+grouped the same way in the input's dtype (the core's GEMM, where te.Linear runs torch's;
+the last bits differ). FP8 weights outside FP8, calibration and other recipes run the
+layers one after the other. NVIDIA's parameter names
 (``weight0``, ``bias0``, ...) are attributes of the module and the keys of its
 ``state_dict``, so checkpoints carry over both ways.
 """
@@ -18,10 +20,15 @@ import torch
 
 from .. import fp8
 from ..float8_tensor import Float8Tensor
-from ..grouped_linear_fn import GroupedConsts, GroupedFp8Function, GroupMeta
+from ..grouped_linear_fn import (
+    GroupedConsts,
+    GroupedFp8Function,
+    GroupedHpFunction,
+    GroupMeta,
+)
 from ..linear_fn import takes_fp8_input
 from ..quantization import kind_of, plan_of
-from ._checks import check_device, check_sizes, refuse_non_defaults
+from ._checks import check_device, check_float_input, check_sizes, refuse_non_defaults
 from ._deferred_init import DeferredInit
 from .linear import _FP8_INPUT_DTYPES, Linear, _default_device, check_fp8_shape
 
@@ -108,13 +115,17 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         if sum(splits) != rows.shape[0]:
             raise ValueError(f"{op}: m_splits must add up to the input's {rows.shape[0]} rows, "
                              f"got {splits} (sum {sum(splits)})")
-        if fp8.STATE.enabled:
-            out = self._grouped_fp8(rows, splits, fp8.STATE.recipe, is_first_microbatch)
-            if out is not None:
-                out = out.view(*inp.shape[:-1], self.out_features)
-                if self.return_bias:
-                    return out, [g._parameters["bias"] for g in self.gemms]
-                return out
+        state = fp8.STATE
+        out = None
+        if state.enabled:
+            out = self._grouped_fp8(rows, splits, state.recipe, is_first_microbatch)
+        elif not state.calibrating and not isinstance(rows, Float8Tensor):
+            out = self._grouped_high_precision(rows, splits)
+        if out is not None:
+            out = out.view(*inp.shape[:-1], self.out_features)
+            if self.return_bias:
+                return out, [g._parameters["bias"] for g in self.gemms]
+            return out
         outs, biases = [], []
         for gemm, part in zip(self.gemms, torch.split(rows, splits), strict=True):
             y = gemm(part, is_first_microbatch)
@@ -125,6 +136,26 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         out = torch.cat(outs).view(*inp.shape[:-1], self.out_features)
         return (out, biases) if self.return_bias else out
 
+
+    def _grouped_high_precision(self, rows: torch.Tensor, splits: list):
+        """Outside FP8: the groups' GEMMs in the input's dtype, grouped
+        (grouped_linear_fn.GroupedHpFunction), or None for the layers one after the other
+        (FP8 weights, which dequantize there)."""
+        device_type = "cuda" if rows.is_cuda else "cpu"
+        if torch.is_autocast_enabled(device_type):
+            rows = rows.to(torch.get_autocast_dtype(device_type))
+        check_float_input(self._name, "input", rows)
+        weights, biases = [], []
+        for gemm in self.gemms:
+            weight, bias = gemm._weight_and_bias()
+            if isinstance(weight, Float8Tensor):
+                return None
+            check_device(self._name, "input", rows, weight)
+            # .to() (a no-op for the same dtype) keeps autograd's link to the parameter
+            weights.append(weight.to(rows.dtype))
+            biases.append(bias)
+        params = weights + (biases if self.use_bias and not self.return_bias else [])
+        return GroupedHpFunction.apply(rows, tuple(splits), *params)
 
     def _grouped_fp8(self, rows: torch.Tensor, splits: list, recipe, is_first_microbatch):
         """The FP8 forward with the groups' GEMMs grouped (grouped_linear_fn.py), or None

@@ -25,7 +25,7 @@ from .attention import (
     scaled_softmax_backward,
     scaled_softmax_forward,
 )
-from .gemm import gemm_fp8, gemm_fp8_to_fp8, grouped_gemm_fp8
+from .gemm import gemm_fp8, gemm_fp8_to_fp8, grouped_gemm, grouped_gemm_fp8
 from .norm import norm_backward, norm_forward, norm_forward_fp8
 from .quantize import (
     amax,
@@ -45,7 +45,7 @@ __all__ = ["activation_backward", "activation_backward_fp8", "activation_backwar
            "attention_backward", "attention_backward_fp8",
            "attention_forward", "attention_forward_fp8", "current_scale",
            "delayed_scaling_update", "dequantize", "gemm_fp8", "gemm_fp8_to_fp8",
-           "grouped_gemm_fp8",
+           "grouped_gemm", "grouped_gemm_fp8",
            "norm_backward", "norm_forward", "norm_forward_fp8",
            "quantize", "quantize_block", "quantize_current", "quantize_delayed",
            "rope_backward", "rope_forward", "scaled_softmax_backward", "scaled_softmax_forward",

@@ -171,3 +171,51 @@ def _(a, a_scale_inv, a_fp8_dtype, a_scaling_mode, b, b_scale_inv, b_fp8_dtype, 
       out_dtype, bias, use_split_accumulator):
     n = _check_grouped(a, b, out_dtype)
     return a[0].new_empty((sum(x.shape[0] for x in a), n), dtype=out_dtype)
+
+
+def _grouped_hp_shapes(a: list, b: list, transpose_a: bool, transpose_b: bool) -> list:
+    """(rows, cols) of each group's D = op(a_g) @ op(b_g), checked."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"grouped_gemm: a and b must be non-empty lists of one matrix per group, "
+                         f"got {len(a)} and {len(b)}")
+    shapes = []
+    for i, (x, w) in enumerate(zip(a, b, strict=True)):
+        if x.dim() != 2 or w.dim() != 2:
+            raise ValueError(f"grouped_gemm: group {i}: a and b must be matrices, got shapes "
+                             f"{list(x.shape)} and {list(w.shape)}")
+        m, k = (x.shape[1], x.shape[0]) if transpose_a else (x.shape[0], x.shape[1])
+        kb, n = (w.shape[1], w.shape[0]) if transpose_b else (w.shape[0], w.shape[1])
+        if k != kb:
+            raise ValueError(f"grouped_gemm: group {i}: the contraction of op(a) ({k}) and op(b) "
+                             f"({kb}) must match (shapes {list(x.shape)}, {list(w.shape)})")
+        shapes.append((m, n))
+    if len({n for _, n in shapes}) != 1:
+        raise ValueError(f"grouped_gemm: every group's D must have group 0's columns, got "
+                         f"{[n for _, n in shapes]}")
+    return shapes
+
+
+@custom_op("transformer_engine::grouped_gemm", mutates_args=())
+def grouped_gemm(a: list[torch.Tensor], b: list[torch.Tensor], transpose_a: bool,
+                 transpose_b: bool, bias: list[Optional[torch.Tensor]]) -> torch.Tensor:
+    """The groups' ``D_g = op(a_g) @ op(b_g) (+ bias_g)`` in high precision (fp32, fp16 or bf16,
+    D in the operands' dtype), one core call, stacked by rows: D [sum rows_g, N]."""
+    shapes = _grouped_hp_shapes(a, b, transpose_a, transpose_b)
+    c = core()
+    d = a[0].new_empty((sum(m for m, _ in shapes), shapes[0][1]))
+    ws = raw_workspace_for(d)
+    a = [x.contiguous() for x in a]
+    b = [w.contiguous() for w in b]
+    bias = [None if x is None else x.contiguous() for x in bias] or None
+    outs = list(torch.split(d, [m for m, _ in shapes]))
+    c.grouped_gemm([raw(x) for x in a], [raw(w) for w in b], [raw(o) for o in outs],
+                   bias=None if bias is None else [None if x is None else raw(x) for x in bias],
+                   transpose_a=transpose_a, transpose_b=transpose_b, workspace=ws,
+                   stream=stream_of(d))
+    return d
+
+
+@grouped_gemm.register_fake
+def _(a, b, transpose_a, transpose_b, bias):
+    shapes = _grouped_hp_shapes(a, b, transpose_a, transpose_b)
+    return a[0].new_empty((sum(m for m, _ in shapes), shapes[0][1]))
