@@ -626,7 +626,6 @@ def test_default_initialization_is_nvidia_te_s():
     (dict(attn_input_format="hbsd"), ValueError, "attn_input_format"),
     (dict(attn_input_format="thd", drop_path_rate=0.1), ValueError, "drop_path_rate"),
     (dict(ub_tp_comm_overlap=True), NotImplementedError, "userbuffers"),
-    (dict(fuse_wgrad_accumulation=True), NotImplementedError, "fuse_wgrad_accumulation"),
     (dict(parallel_attention_mlp=True, output_layernorm=True), ValueError,
      "parallel_attention_mlp"),
     (dict(hidden_dropout=1.0), ValueError, "hidden_dropout"),

@@ -102,6 +102,9 @@ class FP8Module(DeferredInit, torch.nn.Module):
     """Base of te modules: delayed-scaling buffers of ``num_gemms`` GEMMs, the extra state
     that saves them, and the FP8 copies of the weights."""
 
+    # Whether the GEMM weights' gradients go into their main_grad (module/_main_grad.py).
+    fuse_wgrad_accumulation = False
+
     def __init__(self, device: torch.device, history_len: int | None = None,
                  num_gemms: int = 1) -> None:
         super().__init__()

@@ -30,6 +30,7 @@ from ..linear_fn import takes_fp8_input
 from ..quantization import kind_of, plan_of
 from ._checks import check_device, check_float_input, check_sizes, refuse_non_defaults
 from ._deferred_init import DeferredInit
+from ._main_grad import route_tree
 from .linear import _FP8_INPUT_DTYPES, Linear, _default_device, check_fp8_shape
 
 __all__ = ["GroupedLinear"]
@@ -45,10 +46,12 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         in_features, out_features: as te.Linear, the same for every group.
         bias, return_bias, params_dtype, device, init_method: as te.Linear, for each group
             (``return_bias``: the output without the biases, then the list of biases).
-        sequence_parallel, fuse_wgrad_accumulation, tp_group, tp_size, parallel_mode,
-            get_rng_state_tracker, rng_tracker_name, ub_*, delay_wgrad_compute,
-            save_original_input: accepted at their defaults; other values raise
-            NotImplementedError (no tensor parallelism for the groups here).
+        fuse_wgrad_accumulation: each group's weight gradient goes into its ``main_grad``
+            (see module/_main_grad.py).
+        sequence_parallel, tp_group, tp_size, parallel_mode, get_rng_state_tracker,
+            rng_tracker_name, ub_*, delay_wgrad_compute, save_original_input: accepted at
+            their defaults; other values raise NotImplementedError (no tensor parallelism for
+            the groups here).
 
     ``forward(inp, m_splits, is_first_microbatch=None)``: ``inp`` [sum(m_splits), in_features]
     (a leading shape is flattened), ``m_splits`` the rows of each group in order.
@@ -73,7 +76,6 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         refuse_non_defaults(
             op, "the groups are not split over ranks",
             sequence_parallel=(sequence_parallel, False),
-            fuse_wgrad_accumulation=(fuse_wgrad_accumulation, False),
             tp_group=(tp_group, None), tp_size=(tp_size, 1), parallel_mode=(parallel_mode, None),
             ub_overlap_rs=(ub_overlap_rs, False), ub_overlap_ag=(ub_overlap_ag, False),
             delay_wgrad_compute=(delay_wgrad_compute, False),
@@ -85,8 +87,10 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         self.gemms = torch.nn.ModuleList(
             Linear(in_features, out_features, bias, return_bias=return_bias,
-                   params_dtype=params_dtype, device=device, init_method=init_method)
+                   params_dtype=params_dtype, device=device, init_method=init_method,
+                   fuse_wgrad_accumulation=fuse_wgrad_accumulation)
             for _ in range(self.num_gemms))
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self._register_state_dict_hook(_to_nvidia_names)
         self._register_load_state_dict_pre_hook(_from_nvidia_names)
 
@@ -115,6 +119,8 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         if sum(splits) != rows.shape[0]:
             raise ValueError(f"{op}: m_splits must add up to the input's {rows.shape[0]} rows, "
                              f"got {splits} (sum {sum(splits)})")
+        if self.fuse_wgrad_accumulation:
+            route_tree(self)
         state = fp8.STATE
         out = None
         if state.enabled:

@@ -18,6 +18,7 @@ from ..float8_tensor import Float8Tensor
 from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig, NormLinearConsts
 from ..quantization import kind_of, record_amax
 from ._checks import check_device, check_params_dtype, check_sizes
+from ._main_grad import route_to_main_grad
 from .base import with_leading_dims
 from .layernorm import apply_norm
 from .linear import (
@@ -220,6 +221,7 @@ class LayerNormLinear(_LinearBase):
         super().__init__(device)
         self.cfg, self.normalization = cfg, normalization
         self.return_bias, self.name, self.parallel_mode = return_bias, name, parallel_mode
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         dtype = params_dtype or torch.get_default_dtype()
         register_norm_params(self, int(in_features), cfg, dtype, device)
         self._setup_linear(in_features, out_features, bias, params_dtype, device, init_method,
@@ -237,6 +239,8 @@ class LayerNormLinear(_LinearBase):
                 fp8_output: bool = False):
         """``inp`` [..., in_features] -> [..., out_features] (see the class docstring for
         what else comes back); ``is_first_microbatch`` and ``fp8_output`` as for te.Linear."""
+        if self.fuse_wgrad_accumulation:
+            route_to_main_grad(self._gemm_weights())
         if self._tp_mode is not None:
             return self._parallel_forward(inp, is_first_microbatch, fp8_output)
         check_input(self._name, inp, self.in_features, self.layer_norm_weight)

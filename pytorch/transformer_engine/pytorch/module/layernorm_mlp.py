@@ -21,6 +21,7 @@ from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction, MlpConsts
 from ..ops.activation import GATED, clamped_swiglu
 from ..quantization import kind_of, record_amax
 from ._checks import check_params_dtype, check_sizes
+from ._main_grad import route_to_main_grad
 from .base import FP8Module, fp8_weight_param, with_leading_dims
 from .layernorm import apply_norm
 from .layernorm_linear import (
@@ -135,7 +136,8 @@ class LayerNormMLP(FP8Module):
             ``fp8_group`` holding the ranks, and Float8CurrentScaling), the output is
             reduce-scattered; the norm's parameters and FC2's bias are marked
             ``sequence_parallel`` for the caller's gradient sum over the group.
-        fuse_wgrad_accumulation: not implemented (refused).
+        fuse_wgrad_accumulation: both weights' gradients go into their ``main_grad``
+            (Megatron-LM's buffers; see module/_main_grad.py).
 
     Returns ``output``, then FC2's bias when ``return_bias``, then the norm's output when
     ``return_layernorm_output``.
@@ -179,6 +181,7 @@ class LayerNormMLP(FP8Module):
                           return_layernorm_output)
         device = _default_device(device)
         super().__init__(device, num_gemms=2)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
         self.activation, self.normalization, self.cfg = activation, normalization, cfg
         self.activation_params = activation_params
@@ -266,9 +269,15 @@ class LayerNormMLP(FP8Module):
             text += f", set_parallel_mode=True, tp_size={self.tp_size}"
         return text
 
+    def _gemm_weights(self) -> list:
+        """FC1's and FC2's weights (fuse_wgrad_accumulation's)."""
+        return [self._parameters.get("fc1_weight"), self._parameters.get("fc2_weight")]
+
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """``inp`` [..., hidden_size] -> [..., hidden_size] (see the class docstring for what
         else comes back); ``is_first_microbatch`` as for te.Linear, for both weights."""
+        if self.fuse_wgrad_accumulation:
+            route_to_main_grad(self._gemm_weights())
         if self.tp_size > 1:
             return self._parallel_forward(inp, is_first_microbatch)
         check_input(self._name, inp, self.hidden_size, self.layer_norm_weight)

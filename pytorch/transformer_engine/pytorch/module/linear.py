@@ -16,6 +16,7 @@ from ..float8_tensor import Float8Tensor, to_high_precision
 from ..linear_fn import Fp8LinearFunction, LinearConsts, takes_fp8_input
 from ..quantization import kind_of, plan_of, record_amax
 from ._checks import check_device, check_float_input, check_params_dtype, check_sizes
+from ._main_grad import route_to_main_grad
 from ._split_rows import join_rows, pack_rows
 from .base import FP8Module, fp8_weight_param, with_leading_dims
 
@@ -202,6 +203,12 @@ class _LinearBase(FP8Module):
             pack_rows([self._parameters[n] for n in self.bias_names])
         return out
 
+    def _gemm_weights(self) -> list:
+        """The weight parameters of the GEMM (fuse_wgrad_accumulation's)."""
+        if self._splits is None:
+            return [self._parameters.get("weight")]
+        return [getattr(self, n) for n in self.weight_names]
+
     def _weight_and_bias(self):
         if self._splits is None:
             params = self._parameters  # nn.Module.__getattr__ costs ~0.5 us per name
@@ -297,7 +304,8 @@ class Linear(_LinearBase):
             Float8CurrentScaling the column layer quantizes its shard with a scale the ranks
             share and gathers the FP8 bytes (sequence_parallel.py). No effect on a layer that
             is not split.
-        fuse_wgrad_accumulation: accumulating wgrad into ``main_grad``; not implemented.
+        fuse_wgrad_accumulation: the weight's gradient goes into ``weight.main_grad``
+            (Megatron-LM's buffer; see module/_main_grad.py for the contract).
 
     Example:
         >>> import transformer_engine.pytorch as te  # doctest: +SKIP
@@ -318,6 +326,7 @@ class Linear(_LinearBase):
         device = _default_device(device)
         super().__init__(device)
         self.return_bias, self.name = return_bias, name
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self.parallel_mode = parallel_mode
         # (no effect unless the layer is split: a replicated layer sees whole activations)
         self.sequence_parallel = bool(sequence_parallel) and tp > 1
@@ -341,6 +350,8 @@ class Linear(_LinearBase):
         (DotProductAttention under ``fp8_mha``); delayed scaling casts it in the GEMM with this
         module's output scale. Ignored otherwise. An input that is such a Float8Tensor is used
         without a cast."""
+        if self.fuse_wgrad_accumulation:
+            route_to_main_grad(self._gemm_weights())
         if self._tp_mode is not None:
             return self._parallel_forward(inp, is_first_microbatch, fp8_output)
         state = fp8.STATE
@@ -494,6 +505,4 @@ def check_unsupported(tp_group, tp_size, parallel_mode, sequence_parallel,
     if sequence_parallel:
         raise NotImplementedError(f"{op}: sequence_parallel=True is not implemented yet "
                                   "(it needs tensor parallelism)")
-    if fuse_wgrad_accumulation:
-        raise NotImplementedError(f"{op}: fuse_wgrad_accumulation=True is not implemented "
-                                  "yet")
+    del fuse_wgrad_accumulation  # implemented (module/_main_grad.py); kept for the callers

@@ -29,6 +29,7 @@ from ..rope import apply_rotary_pos_emb
 from ._checks import check_device, check_params_dtype, check_sizes
 from ._deferred_init import DeferredInit
 from ._heads import split_heads
+from ._main_grad import route_tree
 from .attention import DotProductAttention, _runs_fp8, refuse_forward_args
 from .base import set_group_of_children
 from .layernorm import LayerNorm, RMSNorm
@@ -90,7 +91,8 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
             rank's shard of the first dimension (docs/distributed.md).
         get_rng_state_tracker: with tensor parallelism and attention dropout, the dropout
             runs in its ``fork()`` (Megatron-LM's per-rank stream).
-        fuse_wgrad_accumulation: not implemented (refused).
+        fuse_wgrad_accumulation: every projection's weight gradient goes into its
+            ``main_grad`` (see module/_main_grad.py).
         num_gqa_groups: key/value heads (GQA; 1 is MQA); default num_attention_heads.
         params_dtype, device: of the parameters (device default: the current CUDA device when
             there is one, else the CPU).
@@ -155,6 +157,8 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
                                          num_attention_heads, num_gqa_groups, qk_norm_type,
                                          fuse_qkv_params, qkv_weight_interleaved)
         check_unsupported(None, 1, None, False, fuse_wgrad_accumulation, op)
+        # every GEMM weight of the blocks: into main_grad (module/_main_grad.py)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         refuse_unsupported(op, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
                            ub_bulk_wgrad=ub_bulk_wgrad, softmax_type=softmax_type)
@@ -292,6 +296,8 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
         its activations. Attention biases, ALiBi and padded packed sequences are not
         implemented (their arguments must keep their defaults); ``fast_zero_fill`` is
         accepted (padded rows are always written as zeros)."""
+        if self.fuse_wgrad_accumulation:
+            route_tree(self)
         if hidden_states.dim() == 0 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"te.MultiheadAttention: hidden_states must have hidden_size="
                              f"{self.hidden_size} as its last dimension, got shape "

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ._checks import check_device, check_params_dtype, check_sizes
 from ._deferred_init import DeferredInit
+from ._main_grad import route_tree
 from .base import set_group_of_children
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_mlp import LayerNormMLP, activation_spec
@@ -58,8 +59,10 @@ class TransformerLayer(DeferredInit, torch.nn.Module):
             layer's input and output are this rank's shard of the first dimension
             (docs/distributed.md). ``get_rng_state_tracker``'s ``fork()`` holds the attention
             dropout of a split layer (and the recompute of ``checkpoint_core_attention``).
-        fuse_wgrad_accumulation, ub_*: wgrad fusion and communication overlap; accepted for
-            compatibility, anything but their defaults raises NotImplementedError.
+        fuse_wgrad_accumulation: every GEMM weight's gradient goes into its ``main_grad``
+            (Megatron-LM's buffers; see module/_main_grad.py).
+        ub_*: communication overlap; accepted for compatibility, anything but their defaults
+            raises NotImplementedError.
         params_dtype, device: of the parameters (device default: the current CUDA device when
             there is one, else the CPU).
         seq_length, micro_batch_size, name: accepted; unused.
@@ -133,6 +136,8 @@ class TransformerLayer(DeferredInit, torch.nn.Module):
             op, tp_group, tp_size, set_parallel_mode, num_attention_heads, num_gqa_groups,
             qk_norm_type, fuse_qkv_params, qkv_weight_interleaved)
         check_unsupported(None, 1, None, False, fuse_wgrad_accumulation, op)
+        # every GEMM weight of the blocks: into main_grad (module/_main_grad.py)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         # The ub_* switches only act with ub_tp_comm_overlap (their defaults are True).
         refuse_unsupported(op, ub_tp_comm_overlap=ub_tp_comm_overlap)
         check_sizes(op, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
@@ -243,6 +248,8 @@ class TransformerLayer(DeferredInit, torch.nn.Module):
         decoder's cross attention. ``rotary_pos_emb``: RoPE angles (te.RotaryPositionEmbedding)
         for self-attention. ``inference_params``: a KV cache (te.InferenceParams). The other
         arguments are te.MultiheadAttention's."""
+        if self.fuse_wgrad_accumulation:
+            route_tree(self)
         hidden = self.layernorm_mlp.hidden_size
         if hidden_states.dim() == 0 or hidden_states.shape[-1] != hidden:
             raise ValueError(f"te.TransformerLayer: hidden_states must have hidden_size="
