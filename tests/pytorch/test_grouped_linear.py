@@ -258,3 +258,28 @@ def test_fp8_dispatch_tokens_permuted_as_bytes_into_the_grouped_experts(name, mo
         assert torch.equal(grouped.gemms[i].weight.grad, m.weight.grad), i
     assert torch.allclose(grads[0], grads[1], rtol=1e-6, atol=1e-6)  # (a sum's order)
     assert len(calls) == 3  # the FP8 tokens took the grouped path: forward, dgrad, wgrad
+
+
+@pytest.mark.parametrize("name", ["bf16", "current", "block"])
+def test_delay_wgrad_compute_puts_the_weight_gemms_aside_until_backward_dw(name):
+    """The backward gives the input's and biases' gradients and no weight gradient;
+    backward_dw() then adds the same weight gradients the undelayed module gets, for two
+    backward passes in a row (accumulated)."""
+    r = RECIPES[name]
+    torch.manual_seed(2)
+    delayed = te.GroupedLinear(3, 32, 16, delay_wgrad_compute=True, device="cpu")
+    plain = te.GroupedLinear(3, 32, 16, device="cpu")
+    plain.load_state_dict(delayed.state_dict())
+    for _ in range(2):
+        x = torch.randn(24, 32)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        for m, inp in ((delayed, xa), (plain, xb)):
+            with te.fp8_autocast(enabled=r is not None, fp8_recipe=r):
+                m(inp, [10, 0, 14]).square().sum().backward()
+        assert torch.equal(xa.grad, xb.grad)
+    assert all(g.weight.grad is None for g in delayed.gemms)
+    delayed.backward_dw()
+    for a, b in zip(delayed.gemms, plain.gemms, strict=True):
+        assert torch.equal(a.weight.grad, b.weight.grad) and torch.equal(a.bias.grad, b.bias.grad)
+    delayed.backward_dw()  # nothing left: no change
+    assert torch.equal(delayed.gemms[0].weight.grad, plain.gemms[0].weight.grad)

@@ -48,6 +48,17 @@ class GroupedConsts(NamedTuple):
     metas: tuple  # GroupMeta per group
     need_dgrad: bool
     need_wgrad: bool
+    wgrad_store: Any = None  # delay_wgrad_compute: the list the wgrad GEMM is put on, else None
+
+
+def _weight_grads(store, compute, groups: int):
+    """The weights' gradients: ``compute()`` (one tensor stacking the groups') split per
+    group, or, with a store (delay_wgrad_compute), None now and ``compute`` kept for the
+    module's ``backward_dw()``."""
+    if store is not None:
+        store.append(compute)
+        return (None,) * groups
+    return torch.chunk(compute(), groups)
 
 
 def _stacked_gemm(a_ops: list, b_ops: list, fmt_a: str, fmt_b: str, modes: tuple,
@@ -150,11 +161,13 @@ class GroupedFp8Function(torch.autograd.Function):
                                        plan.fwd_dtype, (plan.grad_mode, plan.weight_mode),
                                        in_dtype, None, True)
         if cfg.need_wgrad:
-            stacked = _stacked_gemm([(q.columnwise, q.columnwise_scale_inv) for q in q_g],
-                                    list(zip(in_col, in_sinv, strict=True)), plan.bwd_dtype,
-                                    plan.fwd_dtype, (plan.grad_mode, plan.input_mode), w_dtype,
-                                    None, True)
-            grad_weights = torch.chunk(stacked, groups)
+            def wgrad():
+                return _stacked_gemm([(q.columnwise, q.columnwise_scale_inv) for q in q_g],
+                                     list(zip(in_col, in_sinv, strict=True)), plan.bwd_dtype,
+                                     plan.fwd_dtype, (plan.grad_mode, plan.input_mode),
+                                     w_dtype, None, True)
+
+            grad_weights = _weight_grads(cfg.wgrad_store, wgrad, groups)
         grad_biases = ()
         if has_bias:
             grad_biases = tuple(db if b_dtype == torch.float32 else db.to(b_dtype)
@@ -170,7 +183,7 @@ class GroupedHpFunction(torch.autograd.Function):
     group)."""
 
     @staticmethod
-    def forward(ctx, inp, splits: tuple, *params):
+    def forward(ctx, inp, splits: tuple, wgrad_store, *params):
         groups = len(splits)
         weights, biases = params[:groups], params[groups:] or None
         parts = list(torch.split(inp, list(splits)))
@@ -178,7 +191,7 @@ class GroupedHpFunction(torch.autograd.Function):
                                [] if biases is None else
                                [b if b.dtype == inp.dtype else b.to(inp.dtype) for b in biases])
         ctx.save_for_backward(inp, *weights)
-        ctx.splits, ctx.has_bias = splits, biases is not None
+        ctx.splits, ctx.has_bias, ctx.wgrad_store = splits, biases is not None, wgrad_store
         ctx.bias_dtypes = None if biases is None else [b.dtype for b in biases]
         return out
 
@@ -188,15 +201,18 @@ class GroupedHpFunction(torch.autograd.Function):
         splits = list(ctx.splits)
         dy = grad_output.contiguous()
         dys = list(torch.split(dy, splits))
-        need_input, need_weights = ctx.needs_input_grad[0], any(ctx.needs_input_grad[2:])
+        need_input, need_weights = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
         grad_input = grad_weights = None
         if need_input:  # dx_g = dy_g @ w_g (w_g [N, K] read as it is)
             grad_input = ops.grouped_gemm(dys, list(weights), False, False, [])
         if need_weights:  # dw_g = dy_g^T @ x_g
-            stacked = ops.grouped_gemm(dys, list(torch.split(inp, splits)), True, False, [])
-            grad_weights = torch.chunk(stacked, len(splits))
+            def wgrad():
+                return ops.grouped_gemm(dys, list(torch.split(inp, splits)), True, False, [])
+
+            grad_weights = _weight_grads(ctx.wgrad_store, wgrad, len(splits))
         grad_biases = ()
         if ctx.has_bias:
             grad_biases = tuple(part.sum(0).to(dt) for part, dt in zip(dys, ctx.bias_dtypes,
                                                                         strict=True))
-        return (grad_input, None, *(grad_weights or (None,) * len(splits)), *grad_biases)
+        return (grad_input, None, None, *(grad_weights or (None,) * len(splits)),
+                *grad_biases)

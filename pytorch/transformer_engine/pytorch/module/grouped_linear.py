@@ -48,10 +48,12 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
             (``return_bias``: the output without the biases, then the list of biases).
         fuse_wgrad_accumulation: each group's weight gradient goes into its ``main_grad``
             (see module/_main_grad.py).
+        delay_wgrad_compute: the backward computes the input's (and biases') gradients and
+            puts the weights' GEMMs aside; :meth:`backward_dw` runs them (for schedules that
+            overlap them with other work).
         sequence_parallel, tp_group, tp_size, parallel_mode, get_rng_state_tracker,
-            rng_tracker_name, ub_*, delay_wgrad_compute, save_original_input: accepted at
-            their defaults; other values raise NotImplementedError (no tensor parallelism for
-            the groups here).
+            rng_tracker_name, ub_*, save_original_input: accepted at their defaults; other
+            values raise NotImplementedError (no tensor parallelism for the groups here).
 
     ``forward(inp, m_splits, is_first_microbatch=None)``: ``inp`` [sum(m_splits), in_features]
     (a leading shape is flattened), ``m_splits`` the rows of each group in order.
@@ -78,7 +80,6 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
             sequence_parallel=(sequence_parallel, False),
             tp_group=(tp_group, None), tp_size=(tp_size, 1), parallel_mode=(parallel_mode, None),
             ub_overlap_rs=(ub_overlap_rs, False), ub_overlap_ag=(ub_overlap_ag, False),
-            delay_wgrad_compute=(delay_wgrad_compute, False),
             save_original_input=(save_original_input, False))
         device = _default_device(device)
         self.num_gemms = int(num_gemms)
@@ -91,6 +92,9 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
                    fuse_wgrad_accumulation=fuse_wgrad_accumulation)
             for _ in range(self.num_gemms))
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        # delay_wgrad_compute: the backward's weight-gradient GEMMs, run by backward_dw()
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        self._wgrad_store: list = []
         self._register_state_dict_hook(_to_nvidia_names)
         self._register_load_state_dict_pre_hook(_from_nvidia_names)
 
@@ -132,6 +136,12 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
             if self.return_bias:
                 return out, [g._parameters["bias"] for g in self.gemms]
             return out
+        if self.delay_wgrad_compute:
+            raise NotImplementedError(
+                f"{op}: delay_wgrad_compute needs the grouped path, which this call cannot "
+                "take (FP8 weights outside fp8_autocast, calibration, or an FP8 input in "
+                "another format than the recipe's): run it inside fp8_autocast, or without "
+                "delay_wgrad_compute")
         outs, biases = [], []
         for gemm, part in zip(self.gemms, torch.split(rows, splits), strict=True):
             y = gemm(part, is_first_microbatch)
@@ -142,6 +152,26 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         out = torch.cat(outs).view(*inp.shape[:-1], self.out_features)
         return (out, biases) if self.return_bias else out
 
+
+    def backward_dw(self) -> None:
+        """delay_wgrad_compute: runs the weight-gradient GEMMs that the backward passes put
+        aside (oldest first) and adds each group's gradient to its weight's ``.grad`` (to
+        ``main_grad`` under fuse_wgrad_accumulation). The biases' gradients came with the
+        backward."""
+        while self._wgrad_store:
+            grads = torch.chunk(self._wgrad_store.pop(0)(), self.num_gemms)
+            for gemm, g in zip(self.gemms, grads, strict=True):
+                w = gemm.weight
+                if not w.requires_grad:
+                    continue
+                if self.fuse_wgrad_accumulation:
+                    w.main_grad.add_(g)
+                    if hasattr(w, "grad_added_to_main_grad"):
+                        w.grad_added_to_main_grad = True
+                elif w.grad is None:
+                    w.grad = g.to(w.dtype).clone()
+                else:
+                    w.grad.add_(g.to(w.grad.dtype))
 
     def _grouped_high_precision(self, rows: torch.Tensor, splits: list):
         """Outside FP8: the groups' GEMMs in the input's dtype, grouped
@@ -161,7 +191,8 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
             weights.append(weight.to(rows.dtype))
             biases.append(bias)
         params = weights + (biases if self.use_bias and not self.return_bias else [])
-        return GroupedHpFunction.apply(rows, tuple(splits), *params)
+        store = self._wgrad_store if self.delay_wgrad_compute else None
+        return GroupedHpFunction.apply(rows, tuple(splits), store, *params)
 
     def _grouped_fp8(self, rows: torch.Tensor, splits: list, recipe, is_first_microbatch):
         """The FP8 forward with the groups' GEMMs grouped (grouped_linear_fn.py), or None
@@ -198,7 +229,8 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         need_wgrad = grad and any(w.requires_grad for w in params)
         if self.use_bias and not self.return_bias:
             params += biases
-        cfg = GroupedConsts(tuple(splits), tuple(metas), need_dgrad, need_wgrad)
+        store = self._wgrad_store if self.delay_wgrad_compute else None
+        cfg = GroupedConsts(tuple(splits), tuple(metas), need_dgrad, need_wgrad, store)
         return GroupedFp8Function.apply(rows, cfg, tuple(w_ops), *params)
 
 
