@@ -1,7 +1,8 @@
-# Our CUTLASS-based Hopper kernels (src/gemm/hopper: the block-scaled FP8 GEMM), compiled into
-# transformer_engine when CUTLASS's headers are found; without them the build goes on and the
-# GEMMs run on cuBLASLt only. Included by cpp/CMakeLists.txt after the transformer_engine target
-# is made, in CUDA builds only. Defines TE_WITH_CUTLASS for the core when it adds them.
+# Our CUTLASS-based Hopper kernels (src/gemm/hopper: the block-scaled FP8 GEMM and the grouped
+# GEMM), compiled into transformer_engine when CUTLASS's headers are found; without them the
+# build goes on and the GEMMs run on cuBLASLt only. Included by cpp/CMakeLists.txt after the
+# transformer_engine target is made, in CUDA builds only. Defines TE_WITH_CUTLASS for the core
+# when it adds them.
 #
 # Headers (compile time only; CUTLASS is header-only):
 #   TE_CUTLASS_INCLUDE  the directory holding cutlass/ and cute/; default: the include/ directory
@@ -61,7 +62,7 @@ function(te_add_cutlass_kernels)
   endif()
 
   set(dir ${CMAKE_CURRENT_SOURCE_DIR}/src/gemm/hopper)
-  add_library(te_cutlass_hopper OBJECT ${dir}/block_scaled_gemm.cu)
+  add_library(te_cutlass_hopper OBJECT ${dir}/block_scaled_gemm.cu ${dir}/grouped_gemm.cu)
   set_target_properties(te_cutlass_hopper PROPERTIES
     CUDA_ARCHITECTURES 90a POSITION_INDEPENDENT_CODE ON CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON)
   target_include_directories(te_cutlass_hopper PRIVATE
@@ -75,18 +76,21 @@ function(te_add_cutlass_kernels)
   # --expt-relaxed-constexpr: CuTe calls constexpr host functions from device code. FMA
   # contraction is on here, unlike the rest of the core (block_scaled_gemm.cu says why).
   target_compile_options(te_cutlass_hopper PRIVATE --expt-relaxed-constexpr --fmad=true -lineinfo)
-  target_sources(transformer_engine PRIVATE $<TARGET_OBJECTS:te_cutlass_hopper> ${dir}/block_scaled_gemm_entry.cpp)
+  target_sources(transformer_engine PRIVATE $<TARGET_OBJECTS:te_cutlass_hopper> ${dir}/block_scaled_gemm_entry.cpp
+                 ${dir}/grouped_gemm_entry.cpp)
 
-  # The GPU test of the kernel against the CPU path and cuBLASLt: a ctest test that exits with
+  # The GPU tests of the kernels against the CPU path and cuBLASLt: ctest tests that exit with
   # 77 (reported as skipped) when there is no sm_90 device.
   if(TE_BUILD_TESTS)
     enable_testing()
-    add_executable(test_hopper_block_scaled_gemm ${CMAKE_CURRENT_SOURCE_DIR}/tests/hopper/test_block_scaled_gemm.cpp)
-    target_include_directories(test_hopper_block_scaled_gemm PRIVATE
-      ${CMAKE_CURRENT_SOURCE_DIR}/src ${CMAKE_CURRENT_SOURCE_DIR}/tests)
-    target_link_libraries(test_hopper_block_scaled_gemm PRIVATE transformer_engine CUDA::cudart)
-    add_test(NAME test_hopper_block_scaled_gemm COMMAND test_hopper_block_scaled_gemm)
-    set_tests_properties(test_hopper_block_scaled_gemm PROPERTIES SKIP_RETURN_CODE 77)
+    foreach(name block_scaled_gemm grouped_gemm)
+      add_executable(test_hopper_${name} ${CMAKE_CURRENT_SOURCE_DIR}/tests/hopper/test_${name}.cpp)
+      target_include_directories(test_hopper_${name} PRIVATE
+        ${CMAKE_CURRENT_SOURCE_DIR}/src ${CMAKE_CURRENT_SOURCE_DIR}/tests)
+      target_link_libraries(test_hopper_${name} PRIVATE transformer_engine CUDA::cudart)
+      add_test(NAME test_hopper_${name} COMMAND test_hopper_${name})
+      set_tests_properties(test_hopper_${name} PROPERTIES SKIP_RETURN_CODE 77)
+    endforeach()
   endif()
 
   set(version "")
