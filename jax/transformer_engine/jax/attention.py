@@ -117,54 +117,29 @@ def _cumulative(lengths: jax.Array, layout: str) -> jax.Array:
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
 
 
-def _cp_params(params, kv_lengths):
-    """The plain call's params and masks for one device's piece of a context-parallel
-    attention (:mod:`~transformer_engine.jax.context_parallel`): unmasked without
-    ``kv_lengths``, else causal through each sequence's last visible key."""
-    if kv_lengths is None:
-        return params, None
-    mask = MASKS["padding_causal_bottom_right"]
-    return (params[0], mask, *params[2:]), _cumulative(kv_lengths, "bshd")
+def _piece_args(q, params, mask):
+    """The plain call's (params, cu_q, cu_kv, rng) for one piece of a context-parallel
+    attention (:mod:`~transformer_engine.jax.context_parallel`). ``mask``: ``"full"`` (every
+    key), ``"causal"`` (the diagonal of two chunks of one length), or each sequence's count of
+    keys visible to its last query (int32 [batch]; causal through them, bottom right)."""
+    empty, rng = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.uint32)
+    if isinstance(mask, str):
+        kind = MASKS["no_mask" if mask == "full" else "causal"]
+        return (params[0], kind, *params[2:]), empty, empty, rng
+    seq = 0 if params[0] == LAYOUTS["sbhd"] else 1
+    cu_q = _cumulative(jnp.full((q.shape[1 - seq],), q.shape[seq], jnp.int32), "bshd")
+    plain = (params[0], MASKS["padding_causal_bottom_right"], *params[2:])
+    return plain, cu_q, _cumulative(mask, "bshd"), rng
 
 
-def _cp_forward_piece(q, k, v, kv_lengths, *, params):
-    plain, cu_kv = _cp_params(params, kv_lengths)
-    empty = jnp.zeros((0,), jnp.int32)
-    cu_q = empty
-    if cu_kv is not None:
-        seq = 0 if params[0] == LAYOUTS["sbhd"] else 1
-        cu_q = _cumulative(jnp.full((q.shape[1 - seq],), q.shape[seq], jnp.int32), "bshd")
-    return _forward_call(q, k, v, cu_q, empty if cu_kv is None else cu_kv,
-                         jnp.zeros((0,), jnp.uint32), plain)
+def _forward_piece(q, k, v, mask, *, params):
+    plain, cu_q, cu_kv, rng = _piece_args(q, params, mask)
+    return _forward_call(q, k, v, cu_q, cu_kv, rng, plain)
 
 
-def _cp_backward_piece(q, k, v, o, d_o, lse, kv_lengths, *, params):
-    plain, cu_kv = _cp_params(params, kv_lengths)
-    empty = jnp.zeros((0,), jnp.int32)
-    cu_q = empty
-    if cu_kv is not None:
-        seq = 0 if params[0] == LAYOUTS["sbhd"] else 1
-        cu_q = _cumulative(jnp.full((q.shape[1 - seq],), q.shape[seq], jnp.int32), "bshd")
-    return _backward_call(q, k, v, o, d_o, lse, cu_q, empty if cu_kv is None else cu_kv,
-                          jnp.zeros((0,), jnp.uint32), plain)
-
-
-def _ring_params(params, kind: str):
-    """The plain call's params for one (query chunk, key chunk) pair of the ring: every key
-    ("full") or the causal diagonal of two chunks of one length ("causal")."""
-    return (params[0], MASKS["no_mask" if kind == "full" else "causal"], *params[2:])
-
-
-def _ring_forward_piece(q, k, v, kind, *, params):
-    empty = jnp.zeros((0,), jnp.int32)
-    return _forward_call(q, k, v, empty, empty, jnp.zeros((0,), jnp.uint32),
-                         _ring_params(params, kind))
-
-
-def _ring_backward_piece(q, k, v, o, d_o, lse, kind, *, params):
-    empty = jnp.zeros((0,), jnp.int32)
-    return _backward_call(q, k, v, o, d_o, lse, empty, empty, jnp.zeros((0,), jnp.uint32),
-                          _ring_params(params, kind))
+def _backward_piece(q, k, v, o, d_o, lse, mask, *, params):
+    plain, cu_q, cu_kv, rng = _piece_args(q, params, mask)
+    return _backward_call(q, k, v, o, d_o, lse, cu_q, cu_kv, rng, plain)
 
 
 def _cp_shard(cp, params, backward: bool):
@@ -178,18 +153,17 @@ def _cp_shard(cp, params, backward: bool):
               balanced=balanced)
     ring = strategy == "ring"
     if backward:
-        fn, piece = ((context_parallel.ring_backward, _ring_backward_piece) if ring else
-                     (context_parallel.shard_backward, _cp_backward_piece))
+        fn = context_parallel.ring_backward if ring else context_parallel.shard_backward
+        run = functools.partial(_backward_piece, params=params)
 
         def shard(qs, ks, vs, os_, dos, lses, *_):
-            return fn(functools.partial(piece, params=params), qs, ks, vs, os_, dos, lses,
-                      **kw)
+            return fn(run, qs, ks, vs, os_, dos, lses, **kw)
     else:
-        fn, piece = ((context_parallel.ring_forward, _ring_forward_piece) if ring else
-                     (context_parallel.shard_forward, _cp_forward_piece))
+        fn = context_parallel.ring_forward if ring else context_parallel.shard_forward
+        run = functools.partial(_forward_piece, params=params)
 
         def shard(qs, ks, vs, *_):
-            return fn(functools.partial(piece, params=params), qs, ks, vs, **kw)
+            return fn(run, qs, ks, vs, **kw)
     return axis, shard
 
 

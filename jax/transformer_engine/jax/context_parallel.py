@@ -171,13 +171,13 @@ def _slice(x: jax.Array, dim: int, start: int, length: int) -> jax.Array:
 
 def shard_forward(run: Callable, q, k, v, *, layout: str, causal: bool, axis: str, size: int,
                   balanced: bool):
-    """(o, lse) of this device's queries. ``run(q, k, v, kv_lengths)`` is the plain forward
-    call: no lengths for the unmasked attention, else the keys each sequence has (int32
+    """(o, lse) of this device's queries. ``run(q, k, v, mask)`` is the plain forward call:
+    ``mask`` "full" for the unmasked attention, else the keys each sequence has (int32
     [batch]) under a bottom-right causal padding mask."""
     seq = 0 if layout == "sbhd" else 1
     k, v = (_gather(t, axis, seq, size, balanced) for t in (k, v))
     if not causal:
-        return run(q, k, v, None)
+        return run(q, k, v, "full")
     rank = jax.lax.axis_index(axis)
     batch = q.shape[1 - seq]
     outs = [run(_slice(q, seq, start, n), k, v, jnp.full((batch,), keys, jnp.int32))
@@ -190,13 +190,13 @@ def shard_forward(run: Callable, q, k, v, *, layout: str, causal: bool, axis: st
 
 def shard_backward(run: Callable, q, k, v, o, d_o, lse, *, layout: str, causal: bool, axis: str,
                    size: int, balanced: bool):
-    """(dq, dk, dv) of this device's shards. ``run(q, k, v, o, d_o, lse, kv_lengths)`` is the
+    """(dq, dk, dv) of this device's shards. ``run(q, k, v, o, d_o, lse, mask)`` is the
     plain backward call (see :func:`shard_forward`); the keys' and values' gradients of every
     device's queries are summed onto the devices that hold the keys."""
     seq = 0 if layout == "sbhd" else 1
     kg, vg = (_gather(t, axis, seq, size, balanced) for t in (k, v))
     if not causal:
-        dq, dk, dv = run(q, kg, vg, o, d_o, lse, None)
+        dq, dk, dv = run(q, kg, vg, o, d_o, lse, "full")
     else:
         rank = jax.lax.axis_index(axis)
         batch = q.shape[1 - seq]
@@ -246,6 +246,15 @@ def _pieces_of(x: jax.Array, dim: int, count: int) -> list:
     return [_slice(x, dim, i * n, n) for i in range(count)]
 
 
+def _by_relation(relation, causal: bool, skip: Callable, run_kind: Callable):
+    """One (query chunk, key chunk) pair: ``run_kind("full")`` where the keys come first,
+    ``run_kind("causal")`` on the diagonal, ``skip()`` where they come later (chosen on the
+    device); unmasked attention takes every pair in full."""
+    if not causal:
+        return run_kind("full")
+    return jax.lax.switch(relation, [skip, lambda: run_kind("causal"), lambda: run_kind("full")])
+
+
 def _ring_next(x, axis: str, size: int):
     return jax.lax.ppermute(x, axis, [(i, (i + 1) % size) for i in range(size)])
 
@@ -274,10 +283,7 @@ def ring_forward(run: Callable, q, k, v, *, layout: str, causal: bool, axis: str
             return (jnp.zeros(qp.shape[:-1] + (vp.shape[-1],), qp.dtype),
                     jnp.full((b, h, qp.shape[seq]), -jnp.inf, jnp.float32))
 
-        branches = [skip, lambda: run(qp, kp, vp, "causal"), lambda: run(qp, kp, vp, "full")]
-        if not causal:
-            return branches[_FULL]()
-        return jax.lax.switch(relation, branches)
+        return _by_relation(relation, causal, skip, lambda kind: run(qp, kp, vp, kind))
 
     for step in range(size):
         src = (rank - step) % size
@@ -323,13 +329,8 @@ def ring_backward(run: Callable, q, k, v, o, d_o, lse, *, layout: str, causal: b
             return (jnp.zeros(qs[i].shape, q.dtype), jnp.zeros(kp.shape, k.dtype),
                     jnp.zeros(vp.shape, v.dtype))
 
-        def with_kind(kind):
-            return lambda: run(qs[i], kp, vp, os_[i], dos[i], lses[i], kind)
-
-        branches = [skip, with_kind("causal"), with_kind("full")]
-        if not causal:
-            return branches[_FULL]()
-        return jax.lax.switch(relation, branches)
+        return _by_relation(relation, causal, skip,
+                            lambda kind: run(qs[i], kp, vp, os_[i], dos[i], lses[i], kind))
 
     for step in range(size):
         src = (rank - step) % size
