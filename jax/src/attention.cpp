@@ -63,15 +63,6 @@ ffi::Error make_config(const char *op, int32_t layout, int32_t mask, int64_t win
   return ffi::Error::Success();
 }
 
-void workspace_of(const Device &dev, ffi::Result<ffi::AnyBuffer> &ws, void **data, size_t *bytes) {
-  *data = nullptr;
-  *bytes = 0;
-  if (dev.type == TE_DEVICE_CUDA && ws->size_bytes() > 0) {
-    *data = ws->untyped_data();
-    *bytes = ws->size_bytes();
-  }
-}
-
 ffi::Error AttentionForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer cu_q,
                                 ffi::AnyBuffer cu_kv, ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> o,
                                 ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
@@ -92,12 +83,10 @@ ffi::Error AttentionForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_q", cu_q, dev, &tcq));
   TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_kv", cu_kv, dev, &tck));
   TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
-  void *ws;
-  size_t ws_size;
-  workspace_of(dev, workspace, &ws, &ws_size);
+  const Workspace ws = workspace_of(*workspace, dev);
   return from_status(te_attention_forward(&cfg, tq.get(), tk.get(), tv.get(), to.get(), tl.get(),
                                           tcq.present ? tcq.t.get() : nullptr, tck.present ? tck.t.get() : nullptr,
-                                          trng.present ? trng.t.get() : nullptr, nullptr, ws, ws_size,
+                                          trng.present ? trng.t.get() : nullptr, nullptr, ws.data, ws.bytes,
                                           dev.stream));
 }
 
@@ -148,13 +137,11 @@ ffi::Error AttentionBackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuf
   TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_q", cu_q, dev, &tcq));
   TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_kv", cu_kv, dev, &tck));
   TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
-  void *ws;
-  size_t ws_size;
-  workspace_of(dev, workspace, &ws, &ws_size);
+  const Workspace ws = workspace_of(*workspace, dev);
   return from_status(te_attention_backward(&cfg, tq.get(), tk.get(), tv.get(), to.get(), tdo.get(), tl.get(),
                                            tcq.present ? tcq.t.get() : nullptr, tck.present ? tck.t.get() : nullptr,
                                            trng.present ? trng.t.get() : nullptr, nullptr, tdq.get(), tdk.get(),
-                                           tdv.get(), nullptr, ws, ws_size, dev.stream));
+                                           tdv.get(), nullptr, ws.data, ws.bytes, dev.stream));
 }
 
 auto TeAttentionBackwardBinding() {

@@ -140,6 +140,18 @@ inline ffi::Error plain_tensor(const char *op, const char *what, const ffi::AnyB
   return t->set(TE_SLOT_DATA, what, b, dev);
 }
 
+// A call's CUDA workspace (an extra result XLA plans like any temporary) as the core takes
+// it: none on the CPU, whose paths need none, and none when it has no bytes.
+struct Workspace {
+  void *data = nullptr;
+  size_t bytes = 0;
+};
+
+inline Workspace workspace_of(const ffi::AnyBuffer &ws, const Device &dev) {
+  if (dev.type != TE_DEVICE_CUDA || ws.size_bytes() == 0) return {};
+  return {ws.untyped_data(), ws.size_bytes()};
+}
+
 inline std::optional<te_scaling_mode> scaling_mode_of(int32_t mode) {
   if (mode < TE_SCALING_TENSOR || mode > TE_SCALING_MXFP8) return std::nullopt;
   return static_cast<te_scaling_mode>(mode);

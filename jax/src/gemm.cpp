@@ -47,14 +47,9 @@ ffi::Error GemmImpl(ffi::AnyBuffer a,
   config.transpose_a = transpose_a ? 1 : 0;
   config.transpose_b = transpose_b ? 1 : 0;
   config.use_split_accumulator = use_split_accumulator ? 1 : 0;
-  void *ws = nullptr;
-  size_t ws_size = 0;
-  if (dev.type == TE_DEVICE_CUDA) {
-    ws = workspace->untyped_data();
-    ws_size = workspace->size_bytes();
-  }
+  const Workspace ws = workspace_of(*workspace, dev);
   return from_status(te_gemm(ta.get(), tb.get(), td.get(), use_bias ? tbias.get() : nullptr,
-                             nullptr, &config, ws, ws_size, dev.stream));
+                             nullptr, &config, ws.data, ws.bytes, dev.stream));
 }
 
 auto TeGemmBinding() {
@@ -92,15 +87,10 @@ ffi::Error GroupedGemmImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer gr
   te_gemm_config config{};
   config.transpose_a = transpose_a ? 1 : 0;
   config.transpose_b = transpose_b ? 1 : 0;
-  void *ws = nullptr;
-  size_t ws_size = 0;
-  if (dev.type == TE_DEVICE_CUDA) {
-    ws = workspace->untyped_data();
-    ws_size = workspace->size_bytes();
-  }
+  const Workspace ws = workspace_of(*workspace, dev);
   return from_status(te_grouped_gemm_ragged(ta.get(), tb.get(), td.get(),
                                             use_bias ? tbias.get() : nullptr, ts.get(), &config,
-                                            ws, ws_size, dev.stream));
+                                            ws.data, ws.bytes, dev.stream));
 }
 
 auto TeGroupedGemmBinding() {

@@ -116,15 +116,10 @@ ffi::Error NormBackwardImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer 
     TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "mu", mu, dev, &tmu));
     TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dbeta", *dbeta, dev, &tdbeta));
   }
-  void *ws = nullptr;
-  size_t ws_size = 0;
-  if (dev.type == TE_DEVICE_CUDA) {
-    ws = workspace->untyped_data();
-    ws_size = workspace->size_bytes();
-  }
+  const Workspace ws = workspace_of(*workspace, dev);
   return from_status(te_norm_backward(&config, tdy.get(), tx.get(), ln ? tmu.get() : nullptr,
                                       trsigma.get(), tgamma.get(), tdx.get(), tdgamma.get(),
-                                      ln ? tdbeta.get() : nullptr, ws, ws_size, dev.stream));
+                                      ln ? tdbeta.get() : nullptr, ws.data, ws.bytes, dev.stream));
 }
 
 auto TeNormBackwardBinding() {
