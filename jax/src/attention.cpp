@@ -2,7 +2,7 @@
 //
 // cu_seqlens_q / cu_seqlens_kv (int32 [batch + 1]) and rng_state (see rng_tensor) are zero-size
 // buffers when the call has no padding mask or no dropout. The CUDA workspace is an extra
-// result, sized by the Python side with te_attention_workspace_size, as in norm.cpp.
+// result, sized by the Python side with te_attention_workspace_size (workspace_of, ffi_common.h).
 #include "ffi_common.h"
 #include "handlers.h"
 #include "transformer_engine/attention.h"
