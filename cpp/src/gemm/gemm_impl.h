@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "transformer_engine/gemm.h"
 
@@ -47,6 +48,14 @@ class Checker;
 bool resolve_gemm(Checker &check, const te_tensor *a, const te_tensor *b, te_tensor *d,
                   const te_tensor *bias, te_tensor *pre_gelu_out, const te_gemm_config &cfg,
                   GemmArgs *g);
+
+// te_grouped_gemm's checks (gemm.h), in op's name: each group by resolve_gemm, every group on
+// one device, and no output meeting any group's buffers. Fills args (workspace and device
+// set too) and *device; the error's status otherwise.
+te_status resolve_groups(const char *op, const te_tensor *const *a, const te_tensor *const *b,
+                         te_tensor *const *d, const te_tensor *const *bias, size_t groups,
+                         const te_gemm_config *config, void *workspace, size_t workspace_size,
+                         std::vector<GemmArgs> *args, te_device_type *device);
 
 // Runs one resolved GEMM on the device of its buffers.
 te_status run_gemm(const GemmArgs &g, te_device_type device, te_stream stream);

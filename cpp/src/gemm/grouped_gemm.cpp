@@ -37,8 +37,8 @@ struct TensorDeleter {
 };
 using OwnedTensor = std::unique_ptr<te_tensor, TensorDeleter>;
 
-// A plain tensor over rows [row, row + rows) of the matrix view [*, cols] of buffer b (or, with
-// stride_rows = 0, the whole of dims 1.. of entry `row` of a stacked [G, ...] buffer).
+// A plain tensor of `shape` over buffer b's elements from offset_elems on (a group's rows of a
+// stacked operand, or its entry of a [G, ...] one).
 OwnedTensor slice(const te_buffer &b, int64_t offset_elems, std::vector<int64_t> shape) {
   te_buffer s = b;
   s.data = static_cast<char *>(b.data) + offset_elems * static_cast<int64_t>(te_dtype_size(b.dtype));
@@ -55,6 +55,49 @@ bool is_hp(te_dtype d) { return is_high_precision(d); }
 bool is_size_dtype(te_dtype d) { return d == TE_DTYPE_INT32 || d == TE_DTYPE_INT64; }
 
 }  // namespace
+
+te_status resolve_groups(const char *op, const te_tensor *const *a, const te_tensor *const *b,
+                         te_tensor *const *d, const te_tensor *const *bias, size_t groups,
+                         const te_gemm_config *config, void *workspace, size_t workspace_size,
+                         std::vector<GemmArgs> *args, te_device_type *device) {
+  Checker check(op);
+  if (groups > 0 && (a == nullptr || b == nullptr || d == nullptr)) {
+    return check.reject(TE_ERROR_VALUE, "a, b and d must be arrays of groups handles, got a "
+                                        "NULL array");
+  }
+  te_gemm_config cfg{0, 1, 0, 0, 0};
+  if (config != nullptr) cfg = *config;
+  if (cfg.gelu) {
+    return check.reject(TE_ERROR_VALUE, "config.gelu must be 0 (no GELU epilogue in a grouped "
+                                        "GEMM), got " + std::to_string(cfg.gelu));
+  }
+  args->assign(groups, GemmArgs{});
+  std::vector<Checker::Named> outputs, inputs;
+  *device = TE_DEVICE_CPU;
+  int device_id = 0;
+  for (size_t i = 0; i < groups; ++i) {
+    const std::string name = std::string(op) + ": group " + std::to_string(i);
+    Checker group(name.c_str());
+    const te_tensor *bias_i = bias != nullptr ? bias[i] : nullptr;
+    GemmArgs &g = (*args)[i];
+    if (!resolve_gemm(group, a[i], b[i], d[i], bias_i, nullptr, cfg, &g)) return group.status();
+    if (i > 0 && (group.device() != *device || group.device_id() != device_id)) {
+      return check.reject(TE_ERROR_VALUE, "every group must be on the device of group 0, got "
+                                          "group " + std::to_string(i) + " on another");
+    }
+    *device = group.device();
+    device_id = group.device_id();
+    g.workspace = workspace;
+    g.workspace_size = workspace != nullptr ? workspace_size : 0;
+    g.device = device_id;
+    group_buffers(a[i], b[i], d[i], bias_i, g, i, &outputs, &inputs);
+  }
+  // The groups run one after another (or all at once): a group reading another's output
+  // would see it written or not by the order, so no output may meet any group's buffers.
+  if (!check.disjoint(outputs, inputs)) return check.status();
+  return TE_SUCCESS;
+}
+
 }  // namespace te
 
 extern "C" {
@@ -64,42 +107,13 @@ te_status te_grouped_gemm(const te_tensor *const *a, const te_tensor *const *b,
                           const te_gemm_config *config, void *workspace, size_t workspace_size,
                           te_stream stream) {
   return te::guarded("grouped_gemm", [&]() -> te_status {
-    te::Checker check("grouped_gemm");
-    if (groups > 0 && (a == nullptr || b == nullptr || d == nullptr)) {
-      return check.reject(TE_ERROR_VALUE, "a, b and d must be arrays of groups handles, got a "
-                                         "NULL array");
-    }
-    te_gemm_config cfg{0, 1, 0, 0, 0};
-    if (config != nullptr) cfg = *config;
-    if (cfg.gelu) {
-      return check.reject(TE_ERROR_VALUE, "config.gelu must be 0 (no GELU epilogue in a grouped "
-                                          "GEMM), got 1");
-    }
-    std::vector<te::GemmArgs> args(groups);
-    std::vector<te::Checker::Named> outputs, inputs;
+    std::vector<te::GemmArgs> args;
     te_device_type device = TE_DEVICE_CPU;
-    int device_id = 0;
-    for (size_t i = 0; i < groups; ++i) {
-      const std::string name = "grouped_gemm: group " + std::to_string(i);
-      te::Checker group(name.c_str());
-      const te_tensor *bias_i = bias != nullptr ? bias[i] : nullptr;
-      if (!te::resolve_gemm(group, a[i], b[i], d[i], bias_i, nullptr, cfg, &args[i])) {
-        return group.status();
-      }
-      if (i > 0 && (group.device() != device || group.device_id() != device_id)) {
-        return check.reject(TE_ERROR_VALUE, "every group must be on the device of group 0, got "
-                                             "group " + std::to_string(i) + " on another");
-      }
-      device = group.device();
-      device_id = group.device_id();
-      args[i].workspace = workspace;
-      args[i].workspace_size = workspace != nullptr ? workspace_size : 0;
-      args[i].device = device_id;
-      te::group_buffers(a[i], b[i], d[i], bias_i, args[i], i, &outputs, &inputs);
+    if (te_status st = te::resolve_groups("grouped_gemm", a, b, d, bias, groups, config,
+                                          workspace, workspace_size, &args, &device);
+        st != TE_SUCCESS) {
+      return st;
     }
-    // The groups run one after another: a group reading another's output would see it
-    // written or not depending on the order, so no output may meet any group's buffers.
-    if (!check.disjoint(outputs, inputs)) return check.status();
     for (const te::GemmArgs &g : args) {
       if (te_status st = te::run_gemm(g, device, stream); st != TE_SUCCESS) return st;
     }

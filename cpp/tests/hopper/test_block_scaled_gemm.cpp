@@ -52,41 +52,15 @@
 
 #include "common/numerics.h"
 #include "gemm/hopper/block_scaled_gemm.h"
+#include "hopper_test.h"
 #include "test_util.h"
 
 namespace {
 
 using te_test::TensorHandle;
-
-constexpr int kSkipped = 77;  // ctest's SKIP_RETURN_CODE for this test
-constexpr double kU = 1.0 / 16777216.0;          // 2^-24
-constexpr double kTensorCore = 1.0 / 512.0;      // 2^-9
-constexpr size_t kGuard = 256;                   // bytes around D that must stay untouched
-constexpr uint8_t kGuardByte = 0xA5;
-
-#define CUDA_OK(call)                                                                        \
-  do {                                                                                       \
-    const cudaError_t e_ = (call);                                                           \
-    if (e_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
+using namespace hopper_test;  // NOLINT: the shared constants and helpers
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-te_buffer buffer(te_device_type device, int device_id, void *data, te_dtype dtype, std::vector<int64_t> shape) {
-  te_buffer b = te_test::cpu_buffer(data, dtype, shape);
-  b.device = device;
-  b.device_id = device_id;
-  return b;
-}
-
-void bind(te_tensor *t, te_tensor_slot slot, te_device_type device, int device_id, void *data, te_dtype dtype,
-          std::vector<int64_t> shape) {
-  const te_buffer b = buffer(device, device_id, data, dtype, shape);
-  CHECK(te_tensor_set(t, slot, &b) == TE_SUCCESS);
-}
 
 struct Case {
   const char *name;
@@ -106,17 +80,6 @@ struct Problem {
   int64_t nbn() const { return ceil_div(c.n, 128); }
   size_t d_bytes() const { return static_cast<size_t>(c.m * c.n) * te_dtype_size(c.d_dtype); }
 };
-
-float d_value(const std::vector<uint8_t> &d, te_dtype dtype, int64_t i) {
-  if (dtype == TE_DTYPE_FLOAT32) {
-    float v;
-    std::memcpy(&v, d.data() + 4 * i, 4);
-    return v;
-  }
-  uint16_t h;
-  std::memcpy(&h, d.data() + 2 * i, 2);
-  return te::bf16_to_float(h);
-}
 
 void put_d(std::vector<uint8_t> *d, te_dtype dtype, int64_t i, float v) {
   if (dtype == TE_DTYPE_FLOAT32) {
@@ -429,18 +392,6 @@ TEST_CASE(entry_point_rejects_what_the_kernel_does_not_take) {
 }
 
 // Why the GPU cases cannot run here, or "" when they can.
-std::string gpu_missing() {
-  int count = 0;
-  const cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess) return std::string("no CUDA device (") + cudaGetErrorString(e) + ")";
-  if (count == 0) return "no CUDA device";
-  int dev = 0, major = 0, minor = 0;
-  CUDA_OK(cudaGetDevice(&dev));
-  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  if (major != 9 || minor != 0) return "the device is sm_" + std::to_string(major * 10 + minor) + ", not sm_90";
-  return "";
-}
 
 void gpu_cases() {
   const Case cases[] = {
@@ -461,16 +412,4 @@ void gpu_cases() {
 
 }  // namespace
 
-int main() {
-  const int status = te_test::run_all();  // the checks that need no device
-  if (status != 0) return status;
-  const std::string missing = gpu_missing();
-  if (!missing.empty()) {
-    std::printf("GPU cases skipped: %s\n", missing.c_str());
-    return kSkipped;
-  }
-  const int before = te_test::failures();
-  gpu_cases();
-  std::printf("%s gpu_cases\n%d checks failed\n", te_test::failures() == before ? "PASS" : "FAIL", te_test::failures());
-  return te_test::failures() == 0 ? 0 : 1;
-}
+int main() { return hopper_test::run(gpu_cases); }

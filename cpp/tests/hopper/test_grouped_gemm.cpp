@@ -54,42 +54,17 @@
 
 #include "common/numerics.h"
 #include "gemm/hopper/grouped_gemm.h"
+#include "hopper_test.h"
 #include "test_util.h"
 
 namespace {
 
 using te_test::TensorHandle;
+using namespace hopper_test;  // NOLINT: the shared constants and helpers
 
-constexpr int kSkipped = 77;                  // ctest's SKIP_RETURN_CODE for this test
-constexpr double kU = 1.0 / 16777216.0;       // 2^-24
-constexpr double kTensorCore = 1.0 / 512.0;   // 2^-9
 constexpr size_t kAlign = 256;                // every device buffer of a group starts here
-constexpr size_t kGuard = 256;                // bytes around each group's D that stay untouched
-constexpr uint8_t kGuardByte = 0xA5;
-
-#define CUDA_OK(call)                                                                             \
-  do {                                                                                            \
-    const cudaError_t e_ = (call);                                                                \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
 
 size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
-te_buffer buffer(te_device_type device, int device_id, const void *data, te_dtype dtype, std::vector<int64_t> shape) {
-  te_buffer b = te_test::cpu_buffer(const_cast<void *>(data), dtype, shape);
-  b.device = device;
-  b.device_id = device_id;
-  return b;
-}
-
-void bind(te_tensor *t, te_tensor_slot slot, te_device_type device, int device_id, const void *data, te_dtype dtype,
-          std::vector<int64_t> shape) {
-  const te_buffer b = buffer(device, device_id, data, dtype, shape);
-  CHECK(te_tensor_set(t, slot, &b) == TE_SUCCESS);
-}
 
 // --- problems ----------------------------------------------------------------------------------
 
@@ -393,17 +368,6 @@ Result run_gpu(Path path, const Problem &p, const DeviceProblem &dp, const Handl
 
 // --- comparisons -------------------------------------------------------------------------------
 
-float d_value(const std::vector<uint8_t> &d, te_dtype dtype, size_t i) {
-  if (dtype == TE_DTYPE_FLOAT32) {
-    float v;
-    std::memcpy(&v, d.data() + 4 * i, 4);
-    return v;
-  }
-  uint16_t h;
-  std::memcpy(&h, d.data() + 2 * i, 2);
-  return te::bf16_to_float(h);
-}
-
 // Elements whose bytes differ; *zero_signs counts those that differ only as +0 and -0.
 int64_t bit_differences(const Problem &p, const std::vector<std::vector<uint8_t>> &x,
                         const std::vector<std::vector<uint8_t>> &y, int64_t *zero_signs) {
@@ -637,18 +601,6 @@ TEST_CASE(workspace_size) {
 // --- GPU cases ---------------------------------------------------------------------------------
 
 // Why the GPU cases cannot run here, or "" when they can.
-std::string gpu_missing() {
-  int count = 0;
-  const cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess) return std::string("no CUDA device (") + cudaGetErrorString(e) + ")";
-  if (count == 0) return "no CUDA device";
-  int dev = 0, major = 0, minor = 0;
-  CUDA_OK(cudaGetDevice(&dev));
-  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  if (major != 9 || minor != 0) return "the device is sm_" + std::to_string(major * 10 + minor) + ", not sm_90";
-  return "";
-}
 
 std::vector<int64_t> cycle(std::vector<int64_t> pattern, size_t groups) {
   std::vector<int64_t> m(groups);
@@ -810,16 +762,4 @@ void gpu_cases() {
 
 }  // namespace
 
-int main() {
-  const int status = te_test::run_all();  // the checks that need no device
-  if (status != 0) return status;
-  const std::string missing = gpu_missing();
-  if (!missing.empty()) {
-    std::printf("GPU cases skipped: %s\n", missing.c_str());
-    return kSkipped;
-  }
-  const int before = te_test::failures();
-  gpu_cases();
-  std::printf("%s gpu_cases\n%d checks failed\n", te_test::failures() == before ? "PASS" : "FAIL", te_test::failures());
-  return te_test::failures() == 0 ? 0 : 1;
-}
+int main() { return hopper_test::run(gpu_cases); }

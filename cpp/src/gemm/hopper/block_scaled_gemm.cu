@@ -65,6 +65,7 @@
 #include "common/cuda_utils.cuh"
 #include "common/internal.h"
 #include "gemm/hopper/block_scaled_gemm.h"
+#include "gemm/hopper/hopper_common.cuh"
 
 #if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
 #error "The Hopper block-scaled GEMM needs CUDA 12 or newer (CUTLASS's SM90 support)"
@@ -120,31 +121,6 @@ struct BlockScaledKernel {
 
 std::string num(int64_t v) { return std::to_string(v); }
 
-te_status cutlass_failure(const char *what, cutlass::Status s) {
-  return fail(s == cutlass::Status::kErrorMisalignedOperand || s == cutlass::Status::kErrorInvalidProblem
-                  ? TE_ERROR_UNSUPPORTED
-                  : TE_ERROR_RUNTIME,
-              kOp, std::string("CUTLASS ") + what + " failed: " + cutlass::cutlassGetStatusString(s));
-}
-
-// The current device must be an sm_90 (the kernel is compiled for sm_90a only).
-te_status check_device() {
-  int device = 0, major = 0, minor = 0;
-  if (te_status st = cuda_status(kOp, cudaGetDevice(&device))) return st;
-  if (te_status st = cuda_status(kOp, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device))) {
-    return st;
-  }
-  if (te_status st = cuda_status(kOp, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device))) {
-    return st;
-  }
-  if (major != 9 || minor != 0) {
-    return fail(TE_ERROR_UNSUPPORTED, kOp,
-                "the device must be an sm_90 (Hopper; the kernel is built for sm_90a only), got sm_" +
-                    num(major) + num(minor));
-  }
-  return TE_SUCCESS;
-}
-
 template <typename ElementD>
 te_status run_kernel(const GemmArgs &g, cudaStream_t stream) {
   using K = BlockScaledKernel<ElementD>;
@@ -189,7 +165,7 @@ te_status run_kernel(const GemmArgs &g, cudaStream_t stream) {
   args.hw_info.sm_count = sms;
 
   if (cutlass::Status s = Gemm::can_implement(args); s != cutlass::Status::kSuccess) {
-    return cutlass_failure("can_implement", s);
+    return hopper::cutlass_failure(kOp, "can_implement", s);
   }
   const size_t workspace = Gemm::get_workspace_size(args);
   if (workspace > 0 && (g.workspace == nullptr || g.workspace_size < workspace)) {
@@ -199,11 +175,11 @@ te_status run_kernel(const GemmArgs &g, cudaStream_t stream) {
   Gemm gemm;
   // initialize() builds the TMA descriptors and raises the kernel's shared-memory limit.
   if (cutlass::Status s = gemm.initialize(args, g.workspace, stream); s != cutlass::Status::kSuccess) {
-    return cutlass_failure("initialize", s);
+    return hopper::cutlass_failure(kOp, "initialize", s);
   }
   if (cutlass::Status s = gemm.run(stream); s != cutlass::Status::kSuccess) {
     launch_status(kOp);  // clears a pending launch error; the CUTLASS status is the message
-    return cutlass_failure("launch", s);
+    return hopper::cutlass_failure(kOp, "launch", s);
   }
   return launch_status(kOp);
 }
@@ -257,7 +233,8 @@ std::string hopper_block_scaled_gemm_support(const GemmArgs &g) {
 te_status hopper_block_scaled_gemm(const GemmArgs &g, te_stream stream) {
   const std::string why = hopper_block_scaled_gemm_support(g);
   if (!why.empty()) return fail(TE_ERROR_UNSUPPORTED, kOp, "the kernel does not take this call: " + why);
-  if (te_status st = check_device()) return st;
+  int device = 0;
+  if (te_status st = hopper::check_sm90(kOp, &device)) return st;
   const cudaStream_t s = cuda_stream(stream);
   if (g.d_dtype == TE_DTYPE_FLOAT32) return run_kernel<float>(g, s);
   return run_kernel<cutlass::bfloat16_t>(g, s);

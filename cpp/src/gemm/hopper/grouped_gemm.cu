@@ -16,7 +16,7 @@
 //   own part (per-SM copies of the TMA descriptors, which each CTA rewrites when it moves on to
 //   another group's tiles). The host writes all the arrays into one pinned staging buffer and
 //   copies them with one cudaMemcpyAsync; then the kernel is launched. Nothing waits for the
-//   device (see copy_arguments for how the staging buffer outlives its copy).
+//   device (see argument_staging.cu for how the staging buffer outlives its copy).
 // - The persistent group tile scheduler (PersistentTileSchedulerSm90Group) launches at most one
 //   CTA per SM and walks the tiles of every group in order; groups with M = 0 have no tiles (the
 //   host leaves them out of the arrays altogether). The grid is sized from the host copy of the
@@ -54,7 +54,6 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -76,7 +75,9 @@
 
 #include "common/cuda_utils.cuh"
 #include "common/internal.h"
+#include "gemm/hopper/argument_staging.h"
 #include "gemm/hopper/grouped_gemm.h"
+#include "gemm/hopper/hopper_common.cuh"
 
 #if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
 #error "The Hopper grouped GEMM needs CUDA 12.3 or newer (CUTLASS's device-side TMA descriptor updates)"
@@ -243,152 +244,7 @@ void fill_arguments(const std::vector<const GemmArgs *> &work, const ArrayLayout
   }
 }
 
-// --- staging the arguments --------------------------------------------------------------------
-//
-// The arrays go to the device with one cudaMemcpyAsync from pinned host memory: from pageable
-// memory the copy would be staged by the driver and may wait for the device. The pinned buffer
-// must stay as it is until the copy has read it, which is later than the call returns: each
-// buffer carries an event recorded after the copy that reads it, and is reused only once that
-// event has completed (a query, not a wait). Buffers are per device (the event's) and kept for
-// the life of the process (freeing pinned memory can synchronize the device, and at exit could
-// run after the runtime's teardown). Only when a device has kMaxStaging buffers all still in
-// flight (the host that many calls ahead of the device) does a call wait for one of them.
-//
-// Under stream capture the copy becomes a graph node that reads the host buffer at every
-// replay, for as long as the graph lives, which this code cannot know: a captured call gets a
-// buffer of its own, never reused or freed (16 KiB per captured call, for the process's life).
-
-struct Staging {
-  uint8_t *host = nullptr;       // pinned, portable
-  size_t capacity = 0;
-  int device = -1;
-  cudaEvent_t copied = nullptr;  // recorded after the last copy from it (none for captured ones)
-  bool in_flight = false;        // copied has been recorded and not yet seen complete
-};
-
-constexpr size_t kStagingMin = 16u << 10;
-constexpr size_t kMaxStaging = 64;
-
-std::mutex &staging_mutex() {
-  static std::mutex *m = new std::mutex();
-  return *m;
-}
-
-std::vector<Staging *> &staging_pool() {
-  static std::vector<Staging *> *pool = new std::vector<Staging *>();
-  return *pool;
-}
-
-// A new pinned buffer of at least `bytes` (with an event unless captured). This thread's
-// capture mode is relaxed meanwhile: under a global-mode capture, allocating is otherwise
-// refused (it is not a stream operation, and the buffer outlives the capture anyway).
-te_status new_staging(size_t bytes, int device, bool with_event, Staging **out) {
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  if (te_status st = cuda_status(kOp, cudaThreadExchangeStreamCaptureMode(&mode))) return st;
-  auto *s = new Staging();
-  s->capacity = std::max(round_up(bytes, 4096), kStagingMin);
-  s->device = device;
-  cudaError_t err = cudaHostAlloc(reinterpret_cast<void **>(&s->host), s->capacity, cudaHostAllocPortable);
-  if (err == cudaSuccess && with_event) err = cudaEventCreateWithFlags(&s->copied, cudaEventDisableTiming);
-  cudaStreamCaptureMode previous = mode;
-  cudaThreadExchangeStreamCaptureMode(&previous);  // back to the caller's mode
-  if (err != cudaSuccess) {
-    if (s->host != nullptr) cudaFreeHost(s->host);
-    delete s;
-    return cuda_status(kOp, err);
-  }
-  *out = s;
-  return TE_SUCCESS;
-}
-
-// Whether the last copy from s has run; clears the "not ready" answer so that a later
-// cudaGetLastError (launch_status) does not take it for an error.
-te_status staging_idle(Staging *s, bool *idle) {
-  *idle = true;
-  if (!s->in_flight) return TE_SUCCESS;
-  const cudaError_t q = cudaEventQuery(s->copied);
-  if (q == cudaErrorNotReady) {
-    if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();
-    *idle = false;
-    return TE_SUCCESS;
-  }
-  if (q != cudaSuccess) return cuda_status(kOp, q);
-  s->in_flight = false;
-  return TE_SUCCESS;
-}
-
-// Writes `bytes` of arguments (fill) into a staging buffer and copies them to device memory dst
-// on the stream.
-template <typename Fill>
-te_status copy_arguments(void *dst, size_t bytes, int device, cudaStream_t stream, const Fill &fill) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (te_status st = cuda_status(kOp, cudaStreamIsCapturing(stream, &capture))) return st;
-  if (capture != cudaStreamCaptureStatusNone) {
-    Staging *own = nullptr;  // never freed: the graph reads it at every replay
-    if (te_status st = new_staging(bytes, device, false, &own)) return st;
-    fill(own->host);
-    return cuda_status(kOp, cudaMemcpyAsync(dst, own->host, bytes, cudaMemcpyHostToDevice, stream));
-  }
-  std::lock_guard<std::mutex> lock(staging_mutex());
-  std::vector<Staging *> &pool = staging_pool();
-  Staging *use = nullptr, *wait_for = nullptr;
-  size_t mine = 0;
-  for (Staging *s : pool) {
-    if (s->device != device) continue;
-    ++mine;
-    if (s->capacity < bytes) continue;
-    bool idle = false;
-    if (te_status st = staging_idle(s, &idle)) return st;
-    if (idle) {
-      use = s;
-      break;
-    }
-    if (wait_for == nullptr) wait_for = s;
-  }
-  if (use == nullptr && mine >= kMaxStaging && wait_for != nullptr) {
-    if (te_status st = cuda_status(kOp, cudaEventSynchronize(wait_for->copied))) return st;
-    wait_for->in_flight = false;
-    use = wait_for;
-  }
-  if (use == nullptr) {
-    if (te_status st = new_staging(bytes, device, true, &use)) return st;
-    pool.push_back(use);
-  }
-  fill(use->host);
-  if (te_status st = cuda_status(kOp, cudaMemcpyAsync(dst, use->host, bytes, cudaMemcpyHostToDevice, stream))) {
-    return st;
-  }
-  if (te_status st = cuda_status(kOp, cudaEventRecord(use->copied, stream))) return st;
-  use->in_flight = true;
-  return TE_SUCCESS;
-}
-
 // --- running ----------------------------------------------------------------------------------
-
-te_status cutlass_failure(const char *what, cutlass::Status s) {
-  return fail(s == cutlass::Status::kErrorMisalignedOperand || s == cutlass::Status::kErrorInvalidProblem
-                  ? TE_ERROR_UNSUPPORTED
-                  : TE_ERROR_RUNTIME,
-              kOp, std::string("CUTLASS ") + what + " failed: " + cutlass::cutlassGetStatusString(s));
-}
-
-// The current device must be an sm_90 (the kernels are compiled for sm_90a only).
-te_status check_device(int *device) {
-  int major = 0, minor = 0;
-  if (te_status st = cuda_status(kOp, cudaGetDevice(device))) return st;
-  if (te_status st = cuda_status(kOp, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, *device))) {
-    return st;
-  }
-  if (te_status st = cuda_status(kOp, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, *device))) {
-    return st;
-  }
-  if (major != 9 || minor != 0) {
-    return fail(TE_ERROR_UNSUPPORTED, kOp,
-                "the device must be an sm_90 (Hopper; the kernel is built for sm_90a only), got sm_" +
-                    num(major) + num(minor));
-  }
-  return TE_SUCCESS;
-}
 
 template <typename K>
 te_status run_kernel(const std::vector<const GemmArgs *> &work, uint8_t *workspace, int device,
@@ -445,7 +301,7 @@ te_status run_kernel(const std::vector<const GemmArgs *> &work, uint8_t *workspa
   args.hw_info.sm_count = std::min(sms, kMaxSms);
 
   if (cutlass::Status s = Gemm::can_implement(args); s != cutlass::Status::kSuccess) {
-    return cutlass_failure("can_implement", s);
+    return hopper::cutlass_failure(kOp, "can_implement", s);
   }
   const size_t needed = Gemm::get_workspace_size(args);
   if (needed > cutlass_reserve()) {  // cannot happen with sm_count <= kMaxSms; checked anyway
@@ -453,7 +309,7 @@ te_status run_kernel(const std::vector<const GemmArgs *> &work, uint8_t *workspa
                                            " bytes of workspace, more than the " +
                                            num(static_cast<int64_t>(cutlass_reserve())) + " reserved");
   }
-  if (te_status st = copy_arguments(arrays, layout.bytes, device, stream,
+  if (te_status st = hopper::copy_arguments(arrays, layout.bytes, device, stream,
                                     [&](uint8_t *host) { fill_arguments(work, layout, host); })) {
     return st;
   }
@@ -461,11 +317,11 @@ te_status run_kernel(const std::vector<const GemmArgs *> &work, uint8_t *workspa
   // initialize() builds the (placeholder) TMA descriptors that each CTA copies into its slot of
   // the workspace and rewrites per group, and raises the kernel's shared-memory limit.
   if (cutlass::Status s = gemm.initialize(args, workspace, stream); s != cutlass::Status::kSuccess) {
-    return cutlass_failure("initialize", s);
+    return hopper::cutlass_failure(kOp, "initialize", s);
   }
   if (cutlass::Status s = gemm.run(stream); s != cutlass::Status::kSuccess) {
     launch_status(kOp);  // clears a pending launch error; the CUTLASS status is the message
-    return cutlass_failure("launch", s);
+    return hopper::cutlass_failure(kOp, "launch", s);
   }
   return launch_status(kOp);
 }
@@ -541,7 +397,7 @@ te_status run_groups(const GemmArgs *groups, size_t n, void *workspace, size_t w
   const std::string why = hopper_grouped_gemm_support(groups, n);
   if (!why.empty()) return fail(TE_ERROR_UNSUPPORTED, kOp, "the kernel does not take this call: " + why);
   int device = 0;
-  if (te_status st = check_device(&device)) return st;
+  if (te_status st = hopper::check_sm90(kOp, &device)) return st;
   std::vector<const GemmArgs *> work;
   for (size_t i = 0; i < n; ++i) {
     if (has_work(groups[i])) work.push_back(&groups[i]);
