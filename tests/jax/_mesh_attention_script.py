@@ -26,7 +26,6 @@ from transformer_engine.jax.flax import (
 )
 from transformer_engine.jax.sharding import (
     logical_axis_rules,
-    logical_to_mesh_spec,
 )
 
 HIDDEN, HEADS, HEAD_DIM, BATCH, SEQ = 64, 8, 8, 8, 24
@@ -138,7 +137,7 @@ def run_case(name: str) -> dict:
     fp8 = base.RECIPES[recipe_name]
     shape, axis_names, resource = base.MESHES[mesh_name]
     mesh = jax.make_mesh(shape, axis_names, axis_types=(AxisType.Auto,) * len(shape))
-    x_shape = (SEQ, BATCH, HIDDEN) if input_axes[0] == "length" else (BATCH, SEQ, HIDDEN)
+    x_shape = (SEQ, BATCH, HIDDEN) if input_axes[0].startswith("length") else (BATCH, SEQ, HIDDEN)
     x = jax.random.normal(jax.random.PRNGKey(1), x_shape, jnp.float32).astype(dtype)
     step = base.train_step(model)
     steps = 2 if recipe_name == "delayed" else 1  # the second step uses the stored scales
@@ -146,33 +145,18 @@ def run_case(name: str) -> dict:
 
     with te.fp8_autocast(enabled=enabled, fp8_recipe=fp8):
         variables = nn.unbox(model.init(jax.random.PRNGKey(0), x))
-        single = jax.jit(step)
-        ref, v = [], variables
-        for _ in range(steps):
-            ref.append(single(v, x))
-            v = base.next_variables(v, ref[-1])
-
     with te.fp8_autocast(enabled=enabled, fp8_recipe=fp8, mesh_resource=resource), \
             jax.set_mesh(mesh):
         # initialized under the mesh: the parameters carry their logical axes
         boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), x)
         shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh,
                                                 logical_axis_rules(resource))
-        v = jax.tree_util.tree_map(jax.device_put, variables, shardings)
-        xs = jax.device_put(x, NamedSharding(mesh, logical_to_mesh_spec(input_axes, resource)))
-        compiled = jax.jit(step).lower(v, xs).compile()
-        got = []
-        for _ in range(steps):
-            got.append(compiled(v, xs))
-            v = base.next_variables(v, got[-1])
-        hlo = compiled.as_text()
-        specs = {jax.tree_util.keystr(p): str(s.spec) for p, s in
-                 jax.tree_util.tree_leaves_with_path(shardings["params"])}
-
+    ref, got, hlo = base.steps_both_ways(step, variables, x, steps, fp8, mesh, resource,
+                                         shardings, input_axes)
+    specs = {jax.tree_util.keystr(p): str(s.spec) for p, s in
+             jax.tree_util.tree_leaves_with_path(shardings["params"])}
     leaves = base.leaf_diffs(ref, got)
-    kernels = {jax.tree_util.keystr(p): list(a.shape)
-               for p, a in jax.tree_util.tree_leaves_with_path(variables["params"])
-               if jax.tree_util.keystr(p).endswith("kernel']")}
+    kernels = base.kernel_shapes(variables)
     return {"leaves": leaves, "collectives": base.collectives(hlo), "kernels": kernels,
             "specs": specs}
 

@@ -149,6 +149,37 @@ def next_variables(variables, result):
     return {**variables, **result["state"]}
 
 
+def steps_both_ways(step, variables, x, steps: int, fp8, mesh, resource, shardings,
+                    input_axes) -> tuple:
+    """``steps`` training steps (the FP8 state carried from one to the next) on one device,
+    then jitted over ``mesh`` with the parameters placed by ``shardings`` and ``x`` by its
+    logical ``input_axes``: (one device's results, the mesh's, the compiled HLO text)."""
+    enabled = fp8 is not None
+    with te.fp8_autocast(enabled=enabled, fp8_recipe=fp8):
+        single = jax.jit(step)
+        ref, v = [], variables
+        for _ in range(steps):
+            ref.append(single(v, x))
+            v = next_variables(v, ref[-1])
+    with te.fp8_autocast(enabled=enabled, fp8_recipe=fp8, mesh_resource=resource), \
+            jax.set_mesh(mesh):
+        v = jax.tree_util.tree_map(jax.device_put, variables, shardings)
+        xs = jax.device_put(x, NamedSharding(mesh, logical_to_mesh_spec(input_axes, resource)))
+        compiled = jax.jit(step).lower(v, xs).compile()
+        got = []
+        for _ in range(steps):
+            got.append(compiled(v, xs))
+            v = next_variables(v, got[-1])
+    return ref, got, compiled.as_text()
+
+
+def kernel_shapes(variables) -> dict:
+    """The shape of every kernel parameter, by its path."""
+    return {jax.tree_util.keystr(p): list(a.shape)
+            for p, a in jax.tree_util.tree_leaves_with_path(variables["params"])
+            if jax.tree_util.keystr(p).endswith("kernel']")}
+
+
 def run_case(name: str) -> dict:
     model_name, mesh_name, recipe_name, dtype = CASES[name]
     model = MODELS[model_name]()
@@ -162,30 +193,14 @@ def run_case(name: str) -> dict:
     step = train_step(model)
     steps = 2 if recipe_name == "delayed" else 1  # the second step uses the stored scales
 
-    with te.fp8_autocast(enabled=fp8 is not None, fp8_recipe=fp8):
-        single = jax.jit(step)
-        ref, v = [], variables
-        for _ in range(steps):
-            ref.append(single(v, x))
-            v = next_variables(v, ref[-1])
-
     with te.fp8_autocast(enabled=fp8 is not None, fp8_recipe=fp8, mesh_resource=resource), \
             jax.set_mesh(mesh):
         shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh,
                                                 logical_axis_rules(resource))
-        v = jax.tree_util.tree_map(jax.device_put, variables, shardings)
-        xs = jax.device_put(x, NamedSharding(mesh, logical_to_mesh_spec(INPUT_AXES, resource)))
-        compiled = jax.jit(step).lower(v, xs).compile()
-        got = []
-        for _ in range(steps):
-            got.append(compiled(v, xs))
-            v = next_variables(v, got[-1])
-        hlo = compiled.as_text()
-
+    ref, got, hlo = steps_both_ways(step, variables, x, steps, fp8, mesh, resource, shardings,
+                                    INPUT_AXES)
     leaves = leaf_diffs(ref, got)
-    kernels = {jax.tree_util.keystr(p): list(a.shape)
-               for p, a in jax.tree_util.tree_leaves_with_path(variables["params"])
-               if jax.tree_util.keystr(p).endswith("kernel']")}
+    kernels = kernel_shapes(variables)
     return {"leaves": leaves, "collectives": collectives(hlo), "kernels": kernels}
 
 
