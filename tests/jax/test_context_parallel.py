@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from te_jax_tests._mesh_compare import assert_matches_one_device
 
 import transformer_engine.jax as te
 from transformer_engine.jax.attention import (
@@ -187,25 +188,11 @@ def test_split_sequence_attention_gathers_only_keys_and_values(runs, case):
         assert arrays == [["f32", local if kind == "all-gather" else shard]], (kind, arrays)
 
 
-def _tolerance(case: str) -> tuple:
-    _, _, fp8, dtype = case.split("-")
-    if dtype == "float32":
-        return 1e-5, 1e-5
-    return (2e-2, 2e-2) if fp8 == "none" else (2.5e-1, 1e-1)
-
-
 @pytest.mark.parametrize("case", _MODELS)
 def test_context_parallel_layer_step_equals_the_one_device_step(runs, case):
-    run = runs[case]
-    largest, norm = _tolerance(case)
-    assert any("fp8_metas" in leaf for leaf in run["leaves"]) == ("delayed" in case)
-    for leaf, cmp in run["leaves"].items():
-        if "fp8_metas" in leaf and "grad_" not in leaf:
-            # the inputs' and kernels' amaxes: maxima over the shards, exact
-            assert cmp["equal"], f"{case} {leaf}: {cmp}"
-            continue
-        assert cmp["max_abs_diff"] <= largest * max(cmp["ref_max_abs"], 1e-30), (case, leaf, cmp)
-        assert cmp["rel_norm_diff"] <= norm, (case, leaf, cmp)
+    # the inputs' and kernels' amaxes: maxima over the shards, exact
+    assert_matches_one_device(case, runs[case]["leaves"],
+                              lambda leaf: "fp8_metas" in leaf and "grad_" not in leaf)
 
 
 def test_a_seq_first_layer_keeps_its_batch_split_under_data_and_tensor_parallelism(runs):

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from te_jax_tests._mesh_compare import assert_matches_one_device
 
 import transformer_engine.jax as te
 from transformer_engine.common import recipe
@@ -256,21 +257,6 @@ def attention_runs() -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _attention_tolerance(case: str) -> tuple:
-    """(bound on the largest difference, bound on the difference's norm), relative to the
-    one-device tensor's largest magnitude and norm. fp32 and bf16 without FP8: as the dense
-    layers' (see the module doc; the norm bound the same). bf16 with FP8: where a bf16 sum
-    over tp (each row-parallel projection's) moves an element across an FP8 rounding
-    boundary, the next FP8 GEMM rounds it one E4M3 / E5M2 step (6% / 12%) away, and through
-    the attention block and the MLP such flips compound (measured up to 18% of the largest
-    magnitude, 8% in norm): 2.5e-1 and 1e-1. The fp32 cases check the partitioned math to
-    1e-5; these check that bf16 FP8 runs stay in that noise."""
-    _, _, fp8, dtype = case.split("-")
-    if dtype == "bfloat16" and fp8 != "none":
-        return 2.5e-1, 1e-1
-    return _tolerance(case), _tolerance(case)
-
-
 def _attention_bitwise(case: str, leaf: str) -> bool:
     """The FP8 state of the inputs and kernels (maxima over the shards); under FSDP each
     token's output and input gradient (no split dimension is summed: the heads and the
@@ -283,16 +269,9 @@ def _attention_bitwise(case: str, leaf: str) -> bool:
 
 @pytest.mark.parametrize("case", _ATTENTION_CASES)
 def test_sharded_attention_step_equals_the_one_device_step(attention_runs, case):
-    run = attention_runs[case]
-    largest, norm = _attention_tolerance(case)
-    assert any("fp8_metas" in leaf for leaf in run["leaves"]) == ("delayed" in case)
-    for leaf, cmp in run["leaves"].items():
-        if _attention_bitwise(case, leaf):
-            assert cmp["equal"], f"{case} {leaf}: not bitwise equal ({cmp})"
-        else:
-            bound = largest * max(cmp["ref_max_abs"], 1e-30)
-            assert cmp["max_abs_diff"] <= bound, f"{case} {leaf}: {cmp} beyond {largest}"
-            assert cmp["rel_norm_diff"] <= norm, f"{case} {leaf}: {cmp} beyond {norm} in norm"
+    """Tolerances: _mesh_compare.layer_step_tolerance."""
+    assert_matches_one_device(case, attention_runs[case]["leaves"],
+                              lambda leaf: _attention_bitwise(case, leaf))
 
 
 def _kernel_shaped(run, kinds, skip=()):
