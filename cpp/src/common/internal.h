@@ -62,6 +62,11 @@ int64_t numel(const te_buffer &buffer);
 bool gate_shut_on_cpu(const float *gate, float *amax);
 // Whether the two buffers share a byte (on the same device).
 bool overlap(const te_buffer &a, const te_buffer &b);
+// Whether an output shares a byte with another output or an input (null entries skipped), in
+// O(n log n): for calls with many buffers (grouped GEMMs), which then name the clash through
+// Checker::disjoint only when there is one.
+bool any_output_overlap(const std::vector<const te_buffer *> &outputs,
+                        const std::vector<const te_buffer *> &inputs);
 // Rows of the [M, K] matrix view: product of all dimensions but the last (1 for rank 0).
 int64_t rows_of(const te_buffer &buffer);
 // Columns of the [M, K] matrix view: the last dimension (1 for rank 0).

@@ -1,4 +1,5 @@
 // The tensor handle, error reporting and the validation helpers of the C entry points.
+#include <algorithm>
 #include <cstdarg>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h>
@@ -177,6 +178,44 @@ bool overlap(const te_buffer &a, const te_buffer &b) {
   const uintptr_t end_a = begin_a + static_cast<uintptr_t>(numel(a)) * te_dtype_size(a.dtype);
   const uintptr_t end_b = begin_b + static_cast<uintptr_t>(numel(b)) * te_dtype_size(b.dtype);
   return begin_a < end_b && begin_b < end_a;  // empty ranges never overlap
+}
+
+bool any_output_overlap(const std::vector<const te_buffer *> &outputs,
+                        const std::vector<const te_buffer *> &inputs) {
+  struct Span {
+    int device;  // type and id in one key: buffers on different devices never overlap
+    uintptr_t begin, end;
+    bool output;
+  };
+  std::vector<Span> spans;
+  spans.reserve(outputs.size() + inputs.size());
+  auto add = [&](const te_buffer *b, bool output) {
+    if (b == nullptr) return;
+    const auto begin = reinterpret_cast<uintptr_t>(b->data);
+    const uintptr_t end = begin + static_cast<uintptr_t>(numel(*b)) * te_dtype_size(b->dtype);
+    if (begin == end) return;  // empty ranges never overlap
+    const int device = b->device == TE_DEVICE_CUDA ? 1 + b->device_id : 0;
+    spans.push_back({device, begin, end, output});
+  };
+  for (const te_buffer *b : outputs) add(b, true);
+  for (const te_buffer *b : inputs) add(b, false);
+  std::sort(spans.begin(), spans.end(), [](const Span &x, const Span &y) {
+    return x.device != y.device ? x.device < y.device : x.begin < y.begin;
+  });
+  // In start order, a span meets an earlier one iff an earlier end lies past its start: the
+  // latest end among earlier outputs (for any span), among all earlier spans (for an output).
+  uintptr_t end_any = 0, end_output = 0;
+  int device = -1;
+  for (const Span &sp : spans) {
+    if (sp.device != device) {
+      device = sp.device;
+      end_any = end_output = 0;
+    }
+    if (end_output > sp.begin || (sp.output && end_any > sp.begin)) return true;
+    end_any = std::max(end_any, sp.end);
+    if (sp.output) end_output = std::max(end_output, sp.end);
+  }
+  return false;
 }
 
 bool Checker::disjoint(const std::vector<Named> &outputs, const std::vector<Named> &inputs) {
