@@ -240,9 +240,7 @@ class DotProductAttention(nn.Module):
                        dropout_probability=dropout, dropout_rng=rng, cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                        max_seqlen_kv=max_seqlen_kv,
-                       context_parallel_strategy=str(getattr(
-                           self.context_parallel_strategy, "value",
-                           self.context_parallel_strategy)).lower(),
+                       context_parallel_strategy=self.context_parallel_strategy,
                        context_parallel_causal_load_balanced=(
                            self.context_parallel_causal_load_balanced),
                        context_parallel_axis=self.context_parallel_axis or None)
