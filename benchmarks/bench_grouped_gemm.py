@@ -10,7 +10,12 @@ a bf16 output, FP8 E4M3 per tensor (each expert its own scales) and bf16:
   - ``grouped``: one ``te_grouped_gemm`` call over the experts (``_core.grouped_gemm``);
   - ``loop``: one ``te_gemm`` call per expert;
   - ``single``: one ``te_gemm`` of all rows against one expert's weight (the same FLOPs in one
-    GEMM: the ceiling a grouped kernel aims at).
+    GEMM: the ceiling a grouped kernel aims at);
+  - ``hopper``: our Hopper grouped kernel, every expert in one launch
+    (``_core.hopper_grouped_gemm``; CUTLASS, sm_90a), when the core was built with it
+    (``_core.hopper_gemm_available()``). It promotes its FP8 partial sums to fp32 every 128 of
+    K whatever use_split_accumulator says, where ``grouped`` and ``loop`` run cuBLASLt's fast
+    accumulation.
 
 Each is timed by launches and by CUDA-graph replay, interleaved (harness.time_cuda_interleaved).
 Targets (the issue's): grouped >= 1.3x loop and >= 0.9x single. Then the module step, FP8
@@ -78,6 +83,9 @@ def gemm_cases(rows: list[int], k: int, n: int, device, workspace) -> tuple[dict
     def grouped(xs, ws_):
         return lambda i: _core.grouped_gemm(xs, ws_, d_parts, workspace=ws, stream=s)
 
+    def hopper(xs, ws_):
+        return lambda i: _core.hopper_grouped_gemm(xs, ws_, d_parts, workspace=ws, stream=s)
+
     cases = {
         ("fp8_tensor", "grouped"): grouped(a8, w8),
         ("fp8_tensor", "loop"): loop(a8, w8),
@@ -86,8 +94,19 @@ def gemm_cases(rows: list[int], k: int, n: int, device, workspace) -> tuple[dict
         ("bf16", "loop"): loop(a_parts, list(w)),
         ("bf16", "single"): lambda i: _core.gemm(a, w[0], d, workspace=ws, stream=s),
     }
-    flops = 2.0 * total * n * k
-    return cases, {"flops": flops, "check": (a_parts, w, d_parts, grouped(a_parts, list(w)))}
+    info = {"check": (a_parts, w, d_parts, grouped(a_parts, list(w)))}
+    if _core.hopper_gemm_available() and device.type == "cuda":  # the kernel has no CPU path
+        # Its workspace (TMA descriptors and the groups' argument arrays) is checked, not
+        # assumed, to fit in the gemm workspace that every contender shares.
+        need = _core.hopper_grouped_gemm_workspace_size(len(rows))
+        if ws is None or ws.numel() < need:
+            raise ValueError(f"hopper_grouped_gemm needs {need} bytes of workspace for "
+                             f"{len(rows)} groups, got {0 if ws is None else ws.numel()}")
+        cases[("fp8_tensor", "hopper")] = hopper(a8, w8)
+        cases[("bf16", "hopper")] = hopper(a_parts, list(w))
+        info["check_hopper"] = (a_parts, w, d_parts, hopper(a_parts, list(w)))
+    info["flops"] = 2.0 * total * n * k
+    return cases, info
 
 
 def check_grouped(check) -> float:
@@ -166,6 +185,13 @@ def main() -> None:
         for name, (k, n) in GEMMS.items():
             cases, info = gemm_cases(rows, k, n, device, workspace)
             err = check_grouped(info["check"])
+            checks = {"grouped_bf16_max_rel_diff_vs_torch": err}
+            if "check_hopper" in info:
+                try:
+                    checks["hopper_bf16_max_rel_diff_vs_torch"] = check_grouped(
+                        info["check_hopper"])
+                except RuntimeError as e:  # not an sm_90 device: its timing rows say so too
+                    checks["hopper_error"] = str(e)
             for timing, graph in (("launches", False), ("cuda_graph", True)):
                 times = time_cuda_interleaved(cases, graph=graph, repeats=10)
                 for (op, impl), t in times.items():
@@ -175,8 +201,7 @@ def main() -> None:
                         row["tflops"] = info["flops"] / (t["median_ms"] * 1e-3) / 1e12
                     results.append(row)
                     print(experts, name, op, impl, timing, t.get("median_ms"), row.get("tflops"))
-            results.append({"experts": experts, "gemm": name, "op": "check",
-                            "grouped_bf16_max_rel_diff_vs_torch": err})
+            results.append({"experts": experts, "gemm": name, "op": "check", **checks})
         if experts == 64:
             times = time_cuda_interleaved(module_cases(rows, device), repeats=5, batch=2)
             for (op, impl), t in times.items():
@@ -186,6 +211,7 @@ def main() -> None:
     write_result(args.name, {
         "description": "MoE expert GEMMs: the core's grouped GEMM vs a loop of per-expert GEMMs "
                        "vs one GEMM of the same size (FP8 per-tensor and bf16, bf16 output), "
+                       "and our Hopper grouped kernel where the core has it, "
                        "and te.GroupedLinear vs a loop of te.Linear (FP8 current scaling)",
         "shapes": {"hidden": HIDDEN, "expert_ffn": FFN, "tokens": TOKENS, "top_k": TOP_K},
         "results": results,

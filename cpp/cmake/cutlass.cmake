@@ -2,7 +2,9 @@
 # GEMM), compiled into transformer_engine when CUTLASS's headers are found; without them the
 # build goes on and the GEMMs run on cuBLASLt only. Included by cpp/CMakeLists.txt after the
 # transformer_engine target is made, in CUDA builds only. Defines TE_WITH_CUTLASS for the core
-# when it adds them.
+# when it adds them, and the target te_cutlass_hopper: cpp/CMakeLists.txt compiles
+# src/gemm/hopper/hopper_unavailable.cpp (the entry points of hopper_gemm.h, failing) when that
+# target does not exist.
 #
 # Headers (compile time only; CUTLASS is header-only):
 #   TE_CUTLASS_INCLUDE  the directory holding cutlass/ and cute/; default: the include/ directory

@@ -73,4 +73,33 @@ TEST_CASE(gemm_rejects_bad_arguments_and_writes_nothing) {
   for (float v : d) CHECK(v == 7.0f);
 }
 
+TEST_CASE(hopper_entry_points_exist_in_every_build) {
+  // CPU buffers: the kernels have no CPU path, so every build refuses these calls; a build
+  // without the kernels refuses anything with its own reason.
+  std::vector<uint8_t> a(16 * 128, 0x38), b(128 * 128, 0x38);
+  std::vector<float> sa(16, 1.0f), sb(1, 1.0f), d(16 * 128, 7.0f);
+  TensorHandle ta(TE_SCALING_BLOCK_1X128), tb(TE_SCALING_BLOCK_128X128), td;
+  ta.set(TE_SLOT_DATA, a.data(), TE_DTYPE_FLOAT8_E4M3, {16, 128});
+  ta.set(TE_SLOT_SCALE_INV, sa.data(), TE_DTYPE_FLOAT32, {16, 1});
+  tb.set(TE_SLOT_DATA, b.data(), TE_DTYPE_FLOAT8_E4M3, {128, 128});
+  tb.set(TE_SLOT_SCALE_INV, sb.data(), TE_DTYPE_FLOAT32, {1, 1});
+  td.set(TE_SLOT_DATA, d.data(), TE_DTYPE_FLOAT32, {16, 128});
+  const te_tensor *ga[1] = {ta}, *gb[1] = {tb};
+  te_tensor *gd[1] = {td};
+  if (te_hopper_gemm_available()) {
+    CHECK(te_hopper_grouped_gemm_workspace_size(64) > 131072);
+    CHECK_ERROR(te_hopper_block_scaled_gemm(ta, tb, td, nullptr, nullptr, nullptr, 0, nullptr), TE_ERROR_VALUE,
+                "hopper_block_scaled_gemm: a.data must be on a CUDA device");
+    CHECK(te_hopper_grouped_gemm(ga, gb, gd, nullptr, 1, nullptr, nullptr, 0, nullptr) != TE_SUCCESS);
+  } else {
+    CHECK(te_hopper_grouped_gemm_workspace_size(64) == 0);
+    const char *why = "this build of the core has no Hopper kernels: built without CUTLASS or not for sm_90a";
+    CHECK_ERROR(te_hopper_block_scaled_gemm(ta, tb, td, nullptr, nullptr, nullptr, 0, nullptr),
+                TE_ERROR_UNSUPPORTED, "hopper_block_scaled_gemm: ", why);
+    CHECK_ERROR(te_hopper_grouped_gemm(ga, gb, gd, nullptr, 1, nullptr, nullptr, 0, nullptr), TE_ERROR_UNSUPPORTED,
+                "hopper_grouped_gemm: ", why);
+  }
+  for (float v : d) CHECK(v == 7.0f);
+}
+
 int main() { return te_test::run_all(); }

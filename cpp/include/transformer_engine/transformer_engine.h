@@ -6,6 +6,7 @@
 #include "transformer_engine/activation.h"
 #include "transformer_engine/attention.h"
 #include "transformer_engine/gemm.h"
+#include "transformer_engine/hopper_gemm.h"
 #include "transformer_engine/norm.h"
 #include "transformer_engine/quantize.h"
 #include "transformer_engine/rope.h"

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "gemm/gemm_impl.h"
-#include "transformer_engine/gemm.h"
+#include "transformer_engine/hopper_gemm.h"  // the C entry points
 
 namespace te {
 
@@ -35,18 +35,5 @@ inline bool hopper_block_scaled_gemm_supports(const GemmArgs &args) {
 te_status hopper_block_scaled_gemm(const GemmArgs &args, te_stream stream);
 
 }  // namespace te
-
-extern "C" {
-
-// The kernel behind te_gemm's interface, for tests and benchmarks: the arguments of te_gemm
-// (pre_gelu_out is not taken: GELU is refused with block scaling), validated by te_gemm's rules
-// for block-scaled operands, all on one CUDA device; then hopper_block_scaled_gemm. Nothing
-// else (no environment variable, no fallback to cuBLASLt): a call the kernel does not take
-// fails with TE_ERROR_UNSUPPORTED and the reason in te_last_error().
-te_status te_hopper_block_scaled_gemm(const te_tensor *a, const te_tensor *b, te_tensor *d,
-                                      const te_tensor *bias, const te_gemm_config *config,
-                                      void *workspace, size_t workspace_size, te_stream stream);
-
-}  // extern "C"
 
 #endif  // TRANSFORMER_ENGINE_SRC_GEMM_HOPPER_BLOCK_SCALED_GEMM_H_

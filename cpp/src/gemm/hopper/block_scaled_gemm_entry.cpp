@@ -1,4 +1,4 @@
-// C entry point te_hopper_block_scaled_gemm (block_scaled_gemm.h): te_gemm's checks for
+// C entry point te_hopper_block_scaled_gemm (hopper_gemm.h): te_gemm's checks for
 // block-scaled FP8 operands on CUDA (the same rules and messages), then the Hopper kernel, never
 // cuBLASLt. For tests and benchmarks; te_gemm's own dispatch is untouched.
 #include <string>

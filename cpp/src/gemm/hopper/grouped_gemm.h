@@ -12,7 +12,7 @@
 #include <string>
 
 #include "gemm/gemm_impl.h"
-#include "transformer_engine/gemm.h"
+#include "transformer_engine/hopper_gemm.h"  // the C entry points
 
 namespace te {
 
@@ -55,22 +55,5 @@ te_status hopper_grouped_gemm(const GemmArgs *groups, size_t n, void *workspace,
                               te_stream stream);
 
 }  // namespace te
-
-extern "C" {
-
-// The kernel behind te_grouped_gemm's interface, for tests and benchmarks: the arguments of
-// te_grouped_gemm, each group validated by te_gemm's rules (resolve_gemm) and the groups
-// together by te_grouped_gemm's (one device, no output overlapping any group's buffers), all on
-// one CUDA device; then hopper_grouped_gemm. Nothing else (no environment variable, no fallback
-// to cuBLASLt): a call the kernel does not take fails with TE_ERROR_UNSUPPORTED and the reason
-// in te_last_error(). workspace: at least te_hopper_grouped_gemm_workspace_size(groups) bytes.
-te_status te_hopper_grouped_gemm(const te_tensor *const *a, const te_tensor *const *b, te_tensor *const *d,
-                                 const te_tensor *const *bias, size_t groups, const te_gemm_config *config,
-                                 void *workspace, size_t workspace_size, te_stream stream);
-
-// hopper_grouped_gemm_workspace_size, for callers of te_hopper_grouped_gemm.
-size_t te_hopper_grouped_gemm_workspace_size(size_t groups);
-
-}  // extern "C"
 
 #endif  // TRANSFORMER_ENGINE_SRC_GEMM_HOPPER_GROUPED_GEMM_H_

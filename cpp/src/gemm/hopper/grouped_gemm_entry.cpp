@@ -1,5 +1,5 @@
 // C entry points te_hopper_grouped_gemm and te_hopper_grouped_gemm_workspace_size
-// (grouped_gemm.h): te_grouped_gemm's checks (resolve_groups: each group by te_gemm's rules,
+// (hopper_gemm.h): te_grouped_gemm's checks (resolve_groups: each group by te_gemm's rules,
 // then the groups together), then the Hopper grouped kernel, never cuBLASLt. For
 // tests and benchmarks; te_grouped_gemm's own dispatch is untouched.
 #include <string>
@@ -46,5 +46,9 @@ te_status te_hopper_grouped_gemm(const te_tensor *const *a, const te_tensor *con
 }
 
 size_t te_hopper_grouped_gemm_workspace_size(size_t groups) { return te::hopper_grouped_gemm_workspace_size(groups); }
+
+// This file is compiled exactly when the kernels are (cmake/cutlass.cmake);
+// hopper_unavailable.cpp returns 0 in every other build.
+int te_hopper_gemm_available(void) { return 1; }
 
 }  // extern "C"
