@@ -257,5 +257,111 @@ def test_stacked_group_errors_name_the_argument():
         core.grouped_gemm_ragged(a, b, d, np.array([1, 2, 3], np.int64))
     with pytest.raises(TypeError, match=r"group_sizes.data must be int32 or int64"):
         core.grouped_gemm_ragged(a, b, d, np.array([1.0, 2.0], np.float32))
-    with pytest.raises(TypeError, match=r"FP8 groups stacked in one operand are not implemented"):
-        core.grouped_gemm_ragged(np.zeros((6, 8), np.uint8), b, d, np.array([3, 3], np.int32))
+    with pytest.raises(TypeError, match=r"a.data must be float32, float16, bfloat16 or float8"):
+        core.grouped_gemm_ragged(np.zeros((6, 8), np.int32), b, d, np.array([3, 3], np.int32))
+
+
+# --- FP8 groups stacked in one operand --------------------------------------------------------
+
+
+def _fp8_stack(parts: list[Operand]) -> Operand:
+    """Operands quantized each with its own per-tensor scale, stacked: data [G, ...] and
+    scale_inv [G] (or one operand's [1])."""
+    return Operand(None, {"data": np.stack([p.arrays["data"] for p in parts]),
+                          "scale_inv": np.concatenate([p.arrays["scale_inv"] for p in parts])},
+                   parts[0].dtype)
+
+
+def _fp8_rows(op: Operand, start: int, rows: int, transpose: bool = False) -> Operand:
+    """A group's rows of a stacked per-tensor FP8 operand (transposed: its K-major copy)."""
+    data = op.arrays["data"][start:start + rows]
+    value = op.value[start:start + rows]
+    if transpose:
+        data, value = np.ascontiguousarray(data.T), value.T
+    return Operand(value, {"data": data, "scale_inv": op.arrays["scale_inv"]}, op.dtype)
+
+
+@pytest.mark.parametrize("out", ["float32", "bfloat16"])
+@pytest.mark.parametrize("a_fmt", ["e4m3", "e5m2"])
+def test_fp8_stacked_groups_equal_their_single_gemms(device, workspaces, out, a_fmt):
+    """Forward / dgrad form: tokens with one scale, each weight with its own (b.scale_inv
+    [G]) or all with one ([1]); each group bit for bit te_gemm of its slice. Group sizes are
+    multiples of 16, as te_gemm's FP8 rule asks of M."""
+    rng = np.random.default_rng(stable_seed("ragged fp8", out, a_fmt))
+    sizes, m, k, n = [16, 0, 32, 16], 72, 32, 48
+    x = fp8_tensor_operand(random_matrix(rng, (m, k)), a_fmt, rng)
+    ws = [fp8_tensor_operand(random_matrix(rng, (n, k)) * (g + 1), "e4m3", rng) for g in range(4)]
+    per_group = _fp8_stack(ws)
+    got = _ragged(device, workspaces, x.on(device), per_group.on(device), sizes, out,
+                  d_shape=(m, n))
+    one = fp8_tensor_operand(random_matrix(rng, (4 * n, k)), "e4m3", rng)
+    shared = Operand(None, {"data": one.arrays["data"].reshape(4, n, k),
+                            "scale_inv": one.arrays["scale_inv"]}, one.dtype)
+    got_shared = _ragged(device, workspaces, x.on(device), shared.on(device), sizes, out,
+                         d_shape=(m, n))
+    row = 0
+    for g, rows in enumerate(sizes):
+        xg = _fp8_rows(x, row, rows)
+        np.testing.assert_array_equal(got[row:row + rows],
+                                      _single(device, workspaces, xg, ws[g], out),
+                                      err_msg=f"group {g}")
+        wg = _fp8_rows(one, g * n, n)
+        np.testing.assert_array_equal(got_shared[row:row + rows],
+                                      _single(device, workspaces, xg, wg, out),
+                                      err_msg=f"group {g}, one weight scale")
+        row += rows
+    np.testing.assert_array_equal(got[row:], np.zeros((m - row, n)))  # past the groups
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_fp8_stacked_weight_gradients_equal_their_single_gemms(device, workspaces, accumulate):
+    """Weight-gradient form on row-wise FP8 x [M, K] (E4M3) and dy [M, N] (E5M2): each group
+    bit for bit te_gemm of its transposed rows (K-major, as FP8 GEMMs read them); an expert
+    without tokens gets 0, or keeps its gradient when accumulating. The sizes (each group's
+    K here) are multiples of 16, as te_gemm's FP8 rule asks; rows past them are not read."""
+    rng = np.random.default_rng(stable_seed("ragged fp8 wgrad", accumulate))
+    sizes, m, k, n = [16, 0, 16, 32], 70, 32, 16
+    x = fp8_tensor_operand(random_matrix(rng, (m, k)), "e4m3", rng)
+    dy = fp8_tensor_operand(random_matrix(rng, (m, n)), "e5m2", rng)
+    before = random_matrix(rng, (4, k, n)) if accumulate else None
+    got = _ragged(device, workspaces, x.on(device), dy.on(device), sizes, "float32",
+                  transpose_a=True, transpose_b=False, accumulate_into=before,
+                  d_shape=(4, k, n))
+    row = 0
+    for g, rows in enumerate(sizes):
+        want = _single(device, workspaces, _fp8_rows(x, row, rows, transpose=True),
+                       _fp8_rows(dy, row, rows, transpose=True), "float32",
+                       accumulate_into=None if before is None else before[g])
+        np.testing.assert_array_equal(got[g], want, err_msg=f"group {g}")
+        row += rows
+    empty = before[1].astype(np.float64) if accumulate else np.zeros((k, n))
+    np.testing.assert_array_equal(got[1], empty)
+
+
+def test_fp8_stacked_group_errors_name_the_argument(cpu):
+    rng = np.random.default_rng(5)
+    x = fp8_tensor_operand(random_matrix(rng, (6, 16)), "e4m3", rng)
+    w = fp8_tensor_operand(random_matrix(rng, (32, 16)), "e4m3", rng)
+    w2 = Operand(None, {"data": w.arrays["data"].reshape(2, 16, 16),
+                        "scale_inv": np.ones(3, np.float32)}, w.dtype)
+    sizes = np.array([3, 3], np.int32)
+    d = np.full((6, 16), 3.0, np.float32)
+    with pytest.raises(TypeError, match=r"^grouped_gemm_ragged: b.data must be float8 when "
+                                        r"a.data is, got float32"):
+        core.grouped_gemm_ragged(x.on(cpu), np.ones((2, 16, 16), np.float32), d, sizes)
+    with pytest.raises(ValueError, match=r"b.scale_inv must be float32 \[1\] or \[G\] = \[2\] "
+                                         r"\(one per group\), got float32 \[3\]"):
+        core.grouped_gemm_ragged(x.on(cpu), w2.on(cpu), d, sizes)
+    dy = fp8_tensor_operand(random_matrix(rng, (6, 16)), "e5m2", rng)
+    dw = np.full((2, 16, 16), 3.0, np.float32)
+    two = Operand(None, {"data": dy.arrays["data"], "scale_inv": np.ones(2, np.float32)},
+                  dy.dtype)
+    with pytest.raises(ValueError, match=r"b.scale_inv must be float32 \[1\], got"):
+        core.grouped_gemm_ragged(x.on(cpu), two.on(cpu), dw, sizes,
+                                 transpose_a=True, transpose_b=False)
+    blocks = fp8_block_operand(random_matrix(rng, (6, 128)), "e4m3", "block_1x128")
+    with pytest.raises(ValueError, match=r"take per-tensor scaling for a and b, got "
+                                         r"block_1x128 and tensor"):
+        core.grouped_gemm_ragged(blocks.on(cpu), w2.on(cpu), d, sizes)
+    np.testing.assert_array_equal(d, np.full((6, 16), 3.0, np.float32))  # nothing written
+    np.testing.assert_array_equal(dw, np.full((2, 16, 16), 3.0, np.float32))

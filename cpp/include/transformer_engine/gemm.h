@@ -87,14 +87,19 @@ te_status te_grouped_gemm(const te_tensor *const *a, const te_tensor *const *b,
 
 /* Grouped GEMM over groups stacked in one operand (the tokens of a mixture-of-experts layer
  * sorted by expert, with the sizes on the device): group g owns the group_sizes[g] rows of a
- * stacked operand that follow the rows of the groups before it. High precision operands
- * (both fp32, fp16 or bf16; D in their dtype or fp32). Two forms, by config->transpose_a:
+ * stacked operand that follow the rows of the groups before it. Operands both fp32, fp16 or
+ * bf16 (D in their dtype or fp32), or both FP8 with per-tensor scaling (TE_SCALING_TENSOR,
+ * D bf16, fp16 or fp32, te_gemm's FP8 rules per group). Two forms, by config->transpose_a:
  *   0: D[rows of g] = A[rows of g] @ op(B[g]) (+ bias[g])       (forward, dgrad)
  *      a [M, K]; b [G, N, K] with transpose_b = 1, or [G, K, N]; d [M, N]; bias NULL or
  *      [G, N] in D's dtype (or a's for an fp32 D). Rows of D past the sizes' sum are set to 0.
  *   1: D[g] = A[rows of g]^T @ B[rows of g]                      (weight gradients)
  *      a [M, K]; b [M, N] (transpose_b must be 0); d [G, K, N]; no bias. A group without rows
  *      gets D[g] = 0, or keeps D[g] with config->accumulate.
+ * FP8: a.scale_inv is [1]; b.scale_inv is [1], or [G] in the first form (each group's own
+ *   weight scale). The first form needs transpose_b = 1 (b [G, N, K]); the second takes a and
+ *   b row-wise as above and transposes each group's rows into scratch memory first (FP8 GEMMs
+ *   read both operands K-major), so a weight gradient needs no column-wise copies.
  * group_sizes: int32 or int64 [G] on a's device, each >= 0, summing to at most M. On CUDA
  * they are copied to the host first (the call waits for the stream once), then the groups
  * run one after the other through cuBLASLt. Errors name the group; nothing is written when

@@ -30,6 +30,8 @@ te_status copy_to_host_cuda(void *, const void *, size_t, int, te_stream) {
   return no_cuda_build("grouped_gemm_ragged");
 }
 te_status zero_cuda(void *, size_t, te_stream) { return no_cuda_build("grouped_gemm_ragged"); }
+te_status scratch_alloc_cuda(size_t, te_stream, void **) { return no_cuda_build("grouped_gemm_ragged"); }
+te_status scratch_free_cuda(void *, te_stream) { return no_cuda_build("grouped_gemm_ragged"); }
 te_status norm_forward_cuda(const NormForwardArgs &, te_stream) { return no_cuda_build("norm_forward"); }
 te_status norm_backward_cuda(const NormBackwardArgs &, te_stream) { return no_cuda_build("norm_backward"); }
 te_status attention_forward_cuda(const AttentionForwardArgs &, te_stream) { return no_cuda_build("attention_forward"); }

@@ -67,6 +67,11 @@ te_status copy_to_host_cuda(void *dst, const void *src, size_t bytes, int device
 // Sets bytes of device memory to 0 on the stream (rows past a grouped GEMM's groups).
 te_status zero_cuda(void *dst, size_t bytes, te_stream stream);
 
+// Scratch device memory on the current device, ordered on the stream (the FP8 weight-gradient
+// form's transposed groups), from the core's pool; freed on the stream.
+te_status scratch_alloc_cuda(size_t bytes, te_stream stream, void **out);
+te_status scratch_free_cuda(void *p, te_stream stream);
+
 void gemm_ref(const GemmArgs &args);
 
 // CUDA launcher (cuBLASLt; in a CPU-only build it reports that the build has no CUDA path).

@@ -10,6 +10,7 @@
 #include "common/internal.h"
 #include "gemm/gemm_impl.h"
 #include "transformer_engine/gemm.h"
+#include "transpose/transpose_impl.h"
 
 namespace te {
 namespace {
@@ -66,8 +67,57 @@ OwnedTensor slice(const te_buffer &b, int64_t offset_elems, std::vector<int64_t>
   return owned;
 }
 
-bool is_hp(te_dtype d) { return is_high_precision(d); }
+// slice() of an FP8 operand: its data from offset_elems on, with one per-tensor scale_inv,
+// entry si_index of the [1] or [G] buffer si.
+OwnedTensor fp8_slice(const te_buffer &b, int64_t offset_elems, std::vector<int64_t> shape,
+                      const te_buffer &si, int64_t si_index) {
+  OwnedTensor t = slice(b, offset_elems, std::move(shape));
+  te_buffer s = si;
+  s.data = static_cast<float *>(si.data) + si_index;
+  s.ndim = 1;
+  s.shape[0] = 1;
+  te_tensor_set(t.get(), TE_SLOT_SCALE_INV, &s);
+  return t;
+}
+
+bool is_operand(te_dtype d) { return is_high_precision(d) || is_fp8(d); }
 bool is_size_dtype(te_dtype d) { return d == TE_DTYPE_INT32 || d == TE_DTYPE_INT64; }
+
+// Host or device memory for the FP8 weight-gradient form's transposed groups: host memory on
+// the CPU, the core's stream-ordered scratch pool on CUDA (freed on the stream after the GEMMs).
+class TransposeScratch {
+ public:
+  TransposeScratch(te_device_type device, te_stream stream) : device_(device), stream_(stream) {}
+  ~TransposeScratch() {
+    if (cuda_ != nullptr) scratch_free_cuda(cuda_, stream_);
+  }
+  te_status alloc(size_t bytes, char **out) {
+    if (device_ == TE_DEVICE_CUDA) {
+      void *p = nullptr;
+      if (te_status st = scratch_alloc_cuda(bytes, stream_, &p); st != TE_SUCCESS) return st;
+      cuda_ = p;
+      *out = static_cast<char *>(p);
+    } else {
+      host_.assign(bytes, 0);
+      *out = host_.data();
+    }
+    return TE_SUCCESS;
+  }
+  // dst [cols, rows] = src [rows, cols]^T, FP8 bytes.
+  te_status transpose(const void *src, void *dst, int64_t rows, int64_t cols) {
+    if (rows == 0 || cols == 0) return TE_SUCCESS;
+    const TransposeArgs args{src, dst, rows, cols, 1};
+    if (device_ == TE_DEVICE_CUDA) return transpose_cuda(args, stream_);
+    transpose_ref(args);
+    return TE_SUCCESS;
+  }
+
+ private:
+  te_device_type device_;
+  te_stream stream_;
+  void *cuda_ = nullptr;
+  std::vector<char> host_;
+};
 
 }  // namespace
 
@@ -159,8 +209,7 @@ te_status te_grouped_gemm_ragged(const te_tensor *a, const te_tensor *b, te_tens
     const te_buffer *ad = te::slot(a, TE_SLOT_DATA), *bd = te::slot(b, TE_SLOT_DATA);
     const te_buffer *dd = te::slot(d, TE_SLOT_DATA), *sd = te::slot(group_sizes, TE_SLOT_DATA);
     if (!check.present(ad, "a.data") || !check.same_device(*ad, "a.data") ||
-        !check.dtype_in(*ad, "a.data", te::is_hp, "float32, float16 or bfloat16 (FP8 groups "
-                        "stacked in one operand are not implemented; use te_grouped_gemm)") ||
+        !check.dtype_in(*ad, "a.data", te::is_operand, "float32, float16, bfloat16 or float8") ||
         !check.present(bd, "b.data") || !check.same_device(*bd, "b.data") ||
         !check.present(dd, "d.data") || !check.same_device(*dd, "d.data") ||
         !check.present(sd, "group_sizes.data") || !check.same_device(*sd, "group_sizes.data") ||
@@ -190,6 +239,38 @@ te_status te_grouped_gemm_ragged(const te_tensor *a, const te_tensor *b, te_tens
                                           "with transpose_b = 0 and no bias");
     }
     const te_buffer *biasd = bias != nullptr ? te::slot(bias, TE_SLOT_DATA) : nullptr;
+    // FP8: per-tensor scales, a's one [1], b's one [1] or, in the forward form, one per group.
+    const bool fp8 = te::is_fp8(ad->dtype);
+    const te_buffer *asi = nullptr, *bsi = nullptr;
+    if (fp8) {
+      if (!te::is_fp8(bd->dtype)) {
+        return check.reject(TE_ERROR_TYPE, "b.data must be float8 when a.data is, got " +
+                                               te::describe(*bd));
+      }
+      if (a->scaling_mode != TE_SCALING_TENSOR || b->scaling_mode != TE_SCALING_TENSOR) {
+        return check.reject(TE_ERROR_VALUE,
+                            std::string("FP8 groups stacked in one operand take per-tensor "
+                                        "scaling for a and b, got ") +
+                                te::scaling_mode_name(a->scaling_mode) + " and " +
+                                te::scaling_mode_name(b->scaling_mode) +
+                                " (use te_grouped_gemm for block scaling)");
+      }
+      asi = te::slot(a, TE_SLOT_SCALE_INV);
+      bsi = te::slot(b, TE_SLOT_SCALE_INV);
+      if (!check.fp32_scalar(asi, "a.scale_inv") || !check.present(bsi, "b.scale_inv") ||
+          !check.same_device(*bsi, "b.scale_inv")) {
+        return check.status();
+      }
+      const int64_t count = te::numel(*bsi);
+      if (bsi->dtype != TE_DTYPE_FLOAT32 || bsi->ndim != 1 ||
+          !(count == 1 || (!wgrad && count == groups))) {
+        return check.reject(TE_ERROR_VALUE,
+                            std::string("b.scale_inv must be float32 [1]") +
+                                (wgrad ? "" : " or [G] = [" + std::to_string(groups) +
+                                                  "] (one per group)") +
+                                ", got " + te::describe(*bsi));
+      }
+    }
     // The sizes (the one read before any write): on the host, after checking every buffer.
     std::vector<int64_t> sizes(static_cast<size_t>(groups));
     if (groups > 0) {
@@ -229,6 +310,26 @@ te_status te_grouped_gemm_ragged(const te_tensor *a, const te_tensor *b, te_tens
       }
       total += v;
     }
+    if (wgrad && (bd->ndim != 2 || bd->shape[0] != m)) {
+      return check.reject(TE_ERROR_VALUE, "b.data must be [M, N] with M = " + std::to_string(m) +
+                                              " in the weight-gradient form, got " +
+                                              te::describe(*bd));
+    }
+    // FP8 GEMMs take both operands K-major: in the weight-gradient form the groups' rows of a
+    // and b are transposed into scratch first (group g's [K, M_g] and [N, M_g], one after
+    // the other), and each group runs as aT_g @ bT_g^T.
+    const bool fp8_wgrad = fp8 && wgrad;
+    te::TransposeScratch scratch(check.device(), stream);
+    char *transposed = nullptr;
+    if (fp8_wgrad && m > 0) {
+      te::CudaDeviceScope on_device(check.device_id());
+      if (te_status st = scratch.alloc(static_cast<size_t>(m * (k + bd->shape[1])), &transposed);
+          st != TE_SUCCESS) {
+        return st;
+      }
+    }
+    te_gemm_config group_cfg = cfg;
+    if (fp8_wgrad) group_cfg.transpose_a = 0, group_cfg.transpose_b = 1;
     // One te_gemm-checked GEMM per group over slices of the stacked buffers.
     std::vector<te::GemmArgs> args(static_cast<size_t>(groups));
     std::vector<te::OwnedTensor> keep;
@@ -237,21 +338,42 @@ te_status te_grouped_gemm_ragged(const te_tensor *a, const te_tensor *b, te_tens
       const int64_t rows = sizes[static_cast<size_t>(g)];
       const std::string name = std::string(op) + ": group " + std::to_string(g);
       te::Checker group(name.c_str());
-      te::OwnedTensor ta = te::slice(*ad, row * k, {rows, k});
-      te::OwnedTensor tb, td, tbias;
-      if (wgrad) {
-        if (bd->ndim != 2 || bd->shape[0] != m) {
-          return check.reject(TE_ERROR_VALUE, "b.data must be [M, N] with M = " +
-                                                  std::to_string(m) + " in the weight-gradient "
-                                                  "form, got " + te::describe(*bd));
-        }
+      te::OwnedTensor ta, tb, td, tbias;
+      if (fp8_wgrad) {
         const int64_t n = bd->shape[1];
+        te_buffer at = *ad, bt = *bd;
+        at.data = transposed + row * k;
+        bt.data = transposed + m * k + row * n;
+        te::CudaDeviceScope on_device(check.device_id());
+        if (te_status st = scratch.transpose(static_cast<const char *>(ad->data) + row * k,
+                                             at.data, rows, k);
+            st != TE_SUCCESS) {
+          return st;
+        }
+        if (te_status st = scratch.transpose(static_cast<const char *>(bd->data) + row * n,
+                                             bt.data, rows, n);
+            st != TE_SUCCESS) {
+          return st;
+        }
+        ta = te::fp8_slice(at, 0, {k, rows}, *asi, 0);
+        tb = te::fp8_slice(bt, 0, {n, rows}, *bsi, 0);
+        td = te::slice(*dd, g * dd->shape[1] * dd->shape[2], {dd->shape[1], dd->shape[2]});
+      } else if (wgrad) {
+        const int64_t n = bd->shape[1];
+        ta = te::slice(*ad, row * k, {rows, k});
         tb = te::slice(*bd, row * n, {rows, n});
         td = te::slice(*dd, g * dd->shape[1] * dd->shape[2], {dd->shape[1], dd->shape[2]});
       } else {
         const int64_t per = bd->shape[1] * bd->shape[2];
         const int64_t n = cfg.transpose_b ? bd->shape[1] : bd->shape[2];
-        tb = te::slice(*bd, g * per, {bd->shape[1], bd->shape[2]});
+        if (fp8) {
+          ta = te::fp8_slice(*ad, row * k, {rows, k}, *asi, 0);
+          tb = te::fp8_slice(*bd, g * per, {bd->shape[1], bd->shape[2]}, *bsi,
+                             te::numel(*bsi) == 1 ? 0 : g);
+        } else {
+          ta = te::slice(*ad, row * k, {rows, k});
+          tb = te::slice(*bd, g * per, {bd->shape[1], bd->shape[2]});
+        }
         if (dd->ndim != 2 || dd->shape[0] != m) {
           return check.reject(TE_ERROR_VALUE, "d.data must be [M, N] with M = " +
                                                   std::to_string(m) + ", got " + te::describe(*dd));
@@ -267,7 +389,7 @@ te_status te_grouped_gemm_ragged(const te_tensor *a, const te_tensor *b, te_tens
           tbias = te::slice(*biasd, g * n, {n});
         }
       }
-      if (!te::resolve_gemm(group, ta.get(), tb.get(), td.get(), tbias.get(), nullptr, cfg,
+      if (!te::resolve_gemm(group, ta.get(), tb.get(), td.get(), tbias.get(), nullptr, group_cfg,
                             &args[static_cast<size_t>(g)])) {
         return group.status();
       }
