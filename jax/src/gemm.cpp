@@ -72,21 +72,25 @@ auto TeGemmBinding() {
 }
 
 // te_grouped_gemm_ragged: the groups stacked by rows in a (sizes in group_sizes, on the
-// device), with b [G, ..] (forward, dgrad) or d [G, K, N] (weight gradients, transpose_a).
-ffi::Error GroupedGemmImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer group_sizes,
+// device), with b [G, ..] (forward, dgrad) or d [G, K, N] (weight gradients, transpose_a);
+// high precision, or FP8 with per-tensor scales (b's one per group or one for all).
+ffi::Error GroupedGemmImpl(ffi::AnyBuffer a, ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b,
+                           ffi::AnyBuffer b_scale_inv, ffi::AnyBuffer group_sizes,
                            ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> d,
                            ffi::Result<ffi::AnyBuffer> workspace, bool transpose_a,
-                           bool transpose_b, bool use_bias, Device dev) {
+                           bool transpose_b, bool use_bias, bool use_split_accumulator,
+                           Device dev) {
   constexpr const char *op = "grouped_gemm";
   Tensor ta, tb, ts, td, tbias;
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "a", a, dev, &ta));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "b", b, dev, &tb));
+  TE_JAX_RETURN_IF_ERROR(operand("a", a, a_scale_inv, TE_SCALING_TENSOR, dev, &ta));
+  TE_JAX_RETURN_IF_ERROR(operand("b", b, b_scale_inv, TE_SCALING_TENSOR, dev, &tb));
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "group_sizes", group_sizes, dev, &ts));
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "d", *d, dev, &td));
   if (use_bias) TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "bias", bias, dev, &tbias));
   te_gemm_config config{};
   config.transpose_a = transpose_a ? 1 : 0;
   config.transpose_b = transpose_b ? 1 : 0;
+  config.use_split_accumulator = use_split_accumulator ? 1 : 0;
   const Workspace ws = workspace_of(*workspace, dev);
   return from_status(te_grouped_gemm_ragged(ta.get(), tb.get(), td.get(),
                                             use_bias ? tbias.get() : nullptr, ts.get(), &config,
@@ -96,14 +100,17 @@ ffi::Error GroupedGemmImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer gr
 auto TeGroupedGemmBinding() {
   return ffi::Ffi::Bind()
       .Arg<ffi::AnyBuffer>()  // a [M, K], the groups' rows stacked
+      .Arg<ffi::AnyBuffer>()  // a_scale_inv [1] (read when a is FP8)
       .Arg<ffi::AnyBuffer>()  // b [G, N, K] / [G, K, N], or [M, N] with transpose_a
+      .Arg<ffi::AnyBuffer>()  // b_scale_inv [1] or [G] (read when b is FP8)
       .Arg<ffi::AnyBuffer>()  // group_sizes int32 [G]
       .Arg<ffi::AnyBuffer>()  // bias [G, N] (read when use_bias)
       .Ret<ffi::AnyBuffer>()  // d [M, N], or [G, K, N] with transpose_a
       .Ret<ffi::AnyBuffer>()  // workspace uint8 [te_gemm_workspace_size()] (CUDA scratch)
       .Attr<bool>("transpose_a")
       .Attr<bool>("transpose_b")
-      .Attr<bool>("use_bias");
+      .Attr<bool>("use_bias")
+      .Attr<bool>("use_split_accumulator");
 }
 
 }  // namespace

@@ -291,13 +291,21 @@ def gemm(a: jax.Array, b: jax.Array, *, a_scale_inv: Optional[jax.Array] = None,
 
 def grouped_gemm(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *,
                  transpose_a: bool = False, transpose_b: bool = False,
-                 bias: Optional[jax.Array] = None, out_dtype=None) -> jax.Array:
+                 bias: Optional[jax.Array] = None, out_dtype=None,
+                 a_scale_inv: Optional[jax.Array] = None,
+                 b_scale_inv: Optional[jax.Array] = None,
+                 use_split_accumulator: bool = False) -> jax.Array:
     """The groups stacked by rows in ``a`` [M, K] (group g: the ``group_sizes[g]`` rows after
-    the groups before it) with the core's te_grouped_gemm_ragged (gemm.h), high precision:
+    the groups before it) with the core's te_grouped_gemm_ragged (gemm.h):
 
     * ``transpose_a=False``: D [M, N], ``D[rows g] = a[rows g] @ op(b[g]) (+ bias[g])``, b
       [G, K, N] (or [G, N, K] with ``transpose_b``), bias [G, N]; rows past the sizes' sum 0;
     * ``transpose_a=True``: D [G, K, N], ``D[g] = a[rows g]^T @ b[rows g]``, b [M, N].
+
+    High precision, or FP8 data with per-tensor ``a_scale_inv`` [1] and ``b_scale_inv`` [1]
+    (or [G], each group's weight its own, with ``transpose_a=False``); FP8 needs
+    ``transpose_b`` in the first form and group sizes that are multiples of 16 (te_gemm's
+    rule, checked on the device: a size that breaks it fails the call at run time).
 
     ``group_sizes`` int32 [G] stays on the device (traced): the sizes may change every step
     without a recompile. Under a mesh the call runs on whole operands (no sharding rule)."""
@@ -317,13 +325,22 @@ def grouped_gemm(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *,
             raise ValueError(f"grouped_gemm: b must be [G, K, N] (or [G, N, K] with "
                              f"transpose_b) with G = {groups}, got shape {b.shape}")
         shape = (a.shape[0], b.shape[1] if transpose_b else b.shape[2])
+    if (a_scale_inv is None) != (b_scale_inv is None):
+        raise ValueError("grouped_gemm: FP8 operands need both a_scale_inv and b_scale_inv, got "
+                         f"only {'a' if b_scale_inv is None else 'b'}_scale_inv")
+    if a_scale_inv is not None and out_dtype is None:
+        raise ValueError("grouped_gemm: FP8 operands need out_dtype (float32, float16 or "
+                         "bfloat16)")
     out_dtype = jnp.dtype(out_dtype if out_dtype is not None else a.dtype)
     results = (jax.ShapeDtypeStruct(shape, out_dtype),
                jax.ShapeDtypeStruct((_gemm_workspace_bytes(),), jnp.uint8))
     call = jax.ffi.ffi_call(TARGETS["grouped_gemm"], results, vmap_method=_VMAP)
-    d, _ = call(a, b, group_sizes, bias if bias is not None else jnp.zeros((0,), out_dtype),
+    empty = jnp.zeros((0,), _F32)
+    d, _ = call(a, a_scale_inv if a_scale_inv is not None else empty, b,
+                b_scale_inv if b_scale_inv is not None else empty, group_sizes,
+                bias if bias is not None else jnp.zeros((0,), out_dtype),
                 transpose_a=bool(transpose_a), transpose_b=bool(transpose_b),
-                use_bias=bias is not None)
+                use_bias=bias is not None, use_split_accumulator=bool(use_split_accumulator))
     return d
 
 

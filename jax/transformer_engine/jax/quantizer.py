@@ -131,25 +131,29 @@ def role_mode(recipe: Recipe, role: str) -> ops.ScalingMode:
     return ops.ScalingMode[_plan_of(recipe).mode_of(_PLAN_ROLE[role]).upper()]
 
 
-def quantize_role(x2: jax.Array, qset: QuantizerSet, role: str) -> ops.QuantizedTensor:
-    """Quantizes the [M, K] matrix ``x2`` of ``role`` into row-wise and column-wise FP8
-    data (one fused pass), by the set's recipe; the TENSOR modes also give the amax."""
+def quantize_role(x2: jax.Array, qset: QuantizerSet, role: str, *,
+                  columnwise: bool = True) -> ops.QuantizedTensor:
+    """Quantizes the [M, K] matrix ``x2`` of ``role`` into row-wise and (unless
+    ``columnwise=False``) column-wise FP8 data (one fused pass), by the set's recipe; the
+    TENSOR modes also give the amax."""
     recipe = qset.recipe
     plan = _plan_of(recipe)
     dtype = role_dtype(recipe, role)
     if plan.kind == "delayed":
         scale = step_scale(qset, role, lambda gate: ops.compute_amax(x2, gate=gate))
-        q = ops.quantize(x2, scale, dtype, rowwise=True, columnwise=True, compute_amax=True)
+        q = ops.quantize(x2, scale, dtype, rowwise=True, columnwise=columnwise,
+                         compute_amax=True)
         return q
     if plan.kind == "current":
         amax = ops.compute_amax(x2)
         scale, _ = ops.scale_from_amax(amax, dtype, force_pow2_scales=plan.force_pow2_scales,
                                        amax_epsilon=plan.amax_epsilon)
-        q = ops.quantize(x2, scale, dtype, rowwise=True, columnwise=True, compute_amax=False)
+        q = ops.quantize(x2, scale, dtype, rowwise=True, columnwise=columnwise,
+                         compute_amax=False)
         return q._replace(amax=amax)
     if plan.kind == "block":
         q = ops.quantize(x2, None, dtype, scaling_mode=role_mode(recipe, role), rowwise=True,
-                         columnwise=True,
+                         columnwise=columnwise,
                          compute_amax=False, force_pow2_scales=plan.force_pow2_scales,
                          amax_epsilon=plan.amax_epsilon)
         return q
