@@ -59,7 +59,8 @@ ffi::Error make_config(const char *op, int32_t layout, int32_t mask, int64_t win
                            max_seqlen_q,
                            max_seqlen_kv,
                            deterministic ? 1 : 0,
-                           static_cast<te_attn_backend>(backend)};
+                           static_cast<te_attn_backend>(backend),
+                           /*inference=*/0};
   return ffi::Error::Success();
 }
 
