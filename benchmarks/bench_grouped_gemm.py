@@ -73,26 +73,28 @@ def gemm_cases(rows: list[int], k: int, n: int, device, workspace) -> tuple[dict
     a_all8 = fp8_operand(_core, a, device)
     d = torch.empty(total, n, device=device, dtype=torch.bfloat16)
     d_parts = list(torch.split(d, rows))
-    s = _stream(device)
     ws = workspace
 
+    def s() -> int:  # at call time: a CUDA graph is captured on a stream of its own
+        return _stream(device)
+
     def loop(xs, ws_):
-        return lambda i: [_core.gemm(x, y, o, workspace=ws, stream=s)
+        return lambda i: [_core.gemm(x, y, o, workspace=ws, stream=s())
                           for x, y, o in zip(xs, ws_, d_parts, strict=True)]
 
     def grouped(xs, ws_):
-        return lambda i: _core.grouped_gemm(xs, ws_, d_parts, workspace=ws, stream=s)
+        return lambda i: _core.grouped_gemm(xs, ws_, d_parts, workspace=ws, stream=s())
 
     def hopper(xs, ws_):
-        return lambda i: _core.hopper_grouped_gemm(xs, ws_, d_parts, workspace=ws, stream=s)
+        return lambda i: _core.hopper_grouped_gemm(xs, ws_, d_parts, workspace=ws, stream=s())
 
     cases = {
         ("fp8_tensor", "grouped"): grouped(a8, w8),
         ("fp8_tensor", "loop"): loop(a8, w8),
-        ("fp8_tensor", "single"): lambda i: _core.gemm(a_all8, w8[0], d, workspace=ws, stream=s),
+        ("fp8_tensor", "single"): lambda i: _core.gemm(a_all8, w8[0], d, workspace=ws, stream=s()),
         ("bf16", "grouped"): grouped(a_parts, list(w)),
         ("bf16", "loop"): loop(a_parts, list(w)),
-        ("bf16", "single"): lambda i: _core.gemm(a, w[0], d, workspace=ws, stream=s),
+        ("bf16", "single"): lambda i: _core.gemm(a, w[0], d, workspace=ws, stream=s()),
     }
     info = {"check": (a_parts, w, d_parts, grouped(a_parts, list(w)))}
     if _core.hopper_gemm_available() and device.type == "cuda":  # the kernel has no CPU path

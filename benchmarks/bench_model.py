@@ -297,11 +297,12 @@ def why_skipped(name: str, args, started: float) -> str | None:
     return None
 
 
-def bench_models(args, shapes: list[tuple], started: float) -> list[dict]:
+def bench_models(args, shapes: list[tuple], started: float, rows: list[dict]) -> list[dict]:
+    """Runs the selected cases, appending each one's row to ``rows`` as it ends (an
+    interrupted run keeps the cases done)."""
     names = selected(args.variants)
     # Ratio cases first, for every hidden size; the stable sort keeps the order otherwise.
     todo = sorted(((shape, n) for shape in shapes for n in names), key=lambda c: c[1] not in CORE)
-    rows = []
     for shape, name in todo:
         stack, recipe_name, execution = name.split("/")
         row = {"op": f"step_{execution}", "impl": f"{stack} {recipe_name}", "case": name,
@@ -457,8 +458,14 @@ def main(argv: list[str] | None = None) -> Path | None:
     if args.module_iters is None:
         args.module_iters = TINY["module_iters"] if args.tiny else 200
     started = time.perf_counter()
-    rows = bench_models(args, shapes, started)
-    module_rows = module_host_times(args.device, args.module_iters) if args.module_iters else []
+    rows, module_rows, interrupted = [], [], False
+    try:
+        bench_models(args, shapes, started, rows)
+        if args.module_iters:
+            module_rows = module_host_times(args.device, args.module_iters)
+    except KeyboardInterrupt:  # SIGINT (timeout -s INT): keep the cases that ended
+        interrupted = True
+        print("interrupted: writing the cases that ended")
     timing = "cuda_events" if args.device == "cuda" else "cpu_wall_clock (smoke run, no claims)"
     return write(args.name, {
         "description": "training step (zero_grad, forward, backward of "
@@ -482,7 +489,7 @@ def main(argv: list[str] | None = None) -> Path | None:
                    "ffn": "4 x hidden", "dtype": "bfloat16", "timing": timing,
                    "steps": args.steps, "variants": args.variants, "budget_s": args.budget_s,
                    "compile_backend": args.compile_backend, "no_compile": args.no_compile,
-                   "wall_s": time.perf_counter() - started},
+                   "wall_s": time.perf_counter() - started, "interrupted": interrupted},
         "results": rows,
         "ratios": ratios(rows),
         "module_host": module_rows,

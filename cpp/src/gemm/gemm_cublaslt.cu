@@ -308,6 +308,27 @@ te_status run(const GemmArgs &g, cudaStream_t stream) {
     if (te_status st = stage_block_scales(g.a, ws, &ws_offset, g.workspace_size, stream, &a_scale); st) return st;
     if (te_status st = stage_block_scales(g.b, ws, &ws_offset, g.workspace_size, stream, &b_scale); st) return st;
   }
+  // cuBLASLt refuses (NOT_SUPPORTED, at the matmul) per-tensor scale pointers that are not
+  // 16-byte aligned, as one group's entry of a stacked [G] scale_inv is: such a scale is copied
+  // into the workspace first.
+  if (g.fp8 && !blocked) {
+    for (const float **p : {&a_scale, &b_scale}) {
+      if (reinterpret_cast<uintptr_t>(*p) % 16 == 0) continue;
+      if (ws == nullptr || ws_offset + kAlign > g.workspace_size) {
+        return fail(TE_ERROR_VALUE, kOp, "a per-tensor scale_inv that is not 16-byte aligned "
+                                         "needs the workspace (cuBLASLt reads only aligned "
+                                         "scales), got none");
+      }
+      float *slot = reinterpret_cast<float *>(ws + ws_offset);
+      ws_offset += kAlign;
+      if (te_status st = cuda_status(kOp, cudaMemcpyAsync(slot, *p, sizeof(float),
+                                                          cudaMemcpyDeviceToDevice, stream));
+          st != TE_SUCCESS) {
+        return st;
+      }
+      *p = slot;
+    }
+  }
   void *cublas_ws = ws != nullptr ? ws + ws_offset : nullptr;
   const size_t cublas_ws_size =
       std::min<size_t>(g.workspace_size > ws_offset ? g.workspace_size - ws_offset : 0, kCublasWorkspace);
