@@ -4,7 +4,10 @@ block-scaled FP8 GEMM) and hopper_grouped_gemm (every group in one launch).
 Every build has the entry points. One without the kernels (CPU-only, or CUDA without CUTLASS or
 sm_90a) refuses every call with the reason and writes nothing; that is checked on the CPU, in
 every build. On an sm_90 GPU with a build that has the kernels, their results are compared with
-te_gemm / te_grouped_gemm (cuBLASLt), the CPU path and a float64 product.
+te_gemm / te_grouped_gemm, the CPU path and a float64 product. te_gemm itself runs the
+block-scaled kernel for problems below M * N * K = 2^34 (the dispatch rule, gemm_cuda.cu) and
+cuBLASLt from there on: the small cases below compare the kernel with itself through te_gemm (the
+dispatch), the large one with cuBLASLt.
 """
 
 from __future__ import annotations
@@ -104,7 +107,8 @@ def _d(device, m, n, out, d0=None):
 
 
 def _gemm(device, workspaces, a, b, out, *, bias=None, d0=None, hopper=False):
-    """hopper_gemm, or te_gemm (cuBLASLt on CUDA, the CPU path on the CPU), as float64."""
+    """hopper_gemm, or te_gemm (on CUDA: our kernel or cuBLASLt by the dispatch rule; the CPU
+    path on the CPU), as float64."""
     d = _d(device, a.value.shape[0], b.value.shape[0], out, d0)
     fn = core.hopper_gemm if hopper else core.gemm
     fn(a.on(device), b.on(device), d, bias=None if bias is None else device.put(bias),
@@ -171,6 +175,26 @@ def test_block_scaled_matches_cublaslt_and_the_cpu(hopper, cpu, workspaces, mnk,
     cublaslt = _gemm(hopper, workspaces, a, b, out, bias=bias, d0=d0)
     on_cpu = _gemm(cpu, workspaces, a, b, out, bias=bias, d0=d0)
     _assert_close(got, want, cublaslt, on_cpu, bound, "")
+
+
+@pytest.mark.cuda
+def test_block_scaled_above_the_dispatch_rule_runs_cublaslt_within_the_bound(hopper,
+                                                                            workspaces):
+    """M * N * K above 2^34: te_gemm takes cuBLASLt there, and both it and the kernel stay
+    within te_gemm's bound of the float64 product (and so within twice it of each other)."""
+    rng = np.random.default_rng(stable_seed("hopper-rule"))
+    m, n, k = 2048, 2048, 4224  # 1.77e10 > 2^34 = 1.72e10
+    assert m * n * k > 2**34
+    a = fp8_block_operand(random_matrix(rng, (m, k)), "e4m3", "block_1x128")
+    b = fp8_block_operand(random_matrix(rng, (n, k)), "e4m3", "block_128x128")
+    want = a.value @ b.value.T
+    absp = np.abs(a.value) @ np.abs(b.value).T
+    bound = tol.gemm_bound(absp, want, k, "bfloat16", fp8=True)
+    got = _gemm(hopper, workspaces, a, b, "bfloat16", hopper=True)
+    cublaslt = _gemm(hopper, workspaces, a, b, "bfloat16")
+    for what, x in (("hopper", got), ("te_gemm (cuBLASLt)", cublaslt)):
+        err = np.abs(x - want)
+        assert np.all(err <= bound), f"{what}: worst {np.max(err / bound):.3g} x the bound"
 
 
 def _fp8_group(rng, m, k, spread):

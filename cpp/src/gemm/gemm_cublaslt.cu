@@ -393,7 +393,7 @@ te_status run(const GemmArgs &g, cudaStream_t stream) {
 
 size_t gemm_workspace_size() { return kScaleWorkspace + kCublasWorkspace; }
 
-te_status gemm_cuda(const GemmArgs &g, te_stream stream) {
+te_status gemm_cublaslt(const GemmArgs &g, te_stream stream) {
   cudaStream_t s = cuda_stream(stream);
   if (g.m == 0 || g.n == 0) {  // nothing to multiply; the amax of nothing is 0
     if (g.d_amax != nullptr) {

@@ -74,8 +74,12 @@ te_status scratch_free_cuda(void *p, te_stream stream);
 
 void gemm_ref(const GemmArgs &args);
 
-// CUDA launcher (cuBLASLt; in a CPU-only build it reports that the build has no CUDA path).
+// The CUDA path (gemm_cuda.cu): our Hopper kernel or cuBLASLt, by the dispatch rule there; in
+// a CPU-only build it reports that the build has no CUDA path.
 te_status gemm_cuda(const GemmArgs &args, te_stream stream);
+
+// One cuBLASLt matmul (gemm_cublaslt.cu); empty problems (M, N or K = 0) handled without it.
+te_status gemm_cublaslt(const GemmArgs &args, te_stream stream);
 
 // Workspace bytes for cuBLASLt's algorithms, and for the block-scale layouts it wants.
 size_t gemm_workspace_size();

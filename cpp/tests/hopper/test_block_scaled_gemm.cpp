@@ -3,6 +3,9 @@
 // on CUDA buffers): A [M, K] E4M3 with 1x128 scales, B [N, K] E4M3 with 128x128 scales, D fp32 or
 // bf16, with and without bias and accumulation, on awkward shapes (M not a multiple of 128,
 // K = 128, K not a multiple of 128, N = 16) and a large one (2048 x 2048 x 4096).
+// te_gemm on CUDA buffers is cuBLASLt only from M * N * K = 2^34 on (the large cases): below
+// it the dispatch rule (gemm_cuda.cu) runs this kernel there too, so the "cublaslt" lines of
+// the small cases compare the kernel with itself through te_gemm.
 //
 // Built in CUDA builds that found CUTLASS (cmake/cutlass.cmake) and run by ctest. The argument
 // checks run anywhere; the GPU cases need an sm_90 device, and without one the test exits with
