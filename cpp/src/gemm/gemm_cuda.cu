@@ -51,8 +51,11 @@ bool is_sm90(int device) {
   return v == 1;
 }
 
+// Without a workspace the call goes to cuBLASLt, which refuses it as gemm.h says (block-scaled
+// GEMMs need the workspace), so that the answer does not depend on the problem's size.
 bool use_hopper_block_scaled(const GemmArgs &g) {
   return g.fp8 && g.a.mode == TE_SCALING_BLOCK_1X128 && g.b.mode == TE_SCALING_BLOCK_128X128 &&
+         g.workspace != nullptr &&
          static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k) <
              kHopperBlockScaledMaxWork &&
          is_sm90(g.device) && hopper_block_scaled_gemm_supports(g);
