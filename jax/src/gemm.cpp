@@ -15,9 +15,10 @@ bool is_fp8(ffi::DataType t) {
   return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2;
 }
 
-ffi::Error operand(const char *what, const ffi::AnyBuffer &data, const ffi::AnyBuffer &scale_inv,
-                   int32_t scaling_mode, const Device &dev, Tensor *t) {
-  constexpr const char *op = "gemm";
+// An operand of op: its data, and its scale_inv when the data is FP8.
+ffi::Error operand(const char *op, const char *what, const ffi::AnyBuffer &data,
+                   const ffi::AnyBuffer &scale_inv, int32_t scaling_mode, const Device &dev,
+                   Tensor *t) {
   const std::optional<te_scaling_mode> mode = scaling_mode_of(scaling_mode);
   if (!mode) return invalid(op, std::string(what) + " scaling_mode must be 0..3, got " +
                                     std::to_string(scaling_mode));
@@ -29,6 +30,14 @@ ffi::Error operand(const char *what, const ffi::AnyBuffer &data, const ffi::AnyB
   return ffi::Error::Success();
 }
 
+te_gemm_config gemm_config(bool transpose_a, bool transpose_b, bool use_split_accumulator) {
+  te_gemm_config config{};
+  config.transpose_a = transpose_a ? 1 : 0;
+  config.transpose_b = transpose_b ? 1 : 0;
+  config.use_split_accumulator = use_split_accumulator ? 1 : 0;
+  return config;
+}
+
 ffi::Error GemmImpl(ffi::AnyBuffer a,
                     ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b, ffi::AnyBuffer b_scale_inv,
                     ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> d,
@@ -38,15 +47,12 @@ ffi::Error GemmImpl(ffi::AnyBuffer a,
                     bool use_split_accumulator, Device dev) {
   constexpr const char *op = "gemm";
   Tensor ta, tb, td, tbias;
-  TE_JAX_RETURN_IF_ERROR(operand("a", a, a_scale_inv, a_scaling_mode, dev, &ta));
-  TE_JAX_RETURN_IF_ERROR(operand("b", b, b_scale_inv, b_scaling_mode, dev, &tb));
+  TE_JAX_RETURN_IF_ERROR(operand(op, "a", a, a_scale_inv, a_scaling_mode, dev, &ta));
+  TE_JAX_RETURN_IF_ERROR(operand(op, "b", b, b_scale_inv, b_scaling_mode, dev, &tb));
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "d", *d, dev, &td));
   if (compute_amax) TE_JAX_RETURN_IF_ERROR(td.set(TE_SLOT_AMAX, "d_amax", *d_amax, dev));
   if (use_bias) TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "bias", bias, dev, &tbias));
-  te_gemm_config config{};
-  config.transpose_a = transpose_a ? 1 : 0;
-  config.transpose_b = transpose_b ? 1 : 0;
-  config.use_split_accumulator = use_split_accumulator ? 1 : 0;
+  const te_gemm_config config = gemm_config(transpose_a, transpose_b, use_split_accumulator);
   const Workspace ws = workspace_of(*workspace, dev);
   return from_status(te_gemm(ta.get(), tb.get(), td.get(), use_bias ? tbias.get() : nullptr,
                              nullptr, &config, ws.data, ws.bytes, dev.stream));
@@ -82,15 +88,12 @@ ffi::Error GroupedGemmImpl(ffi::AnyBuffer a, ffi::AnyBuffer a_scale_inv, ffi::An
                            Device dev) {
   constexpr const char *op = "grouped_gemm";
   Tensor ta, tb, ts, td, tbias;
-  TE_JAX_RETURN_IF_ERROR(operand("a", a, a_scale_inv, TE_SCALING_TENSOR, dev, &ta));
-  TE_JAX_RETURN_IF_ERROR(operand("b", b, b_scale_inv, TE_SCALING_TENSOR, dev, &tb));
+  TE_JAX_RETURN_IF_ERROR(operand(op, "a", a, a_scale_inv, TE_SCALING_TENSOR, dev, &ta));
+  TE_JAX_RETURN_IF_ERROR(operand(op, "b", b, b_scale_inv, TE_SCALING_TENSOR, dev, &tb));
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "group_sizes", group_sizes, dev, &ts));
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "d", *d, dev, &td));
   if (use_bias) TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "bias", bias, dev, &tbias));
-  te_gemm_config config{};
-  config.transpose_a = transpose_a ? 1 : 0;
-  config.transpose_b = transpose_b ? 1 : 0;
-  config.use_split_accumulator = use_split_accumulator ? 1 : 0;
+  const te_gemm_config config = gemm_config(transpose_a, transpose_b, use_split_accumulator);
   const Workspace ws = workspace_of(*workspace, dev);
   return from_status(te_grouped_gemm_ragged(ta.get(), tb.get(), td.get(),
                                             use_bias ? tbias.get() : nullptr, ts.get(), &config,
