@@ -136,6 +136,10 @@ class Checker {
   int device_id_ = 0;
 };
 
+// major * 10 + minor of a CUDA device (90 for an H100/H200), asked once per device; -1 when it
+// cannot be queried. CUDA builds only (the kernels' dispatch asks it).
+int device_sm(int device);
+
 // Makes the buffers' CUDA device current for one call and restores the caller's afterwards:
 // the caller's stream and our kernels must run on the device that holds the memory, whatever
 // device the calling thread had selected. A no-op in a CPU-only build.

@@ -22,8 +22,7 @@
 // does every call on a device that is not an sm_90 or in a build without CUTLASS.
 #include <cuda_runtime.h>
 
-#include <atomic>
-
+#include "common/internal.h"
 #include "gemm/gemm_impl.h"
 #ifdef TE_WITH_CUTLASS
 #include "gemm/hopper/block_scaled_gemm.h"
@@ -35,22 +34,6 @@ namespace {
 #ifdef TE_WITH_CUTLASS
 constexpr double kHopperBlockScaledMaxWork = 17179869184.0;  // 2^34: M * N * K below it
 
-// Whether the device is an sm_90, asked once per device.
-bool is_sm90(int device) {
-  constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices] = {};  // 0 unknown, 1 yes, 2 no
-  if (device < 0 || device >= kDevices) return false;
-  int v = known[device].load(std::memory_order_relaxed);
-  if (v == 0) {
-    int major = 0, minor = 0;
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess;
-    v = ok && major == 9 && minor == 0 ? 1 : 2;
-    known[device].store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
-
 // Without a workspace the call goes to cuBLASLt, which refuses it as gemm.h says (block-scaled
 // GEMMs need the workspace), so that the answer does not depend on the problem's size.
 bool use_hopper_block_scaled(const GemmArgs &g) {
@@ -58,7 +41,7 @@ bool use_hopper_block_scaled(const GemmArgs &g) {
          g.workspace != nullptr &&
          static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k) <
              kHopperBlockScaledMaxWork &&
-         is_sm90(g.device) && hopper_block_scaled_gemm_supports(g);
+         device_sm(g.device) == 90 && hopper_block_scaled_gemm_supports(g);
 }
 #endif
 

@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <array>
-#include <atomic>
 #include <cstring>
 #include <utility>
 
@@ -16,7 +15,6 @@ namespace {
 
 constexpr int64_t kMaxHeadDim = 256;    // cuDNN's SDPA kernels on sm_90 (sm_80: 128 for some versions)
 constexpr uintptr_t kOperandAlign = 16;  // cuDNN loads q/k/v/o with 16-byte vectors and TMA
-constexpr int kMaxDevices = 64;
 
 AttentionMask normalized(AttentionMask m, const AttentionShape &s) {
   const int64_t reach = s.seqlen_q + s.seqlen_kv;
@@ -94,20 +92,6 @@ AuxLayout aux_layout(const Problem &p) {
     l.stats = take(static_cast<size_t>(p.shape.batch * p.shape.heads_q * p.shape.seqlen_q) * sizeof(float));
   }
   return l;
-}
-
-int device_sm(int device) {
-  static std::atomic<int> cache[kMaxDevices];
-  if (device >= 0 && device < kMaxDevices && cache[device].load() > 0) return cache[device].load();
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    cudaGetLastError();
-    return -1;
-  }
-  const int sm = major * 10 + minor;
-  if (device >= 0 && device < kMaxDevices) cache[device].store(sm);
-  return sm;
 }
 
 namespace {

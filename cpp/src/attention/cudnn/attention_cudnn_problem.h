@@ -68,9 +68,6 @@ struct AuxLayout {
 };
 AuxLayout aux_layout(const Problem &p);
 
-// major * 10 + minor of a device, or -1 when it cannot be queried.
-int device_sm(int device);
-
 // "" when nothing about the problem rules cuDNN out before a graph is built, else why.
 std::string problem_reason(const Problem &p, int sm);
 

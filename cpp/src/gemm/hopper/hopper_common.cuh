@@ -25,18 +25,13 @@ inline te_status cutlass_failure(const char *op, const char *what, cutlass::Stat
 
 // The current device (into *device) must be an sm_90: the kernels are compiled for sm_90a only.
 inline te_status check_sm90(const char *op, int *device) {
-  int major = 0, minor = 0;
   if (te_status st = cuda_status(op, cudaGetDevice(device))) return st;
-  if (te_status st = cuda_status(op, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, *device))) {
-    return st;
-  }
-  if (te_status st = cuda_status(op, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, *device))) {
-    return st;
-  }
-  if (major != 9 || minor != 0) {
+  const int sm = device_sm(*device);
+  if (sm != 90) {
     return fail(TE_ERROR_UNSUPPORTED, op,
-                "the device must be an sm_90 (Hopper; the kernel is built for sm_90a only), got sm_" +
-                    std::to_string(major) + std::to_string(minor));
+                "the device must be an sm_90 (Hopper; the kernel is built for sm_90a only), got " +
+                    (sm < 0 ? std::string("one whose compute capability cannot be read")
+                            : "sm_" + std::to_string(sm)));
   }
   return TE_SUCCESS;
 }
