@@ -29,7 +29,7 @@ from transformer_engine.jax.quantizer import (
 )
 
 
-def _fp8_bias_epilogue(dtype) -> bool:
+def fp8_bias_epilogue(dtype) -> bool:
     # The core's rule: with FP8 operands the bias has D's dtype when D is 16-bit, bf16
     # otherwise; an fp32 output adds its fp32 bias after the GEMM instead (no bf16 rounding).
     return jnp.dtype(dtype) != jnp.float32
@@ -168,7 +168,7 @@ def forward_gemm(qx: ops.QuantizedTensor, qk: ops.QuantizedTensor, bias, recipe,
     mode_x, mode_k = role_mode(recipe, "x"), role_mode(recipe, "kernel")
     x_si, _ = _scale_invs(qx, mode_x)
     _, k_col_si = _scale_invs(qk, mode_k)
-    epilogue = bias is not None and _fp8_bias_epilogue(out_dtype)
+    epilogue = bias is not None and fp8_bias_epilogue(out_dtype)
     out = fp8_gemm(qx.data, x_si, mode_x, qk.columnwise_data, k_col_si, mode_k,
                    bias=bias if epilogue else None, out_dtype=out_dtype)
     if bias is not None and not epilogue:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from transformer_engine.common.plan import GEMM_GRANULE
 from transformer_engine.jax import ops
-from transformer_engine.jax._fused import _fp8_bias_epilogue
+from transformer_engine.jax._fused import fp8_bias_epilogue
 from transformer_engine.jax.quantizer import (
     QuantizerSet,
     plan_kind,
@@ -194,7 +194,7 @@ def _grouped_fp8_fwd(x, kernel, sizes, bias, state, cfg):
     qk = quantize_role(kernel.reshape(-1, kernel.shape[-1]), qset, "kernel", columnwise=False)
     k_data = qk.data.reshape(kernel.shape)
     # The core adds a bias of D's dtype to a 16-bit D; an fp32 D gets its fp32 bias after.
-    epilogue = bias is not None and _fp8_bias_epilogue(out_dtype)
+    epilogue = bias is not None and fp8_bias_epilogue(out_dtype)
     out = ops.grouped_gemm(qx.data, _k_major(k_data, kernel_nk, True), sizes, transpose_b=True,
                            bias=bias.astype(out_dtype) if epilogue else None,
                            out_dtype=out_dtype, a_scale_inv=qx.scale_inv,
