@@ -418,14 +418,8 @@ inline void run_case(const Case &c, uint32_t seed) {
   // cuBLASLt with the split accumulator for random FP8 data (see the top), as asked otherwise.
   const bool loop_split = c.split || (!c.exact && c.ops == Operands::kFp8);
   const Result loop = run_gpu(Path::kLoop, p, dp, h, loop_split);
-  if (ours.status != TE_SUCCESS) {
-    std::printf("    hopper failed: %s\n", ours.message.c_str());
-    CHECK(ours.status == TE_SUCCESS);
-    return;
-  }
-  CHECK(ours.guards_intact);
-  const bool have_loop = loop.status == TE_SUCCESS;
-  if (!have_loop) std::printf("    cublaslt loop: not compared (%s)\n", loop.message.c_str());
+  if (!ours_ran(ours.status, ours.message, ours.guards_intact)) return;
+  const bool have_loop = other_ran("cublaslt loop", loop.status, loop.message);
   const auto cpu = run_cpu(p, false);
   int64_t zeros = 0;
   if (c.exact) {

@@ -60,6 +60,25 @@ inline float d_value(const std::vector<uint8_t> &d, te_dtype dtype, size_t i) {
 }
 
 // Why the GPU cases cannot run here ("" when the current device is an sm_90).
+// Whether our kernel's result can be compared: it ran and wrote nothing outside D. A failed run
+// fails the check, with the kernel's message.
+inline bool ours_ran(te_status status, const std::string &message, bool guards_intact) {
+  if (status != TE_SUCCESS) {
+    std::printf("    hopper failed: %s\n", message.c_str());
+    CHECK(status == TE_SUCCESS);
+    return false;
+  }
+  CHECK(guards_intact);
+  return true;
+}
+
+// Whether the other GPU path (cuBLASLt) ran; when it did not, says so and why.
+inline bool other_ran(const char *name, te_status status, const std::string &message) {
+  if (status == TE_SUCCESS) return true;
+  std::printf("    %s: not compared (%s)\n", name, message.c_str());
+  return false;
+}
+
 inline std::string gpu_missing() {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);

@@ -253,12 +253,7 @@ void timing_case(Operands ops) {
   const Handles h(p, dp);
   const int iters = 20;
   const Result ours = run_gpu(Path::kOurs, p, dp, h, false, iters);
-  if (ours.status != TE_SUCCESS) {
-    std::printf("    hopper failed: %s\n", ours.message.c_str());
-    CHECK(ours.status == TE_SUCCESS);
-    return;
-  }
-  CHECK(ours.guards_intact);
+  if (!ours_ran(ours.status, ours.message, ours.guards_intact)) return;
   const double tf = flops(c) / 1e12;
   std::printf("    hopper grouped:        %8.1f us  %6.0f TFLOPS\n", ours.ms * 1e3, tf / (ours.ms * 1e-3));
   const bool fp8 = ops == Operands::kFp8;
