@@ -315,19 +315,7 @@ inline Result run_gpu(Path path, const Problem &p, const DeviceProblem &dp, cons
   if (r.status != TE_SUCCESS) return r;
   read_back(p, dp, &r);
   if (timed_iters > 0) {
-    cudaEvent_t start, stop;
-    CUDA_OK(cudaEventCreate(&start));
-    CUDA_OK(cudaEventCreate(&stop));
-    for (int i = 0; i < 3; ++i) call(path, p, dp, h, split, nullptr);  // warm-up
-    CUDA_OK(cudaEventRecord(start));
-    for (int i = 0; i < timed_iters; ++i) call(path, p, dp, h, split, nullptr);
-    CUDA_OK(cudaEventRecord(stop));
-    CUDA_OK(cudaEventSynchronize(stop));
-    float ms = 0.0f;
-    CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
-    r.ms = ms / timed_iters;
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
+    r.ms = ms_per_call([&] { call(path, p, dp, h, split, nullptr); }, timed_iters);
   }
   return r;
 }

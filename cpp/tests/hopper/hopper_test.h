@@ -60,6 +60,25 @@ inline float d_value(const std::vector<uint8_t> &d, te_dtype dtype, size_t i) {
 }
 
 // Why the GPU cases cannot run here ("" when the current device is an sm_90).
+// Milliseconds per call of call() on the default stream: 3 warm-up calls, then iters timed by
+// CUDA events.
+template <typename Call>
+double ms_per_call(Call call, int iters) {
+  cudaEvent_t start, stop;
+  CUDA_OK(cudaEventCreate(&start));
+  CUDA_OK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) call();
+  CUDA_OK(cudaEventRecord(start));
+  for (int i = 0; i < iters; ++i) call();
+  CUDA_OK(cudaEventRecord(stop));
+  CUDA_OK(cudaEventSynchronize(stop));
+  float ms = 0.0f;
+  CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return ms / iters;
+}
+
 // Whether our kernel's result can be compared: it ran and wrote nothing outside D. A failed run
 // fails the check, with the kernel's message.
 inline bool ours_ran(te_status status, const std::string &message, bool guards_intact) {

@@ -236,21 +236,7 @@ Result run_path(Path path, const Problem &p, int timed_iters = 0) {
     for (size_t i = 0; i < kGuard; ++i) {
       if (all[i] != kGuardByte || all[kGuard + d_bytes + i] != kGuardByte) r.guards_intact = false;
     }
-    if (timed_iters > 0) {
-      cudaEvent_t start, stop;
-      CUDA_OK(cudaEventCreate(&start));
-      CUDA_OK(cudaEventCreate(&stop));
-      for (int i = 0; i < 3; ++i) call();  // warm-up
-      CUDA_OK(cudaEventRecord(start));
-      for (int i = 0; i < timed_iters; ++i) call();
-      CUDA_OK(cudaEventRecord(stop));
-      CUDA_OK(cudaEventSynchronize(stop));
-      float ms = 0.0f;
-      CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
-      r.ms = ms / timed_iters;
-      cudaEventDestroy(start);
-      cudaEventDestroy(stop);
-    }
+    if (timed_iters > 0) r.ms = ms_per_call(call, timed_iters);
   }
   for (void *q : {a, b, sa, sb, bias, ws, static_cast<void *>(d_all)}) cudaFree(q);
   return r;
