@@ -15,7 +15,7 @@ from te_torch_tests._train_steps import record_steps
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from transformer_engine.pytorch import compiled_forward
+from transformer_engine.pytorch import compiled_blocks, compiled_forward
 
 RECIPES = {
     "delayed": lambda: recipe.DelayedScaling(amax_history_len=4, margin=1),
@@ -45,6 +45,7 @@ def _train(device, compiled: bool, module: str, recipe_name: str, dtype, bias: b
     """Every output, gradient and buffer of STEPS training steps, the compiled forward on or
     off."""
     compiled_forward.enabled = compiled
+    compiled_blocks.enabled = False  # (the whole blocks would bypass the steps tested here)
     try:
         torch.manual_seed(0)
         m = MODULES[module](dtype, bias, zero_centered, device)
@@ -54,7 +55,7 @@ def _train(device, compiled: bool, module: str, recipe_name: str, dtype, bias: b
                     p.add_(torch.randn_like(p) * 0.3)
         return record_steps(m, RECIPES[recipe_name](), STEPS, device, dtype)
     finally:
-        compiled_forward.enabled = True
+        compiled_forward.enabled = compiled_blocks.enabled = True
 
 
 @pytest.fixture

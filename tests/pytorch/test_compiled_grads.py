@@ -15,7 +15,7 @@ from te_torch_tests._train_steps import record_steps
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from transformer_engine.pytorch import compiled_grads, fast_linear
+from transformer_engine.pytorch import compiled_blocks, compiled_grads, fast_linear
 
 RECIPES = {
     "delayed": lambda: recipe.DelayedScaling(amax_history_len=4, margin=1),
@@ -48,6 +48,7 @@ def _train(device, compiled: bool, module: str, recipe_name: str, dtype, bias: b
     """Every output, gradient and buffer of STEPS training steps, the compiled backward on or
     off (te.Linear's compiled forward off: this is about the backward alone)."""
     compiled_grads.enabled = compiled
+    compiled_blocks.enabled = False  # (the whole blocks would bypass the steps tested here)
     fast_linear.enabled = False
     try:
         torch.manual_seed(0)
@@ -58,7 +59,7 @@ def _train(device, compiled: bool, module: str, recipe_name: str, dtype, bias: b
                     p.requires_grad_(False)
         return record_steps(m, RECIPES[recipe_name](), STEPS, device, dtype)
     finally:
-        compiled_grads.enabled = fast_linear.enabled = True
+        compiled_grads.enabled = fast_linear.enabled = compiled_blocks.enabled = True
 
 
 def _assert_same_bits(a_list, b_list):

@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
+from transformer_engine.pytorch import compiled_blocks
 
 S, B, H, HEADS, F = 64, 8, 128, 2, 512  # T = 512 = 4H, F = 4H
 T = S * B
@@ -145,8 +146,10 @@ def test_bf16_saves_what_the_formula_counts(bf16):
     assert NEEDED["bf16"] <= bf16[0] <= NEEDED["bf16"] + _STATS
 
 
+@pytest.mark.parametrize("whole_blocks", [True, False], ids=["whole-blocks", "python-steps"])
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_fp8_step_saves_at_most_what_its_backward_needs(name, bf16):
+def test_fp8_step_saves_at_most_what_its_backward_needs(monkeypatch, name, whole_blocks, bf16):
+    monkeypatch.setattr(compiled_blocks, "enabled", whole_blocks)
     layer, x, grad = _setup()
     r = RECIPES[name]
     for _ in range(2):  # the delayed-scaling state settles after the first step
@@ -155,10 +158,13 @@ def test_fp8_step_saves_at_most_what_its_backward_needs(name, bf16):
     assert saved <= NEEDED[name] + _STATS, (saved, NEEDED[name])
     bound = NEEDED[name] / NEEDED["bf16"]  # 0.94, or 0.81 with fp8_mha
     assert saved / bf16[0] <= bound + 0.01, (saved / bf16[0], bound)
-    # The fused backward lets go of each tensor it made once read, so its peak stays below
-    # the unfused bf16 backward's.
+    # The fused backward's Python steps let go of each tensor they made once read, so its
+    # peak stays below the unfused bf16 backward's. The whole-block backward (one operator
+    # call) cannot free what the node saved before it returns, so FC2's FP8 input (T x F
+    # bytes) and weight copy (H x F) are still alive while FC1's gradient is made; it is
+    # taken only below layernorm_mlp_fn.LEAN_BYTES.
     peak = _backward_peak(layer, x, grad, r)
-    assert peak <= bf16[1], (peak, bf16[1])
+    assert peak <= bf16[1] + ((T + H) * F if whole_blocks else 0), (peak, bf16[1])
 
 
 @pytest.mark.parametrize("name", ["delayed", "fp8_mha"])
@@ -171,6 +177,7 @@ def test_lean_mlp_backward_lowers_the_peak(monkeypatch, name):
     from transformer_engine.pytorch import layernorm_mlp_fn
 
     r = RECIPES[name]
+    monkeypatch.setattr(compiled_blocks, "enabled", False)  # (the Python steps' two orders)
     peaks = []
     for lean_bytes in (2**62, 0):
         monkeypatch.setattr(layernorm_mlp_fn, "LEAN_BYTES", lean_bytes)

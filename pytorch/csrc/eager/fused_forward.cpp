@@ -1,10 +1,9 @@
 // The forward steps of the fused blocks in pairs, each one operator call
 // (compiled_forward.py): a norm with the FP8 GEMM after it, an activation with the FP8 GEMM
 // after it.
-#include "common.h"
+#include "operators.h"
 
 namespace te_eager {
-namespace {
 
 constexpr const char *kNormLinear = "te_eager.norm_linear_fp8_forward";
 
@@ -164,7 +163,6 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> act_linear_fp8_forward(
   });
 }
 
-}  // namespace
 }  // namespace te_eager
 
 STABLE_TORCH_LIBRARY_IMPL(te_eager, CompositeExplicitAutograd, m) {

@@ -4,8 +4,10 @@
 // Why compiled code: a small layer's step is bound by host time, and in Python that time is
 // spent around the kernels, not in them (benchmarks/results/host_probes.md). te.Linear's FP8
 // forward (linear.cpp), a norm or an activation with the FP8 GEMM after it (fused_forward.cpp),
-// the backward of any per-tensor FP8 linear layer (linear.cpp) and delayed scaling's scale
-// update (here) are each one call into the core's C API, with outputs from torch's allocator.
+// the backward of any per-tensor FP8 linear layer (linear.cpp), LayerNormLinear's and
+// LayerNormMLP's whole forward and whole backward (blocks.cpp, composed of the others) and
+// delayed scaling's scale update (here) are each one call into the core's C API, with outputs
+// from torch's allocator.
 // Each computes what the Python steps compute, with the same core calls and arguments (so the
 // same bits), for the inputs its Python caller accepts; it checks them again and fails (never
 // writes) on anything else.
@@ -106,6 +108,33 @@ STABLE_TORCH_LIBRARY(te_eager, m) {
       "act_linear_fp8_forward(Tensor h, int act, Tensor w_data, Tensor w_sinv, Tensor? bias, "
       "Tensor scales, Tensor(a!) history, Tensor(b!) workspace, bool current, int fp8_dtype, bool pow2, "
       "float epsilon, bool need_col, int stream) -> (int, Tensor, Tensor, Tensor)");
+  m.def(
+      "layernorm_linear_fp8_forward(Tensor input, Tensor gamma, Tensor? beta, int norm, float eps, "
+      "bool zero_centered_gamma, Tensor weight, Tensor? bias, Tensor scales, Tensor(a!) history, "
+      "Tensor(b!) workspace, bool current, int fp8_dtype, bool pow2, float epsilon, bool need_dgrad, "
+      "bool need_wgrad, int stream) -> (int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "layernorm_linear_fp8_backward(Tensor grad_output, Tensor x, Tensor mu, Tensor rsigma, Tensor gamma, "
+      "bool has_beta, int norm, bool zero_centered_gamma, Tensor ln_sinv, Tensor ln_col, Tensor w_sinv, "
+      "Tensor w_col, Tensor(a!) grad_history, Tensor(b!) grad_scale, Tensor(c!) grad_scale_inv, "
+      "Tensor(d!) workspace, bool current, int fwd_dtype, int bwd_dtype, bool pow2, float epsilon, int algo, "
+      "int margin, bool need_dgrad, bool need_wgrad, ScalarType weight_dtype, ScalarType? bias_dtype, "
+      "int stream) -> (int, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "layernorm_mlp_fp8_forward(Tensor input, Tensor gamma, Tensor? beta, int norm, float eps, "
+      "bool zero_centered_gamma, Tensor w1, Tensor? b1, int act, Tensor w2, Tensor? b2, Tensor scales, "
+      "Tensor(a!) history, Tensor(b!) workspace, bool current, int fp8_dtype, bool pow2, float epsilon, "
+      "bool need_dgrad, bool need_wgrad1, bool need_fc1, bool need_wgrad2, int stream) -> (int, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "layernorm_mlp_fp8_backward(Tensor grad_output, Tensor x, Tensor mu, Tensor rsigma, Tensor gamma, "
+      "bool has_beta, int norm, bool zero_centered_gamma, Tensor ln_sinv, Tensor ln_col, Tensor w1_sinv, "
+      "Tensor w1_col, Tensor h, int act, Tensor a_sinv, Tensor a_col, Tensor w2_sinv, Tensor w2_col, "
+      "Tensor(a!) grad_history, Tensor(b!) grad_scale, Tensor(c!) grad_scale_inv, Tensor(d!) workspace, "
+      "bool current, int fwd_dtype, int bwd_dtype, bool pow2, float epsilon, int algo, int margin, "
+      "bool need_dgrad, bool need_wgrad1, bool need_fc1, bool need_wgrad2, ScalarType w1_dtype, "
+      "ScalarType? b1_dtype, ScalarType w2_dtype, ScalarType? b2_dtype, int stream) -> (int, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "delayed_scaling_update(Tensor(a!)[] histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, "
       "int fp8_dtype, int algo, int margin, int stream) -> int");

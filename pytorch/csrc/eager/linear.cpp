@@ -1,6 +1,6 @@
 // te.Linear's FP8 forward and the backward of any per-tensor FP8 linear layer, each one
 // operator call (fast_linear.py, compiled_grads.py).
-#include "common.h"
+#include "operators.h"
 
 namespace te_eager {
 namespace {
@@ -104,6 +104,8 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward(
   });
 }
 
+}  // namespace
+
 constexpr const char *kLinearBackward = "te_eager.linear_fp8_backward";
 
 // The backward of one FP8 linear layer (linear_fn: grad_to_fp8, the scale update and
@@ -129,7 +131,9 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
     Tensor workspace, bool current, int64_t fwd_dtype, int64_t bwd_dtype, bool pow2, double epsilon, int64_t algo,
     int64_t margin, bool need_dgrad, bool need_wgrad, ScalarType input_dtype, ScalarType weight_dtype,
     std::optional<ScalarType> bias_dtype, int64_t stream_handle) {
-  return guarded(kLinearBackward, grad_output, [&]() -> std::tuple<Tensor, Tensor, Tensor> {
+  // (x_sinv, not grad_output, gives an error's empty outputs their device: grad_output may be
+  // released on the way)
+  return guarded(kLinearBackward, x_sinv, [&]() -> std::tuple<Tensor, Tensor, Tensor> {
     const char *op = kLinearBackward;
     const auto activation = static_cast<te_activation>(act);
     const bool identity = activation == TE_ACTIVATION_IDENTITY;
@@ -216,6 +220,9 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
       check(te_activation_backward(activation, nullptr, gh.get(), hh.get(), fp8_grad(gi).get(), db_ptr, 0, stream),
             op);
     }
+    // grad_output is read for the last time: where this call holds the only reference (a
+    // composing operator moved its own gradient in), its memory goes before the GEMMs allocate.
+    grad_output = Tensor();
     if (!current && update) {  // the next step's grad_output scales, from this step's amaxes
       Handle hs(op), ss(op), sis(op);
       hs.set(TE_SLOT_DATA, buffer(grad_history.data_ptr(), TE_DTYPE_FLOAT32,
@@ -233,11 +240,11 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
     void *ws = workspace.numel() > 0 ? workspace.data_ptr() : nullptr;
     const auto gemm = [&](const te_buffer &a_data, const te_buffer &b_data, const Tensor &b_sinv, Tensor &d,
                           ScalarType d_dtype, int64_t rows, int64_t cols) {
-      d = empty({rows, cols}, torch_dtype(d_dtype), grad_output);
+      d = empty({rows, cols}, torch_dtype(d_dtype), g_scalars);
       Handle a(op), b(op), dh(op);
       a.set(TE_SLOT_DATA, a_data).set(TE_SLOT_SCALE_INV, g_sinv);
       b.set(TE_SLOT_DATA, b_data).set(TE_SLOT_SCALE_INV, element(b_sinv, 0));
-      dh.set(TE_SLOT_DATA, buffer(d.data_ptr(), core_dtype(d_dtype, op), {rows, cols}, grad_output));
+      dh.set(TE_SLOT_DATA, buffer(d.data_ptr(), core_dtype(d_dtype, op), {rows, cols}, g_scalars));
       te_gemm_config config{};
       config.transpose_b = 1;
       config.use_split_accumulator = 1;
@@ -255,7 +262,6 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
   });
 }
 
-}  // namespace
 }  // namespace te_eager
 
 STABLE_TORCH_LIBRARY_IMPL(te_eager, CompositeExplicitAutograd, m) {

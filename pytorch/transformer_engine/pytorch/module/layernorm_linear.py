@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from transformer_engine.common.recipe import Recipe
 
-from .. import distributed, fp8, ops, sequence_parallel
+from .. import compiled_blocks, distributed, fp8, ops, sequence_parallel
 from ..float8_tensor import Float8Tensor
 from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig, NormLinearConsts
 from ..quantization import kind_of, record_amax
@@ -148,9 +148,17 @@ def fp8_norm_linear(module, inp, gamma, beta, cfg: NormConfig, weight, bias, rec
     need_dgrad = grad and (inp.requires_grad or gamma.requires_grad
                            or (beta is not None and beta.requires_grad))
     need_wgrad = grad and weight.requires_grad
+    bwd_meta, bwd_recipe, group = module._backward_state(plan, recipe)
+    if not fp8_output and compiled_blocks.usable(
+            plan, bwd_recipe, history, inp, (weight,), (bias,),
+            (gamma,) if beta is None else (gamma, beta), cfg, is_first_microbatch, module):
+        # the whole block in two operator calls (forward, backward)
+        out = compiled_blocks.layernorm_linear(inp, gamma, beta, weight, bias, plan, cfg, scales,
+                                               history, bwd_meta, need_dgrad, need_wgrad)
+        if out is not None:
+            return with_leading_dims(out, inp)
     w = module._weight_operand(plan, weight, need_dgrad, is_first_microbatch, scales, history)
     col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
-    bwd_meta, bwd_recipe, group = module._backward_state(plan, recipe)
     out_meta = module._output_meta(plan) if fp8_output else None
     consts = NormLinearConsts(plan, bwd_recipe, group, cfg, need_dgrad, need_wgrad, out_meta)
     return with_leading_dims(Fp8LayerNormLinearFunction.apply(

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformer_engine.common.activation_params import check_no_params, clamped_swiglu_params
 from transformer_engine.common.recipe import Recipe
 
-from .. import distributed, fp8, ops
+from .. import compiled_blocks, distributed, fp8, ops
 from ..float8_tensor import Float8Tensor
 from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction, MlpConsts
 from ..ops.activation import GATED, clamped_swiglu
@@ -385,10 +385,18 @@ class LayerNormMLP(FP8Module):
         need_wgrad1 = grad and w1.requires_grad
         need_fc1 = need_dgrad or need_wgrad1 or (grad and b1 is not None and b1.requires_grad)
         need = (need_dgrad, need_wgrad1, grad and w2.requires_grad, need_fc1)
+        bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
+        if cfg is not None and norm is None and compiled_blocks.usable(
+                plan, bwd_recipe, history, inp, (w1, w2), (b1, fc2_bias),
+                (gamma,) if beta is None else (gamma, beta), cfg, is_first_microbatch, self):
+            # the whole block in two operator calls (forward, backward)
+            out = compiled_blocks.layernorm_mlp(inp, gamma, beta, w1, b1, w2, fc2_bias, self._act,
+                                                plan, cfg, scales, history, bwd_meta, need)
+            if out is not None:
+                return with_leading_dims(out, inp)
         q1 = self._weight_operand(plan, w1, need_dgrad, is_first_microbatch, scales, history, 0)
         q2 = self._weight_operand(plan, w2, need_fc1, is_first_microbatch, scales, history, 1)
         per_tensor = plan.weight_mode == "tensor"
-        bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
         # Copies quantized for this forward alone: the backward may free them once read.
         own_weights = is_first_microbatch is None and not isinstance(w1, Float8Tensor) \
             and not isinstance(w2, Float8Tensor)

@@ -1,0 +1,223 @@
+"""LayerNormLinear's and LayerNormMLP's FP8 step as whole blocks (compiled_blocks.py): one
+operator call for the forward, one for the backward.
+
+They are taken where they compute what the Python steps compute, and must then give the same
+bits: outputs, gradients and every FP8 buffer, step after step, under delayed and current
+scaling, for each set of gradients a step may need.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from te_torch_tests._train_steps import record_steps
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+from transformer_engine.pytorch import _compiled, compiled_blocks, compiled_forward, compiled_grads
+
+RECIPES = {
+    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4, margin=1),
+    "delayed-most-recent": lambda: recipe.DelayedScaling(amax_history_len=3,
+                                                         amax_compute_algo="most_recent"),
+    "current": lambda: recipe.Float8CurrentScaling(),
+    "current-pow2-eps": lambda: recipe.Float8CurrentScaling(power_2_scale=True,
+                                                            amax_epsilon=1e-3),
+}
+
+MODULES = {
+    "layernorm_linear": lambda dtype, bias, zc, dev: te.LayerNormLinear(
+        64, 48, bias=bias, zero_centered_gamma=zc, params_dtype=dtype, device=dev),
+    "rmsnorm_linear": lambda dtype, bias, zc, dev: te.LayerNormLinear(
+        64, 48, bias=bias, normalization="RMSNorm", zero_centered_gamma=zc, params_dtype=dtype,
+        device=dev),
+    "layernorm_mlp": lambda dtype, bias, zc, dev: te.LayerNormMLP(
+        64, 128, bias=bias, zero_centered_gamma=zc, params_dtype=dtype, device=dev),
+    "rmsnorm_mlp_swiglu": lambda dtype, bias, zc, dev: te.LayerNormMLP(
+        64, 128, bias=bias, normalization="RMSNorm", activation="swiglu", zero_centered_gamma=zc,
+        params_dtype=dtype, device=dev),
+}
+
+# Which parameters do not learn (by name); "frozen-all-but-fc2" with an input that needs no
+# gradient leaves LayerNormMLP only FC2's backward.
+FREEZE = {
+    "all": lambda name: False,
+    "frozen-weights": lambda name: "weight" in name and "layer_norm" not in name,
+    "frozen-norm": lambda name: "layer_norm" in name,
+    "frozen-fc1": lambda name: name.startswith("fc1"),
+    "frozen-all-but-fc2": lambda name: not name.startswith("fc2"),
+}
+
+STEPS = 4
+
+
+def _path(compiled: bool):
+    """The whole blocks on (the Python steps of the other compiled paths off, so that the
+    comparison is with the plain Python steps) or everything off."""
+    compiled_blocks.enabled = compiled
+    compiled_forward.enabled = False
+    compiled_grads.enabled = False
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    yield
+    compiled_blocks.enabled = compiled_forward.enabled = compiled_grads.enabled = True
+
+
+def _train(device, compiled: bool, module: str, recipe_name: str, dtype, bias: bool,
+           zero_centered: bool, freeze: str = "all", input_grad: bool = True):
+    """Every output, gradient and buffer of STEPS training steps, the whole blocks on or off."""
+    _path(compiled)
+    torch.manual_seed(0)
+    m = MODULES[module](dtype, bias, zero_centered, device)
+    with torch.no_grad():  # norm parameters away from their initial values
+        for name, p in m.named_parameters():
+            if "layer_norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    for name, p in m.named_parameters():
+        p.requires_grad_(not FREEZE[freeze](name))
+    if input_grad:
+        return record_steps(m, RECIPES[recipe_name](), STEPS, device, dtype)
+    seen = []
+    for step in range(STEPS):
+        x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(dtype)
+        with te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()):
+            y = m(x)
+        y.backward(torch.randn_like(y))
+        seen += [y.detach()] + [p.grad for p in m.parameters()] + list(m.buffers())
+        seen = [None if t is None else t.clone() for t in seen]
+    return seen
+
+
+@pytest.fixture
+def calls(record_calls):
+    """The names of the whole-block operators called, in order."""
+    return record_calls(compiled_blocks, "layernorm_linear", "layernorm_mlp")
+
+
+def _same(a_list, b_list):
+    assert len(a_list) == len(b_list)
+    for i, (a, b) in enumerate(zip(a_list, b_list, strict=True)):
+        if a is None or b is None:
+            assert a is None and b is None, f"item {i}: a gradient on one path only"
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, f"item {i}"
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), \
+            f"item {i} differs"
+
+
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero-centered"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("module", list(MODULES))
+def test_same_bits_as_the_python_steps(device, calls, module, recipe_name, bias, dtype,
+                                       zero_centered):
+    compiled = _train(device, True, module, recipe_name, dtype, bias, zero_centered)
+    # A delayed-scaling step whose history no step has written yet (the first) takes the
+    # Python steps (first_step.py); current scaling takes the block from the first step.
+    steps = STEPS - 1 if recipe_name.startswith("delayed") else STEPS
+    name = "layernorm_mlp" if "mlp" in module else "layernorm_linear"
+    assert calls == [name] * steps
+    python = _train(device, False, module, recipe_name, dtype, bias, zero_centered)
+    _same(compiled, python)
+
+
+@pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "no-input-grad"])
+@pytest.mark.parametrize("freeze", [f for f in FREEZE if f != "all"])
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("module", list(MODULES))
+def test_same_bits_with_frozen_parameters(device, module, recipe_name, freeze, input_grad):
+    """Steps that need some gradients and not others (the operators skip a GEMM or the
+    norm's backward, or the Python steps take a step that needs only a bias gradient) give
+    the bits of the Python steps."""
+    if freeze == "frozen-all-but-fc2" and "mlp" not in module:
+        pytest.skip("LayerNormLinear has no FC2: nothing would learn")
+    args = (module, recipe_name, torch.bfloat16, True, False, freeze, input_grad)
+    _same(_train(device, True, *args), _train(device, False, *args))
+
+
+@pytest.mark.parametrize("module", list(MODULES))
+def test_inference_takes_one_call(device, calls, module):
+    """Under torch.no_grad the forward is the operator alone (no autograd node), with the
+    Python steps' output."""
+    def run(compiled: bool):
+        _path(compiled)
+        torch.manual_seed(0)
+        m = MODULES[module](torch.bfloat16, True, False, device)
+        outs = []
+        r = recipe.Float8CurrentScaling()
+        for step in range(2):
+            x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(torch.bfloat16)
+            with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):
+                outs.append(m(x))
+        return outs
+
+    a = run(True)
+    assert len(calls) == 2 and all(o.grad_fn is None for o in a)
+    _same(a, run(False))
+
+
+def test_not_taken_where_the_steps_differ(calls):
+    """A returned norm output, a token count that needs padding, block scaling, a
+    first-microbatch weight cache, an activation with parameters and an MLP whose FC1 output
+    takes the memory-lean backward take the Python steps."""
+    cases = [
+        (lambda: te.LayerNormLinear(128, 128, return_layernorm_output=True), 32,
+         recipe.Float8CurrentScaling(), {}),
+        (lambda: te.LayerNormLinear(128, 128), 24, recipe.Float8CurrentScaling(), {}),
+        (lambda: te.LayerNormMLP(128, 256), 32, recipe.Float8BlockScaling(), {}),
+        (lambda: te.LayerNormMLP(128, 256), 32, recipe.Float8CurrentScaling(),
+         dict(is_first_microbatch=True)),
+        (lambda: te.LayerNormMLP(128, 256, activation="clamped_swiglu",
+                                 activation_params=dict(limit=7.0, alpha=1.702)), 32,
+         recipe.Float8CurrentScaling(), {}),
+    ]
+    for make, tokens, r, kwargs in cases:
+        m = make().to(torch.bfloat16)
+        x = torch.randn(tokens, 128, dtype=torch.bfloat16, requires_grad=True)
+        with te.fp8_autocast(fp8_recipe=r):
+            out = m(x, **kwargs)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    assert calls in ([], ["layernorm_mlp"])  # (the activation with parameters declines inside)
+
+
+def test_lean_mlp_takes_the_python_steps(monkeypatch, record_calls):
+    """FC1's output at or above LEAN_BYTES: the Python steps' memory-lean backward."""
+    from transformer_engine.pytorch import layernorm_mlp_fn
+
+    monkeypatch.setattr(layernorm_mlp_fn, "LEAN_BYTES", 32 * 256 * 2)
+    seen = record_calls(layernorm_mlp_fn.Fp8LayerNormMLPFunction, "apply")
+    m = te.LayerNormMLP(128, 256, params_dtype=torch.bfloat16)
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+        m(x).float().sum().backward()
+    assert seen == ["apply"]
+
+
+def test_the_operators_check_their_inputs():
+    from transformer_engine.pytorch.ops._backend import dtype_code
+
+    ops = _compiled.ops
+    e4m3 = dtype_code("float8_e4m3")
+    x = torch.randn(32, 64)
+    status, *_ = ops.layernorm_mlp_fp8_forward.default(
+        x.view(2, 16, 64), torch.ones(64), None, 1, 1e-5, False, torch.randn(128, 64), None, 1,
+        torch.randn(64, 128), None, torch.ones(4), torch.zeros(4, 4), _compiled.NO_TENSOR,
+        False, e4m3, False, 0.0, True, True, True, True, 0)
+    assert status != 0
+    assert "layernorm_mlp_fp8_forward: input must be a contiguous float32/bfloat16/float16 " \
+        "matrix [M, K] with M > 0" in ops.last_error.default()
+    status, *_ = ops.layernorm_linear_fp8_forward.default(
+        x, torch.ones(64), None, 1, 1e-5, False, torch.randn(48, 64), None, torch.ones(1),
+        torch.zeros(4, 1), _compiled.NO_TENSOR, False, e4m3, False, 0.0, True, True, 0)
+    assert status != 0
+    assert "layernorm_linear_fp8_forward: the forward state has no column 1" in \
+        ops.last_error.default()
+    # A step's failure inside the block names the step.
+    status, *_ = ops.layernorm_linear_fp8_forward.default(
+        x, torch.ones(48), None, 1, 1e-5, False, torch.randn(48, 64), None, torch.ones(3),
+        torch.zeros(4, 3), _compiled.NO_TENSOR, False, e4m3, False, 0.0, True, True, 0)
+    assert status != 0
+    assert "norm_linear_fp8_forward: gamma" in ops.last_error.default()
