@@ -143,6 +143,30 @@ def test_quantize_delayed_raises_its_history_slot_in_place(device):
                              False)
 
 
+@pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
+def test_quantize_delayed_many_equals_the_calls_one_by_one(device, rowwise, columnwise):
+    """The batched cast of a grouped layer's groups (each with its own scales and history, an
+    empty group among them): the bytes, scale_invs and history records of quantize_delayed
+    called group by group; lists of different lengths are refused."""
+    shapes = [(32, 64), (0, 64), (16, 64), (48, 64)]
+    xs = [torch.randn(s, device=device) * (i + 1) for i, s in enumerate(shapes)]
+    scales = [torch.tensor([0.5 * (i + 1), 2.0], device=device) for i in range(len(xs))]
+    histories = [torch.full((3, 2), 0.5, device=device) for _ in xs]
+    expected = [h.clone() for h in histories]
+    datas, cols, sinvs = ops.quantize_delayed_many(xs, scales, 0, histories, "float8_e4m3",
+                                                   rowwise, columnwise)
+    for i, x in enumerate(xs):
+        want = ops.quantize_delayed(x, scales[i], 0, expected[i], "float8_e4m3", rowwise,
+                                    columnwise)
+        for got, w in zip((datas[i], cols[i], sinvs[i]), want, strict=True):
+            assert got.shape == w.shape and torch.equal(got, w), i
+        assert torch.equal(histories[i], expected[i]), i
+    with pytest.raises(ValueError, match="quantize_delayed_many: xs, scales and amax_histories "
+                                         "must be as many, got 2, 1 and 2"):
+        ops.quantize_delayed_many(xs[:2], scales[:1], 0, histories[:2], "float8_e4m3", True,
+                                  False)
+
+
 def test_quantize_delayed_traces_as_an_op_that_mutates_the_history():
     """Under torch.compile the op is one graph node whose in-place record survives
     functionalization: the compiled call leaves the history as the eager one does."""

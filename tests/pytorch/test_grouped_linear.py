@@ -4,6 +4,8 @@ names and state_dict keys; its errors."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -130,25 +132,33 @@ def _pair(num, k, n, dtype=torch.float32, bias=True, device="cpu"):
     return grouped, singles
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("name", ["delayed", "current", "block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_fp8_steps_equal_separate_linears_and_make_three_core_calls(name, dtype,
+def test_grouped_fp8_steps_equal_separate_linears_and_make_three_core_calls(name, dtype, bias,
                                                                              monkeypatch,
                                                                              device):
     """Three steps (delayed scaling's state updates included), splits that need padding and
-    an empty group; every step makes one grouped core call per GEMM phase and no single one."""
+    an empty group; every step makes one grouped core call per GEMM phase and no single one.
+    Under delayed scaling the groups' casts are batched too: the inputs', the weights' and,
+    without a bias gradient to fuse, the gradients' each in one call (ops.quantize_delayed_many)."""
     from transformer_engine.pytorch import grouped_linear_fn, ops
 
-    calls = {"grouped": 0}
-    real = grouped_linear_fn.ops.grouped_gemm_fp8
+    calls = {"grouped": 0, "many": 0}
+    real, real_many = grouped_linear_fn.ops.grouped_gemm_fp8, ops.quantize_delayed_many
 
     def counting(*args):
         calls["grouped"] += 1
         return real(*args)
 
+    def counting_many(*args):
+        calls["many"] += 1
+        return real_many(*args)
+
     monkeypatch.setattr(grouped_linear_fn.ops, "grouped_gemm_fp8", counting)
+    monkeypatch.setattr(grouped_linear_fn.ops, "quantize_delayed_many", counting_many)
     r = RECIPES[name]
-    grouped, singles = _pair(4, 32, 48, dtype, device=device)
+    grouped, singles = _pair(4, 32, 48, dtype, bias=bias, device=device)
     splits = [21, 16, 0, 35]
     for step in range(3):
         x = torch.randn(72, 32, dtype=dtype, device=device) * (step + 1)
@@ -166,12 +176,17 @@ def test_grouped_fp8_steps_equal_separate_linears_and_make_three_core_calls(name
         for i, m in enumerate(singles):
             gm = grouped.gemms[i]
             assert torch.equal(gm.weight.grad, m.weight.grad), (step, i)
-            assert torch.equal(gm.bias.grad, m.bias.grad), (step, i)
+            if bias:
+                assert torch.equal(gm.bias.grad, m.bias.grad), (step, i)
             for key, buf in m.named_buffers():
                 assert torch.equal(dict(gm.named_buffers())[key], buf), (step, i, key)
-            gm.weight.grad = gm.bias.grad = m.weight.grad = m.bias.grad = None
+            gm.weight.grad = m.weight.grad = None
+            if bias:
+                gm.bias.grad = m.bias.grad = None
         assert calls_after_forward == 3 * step + 1 and calls["grouped"] == 3 * (step + 1)
     assert ops.grouped_gemm_fp8 is counting
+    # per step: the inputs' and the weights' casts, and the gradients' without a bias
+    assert calls["many"] == (3 * (2 if bias else 3) if name == "delayed" else 0)
 
 
 def test_grouped_fp8_return_bias_frozen_weights_and_first_microbatch():
@@ -283,3 +298,28 @@ def test_delay_wgrad_compute_puts_the_weight_gemms_aside_until_backward_dw(name)
         assert torch.equal(a.weight.grad, b.weight.grad) and torch.equal(a.bias.grad, b.bias.grad)
     delayed.backward_dw()  # nothing left: no change
     assert torch.equal(delayed.gemms[0].weight.grad, plain.gemms[0].weight.grad)
+
+
+def test_grouped_fp8_compiles_whole_and_matches_eager():
+    """torch.compile(fullgraph=True) of a delayed-scaling step, after an eager one: the
+    compiled graph casts the groups one by one (quantize_groups batches only in eager mode)
+    and gives eager's output and input gradient."""
+    torch.manual_seed(0)
+    grouped = te.GroupedLinear(4, 32, 32, bias=False, params_dtype=torch.bfloat16)
+    r = RECIPES["delayed"]
+    splits = [16, 32, 0, 16]
+
+    def step(x):
+        with te.fp8_autocast(fp8_recipe=r):
+            return grouped(x, splits)
+
+    x = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    step(x).float().sum().backward()  # the first step (its own rule) in eager mode
+    state = copy.deepcopy(grouped.state_dict())
+    eager = step(x)
+    eager_grad, = torch.autograd.grad(eager.float().sum(), x)
+    grouped.load_state_dict(state)
+    compiled = torch.compile(step, fullgraph=True)(x)
+    compiled_grad, = torch.autograd.grad(compiled.float().sum(), x)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(compiled_grad, eager_grad)

@@ -55,8 +55,16 @@ QuantizeBuffers buffers_of(const te_tensor *input, const te_tensor *output) {
 }
 
 // A batch runs its quantizations concurrently: what one writes must not overlap what another
-// writes or reads (each one's own buffers are checked by check_quantize).
+// writes or reads (each one's own buffers are checked by check_quantize). A batch is a grouped
+// layer's casts, one per group (tens of groups): the pairwise search below, which names the
+// clash, runs only where one sweep over all the buffers in address order finds an overlap.
 bool check_batch_disjoint(Checker &check, const std::vector<QuantizeBuffers> &items) {
+  std::vector<const te_buffer *> written, read;
+  for (const QuantizeBuffers &item : items) {
+    for (const auto &w : item.written) written.push_back(w.buffer);
+    for (const auto &r : item.read) read.push_back(r.buffer);
+  }
+  if (!any_output_overlap(written, read)) return true;
   for (size_t i = 0; i < items.size(); ++i) {
     for (const auto &w : items[i].written) {
       if (w.buffer == nullptr) continue;

@@ -2,8 +2,10 @@
 or block scaling): the groups' three GEMMs each in one grouped core call.
 
 Group g is its own te.Linear (``gemms[g]``): its plan, FP8 state, weight copy and scales are
-those that layer would use, and each group's input and gradient are quantized as that layer
-quantizes them (one core call per group and role). What is grouped is the GEMMs:
+those that layer would use, and each group's input, weight and gradient are quantized as that
+layer quantizes them: under delayed scaling in eager mode every group's cast of one role in one
+core call (:func:`quantize_groups`; the gradients' where no bias gradient rides in their pass),
+otherwise one call per group and role. What is grouped is the GEMMs:
 
     forward  out_g  = x_g @ w_g^T      one te_grouped_gemm over the groups
     dgrad    dx_g   = dy_g @ w_g       one te_grouped_gemm
@@ -20,7 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import ops
+from . import fp8, ops
+from .first_step import step_scales
 from .float8_tensor import Float8Tensor
 from .linear_fn import (
     _BLOCK_OUT,
@@ -29,7 +32,7 @@ from .linear_fn import (
     pad_gemm_operands,
     update_backward,
 )
-from .quantization import Plan, quantize
+from .quantization import Operand, Plan, quantize
 
 
 class GroupMeta(NamedTuple):
@@ -95,11 +98,52 @@ def _stacked_gemm(a_ops: list, b_ops: list, fmt_a: str, fmt_b: str, modes: tuple
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
+def quantize_groups(plan: Plan, role: str, xs, rowwise: bool, columnwise: bool,
+                    states: list, column: int) -> list:
+    """``quantize(plan, role, xs[g], rowwise, columnwise, scales_g, column, history_g)`` for
+    every group g, ``states[g] = (scales_g, history_g)``: the operands each group's te.Linear
+    would make, so the same bits. Under delayed scaling with every history given (not a
+    checkpoint's recompute) the casts are one core call (ops.quantize_delayed_many: one kernel
+    launch on the GPU where each has a column-wise copy), where one call per group would cost
+    each group its host time. (Not in a graph torch.compile traces: its functionalization
+    takes no custom op that writes into a list of tensors, and a graph pays no host time per
+    call of its own.)"""
+    if (plan.kind != "delayed" or len(xs) < 2 or any(h is None for _, h in states)
+            or torch.compiler.is_compiling()):
+        return [quantize(plan, role, x, rowwise, columnwise, scales, column, history)
+                for x, (scales, history) in zip(xs, states, strict=True)]
+    dtype, mode = plan.dtype_of(role), plan.mode_of(role)
+    # (a first step's empty history: the group's scale from its own amax, as quantize does)
+    scales = [step_scales(s, column, h, column, dtype, plan.margin,
+                          lambda gate, x=x: ops.amax(x, gate))
+              for x, (s, h) in zip(xs, states, strict=True)]
+    datas, cols, sinvs = ops.quantize_delayed_many(list(xs), scales, column,
+                                                   [h for _, h in states], dtype, rowwise,
+                                                   columnwise)
+    return [Operand(d, si, c, si, dtype, mode) for d, c, si in zip(datas, cols, sinvs,
+                                                                  strict=True)]
+
+
 def _fp8_row_groups(inp: Float8Tensor, splits) -> list:
     """The groups' rows of a per-tensor Float8Tensor, each a Float8Tensor over its bytes."""
     data = inp._data.reshape(-1, inp.shape[-1])
     return [Float8Tensor(part, inp._scale_inv, inp._fp8_dtype, inp.dtype)
             for part in torch.split(data, list(splits))]
+
+
+def _update_groups(metas) -> None:
+    """Each group's backward scale update after its grad_output cast (update_backward): the
+    core's updates of all groups in one call, the general path (user callables, amax groups)
+    group by group."""
+    core_path = [m for m in metas if m.bwd_recipe is None]
+    for m in metas:
+        if m.bwd_recipe is not None:
+            update_backward(m.bwd_meta, m.plan, m.bwd_recipe, m.group)
+    if core_path:
+        plan = core_path[0].plan
+        fp8.scale_update([m.bwd_meta[0] for m in core_path], [m.bwd_meta[1] for m in core_path],
+                         [m.bwd_meta[2] for m in core_path], plan.bwd_dtype, plan.algo,
+                         plan.margin)
 
 
 class GroupedFp8Function(torch.autograd.Function):
@@ -119,8 +163,8 @@ class GroupedFp8Function(torch.autograd.Function):
                     for part in _fp8_row_groups(inp, cfg.splits)]
         else:
             parts = torch.split(inp, list(cfg.splits))
-            q_in = [quantize(meta.plan, "input", x, True, cfg.need_wgrad, meta.scales, 0,
-                             meta.history) for meta, x in zip(cfg.metas, parts, strict=True)]
+            q_in = quantize_groups(cfg.metas[0].plan, "input", parts, True, cfg.need_wgrad,
+                                   [(m.scales, m.history) for m in cfg.metas], 0)
         plan = cfg.metas[0].plan
         fmt = plan.fwd_dtype
         out = _stacked_gemm([(q.data, q.scale_inv) for q in q_in],
@@ -144,16 +188,22 @@ class GroupedFp8Function(torch.autograd.Function):
         in_dtype, w_dtype, b_dtype = ctx.dtypes
         has_bias = b_dtype is not None
         parts = torch.split(grad_output.contiguous(), list(cfg.splits))
-        q_g, dbias = [], []
-        for meta, dy in zip(cfg.metas, parts, strict=True):
-            _, scale, _ = meta.bwd_meta
-            q, db = grad_to_fp8(meta.plan, dy, dy, "identity", scale, 0, cfg.need_dgrad,
-                                cfg.need_wgrad, has_bias, meta.bwd_meta[0])
-            if q is not None and meta.plan.kind == "delayed":
-                update_backward(meta.bwd_meta, meta.plan, meta.bwd_recipe, meta.group)
-            q_g.append(q)
-            dbias.append(db)
         plan = cfg.metas[0].plan
+        if not has_bias and (cfg.need_dgrad or cfg.need_wgrad):
+            # (grad_to_fp8's cast without a bias gradient, every group's in one call)
+            q_g = quantize_groups(plan, "grad_output", parts, cfg.need_dgrad, cfg.need_wgrad,
+                                  [(m.bwd_meta[1], m.bwd_meta[0]) for m in cfg.metas], 0)
+            dbias = [None] * groups
+        else:
+            q_g, dbias = [], []
+            for meta, dy in zip(cfg.metas, parts, strict=True):
+                _, scale, _ = meta.bwd_meta
+                q, db = grad_to_fp8(meta.plan, dy, dy, "identity", scale, 0, cfg.need_dgrad,
+                                    cfg.need_wgrad, has_bias, meta.bwd_meta[0])
+                q_g.append(q)
+                dbias.append(db)
+        if plan.kind == "delayed" and q_g[0] is not None:
+            _update_groups(cfg.metas)
         grad_input = grad_weights = None
         if cfg.need_dgrad:
             grad_input = _stacked_gemm([(q.data, q.scale_inv) for q in q_g],

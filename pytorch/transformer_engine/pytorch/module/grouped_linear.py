@@ -25,6 +25,7 @@ from ..grouped_linear_fn import (
     GroupedFp8Function,
     GroupedHpFunction,
     GroupMeta,
+    quantize_groups,
 )
 from ..linear_fn import takes_fp8_input
 from ..quantization import kind_of, plan_of
@@ -194,6 +195,17 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         store = self._wgrad_store if self.delay_wgrad_compute else None
         return GroupedHpFunction.apply(rows, tuple(splits), store, *params)
 
+    def _weight_operands(self, metas, weights, need_col: bool, is_first_microbatch) -> list:
+        """Each group's weight copy as its te.Linear makes it (_weight_operand); fresh casts
+        of every group in one core call where they are (grouped_linear_fn.quantize_groups)."""
+        plan = metas[0].plan
+        if _fresh_weights(self.gemms, weights, is_first_microbatch):
+            return quantize_groups(plan, "weight", [w.detach() for w in weights], True,
+                                   need_col, [(m.scales, m.history) for m in metas], 1)
+        return [gemm._weight_operand(m.plan, w, need_col, is_first_microbatch, m.scales,
+                                     m.history)
+                for gemm, m, w in zip(self.gemms, metas, weights, strict=True)]
+
     def _grouped_fp8(self, rows: torch.Tensor, splits: list, recipe, is_first_microbatch):
         """The FP8 forward with the groups' GEMMs grouped (grouped_linear_fn.py), or None
         where the layers run one after the other instead: a recipe other than per-tensor or
@@ -215,23 +227,30 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
                             f"got {rows.dtype}")
         grad = torch.is_grad_enabled()
         need_dgrad = grad and rows.requires_grad
-        params, biases, metas, w_ops = [], [], [], []
+        params, biases, metas = [], [], []
         for gemm in self.gemms:
             weight, bias = gemm._weight_and_bias()
             check_device(self._name, "input", rows, weight)
             plan, scales, history = gemm._fp8_meta_of(recipe)
             bwd_meta, bwd_recipe, group = gemm._backward_state(plan, recipe)
-            w_ops.append(gemm._weight_operand(plan, weight, need_dgrad, is_first_microbatch,
-                                              scales, history))
             metas.append(GroupMeta(plan, scales, history, bwd_meta, bwd_recipe, group))
             params.append(weight)
             biases.append(bias)
+        w_ops = self._weight_operands(metas, params, need_dgrad, is_first_microbatch)
         need_wgrad = grad and any(w.requires_grad for w in params)
         if self.use_bias and not self.return_bias:
             params += biases
         store = self._wgrad_store if self.delay_wgrad_compute else None
         cfg = GroupedConsts(tuple(splits), tuple(metas), need_dgrad, need_wgrad, store)
         return GroupedFp8Function.apply(rows, cfg, tuple(w_ops), *params)
+
+
+def _fresh_weights(gemms, weights, is_first_microbatch) -> bool:
+    """Whether every group's weight copy is a fresh cast of a plain weight (no first-microbatch
+    cache kept or dropped, no FP8 parameter), which _weight_operand would make as quantize does."""
+    return (is_first_microbatch is None
+            and not any(g._weight_caches for g in gemms)
+            and not any(isinstance(w, Float8Tensor) for w in weights))
 
 
 def _to_nvidia_names(module, state_dict, prefix, local_metadata):

@@ -113,6 +113,53 @@ def _(x, scales, index, amax_history, fp8_dtype, rowwise, columnwise):
     return (*_fp8_outputs(x, rowwise, columnwise), _scalar(x))
 
 
+@custom_op(f"{_NS}::quantize_delayed_many", mutates_args=("amax_histories",))
+def quantize_delayed_many(xs: list[torch.Tensor], scales: list[torch.Tensor], index: int,
+                          amax_histories: list[torch.Tensor], fp8_dtype: str, rowwise: bool,
+                          columnwise: bool) -> tuple[list[torch.Tensor], list[torch.Tensor],
+                                                     list[torch.Tensor]]:
+    """:func:`quantize_delayed` of each ``xs[i]`` with ``scales[i][index]``, raising
+    ``amax_histories[i][0, index]``, in one core call (one kernel launch on the GPU where every
+    cast has a column-wise copy): the same bits as the calls one by one, for the groups of a
+    grouped layer, each with its own FP8 state. Returns (datas, columnwise datas, scale_invs)."""
+    n = len(xs)
+    if len(scales) != n or len(amax_histories) != n:
+        raise ValueError(f"quantize_delayed_many: xs, scales and amax_histories must be as many, "
+                         f"got {n}, {len(scales)} and {len(amax_histories)}")
+    check_fp8_dtype("quantize_delayed_many", fp8_dtype)
+    c = core()
+    fmt = te_dtype(fp8_dtype)
+    xs = [x.contiguous() for x in xs]  # kept alive across the call: raw() holds pointers
+    datas, cols, sinvs, ins, outs = [], [], [], [], []
+    for x, scale, history in zip(xs, scales, amax_histories, strict=True):
+        _check_matrix("quantize_delayed_many", x, rowwise, columnwise)
+        data, col = _fp8_outputs(x, rowwise, columnwise)
+        sinv = _scalar(x)
+        ins.append(raw(x))
+        outs.append(c.Tensor(raw(data) if rowwise else None, dtype=fmt,
+                             scale=raw_element(scale, index), scale_inv=raw(sinv),
+                             amax=history_slot("quantize_delayed_many", history, index),
+                             columnwise_data=raw(col) if columnwise else None))
+        datas.append(data)
+        cols.append(col)
+        sinvs.append(sinv)
+    if n:
+        c.quantize_many(ins, outs, accumulate_amax=True, stream=stream_of(xs[0]))
+    return datas, cols, sinvs
+
+
+@quantize_delayed_many.register_fake
+def _(xs, scales, index, amax_histories, fp8_dtype, rowwise, columnwise):
+    datas, cols, sinvs = [], [], []
+    for x in xs:
+        _check_matrix("quantize_delayed_many", x, rowwise, columnwise)
+        data, col = _fp8_outputs(x, rowwise, columnwise)
+        datas.append(data)
+        cols.append(col)
+        sinvs.append(_scalar(x))
+    return datas, cols, sinvs
+
+
 # ------------------------------------------------------------ per-tensor, current scaling
 
 
