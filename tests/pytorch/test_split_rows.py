@@ -55,11 +55,24 @@ def test_an_optimizer_step_reaches_the_joined_weight():
 def test_blocks_apart_are_concatenated():
     a = torch.nn.Parameter(torch.randn(3, 4))
     b = torch.nn.Parameter(torch.randn(5, 4))
-    joined = join_rows([a, b])
+    joined, = join_rows([a, b])
     assert torch.equal(joined, torch.cat([a, b])) and joined.data_ptr() != a.data_ptr()
     joined.sum().backward()
     assert torch.equal(a.grad, torch.ones(3, 4)) and torch.equal(b.grad, torch.ones(5, 4))
-    assert join_rows([a]) is a
+    assert join_rows([a])[0] is a
+
+
+def test_weight_and_bias_join_in_one_node_and_split_their_gradients():
+    """A split layer's weight and bias blocks (back to back in one storage each) join in one
+    autograd node; a gradient reaching only one of them splits into that one's blocks."""
+    m = _qkv()
+    weight, bias = m._weight_and_bias()
+    assert weight.grad_fn is bias.grad_fn  # one node for both
+    assert weight.data_ptr() == m.query_weight.data_ptr()
+    assert bias.data_ptr() == m.query_bias.data_ptr()
+    (weight * 2).sum().backward()
+    assert torch.equal(m.key_weight.grad, torch.full((32, 32), 2.0))
+    assert m.key_bias.grad is None
 
 
 def test_loaded_state_keeps_the_blocks_back_to_back():

@@ -8,21 +8,35 @@ import torch
 
 
 class _JoinRows(torch.autograd.Function):
-    """The row blocks as one tensor over their common storage; the gradient splits back."""
+    """Each group of row blocks as one tensor over the blocks' common storage (a layer's weight
+    and bias in one node: each autograd node costs host time); the gradients split back.
+    ``counts``: the number of blocks of each group, whose blocks follow in order."""
 
     @staticmethod
-    def forward(ctx, *parts: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, counts: tuple, *parts: torch.Tensor) -> tuple:
+        ctx.counts = counts
         ctx.sizes = [p.shape[0] for p in parts]
-        first = parts[0]
-        shape = (sum(ctx.sizes),) + tuple(first.shape[1:])
-        # A new tensor on the same storage rather than a view: autograd tracks it through
-        # this function alone, as it would a concatenation.
-        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape,
-                                       first.stride())
+        ctx.set_materialize_grads(False)  # a group no gradient reaches gets None, not zeros
+        joined, at = [], 0
+        for n in counts:
+            group = parts[at:at + n]
+            at += n
+            first = group[0]
+            shape = (sum(p.shape[0] for p in group),) + tuple(first.shape[1:])
+            # A new tensor on the same storage rather than a view: autograd tracks it through
+            # this function alone, as it would a concatenation.
+            joined.append(first.new_empty(0).set_(first.untyped_storage(),
+                                                  first.storage_offset(), shape, first.stride()))
+        return tuple(joined)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return tuple(grad.split(ctx.sizes))
+    def backward(ctx, *grads: torch.Tensor):
+        out, at = [None], 0
+        for n, grad in zip(ctx.counts, grads, strict=True):
+            sizes = ctx.sizes[at:at + n]
+            at += n
+            out += [None] * n if grad is None else list(grad.split(sizes))
+        return tuple(out)
 
 
 def _back_to_back(parts: list[torch.Tensor]) -> bool:
@@ -40,14 +54,21 @@ def _back_to_back(parts: list[torch.Tensor]) -> bool:
     return True
 
 
-def join_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The row blocks as one tensor: no copy when they lie back to back in one storage (as
-    :func:`pack_rows` leaves them), else a concatenation."""
-    if len(parts) == 1:
-        return parts[0]
-    if not torch.compiler.is_compiling() and _back_to_back(parts):
-        return _JoinRows.apply(*parts)
-    return torch.cat(parts)
+def join_rows(*groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each group of row blocks as one tensor: no copy when each group's blocks lie back to back
+    in one storage (as :func:`pack_rows` leaves them), one autograd node for all the groups;
+    else a concatenation per group."""
+    compiling = torch.compiler.is_compiling()
+    shared = [i for i, g in enumerate(groups)
+              if len(g) > 1 and not compiling and _back_to_back(g)]
+    out = [g[0] if len(g) == 1 else None if i in shared else torch.cat(g)
+           for i, g in enumerate(groups)]
+    if shared:
+        joined = _JoinRows.apply(tuple(len(groups[i]) for i in shared),
+                                 *(p for i in shared for p in groups[i]))
+        for i, t in zip(shared, joined, strict=True):
+            out[i] = t
+    return out
 
 
 def pack_rows(parts: list[torch.nn.Parameter]) -> None:

@@ -215,9 +215,10 @@ class _LinearBase(FP8Module):
             if "weight" in params and "bias" in params:
                 return params["weight"], params["bias"]
             return self.weight, self.bias  # e.g. a parametrized weight (a property)
-        weight = join_rows([getattr(self, n) for n in self.weight_names])
-        bias = join_rows([getattr(self, n) for n in self.bias_names]) if self.bias_names \
-            else None
+        weights = [getattr(self, n) for n in self.weight_names]
+        if not self.bias_names:
+            return join_rows(weights)[0], None
+        weight, bias = join_rows(weights, [getattr(self, n) for n in self.bias_names])
         return weight, bias
 
     def _fp8_linear(self, inp, weight, bias, recipe: Recipe, is_first_microbatch,
