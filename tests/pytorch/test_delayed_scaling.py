@@ -167,6 +167,22 @@ def test_quantize_delayed_many_equals_the_calls_one_by_one(device, rowwise, colu
                                   False)
 
 
+@pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
+def test_quantize_current_many_equals_the_calls_one_by_one(device, rowwise, columnwise):
+    """The batched current-scaling cast of a grouped layer's groups (an empty group and an
+    all-zero one among them): the bytes and scale_invs of quantize_current group by group."""
+    shapes = [(32, 64), (0, 64), (16, 64), (48, 64)]
+    xs = [torch.randn(s, device=device) * (i + 1) for i, s in enumerate(shapes)]
+    xs[2] = torch.zeros(16, 64, device=device)
+    datas, cols, sinvs = ops.quantize_current_many(xs, "float8_e5m2", rowwise, columnwise,
+                                                   True, 1e-3)
+    for i, x in enumerate(xs):
+        data, col, _, sinv, _ = ops.quantize_current(x, "float8_e5m2", rowwise, columnwise,
+                                                     True, 1e-3)
+        for got, w in zip((datas[i], cols[i], sinvs[i]), (data, col, sinv), strict=True):
+            assert got.shape == w.shape and torch.equal(got, w), i
+
+
 def test_quantize_delayed_traces_as_an_op_that_mutates_the_history():
     """Under torch.compile the op is one graph node whose in-place record survives
     functionalization: the compiled call leaves the history as the eager one does."""

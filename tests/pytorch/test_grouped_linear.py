@@ -140,12 +140,15 @@ def test_grouped_fp8_steps_equal_separate_linears_and_make_three_core_calls(name
                                                                              device):
     """Three steps (delayed scaling's state updates included), splits that need padding and
     an empty group; every step makes one grouped core call per GEMM phase and no single one.
-    Under delayed scaling the groups' casts are batched too: the inputs', the weights' and,
-    without a bias gradient to fuse, the gradients' each in one call (ops.quantize_delayed_many)."""
+    Under delayed and current scaling the groups' casts are batched too: the inputs', the
+    weights' and, without a bias gradient to fuse, the gradients' each in one call
+    (ops.quantize_delayed_many, ops.quantize_current_many)."""
     from transformer_engine.pytorch import grouped_linear_fn, ops
 
     calls = {"grouped": 0, "many": 0}
-    real, real_many = grouped_linear_fn.ops.grouped_gemm_fp8, ops.quantize_delayed_many
+    real = grouped_linear_fn.ops.grouped_gemm_fp8
+    real_many = (ops.quantize_current_many if name == "current" else
+                 ops.quantize_delayed_many)
 
     def counting(*args):
         calls["grouped"] += 1
@@ -156,7 +159,7 @@ def test_grouped_fp8_steps_equal_separate_linears_and_make_three_core_calls(name
         return real_many(*args)
 
     monkeypatch.setattr(grouped_linear_fn.ops, "grouped_gemm_fp8", counting)
-    monkeypatch.setattr(grouped_linear_fn.ops, "quantize_delayed_many", counting_many)
+    monkeypatch.setattr(grouped_linear_fn.ops, real_many.__name__, counting_many)
     r = RECIPES[name]
     grouped, singles = _pair(4, 32, 48, dtype, bias=bias, device=device)
     splits = [21, 16, 0, 35]
@@ -186,7 +189,7 @@ def test_grouped_fp8_steps_equal_separate_linears_and_make_three_core_calls(name
         assert calls_after_forward == 3 * step + 1 and calls["grouped"] == 3 * (step + 1)
     assert ops.grouped_gemm_fp8 is counting
     # per step: the inputs' and the weights' casts, and the gradients' without a bias
-    assert calls["many"] == (3 * (2 if bias else 3) if name == "delayed" else 0)
+    assert calls["many"] == (3 * (2 if bias else 3) if name != "block" else 0)
 
 
 def test_grouped_fp8_return_bias_frozen_weights_and_first_microbatch():

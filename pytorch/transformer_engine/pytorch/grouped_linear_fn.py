@@ -3,9 +3,9 @@ or block scaling): the groups' three GEMMs each in one grouped core call.
 
 Group g is its own te.Linear (``gemms[g]``): its plan, FP8 state, weight copy and scales are
 those that layer would use, and each group's input, weight and gradient are quantized as that
-layer quantizes them: under delayed scaling in eager mode every group's cast of one role in one
-core call (:func:`quantize_groups`; the gradients' where no bias gradient rides in their pass),
-otherwise one call per group and role. What is grouped is the GEMMs:
+layer quantizes them: under delayed and current scaling in eager mode every group's cast of one
+role in one core call (:func:`quantize_groups`; the gradients' where no bias gradient rides in
+their pass), otherwise one call per group and role. What is grouped is the GEMMs:
 
     forward  out_g  = x_g @ w_g^T      one te_grouped_gemm over the groups
     dgrad    dx_g   = dy_g @ w_g       one te_grouped_gemm
@@ -103,23 +103,30 @@ def quantize_groups(plan: Plan, role: str, xs, rowwise: bool, columnwise: bool,
     """``quantize(plan, role, xs[g], rowwise, columnwise, scales_g, column, history_g)`` for
     every group g, ``states[g] = (scales_g, history_g)``: the operands each group's te.Linear
     would make, so the same bits. Under delayed scaling with every history given (not a
-    checkpoint's recompute) the casts are one core call (ops.quantize_delayed_many: one kernel
-    launch on the GPU where each has a column-wise copy), where one call per group would cost
-    each group its host time. (Not in a graph torch.compile traces: its functionalization
-    takes no custom op that writes into a list of tensors, and a graph pays no host time per
-    call of its own.)"""
-    if (plan.kind != "delayed" or len(xs) < 2 or any(h is None for _, h in states)
-            or torch.compiler.is_compiling()):
+    checkpoint's recompute) and under current scaling the casts are one core call
+    (ops.quantize_delayed_many, ops.quantize_current_many: one kernel launch on the GPU where
+    each has a column-wise copy), where one op per group would cost each group its host time.
+    (Not in a graph torch.compile traces: its functionalization takes no custom op that writes
+    into a list of tensors, and a graph pays no host time per call of its own.)"""
+    kind = plan.kind
+    batched = (len(xs) > 1 and not torch.compiler.is_compiling()
+               and (kind == "current"
+                    or (kind == "delayed" and all(h is not None for _, h in states))))
+    if not batched:
         return [quantize(plan, role, x, rowwise, columnwise, scales, column, history)
                 for x, (scales, history) in zip(xs, states, strict=True)]
     dtype, mode = plan.dtype_of(role), plan.mode_of(role)
-    # (a first step's empty history: the group's scale from its own amax, as quantize does)
-    scales = [step_scales(s, column, h, column, dtype, plan.margin,
-                          lambda gate, x=x: ops.amax(x, gate))
-              for x, (s, h) in zip(xs, states, strict=True)]
-    datas, cols, sinvs = ops.quantize_delayed_many(list(xs), scales, column,
-                                                   [h for _, h in states], dtype, rowwise,
-                                                   columnwise)
+    if kind == "current":
+        datas, cols, sinvs = ops.quantize_current_many(list(xs), dtype, rowwise, columnwise,
+                                                       plan.force_pow2_scales, plan.amax_epsilon)
+    else:
+        # (a first step's empty history: the group's scale from its own amax, as quantize does)
+        scales = [step_scales(s, column, h, column, dtype, plan.margin,
+                              lambda gate, x=x: ops.amax(x, gate))
+                  for x, (s, h) in zip(xs, states, strict=True)]
+        datas, cols, sinvs = ops.quantize_delayed_many(list(xs), scales, column,
+                                                       [h for _, h in states], dtype, rowwise,
+                                                       columnwise)
     return [Operand(d, si, c, si, dtype, mode) for d, c, si in zip(datas, cols, sinvs,
                                                                   strict=True)]
 

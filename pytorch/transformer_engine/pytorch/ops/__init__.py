@@ -34,6 +34,7 @@ from .quantize import (
     quantize,
     quantize_block,
     quantize_current,
+    quantize_current_many,
     quantize_delayed,
     quantize_delayed_many,
     transpose,
@@ -49,7 +50,7 @@ __all__ = ["activation_backward", "activation_backward_fp8", "activation_backwar
            "grouped_gemm", "grouped_gemm_fp8",
            "norm_backward", "norm_forward", "norm_forward_fp8",
            "quantize", "quantize_block", "quantize_current", "quantize_delayed",
-           "quantize_delayed_many",
+           "quantize_current_many", "quantize_delayed_many",
            "rope_backward", "rope_forward", "scaled_softmax_backward", "scaled_softmax_forward",
            "transpose"]
 

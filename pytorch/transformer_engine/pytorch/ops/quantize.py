@@ -49,6 +49,17 @@ def _scalar(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(1, dtype=torch.float32)
 
 
+_ROW = 4  # floats per tensor in _scalar_rows: 16 bytes, the alignment cuBLASLt reads scales at
+
+
+def _scalar_rows(x: torch.Tensor, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One fp32 buffer of n rows of _ROW floats for n tensors' scalars (element 0 of row i its
+    scale_inv, the others free), and the [1] scale_inv views: one allocation where n would
+    cost n (host time on the GPU)."""
+    rows = x.new_empty(n * _ROW, dtype=torch.float32)
+    return rows, [rows[_ROW * i:_ROW * i + 1] for i in range(n)]
+
+
 # ------------------------------------------------------------ per-tensor, given scale
 
 
@@ -127,24 +138,25 @@ def quantize_delayed_many(xs: list[torch.Tensor], scales: list[torch.Tensor], in
         raise ValueError(f"quantize_delayed_many: xs, scales and amax_histories must be as many, "
                          f"got {n}, {len(scales)} and {len(amax_histories)}")
     check_fp8_dtype("quantize_delayed_many", fp8_dtype)
+    if n == 0:
+        return [], [], []
     c = core()
     fmt = te_dtype(fp8_dtype)
     xs = [x.contiguous() for x in xs]  # kept alive across the call: raw() holds pointers
-    datas, cols, sinvs, ins, outs = [], [], [], [], []
-    for x, scale, history in zip(xs, scales, amax_histories, strict=True):
+    rows, sinvs = _scalar_rows(xs[0], n)
+    datas, cols, ins, outs = [], [], [], []
+    for i, (x, scale, history) in enumerate(zip(xs, scales, amax_histories, strict=True)):
         _check_matrix("quantize_delayed_many", x, rowwise, columnwise)
         data, col = _fp8_outputs(x, rowwise, columnwise)
-        sinv = _scalar(x)
         ins.append(raw(x))
         outs.append(c.Tensor(raw(data) if rowwise else None, dtype=fmt,
-                             scale=raw_element(scale, index), scale_inv=raw(sinv),
+                             scale=raw_element(scale, index),
+                             scale_inv=raw_element(rows, _ROW * i),
                              amax=history_slot("quantize_delayed_many", history, index),
                              columnwise_data=raw(col) if columnwise else None))
         datas.append(data)
         cols.append(col)
-        sinvs.append(sinv)
-    if n:
-        c.quantize_many(ins, outs, accumulate_amax=True, stream=stream_of(xs[0]))
+    c.quantize_many(ins, outs, accumulate_amax=True, stream=stream_of(xs[0]))
     return datas, cols, sinvs
 
 
@@ -196,6 +208,56 @@ def quantize_current(
 def _(x, fp8_dtype, rowwise, columnwise, force_pow2_scales, amax_epsilon):
     _check_matrix("quantize_current", x, rowwise, columnwise)
     return (*_fp8_outputs(x, rowwise, columnwise), _scalar(x), _scalar(x), _scalar(x))
+
+
+@custom_op(f"{_NS}::quantize_current_many", mutates_args=())
+def quantize_current_many(xs: list[torch.Tensor], fp8_dtype: str, rowwise: bool,
+                          columnwise: bool, force_pow2_scales: bool, amax_epsilon: float
+                          ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`quantize_current` of each ``xs[i]``: each amax and scale by its own core calls,
+    the casts in one (one kernel launch on the GPU where every cast has a column-wise copy),
+    the same bits as the calls one by one, for the groups of a grouped layer. Returns
+    (datas, columnwise datas, scale_invs)."""
+    check_fp8_dtype("quantize_current_many", fp8_dtype)
+    n = len(xs)
+    if n == 0:
+        return [], [], []
+    c = core()
+    fmt = te_dtype(fp8_dtype)
+    xs = [x.contiguous() for x in xs]  # kept alive across the calls: raw() holds pointers
+    stream = stream_of(xs[0])
+    rows, sinvs = _scalar_rows(xs[0], n)  # per row: scale_inv, scale, amax
+    datas, cols, ins, outs = [], [], [], []
+    for i, x in enumerate(xs):
+        _check_matrix("quantize_current_many", x, rowwise, columnwise)
+        data, col = _fp8_outputs(x, rowwise, columnwise)
+        rx = raw(x)
+        rsinv, rscale, ramax = (raw_element(rows, _ROW * i + j) for j in range(3))
+        c.compute_amax(rx, c.Tensor(amax=ramax), stream=stream)
+        rdata, rcol = (raw(data) if rowwise else None), (raw(col) if columnwise else None)
+        c.compute_scale_from_amax(c.Tensor(rdata, dtype=fmt, scale=rscale, scale_inv=rsinv,
+                                           amax=ramax, columnwise_data=rcol),
+                                  force_pow2_scales=force_pow2_scales,
+                                  amax_epsilon=amax_epsilon, stream=stream)
+        ins.append(rx)
+        outs.append(c.Tensor(rdata, dtype=fmt, scale=rscale, scale_inv=rsinv,
+                             columnwise_data=rcol))
+        datas.append(data)
+        cols.append(col)
+    c.quantize_many(ins, outs, stream=stream)
+    return datas, cols, sinvs
+
+
+@quantize_current_many.register_fake
+def _(xs, fp8_dtype, rowwise, columnwise, force_pow2_scales, amax_epsilon):
+    datas, cols, sinvs = [], [], []
+    for x in xs:
+        _check_matrix("quantize_current_many", x, rowwise, columnwise)
+        data, col = _fp8_outputs(x, rowwise, columnwise)
+        datas.append(data)
+        cols.append(col)
+        sinvs.append(_scalar(x))
+    return datas, cols, sinvs
 
 
 @custom_op(f"{_NS}::current_scale", mutates_args=())
