@@ -1,11 +1,35 @@
 """What several training steps of a module produce, for tests that compare two paths to the
-same bits: every output, input gradient, parameter gradient and buffer."""
+same bits: every output, input gradient, parameter gradient and buffer; the fused blocks and
+per-tensor recipes those tests train, and the comparison itself."""
 
 from __future__ import annotations
 
 import torch
 
 import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+
+# Per-tensor recipes (a short history and a margin, so that delayed scaling's update shows).
+RECIPES = {
+    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4, margin=1),
+    "current": lambda: recipe.Float8CurrentScaling(),
+    "current-pow2-eps": lambda: recipe.Float8CurrentScaling(power_2_scale=True,
+                                                            amax_epsilon=1e-3),
+}
+
+# The fused blocks over [.., 64] inputs: (dtype, bias, zero_centered_gamma, device) -> module.
+BLOCKS = {
+    "layernorm_linear": lambda dtype, bias, zc, dev: te.LayerNormLinear(
+        64, 48, bias=bias, zero_centered_gamma=zc, params_dtype=dtype, device=dev),
+    "rmsnorm_linear": lambda dtype, bias, zc, dev: te.LayerNormLinear(
+        64, 48, bias=bias, normalization="RMSNorm", zero_centered_gamma=zc, params_dtype=dtype,
+        device=dev),
+    "layernorm_mlp": lambda dtype, bias, zc, dev: te.LayerNormMLP(
+        64, 128, bias=bias, zero_centered_gamma=zc, params_dtype=dtype, device=dev),
+    "rmsnorm_mlp_swiglu": lambda dtype, bias, zc, dev: te.LayerNormMLP(
+        64, 128, bias=bias, normalization="RMSNorm", activation="swiglu", zero_centered_gamma=zc,
+        params_dtype=dtype, device=dev),
+}
 
 
 def record_steps(m: torch.nn.Module, recipe, steps: int, device, dtype) -> list:
@@ -22,3 +46,15 @@ def record_steps(m: torch.nn.Module, recipe, steps: int, device, dtype) -> list:
         seen += [p.grad.clone() if p.grad is not None else None for p in m.parameters()]
         seen += [b.clone() for b in m.buffers()]
     return seen
+
+
+def assert_same_bits(a_list, b_list) -> None:
+    """Two record_steps lists hold the same bits, item by item (None on both paths alike)."""
+    assert len(a_list) == len(b_list)
+    for i, (a, b) in enumerate(zip(a_list, b_list, strict=True)):
+        if a is None or b is None:
+            assert a is None and b is None, f"item {i}: one path has no tensor"
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, f"item {i}"
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), \
+            f"item {i} differs"

@@ -10,33 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from te_torch_tests._train_steps import record_steps
+from te_torch_tests._train_steps import BLOCKS, RECIPES, assert_same_bits, record_steps
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
 from transformer_engine.pytorch import _compiled, compiled_blocks, compiled_forward, compiled_grads
 
-RECIPES = {
-    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4, margin=1),
-    "delayed-most-recent": lambda: recipe.DelayedScaling(amax_history_len=3,
-                                                         amax_compute_algo="most_recent"),
-    "current": lambda: recipe.Float8CurrentScaling(),
-    "current-pow2-eps": lambda: recipe.Float8CurrentScaling(power_2_scale=True,
-                                                            amax_epsilon=1e-3),
-}
-
-MODULES = {
-    "layernorm_linear": lambda dtype, bias, zc, dev: te.LayerNormLinear(
-        64, 48, bias=bias, zero_centered_gamma=zc, params_dtype=dtype, device=dev),
-    "rmsnorm_linear": lambda dtype, bias, zc, dev: te.LayerNormLinear(
-        64, 48, bias=bias, normalization="RMSNorm", zero_centered_gamma=zc, params_dtype=dtype,
-        device=dev),
-    "layernorm_mlp": lambda dtype, bias, zc, dev: te.LayerNormMLP(
-        64, 128, bias=bias, zero_centered_gamma=zc, params_dtype=dtype, device=dev),
-    "rmsnorm_mlp_swiglu": lambda dtype, bias, zc, dev: te.LayerNormMLP(
-        64, 128, bias=bias, normalization="RMSNorm", activation="swiglu", zero_centered_gamma=zc,
-        params_dtype=dtype, device=dev),
-}
+RECIPES = {**RECIPES,
+           "delayed-most-recent": lambda: recipe.DelayedScaling(amax_history_len=3,
+                                                                amax_compute_algo="most_recent")}
+MODULES = BLOCKS
 
 # Which parameters do not learn (by name); "frozen-all-but-fc2" with an input that needs no
 # gradient leaves LayerNormMLP only FC2's backward.
@@ -96,17 +79,6 @@ def calls(record_calls):
     return record_calls(compiled_blocks, "layernorm_linear", "layernorm_mlp")
 
 
-def _same(a_list, b_list):
-    assert len(a_list) == len(b_list)
-    for i, (a, b) in enumerate(zip(a_list, b_list, strict=True)):
-        if a is None or b is None:
-            assert a is None and b is None, f"item {i}: a gradient on one path only"
-            continue
-        assert a.dtype == b.dtype and a.shape == b.shape, f"item {i}"
-        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), \
-            f"item {i} differs"
-
-
 @pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero-centered"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
@@ -121,7 +93,7 @@ def test_same_bits_as_the_python_steps(device, calls, module, recipe_name, bias,
     name = "layernorm_mlp" if "mlp" in module else "layernorm_linear"
     assert calls == [name] * steps
     python = _train(device, False, module, recipe_name, dtype, bias, zero_centered)
-    _same(compiled, python)
+    assert_same_bits(compiled, python)
 
 
 @pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "no-input-grad"])
@@ -135,7 +107,7 @@ def test_same_bits_with_frozen_parameters(device, module, recipe_name, freeze, i
     if freeze == "frozen-all-but-fc2" and "mlp" not in module:
         pytest.skip("LayerNormLinear has no FC2: nothing would learn")
     args = (module, recipe_name, torch.bfloat16, True, False, freeze, input_grad)
-    _same(_train(device, True, *args), _train(device, False, *args))
+    assert_same_bits(_train(device, True, *args), _train(device, False, *args))
 
 
 @pytest.mark.parametrize("module", list(MODULES))
@@ -156,7 +128,7 @@ def test_inference_takes_one_call(device, calls, module):
 
     a = run(True)
     assert len(calls) == 2 and all(o.grad_fn is None for o in a)
-    _same(a, run(False))
+    assert_same_bits(a, run(False))
 
 
 def test_not_taken_where_the_steps_differ(calls):

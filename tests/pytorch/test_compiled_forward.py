@@ -11,31 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from te_torch_tests._train_steps import record_steps
+from te_torch_tests._train_steps import BLOCKS, RECIPES, record_steps
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
 from transformer_engine.pytorch import compiled_blocks, compiled_forward
 
-RECIPES = {
-    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4, margin=1),
-    "current": lambda: recipe.Float8CurrentScaling(),
-    "current-pow2-eps": lambda: recipe.Float8CurrentScaling(power_2_scale=True,
-                                                            amax_epsilon=1e-3),
-}
-
-MODULES = {
-    "layernorm_linear": lambda dtype, bias, zc, dev: te.LayerNormLinear(
-        64, 48, bias=bias, zero_centered_gamma=zc, params_dtype=dtype, device=dev),
-    "rmsnorm_linear": lambda dtype, bias, zc, dev: te.LayerNormLinear(
-        64, 48, bias=bias, normalization="RMSNorm", zero_centered_gamma=zc, params_dtype=dtype,
-        device=dev),
-    "layernorm_mlp": lambda dtype, bias, zc, dev: te.LayerNormMLP(
-        64, 128, bias=bias, zero_centered_gamma=zc, params_dtype=dtype, device=dev),
-    "rmsnorm_mlp_swiglu": lambda dtype, bias, zc, dev: te.LayerNormMLP(
-        64, 128, bias=bias, normalization="RMSNorm", activation="swiglu", zero_centered_gamma=zc,
-        params_dtype=dtype, device=dev),
-}
+MODULES = BLOCKS
 
 STEPS = 4
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from te_torch_tests._train_steps import record_steps
+from te_torch_tests._train_steps import assert_same_bits, record_steps
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -62,17 +62,6 @@ def _train(device, compiled: bool, module: str, recipe_name: str, dtype, bias: b
         compiled_grads.enabled = fast_linear.enabled = compiled_blocks.enabled = True
 
 
-def _assert_same_bits(a_list, b_list):
-    assert len(a_list) == len(b_list)
-    for i, (a, b) in enumerate(zip(a_list, b_list, strict=True)):
-        if a is None or b is None:
-            assert a is None and b is None, f"item {i}: one path has no tensor"
-            continue
-        assert a.dtype == b.dtype and a.shape == b.shape, f"item {i}"
-        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), \
-            f"item {i} differs"
-
-
 @pytest.fixture
 def calls(record_calls):
     """The compiled operator's calls."""
@@ -89,7 +78,7 @@ def test_same_bits_as_the_python_steps(device, calls, module, recipe_name, bias,
     # Python steps (first_step.py); current scaling takes the operator from the first step.
     steps = STEPS - 1 if recipe_name.startswith("delayed") else STEPS
     assert len(calls) == steps  # (LayerNormMLP: its second GEMM's backward)
-    _assert_same_bits(compiled, _train(device, False, module, recipe_name, dtype, bias))
+    assert_same_bits(compiled, _train(device, False, module, recipe_name, dtype, bias))
 
 
 @pytest.mark.parametrize("module", ["linear", "layernorm_linear", "layernorm_mlp_gelu"])
@@ -97,7 +86,7 @@ def test_frozen_weights(device, calls, module):
     """Only dgrad needed (frozen weights): the operator runs without its wgrad GEMMs."""
     compiled = _train(device, True, module, "delayed", torch.bfloat16, True, frozen=True)
     assert len(calls) > 0
-    _assert_same_bits(compiled, _train(device, False, module, "delayed", torch.bfloat16, True,
+    assert_same_bits(compiled, _train(device, False, module, "delayed", torch.bfloat16, True,
                                        frozen=True))
 
 
@@ -149,4 +138,4 @@ def test_through_an_activation_same_bits_as_the_steps(device, act, recipe_name, 
     ri, rw = backward_gemms(plan, q, saved[2], saved[3], saved[0], saved[1], torch.bfloat16,
                             torch.bfloat16, True, True)
     rb = dbias.to(torch.bfloat16) if bias else None
-    _assert_same_bits([gi, gw, gb, *a], [ri, rw, rb, *b])
+    assert_same_bits([gi, gw, gb, *a], [ri, rw, rb, *b])

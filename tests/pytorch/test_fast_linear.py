@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from te_torch_tests._train_steps import assert_same_bits
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -88,16 +89,6 @@ def _first_step(m, x, r):
     _forward(m, x.detach(), r)
 
 
-def _assert_same_bits(fast, python):
-    assert len(fast) == len(python)
-    for i, (a, b) in enumerate(zip(fast, python, strict=True)):
-        if a is None or b is None:
-            assert a is None and b is None, f"item {i}: one path has no tensor"
-            continue
-        assert a.dtype == b.dtype and a.shape == b.shape, f"item {i}"
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"item {i} differs"
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("bias", [True, False])
 def test_same_bits_as_python_path(device, spy, backward_spy, dtype, bias):
@@ -105,7 +96,7 @@ def test_same_bits_as_python_path(device, spy, backward_spy, dtype, bias):
     assert len(spy) == len(backward_spy) == FAST_DELAYED_STEPS
     python = _train(device, False, bias=bias, dtype=dtype)
     assert len(spy) == FAST_DELAYED_STEPS  # the Python path did not take it
-    _assert_same_bits(fast, python)
+    assert_same_bits(fast, python)
 
 
 @pytest.mark.parametrize("case", [
@@ -115,7 +106,7 @@ def test_same_bits_as_python_path(device, spy, backward_spy, dtype, bias):
 def test_same_bits_variants(device, spy, backward_spy, case):
     fast = _train(device, True, **case)
     assert len(spy) == len(backward_spy) == FAST_DELAYED_STEPS
-    _assert_same_bits(fast, _train(device, False, **case))
+    assert_same_bits(fast, _train(device, False, **case))
 
 
 CURRENT_RECIPES = {
@@ -133,9 +124,9 @@ def test_same_bits_as_python_path_current_scaling(device, spy, backward_spy, nam
     r = CURRENT_RECIPES[name]
     fast = _train(device, True, dtype=dtype, fp8_recipe=r)
     assert len(spy) == len(backward_spy) == 4
-    _assert_same_bits(fast, _train(device, False, dtype=dtype, fp8_recipe=r))
+    assert_same_bits(fast, _train(device, False, dtype=dtype, fp8_recipe=r))
     case = dict(frozen_weight=True, fp8_recipe=r)
-    _assert_same_bits(_train(device, True, **case), _train(device, False, **case))
+    assert_same_bits(_train(device, True, **case), _train(device, False, **case))
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])

@@ -160,16 +160,22 @@ def quantize_delayed_many(xs: list[torch.Tensor], scales: list[torch.Tensor], in
     return datas, cols, sinvs
 
 
-@quantize_delayed_many.register_fake
-def _(xs, scales, index, amax_histories, fp8_dtype, rowwise, columnwise):
+def _many_like(op: str, xs, rowwise: bool, columnwise: bool) -> tuple[list, list, list]:
+    """The outputs of a batched cast (datas, columnwise datas, scale_invs), for fake
+    implementations."""
     datas, cols, sinvs = [], [], []
     for x in xs:
-        _check_matrix("quantize_delayed_many", x, rowwise, columnwise)
+        _check_matrix(op, x, rowwise, columnwise)
         data, col = _fp8_outputs(x, rowwise, columnwise)
         datas.append(data)
         cols.append(col)
         sinvs.append(_scalar(x))
     return datas, cols, sinvs
+
+
+@quantize_delayed_many.register_fake
+def _(xs, scales, index, amax_histories, fp8_dtype, rowwise, columnwise):
+    return _many_like("quantize_delayed_many", xs, rowwise, columnwise)
 
 
 # ------------------------------------------------------------ per-tensor, current scaling
@@ -250,14 +256,7 @@ def quantize_current_many(xs: list[torch.Tensor], fp8_dtype: str, rowwise: bool,
 
 @quantize_current_many.register_fake
 def _(xs, fp8_dtype, rowwise, columnwise, force_pow2_scales, amax_epsilon):
-    datas, cols, sinvs = [], [], []
-    for x in xs:
-        _check_matrix("quantize_current_many", x, rowwise, columnwise)
-        data, col = _fp8_outputs(x, rowwise, columnwise)
-        datas.append(data)
-        cols.append(col)
-        sinvs.append(_scalar(x))
-    return datas, cols, sinvs
+    return _many_like("quantize_current_many", xs, rowwise, columnwise)
 
 
 @custom_op(f"{_NS}::current_scale", mutates_args=())
