@@ -193,3 +193,36 @@ def test_the_operators_check_their_inputs():
         torch.zeros(4, 3), _compiled.NO_TENSOR, False, e4m3, False, 0.0, True, True, 0)
     assert status != 0
     assert "norm_linear_fp8_forward: gamma" in ops.last_error.default()
+
+
+# (keywords, whether the whole blocks serve: a residual taken after the norm needs the norm's
+# output returned, which they do not return)
+LAYERS = {
+    "layernorm-gelu": (dict(), True),
+    "rmsnorm-swiglu-no-bias": (dict(normalization="RMSNorm", activation="swiglu", bias=False),
+                               True),
+    "fused-qkv-gqa": (dict(fuse_qkv_params=True, num_gqa_groups=1), True),
+    "post-layernorm-residual": (dict(apply_residual_connection_post_layernorm=True), False),
+}
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_transformer_layer_same_bits_with_whole_blocks(device, record_calls, layer, recipe_name):
+    """A TransformerLayer (its attention's QKV a LayerNormLinear, its MLP a LayerNormMLP) over
+    several steps: the same outputs, gradients and FP8 state with the whole blocks on and
+    off, wherever its configuration lets them serve."""
+    seen = record_calls(compiled_blocks, "layernorm_linear", "layernorm_mlp")
+
+    def train(on: bool):
+        _path(on)
+        torch.manual_seed(0)
+        m = te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                self_attn_mask_type="causal", params_dtype=torch.bfloat16,
+                                device=device, **LAYERS[layer][0])
+        return record_steps(m, RECIPES[recipe_name](), STEPS, device, torch.bfloat16)
+
+    on = train(True)
+    assert {"layernorm_linear", "layernorm_mlp"} <= set(seen) or not LAYERS[layer][1]
+    assert ("layernorm_mlp" in seen) == LAYERS[layer][1]
+    assert_same_bits(on, train(False))
