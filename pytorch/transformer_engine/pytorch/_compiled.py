@@ -47,13 +47,14 @@ def _load() -> tuple[object | None, str | None]:
     if installed < OLDEST_TORCH:
         return None, (f"the compiled eager ops need torch >= {OLDEST_TORCH[0]}.{OLDEST_TORCH[1]} "
                       f"(the stable ABI they are built on) and torch {torch.__version__} is "
-                      f"installed, so FP8 te.Linear runs its Python path, with more host time "
-                      f"per call")
+                      f"installed, so FP8 te.Linear, LayerNormLinear and LayerNormMLP run their "
+                      f"Python path, with more host time per call")
     try:
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as err:
-        return None, (f"the compiled eager ops could not be loaded ({err}); FP8 te.Linear runs "
-                      f"its Python path, with more host time per call: {_REBUILD}")
+        return None, (f"the compiled eager ops could not be loaded ({err}); FP8 te.Linear, "
+                      f"LayerNormLinear and LayerNormMLP run their Python path, with more host "
+                      f"time per call: {_REBUILD}")
     return torch.ops.te_eager, None
 
 
@@ -98,5 +99,5 @@ def warn_if_missing() -> None:
         _missing_said = True
         warnings.warn("the compiled eager ops are not part of this installation (the package "
                       "was built without torch or transformer-engine-common present), so FP8 "
-                      "te.Linear runs its Python path, with more host time per call: "
-                      f"{_REBUILD}", RuntimeWarning, stacklevel=3)
+                      "te.Linear, LayerNormLinear and LayerNormMLP run their Python path, with "
+                      f"more host time per call: {_REBUILD}", RuntimeWarning, stacklevel=3)

@@ -69,6 +69,10 @@ def usable(plan: Plan, bwd_recipe: Any, history: Optional[torch.Tensor], inp: to
     input's dtype, and no norm output to return."""
     if not enabled or cfg.return_ln_out or is_first_microbatch is not None:
         return False
+    if _compiled.ops is None:
+        if inp.is_cuda and not torch.compiler.is_compiling():
+            _compiled.warn_if_missing()  # (once)
+        return False
     if module._weight_caches:
         return False
     r = fp8.RECOMPUTE
