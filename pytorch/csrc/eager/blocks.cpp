@@ -19,9 +19,8 @@ struct Fp8Weight {
   Tensor data, sinv, col;
 };
 
-// Floats per weight in the scalars' buffer (scale_inv, then current scaling's scale and amax):
-// 16 bytes, so that each scale_inv is as aligned as cuBLASLt reads a scale pointer.
-constexpr int64_t kScalarRow = 4;
+// Floats of a weight's scalars (scale_inv, then current scaling's scale and amax).
+constexpr int64_t kScalarRow = 3;
 
 // The FP8 copies of a block's weights (weights[i] [N_i, K_i], state column columns[i] of the
 // forward: 2 * gemm + 1), cast in one core call; each as module.base._weight_operand's fresh
@@ -34,8 +33,8 @@ std::vector<Fp8Weight> cast_weights(const std::vector<Tensor> &weights, const st
                                     const Tensor &like, const char *op) {
   const size_t n = weights.size();
   const int32_t u8 = aoti_torch_dtype_uint8(), f32 = aoti_torch_dtype_float32();
-  std::vector<int64_t> row_at(n), col_at(n);
-  int64_t rows_size = 0, cols_size = 0;
+  std::vector<int64_t> row_at(n);
+  int64_t rows_size = 0;
   for (size_t i = 0; i < n; ++i) {
     const Tensor &w = weights[i];
     TE_EAGER_CHECK(w.dim() == 2 && w.is_contiguous() && floating(w.scalar_type()) && w.is_cuda() == like.is_cuda() &&
@@ -45,11 +44,11 @@ std::vector<Fp8Weight> cast_weights(const std::vector<Tensor> &weights, const st
                    ": the forward state has no column ", columns[i]);
     row_at[i] = rows_size;
     rows_size += aligned(w.numel());
-    col_at[i] = cols_size;
-    if (need_col[i]) cols_size += aligned(w.numel());
   }
-  const Tensor rows = empty({rows_size}, u8, like), cols = empty({cols_size}, u8, like);
-  const Tensor scalars = empty({static_cast<int64_t>(n) * kScalarRow}, f32, like);
+  // The row-wise copies (which only the forward's GEMMs read) share one buffer; what the
+  // backward keeps, each weight's scalars and column-wise copy, gets buffers of its own, since
+  // the operators' outputs must not alias (blocks.cpp's custom ops return them).
+  const Tensor rows = empty({rows_size}, u8, like);
   std::vector<Fp8Weight> out;
   std::deque<Handle> handles;  // (a deque: handles do not move)
   std::vector<const te_tensor *> ins;
@@ -58,21 +57,22 @@ std::vector<Fp8Weight> cast_weights(const std::vector<Tensor> &weights, const st
   config.accumulate_amax = current ? 0 : 1;  // the step's forwards keep the largest amax
   for (size_t i = 0; i < n; ++i) {
     const Tensor &w = weights[i];
-    const int64_t rows_n = w.size(0), k = w.size(1), s = static_cast<int64_t>(i) * kScalarRow;
-    Fp8Weight q{piece(rows, {rows_n, k}, row_at[i]), piece(scalars, {1}, s),
-                piece(cols, {need_col[i] ? k : 0, rows_n}, col_at[i])};
+    const int64_t rows_n = w.size(0), k = w.size(1);
+    const Tensor scalars = empty({kScalarRow}, f32, like);
+    Fp8Weight q{piece(rows, {rows_n, k}, row_at[i]), piece(scalars, {1}, 0),
+                empty({need_col[i] ? k : 0, rows_n}, u8, like)};
     const te_buffer x = buffer(w.data_ptr(), core_dtype(w.scalar_type(), op), {rows_n, k}, w);
     const te_buffer data = buffer(q.data.data_ptr(), fp8, {rows_n, k}, like);
     const te_buffer col = buffer(q.col.data_ptr(), fp8, {k, rows_n}, like);
-    const te_buffer sinv = element(scalars, s);
+    const te_buffer sinv = element(scalars, 0);
     Handle &in = handles.emplace_back(op);
     Handle &cast = handles.emplace_back(op);
     in.set(TE_SLOT_DATA, x);
     cast.set(TE_SLOT_DATA, data).set(TE_SLOT_SCALE_INV, sinv);
     if (need_col[i]) cast.set(TE_SLOT_COLUMNWISE_DATA, col);
     if (current) {
-      const te_buffer scale = element(scalars, s + 1);
-      current_scale(x, data, need_col[i] ? &col : nullptr, scale, sinv, element(scalars, s + 2), pow2, epsilon,
+      const te_buffer scale = element(scalars, 1);
+      current_scale(x, data, need_col[i] ? &col : nullptr, scale, sinv, element(scalars, 2), pow2, epsilon,
                     stream, op);
       cast.set(TE_SLOT_SCALE, scale);  // (the amax is known: the cast need not reduce it again)
     } else {
@@ -182,8 +182,11 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_linear_fp8
         grad_scale_inv, 0, true, workspace, current, fwd_dtype, bwd_dtype, pow2, epsilon, algo, margin, need_dgrad,
         need_wgrad, x.scalar_type(), weight_dtype, bias_dtype, stream);
     ok(status);
-    Tensor dx = d_ln, dgamma = d_ln, dbeta = d_ln;  // (the [0] "not needed" of linear_fp8_backward)
-    if (need_dgrad) {
+    Tensor dx = d_ln, dgamma, dbeta;  // (d_ln: linear_fp8_backward's empty "not needed")
+    if (!need_dgrad) {
+      dgamma = empty({0}, aoti_torch_dtype_float32(), grad_output);
+      dbeta = empty({0}, aoti_torch_dtype_float32(), grad_output);
+    } else {
       std::tie(dx, dgamma, dbeta) = norm_backward(d_ln, x, mu, rsigma, gamma, has_beta, norm, zero_centered_gamma,
                                                   reinterpret_cast<te_stream>(stream), op);
     }
@@ -266,8 +269,9 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> laye
         grad_scale_inv, 1, !need_fc1, workspace, current, fwd_dtype, bwd_dtype, pow2, epsilon, algo, margin, need_fc1,
         need_wgrad2, h.scalar_type(), w2_dtype, b2_dtype, stream);
     ok(status2);
-    const Tensor none = empty({0}, aoti_torch_dtype_uint8(), grad_output);  // (what is not needed)
-    Tensor d_ln = none, grad_w1 = none, grad_b1 = none, dx = none, dgamma = none, dbeta = none;
+    // (each output not computed an empty tensor of its own: outputs must not alias)
+    const auto none = [&] { return empty({0}, aoti_torch_dtype_float32(), grad_output); };
+    Tensor d_ln, grad_w1 = none(), grad_b1 = none(), dx = none(), dgamma = none(), dbeta = none();
     if (need_fc1) {
       int64_t status1 = 0;
       std::tie(status1, d_ln, grad_w1, grad_b1) = linear_fp8_backward(

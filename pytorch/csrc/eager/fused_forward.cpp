@@ -53,8 +53,8 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear_fp8_forw
     // (unneeded: [0], the shape of the Python steps' placeholder: a checkpoint's recompute may
     // take those steps and must save tensors of the same shapes)
     const Tensor col_t = need_col ? empty({k, m}, u8, input) : empty({0}, u8, input);
-    const Tensor stats = empty({(layernorm ? m : 0) + m}, f32, input);
-    const Tensor mu_t = piece(stats, {layernorm ? m : 0}, 0), rsigma_t = piece(stats, {m}, layernorm ? m : 0);
+    // (mu and rsigma apart: outputs must not alias, blocks.cpp's custom ops return them)
+    const Tensor mu_t = empty({layernorm ? m : 0}, f32, input), rsigma_t = empty({m}, f32, input);
     const Tensor sinv_t = piece(scalars, {1}, 0);
     const te_buffer data = buffer(rows.data_ptr(), fp8, {m, k}, input);
     const te_buffer col = buffer(col_t.data_ptr(), fp8, {k, m}, input);

@@ -253,11 +253,13 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
             op);
     };
     // What is not needed comes back as an empty piece of a buffer (no allocation).
-    const Tensor none = piece(g_scalars, {0}, 0);
-    Tensor grad_input = none, grad_weight = none;
+    // (each output not computed an empty tensor of its own: outputs must not alias, or a
+    // graph torch.compile traced through the blocks' custom ops would see them as one)
+    const auto none = [&] { return empty({0}, f32, g_scalars); };
+    Tensor grad_input = none(), grad_weight = none();
     if (need_dgrad) gemm(g_row, buffer(w_col.data_ptr(), fwd, {k, n}, w_col), w_sinv, grad_input, input_dtype, m, k);
     if (need_wgrad) gemm(g_col, buffer(x_col.data_ptr(), fwd, {k, m}, x_col), x_sinv, grad_weight, weight_dtype, n, k);
-    if (!bias_dtype.has_value()) dbias = none;
+    if (!bias_dtype.has_value()) dbias = none();
     return {grad_input, grad_weight, dbias};
   });
 }

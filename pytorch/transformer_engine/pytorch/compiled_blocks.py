@@ -25,9 +25,9 @@ import torch
 
 from transformer_engine.common.plan import GEMM_GRANULE
 
-from . import _compiled, fp8, layernorm_mlp_fn, ops
+from . import _compiled, first_step, fp8, layernorm_mlp_fn, ops
 from .fp8 import COMPILED_ALGOS
-from .ops._backend import algo_code, dtype_code, enum_code, stream_of, workspace_for
+from .ops._backend import algo_code, custom_op, dtype_code, enum_code, stream_of, workspace_for
 from .quantization import Plan
 
 enabled = True
@@ -66,7 +66,9 @@ def usable(plan: Plan, bwd_recipe: Any, history: Optional[torch.Tensor], inp: to
     an activation checkpoint (whose two runs must save tensors of the same shapes), a token
     count the GEMMs take unpadded, the core's scale update under delayed scaling (no user
     callable, no amax group), plain weights cast for this forward alone, biases in the
-    input's dtype, and no norm output to return."""
+    input's dtype, and no norm output to return. Traced by torch.compile, the graph takes the
+    blocks' custom ops under current scaling and, under delayed scaling, once no history
+    column is empty."""
     if not enabled or cfg.return_ln_out or is_first_microbatch is not None:
         return False
     if _compiled.ops is None:
@@ -89,12 +91,182 @@ def usable(plan: Plan, bwd_recipe: Any, history: Optional[torch.Tensor], inp: to
     for b in biases:
         if b is not None and b.dtype != inp.dtype:
             return False
+    if torch.compiler.is_compiling():
+        # A traced graph calls the blocks' custom ops. Under delayed scaling only the graph of
+        # the steps whose histories are all written (first_step: "later"); a first step's
+        # graph takes the Python steps, which apply its rule.
+        return plan.kind == "current" or (plan.kind == "delayed" and history is not None
+                                          and first_step._compiled == "later")
     return _compiled.serves(plan, history, (inp, *weights, *biases, *norm_params))
 
 
 def _workspace(x: torch.Tensor) -> torch.Tensor:
     ws = workspace_for(x)
     return _compiled.NO_TENSOR if ws is None else ws
+
+
+# The blocks' operators as custom ops: an eager call with plain tensors runs the implementation
+# directly (one te_eager call, its status raised); torch.compile traces them as one graph node
+# each with the fake implementation's shapes, and its graph then calls them through the
+# dispatcher, one call per block and direction where the Python steps make six to twelve.
+# What a call does not compute comes back as an empty float32 tensor of its own (outputs must
+# not alias), as the fakes give it.
+_NS = "transformer_engine"
+
+
+def _empty(like: torch.Tensor, *shape, dtype=torch.uint8) -> torch.Tensor:
+    return like.new_empty(shape if shape else (0,), dtype=dtype)
+
+
+def _state(scales: torch.Tensor, history: Optional[torch.Tensor]) -> torch.Tensor:
+    """The history the operators take (current scaling reads none: the scales stand in)."""
+    return scales if history is None or history.numel() == 0 else history
+
+
+@custom_op(f"{_NS}::layernorm_linear_block_forward", mutates_args=("history",))
+def layernorm_linear_block_forward(
+        x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor],
+        weight: torch.Tensor, bias: Optional[torch.Tensor], scales: torch.Tensor,
+        history: Optional[torch.Tensor], norm: int, eps: float, zero_centered_gamma: bool,
+        current: bool, fp8_dtype: int, pow2: bool, epsilon: float, need_dgrad: bool,
+        need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                   torch.Tensor, torch.Tensor, torch.Tensor]:
+    """blocks.cpp's layernorm_linear_fp8_forward: (output [M, N], the norm output's
+    scale_inv and column-wise copy, mu, rsigma, the weight's scale_inv and column-wise copy)."""
+    status, *outs = _compiled.ops.layernorm_linear_fp8_forward.default(
+        x, gamma, beta, norm, eps, zero_centered_gamma, weight, bias, scales,
+        _state(scales, history), _workspace(x), current, fp8_dtype, pow2, epsilon, need_dgrad,
+        need_wgrad, stream_of(x))
+    _compiled.raise_if_failed(status)
+    return tuple(outs)
+
+
+@layernorm_linear_block_forward.register_fake
+def _(x, gamma, beta, weight, bias, scales, history, norm, eps, zero_centered_gamma, current,
+      fp8_dtype, pow2, epsilon, need_dgrad, need_wgrad):
+    m, k = x.shape
+    n = weight.shape[0]
+    f32 = torch.float32
+    return (x.new_empty((m, n)), _empty(x, 1, dtype=f32),
+            _empty(x, k, m) if need_wgrad else _empty(x),
+            _empty(x, m if beta is not None else 0, dtype=f32), _empty(x, m, dtype=f32),
+            _empty(x, 1, dtype=f32), _empty(x, k if need_dgrad else 0, n))
+
+
+@custom_op(f"{_NS}::layernorm_linear_block_backward",
+           mutates_args=("grad_history", "grad_scale", "grad_scale_inv"))
+def layernorm_linear_block_backward(
+        g: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, rsigma: torch.Tensor,
+        gamma: torch.Tensor, has_beta: bool, ln_sinv: torch.Tensor, ln_col: torch.Tensor,
+        w_sinv: torch.Tensor, w_col: torch.Tensor, grad_history: torch.Tensor,
+        grad_scale: torch.Tensor, grad_scale_inv: torch.Tensor, norm: int,
+        zero_centered_gamma: bool, current: bool, fwd_dtype: int, bwd_dtype: int, pow2: bool,
+        epsilon: float, algo: int, margin: int, need_dgrad: bool, need_wgrad: bool,
+        weight_dtype: torch.dtype, bias_dtype: Optional[torch.dtype]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """blocks.cpp's layernorm_linear_fp8_backward: (grad_input, grad_gamma, grad_beta,
+    grad_weight, grad_bias), empty where not computed."""
+    status, *grads = _compiled.ops.layernorm_linear_fp8_backward.default(
+        g, x, mu, rsigma, gamma, has_beta, norm, zero_centered_gamma, ln_sinv, ln_col, w_sinv,
+        w_col, grad_history, grad_scale, grad_scale_inv, _workspace(g), current, fwd_dtype,
+        bwd_dtype, pow2, epsilon, algo, margin, need_dgrad, need_wgrad, weight_dtype,
+        bias_dtype, stream_of(g))
+    _compiled.raise_if_failed(status)
+    return tuple(grads)
+
+
+@layernorm_linear_block_backward.register_fake
+def _(g, x, mu, rsigma, gamma, has_beta, ln_sinv, ln_col, w_sinv, w_col, grad_history,
+      grad_scale, grad_scale_inv, norm, zero_centered_gamma, current, fwd_dtype, bwd_dtype, pow2,
+      epsilon, algo, margin, need_dgrad, need_wgrad, weight_dtype, bias_dtype):
+    m, k = x.shape
+    n = g.shape[1]
+    f32 = torch.float32
+    dx = ((x.new_empty((m, k)), gamma.new_empty((k,)), gamma.new_empty((k if has_beta else 0,)))
+          if need_dgrad else (_empty(x, dtype=f32),) * 3)
+    return (*dx, x.new_empty((n, k), dtype=weight_dtype) if need_wgrad else _empty(x, dtype=f32),
+            x.new_empty((n,), dtype=bias_dtype) if bias_dtype is not None
+            else _empty(x, dtype=f32))
+
+
+@custom_op(f"{_NS}::layernorm_mlp_block_forward", mutates_args=("history",))
+def layernorm_mlp_block_forward(
+        x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor], w1: torch.Tensor,
+        b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor],
+        scales: torch.Tensor, history: Optional[torch.Tensor], norm: int, eps: float,
+        zero_centered_gamma: bool, act: int, current: bool, fp8_dtype: int, pow2: bool,
+        epsilon: float, need_dgrad: bool, need_wgrad1: bool, need_fc1: bool, need_wgrad2: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """blocks.cpp's layernorm_mlp_fp8_forward: (output, then what the backward reads)."""
+    status, *outs = _compiled.ops.layernorm_mlp_fp8_forward.default(
+        x, gamma, beta, norm, eps, zero_centered_gamma, w1, b1, act, w2, b2, scales,
+        _state(scales, history), _workspace(x), current, fp8_dtype, pow2, epsilon, need_dgrad,
+        need_wgrad1, need_fc1, need_wgrad2, stream_of(x))
+    _compiled.raise_if_failed(status)
+    return tuple(outs)
+
+
+@layernorm_mlp_block_forward.register_fake
+def _(x, gamma, beta, w1, b1, w2, b2, scales, history, norm, eps, zero_centered_gamma, act,
+      current, fp8_dtype, pow2, epsilon, need_dgrad, need_wgrad1, need_fc1, need_wgrad2):
+    m, k = x.shape
+    f_rows, (n, f) = w1.shape[0], w2.shape
+    f32 = torch.float32
+    return (x.new_empty((m, n)), _empty(x, 1, dtype=f32),
+            _empty(x, k, m) if need_wgrad1 else _empty(x),
+            _empty(x, m if beta is not None else 0, dtype=f32), _empty(x, m, dtype=f32),
+            _empty(x, 1, dtype=f32), _empty(x, k if need_dgrad else 0, f_rows),
+            x.new_empty((m, f_rows)), _empty(x, 1, dtype=f32),
+            _empty(x, f, m) if need_wgrad2 else _empty(x),
+            _empty(x, 1, dtype=f32), _empty(x, f if need_fc1 else 0, n))
+
+
+@custom_op(f"{_NS}::layernorm_mlp_block_backward",
+           mutates_args=("grad_history", "grad_scale", "grad_scale_inv"))
+def layernorm_mlp_block_backward(
+        g: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, rsigma: torch.Tensor,
+        gamma: torch.Tensor, has_beta: bool, ln_sinv: torch.Tensor, ln_col: torch.Tensor,
+        w1_sinv: torch.Tensor, w1_col: torch.Tensor, h: torch.Tensor, act: int,
+        a_sinv: torch.Tensor, a_col: torch.Tensor, w2_sinv: torch.Tensor, w2_col: torch.Tensor,
+        grad_history: torch.Tensor, grad_scale: torch.Tensor, grad_scale_inv: torch.Tensor,
+        norm: int, zero_centered_gamma: bool, current: bool, fwd_dtype: int, bwd_dtype: int,
+        pow2: bool, epsilon: float, algo: int, margin: int, need_dgrad: bool,
+        need_wgrad1: bool, need_fc1: bool, need_wgrad2: bool, w1_dtype: torch.dtype,
+        b1_dtype: Optional[torch.dtype], w2_dtype: torch.dtype, b2_dtype: Optional[torch.dtype]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """blocks.cpp's layernorm_mlp_fp8_backward: (grad_input, grad_gamma, grad_beta, FC1's
+    grad_weight and grad_bias, FC2's), empty where not computed."""
+    status, *grads = _compiled.ops.layernorm_mlp_fp8_backward.default(
+        g, x, mu, rsigma, gamma, has_beta, norm, zero_centered_gamma, ln_sinv, ln_col, w1_sinv,
+        w1_col, h, act, a_sinv, a_col, w2_sinv, w2_col, grad_history, grad_scale,
+        grad_scale_inv, _workspace(g), current, fwd_dtype, bwd_dtype, pow2, epsilon, algo,
+        margin, need_dgrad, need_wgrad1, need_fc1, need_wgrad2, w1_dtype, b1_dtype, w2_dtype,
+        b2_dtype, stream_of(g))
+    _compiled.raise_if_failed(status)
+    return tuple(grads)
+
+
+@layernorm_mlp_block_backward.register_fake
+def _(g, x, mu, rsigma, gamma, has_beta, ln_sinv, ln_col, w1_sinv, w1_col, h, act, a_sinv,
+      a_col, w2_sinv, w2_col, grad_history, grad_scale, grad_scale_inv, norm,
+      zero_centered_gamma, current, fwd_dtype, bwd_dtype, pow2, epsilon, algo, margin,
+      need_dgrad, need_wgrad1, need_fc1, need_wgrad2, w1_dtype, b1_dtype, w2_dtype, b2_dtype):
+    m, k = x.shape
+    n, f_rows = g.shape[1], h.shape[1]
+    f = a_col.shape[0] if need_wgrad2 else w2_col.shape[0]
+    f32 = torch.float32
+    fc1 = need_fc1 and need_dgrad
+    dx = ((x.new_empty((m, k)), gamma.new_empty((k,)), gamma.new_empty((k if has_beta else 0,)))
+          if fc1 else (_empty(x, dtype=f32),) * 3)
+    gw1 = (x.new_empty((f_rows, k), dtype=w1_dtype) if need_fc1 and need_wgrad1
+           else _empty(x, dtype=f32))
+    gb1 = (x.new_empty((f_rows,), dtype=b1_dtype) if need_fc1 and b1_dtype is not None
+           else _empty(x, dtype=f32))
+    gw2 = x.new_empty((n, f), dtype=w2_dtype) if need_wgrad2 else _empty(x, dtype=f32)
+    gb2 = x.new_empty((n,), dtype=b2_dtype) if b2_dtype is not None else _empty(x, dtype=f32)
+    return (*dx, gw1, gb1, gw2, gb2)
 
 
 class _Backward(NamedTuple):
@@ -116,11 +288,10 @@ class LayerNormLinearBlock(torch.autograd.Function):
     def forward(ctx, inp, gamma, beta, weight, bias, scales, history, bwd_meta, codes: Codes,
                 need_dgrad: bool, need_wgrad: bool):
         x = inp.reshape(-1, inp.shape[-1])
-        status, out, *saved = _compiled.ops.layernorm_linear_fp8_forward.default(
-            x, gamma, beta, codes.norm, codes.eps, codes.zero_centered_gamma, weight, bias,
-            scales, history, _workspace(x), codes.current, codes.fwd_dtype, codes.pow2,
-            codes.epsilon, need_dgrad, need_wgrad, stream_of(x))
-        _compiled.raise_if_failed(status)
+        out, *saved = layernorm_linear_block_forward(
+            x, gamma, beta, weight, bias, scales, history, codes.norm, codes.eps,
+            codes.zero_centered_gamma, codes.current, codes.fwd_dtype, codes.pow2, codes.epsilon,
+            need_dgrad, need_wgrad)
         ctx.save_for_backward(x, gamma, *saved)
         ctx.info = _Backward(codes, bwd_meta, (need_dgrad, need_wgrad, beta is not None),
                              (weight.dtype, None if bias is None else bias.dtype), inp.shape, 0)
@@ -135,12 +306,10 @@ class LayerNormLinearBlock(torch.autograd.Function):
         w_dtype, b_dtype = b.dtypes
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         history, scale, scale_inv = b.bwd_meta
-        status, dx, dgamma, dbeta, gw, gb = _compiled.ops.layernorm_linear_fp8_backward.default(
-            g, x, mu, rsigma, gamma, has_beta, c.norm, c.zero_centered_gamma, ln_sinv, ln_col,
-            w_sinv, w_col, history, scale, scale_inv, _workspace(g), c.current, c.fwd_dtype,
-            c.bwd_dtype, c.pow2, c.epsilon, c.algo, c.margin, need_dgrad, need_wgrad, w_dtype,
-            b_dtype, stream_of(g))
-        _compiled.raise_if_failed(status)
+        dx, dgamma, dbeta, gw, gb = layernorm_linear_block_backward(
+            g, x, mu, rsigma, gamma, has_beta, ln_sinv, ln_col, w_sinv, w_col, history, scale,
+            scale_inv, c.norm, c.zero_centered_gamma, c.current, c.fwd_dtype, c.bwd_dtype,
+            c.pow2, c.epsilon, c.algo, c.margin, need_dgrad, need_wgrad, w_dtype, b_dtype)
         if not need_dgrad:
             dx = dgamma = dbeta = None
         else:
@@ -162,12 +331,10 @@ def layernorm_linear(inp, gamma, beta, weight, bias, plan: Plan, cfg, scales, hi
         if need_bias:
             return None
         x = inp.reshape(-1, inp.shape[-1]).contiguous()
-        status, out, *_ = _compiled.ops.layernorm_linear_fp8_forward.default(
-            x, gamma, beta, codes.norm, codes.eps, codes.zero_centered_gamma,
-            weight.contiguous(), bias, scales, history, _workspace(x), codes.current,
-            codes.fwd_dtype, codes.pow2, codes.epsilon, False, False, stream_of(x))
-        _compiled.raise_if_failed(status)
-        return out
+        return layernorm_linear_block_forward(
+            x, gamma, beta, weight.contiguous(), bias, scales, history, codes.norm, codes.eps,
+            codes.zero_centered_gamma, codes.current, codes.fwd_dtype, codes.pow2, codes.epsilon,
+            False, False)[0]
     return LayerNormLinearBlock.apply(inp.contiguous(), gamma, beta, weight.contiguous(), bias,
                                       scales, history, bwd_meta, codes, need_dgrad, need_wgrad)
 
@@ -181,11 +348,10 @@ class LayerNormMlpBlock(torch.autograd.Function):
                 act: int, need: tuple):
         need_dgrad, need_wgrad1, need_wgrad2, need_fc1 = need
         x = inp.reshape(-1, inp.shape[-1])
-        status, out, *saved = _compiled.ops.layernorm_mlp_fp8_forward.default(
-            x, gamma, beta, codes.norm, codes.eps, codes.zero_centered_gamma, w1, b1, act, w2,
-            b2, scales, history, _workspace(x), codes.current, codes.fwd_dtype, codes.pow2,
-            codes.epsilon, need_dgrad, need_wgrad1, need_fc1, need_wgrad2, stream_of(x))
-        _compiled.raise_if_failed(status)
+        out, *saved = layernorm_mlp_block_forward(
+            x, gamma, beta, w1, b1, w2, b2, scales, history, codes.norm, codes.eps,
+            codes.zero_centered_gamma, act, codes.current, codes.fwd_dtype, codes.pow2,
+            codes.epsilon, need_dgrad, need_wgrad1, need_fc1, need_wgrad2)
         ctx.save_for_backward(x, gamma, *saved)
         ctx.info = _Backward(codes, bwd_meta, (*need, beta is not None),
                              (w1.dtype, None if b1 is None else b1.dtype, w2.dtype,
@@ -202,14 +368,12 @@ class LayerNormMlpBlock(torch.autograd.Function):
         w1_dtype, b1_dtype, w2_dtype, b2_dtype = b.dtypes
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         history, scale, scale_inv = b.bwd_meta
-        status, dx, dgamma, dbeta, gw1, gb1, gw2, gb2 = \
-            _compiled.ops.layernorm_mlp_fp8_backward.default(
-                g, x, mu, rsigma, gamma, has_beta, c.norm, c.zero_centered_gamma, ln_sinv, ln_col,
-                w1_sinv, w1_col, h, b.act, a_sinv, a_col, w2_sinv, w2_col, history, scale,
-                scale_inv, _workspace(g), c.current, c.fwd_dtype, c.bwd_dtype, c.pow2, c.epsilon,
-                c.algo, c.margin, need_dgrad, need_wgrad1, need_fc1, need_wgrad2, w1_dtype,
-                b1_dtype, w2_dtype, b2_dtype, stream_of(g))
-        _compiled.raise_if_failed(status)
+        dx, dgamma, dbeta, gw1, gb1, gw2, gb2 = layernorm_mlp_block_backward(
+            g, x, mu, rsigma, gamma, has_beta, ln_sinv, ln_col, w1_sinv, w1_col, h, b.act,
+            a_sinv, a_col, w2_sinv, w2_col, history, scale, scale_inv, c.norm,
+            c.zero_centered_gamma, c.current, c.fwd_dtype, c.bwd_dtype, c.pow2, c.epsilon, c.algo,
+            c.margin, need_dgrad, need_wgrad1, need_fc1, need_wgrad2, w1_dtype, b1_dtype,
+            w2_dtype, b2_dtype)
         if need_fc1 and need_dgrad:
             dx = dx.view(b.input_shape)
             dbeta = dbeta if has_beta else None
@@ -242,12 +406,10 @@ def layernorm_mlp(inp, gamma, beta, w1, b1, w2, b2, act: str, plan: Plan, cfg, s
         if grad and b2 is not None and b2.requires_grad:
             return None
         x = inp.reshape(-1, inp.shape[-1]).contiguous()
-        status, out, *_ = _compiled.ops.layernorm_mlp_fp8_forward.default(
-            x, gamma, beta, codes.norm, codes.eps, codes.zero_centered_gamma, w1, b1, act_code,
-            w2, b2, scales, history, _workspace(x), codes.current, codes.fwd_dtype, codes.pow2,
-            codes.epsilon, False, False, False, False, stream_of(x))
-        _compiled.raise_if_failed(status)
-        return out
+        return layernorm_mlp_block_forward(
+            x, gamma, beta, w1, b1, w2, b2, scales, history, codes.norm, codes.eps,
+            codes.zero_centered_gamma, act_code, codes.current, codes.fwd_dtype, codes.pow2,
+            codes.epsilon, False, False, False, False)[0]
     if need_fc1 and not (need_dgrad or need_wgrad1):
         return None
     return LayerNormMlpBlock.apply(inp.contiguous(), gamma, beta, w1, b1, w2, b2, scales,
