@@ -269,6 +269,13 @@ def _(g, x, mu, rsigma, gamma, has_beta, ln_sinv, ln_col, w1_sinv, w1_col, h, ac
     return (*dx, gw1, gb1, gw2, gb2)
 
 
+def _call(op, *args):
+    """One of the blocks' custom ops: traced, through the operator (a graph node); in eager
+    mode its implementation straight away (usable() has checked what the custom op's eager
+    test would check again, and each check costs host time)."""
+    return op(*args) if torch.compiler.is_compiling() else op.__wrapped__(*args)
+
+
 class _Backward(NamedTuple):
     """What a block's backward needs besides its saved tensors."""
 
@@ -288,7 +295,8 @@ class LayerNormLinearBlock(torch.autograd.Function):
     def forward(ctx, inp, gamma, beta, weight, bias, scales, history, bwd_meta, codes: Codes,
                 need_dgrad: bool, need_wgrad: bool):
         x = inp.reshape(-1, inp.shape[-1])
-        out, *saved = layernorm_linear_block_forward(
+        out, *saved = _call(
+            layernorm_linear_block_forward,
             x, gamma, beta, weight, bias, scales, history, codes.norm, codes.eps,
             codes.zero_centered_gamma, codes.current, codes.fwd_dtype, codes.pow2, codes.epsilon,
             need_dgrad, need_wgrad)
@@ -306,7 +314,8 @@ class LayerNormLinearBlock(torch.autograd.Function):
         w_dtype, b_dtype = b.dtypes
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         history, scale, scale_inv = b.bwd_meta
-        dx, dgamma, dbeta, gw, gb = layernorm_linear_block_backward(
+        dx, dgamma, dbeta, gw, gb = _call(
+            layernorm_linear_block_backward,
             g, x, mu, rsigma, gamma, has_beta, ln_sinv, ln_col, w_sinv, w_col, history, scale,
             scale_inv, c.norm, c.zero_centered_gamma, c.current, c.fwd_dtype, c.bwd_dtype,
             c.pow2, c.epsilon, c.algo, c.margin, need_dgrad, need_wgrad, w_dtype, b_dtype)
@@ -331,7 +340,8 @@ def layernorm_linear(inp, gamma, beta, weight, bias, plan: Plan, cfg, scales, hi
         if need_bias:
             return None
         x = inp.reshape(-1, inp.shape[-1]).contiguous()
-        return layernorm_linear_block_forward(
+        return _call(
+            layernorm_linear_block_forward,
             x, gamma, beta, weight.contiguous(), bias, scales, history, codes.norm, codes.eps,
             codes.zero_centered_gamma, codes.current, codes.fwd_dtype, codes.pow2, codes.epsilon,
             False, False)[0]
@@ -348,7 +358,8 @@ class LayerNormMlpBlock(torch.autograd.Function):
                 act: int, need: tuple):
         need_dgrad, need_wgrad1, need_wgrad2, need_fc1 = need
         x = inp.reshape(-1, inp.shape[-1])
-        out, *saved = layernorm_mlp_block_forward(
+        out, *saved = _call(
+            layernorm_mlp_block_forward,
             x, gamma, beta, w1, b1, w2, b2, scales, history, codes.norm, codes.eps,
             codes.zero_centered_gamma, act, codes.current, codes.fwd_dtype, codes.pow2,
             codes.epsilon, need_dgrad, need_wgrad1, need_fc1, need_wgrad2)
@@ -368,7 +379,8 @@ class LayerNormMlpBlock(torch.autograd.Function):
         w1_dtype, b1_dtype, w2_dtype, b2_dtype = b.dtypes
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         history, scale, scale_inv = b.bwd_meta
-        dx, dgamma, dbeta, gw1, gb1, gw2, gb2 = layernorm_mlp_block_backward(
+        dx, dgamma, dbeta, gw1, gb1, gw2, gb2 = _call(
+            layernorm_mlp_block_backward,
             g, x, mu, rsigma, gamma, has_beta, ln_sinv, ln_col, w1_sinv, w1_col, h, b.act,
             a_sinv, a_col, w2_sinv, w2_col, history, scale, scale_inv, c.norm,
             c.zero_centered_gamma, c.current, c.fwd_dtype, c.bwd_dtype, c.pow2, c.epsilon, c.algo,
@@ -406,7 +418,8 @@ def layernorm_mlp(inp, gamma, beta, w1, b1, w2, b2, act: str, plan: Plan, cfg, s
         if grad and b2 is not None and b2.requires_grad:
             return None
         x = inp.reshape(-1, inp.shape[-1]).contiguous()
-        return layernorm_mlp_block_forward(
+        return _call(
+            layernorm_mlp_block_forward,
             x, gamma, beta, w1, b1, w2, b2, scales, history, codes.norm, codes.eps,
             codes.zero_centered_gamma, act_code, codes.current, codes.fwd_dtype, codes.pow2,
             codes.epsilon, False, False, False, False)[0]
