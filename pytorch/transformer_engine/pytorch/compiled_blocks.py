@@ -118,6 +118,18 @@ def _empty(like: torch.Tensor, *shape, dtype=torch.uint8) -> torch.Tensor:
     return like.new_empty(shape if shape else (0,), dtype=dtype)
 
 
+def _norm_gemm_like(x: torch.Tensor, beta, n: int, need_dgrad: bool, need_wgrad: bool) -> tuple:
+    """What the norm and the GEMM after it return (blocks.cpp), for the fakes: the output
+    [M, n], the norm output's scale_inv and column-wise copy, mu (LayerNorm) and rsigma, the
+    weight's scale_inv and column-wise copy."""
+    m, k = x.shape
+    f32 = torch.float32
+    return (x.new_empty((m, n)), _empty(x, 1, dtype=f32),
+            _empty(x, k, m) if need_wgrad else _empty(x),
+            _empty(x, m if beta is not None else 0, dtype=f32), _empty(x, m, dtype=f32),
+            _empty(x, 1, dtype=f32), _empty(x, k if need_dgrad else 0, n))
+
+
 def _state(scales: torch.Tensor, history: Optional[torch.Tensor]) -> torch.Tensor:
     """The history the operators take (current scaling reads none: the scales stand in)."""
     return scales if history is None or history.numel() == 0 else history
@@ -144,13 +156,7 @@ def layernorm_linear_block_forward(
 @layernorm_linear_block_forward.register_fake
 def _(x, gamma, beta, weight, bias, scales, history, norm, eps, zero_centered_gamma, current,
       fp8_dtype, pow2, epsilon, need_dgrad, need_wgrad):
-    m, k = x.shape
-    n = weight.shape[0]
-    f32 = torch.float32
-    return (x.new_empty((m, n)), _empty(x, 1, dtype=f32),
-            _empty(x, k, m) if need_wgrad else _empty(x),
-            _empty(x, m if beta is not None else 0, dtype=f32), _empty(x, m, dtype=f32),
-            _empty(x, 1, dtype=f32), _empty(x, k if need_dgrad else 0, n))
+    return _norm_gemm_like(x, beta, weight.shape[0], need_dgrad, need_wgrad)
 
 
 @custom_op(f"{_NS}::layernorm_linear_block_backward",
@@ -210,14 +216,11 @@ def layernorm_mlp_block_forward(
 @layernorm_mlp_block_forward.register_fake
 def _(x, gamma, beta, w1, b1, w2, b2, scales, history, norm, eps, zero_centered_gamma, act,
       current, fp8_dtype, pow2, epsilon, need_dgrad, need_wgrad1, need_fc1, need_wgrad2):
-    m, k = x.shape
-    f_rows, (n, f) = w1.shape[0], w2.shape
+    m = x.shape[0]
+    n, f = w2.shape
+    h, *fc1 = _norm_gemm_like(x, beta, w1.shape[0], need_dgrad, need_wgrad1)
     f32 = torch.float32
-    return (x.new_empty((m, n)), _empty(x, 1, dtype=f32),
-            _empty(x, k, m) if need_wgrad1 else _empty(x),
-            _empty(x, m if beta is not None else 0, dtype=f32), _empty(x, m, dtype=f32),
-            _empty(x, 1, dtype=f32), _empty(x, k if need_dgrad else 0, f_rows),
-            x.new_empty((m, f_rows)), _empty(x, 1, dtype=f32),
+    return (x.new_empty((m, n)), *fc1, h, _empty(x, 1, dtype=f32),
             _empty(x, f, m) if need_wgrad2 else _empty(x),
             _empty(x, 1, dtype=f32), _empty(x, f if need_fc1 else 0, n))
 
