@@ -1,5 +1,6 @@
 """LayerNormLinear's and LayerNormMLP's FP8 step as whole blocks: one autograd node whose
-forward and backward are each one compiled operator call, in eager mode.
+forward and backward are each one compiled operator call, in eager mode and in the graphs
+torch.compile traces.
 
 A small block's step is bound by host time: its Python steps (layernorm_linear_fn,
 layernorm_mlp_fn) make six to twelve op calls, each with its wrapper, its allocations and its
@@ -9,8 +10,10 @@ LibTorch stable ABI) make the same core calls with the same arguments from the w
 to the output and from grad_output to every gradient, so the same bits
 (``tests/pytorch/test_compiled_blocks.py``).
 
-The modules take them where ``usable`` says so: per-tensor delayed or current scaling in eager
-mode outside activation checkpoints, plain high-precision weights cast for this forward alone
+The modules take them where ``usable`` says so: per-tensor delayed or current scaling outside
+activation checkpoints (traced: current scaling, and delayed scaling once no history column is
+empty; a first step's graph keeps the Python steps' first-step rule), plain high-precision
+weights cast for this forward alone
 (no first-microbatch cache, no FP8 parameters), no norm output returned, no FP8 output, and,
 for the MLP, an FC1 output small enough that the Python steps' memory-lean backward order
 would not be taken (layernorm_mlp_fn.LEAN_BYTES). Everything else takes the Python steps.
