@@ -271,3 +271,32 @@ def test_compiled_graph_takes_the_block_ops_with_eager_bits(module, recipe_name)
     name = module + "_block"
     assert {f"transformer_engine::{name}_forward", f"transformer_engine::{name}_backward"} <= ran
     assert_same_bits(traced, eager)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("module", ["layernorm_linear", "layernorm_mlp"])
+def test_fp32_parameters_under_autocast_take_the_blocks(device, calls, module, recipe_name):
+    """torch.autocast to bf16 over fp32 parameters (an fp32 bias beside bf16 activations):
+    the blocks add the bias in bf16, as the Python steps' GEMM epilogue does, and give the
+    bias its fp32 gradient; the same bits as the Python steps over several steps."""
+    def train(on: bool):
+        _path(on)
+        torch.manual_seed(0)
+        m = MODULES[module](torch.float32, True, False, device)
+        seen = []
+        for step in range(STEPS):
+            x = (torch.randn(2, 16, 64, device=device) * (step + 1)).requires_grad_(True)
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+                with te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()):
+                    y = m(x)
+            assert y.dtype == torch.bfloat16
+            y.float().square().sum().backward()
+            seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+            seen += [b.clone() for b in m.buffers()]
+            for p in m.parameters():
+                p.grad = None
+        return seen
+
+    on = train(True)
+    assert len(calls) >= STEPS - 1
+    assert_same_bits(on, train(False))

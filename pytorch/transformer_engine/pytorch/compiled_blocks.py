@@ -35,6 +35,7 @@ from .quantization import Plan
 
 enabled = True
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Codes(NamedTuple):
@@ -68,8 +69,8 @@ def usable(plan: Plan, bwd_recipe: Any, history: Optional[torch.Tensor], inp: to
     a delayed history that a step has written, plain tensors, not traced), eager and outside
     an activation checkpoint (whose two runs must save tensors of the same shapes), a token
     count the GEMMs take unpadded, the core's scale update under delayed scaling (no user
-    callable, no amax group), plain weights cast for this forward alone, biases in the
-    input's dtype, and no norm output to return. Traced by torch.compile, the graph takes the
+    callable, no amax group), plain weights cast for this forward alone, and no norm output
+    to return. Traced by torch.compile, the graph takes the
     blocks' custom ops under current scaling and, under delayed scaling, once no history
     column is empty."""
     if not enabled or cfg.return_ln_out or is_first_microbatch is not None:
@@ -89,10 +90,10 @@ def usable(plan: Plan, bwd_recipe: Any, history: Optional[torch.Tensor], inp: to
     if plan.kind == "delayed" and (bwd_recipe is not None or plan.algo not in COMPILED_ALGOS):
         return False
     for w in weights:
-        if type(w) not in _PLAIN or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if type(w) not in _PLAIN or w.dtype not in _FLOATS:
             return False
     for b in biases:
-        if b is not None and b.dtype != inp.dtype:
+        if b is not None and b.dtype not in _FLOATS:
             return False
     if torch.compiler.is_compiling():
         # A traced graph calls the blocks' custom ops. Under delayed scaling only the graph of
@@ -275,6 +276,13 @@ def _(g, x, mu, rsigma, gamma, has_beta, ln_sinv, ln_col, w1_sinv, w1_col, h, ac
     return (*dx, gw1, gb1, gw2, gb2)
 
 
+def _in_dtype(bias: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
+    """A bias as the GEMM's epilogue adds it: in the output's (the input's) dtype, as
+    linear_fn._fp8_gemm casts it (an fp32 bias beside bf16 activations: torch.autocast over
+    fp32 parameters). Its gradient keeps the bias's own dtype."""
+    return bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
+
+
 def _call(op, *args):
     """One of the blocks' custom ops: traced, through the operator (a graph node); in eager
     mode its implementation straight away (usable() has checked what the custom op's eager
@@ -303,7 +311,7 @@ class LayerNormLinearBlock(torch.autograd.Function):
         x = inp.reshape(-1, inp.shape[-1])
         out, *saved = _call(
             layernorm_linear_block_forward,
-            x, gamma, beta, weight, bias, scales, history, codes.norm, codes.eps,
+            x, gamma, beta, weight, _in_dtype(bias, x), scales, history, codes.norm, codes.eps,
             codes.zero_centered_gamma, codes.current, codes.fwd_dtype, codes.pow2, codes.epsilon,
             need_dgrad, need_wgrad)
         ctx.save_for_backward(x, gamma, *saved)
@@ -348,7 +356,8 @@ def layernorm_linear(inp, gamma, beta, weight, bias, plan: Plan, cfg, scales, hi
         x = inp.reshape(-1, inp.shape[-1]).contiguous()
         return _call(
             layernorm_linear_block_forward,
-            x, gamma, beta, weight.contiguous(), bias, scales, history, codes.norm, codes.eps,
+            x, gamma, beta, weight.contiguous(), _in_dtype(bias, x), scales, history, codes.norm,
+            codes.eps,
             codes.zero_centered_gamma, codes.current, codes.fwd_dtype, codes.pow2, codes.epsilon,
             False, False)[0]
     return LayerNormLinearBlock.apply(inp.contiguous(), gamma, beta, weight.contiguous(), bias,
@@ -366,7 +375,8 @@ class LayerNormMlpBlock(torch.autograd.Function):
         x = inp.reshape(-1, inp.shape[-1])
         out, *saved = _call(
             layernorm_mlp_block_forward,
-            x, gamma, beta, w1, b1, w2, b2, scales, history, codes.norm, codes.eps,
+            x, gamma, beta, w1, _in_dtype(b1, x), w2, _in_dtype(b2, x), scales, history,
+            codes.norm, codes.eps,
             codes.zero_centered_gamma, act, codes.current, codes.fwd_dtype, codes.pow2,
             codes.epsilon, need_dgrad, need_wgrad1, need_fc1, need_wgrad2)
         ctx.save_for_backward(x, gamma, *saved)
@@ -426,7 +436,8 @@ def layernorm_mlp(inp, gamma, beta, w1, b1, w2, b2, act: str, plan: Plan, cfg, s
         x = inp.reshape(-1, inp.shape[-1]).contiguous()
         return _call(
             layernorm_mlp_block_forward,
-            x, gamma, beta, w1, b1, w2, b2, scales, history, codes.norm, codes.eps,
+            x, gamma, beta, w1, _in_dtype(b1, x), w2, _in_dtype(b2, x), scales, history,
+            codes.norm, codes.eps,
             codes.zero_centered_gamma, act_code, codes.current, codes.fwd_dtype, codes.pow2,
             codes.epsilon, False, False, False, False)[0]
     if need_fc1 and not (need_dgrad or need_wgrad1):
