@@ -305,7 +305,7 @@ def test_delay_wgrad_compute_puts_the_weight_gemms_aside_until_backward_dw(name)
 
 def test_grouped_fp8_compiles_whole_and_matches_eager():
     """torch.compile(fullgraph=True) of a delayed-scaling step, after an eager one: the
-    compiled graph casts the groups one by one (quantize_groups batches only in eager mode)
+    compiled graph casts the groups one by one (quantize_many batches only in eager mode)
     and gives eager's output and input gradient."""
     torch.manual_seed(0)
     grouped = te.GroupedLinear(4, 32, 32, bias=False, params_dtype=torch.bfloat16)

@@ -4,8 +4,8 @@ or block scaling): the groups' three GEMMs each in one grouped core call.
 Group g is its own te.Linear (``gemms[g]``): its plan, FP8 state, weight copy and scales are
 those that layer would use, and each group's input, weight and gradient are quantized as that
 layer quantizes them: under delayed and current scaling in eager mode every group's cast of one
-role in one core call (:func:`quantize_groups`; the gradients' where no bias gradient rides in
-their pass), otherwise one call per group and role. What is grouped is the GEMMs:
+role in one core call (quantization.quantize_many; the gradients' where no bias gradient rides
+in their pass), otherwise one call per group and role. What is grouped is the GEMMs:
 
     forward  out_g  = x_g @ w_g^T      one te_grouped_gemm over the groups
     dgrad    dx_g   = dy_g @ w_g       one te_grouped_gemm
@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 import torch
 
 from . import fp8, ops
-from .first_step import step_scales
 from .float8_tensor import Float8Tensor
 from .linear_fn import (
     _BLOCK_OUT,
@@ -32,7 +31,7 @@ from .linear_fn import (
     pad_gemm_operands,
     update_backward,
 )
-from .quantization import Operand, Plan, quantize
+from .quantization import Plan, quantize_many
 
 
 class GroupMeta(NamedTuple):
@@ -98,39 +97,6 @@ def _stacked_gemm(a_ops: list, b_ops: list, fmt_a: str, fmt_b: str, modes: tuple
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-def quantize_groups(plan: Plan, role: str, xs, rowwise: bool, columnwise: bool,
-                    states: list, column: int) -> list:
-    """``quantize(plan, role, xs[g], rowwise, columnwise, scales_g, column, history_g)`` for
-    every group g, ``states[g] = (scales_g, history_g)``: the operands each group's te.Linear
-    would make, so the same bits. Under delayed scaling with every history given (not a
-    checkpoint's recompute) and under current scaling the casts are one core call
-    (ops.quantize_delayed_many, ops.quantize_current_many: one kernel launch on the GPU where
-    each has a column-wise copy), where one op per group would cost each group its host time.
-    (Not in a graph torch.compile traces: its functionalization takes no custom op that writes
-    into a list of tensors, and a graph pays no host time per call of its own.)"""
-    kind = plan.kind
-    batched = (len(xs) > 1 and not torch.compiler.is_compiling()
-               and (kind == "current"
-                    or (kind == "delayed" and all(h is not None for _, h in states))))
-    if not batched:
-        return [quantize(plan, role, x, rowwise, columnwise, scales, column, history)
-                for x, (scales, history) in zip(xs, states, strict=True)]
-    dtype, mode = plan.dtype_of(role), plan.mode_of(role)
-    if kind == "current":
-        datas, cols, sinvs = ops.quantize_current_many(list(xs), dtype, rowwise, columnwise,
-                                                       plan.force_pow2_scales, plan.amax_epsilon)
-    else:
-        # (a first step's empty history: the group's scale from its own amax, as quantize does)
-        scales = [step_scales(s, column, h, column, dtype, plan.margin,
-                              lambda gate, x=x: ops.amax(x, gate))
-                  for x, (s, h) in zip(xs, states, strict=True)]
-        datas, cols, sinvs = ops.quantize_delayed_many(list(xs), scales, column,
-                                                       [h for _, h in states], dtype, rowwise,
-                                                       columnwise)
-    return [Operand(d, si, c, si, dtype, mode) for d, c, si in zip(datas, cols, sinvs,
-                                                                  strict=True)]
-
-
 def _fp8_row_groups(inp: Float8Tensor, splits) -> list:
     """The groups' rows of a per-tensor Float8Tensor, each a Float8Tensor over its bytes."""
     data = inp._data.reshape(-1, inp.shape[-1])
@@ -170,7 +136,7 @@ class GroupedFp8Function(torch.autograd.Function):
                     for part in _fp8_row_groups(inp, cfg.splits)]
         else:
             parts = torch.split(inp, list(cfg.splits))
-            q_in = quantize_groups(cfg.metas[0].plan, "input", parts, True, cfg.need_wgrad,
+            q_in = quantize_many(cfg.metas[0].plan, "input", parts, True, cfg.need_wgrad,
                                    [(m.scales, m.history) for m in cfg.metas], 0)
         plan = cfg.metas[0].plan
         fmt = plan.fwd_dtype
@@ -198,7 +164,7 @@ class GroupedFp8Function(torch.autograd.Function):
         plan = cfg.metas[0].plan
         if not has_bias and (cfg.need_dgrad or cfg.need_wgrad):
             # (grad_to_fp8's cast without a bias gradient, every group's in one call)
-            q_g = quantize_groups(plan, "grad_output", parts, cfg.need_dgrad, cfg.need_wgrad,
+            q_g = quantize_many(plan, "grad_output", parts, cfg.need_dgrad, cfg.need_wgrad,
                                   [(m.bwd_meta[1], m.bwd_meta[0]) for m in cfg.metas], 0)
             dbias = [None] * groups
         else:

@@ -88,6 +88,37 @@ def quantize(plan: Plan, role: str, x: torch.Tensor, rowwise: bool, columnwise: 
     return Operand(data, sinv, col, col_sinv, dtype, mode)
 
 
+def quantize_many(plan: Plan, role: str, xs, rowwise: bool, columnwise: bool,
+                    states: list, column: int) -> list:
+    """:func:`quantize` of each ``xs[i]`` with its own state ``states[i] = (scales,
+    history)``: the operands of a grouped layer's groups, each as its own layer makes them, so
+    the same bits. In eager mode under delayed scaling (every history given: not a
+    checkpoint's recompute) and current scaling the casts are one core call
+    (ops.quantize_delayed_many, ops.quantize_current_many: one kernel launch on the GPU), where
+    one op per group costs each group its host time; traced, the ops one by one."""
+    kind = plan.kind
+    batched = (len(xs) > 1 and not torch.compiler.is_compiling()
+               and (kind == "current"
+                    or (kind == "delayed" and all(h is not None for _, h in states))))
+    if not batched:
+        return [quantize(plan, role, x, rowwise, columnwise, scales, column, history)
+                for x, (scales, history) in zip(xs, states, strict=True)]
+    dtype, mode = plan.dtype_of(role), plan.mode_of(role)
+    if kind == "current":
+        datas, cols, sinvs = ops.quantize_current_many(list(xs), dtype, rowwise, columnwise,
+                                                       plan.force_pow2_scales, plan.amax_epsilon)
+    else:
+        # (a first step's empty history: the group's scale from its own amax, as quantize does)
+        scales = [step_scales(s, column, h, column, dtype, plan.margin,
+                              lambda gate, x=x: ops.amax(x, gate))
+                  for x, (s, h) in zip(xs, states, strict=True)]
+        datas, cols, sinvs = ops.quantize_delayed_many(list(xs), scales, column,
+                                                       [h for _, h in states], dtype, rowwise,
+                                                       columnwise)
+    return [Operand(d, si, c, si, dtype, mode) for d, c, si in zip(datas, cols, sinvs,
+                                                                  strict=True)]
+
+
 def record_amax(history: torch.Tensor, column: int, amax: torch.Tensor) -> None:
     """Writes ``amax`` into slot 0 of one history column, keeping the larger value when the
     column was already written this step (several forwards in one autocast). For calibration

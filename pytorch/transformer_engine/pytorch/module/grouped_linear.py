@@ -25,10 +25,9 @@ from ..grouped_linear_fn import (
     GroupedFp8Function,
     GroupedHpFunction,
     GroupMeta,
-    quantize_groups,
 )
 from ..linear_fn import takes_fp8_input
-from ..quantization import kind_of, plan_of
+from ..quantization import kind_of, plan_of, quantize_many
 from ._checks import check_device, check_float_input, check_sizes, refuse_non_defaults
 from ._deferred_init import DeferredInit
 from ._main_grad import route_tree
@@ -197,10 +196,10 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
 
     def _weight_operands(self, metas, weights, need_col: bool, is_first_microbatch) -> list:
         """Each group's weight copy as its te.Linear makes it (_weight_operand); fresh casts
-        of every group in one core call where they are (grouped_linear_fn.quantize_groups)."""
+        of every group in one core call where they are (quantization.quantize_many)."""
         plan = metas[0].plan
         if _fresh_weights(self.gemms, weights, is_first_microbatch):
-            return quantize_groups(plan, "weight", [w.detach() for w in weights], True,
+            return quantize_many(plan, "weight", [w.detach() for w in weights], True,
                                    need_col, [(m.scales, m.history) for m in metas], 1)
         return [gemm._weight_operand(m.plan, w, need_col, is_first_microbatch, m.scales,
                                      m.history)

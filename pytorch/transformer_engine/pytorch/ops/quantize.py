@@ -1,10 +1,12 @@
 """Quantization custom ops (``transformer_engine::*``): per-tensor with a given scale (delayed
 scaling), per-tensor from the tensor's own amax (current scaling), block-scaled, and back.
 
-Every op is functional (fresh outputs, no argument mutated), so torch.compile traces it as
-one node and a CUDA graph captures it; the ``register_fake`` beside each gives the output
-shapes from the input shapes alone. Inputs are matrices [M, K] (callers flatten leading
-dimensions). An output that was not asked for comes back as an empty uint8 tensor.
+Every op returns fresh outputs (quantize_delayed also raises its amax history slot in place,
+a declared mutation), so torch.compile traces it as one node and a CUDA graph captures it; the
+``register_fake`` beside each gives the output shapes from the input shapes alone. Inputs are
+matrices [M, K] (callers flatten leading dimensions). An output that was not asked for comes
+back as an empty uint8 tensor. The batches of a grouped layer's casts (eager mode only) are
+plain functions beside them.
 """
 
 from __future__ import annotations
@@ -124,61 +126,19 @@ def _(x, scales, index, amax_history, fp8_dtype, rowwise, columnwise):
     return (*_fp8_outputs(x, rowwise, columnwise), _scalar(x))
 
 
-@custom_op(f"{_NS}::quantize_delayed_many", mutates_args=("amax_histories",))
-def quantize_delayed_many(xs: list[torch.Tensor], scales: list[torch.Tensor], index: int,
-                          amax_histories: list[torch.Tensor], fp8_dtype: str, rowwise: bool,
-                          columnwise: bool) -> tuple[list[torch.Tensor], list[torch.Tensor],
-                                                     list[torch.Tensor]]:
-    """:func:`quantize_delayed` of each ``xs[i]`` with ``scales[i][index]``, raising
-    ``amax_histories[i][0, index]``, in one core call (one kernel launch on the GPU where every
-    cast has a column-wise copy): the same bits as the calls one by one, for the groups of a
-    grouped layer, each with its own FP8 state. Returns (datas, columnwise datas, scale_invs)."""
-    n = len(xs)
-    if len(scales) != n or len(amax_histories) != n:
-        raise ValueError(f"quantize_delayed_many: xs, scales and amax_histories must be as many, "
-                         f"got {n}, {len(scales)} and {len(amax_histories)}")
-    check_fp8_dtype("quantize_delayed_many", fp8_dtype)
-    if n == 0:
-        return [], [], []
-    c = core()
-    fmt = te_dtype(fp8_dtype)
-    xs = [x.contiguous() for x in xs]  # kept alive across the call: raw() holds pointers
-    rows, sinvs = _scalar_rows(xs[0], n)
-    datas, cols, ins, outs = [], [], [], []
-    for i, (x, scale, history) in enumerate(zip(xs, scales, amax_histories, strict=True)):
-        _check_matrix("quantize_delayed_many", x, rowwise, columnwise)
-        data, col = _fp8_outputs(x, rowwise, columnwise)
-        ins.append(raw(x))
-        outs.append(c.Tensor(raw(data) if rowwise else None, dtype=fmt,
-                             scale=raw_element(scale, index),
-                             scale_inv=raw_element(rows, _ROW * i),
-                             amax=history_slot("quantize_delayed_many", history, index),
-                             columnwise_data=raw(col) if columnwise else None))
-        datas.append(data)
-        cols.append(col)
-    c.quantize_many(ins, outs, accumulate_amax=True, stream=stream_of(xs[0]))
-    return datas, cols, sinvs
-
-
-def _many_like(op: str, xs, rowwise: bool, columnwise: bool) -> tuple[list, list, list]:
-    """The outputs of a batched cast (datas, columnwise datas, scale_invs), for fake
-    implementations."""
-    datas, cols, sinvs = [], [], []
-    for x in xs:
-        _check_matrix(op, x, rowwise, columnwise)
-        data, col = _fp8_outputs(x, rowwise, columnwise)
-        datas.append(data)
-        cols.append(col)
-        sinvs.append(_scalar(x))
-    return datas, cols, sinvs
-
-
-@quantize_delayed_many.register_fake
-def _(xs, scales, index, amax_histories, fp8_dtype, rowwise, columnwise):
-    return _many_like("quantize_delayed_many", xs, rowwise, columnwise)
-
-
 # ------------------------------------------------------------ per-tensor, current scaling
+
+
+def _current_cast(c, rx, rdata, rcol, fmt, rscale, rsinv, ramax, pow2: bool, epsilon: float,
+                  stream: int):
+    """Current scaling's first two core calls on x (fast forms): its amax, then the scale and
+    scale_inv from it; returns the output the cast then writes (without the amax: it is known,
+    the cast need not reduce it again)."""
+    c.compute_amax(rx, c.Tensor(amax=ramax), stream=stream)
+    c.compute_scale_from_amax(c.Tensor(rdata, dtype=fmt, scale=rscale, scale_inv=rsinv,
+                                       amax=ramax, columnwise_data=rcol),
+                              force_pow2_scales=pow2, amax_epsilon=epsilon, stream=stream)
+    return c.Tensor(rdata, dtype=fmt, scale=rscale, scale_inv=rsinv, columnwise_data=rcol)
 
 
 @custom_op(f"{_NS}::quantize_current", mutates_args=())
@@ -197,15 +157,9 @@ def quantize_current(
     scale, scale_inv, amax = _scalar(x), _scalar(x), _scalar(x)
     # Each fast form once: the three calls share them.
     rx, rscale, rsinv, ramax = raw(x), raw(scale), raw(scale_inv), raw(amax)
-    c.compute_amax(rx, c.Tensor(amax=ramax), stream=stream)
-    fmt = te_dtype(fp8_dtype)
     rdata, rcol = (raw(data) if rowwise else None), (raw(col) if columnwise else None)
-    out = c.Tensor(rdata, dtype=fmt, scale=rscale, scale_inv=rsinv, amax=ramax,
-                   columnwise_data=rcol)
-    c.compute_scale_from_amax(out, force_pow2_scales=force_pow2_scales,
-                              amax_epsilon=amax_epsilon, stream=stream)
-    # amax is left out here: it is already known, the cast need not reduce it again.
-    cast = c.Tensor(rdata, dtype=fmt, scale=rscale, scale_inv=rsinv, columnwise_data=rcol)
+    cast = _current_cast(c, rx, rdata, rcol, te_dtype(fp8_dtype), rscale, rsinv, ramax,
+                         force_pow2_scales, amax_epsilon, stream)
     c.quantize(rx, cast, stream=stream)
     return data, col, scale, scale_inv, amax
 
@@ -214,49 +168,6 @@ def quantize_current(
 def _(x, fp8_dtype, rowwise, columnwise, force_pow2_scales, amax_epsilon):
     _check_matrix("quantize_current", x, rowwise, columnwise)
     return (*_fp8_outputs(x, rowwise, columnwise), _scalar(x), _scalar(x), _scalar(x))
-
-
-@custom_op(f"{_NS}::quantize_current_many", mutates_args=())
-def quantize_current_many(xs: list[torch.Tensor], fp8_dtype: str, rowwise: bool,
-                          columnwise: bool, force_pow2_scales: bool, amax_epsilon: float
-                          ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """:func:`quantize_current` of each ``xs[i]``: each amax and scale by its own core calls,
-    the casts in one (one kernel launch on the GPU where every cast has a column-wise copy),
-    the same bits as the calls one by one, for the groups of a grouped layer. Returns
-    (datas, columnwise datas, scale_invs)."""
-    check_fp8_dtype("quantize_current_many", fp8_dtype)
-    n = len(xs)
-    if n == 0:
-        return [], [], []
-    c = core()
-    fmt = te_dtype(fp8_dtype)
-    xs = [x.contiguous() for x in xs]  # kept alive across the calls: raw() holds pointers
-    stream = stream_of(xs[0])
-    rows, sinvs = _scalar_rows(xs[0], n)  # per row: scale_inv, scale, amax
-    datas, cols, ins, outs = [], [], [], []
-    for i, x in enumerate(xs):
-        _check_matrix("quantize_current_many", x, rowwise, columnwise)
-        data, col = _fp8_outputs(x, rowwise, columnwise)
-        rx = raw(x)
-        rsinv, rscale, ramax = (raw_element(rows, _ROW * i + j) for j in range(3))
-        c.compute_amax(rx, c.Tensor(amax=ramax), stream=stream)
-        rdata, rcol = (raw(data) if rowwise else None), (raw(col) if columnwise else None)
-        c.compute_scale_from_amax(c.Tensor(rdata, dtype=fmt, scale=rscale, scale_inv=rsinv,
-                                           amax=ramax, columnwise_data=rcol),
-                                  force_pow2_scales=force_pow2_scales,
-                                  amax_epsilon=amax_epsilon, stream=stream)
-        ins.append(rx)
-        outs.append(c.Tensor(rdata, dtype=fmt, scale=rscale, scale_inv=rsinv,
-                             columnwise_data=rcol))
-        datas.append(data)
-        cols.append(col)
-    c.quantize_many(ins, outs, stream=stream)
-    return datas, cols, sinvs
-
-
-@quantize_current_many.register_fake
-def _(xs, fp8_dtype, rowwise, columnwise, force_pow2_scales, amax_epsilon):
-    return _many_like("quantize_current_many", xs, rowwise, columnwise)
 
 
 @custom_op(f"{_NS}::current_scale", mutates_args=())
@@ -284,6 +195,80 @@ def current_scale(x: torch.Tensor, fp8_dtype: str, force_pow2_scales: bool,
 @current_scale.register_fake
 def _(x, fp8_dtype, force_pow2_scales, amax_epsilon):
     return _scalar(x), _scalar(x)
+
+
+# ------------------------------------------------------------ batches (eager mode only)
+#
+# The casts of a grouped layer's groups, each with its own scale, in one core call: one kernel
+# launch on the GPU where every cast has a column-wise copy, where one op per group costs each
+# group its host time. Plain functions, not custom ops: their scale_invs are rows of one buffer
+# (a custom op's outputs must not alias), and a graph torch.compile traces calls the ops above
+# group by group, paying no host time per call of its own.
+
+
+def quantize_delayed_many(xs: list[torch.Tensor], scales: list[torch.Tensor], index: int,
+                          amax_histories: list[torch.Tensor], fp8_dtype: str, rowwise: bool,
+                          columnwise: bool) -> tuple[list[torch.Tensor], list[torch.Tensor],
+                                                     list[torch.Tensor]]:
+    """:func:`quantize_delayed` of each ``xs[i]`` with ``scales[i][index]``, raising
+    ``amax_histories[i][0, index]``, in one core call: the same bits as the calls one by one.
+    Returns (datas, columnwise datas, scale_invs)."""
+    n = len(xs)
+    if len(scales) != n or len(amax_histories) != n:
+        raise ValueError(f"quantize_delayed_many: xs, scales and amax_histories must be as many, "
+                         f"got {n}, {len(scales)} and {len(amax_histories)}")
+    check_fp8_dtype("quantize_delayed_many", fp8_dtype)
+    if n == 0:
+        return [], [], []
+    c = core()
+    fmt = te_dtype(fp8_dtype)
+    xs = [x.contiguous() for x in xs]  # kept alive across the call: raw() holds pointers
+    rows, sinvs = _scalar_rows(xs[0], n)
+    datas, cols, ins, outs = [], [], [], []
+    for i, (x, scale, history) in enumerate(zip(xs, scales, amax_histories, strict=True)):
+        _check_matrix("quantize_delayed_many", x, rowwise, columnwise)
+        data, col = _fp8_outputs(x, rowwise, columnwise)
+        ins.append(raw(x))
+        outs.append(c.Tensor(raw(data) if rowwise else None, dtype=fmt,
+                             scale=raw_element(scale, index),
+                             scale_inv=raw_element(rows, _ROW * i),
+                             amax=history_slot("quantize_delayed_many", history, index),
+                             columnwise_data=raw(col) if columnwise else None))
+        datas.append(data)
+        cols.append(col)
+    c.quantize_many(ins, outs, accumulate_amax=True, stream=stream_of(xs[0]))
+    return datas, cols, sinvs
+
+
+def quantize_current_many(xs: list[torch.Tensor], fp8_dtype: str, rowwise: bool,
+                          columnwise: bool, force_pow2_scales: bool, amax_epsilon: float
+                          ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`quantize_current` of each ``xs[i]`` (a batch, see above): each amax and scale by
+    its own core calls, the casts in one, the same bits as the calls one by one. Returns
+    (datas, columnwise datas, scale_invs)."""
+    check_fp8_dtype("quantize_current_many", fp8_dtype)
+    n = len(xs)
+    if n == 0:
+        return [], [], []
+    c = core()
+    fmt = te_dtype(fp8_dtype)
+    xs = [x.contiguous() for x in xs]  # kept alive across the calls: raw() holds pointers
+    stream = stream_of(xs[0])
+    rows, sinvs = _scalar_rows(xs[0], n)  # per row: scale_inv, scale, amax
+    datas, cols, ins, outs = [], [], [], []
+    for i, x in enumerate(xs):
+        _check_matrix("quantize_current_many", x, rowwise, columnwise)
+        data, col = _fp8_outputs(x, rowwise, columnwise)
+        rx = raw(x)
+        rsinv, rscale, ramax = (raw_element(rows, _ROW * i + j) for j in range(3))
+        rdata, rcol = (raw(data) if rowwise else None), (raw(col) if columnwise else None)
+        ins.append(rx)
+        outs.append(_current_cast(c, rx, rdata, rcol, fmt, rscale, rsinv, ramax,
+                                  force_pow2_scales, amax_epsilon, stream))
+        datas.append(data)
+        cols.append(col)
+    c.quantize_many(ins, outs, stream=stream)
+    return datas, cols, sinvs
 
 
 # ------------------------------------------------------------ block scaling
