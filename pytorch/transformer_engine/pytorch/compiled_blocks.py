@@ -290,6 +290,26 @@ def _call(op, *args):
     return op(*args) if torch.compiler.is_compiling() else op.__wrapped__(*args)
 
 
+def _linear_forward(x, gamma, beta, weight, bias, scales, history, codes: Codes,
+                    need_dgrad: bool, need_wgrad: bool) -> tuple:
+    """LayerNormLinear's forward operator on x [M, K]: (output, then what the backward reads)."""
+    return _call(layernorm_linear_block_forward, x, gamma, beta, weight, _in_dtype(bias, x),
+                 scales, history, codes.norm, codes.eps, codes.zero_centered_gamma,
+                 codes.current, codes.fwd_dtype, codes.pow2, codes.epsilon, need_dgrad,
+                 need_wgrad)
+
+
+def _mlp_forward(x, gamma, beta, w1, b1, w2, b2, scales, history, codes: Codes, act: int,
+                 need: tuple) -> tuple:
+    """LayerNormMLP's forward operator on x [M, K]: (output, then what the backward reads).
+    ``need`` as LayerNormMlpBlock's."""
+    need_dgrad, need_wgrad1, need_wgrad2, need_fc1 = need
+    return _call(layernorm_mlp_block_forward, x, gamma, beta, w1, _in_dtype(b1, x), w2,
+                 _in_dtype(b2, x), scales, history, codes.norm, codes.eps,
+                 codes.zero_centered_gamma, act, codes.current, codes.fwd_dtype, codes.pow2,
+                 codes.epsilon, need_dgrad, need_wgrad1, need_fc1, need_wgrad2)
+
+
 class _Backward(NamedTuple):
     """What a block's backward needs besides its saved tensors."""
 
@@ -309,11 +329,8 @@ class LayerNormLinearBlock(torch.autograd.Function):
     def forward(ctx, inp, gamma, beta, weight, bias, scales, history, bwd_meta, codes: Codes,
                 need_dgrad: bool, need_wgrad: bool):
         x = inp.reshape(-1, inp.shape[-1])
-        out, *saved = _call(
-            layernorm_linear_block_forward,
-            x, gamma, beta, weight, _in_dtype(bias, x), scales, history, codes.norm, codes.eps,
-            codes.zero_centered_gamma, codes.current, codes.fwd_dtype, codes.pow2, codes.epsilon,
-            need_dgrad, need_wgrad)
+        out, *saved = _linear_forward(x, gamma, beta, weight, bias, scales, history, codes,
+                                      need_dgrad, need_wgrad)
         ctx.save_for_backward(x, gamma, *saved)
         ctx.info = _Backward(codes, bwd_meta, (need_dgrad, need_wgrad, beta is not None),
                              (weight.dtype, None if bias is None else bias.dtype), inp.shape, 0)
@@ -354,12 +371,8 @@ def layernorm_linear(inp, gamma, beta, weight, bias, plan: Plan, cfg, scales, hi
         if need_bias:
             return None
         x = inp.reshape(-1, inp.shape[-1]).contiguous()
-        return _call(
-            layernorm_linear_block_forward,
-            x, gamma, beta, weight.contiguous(), _in_dtype(bias, x), scales, history, codes.norm,
-            codes.eps,
-            codes.zero_centered_gamma, codes.current, codes.fwd_dtype, codes.pow2, codes.epsilon,
-            False, False)[0]
+        return _linear_forward(x, gamma, beta, weight.contiguous(), bias, scales, history, codes,
+                               False, False)[0]
     return LayerNormLinearBlock.apply(inp.contiguous(), gamma, beta, weight.contiguous(), bias,
                                       scales, history, bwd_meta, codes, need_dgrad, need_wgrad)
 
@@ -371,14 +384,9 @@ class LayerNormMlpBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, gamma, beta, w1, b1, w2, b2, scales, history, bwd_meta, codes: Codes,
                 act: int, need: tuple):
-        need_dgrad, need_wgrad1, need_wgrad2, need_fc1 = need
         x = inp.reshape(-1, inp.shape[-1])
-        out, *saved = _call(
-            layernorm_mlp_block_forward,
-            x, gamma, beta, w1, _in_dtype(b1, x), w2, _in_dtype(b2, x), scales, history,
-            codes.norm, codes.eps,
-            codes.zero_centered_gamma, act, codes.current, codes.fwd_dtype, codes.pow2,
-            codes.epsilon, need_dgrad, need_wgrad1, need_fc1, need_wgrad2)
+        out, *saved = _mlp_forward(x, gamma, beta, w1, b1, w2, b2, scales, history, codes, act,
+                                   need)
         ctx.save_for_backward(x, gamma, *saved)
         ctx.info = _Backward(codes, bwd_meta, (*need, beta is not None),
                              (w1.dtype, None if b1 is None else b1.dtype, w2.dtype,
@@ -434,12 +442,8 @@ def layernorm_mlp(inp, gamma, beta, w1, b1, w2, b2, act: str, plan: Plan, cfg, s
         if grad and b2 is not None and b2.requires_grad:
             return None
         x = inp.reshape(-1, inp.shape[-1]).contiguous()
-        return _call(
-            layernorm_mlp_block_forward,
-            x, gamma, beta, w1, _in_dtype(b1, x), w2, _in_dtype(b2, x), scales, history,
-            codes.norm, codes.eps,
-            codes.zero_centered_gamma, act_code, codes.current, codes.fwd_dtype, codes.pow2,
-            codes.epsilon, False, False, False, False)[0]
+        return _mlp_forward(x, gamma, beta, w1, b1, w2, b2, scales, history, codes, act_code,
+                            (False,) * 4)[0]
     if need_fc1 and not (need_dgrad or need_wgrad1):
         return None
     return LayerNormMlpBlock.apply(inp.contiguous(), gamma, beta, w1, b1, w2, b2, scales,
