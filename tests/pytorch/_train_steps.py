@@ -4,6 +4,7 @@ per-tensor recipes those tests train, and the comparison itself."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import transformer_engine.pytorch as te
@@ -32,17 +33,19 @@ BLOCKS = {
 }
 
 
-def record_steps(m: torch.nn.Module, recipe, steps: int, device, dtype) -> list:
+def record_steps(m: torch.nn.Module, recipe, steps: int, device, dtype,
+                 input_grad: bool = True) -> list:
     """``steps`` FP8 steps of ``m`` on [2, 16, 64] inputs growing step by step (so delayed
-    scaling has something to follow); None for a parameter without a gradient."""
+    scaling has something to follow); None for a gradient not computed (a parameter that does
+    not learn, an input that needs none)."""
     seen = []
     for step in range(steps):
         x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(dtype)
-        x.requires_grad_(True)
+        x.requires_grad_(input_grad)
         with te.fp8_autocast(fp8_recipe=recipe):
             y = m(x)
         y.backward(torch.randn_like(y))
-        seen += [y.detach(), x.grad]
+        seen += [y.detach(), None if x.grad is None else x.grad.clone()]
         seen += [p.grad.clone() if p.grad is not None else None for p in m.parameters()]
         seen += [b.clone() for b in m.buffers()]
     return seen
@@ -58,3 +61,22 @@ def assert_same_bits(a_list, b_list) -> None:
         assert a.dtype == b.dtype and a.shape == b.shape, f"item {i}"
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), \
             f"item {i} differs"
+
+
+def same_bits_matrix(recipes: dict, modules: dict):
+    """The parameters the fused blocks' same-bits tests run over: module, recipe, bias, dtype
+    and zero-centered gamma."""
+    marks = (pytest.mark.parametrize("zero_centered", [False, True],
+                                     ids=["gamma", "zero-centered"]),
+             pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32],
+                                     ids=["bf16", "fp32"]),
+             pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"]),
+             pytest.mark.parametrize("recipe_name", list(recipes)),
+             pytest.mark.parametrize("module", list(modules)))
+
+    def mark(test):
+        for m in marks:
+            test = m(test)
+        return test
+
+    return mark

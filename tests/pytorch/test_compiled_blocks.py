@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from te_torch_tests._train_steps import BLOCKS, RECIPES, assert_same_bits, record_steps
+from te_torch_tests._train_steps import (
+    BLOCKS,
+    RECIPES,
+    assert_same_bits,
+    record_steps,
+    same_bits_matrix,
+)
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -60,17 +66,7 @@ def _train(device, compiled: bool, module: str, recipe_name: str, dtype, bias: b
                 p.add_(torch.randn_like(p) * 0.3)
     for name, p in m.named_parameters():
         p.requires_grad_(not FREEZE[freeze](name))
-    if input_grad:
-        return record_steps(m, RECIPES[recipe_name](), STEPS, device, dtype)
-    seen = []
-    for step in range(STEPS):
-        x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(dtype)
-        with te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()):
-            y = m(x)
-        y.backward(torch.randn_like(y))
-        seen += [y.detach()] + [p.grad for p in m.parameters()] + list(m.buffers())
-        seen = [None if t is None else t.clone() for t in seen]
-    return seen
+    return record_steps(m, RECIPES[recipe_name](), STEPS, device, dtype, input_grad)
 
 
 @pytest.fixture
@@ -79,11 +75,7 @@ def calls(record_calls):
     return record_calls(compiled_blocks, "layernorm_linear", "layernorm_mlp")
 
 
-@pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero-centered"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
-@pytest.mark.parametrize("module", list(MODULES))
+@same_bits_matrix(RECIPES, MODULES)
 def test_same_bits_as_the_python_steps(device, calls, module, recipe_name, bias, dtype,
                                        zero_centered):
     compiled = _train(device, True, module, recipe_name, dtype, bias, zero_centered)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from te_torch_tests._train_steps import BLOCKS, RECIPES, record_steps
+from te_torch_tests._train_steps import BLOCKS, RECIPES, record_steps, same_bits_matrix
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -46,11 +46,7 @@ def calls(record_calls):
     return record_calls(compiled_forward, "norm_linear", "act_linear")
 
 
-@pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero-centered"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
-@pytest.mark.parametrize("module", list(MODULES))
+@same_bits_matrix(RECIPES, MODULES)
 def test_same_bits_as_the_python_steps(device, calls, module, recipe_name, bias, dtype,
                                        zero_centered):
     compiled = _train(device, True, module, recipe_name, dtype, bias, zero_centered)
