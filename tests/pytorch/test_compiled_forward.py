@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from te_torch_tests._train_steps import BLOCKS, RECIPES, record_steps, same_bits_matrix
+from te_torch_tests._train_steps import (
+    BLOCKS,
+    RECIPES,
+    assert_same_bits,
+    record_steps,
+    same_bits_matrix,
+)
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -56,11 +62,7 @@ def test_same_bits_as_the_python_steps(device, calls, module, recipe_name, bias,
     pairs = ["norm_linear", "act_linear"] if "mlp" in module else ["norm_linear"]
     assert calls == pairs * steps
     python = _train(device, False, module, recipe_name, dtype, bias, zero_centered)
-    assert len(compiled) == len(python)
-    for i, (a, b) in enumerate(zip(compiled, python, strict=True)):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"item {i}"
-        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), \
-            f"item {i} differs"
+    assert_same_bits(compiled, python)
 
 
 def test_not_taken_where_the_steps_differ(calls):
