@@ -190,23 +190,97 @@ def test_python_path_where_it_differs(spy, case):
     assert spy == []
 
 
-def test_python_path_under_checkpoint_and_compile(spy):
-    """A checkpoint's recompute records no amax, and torch.compile traces the custom ops: both
-    take the Python path, and so does the checkpoint's first run (torch's checkpoint wants the
-    same saved tensors from both runs)."""
+def test_python_path_under_checkpoint_and_a_first_compiled_step(spy):
+    """A checkpoint's recompute records no amax: it takes the Python path, and so does the
+    checkpoint's first run (torch's checkpoint wants the same saved tensors from both runs). A
+    compiled first step under delayed scaling keeps the Python path too (its first-step rule)."""
     m = te.Linear(64, 64, params_dtype=torch.bfloat16, device="cpu")
     x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
     r = recipe.DelayedScaling()
+    compiled = torch.compile(lambda t: _forward(m, t, r), fullgraph=True, backend="eager")
+    compiled(x)
+    assert len(spy) == 0
     with te.fp8_autocast(fp8_recipe=r):
         y = te.checkpoint(m, x)
     y.sum().backward()
     assert len(spy) == 0
-
-    compiled = torch.compile(lambda t: _forward(m, t, r), fullgraph=True, backend="eager")
-    compiled(x)
-    assert len(spy) == 0
     _forward(m, x, r)  # and eager outside both: the compiled path
     assert len(spy) == 1
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_compiled_graph_takes_the_operators_with_eager_bits(recipe_name, bias):
+    """torch.compile(fullgraph=True) of a te.Linear step traces the layer as its two custom ops
+    (under delayed scaling once a step has written the histories), and three compiled steps
+    give the outputs, gradients and FP8 state of three eager ones."""
+    import copy
+
+    from te_torch_tests._train_steps import RECIPES
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    m = te.Linear(64, 32, bias=bias, params_dtype=torch.bfloat16, device="cpu")
+    r = RECIPES[recipe_name]()
+
+    def step(x):
+        with te.fp8_autocast(fp8_recipe=r):
+            return m(x)
+
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    step(x).float().sum().backward()  # the first step, eagerly
+    state = copy.deepcopy(m.state_dict())
+
+    def run(f):
+        m.load_state_dict(state)
+        seen = []
+        for i in range(3):
+            for p in m.parameters():
+                p.grad = None
+            x.grad = None
+            y = f(x * (i + 1))
+            y.float().square().sum().backward()
+            seen += [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+            seen += [b.clone() for b in m.buffers()]
+        return seen
+
+    eager = run(step)
+    compiled = torch.compile(step, fullgraph=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        traced = run(compiled)
+    ran = {e.key for e in prof.key_averages()}
+    assert {"transformer_engine::linear_block_forward",
+            "transformer_engine::linear_block_backward"} <= ran
+    assert "transformer_engine::quantize_delayed" not in ran
+    assert_same_bits(traced, eager)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_compiled_steps_trace_one_graph(recipe_name):
+    """Compiled steps after an eager first one, in a process whose first FP8 layer is
+    compiled (the core's codes not yet looked up: a traced lookup that filled their cache
+    made the next step trace a second graph): one graph for them all."""
+    from te_torch_tests._train_steps import RECIPES
+    from torch._dynamo.utils import counters
+
+    from transformer_engine.pytorch.ops import _backend
+
+    m = te.Linear(64, 32, params_dtype=torch.bfloat16, device="cpu")
+    r = RECIPES[recipe_name]()
+
+    def step(x):
+        with te.fp8_autocast(fp8_recipe=r):
+            return m(x)
+
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    step(x).float().sum().backward()
+    _backend._codes.clear()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    for _ in range(3):
+        compiled(x).float().sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.parametrize("where", ["linear_grads", "linear_backward"])
@@ -250,10 +324,10 @@ def test_operators_check_their_inputs(device):
 
     with pytest.raises(RuntimeError, match="linear_fp8_forward: M, N and K must be multiples"):
         forward(x, w, None, scales, history, _compiled.NO_TENSOR, False, e4m3, False, 0.0, True,
-                True, 0)
+                True, False, 0)
     with pytest.raises(RuntimeError, match="linear_fp8_forward: bias must be"):
         forward(x[:16], w, torch.zeros(5, device=device), scales, history, _compiled.NO_TENSOR,
-                False, e4m3, False, 0.0, True, True, 0)
+                False, e4m3, False, 0.0, True, True, False, 0)
     assert torch.equal(history, torch.zeros(4, 3, device=device))
     g = torch.randn(16, 32, device=device)
     status, *_ = ops.linear_fp8_backward.default(
@@ -274,7 +348,7 @@ import sys, torch
 torch.ops.load_library(sys.argv[1])
 status, *_ = torch.ops.te_eager.linear_fp8_forward.default(
     torch.randn(24, 64), torch.randn(32, 64), None, torch.ones(3), torch.zeros(4, 3),
-    torch.empty(0, dtype=torch.uint8), False, int(sys.argv[2]), False, 0.0, True, True, 0)
+    torch.empty(0, dtype=torch.uint8), False, int(sys.argv[2]), False, 0.0, True, True, False, 0)
 print(status, torch.ops.te_eager.last_error.default())
 """
 

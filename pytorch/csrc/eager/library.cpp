@@ -91,7 +91,7 @@ STABLE_TORCH_LIBRARY(te_eager, m) {
   m.def(
       "linear_fp8_forward(Tensor input, Tensor weight, Tensor? bias, Tensor scales, Tensor(a!) history, "
       "Tensor(b!) workspace, bool current, int fp8_dtype, bool pow2, float epsilon, bool need_dgrad, "
-      "bool need_wgrad, int stream) -> (int, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool need_wgrad, bool own_buffers, int stream) -> (int, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "linear_fp8_backward(Tensor grad_output, Tensor? act_input, int act, Tensor x_sinv, Tensor w_sinv, "
       "Tensor x_col, Tensor w_col, Tensor(a!) grad_history, Tensor(b!) grad_scale, Tensor(c!) grad_scale_inv, "

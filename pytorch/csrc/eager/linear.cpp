@@ -35,10 +35,14 @@ void check_linear(const Tensor &input, const Tensor &weight, const std::optional
 //
 // Returns (output [..., N], input scale_inv [1], weight scale_inv [1], column-wise input [K, M]
 // or [0] unless need_wgrad, column-wise weight [K, N] or [0] unless need_dgrad): the output and
-// what the backward keeps instead of the activation.
+// what the backward keeps instead of the activation. With own_buffers each output has an
+// allocation of its own (a custom op's outputs may not share storage: the traced graph's
+// fast_linear.linear_forward); else the two scale_invs share one and the two column-wise copies
+// another, two allocations fewer for the eager step.
 std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward(
     Tensor input, Tensor weight, std::optional<Tensor> bias, Tensor scales, Tensor history, Tensor workspace,
-    bool current, int64_t fp8_dtype, bool pow2, double epsilon, bool need_dgrad, bool need_wgrad, int64_t stream_handle) {
+    bool current, int64_t fp8_dtype, bool pow2, double epsilon, bool need_dgrad, bool need_wgrad, bool own_buffers,
+    int64_t stream_handle) {
   return guarded(kLinear, input, [&]() -> std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> {
     check_linear(input, weight, bias);
     const auto fp8 = static_cast<te_dtype>(fp8_dtype);
@@ -46,21 +50,24 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward(
     const int64_t k = weight.size(1), n = weight.size(0), m = k > 0 ? input.numel() / k : 0;
     const int32_t u8 = aoti_torch_dtype_uint8(), f32 = aoti_torch_dtype_float32();
     // Four allocations (each costs host time, and at small sizes host time is the forward's
-    // cost): the row-wise copies, which only the GEMM reads; the output; the scalars, one row of
-    // kScalarRow floats per operand (scale_inv, then current scaling's scale and amax), each row
-    // at a fresh allocation's alignment (cuBLASLt takes the scale_invs as pointers, and 4 bytes
-    // apart fails); the column-wise copies.
+    // cost; six with own_buffers): the row-wise copies, which only the GEMM reads; the output;
+    // the scalars, one row of kScalarRow floats per operand (scale_inv, then current scaling's
+    // scale and amax), each row at a fresh allocation's alignment (cuBLASLt takes the scale_invs
+    // as pointers, and 4 bytes apart fails); the column-wise copies.
     const int64_t w_row_at = aligned(m * k);
     const Tensor rows = empty({w_row_at + n * k}, u8, input);
     auto *row_bytes = static_cast<uint8_t *>(rows.data_ptr());
     const te_buffer x_data = buffer(row_bytes, fp8, {m, k}, input), w_data = buffer(row_bytes + w_row_at, fp8, {n, k}, input);
-    const Tensor scalars = empty({2 * kScalarRow}, f32, input);
-    const Tensor x_sinv_t = piece(scalars, {1}, 0), w_sinv_t = piece(scalars, {1}, kScalarRow);
-    const int64_t x_col_size = need_wgrad ? aligned(k * m) : 0;
-    const Tensor cols = empty({x_col_size + (need_dgrad ? k * n : 0)}, u8, input);
-    const Tensor x_col_t = piece(cols, {need_wgrad ? k : 0, m}, 0);
-    const Tensor w_col_t = piece(cols, {need_dgrad ? k : 0, n}, x_col_size);
-    const te_buffer x_sinv = element(scalars, 0), w_sinv = element(scalars, kScalarRow);
+    const Tensor x_scalars = empty({(own_buffers ? 1 : 2) * kScalarRow}, f32, input);
+    const Tensor w_scalars = own_buffers ? empty({kScalarRow}, f32, input) : x_scalars;
+    const int64_t w_at = own_buffers ? 0 : kScalarRow;  // where the weight's row starts
+    const Tensor x_sinv_t = piece(x_scalars, {1}, 0), w_sinv_t = piece(w_scalars, {1}, w_at);
+    const int64_t x_col_size = need_wgrad ? aligned(k * m) : 0, w_col_size = need_dgrad ? k * n : 0;
+    const Tensor x_cols = empty({x_col_size + (own_buffers ? 0 : w_col_size)}, u8, input);
+    const Tensor w_cols = own_buffers ? empty({w_col_size}, u8, input) : x_cols;
+    const Tensor x_col_t = piece(x_cols, {need_wgrad ? k : 0, m}, 0);
+    const Tensor w_col_t = piece(w_cols, {need_dgrad ? k : 0, n}, own_buffers ? 0 : x_col_size);
+    const te_buffer x_sinv = element(x_scalars, 0), w_sinv = element(w_scalars, w_at);
     const te_buffer x_col = buffer(x_col_t.data_ptr(), fp8, {k, m}, input);
     const te_buffer w_col = buffer(w_col_t.data_ptr(), fp8, {k, n}, input);
     const te_buffer *x_col_out = need_wgrad ? &x_col : nullptr, *w_col_out = need_dgrad ? &w_col : nullptr;
@@ -82,11 +89,11 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward(
       w_out.set(TE_SLOT_SCALE, element(scales, 1)).set(TE_SLOT_AMAX, element(history, 1));
       cast_config.accumulate_amax = 1;  // the step's forwards keep the largest amax
     } else {
-      const te_buffer x_scale = element(scalars, 1), w_scale = element(scalars, kScalarRow + 1);
-      current_scale(x, x_data, x_col_out, x_scale, x_sinv, element(scalars, 2), pow2, epsilon, stream,
+      const te_buffer x_scale = element(x_scalars, 1), w_scale = element(w_scalars, w_at + 1);
+      current_scale(x, x_data, x_col_out, x_scale, x_sinv, element(x_scalars, 2), pow2, epsilon, stream,
                     kLinear);
-      current_scale(w, w_data, w_col_out, w_scale, w_sinv, element(scalars, kScalarRow + 2), pow2,
-                    epsilon, stream, kLinear);
+      current_scale(w, w_data, w_col_out, w_scale, w_sinv, element(w_scalars, w_at + 2), pow2, epsilon, stream,
+                    kLinear);
       // The amaxes are known: the casts need not reduce them again.
       x_out.set(TE_SLOT_SCALE, x_scale);
       w_out.set(TE_SLOT_SCALE, w_scale);

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from . import first_step
 from .first_step import has_empty
 from .ops._backend import plain_eager
 
@@ -83,6 +84,26 @@ def serves(plan, history, tensors) -> bool:
     elif plan.kind != "current":  # (delayed and current plans scale every role per tensor)
         return False
     return plain_eager(tensors)
+
+
+def serves_traced(plan, history) -> bool:
+    """The rule of the compiled operators that torch.compile's graphs call (as custom ops with
+    fake implementations): built here, and a per-tensor plan whose step they compute as the
+    Python steps do: current scaling, or delayed scaling in the graph of the steps whose
+    histories are all written (first_step: "later"). A first step's graph keeps the Python
+    steps, which apply its rule."""
+    if ops is None:
+        return False
+    return plan.kind == "current" or (plan.kind == "delayed" and history is not None
+                                      and first_step._compiled == "later")
+
+
+def call(op, *args):
+    """One of the compiled operators' custom ops: traced, through the operator (one graph node
+    with its fake implementation's shapes); in eager mode its implementation straight away (the
+    caller has checked what the custom op's eager test would check again, and each check costs
+    host time)."""
+    return op(*args) if torch.compiler.is_compiling() else op.__wrapped__(*args)
 
 
 def raise_if_failed(status: int) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from transformer_engine.common.plan import GEMM_GRANULE
 
-from . import _compiled, first_step, fp8, layernorm_mlp_fn, ops
+from . import _compiled, fp8, layernorm_mlp_fn, ops
 from .fp8 import COMPILED_ALGOS
 from .ops._backend import algo_code, custom_op, dtype_code, enum_code, stream_of, workspace_for
 from .quantization import Plan
@@ -95,12 +95,8 @@ def usable(plan: Plan, bwd_recipe: Any, history: Optional[torch.Tensor], inp: to
     for b in biases:
         if b is not None and b.dtype not in _FLOATS:
             return False
-    if torch.compiler.is_compiling():
-        # A traced graph calls the blocks' custom ops. Under delayed scaling only the graph of
-        # the steps whose histories are all written (first_step: "later"); a first step's
-        # graph takes the Python steps, which apply its rule.
-        return plan.kind == "current" or (plan.kind == "delayed" and history is not None
-                                          and first_step._compiled == "later")
+    if torch.compiler.is_compiling():  # a traced graph calls the blocks' custom ops
+        return _compiled.serves_traced(plan, history)
     return _compiled.serves(plan, history, (inp, *weights, *biases, *norm_params))
 
 
@@ -283,20 +279,13 @@ def _in_dtype(bias: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.T
     return bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
 
 
-def _call(op, *args):
-    """One of the blocks' custom ops: traced, through the operator (a graph node); in eager
-    mode its implementation straight away (usable() has checked what the custom op's eager
-    test would check again, and each check costs host time)."""
-    return op(*args) if torch.compiler.is_compiling() else op.__wrapped__(*args)
-
-
 def _linear_forward(x, gamma, beta, weight, bias, scales, history, codes: Codes,
                     need_dgrad: bool, need_wgrad: bool) -> tuple:
     """LayerNormLinear's forward operator on x [M, K]: (output, then what the backward reads)."""
-    return _call(layernorm_linear_block_forward, x, gamma, beta, weight, _in_dtype(bias, x),
-                 scales, history, codes.norm, codes.eps, codes.zero_centered_gamma,
-                 codes.current, codes.fwd_dtype, codes.pow2, codes.epsilon, need_dgrad,
-                 need_wgrad)
+    return _compiled.call(layernorm_linear_block_forward, x, gamma, beta, weight,
+                          _in_dtype(bias, x), scales, history, codes.norm, codes.eps,
+                          codes.zero_centered_gamma, codes.current, codes.fwd_dtype, codes.pow2,
+                          codes.epsilon, need_dgrad, need_wgrad)
 
 
 def _mlp_forward(x, gamma, beta, w1, b1, w2, b2, scales, history, codes: Codes, act: int,
@@ -304,10 +293,11 @@ def _mlp_forward(x, gamma, beta, w1, b1, w2, b2, scales, history, codes: Codes, 
     """LayerNormMLP's forward operator on x [M, K]: (output, then what the backward reads).
     ``need`` as LayerNormMlpBlock's."""
     need_dgrad, need_wgrad1, need_wgrad2, need_fc1 = need
-    return _call(layernorm_mlp_block_forward, x, gamma, beta, w1, _in_dtype(b1, x), w2,
-                 _in_dtype(b2, x), scales, history, codes.norm, codes.eps,
-                 codes.zero_centered_gamma, act, codes.current, codes.fwd_dtype, codes.pow2,
-                 codes.epsilon, need_dgrad, need_wgrad1, need_fc1, need_wgrad2)
+    return _compiled.call(layernorm_mlp_block_forward, x, gamma, beta, w1, _in_dtype(b1, x), w2,
+                          _in_dtype(b2, x), scales, history, codes.norm, codes.eps,
+                          codes.zero_centered_gamma, act, codes.current, codes.fwd_dtype,
+                          codes.pow2, codes.epsilon, need_dgrad, need_wgrad1, need_fc1,
+                          need_wgrad2)
 
 
 class _Backward(NamedTuple):
@@ -345,7 +335,7 @@ class LayerNormLinearBlock(torch.autograd.Function):
         w_dtype, b_dtype = b.dtypes
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         history, scale, scale_inv = b.bwd_meta
-        dx, dgamma, dbeta, gw, gb = _call(
+        dx, dgamma, dbeta, gw, gb = _compiled.call(
             layernorm_linear_block_backward,
             g, x, mu, rsigma, gamma, has_beta, ln_sinv, ln_col, w_sinv, w_col, history, scale,
             scale_inv, c.norm, c.zero_centered_gamma, c.current, c.fwd_dtype, c.bwd_dtype,
@@ -403,7 +393,7 @@ class LayerNormMlpBlock(torch.autograd.Function):
         w1_dtype, b1_dtype, w2_dtype, b2_dtype = b.dtypes
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         history, scale, scale_inv = b.bwd_meta
-        dx, dgamma, dbeta, gw1, gb1, gw2, gb2 = _call(
+        dx, dgamma, dbeta, gw1, gb1, gw2, gb2 = _compiled.call(
             layernorm_mlp_block_backward,
             g, x, mu, rsigma, gamma, has_beta, ln_sinv, ln_col, w1_sinv, w1_col, h, b.act,
             a_sinv, a_col, w2_sinv, w2_col, history, scale, scale_inv, c.norm,

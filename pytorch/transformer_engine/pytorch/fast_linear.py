@@ -11,10 +11,16 @@ takes the compiled operator where ``compiled_grads.usable`` says so.) te.Linear'
 reaches it after its own checks (``forward``); once it has, the module's later forwards under
 the same recipe go to it first (``steady_forward``), which checks the input (``takes``).
 
+Traced by torch.compile, the same two operators are the graph's nodes for te.Linear's step
+(custom ops: ``transformer_engine::linear_block_forward`` here, whose outputs have storage of
+their own, and ``linear_block_backward`` in compiled_grads.py) under current scaling, and under
+delayed scaling in the graph of the steps after the first (``_compiled.serves_traced``): two
+calls per layer where the Python path's graph makes six or seven.
+
 The operator is built with the package when torch and transformer-engine-common are present
-at build time (``_compiled.py``); without it te.Linear takes its Python path, which is also
-the one torch.compile traces. ``TE_FAST_LINEAR=0`` in the environment turns it off, and so does
-``enabled = False`` here (te.Linear's forward only).
+at build time (``_compiled.py``); without it te.Linear takes its Python path.
+``TE_FAST_LINEAR=0`` in the environment turns it off, and so does ``enabled = False`` here
+(te.Linear's forward only).
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from typing import NamedTuple, Optional
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import _compiled, fp8
+from . import _compiled, compiled_grads, fp8
+from .fp8 import COMPILED_ALGOS
 from .linear_fn import linear_backward
-from .ops._backend import dtype_code, stream_of, workspace_for
+from .ops._backend import algo_code, custom_op, dtype_code, enum_code, stream_of, workspace_for
 from .quantization import Plan
 
 enabled = True
@@ -53,6 +60,13 @@ def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         if inp.is_cuda and not torch.compiler.is_compiling():
             _compiled.warn_if_missing()  # (once)
         return False
+    if torch.compiler.is_compiling():
+        # The traced graph's backward is the compiled one too (its scale update in the core).
+        r = fp8.RECOMPUTE
+        return (enabled and r.recording is None and r.replay is None
+                and _compiled.serves_traced(plan, history)
+                and (plan.kind == "current" or (not general_update
+                                                and plan.algo in COMPILED_ALGOS)))
     return (_eager_outside_checkpoint()
             and not (plan.kind == "delayed" and general_update)
             and _compiled.serves(plan, history, (inp, weight, bias)))
@@ -87,46 +101,84 @@ def takes(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor])
     if torch.is_autocast_enabled(device_type) and \
             torch.get_autocast_dtype(device_type) != dtype:
         return False
-    return _get_current_dispatch_mode() is None
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is None
 
 
 class Codes(NamedTuple):
-    """What the compiled forward needs of a plan, as its operator takes it (kept on the module
-    after its first compiled forward, with the plan for the backward)."""
+    """What the compiled forward and backward need of a plan, as their operators take it (kept
+    on the module after its first compiled forward, with the plan for the backward). Made
+    before the autograd function runs: a traced function may not fill the codes' cache."""
 
     plan: Plan
     current: bool  # current scaling (else delayed)
     fp8_dtype: int  # the core's te_dtype code of the forward format
     pow2: bool
     epsilon: float
+    bwd_dtype: int
+    algo: int  # delayed scaling's amax algorithm (0 under current scaling)
+    identity: int  # the core's code of the identity activation
 
 
 def codes_of(plan: Plan) -> Codes:
-    return Codes(plan, plan.kind == "current", dtype_code(plan.fwd_dtype),
-                 plan.force_pow2_scales, plan.amax_epsilon)
+    current = plan.kind == "current"
+    return Codes(plan, current, dtype_code(plan.fwd_dtype), plan.force_pow2_scales,
+                 plan.amax_epsilon, dtype_code(plan.bwd_dtype),
+                 0 if current else algo_code(plan.algo), enum_code("Activation", "identity"))
 
 
 class _Backward(NamedTuple):
     """What the backward of one compiled forward needs besides its saved tensors."""
 
-    plan: Plan
+    codes: Codes
     bwd_meta: tuple  # (history, scale, scale_inv) of grad_output, updated in place (delayed)
     need: tuple  # (dgrad, wgrad, bias)
     dtypes: tuple  # of input, weight and bias
     input_shape: torch.Size
 
 
-def _forward(inp, weight, bias, scales, history, codes: Codes, need_dgrad: bool,
-             need_wgrad: bool) -> list:
+def _operator(inp, weight, bias, scales, history, current: bool, fp8_dtype: int, pow2: bool,
+              epsilon: float, need_dgrad: bool, need_wgrad: bool, own_buffers: bool) -> list:
     """The compiled operator's call: [output, input scale_inv, weight scale_inv, column-wise
     input, column-wise weight]."""
     ws = workspace_for(inp)
     status, *outs = _compiled.ops.linear_fp8_forward.default(
-        inp, weight, bias, scales, history, _compiled.NO_TENSOR if ws is None else ws,
-        codes.current, codes.fp8_dtype, codes.pow2, codes.epsilon, need_dgrad, need_wgrad,
-        stream_of(inp))
+        inp, weight, bias, scales, history, _compiled.NO_TENSOR if ws is None else ws, current,
+        fp8_dtype, pow2, epsilon, need_dgrad, need_wgrad, own_buffers, stream_of(inp))
     _compiled.raise_if_failed(status)
     return outs
+
+
+@custom_op("transformer_engine::linear_block_forward", mutates_args=("history",))
+def linear_block_forward(
+        inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+        scales: torch.Tensor, history: torch.Tensor, current: bool, fp8_dtype: int, pow2: bool,
+        epsilon: float, need_dgrad: bool, need_wgrad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The operator as a traced graph's node: its outputs in allocations of their own (a
+    custom op's outputs may not share storage)."""
+    return tuple(_operator(inp, weight, bias, scales, history, current, fp8_dtype, pow2, epsilon,
+                           need_dgrad, need_wgrad, True))
+
+
+@linear_block_forward.register_fake
+def _(inp, weight, bias, scales, history, current, fp8_dtype, pow2, epsilon, need_dgrad,
+      need_wgrad):
+    n, k = weight.shape
+    m = inp.numel() // k
+    f32, u8 = torch.float32, torch.uint8
+    return (inp.new_empty((*inp.shape[:-1], n)), inp.new_empty((1,), dtype=f32),
+            inp.new_empty((1,), dtype=f32), inp.new_empty((k if need_wgrad else 0, m), dtype=u8),
+            inp.new_empty((k if need_dgrad else 0, n), dtype=u8))
+
+
+def _forward(inp, weight, bias, scales, history, codes: Codes, need_dgrad: bool,
+             need_wgrad: bool) -> list:
+    """The operator, in eager mode straight away, traced as linear_block_forward."""
+    args = (inp, weight, bias, scales, history, codes.current, codes.fp8_dtype, codes.pow2,
+            codes.epsilon, need_dgrad, need_wgrad)
+    if torch.compiler.is_compiling():
+        return linear_block_forward(*args)
+    return _operator(*args, False)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -139,7 +191,7 @@ class _Fp8Linear(torch.autograd.Function):
         out, x_sinv, w_sinv, x_col, w_col = _forward(inp, weight, bias, scales, history, codes,
                                                      need_dgrad, need_wgrad)
         ctx.save_for_backward(x_sinv, w_sinv, x_col, w_col)
-        ctx.info = _Backward(codes.plan, bwd_meta, (need_dgrad, need_wgrad, bias is not None),
+        ctx.info = _Backward(codes, bwd_meta, (need_dgrad, need_wgrad, bias is not None),
                              (inp.dtype, weight.dtype, None if bias is None else bias.dtype),
                              inp.shape)
         return out
@@ -149,11 +201,31 @@ class _Fp8Linear(torch.autograd.Function):
         x_sinv, w_sinv, x_col, w_col = ctx.saved_tensors
         b = ctx.info
         need_dgrad, need_wgrad, _ = b.need
+        if torch.compiler.is_compiling():  # (usable() has taken the compiled backward's rule)
+            return (*_traced_backward(grad_output, ctx.saved_tensors, b), None, None, None,
+                    None, None, None)
         saved = (x_col if need_wgrad else None, x_sinv, w_col if need_dgrad else None, w_sinv)
         # (one compiled operator call where compiled_grads.usable says so)
-        grads = linear_backward(grad_output, saved, b.plan, b.bwd_meta, None, None, b.need,
+        grads = linear_backward(grad_output, saved, b.codes.plan, b.bwd_meta, None, None, b.need,
                                 b.dtypes, b.input_shape)
         return (*grads, None, None, None, None, None, None)
+
+
+def _traced_backward(grad_output, saved, b: _Backward) -> tuple:
+    """(grad_input, grad_weight, grad_bias), None where not needed, as one node of a traced
+    graph: compiled_grads.linear_grads' operator call with the codes made in the forward."""
+    x_sinv, w_sinv, x_col, w_col = saved
+    c = b.codes
+    need_dgrad, need_wgrad, has_bias = b.need
+    in_dtype, w_dtype, b_dtype = b.dtypes
+    history, scale, scale_inv = b.bwd_meta
+    g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+    gi, gw, gb = compiled_grads.linear_block_backward(
+        g, None, c.identity, x_sinv, w_sinv, x_col, w_col, history, scale, scale_inv, 0, True,
+        c.current, c.fp8_dtype, c.bwd_dtype, c.pow2, c.epsilon, c.algo, c.plan.margin,
+        need_dgrad, need_wgrad, in_dtype, w_dtype, b_dtype if has_bias else None)
+    return (gi.view(b.input_shape) if need_dgrad else None, gw if need_wgrad else None,
+            gb if has_bias else None)
 
 
 
@@ -169,7 +241,8 @@ def forward(module: torch.nn.Module, inp: torch.Tensor, weight: torch.Tensor,
     forwards under the same recipe start at :func:`steady_forward`."""
     codes = codes_of(plan)
     out = run(inp, weight, bias, scales, scales if history is None else history, bwd_meta, codes)
-    if out is not None and weight is module._parameters.get("weight"):  # not split or derived
+    if (out is not None and weight is module._parameters.get("weight")  # not split or derived
+            and not torch.compiler.is_compiling()):
         module._fast_linear = (module._fp8_recipe, codes)
     return out
 

@@ -72,6 +72,10 @@ _codes: dict = {}
 def enum_code(kind: str, name: str) -> int:
     """The core's value of member ``name`` of the binding's enum ``kind`` (``DType``,
     ``AmaxComputeAlgo``, ``Norm``, ``Activation``), for the compiled operators, which take ints."""
+    if torch.compiler.is_compiling():
+        # Not through the cache: a traced read of it becomes a guard on its contents, and a
+        # traced write then fails that guard (a second graph for the same step).
+        return int(getattr(getattr(core(), kind), name).value)
     c = _codes.get((kind, name))
     if c is None:
         c = _codes[(kind, name)] = int(_enum(kind, name).value)
