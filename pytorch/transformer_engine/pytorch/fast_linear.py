@@ -62,8 +62,12 @@ def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         return False
     if torch.compiler.is_compiling():
         # The traced graph's backward is the compiled one too (its scale update in the core).
+        # Plain tensors only: an FP8 input (fp8_mha's attention output) or FP8 weight takes
+        # the Python path, which uses its bytes.
         r = fp8.RECOMPUTE
         return (enabled and r.recording is None and r.replay is None
+                and type(inp) in _PLAIN and type(weight) in _PLAIN
+                and (bias is None or type(bias) in _PLAIN)
                 and _compiled.serves_traced(plan, history)
                 and (plan.kind == "current" or (not general_update
                                                 and plan.algo in COMPILED_ALGOS)))
