@@ -117,11 +117,15 @@ def step(module, x, g, r, group=None, g_ln=None, watch=None):
     return y.detach(), x.grad, None if ln is None else ln.detach()
 
 
-def check(kind, mode=None, name="fp32", norm="LayerNorm", ln_out=False):
+def check(kind, mode=None, name="fp32", norm="LayerNorm", ln_out=False, gathered=False):
+    """``gathered``: the norm's output returned over the whole sequence
+    (return_layernorm_output_gathered); each rank's loss takes 1/WORLD of its gradient, so that
+    the gather's backward, which sums the ranks' gradients, gives the unsplit one."""
     r = RECIPES[name]
     extra = {} if kind == "Linear" else {"normalization": norm}
     if ln_out:
         extra["return_layernorm_output"] = True
+        extra["return_layernorm_output_gathered"] = gathered
     full, par = build(kind, mode, **extra), build(kind, mode, split=True, **extra)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(S, B, H, generator=gen)
@@ -137,15 +141,16 @@ def check(kind, mode=None, name="fp32", norm="LayerNorm", ln_out=False):
         g_local = seq(g)
     else:
         g_local = feat(g)
-    what = f"{kind} {mode or norm} {name}{' ln_out' if ln_out else ''}"
+    g_ln_local = None if g_ln is None else g_ln / WORLD if gathered else seq(g_ln)
+    what = f"{kind} {mode or norm} {name}{' ln_out' if ln_out else ''}" + \
+        (" gathered" if gathered else "")
     gathers, norm_rows = [], []
     # Delayed scaling: a first step (scaled from the tensors' own amaxes), then a step with
     # the scales the first one left, which must be the same on the split ranks and unsplit.
     for i in range(2 if name == "delayed" else 1):
         y, dx, ln = step(full, x, g, r, g_ln=g_ln)
         watch = (gathers, norm_rows) if i == 0 else None
-        yp, dxp, lnp = step(par, x_local, g_local, r, GROUP, None if g_ln is None else seq(g_ln),
-                            watch)
+        yp, dxp, lnp = step(par, x_local, g_local, r, GROUP, g_ln_local, watch)
         if name == "delayed":
             check_fp8_state(par, full, i, f"{what} step {i}")
     y_want = seq(y) if row or kind == "LayerNormMLP" else feat(y)
@@ -158,8 +163,8 @@ def check(kind, mode=None, name="fp32", norm="LayerNorm", ln_out=False):
     rms_close(yp, y_want, rel, f"{what} output")
     assert dxp.shape == dx_want.shape, (what, dxp.shape, dx_want.shape)
     rms_close(dxp, dx_want, rel * 2, f"{what} input gradient")
-    if ln_out:  # this rank's shard of the norm's output
-        exact(lnp, seq(ln), f"{what} norm output")
+    if ln_out:  # this rank's shard of the norm's output, or all of it
+        exact(lnp, ln if gathered else seq(ln), f"{what} norm output")
     for (pname, p), q in zip(par.named_parameters(), full.parameters(), strict=True):
         got = summed(p.grad) if getattr(p, "sequence_parallel", False) else p.grad
         want = q.grad
@@ -191,10 +196,13 @@ def check_fp8_state(par, full, i, what):
 def check_traffic(kind, mode, name, x, gathers, norm_rows, what):
     """The forward's all-gather (none for a row-parallel layer) moved the whole input (or
     norm output) in FP8 under the FP8 recipes, fp32 otherwise; the norm saw this rank's rows
-    only."""
+    only. A norm output returned gathered adds one all-gather of it in its dtype (fp32)."""
     if mode == "row":
         assert not gathers, (what, [(d, n) for d, n, _ in gathers])
         return
+    if what.endswith(" gathered"):
+        assert [(d, n) for d, n, _ in gathers[1:]] == [(torch.float32, S * B * H * 4)], what
+        gathers = gathers[:1]
     assert len(gathers) == 1, (what, [(d, n) for d, n, _ in gathers])
     dtype, nbytes, data = gathers[0]
     fp8 = name != "fp32"
@@ -291,6 +299,9 @@ if __name__ == "__main__":
         case(check, "LayerNormMLP", None, name, "LayerNorm")
         case(check, "LayerNormLinear", None, name, "LayerNorm", True)
     case(check, "LayerNormMLP", None, "current", "RMSNorm", True)
+    case(check, "LayerNormLinear", None, "fp32", "LayerNorm", True, True)
+    case(check, "LayerNormLinear", None, "delayed", "LayerNorm", True, True)
+    case(check, "LayerNormMLP", None, "current", "RMSNorm", True, True)
     case(check_fp8_moves_half_of_bf16)
     case(check_delayed_without_group_gathers_high_precision)
     case(check_broken_pieces_fail)

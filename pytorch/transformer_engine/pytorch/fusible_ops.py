@@ -71,7 +71,7 @@ class Linear(_Linear):
             sequence_parallel=(sequence_parallel, False),
             rng_state_tracker_function=(rng_state_tracker_function, None),
             accumulate_into_main_grad=(accumulate_into_main_grad, False))
-        super().__init__(in_features, out_features, bias, params_dtype=dtype, device=device)
+        super().__init__(in_features, out_features, bias=bias, params_dtype=dtype, device=device)
 
 
 class BasicLinear(Linear):

@@ -53,3 +53,27 @@ def refuse_non_defaults(op: str, why: str, **given) -> None:
             raise NotImplementedError(f"{op}: {name}={value!r} is not supported here (only "
                                       f"{default!r}); {why}")
 
+
+
+# NVIDIA TE's module keywords for features not built here: (default, why anything else is
+# refused). A program that passes them at their defaults runs unchanged.
+_UNBUILT = {
+    **{name: (False, "userbuffers communication overlap is not implemented")
+       for name in ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad",
+                    "ub_bulk_wgrad")},
+    "symmetric_ar_type": (None, "symmetric-memory all-reduce is not implemented (the "
+                                "tensor-parallel all-reduce is torch.distributed's)"),
+    "delay_wgrad_compute": (False, "deferred weight gradients (backward_dw) are implemented "
+                                   "for te.GroupedLinear only"),
+    "save_original_input": (False, "the backward keeps the FP8 copy of the input that the "
+                                   "forward made, not the input itself"),
+}
+
+
+def refuse_unbuilt(op: str, **given) -> None:
+    """NotImplementedError naming the first of NVIDIA's keywords for a feature not built here
+    (``_UNBUILT``) that was given a value other than its default: accepted at their
+    defaults, never silently ignored."""
+    for name, value in given.items():
+        default, why = _UNBUILT[name]
+        refuse_non_defaults(op, why, **{name: (value, default)})

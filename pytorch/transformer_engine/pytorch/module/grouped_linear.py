@@ -87,7 +87,7 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         self.return_bias, self.use_bias, self.name = return_bias, bias, name
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         self.gemms = torch.nn.ModuleList(
-            Linear(in_features, out_features, bias, return_bias=return_bias,
+            Linear(in_features, out_features, bias=bias, return_bias=return_bias,
                    params_dtype=params_dtype, device=device, init_method=init_method,
                    fuse_wgrad_accumulation=fuse_wgrad_accumulation)
             for _ in range(self.num_gemms))

@@ -17,7 +17,7 @@ from .. import compiled_blocks, distributed, fp8, ops, sequence_parallel
 from ..float8_tensor import Float8Tensor
 from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig, NormLinearConsts
 from ..quantization import kind_of, record_amax
-from ._checks import check_device, check_params_dtype, check_sizes
+from ._checks import check_device, check_params_dtype, check_sizes, refuse_unbuilt
 from ._main_grad import route_to_main_grad
 from .base import with_leading_dims
 from .layernorm import apply_norm
@@ -44,6 +44,15 @@ def norm_config(op: str, normalization: str, eps: float, zero_centered_gamma: bo
         raise ValueError(f"{op}: eps must be >= 0, got {eps}")
     return NormConfig(NORMALIZATIONS[normalization], float(eps), bool(zero_centered_gamma),
                       bool(return_layernorm_output))
+
+
+def gathered_ln_out(module: torch.nn.Module, shard: Optional[torch.Tensor],
+                    group) -> Optional[torch.Tensor]:
+    """The norm output a sequence-parallel block returns: this rank's shard, or with
+    ``return_layernorm_output_gathered`` the whole sequence's."""
+    if shard is None or not getattr(module, "return_layernorm_output_gathered", False):
+        return shard
+    return distributed.gather_from_sequence_parallel(shard, group)
 
 
 def register_norm_params(module: torch.nn.Module, hidden: int, cfg: NormConfig,
@@ -170,7 +179,7 @@ class LayerNormLinear(_LinearBase):
     """``norm(x) @ weight^T + bias`` with LayerNorm or RMSNorm over the last dimension; the
     GEMMs in FP8 under :func:`fp8_autocast`.
 
-    Args:
+    Args (in NVIDIA Transformer Engine's order, as te.Linear's):
         in_features, out_features: sizes of the input (normalized over) and output features.
         eps: added to the variance (LayerNorm) or mean square (RMSNorm).
         bias: learn the linear layer's additive bias.
@@ -180,6 +189,9 @@ class LayerNormLinear(_LinearBase):
         return_layernorm_output: also return the norm's output (high precision; e.g. for a
             residual taken after the norm). Its gradient joins the block's. Under sequence
             parallelism: this rank's shard of it (the tokens its norm computed).
+        return_layernorm_output_gathered: under sequence parallelism, return the norm's
+            output over the whole sequence instead (one all-gather of it in its dtype, whose
+            backward reduce-scatters the gradient); without it, no effect.
         return_bias: return the bias instead of adding it (see te.Linear).
         params_dtype, device, init_method, parameters_split, fuse_wgrad_accumulation,
             name: as te.Linear.
@@ -191,6 +203,9 @@ class LayerNormLinear(_LinearBase):
             and returns its shard of the output features; the gradients of the input and of
             the norm's parameters are all-reduced in the backward. ``"row"`` is refused (the
             norm needs every input feature on every rank).
+        get_rng_state_tracker, ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad,
+            ub_bulk_wgrad, ub_bulk_dgrad, ub_name, delay_wgrad_compute, symmetric_ar_type:
+            as te.Linear.
 
     Returns ``output``, then the bias when ``return_bias``, then the norm's output when
     ``return_layernorm_output``.
@@ -204,14 +219,24 @@ class LayerNormLinear(_LinearBase):
     _name = "te.LayerNormLinear"
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5,
-                 bias: bool = True, *, normalization: str = "LayerNorm",
-                 zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
-                 return_bias: bool = False, params_dtype: Optional[torch.dtype] = None,
-                 device: Union[torch.device, str, None] = None,
+                 sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
+                 tp_group=None, tp_size: int = 1,
+                 get_rng_state_tracker: Optional[Callable] = None,
                  init_method: Optional[Callable[[torch.Tensor], None]] = None,
-                 parameters_split=None, tp_group=None, tp_size: int = 1,
-                 parallel_mode: Optional[str] = None, sequence_parallel: bool = False,
-                 fuse_wgrad_accumulation: bool = False, name: Optional[str] = None) -> None:
+                 bias: bool = True, normalization: str = "LayerNorm", return_bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None,
+                 parallel_mode: Optional[str] = None, return_layernorm_output: bool = False,
+                 return_layernorm_output_gathered: bool = False, parameters_split=None,
+                 zero_centered_gamma: bool = False,
+                 device: Union[torch.device, str, None] = None, ub_overlap_ag: bool = False,
+                 ub_overlap_rs: bool = False, ub_overlap_rs_dgrad: bool = False,
+                 ub_bulk_wgrad: bool = False, ub_bulk_dgrad: bool = False,
+                 ub_name: Optional[str] = None, delay_wgrad_compute: bool = False,
+                 symmetric_ar_type: Optional[str] = None, name: Optional[str] = None) -> None:
+        refuse_unbuilt(self._name, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+                       ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
+                       ub_bulk_dgrad=ub_bulk_dgrad, symmetric_ar_type=symmetric_ar_type,
+                       delay_wgrad_compute=delay_wgrad_compute)
         tp = distributed.check_tensor_parallel(self._name, tp_group, tp_size, parallel_mode)
         if tp > 1 and parallel_mode == "row":
             # Each rank would hold a slice of the input features, but the norm needs all of
@@ -229,6 +254,8 @@ class LayerNormLinear(_LinearBase):
         super().__init__(device)
         self.cfg, self.normalization = cfg, normalization
         self.return_bias, self.name, self.parallel_mode = return_bias, name, parallel_mode
+        self.return_layernorm_output_gathered = bool(return_layernorm_output_gathered)
+        self.get_rng_state_tracker = get_rng_state_tracker
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         dtype = params_dtype or torch.get_default_dtype()
         register_norm_params(self, int(in_features), cfg, dtype, device)
@@ -293,6 +320,7 @@ class LayerNormLinear(_LinearBase):
                 out = self._hp_forward(ln_full, weight, gemm_bias, state, normalized=True)
                 if self.cfg.return_ln_out:
                     out = out[0]  # (the gathered norm output; this rank's shard is returned)
+            ln_out = gathered_ln_out(self, ln_out, group)
         else:
             inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group)
             if state.enabled:

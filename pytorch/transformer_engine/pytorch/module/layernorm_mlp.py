@@ -16,17 +16,19 @@ from transformer_engine.common.activation_params import check_no_params, clamped
 from transformer_engine.common.recipe import Recipe
 
 from .. import compiled_blocks, distributed, fp8, ops
+from ..checkpoint import checkpoint
 from ..float8_tensor import Float8Tensor
 from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction, MlpConsts
 from ..ops.activation import GATED, clamped_swiglu
 from ..quantization import kind_of, record_amax
-from ._checks import check_params_dtype, check_sizes
+from ._checks import check_params_dtype, check_sizes, refuse_unbuilt
 from ._main_grad import route_to_main_grad
 from .base import FP8Module, fp8_weight_param, with_leading_dims
 from .layernorm import apply_norm
 from .layernorm_linear import (
     check_input,
     fp8_input,
+    gathered_ln_out,
     norm_config,
     norm_params,
     parallel_ln_out,
@@ -97,7 +99,8 @@ def apply_activation(h: torch.Tensor, act: str) -> torch.Tensor:
 class LayerNormMLP(FP8Module):
     """``fc2(act(fc1(norm(x))))`` with the GEMMs in FP8 under :func:`fp8_autocast`.
 
-    Args:
+    Args (in NVIDIA Transformer Engine's order, so that its programs' positional arguments
+    mean what they meant there):
         hidden_size: the input's and the output's features (normalized over).
         ffn_hidden_size: features between the GEMMs. A gated activation (geglu, swiglu,
             reglu, qgeglu, sreglu, glu) takes FC1's output as [a, b] halves, so FC1 has
@@ -138,6 +141,17 @@ class LayerNormMLP(FP8Module):
             ``sequence_parallel`` for the caller's gradient sum over the group.
         fuse_wgrad_accumulation: both weights' gradients go into their ``main_grad``
             (Megatron-LM's buffers; see module/_main_grad.py).
+        return_layernorm_output_gathered: as te.LayerNormLinear's.
+        checkpoint: keep only the block's input for the backward and run the forward again
+            there (te.checkpoint of the block, with this step's FP8 scales and RNG state):
+            FC1's output, the activation and their FP8 copies are not kept between the
+            passes. NVIDIA's recomputes FC1 and the activation only; here FC2's forward GEMM
+            runs again too. Inside an activation checkpoint (te.checkpoint, or a layer's
+            own) the block is recomputed by that one.
+        get_rng_state_tracker, seq_length, micro_batch_size: accepted and kept; unused
+            (as te.Linear's tracker; the sizes are for NVIDIA's JIT warm-up).
+        ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad,
+            delay_wgrad_compute, symmetric_ar_type: as te.Linear.
 
     Returns ``output``, then FC2's bias when ``return_bias``, then the norm's output when
     ``return_layernorm_output``.
@@ -155,16 +169,28 @@ class LayerNormMLP(FP8Module):
     tp_size = 1
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
-                 bias: bool = True, *, normalization: str = "LayerNorm",
-                 activation: str = "gelu", zero_centered_gamma: bool = False,
-                 return_layernorm_output: bool = False, return_bias: bool = False,
-                 params_dtype: Optional[torch.dtype] = None,
-                 device: Union[torch.device, str, None] = None,
+                 sequence_parallel: bool = False, return_bias: bool = False,
+                 get_rng_state_tracker: Optional[Callable] = None, tp_group=None,
+                 tp_size: int = 1,
                  init_method: Optional[Callable[[torch.Tensor], None]] = None,
+                 bias: bool = True, normalization: str = "LayerNorm",
+                 activation: str = "gelu", activation_params: Optional[dict] = None,
                  output_layer_init_method: Optional[Callable[[torch.Tensor], None]] = None,
-                 tp_group=None, tp_size: int = 1, set_parallel_mode: bool = False,
-                 sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
-                 name: Optional[str] = None, activation_params: Optional[dict] = None) -> None:
+                 fuse_wgrad_accumulation: bool = False,
+                 params_dtype: Optional[torch.dtype] = None,
+                 return_layernorm_output: bool = False,
+                 return_layernorm_output_gathered: bool = False,
+                 seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                 set_parallel_mode: bool = False, zero_centered_gamma: bool = False,
+                 device: Union[torch.device, str, None] = None, ub_overlap_ag: bool = False,
+                 name: Optional[str] = None, ub_overlap_rs: bool = False,
+                 ub_overlap_rs_dgrad: bool = False, ub_bulk_dgrad: bool = False,
+                 ub_bulk_wgrad: bool = False, delay_wgrad_compute: bool = False,
+                 symmetric_ar_type: Optional[str] = None, checkpoint: bool = False) -> None:
+        refuse_unbuilt(self._name, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+                       ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
+                       ub_bulk_wgrad=ub_bulk_wgrad, symmetric_ar_type=symmetric_ar_type,
+                       delay_wgrad_compute=delay_wgrad_compute)
         if not isinstance(set_parallel_mode, bool):
             raise TypeError(f"{self._name}: set_parallel_mode must be a bool, got "
                             f"{set_parallel_mode!r}")
@@ -187,6 +213,10 @@ class LayerNormMLP(FP8Module):
         self.activation_params = activation_params
         self._act = act  # the kernels' name of the activation, with its parameters
         self.return_bias, self.name, self.set_parallel_mode = return_bias, name, set_parallel_mode
+        self.return_layernorm_output_gathered = bool(return_layernorm_output_gathered)
+        self.checkpoint = bool(checkpoint)
+        self.get_rng_state_tracker = get_rng_state_tracker
+        self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
         dtype = params_dtype or torch.get_default_dtype()
         register_norm_params(self, self.hidden_size, cfg, dtype, device)
         fc1_out = self.ffn_hidden_size * (2 if activation in GATED else 1)
@@ -276,6 +306,13 @@ class LayerNormMLP(FP8Module):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """``inp`` [..., hidden_size] -> [..., hidden_size] (see the class docstring for what
         else comes back); ``is_first_microbatch`` as for te.Linear, for both weights."""
+        recompute = fp8.RECOMPUTE
+        if (getattr(self, "checkpoint", False) and torch.is_grad_enabled()
+                and recompute.recording is None and not recompute.replaying):
+            return checkpoint(self._forward, inp, is_first_microbatch)
+        return self._forward(inp, is_first_microbatch)
+
+    def _forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool]):
         if self.fuse_wgrad_accumulation:
             route_to_main_grad(self._gemm_weights())
         if self.tp_size > 1:
@@ -319,6 +356,7 @@ class LayerNormMLP(FP8Module):
                 out = self._hp_forward(ln_full, None, state, normalized=True)
                 if self.cfg.return_ln_out:
                     out = out[0]  # (the gathered norm output; this rank's shard is returned)
+            ln_out = gathered_ln_out(self, ln_out, group)
         else:
             inp, norm = parallel_norm_inputs(inp, norm_params(self, inp.dtype), group)
             if state.enabled:

@@ -15,7 +15,13 @@ from .. import distributed, fast_linear, fp8, ops, sequence_parallel
 from ..float8_tensor import Float8Tensor, to_high_precision
 from ..linear_fn import Fp8LinearFunction, LinearConsts, takes_fp8_input
 from ..quantization import kind_of, plan_of, record_amax
-from ._checks import check_device, check_float_input, check_params_dtype, check_sizes
+from ._checks import (
+    check_device,
+    check_float_input,
+    check_params_dtype,
+    check_sizes,
+    refuse_unbuilt,
+)
 from ._main_grad import route_to_main_grad
 from ._split_rows import join_rows, pack_rows
 from .base import FP8Module, fp8_weight_param, with_leading_dims
@@ -272,7 +278,8 @@ class _LinearBase(FP8Module):
 class Linear(_LinearBase):
     """``y = x @ weight^T + bias``; in FP8 under :func:`fp8_autocast`, else like nn.Linear.
 
-    Args:
+    Args (in NVIDIA Transformer Engine's order, so that its programs' positional arguments
+    mean what they meant there: the third is ``sequence_parallel``, not nn.Linear's ``bias``):
         in_features, out_features: sizes of the input and output features (K and N).
         bias: learn an additive bias.
         return_bias: return ``(output, bias)`` with the bias not added, for a caller that
@@ -307,6 +314,14 @@ class Linear(_LinearBase):
             is not split.
         fuse_wgrad_accumulation: the weight's gradient goes into ``weight.main_grad``
             (Megatron-LM's buffer; see module/_main_grad.py for the contract).
+        get_rng_state_tracker, rng_tracker_name: NVIDIA's model-parallel RNG tracker for the
+            weight's initialization; accepted and kept: a split layer draws the whole weight
+            from torch's generator and keeps its slice, which needs no tracker.
+        ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad,
+            ub_name, symmetric_ar_type, delay_wgrad_compute, save_original_input: NVIDIA's
+            switches for features not built here; their defaults run, anything else raises
+            NotImplementedError naming the keyword (``ub_name`` is only a name).
+        name: kept as ``self.name``.
 
     Example:
         >>> import transformer_engine.pytorch as te  # doctest: +SKIP
@@ -315,18 +330,31 @@ class Linear(_LinearBase):
         ...     y = layer(torch.randn(2048, 768, device=layer.weight.device))
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 return_bias: bool = False, params_dtype: Optional[torch.dtype] = None,
-                 device: Union[torch.device, str, None] = None,
+    def __init__(self, in_features: int, out_features: int, sequence_parallel: bool = False,
+                 fuse_wgrad_accumulation: bool = False, tp_group=None, tp_size: int = 1,
+                 get_rng_state_tracker: Optional[Callable] = None,
+                 rng_tracker_name: Optional[str] = None,
                  init_method: Optional[Callable[[torch.Tensor], None]] = None,
-                 parameters_split=None, tp_group=None, tp_size: int = 1,
-                 parallel_mode: Optional[str] = None, sequence_parallel: bool = False,
-                 fuse_wgrad_accumulation: bool = False, name: Optional[str] = None) -> None:
+                 bias: bool = True, return_bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None,
+                 parallel_mode: Optional[str] = None, parameters_split=None,
+                 device: Union[torch.device, str, None] = None, ub_overlap_ag: bool = False,
+                 ub_overlap_rs: bool = False, ub_overlap_rs_dgrad: bool = False,
+                 ub_bulk_dgrad: bool = False, ub_bulk_wgrad: bool = False,
+                 ub_name: Optional[str] = None, delay_wgrad_compute: bool = False,
+                 symmetric_ar_type: Optional[str] = None, save_original_input: bool = False,
+                 name: Optional[str] = None) -> None:
+        refuse_unbuilt(self._name, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+                       ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
+                       ub_bulk_wgrad=ub_bulk_wgrad, symmetric_ar_type=symmetric_ar_type,
+                       delay_wgrad_compute=delay_wgrad_compute,
+                       save_original_input=save_original_input)
         tp = distributed.check_tensor_parallel(self._name, tp_group, tp_size, parallel_mode)
         check_unsupported(None, 1, parallel_mode, False, fuse_wgrad_accumulation, self._name)
         device = _default_device(device)
         super().__init__(device)
         self.return_bias, self.name = return_bias, name
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self.parallel_mode = parallel_mode
         # (no effect unless the layer is split: a replicated layer sees whole activations)

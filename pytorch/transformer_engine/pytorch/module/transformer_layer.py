@@ -188,7 +188,7 @@ class TransformerLayer(DeferredInit, torch.nn.Module):
                 input_layernorm=True, attention_type="cross", return_layernorm_output=post,
                 name=None if name is None else name + ".inter_attention", **attention)
         self.layernorm_mlp = LayerNormMLP(
-            hidden_size, ffn_hidden_size, layernorm_epsilon, bias, normalization=normalization,
+            hidden_size, ffn_hidden_size, layernorm_epsilon, bias=bias, normalization=normalization,
             activation=activation, activation_params=activation_params,
             zero_centered_gamma=zero_centered_gamma, return_layernorm_output=post,
             params_dtype=params_dtype, device=device,
