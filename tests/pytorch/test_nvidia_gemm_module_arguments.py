@@ -140,7 +140,7 @@ def _mlp_steps(checkpoint: bool, recipe_name, dtype, steps=3):
         x = (torch.randn(2, 16, 64, dtype=dtype) * (step + 1)).requires_grad_(True)
         saved = []
 
-        def pack(t):
+        def pack(t, saved=saved):
             saved.append(t.numel() * t.element_size())
             return t
 
