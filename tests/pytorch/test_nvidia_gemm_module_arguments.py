@@ -184,3 +184,13 @@ def test_mlp_checkpoint_inside_a_checkpoint_and_without_gradients():
     assert torch.equal(y.detach(), y0)
     y.sum().backward()
     assert x.grad is not None and mlp.fc1_weight.grad is not None
+
+
+@pytest.mark.parametrize("cls", [te.Linear, te.LayerNormLinear], ids=lambda c: c.__name__)
+def test_fp8_grad_runs_at_its_default_and_is_refused_otherwise(cls):
+    m = _build(cls)
+    x = torch.randn(16, 16)
+    assert torch.equal(m(x, None, False, False), m(x))
+    with pytest.raises(NotImplementedError, match=r"fp8_grad=True \(the input's gradient as "
+                                                  r"FP8\) is not implemented"):
+        m(x, fp8_grad=True)

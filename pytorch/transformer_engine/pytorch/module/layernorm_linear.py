@@ -27,6 +27,7 @@ from .linear import (
     check_fp8_shape,
     check_unsupported,
     fp8_input,
+    refuse_fp8_grad,
 )
 
 __all__ = ["LayerNormLinear"]
@@ -271,9 +272,12 @@ class LayerNormLinear(_LinearBase):
         return f"{super().extra_repr()}, normalization={self.normalization}, eps={self.cfg.eps}"
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
-                fp8_output: bool = False):
+                fp8_output: bool = False, fp8_grad: bool = False):
         """``inp`` [..., in_features] -> [..., out_features] (see the class docstring for
-        what else comes back); ``is_first_microbatch`` and ``fp8_output`` as for te.Linear."""
+        what else comes back); ``is_first_microbatch``, ``fp8_output`` and ``fp8_grad`` as for
+        te.Linear."""
+        if fp8_grad:
+            refuse_fp8_grad(self._name)
         if self.fuse_wgrad_accumulation:
             route_to_main_grad(self._gemm_weights())
         if self._tp_mode is not None:

@@ -367,7 +367,7 @@ class Linear(_LinearBase):
     # ------------------------------------------------------------------ forward
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
-                fp8_output: bool = False):
+                fp8_output: bool = False, fp8_grad: bool = False):
         """``inp`` [..., in_features] -> [..., out_features] (and the bias if return_bias).
 
         ``is_first_microbatch``: None quantizes the weight at every call; True quantizes it
@@ -378,7 +378,12 @@ class Linear(_LinearBase):
         output as a :class:`Float8Tensor` in the forward format, for a consumer that takes FP8
         (DotProductAttention under ``fp8_mha``); delayed scaling casts it in the GEMM with this
         module's output scale. Ignored otherwise. An input that is such a Float8Tensor is used
-        without a cast."""
+        without a cast.
+
+        ``fp8_grad`` (NVIDIA's: the input's gradient as FP8) must be False: the gradient comes
+        back in the input's dtype."""
+        if fp8_grad:
+            refuse_fp8_grad(self._name)
         if self.fuse_wgrad_accumulation:
             route_to_main_grad(self._gemm_weights())
         if self._tp_mode is not None:
@@ -519,6 +524,12 @@ def check_fp8_shape(inp: torch.Tensor, k: int, n: int, op: str) -> None:
             raise ValueError(f"{op}: FP8 GEMMs need feature dimensions that are multiples of "
                              f"{GEMM_GRANULE}; {name} must be a multiple of {GEMM_GRANULE}, "
                              f"got {value} (input shape {list(inp.shape)})")
+
+
+def refuse_fp8_grad(op: str) -> None:
+    raise NotImplementedError(f"{op}: fp8_grad=True (the input's gradient as FP8) is not "
+                              "implemented; the gradient comes back in the input's dtype (pass "
+                              "fp8_grad=False)")
 
 
 def check_unsupported(tp_group, tp_size, parallel_mode, sequence_parallel,
