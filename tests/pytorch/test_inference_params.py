@@ -121,6 +121,50 @@ def test_ragged_sequences_join_and_finish_between_steps():
     assert params.sequences == OrderedDict(b=10, c=5)
 
 
+def _run_packed(model, x, lens, **kw):
+    """The thd stack's layers on packed tokens x [tokens, hidden] of sequences of ``lens``."""
+    h = x
+    for layer in model.layers:
+        h = layer(h, rotary_pos_emb=model.freqs, **kw)
+    return h
+
+
+def test_packed_thd_decoding_equals_each_sequences_full_forward():
+    """attn_input_format="thd": every step's input is the sequences' new tokens packed one
+    after the other (ragged steps, a sequence finishing and another taking its row); each
+    sequence's outputs are those of its own full (packed) forward."""
+    model = Stack("thd")
+    seqs = {name: _tokens(1, 12, seed=i)[0] for i, name in enumerate("abc")}
+
+    def full(t):
+        n = t.shape[0]
+        cu = torch.tensor([0, n], dtype=torch.int32)
+        return _run_packed(model, t, [n], cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n,
+                           max_seqlen_kv=n)
+
+    want = {name: full(t) for name, t in seqs.items()}
+    done = dict.fromkeys(seqs, 0)
+    params = te.InferenceParams(2, MAX_LEN, qkv_format="thd", max_ctx_len=8)
+    steps = [{"a": 3, "b": 6}, {"a": 1, "b": 1}, {"b": 2, "c": 4}, {"b": 1, "c": 1}]
+    for step in steps:
+        params.pre_step(OrderedDict(step))
+        x = torch.cat([seqs[name][done[name]:done[name] + n] for name, n in step.items()])
+        out = _run_packed(model, x, list(step.values()), inference_params=params)
+        assert out.shape == x.shape
+        start = 0
+        for name, n in step.items():
+            torch.testing.assert_close(out[start:start + n],
+                                       want[name][done[name]:done[name] + n],
+                                       **TOL[torch.float32],
+                                       msg=lambda m, name=name: f"{name}: {m}")
+            start += n
+            done[name] += n
+    with pytest.raises(ValueError, match=r"packed \(thd\) input must hold the 2 new tokens of "
+                                         r"pre_step \(\[1, 1\]\), got 3"):
+        params.pre_step(OrderedDict([("b", 1), ("c", 1)]))
+        _run_packed(model, torch.randn(3, HIDDEN), [1, 1], inference_params=params)
+
+
 def test_bf16_decoding_is_close_to_the_full_forward():
     model = Stack(dtype=torch.bfloat16)
     x = _tokens(2, 10, torch.bfloat16)
@@ -175,7 +219,6 @@ def test_cross_attention_decoder_decodes():
     (dict(max_sequence_length=2.5), ValueError, "max_sequence_length"),
     (dict(is_paged=True, page_size=3, total_num_pages=6), ValueError, "page_size"),
     (dict(is_paged=True, page_size=4, total_num_pages=8), ValueError, "total_num_pages"),
-    (dict(qkv_format="thd", max_ctx_len=8), NotImplementedError, "thd"),
     (dict(qkv_format="hsbd"), ValueError, "qkv_format"),
     (dict(dtype=torch.int8), TypeError, "dtype"),
     (dict(custom_cache_manager=object()), NotImplementedError, "custom_cache_manager"),

@@ -17,6 +17,12 @@ Two ways to say where the new tokens go:
   the batch (cache rows ``batch_size_offset`` on) gets the input's tokens at positions
   ``sequence_len_offset`` on; the caller adds the input's length to it after each forward.
 
+Packed input (``qkv_format="thd"``, [tokens, hidden]) needs ``pre_step``: the tokens are the
+sequences' new tokens one sequence after the other, in ``step_dict``'s order, with no padding;
+the step's ``cu_seqlens`` come from ``step_dict`` (the layer's ``cu_seqlens_q`` argument is not
+read). Attention runs over the cache as for padded input: the queries are laid out as
+[batch, longest step, heads, dim] for the kernel and the output is packed again.
+
 RoPE positions follow the cache: token ``i`` of a step takes position ``cached length + i``,
 so ``rotary_pos_emb`` is the table of every position (``RotaryPositionEmbedding(max_len)``).
 Cross attention keeps no cache (its keys and values come from ``encoder_output`` each step).
@@ -110,10 +116,10 @@ class InferenceParams:
             be ``max_batch_size * max_sequence_length / page_size``; the pages of a row are
             fixed (row r owns pages r * pages_per_seq on), so the paged cache holds the same
             bytes as the contiguous one, viewed as pages.
-        max_ctx_len: the longest step of packed (thd) input; thd input is not implemented
-            yet, so it is accepted and unused.
-        qkv_format: layout of the incoming tensors, ``"bshd"`` or ``"sbhd"``; the layers
-            pass their own (``attn_input_format``), this is kept for compatibility.
+        max_ctx_len: the longest step of packed (thd) input; accepted and unused (the steps
+            say their lengths in pre_step).
+        qkv_format: layout of the incoming tensors, ``"bshd"``, ``"sbhd"`` or ``"thd"``; the
+            layers pass their own (``attn_input_format``), this is kept for compatibility.
         custom_cache_manager: a user cache manager; not supported (must be None).
 
     Example (greedy decoding; ``model`` a stack of te.TransformerLayer with distinct
@@ -154,9 +160,6 @@ class InferenceParams:
         if qkv_format not in ("bshd", "sbhd", "thd"):
             raise ValueError(f"{op}: qkv_format must be 'bshd', 'sbhd' or 'thd', got "
                              f"{qkv_format!r}")
-        if qkv_format == "thd":
-            raise NotImplementedError(f"{op}: qkv_format 'thd' (packed decoding input) is not "
-                                      "implemented yet; use 'bshd' or 'sbhd'")
         self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
         self.num_heads_kv, self.head_dim_k, self.dtype = num_heads_kv, head_dim_k, dtype
         self.head_dim_v = head_dim_v if head_dim_v is not None else head_dim_k
@@ -319,6 +322,15 @@ class InferenceParams:
             raise ValueError(f"InferenceParams: batch_size_offset + the input's batch must be "
                              f"in [0, max_batch_size={self.max_batch_size}], got {b0} + {batch}")
 
+    def _check_packed(self, tokens: int) -> _Step:
+        """Whether a packed (thd) step's input of ``tokens`` tokens is pre_step's."""
+        step = self._need_step("a packed (thd) step")
+        if tokens != sum(step.lens):
+            raise ValueError(f"InferenceParams: packed (thd) input must hold the "
+                             f"{sum(step.lens)} new tokens of pre_step ({step.lens}), got "
+                             f"{tokens}")
+        return step
+
     def _rope_positions(self, device: torch.device):
         """(start_positions tensor [batch] or None, offset int) of this step's tokens."""
         step = self._step
@@ -327,6 +339,11 @@ class InferenceParams:
         if step.same_start:  # one offset for all: a slice of the table, no index tensor
             return None, step.pre[0]
         return step.on(device)["start"], 0
+
+    def _packed_rope(self, device: torch.device) -> tuple:
+        """(cu_seqlens, start_positions) of a packed step's tokens, for RoPE."""
+        idx = self._need_step("a packed (thd) step").on(device)
+        return idx["cu_q"], idx["start"]
 
     def _cache_of(self, layer_number: int, owner, k: torch.Tensor, v: torch.Tensor):
         owners = self._owners
@@ -369,8 +386,17 @@ class InferenceParams:
             mask = _bottom_right(mask, padding=False)
             return _as(keys, k), _as(values, v), mask, (None, None, s, p0 + s)
         idx = step.on(k.device)
-        kc.index_put_((idx["dst_row"], idx["dst_pos"]), k[idx["tok_b"], idx["tok_t"]].to(kc.dtype))
-        vc.index_put_((idx["dst_row"], idx["dst_pos"]), v[idx["tok_b"], idx["tok_t"]].to(vc.dtype))
+        return self._write_tokens(kc, vc, k[idx["tok_b"], idx["tok_t"]],
+                                  v[idx["tok_b"], idx["tok_t"]], mask, s)
+
+    def _write_tokens(self, kc, vc, k, v, mask: str, max_q: int) -> tuple:
+        """_append's result for a step's tokens k, v [tokens, heads, dim] in pre_step's order:
+        written at their sequences' rows and positions, then every sequence's cached keys and
+        values, padded to the longest."""
+        step = self._step
+        idx = step.on(k.device)
+        kc.index_put_((idx["dst_row"], idx["dst_pos"]), k.to(kc.dtype))
+        vc.index_put_((idx["dst_row"], idx["dst_pos"]), v.to(vc.dtype))
         keys, values = kc[:, :step.max_kv], vc[:, :step.max_kv]
         if step.row_slice is not None:
             keys, values = (t[step.row_slice[0]:step.row_slice[1]] for t in (keys, values))
@@ -378,7 +404,20 @@ class InferenceParams:
             keys, values = keys.index_select(0, idx["rows"]), values.index_select(0, idx["rows"])
         mask = _bottom_right(mask, padding=True)
         return (_as(keys, k), _as(values, v), mask,
-                (idx["cu_q"], idx["cu_kv"], s, step.max_kv))
+                (idx["cu_q"], idx["cu_kv"], max_q, step.max_kv))
+
+    def _append_packed(self, layer_number: int, owner, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, mask: str) -> tuple:
+        """_append for a packed (thd) step, q, k, v [tokens, heads, dim]: (q as [batch, longest
+        step, heads, dim], keys, values, mask, seqlens as _append's, and ``unpack``, which takes
+        the attention output [batch, longest step, ...] back to [tokens, ...])."""
+        step = self._check_packed(q.shape[0])
+        kc, vc = self._cache_of(layer_number, owner, k, v)
+        idx = step.on(q.device)
+        at = (idx["tok_b"], idx["tok_t"])
+        q_padded = q.new_zeros(step.batch, step.max_q, *q.shape[1:]).index_put(at, q)
+        return (q_padded, *self._write_tokens(kc, vc, k, v, mask, step.max_q),
+                lambda o: o[at])
 
     def _append_at_offset(self, kc, vc, k, v, mask: str) -> tuple:
         b, s = k.shape[0], k.shape[1]

@@ -332,11 +332,9 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
             kv = self.key_value(encoder_output, is_first_microbatch, fp8_output=qkv_fp8)
             k, v = split_heads(kv, g, (1, 1), d, self.qkv_weight_interleaved)
         layout = self.qkv_format
-        if cache is not None:
-            if layout == "thd":
-                raise NotImplementedError("te.MultiheadAttention: inference_params with "
-                                          "qkv_format 'thd' is not implemented yet; use 'bshd' "
-                                          "or 'sbhd'")
+        if cache is not None and layout == "thd":
+            cache._check_packed(hidden_states.shape[0])
+        elif cache is not None:
             batch, seq = (1, 0) if layout == "sbhd" else (0, 1)
             cache._check_input(hidden_states.shape[batch], hidden_states.shape[seq])
         norm_qk = self.qk_norm_type is not None
@@ -353,8 +351,9 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
             self._check_bias(cache, fp8_mha)
             attend.update(core_attention_bias_type=core_attention_bias_type,
                           core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes)
+        unpack = None
         if cache is not None:
-            q, k, v, layout = self._cached(cache, q, k, v, mask, attend)
+            q, k, v, layout, unpack = self._cached(cache, q, k, v, mask, attend)
         recompute = fp8.RECOMPUTE
         # Inside a checkpoint of the whole layer attention is recomputed already (and
         # checkpoints do not nest).
@@ -367,7 +366,9 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
                 o = self.core_attention(q, k, v, qkv_format=layout, **attend)
         else:
             o = self.core_attention(q, k, v, qkv_format=layout, **attend)
-        if layout != self.qkv_format:  # a cached sbhd step attended in bshd
+        if unpack is not None:  # a cached packed step attended as padded bshd
+            o = unpack(to_high_precision(o))
+        elif layout != self.qkv_format:  # a cached sbhd step attended in bshd
             o = to_high_precision(o).transpose(0, 1).contiguous()
         out = self.proj(o, is_first_microbatch)
         if ln_out is None:
@@ -436,7 +437,10 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
                             else (rotary_pos_emb, rotary_pos_emb))
         q, k = to_high_precision(q), to_high_precision(k)
         start = None
-        if cache is not None:
+        if cache is not None and self.qkv_format == "thd":
+            cu_seqlens_q, start = cache._packed_rope(q.device)
+            cu_seqlens_kv = cu_seqlens_q
+        elif cache is not None:
             start, offset = cache._rope_positions(q.device)
             if offset:
                 seq = q.shape[0] if self.qkv_format == "sbhd" else q.shape[1]
@@ -450,15 +454,21 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
 
     def _cached(self, cache, q, k, v, mask: str, attend: dict):
         """Appends k, v to the cache; q and the cached k, v in the layout attention runs in,
-        with ``attend`` set for attending over the cache."""
+        with ``attend`` set for attending over the cache, and for a packed (thd) step the
+        function that packs the output again (else None)."""
         q, k, v = (to_high_precision(t) for t in (q, k, v))
-        if self.qkv_format == "sbhd":  # the cache is bshd
-            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        keys, values, mask, (cu_q, cu_kv, max_q, max_kv) = cache._append(
-            self.layer_number, self, k, v, mask)
+        unpack = None
+        if self.qkv_format == "thd":
+            q, keys, values, mask, lens, unpack = cache._append_packed(
+                self.layer_number, self, q, k, v, mask)
+        else:
+            if self.qkv_format == "sbhd":  # the cache is bshd
+                q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+            keys, values, mask, lens = cache._append(self.layer_number, self, k, v, mask)
+        cu_q, cu_kv, max_q, max_kv = lens
         attend.update(attn_mask_type=mask, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
                       max_seqlen_q=max_q, max_seqlen_kv=max_kv, attention_mask=None)
-        return q, keys, values, "bshd"
+        return q, keys, values, "bshd", unpack
 
 
 def _l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
