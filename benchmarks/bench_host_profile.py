@@ -1,0 +1,133 @@
+"""Where a training step's host time goes (issue 20): one te.TransformerLayer in FP8 (delayed
+and current scaling) and bf16, beside the same block from torch's modules, at a shape small
+enough that the GPU waits for the host.
+
+Per case, over `--steps` steps issued back to back after warm-up (no synchronization inside):
+  - host_ms_per_step: wall time of issuing the steps, per step (synchronized once at the end);
+  - ops: torch.profiler's CPU self time per op or Python function (record_function ranges,
+    custom ops, aten ops, autograd nodes), per step, the largest first, with call counts: what
+    the dispatcher and autograd see;
+  - python: cProfile's own time per Python function, per step, the largest first (a call into
+    the core's binding counts towards its caller): what the Python layers cost.
+The two profiles are separate runs (each profiler slows what it watches); host_ms_per_step is
+measured without either.
+
+    python benchmarks/bench_host_profile.py                  # results/host_profile.json
+    python benchmarks/bench_host_profile.py --device cpu --steps 3 --top 5   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import transformer_engine.pytorch as te
+from bench_model import RECIPES, TorchBlock, make_step, write
+
+HIDDEN, HEADS, TOKENS = 256, 2, 16  # bench_model's module probe shape: [1, 16, 256]
+
+
+def build(case: str, device: str) -> tuple[torch.nn.Module, object]:
+    """(the block, its FP8 recipe or None) of a case: ``te_layer/<recipe>`` or ``torch/bf16``."""
+    torch.manual_seed(0)
+    stack, recipe_name = case.split("/")
+    if stack == "torch":
+        return TorchBlock(HIDDEN, HEADS, device), None
+    layer = te.TransformerLayer(HIDDEN, 4 * HIDDEN, HEADS, hidden_dropout=0.0,
+                                attention_dropout=0.0, self_attn_mask_type="causal",
+                                attn_input_format="bshd", params_dtype=torch.bfloat16,
+                                device=device)
+    factory = RECIPES[recipe_name]
+    return layer, factory() if factory is not None else None
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_ms(step, device: str, steps: int) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def op_profile(step, device: str, steps: int, top: int) -> list[dict]:
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [{"name": e.key, "self_us_per_step": e.self_cpu_time_total / steps,
+             "calls_per_step": e.count / steps} for e in rows[:top]]
+
+
+def python_profile(step, device: str, steps: int, top: int) -> list[dict]:
+    _sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)  # own time
+    out = []
+    for (path, line, func), (_, calls, own, cumulative, _) in rows[:top]:
+        where = func if path == "~" else f"{path.rsplit('/', 2)[-2:][-1]}:{line}({func})"
+        out.append({"name": where, "own_us_per_step": own * 1e6 / steps,
+                    "cumulative_us_per_step": cumulative * 1e6 / steps,
+                    "calls_per_step": calls / steps})
+    return out
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--name", default="host_profile")
+    parser.add_argument("--cases", nargs="*", default=["te_layer/fp8_delayed",
+                                                       "te_layer/fp8_current", "te_layer/bf16",
+                                                       "torch/bf16"])
+    args = parser.parse_args(argv)
+    rows = []
+    for case in args.cases:
+        model, fp8_recipe = build(case, args.device)
+        x = torch.randn(1, TOKENS, HIDDEN, device=args.device, dtype=torch.bfloat16,
+                        requires_grad=True)
+        step = make_step(model, model, x, fp8_recipe)
+        for _ in range(args.warmup):
+            step()
+        rows.append({"case": case, "shape_bsh": [1, TOKENS, HIDDEN], "heads": HEADS,
+                     "steps": args.steps,
+                     "host_ms_per_step": host_ms(step, args.device, args.steps),
+                     "ops": op_profile(step, args.device, args.steps, args.top),
+                     "python": python_profile(step, args.device, args.steps, args.top)})
+        print(f"{case}: {rows[-1]['host_ms_per_step']:.3f} ms per step")
+    timing = "wall clock" if args.device == "cuda" else "cpu wall clock (CPU kernels included)"
+    return write(args.name, {
+        "description": "host time of a training step (zero_grad, forward, backward of "
+                       "out.float().square().mean()) of one block at a tiny shape, issued back "
+                       "to back: te_layer = te.TransformerLayer (causal, bshd, bf16 "
+                       "parameters) under each recipe, torch = the same block from torch's "
+                       "modules; ops = torch.profiler CPU self time per step, python = "
+                       "cProfile own time per step (separate runs)",
+        "config": {"device": args.device, "timing": timing, "warmup": args.warmup,
+                   "top": args.top},
+        "results": rows,
+    }, args.device)
+
+
+if __name__ == "__main__":
+    main()
