@@ -194,3 +194,4 @@ def test_fp8_grad_runs_at_its_default_and_is_refused_otherwise(cls):
     with pytest.raises(NotImplementedError, match=r"fp8_grad=True \(the input's gradient as "
                                                   r"FP8\) is not implemented"):
         m(x, fp8_grad=True)
+

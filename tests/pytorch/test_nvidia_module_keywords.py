@@ -315,3 +315,88 @@ def test_norms_accept_sm_margin_and_activation_params_only_for_clamped_swiglu():
     with pytest.raises(ValueError, match=r"te.LayerNormMLP: activation_params apply to "
                                          r"clamped_swiglu only; 'gelu' takes none"):
         te.LayerNormMLP(32, 64, device="cpu", activation_params={"limit": 7.0})
+
+
+# DotProductAttention's constructor keywords of NVIDIA TE (Megatron-LM's TEDotProductAttention
+# passes the tensor-parallel ones)
+
+def _attention_inputs(heads, shape=(2, 8), kv_seq=None, dim=16, grad=False):
+    torch.manual_seed(0)
+    b, s = shape
+    q = torch.randn(b, s, heads, dim, requires_grad=grad)
+    k, v = (torch.randn(b, kv_seq or s, heads, dim, requires_grad=grad) for _ in range(2))
+    return q, k, v
+
+
+def test_dpa_tensor_parallel_keywords_attend_this_ranks_heads():
+    from te_torch_tests._tp_world import SizedGroup
+
+    local = te.DotProductAttention(2, 16, qkv_format="bshd", device=CPU)
+    q, k, v = _attention_inputs(2)
+    want = local(q, k, v)
+    for kw in (dict(tp_size=2), dict(tp_group=SizedGroup(2)),
+               dict(tp_size=2, tp_group=SizedGroup(2), sequence_parallel=True)):
+        split = te.DotProductAttention(4, 16, qkv_format="bshd", device=CPU, **kw)
+        assert (split.num_attention_heads, split.num_gqa_groups, split.tp_size) == (2, 2, 2)
+        assert torch.equal(split(q, k, v), want)
+    with pytest.raises(ValueError, match=r"DotProductAttention: num_attention_heads \(6\) must "
+                                         r"be divisible by tp_size \(4\)"):
+        te.DotProductAttention(6, 16, tp_size=4, device=CPU)
+    with pytest.raises(ValueError, match=r"tp_size must equal the size of tp_group \(2\), "
+                                         r"got 4"):
+        te.DotProductAttention(8, 16, tp_size=4, tp_group=SizedGroup(2), device=CPU)
+
+
+def test_dpa_dropout_draws_from_the_rng_trackers_fork_unless_sequence_parallel():
+    forks = []
+
+    class Tracker:
+        def fork(self):
+            import contextlib
+
+            forks.append(1)
+            return contextlib.nullcontext()
+
+    q, k, v = _attention_inputs(2)
+    for sequence_parallel, dropout, want in ((False, 0.1, 1), (True, 0.1, 0), (False, 0.0, 0)):
+        forks.clear()
+        m = te.DotProductAttention(2, 16, attention_dropout=dropout, qkv_format="bshd",
+                                   get_rng_state_tracker=Tracker,
+                                   sequence_parallel=sequence_parallel, device=CPU)
+        m(q, k, v)
+        assert len(forks) == want, (sequence_parallel, dropout)
+        m.eval()
+        m(q, k, v)  # no dropout in evaluation
+        assert len(forks) == want
+
+
+@pytest.mark.parametrize("mask, flag, want", [
+    ("causal", True, "causal_bottom_right"), ("padding_causal", True,
+                                              "padding_causal_bottom_right"),
+    ("causal_bottom_right", False, "causal"), ("causal", None, "causal"),
+    ("no_mask", True, "no_mask")])
+def test_dpa_bottom_right_diagonal_moves_the_causal_diagonal(mask, flag, want):
+    m = te.DotProductAttention(2, 16, attn_mask_type=mask, bottom_right_diagonal=flag,
+                               device=CPU)
+    assert m.attn_mask_type == want
+    if mask == "causal" and flag:  # the same numbers as the bottom-right mask (sq < skv)
+        q, k, v = _attention_inputs(2, kv_seq=12)
+        ref = te.DotProductAttention(2, 16, qkv_format="bshd",
+                                     attn_mask_type="causal_bottom_right", device=CPU)
+        m = te.DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="causal",
+                                   bottom_right_diagonal=True, device=CPU)
+        assert torch.equal(m(q, k, v), ref(q, k, v))
+
+
+def test_dpa_refusals_and_keyword_only_tail():
+    with pytest.raises(NotImplementedError, match=r"softmax_type='learnable' is not supported "
+                                                  r"here \(only 'vanilla'\); attention sinks"):
+        te.DotProductAttention(2, 16, softmax_type="learnable", device=CPU)
+    with pytest.raises(NotImplementedError, match=r"return_max_logit=True is not supported"):
+        te.DotProductAttention(2, 16, return_max_logit=True, device=CPU)
+    # NVIDIA's releases put different arguments after window_size: keywords only there
+    with pytest.raises(TypeError):
+        te.DotProductAttention(2, 16, None, 0.0, "bshd", "causal", None, False)
+    m = te.DotProductAttention(2, 16, None, 0.0, "bshd", "causal", (-1, 0), name="attn",
+                               device=CPU)
+    assert (m.qkv_format, m.window_size, m.name) == ("bshd", (-1, 0), "attn")

@@ -35,7 +35,7 @@ from ..fp8 import STATE
 from ..ops._backend import core
 from ..ops.attention import LAYOUTS, MASKS, config, sizes_of
 from ..quantization import kind_of, record_amax
-from ._checks import check_sizes
+from ._checks import check_sizes, refuse_non_defaults
 from .base import FP8Module
 from .linear import _default_device
 
@@ -268,6 +268,39 @@ def _runs_fp8(recipe: Optional[Recipe]) -> bool:
                 and kind_of(recipe) in ("delayed", "current"))
 
 
+def _heads_split(op: str, tp_size: int, tp_group, heads: int, groups: int) -> int:
+    """The ranks NVIDIA's ``tp_size`` / ``tp_group`` split the heads over (1: not split)."""
+    from .. import distributed
+
+    tp = distributed.group_size(op, tp_group) if tp_group is not None else tp_size
+    if tp_group is not None and tp_size not in (1, tp):
+        raise ValueError(f"{op}: tp_size must equal the size of tp_group ({tp}), got {tp_size}")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"{op}: tp_size must be a positive int, got {tp!r}")
+    for name, value in (("num_attention_heads", heads), ("num_gqa_groups", groups)):
+        if value % tp:
+            raise ValueError(f"{op}: {name} ({value}) must be divisible by tp_size ({tp})")
+    return tp
+
+
+def _diagonal(op: str, mask: str, bottom_right: Optional[bool]) -> str:
+    """The mask type under NVIDIA's ``bottom_right_diagonal`` (None: the type's own)."""
+    if bottom_right is None or "causal" not in mask:
+        return mask
+    if not isinstance(bottom_right, bool):
+        raise TypeError(f"{op}: bottom_right_diagonal must be None or a bool, got "
+                        f"{bottom_right!r}")
+    top_left = mask.removesuffix("_bottom_right")
+    return top_left + "_bottom_right" if bottom_right else top_left
+
+
+def _forked(attend, tracker):
+    def forked(*args):
+        with tracker().fork():
+            return attend(*args)
+    return forked
+
+
 class DotProductAttention(FP8Module):
     """Multi-head dot-product attention of already projected heads (no weights).
 
@@ -283,6 +316,19 @@ class DotProductAttention(FP8Module):
             force right = 0.
         softmax_scale: default 1 / sqrt(head_dim_qk).
         layer_number, attention_type: kept for API compatibility ("self" or "cross").
+        bottom_right_diagonal: NVIDIA's switch of the causal diagonal: True makes the causal
+            masks bottom-right aligned (``causal`` -> ``causal_bottom_right``, ``padding_causal``
+            -> ``padding_causal_bottom_right``), False top-left; None keeps the mask type's.
+        sequence_parallel, tp_size, get_rng_state_tracker, tp_group: NVIDIA's tensor
+            parallelism of the block around it (Megatron-LM's): ``num_attention_heads`` and
+            ``num_gqa_groups`` count every rank's heads, and this module attends this rank's
+            ``1 / tp_size`` of them (``tp_size`` is ``tp_group``'s size when a group is given);
+            then the attributes ``num_attention_heads`` and ``num_gqa_groups`` hold the local
+            counts. Attention dropout draws from ``get_rng_state_tracker()``'s ``fork()``
+            (each rank's heads their own masks) when a tracker is given and
+            ``sequence_parallel`` is False, as in NVIDIA TE.
+        softmax_type, return_max_logit: ``"vanilla"`` and False only (attention sinks and the
+            logits' maximum are not implemented); name: kept.
         deterministic: ask the backward for a deterministic dk/dv reduction.
         attention_backend: ``None`` (auto, or ``TE_ATTENTION_BACKEND``) or one of ``BACKENDS``.
         device: where the delayed-scaling state lives (default: the current CUDA device when
@@ -315,14 +361,26 @@ class DotProductAttention(FP8Module):
     def __init__(self, num_attention_heads: int, kv_channels: Union[int, tuple[int, int]],
                  num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0,
                  qkv_format: str = "sbhd", attn_mask_type: str = "causal",
-                 window_size: Optional[tuple[int, int]] = None,
-                 softmax_scale: Optional[float] = None, layer_number: Optional[int] = None,
-                 attention_type: str = "self", deterministic: bool = False,
+                 window_size: Optional[tuple[int, int]] = None, *,
+                 bottom_right_diagonal: Optional[bool] = None, sequence_parallel: bool = False,
+                 tp_size: int = 1, get_rng_state_tracker=None, tp_group=None,
+                 layer_number: Optional[int] = None, attention_type: str = "self",
+                 cp_group=None, cp_global_ranks=None, cp_stream=None,
+                 cp_comm_type: str = "p2p", softmax_scale: Optional[float] = None,
+                 softmax_type: str = "vanilla", return_max_logit: bool = False,
+                 name: Optional[str] = None, deterministic: bool = False,
                  attention_backend: Optional[str] = None,
-                 device: Union[torch.device, str, None] = None, *, cp_group=None,
-                 cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p") -> None:
+                 device: Union[torch.device, str, None] = None) -> None:
+        # (keyword-only after window_size: NVIDIA TE's releases order what follows differently,
+        # so a positional argument there would not mean one thing)
+        refuse_non_defaults("DotProductAttention", "attention sinks and the logits' maximum are "
+                            "not implemented", softmax_type=(softmax_type, "vanilla"),
+                            return_max_logit=(return_max_logit, False))
         dims = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
         groups = num_gqa_groups if num_gqa_groups is not None else num_attention_heads
+        tp = _heads_split("DotProductAttention", tp_size, tp_group, num_attention_heads, groups)
+        num_attention_heads, groups = num_attention_heads // tp, groups // tp
+        attn_mask_type = _diagonal("DotProductAttention", attn_mask_type, bottom_right_diagonal)
         if len(dims) != 2:
             raise ValueError(f"DotProductAttention: kv_channels must be an int or a pair "
                              f"(head_dim_qk, head_dim_v), got {kv_channels!r}")
@@ -350,6 +408,8 @@ class DotProductAttention(FP8Module):
         self.layer_number, self.attention_type = layer_number, attention_type
         self.deterministic = deterministic
         self.attention_backend = attention_backend
+        self.tp_size, self.sequence_parallel, self.name = tp, bool(sequence_parallel), name
+        self.get_rng_state_tracker = get_rng_state_tracker
         self._cp = None
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
@@ -415,11 +475,16 @@ class DotProductAttention(FP8Module):
                 bias)
         recompute = _fp8.RECOMPUTE
         attend = self._attend if self._cp is None else self._attend_context_parallel
+        tracker = self.get_rng_state_tracker
+        if (tracker is not None and not self.sequence_parallel and self.training
+                and self.attention_dropout > 0):
+            # this rank's heads draw their dropout masks from the tracker's stream (NVIDIA's)
+            attend = _forked(attend, tracker)
         # Inside a checkpoint of an enclosing block attention is recomputed already (and
         # checkpoints do not nest).
         if (checkpoint_core_attention and torch.is_grad_enabled()
                 and recompute.recording is None and not recompute.replaying):
-            return checkpoint(attend, *args)
+            return checkpoint(attend, *args, get_rng_state_tracker=tracker)
         return attend(*args)
 
     def _attend_context_parallel(self, query, key, value, attention_mask, qkv_format,
