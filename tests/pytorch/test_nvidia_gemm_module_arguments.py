@@ -10,6 +10,7 @@ import torch
 from te_torch_tests._train_steps import RECIPES, assert_same_bits
 
 import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
 
 CPU = "cpu"
 
@@ -80,11 +81,13 @@ UNBUILT = {
     "delay_wgrad_compute": True,
 }
 WHY = {"symmetric_ar_type": "symmetric-memory all-reduce",
-       "delay_wgrad_compute": "te.GroupedLinear only"}
+       "delay_wgrad_compute": "te.Linear, te.LayerNormLinear and te.GroupedLinear"}
 
 
-@pytest.mark.parametrize("cls", list(NVIDIA_ORDER), ids=lambda c: c.__name__)
-@pytest.mark.parametrize("keyword", list(UNBUILT))
+@pytest.mark.parametrize("cls, keyword", [
+    (cls, keyword) for cls in NVIDIA_ORDER for keyword in UNBUILT
+    if not (keyword == "delay_wgrad_compute" and cls is not te.LayerNormMLP)],
+    ids=lambda v: getattr(v, "__name__", v))
 def test_unbuilt_features_run_at_their_defaults_and_are_refused_otherwise(cls, keyword):
     default = inspect.signature(cls.__init__).parameters[keyword].default
     torch.manual_seed(0)
@@ -194,4 +197,55 @@ def test_fp8_grad_runs_at_its_default_and_is_refused_otherwise(cls):
     with pytest.raises(NotImplementedError, match=r"fp8_grad=True \(the input's gradient as "
                                                   r"FP8\) is not implemented"):
         m(x, fp8_grad=True)
+
+
+DELAY_RECIPES = {**RECIPES, "block": lambda: recipe.Float8BlockScaling()}
+
+
+def _delayed_steps(cls, delay: bool, recipe_name, dtype, fuse=False, split=False):
+    """Two microbatches' backward passes, then backward_dw() (with delay): every gradient."""
+    torch.manual_seed(0)
+    kw = dict(parameters_split=("a", "b")) if split else {}
+    m = cls(32, 64, bias=True, params_dtype=dtype, device=CPU, delay_wgrad_compute=delay,
+            fuse_wgrad_accumulation=fuse, **kw)
+    weights = m._gemm_weights()
+    if fuse:
+        for w in weights:
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    seen = []
+    for step in range(2):
+        x = (torch.randn(2, 16, 32, dtype=dtype) * (step + 1)).requires_grad_(True)
+        with te.fp8_autocast(enabled=recipe_name is not None,
+                             fp8_recipe=DELAY_RECIPES[recipe_name]() if recipe_name else None):
+            y = m(x)
+        y.float().square().sum().backward()
+        seen += [y.detach(), x.grad]
+        if delay:  # nothing reaches the weights until backward_dw
+            assert all(w.grad is None for w in weights)
+            assert not fuse or all(not w.main_grad.any() for w in weights)
+    m.backward_dw()
+    m.backward_dw()  # (nothing left to run)
+    seen += [w.main_grad if fuse else w.grad for w in weights]
+    seen += [p.grad for n, p in m.named_parameters() if "bias" in n or "layer_norm" in n]
+    return seen
+
+
+@pytest.mark.parametrize("cls", [te.Linear, te.LayerNormLinear], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("recipe_name, dtype", [(None, torch.float32), (None, torch.bfloat16),
+                                                ("delayed", torch.bfloat16),
+                                                ("current", torch.bfloat16),
+                                                ("block", torch.bfloat16)])
+def test_delay_wgrad_compute_gives_the_same_gradients_after_backward_dw(cls, recipe_name, dtype):
+    """The backward computes the input's, bias's and norm's gradients; backward_dw() then
+    adds the weight's: the same bits as the layer without the switch, over two microbatches."""
+    assert_same_bits(_delayed_steps(cls, True, recipe_name, dtype),
+                     _delayed_steps(cls, False, recipe_name, dtype))
+
+
+@pytest.mark.parametrize("cls", [te.Linear, te.LayerNormLinear], ids=lambda c: c.__name__)
+def test_delay_wgrad_compute_into_main_grad_and_split_weights(cls):
+    for kw in (dict(fuse=True), dict(split=True), dict(fuse=True, split=True)):
+        for recipe_name in (None, "delayed"):
+            assert_same_bits(_delayed_steps(cls, True, recipe_name, torch.bfloat16, **kw),
+                             _delayed_steps(cls, False, recipe_name, torch.bfloat16, **kw))
 

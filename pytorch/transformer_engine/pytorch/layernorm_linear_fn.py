@@ -101,6 +101,7 @@ class NormLinearConsts(NamedTuple):
     need_dgrad: bool
     need_wgrad: bool
     out_meta: Optional[tuple]  # None: a high-precision output; else what fp8_output needs
+    wgrad_store: Optional[list] = None  # delay_wgrad_compute: where the wgrad GEMM goes
 
 
 class Fp8LayerNormLinearFunction(torch.autograd.Function):
@@ -121,7 +122,7 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, gamma, beta, weight, bias, w_data, w_scale_inv, w_col, w_col_scale_inv,
                 history_fwd, scale_fwd, bwd_meta: tuple, consts: NormLinearConsts):
-        plan, recipe, group, cfg, need_dgrad, need_wgrad, out_meta = consts
+        plan, recipe, group, cfg, need_dgrad, need_wgrad, out_meta, store = consts
         k = inp.shape[-1]
         x = inp.reshape(-1, k)
         if out_meta is None:  # [M, N]: the module gives it inp's leading dimensions
@@ -139,6 +140,7 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
                               w_col_scale_inv)
         ctx.bwd_meta = bwd_meta
         ctx.plan, ctx.recipe, ctx.group, ctx.cfg = plan, recipe, group, cfg
+        ctx.wgrad_store = store
         ctx.need = (need_dgrad, need_wgrad, beta is not None, bias is not None)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         ctx.input_shape = inp.shape
@@ -157,7 +159,7 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
         dx = dgamma = dbeta = None
         history, scale, _ = ctx.bwd_meta
         saved = (in_col, in_col_sinv, w_col, w_col_sinv)
-        if (need_dgrad or need_wgrad) and compiled_grads.usable(
+        if (need_dgrad or need_wgrad) and ctx.wgrad_store is None and compiled_grads.usable(
                 plan, ctx.recipe, history, g.shape[0], g, *saved):
             # the cast of grad_output, the scale update and both GEMMs in one call
             d_ln, grad_weight, grad_bias = compiled_grads.linear_grads(
@@ -171,7 +173,7 @@ class Fp8LayerNormLinearFunction(torch.autograd.Function):
                     update_backward(ctx.bwd_meta, plan, ctx.recipe, ctx.group)
                 d_ln, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
                                                    in_col_sinv, x.dtype, w_dtype, need_dgrad,
-                                                   need_wgrad)
+                                                   need_wgrad, ctx.wgrad_store)
                 del q_g  # the FP8 grad_output (both copies) goes before the norm's backward
             if has_bias:
                 grad_bias = dbias.to(b_dtype)

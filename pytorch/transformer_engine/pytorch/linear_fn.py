@@ -147,6 +147,7 @@ class LinearConsts(NamedTuple):
     need_dgrad: bool
     need_wgrad: bool
     out_meta: Optional[tuple]  # None: a high-precision output; else what fp8_output needs
+    wgrad_store: Optional[list] = None  # delay_wgrad_compute: where the wgrad GEMM goes
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -167,7 +168,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, w_data, w_scale_inv, w_col, w_col_scale_inv,
                 history_fwd, scale_fwd, bwd_meta: tuple, cfg: LinearConsts):
-        plan, recipe, group, need_dgrad, need_wgrad, out_meta = cfg
+        plan, recipe, group, need_dgrad, need_wgrad, out_meta, _ = cfg
         if isinstance(inp, Float8Tensor):
             q_in = fp8_input_operand(inp, need_wgrad)
         else:
@@ -191,6 +192,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         # forward's backward must not trip over the version counter of the first.
         ctx.bwd_meta = bwd_meta
         ctx.plan, ctx.recipe, ctx.group = plan, recipe, group
+        ctx.wgrad_store = cfg.wgrad_store
         ctx.need = (need_dgrad, need_wgrad, bias is not None)
         ctx.dtypes = (inp.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.input_shape = inp.shape
@@ -202,16 +204,20 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grads = linear_backward(grad_output, ctx.saved_tensors, ctx.plan, ctx.bwd_meta,
-                                ctx.recipe, ctx.group, ctx.need, ctx.dtypes, ctx.input_shape)
+                                ctx.recipe, ctx.group, ctx.need, ctx.dtypes, ctx.input_shape,
+                                ctx.wgrad_store)
         return grads + (None,) * 8
 
 
 def linear_backward(grad_output: torch.Tensor, saved, plan: Plan, bwd_meta: tuple, recipe: Any,
-                    group: Any, need: tuple, dtypes: tuple, input_shape) -> tuple:
+                    group: Any, need: tuple, dtypes: tuple, input_shape,
+                    wgrad_store: Optional[list] = None) -> tuple:
     """(grad_input, grad_weight, grad_bias) of an FP8 linear layer, each None where not
     needed: the backward of Fp8LinearFunction and of the compiled forward (fast_linear.py).
     ``saved``: the forward's (column-wise input, its scale_inv, column-wise weight, its
-    scale_inv); ``need``: (dgrad, wgrad, bias); ``dtypes``: of input, weight and bias."""
+    scale_inv); ``need``: (dgrad, wgrad, bias); ``dtypes``: of input, weight and bias;
+    ``wgrad_store``: delay_wgrad_compute's list, which takes the wgrad GEMM (grad_weight is
+    then None)."""
     in_col, in_col_sinv, w_col, w_col_sinv = saved
     need_dgrad, need_wgrad, has_bias = need
     in_dtype, w_dtype, b_dtype = dtypes
@@ -220,8 +226,8 @@ def linear_backward(grad_output: torch.Tensor, saved, plan: Plan, bwd_meta: tupl
     g = g.contiguous()
     grad_input = grad_weight = grad_bias = None
     history, scale, _ = bwd_meta
-    if (need_dgrad or need_wgrad) and compiled_grads.usable(plan, recipe, history, g.shape[0],
-                                                            g, *saved):
+    if (need_dgrad or need_wgrad) and wgrad_store is None and compiled_grads.usable(
+            plan, recipe, history, g.shape[0], g, *saved):
         grad_input, grad_weight, grad_bias = compiled_grads.linear_grads(
             g, None, "identity", saved, plan, bwd_meta, 0, True, need, dtypes)
         if grad_input is not None and len(input_shape) != 2:
@@ -234,7 +240,7 @@ def linear_backward(grad_output: torch.Tensor, saved, plan: Plan, bwd_meta: tupl
             update_backward(bwd_meta, plan, recipe, group)
         grad_input, grad_weight = backward_gemms(plan, q_g, w_col, w_col_sinv, in_col,
                                                  in_col_sinv, in_dtype, w_dtype, need_dgrad,
-                                                 need_wgrad)
+                                                 need_wgrad, wgrad_store)
         if grad_input is not None and len(input_shape) != 2:
             grad_input = grad_input.view(input_shape)
     if has_bias:
@@ -309,10 +315,17 @@ def grad_to_fp8(plan: Plan, dy: torch.Tensor, h: torch.Tensor, act: str,
 
 def backward_gemms(plan: Plan, q_g, w_col, w_col_sinv, in_col, in_col_sinv,
                    in_dtype: torch.dtype, w_dtype: torch.dtype, need_dgrad: bool,
-                   need_wgrad: bool):
+                   need_wgrad: bool, wgrad_store: Optional[list] = None):
     """dgrad (from q_g's row-wise data) and wgrad (from its column-wise data) of one linear
     layer with the FP8 grad_output ``q_g``: (grad_input [M, K] or None, grad_weight [N, K] or
-    None)."""
+    None). With ``wgrad_store`` (delay_wgrad_compute) the wgrad GEMM goes on it, holding the
+    column-wise operands only, and grad_weight is None."""
+    if wgrad_store is not None and need_wgrad:
+        col = Operand(None, None, q_g.columnwise, q_g.columnwise_scale_inv, q_g.fp8_dtype,
+                      q_g.mode)
+        wgrad_store.append(lambda: backward_gemms(plan, col, None, None, in_col, in_col_sinv,
+                                                  in_dtype, w_dtype, False, True)[1])
+        need_wgrad = False
     grad_input = grad_weight = None
     if need_dgrad:
         grad_input = fp8_gemm(q_g.data, q_g.scale_inv, w_col, w_col_sinv, plan.bwd_dtype,

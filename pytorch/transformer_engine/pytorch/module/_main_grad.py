@@ -17,7 +17,7 @@ made later, by deferred initialization or a tensor-parallel split, gets its own 
 from __future__ import annotations
 
 import weakref
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -27,7 +27,9 @@ _MARK = "_te_main_grad_hooks"  # set on a parameter once its hooks are registere
 def _to_main_grad(param: torch.nn.Parameter):
     ref = weakref.ref(param)
 
-    def hook(grad: torch.Tensor) -> torch.Tensor:
+    def hook(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if grad is None:  # none this backward (delay_wgrad_compute: backward_dw adds it)
+            return None
         p = ref()
         main = getattr(p, "main_grad", None)
         if not isinstance(main, torch.Tensor) or main.shape != grad.shape:

@@ -30,6 +30,7 @@ from ..linear_fn import takes_fp8_input
 from ..quantization import kind_of, plan_of, quantize_many
 from ._checks import check_device, check_float_input, check_sizes, refuse_non_defaults
 from ._deferred_init import DeferredInit
+from ._deferred_wgrad import add_weight_grad
 from ._main_grad import route_tree
 from .linear import _FP8_INPUT_DTYPES, Linear, _default_device, check_fp8_shape
 
@@ -161,17 +162,7 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         while self._wgrad_store:
             grads = torch.chunk(self._wgrad_store.pop(0)(), self.num_gemms)
             for gemm, g in zip(self.gemms, grads, strict=True):
-                w = gemm.weight
-                if not w.requires_grad:
-                    continue
-                if self.fuse_wgrad_accumulation:
-                    w.main_grad.add_(g)
-                    if hasattr(w, "grad_added_to_main_grad"):
-                        w.grad_added_to_main_grad = True
-                elif w.grad is None:
-                    w.grad = g.to(w.dtype).clone()
-                else:
-                    w.grad.add_(g.to(w.grad.dtype))
+                add_weight_grad(gemm.weight, g, self.fuse_wgrad_accumulation)
 
     def _grouped_high_precision(self, rows: torch.Tensor, splits: list):
         """Outside FP8: the groups' GEMMs in the input's dtype, grouped

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Callable, Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from transformer_engine.common.recipe import Recipe
 
@@ -18,6 +17,7 @@ from ..float8_tensor import Float8Tensor
 from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig, NormLinearConsts
 from ..quantization import kind_of, record_amax
 from ._checks import check_device, check_params_dtype, check_sizes, refuse_unbuilt
+from ._deferred_wgrad import linear as hp_linear
 from ._main_grad import route_to_main_grad
 from .base import with_leading_dims
 from .layernorm import apply_norm
@@ -159,7 +159,8 @@ def fp8_norm_linear(module, inp, gamma, beta, cfg: NormConfig, weight, bias, rec
                            or (beta is not None and beta.requires_grad))
     need_wgrad = grad and weight.requires_grad
     bwd_meta, bwd_recipe, group = module._backward_state(plan, recipe)
-    if not fp8_output and compiled_blocks.usable(
+    store = module._wgrad_store
+    if not fp8_output and store is None and compiled_blocks.usable(
             plan, bwd_recipe, history, inp, (weight,), (bias,),
             (gamma,) if beta is None else (gamma, beta), cfg, is_first_microbatch, module):
         # the whole block in two operator calls (forward, backward)
@@ -170,7 +171,8 @@ def fp8_norm_linear(module, inp, gamma, beta, cfg: NormConfig, weight, bias, rec
     w = module._weight_operand(plan, weight, need_dgrad, is_first_microbatch, scales, history)
     col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
     out_meta = module._output_meta(plan) if fp8_output else None
-    consts = NormLinearConsts(plan, bwd_recipe, group, cfg, need_dgrad, need_wgrad, out_meta)
+    consts = NormLinearConsts(plan, bwd_recipe, group, cfg, need_dgrad, need_wgrad, out_meta,
+                              store)
     return with_leading_dims(Fp8LayerNormLinearFunction.apply(
         inp, gamma, beta, weight, bias, w.data, w.scale_inv, w.columnwise, col_sinv, history,
         scales, bwd_meta, consts), inp)
@@ -204,9 +206,9 @@ class LayerNormLinear(_LinearBase):
             and returns its shard of the output features; the gradients of the input and of
             the norm's parameters are all-reduced in the backward. ``"row"`` is refused (the
             norm needs every input feature on every rank).
-        get_rng_state_tracker, ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad,
-            ub_bulk_wgrad, ub_bulk_dgrad, ub_name, delay_wgrad_compute, symmetric_ar_type:
-            as te.Linear.
+        get_rng_state_tracker, delay_wgrad_compute (with :meth:`backward_dw`), ub_overlap_ag,
+            ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_wgrad, ub_bulk_dgrad, ub_name,
+            symmetric_ar_type: as te.Linear.
 
     Returns ``output``, then the bias when ``return_bias``, then the norm's output when
     ``return_layernorm_output``.
@@ -236,8 +238,7 @@ class LayerNormLinear(_LinearBase):
                  symmetric_ar_type: Optional[str] = None, name: Optional[str] = None) -> None:
         refuse_unbuilt(self._name, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                        ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
-                       ub_bulk_dgrad=ub_bulk_dgrad, symmetric_ar_type=symmetric_ar_type,
-                       delay_wgrad_compute=delay_wgrad_compute)
+                       ub_bulk_dgrad=ub_bulk_dgrad, symmetric_ar_type=symmetric_ar_type)
         tp = distributed.check_tensor_parallel(self._name, tp_group, tp_size, parallel_mode)
         if tp > 1 and parallel_mode == "row":
             # Each rank would hold a slice of the input features, but the norm needs all of
@@ -257,6 +258,7 @@ class LayerNormLinear(_LinearBase):
         self.return_bias, self.name, self.parallel_mode = return_bias, name, parallel_mode
         self.return_layernorm_output_gathered = bool(return_layernorm_output_gathered)
         self.get_rng_state_tracker = get_rng_state_tracker
+        self._delay_wgrad(delay_wgrad_compute)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         dtype = params_dtype or torch.get_default_dtype()
         register_norm_params(self, int(in_features), cfg, dtype, device)
@@ -356,7 +358,8 @@ class LayerNormLinear(_LinearBase):
                         ops.amax(ln_out.detach().reshape(-1, ln_out.shape[-1])))
             record_amax(self.amax_history_fwd, 1, ops.amax(w.detach()))
             fp8.register_forward_amaxes(self, state.recipe)
-        out = F.linear(ln_out, weight.to(inp.dtype), None if bias is None else bias.to(inp.dtype))
+        out = hp_linear(ln_out, weight.to(inp.dtype), None if bias is None else bias.to(inp.dtype),
+                        self._wgrad_store)
         return (out, ln_out) if cfg.return_ln_out else out
 
     def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch,

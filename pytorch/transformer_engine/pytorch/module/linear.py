@@ -6,7 +6,6 @@ import math
 from typing import Callable, Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from transformer_engine.common.plan import GEMM_GRANULE
 from transformer_engine.common.recipe import Recipe
@@ -22,6 +21,8 @@ from ._checks import (
     check_sizes,
     refuse_unbuilt,
 )
+from ._deferred_wgrad import linear as hp_linear
+from ._deferred_wgrad import run_store
 from ._main_grad import route_to_main_grad
 from ._split_rows import join_rows, pack_rows
 from .base import FP8Module, fp8_weight_param, with_leading_dims
@@ -89,6 +90,21 @@ class _LinearBase(FP8Module):
     _tp_mode: Optional[str] = None
     _tp_group: Optional[distributed.SharedGroup] = None
     tp_size = 1
+    # delay_wgrad_compute: the list the backward puts the weight-gradient GEMM on
+    # (module/_deferred_wgrad.py), else None. A class default, for pickled modules.
+    _wgrad_store: Optional[list] = None
+    delay_wgrad_compute = False
+
+    def backward_dw(self) -> None:
+        """delay_wgrad_compute: runs the weight-gradient GEMMs the backward passes put aside
+        (oldest first) and adds their results to the weight's ``.grad`` (``main_grad`` under
+        fuse_wgrad_accumulation). Without the switch there is nothing to run."""
+        if self._wgrad_store is not None:
+            run_store(self._wgrad_store, self._gemm_weights(), self.fuse_wgrad_accumulation)
+
+    def _delay_wgrad(self, delay_wgrad_compute: bool) -> None:
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        self._wgrad_store = [] if self.delay_wgrad_compute else None
 
     @property
     def tp_group(self):
@@ -251,7 +267,9 @@ class _LinearBase(FP8Module):
         need_dgrad = grad and inp.requires_grad
         need_wgrad = grad and weight.requires_grad
         bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
+        store = self._wgrad_store
         if (not fp8_output and is_first_microbatch is None and not self._weight_caches
+                and store is None
                 and fast_linear.usable(plan, inp, weight, bias, history, bwd_recipe is not None)):
             out = fast_linear.forward(self, inp, weight, bias, plan, scales, history, bwd_meta)
             if out is not None:
@@ -261,7 +279,7 @@ class _LinearBase(FP8Module):
         # torch.compile takes no tensor twice, so the column-wise one goes as None.
         col_sinv = None if plan.weight_mode == "tensor" else w.columnwise_scale_inv
         out_meta = self._output_meta(plan) if fp8_output else None
-        cfg = LinearConsts(plan, bwd_recipe, group, need_dgrad, need_wgrad, out_meta)
+        cfg = LinearConsts(plan, bwd_recipe, group, need_dgrad, need_wgrad, out_meta, store)
         return with_leading_dims(
             Fp8LinearFunction.apply(inp, weight, bias, w.data, w.scale_inv, w.columnwise,
                                     col_sinv, history, scales, bwd_meta, cfg), inp)
@@ -317,10 +335,14 @@ class Linear(_LinearBase):
         get_rng_state_tracker, rng_tracker_name: NVIDIA's model-parallel RNG tracker for the
             weight's initialization; accepted and kept: a split layer draws the whole weight
             from torch's generator and keeps its slice, which needs no tracker.
+        delay_wgrad_compute: the backward computes the input's and bias's gradients and puts
+            the weight's GEMM aside; :meth:`backward_dw` runs it and adds the gradient
+            (module/_deferred_wgrad.py). The layer then takes the Python path (not the
+            compiled operators).
         ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad,
-            ub_name, symmetric_ar_type, delay_wgrad_compute, save_original_input: NVIDIA's
-            switches for features not built here; their defaults run, anything else raises
-            NotImplementedError naming the keyword (``ub_name`` is only a name).
+            ub_name, symmetric_ar_type, save_original_input: NVIDIA's switches for features
+            not built here; their defaults run, anything else raises NotImplementedError
+            naming the keyword (``ub_name`` is only a name).
         name: kept as ``self.name``.
 
     Example:
@@ -347,7 +369,6 @@ class Linear(_LinearBase):
         refuse_unbuilt(self._name, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                        ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
                        ub_bulk_wgrad=ub_bulk_wgrad, symmetric_ar_type=symmetric_ar_type,
-                       delay_wgrad_compute=delay_wgrad_compute,
                        save_original_input=save_original_input)
         tp = distributed.check_tensor_parallel(self._name, tp_group, tp_size, parallel_mode)
         check_unsupported(None, 1, parallel_mode, False, fuse_wgrad_accumulation, self._name)
@@ -355,6 +376,7 @@ class Linear(_LinearBase):
         super().__init__(device)
         self.return_bias, self.name = return_bias, name
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
+        self._delay_wgrad(delay_wgrad_compute)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self.parallel_mode = parallel_mode
         # (no effect unless the layer is split: a replicated layer sees whole activations)
@@ -438,8 +460,9 @@ class Linear(_LinearBase):
             self._calibrate(inp, weight, state.recipe)
         # .to() (a no-op for the same dtype) keeps autograd's link to the parameter; a
         # Float8Tensor weight dequantizes in it (__torch_dispatch__).
-        return F.linear(inp, weight.to(inp.dtype),
-                        None if gemm_bias is None else gemm_bias.to(inp.dtype))
+        return hp_linear(inp, weight.to(inp.dtype),
+                         None if gemm_bias is None else gemm_bias.to(inp.dtype),
+                         self._wgrad_store)
 
     def _parallel_forward(self, inp: torch.Tensor, is_first_microbatch, fp8_output: bool):
         """The forward of a column- or row-parallel layer: the local GEMM on this rank's
