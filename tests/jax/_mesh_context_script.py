@@ -95,7 +95,11 @@ ATTENTION_CASES = [
     # the ring strategy
     "causal-bshd-plain-4-ring", "causal-sbhd-balanced-2-ring", "causal-bshd-balanced-4-ring",
     "no_mask-bshd-plain-1-ring",
+    # padding masks (the all-gather strategy): the second sequence holds 19 of 32 positions
+    "padding-bshd-plain-4", "padding_causal-bshd-plain-4", "padding_causal-sbhd-balanced-2",
+    "padding_causal-bshd-balanced-1",
 ]
+LENGTHS = (32, 19)  # each sequence's valid positions under a padding mask
 
 
 def attention_case(name: str) -> dict:
@@ -113,10 +117,15 @@ def attention_case(name: str) -> dict:
     k, v = (jax.random.normal(key, shape(groups), jnp.float32) for key in keys[1:3])
     w = jax.random.normal(keys[3], shape(heads), jnp.float32)  # the loss's weights
 
+    padding = {}
+    if mask.startswith("padding"):
+        cu = jnp.array([0, LENGTHS[0], LENGTHS[0] + LENGTHS[1]], jnp.int32)
+        padding = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu)
+
     def loss(q, k, v, w, balanced):
         o = fused_attn(q, k, v, qkv_layout=layout, attn_mask_type=mask,
                        context_parallel_causal_load_balanced=balanced,
-                       context_parallel_strategy=strategy)
+                       context_parallel_strategy=strategy, **padding)
         return jnp.sum(o * w), o
 
     grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
@@ -151,13 +160,18 @@ def attention_case(name: str) -> dict:
 
 
 def refused() -> dict:
-    """The errors of what context parallelism does not do: a padding mask, dropout, the ring
-    strategy, and a sequence the axis does not divide."""
+    """The errors of what context parallelism does not do: a padding mask with the ring
+    strategy, a bottom-right padding mask, dropout, an unknown strategy, and a sequence the
+    axis does not divide."""
     mesh = jax.make_mesh((2, 4), ("dp", "cp"), axis_types=(AxisType.Auto,) * 2)
     x = jnp.ones((2, 32, 4, 8))
     calls = {
-        "padding": dict(attn_mask_type="padding", cu_seqlens_q=jnp.array([0, 32, 64]),
-                        cu_seqlens_kv=jnp.array([0, 32, 64])),
+        "padding_ring": dict(attn_mask_type="padding", cu_seqlens_q=jnp.array([0, 32, 64]),
+                             cu_seqlens_kv=jnp.array([0, 32, 64]),
+                             context_parallel_strategy="ring"),
+        "padding_bottom_right": dict(attn_mask_type="padding_causal_bottom_right",
+                                     cu_seqlens_q=jnp.array([0, 32, 64]),
+                                     cu_seqlens_kv=jnp.array([0, 32, 64])),
         "dropout": dict(dropout_probability=0.1, dropout_rng=jax.random.PRNGKey(0)),
         "strategy": dict(context_parallel_strategy="ulysses"),
         "indivisible": dict(context_parallel_causal_load_balanced=True),

@@ -41,7 +41,9 @@ from transformer_engine.jax.sharding import MeshResource, token_rows
 
 _SCRIPT = Path(__file__).resolve().parent / "_mesh_context_script.py"
 _GATHER = ["causal-bshd-plain-4", "causal-bshd-balanced-4", "causal-sbhd-balanced-2",
-           "no_mask-bshd-plain-4", "no_mask-sbhd-balanced-1"]
+           "no_mask-bshd-plain-4", "no_mask-sbhd-balanced-1", "padding-bshd-plain-4",
+           "padding_causal-bshd-plain-4", "padding_causal-sbhd-balanced-2",
+           "padding_causal-bshd-balanced-1"]
 _RING = ["causal-bshd-plain-4-ring", "causal-sbhd-balanced-2-ring",
          "causal-bshd-balanced-4-ring", "no_mask-bshd-plain-1-ring"]
 _ATTENTION = _GATHER + _RING
@@ -175,13 +177,20 @@ def test_the_ring_only_passes_blocks_to_the_next_device(runs, case):
 def test_split_sequence_attention_gathers_only_keys_and_values(runs, case):
     """Forward and backward each all-gather k and v along the sequence (this device's batch
     rows, the whole sequence, k's heads), and the backward reduce-scatters dk and dv back to
-    the shards: nothing else moves (no query, output or gradient of them)."""
+    the shards: nothing else moves (no query, output or gradient of them). Under a padding
+    mask the sequences' lengths (int32, one per sequence of the device's batch) may move
+    too."""
     run = runs[case]
     seq_dim, k_shape = run["seq_dim"], run["shapes"]["k"]
     local = list(k_shape)
     local[1 - seq_dim] //= 2  # the batch over dp = 2
     shard = list(local)
     shard[seq_dim] //= 4  # the sequence over cp = 4
+    collectives = run["collectives"]
+    if case.startswith("padding"):
+        lengths = [["s32", [local[1 - seq_dim]]]]
+        collectives = [(kind, arrays) for kind, arrays in collectives if arrays != lengths]
+    run = {**run, "collectives": collectives}
     kinds = sorted(kind for kind, _ in run["collectives"])
     assert kinds == ["all-gather"] * 4 + ["reduce-scatter"] * 2, run["collectives"]
     for kind, arrays in run["collectives"]:
@@ -220,8 +229,12 @@ def test_context_parallel_layers_move_no_activation_but_keys_and_values(runs, ca
 
 def test_what_context_parallelism_does_not_do_is_refused_by_name(runs):
     errors = runs["refused"]
-    assert errors["padding"].startswith("NotImplementedError: fused_attn: context parallelism "
-                                        "takes attn_mask_type 'no_mask' or a causal mask")
+    assert errors["padding_ring"].startswith(
+        "NotImplementedError: fused_attn: padding masks under context parallelism take the "
+        "all-gather strategy; the ring strategy with attn_mask_type 'padding'")
+    assert errors["padding_bottom_right"].startswith(
+        "NotImplementedError: fused_attn: context parallelism takes attn_mask_type 'no_mask', "
+        "a causal mask, 'padding' or 'padding_causal', got 'padding_causal_bottom_right'")
     assert errors["dropout"].startswith("NotImplementedError: fused_attn: attention dropout is "
                                         "not implemented under context parallelism")
     assert errors["strategy"].startswith("ValueError: fused_attn: context_parallel_strategy "

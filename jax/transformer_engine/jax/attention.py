@@ -120,16 +120,16 @@ def _cumulative(lengths: jax.Array, layout: str) -> jax.Array:
 def _piece_args(q, params, mask):
     """The plain call's (params, cu_q, cu_kv, rng) for one piece of a context-parallel
     attention (:mod:`~transformer_engine.jax.context_parallel`). ``mask``: ``"full"`` (every
-    key), ``"causal"`` (the diagonal of two chunks of one length), or each sequence's count of
-    keys visible to its last query (int32 [batch]; causal through them, bottom right)."""
+    key), ``"causal"`` (the diagonal of two chunks of one length), or each sequence's
+    (query lengths, key lengths, causal) (int32 [batch] each; causal: bottom right)."""
     empty, rng = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.uint32)
     if isinstance(mask, str):
         kind = MASKS["no_mask" if mask == "full" else "causal"]
         return (params[0], kind, *params[2:]), empty, empty, rng
-    seq = 0 if params[0] == LAYOUTS["sbhd"] else 1
-    cu_q = _cumulative(jnp.full((q.shape[1 - seq],), q.shape[seq], jnp.int32), "bshd")
-    plain = (params[0], MASKS["padding_causal_bottom_right"], *params[2:])
-    return plain, cu_q, _cumulative(mask, "bshd"), rng
+    q_lengths, kv_lengths, causal = mask
+    plain = (params[0], MASKS["padding_causal_bottom_right" if causal else "padding"],
+             *params[2:])
+    return plain, _cumulative(q_lengths, "bshd"), _cumulative(kv_lengths, "bshd"), rng
 
 
 def _forward_piece(q, k, v, mask, *, params):
@@ -149,21 +149,25 @@ def _cp_shard(cp, params, backward: bool):
         return None
     axis, size, balanced, strategy = cp
     layout = list(LAYOUTS)[params[0]]
-    kw = dict(layout=layout, causal=params[1] != MASKS["no_mask"], axis=axis, size=size,
-              balanced=balanced)
+    mask = next(name for name, code in MASKS.items() if code == params[1])
+    padding = mask.startswith("padding")
+    kw = dict(layout=layout, causal="causal" in mask, axis=axis, size=size, balanced=balanced)
     ring = strategy == "ring"
     if backward:
         fn = context_parallel.ring_backward if ring else context_parallel.shard_backward
         run = functools.partial(_backward_piece, params=params)
 
-        def shard(qs, ks, vs, os_, dos, lses, *_):
-            return fn(run, qs, ks, vs, os_, dos, lses, **kw)
+        def shard(qs, ks, vs, os_, dos, lses, lq, lkv, _):
+            lengths = (lq, lkv) if padding else None  # (the ring takes no padding mask)
+            return fn(run, qs, ks, vs, os_, dos, lses, **kw,
+                      **({"lengths": lengths} if not ring else {}))
     else:
         fn = context_parallel.ring_forward if ring else context_parallel.shard_forward
         run = functools.partial(_forward_piece, params=params)
 
-        def shard(qs, ks, vs, *_):
-            return fn(run, qs, ks, vs, **kw)
+        def shard(qs, ks, vs, lq, lkv, _):
+            lengths = (lq, lkv) if padding else None
+            return fn(run, qs, ks, vs, **kw, **({"lengths": lengths} if not ring else {}))
     return axis, shard
 
 

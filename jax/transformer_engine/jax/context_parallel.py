@@ -30,10 +30,19 @@ run with ``context_parallel_causal_load_balanced=True`` takes its inputs (and la
 reordered that way and gives its outputs in that order; the attention undoes the order of
 the gathered keys and attends each of the device's two chunks with its own offset.
 
-Supported: the ``bshd`` and ``sbhd`` layouts, ``no_mask`` and the causal masks, GQA/MQA,
-the heads and the batch split over other axes, both strategies, plain or load balanced.
-Refused with an error naming the feature: ``thd`` and padding masks, sliding windows and
-dropout.
+Padding masks (``padding``, ``padding_causal``; the all-gather strategy): each sequence's
+query and key lengths (``cu_seqlens_q`` / ``cu_seqlens_kv``) are global. A device's run of
+queries starting at global position ``s`` holds ``clip(q_len - s, 0, n)`` valid ones, which
+attend the first ``kv_len`` keys, or, causally, the first ``s + (valid queries)`` (the
+bottom-right diagonal through the device's last valid query). That is the global top-left
+causal padding mask where each sequence has at least as many keys as queries (``q_len <=
+kv_len``, as in self-attention); a shorter key sequence would let the last valid queries see
+keys past its end, so that case is the caller's to avoid.
+
+Supported: the ``bshd`` and ``sbhd`` layouts, ``no_mask``, the causal masks and (all-gather)
+the padding masks, GQA/MQA, the heads and the batch split over other axes, both strategies,
+plain or load balanced. Refused with an error naming the feature: ``thd``, padding masks with
+the ring strategy, sliding windows and dropout.
 """
 
 from __future__ import annotations
@@ -157,12 +166,27 @@ def _scatter(t: jax.Array, axis: str, seq: int, size: int, balanced: bool) -> ja
 
 
 def _pieces(local: int, size: int, balanced: bool, rank) -> list[tuple[int, int, jax.Array]]:
-    """(start, length, keys visible to the piece's last query) of each run of consecutive
-    positions among this device's queries; ``rank`` is the device's index on the axis."""
+    """(start in the shard, length, global position of the first query) of each run of
+    consecutive positions among this device's queries; ``rank`` is the device's index on the
+    axis."""
     if not balanced:
-        return [(0, local, (rank + 1) * local)]
+        return [(0, local, rank * local)]
     half = local // 2
-    return [(0, half, (rank + 1) * half), (half, half, (2 * size - rank) * half)]
+    return [(0, half, rank * half), (half, half, (2 * size - 1 - rank) * half)]
+
+
+def _piece_mask(n: int, first, batch: int, causal: bool, lengths):
+    """What the plain call of one run of ``n`` queries at global position ``first`` takes as
+    its mask: ``(query lengths, key lengths, causal)``, int32 [batch] each, the causal
+    diagonal bottom right (see the module docstring); ``lengths``: each sequence's global
+    (query, key) lengths, or None (no padding)."""
+    if lengths is None:
+        return jnp.full((batch,), n, jnp.int32), jnp.full((batch,), first + n, jnp.int32), True
+    q_len, kv_len = lengths
+    valid = jnp.clip(q_len - first, 0, n).astype(jnp.int32)
+    if causal:
+        return valid, jnp.minimum(first + valid, kv_len).astype(jnp.int32), True
+    return valid, kv_len.astype(jnp.int32), False
 
 
 def _slice(x: jax.Array, dim: int, start: int, length: int) -> jax.Array:
@@ -170,18 +194,19 @@ def _slice(x: jax.Array, dim: int, start: int, length: int) -> jax.Array:
 
 
 def shard_forward(run: Callable, q, k, v, *, layout: str, causal: bool, axis: str, size: int,
-                  balanced: bool):
+                  balanced: bool, lengths=None):
     """(o, lse) of this device's queries. ``run(q, k, v, mask)`` is the plain forward call:
-    ``mask`` "full" for the unmasked attention, else the keys each sequence has (int32
-    [batch]) under a bottom-right causal padding mask."""
+    ``mask`` "full" for the unmasked attention, else a piece's (query lengths, key lengths,
+    causal) (:func:`_piece_mask`); ``lengths``: the sequences' (query, key) lengths under a
+    padding mask, else None."""
     seq = 0 if layout == "sbhd" else 1
     k, v = (_gather(t, axis, seq, size, balanced) for t in (k, v))
-    if not causal:
+    if not causal and lengths is None:
         return run(q, k, v, "full")
     rank = jax.lax.axis_index(axis)
     batch = q.shape[1 - seq]
-    outs = [run(_slice(q, seq, start, n), k, v, jnp.full((batch,), keys, jnp.int32))
-            for start, n, keys in _pieces(q.shape[seq], size, balanced, rank)]
+    outs = [run(_slice(q, seq, start, n), k, v, _piece_mask(n, first, batch, causal, lengths))
+            for start, n, first in _pieces(q.shape[seq], size, balanced, rank)]
     if len(outs) == 1:
         return outs[0]
     return (jnp.concatenate([o for o, _ in outs], axis=seq),
@@ -189,22 +214,22 @@ def shard_forward(run: Callable, q, k, v, *, layout: str, causal: bool, axis: st
 
 
 def shard_backward(run: Callable, q, k, v, o, d_o, lse, *, layout: str, causal: bool, axis: str,
-                   size: int, balanced: bool):
+                   size: int, balanced: bool, lengths=None):
     """(dq, dk, dv) of this device's shards. ``run(q, k, v, o, d_o, lse, mask)`` is the
     plain backward call (see :func:`shard_forward`); the keys' and values' gradients of every
     device's queries are summed onto the devices that hold the keys."""
     seq = 0 if layout == "sbhd" else 1
     kg, vg = (_gather(t, axis, seq, size, balanced) for t in (k, v))
-    if not causal:
+    if not causal and lengths is None:
         dq, dk, dv = run(q, kg, vg, o, d_o, lse, "full")
     else:
         rank = jax.lax.axis_index(axis)
         batch = q.shape[1 - seq]
         dqs, dk, dv = [], None, None
-        for start, n, keys in _pieces(q.shape[seq], size, balanced, rank):
+        for start, n, first in _pieces(q.shape[seq], size, balanced, rank):
             part = run(_slice(q, seq, start, n), kg, vg,
                        _slice(o, seq, start, n), _slice(d_o, seq, start, n),
-                       _slice(lse, 2, start, n), jnp.full((batch,), keys, jnp.int32))
+                       _slice(lse, 2, start, n), _piece_mask(n, first, batch, causal, lengths))
             dqs.append(part[0])
             # The two pieces' shares are added in fp32: one rounding to the gradient's dtype.
             dk = part[1].astype(jnp.float32) + (0.0 if dk is None else dk)
@@ -371,11 +396,16 @@ def check_call(caller: str, *, layout: str, mask: str, window: Optional[tuple], 
     if layout == "thd":
         raise NotImplementedError(f"{caller}: context parallelism is not implemented for the "
                                   "thd layout; use bshd or sbhd")
-    if mask not in ("no_mask", "causal", "causal_bottom_right"):
+    padding = mask in ("padding", "padding_causal")
+    if mask not in ("no_mask", "causal", "causal_bottom_right") and not padding:
         raise NotImplementedError(f"{caller}: context parallelism takes attn_mask_type "
-                                  f"'no_mask' or a causal mask, got {mask!r} (padding masks "
-                                  "are not implemented under context parallelism)")
-    if mask != "no_mask" and sq != skv:
+                                  f"'no_mask', a causal mask, 'padding' or 'padding_causal', "
+                                  f"got {mask!r}")
+    if padding and name == "ring":
+        raise NotImplementedError(f"{caller}: padding masks under context parallelism take "
+                                  "the all-gather strategy; the ring strategy with "
+                                  f"attn_mask_type {mask!r} is not implemented")
+    if "causal" in mask and sq != skv:
         raise NotImplementedError(f"{caller}: causal context parallelism needs as many queries "
                                   f"as keys, got {sq} and {skv}")
     if window is not None and tuple(window) not in ((-1, -1), (-1, 0)):
