@@ -78,16 +78,13 @@ def _build(cls, **kwargs):
 UNBUILT = {
     "ub_overlap_ag": True, "ub_overlap_rs": True, "ub_overlap_rs_dgrad": True,
     "ub_bulk_dgrad": True, "ub_bulk_wgrad": True, "symmetric_ar_type": "multimem_all_reduce",
-    "delay_wgrad_compute": True,
 }
-WHY = {"symmetric_ar_type": "symmetric-memory all-reduce",
-       "delay_wgrad_compute": "te.Linear, te.LayerNormLinear and te.GroupedLinear"}
+WHY = {"symmetric_ar_type": "symmetric-memory all-reduce"}
 
 
-@pytest.mark.parametrize("cls, keyword", [
-    (cls, keyword) for cls in NVIDIA_ORDER for keyword in UNBUILT
-    if not (keyword == "delay_wgrad_compute" and cls is not te.LayerNormMLP)],
-    ids=lambda v: getattr(v, "__name__", v))
+@pytest.mark.parametrize("cls, keyword", [(cls, keyword) for cls in NVIDIA_ORDER
+                                          for keyword in UNBUILT],
+                         ids=lambda v: getattr(v, "__name__", v))
 def test_unbuilt_features_run_at_their_defaults_and_are_refused_otherwise(cls, keyword):
     default = inspect.signature(cls.__init__).parameters[keyword].default
     torch.manual_seed(0)
@@ -206,6 +203,8 @@ def _delayed_steps(cls, delay: bool, recipe_name, dtype, fuse=False, split=False
     """Two microbatches' backward passes, then backward_dw() (with delay): every gradient."""
     torch.manual_seed(0)
     kw = dict(parameters_split=("a", "b")) if split else {}
+    if cls is te.LayerNormMLP:
+        kw["activation"] = "swiglu"
     m = cls(32, 64, bias=True, params_dtype=dtype, device=CPU, delay_wgrad_compute=delay,
             fuse_wgrad_accumulation=fuse, **kw)
     weights = m._gemm_weights()
@@ -230,21 +229,25 @@ def _delayed_steps(cls, delay: bool, recipe_name, dtype, fuse=False, split=False
     return seen
 
 
-@pytest.mark.parametrize("cls", [te.Linear, te.LayerNormLinear], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [te.Linear, te.LayerNormLinear, te.LayerNormMLP],
+                         ids=lambda c: c.__name__)
 @pytest.mark.parametrize("recipe_name, dtype", [(None, torch.float32), (None, torch.bfloat16),
                                                 ("delayed", torch.bfloat16),
                                                 ("current", torch.bfloat16),
                                                 ("block", torch.bfloat16)])
 def test_delay_wgrad_compute_gives_the_same_gradients_after_backward_dw(cls, recipe_name, dtype):
     """The backward computes the input's, bias's and norm's gradients; backward_dw() then
-    adds the weight's: the same bits as the layer without the switch, over two microbatches."""
+    adds the weights': the same bits as the layer without the switch, over two microbatches."""
     assert_same_bits(_delayed_steps(cls, True, recipe_name, dtype),
                      _delayed_steps(cls, False, recipe_name, dtype))
 
 
-@pytest.mark.parametrize("cls", [te.Linear, te.LayerNormLinear], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [te.Linear, te.LayerNormLinear, te.LayerNormMLP],
+                         ids=lambda c: c.__name__)
 def test_delay_wgrad_compute_into_main_grad_and_split_weights(cls):
-    for kw in (dict(fuse=True), dict(split=True), dict(fuse=True, split=True)):
+    splits = (False,) if cls is te.LayerNormMLP else (False, True)
+    for kw in [dict(fuse=fuse, split=split) for split in splits for fuse in (False, True)
+               if fuse or split]:
         for recipe_name in (None, "delayed"):
             assert_same_bits(_delayed_steps(cls, True, recipe_name, torch.bfloat16, **kw),
                              _delayed_steps(cls, False, recipe_name, torch.bfloat16, **kw))

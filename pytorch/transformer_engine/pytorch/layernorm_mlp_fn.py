@@ -97,6 +97,8 @@ class MlpConsts(NamedTuple):
     act: str
     need: tuple  # (dgrad, FC1's wgrad, FC2's wgrad, FC1's backward at all)
     own_weights: bool  # the weights' FP8 copies were made for this forward alone
+    # delay_wgrad_compute: the lists FC1's and FC2's wgrad GEMMs go on, else None
+    wgrad_stores: Optional[tuple] = None
 
 
 class Fp8LayerNormMLPFunction(torch.autograd.Function):
@@ -122,7 +124,7 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
     def forward(ctx, inp, gamma, beta, w1, b1, w1_data, w1_sinv, w1_col, w1_col_sinv, w2, b2,
                 w2_data, w2_sinv, w2_col, w2_col_sinv, history_fwd, scale_fwd, bwd_meta: tuple,
                 consts: MlpConsts):
-        plan, recipe, group, cfg, act, need, own_weights = consts
+        plan, recipe, group, cfg, act, need, own_weights, stores = consts
         need_dgrad, need_wgrad1, need_wgrad2, _ = need
         if cfg is None:  # inp is the norm's output (sequence parallelism's gathered one)
             h, q1, x = normalized_fc1(plan, inp, w1_data, w1_sinv, b1, scale_fwd, history_fwd,
@@ -155,7 +157,7 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
                               h, q2.columnwise, q2.columnwise_scale_inv, w2_col, w2_col_sinv)
         ctx.bwd_meta = bwd_meta
         ctx.plan, ctx.recipe, ctx.group, ctx.cfg, ctx.act = plan, recipe, group, cfg, act
-        ctx.need, ctx.own_weights = need, own_weights
+        ctx.need, ctx.own_weights, ctx.wgrad_stores = need, own_weights, stores
         ctx.has = (beta is not None, b1 is not None, b2 is not None)
         ctx.dtypes = (w1.dtype, None if b1 is None else b1.dtype, w2.dtype,
                       None if b2 is None else b2.dtype)
@@ -180,7 +182,10 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         # it has been read for the last time (release.py), or the peak of this backward would
         # hold FC2's operands while FC1's gradient is made. The weights' FP8 copies go too
         # when they were made for this forward alone (not a cache's).
-        free = may_release()
+        # delay_wgrad_compute: the wgrad GEMMs go on these lists with their operands, which
+        # must then stay (no early release, no memory-lean order, no compiled call)
+        store1, store2 = ctx.wgrad_stores or (None, None)
+        free = may_release() and store1 is None
         # FC2: its grad_output with its bias gradient in one pass (backward column 1), then
         # its GEMMs: one compiled call where compiled_grads.usable says so. (FC1's backward
         # stays in the steps below: they free FC1's output and its gradient as soon as the
@@ -203,8 +208,8 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
             grad_act, _ = backward_gemms(plan, q_g2, w2_col, w2_col_sinv, a_col, a_col_sinv,
                                          h.dtype, w2_dtype, True, False)
             del q_g2
-        elif (need_fc1 or need_wgrad2) and compiled_grads.usable(plan, ctx.recipe, history,
-                                                                 g.shape[0], g, *fc2):
+        elif (need_fc1 or need_wgrad2) and store2 is None and compiled_grads.usable(
+                plan, ctx.recipe, history, g.shape[0], g, *fc2):
             grad_act, grad_w2, grad_b2 = compiled_grads.linear_grads(
                 g, None, "identity", fc2, plan, ctx.bwd_meta, 1, False,
                 (need_fc1, need_wgrad2, has_b2), (h.dtype, w2_dtype, b2_dtype))
@@ -216,7 +221,7 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
             if q_g2 is not None:
                 grad_act, grad_w2 = backward_gemms(plan, q_g2, w2_col, w2_col_sinv, a_col,
                                                    a_col_sinv, h.dtype, w2_dtype, need_fc1,
-                                                   need_wgrad2)
+                                                   need_wgrad2, store2)
                 del q_g2
         if free:
             release(a_col, w2_col if ctx.own_weights else None)
@@ -230,7 +235,7 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
             if q_g1 is not None:
                 d_ln, grad_w1 = backward_gemms(plan, q_g1, w1_col, w1_col_sinv, ln_col,
                                                ln_col_sinv, x.dtype, w1_dtype, need_dgrad,
-                                               need_wgrad1)
+                                               need_wgrad1, store1)
                 del q_g1
             if has_b1:
                 grad_b1 = dbias1.to(b1_dtype)

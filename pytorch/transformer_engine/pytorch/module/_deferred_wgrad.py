@@ -8,8 +8,8 @@ layer the FP8 column-wise grad_output and input (so the gradient has the bits it
 in the backward), for a high-precision one grad_output and the input. The closures hold those
 operands until ``backward_dw()`` runs. A module keeps them in ``_wgrad_store`` (a list).
 
-The modules with the switch: te.Linear and te.LayerNormLinear (here), te.GroupedLinear (its
-own grouped store).
+The modules with the switch: te.Linear, te.LayerNormLinear and te.LayerNormMLP (one list
+per weight) here, te.GroupedLinear with its own grouped store.
 """
 
 from __future__ import annotations

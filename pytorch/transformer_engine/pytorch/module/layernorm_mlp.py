@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Callable, Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from transformer_engine.common.activation_params import check_no_params, clamped_swiglu_params
 from transformer_engine.common.recipe import Recipe
@@ -22,6 +21,8 @@ from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction, MlpConsts
 from ..ops.activation import GATED, clamped_swiglu
 from ..quantization import kind_of, record_amax
 from ._checks import check_params_dtype, check_sizes, refuse_unbuilt
+from ._deferred_wgrad import linear as hp_linear
+from ._deferred_wgrad import run_store
 from ._main_grad import route_to_main_grad
 from .base import FP8Module, fp8_weight_param, with_leading_dims
 from .layernorm import apply_norm
@@ -150,8 +151,10 @@ class LayerNormMLP(FP8Module):
             own) the block is recomputed by that one.
         get_rng_state_tracker, seq_length, micro_batch_size: accepted and kept; unused
             (as te.Linear's tracker; the sizes are for NVIDIA's JIT warm-up).
+        delay_wgrad_compute: as te.Linear's, for both weights (:meth:`backward_dw`); the
+            backward then keeps FC2's operands to the end (not the memory-lean order).
         ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad,
-            delay_wgrad_compute, symmetric_ar_type: as te.Linear.
+            symmetric_ar_type: as te.Linear.
 
     Returns ``output``, then FC2's bias when ``return_bias``, then the norm's output when
     ``return_layernorm_output``.
@@ -189,8 +192,7 @@ class LayerNormMLP(FP8Module):
                  symmetric_ar_type: Optional[str] = None, checkpoint: bool = False) -> None:
         refuse_unbuilt(self._name, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                        ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-                       ub_bulk_wgrad=ub_bulk_wgrad, symmetric_ar_type=symmetric_ar_type,
-                       delay_wgrad_compute=delay_wgrad_compute)
+                       ub_bulk_wgrad=ub_bulk_wgrad, symmetric_ar_type=symmetric_ar_type)
         if not isinstance(set_parallel_mode, bool):
             raise TypeError(f"{self._name}: set_parallel_mode must be a bool, got "
                             f"{set_parallel_mode!r}")
@@ -215,6 +217,10 @@ class LayerNormMLP(FP8Module):
         self.return_bias, self.name, self.set_parallel_mode = return_bias, name, set_parallel_mode
         self.return_layernorm_output_gathered = bool(return_layernorm_output_gathered)
         self.checkpoint = bool(checkpoint)
+        # delay_wgrad_compute: the lists FC1's and FC2's weight-gradient GEMMs go on
+        # (module/_deferred_wgrad.py), else None
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        self._wgrad_store = ([], []) if self.delay_wgrad_compute else None
         self.get_rng_state_tracker = get_rng_state_tracker
         self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
         dtype = params_dtype or torch.get_default_dtype()
@@ -237,6 +243,18 @@ class LayerNormMLP(FP8Module):
             distributed.mark_sequence_parallel(self.layer_norm_weight,
                                                getattr(self, "layer_norm_bias", None),
                                                self.fc2_bias)
+
+    # (class defaults, for modules pickled before these existed)
+    delay_wgrad_compute = False
+    _wgrad_store: Optional[tuple] = None
+
+    def backward_dw(self) -> None:
+        """delay_wgrad_compute: runs FC1's and FC2's weight-gradient GEMMs the backward passes
+        put aside and adds their results to the weights' gradients (as te.Linear's)."""
+        if self._wgrad_store is not None:
+            for store, weight in zip(self._wgrad_store, (self.fc1_weight, self.fc2_weight),
+                                     strict=True):
+                run_store(store, [weight], self.fuse_wgrad_accumulation)
 
     @property
     def tp_group(self):
@@ -385,12 +403,13 @@ class LayerNormMLP(FP8Module):
             gamma, beta = norm_params(self, dtype) if norm is None else norm
             ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
         b1 = None if self.fc1_bias is None else self.fc1_bias.to(dtype)
-        h = F.linear(ln_out, self.fc1_weight.to(dtype), b1)
+        stores = self._wgrad_store or (None, None)
+        h = hp_linear(ln_out, self.fc1_weight.to(dtype), b1, stores[0])
         a = apply_activation(h, self._act)
         if state.calibrating and kind_of(state.recipe) == "delayed":
             self._calibrate(ln_out, a, state.recipe)
-        out = F.linear(a, self.fc2_weight.to(dtype), None if fc2_bias is None else
-                       fc2_bias.to(dtype))
+        out = hp_linear(a, self.fc2_weight.to(dtype), None if fc2_bias is None else
+                        fc2_bias.to(dtype), stores[1])
         return (out, ln_out) if cfg.return_ln_out else out
 
     def _calibrate(self, ln_out, a, recipe: Recipe) -> None:
@@ -424,7 +443,8 @@ class LayerNormMLP(FP8Module):
         need_fc1 = need_dgrad or need_wgrad1 or (grad and b1 is not None and b1.requires_grad)
         need = (need_dgrad, need_wgrad1, grad and w2.requires_grad, need_fc1)
         bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
-        if cfg is not None and norm is None and compiled_blocks.usable(
+        stores = self._wgrad_store
+        if cfg is not None and norm is None and stores is None and compiled_blocks.usable(
                 plan, bwd_recipe, history, inp, (w1, w2), (b1, fc2_bias),
                 (gamma,) if beta is None else (gamma, beta), cfg, is_first_microbatch, self):
             # the whole block in two operator calls (forward, backward)
@@ -438,7 +458,7 @@ class LayerNormMLP(FP8Module):
         # Copies quantized for this forward alone: the backward may free them once read.
         own_weights = is_first_microbatch is None and not isinstance(w1, Float8Tensor) \
             and not isinstance(w2, Float8Tensor)
-        consts = MlpConsts(plan, bwd_recipe, group, cfg, self._act, need, own_weights)
+        consts = MlpConsts(plan, bwd_recipe, group, cfg, self._act, need, own_weights, stores)
         return with_leading_dims(Fp8LayerNormMLPFunction.apply(
             inp, gamma, beta, w1, b1, q1.data, q1.scale_inv, q1.columnwise,
             None if per_tensor else q1.columnwise_scale_inv, w2, fc2_bias, q2.data,
