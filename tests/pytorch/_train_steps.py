@@ -80,3 +80,41 @@ def same_bits_matrix(recipes: dict, modules: dict):
         return test
 
     return mark
+
+
+def compiled_against_eager(m: torch.nn.Module, fp8_recipe, x: torch.Tensor, steps: int = 3):
+    """(eager, compiled, op names the compiled steps ran): every output, gradient and buffer
+    of ``steps`` steps of ``m`` under ``fp8_recipe`` from the state an eager first step left,
+    eagerly and through torch.compile(fullgraph=True) (the profiler's names of what ran)."""
+    import copy
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def step(t):
+        with te.fp8_autocast(fp8_recipe=fp8_recipe):
+            return m(t)
+
+    step(x).float().sum().backward()  # the first step, eagerly
+    state = copy.deepcopy(m.state_dict())
+
+    def run(f):
+        m.load_state_dict(state)
+        seen = []
+        for i in range(steps):
+            for p in m.parameters():
+                p.grad = None
+            x.grad = None
+            y = f(x * (i + 1))
+            y.float().square().sum().backward()
+            seen += [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+            seen += [b.clone() for b in m.buffers()]
+        return seen
+
+    eager = run(step)
+    # (every caller's step is this one function: without a reset its compiled forms would add
+    # up to dynamo's recompile limit)
+    torch._dynamo.reset()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled = run(torch.compile(step, fullgraph=True))
+    return eager, compiled, {e.key for e in prof.key_averages()}
+

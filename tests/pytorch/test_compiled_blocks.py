@@ -14,6 +14,7 @@ from te_torch_tests._train_steps import (
     BLOCKS,
     RECIPES,
     assert_same_bits,
+    compiled_against_eager,
     record_steps,
     same_bits_matrix,
 )
@@ -226,40 +227,10 @@ def test_compiled_graph_takes_the_block_ops_with_eager_bits(module, recipe_name)
     """torch.compile(fullgraph=True) of a step traces each block as its two custom ops (under
     delayed scaling once a step has written the histories), and three compiled steps give the
     outputs, gradients and FP8 state of three eager ones."""
-    import copy
-
-    from torch.profiler import ProfilerActivity, profile
-
     torch.manual_seed(0)
     m = MODULES[module](torch.bfloat16, True, False, "cpu")
-    r = RECIPES[recipe_name]()
-
-    def step(x):
-        with te.fp8_autocast(fp8_recipe=r):
-            return m(x)
-
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
-    step(x).float().sum().backward()  # the first step, eagerly
-    state = copy.deepcopy(m.state_dict())
-
-    def run(f):
-        m.load_state_dict(state)
-        seen = []
-        for i in range(3):
-            for p in m.parameters():
-                p.grad = None
-            x.grad = None
-            y = f(x * (i + 1))
-            y.float().square().sum().backward()
-            seen += [y.detach(), x.grad] + [p.grad for p in m.parameters()]
-            seen += [b.clone() for b in m.buffers()]
-        return seen
-
-    eager = run(step)
-    compiled = torch.compile(step, fullgraph=True)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        traced = run(compiled)
-    ran = {e.key for e in prof.key_averages()}
+    eager, traced, ran = compiled_against_eager(m, RECIPES[recipe_name](), x)
     name = module + "_block"
     assert {f"transformer_engine::{name}_forward", f"transformer_engine::{name}_backward"} <= ran
     assert_same_bits(traced, eager)
