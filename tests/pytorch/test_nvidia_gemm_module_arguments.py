@@ -252,3 +252,30 @@ def test_delay_wgrad_compute_into_main_grad_and_split_weights(cls):
             assert_same_bits(_delayed_steps(cls, True, recipe_name, torch.bfloat16, **kw),
                              _delayed_steps(cls, False, recipe_name, torch.bfloat16, **kw))
 
+
+
+@pytest.mark.parametrize("cls", [te.Linear, te.LayerNormLinear, te.LayerNormMLP],
+                         ids=lambda c: c.__name__)
+def test_delay_wgrad_compute_under_torch_compile_runs_the_layer_eagerly(cls):
+    """A traced backward would put its GEMMs on the list while tracing only; torch.compile
+    (with AOT autograd) does not trace a backward that writes to a list from outside it (it
+    breaks the graph there and runs the layer eagerly), so backward_dw() gives the eager
+    gradients."""
+    def grads(compiled: bool):
+        torch.manual_seed(0)
+        m = cls(32, 64, params_dtype=torch.bfloat16, device=CPU, delay_wgrad_compute=True)
+        r = recipe.DelayedScaling()
+
+        def step(x):
+            with te.fp8_autocast(fp8_recipe=r):
+                return m(x)
+
+        f = torch.compile(step, backend="aot_eager") if compiled else step
+        for i in range(2):
+            x = torch.randn(16, 32, dtype=torch.bfloat16) * (i + 1)
+            f(x).float().square().sum().backward()
+        m.backward_dw()
+        return [w.grad for w in m._gemm_weights()]
+
+    torch._dynamo.reset()
+    assert_same_bits(grads(True), grads(False))
