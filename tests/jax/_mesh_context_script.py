@@ -98,6 +98,9 @@ ATTENTION_CASES = [
     # padding masks (the all-gather strategy): the second sequence holds 19 of 32 positions
     "padding-bshd-plain-4", "padding_causal-bshd-plain-4", "padding_causal-sbhd-balanced-2",
     "padding_causal-bshd-balanced-1",
+    # and by the ring
+    "padding-bshd-plain-4-ring", "padding_causal-bshd-balanced-4-ring",
+    "padding_causal-sbhd-plain-2-ring",
 ]
 LENGTHS = (32, 19)  # each sequence's valid positions under a padding mask
 
@@ -160,15 +163,11 @@ def attention_case(name: str) -> dict:
 
 
 def refused() -> dict:
-    """The errors of what context parallelism does not do: a padding mask with the ring
-    strategy, a bottom-right padding mask, dropout, an unknown strategy, and a sequence the
-    axis does not divide."""
+    """The errors of what context parallelism does not do: a bottom-right padding mask,
+    dropout, an unknown strategy, and a sequence the axis does not divide."""
     mesh = jax.make_mesh((2, 4), ("dp", "cp"), axis_types=(AxisType.Auto,) * 2)
     x = jnp.ones((2, 32, 4, 8))
     calls = {
-        "padding_ring": dict(attn_mask_type="padding", cu_seqlens_q=jnp.array([0, 32, 64]),
-                             cu_seqlens_kv=jnp.array([0, 32, 64]),
-                             context_parallel_strategy="ring"),
         "padding_bottom_right": dict(attn_mask_type="padding_causal_bottom_right",
                                      cu_seqlens_q=jnp.array([0, 32, 64]),
                                      cu_seqlens_kv=jnp.array([0, 32, 64])),

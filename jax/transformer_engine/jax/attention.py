@@ -123,7 +123,7 @@ def _piece_args(q, params, mask):
     key), ``"causal"`` (the diagonal of two chunks of one length), or each sequence's
     (query lengths, key lengths, causal) (int32 [batch] each; causal: bottom right)."""
     empty, rng = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.uint32)
-    if isinstance(mask, str):
+    if isinstance(mask, str):  # (the ring's causal pair: two chunks of one length)
         kind = MASKS["no_mask" if mask == "full" else "causal"]
         return (params[0], kind, *params[2:]), empty, empty, rng
     q_lengths, kv_lengths, causal = mask
@@ -158,16 +158,15 @@ def _cp_shard(cp, params, backward: bool):
         run = functools.partial(_backward_piece, params=params)
 
         def shard(qs, ks, vs, os_, dos, lses, lq, lkv, _):
-            lengths = (lq, lkv) if padding else None  # (the ring takes no padding mask)
-            return fn(run, qs, ks, vs, os_, dos, lses, **kw,
-                      **({"lengths": lengths} if not ring else {}))
+            lengths = (lq, lkv) if padding else None
+            return fn(run, qs, ks, vs, os_, dos, lses, **kw, lengths=lengths)
     else:
         fn = context_parallel.ring_forward if ring else context_parallel.shard_forward
         run = functools.partial(_forward_piece, params=params)
 
         def shard(qs, ks, vs, lq, lkv, _):
             lengths = (lq, lkv) if padding else None
-            return fn(run, qs, ks, vs, **kw, **({"lengths": lengths} if not ring else {}))
+            return fn(run, qs, ks, vs, **kw, lengths=lengths)
     return axis, shard
 
 

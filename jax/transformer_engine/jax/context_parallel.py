@@ -30,19 +30,21 @@ run with ``context_parallel_causal_load_balanced=True`` takes its inputs (and la
 reordered that way and gives its outputs in that order; the attention undoes the order of
 the gathered keys and attends each of the device's two chunks with its own offset.
 
-Padding masks (``padding``, ``padding_causal``; the all-gather strategy): each sequence's
+Padding masks (``padding``, ``padding_causal``; both strategies): each sequence's
 query and key lengths (``cu_seqlens_q`` / ``cu_seqlens_kv``) are global. A device's run of
 queries starting at global position ``s`` holds ``clip(q_len - s, 0, n)`` valid ones, which
 attend the first ``kv_len`` keys, or, causally, the first ``s + (valid queries)`` (the
 bottom-right diagonal through the device's last valid query). That is the global top-left
 causal padding mask where each sequence has at least as many keys as queries (``q_len <=
 kv_len``, as in self-attention); a shorter key sequence would let the last valid queries see
-keys past its end, so that case is the caller's to avoid.
+keys past its end, so that case is the caller's to avoid. The ring strategy masks each
+(query chunk, key chunk) pair the same way: the chunk's valid queries attend the key chunk's
+valid keys (causally on the diagonal pair); a row no valid key reaches has lse -inf, which the
+log-sum-exp merge gives no weight.
 
-Supported: the ``bshd`` and ``sbhd`` layouts, ``no_mask``, the causal masks and (all-gather)
-the padding masks, GQA/MQA, the heads and the batch split over other axes, both strategies,
-plain or load balanced. Refused with an error naming the feature: ``thd``, padding masks with
-the ring strategy, sliding windows and dropout.
+Supported: the ``bshd`` and ``sbhd`` layouts, ``no_mask``, the causal masks and the padding
+masks, GQA/MQA, the heads and the batch split over other axes, both strategies, plain or load
+balanced. Refused with an error naming the feature: ``thd``, sliding windows and dropout.
 """
 
 from __future__ import annotations
@@ -280,6 +282,19 @@ def _by_relation(relation, causal: bool, skip: Callable, run_kind: Callable):
     return jax.lax.switch(relation, [skip, lambda: run_kind("causal"), lambda: run_kind("full")])
 
 
+def _pair_mask(kind: str, q_chunk, k_chunk, chunk: int, lengths):
+    """The plain call's mask of one (query chunk, key chunk) pair: ``kind`` as it is without
+    padding; under a padding mask each sequence's valid queries of the query chunk and valid
+    keys of the key chunk ((query lengths, key lengths, causal); the diagonal pair causal,
+    where both chunks start at one position)."""
+    if lengths is None:
+        return kind
+    q_len, kv_len = lengths
+    q_valid = jnp.clip(q_len - q_chunk * chunk, 0, chunk).astype(jnp.int32)
+    kv_valid = jnp.clip(kv_len - k_chunk * chunk, 0, chunk).astype(jnp.int32)
+    return q_valid, kv_valid, kind == "causal"
+
+
 def _ring_next(x, axis: str, size: int):
     return jax.lax.ppermute(x, axis, [(i, (i + 1) % size) for i in range(size)])
 
@@ -291,9 +306,12 @@ def _lse_as_o(lse: jax.Array, seq: int) -> jax.Array:
 
 
 def ring_forward(run: Callable, q, k, v, *, layout: str, causal: bool, axis: str, size: int,
-                 balanced: bool):
-    """(o, lse) of this device's queries by the ring strategy. ``run(q, k, v, kind)`` is the
-    plain forward of one (query chunk, key chunk) pair, ``kind`` "full" or "causal"."""
+                 balanced: bool, lengths=None):
+    """(o, lse) of this device's queries by the ring strategy. ``run(q, k, v, mask)`` is the
+    plain forward of one (query chunk, key chunk) pair, ``mask`` "full" or "causal", or under a
+    padding mask (``lengths``: the sequences' query and key lengths) the pair's
+    :func:`_pair_mask`. A query row no key reaches has lse -inf and o 0 (the core's rule),
+    which the merge keeps."""
     seq = 0 if layout == "sbhd" else 1
     count = 2 if balanced else 1
     rank = jax.lax.axis_index(axis)
@@ -302,13 +320,16 @@ def ring_forward(run: Callable, q, k, v, *, layout: str, causal: bool, axis: str
     o_acc = [jnp.zeros(p.shape[:-1] + (v.shape[-1],), jnp.float32) for p in qs]
     lse_acc = [None] * count
 
-    def attend(qp, kp, vp, relation):
+    chunk = q.shape[seq] // count
+
+    def attend(qp, kp, vp, relation, q_chunk, k_chunk):
         def skip():
             b, h = (qp.shape[1], qp.shape[2]) if seq == 0 else (qp.shape[0], qp.shape[2])
             return (jnp.zeros(qp.shape[:-1] + (vp.shape[-1],), qp.dtype),
                     jnp.full((b, h, qp.shape[seq]), -jnp.inf, jnp.float32))
 
-        return _by_relation(relation, causal, skip, lambda kind: run(qp, kp, vp, kind))
+        return _by_relation(relation, causal, skip, lambda kind: run(
+            qp, kp, vp, _pair_mask(kind, q_chunk, k_chunk, chunk, lengths)))
 
     for step in range(size):
         src = (rank - step) % size
@@ -316,7 +337,8 @@ def ring_forward(run: Callable, q, k, v, *, layout: str, causal: bool, axis: str
         ks, vs = _pieces_of(k, seq, count), _pieces_of(v, seq, count)
         for i, qp in enumerate(qs):
             for j in range(count):
-                o_p, lse_p = attend(qp, ks[j], vs[j], _relation(q_chunks[i], k_chunks[j], causal))
+                o_p, lse_p = attend(qp, ks[j], vs[j], _relation(q_chunks[i], k_chunks[j], causal),
+                                    q_chunks[i], k_chunks[j])
                 if lse_acc[i] is None:
                     o_acc[i], lse_acc[i] = o_p.astype(jnp.float32), lse_p
                     continue
@@ -335,10 +357,11 @@ def ring_forward(run: Callable, q, k, v, *, layout: str, causal: bool, axis: str
 
 
 def ring_backward(run: Callable, q, k, v, o, d_o, lse, *, layout: str, causal: bool, axis: str,
-                  size: int, balanced: bool):
+                  size: int, balanced: bool, lengths=None):
     """(dq, dk, dv) of this device's shards by the ring strategy. ``run(q, k, v, o, d_o, lse,
-    kind)`` is the plain backward of one pair, given the final o and lse of its queries (each
-    pair's probabilities are exp(s - lse) with the whole row's lse)."""
+    mask)`` is the plain backward of one pair (``mask`` as :func:`ring_forward`'s), given the
+    final o and lse of its queries (each pair's probabilities are exp(s - lse) with the whole
+    row's lse)."""
     seq = 0 if layout == "sbhd" else 1
     count = 2 if balanced else 1
     rank = jax.lax.axis_index(axis)
@@ -349,13 +372,16 @@ def ring_backward(run: Callable, q, k, v, o, d_o, lse, *, layout: str, causal: b
     dk_acc = jnp.zeros(k.shape, jnp.float32)
     dv_acc = jnp.zeros(v.shape, jnp.float32)
 
-    def grads(i, kp, vp, relation):
+    chunk = q.shape[seq] // count
+
+    def grads(i, kp, vp, relation, k_chunk):
         def skip():
             return (jnp.zeros(qs[i].shape, q.dtype), jnp.zeros(kp.shape, k.dtype),
                     jnp.zeros(vp.shape, v.dtype))
 
-        return _by_relation(relation, causal, skip,
-                            lambda kind: run(qs[i], kp, vp, os_[i], dos[i], lses[i], kind))
+        return _by_relation(relation, causal, skip, lambda kind: run(
+            qs[i], kp, vp, os_[i], dos[i], lses[i],
+            _pair_mask(kind, q_chunks[i], k_chunk, chunk, lengths)))
 
     for step in range(size):
         src = (rank - step) % size
@@ -365,7 +391,8 @@ def ring_backward(run: Callable, q, k, v, o, d_o, lse, *, layout: str, causal: b
         for i in range(count):
             for j in range(count):
                 dq_p, dk_p, dv_p = grads(i, ks[j], vs[j],
-                                         _relation(q_chunks[i], k_chunks[j], causal))
+                                         _relation(q_chunks[i], k_chunks[j], causal),
+                                         k_chunks[j])
                 dq[i] = dq[i] + dq_p.astype(jnp.float32)
                 dks[j] = dks[j] + dk_p.astype(jnp.float32)
                 dvs[j] = dvs[j] + dv_p.astype(jnp.float32)
@@ -401,10 +428,6 @@ def check_call(caller: str, *, layout: str, mask: str, window: Optional[tuple], 
         raise NotImplementedError(f"{caller}: context parallelism takes attn_mask_type "
                                   f"'no_mask', a causal mask, 'padding' or 'padding_causal', "
                                   f"got {mask!r}")
-    if padding and name == "ring":
-        raise NotImplementedError(f"{caller}: padding masks under context parallelism take "
-                                  "the all-gather strategy; the ring strategy with "
-                                  f"attn_mask_type {mask!r} is not implemented")
     if "causal" in mask and sq != skv:
         raise NotImplementedError(f"{caller}: causal context parallelism needs as many queries "
                                   f"as keys, got {sq} and {skv}")
