@@ -7,9 +7,11 @@
 #
 #   bash scripts/gpu_check.sh OUT_DIR [pytest args...]
 #
-# TE_GPU_SKIP names steps to leave out (e.g. "ctest sass memcheck pytest_jax_on_gpu"),
-# TE_BENCHES the benchmarks to run (default: every benchmarks/bench_*.py), TE_GPU_ARCHS the
-# CUDA architectures to build (default: the core's list), so a short run can pick what it needs.
+# Wheels in .whl/ (brought for a machine without network) are installed first, beside the
+# machine's packages. TE_GPU_SKIP names steps to leave out (e.g. "ctest sass memcheck
+# pytest_jax_on_gpu"), TE_BENCHES the benchmarks to run (default: every benchmarks/bench_*.py),
+# TE_GPU_ARCHS the CUDA architectures to build (default: the core's list), so a short run can
+# pick what it needs.
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR [pytest args...]}
 shift
@@ -29,6 +31,12 @@ step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, remembers a fa
 
 nvidia-smi -L
 skip() { [[ " ${TE_GPU_SKIP:-} " == *" $1 "* ]]; }
+# Wheels brought along for a machine without network (e.g. cudnn-frontend's headers for the
+# fused attention, torchao as a benchmark peer) go into a side folder on the path.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-wheels .whl/*.whl \
+    && export PYTHONPATH=/tmp/te-wheels${PYTHONPATH:+:$PYTHONPATH}
+fi
 # The common wheel first: the jax wheel's FFI extension compiles against the installed core.
 step install bash -c "python3 -m pip install --no-build-isolation --no-deps --force-reinstall \
   -C cmake.define.TE_WITH_CUDA=ON ${TE_GPU_ARCHS:+-C cmake.define.TE_CUDA_ARCHITECTURES=$TE_GPU_ARCHS} \
