@@ -64,9 +64,7 @@ def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         # The traced graph's backward is the compiled one too (its scale update in the core).
         # Plain tensors only: an FP8 input (fp8_mha's attention output) or FP8 weight takes
         # the Python path, which uses its bytes.
-        r = fp8.RECOMPUTE
-        return (enabled and r.recording is None and r.replay is None
-                and type(inp) in _PLAIN and type(weight) in _PLAIN
+        return (_outside_checkpoint() and type(inp) in _PLAIN and type(weight) in _PLAIN
                 and (bias is None or type(bias) in _PLAIN)
                 and _compiled.serves_traced(plan, history)
                 and (plan.kind == "current" or (not general_update
@@ -76,12 +74,15 @@ def usable(plan: Plan, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             and _compiled.serves(plan, history, (inp, weight, bias)))
 
 
-def _eager_outside_checkpoint() -> bool:
-    """Switched on, not traced by torch.compile, and no activation checkpoint recording or
-    replaying."""
+def _outside_checkpoint() -> bool:
+    """Switched on, and no activation checkpoint recording or replaying."""
     r = fp8.RECOMPUTE
-    return (enabled and r.recording is None and r.replay is None
-            and not torch.compiler.is_compiling())
+    return enabled and r.recording is None and r.replay is None
+
+
+def _eager_outside_checkpoint() -> bool:
+    """_outside_checkpoint, and not traced by torch.compile."""
+    return _outside_checkpoint() and not torch.compiler.is_compiling()
 
 
 def takes(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:

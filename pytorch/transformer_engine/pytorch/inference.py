@@ -410,8 +410,9 @@ class InferenceParams:
                        v: torch.Tensor, mask: str) -> tuple:
         """_append for a packed (thd) step, q, k, v [tokens, heads, dim]: (q as [batch, longest
         step, heads, dim], keys, values, mask, seqlens as _append's, and ``unpack``, which takes
-        the attention output [batch, longest step, ...] back to [tokens, ...])."""
-        step = self._check_packed(q.shape[0])
+        the attention output [batch, longest step, ...] back to [tokens, ...]). The caller has
+        checked the step's token count (_check_packed, before its RoPE)."""
+        step = self._need_step("a packed (thd) step")
         kc, vc = self._cache_of(layer_number, owner, k, v)
         idx = step.on(q.device)
         at = (idx["tok_b"], idx["tok_t"])

@@ -26,7 +26,7 @@ import torch
 
 from transformer_engine.common.recipe import Format, Recipe
 
-from .. import attention_bias, ops
+from .. import attention_bias, distributed, ops
 from .. import fp8 as _fp8
 from ..attention_fn import fused_attention, fused_attention_fp8, unfused_attention
 from ..checkpoint import checkpoint
@@ -268,21 +268,6 @@ def _runs_fp8(recipe: Optional[Recipe]) -> bool:
                 and kind_of(recipe) in ("delayed", "current"))
 
 
-def _heads_split(op: str, tp_size: int, tp_group, heads: int, groups: int) -> int:
-    """The ranks NVIDIA's ``tp_size`` / ``tp_group`` split the heads over (1: not split)."""
-    from .. import distributed
-
-    tp = distributed.group_size(op, tp_group) if tp_group is not None else tp_size
-    if tp_group is not None and tp_size not in (1, tp):
-        raise ValueError(f"{op}: tp_size must equal the size of tp_group ({tp}), got {tp_size}")
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"{op}: tp_size must be a positive int, got {tp!r}")
-    for name, value in (("num_attention_heads", heads), ("num_gqa_groups", groups)):
-        if value % tp:
-            raise ValueError(f"{op}: {name} ({value}) must be divisible by tp_size ({tp})")
-    return tp
-
-
 def _diagonal(op: str, mask: str, bottom_right: Optional[bool]) -> str:
     """The mask type under NVIDIA's ``bottom_right_diagonal`` (None: the type's own)."""
     if bottom_right is None or "causal" not in mask:
@@ -378,8 +363,15 @@ class DotProductAttention(FP8Module):
                             return_max_logit=(return_max_logit, False))
         dims = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
         groups = num_gqa_groups if num_gqa_groups is not None else num_attention_heads
-        tp = _heads_split("DotProductAttention", tp_size, tp_group, num_attention_heads, groups)
-        num_attention_heads, groups = num_attention_heads // tp, groups // tp
+        # NVIDIA's tp_size / tp_group: the heads of every rank, this rank attends its share
+        # (given only the group, its size)
+        if tp_group is not None and tp_size == 1:
+            tp_size = distributed.group_size("DotProductAttention", tp_group)
+        tp = distributed.check_tensor_parallel("DotProductAttention", tp_group, tp_size, "column")
+        num_attention_heads, groups = (
+            distributed.check_divisible("DotProductAttention", name, value, tp)
+            for name, value in (("num_attention_heads", num_attention_heads),
+                                ("num_gqa_groups", groups)))
         attn_mask_type = _diagonal("DotProductAttention", attn_mask_type, bottom_right_diagonal)
         if len(dims) != 2:
             raise ValueError(f"DotProductAttention: kv_channels must be an int or a pair "
