@@ -67,7 +67,8 @@ def usable(plan: Plan, bwd_recipe: Any, history: Optional[torch.Tensor], inp: to
     """Whether a block's FP8 forward (its input checked by the module) can run whole: the
     rule of every compiled operator (_compiled.serves: a per-tensor delayed or current plan,
     a delayed history that a step has written, plain tensors, not traced), eager and outside
-    an activation checkpoint (whose two runs must save tensors of the same shapes), a token
+    an activation checkpoint (whose two runs must save tensors of the same shapes), no
+    deferred weight gradients (delay_wgrad_compute's backward keeps them apart), a token
     count the GEMMs take unpadded, the core's scale update under delayed scaling (no user
     callable, no amax group), plain weights cast for this forward alone, and no norm output
     to return. Traced by torch.compile, the graph takes the
@@ -79,7 +80,7 @@ def usable(plan: Plan, bwd_recipe: Any, history: Optional[torch.Tensor], inp: to
         if inp.is_cuda and not torch.compiler.is_compiling():
             _compiled.warn_if_missing()  # (once)
         return False
-    if module._weight_caches:
+    if module._weight_caches or module._wgrad_store is not None:  # (delay_wgrad_compute)
         return False
     r = fp8.RECOMPUTE
     if r.recording is not None or r.replay is not None:

@@ -160,7 +160,7 @@ def fp8_norm_linear(module, inp, gamma, beta, cfg: NormConfig, weight, bias, rec
     need_wgrad = grad and weight.requires_grad
     bwd_meta, bwd_recipe, group = module._backward_state(plan, recipe)
     store = module._wgrad_store
-    if not fp8_output and store is None and compiled_blocks.usable(
+    if not fp8_output and compiled_blocks.usable(
             plan, bwd_recipe, history, inp, (weight,), (bias,),
             (gamma,) if beta is None else (gamma, beta), cfg, is_first_microbatch, module):
         # the whole block in two operator calls (forward, backward)

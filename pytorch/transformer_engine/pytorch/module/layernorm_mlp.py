@@ -444,7 +444,7 @@ class LayerNormMLP(FP8Module):
         need = (need_dgrad, need_wgrad1, grad and w2.requires_grad, need_fc1)
         bwd_meta, bwd_recipe, group = self._backward_state(plan, recipe)
         stores = self._wgrad_store
-        if cfg is not None and norm is None and stores is None and compiled_blocks.usable(
+        if cfg is not None and norm is None and compiled_blocks.usable(
                 plan, bwd_recipe, history, inp, (w1, w2), (b1, fc2_bias),
                 (gamma,) if beta is None else (gamma, beta), cfg, is_first_microbatch, self):
             # the whole block in two operator calls (forward, backward)
