@@ -26,7 +26,7 @@ import torch
 
 from transformer_engine.common.recipe import Format, Recipe
 
-from .. import attention_bias, distributed, ops
+from .. import attention_bias, distributed, ops, padded_packing
 from .. import fp8 as _fp8
 from ..attention_fn import fused_attention, fused_attention_fp8, unfused_attention
 from ..checkpoint import checkpoint
@@ -442,8 +442,8 @@ class DotProductAttention(FP8Module):
         query = _one_of("query_layer", query_layer, "query", query)
         key = _one_of("key_layer", key_layer, "key", key)
         value = _one_of("value_layer", value_layer, "value", value)
-        refuse_forward_args("DotProductAttention", pad_between_seqs, cu_seqlens_q_padded,
-                            cu_seqlens_kv_padded)
+        padded = _padded_args("DotProductAttention", pad_between_seqs, cu_seqlens_q_padded,
+                              cu_seqlens_kv_padded, qkv_format or self.qkv_format)
         bias = None
         if attention_bias.check_type("DotProductAttention", core_attention_bias_type,
                                      core_attention_bias, alibi_slopes):
@@ -464,7 +464,7 @@ class DotProductAttention(FP8Module):
                                           "there anyway); got it outside one")
         args = (query, key, value, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
                 max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size, attention_backend,
-                bias)
+                bias, padded)
         recompute = _fp8.RECOMPUTE
         attend = self._attend if self._cp is None else self._attend_context_parallel
         tracker = self.get_rng_state_tracker
@@ -481,13 +481,14 @@ class DotProductAttention(FP8Module):
 
     def _attend_context_parallel(self, query, key, value, attention_mask, qkv_format,
                                  cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                                 attn_mask_type, window_size, attention_backend, bias=None):
+                                 attn_mask_type, window_size, attention_backend, bias=None,
+                                 padded=None):
         """This rank's rows of attention over the sequence split across the group."""
         from ..context_parallel import attend
 
         window = window_size if window_size is not None else self.window_size
         if (attention_mask is not None or cu_seqlens_q is not None or cu_seqlens_kv is not None
-                or window not in (None, (-1, -1), (-1, 0))):
+                or padded is not None or window not in (None, (-1, -1), (-1, 0))):
             raise NotImplementedError("DotProductAttention: context parallelism takes no "
                                       "attention_mask, cu_seqlens or sliding window here")
 
@@ -505,7 +506,11 @@ class DotProductAttention(FP8Module):
 
     def _attend(self, query, key, value, attention_mask, qkv_format, cu_seqlens_q,
                 cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
-                attention_backend, bias=None):
+                attention_backend, bias=None, padded=None):
+        if padded is not None:
+            return self._attend_padded(query, key, value, attention_mask, qkv_format,
+                                       cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                       attn_mask_type, window_size, attention_backend, padded)
         layout = qkv_format or self.qkv_format
         mask = attn_mask_type or self.attn_mask_type
         asked = attention_backend or self.attention_backend or _env_backend()
@@ -574,6 +579,47 @@ class DotProductAttention(FP8Module):
             if isinstance(o, Float8Tensor):  # fp8_mha: flattened over the heads already
                 return o
         return o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
+
+    def _attend_padded(self, query, key, value, attention_mask, layout, cu_seqlens_q,
+                       cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
+                       attention_backend, padded: tuple):
+        """Packed sequences with padding between them (padded_packing.py): q's rows, and k's
+        and v's, permuted into the back-to-back packing of their cu_seqlens, attended, and
+        the output put back in the padded layout (padding rows 0)."""
+        op = "DotProductAttention"
+        state = STATE
+        if state.enabled and _runs_fp8(state.recipe) and state.recipe.fp8_mha:
+            raise NotImplementedError(f"{op}: padding between packed sequences "
+                                      "(cu_seqlens_*_padded) with fp8_mha=True is not "
+                                      "implemented (the output would have to be permuted in "
+                                      "FP8); use fp8_mha=False")
+        if cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise ValueError(f"{op}: cu_seqlens_q_padded / cu_seqlens_kv_padded come with "
+                             "cu_seqlens_q and cu_seqlens_kv (each sequence's own lengths)")
+        query, key, value = (to_high_precision(t) for t in (query, key, value))
+        where = {}
+        for name, cu, cu_padded, rows in (("cu_seqlens_q", cu_seqlens_q, padded[0],
+                                           query.shape[0]),
+                                          ("cu_seqlens_kv", cu_seqlens_kv, padded[1],
+                                           key.shape[0])):
+            _check_cu_seqlens(name, cu)
+            if cu_padded is None:
+                continue
+            _check_cu_seqlens(f"{name}_padded", cu_padded)
+            padded_packing.check(op, name, cu, cu_padded, rows)
+            cu = cu.to(device=query.device)
+            cu_padded = cu_padded.to(device=query.device)
+            if cu.is_cuda or not torch.equal(cu, cu_padded):  # (no host read of CUDA values)
+                where[name] = padded_packing.packing(cu, cu_padded, rows)
+        q_rows, kv_rows = where.get("cu_seqlens_q"), where.get("cu_seqlens_kv")
+        if kv_rows is not None:
+            key, value = padded_packing.pack(key, kv_rows), padded_packing.pack(value, kv_rows)
+        if q_rows is not None:
+            query = padded_packing.pack(query, q_rows)
+        o = self._attend(query, key, value, attention_mask, layout, cu_seqlens_q, cu_seqlens_kv,
+                         max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
+                         attention_backend)
+        return o if q_rows is None else padded_packing.unpack(o, q_rows)
 
     def _attend_with_bias(self, query, key, value, attention_mask, layout: str, mask: str,
                           window, dropout: float, asked: Optional[str], bias: tuple):
@@ -667,20 +713,30 @@ def _one_of(name: str, value, old_name: str, old_value):
     return value
 
 
-def refuse_forward_args(op: str, pad_between_seqs, cu_q_padded, cu_kv_padded) -> None:
-    """Raises for NVIDIA's arguments of padded packed sequences given a value: the core has no
-    offsets of padding between packed sequences. Returns at once where each holds its default
-    (every forward calls it)."""
+def _padded_args(op: str, pad_between_seqs, cu_q_padded, cu_kv_padded,
+                 layout: str) -> Optional[tuple]:
+    """NVIDIA's arguments of packed sequences with padding between them: None where there is
+    none (every forward calls this; it returns at once for the defaults), else the pair
+    (cu_seqlens_q_padded, cu_seqlens_kv_padded), either possibly None (that side unpadded).
+    ``pad_between_seqs=False`` says there is no padding: the padded offsets, if given, are
+    then the plain ones and go unused (NVIDIA's meaning)."""
     if not pad_between_seqs and cu_q_padded is None and cu_kv_padded is None:
-        return
-    for name, value in (("pad_between_seqs", pad_between_seqs),
-                        ("cu_seqlens_q_padded", cu_q_padded),
-                        ("cu_seqlens_kv_padded", cu_kv_padded)):
-        if value is not None and value is not False:
-            got = value if isinstance(value, bool) else type(value).__name__
-            raise NotImplementedError(f"{op}: padding between packed sequences is not "
-                                      f"implemented; {name} must be None (or False), got "
-                                      f"{got}")
+        return None
+    if pad_between_seqs is False:
+        return None
+    if layout != "thd":
+        raise ValueError(f"{op}: cu_seqlens_q_padded / cu_seqlens_kv_padded / "
+                         f"pad_between_seqs are for packed sequences (qkv_format 'thd'), got "
+                         f"qkv_format {layout!r}")
+    if cu_q_padded is None and cu_kv_padded is None:
+        raise ValueError(f"{op}: pad_between_seqs=True needs cu_seqlens_q_padded and "
+                         "cu_seqlens_kv_padded (where each sequence starts in the tensor)")
+    for name, t in (("cu_seqlens_q_padded", cu_q_padded), ("cu_seqlens_kv_padded",
+                                                           cu_kv_padded)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor of cumulative lengths, got "
+                            f"{type(t).__name__}")
+    return cu_q_padded, cu_kv_padded
 
 
 def _takes_fp8(t: torch.Tensor) -> bool:

@@ -30,7 +30,7 @@ from ._checks import check_device, check_params_dtype, check_sizes
 from ._deferred_init import DeferredInit
 from ._heads import split_heads
 from ._main_grad import route_tree
-from .attention import DotProductAttention, _runs_fp8, refuse_forward_args
+from .attention import DotProductAttention, _padded_args, _runs_fp8
 from .base import set_group_of_children
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
@@ -293,8 +293,10 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
         ([s, 1, 1, rot_dim] float32, or a (query, key) pair of them) applied to q and k.
         ``inference_params``: a :class:`InferenceParams` KV cache (self-attention).
         ``checkpoint_core_attention``: recompute attention in the backward instead of keeping
-        its activations. Attention biases, ALiBi and padded packed sequences are not
-        implemented (their arguments must keep their defaults); ``fast_zero_fill`` is
+        its activations. ``core_attention_bias_type`` with ``core_attention_bias`` or
+        ``alibi_slopes``: DotProductAttention's additive bias. ``cu_seqlens_q_padded`` /
+        ``cu_seqlens_kv_padded`` (thd): where each sequence starts in the tensor when there is
+        padding between them (RoPE then counts positions from there). ``fast_zero_fill`` is
         accepted (padded rows are always written as zeros)."""
         if self.fuse_wgrad_accumulation:
             route_tree(self)
@@ -306,8 +308,13 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
                      self.proj._parameters["weight"])
         if self.attention_type == "cross" and encoder_output is None:
             raise ValueError("te.MultiheadAttention: cross attention needs encoder_output")
-        refuse_forward_args("te.MultiheadAttention", pad_between_seqs, cu_seqlens_q_padded,
-                            cu_seqlens_kv_padded)
+        padded = _padded_args("te.MultiheadAttention", pad_between_seqs, cu_seqlens_q_padded,
+                              cu_seqlens_kv_padded, self.qkv_format)
+        if padded is not None and inference_params is not None:
+            raise NotImplementedError("te.MultiheadAttention: padding between packed sequences "
+                                      "(cu_seqlens_*_padded) with inference_params is not "
+                                      "implemented; a packed KV-cache step takes its tokens "
+                                      "back to back")
         biased = attention_bias.check_type("te.MultiheadAttention", core_attention_bias_type,
                                            core_attention_bias, alibi_slopes)
         mask = attn_mask_type or self.attn_mask_type
@@ -341,12 +348,18 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
         if norm_qk and self.qk_norm_before_rope:
             q, k = self._norm_qk(q, k)
         if rotary_pos_emb is not None:
-            q, k = self._rope(q, k, rotary_pos_emb, cache, cu_seqlens_q, cu_seqlens_kv)
+            bounds = (cu_seqlens_q, cu_seqlens_kv)
+            if padded is not None:  # positions count from where each sequence starts
+                bounds = tuple(cu if pad is None else pad
+                               for cu, pad in zip(bounds, padded, strict=True))
+            q, k = self._rope(q, k, rotary_pos_emb, cache, *bounds)
         if norm_qk and not self.qk_norm_before_rope:
             q, k = self._norm_qk(q, k)
         attend = dict(attention_mask=attention_mask, attn_mask_type=mask, window_size=window,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                       max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+        if padded is not None:
+            attend.update(cu_seqlens_q_padded=padded[0], cu_seqlens_kv_padded=padded[1])
         if biased:
             self._check_bias(cache, fp8_mha)
             attend.update(core_attention_bias_type=core_attention_bias_type,
