@@ -4,7 +4,9 @@ load-balanced layout) and checks its rows of the output and of q's, k's and v's 
 against attention over the whole sequence, under each cp_comm_type (all_gather, the p2p ring,
 a2a; on 4 ranks a2a+p2p too, as two all-to-all groups of 2 on a ring of 2); then
 te.MultiheadAttention with RoPE and te.TransformerLayer the same way, and the ring's dropout
-against its own directional derivative.
+against its own directional derivative. Packed (thd) sequences with padding between them:
+each rank holds chunks r and 2*WORLD-1-r of every sequence, and its rows are checked against
+the unsplit module on the whole padded packing.
 
 A standalone script, like _tp_rank.py.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 
 import _tp_world  # (beside this script)
 import torch
@@ -137,6 +140,95 @@ def check_block(kind, comm):
         rms_close(grad, q.grad, 1e-5, f"{kind} {comm} {name}.grad")
 
 
+# Packed (thd) sequences: each padded to a multiple of 2 * WORLD rows (one more than needed,
+# and an empty one), as Megatron-LM packs them for context parallelism.
+LENGTHS = [13, 0, 5, 2 * WORLD * 3]
+
+
+def _padded_lengths():
+    return [-(-n // (2 * WORLD)) * 2 * WORLD + (2 * WORLD if i == 0 else 0)
+            for i, n in enumerate(LENGTHS)]
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def local_thd(t):
+    """This rank's chunks r and 2*WORLD-1-r of every sequence of the padded packing."""
+    out, start = [], 0
+    for n in _padded_lengths():
+        c = n // (2 * WORLD)
+        out += [t[start + RANK * c:start + (RANK + 1) * c],
+                t[start + (2 * WORLD - 1 - RANK) * c:start + (2 * WORLD - RANK) * c]]
+        start += n
+    return torch.cat(out)
+
+
+def _thd_args():
+    return dict(cu_seqlens_q=_cu(LENGTHS), cu_seqlens_kv=_cu(LENGTHS),
+                cu_seqlens_q_padded=_cu(_padded_lengths()),
+                cu_seqlens_kv_padded=_cu(_padded_lengths()), max_seqlen_q=max(_padded_lengths()),
+                max_seqlen_kv=max(_padded_lengths()))
+
+
+def check_packed_attention(comm, mask):
+    rows = sum(_padded_lengths())
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(rows, HEADS, D, generator=gen) for _ in range(3))
+    g = torch.randn(rows, HEADS * D, generator=gen)
+    kw = dict(qkv_format="thd", attn_mask_type=mask, device="cpu")
+    full = te.DotProductAttention(HEADS, D, **kw)
+    part = te.DotProductAttention(HEADS, D, **kw, cp_group=cp_group(comm), cp_comm_type=comm)
+
+    def run(module, q, k, v, g):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        o = module(q, k, v, **_thd_args())
+        (o * g).sum().backward()
+        return o.detach(), q.grad, k.grad, v.grad
+
+    want = run(full, q, k, v, g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the other comm types gather k and v for thd
+        got = run(part, local_thd(q), local_thd(k), local_thd(v), local_thd(g))
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
+        rms_close(a, local_thd(b), 1e-5, f"thd {comm} {mask} {name}")
+
+
+def check_packed_block(kind):
+    torch.manual_seed(0)
+    if kind == "MultiheadAttention":
+        full = te.MultiheadAttention(HEADS * D, HEADS, attention_dropout=0.0, qkv_format="thd",
+                                     attn_mask_type="padding_causal", input_layernorm=True,
+                                     device="cpu")
+    else:
+        full = te.TransformerLayer(HEADS * D, 2 * HEADS * D, HEADS, hidden_dropout=0.0,
+                                   attention_dropout=0.0, attn_input_format="thd",
+                                   self_attn_mask_type="padding_causal", device="cpu")
+    part = copy.deepcopy(full)
+    part.set_context_parallel_group(GROUP, list(range(WORLD)), None, "all_gather")
+    rows = sum(_padded_lengths())
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, HEADS * D, generator=gen)
+    g = torch.randn(rows, HEADS * D, generator=gen)
+    freqs = te.RotaryPositionEmbedding(D)(max(_padded_lengths()))
+
+    def run(module, x, g):
+        x = x.clone().requires_grad_()
+        y = module(x, rotary_pos_emb=freqs, **_thd_args())
+        (y * g).sum().backward()
+        return y.detach(), x.grad
+
+    y, dx = run(full, x, g)
+    yp, dxp = run(part, local_thd(x), local_thd(g))
+    rms_close(yp, local_thd(y), 1e-5, f"thd {kind} output")
+    rms_close(dxp, local_thd(dx), 1e-5, f"thd {kind} input gradient")
+    for (name, p), q in zip(part.named_parameters(), full.parameters(), strict=True):
+        grad = p.grad.contiguous().clone()
+        dist.all_reduce(grad, group=GROUP)  # each rank's share of the sequences
+        rms_close(grad, q.grad, 1e-5, f"thd {kind} {name}.grad")
+
+
 def check_refusals():
     import pytest  # only its raises()
 
@@ -162,6 +254,10 @@ if __name__ == "__main__":
         case(check_attention, comm, "bshd", "causal", None, kv_heads)
         case(check_block, "MultiheadAttention", comm)
         case(check_block, "TransformerLayer", comm)
+        for mask in ("padding_causal", "padding"):
+            case(check_packed_attention, comm, mask)
+    case(check_packed_block, "MultiheadAttention")
+    case(check_packed_block, "TransformerLayer")
     case(check_attention, "p2p", "sbhd", "causal", None, 1)  # one kv head
     case(check_ring_dropout)
     case(check_refusals)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine.pytorch as te
-from transformer_engine.pytorch import context_parallel, context_parallel_ring
+from transformer_engine.pytorch import context_parallel, context_parallel_ring, context_parallel_thd
 
 WORLD, S, B, HEADS, D = 4, 64, 2, 4, 8  # fake ranks, whole sequence, batch, heads, head dim
 LOCAL = S // WORLD  # a rank's two chunks
@@ -142,3 +142,43 @@ def test_a_blocks_gradients_match_autograd(diagonal):
                                                0.3)
     for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_packed_gather_index_puts_every_rank_chunk_in_its_place():
+    """Packed (thd) sequences: row g of the global padded packing comes from the rank that
+    holds its chunk (chunks r and 2cp-1-r of every sequence), at that chunk's local row;
+    sequences of no rows (an empty one) are passed over."""
+    cp, padded = 2, [8, 0, 4, 12]
+    cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()])
+    local_rows = sum(padded) // cp
+    want = []
+    for s, n in enumerate(padded):
+        c = n // (2 * cp)
+        for chunk in range(2 * cp):
+            rank = chunk if chunk < cp else 2 * cp - 1 - chunk
+            local = int(cu[s]) // cp + (c if chunk >= cp else 0)
+            want += [rank * local_rows + local + w for w in range(c)]
+    index = context_parallel_thd.gather_index(cu, cp, local_rows)
+    assert index.tolist() == want
+    assert sorted(want) == list(range(sum(padded)))
+
+
+def test_packed_pieces_attend_up_to_their_last_token():
+    """A rank's pieces (chunks r and 2cp-1-r of each sequence): their tokens, and under a
+    causal mask the keys up to each piece's last token (all of the sequence's otherwise; none
+    for a piece without tokens)."""
+    cp, rank = 2, 1
+    cu = torch.tensor([0, 7, 10])         # lengths 7 and 3
+    cu_padded = torch.tensor([0, 8, 12])  # 8 and 4 rows: chunks of 2 and 1 rows
+    p = context_parallel_thd.pieces(cp, rank, cu, cu_padded, cu, cu_padded, 6, causal=True)
+    # rank 1 holds chunks 1 and 2: sequence 0 positions 2-3 and 4-5; sequence 1 positions 1, 2
+    assert torch.diff(p.cu_q).tolist() == [2, 2, 1, 1]
+    assert torch.diff(p.cu_q_padded).tolist() == [2, 2, 1, 1]
+    assert torch.diff(p.cu_kv).tolist() == [4, 6, 2, 3]
+    assert torch.diff(p.cu_kv_padded).tolist() == [8, 8, 4, 4]
+    p = context_parallel_thd.pieces(cp, rank, cu, cu_padded, cu, cu_padded, 6, causal=False)
+    assert torch.diff(p.cu_kv).tolist() == [7, 7, 3, 3]
+    p = context_parallel_thd.pieces(cp, rank, torch.tensor([0, 7, 8]), cu_padded,
+                                    torch.tensor([0, 7, 8]), cu_padded, 6, causal=True)
+    assert torch.diff(p.cu_q).tolist() == [2, 2, 0, 0]  # sequence 1 has one token, chunk 0's
+    assert torch.diff(p.cu_kv).tolist() == [4, 6, 0, 0]

@@ -214,9 +214,11 @@ def test_partial_rotary_passes_the_rest_through_bit_for_bit():
 def test_bad_arguments_are_refused(fused):
     t = torch.randn(4, 2, 2, 8)
     freqs = te.RotaryPositionEmbedding(8)(4)
-    with pytest.raises(NotImplementedError, match="context parallelism"):
+    with pytest.raises(NotImplementedError, match="context parallelism of packed .thd. "
+                                                  "sequences takes no start_positions"):
         te.apply_rotary_pos_emb(t.reshape(8, 2, 8), freqs, "thd", fused=fused, cp_size=2,
-                                cp_rank=1, cu_seqlens=torch.tensor([0, 4, 8]))
+                                cp_rank=1, cu_seqlens=torch.tensor([0, 4, 8]),
+                                start_positions=torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="cp_rank in"):
         te.apply_rotary_pos_emb(t, freqs, fused=fused, cp_size=2, cp_rank=2)
     with pytest.raises(ValueError, match="apply_rotary_pos_emb: tensor_format"):
@@ -350,4 +352,25 @@ def test_context_parallel_chunks_take_their_positions(fused):
         rows = list(range(rank * c, (rank + 1) * c)) + list(
             range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c))
         got = te.apply_rotary_pos_emb(t[rows], freqs, fused=fused, cp_size=cp, cp_rank=rank)
+        assert torch.equal(got, whole[rows])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_context_parallel_packed_chunks_take_their_positions(fused):
+    # Packed (thd): rank r holds chunks r and 2cp-1-r of every sequence (each sequence's rows a
+    # multiple of 2cp; cu_seqlens are the global offsets): each row gets its position within
+    # its own sequence, as in the unsplit packing.
+    cp, lengths = 2, [8, 4, 12]
+    cu = torch.tensor([0, 8, 12, 24])
+    t = torch.randn(sum(lengths), 2, 8)
+    freqs = te.RotaryPositionEmbedding(8)(max(lengths))
+    whole = te.apply_rotary_pos_emb(t, freqs, "thd", fused=fused, cu_seqlens=cu)
+    for rank in range(cp):
+        rows = []
+        for start, n in zip(cu[:-1].tolist(), lengths, strict=True):
+            c = n // (2 * cp)
+            rows += list(range(start + rank * c, start + (rank + 1) * c))
+            rows += list(range(start + (2 * cp - 1 - rank) * c, start + (2 * cp - rank) * c))
+        got = te.apply_rotary_pos_emb(t[rows], freqs, "thd", fused=fused, cu_seqlens=cu,
+                                      cp_size=cp, cp_rank=rank)
         assert torch.equal(got, whole[rows])

@@ -37,7 +37,7 @@ from .context_parallel_a2a import a2a_attention, check_heads, heads_to_ranks, se
 from .context_parallel_ring import Ring, ring_attention
 from .float8_tensor import to_high_precision
 
-__all__ = ["ContextParallel", "attend", "check_comm_type"]
+__all__ = ["ContextParallel", "attend", "attend_packed", "check_comm_type"]
 
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 MASKS = ("causal", "no_mask")
@@ -181,6 +181,18 @@ def attend(attend_one: Callable, cp: ContextParallel, query, key, value, layout:
         q, k, v = (t.movedim(seq, 0) for t in (query, key, value))
         o = _attend_hierarchical(cp, q, k, v, causal, scale, dropout).movedim(0, seq)
     return o.reshape(*o.shape[:2], o.shape[2] * o.shape[3])
+
+
+def attend_packed(attend_padded: Callable, cp: ContextParallel, query, key, value, mask: str,
+                  cu_q, cu_kv, cu_q_padded, cu_kv_padded, max_seqlen_q: int,
+                  max_seqlen_kv: int) -> torch.Tensor:
+    """The rank's rows of attention of packed (thd) sequences split over the group
+    (context_parallel_thd.py), with the group's collectives."""
+    from .context_parallel_thd import attend_packed as attend_thd
+
+    return attend_thd(attend_padded, cp, query, key, value, mask, cu_q, cu_kv, cu_q_padded,
+                      cu_kv_padded, max_seqlen_q, max_seqlen_kv,
+                      lambda t: _gather_ranks(t, cp), lambda t: _reduce_scatter_ranks(t, cp))
 
 
 def _attend_hierarchical(cp: ContextParallel, q, k, v, causal: bool, scale: float,

@@ -106,6 +106,19 @@ class RotaryPositionEmbedding(torch.nn.Module):
                 f"interleaved={self.interleaved}")
 
 
+def _context_parallel_pieces(cu_seqlens: torch.Tensor, cp_size: int,
+                             cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed (thd) sequences under context parallelism (context_parallel_thd.py): from the
+    global offsets ``cu_seqlens`` (each sequence's rows a multiple of 2 * cp_size), this rank's
+    2 * batch chunks as packed sequences (their offsets in the rank's tensor) and each one's
+    first position in its sequence. Computed on the device, without a host read."""
+    cu = cu_seqlens.to(torch.int64)
+    chunk = (cu[1:] - cu[:-1]) // (2 * cp_size)
+    local = torch.nn.functional.pad(chunk.repeat_interleave(2).cumsum(0), (1, 0))
+    starts = torch.stack([cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk], dim=1)
+    return local.to(cu_seqlens.dtype), starts.flatten()
+
+
 def _check(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str, cu_seqlens, cp_size: int,
            start_positions) -> torch.Tensor:
     """The angles as a matrix [rows, rot_dim], after checking every argument."""
@@ -236,9 +249,11 @@ def apply_rotary_pos_emb(
             which is the reference the fused path is tested against.
         cu_seqlens: for ``"thd"``, the int32/int64 offsets [batch + 1] of the packed sequences;
             each sequence's tokens take positions 0, 1, ...
-        cp_size, cp_rank: context parallelism (sbhd and bshd): ``t`` holds this rank's chunks
-            ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of the sequence, ``freqs`` the whole
-            sequence's angles (as te.DotProductAttention's ``cp_group`` splits it).
+        cp_size, cp_rank: context parallelism: ``t`` holds this rank's chunks ``cp_rank``
+            and ``2 * cp_size - 1 - cp_rank`` of the sequence (of every sequence for
+            ``"thd"``, whose ``cu_seqlens`` are then the global padded offsets, each
+            sequence's rows a multiple of ``2 * cp_size``), ``freqs`` the whole sequence's
+            angles (as te.DotProductAttention's ``cp_group`` splits it).
         start_positions: optional integer [batch]: token ``i`` of sequence ``b`` takes
             position ``start_positions[b] + i`` (decoding with a KV cache). ``freqs`` must
             have a row for every position used.
@@ -263,6 +278,12 @@ def apply_rotary_pos_emb(
                              f"({2 * cp_size * c} positions) under context parallelism, got "
                              f"{freqs.shape[0]}")
         freqs = torch.cat([freqs[first * c:(first + 1) * c], freqs[second * c:(second + 1) * c]])
+    elif cp_size > 1 and tensor_format == "thd" and cu_seqlens is not None:
+        if start_positions is not None:
+            raise NotImplementedError("apply_rotary_pos_emb: context parallelism of packed "
+                                      "(thd) sequences takes no start_positions")
+        cu_seqlens, start_positions = _context_parallel_pieces(cu_seqlens, cp_size, cp_rank)
+        cp_size = 1  # from here on: 2 * batch pieces, each from its start position
     freqs2d = _check(t, freqs, tensor_format, cu_seqlens, cp_size, start_positions)
     if fused:
         if t.dtype not in _FUSED_DTYPES:

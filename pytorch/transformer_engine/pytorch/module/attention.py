@@ -484,15 +484,20 @@ class DotProductAttention(FP8Module):
                                  attn_mask_type, window_size, attention_backend, bias=None,
                                  padded=None):
         """This rank's rows of attention over the sequence split across the group."""
-        from ..context_parallel import attend
+        from ..context_parallel import attend, attend_packed
 
         window = window_size if window_size is not None else self.window_size
+        layout = qkv_format or self.qkv_format
+        if layout == "thd":
+            return self._attend_packed_context_parallel(
+                query, key, value, attention_mask, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                max_seqlen_kv, attn_mask_type, window, attention_backend, padded,
+                attend_packed)
         if (attention_mask is not None or cu_seqlens_q is not None or cu_seqlens_kv is not None
                 or padded is not None or window not in (None, (-1, -1), (-1, 0))):
-            raise NotImplementedError("DotProductAttention: context parallelism takes no "
-                                      "attention_mask, cu_seqlens or sliding window here")
-
-        layout = qkv_format or self.qkv_format
+            raise NotImplementedError("DotProductAttention: context parallelism of sbhd/bshd "
+                                      "takes no attention_mask, cu_seqlens or sliding window "
+                                      "here (packed sequences: qkv_format 'thd')")
 
         def one(q, k, v, mask):
             return self._attend(q, k, v, None, layout, None, None, None, None, mask, None,
@@ -503,6 +508,39 @@ class DotProductAttention(FP8Module):
         return attend(one, self._cp, query, key, value, layout,
                       attn_mask_type or self.attn_mask_type, self.softmax_scale,
                       self.attention_dropout if self.training else 0.0, bool(fp8))
+
+    def _attend_packed_context_parallel(self, query, key, value, attention_mask, cu_seqlens_q,
+                                        cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                        attn_mask_type, window, attention_backend, padded,
+                                        attend_packed):
+        """Packed (thd) sequences split over the group (context_parallel_thd.py): the global
+        cu_seqlens (and cu_seqlens_*_padded) in, this rank's rows out."""
+        op = "DotProductAttention"
+        if attention_mask is not None or window not in (None, (-1, -1), (-1, 0)):
+            raise NotImplementedError(f"{op}: context parallelism of packed (thd) sequences "
+                                      "takes no attention_mask or sliding window")
+        if cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise ValueError(f"{op}: qkv_format 'thd' under context parallelism needs "
+                             "cu_seqlens_q and cu_seqlens_kv (the whole sequences' lengths)")
+        if max_seqlen_q is None or max_seqlen_kv is None:
+            raise ValueError(f"{op}: qkv_format 'thd' needs max_seqlen_q and max_seqlen_kv "
+                             "(the longest sequence of each)")
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+            _check_cu_seqlens(name, cu)
+        mask = attn_mask_type or self.attn_mask_type
+        if mask not in ("padding", "padding_causal", "causal", "no_mask"):
+            raise NotImplementedError(f"{op}: context parallelism of packed (thd) sequences "
+                                      f"takes attn_mask_type 'padding', 'padding_causal' (or "
+                                      f"'no_mask', 'causal', the same for thd), got {mask!r}")
+        cu_q_padded, cu_kv_padded = padded or (None, None)
+
+        def attend_padded(q, k, v, mask, cu_q, cu_kv, cu_qp, cu_kvp, max_q, max_kv):
+            return self._attend(q, k, v, None, "thd", cu_q, cu_kv, max_q, max_kv, mask, None,
+                                attention_backend, None, (cu_qp, cu_kvp))
+
+        return attend_packed(attend_padded, self._cp, query, key, value, mask, cu_seqlens_q,
+                             cu_seqlens_kv, cu_q_padded, cu_kv_padded, max_seqlen_q,
+                             max_seqlen_kv)
 
     def _attend(self, query, key, value, attention_mask, qkv_format, cu_seqlens_q,
                 cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
