@@ -15,8 +15,7 @@ from transformer_engine.common import recipe
 def test_refuses_what_it_does_not_implement_by_name():
     m = torch.nn.Linear(4, 4)
     x = (torch.randn(2, 4),)
-    cases = [({"sample_kwargs": ({"mask": None},)}, "sample_kwargs"),
-             ({"fp8_weight_caching": True}, "fp8_weight_caching"),
+    cases = [({"fp8_weight_caching": True}, "fp8_weight_caching"),
              ({"retain_graph_in_backward": True}, "retain_graph_in_backward"),
              ({"_order": [1, -1]}, "_order")]
     for kwargs, name in cases:
@@ -32,8 +31,77 @@ def test_checks_its_inputs_before_any_work():
     with pytest.raises(TypeError, match="one such tuple per module"):
         te.make_graphed_callables((torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)),
                                   (torch.randn(2, 2),))
-    with pytest.raises(ValueError, match=r"sample_args\[0\] must hold CUDA tensors"):
+    with pytest.raises(ValueError, match=r"sample_args\[0\] .* must hold CUDA tensors"):
         te.make_graphed_callables(torch.nn.Linear(2, 2), (torch.randn(2, 2),))
+
+
+def test_sample_kwargs_are_checked_before_any_work():
+    m, x = torch.nn.Linear(2, 2), (torch.randn(2, 2),)
+    with pytest.raises(TypeError, match="sample_kwargs must be a dict for one module, or one "
+                                        r"dict per module \(2\)"):
+        te.make_graphed_callables((m, torch.nn.Linear(2, 2)), (x, x), sample_kwargs=({},))
+    with pytest.raises(TypeError, match=r"sample_kwargs\[0\] must be a dict"):
+        te.make_graphed_callables(m, x, sample_kwargs=[("mask", None)])
+    with pytest.raises(ValueError, match=r"sample_args\[0\] \(and the tensors of "
+                                         r"sample_kwargs\) must hold CUDA tensors"):
+        te.make_graphed_callables(m, x, sample_kwargs={"mask": torch.ones(2)})
+
+
+def test_keyword_inputs_split_into_graph_inputs_and_recorded_values():
+    """The tensors of the sample keywords become graph inputs after the positional ones (in
+    the order of their names); everything else is recorded and must come again unchanged."""
+    from transformer_engine.pytorch.graphs import _Keywords
+
+    mask, freqs = torch.ones(2, dtype=torch.bool), torch.zeros(4)
+    kw = _Keywords({"rotary_pos_emb": freqs, "attention_mask": mask,
+                    "self_attn_mask_type": "padding", "inference_params": None}, 0)
+    other_mask, other_freqs = torch.zeros(2, dtype=torch.bool), torch.ones(4)
+    call = {"attention_mask": other_mask, "rotary_pos_emb": other_freqs,
+            "self_attn_mask_type": "padding", "inference_params": None}
+    flat = kw.flatten(call, "here")
+    assert flat[0] is other_mask and flat[1] is other_freqs
+    rebuilt = kw.rebuild(flat)
+    assert rebuilt.keys() == call.keys() and all(rebuilt[k] is call[k] for k in call)
+    with pytest.raises(ValueError, match="here: keyword 'self_attn_mask_type' was 'padding' "
+                                         "when the graphs were captured .* got 'causal'"):
+        kw.flatten({**call, "self_attn_mask_type": "causal"}, "here")
+    with pytest.raises(TypeError, match="here: the graphed forward was captured with keywords"):
+        kw.flatten({"attention_mask": other_mask}, "here")
+    with pytest.raises(TypeError, match="keyword 'rotary_pos_emb' was a tensor"):
+        kw.flatten({**call, "rotary_pos_emb": None}, "here")
+
+
+@pytest.mark.cuda
+def test_replays_with_keyword_inputs_equal_eager_steps():
+    """A TransformerLayer graphed with keyword inputs (NVIDIA's sample_kwargs, as Megatron-LM
+    passes the mask and the rotary angles): new tensors at each call, and the recorded mask
+    type; then a call with another mask type is refused."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    eager = _modules("TransformerLayer")
+    graphed = copy.deepcopy(eager)
+    freqs = te.RotaryPositionEmbedding(128)(64).cuda()
+
+    def mask(lengths):
+        pos = torch.arange(64, device="cuda").view(1, 64)
+        return (pos >= torch.tensor(lengths, device="cuda").view(-1, 1)).view(2, 1, 1, 64)
+
+    sample = {"attention_mask": mask([64, 40]), "rotary_pos_emb": freqs,
+              "self_attn_mask_type": "padding_causal"}
+    te.make_graphed_callables(graphed, (_input("TransformerLayer"),), sample_kwargs=sample)
+    for lengths in ([64, 64], [17, 50]):
+        x = _input("TransformerLayer")
+        xg = x.detach().clone().requires_grad_()
+        kw = {"attention_mask": mask(lengths), "rotary_pos_emb": freqs * 0.5,
+              "self_attn_mask_type": "padding_causal"}
+        want = eager(x, **kw)
+        want.float().square().mean().backward()
+        got = graphed(xg, **kw)
+        got.float().square().mean().backward()
+        assert torch.equal(got, want), f"lengths {lengths}: output"
+        assert torch.equal(xg.grad, x.grad), f"lengths {lengths}: input gradient"
+    with pytest.raises(ValueError, match="keyword 'self_attn_mask_type' was 'padding_causal'"):
+        graphed(_input("TransformerLayer"), **{**kw, "self_attn_mask_type": "padding"})
 
 
 def _modules(kind: str):

@@ -37,22 +37,70 @@ from .fp8 import fp8_autocast
 _NVIDIA_ONLY = ("_order", "_num_layers_per_chunk", "_reuse_graph_input_output_buffers")
 
 
-class _InAutocast(torch.nn.Module):
-    """``module`` run inside ``fp8_autocast(*autocast_args)``: what torch captures. A module,
-    so that torch passes the wrapped module's parameters to the backward graph."""
+class _Keywords:
+    """A graphed forward's keyword inputs (NVIDIA's ``sample_kwargs``): the tensors become
+    graph inputs after the positional ones (in the order of their names), everything else
+    (None, flags, strings) is part of the recording and must come again unchanged."""
 
-    def __init__(self, module: torch.nn.Module, autocast_args: tuple) -> None:
+    def __init__(self, sample: dict, index: int) -> None:
+        if not isinstance(sample, dict):
+            raise TypeError(f"make_graphed_callables: sample_kwargs[{index}] must be a dict "
+                            f"of keyword inputs, got {type(sample).__name__}")
+        self.tensors = tuple(sorted(k for k, v in sample.items()
+                                    if isinstance(v, torch.Tensor)))
+        self.fixed = {k: v for k, v in sample.items() if not isinstance(v, torch.Tensor)}
+
+    def flatten(self, kwargs: dict, where: str) -> tuple:
+        """The tensor keywords in graph-input order, after checking ``kwargs`` against the
+        recording."""
+        if set(kwargs) != set(self.tensors) | set(self.fixed):
+            raise TypeError(f"{where}: the graphed forward was captured with keywords "
+                            f"{sorted(set(self.tensors) | set(self.fixed))}, got "
+                            f"{sorted(kwargs)}")
+        for name, value in self.fixed.items():
+            if not _same(kwargs[name], value):
+                raise ValueError(f"{where}: keyword {name!r} was {value!r} when the graphs "
+                                 f"were captured and is part of them; got {kwargs[name]!r}")
+        for name in self.tensors:
+            if not isinstance(kwargs[name], torch.Tensor):
+                raise TypeError(f"{where}: keyword {name!r} was a tensor when the graphs were "
+                                f"captured, got {type(kwargs[name]).__name__}")
+        return tuple(kwargs[name] for name in self.tensors)
+
+    def rebuild(self, tail: tuple) -> dict:
+        """The keywords of the module's call from the graph inputs after the positional
+        ones."""
+        return {**self.fixed, **dict(zip(self.tensors, tail, strict=True))}
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a is b or a == b)
+    except Exception:  # noqa: BLE001 (an object without a plain equality is not the same)
+        return False
+
+
+class _InAutocast(torch.nn.Module):
+    """``module`` run inside ``fp8_autocast(*autocast_args)``: what torch captures (its
+    positional inputs, then the tensors of its keywords). A module, so that torch passes the
+    wrapped module's parameters to the backward graph."""
+
+    def __init__(self, module: torch.nn.Module, autocast_args: tuple, positional: int,
+                 keywords: _Keywords) -> None:
         super().__init__()
         self.module = module
         self._autocast_args = autocast_args
+        self._positional = positional
+        self._keywords = keywords
         # The module's own forward: its `forward` attribute becomes the replay afterwards.
         self._eager_forward = module.forward
 
     def forward(self, *args):
         enabled, calibrating, recipe, group = self._autocast_args
+        kwargs = self._keywords.rebuild(args[self._positional:])
         with fp8_autocast(enabled=enabled, calibrating=calibrating, fp8_recipe=recipe,
                           fp8_group=group):
-            return self._eager_forward(*args)
+            return self._eager_forward(*args[:self._positional], **kwargs)
 
 
 def _as_tuples(sample_args, count: int) -> tuple:
@@ -67,13 +115,30 @@ def _as_tuples(sample_args, count: int) -> tuple:
     return tuple(sample_args)
 
 
-def _refuse(sample_kwargs, fp8_weight_caching: bool, retain_graph_in_backward: bool,
+def _keyword_tensors(sample_kwargs, index: int, keywords: _Keywords) -> tuple:
+    """The tensors of module ``index``'s sample keywords, in graph-input order."""
+    if not keywords.tensors:
+        return ()
+    sample = sample_kwargs if isinstance(sample_kwargs, dict) else sample_kwargs[index]
+    return tuple(sample[name] for name in keywords.tensors)
+
+
+def _keywords_of(sample_kwargs, count: int) -> tuple:
+    """One _Keywords per module: ``sample_kwargs`` is a dict for one module, or one dict (or
+    None) per module."""
+    if sample_kwargs is None:
+        return tuple(_Keywords({}, i) for i in range(count))
+    if count == 1 and isinstance(sample_kwargs, dict):
+        sample_kwargs = (sample_kwargs,)
+    if not isinstance(sample_kwargs, (tuple, list)) or len(sample_kwargs) != count:
+        raise TypeError(f"make_graphed_callables: sample_kwargs must be a dict for one module, "
+                        f"or one dict per module ({count}), got "
+                        f"{type(sample_kwargs).__name__}")
+    return tuple(_Keywords(kw or {}, i) for i, kw in enumerate(sample_kwargs))
+
+
+def _refuse(fp8_weight_caching: bool, retain_graph_in_backward: bool,
             nvidia_only: dict) -> None:
-    if sample_kwargs and any(sample_kwargs if isinstance(sample_kwargs, dict)
-                             else (kw for kw in sample_kwargs if kw)):
-        raise NotImplementedError("make_graphed_callables: sample_kwargs (keyword inputs of "
-                                  "the graphed forward) are not supported; pass the inputs "
-                                  "positionally in sample_args")
     if fp8_weight_caching:
         raise NotImplementedError("make_graphed_callables: fp8_weight_caching=True is not "
                                   "supported (a replay casts the weights to FP8 every time); "
@@ -111,12 +176,17 @@ def make_graphed_callables(
         pool: a memory pool handle (``torch.cuda.graph_pool_handle()``) to share with other
             graphs.
 
+        sample_kwargs: keyword inputs of the forward, a dict for one module or one dict (or
+            None) per module: tensors are graph inputs like ``sample_args`` (every call
+            passes tensors of their shapes), any other value is recorded in the graphs, so
+            every call must pass it again unchanged (else ValueError).
+
     Returns the modules (one, or the tuple), whose ``forward`` replays the graphs while the
-    module is in the train/eval mode it was captured in. ``sample_kwargs``,
-    ``fp8_weight_caching=True``, ``retain_graph_in_backward=True`` and NVIDIA's
-    pipeline-schedule arguments raise ``NotImplementedError``.
+    module is in the train/eval mode it was captured in. ``fp8_weight_caching=True``,
+    ``retain_graph_in_backward=True`` and NVIDIA's pipeline-schedule arguments raise
+    ``NotImplementedError``.
     """
-    _refuse(sample_kwargs, fp8_weight_caching, retain_graph_in_backward, nvidia_only)
+    _refuse(fp8_weight_caching, retain_graph_in_backward, nvidia_only)
     single = isinstance(modules, torch.nn.Module)
     group = (modules,) if single else tuple(modules)
     for m in group:
@@ -124,22 +194,27 @@ def make_graphed_callables(
             raise TypeError(f"make_graphed_callables: modules must be torch.nn.Module "
                             f"objects, got {type(m).__name__}")
     args = _as_tuples(sample_args, len(group))
-    for i, sample in enumerate(args):
+    keywords = _keywords_of(sample_kwargs, len(group))
+    # torch captures positional inputs only: each module's tensor keywords follow its own
+    inputs = tuple(a + _keyword_tensors(sample_kwargs, i, keywords[i])
+                   for i, a in enumerate(args))
+    for i, sample in enumerate(inputs):
         for t in sample:
             if not (isinstance(t, torch.Tensor) and t.is_cuda):
-                raise ValueError(f"make_graphed_callables: sample_args[{i}] must hold CUDA "
-                                 f"tensors (CUDA graphs), got "
+                raise ValueError(f"make_graphed_callables: sample_args[{i}] (and the tensors "
+                                 f"of sample_kwargs) must hold CUDA tensors (CUDA graphs), got "
                                  f"{t.device if isinstance(t, torch.Tensor) else type(t).__name__}")
     if not torch.cuda.is_available():
         raise RuntimeError("make_graphed_callables: CUDA graphs need a CUDA device; none is "
                            "available")
     autocast_args = (bool(fp8_enabled), bool(fp8_calibrating), fp8_recipe, fp8_group)
-    wrappers = tuple(_InAutocast(m, autocast_args).train(m.training) for m in group)
+    wrappers = tuple(_InAutocast(m, autocast_args, len(a), kw).train(m.training)
+                     for m, a, kw in zip(group, args, keywords, strict=True))
     kwargs = {"num_warmup_iters": num_warmup_iters, "allow_unused_input": allow_unused_input}
     if pool is not None:
         kwargs["pool"] = pool
     saved = [(b, b.clone()) for m in group for b in m.buffers()]
-    torch.cuda.make_graphed_callables(wrappers, args, **kwargs)
+    torch.cuda.make_graphed_callables(wrappers, inputs, **kwargs)
     with torch.no_grad():
         for b, value in saved:  # in place: the graphs hold these very buffers
             b.copy_(value)
@@ -156,13 +231,12 @@ def _replay_in_mode(module: torch.nn.Module, wrapper: _InAutocast) -> None:
     graphed: Callable = wrapper.forward
     eager: Callable = wrapper._eager_forward
     captured = wrapper.training
+    keywords = wrapper._keywords
+    where = f"{type(module).__name__} (graphed)"
 
     def forward(*args, **kwargs):
         if module.training != captured:
             return eager(*args, **kwargs)
-        if kwargs:
-            raise TypeError(f"{type(module).__name__} (graphed): the graphed forward takes "
-                            f"its inputs positionally, got keywords {sorted(kwargs)}")
-        return graphed(*args)
+        return graphed(*args, *keywords.flatten(kwargs, where))
 
     module.forward = forward
