@@ -172,7 +172,7 @@ def _thd_args():
                 max_seqlen_kv=max(_padded_lengths()))
 
 
-def check_packed_attention(comm, mask):
+def check_packed_attention(comm, mask, r=None):
     rows = sum(_padded_lengths())
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(rows, HEADS, D, generator=gen) for _ in range(3))
@@ -183,7 +183,8 @@ def check_packed_attention(comm, mask):
 
     def run(module, q, k, v, g):
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        o = module(q, k, v, **_thd_args())
+        with te.fp8_autocast(enabled=r is not None, fp8_recipe=r):
+            o = module(q, k, v, **_thd_args())
         (o * g).sum().backward()
         return o.detach(), q.grad, k.grad, v.grad
 
@@ -191,8 +192,9 @@ def check_packed_attention(comm, mask):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the other comm types gather k and v for thd
         got = run(part, local_thd(q), local_thd(k), local_thd(v), local_thd(g))
+    rel = 1e-5 if r is None else 0.2  # FP8: each side's own scales (see check_attention)
     for name, a, b in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
-        rms_close(a, local_thd(b), 1e-5, f"thd {comm} {mask} {name}")
+        rms_close(a, local_thd(b), rel, f"thd {comm} {mask} {r is not None} {name}")
 
 
 def check_packed_block(kind):
@@ -256,6 +258,8 @@ if __name__ == "__main__":
         case(check_block, "TransformerLayer", comm)
         for mask in ("padding_causal", "padding"):
             case(check_packed_attention, comm, mask)
+    case(check_packed_attention, "all_gather", "padding_causal",
+         recipe.Float8CurrentScaling(fp8_dpa=True))
     case(check_packed_block, "MultiheadAttention")
     case(check_packed_block, "TransformerLayer")
     case(check_attention, "p2p", "sbhd", "causal", None, 1)  # one kv head
