@@ -63,7 +63,9 @@ class DeferredWgradLinear(torch.autograd.Function):
         g = grad_output.reshape(-1, grad_output.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         if ctx.needs_input_grad[1]:
-            ctx.store.append(lambda: x2.t().mm(g).t())
+            # autograd's: the gradient of weight.t(), a column-major operand of addmm, is
+            # (g.t() @ x).t(), and the transpose's backward transposes it back
+            ctx.store.append(lambda: g.t().mm(x2))
         grad_x = g.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
         grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_b, None

@@ -12,7 +12,7 @@ import torch
 
 from transformer_engine.common.recipe import Recipe
 
-from .. import compiled_blocks, distributed, fp8, ops, sequence_parallel
+from .. import compiled_blocks, distributed, fp8, hp_blocks, ops, sequence_parallel
 from ..float8_tensor import Float8Tensor
 from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig, NormLinearConsts
 from ..quantization import kind_of, record_amax
@@ -346,10 +346,18 @@ class LayerNormLinear(_LinearBase):
         # norm: (gamma, beta) as the parallel forward hands them over; normalized: inp is the
         # norm's output already (sequence parallelism normalizes each shard, then gathers)
         cfg = self.cfg
+        if not normalized:
+            gamma, beta = norm_params(self, inp.dtype) if norm is None else norm
+        if not (normalized or cfg.return_ln_out or self._wgrad_store is not None
+                or state.calibrating):
+            w = weight.to(inp.dtype)
+            b = None if bias is None else bias.to(inp.dtype)
+            if hp_blocks.usable(inp, gamma, beta, w, b):
+                return hp_blocks.layernorm_linear(inp, gamma, beta, w, b, cfg.norm, cfg.eps,
+                                                  cfg.zero_centered_gamma)
         if normalized:
             ln_out = inp
         else:
-            gamma, beta = norm_params(self, inp.dtype) if norm is None else norm
             ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
         if state.calibrating and kind_of(state.recipe) == "delayed":
             self._fit_fp8_meta(state.recipe)

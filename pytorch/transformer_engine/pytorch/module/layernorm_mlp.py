@@ -14,7 +14,7 @@ import torch
 from transformer_engine.common.activation_params import check_no_params, clamped_swiglu_params
 from transformer_engine.common.recipe import Recipe
 
-from .. import compiled_blocks, distributed, fp8, ops
+from .. import compiled_blocks, distributed, fp8, hp_blocks, ops
 from ..checkpoint import checkpoint
 from ..float8_tensor import Float8Tensor
 from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction, MlpConsts
@@ -397,12 +397,20 @@ class LayerNormMLP(FP8Module):
         cfg, dtype = self.cfg, inp.dtype
         # norm: (gamma, beta) as the parallel forward hands them over; normalized: inp is the
         # norm's output already (sequence parallelism normalizes each shard, then gathers)
+        if not normalized:
+            gamma, beta = norm_params(self, dtype) if norm is None else norm
+        b1 = None if self.fc1_bias is None else self.fc1_bias.to(dtype)
+        if not (normalized or cfg.return_ln_out or self._wgrad_store is not None
+                or state.calibrating):
+            w1, w2 = self.fc1_weight.to(dtype), self.fc2_weight.to(dtype)
+            b2 = None if fc2_bias is None else fc2_bias.to(dtype)
+            if hp_blocks.usable(inp, gamma, beta, w1, b1, w2, b2):
+                return hp_blocks.layernorm_mlp(inp, gamma, beta, w1, b1, w2, b2, cfg.norm,
+                                               cfg.eps, cfg.zero_centered_gamma, self._act)
         if normalized:
             ln_out = inp
         else:
-            gamma, beta = norm_params(self, dtype) if norm is None else norm
             ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
-        b1 = None if self.fc1_bias is None else self.fc1_bias.to(dtype)
         stores = self._wgrad_store or (None, None)
         h = hp_linear(ln_out, self.fc1_weight.to(dtype), b1, stores[0])
         a = apply_activation(h, self._act)
