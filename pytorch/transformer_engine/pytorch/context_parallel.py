@@ -28,7 +28,7 @@ comm type) that says so.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -183,15 +183,15 @@ def attend(attend_one: Callable, cp: ContextParallel, query, key, value, layout:
     return o.reshape(*o.shape[:2], o.shape[2] * o.shape[3])
 
 
-def attend_packed(attend_padded: Callable, cp: ContextParallel, query, key, value, mask: str,
-                  cu_q, cu_kv, cu_q_padded, cu_kv_padded, max_seqlen_q: int,
-                  max_seqlen_kv: int) -> torch.Tensor:
+def attend_packed(attend_padded: Callable, cp: ContextParallel, query, key, value,
+                  attention_mask, window, mask: str, cu_q, cu_kv, padded: Optional[tuple],
+                  max_seqlen_q, max_seqlen_kv) -> torch.Tensor:
     """The rank's rows of attention of packed (thd) sequences split over the group
     (context_parallel_thd.py), with the group's collectives."""
     from .context_parallel_thd import attend_packed as attend_thd
 
-    return attend_thd(attend_padded, cp, query, key, value, mask, cu_q, cu_kv, cu_q_padded,
-                      cu_kv_padded, max_seqlen_q, max_seqlen_kv,
+    return attend_thd(attend_padded, cp, query, key, value, attention_mask, window, mask, cu_q,
+                      cu_kv, padded, max_seqlen_q, max_seqlen_kv,
                       lambda t: _gather_ranks(t, cp), lambda t: _reduce_scatter_ranks(t, cp))
 
 

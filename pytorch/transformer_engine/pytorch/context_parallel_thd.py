@@ -23,20 +23,20 @@ The ring and the all-to-all take sbhd/bshd only: for thd every comm type gathers
 from __future__ import annotations
 
 import warnings
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-__all__ = ["Pieces", "attend_packed", "pieces", "gather_index", "check"]
+from . import padded_packing
+
+__all__ = ["Pieces", "attend_packed", "chunks", "pieces", "gather_index", "check"]
 
 
 def check(op: str, cp_size: int, cu: torch.Tensor, cu_padded: torch.Tensor, rows: int,
           name: str) -> None:
     """Shapes always; values where they are on the CPU (reading CUDA memory would stall the
     stream): every padded length a multiple of 2 * cp, the local rows the padded total / cp."""
-    if cu_padded.dim() != 1 or cu_padded.shape != cu.shape:
-        raise ValueError(f"{op}: {name}_padded must have the shape of {name} "
-                         f"({list(cu.shape)}), got {list(cu_padded.shape)}")
+    padded_packing.check_shape(op, name, cu, cu_padded)
     if cu_padded.device.type != "cpu" or torch.compiler.is_compiling():
         return
     padded = cu_padded[1:] - cu_padded[:-1]
@@ -50,6 +50,17 @@ def check(op: str, cp_size: int, cu: torch.Tensor, cu_padded: torch.Tensor, rows
 
 def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def chunks(cu_padded: torch.Tensor, cp_size: int,
+           rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s 2 * batch chunks of the global padded offsets ``cu_padded``: each
+    sequence's chunk size [batch], the chunks' cumulative offsets in the rank's tensor
+    [2 * batch + 1] and each chunk's first position in its sequence [batch, 2]."""
+    cu_padded = cu_padded.to(torch.int64)
+    size = (cu_padded[1:] - cu_padded[:-1]) // (2 * cp_size)
+    starts = torch.stack([rank * size, (2 * cp_size - 1 - rank) * size], dim=1)
+    return size, _cumulative(size.repeat_interleave(2)), starts
 
 
 def gather_index(cu_padded: torch.Tensor, cp_size: int, local_rows: int) -> torch.Tensor:
@@ -83,10 +94,8 @@ class Pieces(NamedTuple):
 def pieces(cp_size: int, rank: int, cu_q, cu_q_padded, cu_kv, cu_kv_padded, local_rows: int,
            causal: bool) -> Pieces:
     """The pieces of rank ``rank`` (global cumulative lengths in, on the tensors' device)."""
-    cu_q, cu_q_padded, cu_kv, cu_kv_padded = (
-        t.to(torch.int64) for t in (cu_q, cu_q_padded, cu_kv, cu_kv_padded))
-    chunk = (cu_q_padded[1:] - cu_q_padded[:-1]) // (2 * cp_size)  # [b]
-    starts = torch.stack([rank * chunk, (2 * cp_size - 1 - rank) * chunk], dim=1)  # [b, 2]
+    cu_q, cu_kv, cu_kv_padded = (t.to(torch.int64) for t in (cu_q, cu_kv, cu_kv_padded))
+    chunk, cu_q_pieces, starts = chunks(cu_q_padded, cp_size, rank)
     lq = (cu_q[1:] - cu_q[:-1]).view(-1, 1)
     lk = (cu_kv[1:] - cu_kv[:-1]).view(-1, 1)
     tokens = (lq - starts).clamp(min=0).minimum(chunk.view(-1, 1))  # [b, 2]
@@ -101,8 +110,8 @@ def pieces(cp_size: int, rank: int, cu_q, cu_q_padded, cu_kv, cu_kv_padded, loca
     piece = piece.clamp_(max=padded_kv.shape[0] - 1)
     global_row = cu_kv_padded[piece // 2] + j - cu_kv_pieces[piece]
     kv_rows = gather_index(cu_kv_padded, cp_size, local_rows)[global_row]
-    return Pieces(_cumulative(tokens.flatten()), _cumulative(chunk.repeat_interleave(2)),
-                  _cumulative(keys.flatten()), cu_kv_pieces, kv_rows)
+    return Pieces(_cumulative(tokens.flatten()), cu_q_pieces, _cumulative(keys.flatten()),
+                  cu_kv_pieces, kv_rows)
 
 
 class _GatherRanks(torch.autograd.Function):
@@ -131,16 +140,29 @@ def _warn_gathers(comm_type: str) -> None:
                       f"same, the memory that of whole-sequence k and v", stacklevel=5)
 
 
-def attend_packed(attend_padded: Callable, cp, query, key, value, mask: str, cu_q, cu_kv,
-                  cu_q_padded, cu_kv_padded, max_seqlen_q: int, max_seqlen_kv: int,
+def attend_packed(attend_padded: Callable, cp, query, key, value, attention_mask, window,
+                  mask: str, cu_q, cu_kv, padded: Optional[tuple], max_seqlen_q, max_seqlen_kv,
                   gather: Callable, reduce_scatter: Callable) -> torch.Tensor:
     """The rank's rows of attention of packed sequences split over the group.
     ``attend_padded(q, k, v, mask, cu_q, cu_kv, cu_q_padded, cu_kv_padded, max_q, max_kv)`` is
-    the module's attention of packed sequences with padding between them; ``gather`` /
+    the module's attention of packed sequences with padding between them; ``padded`` the
+    forward's (cu_seqlens_q_padded, cu_seqlens_kv_padded) or None; ``gather`` /
     ``reduce_scatter`` the group's collectives along dimension 0 (rank-major)."""
+    op = "DotProductAttention"
+    if attention_mask is not None or window not in (None, (-1, -1), (-1, 0)):
+        raise NotImplementedError(f"{op}: context parallelism of packed (thd) sequences "
+                                  "takes no attention_mask or sliding window")
+    if cu_q is None or cu_kv is None or max_seqlen_q is None or max_seqlen_kv is None:
+        raise ValueError(f"{op}: qkv_format 'thd' under context parallelism needs cu_seqlens_q "
+                         "and cu_seqlens_kv (the whole sequences' lengths), max_seqlen_q and "
+                         "max_seqlen_kv")
+    if mask not in ("padding", "padding_causal", "causal", "no_mask"):
+        raise NotImplementedError(f"{op}: context parallelism of packed (thd) sequences takes "
+                                  f"attn_mask_type 'padding', 'padding_causal' (or 'no_mask', "
+                                  f"'causal', the same for thd), got {mask!r}")
     if cp.comm_type != "all_gather":
         _warn_gathers(cp.comm_type)
-    op = "DotProductAttention"
+    cu_q_padded, cu_kv_padded = padded or (None, None)
     cu_q_padded = cu_q if cu_q_padded is None else cu_q_padded
     cu_kv_padded = cu_kv if cu_kv_padded is None else cu_kv_padded
     check(op, cp.size, cu_q, cu_q_padded, query.shape[0], "cu_seqlens_q")

@@ -49,6 +49,7 @@ class _Keywords:
         self.tensors = tuple(sorted(k for k, v in sample.items()
                                     if isinstance(v, torch.Tensor)))
         self.fixed = {k: v for k, v in sample.items() if not isinstance(v, torch.Tensor)}
+        self.sample = tuple(sample[k] for k in self.tensors)  # the capture's graph inputs
 
     def flatten(self, kwargs: dict, where: str) -> tuple:
         """The tensor keywords in graph-input order, after checking ``kwargs`` against the
@@ -113,14 +114,6 @@ def _as_tuples(sample_args, count: int) -> tuple:
                         f"one module, or one such tuple per module ({count}), got "
                         f"{type(sample_args).__name__}")
     return tuple(sample_args)
-
-
-def _keyword_tensors(sample_kwargs, index: int, keywords: _Keywords) -> tuple:
-    """The tensors of module ``index``'s sample keywords, in graph-input order."""
-    if not keywords.tensors:
-        return ()
-    sample = sample_kwargs if isinstance(sample_kwargs, dict) else sample_kwargs[index]
-    return tuple(sample[name] for name in keywords.tensors)
 
 
 def _keywords_of(sample_kwargs, count: int) -> tuple:
@@ -196,8 +189,7 @@ def make_graphed_callables(
     args = _as_tuples(sample_args, len(group))
     keywords = _keywords_of(sample_kwargs, len(group))
     # torch captures positional inputs only: each module's tensor keywords follow its own
-    inputs = tuple(a + _keyword_tensors(sample_kwargs, i, keywords[i])
-                   for i, a in enumerate(args))
+    inputs = tuple(a + kw.sample for a, kw in zip(args, keywords, strict=True))
     for i, sample in enumerate(inputs):
         for t in sample:
             if not (isinstance(t, torch.Tensor) and t.is_cuda):

@@ -11,9 +11,10 @@ the order autograd would run them: for F.linear ``grad.mm(weight)``, ``grad.t().
 for the norm and the activation their own backward ops. So every output and gradient has the
 bits of the pieces (tests/pytorch/test_hp_blocks.py).
 
-The modules take them for the plain step only (``usable``): no deferred weight gradients, no
-norm output returned, not calibrating, no tensor parallelism, inputs and weights in one float
-dtype. Everything else keeps the pieces. ``enabled = False`` turns them off (comparisons).
+The modules take them where the block normalizes its own input (not a sequence-parallel
+gather of norm outputs), with no deferred weight gradients, no norm output returned, not
+calibrating, and plain tensors (``usable``). Everything else keeps the pieces.
+``enabled = False`` turns them off (comparisons).
 """
 
 from __future__ import annotations

@@ -17,11 +17,43 @@ the backward (what the fused kernels avoid by reading with offsets).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-__all__ = ["Packing", "packing", "pack", "unpack"]
+__all__ = ["Packing", "forward_args", "attend", "packing", "pack", "unpack"]
+
+
+def forward_args(op: str, pad_between_seqs, cu_q_padded, cu_kv_padded,
+                 layout: str) -> Optional[tuple]:
+    """NVIDIA's forward arguments of packed sequences with padding between them: None where
+    there is none (every forward calls this; it returns at once for the defaults), else the
+    pair (cu_seqlens_q_padded, cu_seqlens_kv_padded), either possibly None (that side
+    unpadded). ``pad_between_seqs=False`` says there is no padding: the padded offsets, if
+    given, are then the plain ones and go unused (NVIDIA's meaning)."""
+    if not pad_between_seqs and cu_q_padded is None and cu_kv_padded is None:
+        return None
+    if pad_between_seqs is False:
+        return None
+    if layout != "thd":
+        raise ValueError(f"{op}: cu_seqlens_q_padded / cu_seqlens_kv_padded / "
+                         f"pad_between_seqs are for packed sequences (qkv_format 'thd'), got "
+                         f"qkv_format {layout!r}")
+    if cu_q_padded is None and cu_kv_padded is None:
+        raise ValueError(f"{op}: pad_between_seqs=True needs cu_seqlens_q_padded and "
+                         "cu_seqlens_kv_padded (where each sequence starts in the tensor)")
+    for name, t in (("cu_seqlens_q_padded", cu_q_padded), ("cu_seqlens_kv_padded",
+                                                           cu_kv_padded)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor of cumulative lengths, got "
+                            f"{type(t).__name__}")
+    return cu_q_padded, cu_kv_padded
+
+
+def check_shape(op: str, name: str, cu: torch.Tensor, cu_padded: torch.Tensor) -> None:
+    if cu_padded.dim() != 1 or cu_padded.shape != cu.shape:
+        raise ValueError(f"{op}: {name}_padded must have the shape of {name} "
+                         f"({list(cu.shape)}), got {list(cu_padded.shape)}")
 
 
 class Packing(NamedTuple):
@@ -39,9 +71,7 @@ def check(op: str, name: str, cu: torch.Tensor, cu_padded: torch.Tensor, rows: i
     """Shapes always; values where they are on the CPU (reading CUDA memory would stall the
     stream): each padded length at least the sequence's, and the padded total within the
     tensor's rows."""
-    if cu_padded.dim() != 1 or cu_padded.shape != cu.shape:
-        raise ValueError(f"{op}: {name}_padded must have the shape of {name} "
-                         f"({list(cu.shape)}), got {list(cu_padded.shape)}")
+    check_shape(op, name, cu, cu_padded)
     if cu.device.type != "cpu" or cu_padded.device.type != "cpu":
         return
     if torch.compiler.is_compiling():
@@ -100,3 +130,28 @@ def pack(x: torch.Tensor, p: Packing) -> torch.Tensor:
 def unpack(x: torch.Tensor, p: Packing) -> torch.Tensor:
     """The packed rows of x back in the padded layout, the padding rows 0."""
     return _Permute.apply(x, p.to_packed, p.token, p.from_packed, p.packed_token)
+
+
+def attend(op: str, attend_packed: Callable, query, key, value, cu_q: torch.Tensor,
+           cu_kv: torch.Tensor, padded: tuple) -> torch.Tensor:
+    """``attend_packed(q, k, v)`` (attention of back-to-back packed sequences, [rows, ...]
+    out) on q's rows, and k's and v's, permuted into the back-to-back packing of ``cu_q`` /
+    ``cu_kv`` from where ``padded`` = (cu_q_padded, cu_kv_padded) puts each sequence (either
+    None: that side unpadded); the output goes back to the padded layout, padding rows 0.
+    CPU offsets equal to the plain ones skip the permutation (CUDA values are not read)."""
+    rows_of = {}
+    for name, cu, cu_padded, t in (("cu_seqlens_q", cu_q, padded[0], query),
+                                   ("cu_seqlens_kv", cu_kv, padded[1], key)):
+        if cu_padded is None:
+            continue
+        check(op, name, cu, cu_padded, t.shape[0])
+        cu, cu_padded = cu.to(device=t.device), cu_padded.to(device=t.device)
+        if cu.is_cuda or not torch.equal(cu, cu_padded):
+            rows_of[name] = packing(cu, cu_padded, t.shape[0])
+    q_rows, kv_rows = rows_of.get("cu_seqlens_q"), rows_of.get("cu_seqlens_kv")
+    if kv_rows is not None:
+        key, value = pack(key, kv_rows), pack(value, kv_rows)
+    if q_rows is not None:
+        query = pack(query, q_rows)
+    o = attend_packed(query, key, value)
+    return o if q_rows is None else unpack(o, q_rows)

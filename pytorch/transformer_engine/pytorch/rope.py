@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from . import context_parallel_thd
 from .ops import rope as rope_ops
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
@@ -104,19 +105,6 @@ class RotaryPositionEmbedding(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, rot_dim={self.rot_dim}, rotary_base={self.rotary_base}, "
                 f"interleaved={self.interleaved}")
-
-
-def _context_parallel_pieces(cu_seqlens: torch.Tensor, cp_size: int,
-                             cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed (thd) sequences under context parallelism (context_parallel_thd.py): from the
-    global offsets ``cu_seqlens`` (each sequence's rows a multiple of 2 * cp_size), this rank's
-    2 * batch chunks as packed sequences (their offsets in the rank's tensor) and each one's
-    first position in its sequence. Computed on the device, without a host read."""
-    cu = cu_seqlens.to(torch.int64)
-    chunk = (cu[1:] - cu[:-1]) // (2 * cp_size)
-    local = torch.nn.functional.pad(chunk.repeat_interleave(2).cumsum(0), (1, 0))
-    starts = torch.stack([cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk], dim=1)
-    return local.to(cu_seqlens.dtype), starts.flatten()
 
 
 def _check(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str, cu_seqlens, cp_size: int,
@@ -282,8 +270,9 @@ def apply_rotary_pos_emb(
         if start_positions is not None:
             raise NotImplementedError("apply_rotary_pos_emb: context parallelism of packed "
                                       "(thd) sequences takes no start_positions")
-        cu_seqlens, start_positions = _context_parallel_pieces(cu_seqlens, cp_size, cp_rank)
-        cp_size = 1  # from here on: 2 * batch pieces, each from its start position
+        # this rank's 2 * batch chunks (context_parallel_thd.py), each from its first position
+        _, cu_seqlens, starts = context_parallel_thd.chunks(cu_seqlens, cp_size, cp_rank)
+        start_positions, cp_size = starts.flatten(), 1
     freqs2d = _check(t, freqs, tensor_format, cu_seqlens, cp_size, start_positions)
     if fused:
         if t.dtype not in _FUSED_DTYPES:

@@ -442,8 +442,9 @@ class DotProductAttention(FP8Module):
         query = _one_of("query_layer", query_layer, "query", query)
         key = _one_of("key_layer", key_layer, "key", key)
         value = _one_of("value_layer", value_layer, "value", value)
-        padded = _padded_args("DotProductAttention", pad_between_seqs, cu_seqlens_q_padded,
-                              cu_seqlens_kv_padded, qkv_format or self.qkv_format)
+        padded = padded_packing.forward_args("DotProductAttention", pad_between_seqs,
+                                             cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                                             qkv_format or self.qkv_format)
         bias = None
         if attention_bias.check_type("DotProductAttention", core_attention_bias_type,
                                      core_attention_bias, alibi_slopes):
@@ -488,11 +489,15 @@ class DotProductAttention(FP8Module):
 
         window = window_size if window_size is not None else self.window_size
         layout = qkv_format or self.qkv_format
-        if layout == "thd":
-            return self._attend_packed_context_parallel(
-                query, key, value, attention_mask, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
-                max_seqlen_kv, attn_mask_type, window, attention_backend, padded,
-                attend_packed)
+        if layout == "thd":  # the global cu_seqlens in, this rank's rows out
+
+            def attend_padded(q, k, v, mask, cu_q, cu_kv, cu_qp, cu_kvp, max_q, max_kv):
+                return self._attend(q, k, v, None, "thd", cu_q, cu_kv, max_q, max_kv, mask,
+                                    None, attention_backend, None, (cu_qp, cu_kvp))
+
+            return attend_packed(attend_padded, self._cp, query, key, value, attention_mask,
+                                 window, attn_mask_type or self.attn_mask_type, cu_seqlens_q,
+                                 cu_seqlens_kv, padded, max_seqlen_q, max_seqlen_kv)
         if (attention_mask is not None or cu_seqlens_q is not None or cu_seqlens_kv is not None
                 or padded is not None or window not in (None, (-1, -1), (-1, 0))):
             raise NotImplementedError("DotProductAttention: context parallelism of sbhd/bshd "
@@ -508,39 +513,6 @@ class DotProductAttention(FP8Module):
         return attend(one, self._cp, query, key, value, layout,
                       attn_mask_type or self.attn_mask_type, self.softmax_scale,
                       self.attention_dropout if self.training else 0.0, bool(fp8))
-
-    def _attend_packed_context_parallel(self, query, key, value, attention_mask, cu_seqlens_q,
-                                        cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                                        attn_mask_type, window, attention_backend, padded,
-                                        attend_packed):
-        """Packed (thd) sequences split over the group (context_parallel_thd.py): the global
-        cu_seqlens (and cu_seqlens_*_padded) in, this rank's rows out."""
-        op = "DotProductAttention"
-        if attention_mask is not None or window not in (None, (-1, -1), (-1, 0)):
-            raise NotImplementedError(f"{op}: context parallelism of packed (thd) sequences "
-                                      "takes no attention_mask or sliding window")
-        if cu_seqlens_q is None or cu_seqlens_kv is None:
-            raise ValueError(f"{op}: qkv_format 'thd' under context parallelism needs "
-                             "cu_seqlens_q and cu_seqlens_kv (the whole sequences' lengths)")
-        if max_seqlen_q is None or max_seqlen_kv is None:
-            raise ValueError(f"{op}: qkv_format 'thd' needs max_seqlen_q and max_seqlen_kv "
-                             "(the longest sequence of each)")
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
-            _check_cu_seqlens(name, cu)
-        mask = attn_mask_type or self.attn_mask_type
-        if mask not in ("padding", "padding_causal", "causal", "no_mask"):
-            raise NotImplementedError(f"{op}: context parallelism of packed (thd) sequences "
-                                      f"takes attn_mask_type 'padding', 'padding_causal' (or "
-                                      f"'no_mask', 'causal', the same for thd), got {mask!r}")
-        cu_q_padded, cu_kv_padded = padded or (None, None)
-
-        def attend_padded(q, k, v, mask, cu_q, cu_kv, cu_qp, cu_kvp, max_q, max_kv):
-            return self._attend(q, k, v, None, "thd", cu_q, cu_kv, max_q, max_kv, mask, None,
-                                attention_backend, None, (cu_qp, cu_kvp))
-
-        return attend_packed(attend_padded, self._cp, query, key, value, mask, cu_seqlens_q,
-                             cu_seqlens_kv, cu_q_padded, cu_kv_padded, max_seqlen_q,
-                             max_seqlen_kv)
 
     def _attend(self, query, key, value, attention_mask, qkv_format, cu_seqlens_q,
                 cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
@@ -621,9 +593,7 @@ class DotProductAttention(FP8Module):
     def _attend_padded(self, query, key, value, attention_mask, layout, cu_seqlens_q,
                        cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
                        attention_backend, padded: tuple):
-        """Packed sequences with padding between them (padded_packing.py): q's rows, and k's
-        and v's, permuted into the back-to-back packing of their cu_seqlens, attended, and
-        the output put back in the padded layout (padding rows 0)."""
+        """Packed sequences with padding between them (padded_packing.py)."""
         op = "DotProductAttention"
         state = STATE
         if state.enabled and _runs_fp8(state.recipe) and state.recipe.fp8_mha:
@@ -634,30 +604,15 @@ class DotProductAttention(FP8Module):
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError(f"{op}: cu_seqlens_q_padded / cu_seqlens_kv_padded come with "
                              "cu_seqlens_q and cu_seqlens_kv (each sequence's own lengths)")
-        query, key, value = (to_high_precision(t) for t in (query, key, value))
-        where = {}
-        for name, cu, cu_padded, rows in (("cu_seqlens_q", cu_seqlens_q, padded[0],
-                                           query.shape[0]),
-                                          ("cu_seqlens_kv", cu_seqlens_kv, padded[1],
-                                           key.shape[0])):
-            _check_cu_seqlens(name, cu)
-            if cu_padded is None:
-                continue
-            _check_cu_seqlens(f"{name}_padded", cu_padded)
-            padded_packing.check(op, name, cu, cu_padded, rows)
-            cu = cu.to(device=query.device)
-            cu_padded = cu_padded.to(device=query.device)
-            if cu.is_cuda or not torch.equal(cu, cu_padded):  # (no host read of CUDA values)
-                where[name] = padded_packing.packing(cu, cu_padded, rows)
-        q_rows, kv_rows = where.get("cu_seqlens_q"), where.get("cu_seqlens_kv")
-        if kv_rows is not None:
-            key, value = padded_packing.pack(key, kv_rows), padded_packing.pack(value, kv_rows)
-        if q_rows is not None:
-            query = padded_packing.pack(query, q_rows)
-        o = self._attend(query, key, value, attention_mask, layout, cu_seqlens_q, cu_seqlens_kv,
-                         max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
-                         attention_backend)
-        return o if q_rows is None else padded_packing.unpack(o, q_rows)
+
+        def attend_packed(q, k, v):
+            return self._attend(q, k, v, attention_mask, layout, cu_seqlens_q, cu_seqlens_kv,
+                                max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
+                                attention_backend)
+
+        return padded_packing.attend(op, attend_packed, *(to_high_precision(t) for t in
+                                                          (query, key, value)),
+                                     cu_seqlens_q, cu_seqlens_kv, padded)
 
     def _attend_with_bias(self, query, key, value, attention_mask, layout: str, mask: str,
                           window, dropout: float, asked: Optional[str], bias: tuple):
@@ -749,32 +704,6 @@ def _one_of(name: str, value, old_name: str, old_value):
     if value is None:
         raise TypeError(f"DotProductAttention: forward needs {name} (or {old_name})")
     return value
-
-
-def _padded_args(op: str, pad_between_seqs, cu_q_padded, cu_kv_padded,
-                 layout: str) -> Optional[tuple]:
-    """NVIDIA's arguments of packed sequences with padding between them: None where there is
-    none (every forward calls this; it returns at once for the defaults), else the pair
-    (cu_seqlens_q_padded, cu_seqlens_kv_padded), either possibly None (that side unpadded).
-    ``pad_between_seqs=False`` says there is no padding: the padded offsets, if given, are
-    then the plain ones and go unused (NVIDIA's meaning)."""
-    if not pad_between_seqs and cu_q_padded is None and cu_kv_padded is None:
-        return None
-    if pad_between_seqs is False:
-        return None
-    if layout != "thd":
-        raise ValueError(f"{op}: cu_seqlens_q_padded / cu_seqlens_kv_padded / "
-                         f"pad_between_seqs are for packed sequences (qkv_format 'thd'), got "
-                         f"qkv_format {layout!r}")
-    if cu_q_padded is None and cu_kv_padded is None:
-        raise ValueError(f"{op}: pad_between_seqs=True needs cu_seqlens_q_padded and "
-                         "cu_seqlens_kv_padded (where each sequence starts in the tensor)")
-    for name, t in (("cu_seqlens_q_padded", cu_q_padded), ("cu_seqlens_kv_padded",
-                                                           cu_kv_padded)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor of cumulative lengths, got "
-                            f"{type(t).__name__}")
-    return cu_q_padded, cu_kv_padded
 
 
 def _takes_fp8(t: torch.Tensor) -> bool:

@@ -346,28 +346,25 @@ class LayerNormLinear(_LinearBase):
         # norm: (gamma, beta) as the parallel forward hands them over; normalized: inp is the
         # norm's output already (sequence parallelism normalizes each shard, then gathers)
         cfg = self.cfg
-        if not normalized:
-            gamma, beta = norm_params(self, inp.dtype) if norm is None else norm
-        if not (normalized or cfg.return_ln_out or self._wgrad_store is not None
-                or state.calibrating):
-            w = weight.to(inp.dtype)
-            b = None if bias is None else bias.to(inp.dtype)
-            if hp_blocks.usable(inp, gamma, beta, w, b):
-                return hp_blocks.layernorm_linear(inp, gamma, beta, w, b, cfg.norm, cfg.eps,
-                                                  cfg.zero_centered_gamma)
+        w = weight.to(inp.dtype)
+        b = None if bias is None else bias.to(inp.dtype)
         if normalized:
             ln_out = inp
         else:
+            gamma, beta = norm_params(self, inp.dtype) if norm is None else norm
+            if (not (cfg.return_ln_out or self._wgrad_store is not None or state.calibrating)
+                    and hp_blocks.usable(inp, gamma, beta, w, b)):
+                return hp_blocks.layernorm_linear(inp, gamma, beta, w, b, cfg.norm, cfg.eps,
+                                                  cfg.zero_centered_gamma)
             ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
         if state.calibrating and kind_of(state.recipe) == "delayed":
             self._fit_fp8_meta(state.recipe)
-            w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
+            stored = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
             record_amax(self.amax_history_fwd, 0,
                         ops.amax(ln_out.detach().reshape(-1, ln_out.shape[-1])))
-            record_amax(self.amax_history_fwd, 1, ops.amax(w.detach()))
+            record_amax(self.amax_history_fwd, 1, ops.amax(stored.detach()))
             fp8.register_forward_amaxes(self, state.recipe)
-        out = hp_linear(ln_out, weight.to(inp.dtype), None if bias is None else bias.to(inp.dtype),
-                        self._wgrad_store)
+        out = hp_linear(ln_out, w, b, self._wgrad_store)
         return (out, ln_out) if cfg.return_ln_out else out
 
     def _fp8_forward(self, inp, weight, bias, recipe: Recipe, is_first_microbatch,

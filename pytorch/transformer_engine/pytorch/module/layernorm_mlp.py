@@ -397,27 +397,24 @@ class LayerNormMLP(FP8Module):
         cfg, dtype = self.cfg, inp.dtype
         # norm: (gamma, beta) as the parallel forward hands them over; normalized: inp is the
         # norm's output already (sequence parallelism normalizes each shard, then gathers)
-        if not normalized:
-            gamma, beta = norm_params(self, dtype) if norm is None else norm
+        w1, w2 = self.fc1_weight.to(dtype), self.fc2_weight.to(dtype)
         b1 = None if self.fc1_bias is None else self.fc1_bias.to(dtype)
-        if not (normalized or cfg.return_ln_out or self._wgrad_store is not None
-                or state.calibrating):
-            w1, w2 = self.fc1_weight.to(dtype), self.fc2_weight.to(dtype)
-            b2 = None if fc2_bias is None else fc2_bias.to(dtype)
-            if hp_blocks.usable(inp, gamma, beta, w1, b1, w2, b2):
-                return hp_blocks.layernorm_mlp(inp, gamma, beta, w1, b1, w2, b2, cfg.norm,
-                                               cfg.eps, cfg.zero_centered_gamma, self._act)
+        b2 = None if fc2_bias is None else fc2_bias.to(dtype)
         if normalized:
             ln_out = inp
         else:
+            gamma, beta = norm_params(self, dtype) if norm is None else norm
+            if (not (cfg.return_ln_out or self._wgrad_store is not None or state.calibrating)
+                    and hp_blocks.usable(inp, gamma, beta, w1, b1, w2, b2)):
+                return hp_blocks.layernorm_mlp(inp, gamma, beta, w1, b1, w2, b2, cfg.norm,
+                                               cfg.eps, cfg.zero_centered_gamma, self._act)
             ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
         stores = self._wgrad_store or (None, None)
-        h = hp_linear(ln_out, self.fc1_weight.to(dtype), b1, stores[0])
+        h = hp_linear(ln_out, w1, b1, stores[0])
         a = apply_activation(h, self._act)
         if state.calibrating and kind_of(state.recipe) == "delayed":
             self._calibrate(ln_out, a, state.recipe)
-        out = hp_linear(a, self.fc2_weight.to(dtype), None if fc2_bias is None else
-                        fc2_bias.to(dtype), stores[1])
+        out = hp_linear(a, w2, b2, stores[1])
         return (out, ln_out) if cfg.return_ln_out else out
 
     def _calibrate(self, ln_out, a, recipe: Recipe) -> None:

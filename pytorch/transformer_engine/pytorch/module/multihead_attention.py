@@ -22,7 +22,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .. import attention_bias, distributed, fp8
+from .. import attention_bias, distributed, fp8, padded_packing
 from ..checkpoint import checkpoint
 from ..float8_tensor import to_high_precision
 from ..rope import apply_rotary_pos_emb
@@ -30,7 +30,7 @@ from ._checks import check_device, check_params_dtype, check_sizes
 from ._deferred_init import DeferredInit
 from ._heads import split_heads
 from ._main_grad import route_tree
-from .attention import DotProductAttention, _padded_args, _runs_fp8
+from .attention import DotProductAttention, _runs_fp8
 from .base import set_group_of_children
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
@@ -308,8 +308,9 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
                      self.proj._parameters["weight"])
         if self.attention_type == "cross" and encoder_output is None:
             raise ValueError("te.MultiheadAttention: cross attention needs encoder_output")
-        padded = _padded_args("te.MultiheadAttention", pad_between_seqs, cu_seqlens_q_padded,
-                              cu_seqlens_kv_padded, self.qkv_format)
+        padded = padded_packing.forward_args("te.MultiheadAttention", pad_between_seqs,
+                                             cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                                             self.qkv_format)
         if padded is not None and inference_params is not None:
             raise NotImplementedError("te.MultiheadAttention: padding between packed sequences "
                                       "(cu_seqlens_*_padded) with inference_params is not "
