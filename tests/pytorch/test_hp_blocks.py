@@ -123,6 +123,30 @@ def test_what_keeps_the_pieces(monkeypatch):
     assert _nodes(m(x)) > 1
 
 
+@pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP"])
+def test_compiled_step_equals_eager_cpu(kind, monkeypatch):
+    """torch.compile(fullgraph=True) traces the node (no graph break) and runs the same calls:
+    the eager pieces' bits. aot_eager, as inductor's fused kernels would round differently."""
+    monkeypatch.setattr(hp_blocks, "enabled", True)
+    m = _module(kind, "cpu", torch.float32)
+    compiled_m = copy.deepcopy(m)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 32, generator=gen)
+    g = torch.randn(6, 48 if kind == "LayerNormLinear" else 32, generator=gen)
+
+    def step(forward, module):
+        inp = x.clone().requires_grad_(True)
+        y = forward(inp)
+        y.backward(g)
+        return [y.detach(), inp.grad] + [p.grad for p in module.parameters()]
+
+    compiled = torch.compile(compiled_m, fullgraph=True, backend="aot_eager")
+    traced = step(compiled, compiled_m)
+    monkeypatch.setattr(hp_blocks, "enabled", False)
+    for got, want in zip(traced, step(m, m), strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP"])
 @pytest.mark.parametrize("bias", [True, False])

@@ -29,7 +29,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
-from transformer_engine.jax import context_parallel
+from transformer_engine.jax import context_parallel, context_parallel_thd, padded_packing
 from transformer_engine.jax._attention_types import (
     AttnBiasType,
     AttnMaskType,
@@ -45,10 +45,15 @@ from transformer_engine.jax.context_parallel import (
     inverse_reorder_causal_load_balancing,
     reorder_causal_load_balancing,
 )
+from transformer_engine.jax.context_parallel_thd import (
+    inverse_reorder_thd_load_balancing,
+    reorder_thd_load_balancing,
+)
 
 __all__ = ["fused_attn", "LAYOUTS", "MASKS", "AttnMaskType", "AttnBiasType", "QKVFormat",
            "QKVLayout", "SequenceDescriptor", "CPStrategy", "ReorderStrategy",
-           "reorder_causal_load_balancing", "inverse_reorder_causal_load_balancing"]
+           "reorder_causal_load_balancing", "inverse_reorder_causal_load_balancing",
+           "reorder_thd_load_balancing", "inverse_reorder_thd_load_balancing"]
 
 load()
 
@@ -170,8 +175,31 @@ def _cp_shard(cp, params, backward: bool):
     return axis, shard
 
 
+def _thd_params(params, causal: bool, max_q: int, max_kv: int) -> tuple:
+    """The plain thd call of context-parallel thd pieces: each piece's queries end its
+    causal diagonal (bottom right)."""
+    mask = MASKS["padding_causal_bottom_right" if causal else "padding"]
+    return (params[0], mask, *params[2:6], max_q, max_kv, params[8])
+
+
+def _thd_cp(cp, params) -> dict:
+    """The keywords of :mod:`~transformer_engine.jax.context_parallel_thd`'s calls."""
+    mask = next(name for name, code in MASKS.items() if code == params[1])
+    return dict(causal=context_parallel_thd.MASKS[mask], axis=cp[0], size=cp[1],
+                max_q=params[6], max_kv=params[7])
+
+
 def _forward_call(q, k, v, cu_q, cu_kv, rng, params, cp=None):
     layout = list(LAYOUTS)[params[0]]
+    if cp is not None and layout == "thd":
+        kw = _thd_cp(cp, params)
+
+        # (no dropout under context parallelism: the pieces' calls take no random state)
+        def run(q, k, v, cu_q, cu_kv, max_q, max_kv):
+            return _forward_call(q, k, v, cu_q, cu_kv, jnp.zeros((0,), jnp.uint32),
+                                 _thd_params(params, kw["causal"], max_q, max_kv))
+
+        return context_parallel_thd.attention_forward(run, q, k, v, cu_q, cu_kv, rng, **kw)
     batch = cu_q.shape[0] - 1 if layout == "thd" else None
     sizes = _sizes(q, k, v, layout, batch, params[6], params[7])
     part = _partitioner()
@@ -198,6 +226,16 @@ def _forward_call(q, k, v, cu_q, cu_kv, rng, params, cp=None):
 
 def _backward_call(q, k, v, o, d_o, lse, cu_q, cu_kv, rng, params, cp=None):
     layout = list(LAYOUTS)[params[0]]
+    if cp is not None and layout == "thd":
+        kw = _thd_cp(cp, params)
+
+        def run(q, k, v, o, d_o, lse, cu_q, cu_kv, max_q, max_kv):
+            return _backward_call(q, k, v, o, d_o, lse, cu_q, cu_kv,
+                                  jnp.zeros((0,), jnp.uint32),
+                                  _thd_params(params, kw["causal"], max_q, max_kv))
+
+        return context_parallel_thd.attention_backward(run, q, k, v, o, d_o, lse, cu_q, cu_kv,
+                                                       rng, **kw)
     batch = cu_q.shape[0] - 1 if layout == "thd" else None
     sizes = _sizes(q, k, v, layout, batch, params[6], params[7])
     part = _partitioner()

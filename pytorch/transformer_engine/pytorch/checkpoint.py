@@ -12,6 +12,12 @@ of the first run's and the gradients are bit-identical to a run without recomput
 
 The recompute is torch's non-reentrant checkpoint (torch.utils.checkpoint), which this adds
 the two contexts to.
+
+With ``distribute_saved_activations=True`` (Megatron-LM's option) the input kept for the
+recompute, the block's first tensor argument, is kept split over ``tp_group``: each rank keeps
+its 1/tp of the flattened values, and the recompute all-gathers them back. That is only right
+where every rank of the group has the same input, as at the input of a tensor-parallel block
+without sequence parallelism (whose input is split along the sequence already).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch.utils.checkpoint
 
 from . import fp8
+from .distributed import gather_first_dim, group_size
 
 __all__ = ["checkpoint"]
 
@@ -69,6 +76,52 @@ class _Recompute(contextlib.AbstractContextManager):
             self.tracker.set_states(self.saved_tracker)
 
 
+def _first_tensor(args: tuple) -> int:
+    """The index of the argument ``distribute_saved_activations`` splits."""
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            return i
+    raise TypeError("te.checkpoint: distribute_saved_activations=True needs a tensor among "
+                    "the positional arguments (the input it splits over tp_group), got "
+                    f"{tuple(type(a).__name__ for a in args)}")
+
+
+def _checkpoint_split_input(function: Callable, args: tuple, kwargs: dict, tp_group: Any,
+                            contexts: Callable):
+    """The checkpoint with the first tensor argument kept as this rank's slice."""
+    import torch.distributed as dist
+
+    i = _first_tensor(args)
+    inp = args[i]
+    size, numel = tp_group.size(), inp.numel()
+    chunk = -(-numel // size)  # the last slices are padded with zeros to one length
+    start = 0
+    piece = inp.detach().reshape(-1)[start:start + chunk]
+    kept = inp.new_zeros(chunk)  # a copy, so that nothing here holds the whole input
+    kept[:piece.numel()] = piece
+    shape, requires_grad = inp.shape, inp.requires_grad
+    # The first run takes the input itself (the graph's edge to its gradient); the list is
+    # emptied after it, so the recompute gathers the values back from the slices.
+    first_run = [inp]
+
+    def run(kept: torch.Tensor, *rest, **kw):
+        if first_run:
+            whole = first_run[0]
+        else:
+            whole = gather_first_dim(kept, tp_group)[:numel].view(shape)
+            # te modules save differently for inputs that need no gradient; the recompute
+            # must save what the first run saved.
+            whole.requires_grad_(requires_grad)
+        return function(*rest[:i], whole, *rest[i:], **kw)
+
+    try:
+        return torch.utils.checkpoint.checkpoint(run, kept, *args[:i], *args[i + 1:],
+                                                 use_reentrant=False, context_fn=contexts,
+                                                 preserve_rng_state=True, **kwargs)
+    finally:
+        first_run.clear()
+
+
 def checkpoint(function: Callable, *args, distribute_saved_activations: bool = False,
                get_rng_state_tracker: Optional[Callable[[], Any]] = None, tp_group: Any = None,
                use_reentrant: Optional[bool] = None, **kwargs):
@@ -78,14 +131,26 @@ def checkpoint(function: Callable, *args, distribute_saved_activations: bool = F
     Args:
         function: the block; it must run the same te modules each time it is called.
         args, kwargs: passed to ``function``.
-        distribute_saved_activations: splitting the saved inputs over a tensor-parallel
-            group; not implemented (only False).
+        distribute_saved_activations: keep the first tensor in ``args`` split over
+            ``tp_group`` (1/tp of its values per rank, zero-padded when its element count is
+            not a multiple of tp) and all-gather it for the recompute. Every rank of the
+            group must pass the same values (the input of a tensor-parallel block without
+            sequence parallelism), and all of them must run the backward. The recompute
+            sees a contiguous tensor of the input's shape, dtype and ``requires_grad``; the
+            caller's tensor is not changed (NVIDIA's replaces its data by the slice), so the
+            memory goes where nothing else holds the input, as when it is the previous
+            block's output.
         get_rng_state_tracker: returns an object with ``get_states()`` / ``set_states()``
             (a model-parallel RNG tracker) whose states are saved and restored as torch's
             RNG state is.
-        tp_group: the group of ``distribute_saved_activations``; unused without it.
+        tp_group: the group of ``distribute_saved_activations``; unused without it. None
+            (NVIDIA's falls back to the default group, which spans data-parallel ranks
+            whose inputs differ) or a group of one rank: nothing is split.
         use_reentrant: accepted for compatibility; the recompute always goes through torch's
-            non-reentrant checkpoint (the gradients are the same).
+            non-reentrant checkpoint (the gradients are the same). NVIDIA's splits the input
+            only in its reentrant mode (and ignores ``distribute_saved_activations``
+            otherwise), so False together with ``distribute_saved_activations=True`` raises
+            ValueError.
 
     Example:
         >>> mlp = te.LayerNormMLP(1024, 4096)  # doctest: +SKIP
@@ -93,13 +158,17 @@ def checkpoint(function: Callable, *args, distribute_saved_activations: bool = F
         ...     y = te.checkpoint(mlp, x)
         >>> y.sum().backward()  # doctest: +SKIP
     """
-    del tp_group, use_reentrant
     if not callable(function):
         raise TypeError(f"te.checkpoint: function must be callable, got "
                         f"{type(function).__name__}")
+    split = False
     if distribute_saved_activations:
-        raise NotImplementedError("te.checkpoint: distribute_saved_activations=True is not "
-                                  "implemented yet (it needs tensor parallelism)")
+        if use_reentrant is False:
+            raise ValueError("te.checkpoint: distribute_saved_activations=True needs "
+                             "use_reentrant=True or None (NVIDIA's splits the input only in "
+                             "its reentrant mode), got use_reentrant=False")
+        _first_tensor(args)  # refused on one rank as on many
+        split = tp_group is not None and group_size("te.checkpoint", tp_group) > 1
     if fp8.RECOMPUTE.recording is not None or fp8.RECOMPUTE.replaying:
         raise NotImplementedError("te.checkpoint: nested activation checkpoints are not "
                                   "supported; checkpoint the outer block only")
@@ -112,6 +181,8 @@ def checkpoint(function: Callable, *args, distribute_saved_activations: bool = F
         return (_FirstRun(scales, tracker, tracker_states),
                 _Recompute(scales, autocast, tracker, tracker_states))
 
+    if split:
+        return _checkpoint_split_input(function, args, kwargs, tp_group, contexts)
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              context_fn=contexts, preserve_rng_state=True,
                                              **kwargs)
