@@ -17,7 +17,7 @@ With ``distribute_saved_activations=True`` (Megatron-LM's option) the input kept
 recompute, the block's first tensor argument, is kept split over ``tp_group``: each rank keeps
 its 1/tp of the flattened values, and the recompute all-gathers them back. That is only right
 where every rank of the group has the same input, as at the input of a tensor-parallel block
-without sequence parallelism (whose input is split along the sequence already).
+without sequence parallelism (with it, each rank has its own part of the sequence).
 """
 
 from __future__ import annotations
@@ -86,16 +86,15 @@ def _first_tensor(args: tuple) -> int:
                     f"{tuple(type(a).__name__ for a in args)}")
 
 
-def _checkpoint_split_input(function: Callable, args: tuple, kwargs: dict, tp_group: Any,
-                            contexts: Callable):
-    """The checkpoint with the first tensor argument kept as this rank's slice."""
+def _checkpoint_split_input(function: Callable, args: tuple, i: int, kwargs: dict,
+                            tp_group: Any, contexts: Callable):
+    """The checkpoint with ``args[i]`` kept as this rank's slice of it."""
     import torch.distributed as dist
 
-    i = _first_tensor(args)
     inp = args[i]
     size, numel = tp_group.size(), inp.numel()
     chunk = -(-numel // size)  # the last slices are padded with zeros to one length
-    start = 0
+    start = min(dist.get_rank(tp_group) * chunk, numel)
     piece = inp.detach().reshape(-1)[start:start + chunk]
     kept = inp.new_zeros(chunk)  # a copy, so that nothing here holds the whole input
     kept[:piece.numel()] = piece
@@ -133,13 +132,13 @@ def checkpoint(function: Callable, *args, distribute_saved_activations: bool = F
         args, kwargs: passed to ``function``.
         distribute_saved_activations: keep the first tensor in ``args`` split over
             ``tp_group`` (1/tp of its values per rank, zero-padded when its element count is
-            not a multiple of tp) and all-gather it for the recompute. Every rank of the
-            group must pass the same values (the input of a tensor-parallel block without
-            sequence parallelism), and all of them must run the backward. The recompute
-            sees a contiguous tensor of the input's shape, dtype and ``requires_grad``; the
-            caller's tensor is not changed (NVIDIA's replaces its data by the slice), so the
-            memory goes where nothing else holds the input, as when it is the previous
-            block's output.
+            not a multiple of tp; an empty one is not split) and all-gather it for the
+            recompute. Every rank of the group must pass the same values (the input of a
+            tensor-parallel block without sequence parallelism), and all of them must run
+            the backward. The recompute sees a contiguous tensor of the input's shape, dtype
+            and ``requires_grad``; the caller's tensor is not changed (NVIDIA's replaces its
+            data by the slice), so the memory goes where nothing else holds the input, as
+            when it is the previous block's output.
         get_rng_state_tracker: returns an object with ``get_states()`` / ``set_states()``
             (a model-parallel RNG tracker) whose states are saved and restored as torch's
             RNG state is.
@@ -167,8 +166,9 @@ def checkpoint(function: Callable, *args, distribute_saved_activations: bool = F
             raise ValueError("te.checkpoint: distribute_saved_activations=True needs "
                              "use_reentrant=True or None (NVIDIA's splits the input only in "
                              "its reentrant mode), got use_reentrant=False")
-        _first_tensor(args)  # refused on one rank as on many
-        split = tp_group is not None and group_size("te.checkpoint", tp_group) > 1
+        i = _first_tensor(args)  # refused on one rank as on many
+        split = (tp_group is not None and group_size("te.checkpoint", tp_group) > 1
+                 and args[i].numel() > 0)
     if fp8.RECOMPUTE.recording is not None or fp8.RECOMPUTE.replaying:
         raise NotImplementedError("te.checkpoint: nested activation checkpoints are not "
                                   "supported; checkpoint the outer block only")
@@ -182,7 +182,7 @@ def checkpoint(function: Callable, *args, distribute_saved_activations: bool = F
                 _Recompute(scales, autocast, tracker, tracker_states))
 
     if split:
-        return _checkpoint_split_input(function, args, kwargs, tp_group, contexts)
+        return _checkpoint_split_input(function, args, i, kwargs, tp_group, contexts)
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              context_fn=contexts, preserve_rng_state=True,
                                              **kwargs)
