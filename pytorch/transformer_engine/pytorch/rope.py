@@ -236,7 +236,9 @@ def apply_rotary_pos_emb(
             ``t``; no gradient for ``freqs``) rather than the composition of torch operations,
             which is the reference the fused path is tested against.
         cu_seqlens: for ``"thd"``, the int32/int64 offsets [batch + 1] of the packed sequences;
-            each sequence's tokens take positions 0, 1, ...
+            each sequence's tokens take positions 0, 1, ... Ignored for ``"sbhd"`` and
+            ``"bshd"`` (as by NVIDIA's, whose programs pass their batch's offsets whatever the
+            layout).
         cp_size, cp_rank: context parallelism: ``t`` holds this rank's chunks ``cp_rank``
             and ``2 * cp_size - 1 - cp_rank`` of the sequence (of every sequence for
             ``"thd"``, whose ``cu_seqlens`` are then the global padded offsets, each
@@ -249,6 +251,8 @@ def apply_rotary_pos_emb(
     Returns:
         A tensor of ``t``'s shape and dtype; the arithmetic runs in float32.
     """
+    if tensor_format in ("sbhd", "bshd"):
+        cu_seqlens = None  # every sequence starts at row 0 of its batch entry
     if not isinstance(cp_size, int) or cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"apply_rotary_pos_emb: cp_size must be a positive int and cp_rank in "
                          f"[0, cp_size), got cp_size={cp_size!r}, cp_rank={cp_rank!r}")
