@@ -30,6 +30,7 @@ PATHS = {
                                                "moe_unpermute", "moe_sort_chunks_by_index",
                                                "moe_sort_chunks_by_index_with_probs"],
     "transformer_engine.pytorch.tensor.quantized_tensor": ["QuantizedTensor", "Quantizer"],
+    "transformer_engine.pytorch.quantized_tensor": ["QuantizedTensor", "Quantizer"],
     "transformer_engine.pytorch.utils": ["get_device_compute_capability", "get_cudnn_version",
                                          "is_bf16_available"],
 }
