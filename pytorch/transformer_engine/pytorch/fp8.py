@@ -20,7 +20,7 @@ import torch
 
 from transformer_engine.common.recipe import DelayedScaling, Recipe
 
-from . import _compiled, ops
+from . import _compiled, float8_tensor, ops
 from .ops._backend import algo_code, dtype_code, plain_eager, stream_of
 from .quantization import kind_of
 
@@ -208,18 +208,27 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[R
 
 
 @contextlib.contextmanager
-def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None) -> Iterator[None]:
+def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                   preserve_high_precision_init_val: bool = False) -> Iterator[None]:
     """Modules built inside keep their weights only as FP8 :class:`Float8Tensor` parameters
     (1 byte per element; no high-precision copy), quantized as ``recipe`` asks for weights
     (per-tensor for delayed and current scaling, 128x128 blocks for block scaling). The
     optimizer updates them in place: the update runs in high precision and is quantized back.
+    With ``preserve_high_precision_init_val=True`` each FP8 weight also keeps the value it was
+    quantized from, in CPU memory (``weight.get_high_precision_init_val()``, e.g. for an
+    optimizer's FP32 master weights, until ``weight.clear_high_precision_init_val()``).
+    ``quantized_model_init`` is NVIDIA's newer name for the same context.
     """
-    saved = (MODEL_INIT.enabled, MODEL_INIT.recipe)
+    if not isinstance(preserve_high_precision_init_val, bool):
+        raise TypeError("fp8_model_init: preserve_high_precision_init_val must be a bool, got "
+                        f"{type(preserve_high_precision_init_val).__name__}")
+    saved = (MODEL_INIT.enabled, MODEL_INIT.recipe, float8_tensor._PRESERVE_INIT[0])
     MODEL_INIT.enabled, MODEL_INIT.recipe = bool(enabled), _check_recipe(recipe)
+    float8_tensor._PRESERVE_INIT[0] = bool(enabled) and preserve_high_precision_init_val
     try:
         yield
     finally:
-        MODEL_INIT.enabled, MODEL_INIT.recipe = saved
+        MODEL_INIT.enabled, MODEL_INIT.recipe, float8_tensor._PRESERVE_INIT[0] = saved
 
 
 # Modules whose delayed-scaling state no forward has used yet (zero histories, unit scales), by
@@ -389,3 +398,12 @@ def update_backward_scales(tensors: tuple, recipe: Recipe, group: Any) -> None:
     """A module's backward update of its grad_output scale."""
     update_scales([(tensors, recipe, group)], lambda r: r.fp8_format.bwd_dtype_name,
                   lambda r: r.fp8_format.max_bwd)
+
+
+def __getattr__(name: str):
+    # NVIDIA's programs import the state's query class from here; it reads this module's
+    # state, so it lives in a module of its own that imports this one.
+    if name == "FP8GlobalStateManager":
+        from .fp8_global_state import FP8GlobalStateManager
+        return FP8GlobalStateManager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

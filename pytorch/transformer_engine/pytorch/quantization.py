@@ -126,3 +126,23 @@ def record_amax(history: torch.Tensor, column: int, amax: torch.Tensor) -> None:
     (:func:`quantize`, and the norm and activation ops' ``amax_history``)."""
     slot = history[0, column:column + 1]
     slot.copy_(torch.maximum(slot, amax))
+
+
+# NVIDIA's programs import the autocast API from ``transformer_engine.pytorch.quantization``
+# (its newer home of what this package keeps in fp8.py, model_init.py and availability.py);
+# those modules import this one, so the names are looked up on first use.
+_NVIDIA_NAMES = {
+    "FP8GlobalStateManager": "fp8_global_state", "autocast": "fp8", "fp8_autocast": "fp8",
+    "fp8_model_init": "fp8", "quantized_model_init": "model_init",
+    "is_fp8_available": "availability", "is_fp8_block_scaling_available": "availability",
+    "is_mxfp8_available": "availability", "is_nvfp4_available": "availability",
+    "get_default_recipe": "availability",
+}
+
+
+def __getattr__(name: str):
+    if name in _NVIDIA_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__package__}.{_NVIDIA_NAMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
