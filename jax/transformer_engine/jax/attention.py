@@ -302,7 +302,9 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
                attn_mask_type: str = "causal", window_size: Optional[tuple[int, int]] = None,
                scale_factor: Optional[float] = None, dropout_probability: float = 0.0,
                dropout_rng: Optional[jax.Array] = None, cu_seqlens_q: Optional[jax.Array] = None,
-               cu_seqlens_kv: Optional[jax.Array] = None, max_seqlen_q: Optional[int] = None,
+               cu_seqlens_kv: Optional[jax.Array] = None,
+               cu_seqlens_q_padded: Optional[jax.Array] = None,
+               cu_seqlens_kv_padded: Optional[jax.Array] = None, max_seqlen_q: Optional[int] = None,
                max_seqlen_kv: Optional[int] = None, deterministic: bool = False,
                context_parallel_strategy="default",
                context_parallel_causal_load_balanced: bool = False,
@@ -320,12 +322,21 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
         scale_factor: default 1 / sqrt(head_dim).
         dropout_probability, dropout_rng: dropout of the attention weights; the key is needed
             when the probability is > 0.
+        cu_seqlens_q_padded, cu_seqlens_kv_padded: thd only, with padding between the
+            sequences: each one's first row (int32 [batch + 1], NVIDIA's names; its JAX
+            ``SequenceDescriptor`` calls them ``seq_offsets``). The rows after a sequence's
+            tokens up to the next one's first row are padding: output 0, gradient 0. None:
+            that side back to back. Under context parallelism both are needed: the global
+            padded packing, each sequence's padded length a multiple of 2 x the axis's size
+            (:mod:`~transformer_engine.jax.context_parallel_thd`).
         max_seqlen_q, max_seqlen_kv: thd only: the longest sequences (static ints).
         deterministic: ask the backward for a deterministic dk/dv reduction.
         context_parallel_axis: the mesh axis the sequences are split over (default
             ``MeshResource.cp_resource``); under ``jax.jit`` over a mesh where it has more than
             one device, the attention runs context parallel
-            (:mod:`~transformer_engine.jax.context_parallel`).
+            (:mod:`~transformer_engine.jax.context_parallel`; thd:
+            :mod:`~transformer_engine.jax.context_parallel_thd`, in the order of
+            :func:`reorder_thd_load_balancing`).
         context_parallel_causal_load_balanced: the sequences come in the order of
             :func:`reorder_causal_load_balancing` (for that axis's size), and the output goes
             out in it.
@@ -360,6 +371,12 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
                          f"{dropout_probability}")
     if dropout_probability > 0.0 and dropout_rng is None:
         raise ValueError("fused_attn: dropout_probability > 0 needs dropout_rng (a PRNG key)")
+    padded = (cu_seqlens_q_padded, cu_seqlens_kv_padded)
+    if layout != "thd" and any(t is not None for t in padded):
+        raise ValueError(f"fused_attn: cu_seqlens_q_padded / cu_seqlens_kv_padded must be None "
+                         f"except for qkv_layout 'thd' (packed sequences), got qkv_layout "
+                         f"{layout!r}")
+    padded = tuple(None if t is None else jnp.asarray(t, jnp.int32) for t in padded)
     left, right = window_size if window_size is not None else (-1, -1)
     scale = scale_factor if scale_factor is not None else 1.0 / math.sqrt(q.shape[-1])
     empty = jnp.zeros((0,), jnp.int32)
@@ -374,7 +391,29 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
     cp = _context_parallel(context_parallel_axis, context_parallel_strategy,
                            bool(context_parallel_causal_load_balanced), q, k, layout,
                            attn_mask_type, window_size, dropout_probability)
+    if layout == "thd":
+        return _thd(q, k, v, cu_q, cu_kv, padded, rng, params, cp)
     return _attention(q, k, v, cu_q, cu_kv, rng, params, cp)
+
+
+def _thd(q, k, v, cu_q, cu_kv, padded: tuple, rng, params, cp):
+    """thd attention with the padded offsets ``padded`` (either may be None): split over
+    the context-parallel axis, or on the padded packing."""
+    rows = {"cu_seqlens_q": q.shape[0], "cu_seqlens_kv": k.shape[0]}
+    if cp is not None:
+        for (name, n), cu, cu_padded in zip(rows.items(), (cu_q, cu_kv), padded, strict=True):
+            context_parallel_thd.check_call_offsets("fused_attn", cp[1], name, cu, cu_padded, n)
+        # the calls take each side's lengths and offsets stacked: both whole on every device
+        return _attention(q, k, v, jnp.stack([cu_q, padded[0]]), jnp.stack([cu_kv, padded[1]]),
+                          rng, params, cp)
+    for (name, n), cu, cu_padded in zip(rows.items(), (cu_q, cu_kv), padded, strict=True):
+        if cu_padded is not None:
+            padded_packing.check_offsets("fused_attn", name, cu, cu_padded, n)
+    if padded == (None, None):
+        return _attention(q, k, v, cu_q, cu_kv, rng, params, None)
+    return padded_packing.attend(
+        lambda q, k, v: _attention(q, k, v, cu_q, cu_kv, rng, params, None), q, k, v, cu_q,
+        cu_kv, *padded)
 
 
 def _context_parallel(axis: Optional[str], strategy, balanced: bool, q, k, layout: str,
@@ -400,4 +439,6 @@ def _context_parallel(axis: Optional[str], strategy, balanced: bool, q, k, layou
                                 dropout=dropout, strategy=strategy, sq=q.shape[seq],
                                 skv=k.shape[seq], size=size, balanced=balanced)
     name = context_parallel.strategy_name(strategy)
+    if layout == "thd":
+        name = context_parallel_thd.check_call(caller, mask, name)
     return axis, size, balanced, "ring" if name == "ring" else "all_gather"

@@ -42,9 +42,15 @@ keys past its end, so that case is the caller's to avoid. The ring strategy mask
 valid keys (causally on the diagonal pair); a row no valid key reaches has lse -inf, which the
 log-sum-exp merge gives no weight.
 
+Packed sequences (``thd``) are split per sequence, in NVIDIA's (Megatron-LM's) load-balanced
+layout with the global padded offsets (``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded``),
+by the all-gather strategy; the ring strategy gathers them too, with a warning:
+:mod:`~transformer_engine.jax.context_parallel_thd`.
+
 Supported: the ``bshd`` and ``sbhd`` layouts, ``no_mask``, the causal masks and the padding
 masks, GQA/MQA, the heads and the batch split over other axes, both strategies, plain or load
-balanced. Refused with an error naming the feature: ``thd``, sliding windows and dropout.
+balanced; ``thd`` with the padding masks (above). Refused with an error naming the feature:
+the bottom-right padding mask, sliding windows and dropout.
 """
 
 from __future__ import annotations
@@ -420,9 +426,14 @@ def check_call(caller: str, *, layout: str, mask: str, window: Optional[tuple], 
     if name not in ("default", "all_gather", "ring"):
         raise ValueError(f"{caller}: context_parallel_strategy must be 'default', 'all_gather' "
                          f"or 'ring' (or a CPStrategy member), got {strategy!r}")
-    if layout == "thd":
-        raise NotImplementedError(f"{caller}: context parallelism is not implemented for the "
-                                  "thd layout; use bshd or sbhd")
+    if window is not None and tuple(window) not in ((-1, -1), (-1, 0)):
+        raise NotImplementedError(f"{caller}: sliding windows are not implemented under context "
+                                  f"parallelism, got window_size {tuple(window)}")
+    if dropout > 0.0:
+        raise NotImplementedError(f"{caller}: attention dropout is not implemented under context "
+                                  f"parallelism, got dropout_probability {dropout}")
+    if layout == "thd":  # its masks and lengths: context_parallel_thd
+        return
     padding = mask in ("padding", "padding_causal")
     if mask not in ("no_mask", "causal", "causal_bottom_right") and not padding:
         raise NotImplementedError(f"{caller}: context parallelism takes attn_mask_type "
@@ -431,12 +442,6 @@ def check_call(caller: str, *, layout: str, mask: str, window: Optional[tuple], 
     if "causal" in mask and sq != skv:
         raise NotImplementedError(f"{caller}: causal context parallelism needs as many queries "
                                   f"as keys, got {sq} and {skv}")
-    if window is not None and tuple(window) not in ((-1, -1), (-1, 0)):
-        raise NotImplementedError(f"{caller}: sliding windows are not implemented under context "
-                                  f"parallelism, got window_size {tuple(window)}")
-    if dropout > 0.0:
-        raise NotImplementedError(f"{caller}: attention dropout is not implemented under context "
-                                  f"parallelism, got dropout_probability {dropout}")
     granule = 2 * size if balanced else size
     for what, n in (("query", sq), ("key", skv)):
         if n % granule:

@@ -510,7 +510,7 @@ def _attention_layout(q_dims, layout: str, shape, sizes):
 def _attention_dims(layout: str, ndim: int, b_axes: Axes, h_axes: Axes,
                     s_axes: Axes = ()) -> list:
     if layout == "thd":
-        return [(), h_axes, ()]
+        return [s_axes, h_axes, ()]
     dims = [s_axes, b_axes, h_axes, ()] if layout == "sbhd" else [b_axes, s_axes, h_axes, ()]
     return dims[:ndim]
 
@@ -547,6 +547,8 @@ def _attention_op(args, body, results, *, layout: str, shape, arg_names, result_
     parallelism: :mod:`transformer_engine.jax.context_parallel`); the per-device function
     takes the shards ``body`` takes and does its own communication."""
     factors = _attention_factors(layout)
+    if cp is not None and layout == "thd":  # (context_parallel_thd: the lse per query row)
+        factors["lse"] = ("tq", "h")
     rule = _Rule()
     per_seq = layout != "thd"  # lengths [batch] ride along with the batch
 
@@ -575,6 +577,8 @@ def _attention_op(args, body, results, *, layout: str, shape, arg_names, result_
                 return _attention_dims(layout, x.ndim, b_axes, g_axes, s_axes)
             if name == "lse" and layout != "thd":
                 return [b_axes, h_axes, s_axes]
+            if name == "lse":  # thd: [batch, heads, max tokens], or under cp per query row
+                return [s_axes, h_axes] if cp is not None else [(), h_axes, ()]
             if name == "lengths" and per_seq and _size(x):
                 return [b_axes]
             return _whole(x.ndim)
@@ -594,7 +598,8 @@ def _attention_op(args, body, results, *, layout: str, shape, arg_names, result_
         return arg_dims, result_dims, per_shard
 
     names = spec.replace(",", " ").replace("->", " ").split()
-    kept = ("sq", "skv") if cp is not None else ()  # split over the context-parallel axis
+    # split over the context-parallel axis
+    kept = ("sq", "skv", "tq", "tkv") if cp is not None else ()
     whole = tuple(f for f in _ATTENTION_WHOLE if f in names and f not in kept)
     return _run(body, args, spec, plan, need_replication_factors=whole)
 
