@@ -41,7 +41,8 @@ step cuda_tests "$(upto $((budget - 170)) 110)" python3 -m pytest -p no:cachepro
   -rfE tests/pytorch/test_fast_linear.py tests/pytorch/test_compiled_blocks.py \
   tests/pytorch/test_compiled_grads.py tests/pytorch/test_inference_params.py \
   tests/pytorch/test_graphed_callables.py tests/pytorch/test_compiled_forward.py \
-  tests/pytorch/test_padded_packing.py tests/pytorch/test_hp_blocks.py
+  tests/pytorch/test_padded_packing.py tests/pytorch/test_hp_blocks.py \
+  tests/pytorch/test_cross_entropy.py
 model_s=$(left $((budget - 15)))
 step bench_model "$model_s" python3 benchmarks/bench_model.py --hidden 1024 \
   --budget-s $((model_s - 20)) --name model --variants 'te_mha_mlp/fp8_delayed/eager' \

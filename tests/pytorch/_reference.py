@@ -152,3 +152,32 @@ def mlp64(x, gamma, beta, w1, b1, w2, b2, norm: str, act: str, eps: float,
     a = act64(h, act)
     out = torch.nn.functional.linear(a, w2.double(), None if b2 is None else b2.double())
     return out, ln, h, a
+
+
+def cross_entropy64(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
+                    label_smoothing: float = 0.0, ignore_idx: int = -100,
+                    z_loss_weight: float = 0.0):
+    """torch's F.cross_entropy (reduction "none", its label smoothing and ignore_index) plus
+    ``z_loss_weight * logsumexp**2`` on the tokens not ignored, in float64 from the values of
+    the [..., V] logits ``x``. Returns the loss of each token; the gradient in ``x`` of
+    ``sum(weight * loss)``; the loss's magnitude, ``|lse| + max|x| + z lse^2 + 1``; the
+    gradient's, its terms before they cancel: ``(p (1 + 2 z |lse|) + eps / V + [target])
+    |weight|``. The magnitudes are 0 on ignored tokens, whose loss and gradient are 0."""
+    import torch.nn.functional as F
+
+    v, eps, z = x.shape[-1], label_smoothing, z_loss_weight
+    x64 = x.detach().double().reshape(-1, v).requires_grad_()
+    t = target.reshape(-1).long()
+    kept = (t != ignore_idx).double()
+    lse = torch.logsumexp(x64, dim=-1)
+    loss = F.cross_entropy(x64, t, reduction="none", label_smoothing=eps,
+                           ignore_index=ignore_idx) + z * lse.square() * kept
+    (loss * weight.reshape(-1).double()).sum().backward()
+    with torch.no_grad():
+        onehot = F.one_hot(t.clamp(0, v - 1), v).double()
+        grad_mag = (torch.softmax(x64, dim=-1) * (1 + 2 * z * lse.abs()).unsqueeze(1)
+                    + eps / v + onehot) * (weight.reshape(-1).double().abs() * kept).unsqueeze(1)
+        loss_mag = (lse.abs() + x64.abs().amax(dim=-1) + z * lse.square() + 1) * kept
+    lead = x.shape[:-1]
+    return (loss.detach().reshape(lead), x64.grad.reshape(x.shape), loss_mag.reshape(lead),
+            grad_mag.reshape(x.shape))

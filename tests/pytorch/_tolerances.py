@@ -150,3 +150,17 @@ ROPE_RTOL = {torch.float32: 2.0**-21, torch.bfloat16: 2.0**-8, torch.float16: 2.
 # position's interpolation and the product (half an ulp each) add up to 2.5 * 2^-23 ~ 2^-21.7
 # relative; 2^-20 leaves three times that.
 ROPE_FREQS_RTOL = 2.0**-20
+
+# te.parallel_cross_entropy against torch's F.cross_entropy in float64 from the same logit
+# values (_reference.cross_entropy64), relative to magnitudes: a token's loss to
+# |lse| + max|x| + 1 (+ the z-loss), a gradient element to its terms before they cancel,
+# (p + eps / V + [target]) |d loss|. The loss and the gradient are computed in float32 for
+# float32 and half logits: the sum of V <= 128 exponentials errs by at most V 2^-24 of itself,
+# the log, the exp and the differences by an ulp or two each; 2^-17 covers that with room
+# (measured: about 2^-22). The gradient of half logits is rounded once more, by half an ulp
+# of the result, 2^-9 (bf16) / 2^-12 (fp16) of it: 2^-8 / 2^-11 is twice that. fp16 rounds
+# results below 2^-14 to subnormals 2^-24 apart, hence the absolute half-spacing 2^-25.
+# float64 logits are computed in float64: 2^-40 leaves room for V 2^-53.
+CROSS_ENTROPY_RTOL = {torch.float64: 2.0**-40, torch.float32: 2.0**-17,
+                      torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+CROSS_ENTROPY_ATOL = {torch.float16: 2.0**-25}

@@ -50,7 +50,7 @@ def test_nvidia_names_re_exported_at_the_top():
 
 
 @pytest.mark.parametrize("name", ["initialize_ub", "get_cpu_offload_context", "onnx_export",
-                                  "MXFP8Quantizer", "parallel_cross_entropy"])
+                                  "MXFP8Quantizer", "NVFP4Tensor"])
 def test_nvidia_names_not_provided_say_so_and_keep_feature_checks_working(name):
     with pytest.raises(NotImplementedError, match=f"transformer_engine.pytorch.{name} "
                                                   r"\(NVIDIA Transformer Engine's\) is not "

@@ -12,6 +12,7 @@ Example (the seed example; on a machine without a GPU use device="cpu"):
 >>> out.sum().backward()  # doctest: +SKIP
 """
 
+from . import optimizers as optimizers  # te.optimizers, as NVIDIA's package has it
 from .availability import (
     get_cudnn_version,
     get_default_recipe,
@@ -23,6 +24,7 @@ from .availability import (
     is_nvfp4_available,
 )
 from .checkpoint import checkpoint
+from .cross_entropy import parallel_cross_entropy
 from .distributed import CudaRNGStatesTracker
 from .float8_tensor import Float8Tensor
 from .fp8 import autocast, fp8_autocast, fp8_model_init
@@ -74,7 +76,7 @@ __all__ = ["AttentionBackend", "CudaRNGStatesTracker", "DotProductAttention",
            "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available",
            "make_graphed_callables", "moe_permute", "moe_permute_with_probs",
            "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "moe_unpermute",
-           "quantized_model_init"]
+           "parallel_cross_entropy", "quantized_model_init"]
 
 # NVIDIA TE's public names that this package does not provide, by what they stand for: asking
 # for one raises an error that says so, instead of a bare AttributeError (te.ops does the same
@@ -87,7 +89,6 @@ _NOT_PROVIDED = {
     "mark_not_offload": "activation offloading to the CPU",
     "ManualOffloadSynchronizer": "activation offloading to the CPU",
     "onnx_export": "ONNX export",
-    "parallel_cross_entropy": "the fused vocabulary-parallel cross entropy",
     "moe_permute_and_pad_with_probs": "the fused MoE permute with padding (use moe_permute_"
                                       "with_probs, then Fp8Padding)",
     "GatedDeltaNetAttention": "gated delta-net attention",
