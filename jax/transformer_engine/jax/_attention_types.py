@@ -1,5 +1,6 @@
 """NVIDIA's attention enums (``AttnMaskType``, ``AttnBiasType``, ``QKVLayout``, ``QKVFormat``)
-and ``SequenceDescriptor``, re-exported by :mod:`transformer_engine.jax.attention`.
+and ``SequenceDescriptor`` (from :mod:`~transformer_engine.jax.sequence_descriptor`),
+re-exported by :mod:`transformer_engine.jax.attention`.
 
 The enums are ``str`` enums whose values are our option strings, so a member can be passed
 wherever our modules and :func:`~transformer_engine.jax.attention.fused_attn` take a string
@@ -19,12 +20,9 @@ run a biased attention in jnp).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-from typing import Sequence, Union
 
-import jax
-import jax.numpy as jnp
+from transformer_engine.jax.sequence_descriptor import SequenceDescriptor
 
 __all__ = ["AttnMaskType", "AttnBiasType", "QKVFormat", "QKVLayout", "SequenceDescriptor"]
 
@@ -91,43 +89,3 @@ class QKVLayout(str, enum.Enum):
 
     def is_thd(self) -> bool:
         return self in (QKVLayout.T3HD, QKVLayout.THD_T2HD, QKVLayout.THD_THD_THD)
-
-
-def _cu(lengths: jax.Array) -> jax.Array:
-    lengths = jnp.asarray(lengths, jnp.int32)
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SequenceDescriptor:
-    """The valid length of each sequence of a batch, for q and for k/v (int32 [batch] each).
-
-    Only the lengths form is provided (NVIDIA's ``from_seqlens``); its offsets and segment-id
-    forms are not. :meth:`cu_seqlens` gives what our attention takes (``cu_seqlens_q``,
-    ``cu_seqlens_kv``).
-    """
-
-    q_seqlens: jax.Array
-    kv_seqlens: jax.Array
-
-    @classmethod
-    def from_seqlens(cls, seqlens: Union[jax.Array, Sequence[jax.Array]]
-                     ) -> "SequenceDescriptor":
-        """From one [batch] array of lengths (q and k/v the same) or a pair (q, kv)."""
-        if isinstance(seqlens, (tuple, list)):
-            if len(seqlens) != 2:
-                raise ValueError(f"SequenceDescriptor.from_seqlens: seqlens must be one array or "
-                                 f"a pair (q_seqlens, kv_seqlens), got {len(seqlens)} entries")
-            q, kv = seqlens
-        else:
-            q = kv = seqlens
-        q, kv = jnp.asarray(q, jnp.int32), jnp.asarray(kv, jnp.int32)
-        if q.ndim != 1 or kv.shape != q.shape:
-            raise ValueError(f"SequenceDescriptor.from_seqlens: the lengths must be [batch] "
-                             f"arrays of one shape, got {q.shape} and {kv.shape}")
-        return cls(q, kv)
-
-    def cu_seqlens(self) -> tuple[jax.Array, jax.Array]:
-        """(cu_seqlens_q, cu_seqlens_kv): int32 [batch + 1] cumulative lengths."""
-        return _cu(self.q_seqlens), _cu(self.kv_seqlens)

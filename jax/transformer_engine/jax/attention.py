@@ -49,6 +49,7 @@ from transformer_engine.jax.context_parallel_thd import (
     inverse_reorder_thd_load_balancing,
     reorder_thd_load_balancing,
 )
+from transformer_engine.jax.sequence_descriptor import thd_offsets
 
 __all__ = ["fused_attn", "LAYOUTS", "MASKS", "AttnMaskType", "AttnBiasType", "QKVFormat",
            "QKVLayout", "SequenceDescriptor", "CPStrategy", "ReorderStrategy",
@@ -308,7 +309,9 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
                max_seqlen_kv: Optional[int] = None, deterministic: bool = False,
                context_parallel_strategy="default",
                context_parallel_causal_load_balanced: bool = False,
-               context_parallel_axis: Optional[str] = None) -> jax.Array:
+               context_parallel_axis: Optional[str] = None,
+               sequence_descriptor: Optional[SequenceDescriptor] = None,
+               max_segments_per_seq: Optional[int] = None) -> jax.Array:
     """softmax(q k^T * scale_factor + mask) v per head, in q's layout with v's head dim.
 
     Args:
@@ -329,7 +332,8 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
             that side back to back. Under context parallelism both are needed: the global
             padded packing, each sequence's padded length a multiple of 2 x the axis's size
             (:mod:`~transformer_engine.jax.context_parallel_thd`).
-        max_seqlen_q, max_seqlen_kv: thd only: the longest sequences (static ints).
+        max_seqlen_q, max_seqlen_kv: thd only: the longest sequences (static ints); a
+            packed ``sequence_descriptor`` takes the row lengths instead.
         deterministic: ask the backward for a deterministic dk/dv reduction.
         context_parallel_axis: the mesh axis the sequences are split over (default
             ``MeshResource.cp_resource``); under ``jax.jit`` over a mesh where it has more than
@@ -343,6 +347,18 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
         context_parallel_strategy: ``"default"`` / ``"all_gather"`` (gather k and v), or
             ``"ring"`` (pass k and v round the devices, one block held at a time); NVIDIA's
             :class:`CPStrategy` members too.
+        sequence_descriptor: NVIDIA's :class:`SequenceDescriptor`, in place of the
+            cu_seqlens. ``from_seqlens``: the ``cu_seqlens_q`` / ``cu_seqlens_kv`` of its
+            lengths. ``from_seqlens_and_offsets`` / ``from_segment_ids_and_pos`` (NVIDIA's
+            THD): ``qkv_layout="thd"`` with q, k, v ``[batch, seqlen, heads, dim]``, each row
+            holding several sequences; they run as our thd over the ``batch * seqlen`` rows
+            with padded offsets (:mod:`~transformer_engine.jax.sequence_descriptor`), and the
+            output is ``[batch, seqlen, heads, dim_v]`` with its padding rows 0. Not under
+            context parallelism.
+        max_segments_per_seq: the sequences kept per row of a packed ``sequence_descriptor``
+            (NVIDIA's static capacity; None: the descriptor's width). A row with more raises
+            ValueError where the descriptor's values are known while tracing; under ``jax.jit``
+            the extra ones are dropped (their rows give 0).
 
     Example:
         >>> import jax.numpy as jnp
@@ -358,6 +374,24 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
     if attn_mask_type not in MASKS:
         raise ValueError(f"fused_attn: attn_mask_type must be one of {tuple(MASKS)}, got "
                          f"{attn_mask_type!r}")
+    if sequence_descriptor is not None:
+        given = [name for name, t in (("cu_seqlens_q", cu_seqlens_q),
+                                      ("cu_seqlens_kv", cu_seqlens_kv),
+                                      ("cu_seqlens_q_padded", cu_seqlens_q_padded),
+                                      ("cu_seqlens_kv_padded", cu_seqlens_kv_padded))
+                 if t is not None]
+        if given:
+            raise ValueError(f"fused_attn: sequence_descriptor describes the sequences in "
+                             f"place of {given[0]}; pass one or the other, got both")
+        if sequence_descriptor.packed:
+            kw = dict(attn_mask_type=attn_mask_type, window_size=window_size,
+                      scale_factor=scale_factor, dropout_probability=dropout_probability,
+                      dropout_rng=dropout_rng, deterministic=deterministic,
+                      context_parallel_strategy=context_parallel_strategy,
+                      context_parallel_causal_load_balanced=context_parallel_causal_load_balanced,
+                      context_parallel_axis=context_parallel_axis)
+            return _packed_rows(q, k, v, sequence_descriptor, layout, max_segments_per_seq, kw)
+        cu_seqlens_q, cu_seqlens_kv = sequence_descriptor.cu_seqlens()
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     _check(q, k, v, layout)
     padding = layout == "thd" or attn_mask_type.startswith("padding")
@@ -394,6 +428,43 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
     if layout == "thd":
         return _thd(q, k, v, cu_q, cu_kv, padded, rng, params, cp)
     return _attention(q, k, v, cu_q, cu_kv, rng, params, cp)
+
+
+def _packed_rows(q, k, v, desc: SequenceDescriptor, layout: str,
+                 max_segments: Optional[int], kw: dict) -> jax.Array:
+    """NVIDIA's THD (q, k, v [batch, seqlen, heads, dim], several sequences a row, laid out
+    by ``desc``) as our thd over the batch * seqlen rows with padded offsets; the output back
+    in rows."""
+    if layout != "thd":
+        raise ValueError(f"fused_attn: a sequence_descriptor with offsets or segment ids "
+                         f"(several sequences a row) needs qkv_layout 'thd', got {layout!r}")
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim != 4:
+            raise ValueError(f"fused_attn: {name} must be [batch, seqlen, heads, dim] with a "
+                             f"packed sequence_descriptor, got shape {t.shape}")
+    if k.shape[0] != q.shape[0] or v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"fused_attn: q, k, v must have one batch, and v k's seqlen, got "
+                         f"shapes {q.shape}, {k.shape}, {v.shape}")
+    if max_segments is not None and (isinstance(max_segments, bool)
+                                     or not isinstance(max_segments, int) or max_segments < 1):
+        raise ValueError(f"fused_attn: max_segments_per_seq must be a positive int or None, "
+                         f"got {max_segments!r}")
+    batch, sq, skv = q.shape[0], q.shape[1], k.shape[1]
+    cu_q, cu_kv, pad_q, pad_kv = thd_offsets(desc, "fused_attn", batch, sq, skv, max_segments)
+    q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    if _context_parallel(kw["context_parallel_axis"], kw["context_parallel_strategy"],
+                         bool(kw["context_parallel_causal_load_balanced"]), q, k, "thd",
+                         kw["attn_mask_type"], kw["window_size"],
+                         kw["dropout_probability"]) is not None:
+        raise NotImplementedError("fused_attn: a packed sequence_descriptor under context "
+                                  "parallelism is not implemented (NVIDIA's rows are striped "
+                                  "over the devices); pass our thd packing with "
+                                  "cu_seqlens_q_padded / cu_seqlens_kv_padded instead")
+    o = fused_attn(q, k, v, qkv_layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                   cu_seqlens_q_padded=pad_q, cu_seqlens_kv_padded=pad_kv, max_seqlen_q=sq,
+                   max_seqlen_kv=skv, **kw)
+    return o.reshape(batch, sq, *o.shape[1:])
 
 
 def _thd(q, k, v, cu_q, cu_kv, padded: tuple, rng, params, cp):

@@ -9,7 +9,7 @@ import flax.linen as nn
 
 import jax
 import jax.numpy as jnp
-from transformer_engine.jax.attention import fused_attn
+from transformer_engine.jax.attention import SequenceDescriptor, fused_attn
 from transformer_engine.jax.flax._checks import check_float_dtype, check_mask, check_sizes
 from transformer_engine.jax.flax._unfused_attention import (
     allowed_keys,
@@ -39,11 +39,10 @@ def _layout(qkv_layout: str, transpose_batch_sequence: bool) -> tuple[str, Optio
     return layout, packed
 
 
-def _unpack(x: jax.Array, n: int, name: str, layout: str) -> list[jax.Array]:
-    """The n tensors packed on axis -3 of x ([.., n, heads, head_dim])."""
-    rank = 4 if layout == "thd" else 5
+def _unpack(x: jax.Array, n: int, name: str, rank: int) -> list[jax.Array]:
+    """The n tensors packed on axis -3 of x ([.., n, heads, head_dim]), of rank ``rank``."""
     if x.ndim != rank or x.shape[-3] != n:
-        packed = "[t, " if layout == "thd" else "[b, s, "
+        packed = "[t, " if rank == 4 else "[b, s, "
         raise ValueError(f"DotProductAttention: a packed {name} must have shape {packed}{n}, "
                          f"heads, head_dim], got {x.shape}")
     return [x[..., i, :, :] for i in range(n)]
@@ -59,6 +58,30 @@ def _padding_mask(cu_q: jax.Array, cu_kv: jax.Array, sq: int, skv: int) -> jax.A
     q_ok = jnp.arange(sq)[None, :] < len_q[:, None]
     k_ok = jnp.arange(skv)[None, :] < len_kv[:, None]
     return ~(q_ok[:, None, :, None] & k_ok[:, None, None, :])
+
+
+def _descriptor(desc, mask, cu_q, cu_kv, layout: str) -> tuple:
+    """(packed descriptor or None, mask, cu_seqlens_q, cu_seqlens_kv) of the call's arguments.
+    NVIDIA's newer call names its fourth argument ``sequence_descriptor`` and takes a mask
+    array or a :class:`SequenceDescriptor` there, so either may come as ``mask`` or as
+    ``sequence_descriptor``; a descriptor of lengths only becomes the cu_seqlens."""
+    name = "DotProductAttention"
+    if mask is not None and desc is not None:
+        raise ValueError(f"{name}: mask and sequence_descriptor must not both be given (the "
+                         "fourth argument is either)")
+    given = desc if desc is not None else mask
+    if not isinstance(given, SequenceDescriptor):
+        return None, given, cu_q, cu_kv
+    if cu_q is not None or cu_kv is not None:
+        raise ValueError(f"{name}: a SequenceDescriptor describes the sequences in place of "
+                         "cu_seqlens_q / cu_seqlens_kv; pass one or the other, got both")
+    if not given.packed:
+        return None, None, *given.cu_seqlens()
+    if layout != "thd":
+        raise ValueError(f"{name}: a SequenceDescriptor with offsets or segment ids (several "
+                         f"sequences a row) needs a thd qkv_layout ('thd_thd_thd', 't3hd', "
+                         f"'thd_t2hd'), got {layout!r}")
+    return given, None, None, None
 
 
 def _cu_seqlens(valid: jax.Array) -> jax.Array:
@@ -98,8 +121,9 @@ class DotProductAttention(nn.Module):
         dropout_rng_name: the rng stream that attention dropout draws from.
         float32_logits: the jnp path (with a bias) computes the logits from fp32 q and k;
             the fused path always accumulates them in fp32.
-        max_segments_per_seq: NVIDIA's capacity hint for ``thd``; the lengths here come from
-            cu_seqlens, so any positive value runs the same.
+        max_segments_per_seq: with a packed ``sequence_descriptor`` (NVIDIA's ``thd``), the
+            sequences kept per row (NVIDIA's static capacity; see
+            :func:`~transformer_engine.jax.attention.fused_attn`); unused with cu_seqlens.
         context_parallel_axis: the mesh axis the sequences are split over (``""``: the mesh
             resource's ``cp_resource``). Under ``jax.jit`` over a mesh where it has more than
             one device the fused attention runs context parallel (see
@@ -113,10 +137,18 @@ class DotProductAttention(nn.Module):
         context_checkpoint_name: NVIDIA's remat name of the context: recorded only.
 
     The call takes ``mask`` [batch, 1, sq, skv] (True = masked) for the padding masks: the
-    lengths are the rows and columns that are not fully masked. It returns q's layout, heads
+    lengths are the rows and columns that are not fully masked. In its place (the fourth
+    argument, as in NVIDIA's newer call, or ``sequence_descriptor=``) it takes a
+    :class:`~transformer_engine.jax.attention.SequenceDescriptor`: ``from_seqlens`` gives
+    the lengths; ``from_seqlens_and_offsets`` / ``from_segment_ids_and_pos`` with a thd
+    layout is NVIDIA's THD: query, key, value [b, s, heads, head_dim] ([s, b, ...] with
+    ``transpose_batch_sequence``), several sequences a row. Our thd ([t, heads, head_dim])
+    takes ``cu_seqlens_q`` / ``cu_seqlens_kv`` and, with padding between the sequences or
+    under context parallelism, ``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded``
+    (:func:`~transformer_engine.jax.attention.fused_attn`). It returns q's layout, heads
     kept apart as NVIDIA's module returns them: [b, s, heads, head_dim_v] (``sbhd``:
-    [s, b, ...]; ``thd``: [t, heads, head_dim_v]). Merge them with ``reshape`` before an output
-    projection.
+    [s, b, ...]; our ``thd``: [t, heads, head_dim_v]). Merge them with ``reshape`` before an
+    output projection.
 
     Under ``jax.jit`` over a mesh the fused call keeps q, k and v split as they come on their
     batch and heads (see :func:`~transformer_engine.jax.attention.fused_attn`), and on their
@@ -180,19 +212,32 @@ class DotProductAttention(nn.Module):
     def __call__(self, query: jax.Array, key: Optional[jax.Array] = None,
                  value: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
                  bias: Optional[jax.Array] = None, *, deterministic: bool = False,
+                 sequence_descriptor: Optional[SequenceDescriptor] = None,
                  cu_seqlens_q: Optional[jax.Array] = None,
-                 cu_seqlens_kv: Optional[jax.Array] = None, max_seqlen_q: Optional[int] = None,
+                 cu_seqlens_kv: Optional[jax.Array] = None,
+                 cu_seqlens_q_padded: Optional[jax.Array] = None,
+                 cu_seqlens_kv_padded: Optional[jax.Array] = None,
+                 max_seqlen_q: Optional[int] = None,
                  max_seqlen_kv: Optional[int] = None) -> jax.Array:
         check_supported("DotProductAttention")
         layout, packed = _layout(self.qkv_layout, self.transpose_batch_sequence)
         bias_type = self._check_keywords(bias, layout)
+        sequence_descriptor, mask, cu_seqlens_q, cu_seqlens_kv = _descriptor(
+            sequence_descriptor, mask, cu_seqlens_q, cu_seqlens_kv, layout)
+        padded = (cu_seqlens_q_padded, cu_seqlens_kv_padded)
+        if layout != "thd" and any(t is not None for t in padded):
+            raise ValueError(f"DotProductAttention: cu_seqlens_q_padded / cu_seqlens_kv_padded "
+                             f"must be None except for the thd layouts, got qkv_layout "
+                             f"{self.qkv_layout!r}")
+        # NVIDIA's THD keeps the [b, s, ...] rows (our thd: [t, ...])
+        rank = 4 if layout != "thd" or sequence_descriptor is not None else 3
         if packed == "qkv":
-            query, key, value = _unpack(jnp.asarray(query), 3, "query", layout)
+            query, key, value = _unpack(jnp.asarray(query), 3, "query", rank + 1)
         elif packed == "kv":
             if key is None:
                 raise ValueError("DotProductAttention: qkv_layout 'bshd_bs2hd' / 'thd_t2hd' "
                                  "needs key, k and v packed [.., 2, heads, head_dim]")
-            key, value = _unpack(jnp.asarray(key), 2, "key", layout)
+            key, value = _unpack(jnp.asarray(key), 2, "key", rank + 1)
         if key is None or value is None:
             raise ValueError(f"DotProductAttention: qkv_layout {self.qkv_layout!r} needs query, "
                              "key and value (a packed layout: 'bs3hd', 'bshd_bs2hd', ...)")
@@ -208,10 +253,10 @@ class DotProductAttention(nn.Module):
             raise ValueError(f"DotProductAttention: window_size must be (left, right) with each "
                              f">= -1 (-1: unbounded), got {self.window_size}")
         groups = self.num_gqa_groups or self.num_attention_heads
-        if query.ndim != (3 if layout == "thd" else 4) or key.ndim != query.ndim:
-            raise ValueError(f"DotProductAttention: query and key must have rank "
-                             f"{3 if layout == 'thd' else 4} for qkv_layout {layout!r}, got "
-                             f"shapes {query.shape} and {key.shape}")
+        if query.ndim != rank or key.ndim != query.ndim:
+            raise ValueError(f"DotProductAttention: query and key must have rank {rank} for "
+                             f"qkv_layout {self.qkv_layout!r}, got shapes {query.shape} and "
+                             f"{key.shape}")
         if query.shape[-2] != self.num_attention_heads or key.shape[-2] != groups:
             raise ValueError(f"DotProductAttention: query/key heads must be "
                              f"{self.num_attention_heads}/{groups}, got {query.shape[-2]}/"
@@ -235,16 +280,23 @@ class DotProductAttention(nn.Module):
         if bias is not None:
             return self._with_bias(query, key, value, mask, bias, bias_type, mask_type, layout,
                                    cu_seqlens_q, cu_seqlens_kv, dropout, rng)
+        # NVIDIA's THD with transpose_batch_sequence: [s, b, ...] rows, as its module takes them
+        seq_first = sequence_descriptor is not None and self.transpose_batch_sequence
+        if seq_first:
+            query, key, value = (jnp.swapaxes(t, 0, 1) for t in (query, key, value))
         o = fused_attn(query, key, value, qkv_layout=layout, attn_mask_type=mask_type,
                        window_size=self.window_size, scale_factor=self.scale_factor,
                        dropout_probability=dropout, dropout_rng=rng, cu_seqlens_q=cu_seqlens_q,
-                       cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                       cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+                       cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q,
                        max_seqlen_kv=max_seqlen_kv,
                        context_parallel_strategy=self.context_parallel_strategy,
                        context_parallel_causal_load_balanced=(
                            self.context_parallel_causal_load_balanced),
-                       context_parallel_axis=self.context_parallel_axis or None)
-        return o
+                       context_parallel_axis=self.context_parallel_axis or None,
+                       sequence_descriptor=sequence_descriptor,
+                       max_segments_per_seq=self.max_segments_per_seq)
+        return jnp.swapaxes(o, 0, 1) if seq_first else o
 
     def _with_bias(self, q, k, v, mask, bias, bias_type, mask_type, layout, cu_q, cu_kv,
                    dropout, rng):
