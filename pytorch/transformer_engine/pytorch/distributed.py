@@ -20,7 +20,8 @@ caller sums their gradients over the group (Megatron's finalize step does).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -28,8 +29,10 @@ from .rng_tracker import CudaRNGStatesTracker
 
 # (and ``checkpoint``, te.checkpoint under NVIDIA's path, and ``fp8_all_gather``, FSDP2's FP8
 # all-gather of high-precision weights: both made on first use, see the end)
-__all__ = ["CudaRNGStatesTracker", "copy_to_tensor_parallel",
-           "gather_along_first_dim", "gather_from_sequence_parallel", "gradient_on_first_rank",
+__all__ = ["CudaRNGStatesTracker", "activation_recompute_forward", "copy_to_tensor_parallel",
+           "gather_along_first_dim", "gather_from_sequence_parallel", "get_all_rng_states",
+           "gradient_on_first_rank", "in_fp8_activation_recompute_phase",
+           "is_fp8_activation_recompute_enabled",
            "reduce_from_tensor_parallel", "reduce_scatter_to_sequence_parallel"]
 
 PARALLEL_MODES = (None, "column", "row")
@@ -271,6 +274,57 @@ def check_divisible(op: str, name: str, value: int, tp_size: int) -> int:
     if value % tp_size:
         raise ValueError(f"{op}: {name} must be divisible by tp_size={tp_size}, got {value}")
     return value // tp_size
+
+
+@contextlib.contextmanager
+def activation_recompute_forward(activation_recompute: bool = False,
+                                 recompute_phase: bool = False) -> Iterator[None]:
+    """NVIDIA's context for an activation checkpoint of the caller's own (Megatron-LM's
+    ``CheckpointFunction``): wrap the first forward in
+    ``activation_recompute_forward(activation_recompute=True)`` and the recompute in the
+    backward in ``activation_recompute_forward(activation_recompute=True,
+    recompute_phase=True)``. Under delayed scaling each module's recompute then quantizes with
+    the forward scales its first run used (taken back per module, first in first out), and
+    records no amax; the result is the first run's bits, as with :func:`te.checkpoint`. Outside
+    an enabled ``fp8_autocast``, or with ``activation_recompute=False``, it changes nothing.
+    A first run whose recompute never comes keeps its scale copies (a few floats per module)."""
+    from . import fp8
+
+    if not (activation_recompute and fp8.STATE.enabled):
+        yield
+        return
+    r = fp8.RECOMPUTE
+    saved = (r.recording, r.sources, r.replay, r.index, r.queue)
+    if recompute_phase:
+        r.recording = r.sources = None
+        r.replay, r.index, r.queue = fp8.QUEUED, 0, False
+    else:
+        r.recording, r.sources, r.queue = [], [], True
+    try:
+        yield
+    finally:
+        r.recording, r.sources, r.replay, r.index, r.queue = saved
+
+
+def is_fp8_activation_recompute_enabled() -> bool:
+    """Inside the first run of :func:`activation_recompute_forward` (NVIDIA's query)."""
+    from . import fp8
+
+    return fp8.RECOMPUTE.queue
+
+
+def in_fp8_activation_recompute_phase() -> bool:
+    """Inside the recompute phase of :func:`activation_recompute_forward`."""
+    from . import fp8
+
+    return fp8.RECOMPUTE.replay is fp8.QUEUED
+
+
+def get_all_rng_states() -> dict:
+    """The RNG states of the tracker that te modules draw from by default: empty here (each
+    module takes its tracker as ``get_rng_state_tracker``; NVIDIA's CUDA-graph code asks for
+    the states of its global tracker, which this package does not keep)."""
+    return {}
 
 
 def __getattr__(name: str):

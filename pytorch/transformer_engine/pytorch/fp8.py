@@ -11,6 +11,7 @@ module's backward, right after the gradient's amax is recorded.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import weakref
@@ -57,6 +58,24 @@ class _Recompute:
     sources: Optional[list] = None  # the live scales each recorded copy was taken from
     replay: Optional[list] = None
     index: int = 0
+    # NVIDIA's activation_recompute_forward (a caller's own checkpoint, distributed.py): its
+    # first runs also queue each copy under the live scale it was taken from, and its
+    # recompute phase (replay is QUEUED) takes them back per scale, first in first out, since
+    # the caller recomputes many layers in an order of its own.
+    queue: bool = False
+    # id(live scale) -> (weak reference to it, its queued copies); by id, since tensors do
+    # not compare as keys
+    queues: dict = dataclasses.field(default_factory=dict)
+
+    def queue_of(self, scale: torch.Tensor, make: bool) -> Optional[collections.deque]:
+        entry = self.queues.get(id(scale))
+        if entry is not None and entry[0]() is scale:
+            return entry[1]
+        if not make:
+            return None
+        queue = collections.deque()
+        self.queues[id(scale)] = (weakref.ref(scale), queue)
+        return queue
 
     @property
     def replaying(self) -> bool:
@@ -66,6 +85,7 @@ class _Recompute:
 STATE = _State()
 MODEL_INIT = _ModelInit()
 RECOMPUTE = _Recompute()
+QUEUED: list = []  # RECOMPUTE.replay in activation_recompute_forward's recompute phase
 
 
 def checkpoint_scales(scale_fwd: torch.Tensor) -> torch.Tensor:
@@ -73,6 +93,13 @@ def checkpoint_scales(scale_fwd: torch.Tensor) -> torch.Tensor:
     activation checkpoint's recompute the copy its first run took (the autocast exit has
     updated ``scale_fwd`` since; quantizing with the new scales would change the bytes)."""
     r = RECOMPUTE
+    if r.replay is QUEUED:
+        queue = r.queue_of(scale_fwd, make=False)
+        if not queue:
+            raise RuntimeError("activation_recompute_forward: the recompute phase ran an FP8 "
+                               "forward under delayed scaling that no first run (with "
+                               "activation_recompute=True) recorded")
+        return queue.popleft()
     if r.replay is not None:
         if r.index >= len(r.replay):
             raise RuntimeError("te.checkpoint: the recompute ran more FP8 forwards under "
@@ -82,8 +109,11 @@ def checkpoint_scales(scale_fwd: torch.Tensor) -> torch.Tensor:
         r.index += 1
         return scales
     if r.recording is not None:
-        r.recording.append(scale_fwd.detach().clone())
+        copy = scale_fwd.detach().clone()
+        r.recording.append(copy)
         r.sources.append(scale_fwd)
+        if r.queue:
+            r.queue_of(scale_fwd, make=True).append(copy)
     return scale_fwd
 
 
