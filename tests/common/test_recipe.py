@@ -469,6 +469,27 @@ def test_aliases_survive_dataclasses_replace():
     assert dataclasses.replace(r, amax_epsilon=1.0).power_2_scale is True
 
 
+def test_delayed_scaling_takes_the_keywords_megatron_passes():
+    """Megatron-LM's TEDelayedScaling passes override_linear_precision and its module keywords
+    (params_dtype, device), which NVIDIA's recipe ignores: accepted, nothing stored; a
+    high-precision override is refused by name."""
+
+    class MegatronStyle(DelayedScaling):
+        def __init__(self, override=(False, False, False)):
+            super().__init__(margin=0, fp8_format=Format.HYBRID, amax_compute_algo="max",
+                             amax_history_len=16, override_linear_precision=override,
+                             fp8_dpa=False, fp8_mha=False, params_dtype="bfloat16",
+                             device="cpu")
+
+    r = MegatronStyle()
+    assert r.amax_history_len == 16
+    assert "params_dtype" not in {f.name for f in dataclasses.fields(r)}
+    assert DelayedScaling(override_linear_precision=(False, False, False)) == DelayedScaling()
+    with pytest.raises(ValueError, match=r"override_linear_precision must be \(False, False, "
+                                         r"False\), got \(False, False, True\)"):
+        MegatronStyle((False, False, True))
+
+
 def test_gemm_params_take_nvidia_keywords():
     r = Float8CurrentScaling(fp8_gemm_fprop=MMParams(use_split_accumulator=False),
                              fp8_gemm_dgrad=MMParams(), fp8_gemm_wgrad=MMParams())

@@ -328,6 +328,15 @@ def check_options(config):
     assert "tp_size=" in repr(par), repr(par)
 
 
+def check_partition_marks():
+    """Megatron's attributes mark the split parameters only: the norm is whole on every rank
+    (marked split, its gradient would count once per rank in a gradient norm)."""
+    _, par = modules("lnl")
+    marked = {n for n, p in par.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+    assert marked == {"weight", "bias"}, marked
+    assert par.weight.partition_dim == 0 and par.use_bias and par.eps == 1e-5
+
+
 def check_bad_input():
     import pytest  # only its raises()
 
@@ -356,5 +365,6 @@ if __name__ == "__main__":
         case(check_scales_shared, "mlp", None)
         case(check_scales_shared, "lnl", None)
     case(check_bad_input)
+    case(check_partition_marks)
     dist.destroy_process_group()
     _tp_world.finish(RANK)

@@ -315,6 +315,11 @@ class DelayedScaling(Recipe):
         fp8_mha: also keep the attention block's inputs and output in FP8 between the QKV
             projection, attention and the output projection, saving casts; needs ``fp8_dpa``.
         backward_override: None only (NVIDIA's field; delayed scaling has no other mode).
+        override_linear_precision: NVIDIA's keyword (not stored): ``(False, False, False)``
+            or None only; running some of the GEMMs in high precision under the recipe is not
+            built here, and other values raise ValueError.
+        params_dtype, device: accepted and ignored, as NVIDIA's recipe ignores them
+            (Megatron-LM passes its module keywords to it); not stored.
     """
 
     margin: int = 0
@@ -326,8 +331,18 @@ class DelayedScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: Optional[str] = None
+    override_linear_precision: dataclasses.InitVar[Optional[tuple]] = None
+    params_dtype: dataclasses.InitVar[Any] = None
+    device: dataclasses.InitVar[Any] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, override_linear_precision: Optional[tuple], params_dtype: Any,
+                      device: Any) -> None:
+        del params_dtype, device  # (NVIDIA's recipe ignores them too)
+        if (override_linear_precision is not None
+                and tuple(override_linear_precision) != (False, False, False)):
+            _fail(ValueError, self, "override_linear_precision", "(False, False, False)",
+                  override_linear_precision, "; GEMMs in high precision under an FP8 recipe "
+                  "are not built here")
         _check_int(self, "margin", 0, "a non-negative int")
         _check_format(self)
         _check_int(self, "amax_history_len", 1, "a positive int")

@@ -13,6 +13,7 @@ operations not listed in ``NAMES`` raise a NotImplementedError naming themselves
 
 from __future__ import annotations
 
+import abc
 from typing import Optional, Union
 
 import torch
@@ -30,6 +31,17 @@ Device = Union[torch.device, str, None]
 
 
 _NO_SPLIT = "te.Linear's tp_group / parallel_mode give tensor parallelism"
+
+
+class FusibleOperation(torch.nn.Module, metaclass=abc.ABCMeta):
+    """NVIDIA's base class of the operations, for ``isinstance`` checks and annotations: the
+    operations below are registered as (virtual) subclasses of :class:`BasicOperation`. A
+    class that derives from it is a module, which ``Sequential`` runs as it is (NVIDIA's
+    operation-fusion interface of ``op_forward`` / ``op_backward`` is not implemented)."""
+
+
+class BasicOperation(FusibleOperation):
+    """NVIDIA's base class of a single (unfused) operation; see :class:`FusibleOperation`."""
 
 
 class Sequential(torch.nn.Sequential):
@@ -64,7 +76,9 @@ class Linear(_Linear):
                  device: Device = None, dtype: Optional[torch.dtype] = None,
                  tensor_parallel_mode: Optional[str] = None, tensor_parallel_group=None,
                  sequence_parallel: bool = False, rng_state_tracker_function=None,
-                 accumulate_into_main_grad: bool = False) -> None:
+                 accumulate_into_main_grad: bool = False, userbuffers_options=None) -> None:
+        refuse_non_defaults("te.ops.Linear", "userbuffers communication overlap is not "
+                            "implemented", userbuffers_options=(userbuffers_options, None))
         refuse_non_defaults(
             "te.ops.Linear", _NO_SPLIT, tensor_parallel_mode=(tensor_parallel_mode, None),
             tensor_parallel_group=(tensor_parallel_group, None),
@@ -182,6 +196,12 @@ class _Activation(torch.nn.Module):
     fn = staticmethod(torch.relu)
     gated = False
 
+    def __init__(self, *, cache_quantized_input: bool = False) -> None:
+        super().__init__()
+        refuse_non_defaults(f"te.ops.{type(self).__name__}", "the activation keeps no "
+                            "quantized copy of its input",
+                            cache_quantized_input=(cache_quantized_input, False))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gated:
             return type(self).fn(x)
@@ -258,6 +278,11 @@ class ClampedSwiGLU(torch.nn.Module):
         return apply_activation(x, self._act)
 
 
-NAMES = ("Sequential", "Linear", "BasicLinear", "Bias", "LayerNorm", "RMSNorm", "Identity",
-         "Reshape", "ConstantScale", "Dropout", "GELU", "QGELU", "ReLU", "SReLU", "SiLU",
-         "GEGLU", "QGEGLU", "ReGLU", "SReGLU", "SwiGLU", "ClampedSwiGLU")
+NAMES = ("Sequential", "FusibleOperation", "BasicOperation", "Linear", "BasicLinear", "Bias",
+         "LayerNorm", "RMSNorm", "Identity", "Reshape", "ConstantScale", "Dropout", "GELU",
+         "QGELU", "ReLU", "SReLU", "SiLU", "GEGLU", "QGEGLU", "ReGLU", "SReGLU", "SwiGLU",
+         "ClampedSwiGLU")
+
+for _op in (Linear, Bias, LayerNorm, RMSNorm, Identity, Reshape, ConstantScale, Dropout,
+            _Activation, ClampedSwiGLU):
+    BasicOperation.register(_op)

@@ -63,8 +63,6 @@ _UNBUILT = {
                     "ub_bulk_wgrad")},
     "symmetric_ar_type": (None, "symmetric-memory all-reduce is not implemented (the "
                                 "tensor-parallel all-reduce is torch.distributed's)"),
-    "save_original_input": (False, "the backward keeps the FP8 copy of the input that the "
-                                   "forward made, not the input itself"),
 }
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from .. import fp8
+from .. import distributed, fp8
 from ..float8_tensor import Float8Tensor
 from ..grouped_linear_fn import (
     GroupedConsts,
@@ -53,8 +53,10 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
             puts the weights' GEMMs aside; :meth:`backward_dw` runs them (for schedules that
             overlap them with other work).
         sequence_parallel, tp_group, tp_size, parallel_mode, get_rng_state_tracker,
-            rng_tracker_name, ub_*, save_original_input: accepted at their defaults; other
-            values raise NotImplementedError (no tensor parallelism for the groups here).
+            rng_tracker_name, ub_*: accepted at their defaults (``tp_group`` also as a group
+            of one rank, which Megatron-LM passes for unsplit experts); other values raise
+            NotImplementedError (no tensor parallelism for the groups here).
+        save_original_input: accepted as on te.Linear (the values do not change).
 
     ``forward(inp, m_splits, is_first_microbatch=None)``: ``inp`` [sum(m_splits), in_features]
     (a leading shape is flattened), ``m_splits`` the rows of each group in order.
@@ -76,12 +78,14 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         super().__init__()
         op = self._name
         check_sizes(op, num_gemms=num_gemms)
+        if tp_group is not None and distributed.group_size(op, tp_group) == 1:
+            tp_group = None  # a group of one rank splits nothing
         refuse_non_defaults(
             op, "the groups are not split over ranks",
             sequence_parallel=(sequence_parallel, False),
             tp_group=(tp_group, None), tp_size=(tp_size, 1), parallel_mode=(parallel_mode, None),
-            ub_overlap_rs=(ub_overlap_rs, False), ub_overlap_ag=(ub_overlap_ag, False),
-            save_original_input=(save_original_input, False))
+            ub_overlap_rs=(ub_overlap_rs, False), ub_overlap_ag=(ub_overlap_ag, False))
+        self.save_original_input, self.ub_name = bool(save_original_input), ub_name
         device = _default_device(device)
         self.num_gemms = int(num_gemms)
         self.in_features, self.out_features = int(in_features), int(out_features)

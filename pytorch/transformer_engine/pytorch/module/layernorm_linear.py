@@ -256,6 +256,7 @@ class LayerNormLinear(_LinearBase):
         super().__init__(device)
         self.cfg, self.normalization = cfg, normalization
         self.return_bias, self.name, self.parallel_mode = return_bias, name, parallel_mode
+        self.ub_name = ub_name
         self.return_layernorm_output_gathered = bool(return_layernorm_output_gathered)
         self.get_rng_state_tracker = get_rng_state_tracker
         self._delay_wgrad(delay_wgrad_compute)
@@ -269,6 +270,14 @@ class LayerNormLinear(_LinearBase):
         if self.sequence_parallel:
             distributed.mark_sequence_parallel(self.layer_norm_weight,
                                                getattr(self, "layer_norm_bias", None))
+
+    @property
+    def eps(self) -> float:
+        return self.cfg.eps
+
+    @property
+    def zero_centered_gamma(self) -> bool:
+        return self.cfg.zero_centered_gamma
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, normalization={self.normalization}, eps={self.cfg.eps}"
@@ -307,7 +316,7 @@ class LayerNormLinear(_LinearBase):
         rows of the weight (its shard of the output features); the gradients of the input and
         of the norm's parameters summed over the ranks (parallel_norm_inputs; reduce-scattered
         before the norm's backward under sequence parallelism, sequence_parallel_norm)."""
-        if self._tp_group is None:
+        if self._shared_tp_group is None:
             distributed.refuse_without_group(self._name, self.tp_size)
         check_input(self._name, inp, self.in_features, self.layer_norm_weight)
         weight, bias = self._weight_and_bias()

@@ -168,7 +168,7 @@ class LayerNormMLP(FP8Module):
     _name = "te.LayerNormMLP"
     # Tensor parallelism (set_parallel_mode=True over tp_size > 1 ranks): class defaults, so
     # that a module pickled before they existed loads as a plain block.
-    _tp_group: Optional[distributed.SharedGroup] = None
+    _shared_tp_group: Optional[distributed.SharedGroup] = None
     tp_size = 1
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
@@ -259,14 +259,14 @@ class LayerNormMLP(FP8Module):
     @property
     def tp_group(self):
         """The process group the block is split over (None: not split)."""
-        return None if self._tp_group is None else self._tp_group.group
+        return None if self._shared_tp_group is None else self._shared_tp_group.group
 
     def _register_fc_params(self, w1, b1, w2, b2) -> None:
         self.fc1_weight = fp8_weight_param(w1, plan_of)
         self.register_parameter("fc1_bias", None if b1 is None else torch.nn.Parameter(b1))
         self.fc2_weight = fp8_weight_param(w2, plan_of)
         self.register_parameter("fc2_bias", None if b2 is None else torch.nn.Parameter(b2))
-        if self._tp_group is not None:
+        if self._shared_tp_group is not None:
             # Where each slice lies in the full tensor (Megatron's attribute names); FC2's
             # bias is not split.
             for p, dim in ((self.fc1_weight, 0), (self.fc1_bias, 0), (self.fc2_weight, 1)):
@@ -298,7 +298,7 @@ class LayerNormMLP(FP8Module):
         rank's a and b features stay paired) and its columns of FC2."""
         import torch.distributed as dist
 
-        self._tp_group, self.tp_size = distributed.SharedGroup(group), tp
+        self._shared_tp_group, self.tp_size = distributed.SharedGroup(group), tp
         rank = dist.get_rank(group)
         n = self.ffn_hidden_size // tp
         halves = 2 if self.activation in GATED else 1
@@ -313,7 +313,7 @@ class LayerNormMLP(FP8Module):
         text = (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"activation={self.activation}, normalization={self.normalization}, "
                 f"bias={self.fc1_bias is not None}")
-        if self._tp_group is not None:
+        if self._shared_tp_group is not None:
             text += f", set_parallel_mode=True, tp_size={self.tp_size}"
         return text
 
@@ -356,7 +356,7 @@ class LayerNormMLP(FP8Module):
         parallelism the norm runs on this rank's shard and its output is gathered
         (sequence_parallel_norm; in FP8 under the per-tensor recipes), and the output is
         reduce-scattered."""
-        if self._tp_group is None:
+        if self._shared_tp_group is None:
             distributed.refuse_without_group(self._name, self.tp_size)
         check_input(self._name, inp, self.hidden_size, self.layer_norm_weight)
         group = self.tp_group

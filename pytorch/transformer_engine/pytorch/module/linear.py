@@ -88,7 +88,7 @@ class _LinearBase(FP8Module):
     # tp_size > 1 ranks of tp_group, else None. Class defaults: a module pickled before they
     # existed loads as a plain layer.
     _tp_mode: Optional[str] = None
-    _tp_group: Optional[distributed.SharedGroup] = None
+    _shared_tp_group: Optional[distributed.SharedGroup] = None
     tp_size = 1
     # delay_wgrad_compute: the list the backward puts the weight-gradient GEMM on
     # (module/_deferred_wgrad.py), else None. A class default, for pickled modules.
@@ -109,7 +109,7 @@ class _LinearBase(FP8Module):
     @property
     def tp_group(self):
         """The process group the layer is split over (None: not split)."""
-        return None if self._tp_group is None else self._tp_group.group
+        return None if self._shared_tp_group is None else self._shared_tp_group.group
 
     def _setup_linear(self, in_features: int, out_features: int, bias: bool, params_dtype,
                       device: torch.device, init_method, parameters_split,
@@ -117,6 +117,7 @@ class _LinearBase(FP8Module):
         check_sizes(self._name, in_features=in_features, out_features=out_features)
         check_params_dtype(self._name, params_dtype)
         self.in_features, self.out_features = int(in_features), int(out_features)
+        self.use_bias = bool(bias)
         # Checked before the initializers draw from torch's generator.
         self._splits = _split_sizes(out_features, parameters_split, self._name)
         if tp_mode is not None:
@@ -131,17 +132,17 @@ class _LinearBase(FP8Module):
                         size, tp_size)
             self._tp_mode, self.tp_size = tp_mode, tp_size
             # (None: the group comes later, set_tensor_parallel_group)
-            self._tp_group = None if tp_group is None else distributed.SharedGroup(tp_group)
+            self._shared_tp_group = None if tp_group is None else distributed.SharedGroup(tp_group)
         dtype = params_dtype or torch.get_default_dtype()
         # A parallel layer draws the full weight and bias too (same generator state on every
         # rank: the same values as the layer on one process) and keeps its slice, once it
         # knows its rank in the group.
         weight = init_weight(out_features, in_features, dtype, device, init_method)
         full_bias = init_bias(out_features, in_features, dtype, device) if bias else None
-        if self._tp_group is not None:
+        if self._shared_tp_group is not None:
             weight, full_bias = self._shard(weight, full_bias)
         self._register_params(weight, full_bias)
-        if self._tp_group is not None:
+        if self._shared_tp_group is not None:
             self._mark_partitions()
 
     def set_tensor_parallel_group(self, tp_group) -> None:
@@ -158,7 +159,7 @@ class _LinearBase(FP8Module):
             raise NotImplementedError(
                 f"{self._name}: set_tensor_parallel_group on fp8_model_init weights is not "
                 "implemented; pass tp_group when building the module")
-        self._tp_group = distributed.SharedGroup(tp_group)
+        self._shared_tp_group = distributed.SharedGroup(tp_group)
         weight, bias = self._shard(weight.detach(), None if bias is None else bias.detach())
         device = self._parameters.get("weight", weight).device
         self._register_params(weight.to(device), None if bias is None else bias.to(device))
@@ -166,9 +167,13 @@ class _LinearBase(FP8Module):
 
     def _mark_partitions(self) -> None:
         """Where each slice lies in the full tensor, for tools that gather or re-split
-        (Megatron's attribute names); a row layer's bias is not split."""
+        (Megatron's attribute names); a row layer's bias is not split, nor is a
+        LayerNormLinear's norm (every rank holds all of it: marked split, its gradient would
+        count once per rank in a gradient norm)."""
         dim = 0 if self._tp_mode == "column" else 1
         for name, p in self.named_parameters(recurse=False):
+            if name.startswith("layer_norm"):
+                continue
             if self._tp_mode == "column" or name.endswith("weight"):
                 p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
 
@@ -340,9 +345,15 @@ class Linear(_LinearBase):
             (module/_deferred_wgrad.py). The layer then takes the Python path (not the
             compiled operators).
         ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad,
-            ub_name, symmetric_ar_type, save_original_input: NVIDIA's switches for features
-            not built here; their defaults run, anything else raises NotImplementedError
-            naming the keyword (``ub_name`` is only a name).
+            ub_name, symmetric_ar_type: NVIDIA's switches for features not built here; their
+            defaults run, anything else raises NotImplementedError naming the keyword
+            (``ub_name`` is only a name).
+        save_original_input: NVIDIA's keeps the input itself for the backward and quantizes
+            it again there (memory saved where the caller keeps the input anyway); here the
+            backward keeps the FP8 copy the forward made. The values are the same (a tensor
+            quantized again with the same scale gives the same bytes), so it is accepted
+            either way and kept as the attribute Megatron-LM sets; the memory differs (one
+            byte per input element).
         name: kept as ``self.name``.
 
     Example:
@@ -368,13 +379,15 @@ class Linear(_LinearBase):
                  name: Optional[str] = None) -> None:
         refuse_unbuilt(self._name, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                        ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-                       ub_bulk_wgrad=ub_bulk_wgrad, symmetric_ar_type=symmetric_ar_type,
-                       save_original_input=save_original_input)
+                       ub_bulk_wgrad=ub_bulk_wgrad, symmetric_ar_type=symmetric_ar_type)
         tp = distributed.check_tensor_parallel(self._name, tp_group, tp_size, parallel_mode)
         check_unsupported(None, 1, parallel_mode, False, fuse_wgrad_accumulation, self._name)
         device = _default_device(device)
         super().__init__(device)
-        self.return_bias, self.name = return_bias, name
+        self.return_bias, self.name, self.ub_name = return_bias, name, ub_name
+        # (read and set by callers as NVIDIA's attribute; the backward keeps the FP8 copy of
+        # the input either way: see save_original_input in the docstring)
+        self.save_original_input = bool(save_original_input)
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         self._delay_wgrad(delay_wgrad_compute)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
@@ -468,7 +481,7 @@ class Linear(_LinearBase):
         """The forward of a column- or row-parallel layer: the local GEMM on this rank's
         slice, and the layer's collective (distributed.py). A row-parallel layer's output is
         high precision (the sum is taken in it): fp8_output is ignored there."""
-        if self._tp_group is None:
+        if self._shared_tp_group is None:
             distributed.refuse_without_group(self._name, self.tp_size)
         column = self._tp_mode == "column"
         weight, bias = self._weight_and_bias()
