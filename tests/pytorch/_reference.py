@@ -172,11 +172,12 @@ def cross_entropy64(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
     lse = torch.logsumexp(x64, dim=-1)
     loss = F.cross_entropy(x64, t, reduction="none", label_smoothing=eps,
                            ignore_index=ignore_idx) + z * lse.square() * kept
-    (loss * weight.reshape(-1).double()).sum().backward()
+    w = weight.reshape(-1).to(x64)  # (given on the CPU by tests of any device)
+    (loss * w).sum().backward()
     with torch.no_grad():
         onehot = F.one_hot(t.clamp(0, v - 1), v).double()
         grad_mag = (torch.softmax(x64, dim=-1) * (1 + 2 * z * lse.abs()).unsqueeze(1)
-                    + eps / v + onehot) * (weight.reshape(-1).double().abs() * kept).unsqueeze(1)
+                    + eps / v + onehot) * (w.abs() * kept).unsqueeze(1)
         loss_mag = (lse.abs() + x64.abs().amax(dim=-1) + z * lse.square() + 1) * kept
     lead = x.shape[:-1]
     return (loss.detach().reshape(lead), x64.grad.reshape(x.shape), loss_mag.reshape(lead),

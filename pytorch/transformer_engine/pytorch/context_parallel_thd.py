@@ -29,7 +29,8 @@ import torch
 
 from . import padded_packing
 
-__all__ = ["Pieces", "attend_packed", "chunks", "pieces", "gather_index", "check"]
+__all__ = ["Pieces", "attend_packed", "chunks", "pieces", "gather_index", "partitioned_indices",
+           "check"]
 
 
 def check(op: str, cp_size: int, cu: torch.Tensor, cu_padded: torch.Tensor, rows: int,
@@ -76,6 +77,22 @@ def gather_index(cu_padded: torch.Tensor, cp_size: int, local_rows: int) -> torc
     rank = torch.where(second, 2 * cp_size - 1 - c, c)
     local = cu_padded[seq] // cp_size + second.to(torch.int64) * chunk + within
     return rank * local_rows + local
+
+
+def partitioned_indices(cu_padded: torch.Tensor, cp_size: int, rank: int,
+                        rows: int) -> torch.Tensor:
+    """For each of rank ``rank``'s first ``rows`` local rows, its row in the global padded
+    layout (the inverse of :func:`gather_index` on this rank's rows). Local rows past the last
+    chunk continue the last sequence's second chunk, as NVIDIA's
+    ``thd_get_partitioned_indices`` does for a tensor longer than ``cu_padded[-1]``."""
+    cu_padded = cu_padded.to(torch.int64)
+    _, cu_local, starts = chunks(cu_padded, cp_size, rank)
+    cu_local = cu_local.to(torch.int64)
+    first = (cu_padded[:-1].view(-1, 1) + starts).flatten()  # each chunk's first global row
+    local = torch.arange(rows, device=cu_padded.device)
+    # right=True skips empty chunks (zero-length sequences), whose end equals their start
+    chunk = torch.searchsorted(cu_local[1:], local, right=True).clamp_(max=first.shape[0] - 1)
+    return first[chunk] + local - cu_local[chunk]
 
 
 class Pieces(NamedTuple):

@@ -419,6 +419,8 @@ class DotProductAttention(FP8Module):
         check_comm_type(cp_comm_type)
         cp = None if cp_group is None else ContextParallel(cp_group, cp_comm_type)
         self._cp = cp if cp is not None and cp.size > 1 else None
+        # NVIDIA's attribute, read back by Megatron-LM when it changes the group per batch
+        self.cp_comm_type = cp_comm_type
 
     def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
                 qkv_format=None, cu_seqlens_q=None, cu_seqlens_kv=None,
@@ -427,8 +429,9 @@ class DotProductAttention(FP8Module):
                 checkpoint_core_attention: bool = False,
                 core_attention_bias_type: str = "no_bias", core_attention_bias=None,
                 alibi_slopes=None, fast_zero_fill: bool = True, inference_params=None,
-                pad_between_seqs: Optional[bool] = None, fp8_output: bool = False, *,
-                attention_backend=None, query=None, key=None, value=None):
+                pad_between_seqs: Optional[bool] = None, fp8_output: bool = False,
+                num_splits: Optional[int] = None, *, attention_backend=None, query=None,
+                key=None, value=None):
         """Attention of ``query_layer``, ``key_layer``, ``value_layer`` (NVIDIA's names and
         order; ``query``, ``key``, ``value`` are accepted as keywords too).
 
@@ -438,7 +441,14 @@ class DotProductAttention(FP8Module):
         ``core_attention_bias_type`` with ``core_attention_bias`` or ``alibi_slopes``: an
         additive bias (attention_bias.py) on the unfused path, in high precision. Padded packed
         sequences, ``inference_params`` (use te.MultiheadAttention's) and ``fp8_output``
-        outside ``fp8_mha`` are not implemented: they raise."""
+        outside ``fp8_mha`` are not implemented: they raise. ``num_splits`` (NVIDIA's split of
+        the keys over several FlashAttention-3 kernels) takes None or 1: no backend here splits
+        them."""
+        if num_splits is not None and num_splits != 1:
+            # refused, not ignored: split keys merge partial results, which round otherwise
+            raise NotImplementedError(f"DotProductAttention: num_splits={num_splits} is not "
+                                      f"implemented: the keys are attended in one pass here "
+                                      f"(None or 1)")
         query = _one_of("query_layer", query_layer, "query", query)
         key = _one_of("key_layer", key_layer, "key", key)
         value = _one_of("value_layer", value_layer, "value", value)

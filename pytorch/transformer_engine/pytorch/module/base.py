@@ -60,6 +60,27 @@ def with_leading_dims(out, inp: torch.Tensor):
     return out.view(*inp.shape[:-1], out.shape[-1])
 
 
+_DUMMY_WGRADS: dict = {}
+
+
+def get_dummy_wgrad(shape: list, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+    """NVIDIA's stand-in weight gradient for Megatron-LM's layers under gradient-accumulation
+    fusion: the real gradient went into ``main_grad``, but autograd still wants a tensor. One
+    buffer per (shape, dtype, device), made on the first call and returned (detached) by every
+    later one, so all layers and microbatches share it; it holds whatever its last user wrote,
+    unless ``zero`` (then it is zero-filled on that call). On the current CUDA device when
+    there is one, else the CPU."""
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))
+    key = (tuple(shape), dtype, device)
+    buffer = _DUMMY_WGRADS.get(key)
+    if buffer is None:
+        buffer = _DUMMY_WGRADS[key] = torch.empty(key[0], dtype=dtype, device=device)
+    if zero:
+        buffer.zero_()
+    return buffer.detach()
+
+
 def recipe_summary(recipe: Recipe) -> dict:
     """Plain values that describe a recipe (no callables), for checkpoints; made once per
     recipe (forward calls it every step). Callers must not modify it."""
