@@ -13,6 +13,12 @@ flips compound (measured up to 18% of the largest magnitude, 8% in norm): 2.5e-1
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Callable
 
 
@@ -36,3 +42,31 @@ def assert_matches_one_device(case: str, leaves: dict, bitwise: Callable[[str], 
         bound = largest * max(cmp["ref_max_abs"], 1e-30)
         assert cmp["max_abs_diff"] <= bound, f"{case} {leaf}: {cmp} beyond {largest}"
         assert cmp["rel_norm_diff"] <= norm, f"{case} {leaf}: {cmp} beyond {norm} in norm"
+
+
+_COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\(")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def collectives(hlo: str) -> list:
+    """[kind, [[dtype, shape], ...]] of every collective in the compiled HLO text."""
+    found = []
+    for line in hlo.splitlines():
+        match = _COLLECTIVE.search(line)
+        if match:
+            arrays = [[dt, [int(d) for d in dims.split(",") if d]]
+                      for dt, dims in _ARRAY.findall(match.group(1))]
+            found.append([match.group(2), arrays])
+    return found
+
+
+def run_script(script: Path, *args: str) -> dict:
+    """Runs one of the mesh scripts in a process of its own (it sets its host device count,
+    which must come before jax's import) and returns the JSON object of its last line."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the script sets its own device count
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=script.parent)
+    assert done.returncode == 0, f"{script.name} failed:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])

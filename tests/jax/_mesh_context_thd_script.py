@@ -15,13 +15,13 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4").strip()
 
 import json  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 import warnings  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _mesh_compare import collectives  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import transformer_engine.jax as te  # noqa: E402
@@ -118,23 +118,6 @@ def attention_case(name: str) -> dict:
                       "padding_zero": bool(np.all(got[pad] == 0))}
     return {"arrays": out, "collectives": collectives(hlo), "rows": rows, "cp": cp, "tp": tp,
             "groups": groups, "warnings": [str(x.message) for x in caught]}
-
-
-_COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
-                         r"collective-permute)(?:-start)?\(")
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
-
-
-def collectives(hlo: str) -> list:
-    """[kind, [[dtype, shape], ...]] of every collective in the compiled HLO text."""
-    found = []
-    for line in hlo.splitlines():
-        match = _COLLECTIVE.search(line)
-        if match:
-            arrays = [[dt, [int(d) for d in dims.split(",") if d]]
-                      for dt, dims in _ARRAY.findall(match.group(1))]
-            found.append([match.group(2), arrays])
-    return found
 
 
 def refused() -> dict:

@@ -15,13 +15,13 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
 import json  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _mesh_compare import collectives  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 
 import transformer_engine.jax as te  # noqa: E402
@@ -91,23 +91,6 @@ CASES = {
     "swiglu_mlp-dp2_tp4-delayed-float32": ("swiglu_mlp", "dp2_tp4", "delayed", "float32"),
     "mlp-dp2_fsdp2_tp2-delayed-bfloat16": ("mlp", "dp2_fsdp2_tp2", "delayed", "bfloat16"),
 }
-
-_COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
-                         r"collective-permute)(?:-start)?\(")
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
-
-
-def collectives(hlo: str) -> list:
-    """[kind, [[dtype, shape], ...]] of every collective in the compiled HLO text."""
-    found = []
-    for line in hlo.splitlines():
-        match = _COLLECTIVE.search(line)
-        if match:
-            arrays = [[dt, [int(d) for d in dims.split(",") if d]]
-                      for dt, dims in _ARRAY.findall(match.group(1))]
-            found.append([match.group(2), arrays])
-    return found
-
 
 def leaf_diffs(ref, got) -> dict:
     """Per step and leaf of the unsharded (``ref``) and sharded (``got``) steps: equal bits,

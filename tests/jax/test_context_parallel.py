@@ -16,17 +16,13 @@ differ:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from te_jax_tests._mesh_compare import assert_matches_one_device
+from te_jax_tests._mesh_compare import assert_matches_one_device, run_script
 
 import transformer_engine.jax as te
 from transformer_engine.jax.attention import (
@@ -58,12 +54,7 @@ _MODELS = ["layer_sbhd-dp2_cp4-none-float32", "layer_sbhd-dp2_tp4-delayed-float3
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the script sets its own device count
-    done = subprocess.run([sys.executable, str(_SCRIPT)], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=_SCRIPT.parent)
-    assert done.returncode == 0, f"the context-parallel script failed:\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(_SCRIPT)
 
 
 # --- the load-balanced order (one device) ------------------------------------------------------

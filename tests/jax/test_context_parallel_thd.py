@@ -15,16 +15,13 @@ must be equal, and why the rest may differ:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from te_jax_tests._mesh_compare import run_script
 
 from transformer_engine.jax import context_parallel_thd
 from transformer_engine.jax.attention import (
@@ -242,12 +239,7 @@ def test_reorder_errors_name_the_argument():
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the script sets its own device count
-    done = subprocess.run([sys.executable, str(_SCRIPT)], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=_SCRIPT.parent)
-    assert done.returncode == 0, f"the thd context-parallel script failed:\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(_SCRIPT)
 
 
 @pytest.mark.parametrize("case", _CASES)

@@ -13,15 +13,11 @@ norm).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from te_jax_tests._mesh_compare import assert_matches_one_device
+from te_jax_tests._mesh_compare import assert_matches_one_device, run_script
 
 _SCRIPT = Path(__file__).resolve().parent / "_mesh_context_script.py"
 _CASES = ["layer_sp-dp2_tpsp4-none-float32", "layer_sp-dp2_tpsp4-delayed-bfloat16",
@@ -30,12 +26,7 @@ _CASES = ["layer_sp-dp2_tpsp4-none-float32", "layer_sp-dp2_tpsp4-delayed-bfloat1
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    done = subprocess.run([sys.executable, str(_SCRIPT), *_CASES], capture_output=True,
-                          text=True, env=env, timeout=600, cwd=_SCRIPT.parent)
-    assert done.returncode == 0, f"the sequence-parallel script failed:\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(_SCRIPT, *_CASES)
 
 
 @pytest.mark.parametrize("case", _CASES)

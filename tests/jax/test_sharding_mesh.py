@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from te_jax_tests._mesh_compare import assert_matches_one_device
+from te_jax_tests._mesh_compare import assert_matches_one_device, run_script
 
 import transformer_engine.jax as te
 from transformer_engine.common import recipe
@@ -59,12 +59,7 @@ _CASES = [
 
 @pytest.fixture(scope="module")
 def mesh_runs() -> dict:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the script sets its own device count
-    done = subprocess.run([sys.executable, str(_SCRIPT), *_CASES], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert done.returncode == 0, f"the mesh script failed:\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(_SCRIPT, *_CASES)
 
 
 def _tolerance(case: str) -> float:
