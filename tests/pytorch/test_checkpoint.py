@@ -92,3 +92,20 @@ def test_plain_nn_linear_checkpoint_loads():
     layer = te.Linear(32, 16, device="cpu")
     layer.load_state_dict(plain.state_dict())  # no FP8 state in it: fresh scales
     assert torch.equal(layer.weight, plain.weight) and torch.equal(layer.bias, plain.bias)
+
+
+def test_nvidia_checkpoint_without_fp8_state_loads():
+    """NVIDIA's modules write an empty uint8 tensor (a BytesIO before its 2.0) as the extra
+    state of a module that never ran in FP8: such a checkpoint loads, scales fresh; one that
+    holds NVIDIA's pickled FP8 state is refused by name, with the way around it."""
+    source = te.Linear(32, 16, device="cpu")
+    for empty in (torch.empty(0, dtype=torch.uint8), io.BytesIO()):
+        state = dict(source.state_dict(), _extra_state=empty)
+        layer = te.Linear(32, 16, device="cpu")
+        fresh = layer.scale_fwd.clone()
+        layer.load_state_dict(state)
+        assert torch.equal(layer.weight, source.weight) and torch.equal(layer.scale_fwd, fresh)
+    state = dict(source.state_dict(), _extra_state=torch.ones(40, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"Linear.set_extra_state: an FP8 state written by "
+                                         r"NVIDIA Transformer Engine \(40 bytes.*strict=False"):
+        te.Linear(32, 16, device="cpu").load_state_dict(state)

@@ -14,6 +14,7 @@ record nothing: :meth:`FP8Module._fp8_meta_of` gives it those scales and no hist
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import torch
@@ -318,6 +319,16 @@ class FP8Module(DeferredInit, torch.nn.Module):
     def set_extra_state(self, state: Any) -> None:
         if state is None:  # a checkpoint written before the module saw FP8
             return
+        if isinstance(state, (torch.Tensor, io.BytesIO)):
+            # NVIDIA's modules write their FP8 state as pickled bytes (a uint8 tensor; a
+            # BytesIO before 2.0), none for a module that never ran in FP8.
+            size = state.numel() if isinstance(state, torch.Tensor) else state.getbuffer().nbytes
+            if size == 0:
+                return
+            raise ValueError(f"{type(self).__name__}.set_extra_state: an FP8 state written by "
+                             f"NVIDIA Transformer Engine ({size} bytes of pickled scales) cannot "
+                             "be loaded here; load the checkpoint with strict=False to skip "
+                             "'_extra_state' (the FP8 scales then start afresh)")
         if not isinstance(state, dict) or "version" not in state:
             raise ValueError(f"{type(self).__name__}.set_extra_state: state must be a dict "
                              f"with a 'version', got {type(state).__name__}")
