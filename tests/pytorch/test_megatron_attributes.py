@@ -84,3 +84,36 @@ def test_te_ops_names_megatron_evaluates():
         te.ops.GELU(cache_quantized_input=True)
     with pytest.raises(NotImplementedError, match="userbuffers_options"):
         te.ops.Linear(16, 16, device="cpu", userbuffers_options={"comm_name": "qkv"})
+
+
+def _tracker(seed: int) -> te.CudaRNGStatesTracker:
+    tracker = te.CudaRNGStatesTracker()
+    tracker.add("expert-parallel-rng", seed)
+    return tracker
+
+
+@pytest.mark.parametrize("build", [
+    lambda **kw: te.GroupedLinear(2, 16, 16, device="cpu", **kw),
+    lambda **kw: te.Linear(16, 16, device="cpu", **kw),
+], ids=["GroupedLinear", "Linear"])
+def test_expert_weights_drawn_on_the_named_tracker_stream(build):
+    """Megatron-LM builds expert layers with its tracker and rng_tracker_name
+    "expert-parallel-rng", seeded per expert-parallel rank: two ranks' experts must differ
+    (drawn from torch's generator, seeded alike on every rank, they were equal), the same
+    seed gives the same weights, and torch's generator is left where it was."""
+    def weights(seed, name="expert-parallel-rng"):
+        torch.manual_seed(0)
+        tracker = _tracker(seed)
+        layer = build(get_rng_state_tracker=lambda: tracker, rng_tracker_name=name)
+        return [p.detach().clone() for p in layer.parameters()], torch.randn(3)
+
+    rank0, after0 = weights(1000)
+    rank1, after1 = weights(2000)
+    again, _ = weights(1000)
+    assert all(torch.equal(a, b) for a, b in zip(rank0, again, strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(rank0, rank1, strict=True))
+    assert torch.equal(after0, after1)  # the default generator did not move
+    # Without a stream name the default generator draws: the tracker's seed does not matter.
+    plain0, _ = weights(1000, name=None)
+    plain1, _ = weights(2000, name=None)
+    assert all(torch.equal(a, b) for a, b in zip(plain0, plain1, strict=True))

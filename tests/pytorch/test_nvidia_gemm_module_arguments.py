@@ -107,8 +107,11 @@ def test_linear_save_original_input_is_kept_and_names_are_kept():
     # (the values do not change with it: test_megatron_attributes.py)
     assert te.Linear(16, 32, save_original_input=True, device=CPU).save_original_input
 
-    def tracker():  # (never called: the weights need no tracker here)
-        raise AssertionError
+    streams = te.CudaRNGStatesTracker()
+    streams.add("tp-rng", 7)
+
+    def tracker():  # (its stream "tp-rng" draws the weights: test_megatron_attributes.py)
+        return streams
 
     lin = te.Linear(16, 32, get_rng_state_tracker=tracker, rng_tracker_name="tp-rng",
                     ub_name="qkv", device=CPU)

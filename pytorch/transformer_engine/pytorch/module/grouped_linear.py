@@ -32,7 +32,7 @@ from ._checks import check_device, check_float_input, check_sizes, refuse_non_de
 from ._deferred_init import DeferredInit
 from ._deferred_wgrad import add_weight_grad
 from ._main_grad import route_tree
-from .linear import _FP8_INPUT_DTYPES, Linear, _default_device, check_fp8_shape
+from .linear import _FP8_INPUT_DTYPES, Linear, _default_device, check_fp8_shape, init_stream
 
 __all__ = ["GroupedLinear"]
 
@@ -52,10 +52,12 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         delay_wgrad_compute: the backward computes the input's (and biases') gradients and
             puts the weights' GEMMs aside; :meth:`backward_dw` runs them (for schedules that
             overlap them with other work).
-        sequence_parallel, tp_group, tp_size, parallel_mode, get_rng_state_tracker,
-            rng_tracker_name, ub_*: accepted at their defaults (``tp_group`` also as a group
-            of one rank, which Megatron-LM passes for unsplit experts); other values raise
-            NotImplementedError (no tensor parallelism for the groups here).
+        get_rng_state_tracker, rng_tracker_name: as for te.Linear (with both, every group's
+            parameters are drawn on the tracker's stream ``rng_tracker_name``).
+        sequence_parallel, tp_group, tp_size, parallel_mode, ub_*: accepted at their defaults
+            (``tp_group`` also as a group of one rank, which Megatron-LM passes for unsplit
+            experts); other values raise NotImplementedError (no tensor parallelism for the
+            groups here).
         save_original_input: accepted as on te.Linear (the values do not change).
 
     ``forward(inp, m_splits, is_first_microbatch=None)``: ``inp`` [sum(m_splits), in_features]
@@ -91,11 +93,12 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.return_bias, self.use_bias, self.name = return_bias, bias, name
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
-        self.gemms = torch.nn.ModuleList(
-            Linear(in_features, out_features, bias=bias, return_bias=return_bias,
-                   params_dtype=params_dtype, device=device, init_method=init_method,
-                   fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-            for _ in range(self.num_gemms))
+        with init_stream(get_rng_state_tracker, rng_tracker_name):
+            self.gemms = torch.nn.ModuleList(
+                Linear(in_features, out_features, bias=bias, return_bias=return_bias,
+                       params_dtype=params_dtype, device=device, init_method=init_method,
+                       fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+                for _ in range(self.num_gemms))
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         # delay_wgrad_compute: the backward's weight-gradient GEMMs, run by backward_dw()
         self.delay_wgrad_compute = bool(delay_wgrad_compute)

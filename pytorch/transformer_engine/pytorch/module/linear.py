@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Optional, Union
 
@@ -49,6 +50,17 @@ def init_weight(out_features: int, in_features: int, dtype: torch.dtype, device,
         else:
             init_method(weight)
     return weight
+
+
+def init_stream(get_rng_state_tracker: Optional[Callable], rng_tracker_name: Optional[str]):
+    """Where a module draws its initial parameters: the tracker's stream ``rng_tracker_name``
+    when both are given (Megatron-LM names one for expert layers, whose experts must differ
+    from one expert-parallel rank to the next, and for layers replicated over the tensor-
+    parallel group), else torch's default generator (where a split layer draws its whole
+    weight and keeps its slice: the values of the unsplit layer, with or without a tracker)."""
+    if get_rng_state_tracker is None or rng_tracker_name is None:
+        return contextlib.nullcontext()
+    return get_rng_state_tracker().fork(rng_tracker_name)
 
 
 def init_bias(out_features: int, in_features: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -338,8 +350,11 @@ class Linear(_LinearBase):
         fuse_wgrad_accumulation: the weight's gradient goes into ``weight.main_grad``
             (Megatron-LM's buffer; see module/_main_grad.py for the contract).
         get_rng_state_tracker, rng_tracker_name: NVIDIA's model-parallel RNG tracker for the
-            weight's initialization; accepted and kept: a split layer draws the whole weight
-            from torch's generator and keeps its slice, which needs no tracker.
+            weight's initialization. With both, the parameters are drawn on the tracker's
+            stream ``rng_tracker_name`` (Megatron-LM's expert layers name theirs, so that
+            experts differ between expert-parallel ranks); with the tracker alone they are
+            drawn from torch's generator, where a split layer draws the whole weight and keeps
+            its slice (NVIDIA's draws each slice on the tracker's default stream instead).
         delay_wgrad_compute: the backward computes the input's and bias's gradients and puts
             the weight's GEMM aside; :meth:`backward_dw` runs it and adds the gradient
             (module/_deferred_wgrad.py). The layer then takes the Python path (not the
@@ -394,8 +409,10 @@ class Linear(_LinearBase):
         self.parallel_mode = parallel_mode
         # (no effect unless the layer is split: a replicated layer sees whole activations)
         self.sequence_parallel = bool(sequence_parallel) and tp > 1
-        self._setup_linear(in_features, out_features, bias, params_dtype, device, init_method,
-                           parameters_split, parallel_mode if tp > 1 else None, tp_group, tp)
+        with init_stream(get_rng_state_tracker, rng_tracker_name):
+            self._setup_linear(in_features, out_features, bias, params_dtype, device,
+                               init_method, parameters_split, parallel_mode if tp > 1 else None,
+                               tp_group, tp)
         if self.sequence_parallel and parallel_mode == "row":
             distributed.mark_sequence_parallel(self._parameters.get("bias"))
 
