@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import gc
 import sys
+import weakref
 
 import _tp_world  # (beside this script)
 import torch
@@ -109,41 +110,39 @@ def check_awkward_sizes(shape, requires_grad: bool) -> None:
         assert dx0 is None and dx1 is None
 
 
-def _float_storages() -> dict:
-    """{address: bytes} of the storage of every live fp32 tensor."""
-    gc.collect()
-    found = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.dtype == torch.float32:
-            storage = obj.untyped_storage()
-            found[storage.data_ptr()] = storage.nbytes()
-    return found
+def what_is_kept(model, x0, **keywords) -> tuple:
+    """(whether te.checkpoint(model, x) keeps ``x`` itself alive after its forward, where
+    nothing else holds it (a block's input made by the layer before); the element counts of
+    the tensors it hands torch's checkpoint to keep)."""
+    real = torch.utils.checkpoint.checkpoint
+    handed = []
 
+    def spy(function, *args, **kwargs):
+        handed.extend(a.numel() for a in args if isinstance(a, torch.Tensor))
+        return real(function, *args, **kwargs)
 
-def kept_bytes(model, x0, **keywords) -> int:
-    """The bytes of fp32 storage that te.checkpoint(model, x) keeps alive after its forward,
-    the output aside, where nothing else holds x (a block's input made by the layer before)."""
-    before = _float_storages()
-    held = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]  # no address reused
     x = x0 * 1.0
-    y = te.checkpoint(model, x, **keywords)
+    ref = weakref.ref(x)
+    torch.utils.checkpoint.checkpoint = spy
+    try:
+        y = te.checkpoint(model, x, **keywords)
+    finally:
+        torch.utils.checkpoint.checkpoint = real
     del x
-    after = _float_storages()
-    after.pop(y.untyped_storage().data_ptr())
-    kept = sum(nbytes for ptr, nbytes in after.items() if ptr not in before)
+    gc.collect()
+    alive = ref() is not None
     y.sum().backward()  # the graph still works
-    del held
-    return kept
+    return alive, handed
 
 
 def check_keeps_a_slice() -> None:
     model = blocks("mlp", GROUP)
     x0 = torch.randn(*LEAD, H, requires_grad=True, generator=torch.Generator().manual_seed(3))
     model(x0).sum().backward()  # whatever the modules make on their first call
-    whole = kept_bytes(model, x0)
-    split = kept_bytes(model, x0, distribute_saved_activations=True, tp_group=GROUP)
-    assert whole == x0.numel() * 4, f"plain checkpoint keeps {whole} bytes"
-    assert split == x0.numel() * 4 // WORLD, f"split checkpoint keeps {split} bytes"
+    alive, handed = what_is_kept(model, x0)
+    assert alive and handed == [x0.numel()], (alive, handed)
+    alive, handed = what_is_kept(model, x0, distribute_saved_activations=True, tp_group=GROUP)
+    assert not alive and handed == [-(-x0.numel() // WORLD)], (alive, handed)
 
 
 def tp_groups():
