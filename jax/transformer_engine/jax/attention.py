@@ -120,7 +120,7 @@ def _lengths(cu: jax.Array, layout: str) -> jax.Array:
 def _cumulative(lengths: jax.Array, layout: str) -> jax.Array:
     if layout == "thd" or not lengths.size:
         return lengths
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
+    return padded_packing.cumulative(lengths)
 
 
 def _piece_args(q, params, mask):

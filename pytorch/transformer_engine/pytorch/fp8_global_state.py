@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from transformer_engine.common.recipe import Recipe
 
 from . import availability, fp8
@@ -62,8 +64,6 @@ class FP8GlobalStateManager:
     def fp8_graph_capturing(cls) -> bool:
         """Whether the current stream is being captured into a CUDA graph (NVIDIA's flag is
         set by its make_graphed_callables; a capture is what it stands for)."""
-        import torch
-
         return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
     @classmethod

@@ -16,6 +16,7 @@ from transformer_engine.jax.flax._unfused_attention import (
     query_positions,
     unfused_attention,
 )
+from transformer_engine.jax.padded_packing import cumulative
 from transformer_engine.jax.sharding import check_supported
 
 __all__ = ["DotProductAttention"]
@@ -86,8 +87,7 @@ def _descriptor(desc, mask, cu_q, cu_kv, layout: str) -> tuple:
 
 def _cu_seqlens(valid: jax.Array) -> jax.Array:
     """int32 [batch + 1] cumulative lengths of a [batch, seqlen] validity mask."""
-    lengths = valid.sum(axis=-1).astype(jnp.int32)
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
+    return cumulative(valid.sum(axis=-1).astype(jnp.int32))
 
 
 class DotProductAttention(nn.Module):

@@ -179,14 +179,16 @@ class _LinearBase(FP8Module):
 
     def _mark_partitions(self) -> None:
         """Where each slice lies in the full tensor, for tools that gather or re-split
-        (Megatron's attribute names); a row layer's bias is not split, nor is a
-        LayerNormLinear's norm (every rank holds all of it: marked split, its gradient would
-        count once per rank in a gradient norm)."""
+        (Megatron's attribute names): the GEMM's weights, and its biases in a column layer
+        (a row layer's bias is not split; nor is a LayerNormLinear's norm, which is not the
+        GEMM's: marked split, its gradient would count once per rank in a gradient norm)."""
         dim = 0 if self._tp_mode == "column" else 1
-        for name, p in self.named_parameters(recurse=False):
-            if name.startswith("layer_norm"):
-                continue
-            if self._tp_mode == "column" or name.endswith("weight"):
+        split = self._gemm_weights()
+        if self._tp_mode == "column":
+            split += ([self._parameters.get("bias")] if self._splits is None
+                      else [getattr(self, n) for n in self.bias_names])
+        for p in split:
+            if p is not None:
                 p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
 
     def _shard(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):

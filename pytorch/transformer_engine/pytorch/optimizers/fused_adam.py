@@ -52,6 +52,26 @@ def _resolve_set_to_none(owner: str, set_grad_none: Optional[bool],
     return True if set_to_none is None else set_to_none
 
 
+def _checked_work(param_groups: list, gradient_of, check) -> list:
+    """Per parameter group, its (parameter, gradient) pairs that have a gradient, every pair
+    checked before the step changes anything (so a refused parameter leaves all unchanged)."""
+    work = []
+    for group in param_groups:
+        items = [(p, g) for p in group["params"] if (g := gradient_of(p)) is not None]
+        for p, g in items:
+            check(p, g)
+        work.append(items)
+    return work
+
+
+def _closure_loss(closure) -> Optional[torch.Tensor]:
+    """torch.optim's closure convention: the loss it returns, computed with gradients on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def _join_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The float32 master held as a bf16 parameter plus its low 16 bits (int16)."""
     high = param.view(torch.int16).to(torch.int32)
@@ -323,17 +343,8 @@ class FusedAdam(torch.optim.Optimizer):
     def step(self, closure=None, grad_scaler=None):
         """One update of every parameter that has a gradient. ``grad_scaler`` is used only
         with ``capturable=True`` (see the class); otherwise GradScaler handles scaling itself."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # Every parameter is checked before anything changes.
-        work = []
-        for group in self.param_groups:
-            items = [(p, g) for p in group["params"] if (g := self._gradient(p)) is not None]
-            for p, g in items:
-                self._check(p, g)
-            work.append(items)
+        loss = _closure_loss(closure)
+        work = _checked_work(self.param_groups, self._gradient, self._check)
         for group, items in zip(self.param_groups, work, strict=True):
             self._step_group(group, items, grad_scaler)
         return loss

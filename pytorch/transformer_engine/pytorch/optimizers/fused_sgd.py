@@ -15,7 +15,7 @@ import torch
 from torch.optim.optimizer import required
 
 from ..float8_tensor import Float8Tensor
-from .fused_adam import _resolve_set_to_none
+from .fused_adam import _checked_work, _closure_loss, _resolve_set_to_none
 
 __all__ = ["FusedSGD"]
 
@@ -101,17 +101,8 @@ class FusedSGD(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # Every parameter is checked before anything changes.
-        work = []
-        for group in self.param_groups:
-            items = [(p, p.grad) for p in group["params"] if p.grad is not None]
-            for p, g in items:
-                self._check(p, g)
-            work.append(items)
+        loss = _closure_loss(closure)
+        work = _checked_work(self.param_groups, lambda p: p.grad, self._check)
         for group, items in zip(self.param_groups, work, strict=True):
             self._step_group(group, items)
         return loss
