@@ -167,6 +167,22 @@ def test_fp8_step_saves_at_most_what_its_backward_needs(monkeypatch, name, whole
     assert peak <= bf16[1] + ((T + H) * F if whole_blocks else 0), (peak, bf16[1])
 
 
+def test_bf16_one_node_blocks_peak_no_higher_than_the_pieces(monkeypatch):
+    """Outside fp8_autocast LayerNormLinear and LayerNormMLP run as one autograd node each
+    (hp_blocks.py). One node frees what it saved only when it returns, so it lets go of the
+    norm's, FC1's and the activation's outputs itself once read: its backward's peak must not
+    be above that of the separate nodes (where each goes as its node finishes)."""
+    from transformer_engine.pytorch import hp_blocks
+
+    peaks = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(hp_blocks, "enabled", enabled)
+        layer, x, grad = _setup()
+        _step(layer, x, grad, None)
+        peaks[enabled] = _backward_peak(layer, x, grad, None)
+    assert peaks[True] <= peaks[False], peaks
+
+
 @pytest.mark.parametrize("name", ["delayed", "fp8_mha"])
 def test_lean_mlp_backward_lowers_the_peak(monkeypatch, name):
     """For large blocks (layernorm_mlp_fn.LEAN_BYTES) the MLP backward computes FC2's wgrad

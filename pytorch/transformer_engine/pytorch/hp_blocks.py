@@ -9,7 +9,10 @@ the same calls under no_grad, and the backward makes autograd's own calls for ea
 the order autograd would run them: for F.linear ``grad.mm(weight)``, ``grad.t().mm(x)`` and
 ``grad.sum(0)`` (its formulas for addmm/mm and the transpose, as _deferred_wgrad.py uses them),
 for the norm and the activation their own backward ops. So every output and gradient has the
-bits of the pieces (tests/pytorch/test_hp_blocks.py).
+bits of the pieces (tests/pytorch/test_hp_blocks.py). As each piece's node would, the backward
+lets go of what the forward made (the norm's output, FC1's output, the activation's output)
+once its last reader has run (release.py), or one node would hold them all to its end and
+its peak would be above the pieces' (tests/pytorch/test_saved_memory.py).
 
 The modules take them where the block normalizes its own input (not a sequence-parallel
 gather of norm outputs), with no deferred weight gradients, no norm output returned, not
@@ -25,6 +28,7 @@ import torch
 
 from . import ops
 from .module.base import with_leading_dims
+from .release import may_release, release
 
 enabled = True
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -80,6 +84,8 @@ class _LayerNormLinear(torch.autograd.Function):
         needs = ctx.needs_input_grad
         d_ln, grad_w, grad_b = _linear_grads(
             (any(needs[:3]), needs[3], needs[4]), g, ln_out, weight, ctx.has_bias)
+        if may_release():
+            release(ln_out)
         dx = dgamma = dbeta = None
         if d_ln is not None:
             dx, dgamma, dbeta = ops.norm_backward(d_ln.contiguous(), x, mu, rsigma, gamma,
@@ -111,13 +117,22 @@ class _LayerNormMLP(torch.autograd.Function):
         needs = ctx.needs_input_grad
         upstream = any(needs[:5])
         g = _rows(grad_output)
+        free = may_release()
         d_a, grad_w2, grad_b2 = _linear_grads((upstream, needs[5], needs[6]), g, a, w2,
                                               ctx.has_b2)
+        if free:
+            release(a)
         dx = dgamma = dbeta = grad_w1 = grad_b1 = None
         if d_a is not None:
             d_h, _ = ops.activation_backward(d_a.contiguous(), h, ctx.act, False)
+            del d_a
+            if free:
+                release(h)
             d_ln, grad_w1, grad_b1 = _linear_grads((any(needs[:3]), needs[3], needs[4]), d_h,
                                                    ln_out, w1, ctx.has_b1)
+            del d_h
+            if free:
+                release(ln_out)
             if d_ln is not None:
                 dx, dgamma, dbeta = ops.norm_backward(d_ln.contiguous(), x, mu, rsigma, gamma,
                                                       ctx.norm, ctx.zero_centered)
