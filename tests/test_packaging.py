@@ -1,9 +1,11 @@
-"""The four wheels fit together: one shared namespace, one version, exact pins between them."""
+"""The four wheels fit together: one package spread over them, one version, exact pins between
+them."""
 
 import importlib
 import importlib.metadata
 import importlib.util
 import re
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -23,13 +25,56 @@ def _pyproject(folder: str) -> dict:
     return tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
 
 
-def test_transformer_engine_is_a_namespace_package():
+def test_only_the_common_wheel_ships_the_top_package():
+    """`transformer_engine` spans the wheels: transformer-engine-common ships its __init__.py,
+    the -torch and -jax wheels only their subpackage (their own __init__.py would replace the
+    common wheel's file on installation, and in a checkout stop the search at their folder)."""
+    assert (ROOT / "common/transformer_engine/__init__.py").is_file()
+    for folder in ("pytorch", "jax"):
+        assert (ROOT / folder / "transformer_engine" / folder / "__init__.py").is_file()
+        assert not (ROOT / folder / "transformer_engine/__init__.py").exists(), folder
+    # The torch wheel: setuptools' namespace-aware discovery with pyproject.toml's filter.
+    setuptools = pytest.importorskip("setuptools")
+    tomllib = pytest.importorskip("tomllib")
+    find = tomllib.loads((ROOT / "pytorch/pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = setuptools.find_namespace_packages(
+        str(ROOT / "pytorch"), include=find["packages"]["find"]["include"])
+    assert "transformer_engine.pytorch" in packages
+    assert "transformer_engine" not in packages
+    # The jax wheel: scikit-build-core copies jax/transformer_engine/ as it is (checked above),
+    # and CMake installs only into the subpackage.
+    destinations = re.findall(r"DESTINATION\s+(\S+)", (ROOT / "jax/CMakeLists.txt").read_text())
+    assert destinations
+    assert all(d.startswith("transformer_engine/jax") for d in destinations), destinations
+
+
+def test_installed_top_package_is_the_common_wheels():
     import transformer_engine
 
-    # A transformer_engine/__init__.py in any wheel would hide the other wheels' subpackages.
-    assert transformer_engine.__spec__.origin in (None, "namespace")
-    for folder in transformer_engine.__path__:
-        assert not (Path(folder) / "__init__.py").exists(), folder
+    # Found as a regular package, in the folder of the common wheel; no other portion of its
+    # __path__ (a framework wheel's, or a checkout's pytorch/ and jax/) has an __init__.py.
+    init = Path(transformer_engine.__file__)
+    assert init.name == "__init__.py" and (init.parent / "common/__init__.py").is_file()
+    for folder in map(Path, transformer_engine.__path__):
+        ships_common = (folder / "common/__init__.py").is_file()
+        assert (folder / "__init__.py").exists() == ships_common, folder
+    # Its version: NVIDIA's API level, with the wheels' own release as the local label.
+    release = _pyproject("common")["version"]
+    assert transformer_engine.release == release
+    assert transformer_engine.__version__ == f"{transformer_engine.api_level}+te{release}"
+
+
+def test_built_wheels_hold_the_top_package_only_in_common():
+    """The wheels in dist/ (nox builds them there before its test sessions)."""
+    version = _pyproject("common")["version"]
+    wheels = sorted((ROOT / "dist").glob(f"transformer_engine*-{version}-*.whl"))
+    if not wheels:
+        pytest.skip("no wheels of this version in dist/")
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as archive:
+            names = archive.namelist()
+        has_init = "transformer_engine/__init__.py" in names
+        assert has_init == wheel.name.startswith("transformer_engine_common-"), wheel.name
 
 
 @pytest.mark.parametrize("dist", sorted(WHEELS))
