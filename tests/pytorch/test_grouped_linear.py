@@ -326,3 +326,21 @@ def test_grouped_fp8_compiles_whole_and_matches_eager():
     compiled_grad, = torch.autograd.grad(compiled.float().sum(), x)
     assert torch.equal(compiled, eager)
     assert torch.equal(compiled_grad, eager_grad)
+
+
+@pytest.mark.parametrize("mode", ["column", "row"])
+def test_parallel_mode_on_one_rank_is_the_whole_layer(mode):
+    """Megatron-LM builds its experts as column- and row-parallel grouped layers with an expert
+    tensor-parallel group of one rank: nothing is split, so the layer is the plain one (same
+    weights from the same seed, same output); split over more ranks it is refused by name."""
+    torch.manual_seed(0)
+    plain = te.GroupedLinear(2, 16, 8, device="cpu")
+    torch.manual_seed(0)
+    one_rank = te.GroupedLinear(2, 16, 8, device="cpu", parallel_mode=mode, tp_size=1)
+    assert one_rank.parallel_mode == mode
+    x = torch.randn(6, 16)
+    torch.testing.assert_close(one_rank(x, [2, 4]), plain(x, [2, 4]), rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="tp_size=2"):
+        te.GroupedLinear(2, 16, 8, device="cpu", parallel_mode=mode, tp_size=2)
+    with pytest.raises(ValueError, match="parallel_mode must be None, 'column' or 'row'"):
+        te.GroupedLinear(2, 16, 8, device="cpu", parallel_mode="diagonal")

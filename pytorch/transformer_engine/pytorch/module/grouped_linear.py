@@ -80,12 +80,19 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         super().__init__()
         op = self._name
         check_sizes(op, num_gemms=num_gemms)
+        if parallel_mode not in (None, "column", "row"):
+            raise ValueError(f"{op}: parallel_mode must be None, 'column' or 'row', got "
+                             f"{parallel_mode!r}")
         if tp_group is not None and distributed.group_size(op, tp_group) == 1:
             tp_group = None  # a group of one rank splits nothing
+        # On one rank a column- or row-parallel layer is the whole layer (Megatron-LM builds
+        # its experts so, with an expert tensor-parallel group of one rank).
+        self.parallel_mode = parallel_mode
+        split_mode = parallel_mode if tp_group is not None or tp_size != 1 else None
         refuse_non_defaults(
             op, "the groups are not split over ranks",
             sequence_parallel=(sequence_parallel, False),
-            tp_group=(tp_group, None), tp_size=(tp_size, 1), parallel_mode=(parallel_mode, None),
+            tp_group=(tp_group, None), tp_size=(tp_size, 1), parallel_mode=(split_mode, None),
             ub_overlap_rs=(ub_overlap_rs, False), ub_overlap_ag=(ub_overlap_ag, False))
         self.save_original_input, self.ub_name = bool(save_original_input), ub_name
         device = _default_device(device)
