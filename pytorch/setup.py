@@ -17,7 +17,10 @@ HERE = Path(__file__).parent
 
 
 def _extension():
-    common = importlib.util.find_spec("transformer_engine.common")
+    try:
+        common = importlib.util.find_spec("transformer_engine.common")
+    except ModuleNotFoundError:  # no transformer_engine at all on this path
+        common = None
     try:
         import torch
         from torch.utils.cpp_extension import BuildExtension, CppExtension
