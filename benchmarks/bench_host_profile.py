@@ -9,8 +9,11 @@ Per case, over `--steps` steps issued back to back after warm-up (no synchroniza
     the dispatcher and autograd see;
   - python: cProfile's own time per Python function, per step, the largest first (a call into
     the core's binding counts towards its caller): what the Python layers cost.
-The two profiles are separate runs (each profiler slows what it watches); host_ms_per_step is
-measured without either.
+  - sites (``--sites``): where the allocations (``aten::empty*``) and kernel launches of a
+    step come from: torch.profiler's Python stacks, grouped by their innermost frames, the
+    most frequent first, with calls per step.
+The profiles are separate runs (each profiler slows what it watches); host_ms_per_step is
+measured without any.
 
     python benchmarks/bench_host_profile.py                  # results/host_profile.json
     python benchmarks/bench_host_profile.py --device cpu --steps 3 --top 5   # smoke run
@@ -90,6 +93,28 @@ def python_profile(step, device: str, steps: int, top: int) -> list[dict]:
     return out
 
 
+# The host-side events whose origin --sites reports.
+_SITE_OPS = ("aten::empty_strided", "aten::empty", "cudaLaunchKernel", "aten::copy_")
+
+
+def site_profile(step, device: str, steps: int, top: int, depth: int = 6) -> list[dict]:
+    """Per op of _SITE_OPS, the Python call sites (the ``depth`` innermost frames) of its
+    calls, the most frequent first."""
+    _sync(device)
+    # (verbose: without it this torch records no Python stacks for the CPU ops)
+    config = torch._C._profiler._ExperimentalConfig(verbose=True)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True,
+                 experimental_config=config) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    rows = [e for e in prof.key_averages(group_by_stack_n=depth) if e.key in _SITE_OPS]
+    rows.sort(key=lambda e: e.count, reverse=True)
+    return [{"name": e.key, "calls_per_step": e.count / steps,
+             "self_us_per_step": e.self_cpu_time_total / steps,
+             "stack": [frame for frame in e.stack][:depth]} for e in rows[:top]]
+
+
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -97,6 +122,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--name", default="host_profile")
+    parser.add_argument("--sites", action="store_true",
+                        help="also record where allocations and launches come from")
     parser.add_argument("--cases", nargs="*", default=["te_layer/fp8_delayed",
                                                        "te_layer/fp8_current", "te_layer/bf16",
                                                        "torch/bf16"])
@@ -114,6 +141,8 @@ def main(argv: list[str] | None = None):
                      "host_ms_per_step": host_ms(step, args.device, args.steps),
                      "ops": op_profile(step, args.device, args.steps, args.top),
                      "python": python_profile(step, args.device, args.steps, args.top)})
+        if args.sites:
+            rows[-1]["sites"] = site_profile(step, args.device, min(args.steps, 20), args.top)
         print(f"{case}: {rows[-1]['host_ms_per_step']:.3f} ms per step")
     timing = "wall clock" if args.device == "cuda" else "cpu wall clock (CPU kernels included)"
     return write(args.name, {

@@ -17,7 +17,8 @@ norm, attention, the output projection, the MLP):
   backward. On the CPU, from the allocator's own events (``torch.profiler`` with
   ``profile_memory``), so every allocation counts, those inside the ops too; on CUDA
   (``--device cuda``), ``torch.cuda.max_memory_allocated``. ``--live`` lists what is alive
-  at the peak by the op and the block (or backward node) that made it, from a dispatch mode
+  at the forward's and at the backward's peak by the op and the block (or backward node)
+  that made it, from a dispatch mode
   that sees each op's outputs and a finalizer on each new storage (``LiveBytes``).
 
 The estimate of a whole step's peak is parameters + held + the step's peak. At the
@@ -280,8 +281,10 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.where, self.known = where, known
         self.live: dict = {}
-        self.bytes = self.peak = 0
-        self.at_peak: dict = {}
+        self.bytes = 0
+        # phase ("forward" / "backward", set by the caller) -> (peak, live set at it)
+        self.phase = "forward"
+        self.peaks: dict = {}
 
     def _freed(self, key):
         _, nbytes = self.live.pop(key)
@@ -305,17 +308,17 @@ class LiveBytes(TorchDispatchMode):
                 self.live[key] = (tag, s.nbytes())
                 self.bytes += s.nbytes()
                 weakref.finalize(s, self._freed, key)
-        if self.bytes > self.peak:
-            self.peak = self.bytes
+        if self.bytes > self.peaks.get(self.phase, (0,))[0]:
             snapshot: dict = defaultdict(int)
             for tag, nbytes in self.live.values():
                 snapshot[tag] += nbytes
-            self.at_peak = dict(snapshot)
+            self.peaks[self.phase] = (self.bytes, dict(snapshot))
         return out
 
 
-def live_at_peak(layer: Layer, x, grad, recipe) -> tuple[int, dict]:
-    """(peak bytes, live set at the peak by creator) of one step, from LiveBytes."""
+def live_at_peak(layer: Layer, x, grad, recipe) -> dict:
+    """Per phase ("forward", "backward"): (its peak bytes, the live set at that peak by
+    creator) of one step, from LiveBytes."""
     import transformer_engine.pytorch as te
 
     for p in layer.parameters():
@@ -329,11 +332,12 @@ def live_at_peak(layer: Layer, x, grad, recipe) -> tuple[int, dict]:
         with mode:
             with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
                 y = layer(x)
+            mode.phase = "backward"
             y.backward(grad)
             del y
     finally:
         where.remove()
-    return mode.peak, mode.at_peak
+    return mode.peaks
 
 
 def _cuda_peaks(layer: Layer, x, grad, recipe) -> dict:
@@ -373,7 +377,7 @@ def measure(name: str, recipe, shape: dict, device: str, with_live: bool = False
     params = sum(s.nbytes() for p in layer.parameters() for s in _storages(p))
     total_saved = sum(saved["by_part"].values())
     total_held = sum(held.values())
-    live = live_at_peak(layer, x, grad, recipe) if with_live else (0, {})
+    live = live_at_peak(layer, x, grad, recipe) if with_live else {}
     return {"recipe": name, "saved": saved, "live": live, "held": held, "peaks": peaks,
             "params": params, "total_saved": total_saved, "total_held": total_held,
             "estimate": params + total_held + peaks["peak"]}
@@ -414,11 +418,12 @@ def print_table(results: list[dict], title: str) -> None:
 
 
 def print_live(result: dict) -> None:
-    peak, at_peak = result["live"]
-    print(f"\nlive at the peak of {result['recipe']} ({_mb(peak).strip()} MiB; by creator):")
-    for tag, nbytes in sorted(at_peak.items(), key=lambda kv: -kv[1]):
-        if nbytes >= 1024:
-            print(f"  {' '.join(f'{t:>12}' for t in tag)} {nbytes / 1024:10.1f} KiB")
+    for phase, (peak, at_peak) in result["live"].items():
+        print(f"\nlive at the {phase} peak of {result['recipe']} ({_mb(peak).strip()} MiB; "
+              "by creator):")
+        for tag, nbytes in sorted(at_peak.items(), key=lambda kv: -kv[1]):
+            if nbytes >= 1024:
+                print(f"  {' '.join(f'{t:>12}' for t in tag)} {nbytes / 1024:10.1f} KiB")
 
 
 def print_tensors(result: dict) -> None:

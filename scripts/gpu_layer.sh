@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# A GPU check of one Transformer layer's step that fits one 10-minute run: builds the core
+# (CUDA, sm_90a) and the torch package, then, each step within what is left of the budget:
+# where the host's allocations and launches come from (bench_host_profile.py --sites), the
+# memory of the getting-started layer's step measured on the GPU (memory_probe.py, with the
+# live set at the peak), the CUDA tests of the memory and one-node paths, and the
+# TransformerLayer benchmark (speed and peak memory against torch). Logs go to $1/log.txt,
+# JSON to $1.
+#
+#   bash scripts/gpu_layer.sh OUT_DIR        # TE_LAYER_BUDGET_S: seconds to use (560)
+set -u
+out=${1:?usage: gpu_layer.sh OUT_DIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+budget=${TE_LAYER_BUDGET_S:-560}
+log=$out/log.txt
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-wheels .whl/*.whl \
+    && export PYTHONPATH=/tmp/te-wheels${PYTHONPATH:+:$PYTHONPATH}
+fi
+left() { echo $(( $1 - ($(date +%s) - start) )); }
+upto() { local l; l=$(left "$1"); [ "$l" -lt "$2" ] && echo "$l" || echo "$2"; }
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  if [ "$limit" -lt 15 ]; then echo "== $name skipped (no time left)" >> "$log"; return; fi
+  echo "== $name (limit ${limit}s, at $(( $(date +%s) - start ))s)" >> "$log"
+  timeout -s INT -k 10 "$limit" "$@" >> "$log" 2>&1
+  echo "== $name exit $? (at $(( $(date +%s) - start ))s)" >> "$log"
+}
+nvidia-smi -L >> "$log"
+step build_common 300 python3 -m pip install --no-build-isolation --no-deps -q \
+  -C cmake.define.TE_WITH_CUDA=ON -C cmake.define.TE_CUDA_ARCHITECTURES=90a ./common
+step build_torch 120 env CXX=/usr/bin/g++ CC=/usr/bin/gcc python3 -m pip install \
+  --no-build-isolation --no-deps -q ./pytorch
+export TE_BENCH_RESULTS=$out
+step host_sites "$(upto $((budget - 330)) 50)" python3 benchmarks/bench_host_profile.py \
+  --steps 50 --top 60 --sites --name host_sites --cases te_layer/fp8_delayed te_layer/bf16
+step memory "$(upto $((budget - 290)) 60)" python3 benchmarks/memory_probe.py --device cuda \
+  --seq 2048 --batch 8 --hidden 4096 --ffn 16384 --heads 32 --live --recipes bf16,delayed,delayed_mha
+step cuda_tests "$(upto $((budget - 250)) 60)" python3 -m pytest -p no:cacheprovider -q -m cuda \
+  -rfE tests/pytorch/test_hp_blocks.py tests/pytorch/test_saved_memory.py
+step bench_layer "$(left $((budget - 10)))" python3 benchmarks/bench_transformer_layer.py
+echo "== done at $(( $(date +%s) - start ))s" >> "$log"
