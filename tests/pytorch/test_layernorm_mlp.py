@@ -226,6 +226,60 @@ def test_memory_lean_backward_is_bit_identical(monkeypatch, name, act, bias):
             assert torch.equal(a, b_), n
 
 
+@pytest.mark.parametrize("act,bias", [("gelu", True), ("swiglu", False)])
+def test_chunked_lean_backward_equals_the_one_pass_order(monkeypatch, act, bias, device):
+    """Under delayed scaling the lean order makes FC1's FP8 gradient LEAN_CHUNKS row chunks
+    at a time (FC2's dgrad of a chunk, then its activation backward): the FP8 bytes, and so
+    every gradient and the FP8 state, are those of the one-pass order, over several steps (the
+    first of which is not chunked: its scale comes from the whole gradient); only FC1's bias
+    gradient adds its column sums chunk by chunk (fp32 rounding). On the GPU cuBLASLt may take
+    another kernel for the chunk's FC2 dgrad than for all rows (another order of the sums), so
+    an FP8 byte of FC1's gradient may round the other way: the gradients it reaches are
+    compared to 1% there, the rest bit for bit."""
+    from transformer_engine.pytorch import layernorm_mlp_fn
+
+    r = RECIPES["delayed"]
+    monkeypatch.setattr(layernorm_mlp_fn, "LEAN_BYTES", 0)
+    monkeypatch.setattr(layernorm_mlp_fn, "LEAN_CHUNKS", 4)
+    torch.manual_seed(0)
+    mlps = [te.LayerNormMLP(64, 96, activation=act, bias=bias, params_dtype=torch.bfloat16,
+                            device=device) for _ in range(2)]
+    mlps[1].load_state_dict(mlps[0].state_dict())
+    x = torch.randn(4, 128, 64, dtype=torch.bfloat16, device=device)  # 512 rows: 4 chunks
+    g = torch.randn(4, 128, 64, dtype=torch.bfloat16, device=device) * 1e-2
+    # reached by FC1's FP8 gradient: the input's, the norm's and FC1's gradients
+    near = {"x", "layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias"}
+    gpu = device.type == "cuda"
+    calls = []
+    chunked = layernorm_mlp_fn.chunked_fc1_grad
+    monkeypatch.setattr(layernorm_mlp_fn, "chunked_fc1_grad",
+                        lambda *a, **k: calls.append(1) or chunked(*a, **k))
+    for step in range(3):
+        grads = []
+        for mlp, chunks in zip(mlps, (False, True), strict=True):
+            monkeypatch.setattr(layernorm_mlp_fn, "chunkable",
+                                lambda plan, history, c=chunks: c and plan.kind == "delayed"
+                                and not layernorm_mlp_fn.first_step.waits(history, 0))
+            xi = x.clone().requires_grad_()
+            y = _step(mlp, xi, g, r)
+            grads.append({"out": y, "x": xi.grad, **{n: p.grad for n, p in
+                                                     mlp.named_parameters()}})
+            mlp.zero_grad()
+        for n in grads[0]:
+            if gpu and n in near:
+                torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-2, atol=1e-5)
+            elif n == "fc1_bias":  # bf16: the chunks' fp32 sums round alike or one ulp apart
+                torch.testing.assert_close(grads[1][n], grads[0][n], rtol=8e-3, atol=0)
+            else:
+                assert torch.equal(grads[0][n], grads[1][n]), (step, n)
+        for (n, a), b_ in zip(mlps[0].named_buffers(), mlps[1].buffers(), strict=True):
+            if gpu and n.endswith("_bwd"):  # FC1's gradient amax and scales (see above)
+                torch.testing.assert_close(a, b_, rtol=1e-2, atol=0)
+            else:
+                assert torch.equal(a, b_), (step, n)
+    assert len(calls) == 2  # steps 2 and 3; the first step's scale needs the whole gradient
+
+
 def test_gated_activations_double_fc1():
     mlp = te.LayerNormMLP(H, FFN, activation="swiglu", device="cpu", bias=False)
     assert mlp.fc1_weight.shape == (2 * FFN, H) and mlp.fc2_weight.shape == (H, FFN)

@@ -205,6 +205,29 @@ def test_lean_mlp_backward_lowers_the_peak(monkeypatch, name):
     assert peaks[1] <= peaks[0] - T * F + 1024, peaks
 
 
+def test_chunked_fc1_gradient_lowers_the_peak(monkeypatch):
+    """Delayed scaling's lean order makes FC1's FP8 gradient in LEAN_CHUNKS row chunks, so the
+    activation's gradient in bf16 (2TF bytes) exists one chunk at a time: at the peak (the
+    activation's backward) FC1's output (2TF), the FP8 gradient (TF) and one chunk's bf16 and
+    FP8 rows (3TF / 4) instead of FC1's output, the whole bf16 gradient and the FP8 gradient
+    (5TF): TF / 4 lower at least with four chunks."""
+    from transformer_engine.pytorch import layernorm_mlp_fn
+
+    monkeypatch.setattr(compiled_blocks, "enabled", False)
+    monkeypatch.setattr(layernorm_mlp_fn, "LEAN_BYTES", 0)
+    monkeypatch.setattr(layernorm_mlp_fn, "LEAN_CHUNKS", 4)
+    chunkable = layernorm_mlp_fn.chunkable
+    peaks = []
+    for chunks in (False, True):
+        monkeypatch.setattr(layernorm_mlp_fn, "chunkable",
+                            lambda plan, history, c=chunks: c and chunkable(plan, history))
+        layer, x, grad = _setup()
+        for _ in range(2):
+            _step(layer, x, grad, RECIPES["delayed"])
+        peaks.append(_backward_peak(layer, x, grad, RECIPES["delayed"]))
+    assert peaks[1] <= peaks[0] - T * F // 4, peaks
+
+
 def _held(layer) -> list:
     """(module, attribute) of every tensor a module holds outside parameters, buffers and
     gradients."""

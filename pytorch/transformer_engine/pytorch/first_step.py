@@ -78,6 +78,11 @@ def has_empty(history: torch.Tensor) -> bool:
     return bool(getattr(history, _MARK, None))
 
 
+def waits(history: Optional[torch.Tensor], column: int) -> bool:
+    """Whether ``column`` of ``history`` still waits for its first-step scale (eager mode)."""
+    return history is not None and column in (getattr(history, _MARK, None) or ())
+
+
 def written_elsewhere(history: Optional[torch.Tensor], column: int) -> None:
     """The tensor of ``column`` is quantized without a first-step scale (an FP8 weight keeps its
     own bytes): the column is no longer waiting for one."""

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from . import compiled_forward, compiled_grads, ops
+from . import compiled_forward, compiled_grads, first_step, ops
 from .first_step import step_scales
 from .float8_tensor import Float8Tensor
 from .layernorm_linear_fn import NormConfig, norm_backward, norm_then_gemm
@@ -84,6 +84,53 @@ def normalized_fc1(plan: Plan, inp: torch.Tensor, w1_data, w1_sinv, b1, scales: 
 # the launches cost more than the memory is worth). At seq 2048 x batch 8 x ffn 16384 in bf16
 # (512 MiB) it lowers the backward's peak by about 4 x tokens x ffn bytes.
 LEAN_BYTES = 128 * 2**20
+
+
+# The lean order under delayed scaling makes FC1's FP8 gradient in this many chunks of rows:
+# FC2's dgrad of a chunk, then the activation's backward of that chunk writing its FP8 rows,
+# so the activation's gradient in high precision (2 x tokens x ffn bytes in bf16) exists one
+# chunk at a time instead of beside FC1's output and the whole FP8 gradient (the backward's
+# peak). Delayed scaling alone: its scale is known before the gradient exists (current
+# scaling needs the whole gradient's amax first).
+LEAN_CHUNKS = 4
+
+
+def chunkable(plan: Plan, history: Optional[torch.Tensor]) -> bool:
+    """Whether FC1's FP8 gradient may be made chunk by chunk (LEAN_CHUNKS): delayed scaling
+    past its first step (whose scale comes from the whole gradient's amax)."""
+    return plan.kind == "delayed" and not first_step.waits(history, 0)
+
+
+def chunked_fc1_grad(plan: Plan, q_g2: Operand, w2_col, w2_col_sinv, h: torch.Tensor, act: str,
+                     scale: torch.Tensor, history: torch.Tensor, with_dbias: bool,
+                     columnwise: bool) -> tuple:
+    """FC1's FP8 grad_output ``act'(h) * (grad_output @ fc2_weight)`` made LEAN_CHUNKS rows at
+    a time (see LEAN_CHUNKS), cast with the stored scale ``scale[0]``, the amax raised in
+    ``history[0, 0]`` (the max over the chunks: the whole tensor's), h freed once read: (the
+    operand, its column-wise bytes the transpose of the row-wise ones; dbias, the sum of the
+    chunks' fp32 column sums, or None). The FP8 bytes are those of the one-pass order; the
+    bias gradient's additions are grouped by chunk."""
+    m, f = h.shape
+    data = h.new_empty((m, f), dtype=torch.uint8)
+    rows = -(-m // LEAN_CHUNKS)
+    rows = -(-rows // 128) * 128  # whole FP8 GEMM tiles
+    dbias = sinv = None
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        grad_act = fp8_gemm(q_g2.data[r0:r1], q_g2.scale_inv, w2_col, w2_col_sinv,
+                            plan.bwd_dtype, plan.fwd_dtype, plan.grad_mode, plan.weight_mode,
+                            h.dtype, None, True)
+        part, _, sinv, _, part_dbias = ops.activation_backward_fp8(
+            grad_act, h[r0:r1], act, scale[0:1], plan.bwd_dtype, True, False, with_dbias,
+            history, 0)
+        del grad_act
+        data[r0:r1].copy_(part)
+        del part
+        if with_dbias:
+            dbias = part_dbias if dbias is None else dbias + part_dbias
+    release(h)
+    col = ops.transpose(data) if columnwise else None
+    return Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode), dbias
 
 
 class MlpConsts(NamedTuple):
@@ -192,7 +239,7 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         # activation's backward has read them, which one call could not: its peak would be
         # higher.) `recorded`: whether an amax went into the backward history (delayed only).
         delayed = plan.kind == "delayed"
-        grad_act = dbias2 = None
+        grad_act = dbias2 = q_g1 = dbias1 = None
         fc2 = (a_col, a_col_sinv, w2_col, w2_col_sinv)
         lean = free and need_fc1 and h.numel() * h.element_size() >= LEAN_BYTES
         if lean:
@@ -205,8 +252,13 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
             _, grad_w2 = backward_gemms(plan, q_g2, w2_col, w2_col_sinv, a_col, a_col_sinv,
                                         h.dtype, w2_dtype, False, need_wgrad2)
             release(a_col, q_g2.columnwise)
-            grad_act, _ = backward_gemms(plan, q_g2, w2_col, w2_col_sinv, a_col, a_col_sinv,
-                                         h.dtype, w2_dtype, True, False)
+            if chunkable(plan, history) and (need_dgrad or need_wgrad1):
+                # FC2's dgrad and the activation's backward chunk by chunk (LEAN_CHUNKS)
+                q_g1, dbias1 = chunked_fc1_grad(plan, q_g2, w2_col, w2_col_sinv, h, ctx.act,
+                                                scale, history, has_b1, need_wgrad1)
+            else:
+                grad_act, _ = backward_gemms(plan, q_g2, w2_col, w2_col_sinv, a_col,
+                                             a_col_sinv, h.dtype, w2_dtype, True, False)
             del q_g2
         elif (need_fc1 or need_wgrad2) and store2 is None and compiled_grads.usable(
                 plan, ctx.recipe, history, g.shape[0], g, *fc2):
@@ -226,11 +278,12 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         if free:
             release(a_col, w2_col if ctx.own_weights else None)
         if need_fc1:
-            # FC1: d act + d bias + cast + transpose in one pass (backward column 0); it frees
-            # grad_act and h once read
-            q_g1, dbias1 = grad_to_fp8(plan, grad_act, h, ctx.act, scale, 0, need_dgrad,
-                                       need_wgrad1, has_b1, history, free, lean)
-            del grad_act
+            if q_g1 is None and grad_act is not None:
+                # FC1: d act + d bias + cast + transpose in one pass (backward column 0); it
+                # frees grad_act and h once read
+                q_g1, dbias1 = grad_to_fp8(plan, grad_act, h, ctx.act, scale, 0, need_dgrad,
+                                           need_wgrad1, has_b1, history, free, lean)
+                del grad_act
             recorded = recorded or (delayed and q_g1 is not None)
             if q_g1 is not None:
                 d_ln, grad_w1 = backward_gemms(plan, q_g1, w1_col, w1_col_sinv, ln_col,
