@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # A GPU check of one Transformer layer's step that fits one 10-minute run: builds the core
 # (CUDA, sm_90a) and the torch package, then, each step within what is left of the budget:
-# where the host's allocations and launches come from (bench_host_profile.py --sites), the
-# memory of the getting-started layer's step measured on the GPU (memory_probe.py, with the
-# live set at the peak), the CUDA tests of the memory and one-node paths, and the
-# TransformerLayer benchmark (speed and peak memory against torch). Logs go to $1/log.txt,
+# the CUDA tests of the layer's blocks, the memory of the getting-started layer's step
+# measured on the GPU (memory_probe.py, with the live sets at the peaks), its kernels
+# (kernel_profile.py), where the host's allocations and launches come from
+# (bench_host_profile.py --sites), and the TransformerLayer benchmark (speed and peak memory
+# against torch). Logs go to $1/log.txt,
 # JSON to $1.
 #
 #   bash scripts/gpu_layer.sh OUT_DIR        # TE_LAYER_BUDGET_S: seconds to use (560)
@@ -35,11 +36,14 @@ step build_common 300 python3 -m pip install --no-build-isolation --no-deps -q \
 step build_torch 120 env CXX=/usr/bin/g++ CC=/usr/bin/gcc python3 -m pip install \
   --no-build-isolation --no-deps -q ./pytorch
 export TE_BENCH_RESULTS=$out
-step host_sites "$(upto $((budget - 330)) 50)" python3 benchmarks/bench_host_profile.py \
-  --steps 50 --top 60 --sites --name host_sites --cases te_layer/fp8_delayed te_layer/bf16
-step memory "$(upto $((budget - 290)) 60)" python3 benchmarks/memory_probe.py --device cuda \
+step cuda_tests "$(upto $((budget - 330)) 60)" python3 -m pytest -p no:cacheprovider -q -m cuda \
+  -rfE tests/pytorch/test_hp_blocks.py tests/pytorch/test_layernorm_mlp.py \
+  tests/pytorch/test_grouped_linear.py
+step memory "$(upto $((budget - 300)) 60)" python3 benchmarks/memory_probe.py --device cuda \
   --seq 2048 --batch 8 --hidden 4096 --ffn 16384 --heads 32 --live --recipes bf16,delayed,delayed_mha
-step cuda_tests "$(upto $((budget - 250)) 60)" python3 -m pytest -p no:cacheprovider -q -m cuda \
-  -rfE tests/pytorch/test_hp_blocks.py tests/pytorch/test_saved_memory.py
+step kernels "$(upto $((budget - 240)) 70)" python3 benchmarks/kernel_profile.py \
+  --only DelayedScaling --only "TransformerLayer bf16"
+step host_sites "$(upto $((budget - 200)) 40)" python3 benchmarks/bench_host_profile.py \
+  --steps 50 --top 60 --sites --name host_sites --cases te_layer/fp8_delayed te_layer/bf16
 step bench_layer "$(left $((budget - 10)))" python3 benchmarks/bench_transformer_layer.py
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"
