@@ -86,11 +86,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
     rng_state = rng_state.contiguous()
-    ws = _workspace_for(cfg, q, k, v, _TE_NAMES[q.dtype], _TE_NAMES[q.dtype], cu_seqlens_q,
-                        max_seqlen_q, max_seqlen_kv, False)
+    ws = _workspace_for(cfg, (layout, mask, window_left, window_right, softmax_scale, dropout,
+                              False, backend, inference), q, k, v, _TE_NAMES[q.dtype],
+                        _TE_NAMES[q.dtype], cu_seqlens_q, max_seqlen_q, max_seqlen_kv, False)
     core().attention_forward(cfg, raw(q), raw(k), raw(v), raw(o), None if inference else raw(lse),
                              cu_seqlens_q=_opt(cu_seqlens_q), cu_seqlens_kv=_opt(cu_seqlens_kv),
-                             rng_state=_opt(rng_state), workspace=ws, stream=stream_of(q))
+                             rng_state=_opt(rng_state), workspace=_raw_or_none(ws),
+                             stream=stream_of(q))
     return o, lse
 
 
@@ -122,12 +124,13 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     q, k, v, o, d_o, lse = (t.contiguous() for t in (q, k, v, o, d_o, lse))
     cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
     rng_state = rng_state.contiguous()
-    ws = _workspace_for(cfg, q, k, v, _TE_NAMES[o.dtype], _TE_NAMES[grad_dtype], cu_seqlens_q,
-                        max_seqlen_q, max_seqlen_kv, True)
+    ws = _workspace_for(cfg, (layout, mask, window_left, window_right, softmax_scale, dropout,
+                              deterministic, backend, False), q, k, v, _TE_NAMES[o.dtype],
+                        _TE_NAMES[grad_dtype], cu_seqlens_q, max_seqlen_q, max_seqlen_kv, True)
     core().attention_backward(cfg, raw(q), raw(k), raw(v), raw(o), raw(d_o), raw(lse),
                               dq=raw(dq), dk=raw(dk), dv=raw(dv), cu_seqlens_q=_opt(cu_seqlens_q),
                               cu_seqlens_kv=_opt(cu_seqlens_kv), rng_state=_opt(rng_state),
-                              workspace=ws, stream=stream_of(q))
+                              workspace=_raw_or_none(ws), stream=stream_of(q))
     return dq, dk, dv
 
 
@@ -185,12 +188,13 @@ def attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     amax_o = _amax_o(q, fp8_out)
     out = c.Tensor(raw(o), dtype=c.DType.float8_e4m3, scale=raw(o_scale),
                    amax=raw(amax_o)) if fp8_out else raw(o)
-    ws = _workspace_for(cfg, q, k, v, _o_name(o_dtype), _o_name(o_dtype), cu_seqlens_q,
-                        max_seqlen_q, max_seqlen_kv, False)
+    ws = _workspace_for(cfg, (layout, mask, window_left, window_right, softmax_scale, dropout,
+                              False, backend, inference), q, k, v, _o_name(o_dtype),
+                        _o_name(o_dtype), cu_seqlens_q, max_seqlen_q, max_seqlen_kv, False)
     c.attention_forward(cfg, _fp8(q, d[0]), _fp8(k, d[1]), _fp8(v, d[2]), out,
                         None if inference else raw(lse),
                         cu_seqlens_q=_opt(cu_seqlens_q), cu_seqlens_kv=_opt(cu_seqlens_kv),
-                        rng_state=_opt(rng_state), softmax_fp8=softmax, workspace=ws,
+                        rng_state=_opt(rng_state), softmax_fp8=softmax, workspace=_raw_or_none(ws),
                         stream=stream_of(q))
     return o, lse, amax_s, amax_o
 
@@ -264,14 +268,15 @@ def attention_backward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
                       amax=raw_element(amax_grads, i)) if fp8_grads else raw(g)
              for i, g in enumerate((dq, dk, dv))]
     grad_name = do_format if fp8_grads else _TE_NAMES[grad_dtype]
-    ws = _workspace_for(cfg, q, k, v, "float8_e4m3", grad_name, cu_seqlens_q, max_seqlen_q,
-                        max_seqlen_kv, True, do_format)
+    ws = _workspace_for(cfg, (layout, mask, window_left, window_right, softmax_scale, dropout,
+                              deterministic, backend, False), q, k, v, "float8_e4m3", grad_name,
+                        cu_seqlens_q, max_seqlen_q, max_seqlen_kv, True, do_format)
     c.attention_backward(cfg, _fp8_raw(q, d[0]), _fp8_raw(k, d[1]), _fp8_raw(v, d[2]),
                          _fp8_raw(o, d[3]), c.Tensor(raw(d_o), dtype=fmt, scale_inv=d[4]), raw(lse),
                          dq=grads[0], dk=grads[1], dv=grads[2],
                          cu_seqlens_q=_opt(cu_seqlens_q), cu_seqlens_kv=_opt(cu_seqlens_kv),
-                         rng_state=_opt(rng_state), softmax_fp8=softmax, dp_fp8=dp, workspace=ws,
-                         stream=stream_of(q))
+                         rng_state=_opt(rng_state), softmax_fp8=softmax, dp_fp8=dp,
+                         workspace=_raw_or_none(ws), stream=stream_of(q))
     return dq, dk, dv, amax_dp, amax_grads
 
 
@@ -297,19 +302,35 @@ def _o_name(dtype: torch.dtype) -> str:
     return _TE_NAMES[dtype]
 
 
-def _workspace_for(cfg, q, k, v, o_name: str, grad_name: str, cu_q, max_sq, max_skv, backward,
-                   do_name: Optional[str] = None):
-    """CUDA workspace of a call (None on the CPU); dtypes by the core's names."""
+# The workspace size of each kind of call: the core's query (which plans the call) costs tens
+# of microseconds, a dict lookup one; a step asks it twice per attention layer.
+_WORKSPACE_SIZES: dict = {}
+
+
+def _workspace_for(cfg, key: tuple, q, k, v, o_name: str, grad_name: str, cu_q, max_sq, max_skv,
+                   backward, do_name: Optional[str] = None):
+    """CUDA workspace tensor of a call (None on the CPU); dtypes by the core's names. ``key``: the
+    arguments cfg was built from (the binding object does not show them all)."""
     if not q.is_cuda:
         return None
     sizes = sizes_of(q, k, v, cfg.layout.name, cu_q, max_sq, max_skv)
-    c = core()
-    size = c.attention_workspace_size(cfg, sizes, getattr(c.DType, _TE_NAMES[q.dtype]),
-                                      getattr(c.DType, o_name), getattr(c.DType, grad_name),
-                                      do_dtype=getattr(c.DType, do_name or o_name),
-                                      device_id=_device_id(q), backward=backward)
-    ws = torch.empty((max(int(size), 1),), dtype=torch.uint8, device=q.device)
-    return raw(ws)
+    known = (key, tuple(sizes), q.dtype, o_name, grad_name, do_name, q.device.index, backward)
+    size = _WORKSPACE_SIZES.get(known)
+    if size is None:
+        c = core()
+        size = int(c.attention_workspace_size(
+            cfg, sizes, getattr(c.DType, _TE_NAMES[q.dtype]), getattr(c.DType, o_name),
+            getattr(c.DType, grad_name), do_dtype=getattr(c.DType, do_name or o_name),
+            device_id=_device_id(q), backward=backward))
+        if len(_WORKSPACE_SIZES) >= 1024:  # (shapes that keep changing: no unbounded growth)
+            _WORKSPACE_SIZES.clear()
+        _WORKSPACE_SIZES[known] = size
+    # the tensor, not its raw form: the caller keeps it alive until the core call returns
+    return torch.empty((max(size, 1),), dtype=torch.uint8, device=q.device)
+
+
+def _raw_or_none(t: Optional[torch.Tensor]):
+    return None if t is None else raw(t)
 
 
 def sizes_of(q, k, v, layout: str, cu_q: Optional[torch.Tensor], max_sq: int,
