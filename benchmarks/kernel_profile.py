@@ -26,9 +26,9 @@ from bench_transformer_layer import SHAPES, contenders
 from harness import write_result
 
 # Kernel name pattern -> class, first match wins.
-_CLASSES = [
-    ("gemm", r"gemm|gmma|cutlass|sm90_xmma|nvjet|cublas"),
+_CLASSES = [  # (attention first: cuDNN's attention kernels have "wgmma" in their names)
     ("attention", r"flash|fmha|sdpa|attn|attention|cudnn"),
+    ("gemm", r"gemm|gmma|cutlass|sm90_xmma|nvjet|cublas"),
     ("copy", r"copy|Memcpy|cat|transpose"),
     ("norm", r"norm"),
     ("activation", r"gelu|silu|swiglu|relu|activation"),
