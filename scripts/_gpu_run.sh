@@ -1,0 +1,34 @@
+# Shared by the one-call GPU scripts (gpu_quick.sh, gpu_layer.sh); sourced, not run. Expects
+# $out (the output folder) and $budget (seconds); leaves the working directory at the
+# repository root and gives:
+#   left S         seconds from now until second S of the run
+#   upto S L       the smaller of `left S` and L
+#   step NAME L CMD...   runs CMD within L seconds, logged to $out/log.txt with its exit status
+#   build_torch_stack    the core (CUDA, sm_90a) and the torch package, into this Python
+# Wheels in .whl/ (brought for a machine without network: cudnn-frontend, torchao, nox) are
+# installed beside the machine's packages first.
+mkdir -p "$out"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+log=$out/log.txt
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-wheels .whl/*.whl \
+    && export PYTHONPATH=/tmp/te-wheels${PYTHONPATH:+:$PYTHONPATH}
+fi
+left() { echo $(( $1 - ($(date +%s) - start) )); }
+upto() { local l; l=$(left "$1"); [ "$l" -lt "$2" ] && echo "$l" || echo "$2"; }
+step() {
+  local name=$1 limit=$2; shift 2
+  if [ "$limit" -lt 15 ]; then echo "== $name skipped (no time left)" >> "$log"; return; fi
+  echo "== $name (limit ${limit}s, at $(( $(date +%s) - start ))s)" >> "$log"
+  timeout -s INT -k 10 "$limit" "$@" >> "$log" 2>&1
+  echo "== $name exit $? (at $(( $(date +%s) - start ))s)" >> "$log"
+}
+build_torch_stack() {
+  nvidia-smi -L >> "$log"
+  step build_common 300 python3 -m pip install --no-build-isolation --no-deps -q \
+    -C cmake.define.TE_WITH_CUDA=ON -C cmake.define.TE_CUDA_ARCHITECTURES=90a ./common
+  step build_torch 120 env CXX=/usr/bin/g++ CC=/usr/bin/gcc python3 -m pip install \
+    --no-build-isolation --no-deps -q ./pytorch
+}
