@@ -96,8 +96,9 @@ def test_plain_nn_linear_checkpoint_loads():
 
 def test_nvidia_checkpoint_without_fp8_state_loads():
     """NVIDIA's modules write an empty uint8 tensor (a BytesIO before its 2.0) as the extra
-    state of a module that never ran in FP8: such a checkpoint loads, scales fresh; one that
-    holds NVIDIA's pickled FP8 state is refused by name, with the way around it."""
+    state of a module that never ran in FP8: such a checkpoint loads, scales fresh. (Their
+    FP8 states load too: test_nvidia_extra_state.py.) Bytes that are no such state are
+    refused by name, and change nothing."""
     source = te.Linear(32, 16, device="cpu")
     for empty in (torch.empty(0, dtype=torch.uint8), io.BytesIO()):
         state = dict(source.state_dict(), _extra_state=empty)
@@ -106,6 +107,9 @@ def test_nvidia_checkpoint_without_fp8_state_loads():
         layer.load_state_dict(state)
         assert torch.equal(layer.weight, source.weight) and torch.equal(layer.scale_fwd, fresh)
     state = dict(source.state_dict(), _extra_state=torch.ones(40, dtype=torch.uint8))
-    with pytest.raises(ValueError, match=r"Linear.set_extra_state: an FP8 state written by "
-                                         r"NVIDIA Transformer Engine \(40 bytes.*strict=False"):
-        te.Linear(32, 16, device="cpu").load_state_dict(state)
+    layer = te.Linear(32, 16, device="cpu")
+    fresh = layer.scale_fwd.clone()
+    with pytest.raises(ValueError, match=r"Linear.set_extra_state: expected NVIDIA Transformer "
+                                         r"Engine's pickled FP8 state .*40 bytes do not decode"):
+        layer.load_state_dict(state)
+    assert torch.equal(layer.scale_fwd, fresh)

@@ -343,6 +343,9 @@ class DotProductAttention(FP8Module):
         torch.Size([2, 8, 64])
     """
 
+    # NVIDIA's state has three GEMMs' columns, q, k and v sharing one (module/_nvidia_state.py)
+    _nvidia_layout = "attention"
+
     def __init__(self, num_attention_heads: int, kv_channels: Union[int, tuple[int, int]],
                  num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0,
                  qkv_format: str = "sbhd", attn_mask_type: str = "causal",

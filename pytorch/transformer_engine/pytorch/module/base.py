@@ -24,6 +24,7 @@ from transformer_engine.common.recipe import DelayedScaling, Recipe
 from .. import first_step, fp8
 from ..float8_tensor import Float8Tensor
 from ..quantization import Operand, Plan, plan_of, quantize
+from . import _nvidia_state
 from ._deferred_init import DeferredInit
 
 EXTRA_STATE_VERSION = 1
@@ -126,6 +127,9 @@ class FP8Module(DeferredInit, torch.nn.Module):
 
     # Whether the GEMM weights' gradients go into their main_grad (module/_main_grad.py).
     fuse_wgrad_accumulation = False
+    # How NVIDIA's modules lay out this module's FP8 state (module/_nvidia_state.py): its
+    # GEMMs one for one ("gemms"), or DotProductAttention's ("attention").
+    _nvidia_layout = "gemms"
 
     def __init__(self, device: torch.device, history_len: int | None = None,
                  num_gemms: int = 1) -> None:
@@ -285,8 +289,86 @@ class FP8Module(DeferredInit, torch.nn.Module):
             return
         if self._fp8_unused:
             fp8.mark_used(self)
+        if not fp8.STATE.enabled:  # a calibrating forward (NVIDIA's fp8_calibration)
+            self.__dict__["_nvidia_flags"] = (False, True, None)
         if length != recipe.amax_history_len:
             self._make_fp8_meta(recipe.amax_history_len, self.amax_history_fwd.device)
+
+    # ------------------------------------------------ NVIDIA's attributes (Megatron-LM's)
+    # NVIDIA's modules set fp8, fp8_calibration and fp8_meta at the start of every forward
+    # (init_fp8_metadata). Here they are read off the state when asked, so that a forward
+    # writes nothing for them: a forward that meets a recipe sets _fp8_recipe anyway, and
+    # init_fp8_metadata (and a calibrating forward) leave flags that hold until the next FP8
+    # forward meets its recipe.
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the module runs in FP8: True once an FP8 forward has run (until
+        ``init_fp8_metadata`` outside an FP8 autocast, or a calibrating forward, says
+        otherwise), as NVIDIA's attribute after its forward."""
+        if self._fp8_recipe is not None:
+            return True
+        flags = self.__dict__.get("_nvidia_flags")
+        return bool(flags and flags[0])
+
+    @fp8.setter
+    def fp8(self, value: bool) -> None:
+        self._set_nvidia_flags(bool(value), self.fp8_calibration)
+
+    @property
+    def fp8_calibration(self) -> bool:
+        """Whether the module's last forward calibrated (an autocast with
+        ``calibrating=True`` and FP8 off), or ``init_fp8_metadata`` found such an autocast."""
+        flags = self.__dict__.get("_nvidia_flags")
+        return self._fp8_recipe is None and bool(flags and flags[1])
+
+    @fp8_calibration.setter
+    def fp8_calibration(self, value: bool) -> None:
+        self._set_nvidia_flags(self.fp8, bool(value))
+
+    def _set_nvidia_flags(self, fp8_on: bool, calibrating: bool, recipe=None) -> None:
+        self._fp8_recipe = None  # the next FP8 forward meets its recipe (and resets the flags)
+        self.__dict__["_nvidia_flags"] = (fp8_on, calibrating, recipe)
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        """NVIDIA's: ``fp8``, ``fp8_calibration`` and ``fp8_meta`` from the current autocast
+        (Megatron-LM calls it before loading a state dict). The delayed-scaling state itself
+        fits the recipe at the next forward, as always here; ``num_gemms`` is NVIDIA's count
+        (this module knows its own)."""
+        del num_gemms
+        state = fp8.STATE
+        on = state.enabled or state.calibrating
+        recipe = (state.recipe or fp8._DEFAULT_RECIPE) if on else None
+        self._set_nvidia_flags(bool(state.enabled), bool(state.calibrating), recipe)
+        if on:
+            self.fp8_meta["fp8_group"] = state.group
+
+    def _nvidia_recipe(self) -> Recipe:
+        """The recipe of the last FP8 forward, else the one init_fp8_metadata found, else
+        the one the state was made or loaded under, else the default recipe."""
+        if self._fp8_recipe is not None:
+            return self._fp8_recipe
+        flags = self.__dict__.get("_nvidia_flags")
+        if flags and flags[2] is not None:
+            return flags[2]
+        summary = self._recipe_summary
+        if isinstance(summary, Recipe):
+            return summary
+        loaded = _nvidia_state.recipe_from_summary(summary) if summary else None
+        return loaded if loaded is not None else fp8._DEFAULT_RECIPE
+
+    def _nvidia_checkpoint(self) -> bool:
+        """NVIDIA's fp8_meta["fp8_checkpoint"]: the module holds FP8 state worth saving (a
+        forward used it, it was loaded, or the module runs in FP8)."""
+        return not self._fp8_unused or self.fp8 or self.fp8_calibration
+
+    @property
+    def fp8_meta(self) -> dict:
+        """NVIDIA's dict of FP8 metadata, with the keys Megatron-LM reads: ``"recipe"``,
+        ``"fp8_checkpoint"``, ``"fp8_group"``, ``"num_gemms"``. One dict per module: what a
+        caller writes in it stays until the module's own value changes."""
+        return nvidia_fp8_meta(self, self._nvidia_recipe(), self._nvidia_checkpoint(),
+                               self._num_gemms)
 
     def _apply(self, fn, recurse=True):
         # module.half() / .to(dtype) would cast the scaling state too; it stays fp32 (the
@@ -317,53 +399,82 @@ class FP8Module(DeferredInit, torch.nn.Module):
         return state
 
     def set_extra_state(self, state: Any) -> None:
+        """Loads our extra state (a dict, ``get_extra_state``'s), or NVIDIA Transformer
+        Engine's (a uint8 tensor of pickled bytes, a BytesIO before its 2.0; empty where the
+        module never ran in FP8), its delayed-scaling columns mapped onto ours
+        (module/_nvidia_state.py). Everything is checked before anything is written."""
+        checked = self._checked_extra_state(state)
+        if checked is not None:
+            self._install_extra_state(checked)
+
+    def _checked_extra_state(self, state: Any) -> tuple | None:
+        """The buffers, their empty history columns and the summary that ``state`` loads,
+        made and checked without touching the module (None: nothing to load)."""
+        name = type(self).__name__
         if state is None:  # a checkpoint written before the module saw FP8
-            return
+            return None
         if isinstance(state, (torch.Tensor, io.BytesIO)):
-            # NVIDIA's modules write their FP8 state as pickled bytes (a uint8 tensor; a
-            # BytesIO before 2.0), none for a module that never ran in FP8.
-            size = state.numel() if isinstance(state, torch.Tensor) else state.getbuffer().nbytes
-            if size == 0:
-                return
-            raise ValueError(f"{type(self).__name__}.set_extra_state: an FP8 state written by "
-                             f"NVIDIA Transformer Engine ({size} bytes of pickled scales) cannot "
-                             "be loaded here; load the checkpoint with strict=False to skip "
-                             "'_extra_state' (the FP8 scales then start afresh)")
+            nvidia = _nvidia_state.decode(name, state)
+            if nvidia is None:
+                return None
+            state = _nvidia_state.to_ours(name, nvidia, self._nvidia_layout, self._num_gemms,
+                                          self._buffers["amax_history_fwd"].shape[0])
         if not isinstance(state, dict) or "version" not in state:
-            raise ValueError(f"{type(self).__name__}.set_extra_state: state must be a dict "
-                             f"with a 'version', got {type(state).__name__}")
+            raise ValueError(f"{name}.set_extra_state: state must be a dict with a 'version' "
+                             "(this library's extra state) or NVIDIA Transformer Engine's "
+                             f"(a uint8 tensor or a BytesIO), got {type(state).__name__}")
         if state["version"] != EXTRA_STATE_VERSION:
-            raise ValueError(f"{type(self).__name__}.set_extra_state: state version must be "
+            raise ValueError(f"{name}.set_extra_state: state version must be "
                              f"{EXTRA_STATE_VERSION}, got {state['version']!r}")
-        if self._fp8_unused:  # loaded state is kept until a forward meets another length
-            fp8.mark_used(self)
-        device = self.amax_history_fwd.device
-        counts = [0, 0]  # empty history columns, all history columns
-        for name, (_, per_gemm) in _META.items():
-            t = state.get(name) if name in _OPTIONAL else state[name]
-            if t is None:  # a checkpoint from before the FP8 output: fresh state, sized alike
-                length, columns = state["amax_history_fwd"].shape[0], per_gemm * self._num_gemms
-                t = (torch.zeros(length, columns) if name.startswith("amax")
-                     else torch.ones(columns))
+        device = self._buffers["amax_history_fwd"].device
+        buffers, empties, loaded = {}, {}, {}
+        for key, (kind, per_gemm) in _META.items():
+            t = state.get(key) if key in _OPTIONAL else state.get(key, "missing")
             columns = per_gemm * self._num_gemms
-            if t.dim() == 0 or t.shape[-1] != columns:
-                raise ValueError(f"{type(self).__name__}.set_extra_state: {name} must have "
-                                 f"{columns} columns ({per_gemm} per GEMM of this module), got "
-                                 f"shape {list(t.shape)}")
+            if t is None:  # a checkpoint from before the FP8 output: fresh state, sized alike
+                length = buffers["amax_history_fwd"].shape[0]
+                t = torch.zeros(length, columns) if kind == "history" else torch.ones(columns)
+            dims = 2 if kind == "history" else 1
+            if not isinstance(t, torch.Tensor) or t.dim() != dims or t.shape[-1] != columns:
+                got = (f"shape {list(t.shape)}" if isinstance(t, torch.Tensor)
+                       else "nothing" if isinstance(t, str) else type(t).__name__)
+                raise ValueError(f"{name}.set_extra_state: {key} must have {columns} columns "
+                                 f"({per_gemm} per GEMM of this module) in a {dims}-d tensor, "
+                                 f"got {got}")
+            if (kind == "history" and buffers
+                    and t.shape[0] != buffers["amax_history_fwd"].shape[0]):
+                raise ValueError(f"{name}.set_extra_state: {key} must have the "
+                                 f"{buffers['amax_history_fwd'].shape[0]} steps of "
+                                 f"amax_history_fwd, got {t.shape[0]}")
+            loaded[key] = t.detach().to("cpu", torch.float32)
             # Contiguous whatever the saved layout: quantize reaches single elements of these
             # buffers by address (ops.quantize_delayed).
-            if name.startswith("amax_history"):  # columns as new (first_step.py): a first step
-                scale = state.get(name.replace("amax_history", "scale"))
-                empty = [c for c in range(columns) if not bool(t[:, c].any())
-                         and (scale is None or float(scale[c]) == 1.0)]
-            t = t.to(device, torch.float32).clone(memory_format=torch.contiguous_format)
-            if name.startswith("amax_history"):
-                first_step.mark_empty(t, empty)
-                counts[0] += len(empty)
-                counts[1] += columns
-            self.register_buffer(name, t, persistent=False)
-        self._recipe_summary = dict(state.get("recipe", {}))
-        self._fp8_recipe = None  # the loaded history may not fit the recipe in use
+            buffers[key] = t.to(device, torch.float32).clone(
+                memory_format=torch.contiguous_format)
+        for key in ("amax_history_fwd", "amax_history_bwd", "amax_history_out"):
+            # columns as new (first_step.py): no amax, scale 1; a first step for them
+            history, scale = loaded[key], loaded[key.replace("amax_history", "scale")]
+            empties[key] = [c for c in range(history.shape[1])
+                            if not bool(history[:, c].any()) and float(scale[c]) == 1.0]
+        summary = state.get("recipe", {})
+        return buffers, empties, dict(summary) if isinstance(summary, dict) else {}
+
+    def _install_extra_state(self, checked: tuple) -> None:
+        buffers, empties, summary = checked
+        if self._fp8_unused:  # loaded state is kept until a forward meets another length
+            fp8.mark_used(self)
+        counts = [0, 0]  # empty history columns, all history columns
+        for key, t in buffers.items():
+            if key in empties:
+                first_step.mark_empty(t, empties[key])
+                counts[0] += len(empties[key])
+                counts[1] += t.shape[1]
+            self.register_buffer(key, t, persistent=False)
+        self._recipe_summary = summary
+        # NVIDIA's flags stay as they were (its set_extra_state leaves them); the next FP8
+        # forward meets its recipe afresh (the loaded history may not fit it).
+        self.__dict__["_nvidia_flags"] = (self.fp8, self.fp8_calibration, None)
+        self._fp8_recipe = None
         # Every column empty: a first step again; some: the marks decide (first_step.py).
         self._fp8_first_step = ("first" if counts[0] == counts[1] else
                                 "eager" if counts[0] else "done")
@@ -376,6 +487,22 @@ class FP8Module(DeferredInit, torch.nn.Module):
         key = prefix + "_extra_state"
         if key in missing_keys:
             missing_keys.remove(key)
+
+
+def nvidia_fp8_meta(module: torch.nn.Module, recipe: Recipe, checkpoint: bool,
+                    num_gemms: int) -> dict:
+    """``module``'s NVIDIA fp8_meta dict, kept on the module, with the values the module
+    derives now for "recipe" and "fp8_checkpoint"; a value a caller wrote stays until the
+    derived one changes (as NVIDIA's next forward would overwrite it)."""
+    meta = module.__dict__.get("_nvidia_fp8_meta")
+    if meta is None:
+        meta = module.__dict__["_nvidia_fp8_meta"] = {"fp8_group": None, "num_gemms": num_gemms}
+        module.__dict__["_nvidia_fp8_meta_derived"] = {}
+    derived = module.__dict__["_nvidia_fp8_meta_derived"]
+    for key, value in (("recipe", recipe), ("fp8_checkpoint", checkpoint)):
+        if key not in derived or type(derived[key]) is not type(value) or derived[key] != value:
+            meta[key] = derived[key] = value
+    return meta
 
 
 def set_group_of_children(module: torch.nn.Module, tp_group) -> None:

@@ -14,7 +14,8 @@ layers one after the other. NVIDIA's parameter names
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+import io
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -28,10 +29,12 @@ from ..grouped_linear_fn import (
 )
 from ..linear_fn import takes_fp8_input
 from ..quantization import kind_of, plan_of, quantize_many
+from . import _nvidia_state
 from ._checks import check_device, check_float_input, check_sizes, refuse_non_defaults
 from ._deferred_init import DeferredInit
 from ._deferred_wgrad import add_weight_grad
 from ._main_grad import route_tree
+from .base import nvidia_fp8_meta
 from .linear import _FP8_INPUT_DTYPES, Linear, _default_device, check_fp8_shape, init_stream
 
 __all__ = ["GroupedLinear"]
@@ -198,6 +201,79 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         params = weights + (biases if self.use_bias and not self.return_bias else [])
         store = self._wgrad_store if self.delay_wgrad_compute else None
         return GroupedHpFunction.apply(rows, tuple(splits), store, *params)
+
+    # ------------------------------------------------ NVIDIA's FP8 state and attributes
+
+    def set_extra_state(self, state: Any) -> None:
+        """NVIDIA's GroupedLinear keeps the FP8 state of all its GEMMs in one
+        ``_extra_state`` (a uint8 tensor, a BytesIO before its 2.0): it loads into the
+        groups' layers, GEMM i's columns into ``gemms[i]`` (module/_nvidia_state.py), all of
+        them checked before any is written. This module writes no ``_extra_state`` of its
+        own: each layer's is ``gemms.{i}._extra_state``."""
+        name = type(self).__name__
+        if state is None:
+            return
+        if not isinstance(state, (torch.Tensor, io.BytesIO)):
+            raise ValueError(f"{name}.set_extra_state: expected NVIDIA Transformer Engine's "
+                             "extra state (a uint8 tensor or a BytesIO; this library keeps "
+                             "each group's under gemms.<i>._extra_state), got "
+                             f"{type(state).__name__}")
+        nvidia = _nvidia_state.decode(name, state)
+        if nvidia is None:
+            return
+        gemms = list(self.gemms)
+        ours = _nvidia_state.to_ours(name, nvidia, "gemms", self.num_gemms,
+                                     gemms[0]._buffers["amax_history_fwd"].shape[0])
+        parts = _nvidia_state.split_gemms(ours, self.num_gemms)
+        checked = [g._checked_extra_state(part) for g, part in zip(gemms, parts, strict=True)]
+        for gemm, part in zip(gemms, checked, strict=True):
+            gemm._install_extra_state(part)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        key = prefix + "_extra_state"  # NVIDIA's only: ours are the groups'
+        if key in missing_keys:
+            missing_keys.remove(key)
+
+    @property
+    def fp8(self) -> bool:
+        """NVIDIA's attribute: whether the groups run in FP8 (te.Linear's ``fp8``)."""
+        return any(g.fp8 for g in self.gemms)
+
+    @fp8.setter
+    def fp8(self, value: bool) -> None:
+        for g in self.gemms:
+            g.fp8 = value
+
+    @property
+    def fp8_calibration(self) -> bool:
+        """NVIDIA's attribute: whether the groups' last forward calibrated."""
+        return any(g.fp8_calibration for g in self.gemms)
+
+    @fp8_calibration.setter
+    def fp8_calibration(self, value: bool) -> None:
+        for g in self.gemms:
+            g.fp8_calibration = value
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        """NVIDIA's (Megatron-LM calls it before loading a state dict): each group's
+        ``init_fp8_metadata``, and ``fp8_group`` from the current autocast."""
+        del num_gemms
+        for g in self.gemms:
+            g.init_fp8_metadata()
+        state = fp8.STATE
+        if state.enabled or state.calibrating:
+            self.fp8_meta["fp8_group"] = state.group
+
+    @property
+    def fp8_meta(self) -> dict:
+        """NVIDIA's FP8 metadata (as te.Linear's): the first group's recipe, and whether any
+        group holds FP8 state worth saving."""
+        gemms = self.gemms
+        return nvidia_fp8_meta(self, gemms[0]._nvidia_recipe(),
+                               any(g._nvidia_checkpoint() for g in gemms), self.num_gemms)
 
     def _weight_operands(self, metas, weights, need_col: bool, is_first_microbatch) -> list:
         """Each group's weight copy as its te.Linear makes it (_weight_operand); fresh casts

@@ -1,0 +1,421 @@
+"""NVIDIA Transformer Engine's FP8 extra state, read into this library's.
+
+NVIDIA's modules save their delayed-scaling state as ``_extra_state``: from its 2.0 a uint8
+tensor holding ``pickle.dumps(state)``, before that an ``io.BytesIO`` written by
+``torch.save(state)``; an empty one where the module never ran in FP8. ``state`` is a dict:
+
+* ``"recipe"``: the recipe object (2.x only; 1.x knew delayed scaling only);
+* ``"scale_fwd"`` [3 * G], ``"amax_history_fwd"`` [L, 3 * G], ``"scale_bwd"`` [2 * G],
+  ``"amax_history_bwd"`` [L, 2 * G]: under delayed scaling only, for the module's G GEMMs;
+  1.x adds ``"scale_inv_fwd"`` / ``"scale_inv_bwd"``;
+* ``"extra_fp8_variables"``: plain values of NVIDIA's ``fp8_meta`` (``num_gemms``,
+  ``fp8_max_fwd``, ``fp8_max_bwd``, ...).
+
+NVIDIA's columns per GEMM g (its ``FP8FwdTensors`` / ``FP8BwdTensors``): forward 3g = the
+input, 3g + 1 = the weight, 3g + 2 = the output (GEMM1_INPUT, GEMM1_WEIGHT, GEMM1_OUTPUT,
+GEMM2_INPUT, ...); backward 2g = the output's gradient, 2g + 1 = the input's gradient
+(GRAD_OUTPUT1, GRAD_INPUT1, GRAD_OUTPUT2, ...). Ours (module/base.py): forward 2g = input,
+2g + 1 = weight; ``*_out`` column g = the output; backward column g = the output's gradient.
+NVIDIA's input gradients have no column here and are dropped. :func:`to_ours` maps a state
+onto ours, the columns NVIDIA lacks as new ones; DotProductAttention's layout differs
+(``_ATTENTION``).
+
+The bytes are decoded without running anything they name: an unpickler that finds only
+torch's tensor rebuild functions (the storages through ``torch.load(weights_only=True)``),
+a few builtin containers, and stand-ins for NVIDIA's recipe classes that keep their fields
+as plain values; anything else is refused before it is called.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import io
+import math
+import pickle
+import types
+from typing import Any, Optional
+
+import torch
+
+from transformer_engine.common import recipe as _recipe
+
+# ------------------------------------------------------------------ decoding
+
+_RECIPE_MODULE = "transformer_engine.common.recipe"
+_FORMAT_NAMES = ("E4M3", "E5M2", "HYBRID", "E2M1")
+# NVIDIA's Format members hold (max_fwd, max_bwd); ours hold the name.
+_FORMAT_BY_MAX = {(448.0, 448.0): "E4M3", (57344.0, 57344.0): "E5M2",
+                  (448.0, 57344.0): "HYBRID", (6.0, 6.0): "E2M1"}
+
+
+class _Fields:
+    """An object of one of NVIDIA's recipe classes (or their MMParams, QParams) as a pickle
+    holds it: the class name and the fields of its state, nothing callable."""
+
+    nvidia_class = ""
+    fields: Any = types.MappingProxyType({})
+
+    def __init__(self, *args, **kwargs) -> None:  # (a pickle calls the class only to refuse)
+        raise pickle.UnpicklingError(f"{_RECIPE_MODULE}.{self.nvidia_class} called with "
+                                     "arguments (a recipe pickles by its fields)")
+
+    def __setstate__(self, state: Any) -> None:
+        parts = state if isinstance(state, tuple) else (state,)  # (dict, slots) or dict
+        fields = {}
+        for part in parts:
+            if isinstance(part, dict):
+                fields.update((k, v) for k, v in part.items() if isinstance(k, str))
+            elif part is not None:
+                raise pickle.UnpicklingError(f"{_RECIPE_MODULE}.{self.nvidia_class}: state "
+                                             f"of type {type(part).__name__}")
+        self.fields = fields
+
+
+class _FormatValue(tuple):
+    """NVIDIA's ``_FormatHelper(max_fwd, max_bwd)``, the value of its Format members."""
+
+    def __new__(cls, *args):
+        return tuple.__new__(cls, args)
+
+
+class _Format:
+    """A member of NVIDIA's (or our) Format, by name."""
+
+    name = None
+
+    def __init__(self, value: Any) -> None:
+        name = None
+        if isinstance(value, str):
+            name = value if value in _FORMAT_NAMES else None
+        elif (isinstance(value, tuple) and len(value) == 2
+              and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+            name = _FORMAT_BY_MAX.get((float(value[0]), float(value[1])))
+        if name is None:
+            raise pickle.UnpicklingError(f"{_RECIPE_MODULE}.Format: unknown member {value!r}")
+        self.name = name
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(f"{_RECIPE_MODULE}.Format has no state to set")
+
+
+def _getattr(obj: Any, name: Any) -> Any:
+    """``getattr(Format, name)``, the other way a pickle may name an enum member."""
+    if obj is _Format and name in _FORMAT_NAMES:
+        return _Format(name)
+    raise pickle.UnpicklingError("builtins.getattr is allowed on Format members only")
+
+
+def _storage_from_bytes(data: Any):
+    """torch.storage._load_from_bytes (how pickle.dumps saves a tensor's storage), read by
+    torch's weights-only loader onto the CPU."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise pickle.UnpicklingError("a storage must come as bytes")
+    storage = torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
+    if not isinstance(storage, (torch.TypedStorage, torch.UntypedStorage)):
+        raise pickle.UnpicklingError(f"a storage's bytes held a {type(storage).__name__}")
+    return storage
+
+
+_STANDINS: dict[str, Any] = {
+    name: type(name, (_Fields,), {"nvidia_class": name})
+    for name in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+                 "MXFP8BlockScaling", "NVFP4BlockScaling", "MMParams", "QParams")}
+_STANDINS.update(Format=_Format, _FormatHelper=_FormatValue, _OverrideLinearPrecision=_FormatValue)
+
+# What NVIDIA's state needs besides the recipe: the tensor rebuild functions that torch's own
+# weights-only unpickler allows (tests/pytorch/test_nvidia_extra_state.py checks that), and
+# containers.
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor"): torch._utils._rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): torch._utils._rebuild_tensor_v3,
+    ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
+    ("torch", "Size"): torch.Size,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "getattr"): _getattr,
+}
+_ALLOWED.update({("torch", str(dtype).split(".")[1]): dtype for dtype in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8)})
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = _ALLOWED.get((module, name))
+        if found is None and module == _RECIPE_MODULE:
+            found = _STANDINS.get(name)
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of an FP8 state")
+        return found
+
+
+def _load(file, **kwargs) -> Any:
+    return _Unpickler(file, **kwargs).load()
+
+
+# For torch.load(pickle_module=...): torch.save's container with this unpickler inside.
+_RESTRICTED_PICKLE = types.ModuleType("transformer_engine_fp8_state_pickle")
+_RESTRICTED_PICKLE.Unpickler = _Unpickler
+_RESTRICTED_PICKLE.load = _load
+
+
+def decode(module: str, state: Any) -> Optional[dict]:
+    """NVIDIA's extra state (a uint8 tensor or a BytesIO) as a dict, or None where it holds
+    none (empty, or a pickled None). ValueError naming ``module`` for anything else."""
+    where = f"{module}.set_extra_state"
+    if isinstance(state, torch.Tensor):
+        if state.numel() == 0:
+            return None
+        if state.dtype != torch.uint8:
+            raise ValueError(f"{where}: a tensor extra state must be NVIDIA Transformer "
+                             "Engine's (uint8 bytes of a pickled dict), got a tensor of dtype "
+                             f"{state.dtype}")
+        data = state.detach().reshape(-1).cpu().numpy().tobytes()
+        form = "NVIDIA Transformer Engine's pickled FP8 state (a uint8 tensor)"
+        try:
+            decoded = _load(io.BytesIO(data))
+        except Exception as e:  # anything the bytes make the unpickler do
+            raise ValueError(f"{where}: expected {form}; its {len(data)} bytes do not decode "
+                             f"as one: {type(e).__name__}: {e}") from None
+    else:
+        data = state.getvalue()
+        if not data:
+            return None
+        form = "NVIDIA Transformer Engine 1.x's FP8 state (a BytesIO written by torch.save)"
+        try:
+            decoded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception:
+            try:
+                decoded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False,
+                                     pickle_module=_RESTRICTED_PICKLE)
+            except Exception as e:
+                raise ValueError(f"{where}: expected {form}; its {len(data)} bytes do not "
+                                 f"decode as one: {type(e).__name__}: {e}") from None
+    if decoded is None:
+        return None
+    if not isinstance(decoded, dict):
+        raise ValueError(f"{where}: expected {form} holding a dict, got a "
+                         f"{type(decoded).__name__}")
+    return decoded
+
+
+# ------------------------------------------------------------------ the recipe
+
+# The fields of NVIDIA's recipes that a summary keeps (plain values; others are ignored).
+_RECIPE_FIELDS = {
+    "DelayedScaling": ("margin", "fp8_format", "amax_history_len", "amax_compute_algo",
+                       "scaling_factor_compute_algo", "reduce_amax", "fp8_dpa", "fp8_mha"),
+    "Float8CurrentScaling": ("fp8_format", "use_power_2_scales", "fp8_dpa", "fp8_mha"),
+    "Float8BlockScaling": ("fp8_format", "use_f32_scales", "x_block_scaling_dim",
+                           "w_block_scaling_dim", "grad_block_scaling_dim", "fp8_dpa",
+                           "fp8_mha"),
+    "MXFP8BlockScaling": ("margin", "fp8_format", "fp8_dpa", "fp8_mha"),
+    "NVFP4BlockScaling": ("disable_rht", "disable_stochastic_rounding",
+                          "disable_2d_quantization", "fp4_format", "fp8_format", "fp8_dpa",
+                          "fp8_mha"),
+}
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as a summary holds it (a Format by name), or None to leave it out."""
+    if isinstance(value, _Format):
+        return value.name  # (None for one made without a member)
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    return None
+
+
+def _delayed_summary(where: str, fields: dict, history_len: int, extra: dict) -> dict:
+    """Our summary (base.recipe_summary) of NVIDIA's DelayedScaling with ``fields``; without
+    them (1.x), the defaults with the state's history length and the format its maxima say."""
+    from .base import recipe_summary  # (base imports this module)
+
+    if fields is None:
+        kwargs: dict[str, Any] = {"amax_history_len": history_len}
+        maxima = (extra.get("fp8_max_fwd"), extra.get("fp8_max_bwd"))
+        if all(isinstance(m, (int, float)) and not isinstance(m, bool) for m in maxima):
+            name = _FORMAT_BY_MAX.get((float(maxima[0]), float(maxima[1])))
+            if name is not None:
+                kwargs["fp8_format"] = _recipe.Format[name]
+    else:
+        if fields.get("scaling_factor_compute_algo") is not None:
+            raise ValueError(f"{where}: NVIDIA's recipe has a scaling_factor_compute_algo, "
+                             "which a checkpoint cannot carry here (a function is code)")
+        kwargs = {}
+        for name in _RECIPE_FIELDS["DelayedScaling"]:
+            if name in fields and name != "scaling_factor_compute_algo":
+                value = _plain(fields[name])
+                if value is None:
+                    raise ValueError(f"{where}: NVIDIA's DelayedScaling.{name} must be a "
+                                     "plain value (bool, int, float, str or a Format), got "
+                                     f"a {type(fields[name]).__name__}")
+                kwargs[name] = (_recipe.Format[value] if isinstance(fields[name], _Format)
+                                else value)
+    try:
+        return dict(recipe_summary(_recipe.DelayedScaling(**kwargs)))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: NVIDIA's DelayedScaling in the checkpoint is not one "
+                         f"this library takes: {e}") from None
+
+
+def _summary(where: str, state: dict, history_len: int) -> tuple[dict, bool]:
+    """(our summary of the state's recipe, whether it is delayed scaling)."""
+    extra = state.get("extra_fp8_variables", {})
+    if not isinstance(extra, dict):
+        raise ValueError(f"{where}: extra_fp8_variables must be a dict, got "
+                         f"{type(extra).__name__}")
+    recipe = state.get("recipe")
+    if recipe is None:  # 1.x: delayed scaling, the only recipe it had
+        return _delayed_summary(where, None, history_len, extra), True
+    name = getattr(type(recipe), "nvidia_class", None)
+    if not isinstance(recipe, _Fields) or name not in _RECIPE_FIELDS:
+        raise ValueError(f"{where}: the state's recipe must be one of NVIDIA's recipes "
+                         f"({', '.join(_RECIPE_FIELDS)}), got {type(recipe).__name__}")
+    if name == "DelayedScaling":
+        return _delayed_summary(where, recipe.fields, history_len, extra), True
+    summary: dict[str, Any] = {"recipe": name}
+    for field in _RECIPE_FIELDS[name]:
+        value = _plain(recipe.fields.get(field))
+        if value is not None:
+            summary[field] = value
+    return summary, False
+
+
+# ------------------------------------------------------------------ the columns
+
+# DotProductAttention: NVIDIA's has three GEMMs' columns, of which q, k and v share forward
+# column 2 (QKV, GEMM1_OUTPUT) and the output's gradient is backward column 3 (dO,
+# GRAD_INPUT2); its O, S, dQKV and dP columns have none here (ours computes o's, p's and the
+# FP8 gradients' scales from bounds). Ours: forward 0 = q, 1 = k, 2 = p (unused), 3 = v;
+# backward 0 = ds (unused), 1 = d_o. Under a current-scaling recipe NVIDIA's keeps delayed
+# state for S and dP alone (one GEMM's columns): none of it maps.
+_ATTENTION = {
+    3: {"fwd": [2, 2, None, 2], "out": [None, None], "bwd": [None, 3]},
+    1: {"fwd": [None] * 4, "out": [None, None], "bwd": [None, None]},
+}
+
+
+def _sources(layout: str, num_gemms: int, nvidia_gemms: int) -> Optional[dict]:
+    """For each of our column groups, the NVIDIA column each of our columns takes (None: a
+    new column), or None where NVIDIA's state has the wrong number of GEMMs."""
+    if layout == "attention":
+        return _ATTENTION.get(nvidia_gemms)
+    if nvidia_gemms != num_gemms:
+        return None
+    return {"fwd": [3 * g + r for g in range(num_gemms) for r in (0, 1)],
+            "out": [3 * g + 2 for g in range(num_gemms)],
+            "bwd": [2 * g for g in range(num_gemms)]}
+
+
+def _expected(layout: str, num_gemms: int) -> str:
+    if layout == "attention":
+        return "3 GEMMs (or 1 under a current-scaling recipe)"
+    return f"{num_gemms} GEMM{'s' if num_gemms > 1 else ''}"
+
+
+def _tensor(where: str, state: dict, key: str, dims: int) -> torch.Tensor:
+    t = state.get(key)
+    if type(t) is not torch.Tensor or t.dim() != dims or not t.dtype.is_floating_point:
+        got = (f"a {t.dim()}-d {t.dtype} tensor" if isinstance(t, torch.Tensor)
+               else "nothing" if t is None else f"a {type(t).__name__}")
+        raise ValueError(f"{where}: NVIDIA's delayed-scaling state must hold {key} as a "
+                         f"{dims}-d floating-point tensor, got {got}")
+    return t.detach().to("cpu", torch.float32)
+
+
+def to_ours(module: str, state: dict, layout: str, num_gemms: int, history_len: int) -> dict:
+    """NVIDIA's decoded state as our extra state (version 1) for a module of ``num_gemms``
+    GEMMs laid out as ``layout`` (``"gemms"`` or ``"attention"``); ``history_len``: the
+    module's, for a state without delayed scaling (which loads as new columns)."""
+    where = f"{module}.set_extra_state"
+    has_tensors = "amax_history_fwd" in state or "scale_fwd" in state
+    if has_tensors:
+        history_len = _tensor(where, state, "amax_history_fwd", 2).shape[0]
+    summary, delayed = _summary(where, state, history_len)
+    fwd_cols, bwd_cols = 2 * num_gemms, num_gemms
+    ours = {"version": 1, "recipe": summary,
+            "amax_history_fwd": torch.zeros(history_len, fwd_cols),
+            "scale_fwd": torch.ones(fwd_cols),
+            "amax_history_bwd": torch.zeros(history_len, bwd_cols),
+            "scale_bwd": torch.ones(bwd_cols),
+            "amax_history_out": torch.zeros(history_len, num_gemms),
+            "scale_out": torch.ones(num_gemms)}
+    if delayed:
+        hist = {"fwd": _tensor(where, state, "amax_history_fwd", 2),
+                "bwd": _tensor(where, state, "amax_history_bwd", 2)}
+        scale = {"fwd": _tensor(where, state, "scale_fwd", 1),
+                 "bwd": _tensor(where, state, "scale_bwd", 1)}
+        fwd, bwd = scale["fwd"].shape[0], scale["bwd"].shape[0]
+        nvidia_gemms = fwd // 3
+        sources = (_sources(layout, num_gemms, nvidia_gemms)
+                   if fwd % 3 == 0 and bwd == 2 * nvidia_gemms else None)
+        if (sources is None or hist["fwd"].shape[1] != fwd or hist["bwd"].shape[1] != bwd
+                or hist["bwd"].shape[0] != hist["fwd"].shape[0]):
+            raise ValueError(
+                f"{where}: NVIDIA's delayed-scaling state for this module must have the "
+                f"columns of {_expected(layout, num_gemms)} (3 forward and 2 backward per "
+                f"GEMM, histories of one length), got scale_fwd {list(scale['fwd'].shape)}, "
+                f"amax_history_fwd {list(hist['fwd'].shape)}, scale_bwd "
+                f"{list(scale['bwd'].shape)}, amax_history_bwd {list(hist['bwd'].shape)}")
+        for kind in ("fwd", "bwd"):
+            s = scale[kind]
+            if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+                raise ValueError(f"{where}: NVIDIA's scale_{kind} must be finite and positive, "
+                                 f"got {s.tolist()}")
+        for ours_kind, nvidia_kind in (("fwd", "fwd"), ("out", "fwd"), ("bwd", "bwd")):
+            for column, source in enumerate(sources[ours_kind]):
+                if source is not None:
+                    ours[f"amax_history_{ours_kind}"][:, column] = hist[nvidia_kind][:, source]
+                    ours[f"scale_{ours_kind}"][column] = scale[nvidia_kind][source]
+    for kind in ("fwd", "bwd", "out"):
+        ours[f"scale_inv_{kind}"] = ours[f"scale_{kind}"].reciprocal()
+    return ours
+
+
+def split_gemms(state: dict, num_gemms: int) -> list[dict]:
+    """Our extra state of ``num_gemms`` GEMMs as one state per GEMM (te.GroupedLinear's
+    layers)."""
+    parts = []
+    for g in range(num_gemms):
+        part: dict[str, Any] = {"version": state["version"], "recipe": dict(state["recipe"])}
+        for kind, per_gemm in (("fwd", 2), ("bwd", 1), ("out", 1)):
+            for name in (f"amax_history_{kind}", f"scale_{kind}", f"scale_inv_{kind}"):
+                part[name] = state[name][..., per_gemm * g:per_gemm * (g + 1)].clone()
+        parts.append(part)
+    return parts
+
+
+# ------------------------------------------------------------------ a recipe from a summary
+
+def recipe_from_summary(summary: dict) -> Optional[_recipe.Recipe]:
+    """Our recipe that a checkpoint's summary describes (its plain fields; the others at
+    their defaults), or None where it names none this library builds or a field is a
+    function."""
+    cls = getattr(_recipe, str(summary.get("recipe")), None)
+    if (not (isinstance(cls, type) and issubclass(cls, _recipe.Recipe))
+            or cls in (_recipe.Recipe, _recipe.CustomRecipe)):  # (a user's quantizers: code)
+        return None
+    kwargs: dict[str, Any] = {}
+    for name in inspect.signature(cls).parameters:
+        if name not in summary:
+            continue
+        value = summary[name]
+        if value == "callable":
+            return None
+        if name in ("fp8_format", "fp4_format"):
+            if value not in _FORMAT_NAMES:
+                return None
+            value = _recipe.Format[value]
+        elif value == "None":
+            value = None
+        elif isinstance(value, str) and name not in ("amax_compute_algo", "backward_override"):
+            continue  # a repr (MMParams): the default
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError):
+        return None
