@@ -541,3 +541,234 @@ def test_grouped_linear_under_megatron_style_load_hook():
     with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=L)):
         grouped(torch.randn(16, 32), [8, 8])
     assert grouped.fp8 and grouped.fp8_meta["num_gemms"] == 2
+
+
+# ------------------------------------------------ te.GroupedLinear writes NVIDIA's layout
+
+SPLITS = [16, 8, 24]
+
+
+def _trained_grouped(r=None, steps=2, gemms=3):
+    """A GroupedLinear after FP8 steps with each group's rows of its own magnitude (so every
+    group's columns hold values of their own); the output columns (which no step here uses)
+    get values of their own too."""
+    torch.manual_seed(0)
+    module = te.GroupedLinear(gemms, 32, 16, device="cpu")
+    r = r or recipe.DelayedScaling(amax_history_len=L, margin=1, amax_compute_algo="most_recent")
+    splits = SPLITS[:gemms]
+    magnitude = torch.cat([torch.full((rows, 1), 4.0 ** i) for i, rows in enumerate(splits)])
+    for step in range(steps):
+        x = torch.randn(sum(splits), 32) * magnitude * (step + 1)
+        with te.fp8_autocast(fp8_recipe=r):
+            y = module(x, splits)
+        (y * torch.randn_like(y) * magnitude * 1e-3).sum().backward()
+    for i, gemm in enumerate(module.gemms):
+        gemm.amax_history_out.copy_(torch.arange(L, dtype=torch.float32)[:, None] + 100.0 * i)
+        gemm.scale_out.fill_(2.0 ** -(i + 1))
+        gemm.scale_inv_out.copy_(1.0 / gemm.scale_out)
+    return module
+
+
+def _marks(module) -> list:
+    return [{k: getattr(g._buffers[k], "_te_empty_columns", set())
+             for k in ("amax_history_fwd", "amax_history_bwd", "amax_history_out")}
+            for g in module.gemms]
+
+
+def _assert_same_state(a, b) -> None:
+    """Every buffer of every group bit for bit (dtype and shape too), the first-step marks and
+    states, the recipe summaries."""
+    for i, (ga, gb) in enumerate(zip(a.gemms, b.gemms, strict=True)):
+        bufs = dict(gb.named_buffers())
+        for name, t in ga.named_buffers():
+            u = bufs[name]
+            assert u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t), (i, name)
+        assert gb._fp8_first_step == ga._fp8_first_step, i
+        assert gb.get_extra_state()["recipe"] == ga.get_extra_state()["recipe"], i
+    assert _marks(b) == _marks(a)
+
+
+def test_grouped_linear_round_trips_its_own_state_bit_exact():
+    source = _trained_grouped()
+    # first-step marks that the values alone would not give back: a column with values
+    # marked as never written, and the rule's state "eager" with no column marked
+    source.gemms[2].amax_history_fwd._te_empty_columns = {0}
+    source.gemms[1].amax_history_out._te_empty_columns = set()
+    assert [g._fp8_first_step for g in source.gemms] == ["eager"] * 3
+    state = source.state_dict()
+    assert sorted(state) == ["_extra_state", "bias0", "bias1", "bias2",
+                             "weight0", "weight1", "weight2"]
+    loaded = te.GroupedLinear(3, 32, 16, device="cpu")
+    loaded.load_state_dict(state)  # strict
+    _assert_same_state(source, loaded)
+    # the groups' values differ (a group loaded into another's place would show)
+    assert not torch.equal(loaded.gemms[0].scale_fwd, loaded.gemms[1].scale_fwd)
+    # a second save writes the same state, in as many bytes (a distributed checkpoint loads
+    # into a tensor of the size it has; the bytes differ in torch's storage keys)
+    again = loaded.state_dict()["_extra_state"]
+    assert again.shape == state["_extra_state"].shape
+    first, second = (reader.decode("test", t) for t in (state["_extra_state"], again))
+    assert first[reader.OURS_KEY]["recipes"] == second[reader.OURS_KEY]["recipes"]
+    fields = [{k: getattr(v, "name", v) for k, v in s["recipe"].fields.items()}
+              for s in (first, second)]
+    assert fields[0] == fields[1] and fields[0]["fp8_format"] == "HYBRID"
+    for key in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
+        assert torch.equal(first[key], second[key]), key
+
+
+def test_grouped_linear_writes_nvidias_keys_shapes_and_columns():
+    module = _trained_grouped()
+    n = module.num_gemms
+    written = reader.decode("test", module.state_dict()["_extra_state"])
+    assert set(written) == {"recipe", "scale_fwd", "amax_history_fwd", "scale_bwd",
+                            "amax_history_bwd", "extra_fp8_variables", reader.OURS_KEY}
+    assert written["scale_fwd"].shape == (3 * n,) and written["scale_bwd"].shape == (2 * n,)
+    assert written["amax_history_fwd"].shape == (L, 3 * n)
+    assert written["amax_history_bwd"].shape == (L, 2 * n)
+    assert written["extra_fp8_variables"]["num_gemms"] == n
+    for g, gemm in enumerate(module.gemms):
+        # forward 3g input, 3g + 1 weight, 3g + 2 output; backward 2g grad_output
+        for column, (name, ours) in enumerate((("fwd", 0), ("fwd", 1), ("out", 0))):
+            assert written["scale_fwd"][3 * g + column] == getattr(gemm, f"scale_{name}")[ours]
+            assert torch.equal(written["amax_history_fwd"][:, 3 * g + column],
+                               getattr(gemm, f"amax_history_{name}")[:, ours])
+        assert written["scale_bwd"][2 * g] == gemm.scale_bwd[0]
+        assert torch.equal(written["amax_history_bwd"][:, 2 * g], gemm.amax_history_bwd[:, 0])
+        # grad_input: none here, written as NVIDIA writes a new column
+        assert written["scale_bwd"][2 * g + 1] == 1.0
+        assert not written["amax_history_bwd"][:, 2 * g + 1].any()
+    # every column a value of its own: a swapped column would have failed above
+    assert len(set(written["scale_fwd"].tolist())) == 3 * n
+    assert len(set(written["scale_bwd"][0::2].tolist())) == n
+    # the recipe, read as NVIDIA's package would read it (its classes under its module path)
+    data = module.state_dict()["_extra_state"].numpy().tobytes()
+    with _nvidia_recipe_module():
+        plain = pickle.loads(data)
+    nv_recipe = plain["recipe"]
+    assert type(nv_recipe) is DelayedScaling and nv_recipe.fp8_format is Format.HYBRID
+    assert (nv_recipe.margin, nv_recipe.amax_history_len, nv_recipe.amax_compute_algo,
+            nv_recipe.scaling_factor_compute_algo) == (1, L, "most_recent", None)
+
+
+def test_grouped_linear_writes_an_empty_tensor_without_fp8_state():
+    module = te.GroupedLinear(2, 32, 16, device="cpu")
+    module(torch.randn(16, 32), [8, 8]).sum().backward()  # outside FP8
+    state = module.state_dict()
+    assert not any(k.startswith("gemms.") for k in state)
+    extra = state["_extra_state"]
+    assert extra.dtype == torch.uint8 and extra.numel() == 0
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=L)):
+        module(torch.randn(16, 32), [8, 8])
+    assert module.state_dict()["_extra_state"].numel() > 0
+
+
+def test_grouped_linear_loads_our_earlier_per_group_form():
+    source = _trained_grouped()
+    old = {k: v for k, v in source.state_dict().items() if k != "_extra_state"}
+    old.update({f"gemms.{i}._extra_state": g.get_extra_state()
+                for i, g in enumerate(source.gemms)})
+    loaded = te.GroupedLinear(3, 32, 16, device="cpu")
+    result = loaded.load_state_dict(old)  # strict
+    assert not result.missing_keys and not result.unexpected_keys
+    for ga, gb in zip(source.gemms, loaded.gemms, strict=True):
+        for name, t in ga.named_buffers():
+            assert torch.equal(dict(gb.named_buffers())[name], t), name
+    # checked as a whole: one bad group, and no group changes
+    fresh = te.GroupedLinear(3, 32, 16, device="cpu")
+    before = _buffers(fresh)
+    old["gemms.2._extra_state"] = {**old["gemms.2._extra_state"], "scale_bwd": torch.ones(3)}
+    with pytest.raises(ValueError, match="scale_bwd must have 1 columns"):
+        fresh.load_state_dict(old)
+    assert _unchanged(fresh, before)
+
+
+def test_grouped_linear_writes_back_what_nvidias_state_held():
+    """NVIDIA's state loads and is written back with the same values in every column we
+    have; the input gradients' come back new (scale 1, history 0)."""
+    state = _nvidia_state(3)
+    module = te.GroupedLinear(3, 32, 16, device="cpu")
+    module.set_extra_state(_v2(state))
+    written = reader.decode("test", module.get_extra_state())
+    for key in ("scale_fwd", "amax_history_fwd"):
+        assert torch.equal(written[key], state[key]), key
+    assert torch.equal(written["scale_bwd"][0::2], state["scale_bwd"][0::2])
+    assert torch.equal(written["amax_history_bwd"][:, 0::2], state["amax_history_bwd"][:, 0::2])
+    assert bool((written["scale_bwd"][1::2] == 1).all())
+    assert not written["amax_history_bwd"][:, 1::2].any()
+
+
+def _megatron_split(tensor: torch.Tensor, gemms: int) -> list:
+    """Megatron-LM's TEGroupedLinear saves each expert's piece of the grouped state on its
+    own: the state decoded with pickle, each tensor viewed as [roles, gemms] (3 forward, 2
+    backward roles; histories [L, roles, gemms]) and GEMM g's slice taken, pickled again."""
+    state = pickle.loads(tensor.numpy().tobytes())
+    pieces = []
+    for g in range(gemms):
+        piece = {"recipe": state["recipe"],
+                 "extra_fp8_variables": dict(state["extra_fp8_variables"], num_gemms=1)}
+        for kind in ("fwd", "bwd"):
+            piece[f"scale_{kind}"] = state[f"scale_{kind}"][g::gemms].clone()
+            piece[f"amax_history_{kind}"] = state[f"amax_history_{kind}"][:, g::gemms].clone()
+        pieces.append(torch.frombuffer(bytearray(pickle.dumps(piece)), dtype=torch.uint8))
+    return pieces
+
+
+def _megatron_merge(pieces: list) -> torch.Tensor:
+    """And its load hook's inverse: the pieces' columns interleaved back."""
+    states = [pickle.loads(p.numpy().tobytes()) for p in pieces]
+    merged = {"recipe": states[0]["recipe"],
+              "extra_fp8_variables": dict(states[0]["extra_fp8_variables"],
+                                          num_gemms=len(states))}
+    for kind in ("fwd", "bwd"):
+        merged[f"scale_{kind}"] = torch.stack([s[f"scale_{kind}"] for s in states], 1).reshape(-1)
+        history = torch.stack([s[f"amax_history_{kind}"] for s in states], 2)
+        merged[f"amax_history_{kind}"] = history.reshape(history.shape[0], -1)
+    return torch.frombuffer(bytearray(pickle.dumps(merged)), dtype=torch.uint8)
+
+
+def test_megatron_style_split_and_merge_of_our_state():
+    source = _trained_grouped()
+    assert isinstance(source.fp8_meta["recipe"], recipe.DelayedScaling)
+    assert source.fp8_meta["recipe"].amax_history_len == L  # what Megatron's views use
+    pieces = _megatron_split(source.state_dict()["_extra_state"], 3)
+    piece = reader.decode("test", pieces[1])
+    assert piece["scale_fwd"].shape == (3,) and piece["amax_history_fwd"].shape == (L, 3)
+    assert piece["scale_bwd"].shape == (2,) and piece["amax_history_bwd"].shape == (L, 2)
+    merged = _megatron_merge(pieces)
+    original = reader.decode("test", source.state_dict()["_extra_state"])
+    again = reader.decode("test", merged)
+    for key in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
+        assert torch.equal(again[key], original[key]), key
+    assert reader.OURS_KEY not in again  # Megatron keeps NVIDIA's keys only
+    loaded = te.GroupedLinear(3, 32, 16, device="cpu")
+    weights = {k: v for k, v in source.state_dict().items() if k != "_extra_state"}
+    loaded.load_state_dict({**weights, "_extra_state": merged})
+    for ga, gb in zip(source.gemms, loaded.gemms, strict=True):
+        for kind in ("fwd", "bwd", "out"):
+            for name in (f"amax_history_{kind}", f"scale_{kind}", f"scale_inv_{kind}"):
+                assert torch.equal(getattr(gb, name), getattr(ga, name)), name
+        assert gb.get_extra_state()["recipe"] == ga.get_extra_state()["recipe"]
+
+
+def test_distributed_checkpoint_of_a_grouped_linear(tmp_path):
+    """torch.distributed.checkpoint (one process) saves the module's state and loads it into
+    one that has FP8 state of the same layout (a fresh module's empty _extra_state has
+    another size, which DCP refuses, as for NVIDIA's modules)."""
+    import torch.distributed.checkpoint as dcp
+
+    source = _trained_grouped()
+    dcp.save(source.state_dict(), checkpoint_id=str(tmp_path))
+    target = _trained_grouped(recipe.DelayedScaling(amax_history_len=L, margin=1,
+                                                    amax_compute_algo="most_recent"), steps=1)
+    state = target.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    target.load_state_dict(state)
+    _assert_same_state(source, target)
+    for i in range(3):
+        assert torch.equal(getattr(target, f"weight{i}"), getattr(source, f"weight{i}"))
+
+
+def test_grouped_linear_has_nvidias_attributes():
+    module = te.GroupedLinear(2, 32, 16, bias=True, return_bias=True, device="cpu")
+    assert (module.tp_size, module.sequence_parallel, module.apply_bias) == (1, False, False)
+    assert te.GroupedLinear(2, 32, 16, device="cpu").apply_bias is True

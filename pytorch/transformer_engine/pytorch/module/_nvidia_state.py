@@ -20,6 +20,9 @@ NVIDIA's input gradients have no column here and are dropped. :func:`to_ours` ma
 onto ours, the columns NVIDIA lacks as new ones; DotProductAttention's layout differs
 (``_ATTENTION``).
 
+te.GroupedLinear also writes its state in this layout (:func:`to_nvidia`, :func:`encode`), with
+this library's own pieces under :data:`OURS_KEY`, which NVIDIA's loader does not read.
+
 The bytes are decoded without running anything they name: an unpickler that finds only
 torch's tensor rebuild functions (the storages through ``torch.load(weights_only=True)``),
 a few builtin containers, and stand-ins for NVIDIA's recipe classes that keep their fields
@@ -29,6 +32,8 @@ as plain values; anything else is refused before it is called.
 from __future__ import annotations
 
 import collections
+import copyreg
+import dataclasses
 import inspect
 import io
 import math
@@ -120,7 +125,8 @@ def _storage_from_bytes(data: Any):
 _STANDINS: dict[str, Any] = {
     name: type(name, (_Fields,), {"nvidia_class": name})
     for name in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
-                 "MXFP8BlockScaling", "NVFP4BlockScaling", "MMParams", "QParams")}
+                 "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "MMParams",
+                 "QParams")}
 _STANDINS.update(Format=_Format, _FormatHelper=_FormatValue, _OverrideLinearPrecision=_FormatValue)
 
 # What NVIDIA's state needs besides the recipe: the tensor rebuild functions that torch's own
@@ -215,6 +221,7 @@ _RECIPE_FIELDS = {
     "NVFP4BlockScaling": ("disable_rht", "disable_stochastic_rounding",
                           "disable_2d_quantization", "fp4_format", "fp8_format", "fp8_dpa",
                           "fp8_mha"),
+    "CustomRecipe": ("fp8_dpa", "fp8_mha"),  # (its quantizer factory is code: never read)
 }
 
 
@@ -385,6 +392,158 @@ def split_gemms(state: dict, num_gemms: int) -> list[dict]:
                 part[name] = state[name][..., per_gemm * g:per_gemm * (g + 1)].clone()
         parts.append(part)
     return parts
+
+
+def merge_gemms(module: str, parts: list[dict]) -> dict:
+    """Our extra states of single GEMMs (te.GroupedLinear's layers) as one state of
+    ``len(parts)`` GEMMs: :func:`split_gemms` inverted (the recipe summary: the first's)."""
+    lengths = {p["amax_history_fwd"].shape[0] for p in parts}
+    if len(lengths) != 1:
+        raise RuntimeError(f"{module}.get_extra_state: NVIDIA's layout needs one history length "
+                           f"for all GEMMs; the groups' histories hold {sorted(lengths)} steps "
+                           "(run an FP8 forward of the module to fit them to one recipe)")
+    state: dict[str, Any] = {"version": parts[0]["version"], "recipe": dict(parts[0]["recipe"])}
+    for name in parts[0]:
+        if isinstance(parts[0][name], torch.Tensor):
+            state[name] = torch.cat([p[name] for p in parts], dim=-1)
+    return state
+
+
+# ------------------------------------------------------------------ writing NVIDIA's layout
+
+# The key of the written dict that holds this library's own pieces, which NVIDIA's layout has
+# no place for. NVIDIA's set_extra_state reads only its keys ("recipe", the four tensors,
+# "extra_fp8_variables") and ignores this one.
+OURS_KEY = "reimplementation_state"
+_OURS_VERSION = 1
+_FIRST_STEP_STATES = ("first", "eager", "done")
+_HISTORIES = ("amax_history_fwd", "amax_history_bwd", "amax_history_out")
+
+
+class _Pickler(pickle.Pickler):
+    """pickle.Pickler that writes a recipe as NVIDIA's pickle names one: its class in
+    ``transformer_engine.common.recipe``, made without arguments, with its plain fields as its
+    state; a Format member as ``getattr(Format, name)``. The restricted unpickler above reads
+    that into its stand-ins; NVIDIA's package (and a plain pickle.loads here) into its
+    recipe."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, _recipe.Format):
+            return getattr, (_recipe.Format, obj.name)
+        if isinstance(obj, _recipe.Recipe):
+            return copyreg.__newobj__, (type(obj),), dict(obj.__dict__)
+        return NotImplemented
+
+
+def _delayed(recipe: _recipe.Recipe) -> bool:
+    """Whether ``recipe`` keeps delayed-scaling state (its plan's kind)."""
+    from ..quantization import kind_of  # (imported late: the package imports this module)
+
+    return kind_of(recipe) == "delayed"
+
+
+def _nvidia_recipe(recipe: _recipe.Recipe, history_len: int) -> _recipe.Recipe:
+    """``recipe`` as the written state holds it: an object of the recipe class of ours that
+    NVIDIA's package has by that name, holding the plain fields only (no callable, no nested
+    object: NVIDIA's class defaults stand for them), the history length the state's."""
+    cls = next((c for c in type(recipe).__mro__
+                if c.__module__ == _RECIPE_MODULE and c.__name__ in _RECIPE_FIELDS), None)
+    if cls is None:
+        raise RuntimeError(f"a recipe of type {type(recipe).__name__} has no counterpart in "
+                           "NVIDIA Transformer Engine's checkpoint layout")
+    fields = {}
+    for field in dataclasses.fields(recipe):
+        value = getattr(recipe, field.name)
+        if value is None or isinstance(value, (bool, int, float, str, _recipe.Format)):
+            fields[field.name] = value
+    if _delayed(recipe):
+        fields["amax_history_len"] = history_len
+    plain = cls.__new__(cls)
+    plain.__dict__.update(fields)  # (frozen dataclasses: no __setattr__)
+    return plain
+
+
+def to_nvidia(state: dict, recipe: _recipe.Recipe, num_gemms: int, ours: dict) -> dict:
+    """Our extra state of ``num_gemms`` GEMMs (laid out as :func:`to_ours` makes it) as
+    NVIDIA's GroupedLinear writes its own under ``recipe``: the recipe, under delayed scaling
+    the four tensors (each of NVIDIA's columns from the one of ours that :func:`to_ours`
+    takes from it; the input gradients', which we lack, as NVIDIA makes new ones: scale 1,
+    history 0), ``extra_fp8_variables``; ``ours`` goes under :data:`OURS_KEY`, with the
+    tensors of our state that the NVIDIA part does not carry."""
+    history_len = state["amax_history_fwd"].shape[0]
+    nvidia: dict[str, Any] = {"recipe": _nvidia_recipe(recipe, history_len)}
+    carried = set()
+    if _delayed(recipe):
+        sources = _sources("gemms", num_gemms, num_gemms)
+        for kind, columns in (("fwd", 3 * num_gemms), ("bwd", 2 * num_gemms)):
+            nvidia[f"scale_{kind}"] = torch.ones(columns)
+            nvidia[f"amax_history_{kind}"] = torch.zeros(history_len, columns)
+        for ours_kind, nvidia_kind in (("fwd", "fwd"), ("out", "fwd"), ("bwd", "bwd")):
+            for column, target in enumerate(sources[ours_kind]):
+                nvidia[f"amax_history_{nvidia_kind}"][:, target] = (
+                    state[f"amax_history_{ours_kind}"][:, column])
+                nvidia[f"scale_{nvidia_kind}"][target] = state[f"scale_{ours_kind}"][column]
+            carried.update((f"amax_history_{ours_kind}", f"scale_{ours_kind}"))
+    extra: dict[str, Any] = {"fp8_checkpoint": True, "num_gemms": num_gemms}
+    fmt = getattr(recipe, "fp8_format", None)
+    if isinstance(fmt, _recipe.Format):
+        extra.update(fp8_max_fwd=float(fmt.max_fwd), fp8_max_bwd=float(fmt.max_bwd))
+    nvidia["extra_fp8_variables"] = extra
+    tensors = {name: t.detach().to("cpu", torch.float32).clone()
+               for name, t in state.items()
+               if isinstance(t, torch.Tensor) and name not in carried}
+    nvidia[OURS_KEY] = {"version": _OURS_VERSION, **ours, "tensors": tensors}
+    return nvidia
+
+
+def encode(state: dict) -> torch.Tensor:
+    """NVIDIA 2.x's extra state: the pickled dict's bytes as a uint8 tensor. Without the
+    pickle's memo (the state holds no cycles), so that its size depends on the values alone,
+    not on which of them are the same objects (a loaded module's summaries are copies): a
+    distributed checkpoint reads the tensor into one of the size it has."""
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer, protocol=pickle.DEFAULT_PROTOCOL)
+    pickler.fast = True
+    pickler.dump(state)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def with_ours(module: str, state: dict, ours: Any, num_gemms: int) -> dict:
+    """Checks the pieces of ours that a decoded state holds under :data:`OURS_KEY` (written by
+    :func:`to_nvidia`) and returns them: ``recipes`` (one summary per GEMM), ``first_step``
+    (the first-step rule's state per GEMM), ``empty`` (per GEMM, each history's columns still
+    waiting for their first step); ``state`` (:func:`to_ours`'s) takes the tensors."""
+    where = f"{module}.set_extra_state"
+
+    def fail(what: str) -> ValueError:
+        return ValueError(f"{where}: the state's {OURS_KEY!r} (this library's pieces) {what}")
+
+    if not isinstance(ours, dict) or ours.get("version") != _OURS_VERSION:
+        raise fail(f"must be a dict of version {_OURS_VERSION}")
+    recipes, steps, empty = ours.get("recipes"), ours.get("first_step"), ours.get("empty")
+    tensors = ours.get("tensors")
+    if (not isinstance(recipes, list) or len(recipes) != num_gemms
+            or not all(isinstance(r, dict) for r in recipes)):
+        raise fail(f"must hold 'recipes', a list of {num_gemms} dicts")
+    if (not isinstance(steps, list) or len(steps) != num_gemms
+            or not all(s in _FIRST_STEP_STATES for s in steps)):
+        raise fail(f"must hold 'first_step', a list of {num_gemms} of {_FIRST_STEP_STATES}")
+    if (not isinstance(empty, list) or len(empty) != num_gemms
+            or not all(isinstance(e, dict) and set(e) == set(_HISTORIES) for e in empty)):
+        raise fail(f"must hold 'empty', a list of {num_gemms} dicts of {_HISTORIES}")
+    if not isinstance(tensors, dict) or not all(
+            name in state and type(t) is torch.Tensor and t.dim() == state[name].dim()
+            and t.dtype == torch.float32 for name, t in tensors.items()):
+        raise fail("must hold 'tensors', float32 tensors of our state's buffers")
+    state = dict(state)
+    state.update(tensors)
+    per_gemm = {"amax_history_fwd": 2, "amax_history_bwd": 1, "amax_history_out": 1}
+    for marks in empty:
+        for name, columns in marks.items():
+            if not isinstance(columns, list) or not all(
+                    type(c) is int and 0 <= c < per_gemm[name] for c in columns):
+                raise fail(f"'empty' must list {name}'s columns of one GEMM, got {columns!r}")
+    return state
 
 
 # ------------------------------------------------------------------ a recipe from a summary

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from .. import distributed, fp8
+from .. import distributed, first_step, fp8
 from ..float8_tensor import Float8Tensor
 from ..grouped_linear_fn import (
     GroupedConsts,
@@ -91,6 +91,9 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         # On one rank a column- or row-parallel layer is the whole layer (Megatron-LM builds
         # its experts so, with an expert tensor-parallel group of one rank).
         self.parallel_mode = parallel_mode
+        # NVIDIA's attributes (Megatron-LM reads them): tp_size is the tensor-parallel group's
+        # size, or the tp_size given without a group; this module splits nothing, so 1.
+        self.tp_size, self.sequence_parallel = 1, False
         split_mode = parallel_mode if tp_group is not None or tp_size != 1 else None
         refuse_non_defaults(
             op, "the groups are not split over ranks",
@@ -102,6 +105,7 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         self.num_gemms = int(num_gemms)
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.return_bias, self.use_bias, self.name = return_bias, bias, name
+        self.apply_bias = bias and not return_bias  # (NVIDIA's attribute)
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         with init_stream(get_rng_state_tracker, rng_tracker_name):
             self.gemms = torch.nn.ModuleList(
@@ -115,6 +119,7 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         self._wgrad_store: list = []
         self._register_state_dict_hook(_to_nvidia_names)
         self._register_load_state_dict_pre_hook(_from_nvidia_names)
+        self._register_load_state_dict_pre_hook(_from_group_states, with_module=True)
 
     def __getattr__(self, name: str):
         # weight{i} / bias{i}: NVIDIA's names of the groups' parameters
@@ -204,30 +209,69 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
 
     # ------------------------------------------------ NVIDIA's FP8 state and attributes
 
+    def get_extra_state(self) -> torch.Tensor:
+        """The groups' FP8 state as NVIDIA's GroupedLinear writes its own: one uint8 tensor
+        holding the pickled dict of NVIDIA's layout for ``num_gemms`` GEMMs (an empty tensor
+        where no group holds FP8 state worth saving, as NVIDIA's), with this library's own
+        pieces under one key NVIDIA's loader ignores (module/_nvidia_state.py)."""
+        gemms = list(self.gemms)
+        if not any(g._nvidia_checkpoint() for g in gemms):
+            return torch.empty(0, dtype=torch.uint8)
+        parts = [g.get_extra_state() for g in gemms]
+        name = type(self).__name__
+        state = _nvidia_state.merge_gemms(name, parts)
+        ours = {"recipes": [p["recipe"] for p in parts],
+                "first_step": [g._fp8_first_step for g in gemms],
+                "empty": [{key: sorted(getattr(g._buffers[key], first_step._MARK, ()))
+                           for key in _nvidia_state._HISTORIES} for g in gemms]}
+        nvidia = _nvidia_state.to_nvidia(state, gemms[0]._nvidia_recipe(), self.num_gemms, ours)
+        return _nvidia_state.encode(nvidia)
+
     def set_extra_state(self, state: Any) -> None:
-        """NVIDIA's GroupedLinear keeps the FP8 state of all its GEMMs in one
-        ``_extra_state`` (a uint8 tensor, a BytesIO before its 2.0): it loads into the
-        groups' layers, GEMM i's columns into ``gemms[i]`` (module/_nvidia_state.py), all of
-        them checked before any is written. This module writes no ``_extra_state`` of its
-        own: each layer's is ``gemms.{i}._extra_state``."""
+        """Loads the groups' FP8 state: NVIDIA's GroupedLinear's one ``_extra_state`` (a
+        uint8 tensor, a BytesIO before its 2.0; ours is written so), GEMM i's columns into
+        ``gemms[i]`` (module/_nvidia_state.py), with our pieces where the state holds them;
+        or our earlier checkpoints' per-group states (``gemms.<i>._extra_state``, gathered
+        into a list by the load hook). Everything is checked before anything is written."""
         name = type(self).__name__
         if state is None:
             return
+        gemms = list(self.gemms)
+        if isinstance(state, list):  # our earlier form: each group's own state (or None)
+            if len(state) != self.num_gemms:
+                raise ValueError(f"{name}.set_extra_state: expected the states of "
+                                 f"{self.num_gemms} groups, got {len(state)}")
+            checked = [g._checked_extra_state(s) for g, s in zip(gemms, state, strict=True)]
+            for gemm, part in zip(gemms, checked, strict=True):
+                if part is not None:
+                    gemm._install_extra_state(part)
+            return
         if not isinstance(state, (torch.Tensor, io.BytesIO)):
             raise ValueError(f"{name}.set_extra_state: expected NVIDIA Transformer Engine's "
-                             "extra state (a uint8 tensor or a BytesIO; this library keeps "
-                             "each group's under gemms.<i>._extra_state), got "
+                             "extra state (a uint8 tensor or a BytesIO), got "
                              f"{type(state).__name__}")
         nvidia = _nvidia_state.decode(name, state)
         if nvidia is None:
             return
-        gemms = list(self.gemms)
         ours = _nvidia_state.to_ours(name, nvidia, "gemms", self.num_gemms,
                                      gemms[0]._buffers["amax_history_fwd"].shape[0])
+        pieces = nvidia.get(_nvidia_state.OURS_KEY)
+        if pieces is not None:
+            ours = _nvidia_state.with_ours(name, ours, pieces, self.num_gemms)
         parts = _nvidia_state.split_gemms(ours, self.num_gemms)
+        if pieces is not None:
+            for part, summary in zip(parts, pieces["recipes"], strict=True):
+                part["recipe"] = dict(summary)
         checked = [g._checked_extra_state(part) for g, part in zip(gemms, parts, strict=True)]
+        if pieces is not None:  # the first-step marks as they were, not as the values say
+            checked = [(buffers, {k: list(v) for k, v in marks.items()}, summary)
+                       for (buffers, _, summary), marks in zip(checked, pieces["empty"],
+                                                               strict=True)]
         for gemm, part in zip(gemms, checked, strict=True):
             gemm._install_extra_state(part)
+        if pieces is not None:
+            for gemm, step in zip(gemms, pieces["first_step"], strict=True):
+                gemm._fp8_first_step = step
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -334,12 +378,27 @@ def _fresh_weights(gemms, weights, is_first_microbatch) -> bool:
 
 
 def _to_nvidia_names(module, state_dict, prefix, local_metadata):
-    """gemms.{i}.weight -> weight{i} (bias likewise); each group's FP8 state keeps its key."""
+    """gemms.{i}.weight -> weight{i} (bias likewise); the groups' FP8 states are in the
+    module's one ``_extra_state`` (get_extra_state), so theirs are dropped."""
     for key in [k for k in state_dict if k.startswith(prefix + _OURS)]:
         index, _, rest = key[len(prefix + _OURS):].partition(".")
         if rest in ("weight", "bias"):
             state_dict[f"{prefix}{rest}{index}"] = state_dict.pop(key)
+        elif rest == "_extra_state":
+            del state_dict[key]
     return state_dict
+
+
+def _from_group_states(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                       unexpected_keys, error_msgs):
+    """Our earlier checkpoints kept each group's FP8 state as ``gemms.{i}._extra_state``: they
+    go to the module's set_extra_state together (as a list), unless the checkpoint also has
+    the module's own ``_extra_state``, which wins."""
+    keys = [f"{prefix}{_OURS}{i}._extra_state" for i in range(module.num_gemms)]
+    if not any(k in state_dict for k in keys):
+        return
+    states = [state_dict.pop(k, None) for k in keys]
+    state_dict.setdefault(prefix + "_extra_state", states)
 
 
 def _from_nvidia_names(state_dict, prefix, local_metadata, strict, missing_keys,
