@@ -414,7 +414,7 @@ def merge_gemms(module: str, parts: list[dict]) -> dict:
 # The key of the written dict that holds this library's own pieces, which NVIDIA's layout has
 # no place for. NVIDIA's set_extra_state reads only its keys ("recipe", the four tensors,
 # "extra_fp8_variables") and ignores this one.
-OURS_KEY = "reimplementation_state"
+OURS_KEY = "own_state"
 _OURS_VERSION = 1
 _FIRST_STEP_STATES = ("first", "eager", "done")
 _HISTORIES = ("amax_history_fwd", "amax_history_bwd", "amax_history_out")
