@@ -80,7 +80,21 @@ def has_empty(history: torch.Tensor) -> bool:
 
 def waits(history: Optional[torch.Tensor], column: int) -> bool:
     """Whether ``column`` of ``history`` still waits for its first-step scale (eager mode)."""
-    return history is not None and column in (getattr(history, _MARK, None) or ())
+    if history is None or column not in (getattr(history, _MARK, None) or ()):
+        return False
+    return not _capture_takes_marks(history)
+
+
+def _capture_takes_marks(history: torch.Tensor) -> bool:
+    """While a CUDA graph is being captured, a marked history gives up its marks and the
+    rule does not apply: what is captured runs at every replay, and the replays are later
+    steps (graphs.capturing; also for the marks that restore_fp8_tensors put back)."""
+    from . import graphs  # (graphs imports this module)
+
+    if not graphs.capturing():
+        return False
+    written_elsewhere_all(history)
+    return True
 
 
 def written_elsewhere(history: Optional[torch.Tensor], column: int) -> None:
@@ -133,7 +147,7 @@ def step_scales(scales: torch.Tensor, index: int, history: Optional[torch.Tensor
         s = torch.where(torch.isfinite(s), s, torch.full_like(s, torch.finfo(torch.float32).max))
         scale = torch.where((amax > 0) & torch.isfinite(amax), s, stored)
         return torch.cat([scales[:index], scale, scales[index + 1:]])
-    if not _take_mark(history, column):
+    if _capture_takes_marks(history) or not _take_mark(history, column):
         return scales
     # The update's formula (scaling.h) on a one-step history holding the amax: an amax of 0
     # (an all-zero tensor) or a non-finite one keeps the stored scale. Written into the stored

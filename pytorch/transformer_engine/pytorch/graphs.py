@@ -34,6 +34,89 @@ import torch
 from . import first_step
 from .fp8 import fp8_autocast
 
+# NVIDIA's flag that a caller (Megatron-LM's CUDA-graph manager) is capturing graphs of te
+# modules: set_capture_start() / set_capture_end() around the capture, is_graph_capturing()
+# reads it. What must not go into a graph reads capturing(), which also sees a capture that
+# nobody announced (torch's own make_graphed_callables, a bare torch.cuda.graph).
+_IS_GRAPH_CAPTURING = False
+
+
+def set_capture_start() -> None:
+    """Marks the beginning of a CUDA-graph capture of te modules (NVIDIA's)."""
+    global _IS_GRAPH_CAPTURING
+    _IS_GRAPH_CAPTURING = True
+
+
+def set_capture_end() -> None:
+    """Marks the end of a CUDA-graph capture of te modules (NVIDIA's)."""
+    global _IS_GRAPH_CAPTURING
+    _IS_GRAPH_CAPTURING = False
+
+
+def is_graph_capturing() -> bool:
+    """Whether a caller announced a capture with :func:`set_capture_start` (NVIDIA's)."""
+    return _IS_GRAPH_CAPTURING
+
+
+def capturing() -> bool:
+    """Whether te modules are being captured: announced, or the current stream captures."""
+    return _IS_GRAPH_CAPTURING or (torch.cuda.is_available()
+                                   and torch.cuda.is_current_stream_capturing())
+
+
+def _fp8_modules(modules) -> list:
+    """Every submodule of ``modules`` in order (None for those without FP8 state), as NVIDIA
+    lists them: one entry per ``module.modules()`` element."""
+    from .module.base import FP8Module
+
+    if isinstance(modules, torch.nn.Module):
+        modules = (modules,)
+    return [m if isinstance(m, FP8Module) else None
+            for module in modules for m in module.modules()]
+
+
+def save_fp8_tensors(modules, fp8_recipe) -> Optional[list]:
+    """NVIDIA's: copies of the delayed-scaling state of every te module in ``modules`` (each
+    one's submodules included), to be put back by :func:`restore_fp8_tensors` once warm-up
+    steps, whose amaxes are not the model's, have run. None unless ``fp8_recipe`` is a
+    ``DelayedScaling`` (the other recipes keep no state across steps).
+
+    Each module's state is first fitted to the recipe's ``amax_history_len`` (a new length
+    starts the histories afresh, as the module's next forward under the recipe would do), so
+    that the warm-up meets state of the right size and keeps its buffers: the graphs
+    captured after it then hold the very buffers that :func:`restore_fp8_tensors` writes."""
+    from transformer_engine.common.recipe import DelayedScaling
+
+    if not isinstance(fp8_recipe, DelayedScaling):
+        return None
+    saved = []
+    for m in _fp8_modules(modules):
+        if m is None:
+            saved.append(None)
+            continue
+        m._fit_history_len(fp8_recipe.amax_history_len)
+        saved.append(m._save_fp8_state())
+    return saved
+
+
+def restore_fp8_tensors(modules, fp8_tensors: Optional[list]) -> None:
+    """NVIDIA's: writes back, in place, the state :func:`save_fp8_tensors` copied of the same
+    ``modules``; consumes ``fp8_tensors`` (as NVIDIA's does). Nothing for None."""
+    if fp8_tensors is None:
+        return
+    targets = _fp8_modules(modules)
+    if len(fp8_tensors) != len(targets):
+        raise RuntimeError(f"restore_fp8_tensors: got the FP8 state of {len(fp8_tensors)} "
+                           f"modules for {len(targets)}; save_fp8_tensors must have been "
+                           "given the same modules")
+    for m, state in zip(targets, fp8_tensors, strict=True):
+        if (m is None) != (state is None):
+            raise RuntimeError("restore_fp8_tensors: the modules are not those given to "
+                               "save_fp8_tensors")
+        if m is not None:
+            m._restore_fp8_state(state)
+    fp8_tensors.clear()
+
 _NVIDIA_ONLY = ("_order", "_num_layers_per_chunk", "_reuse_graph_input_output_buffers")
 
 

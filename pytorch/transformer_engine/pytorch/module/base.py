@@ -165,6 +165,62 @@ class FP8Module(DeferredInit, torch.nn.Module):
                 t = torch.ones(columns, dtype=torch.float32, device=device)
             self.register_buffer(name, t, persistent=False)
 
+    # --------------------------------------- saved and restored state (graph.save_fp8_tensors)
+
+    def _fit_history_len(self, length: int) -> None:
+        """Gives the state ``length`` steps of history, as the next forward under a delayed
+        recipe of that length would (a new length starts the histories afresh); a module
+        whose state no forward has used stays tracked as unused."""
+        if self._buffers["amax_history_fwd"].shape[0] == length:
+            return
+        unused = self._fp8_unused
+        if unused:
+            fp8.mark_used(self)
+        self._make_fp8_meta(length, self._buffers["amax_history_fwd"].device)
+        if unused:
+            self._fp8_unused = True
+            fp8.track_unused(self, length)
+
+    def _save_fp8_state(self) -> dict:
+        """Copies of the delayed-scaling buffers and of the first-step marks of their
+        histories (first_step.py)."""
+        b = self._buffers
+        with torch.no_grad():
+            values = {name: b[name].clone() for name in _META}
+        marks = {name: set(getattr(b[name], first_step._MARK, ()))
+                 for name, (kind, _) in _META.items() if kind == "history"}
+        return {"values": values, "marks": marks, "first_step": self._fp8_first_step}
+
+    def _restore_fp8_state(self, saved: dict) -> None:
+        """Writes ``_save_fp8_state``'s copies back into the buffers, in place (a CUDA graph
+        captured since holds their addresses).
+
+        The marks come back too. A warm-up step takes the marks of the columns it quantizes
+        (a first step scales each tensor from its own amax); once the buffers hold their
+        earlier values again, a module saved before its first step is such a module again,
+        and its next eager step must be the first step it would have been without the
+        warm-up. A capture takes no first-step scale (first_step.step_scales: the graph's
+        replays are later steps), so restored marks cannot end up in a graph."""
+        b = self._buffers
+        name = getattr(self, "_name", "") or type(self).__name__
+        for key, value in saved["values"].items():
+            if b[key].shape != value.shape:
+                raise RuntimeError(
+                    f"restore_fp8_tensors: {name}.{key} has shape {list(b[key].shape)} but "
+                    f"was saved with {list(value.shape)}: a forward under a recipe of another "
+                    "amax_history_len replaced the state after save_fp8_tensors")
+        with torch.no_grad():
+            for key, value in saved["values"].items():
+                b[key].copy_(value)
+        for key, columns in saved["marks"].items():
+            first_step.mark_empty(b[key], columns)
+        self._fp8_first_step = saved["first_step"]
+        if any(saved["marks"].values()):
+            # The next forward meets its recipe afresh: a forward under the recipe it last met
+            # may skip the look at the marks (fast_linear.steady_forward). NVIDIA's flags
+            # keep reading as before.
+            self._set_nvidia_flags(self.fp8, self.fp8_calibration, self._nvidia_recipe())
+
     # ------------------------------------------------------------ forward scales and amaxes
 
     def _fp8_meta_of(self, recipe: Recipe) -> tuple[Plan, torch.Tensor, torch.Tensor | None]:
@@ -487,6 +543,13 @@ class FP8Module(DeferredInit, torch.nn.Module):
         key = prefix + "_extra_state"
         if key in missing_keys:
             missing_keys.remove(key)
+
+
+# NVIDIA's name of the base class of its modules (Megatron-LM tests modules against it): here
+# the base of te.Linear, LayerNormLinear, LayerNormMLP and DotProductAttention, as there.
+# GroupedLinear is not one (its groups, te modules of their own, are), nor are
+# MultiheadAttention and TransformerLayer (plain torch.nn.Module subclasses there too).
+TransformerEngineBaseModule = FP8Module
 
 
 def nvidia_fp8_meta(module: torch.nn.Module, recipe: Recipe, checkpoint: bool,
