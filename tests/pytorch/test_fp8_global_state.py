@@ -104,3 +104,31 @@ def test_fp8_model_init_takes_preserve_high_precision_init_val():
     with pytest.raises(TypeError, match="fp8_model_init: preserve_high_precision_init_val"):
         with te.fp8_model_init(preserve_high_precision_init_val=1):
             pass
+
+
+def test_add_fp8_tensors_to_global_buffer_has_the_exit_update_the_module():
+    """A replayed graph writes a module's amaxes without running its forward's Python;
+    Megatron-LM then calls add_fp8_tensors_to_global_buffer(module.fp8_meta), and the
+    outermost autocast's exit updates that module's forward scales as after its forward."""
+    import copy
+
+    r = DelayedScaling()
+    lin = te.Linear(32, 32, device="cpu")
+    with te.fp8_autocast(fp8_recipe=r):
+        lin(torch.randn(16, 32))  # state sized and past its first step
+    called, skipped = lin, copy.deepcopy(lin)
+    for module, call in ((called, True), (skipped, False)):
+        with te.fp8_autocast(fp8_recipe=r):
+            with torch.no_grad():
+                # what the replay's kernels wrote (above any amax the history holds, so
+                # the max over the history is this)
+                module.amax_history_fwd[0, :2] = 100.0
+            if call:
+                FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(module.fp8_meta)
+    # E4M3's largest value over the amax, margin 0
+    assert torch.equal(called.scale_fwd[:2], torch.full((2,), 448.0 / 100.0))
+    assert not torch.equal(skipped.scale_fwd[:2], called.scale_fwd[:2])
+    with pytest.raises(ValueError, match="fp8_meta dict of a transformer_engine module"):
+        FP8GlobalStateManager.add_fp8_tensors_to_global_buffer({"recipe": r})
+    # outside an FP8 autocast: nothing to update, nothing registered
+    FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(called.fp8_meta)

@@ -2,14 +2,13 @@
 (Megatron-LM imports it from ``transformer_engine.pytorch.fp8`` to learn whether it runs
 inside an FP8 autocast and with which recipe). Here the state lives in ``fp8.py`` (``STATE``,
 ``MODEL_INIT``); this class reads and sets it under NVIDIA's method names. NVIDIA's methods
-that hand out its internal buffers (amax buffers, meta keys) are not provided.
+that hand out its internal buffers (amax buffers, meta keys) are not provided;
+``add_fp8_tensors_to_global_buffer`` registers a module's forward scale update instead.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 from transformer_engine.common.recipe import Recipe
 
@@ -62,9 +61,30 @@ class FP8GlobalStateManager:
 
     @classmethod
     def fp8_graph_capturing(cls) -> bool:
-        """Whether the current stream is being captured into a CUDA graph (NVIDIA's flag is
-        set by its make_graphed_callables; a capture is what it stands for)."""
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        """Whether te modules are being captured into a CUDA graph: announced with
+        ``graph.set_capture_start`` (as Megatron-LM does) or the current stream captures."""
+        from . import graphs
+
+        return graphs.capturing()
+
+    @classmethod
+    def add_fp8_tensors_to_global_buffer(cls, fp8_meta: dict) -> None:
+        """Counts the module whose ``fp8_meta`` this is among those whose forward scales the
+        outermost delayed-scaling autocast updates at its exit, as its forward does. For
+        forwards that run without the module's Python code: the replay of a captured graph
+        writes the amaxes into the module's histories, and this call (NVIDIA's, made by
+        Megatron-LM at each replay) has their update follow. Outside an FP8 autocast of
+        delayed scaling there is nothing to update."""
+        from .module.base import fp8_meta_owner
+
+        module = fp8_meta_owner(fp8_meta)
+        if module is None:
+            raise ValueError("FP8GlobalStateManager.add_fp8_tensors_to_global_buffer: fp8_meta "
+                             "must be the fp8_meta dict of a transformer_engine module, got "
+                             f"{type(fp8_meta).__name__}")
+        s = fp8.STATE
+        if s.enabled and fp8.kind_of(s.recipe) == "delayed":
+            fp8.register_forward_amaxes(module, s.recipe)
 
     @classmethod
     def get_fp8_autocast_state(cls) -> tuple:

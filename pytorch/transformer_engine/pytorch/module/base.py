@@ -15,7 +15,8 @@ record nothing: :meth:`FP8Module._fp8_meta_of` gives it those scales and no hist
 from __future__ import annotations
 
 import io
-from typing import Any
+import weakref
+from typing import Any, Optional
 
 import torch
 
@@ -552,6 +553,20 @@ class FP8Module(DeferredInit, torch.nn.Module):
 TransformerEngineBaseModule = FP8Module
 
 
+# id(an fp8_meta dict) -> its module (weakly), for NVIDIA's calls that name a module by its
+# fp8_meta (FP8GlobalStateManager.add_fp8_tensors_to_global_buffer).
+_META_OWNERS: dict = {}
+
+
+def fp8_meta_owner(meta: Any) -> Optional[torch.nn.Module]:
+    """The module whose ``fp8_meta`` dict ``meta`` is, or None."""
+    ref = _META_OWNERS.get(id(meta))
+    module = ref() if ref is not None else None
+    if module is None or module.__dict__.get("_nvidia_fp8_meta") is not meta:
+        return None
+    return module
+
+
 def nvidia_fp8_meta(module: torch.nn.Module, recipe: Recipe, checkpoint: bool,
                     num_gemms: int) -> dict:
     """``module``'s NVIDIA fp8_meta dict, kept on the module, with the values the module
@@ -561,6 +576,7 @@ def nvidia_fp8_meta(module: torch.nn.Module, recipe: Recipe, checkpoint: bool,
     if meta is None:
         meta = module.__dict__["_nvidia_fp8_meta"] = {"fp8_group": None, "num_gemms": num_gemms}
         module.__dict__["_nvidia_fp8_meta_derived"] = {}
+        _META_OWNERS[id(meta)] = weakref.ref(module)
     derived = module.__dict__["_nvidia_fp8_meta_derived"]
     for key, value in (("recipe", recipe), ("fp8_checkpoint", checkpoint)):
         if key not in derived or type(derived[key]) is not type(value) or derived[key] != value:
