@@ -85,9 +85,11 @@ def save_fp8_tensors(modules, fp8_recipe) -> Optional[list]:
     starts the histories afresh, as the module's next forward under the recipe would do), so
     that the warm-up meets state of the right size and keeps its buffers: the graphs
     captured after it then hold the very buffers that :func:`restore_fp8_tensors` writes."""
-    from transformer_engine.common.recipe import DelayedScaling
+    from transformer_engine.common.recipe import Recipe
 
-    if not isinstance(fp8_recipe, DelayedScaling):
+    from .quantization import kind_of
+
+    if not isinstance(fp8_recipe, Recipe) or kind_of(fp8_recipe) != "delayed":
         return None
     saved = []
     for m in _fp8_modules(modules):
