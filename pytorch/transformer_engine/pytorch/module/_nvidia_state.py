@@ -48,10 +48,9 @@ from transformer_engine.common import recipe as _recipe
 # ------------------------------------------------------------------ decoding
 
 _RECIPE_MODULE = "transformer_engine.common.recipe"
-_FORMAT_NAMES = ("E4M3", "E5M2", "HYBRID", "E2M1")
-# NVIDIA's Format members hold (max_fwd, max_bwd); ours hold the name.
-_FORMAT_BY_MAX = {(448.0, 448.0): "E4M3", (57344.0, 57344.0): "E5M2",
-                  (448.0, 57344.0): "HYBRID", (6.0, 6.0): "E2M1"}
+_FORMAT_NAMES = tuple(f.name for f in _recipe.Format)
+# NVIDIA's Format members hold (max_fwd, max_bwd); ours hold the name (and the same maxima).
+_FORMAT_BY_MAX = {(f.max_fwd, f.max_bwd): f.name for f in _recipe.Format}
 
 
 class _Fields:
