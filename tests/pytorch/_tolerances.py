@@ -134,6 +134,12 @@ ATTENTION_TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (1.5e-2, 1.5e-2)}
 # averages down over the keys: within 0.5 absolute / 0.05 relative, and an RMSE below 0.11 of
 # the output's range.
 ATTENTION_FP8_TOL = (0.5, 0.05)
+# cuDNN's FP8 backward writes the gradients in the recipe's backward format, widened after:
+# under HYBRID that is E5M2, whose 2 mantissa bits move a value by up to 2^-3 of itself, on top
+# of what ATTENTION_FP8_TOL covers (the CPU and the CUDA math path write high precision). On
+# the H100 the E4M3 tolerance alone left dv at 0.88-1.02x of it over four steps, with and
+# without the first-step rule (gpu_checks.md).
+E5M2_GRAD_RTOL = 2.0**-3
 ATTENTION_FP8_RMSE_OF_RANGE = 0.11
 
 # Rotary position embedding (te.apply_rotary_pos_emb) against a float64 reference from the same

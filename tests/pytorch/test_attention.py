@@ -16,6 +16,7 @@ from te_torch_tests._tolerances import (
     ATTENTION_FP8_RMSE_OF_RANGE,
     ATTENTION_FP8_TOL,
     ATTENTION_TOL,
+    E5M2_GRAD_RTOL,
 )
 
 import transformer_engine.pytorch as te
@@ -429,11 +430,14 @@ def test_cuda_math_path_fp8_forward_matches_cpu():
 
 # FP8 backward: under fp8_dpa the backward runs in FP8 too (E4M3 q, k, v, o; d_o in the recipe's
 # gradient format), and its gradients must stay within the FP8 bounds of the bf16 module's.
-def _assert_fp8_close(got, want, what, against_bf16=True):
+def _assert_fp8_close(got, want, what, against_bf16=True, e5m2_written=False):
+    """FP8 attention's result against bf16; ``e5m2_written``: a gradient that cuDNN's FP8
+    backward wrote in E5M2 (HYBRID on CUDA), one more rounding of 2^-3 relative."""
     got, want = got.float().detach().cpu(), want.float().detach().cpu()
     if against_bf16:
         assert not torch.equal(got, want), f"{what}: identical to bf16, so FP8 did not run"
-    torch.testing.assert_close(got, want, atol=ATTENTION_FP8_TOL[0], rtol=ATTENTION_FP8_TOL[1],
+    rtol = ATTENTION_FP8_TOL[1] + (E5M2_GRAD_RTOL if e5m2_written else 0.0)
+    torch.testing.assert_close(got, want, atol=ATTENTION_FP8_TOL[0], rtol=rtol,
                                msg=lambda m: f"{what}: {m}")
     rmse = (got - want).pow(2).mean().sqrt()
     assert rmse < ATTENTION_FP8_RMSE_OF_RANGE * (want.max() - want.min()), f"{what}: RMSE {rmse}"
@@ -452,8 +456,9 @@ def check_fp8_grads(device, mask, fmt, b=1, s=33, h=2, hk=2, d=16, backend=None)
     with te.fp8_autocast(fp8_recipe=fp8_recipe):
         out = attn(q, k, v)
     out.float().mul(grad).sum().backward()
+    e5m2 = fmt == "HYBRID" and torch.device(device).type == "cuda" and backend in (None, "cudnn")
     for name, t, w in zip("qkv", (q, k, v), want, strict=True):
-        _assert_fp8_close(t.grad, w, f"d{name}")
+        _assert_fp8_close(t.grad, w, f"d{name}", e5m2_written=e5m2)
     return [t.grad for t in (q, k, v)]
 
 

@@ -20,6 +20,7 @@ import torch
 from transformer_engine.common.plan import FP8_MAX
 
 from . import attention_bias, ops
+from .first_step import step_scales
 from .float8_tensor import Float8Tensor
 from .linear_fn import update_backward
 from .quantization import Plan, record_amax
@@ -79,6 +80,9 @@ def _quantize(plan, x: torch.Tensor, fmt: str, scales: Optional[torch.Tensor], c
     cuDNN's FP8 gradients use the bounds, compiled training gave gradients 93% off eager)."""
     rows = x.reshape(-1, x.shape[-1])
     if plan.kind == "delayed":
+        # An empty history column: the scale from x's own amax (first_step.py).
+        scales = step_scales(scales, column, history, column, fmt, plan.margin,
+                             lambda gate: ops.amax(rows, gate))
         scale = scales[column:column + 1]
         data, _, scale_inv, amax = ops.quantize(rows, scale, fmt, True, False)
         if history is not None:

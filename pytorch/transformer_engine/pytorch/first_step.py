@@ -28,8 +28,6 @@ from typing import Callable, Optional
 
 import torch
 
-from transformer_engine.common.plan import FP8_MAX
-
 from . import ops
 
 # The columns no step has written yet live on the history tensor itself, as an attribute:
@@ -141,11 +139,9 @@ def step_scales(scales: torch.Tensor, index: int, history: Optional[torch.Tensor
             amax = amax_of(None)
         else:
             amax = amax_of(history[:, column].amax().reshape(1) + (stored - 1.0).abs())
-        # The update's formula (scaling.h) in torch ops, into a copy (a graph's inputs are not
-        # written in place); the core's update op inside an inductor graph gave other numbers.
-        s = (torch.full_like(stored, FP8_MAX[fp8_dtype]) / amax) / (2.0 ** margin)
-        s = torch.where(torch.isfinite(s), s, torch.full_like(s, torch.finfo(torch.float32).max))
-        scale = torch.where((amax > 0) & torch.isfinite(amax), s, stored)
+        # The core's update as a functional op, into a copy (a graph's inputs are not written
+        # in place): the same bits as the eager step's (ops.first_step_scale).
+        scale = ops.first_step_scale(stored, amax, fp8_dtype, margin)
         return torch.cat([scales[:index], scale, scales[index + 1:]])
     if _capture_takes_marks(history) or not _take_mark(history, column):
         return scales

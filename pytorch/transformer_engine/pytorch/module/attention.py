@@ -345,6 +345,9 @@ class DotProductAttention(FP8Module):
 
     # NVIDIA's state has three GEMMs' columns, q, k and v sharing one (module/_nvidia_state.py)
     _nvidia_layout = "attention"
+    # p's scale is fixed (column 2) and the backward quantizes d_o alone (column 1): the
+    # columns no cast writes (attention_fn.py).
+    _UNWRITTEN = {"amax_history_fwd": (2,), "amax_history_bwd": (0,)}
 
     def __init__(self, num_attention_heads: int, kv_channels: Union[int, tuple[int, int]],
                  num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0,

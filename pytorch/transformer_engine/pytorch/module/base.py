@@ -131,6 +131,10 @@ class FP8Module(DeferredInit, torch.nn.Module):
     # How NVIDIA's modules lay out this module's FP8 state (module/_nvidia_state.py): its
     # GEMMs one for one ("gemms"), or DotProductAttention's ("attention").
     _nvidia_layout = "gemms"
+    # History columns (by buffer) that no delayed-scaling cast of this module ever writes:
+    # not marked as waiting for a first-step scale (first_step.py), so a module whose every
+    # used column has been written is done with the rule.
+    _UNWRITTEN: dict[str, tuple[int, ...]] = {}
 
     def __init__(self, device: torch.device, history_len: int | None = None,
                  num_gemms: int = 1) -> None:
@@ -161,7 +165,8 @@ class FP8Module(DeferredInit, torch.nn.Module):
             columns = per_gemm * self._num_gemms
             if kind == "history":
                 t = torch.zeros(history_len, columns, dtype=torch.float32, device=device)
-                first_step.mark_empty(t)
+                never = self._UNWRITTEN.get(name, ())
+                first_step.mark_empty(t, [c for c in range(columns) if c not in never])
             else:
                 t = torch.ones(columns, dtype=torch.float32, device=device)
             self.register_buffer(name, t, persistent=False)
@@ -511,8 +516,9 @@ class FP8Module(DeferredInit, torch.nn.Module):
         for key in ("amax_history_fwd", "amax_history_bwd", "amax_history_out"):
             # columns as new (first_step.py): no amax, scale 1; a first step for them
             history, scale = loaded[key], loaded[key.replace("amax_history", "scale")]
-            empties[key] = [c for c in range(history.shape[1])
-                            if not bool(history[:, c].any()) and float(scale[c]) == 1.0]
+            never = self._UNWRITTEN.get(key, ())
+            empties[key] = [c for c in range(history.shape[1]) if c not in never
+                            and not bool(history[:, c].any()) and float(scale[c]) == 1.0]
         summary = state.get("recipe", {})
         return buffers, empties, dict(summary) if isinstance(summary, dict) else {}
 
@@ -525,7 +531,7 @@ class FP8Module(DeferredInit, torch.nn.Module):
             if key in empties:
                 first_step.mark_empty(t, empties[key])
                 counts[0] += len(empties[key])
-                counts[1] += t.shape[1]
+                counts[1] += t.shape[1] - len(self._UNWRITTEN.get(key, ()))
             self.register_buffer(key, t, persistent=False)
         self._recipe_summary = summary
         # NVIDIA's flags stay as they were (its set_extra_state leaves them); the next FP8

@@ -40,14 +40,14 @@ from .quantize import (
     transpose,
 )
 from .rope import rope_backward, rope_forward
-from .scaling import delayed_scaling_update
+from .scaling import delayed_scaling_update, first_step_scale
 
 __all__ = ["activation_backward", "activation_backward_fp8", "activation_backward_scale",
            "activation_forward", "activation_forward_fp8", "activation_scale", "amax",
            "attention_backward", "attention_backward_fp8",
            "attention_forward", "attention_forward_fp8", "current_scale",
-           "delayed_scaling_update", "dequantize", "gemm_fp8", "gemm_fp8_to_fp8",
-           "grouped_gemm", "grouped_gemm_fp8",
+           "delayed_scaling_update", "dequantize", "first_step_scale", "gemm_fp8",
+           "gemm_fp8_to_fp8", "grouped_gemm", "grouped_gemm_fp8",
            "norm_backward", "norm_forward", "norm_forward_fp8",
            "quantize", "quantize_block", "quantize_current", "quantize_delayed",
            "quantize_current_many", "quantize_delayed_many",

@@ -33,3 +33,23 @@ def delayed_scaling_update(amax_histories: list[torch.Tensor], scales: list[torc
 @delayed_scaling_update.register_fake
 def _(amax_histories, scales, scale_invs, fp8_dtype, algo, margin):
     return None
+
+
+@custom_op("transformer_engine::first_step_scale", mutates_args=())
+def first_step_scale(stored: torch.Tensor, amax: torch.Tensor, fp8_dtype: str,
+                     margin: int) -> torch.Tensor:
+    """The scale [1] that the update makes from a one-step history holding ``amax`` [1] (the
+    ``stored`` [1] scale where amax is 0 or not finite): the first-step rule's scale
+    (first_step.py) as a functional op. A compiled graph takes it so, not as torch arithmetic:
+    Inductor's fp32 division on CUDA is not correctly rounded, and a scale an ulp away from the
+    eager step's moves FP8 roundings."""
+    scale = stored.clone()
+    # (a copy: the update rolls the history it is given)
+    delayed_scaling_update([amax.reshape(1, 1).to(torch.float32, copy=True)], [scale],
+                           [torch.empty_like(scale)], fp8_dtype, "max", margin)
+    return scale
+
+
+@first_step_scale.register_fake
+def _(stored, amax, fp8_dtype, margin):
+    return torch.empty_like(stored)
