@@ -150,8 +150,7 @@ def step_scales(scales: torch.Tensor, index: int, history: Optional[torch.Tensor
     # scales, which the step's update makes from the history again, so that what recorded
     # them (an activation checkpoint's first run) sees it too.
     scale = scales[index:index + 1]
-    ops.delayed_scaling_update([amax_of(None).reshape(1, 1).clone()], [scale],
-                               [torch.empty_like(scale)], fp8_dtype, "max", margin)
+    scale.copy_(ops.first_step_scale(scale, amax_of(None), fp8_dtype, margin))
     from . import fp8  # (fp8 imports the modules that import this one)
 
     fp8.refresh_recorded(scales)

@@ -157,6 +157,12 @@ class FP8Module(DeferredInit, torch.nn.Module):
         self._fp8_unused = True  # until a forward uses the state (fp8._UNUSED)
         fp8.track_unused(self, history_len)
 
+    def _cast_columns(self, history: str, columns: int) -> list[int]:
+        """The columns of the history buffer named ``history`` that a cast writes (all but
+        ``_UNWRITTEN``'s): those a first step waits for."""
+        never = self._UNWRITTEN.get(history, ())
+        return [c for c in range(columns) if c not in never]
+
     def _make_fp8_meta(self, history_len: int, device: torch.device) -> None:
         self._fp8_recipe = None
         # The first-step rule's state for compiled graphs (first_step.trace_module).
@@ -165,8 +171,7 @@ class FP8Module(DeferredInit, torch.nn.Module):
             columns = per_gemm * self._num_gemms
             if kind == "history":
                 t = torch.zeros(history_len, columns, dtype=torch.float32, device=device)
-                never = self._UNWRITTEN.get(name, ())
-                first_step.mark_empty(t, [c for c in range(columns) if c not in never])
+                first_step.mark_empty(t, self._cast_columns(name, columns))
             else:
                 t = torch.ones(columns, dtype=torch.float32, device=device)
             self.register_buffer(name, t, persistent=False)
@@ -516,9 +521,8 @@ class FP8Module(DeferredInit, torch.nn.Module):
         for key in ("amax_history_fwd", "amax_history_bwd", "amax_history_out"):
             # columns as new (first_step.py): no amax, scale 1; a first step for them
             history, scale = loaded[key], loaded[key.replace("amax_history", "scale")]
-            never = self._UNWRITTEN.get(key, ())
-            empties[key] = [c for c in range(history.shape[1]) if c not in never
-                            and not bool(history[:, c].any()) and float(scale[c]) == 1.0]
+            empties[key] = [c for c in self._cast_columns(key, history.shape[1])
+                            if not bool(history[:, c].any()) and float(scale[c]) == 1.0]
         summary = state.get("recipe", {})
         return buffers, empties, dict(summary) if isinstance(summary, dict) else {}
 
@@ -531,7 +535,7 @@ class FP8Module(DeferredInit, torch.nn.Module):
             if key in empties:
                 first_step.mark_empty(t, empties[key])
                 counts[0] += len(empties[key])
-                counts[1] += t.shape[1] - len(self._UNWRITTEN.get(key, ()))
+                counts[1] += len(self._cast_columns(key, t.shape[1]))
             self.register_buffer(key, t, persistent=False)
         self._recipe_summary = summary
         # NVIDIA's flags stay as they were (its set_extra_state leaves them); the next FP8
