@@ -29,6 +29,7 @@ import torch
 from transformer_engine.common.plan import GEMM_GRANULE
 
 from . import _compiled, fp8, layernorm_mlp_fn, ops
+from ._autograd import eager_apply
 from .fp8 import COMPILED_ALGOS
 from .ops._backend import algo_code, custom_op, dtype_code, enum_code, stream_of, workspace_for
 from .quantization import Plan
@@ -350,6 +351,9 @@ class LayerNormLinearBlock(torch.autograd.Function):
                 gb if b_dtype is not None else None, None, None, None, None, None, None)
 
 
+_apply_linear_block = eager_apply(LayerNormLinearBlock)
+
+
 def layernorm_linear(inp, gamma, beta, weight, bias, plan: Plan, cfg, scales, history,
                      bwd_meta: tuple, need_dgrad: bool, need_wgrad: bool
                      ) -> Optional[torch.Tensor]:
@@ -364,7 +368,7 @@ def layernorm_linear(inp, gamma, beta, weight, bias, plan: Plan, cfg, scales, hi
         x = inp.reshape(-1, inp.shape[-1]).contiguous()
         return _linear_forward(x, gamma, beta, weight.contiguous(), bias, scales, history, codes,
                                False, False)[0]
-    return LayerNormLinearBlock.apply(inp.contiguous(), gamma, beta, weight.contiguous(), bias,
+    return _apply_linear_block(inp.contiguous(), gamma, beta, weight.contiguous(), bias,
                                       scales, history, bwd_meta, codes, need_dgrad, need_wgrad)
 
 
@@ -412,6 +416,9 @@ class LayerNormMlpBlock(torch.autograd.Function):
                 gb2 if b2_dtype is not None else None, None, None, None, None, None, None)
 
 
+_apply_mlp_block = eager_apply(LayerNormMlpBlock)
+
+
 def layernorm_mlp(inp, gamma, beta, w1, b1, w2, b2, act: str, plan: Plan, cfg, scales,
                   history, bwd_meta: tuple, need: tuple) -> Optional[torch.Tensor]:
     """The [M, N] output of a LayerNormMLP forward ``usable`` accepted, or None where its
@@ -437,5 +444,5 @@ def layernorm_mlp(inp, gamma, beta, w1, b1, w2, b2, act: str, plan: Plan, cfg, s
                             (False,) * 4)[0]
     if need_fc1 and not (need_dgrad or need_wgrad1):
         return None
-    return LayerNormMlpBlock.apply(inp.contiguous(), gamma, beta, w1, b1, w2, b2, scales,
+    return _apply_mlp_block(inp.contiguous(), gamma, beta, w1, b1, w2, b2, scales,
                                    history, bwd_meta, codes, act_code, need)

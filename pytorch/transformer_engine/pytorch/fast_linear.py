@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _compiled, compiled_grads, fp8
+from ._autograd import eager_apply
 from .fp8 import COMPILED_ALGOS
 from .linear_fn import linear_backward
 from .ops._backend import algo_code, custom_op, dtype_code, enum_code, stream_of, workspace_for
@@ -216,6 +217,9 @@ class _Fp8Linear(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
+_apply_fp8_linear = eager_apply(_Fp8Linear)
+
+
 def _traced_backward(grad_output, saved, b: _Backward) -> tuple:
     """(grad_input, grad_weight, grad_bias), None where not needed, as one node of a traced
     graph: compiled_grads.linear_grads' operator call with the codes made in the forward."""
@@ -305,5 +309,5 @@ def run(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     bias = None if bias is None else bias.contiguous()
     if not (need_dgrad or need_wgrad or (grad and bias is not None and bias.requires_grad)):
         return _forward(inp, weight, bias, scales, history, codes, False, False)[0]
-    return _Fp8Linear.apply(inp, weight, bias, scales, history, codes, bwd_meta, need_dgrad,
-                            need_wgrad)
+    return _apply_fp8_linear(inp, weight, bias, scales, history, codes, bwd_meta, need_dgrad,
+                             need_wgrad)
