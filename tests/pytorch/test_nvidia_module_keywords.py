@@ -390,9 +390,8 @@ def test_dpa_bottom_right_diagonal_moves_the_causal_diagonal(mask, flag, want):
 
 
 def test_dpa_refusals_and_keyword_only_tail():
-    with pytest.raises(NotImplementedError, match=r"softmax_type='learnable' is not supported "
-                                                  r"here \(only 'vanilla'\); attention sinks"):
-        te.DotProductAttention(2, 16, softmax_type="learnable", device=CPU)
+    with pytest.raises(ValueError, match=r"softmax_type must be one of .*got 'sink'"):
+        te.DotProductAttention(2, 16, softmax_type="sink", device=CPU)
     with pytest.raises(NotImplementedError, match=r"return_max_logit=True is not supported"):
         te.DotProductAttention(2, 16, return_max_logit=True, device=CPU)
     # NVIDIA's releases put different arguments after window_size: keywords only there

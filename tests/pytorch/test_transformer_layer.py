@@ -632,7 +632,7 @@ def test_default_initialization_is_nvidia_te_s():
     (dict(normalization="BatchNorm"), ValueError, "normalization"),
     (dict(activation="tanh"), ValueError, "activation"),
     (dict(qk_norm_type="BatchNorm"), ValueError, "qk_norm_type"),
-    (dict(softmax_type="learnable"), NotImplementedError, "attention sinks"),
+    (dict(softmax_type="sigmoid"), ValueError, "softmax_type"),
     (dict(num_gqa_groups=3), ValueError, "num_gqa_groups"),
 ])
 def test_bad_constructor_arguments_are_refused(kw, error, words):

@@ -295,14 +295,15 @@ def _lengths(cu: Optional[torch.Tensor], batch: int, seqlen: int, device) -> tor
 
 
 def _softmax_mask(mask: str, window: tuple[int, int], lq, lk, sq: int, skv: int, padding: bool,
-                  device) -> tuple[str, torch.Tensor]:
-    """The softmax's mask kind and its uint8 mask [b or 1, 1, sq, skv] (nonzero = masked)."""
+                  device, explicit: bool = False) -> tuple[str, torch.Tensor]:
+    """The softmax's mask kind and its uint8 mask [b or 1, 1, sq, skv] (nonzero = masked);
+    with ``explicit``, always the "arbitrary" kind and its whole mask (no kind implied)."""
     left, right = window
     causal = "causal" in mask
     bottom_right = mask.endswith("bottom_right")
     if causal:
         right = 0
-    if not padding and left < 0:
+    if not padding and left < 0 and not explicit:
         if right < 0:
             return "none", torch.empty((0,), dtype=torch.uint8, device=device)
         if right == 0:
@@ -331,14 +332,32 @@ def _pad_thd(x: torch.Tensor, cu: torch.Tensor, seqlen: int):
     return padded.transpose(1, 2), index, valid
 
 
+def _softmax_with_sink(scores: torch.Tensor, masked: torch.Tensor, scale: float,
+                       sink: torch.Tensor) -> torch.Tensor:
+    """softmax(scale * scores) over each row's unmasked keys and one more logit, the row's
+    head's ``sink`` (an attention sink: it takes a share of the weight and has no value), in
+    fp32, in scores' dtype: p_j = exp(x_j) / (exp(sink_h) + sum_i exp(x_i)). A row whose keys
+    are all masked gives zeros (the sink takes all), not NaN. ``masked``: uint8, nonzero =
+    masked, broadcast over [b, h, sq, skv]; ``sink``: [h] (0 for NVIDIA's "off-by-one")."""
+    logits = scores.float() * scale
+    if masked.numel():
+        logits = logits.masked_fill(masked.bool(), float("-inf"))
+    column = sink.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+    p = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
+    return p.to(scores.dtype)
+
+
 def unfused_attention(q, k, v, layout: str, mask: str, window: tuple[int, int],
                       softmax_scale: float, dropout: float, cu_q, cu_kv, max_seqlen_q: int,
                       max_seqlen_kv: int, attention_mask: Optional[torch.Tensor] = None,
-                      bias: Optional[attention_bias.Bias] = None):
+                      bias: Optional[attention_bias.Bias] = None,
+                      sink: Optional[torch.Tensor] = None):
     """o = attention(q, k, v) as matmul -> scaled masked softmax -> dropout -> matmul, in q's
     layout and dtype. attention_mask (bool, True = masked, [b or 1, h or 1, sq, skv]) is the
     mask itself for the "arbitrary" mask type. ``bias`` is added to the scores (in fp32) before
-    or after the scale, as attention_bias.py says."""
+    or after the scale, as attention_bias.py says. ``sink`` ([h], one logit per query head):
+    the softmax's denominator has one more term per row (_softmax_with_sink), in torch ops
+    (autograd differentiates it, the sink included)."""
     if layout == "thd":
         qh, q_index, q_valid = _pad_thd(q, cu_q, max_seqlen_q)
         kh, _, _ = _pad_thd(k, cu_kv, max_seqlen_kv)
@@ -364,11 +383,15 @@ def unfused_attention(q, k, v, layout: str, mask: str, window: tuple[int, int],
         padding = layout == "thd" or mask.startswith("padding")
         lq = _lengths(cu_q if padding else None, batch, sq, q.device)
         lk = _lengths(cu_kv if padding else None, batch, skv, q.device)
-        kind, m = _softmax_mask(mask, window, lq, lk, sq, skv, padding, q.device)
+        kind, m = _softmax_mask(mask, window, lq, lk, sq, skv, padding, q.device,
+                                explicit=sink is not None)
     scale = softmax_scale
     if bias is not None:
         scores, scale = attention_bias.add(scores, bias, softmax_scale)
-    p = _ScaledSoftmax.apply(scores.contiguous(), m.contiguous(), kind, scale)
+    if sink is not None:
+        p = _softmax_with_sink(scores, m, scale, sink)
+    else:
+        p = _ScaledSoftmax.apply(scores.contiguous(), m.contiguous(), kind, scale)
     if p.dtype != vh.dtype:  # (fp32 scores of a bias)
         p = p.to(vh.dtype)
     if dropout > 0.0:

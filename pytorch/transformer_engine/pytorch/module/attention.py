@@ -42,6 +42,9 @@ from .linear import _default_device
 __all__ = ["AttentionBackend", "DotProductAttention", "get_attention_backend"]
 
 BACKENDS = ("cudnn", "cpu", "unfused", "cuda_math")
+# NVIDIA TE's softmax variants: the plain one, and with an attention sink (one more logit in
+# each row's denominator, no value): fixed at 0 ("off-by-one") or learned per head.
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 _CORE_INDEX = {"cudnn": 0, "cuda_math": 1, "cpu": 2}
 _TE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _LOG = logging.getLogger("transformer_engine.attention")
@@ -312,8 +315,13 @@ class DotProductAttention(FP8Module):
             counts. Attention dropout draws from ``get_rng_state_tracker()``'s ``fork()``
             (each rank's heads their own masks) when a tracker is given and
             ``sequence_parallel`` is False, as in NVIDIA TE.
-        softmax_type, return_max_logit: ``"vanilla"`` and False only (attention sinks and the
-            logits' maximum are not implemented); name: kept.
+        softmax_type: ``"vanilla"``; ``"off-by-one"`` or ``"learnable"`` add an attention
+            sink, one more logit per row in the softmax's denominator that has no value:
+            p_j = exp(x_j) / (exp(s_h) + sum_i exp(x_i)), with s_h = 0 (off-by-one) or the
+            parameter ``softmax_offset`` [h] (fp32, learnable, starting at 0). Sinks run on the
+            unfused path (matmuls and a softmax in torch ops, in fp32), not in the fused
+            attention, and not in FP8 or with context parallelism (both raise).
+        return_max_logit: False only (the logits' maximum is not implemented); name: kept.
         deterministic: ask the backward for a deterministic dk/dv reduction.
         attention_backend: ``None`` (auto, or ``TE_ATTENTION_BACKEND``) or one of ``BACKENDS``.
         device: where the delayed-scaling state lives (default: the current CUDA device when
@@ -364,9 +372,11 @@ class DotProductAttention(FP8Module):
                  device: Union[torch.device, str, None] = None) -> None:
         # (keyword-only after window_size: NVIDIA TE's releases order what follows differently,
         # so a positional argument there would not mean one thing)
-        refuse_non_defaults("DotProductAttention", "attention sinks and the logits' maximum are "
-                            "not implemented", softmax_type=(softmax_type, "vanilla"),
+        refuse_non_defaults("DotProductAttention", "the logits' maximum is not implemented",
                             return_max_logit=(return_max_logit, False))
+        if softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"DotProductAttention: softmax_type must be one of {SOFTMAX_TYPES}, "
+                             f"got {softmax_type!r}")
         dims = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
         groups = num_gqa_groups if num_gqa_groups is not None else num_attention_heads
         # NVIDIA's tp_size / tp_group: the heads of every rank, this rank attends its share
@@ -408,8 +418,31 @@ class DotProductAttention(FP8Module):
         self.attention_backend = attention_backend
         self.tp_size, self.sequence_parallel, self.name = tp, bool(sequence_parallel), name
         self.get_rng_state_tracker = get_rng_state_tracker
+        self.softmax_type = softmax_type
+        self._make_sink(softmax_type, _default_device(device))
         self._cp = None
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def _make_sink(self, softmax_type: str, device: torch.device) -> None:
+        """``softmax_offset``: the attention sink's logit of each (local) query head, fp32 [h]
+        as NVIDIA TE keeps it. ``"learnable"``: a parameter, starting at 0 (a sink that weighs
+        as much as one key of logit 0); ``"off-by-one"``: zeros that no step changes, a buffer
+        outside the state dict; ``"vanilla"``: None."""
+        self.softmax_offset = None
+        if softmax_type == "vanilla":
+            return
+        zeros = torch.zeros(self.num_attention_heads, dtype=torch.float32, device=device)
+        if softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(zeros)
+        else:
+            del self.softmax_offset
+            self.register_buffer("softmax_offset", zeros, persistent=False)
+
+    def reset_parameters(self) -> None:
+        """The learnable attention sinks back at 0 (deferred init on the meta device)."""
+        if isinstance(self.softmax_offset, torch.nn.Parameter):
+            with torch.no_grad():
+                self.softmax_offset.zero_()
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
                                    cp_comm_type: str = "p2p") -> None:
@@ -468,6 +501,11 @@ class DotProductAttention(FP8Module):
             if self._cp is not None:
                 raise NotImplementedError("DotProductAttention: an attention bias with "
                                           "context parallelism is not implemented")
+        if self.softmax_offset is not None and self._cp is not None:
+            raise NotImplementedError(f"DotProductAttention: softmax_type="
+                                      f"{self.softmax_type!r} (attention sinks) with context "
+                                      "parallelism is not implemented: the ranks' partial "
+                                      "softmaxes would each count the sink")
         if inference_params is not None:
             raise NotImplementedError("DotProductAttention: inference_params is not "
                                       "implemented here (only None); te.MultiheadAttention "
@@ -570,9 +608,11 @@ class DotProductAttention(FP8Module):
             raise ValueError("DotProductAttention: qkv_format 'thd' needs max_seqlen_q and "
                              "max_seqlen_kv (the longest sequence of each)")
         dropout = self.attention_dropout if self.training else 0.0
-        if bias is not None:
-            return self._attend_with_bias(query, key, value, attention_mask, layout, mask,
-                                          window, dropout, asked, bias)
+        if bias is not None or self.softmax_offset is not None:
+            return self._attend_unfused_only(query, key, value, attention_mask, layout, mask,
+                                             window, dropout, asked, bias, cu_seqlens_q,
+                                             cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                             padding)
         recipe = self._fp8_recipe_of_call(query, key, value)
         if recipe is None or not all(_takes_fp8(t) for t in (query, key, value)):
             # FP8 inputs go as they are only into FP8 attention and only as E4M3 per tensor
@@ -630,31 +670,45 @@ class DotProductAttention(FP8Module):
                                                           (query, key, value)),
                                      cu_seqlens_q, cu_seqlens_kv, padded)
 
-    def _attend_with_bias(self, query, key, value, attention_mask, layout: str, mask: str,
-                          window, dropout: float, asked: Optional[str], bias: tuple):
-        """Attention with an additive bias (attention_bias.py): on the unfused path, the only
-        one that takes a bias, in high precision."""
+    def _attend_unfused_only(self, query, key, value, attention_mask, layout: str, mask: str,
+                             window, dropout: float, asked: Optional[str], bias: Optional[tuple],
+                             cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                             padding: bool):
+        """Attention with an additive bias (attention_bias.py) or attention sinks
+        (``softmax_type``): on the unfused path, the only one that takes them, in high
+        precision."""
         op = "DotProductAttention"
+        what = ("an attention bias" if bias is not None
+                else f"softmax_type={self.softmax_type!r} (attention sinks)")
         if asked not in (None, "auto", "unfused"):
-            raise NotImplementedError(f"{op}: an attention bias runs on the unfused path only "
-                                      f"(the fused attention takes none), but attention_backend "
+            raise NotImplementedError(f"{op}: {what} runs on the unfused path only (the fused "
+                                      f"attention takes none), but attention_backend "
                                       f"{asked!r} was asked for")
         state = STATE
         if state.enabled and _runs_fp8(state.recipe) and state.recipe.fp8_dpa:
-            raise NotImplementedError(f"{op}: FP8 attention (fp8_dpa=True) with an attention "
-                                      "bias is not implemented: the FP8 attention takes no "
-                                      "bias; run it with fp8_dpa=False")
-        if layout == "thd" or mask.startswith("padding"):
-            raise NotImplementedError(f"{op}: an attention bias with padded or packed "
-                                      f"sequences (qkv_format {layout!r}, attn_mask_type "
-                                      f"{mask!r}) is not implemented")
+            raise NotImplementedError(f"{op}: FP8 attention (fp8_dpa=True) with {what} is not "
+                                      "implemented: the FP8 attention takes neither; run it "
+                                      "with fp8_dpa=False")
         query, key, value = (to_high_precision(t) for t in (query, key, value))
-        seq = 0 if layout == "sbhd" else 1
-        batch = query.shape[1 - seq]
-        resolved = attention_bias.resolve(op, *bias, batch, self.num_attention_heads,
-                                          query.shape[seq], key.shape[seq], mask, query)
+        resolved = None
+        if bias is not None:
+            if layout == "thd" or mask.startswith("padding"):
+                raise NotImplementedError(f"{op}: an attention bias with padded or packed "
+                                          f"sequences (qkv_format {layout!r}, attn_mask_type "
+                                          f"{mask!r}) is not implemented")
+            seq = 0 if layout == "sbhd" else 1
+            resolved = attention_bias.resolve(op, *bias, query.shape[1 - seq],
+                                              self.num_attention_heads, query.shape[seq],
+                                              key.shape[seq], mask, query)
+        if not padding:
+            cu_seqlens_q = cu_seqlens_kv = None
+        sink = self.softmax_offset
+        if sink is not None and sink.device != query.device:
+            raise ValueError(f"{op}: softmax_offset is on {sink.device} and the inputs on "
+                             f"{query.device}: move the module with .to()")
         o = unfused_attention(query, key, value, layout, mask, window, self.softmax_scale,
-                              dropout, None, None, 0, 0, attention_mask, resolved)
+                              dropout, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q or 0,
+                              max_seqlen_kv or 0, attention_mask, resolved, sink)
         return o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
 
     def _fp8_recipe_of_call(self, q, k, v) -> Optional[Recipe]:

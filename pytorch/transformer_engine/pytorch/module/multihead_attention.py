@@ -51,13 +51,11 @@ def default_init_method(weight: torch.Tensor) -> None:
 def refuse_unsupported(op: str, **given) -> None:
     """NotImplementedError naming the first feature given a value other than its default."""
     defaults = {"ub_overlap_ag": False, "ub_overlap_rs": False, "ub_overlap_rs_dgrad": False,
-                "ub_bulk_dgrad": False, "ub_bulk_wgrad": False, "ub_tp_comm_overlap": False,
-                "softmax_type": "vanilla"}
-    names = {"softmax_type": "softmax_type other than 'vanilla' (attention sinks)"}
+                "ub_bulk_dgrad": False, "ub_bulk_wgrad": False, "ub_tp_comm_overlap": False}
     for arg, value in given.items():
         if value != defaults[arg]:
-            feature = names.get(arg, "userbuffers communication overlap")
-            raise NotImplementedError(f"{op}: {feature} is not implemented yet; {arg} must be "
+            raise NotImplementedError(f"{op}: userbuffers communication overlap is not "
+                                      f"implemented yet; {arg} must be "
                                       f"{defaults[arg]!r}, got {value!r}")
 
 
@@ -111,8 +109,10 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
         qk_norm_type, qk_norm_eps, qk_norm_before_rope: normalize each head of q and k
             (``"L2Normalization"`` x / sqrt(sum x^2 + eps), ``"RMSNorm"`` or ``"LayerNorm"``
             with learned weights ``q_norm`` / ``k_norm``) after RoPE, or before it.
-        ub_*, softmax_type: accepted at their defaults (other values raise
-            NotImplementedError); seq_length, micro_batch_size, name: accepted, unused.
+        softmax_type: as DotProductAttention's (attention sinks; its ``softmax_offset`` is
+            ``core_attention.softmax_offset``, this rank's heads under tensor parallelism).
+        ub_*: accepted at their defaults (other values raise NotImplementedError);
+            seq_length, micro_batch_size, name: accepted, unused.
         bias: learn biases in the projections.
         qkv_format: layout of ``hidden_states``: ``"sbhd"`` [s, b, hidden], ``"bshd"``
             [b, s, hidden] or ``"thd"`` [tokens, hidden].
@@ -161,7 +161,7 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         refuse_unsupported(op, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-                           ub_bulk_wgrad=ub_bulk_wgrad, softmax_type=softmax_type)
+                           ub_bulk_wgrad=ub_bulk_wgrad)
         check_sizes(op, hidden_size=hidden_size, num_attention_heads=num_attention_heads)
         optional = {"kv_channels": kv_channels, "num_gqa_groups": num_gqa_groups}
         check_sizes(op, **{k: v for k, v in optional.items() if v is not None})
@@ -247,7 +247,7 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
             attention_dropout=attention_dropout, qkv_format=qkv_format,
             attn_mask_type=attn_mask_type, window_size=window_size,
             layer_number=self.layer_number, attention_type=attention_type,
-            attention_backend=attention_backend, device=device)
+            softmax_type=softmax_type, attention_backend=attention_backend, device=device)
         self.proj = Linear(hq, hidden_size, init_method=output_layer_init_method,
                            return_bias=return_bias, **common, **row)
         zero_biases(self)
