@@ -24,6 +24,7 @@ from .availability import (
     is_nvfp4_available,
 )
 from .checkpoint import checkpoint
+from .cpu_offload import get_cpu_offload_context
 from .cross_entropy import parallel_cross_entropy
 from .distributed import CudaRNGStatesTracker
 from .float8_tensor import Float8Tensor
@@ -71,9 +72,10 @@ __all__ = ["AttentionBackend", "CudaRNGStatesTracker", "DotProductAttention",
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "__version__",
            "apply_rotary_pos_emb", "autocast", "checkpoint", "fp8_autocast", "fp8_model_init",
-           "get_attention_backend", "get_cudnn_version", "get_default_recipe",
-           "get_device_compute_capability", "is_bf16_available", "is_fp8_available",
-           "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available",
+           "get_attention_backend", "get_cpu_offload_context", "get_cudnn_version",
+           "get_default_recipe", "get_device_compute_capability", "is_bf16_available",
+           "is_fp8_available", "is_fp8_block_scaling_available", "is_mxfp8_available",
+           "is_nvfp4_available",
            "make_graphed_callables", "moe_permute", "moe_permute_with_probs",
            "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "moe_unpermute",
            "parallel_cross_entropy", "quantized_model_init"]
@@ -85,7 +87,6 @@ _NOT_PROVIDED = {
     "initialize_ub": "userbuffers communication overlap",
     "destroy_ub": "userbuffers communication overlap",
     "UserBufferQuantizationMode": "userbuffers communication overlap",
-    "get_cpu_offload_context": "activation offloading to the CPU",
     "mark_not_offload": "activation offloading to the CPU",
     "ManualOffloadSynchronizer": "activation offloading to the CPU",
     "onnx_export": "ONNX export",
