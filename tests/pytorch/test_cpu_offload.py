@@ -178,6 +178,10 @@ def test_disabled_and_the_argument_errors():
     context, sync = te.get_cpu_offload_context(True, 1, 2)
     with pytest.raises(RuntimeError, match="before the context was entered"):
         sync(t)
+    assert context.inside_context is False  # (Megatron-LM reads it)
+    with context:
+        assert context.inside_context is True
+    assert context.inside_context is False
 
 
 @pytest.mark.cuda

@@ -190,6 +190,12 @@ class _OffloadContext:
         self.layer: Optional[int] = None
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
 
+    @property
+    def inside_context(self) -> bool:
+        """Whether a layer's forward runs inside the context now (NVIDIA's attribute, which
+        Megatron-LM's layers read)."""
+        return self._hooks is not None
+
     def __enter__(self) -> "_OffloadContext":
         if self._hooks is not None:
             raise RuntimeError("cpu_offload: the context was entered again inside itself; "
