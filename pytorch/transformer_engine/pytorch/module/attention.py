@@ -438,12 +438,6 @@ class DotProductAttention(FP8Module):
             del self.softmax_offset
             self.register_buffer("softmax_offset", zeros, persistent=False)
 
-    def reset_parameters(self) -> None:
-        """The learnable attention sinks back at 0 (deferred init on the meta device)."""
-        if isinstance(self.softmax_offset, torch.nn.Parameter):
-            with torch.no_grad():
-                self.softmax_offset.zero_()
-
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
                                    cp_comm_type: str = "p2p") -> None:
         """Splits the sequence over ``cp_group`` (context_parallel.py; None or a group of one
