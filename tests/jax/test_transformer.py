@@ -354,6 +354,9 @@ DECODE_CASES = {
     "decoder-relpos-rope_alternate-sbhd": (
         dict(layer_type=TransformerLayerType.DECODER, transpose_batch_sequence=True,
              enable_rotary_pos_emb=True, rotary_pos_emb_group_method="alternate"), (5, 1, 10)),
+    # Attention sinks: the full forward and the cache both in jnp, one sink logit per head.
+    "gpt-sinks-bshd": (dict(enable_rotary_pos_emb=True, enable_relative_embedding=False,
+                            num_gqa_groups=2, softmax_type="learnable"), (3, 1, 12)),
 }
 
 

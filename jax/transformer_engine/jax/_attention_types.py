@@ -13,6 +13,9 @@ reject them as they reject any unknown string:
   ``DotProductAttention`` accepts them (and NVIDIA's lower-case names) and takes the packed
   array apart before calling it.
 
+``AttnSoftmaxType``'s values are the modules' ``softmax_type`` strings; ``fused_attn`` takes
+the vanilla softmax only (the modules run a sink in jnp).
+
 ``AttnBiasType``'s values are the ``attn_bias_type`` strings of ``DotProductAttention``,
 ``MultiHeadAttention`` and ``TransformerLayer``; ``fused_attn`` takes no bias (the modules
 run a biased attention in jnp).
@@ -24,7 +27,8 @@ import enum
 
 from transformer_engine.jax.sequence_descriptor import SequenceDescriptor
 
-__all__ = ["AttnMaskType", "AttnBiasType", "QKVFormat", "QKVLayout", "SequenceDescriptor"]
+__all__ = ["AttnMaskType", "AttnBiasType", "AttnSoftmaxType", "QKVFormat", "QKVLayout",
+           "SequenceDescriptor", "softmax_type_of"]
 
 
 class AttnMaskType(str, enum.Enum):
@@ -54,6 +58,29 @@ class AttnBiasType(str, enum.Enum):
     NO_BIAS = "no_bias"
     PRE_SCALE_BIAS = "pre_scale_bias"
     POST_SCALE_BIAS = "post_scale_bias"
+
+
+class AttnSoftmaxType(str, enum.Enum):
+    """The attention softmax; values are the ``softmax_type`` strings of the flax
+    ``DotProductAttention``, ``MultiHeadAttention`` and ``TransformerLayer``. With a sink
+    (attention sinks), each row's denominator has one more term with no value: ``exp(0)``
+    (off-by-one) or ``exp(s_h)``, one learned logit per query head (learnable)."""
+
+    VANILLA_SOFTMAX = "vanilla"
+    OFF_BY_ONE_SOFTMAX = "off-by-one"
+    LEARNABLE_SOFTMAX = "learnable"
+
+
+def softmax_type_of(op: str, value) -> str:
+    """The ``softmax_type`` string of a string or :class:`AttnSoftmaxType` member (NVIDIA's
+    ``"off_by_one"`` spelling too); ValueError naming ``op`` otherwise."""
+    value = getattr(value, "value", value)
+    value = {"off_by_one": "off-by-one"}.get(value, value)
+    names = tuple(t.value for t in AttnSoftmaxType)
+    if value not in names:
+        raise ValueError(f"{op}: softmax_type must be one of {names} or an AttnSoftmaxType "
+                         f"member, got {value!r}")
+    return value
 
 
 class QKVFormat(str, enum.Enum):

@@ -33,9 +33,11 @@ from transformer_engine.jax import context_parallel, context_parallel_thd, padde
 from transformer_engine.jax._attention_types import (
     AttnBiasType,
     AttnMaskType,
+    AttnSoftmaxType,
     QKVFormat,
     QKVLayout,
     SequenceDescriptor,
+    softmax_type_of,
 )
 from transformer_engine.jax._native import TARGETS, load
 from transformer_engine.jax.autocast import get_mesh_resource
@@ -51,7 +53,8 @@ from transformer_engine.jax.context_parallel_thd import (
 )
 from transformer_engine.jax.sequence_descriptor import thd_offsets
 
-__all__ = ["fused_attn", "LAYOUTS", "MASKS", "AttnMaskType", "AttnBiasType", "QKVFormat",
+__all__ = ["fused_attn", "LAYOUTS", "MASKS", "AttnMaskType", "AttnBiasType", "AttnSoftmaxType",
+           "QKVFormat",
            "QKVLayout", "SequenceDescriptor", "CPStrategy", "ReorderStrategy",
            "reorder_causal_load_balancing", "inverse_reorder_causal_load_balancing",
            "reorder_thd_load_balancing", "inverse_reorder_thd_load_balancing"]
@@ -311,7 +314,8 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
                context_parallel_causal_load_balanced: bool = False,
                context_parallel_axis: Optional[str] = None,
                sequence_descriptor: Optional[SequenceDescriptor] = None,
-               max_segments_per_seq: Optional[int] = None) -> jax.Array:
+               max_segments_per_seq: Optional[int] = None,
+               softmax_type="vanilla") -> jax.Array:
     """softmax(q k^T * scale_factor + mask) v per head, in q's layout with v's head dim.
 
     Args:
@@ -359,6 +363,10 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
             (NVIDIA's static capacity; None: the descriptor's width). A row with more raises
             ValueError where the descriptor's values are known while tracing; under ``jax.jit``
             the extra ones are dropped (their rows give 0).
+        softmax_type: ``"vanilla"`` (or ``AttnSoftmaxType.VANILLA_SOFTMAX``) only: the
+            core's fused attention takes no attention sink. The flax ``DotProductAttention``,
+            ``MultiHeadAttention`` and ``TransformerLayer`` take ``"off-by-one"`` and
+            ``"learnable"`` and run them in jnp.
 
     Example:
         >>> import jax.numpy as jnp
@@ -367,6 +375,10 @@ def fused_attn(q: jax.Array, k: jax.Array, v: jax.Array, *, qkv_layout: str = "b
         >>> fused_attn(q, q, q).shape
         (1, 3, 2, 4)
     """
+    if softmax_type_of("fused_attn", softmax_type) != "vanilla":
+        raise NotImplementedError(f"fused_attn: softmax_type {softmax_type_of('', softmax_type)!r} "
+                                  "(attention sinks) is not implemented in the fused attention; "
+                                  "the flax DotProductAttention(softmax_type=...) runs it in jnp")
     layout = qkv_layout.lower()
     if layout not in LAYOUTS:
         raise ValueError(f"fused_attn: qkv_layout must be one of {tuple(LAYOUTS)}, got "

@@ -66,13 +66,15 @@ def unfused_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arr
                       scale: float, bias: Optional[jax.Array] = None,
                       bias_type: str = "post_scale_bias", dropout_rate: float = 0.0,
                       dropout_rng: Optional[jax.Array] = None, float32_logits: bool = False,
-                      seq_first: bool = False) -> jax.Array:
+                      seq_first: bool = False, sink: Optional[jax.Array] = None) -> jax.Array:
     """softmax(scale * q k^T (+ bias) | allowed) v per head; q [b, sq, h, d], k and v
     [b, skv, g, d] (g divides h: GQA), or seq-first ([s, b, ...]) with ``seq_first``.
 
     ``bias`` [b or 1, h, sq, skv] is added after the scale (``post_scale_bias``) or before it
     (``pre_scale_bias``). The logits accumulate in fp32 (fp32 inputs to the products with
-    ``float32_logits``); the softmax runs in fp32; the weights meet v in v's dtype.
+    ``float32_logits``); the softmax runs in fp32; the weights meet v in v's dtype. ``sink``
+    [h] (attention sinks): each row's denominator gets ``exp(sink[head])`` more, a weight
+    with no value (a row with no allowed key gives 0 still).
     """
     if seq_first:
         q, k, v = (jnp.swapaxes(t, 0, 1) for t in (q, k, v))
@@ -91,8 +93,14 @@ def unfused_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arr
         if bias is not None:
             logits = logits + bias.astype(jnp.float32)
     logits = jnp.where(allowed, logits, _MASKED)
-    e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)) * allowed
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    if sink is not None:
+        column = jnp.reshape(sink.astype(jnp.float32), (1, h, 1, 1))
+        top = jnp.maximum(top, column)
+    e = jnp.exp(logits - top) * allowed
     total = jnp.sum(e, axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + jnp.exp(column - top)
     probs = e / jnp.where(total > 0, total, 1.0)
     if dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)

@@ -9,6 +9,7 @@ import flax.linen as nn
 
 import jax
 import jax.numpy as jnp
+from transformer_engine.jax._attention_types import softmax_type_of
 from transformer_engine.jax.attention import SequenceDescriptor, fused_attn
 from transformer_engine.jax.flax._checks import check_float_dtype, check_mask, check_sizes
 from transformer_engine.jax.flax._unfused_attention import (
@@ -135,6 +136,12 @@ class DotProductAttention(nn.Module):
             ``"RING"`` (pass them round the devices); any case, or
             :class:`~transformer_engine.jax.attention.CPStrategy`.
         context_checkpoint_name: NVIDIA's remat name of the context: recorded only.
+        softmax_type: ``"vanilla"``; ``"off-by-one"`` or ``"learnable"`` (or the
+            :class:`~transformer_engine.jax.attention.AttnSoftmaxType` members) add an
+            attention sink: each row's softmax denominator gets ``exp(0)``, or ``exp(s_h)``
+            with the parameter ``softmax_offset`` [heads] (fp32, starting at 0, logical axis
+            ``"heads"``). The fused attention takes no sink, so with one the attention runs
+            in jnp (as with a bias); not for ``thd`` or context parallelism.
 
     The call takes ``mask`` [batch, 1, sq, skv] (True = masked) for the padding masks: the
     lengths are the rows and columns that are not fully masked. In its place (the fourth
@@ -181,6 +188,7 @@ class DotProductAttention(nn.Module):
     context_parallel_axis: str = ""
     context_checkpoint_name: str = "context"
     context_parallel_strategy: Any = "DEFAULT"
+    softmax_type: Any = "vanilla"
 
     def _check_keywords(self, bias, layout) -> str:
         """The bias type after NVIDIA's default rule, with the keywords checked."""
@@ -277,9 +285,16 @@ class DotProductAttention(nn.Module):
             cu_seqlens_kv = _cu_seqlens(allowed.any(axis=-2))
         dropout = 0.0 if deterministic else self.attention_dropout
         rng = self.make_rng(self.dropout_rng_name) if dropout > 0.0 else None
-        if bias is not None:
-            return self._with_bias(query, key, value, mask, bias, bias_type, mask_type, layout,
-                                   cu_seqlens_q, cu_seqlens_kv, dropout, rng)
+        sink = attention_sink(self, "DotProductAttention", self.softmax_type,
+                              self.num_attention_heads)
+        if sink is not None and (layout == "thd" or self.context_parallel_causal_load_balanced):
+            raise NotImplementedError("DotProductAttention: softmax_type "
+                                      f"{softmax_type_of('', self.softmax_type)!r} (attention "
+                                      "sinks) runs in jnp, which takes neither the thd layouts "
+                                      "nor the load-balanced context-parallel order")
+        if bias is not None or sink is not None:
+            return self._in_jnp(query, key, value, mask, bias, bias_type, mask_type, layout,
+                                cu_seqlens_q, cu_seqlens_kv, dropout, rng, sink)
         # NVIDIA's THD with transpose_batch_sequence: [s, b, ...] rows, as its module takes them
         seq_first = sequence_descriptor is not None and self.transpose_batch_sequence
         if seq_first:
@@ -298,14 +313,15 @@ class DotProductAttention(nn.Module):
                        max_segments_per_seq=self.max_segments_per_seq)
         return jnp.swapaxes(o, 0, 1) if seq_first else o
 
-    def _with_bias(self, q, k, v, mask, bias, bias_type, mask_type, layout, cu_q, cu_kv,
-                   dropout, rng):
-        """Attention with an additive bias, in jnp (the fused kernel has no bias input)."""
+    def _in_jnp(self, q, k, v, mask, bias, bias_type, mask_type, layout, cu_q, cu_kv,
+                dropout, rng, sink):
+        """Attention with an additive bias or a sink, in jnp (the fused kernel takes
+        neither)."""
         seq = 0 if layout == "sbhd" else 1
         batch, sq, skv = q.shape[1 - seq], q.shape[seq], k.shape[seq]
-        bias = jnp.asarray(bias)
-        if (bias.ndim != 4 or bias.shape[0] not in (1, batch)
-                or bias.shape[1:] != (self.num_attention_heads, sq, skv)):
+        bias = None if bias is None else jnp.asarray(bias)
+        if bias is not None and (bias.ndim != 4 or bias.shape[0] not in (1, batch)
+                                 or bias.shape[1:] != (self.num_attention_heads, sq, skv)):
             raise ValueError(f"DotProductAttention: bias must have shape [1 or {batch}, "
                              f"{self.num_attention_heads}, {sq}, {skv}] ([1 or batch, heads, "
                              f"sq, skv]), got {list(bias.shape)}")
@@ -318,4 +334,18 @@ class DotProductAttention(nn.Module):
         allowed = allowed_keys(mask_type, q_pos, jnp.arange(skv), self.window_size, mask)
         return unfused_attention(q, k, v, allowed, scale=scale, bias=bias, bias_type=bias_type,
                                  dropout_rate=dropout, dropout_rng=rng,
-                                 float32_logits=self.float32_logits, seq_first=seq == 0)
+                                 float32_logits=self.float32_logits, seq_first=seq == 0,
+                                 sink=sink)
+
+
+def attention_sink(module: nn.Module, op: str, softmax_type, heads: int) -> Optional[jax.Array]:
+    """The sink logits [heads] (fp32) of ``softmax_type``, made in ``module`` (a compact
+    method's): None for vanilla, zeros for off-by-one, the parameter ``softmax_offset``
+    (starting at 0, logical axis ``"heads"``) for learnable."""
+    kind = softmax_type_of(op, softmax_type)
+    if kind == "vanilla":
+        return None
+    if kind == "off-by-one":
+        return jnp.zeros((heads,), jnp.float32)
+    init = nn.with_logical_partitioning(nn.initializers.zeros, ("heads",))
+    return module.param("softmax_offset", init, (heads,), jnp.float32)

@@ -20,7 +20,7 @@ from transformer_engine.jax.flax._unfused_attention import (
     query_positions,
     unfused_attention,
 )
-from transformer_engine.jax.flax.attention import MASK_ALIASES, _cu_seqlens
+from transformer_engine.jax.flax.attention import MASK_ALIASES, _cu_seqlens, attention_sink
 from transformer_engine.jax.flax.layernorm_dense import LayerNormDenseGeneral
 from transformer_engine.jax.flax.module import DenseGeneral, Initializer, check_lora, lora_scope
 from transformer_engine.jax.sharding import (
@@ -178,6 +178,8 @@ class MultiHeadAttention(nn.Module):
         scaled_query_init: divide the query kernel's initial values by sqrt(D).
         float32_logits: the jnp path computes the logits from fp32 q and k.
         window_size: (left, right) sliding window, -1 an unbounded side.
+        softmax_type: as :class:`DotProductAttention`'s (attention sinks, in jnp; the
+            parameter ``softmax_offset`` [H] for ``"learnable"``).
         num_heads, dropout_rate, output_layernorm, apply_residual_connection_post_layernorm,
             fuse_qkv: deprecated spellings (``num_heads`` and ``dropout_rate`` replace
             ``num_attention_heads`` and ``attention_dropout``).
@@ -250,6 +252,7 @@ class MultiHeadAttention(nn.Module):
     float32_logits: bool = False
     window_size: Optional[Tuple[int, int]] = None
     qkv_layout: Optional[str] = None
+    softmax_type: Any = "vanilla"
     # Deprecated spellings.
     num_heads: Optional[int] = None
     dropout_rate: Optional[float] = None
@@ -338,6 +341,7 @@ class MultiHeadAttention(nn.Module):
         scale = 1.0 / math.sqrt(d) if self.scale_attn_logits else 1.0
         rate = 0.0 if deterministic else dropout
         rng = self.make_rng(self.dropout_rng_name) if rate > 0.0 else None
+        sink = attention_sink(self, name, self.softmax_type, heads)
         if cache is not None:
             k, v, q_pos, k_pos, k_valid = self._update_cache(cache, q, k, v, seq_axis)
             length = cache["length"]
@@ -351,15 +355,15 @@ class MultiHeadAttention(nn.Module):
             x = unfused_attention(q, k, v, allowed, scale=scale, bias=bias, bias_type=bias_type,
                                   dropout_rate=rate, dropout_rng=rng,
                                   float32_logits=self.float32_logits,
-                                  seq_first=self.transpose_batch_sequence)
-        elif bias is not None:
+                                  seq_first=self.transpose_batch_sequence, sink=sink)
+        elif bias is not None or sink is not None:  # (the fused attention takes neither)
             sq, skv = q.shape[seq_axis], k.shape[seq_axis]
             q_pos = query_positions(mask_type, sq, skv, mask)
             allowed = allowed_keys(mask_type, q_pos, jnp.arange(skv), self.window_size, mask)
             x = unfused_attention(q, k, v, allowed, scale=scale, bias=bias, bias_type=bias_type,
                                   dropout_rate=rate, dropout_rng=rng,
                                   float32_logits=self.float32_logits,
-                                  seq_first=self.transpose_batch_sequence)
+                                  seq_first=self.transpose_batch_sequence, sink=sink)
         else:
             if layout.repeat_kv:
                 k, v = (constrain(jnp.repeat(t, heads // groups, axis=2),

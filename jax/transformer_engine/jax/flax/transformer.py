@@ -190,6 +190,7 @@ class TransformerLayer(nn.Module):
     of the residual stream.
         scale_attn_logits, scaled_query_init: see :class:`MultiHeadAttention`.
         window_size: (left, right) sliding window of the attentions.
+        softmax_type: of the attentions (attention sinks; see :class:`MultiHeadAttention`).
 
     The call ``(inputs, encoded=None, attention_mask=None, encoder_decoder_mask=None,
     deterministic=False, decode=False, max_decode_length=None)`` returns the block's output
@@ -250,6 +251,7 @@ class TransformerLayer(nn.Module):
     scale_attn_logits: bool = False
     scaled_query_init: bool = True
     window_size: Optional[Tuple[int, int]] = None
+    softmax_type: Any = "vanilla"
 
     def _check(self, inputs, encoded):
         name = "TransformerLayer"
@@ -310,7 +312,7 @@ class TransformerLayer(nn.Module):
             enable_sequence_parallel=self.enable_sequence_parallel,
             scale_attn_logits=self.scale_attn_logits, scaled_query_init=self.scaled_query_init,
             float32_logits=self.float32_attention_logits, window_size=self.window_size,
-            name=name)
+            softmax_type=self.softmax_type, name=name)
 
     def _dropout(self, x, rate, dims, deterministic):
         if rate == 0.0:
