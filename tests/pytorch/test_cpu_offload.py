@@ -29,7 +29,7 @@ class _CopyTransfer:
 
     def takes(self, t):
         return (type(t) is torch.Tensor and t.numel() >= self.min_numel
-                and not isinstance(t._base, torch.nn.Parameter))
+                and cpu_offload.offloadable(t))
 
     def to_host(self, t):
         self.sent.append(weakref.ref(t))
@@ -210,3 +210,17 @@ def test_cuda_offload_frees_the_device_memory_and_keeps_the_gradients():
         assert torch.equal(got, want)
     # Four of six layers keep their activations on the host: at most half the device memory.
     assert held[1] < 0.5 * held[0], held
+
+
+def test_marked_tensors_stay():
+    """mark_not_offload (and Megatron-LM's offloading_activation = False) keep a tensor on
+    the device: autograd keeps it itself."""
+    context, sync, transfer, offloader = _offload(2, 1)
+    w = torch.randn(HIDDEN, HIDDEN, requires_grad=True)
+    kept, megatron_kept, sent = (torch.randn(8, HIDDEN) for _ in range(3))
+    te.mark_not_offload(kept, None)
+    megatron_kept.offloading_activation = False
+    with context:
+        h = kept.matmul(w) + megatron_kept.matmul(w) + sent.matmul(w)
+    sync(h)
+    assert [r() for r in transfer.sent] == [sent]

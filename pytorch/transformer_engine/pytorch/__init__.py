@@ -24,7 +24,7 @@ from .availability import (
     is_nvfp4_available,
 )
 from .checkpoint import checkpoint
-from .cpu_offload import get_cpu_offload_context
+from .cpu_offload import get_cpu_offload_context, mark_not_offload
 from .cross_entropy import parallel_cross_entropy
 from .distributed import CudaRNGStatesTracker
 from .float8_tensor import Float8Tensor
@@ -76,7 +76,7 @@ __all__ = ["AttentionBackend", "CudaRNGStatesTracker", "DotProductAttention",
            "get_default_recipe", "get_device_compute_capability", "is_bf16_available",
            "is_fp8_available", "is_fp8_block_scaling_available", "is_mxfp8_available",
            "is_nvfp4_available",
-           "make_graphed_callables", "moe_permute", "moe_permute_with_probs",
+           "make_graphed_callables", "mark_not_offload", "moe_permute", "moe_permute_with_probs",
            "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "moe_unpermute",
            "parallel_cross_entropy", "quantized_model_init"]
 
@@ -87,7 +87,6 @@ _NOT_PROVIDED = {
     "initialize_ub": "userbuffers communication overlap",
     "destroy_ub": "userbuffers communication overlap",
     "UserBufferQuantizationMode": "userbuffers communication overlap",
-    "mark_not_offload": "activation offloading to the CPU",
     "ManualOffloadSynchronizer": "activation offloading to the CPU",
     "onnx_export": "ONNX export",
     "moe_permute_and_pad_with_probs": "the fused MoE permute with padding (use moe_permute_"

@@ -33,9 +33,25 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["get_cpu_offload_context"]
+__all__ = ["get_cpu_offload_context", "mark_not_offload"]
 
 DEFAULT_MIN_TENSOR_SIZE_TO_OFFLOAD = 2**20  # elements: smaller tensors stay (copies cost more)
+
+
+def mark_not_offload(*tensors: Optional[torch.Tensor]) -> None:
+    """Keeps these tensors on the device when autograd saves them inside the offload context
+    (NVIDIA's call; None is skipped)."""
+    for t in tensors:
+        if t is not None:
+            t._te_do_not_offload = True
+
+
+def offloadable(t: torch.Tensor) -> bool:
+    """Not marked to stay (mark_not_offload, or Megatron-LM's ``offloading_activation =
+    False``), and neither a parameter's view (the parameter stays on the device anyway)."""
+    return (not getattr(t, "_te_do_not_offload", False)
+            and getattr(t, "offloading_activation", True) is not False
+            and not isinstance(t._base, torch.nn.Parameter))
 
 
 class CudaTransfer:
@@ -46,9 +62,8 @@ class CudaTransfer:
         self._stream: Optional[torch.cuda.Stream] = None
 
     def takes(self, t: torch.Tensor) -> bool:
-        base = t._base
         return (type(t) is torch.Tensor and t.is_cuda and t.numel() >= self.min_numel
-                and not isinstance(base, torch.nn.Parameter))
+                and offloadable(t))
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None:
