@@ -111,3 +111,40 @@ def test_bad_arguments_are_clear_errors(call, message):
     x, mask, _, _ = _routing("cpu")
     with pytest.raises((ValueError, TypeError), match=message):
         call(x, mask)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_permute_and_pad_puts_each_expert_at_an_aligned_row(device):
+    """Each expert's rows start at a multiple of align_size and are followed by zero rows;
+    unpermuting with pad_offsets gives what the unpadded routing gives, gradients too."""
+    x, mask, _, probs = _routing(device)
+    counts = mask.sum(0)
+    align = 4
+    x = x.requires_grad_()
+    out, pp, row_id_map, pad_offsets, target = te.moe_permute_and_pad_with_probs(
+        x, probs, mask, counts, align)
+    ref, ref_probs, ref_map = te.moe_permute_with_probs(x, probs, mask)
+    assert torch.equal(row_id_map, ref_map)
+    want_target = [-(-int(c) // align) * align for c in counts.tolist()]
+    assert target.tolist() == want_target and out.shape == (sum(want_target), H)
+    start = pad_start = 0
+    for e, (n, padded) in enumerate(zip(counts.tolist(), want_target, strict=True)):
+        assert int(pad_offsets[e]) == pad_start - start
+        assert torch.equal(out[pad_start:pad_start + n], ref[start:start + n])
+        assert torch.equal(pp[pad_start:pad_start + n], ref_probs[start:start + n])
+        assert not out[pad_start + n:pad_start + padded].any()
+        assert not pp[pad_start + n:pad_start + padded].any()
+        start, pad_start = start + n, pad_start + padded
+    g = torch.randn(T, H, device=device)
+    merged = te.moe_unpermute(out * 3, row_id_map, merging_probs=probs, pad_offsets=pad_offsets)
+    (gx,) = torch.autograd.grad((merged * g).sum(), x)
+    ref_merged = te.moe_unpermute(ref * 3, ref_map, merging_probs=probs)
+    (ref_gx,) = torch.autograd.grad((ref_merged * g).sum(), x)
+    assert torch.equal(merged, ref_merged) and torch.equal(gx, ref_gx)
+    # Counts already aligned: no padding and no offsets.
+    _, _, _, none, same = te.moe_permute_and_pad_with_probs(x, probs, mask, counts, 1)
+    assert none is None and torch.equal(same, counts.long())
+    with pytest.raises(ValueError, match="align_size must be a positive int"):
+        te.moe_permute_and_pad_with_probs(x, probs, mask, counts, 0)
+    with pytest.raises(ValueError, match="pad_offsets come with a 'mask' routing"):
+        te.moe_unpermute(out, row_id_map, map_type="index", pad_offsets=pad_offsets)

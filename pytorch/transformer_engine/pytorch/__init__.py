@@ -49,6 +49,7 @@ from .module import (
 )
 from .moe import (
     moe_permute,
+    moe_permute_and_pad_with_probs,
     moe_permute_with_probs,
     moe_sort_chunks_by_index,
     moe_sort_chunks_by_index_with_probs,
@@ -76,7 +77,8 @@ __all__ = ["AttentionBackend", "CudaRNGStatesTracker", "DotProductAttention",
            "get_default_recipe", "get_device_compute_capability", "is_bf16_available",
            "is_fp8_available", "is_fp8_block_scaling_available", "is_mxfp8_available",
            "is_nvfp4_available",
-           "make_graphed_callables", "mark_not_offload", "moe_permute", "moe_permute_with_probs",
+           "make_graphed_callables", "mark_not_offload", "moe_permute",
+           "moe_permute_and_pad_with_probs", "moe_permute_with_probs",
            "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "moe_unpermute",
            "parallel_cross_entropy", "quantized_model_init"]
 
@@ -89,8 +91,6 @@ _NOT_PROVIDED = {
     "UserBufferQuantizationMode": "userbuffers communication overlap",
     "ManualOffloadSynchronizer": "activation offloading to the CPU",
     "onnx_export": "ONNX export",
-    "moe_permute_and_pad_with_probs": "the fused MoE permute with padding (use moe_permute_"
-                                      "with_probs, then Fp8Padding)",
     "GatedDeltaNetAttention": "gated delta-net attention",
     "FusedMLAQUpProjFunction": "the fused multi-latent-attention projections",
     "FusedMLAQUpProjRopeQuant": "the fused multi-latent-attention projections",

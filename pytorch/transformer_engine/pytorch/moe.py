@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["moe_permute", "moe_permute_with_probs", "moe_unpermute",
-           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs"]
+__all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs",
+           "moe_unpermute", "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs"]
 
 MAP_TYPES = ("mask", "index")
 
@@ -137,18 +137,73 @@ def moe_permute_with_probs(inp: torch.Tensor, probs: torch.Tensor, routing_map: 
             _row_id_map(flat, inp.shape[0], slots))
 
 
+def moe_permute_and_pad_with_probs(inp: torch.Tensor, probs: torch.Tensor,
+                                   routing_map: torch.Tensor, tokens_per_expert: torch.Tensor,
+                                   align_size: int) -> tuple:
+    """:func:`moe_permute_with_probs` of every routed token, each expert's rows followed by
+    zero rows up to a multiple of ``align_size`` (what FP8 grouped GEMMs want: 16): (permuted
+    [sum of the padded counts, hidden], permuted_probs (0 on padding rows), row_id_map,
+    pad_offsets, target_tokens_per_expert). ``tokens_per_expert`` [experts] are the routing's
+    counts; ``pad_offsets`` [experts] the padding rows before each expert's block (None where
+    no expert needs any), which :func:`moe_unpermute` takes to drop them again. Sizing the
+    output reads the padded total on the host (one synchronization, as NVIDIA's call)."""
+    op = "moe_permute_and_pad_with_probs"
+    _check_tokens(op, inp)
+    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size <= 0:
+        raise ValueError(f"{op}: align_size must be a positive int, got {align_size!r}")
+    experts = routing_map.shape[1] if isinstance(routing_map, torch.Tensor) else -1
+    if not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.shape != (experts,):
+        raise ValueError(f"{op}: tokens_per_expert must be a [{experts}] tensor (one count per "
+                         f"expert), got {list(getattr(tokens_per_expert, 'shape', []))}")
+    from .float8_tensor import Float8Tensor
+
+    if isinstance(inp, Float8Tensor):
+        raise NotImplementedError(f"{op}: a Float8Tensor input is not implemented (the padding "
+                                  "is written in high precision); permute it with "
+                                  "moe_permute_with_probs, then pad with te.Fp8Padding")
+    permuted, permuted_probs, row_id_map = moe_permute_with_probs(inp, probs, routing_map)
+    counts = tokens_per_expert.to(device=inp.device, dtype=torch.int64)
+    target = torch.div(counts + align_size - 1, align_size, rounding_mode="floor") * align_size
+    pad = target - counts
+    pad_offsets = torch.cumsum(pad, 0) - pad  # (exclusive)
+    if not bool(pad.any()):
+        return permuted, permuted_probs, row_id_map, None, target
+    rows = _padded_rows(row_id_map, pad_offsets, permuted.shape[0])
+    total = int(target.sum())
+    out = permuted.new_zeros((total, permuted.shape[1])).index_copy(0, rows, permuted)
+    out_probs = permuted_probs.new_zeros((total,)).index_copy(0, rows, permuted_probs)
+    return out, out_probs, row_id_map, pad_offsets, target
+
+
+def _padded_rows(row_id_map: torch.Tensor, pad_offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """Where each permuted row of a mask routing sits once every expert's block is padded:
+    its row plus the padding before its expert's block."""
+    expert = torch.zeros(rows, dtype=torch.int64, device=row_id_map.device)
+    kept = row_id_map >= 0
+    expert[row_id_map[kept]] = torch.nonzero(kept)[:, 1]  # (a mask's slot is its expert)
+    return torch.arange(rows, device=row_id_map.device) + pad_offsets.to(torch.int64)[expert]
+
+
 def moe_unpermute(inp: torch.Tensor, row_id_map: torch.Tensor,
                   merging_probs: Optional[torch.Tensor] = None,
                   restore_shape: Optional[torch.Size] = None, map_type: str = "mask",
-                  probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  probs: Optional[torch.Tensor] = None,
+                  pad_offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The permuted rows ``inp`` back to their tokens: each token's rows summed, weighted by
     ``merging_probs`` ([tokens, experts] for a mask, [tokens, top_k] for an index; None: plain
     sums; ``probs`` is its older name), in a [tokens, hidden] output (``restore_shape``, when
-    given, must have that many elements)."""
+    given, must have that many elements). ``pad_offsets`` (a mask routing permuted by
+    :func:`moe_permute_and_pad_with_probs`): ``inp`` holds padding rows, which are skipped."""
     op = "moe_unpermute"
     _check_tokens(op, inp)
     if map_type not in MAP_TYPES:
         raise ValueError(f"{op}: map_type must be one of {MAP_TYPES}, got {map_type!r}")
+    if pad_offsets is not None:
+        if map_type != "mask":
+            raise ValueError(f"{op}: pad_offsets come with a 'mask' routing "
+                             "(moe_permute_and_pad_with_probs), got map_type 'index'")
+        kept = int((row_id_map >= 0).sum())
+        inp = inp.index_select(0, _padded_rows(row_id_map, pad_offsets, kept))
     if probs is not None:
         if merging_probs is not None:
             raise ValueError(f"{op}: give merging_probs or probs (its older name), not both")

@@ -2,11 +2,12 @@
 
 from .moe import (
     moe_permute,
+    moe_permute_and_pad_with_probs,
     moe_permute_with_probs,
     moe_sort_chunks_by_index,
     moe_sort_chunks_by_index_with_probs,
     moe_unpermute,
 )
 
-__all__ = ["moe_permute", "moe_permute_with_probs", "moe_sort_chunks_by_index",
-           "moe_sort_chunks_by_index_with_probs", "moe_unpermute"]
+__all__ = ["moe_permute", "moe_permute_and_pad_with_probs", "moe_permute_with_probs",
+           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "moe_unpermute"]
