@@ -120,12 +120,11 @@ def chunked_fc1_grad(plan: Plan, q_g2: Operand, w2_col, w2_col_sinv, h: torch.Te
         grad_act = fp8_gemm(q_g2.data[r0:r1], q_g2.scale_inv, w2_col, w2_col_sinv,
                             plan.bwd_dtype, plan.fwd_dtype, plan.grad_mode, plan.weight_mode,
                             h.dtype, None, True)
-        part, _, sinv, _, part_dbias = ops.activation_backward_fp8(
-            grad_act, h[r0:r1], act, scale[0:1], plan.bwd_dtype, True, False, with_dbias,
+        # (the chunk's FP8 rows straight into their place in the whole)
+        sinv, _, part_dbias = ops.activation.activation_backward_fp8_into(
+            data[r0:r1], grad_act, h[r0:r1], act, scale[0:1], plan.bwd_dtype, with_dbias,
             history, 0)
         del grad_act
-        data[r0:r1].copy_(part)
-        del part
         if with_dbias:
             dbias = part_dbias if dbias is None else dbias + part_dbias
     release(h)

@@ -238,13 +238,21 @@ def activation_backward_fp8(
     the unscaled grad_input: (data, col, scale_inv, amax, dbias). For ``identity`` x is only
     read for its shape (its values may be anything, e.g. dy itself). ``amax_history`` and
     ``index`` and ``gate`` as for activation_forward_fp8."""
-    _check_grad("activation_backward_fp8", dy, x, act)
-    check_fp8_dtype("activation_backward_fp8", fp8_dtype)
+    op = "activation_backward_fp8"
+    _check_grad(op, dy, x, act)
+    check_fp8_dtype(op, fp8_dtype)
     m, k = x.shape
     data, col = _fp8_pair(x, m, k, rowwise, columnwise)
+    return (data, col, *_backward_fp8(op, dy, x, act, scale, fp8_dtype, data, col, rowwise,
+                                      columnwise, with_dbias, amax_history, index, gate))
+
+
+def _backward_fp8(op, dy, x, act, scale, fp8_dtype, data, col, rowwise, columnwise, with_dbias,
+                  amax_history, index, gate=None) -> tuple:
+    """The core call of the FP8 activation backward into ``data`` / ``col``: (scale_inv, amax,
+    dbias) as activation_backward_fp8 returns them."""
     scale_inv, dbias = _scalar(x), _dbias(x, with_dbias)
-    amax, raw_amax, accumulate = amax_destination("activation_backward_fp8", x, amax_history,
-                                                  index)
+    amax, raw_amax, accumulate = amax_destination(op, x, amax_history, index)
     c = core()
     dy, x, scale = dy.contiguous(), x.contiguous(), scale.contiguous()
     out = _fp8_tensor(c, data, col, scale, scale_inv, raw_amax, fp8_dtype, rowwise, columnwise,
@@ -252,7 +260,7 @@ def activation_backward_fp8(
     c.activation_backward(_te_act(act), raw(dy), _input_arg(x, act), out,
                           dbias=raw(dbias) if with_dbias else None, accumulate_amax=accumulate,
                           params=_params(act), stream=stream_of(x))
-    return data, col, scale_inv, amax, dbias
+    return scale_inv, amax, dbias
 
 
 @activation_backward_fp8.register_fake
@@ -262,6 +270,32 @@ def _(dy, x, act, scale, fp8_dtype, rowwise, columnwise, with_dbias, amax_histor
     m, k = x.shape
     return (*_fp8_pair(x, m, k, rowwise, columnwise), _scalar(x), amax_fake(x, amax_history),
             _dbias(x, with_dbias))
+
+
+@custom_op(f"{_NS}::activation_backward_fp8_into", mutates_args=("data", "amax_history"))
+def activation_backward_fp8_into(
+    data: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, act: str, scale: torch.Tensor,
+    fp8_dtype: str, with_dbias: bool, amax_history: Optional[torch.Tensor] = None,
+    index: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """activation_backward_fp8 with its row-wise bytes written into ``data`` (contiguous
+    uint8 of x's shape, e.g. rows of a larger buffer) instead of a new tensor, no column-wise
+    copy: (scale_inv, amax, dbias). A gradient made in row chunks then needs no copy of each
+    chunk into the whole."""
+    op = "activation_backward_fp8_into"
+    _check_grad(op, dy, x, act)
+    check_fp8_dtype(op, fp8_dtype)
+    if data.dtype != torch.uint8 or data.shape != x.shape or not data.is_contiguous():
+        raise ValueError(f"{op}: data must be a contiguous uint8 tensor of x's shape "
+                         f"{list(x.shape)}, got {data.dtype} {list(data.shape)}")
+    return _backward_fp8(op, dy, x, act, scale, fp8_dtype, data, placeholder(x), True, False,
+                         with_dbias, amax_history, index)
+
+
+@activation_backward_fp8_into.register_fake
+def _(data, dy, x, act, scale, fp8_dtype, with_dbias, amax_history=None, index=0):
+    _check_grad("activation_backward_fp8_into", dy, x, act)
+    return _scalar(x), amax_fake(x, amax_history), _dbias(x, with_dbias)
 
 
 # ------------------------------------------------------------ current scaling's scale
