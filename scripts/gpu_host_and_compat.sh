@@ -20,7 +20,8 @@ done
 step cuda_tests "$(upto $((budget - 130)) 170)" python3 -m pytest -p no:cacheprovider -q -m cuda \
   -rfE -n 4 tests/pytorch/test_attention_sinks.py tests/pytorch/test_cpu_offload.py \
   tests/pytorch/test_eager_apply.py tests/pytorch/test_fast_linear.py \
-  tests/pytorch/test_linear.py tests/pytorch/test_compiled_blocks.py
+  tests/pytorch/test_linear.py tests/pytorch/test_compiled_blocks.py \
+  tests/pytorch/test_layernorm_mlp.py
 export TE_BENCH_RESULTS=$out
 step linear_host "$(left $((budget - 10)))" python3 benchmarks/bench_linear.py --host-only \
   --name linear_host
