@@ -3,7 +3,8 @@
 # that run on the CPU in CI: builds the core (CUDA, sm_90a) and the torch package, then, each
 # within what is left of the budget: the fp8_mha compile probe in its three modes
 # (benchmarks/compile_fp8_mha_probe.py), the CUDA tests of attention sinks, CPU offload, the
-# C++ autograd apply and te.Linear's compiled path, and te.Linear's host time against
+# C++ autograd apply, te.Linear's compiled path and LayerNormMLP (its in-place gradient
+# chunks), and te.Linear's host time against
 # nn.Linear (bench_linear --host-only, results/linear_host.json). Logs go to $1/log.txt,
 # benchmark JSON to $1.
 #
