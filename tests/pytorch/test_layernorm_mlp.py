@@ -404,3 +404,31 @@ def test_frozen_parameters_get_the_same_gradients(name, trainable):
             assert torch.equal(p.grad, dict(full.named_parameters())[n].grad), n
         else:
             assert p.grad is None, n
+
+
+@pytest.mark.parametrize("first_microbatch", [None, True])
+def test_forward_drops_fresh_weight_copies_after_their_gemms(monkeypatch, first_microbatch):
+    """The Python path's forward frees the weights' row-wise FP8 copies once their GEMM has run
+    when they were made for this forward alone (they would sit in the forward's peak); copies
+    kept for later microbatches stay. Either way the step's numbers are those of the other."""
+    from transformer_engine.pytorch import layernorm_mlp_fn
+
+    monkeypatch.setattr(layernorm_mlp_fn, "LEAN_BYTES", 0)  # (the Python path)
+    released = []
+    original = layernorm_mlp_fn.release
+    monkeypatch.setattr(layernorm_mlp_fn, "release",
+                        lambda *ts: released.append([tuple(t.shape) for t in ts if t is not None])
+                        or original(*ts))
+    torch.manual_seed(0)
+    mlp = te.LayerNormMLP(64, 96, params_dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    with te.fp8_autocast(fp8_recipe=RECIPES["delayed"]):
+        y = mlp(x, is_first_microbatch=first_microbatch)
+    forward_released = [s for call in released for s in call]
+    rows = [(96, 64), (64, 96)]  # FC1's and FC2's weights, row-wise
+    if first_microbatch is None:
+        assert all(r in forward_released for r in rows), forward_released
+    else:
+        assert not any(r in forward_released for r in rows), forward_released
+    y.float().square().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in mlp.parameters())

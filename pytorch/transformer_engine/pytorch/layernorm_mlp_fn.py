@@ -182,9 +182,14 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
                                                           w1_sinv, b1, scale_fwd, history_fwd,
                                                           need_wgrad1)
         # Only FC1's wgrad reads ln_out again (column-wise): its row-wise bytes go before the
-        # activation allocates FC2's input.
+        # activation allocates FC2's input. So do FC1's weight's row-wise bytes where they were
+        # made for this forward alone (the backward reads its column-wise copy): they would
+        # otherwise sit in the forward's peak, at FC2's GEMM.
         ln_col, ln_col_sinv = q1.columnwise, q1.columnwise_scale_inv
         del q1
+        drop_weights = own_weights and not torch.compiler.is_compiling()
+        if drop_weights:
+            release(w1_data)
         # (the compiled operator takes an activation's code, not its parameters)
         if not ops.activation.has_params(act) and compiled_forward.usable(
                 plan, h, (w2_data, w2_sinv), b2, history_fwd):
@@ -196,6 +201,8 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
             out = fp8_gemm(q2.data, q2.scale_inv, w2_data, w2_sinv, plan.fwd_dtype,
                            plan.fwd_dtype, plan.input_mode, plan.weight_mode, inp.dtype, b2,
                            False)
+        if drop_weights:
+            release(w2_data)
         # per-tensor: the column-wise copies share the row-wise scale_inv
         w1_col_sinv = w1_sinv if w1_col_sinv is None else w1_col_sinv
         w2_col_sinv = w2_sinv if w2_col_sinv is None else w2_col_sinv
