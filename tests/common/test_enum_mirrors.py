@@ -207,9 +207,9 @@ def test_torch_names_are_members_of_the_binding_enums():
 
 
 def test_torch_attention_backend_indices():
-    """DotProductAttention's backend indices (module/attention.py)."""
+    """DotProductAttention's backend indices (module/_attention_backend.py)."""
     pytest.importorskip("torch")
-    from transformer_engine.pytorch.module import attention
+    from transformer_engine.pytorch.module import _attention_backend as attention
 
     backends = _by_suffix("te_attn_backend", "TE_ATTN_BACKEND_")
     assert attention._CORE_INDEX == {k: v for k, v in backends.items() if k != "auto"}

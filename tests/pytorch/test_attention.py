@@ -557,7 +557,7 @@ def test_cuda_fp8_dropout_is_not_launched_on_cudnn_sm90():
 def test_fp8_without_a_fused_kernel_runs_cudnn_in_high_precision(monkeypatch):
     # Where cuDNN has no FP8 kernel for a call but runs it in high precision, the automatic
     # choice takes that (with a warning) over the core's slow FP8 math path.
-    from transformer_engine.pytorch.module import attention as mod
+    from transformer_engine.pytorch.module import _attention_backend as mod
 
     def reasons(key, grad):
         fp8 = bool(key[-1])
