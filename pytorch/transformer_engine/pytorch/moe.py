@@ -166,22 +166,22 @@ def moe_permute_and_pad_with_probs(inp: torch.Tensor, probs: torch.Tensor,
     target = torch.div(counts + align_size - 1, align_size, rounding_mode="floor") * align_size
     pad = target - counts
     pad_offsets = torch.cumsum(pad, 0) - pad  # (exclusive)
-    if not bool(pad.any()):
+    total, padding = torch.stack([target.sum(), pad.sum()]).tolist()  # (one synchronization)
+    if padding == 0:
         return permuted, permuted_probs, row_id_map, None, target
     rows = _padded_rows(row_id_map, pad_offsets, permuted.shape[0])
-    total = int(target.sum())
     out = permuted.new_zeros((total, permuted.shape[1])).index_copy(0, rows, permuted)
     out_probs = permuted_probs.new_zeros((total,)).index_copy(0, rows, permuted_probs)
     return out, out_probs, row_id_map, pad_offsets, target
 
 
 def _padded_rows(row_id_map: torch.Tensor, pad_offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """Where each permuted row of a mask routing sits once every expert's block is padded:
-    its row plus the padding before its expert's block."""
-    expert = torch.zeros(rows, dtype=torch.int64, device=row_id_map.device)
-    kept = row_id_map >= 0
-    expert[row_id_map[kept]] = torch.nonzero(kept)[:, 1]  # (a mask's slot is its expert)
-    return torch.arange(rows, device=row_id_map.device) + pad_offsets.to(torch.int64)[expert]
+    """Where each of the ``rows`` permuted rows of a mask routing sits once every expert's
+    block is padded: its row plus the padding before its expert's block (the rows come expert
+    by expert, as many per expert as its column of the map holds; no host synchronization)."""
+    per_expert = (row_id_map >= 0).sum(0)
+    before = torch.repeat_interleave(pad_offsets.to(torch.int64), per_expert, output_size=rows)
+    return torch.arange(rows, device=row_id_map.device) + before
 
 
 def moe_unpermute(inp: torch.Tensor, row_id_map: torch.Tensor,
@@ -193,7 +193,8 @@ def moe_unpermute(inp: torch.Tensor, row_id_map: torch.Tensor,
     ``merging_probs`` ([tokens, experts] for a mask, [tokens, top_k] for an index; None: plain
     sums; ``probs`` is its older name), in a [tokens, hidden] output (``restore_shape``, when
     given, must have that many elements). ``pad_offsets`` (a mask routing permuted by
-    :func:`moe_permute_and_pad_with_probs`): ``inp`` holds padding rows, which are skipped."""
+    :func:`moe_permute_and_pad_with_probs`): ``inp`` holds padding rows, which are skipped
+    (counting the rows to keep reads one number on the host)."""
     op = "moe_unpermute"
     _check_tokens(op, inp)
     if map_type not in MAP_TYPES:
@@ -202,7 +203,7 @@ def moe_unpermute(inp: torch.Tensor, row_id_map: torch.Tensor,
         if map_type != "mask":
             raise ValueError(f"{op}: pad_offsets come with a 'mask' routing "
                              "(moe_permute_and_pad_with_probs), got map_type 'index'")
-        kept = int((row_id_map >= 0).sum())
+        kept = int((row_id_map >= 0).sum())  # (the one synchronization: the rows to keep)
         inp = inp.index_select(0, _padded_rows(row_id_map, pad_offsets, kept))
     if probs is not None:
         if merging_probs is not None:
