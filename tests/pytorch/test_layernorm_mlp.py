@@ -226,6 +226,66 @@ def test_memory_lean_backward_is_bit_identical(monkeypatch, name, act, bias):
             assert torch.equal(a, b_), n
 
 
+@pytest.mark.parametrize("name", ["delayed", "current", "block"])
+def test_late_weight_columns_are_the_forward_copies(monkeypatch, name):
+    """A large block's forward quantizes its weights row-wise alone and the backward makes
+    their column-wise copies (layernorm_mlp_fn.late_weight_columns): the same bytes as copies
+    made in the forward, so the same gradients and FP8 state, over steps whose weights grow
+    (delayed scaling's update at the autocast's exit then writes a new scale between the
+    forward and its backward: the backward must quantize with the forward's)."""
+    from transformer_engine.pytorch import layernorm_mlp_fn
+
+    r = RECIPES[name]
+    mlps = [_mlp("gelu") for _ in range(2)]
+    mlps[1].load_state_dict(mlps[0].state_dict())
+    x = torch.randn(B, S, H)
+    g = torch.randn(B, S, H) * 1e-2
+    late = []
+    made = layernorm_mlp_fn.late_weight_columns
+    monkeypatch.setattr(layernorm_mlp_fn, "late_weight_columns",
+                        lambda *a: late.append(a[3]) or made(*a))
+    for _ in range(3):
+        grads = []
+        for mlp, lean_bytes in zip(mlps, (2**62, 0), strict=True):
+            monkeypatch.setattr(layernorm_mlp_fn, "LEAN_BYTES", lean_bytes)
+            xi = x.clone().requires_grad_()
+            y = _step(mlp, xi, g, r)
+            grads.append([y, xi.grad, *[p.grad for p in mlp.parameters()]])
+            mlp.zero_grad()
+            with torch.no_grad():
+                mlp.fc1_weight.mul_(1.5)
+                mlp.fc2_weight.mul_(1.5)
+        for a, b_ in zip(*grads, strict=True):
+            assert torch.equal(a, b_)
+        for (n, a), b_ in zip(mlps[0].named_buffers(), mlps[1].buffers(), strict=True):
+            assert torch.equal(a, b_), n
+    assert late == [3, 1] * 3  # FC2's copy, then FC1's, in each backward
+
+
+def test_late_weight_columns_leave_the_forward(monkeypatch):
+    """A large block saves its weights rather than their FP8 column-wise copies, and its
+    forward makes no column-wise weight copy: quantize is asked for row-wise bytes alone."""
+    from transformer_engine.pytorch import layernorm_mlp_fn
+    from transformer_engine.pytorch.module import base
+
+    monkeypatch.setattr(layernorm_mlp_fn, "LEAN_BYTES", 0)
+    mlp = _mlp("gelu")
+    asked = []
+    quantize = base.quantize
+    monkeypatch.setattr(base, "quantize", lambda plan, role, x, row, col, *a: asked.append(
+        (role, row, col)) or quantize(plan, role, x, row, col, *a))
+    saved = []
+    x = torch.randn(B, S, H, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with te.fp8_autocast(fp8_recipe=RECIPES["delayed"]):
+            y = mlp(x)
+    assert asked == [("weight", True, False)] * 2
+    assert any(t is mlp.fc1_weight for t in saved) and any(t is mlp.fc2_weight for t in saved)
+    assert not any(t.dtype == torch.uint8 and t.shape in ((FFN, H), (H, FFN)) for t in saved)
+    y.sum().backward()
+    assert mlp.fc1_weight.grad is not None and x.grad is not None
+
+
 @pytest.mark.parametrize("act,bias", [("gelu", True), ("swiglu", False)])
 def test_chunked_lean_backward_equals_the_one_pass_order(monkeypatch, act, bias, device):
     """Under delayed scaling the lean order makes FC1's FP8 gradient LEAN_CHUNKS row chunks

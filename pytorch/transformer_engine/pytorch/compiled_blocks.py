@@ -430,7 +430,7 @@ def layernorm_mlp(inp, gamma, beta, w1, b1, w2, b2, act: str, plan: Plan, cfg, s
         return None
     need_dgrad, need_wgrad1, need_wgrad2, need_fc1 = need
     tokens = inp.numel() // inp.shape[-1]
-    if tokens * w1.shape[0] * inp.element_size() >= layernorm_mlp_fn.LEAN_BYTES:
+    if layernorm_mlp_fn.large_block(tokens, w1.shape[0], inp.dtype):
         return None
     codes = _codes(plan, cfg)
     act_code = enum_code("Activation", act)

@@ -86,13 +86,20 @@ def normalized_fc1(plan: Plan, inp: torch.Tensor, w1_data, w1_sinv, b1, scales: 
 LEAN_BYTES = 128 * 2**20
 
 
+def large_block(tokens: int, ffn: int, dtype: torch.dtype) -> bool:
+    """Whether FC1's output ([tokens, ffn] of ``dtype``) is large enough for the memory-lean
+    order (LEAN_BYTES), which then also makes the weights' column-wise FP8 copies in the
+    backward (late_weight_columns)."""
+    return tokens * ffn * dtype.itemsize >= LEAN_BYTES
+
+
 # The lean order under delayed scaling makes FC1's FP8 gradient in this many chunks of rows:
 # FC2's dgrad of a chunk, then the activation's backward of that chunk writing its FP8 rows,
 # so the activation's gradient in high precision (2 x tokens x ffn bytes in bf16) exists one
 # chunk at a time instead of beside FC1's output and the whole FP8 gradient (the backward's
 # peak). Delayed scaling alone: its scale is known before the gradient exists (current
 # scaling needs the whole gradient's amax first).
-LEAN_CHUNKS = 4
+LEAN_CHUNKS = 8
 
 
 def chunkable(plan: Plan, history: Optional[torch.Tensor]) -> bool:
@@ -132,6 +139,20 @@ def chunked_fc1_grad(plan: Plan, q_g2: Operand, w2_col, w2_col_sinv, h: torch.Te
     return Operand(data, sinv, col, sinv, plan.bwd_dtype, plan.grad_mode), dbias
 
 
+def late_weight_columns(plan: Plan, weight: torch.Tensor, scales: Optional[torch.Tensor],
+                        column: int) -> tuple:
+    """The column-wise FP8 copy of a weight whose forward made the row-wise one alone: for
+    large blocks (lean) the forward leaves out the weights' column-wise copies, which the
+    backward alone reads, so they sit in neither the forward's peak nor the saved tensors; the
+    backward quantizes the weight again for them. Delayed scaling quantizes with the scale the
+    forward used (``scales``: the stored scales as the forward read them, since the autocast's
+    update may have written new ones since; the amax is not recorded again); current and block
+    scaling compute theirs from the weight again, the same value. The same bytes as a copy
+    made beside the row-wise one: (data, scale_inv)."""
+    q = quantize(plan, "weight", weight.detach(), False, True, scales, column, None)
+    return q.columnwise, q.columnwise_scale_inv
+
+
 class MlpConsts(NamedTuple):
     """The non-tensor arguments of Fp8LayerNormMLPFunction (one argument: each costs host
     time)."""
@@ -145,6 +166,10 @@ class MlpConsts(NamedTuple):
     own_weights: bool  # the weights' FP8 copies were made for this forward alone
     # delay_wgrad_compute: the lists FC1's and FC2's wgrad GEMMs go on, else None
     wgrad_stores: Optional[tuple] = None
+    # the weights' column-wise copies are the backward's to make (late_weight_columns), with
+    # these stored scales under delayed scaling (a copy of them as the forward read them)
+    late_columns: bool = False
+    late_scales: Optional[torch.Tensor] = None
 
 
 class Fp8LayerNormMLPFunction(torch.autograd.Function):
@@ -170,7 +195,7 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
     def forward(ctx, inp, gamma, beta, w1, b1, w1_data, w1_sinv, w1_col, w1_col_sinv, w2, b2,
                 w2_data, w2_sinv, w2_col, w2_col_sinv, history_fwd, scale_fwd, bwd_meta: tuple,
                 consts: MlpConsts):
-        plan, recipe, group, cfg, act, need, own_weights, stores = consts
+        plan, recipe, group, cfg, act, need, own_weights, stores, late, late_scales = consts
         need_dgrad, need_wgrad1, need_wgrad2, _ = need
         if cfg is None:  # inp is the norm's output (sequence parallelism's gathered one)
             h, q1, x = normalized_fc1(plan, inp, w1_data, w1_sinv, b1, scale_fwd, history_fwd,
@@ -206,8 +231,11 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         # per-tensor: the column-wise copies share the row-wise scale_inv
         w1_col_sinv = w1_sinv if w1_col_sinv is None else w1_col_sinv
         w2_col_sinv = w2_sinv if w2_col_sinv is None else w2_col_sinv
+        if late:  # the weights themselves, for their column-wise copies (late_weight_columns)
+            w1_col, w2_col, w1_col_sinv, w2_col_sinv = w1, w2, None, None
         ctx.save_for_backward(x, mu, rsigma, gamma, ln_col, ln_col_sinv, w1_col, w1_col_sinv,
                               h, q2.columnwise, q2.columnwise_scale_inv, w2_col, w2_col_sinv)
+        ctx.late, ctx.late_scales = late, late_scales
         ctx.bwd_meta = bwd_meta
         ctx.plan, ctx.recipe, ctx.group, ctx.cfg, ctx.act = plan, recipe, group, cfg, act
         ctx.need, ctx.own_weights, ctx.wgrad_stores = need, own_weights, stores
@@ -229,6 +257,11 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         has_beta, has_b1, has_b2 = ctx.has
         w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
         history, scale, _ = ctx.bwd_meta
+        w1 = None
+        if ctx.late:  # the forward saved the weights: their column-wise copies are made here
+            w1, w2 = w1_col, w2_col
+            w2_col, w2_col_sinv = late_weight_columns(plan, w2, ctx.late_scales, 3) \
+                if need_fc1 else (None, None)
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         grad_w1 = grad_b1 = grad_w2 = grad_b2 = dx = dgamma = dbeta = None
         # The node keeps what it saved until it returns; what it made itself goes as soon as
@@ -247,7 +280,7 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
         delayed = plan.kind == "delayed"
         grad_act = dbias2 = q_g1 = dbias1 = None
         fc2 = (a_col, a_col_sinv, w2_col, w2_col_sinv)
-        lean = free and need_fc1 and h.numel() * h.element_size() >= LEAN_BYTES
+        lean = free and need_fc1 and large_block(h.shape[0], h.shape[1], h.dtype)
         if lean:
             # The memory-lean order, for large activations (LEAN_BYTES): FC2's wgrad first, so
             # that FC2's saved input goes before its dgrad allocates the activation's
@@ -292,10 +325,13 @@ class Fp8LayerNormMLPFunction(torch.autograd.Function):
                 del grad_act
             recorded = recorded or (delayed and q_g1 is not None)
             if q_g1 is not None:
+                if w1 is not None:  # (late: FC1's copy only now, with FC1's output gone)
+                    w1_col, w1_col_sinv = late_weight_columns(plan, w1, ctx.late_scales, 1) \
+                        if need_dgrad else (None, None)
                 d_ln, grad_w1 = backward_gemms(plan, q_g1, w1_col, w1_col_sinv, ln_col,
                                                ln_col_sinv, x.dtype, w1_dtype, need_dgrad,
                                                need_wgrad1, store1)
-                del q_g1
+                del q_g1, w1_col
             if has_b1:
                 grad_b1 = dbias1.to(b1_dtype)
         if recorded:  # delayed scaling: one update of both columns, after both were recorded

@@ -17,7 +17,7 @@ from transformer_engine.common.recipe import Recipe
 from .. import compiled_blocks, distributed, fp8, hp_blocks, ops
 from ..checkpoint import checkpoint
 from ..float8_tensor import Float8Tensor
-from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction, MlpConsts
+from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction, MlpConsts, large_block
 from ..ops.activation import GATED, clamped_swiglu
 from ..quantization import kind_of, record_amax
 from ._checks import check_params_dtype, check_sizes, refuse_unbuilt
@@ -457,13 +457,25 @@ class LayerNormMLP(FP8Module):
                                                 plan, cfg, scales, history, bwd_meta, need)
             if out is not None:
                 return with_leading_dims(out, inp)
-        q1 = self._weight_operand(plan, w1, need_dgrad, is_first_microbatch, scales, history, 0)
-        q2 = self._weight_operand(plan, w2, need_fc1, is_first_microbatch, scales, history, 1)
-        per_tensor = plan.weight_mode == "tensor"
         # Copies quantized for this forward alone: the backward may free them once read.
         own_weights = is_first_microbatch is None and not isinstance(w1, Float8Tensor) \
             and not isinstance(w2, Float8Tensor)
-        consts = MlpConsts(plan, bwd_recipe, group, cfg, self._act, need, own_weights, stores)
+        # A large block's backward makes its weights' column-wise copies itself
+        # (layernorm_mlp_fn.late_weight_columns): out of the forward's peak and the saved
+        # bytes, for one more read of each weight.
+        late = own_weights and (need_dgrad or need_fc1) and stores is None \
+            and not torch.compiler.is_compiling() \
+            and large_block(inp.numel() // inp.shape[-1], w1.shape[0], inp.dtype)
+        q1 = self._weight_operand(plan, w1, need_dgrad and not late, is_first_microbatch,
+                                  scales, history, 0)
+        q2 = self._weight_operand(plan, w2, need_fc1 and not late, is_first_microbatch, scales,
+                                  history, 1)
+        per_tensor = plan.weight_mode == "tensor"
+        # (delayed scaling: the scales the copies were made with, which an update may replace
+        # before the backward)
+        late_scales = scales.clone() if late and plan.kind == "delayed" else None
+        consts = MlpConsts(plan, bwd_recipe, group, cfg, self._act, need, own_weights, stores,
+                           late, late_scales)
         return with_leading_dims(Fp8LayerNormMLPFunction.apply(
             inp, gamma, beta, w1, b1, q1.data, q1.scale_inv, q1.columnwise,
             None if per_tensor else q1.columnwise_scale_inv, w2, fc2_bias, q2.data,
