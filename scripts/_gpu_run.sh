@@ -5,6 +5,7 @@
 #   upto S L       the smaller of `left S` and L
 #   step NAME L CMD...   runs CMD within L seconds, logged to $out/log.txt with its exit status
 #   build_torch_stack    the core (CUDA, sm_90a) and the torch package, into this Python
+#                        (TE_GPU_REUSE_BUILD=1: kept from the run before where it imports)
 # Wheels in .whl/ (brought for a machine without network: cudnn-frontend, torchao, nox) are
 # installed beside the machine's packages first.
 mkdir -p "$out"
@@ -27,6 +28,14 @@ step() {
 }
 build_torch_stack() {
   nvidia-smi -L >> "$log"
+  # TE_GPU_REUSE_BUILD=1: a machine still holding this tree's build from the run before
+  # skips the build (about 160 s) when the CUDA core imports
+  if [ "${TE_GPU_REUSE_BUILD:-0}" = 1 ] && python3 -c "import torch, \
+      transformer_engine.pytorch as te; assert te.is_fp8_available()" >> "$log" 2>&1
+  then
+    echo "== build reused (at $(( $(date +%s) - start ))s)" >> "$log"
+    return
+  fi
   step build_common 300 python3 -m pip install --no-build-isolation --no-deps -q \
     -C cmake.define.TE_WITH_CUDA=ON -C cmake.define.TE_CUDA_ARCHITECTURES=90a ./common
   step build_torch 120 env CXX=/usr/bin/g++ CC=/usr/bin/gcc python3 -m pip install \
