@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The one GPU run of a session whose machine may come only once (10 minutes): builds the core
+# (CUDA, sm_90a) and the torch package, then, most needed first, each within what is left:
+# the CUDA tests of the newest features (attention sinks, CPU offload, the C++ autograd
+# apply, te.Linear's compiled path, LayerNormMLP, the compiled blocks), the TransformerLayer
+# benchmark (speed and peak memory against torch; results/transformer_layer.json),
+# te.Linear's host time (bench_linear --host-only, results/linear_host.json) and the fp8_mha
+# compile probe. Logs go to $1/log.txt, JSON to $1.
+#
+#   bash scripts/gpu_session.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (575)
+set -u
+out=${1:?usage: gpu_session.sh OUT_DIR}
+budget=${TE_GPU_BUDGET_S:-575}
+source "$(dirname "$0")/_gpu_run.sh"
+build_torch_stack
+export TE_BENCH_RESULTS=$out
+step cuda_tests "$(upto $((budget - 290)) 140)" python3 -m pytest -p no:cacheprovider -q -m cuda \
+  -rfE -n 4 tests/pytorch/test_attention_sinks.py tests/pytorch/test_cpu_offload.py \
+  tests/pytorch/test_eager_apply.py tests/pytorch/test_fast_linear.py \
+  tests/pytorch/test_linear.py tests/pytorch/test_compiled_blocks.py \
+  tests/pytorch/test_layernorm_mlp.py
+step bench_layer "$(upto $((budget - 70)) 220)" python3 benchmarks/bench_transformer_layer.py
+step linear_host "$(upto $((budget - 25)) 60)" python3 benchmarks/bench_linear.py --host-only \
+  --name linear_host
+step compile_probe "$(left $((budget - 5)))" python3 benchmarks/compile_fp8_mha_probe.py default
+echo "== done at $(( $(date +%s) - start ))s" >> "$log"
