@@ -2,7 +2,8 @@
 # The one GPU run of a session whose machine may come only once (10 minutes): builds the core
 # (CUDA, sm_90a) and the torch package, then, most needed first, each within what is left:
 # the CUDA tests of the newest features (attention sinks, CPU offload, the C++ autograd
-# apply, te.Linear's compiled path, LayerNormMLP, the compiled blocks), the TransformerLayer
+# apply, te.Linear's compiled path, LayerNormMLP, the compiled blocks; the distributed rank
+# scripts on one GPU over NCCL), the TransformerLayer
 # benchmark (speed and peak memory against torch; results/transformer_layer.json),
 # te.Linear's host time (bench_linear --host-only, results/linear_host.json) and the fp8_mha
 # compile probe. Logs go to $1/log.txt, JSON to $1.
@@ -14,11 +15,13 @@ budget=${TE_GPU_BUDGET_S:-575}
 source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack
 export TE_BENCH_RESULTS=$out
-step cuda_tests "$(upto $((budget - 290)) 140)" python3 -m pytest -p no:cacheprovider -q -m cuda \
+step cuda_tests "$(upto $((budget - 310)) 130)" python3 -m pytest -p no:cacheprovider -q -m cuda \
   -rfE -n 4 tests/pytorch/test_attention_sinks.py tests/pytorch/test_cpu_offload.py \
   tests/pytorch/test_eager_apply.py tests/pytorch/test_fast_linear.py \
   tests/pytorch/test_linear.py tests/pytorch/test_compiled_blocks.py \
   tests/pytorch/test_layernorm_mlp.py
+step nccl_world "$(upto $((budget - 250)) 60)" python3 -m pytest -p no:cacheprovider -q -m cuda \
+  -rfE tests/pytorch/test_parallel_worlds.py
 step bench_layer "$(upto $((budget - 70)) 220)" python3 benchmarks/bench_transformer_layer.py
 step linear_host "$(upto $((budget - 25)) 60)" python3 benchmarks/bench_linear.py --host-only \
   --name linear_host

@@ -20,7 +20,7 @@ import tempfile
 import _tp_world  # (beside this script)
 import torch
 import torch.distributed as dist
-from _tp_world import case, exact
+from _tp_world import DEVICE, case, exact, generator
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -38,7 +38,7 @@ def sharded_stack(kind: str, seed: int):
     torch.manual_seed(seed)
     with te.fp8_model_init(enabled=kind == "fp8_model_init", recipe=RECIPE):
         model = torch.nn.Sequential(*(te.TransformerLayer(H, 2 * H, 4, hidden_dropout=0.0,
-                                                          attention_dropout=0.0, device="cpu")
+                                                          attention_dropout=0.0, device=DEVICE)
                                       for _ in range(2)))
     if kind == "fp8_all_gather":
         te.distributed.fp8_all_gather(model)
@@ -49,7 +49,7 @@ def sharded_stack(kind: str, seed: int):
 
 
 def step(model, seed: int) -> torch.Tensor:
-    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(S, B, H, generator=generator(seed))
     with te.fp8_autocast(fp8_recipe=RECIPE, fp8_group=dist.group.WORLD):
         y = model(x.chunk(WORLD, dim=1)[RANK])
     y.float().square().sum().backward()
@@ -106,7 +106,7 @@ if __name__ == "__main__":
     _tp_world.start(RANK, WORLD, PORT)
     from torch.distributed.device_mesh import init_device_mesh
 
-    MESH = init_device_mesh("cpu", (WORLD,))
+    MESH = init_device_mesh(DEVICE, (WORLD,))
     case(check_round_trip, "fp8_model_init")
     case(check_round_trip, "fp8_all_gather")
     dist.destroy_process_group()

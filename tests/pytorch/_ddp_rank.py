@@ -17,7 +17,14 @@ import sys
 import _tp_world  # (beside this script)
 import torch
 import torch.distributed as dist
-from _tp_world import case, fp8_state_same_on_ranks, gathered, layer_stack, rms_close
+from _tp_world import (
+    case,
+    fp8_state_same_on_ranks,
+    gathered,
+    generator,
+    layer_stack,
+    rms_close,
+)
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -50,7 +57,7 @@ def check(r, rel, group=None, fp8_weights=False):
     model = DDP(copy.deepcopy(ref))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(S, B, H, generator=generator(1))
     for step in range(2):
         what = f"{r} fp8_weights={fp8_weights} step {step}"
         loss_of(ref, x, r).backward()

@@ -1,8 +1,11 @@
-"""A gloo world of CPU processes for the tensor-parallel tests: one process per rank runs a
-rank script, which prints "rank R: ok" when its checks pass."""
+"""A world of processes for the distributed tests: one process per rank runs a rank script,
+which prints "rank R: ok" when its checks pass. CPU processes over gloo; with
+``TE_WORLD_DEVICE=cuda`` in the environment, one GPU per rank over NCCL (the rank scripts make
+their modules and tensors on ``DEVICE`` and draw from ``generator``)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -13,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 TIMEOUT_S = 120  # a hung collective fails the test instead of stalling the suite
+DEVICE = os.environ.get("TE_WORLD_DEVICE", "cpu")
 
 
 def _free_port() -> int:
@@ -51,12 +55,24 @@ failures: list[str] = []
 
 
 def start(rank: int, world: int, port: int):
-    """Joins the gloo world of this rank script; returns a group of all its ranks."""
+    """Joins the world of this rank script (gloo on the CPU; NCCL on GPU ``rank`` under
+    TE_WORLD_DEVICE=cuda, where new tensors then go by default); returns a group of all its
+    ranks."""
     import datetime
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    backend = "gloo"
+    if DEVICE == "cuda":
+        backend = "nccl"
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     return dist.new_group(list(range(world)))
+
+
+def generator(seed: int) -> torch.Generator:
+    """A generator on this world's device, seeded: the same draws on every rank."""
+    return torch.Generator(DEVICE).manual_seed(seed)
 
 
 def fp8_state_same_on_ranks(module, world: int, group) -> list:
@@ -141,5 +157,5 @@ def layer_stack(hidden: int, fp8_weights=None) -> torch.nn.Sequential:
     with te.fp8_model_init(enabled=fp8_weights is not None, recipe=fp8_weights):
         return torch.nn.Sequential(*(te.TransformerLayer(hidden, 2 * hidden, 4,
                                                          hidden_dropout=0.0,
-                                                         attention_dropout=0.0, device="cpu")
+                                                         attention_dropout=0.0, device=DEVICE)
                                      for _ in range(2)))

@@ -24,10 +24,16 @@ rank processes that check themselves against the unsplit modules (run_world):
   built with it.
 
 (te.Linear's and the LayerNorm blocks' tensor parallelism: test_tensor_parallel*.py.)
+
+The same scripts run on one rank too, where the modules run unsplit (tensor and sequence
+parallelism take effect from two ranks, as in NVIDIA's) but DDP, FSDP2, the distributed
+checkpoint, the amax reductions and context parallelism still go through the process group:
+over gloo on the CPU, and over NCCL on one GPU (``cuda``-marked; TE_WORLD_DEVICE=cuda).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -45,3 +51,22 @@ WORLDS = [("_tp_rank_sp.py", 2), ("_tp_rank_sp.py", 4), ("_tp_rank_mha.py", 2),
                          ids=[f"{s[1:-3]}-{w}-ranks" for s, w in WORLDS])
 def test_every_rank_agrees_with_the_unsplit_modules(script, world):
     run_world(HERE / script, world)
+
+
+ONE_RANK = ["_tp_rank_sp.py", "_tp_rank_mha.py", "_cp_rank.py", "_fsdp_rank.py", "_ddp_rank.py",
+            "_dcp_rank.py"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ONE_RANK, ids=[s[1:-3] for s in ONE_RANK])
+def test_one_rank_world(script, monkeypatch):
+    monkeypatch.setitem(os.environ, "TE_WORLD_DEVICE", "cpu")
+    run_world(HERE / script, 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("script", ONE_RANK, ids=[s[1:-3] for s in ONE_RANK])
+def test_one_gpu_nccl_world(script, monkeypatch):
+    """The rank scripts on GPU 0 over NCCL: every collective with CUDA tensors."""
+    monkeypatch.setitem(os.environ, "TE_WORLD_DEVICE", "cuda")
+    run_world(HERE / script, 1)

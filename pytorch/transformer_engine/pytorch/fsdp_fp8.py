@@ -181,6 +181,10 @@ def _block_inputs(data: torch.Tensor, slot: torch.Tensor, outer_size: torch.Size
     inputs of the padded shard's size, so the scale rows go in an all-gather of their own."""
     import torch.distributed as dist
 
+    if world == 1:
+        # FSDP2 gathers nothing on one rank: it hands the post-gather a copy of the first
+        # input alone, so the scale rows go beside it (they are the whole grid already).
+        return (data,), slot
     if outer_size[0] == world * data.shape[0]:
         return (data, slot), None
     slots = slot.new_empty((world * slot.shape[0], slot.shape[1]))

@@ -87,8 +87,8 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
             the output projection (row-parallel); the output is whole on every rank.
         sequence_parallel: with tensor parallelism, hidden_states and the output are this
             rank's shard of the first dimension (docs/distributed.md).
-        get_rng_state_tracker: with tensor parallelism and attention dropout, the dropout
-            runs in its ``fork()`` (Megatron-LM's per-rank stream).
+        get_rng_state_tracker: attention dropout runs in its ``fork()`` (Megatron-LM's
+            per-rank stream) unless the block is sequence parallel, as in NVIDIA TE.
         fuse_wgrad_accumulation: every projection's weight gradient goes into its
             ``main_grad`` (see module/_main_grad.py).
         num_gqa_groups: key/value heads (GQA; 1 is MQA); default num_attention_heads.
@@ -398,11 +398,12 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
                                                        cp_comm_type)
 
     def _forks_rng(self) -> bool:
-        """Whether attention dropout draws from the tensor-parallel RNG tracker's stream (a
-        split block with a tracker: each rank's heads get their own dropout masks, and the
-        default generator stays in step across the ranks, as in Megatron-LM)."""
-        return (self.tp_size > 1 and self.get_rng_state_tracker is not None and self.training
-                and self._attention_dropout > 0)
+        """Whether attention dropout draws from the tensor-parallel RNG tracker's stream: with
+        a tracker and without sequence parallelism, whatever the tensor-parallel size, as
+        NVIDIA's attention does (a split block's ranks then get their own masks for their
+        heads, and the default generator stays in step across the ranks, as in Megatron-LM)."""
+        return (self.get_rng_state_tracker is not None and not self.sequence_parallel
+                and self.training and self._attention_dropout > 0)
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Supplies the tensor-parallel group of a block built with ``set_parallel_mode=True``,
