@@ -205,21 +205,29 @@ def test_memory_lean_backward_is_bit_identical(monkeypatch, name, act, bias):
     """The backward's order for large blocks (FC2's wgrad first, FC1's FP8 gradient written
     row-wise, then transposed; layernorm_mlp_fn.LEAN_BYTES) gives the same bits as the fused
     order over several steps: gradients and FP8 state."""
+    _small_and_large_agree(monkeypatch, _mlp(act, bias=bias), RECIPES[name])
+
+
+def _small_and_large_agree(monkeypatch, mlp, r, grow: float = 1.0) -> None:
+    """Three steps of two copies of ``mlp``, one taken as a small block and one as a large
+    one (layernorm_mlp_fn.LEAN_BYTES), give the same outputs, gradients and FP8 state;
+    ``grow`` multiplies both weights after each step."""
     from transformer_engine.pytorch import layernorm_mlp_fn
 
-    r = RECIPES[name]
-    mlps = [_mlp(act, bias=bias) for _ in range(2)]
-    mlps[1].load_state_dict(mlps[0].state_dict())
+    mlps = [mlp, copy.deepcopy(mlp)]
     x = torch.randn(B, S, H)
     g = torch.randn(B, S, H) * 1e-2
     for _ in range(3):
         grads = []
-        for mlp, lean_bytes in zip(mlps, (2**62, 0), strict=True):
+        for m, lean_bytes in zip(mlps, (2**62, 0), strict=True):
             monkeypatch.setattr(layernorm_mlp_fn, "LEAN_BYTES", lean_bytes)
             xi = x.clone().requires_grad_()
-            y = _step(mlp, xi, g, r)
-            grads.append([y, xi.grad, *[p.grad for p in mlp.parameters()]])
-            mlp.zero_grad()
+            y = _step(m, xi, g, r)
+            grads.append([y, xi.grad, *[p.grad for p in m.parameters()]])
+            m.zero_grad()
+            with torch.no_grad():
+                m.fc1_weight.mul_(grow)
+                m.fc2_weight.mul_(grow)
         for a, b_ in zip(*grads, strict=True):
             assert torch.equal(a, b_)
         for (n, a), b_ in zip(mlps[0].named_buffers(), mlps[1].buffers(), strict=True):
@@ -235,30 +243,11 @@ def test_late_weight_columns_are_the_forward_copies(monkeypatch, name):
     forward and its backward: the backward must quantize with the forward's)."""
     from transformer_engine.pytorch import layernorm_mlp_fn
 
-    r = RECIPES[name]
-    mlps = [_mlp("gelu") for _ in range(2)]
-    mlps[1].load_state_dict(mlps[0].state_dict())
-    x = torch.randn(B, S, H)
-    g = torch.randn(B, S, H) * 1e-2
     late = []
     made = layernorm_mlp_fn.late_weight_columns
     monkeypatch.setattr(layernorm_mlp_fn, "late_weight_columns",
                         lambda *a: late.append(a[3]) or made(*a))
-    for _ in range(3):
-        grads = []
-        for mlp, lean_bytes in zip(mlps, (2**62, 0), strict=True):
-            monkeypatch.setattr(layernorm_mlp_fn, "LEAN_BYTES", lean_bytes)
-            xi = x.clone().requires_grad_()
-            y = _step(mlp, xi, g, r)
-            grads.append([y, xi.grad, *[p.grad for p in mlp.parameters()]])
-            mlp.zero_grad()
-            with torch.no_grad():
-                mlp.fc1_weight.mul_(1.5)
-                mlp.fc2_weight.mul_(1.5)
-        for a, b_ in zip(*grads, strict=True):
-            assert torch.equal(a, b_)
-        for (n, a), b_ in zip(mlps[0].named_buffers(), mlps[1].buffers(), strict=True):
-            assert torch.equal(a, b_), n
+    _small_and_large_agree(monkeypatch, _mlp("gelu"), RECIPES[name], grow=1.5)
     assert late == [3, 1] * 3  # FC2's copy, then FC1's, in each backward
 
 
