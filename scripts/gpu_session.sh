@@ -15,6 +15,9 @@ budget=${TE_GPU_BUDGET_S:-575}
 source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack
 export TE_BENCH_RESULTS=$out
+# results from an H100 go beside the H200's, not over them
+suffix=""
+nvidia-smi -L | grep -q H100 && suffix=_h100
 step cuda_tests "$(upto $((budget - 310)) 130)" python3 -m pytest -p no:cacheprovider -q -m cuda \
   -rfE -n 4 tests/pytorch/test_attention_sinks.py tests/pytorch/test_cpu_offload.py \
   tests/pytorch/test_eager_apply.py tests/pytorch/test_fast_linear.py \
@@ -22,8 +25,9 @@ step cuda_tests "$(upto $((budget - 310)) 130)" python3 -m pytest -p no:cachepro
   tests/pytorch/test_layernorm_mlp.py
 step nccl_world "$(upto $((budget - 250)) 60)" python3 -m pytest -p no:cacheprovider -q -m cuda \
   -rfE tests/pytorch/test_parallel_worlds.py
-step bench_layer "$(upto $((budget - 70)) 220)" python3 benchmarks/bench_transformer_layer.py
+step bench_layer "$(upto $((budget - 70)) 220)" python3 benchmarks/bench_transformer_layer.py \
+  --name "transformer_layer$suffix"
 step linear_host "$(upto $((budget - 25)) 60)" python3 benchmarks/bench_linear.py --host-only \
-  --name linear_host
+  --name "linear_host$suffix"
 step compile_probe "$(left $((budget - 5)))" python3 benchmarks/compile_fp8_mha_probe.py default
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"
