@@ -313,12 +313,15 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU, every path, write nothing")
     parser.add_argument("--name", default="transformer_layer")
+    parser.add_argument("--main-shape-only", action="store_true",
+                        help="the getting-started shape alone (the first of SHAPES)")
     parser.add_argument("--skip", action="append", default=[],
                         help="leave out the contenders whose name holds this text (repeatable)")
     args = parser.parse_args()
     start = time.perf_counter()
     rows = []
-    for shape in SMOKE_SHAPES if args.smoke else SHAPES:
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES[:1] if args.main_shape_only else SHAPES
+    for shape in shapes:
         rows += bench_shape(shape, args.smoke, args.skip)
         gc.collect()
         if not args.smoke:
@@ -336,7 +339,7 @@ def main() -> None:
                        "3 x the forward's GEMM and causal attention FLOPs; peak_mib = "
                        "parameters + the step's peak above its resting state; speedup = "
                        "baseline ms / ms; memory_ratio = peak_mib / te bf16's",
-        "config": {"shapes_sbhfn": [list(s) for s in SHAPES], "dtype": "bfloat16",
+        "config": {"shapes_sbhfn": [list(s) for s in shapes], "dtype": "bfloat16",
                    "hidden_dropout": HIDDEN_DROPOUT, "attention_dropout": ATTENTION_DROPOUT,
                    "activation": "gelu (tanh)", "normalization": "LayerNorm",
                    "mask": "causal", "format": "sbhd", "targets": TARGETS,

@@ -25,7 +25,8 @@ step cuda_tests "$(upto $((budget - 220)) 100)" python3 -m pytest -p no:cachepro
 step nccl_world "$(upto $((budget - 170)) 50)" python3 -m pytest -p no:cacheprovider -q -m cuda \
   -rfE tests/pytorch/test_parallel_worlds.py
 step bench_layer "$(left $((budget - 20)))" python3 benchmarks/bench_transformer_layer.py \
-  --name "transformer_layer$suffix" --skip "torch layer bf16 eager"
+  --name "transformer_layer$suffix" --skip "torch layer bf16 eager" \
+  ${TE_LAYER_MAIN_ONLY:+--main-shape-only}
 step linear_host "$(left $((budget - 2)))" python3 benchmarks/bench_linear.py --host-only \
   --name "linear_host$suffix"
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"
