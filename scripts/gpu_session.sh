@@ -17,12 +17,14 @@ export TE_BENCH_RESULTS=$out
 # results from an H100 go beside the H200's, not over them
 suffix=""
 nvidia-smi -L | grep -q H100 && suffix=_h100
-step cuda_tests "$(upto $((budget - 220)) 100)" python3 -m pytest -p no:cacheprovider -q -m cuda \
+# what the build left, shared out: the tests first, then the layer benchmark
+rest=$(left "$budget")
+step cuda_tests "$(upto $((budget - rest * 7 / 10)) 100)" python3 -m pytest -p no:cacheprovider -q -m cuda \
   -rfE -n 4 tests/pytorch/test_attention_sinks.py tests/pytorch/test_cpu_offload.py \
   tests/pytorch/test_eager_apply.py tests/pytorch/test_fast_linear.py \
   tests/pytorch/test_linear.py tests/pytorch/test_compiled_blocks.py \
   tests/pytorch/test_layernorm_mlp.py
-step nccl_world "$(upto $((budget - 170)) 50)" python3 -m pytest -p no:cacheprovider -q -m cuda \
+step nccl_world "$(upto $((budget - rest * 55 / 100)) 50)" python3 -m pytest -p no:cacheprovider -q -m cuda \
   -rfE tests/pytorch/test_parallel_worlds.py
 step bench_layer "$(left $((budget - 20)))" python3 benchmarks/bench_transformer_layer.py \
   --name "transformer_layer$suffix" --skip "torch layer bf16 eager" \
