@@ -19,13 +19,13 @@ suffix=""
 nvidia-smi -L | grep -q H100 && suffix=_h100
 # what the build left, shared out: the tests first, then the layer benchmark
 rest=$(left "$budget")
-step cuda_tests "$(upto $((budget - rest * 7 / 10)) 100)" python3 -m pytest -p no:cacheprovider -q -m cuda \
-  -rfE -n 4 tests/pytorch/test_attention_sinks.py tests/pytorch/test_cpu_offload.py \
+step cuda_tests "$(upto $((budget - rest * 7 / 10)) 100)" \
+  python3 -m pytest -p no:cacheprovider -q -m cuda -rfE -n 4 tests/pytorch/test_attention_sinks.py tests/pytorch/test_cpu_offload.py \
   tests/pytorch/test_eager_apply.py tests/pytorch/test_fast_linear.py \
   tests/pytorch/test_linear.py tests/pytorch/test_compiled_blocks.py \
   tests/pytorch/test_layernorm_mlp.py
-step nccl_world "$(upto $((budget - rest * 55 / 100)) 50)" python3 -m pytest -p no:cacheprovider -q -m cuda \
-  -rfE tests/pytorch/test_parallel_worlds.py
+step nccl_world "$(upto $((budget - rest * 55 / 100)) 50)" \
+  python3 -m pytest -p no:cacheprovider -q -m cuda -rfE tests/pytorch/test_parallel_worlds.py
 step bench_layer "$(left $((budget - 20)))" python3 benchmarks/bench_transformer_layer.py \
   --name "transformer_layer$suffix" --skip "torch layer bf16 eager" \
   ${TE_LAYER_MAIN_ONLY:+--main-shape-only}
