@@ -20,7 +20,8 @@ nvidia-smi -L | grep -q H100 && suffix=_h100
 # what the build left, shared out: the tests first, then the layer benchmark
 rest=$(left "$budget")
 step cuda_tests "$(upto $((budget - rest * 7 / 10)) 100)" \
-  python3 -m pytest -p no:cacheprovider -q -m cuda -rfE -n 4 tests/pytorch/test_attention_sinks.py tests/pytorch/test_cpu_offload.py \
+  python3 -m pytest -p no:cacheprovider -q -m cuda -rfE -n 4 \
+  tests/pytorch/test_attention_sinks.py tests/pytorch/test_cpu_offload.py \
   tests/pytorch/test_eager_apply.py tests/pytorch/test_fast_linear.py \
   tests/pytorch/test_linear.py tests/pytorch/test_compiled_blocks.py \
   tests/pytorch/test_layernorm_mlp.py
