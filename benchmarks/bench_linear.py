@@ -96,11 +96,13 @@ def _errors(layer, base, x, grad_out, fp8_recipe) -> dict:
     }
 
 
-def _host_us(fn, calls: int = 200, rounds: int = 5) -> float:
+def _host_us(fn, calls: int = 40, rounds: int = 25) -> float:
     """Host time of one call of ``fn``, in microseconds: calls are issued back to back and
     timed before the GPU is waited for, so at small shapes (GPU work of a few microseconds)
-    this is the Python + launch cost alone. The best of ``rounds`` rounds: the host's noise
-    (other processes, clocks) only ever adds time."""
+    this is the Python + launch cost alone. Few calls per round: CUDA's launch queue (about
+    a thousand launches) must not fill, or the host waits for the GPU and the figure is the
+    GPU's time (200 calls of a te.Linear forward, several launches each, filled it). The best
+    of ``rounds`` rounds: the host's noise (other processes, clocks) only ever adds time."""
     for _ in range(20):
         fn()
     best = float("inf")
