@@ -251,6 +251,42 @@ def test_late_weight_columns_are_the_forward_copies(monkeypatch, name):
     assert late == [3, 1] * 3  # FC2's copy, then FC1's, in each backward
 
 
+@pytest.mark.parametrize("frozen", ["input", "norm_and_input", "fc1", "fc2", "weights"])
+def test_late_weight_columns_with_frozen_parts(monkeypatch, frozen):
+    """The late column-wise copies where only some gradients are wanted (FC1's copy is made
+    only for the input's gradient, FC2's only for what lies before FC2): the bits of copies
+    made in the forward, over steps."""
+    from transformer_engine.pytorch import layernorm_mlp_fn
+
+    base = _mlp("gelu")
+    frozen_names = {"input": (), "norm_and_input": ("layer_norm_weight", "layer_norm_bias"),
+                    "fc1": ("fc1_weight", "fc1_bias"), "fc2": ("fc2_weight",),
+                    "weights": tuple(NAMES)}[frozen]
+    x = torch.randn(B, S, H)
+    results = []
+    for lean_bytes in (2**62, 0):
+        monkeypatch.setattr(layernorm_mlp_fn, "LEAN_BYTES", lean_bytes)
+        mlp = copy.deepcopy(base)
+        for name in frozen_names:
+            getattr(mlp, name).requires_grad_(False)
+        xi = x.clone().requires_grad_(frozen not in ("input", "norm_and_input"))
+        got = []
+        for _ in range(3):
+            with te.fp8_autocast(fp8_recipe=RECIPES["delayed"]):
+                y = mlp(xi)
+            if y.requires_grad:
+                y.square().sum().backward()
+            got += [y.detach(), *[p.grad for p in mlp.parameters() if p.grad is not None]]
+            if xi.grad is not None:
+                got.append(xi.grad)
+                xi.grad = None
+            mlp.zero_grad()
+        results.append(got)
+    assert len(results[0]) == len(results[1])
+    for a, b_ in zip(*results, strict=True):
+        assert torch.equal(a, b_)
+
+
 def test_late_weight_columns_leave_the_forward(monkeypatch):
     """A large block saves its weights rather than their FP8 column-wise copies, and its
     forward makes no column-wise weight copy: quantize is asked for row-wise bytes alone."""
