@@ -247,7 +247,9 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
             attention_dropout=attention_dropout, qkv_format=qkv_format,
             attn_mask_type=attn_mask_type, window_size=window_size,
             layer_number=self.layer_number, attention_type=attention_type,
-            softmax_type=softmax_type, attention_backend=attention_backend, device=device)
+            softmax_type=softmax_type, attention_backend=attention_backend, device=device,
+            # its dropout forks the tracker's stream (DotProductAttention's rule, NVIDIA's)
+            sequence_parallel=self.sequence_parallel, get_rng_state_tracker=get_rng_state_tracker)
         self.proj = Linear(hq, hidden_size, init_method=output_layer_init_method,
                            return_bias=return_bias, **common, **row)
         zero_biases(self)
@@ -375,9 +377,6 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
                 and recompute.recording is None and not recompute.replaying):
             o = checkpoint(self.core_attention, q, k, v, qkv_format=layout,
                            get_rng_state_tracker=self.get_rng_state_tracker, **attend)
-        elif self._forks_rng():
-            with self.get_rng_state_tracker().fork():
-                o = self.core_attention(q, k, v, qkv_format=layout, **attend)
         else:
             o = self.core_attention(q, k, v, qkv_format=layout, **attend)
         if unpack is not None:  # a cached packed step attended as padded bshd
@@ -396,14 +395,6 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
         rotary angles given for the whole sequence are taken at the chunks' positions."""
         self.core_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream,
                                                        cp_comm_type)
-
-    def _forks_rng(self) -> bool:
-        """Whether attention dropout draws from the tensor-parallel RNG tracker's stream: with
-        a tracker and without sequence parallelism, whatever the tensor-parallel size, as
-        NVIDIA's attention does (a split block's ranks then get their own masks for their
-        heads, and the default generator stays in step across the ranks, as in Megatron-LM)."""
-        return (self.get_rng_state_tracker is not None and not self.sequence_parallel
-                and self.training and self._attention_dropout > 0)
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Supplies the tensor-parallel group of a block built with ``set_parallel_mode=True``,
