@@ -463,7 +463,7 @@ class LayerNormMLP(FP8Module):
         # A large block's backward makes its weights' column-wise copies itself
         # (layernorm_mlp_fn.late_weight_columns): out of the forward's peak and the saved
         # bytes, for one more read of each weight.
-        late = own_weights and (need_dgrad or need_fc1) and stores is None \
+        late = own_weights and need_fc1 and stores is None \
             and not torch.compiler.is_compiling() \
             and large_block(inp.numel() // inp.shape[-1], w1.shape[0], inp.dtype)
         q1 = self._weight_operand(plan, w1, need_dgrad and not late, is_first_microbatch,
