@@ -94,6 +94,28 @@ function(te_add_cutlass_kernels)
       add_test(NAME test_hopper_${name} COMMAND test_hopper_${name})
       set_tests_properties(test_hopper_${name} PROPERTIES SKIP_RETURN_CODE 77)
     endforeach()
+
+    # The block-scaled GEMM's variant sweep (a benchmark, not a ctest test): one object per
+    # configuration of tests/hopper/sweep_variant.cu, so that they compile in parallel.
+    set(variants "")
+    foreach(index RANGE 0 6)
+      add_library(te_sweep_variant_${index} OBJECT ${CMAKE_CURRENT_SOURCE_DIR}/tests/hopper/sweep_variant.cu)
+      set_target_properties(te_sweep_variant_${index} PROPERTIES
+        CUDA_ARCHITECTURES 90a POSITION_INDEPENDENT_CODE ON CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON)
+      target_include_directories(te_sweep_variant_${index} PRIVATE
+        ${CMAKE_CURRENT_SOURCE_DIR}/include ${CMAKE_CURRENT_SOURCE_DIR}/src ${CMAKE_CURRENT_SOURCE_DIR}/tests)
+      target_include_directories(te_sweep_variant_${index} SYSTEM PRIVATE "${TE_CUTLASS_INCLUDE}")
+      target_compile_definitions(te_sweep_variant_${index} PRIVATE TE_WITH_CUDA TE_WITH_CUTLASS NDEBUG
+                                 TE_SWEEP_VARIANT=${index})
+      target_compile_options(te_sweep_variant_${index} PRIVATE --expt-relaxed-constexpr --fmad=true -lineinfo)
+      list(APPEND variants $<TARGET_OBJECTS:te_sweep_variant_${index}>)
+    endforeach()
+    add_executable(sweep_block_scaled_gemm ${CMAKE_CURRENT_SOURCE_DIR}/tests/hopper/sweep_block_scaled_gemm.cpp
+                   ${variants})
+    target_include_directories(sweep_block_scaled_gemm PRIVATE
+      ${CMAKE_CURRENT_SOURCE_DIR}/src ${CMAKE_CURRENT_SOURCE_DIR}/tests)
+    target_include_directories(sweep_block_scaled_gemm SYSTEM PRIVATE "${TE_CUTLASS_INCLUDE}")
+    target_link_libraries(sweep_block_scaled_gemm PRIVATE transformer_engine CUDA::cudart)
   endif()
 
   set(version "")

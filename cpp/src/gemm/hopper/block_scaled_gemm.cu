@@ -32,9 +32,10 @@
 //   (256 registers of accumulators) are not used.
 // - The 1x2 cluster multicasts each A tile to the two CTAs that share it along N, halving A's
 //   traffic from L2, which matters for the large-M GEMMs of training.
-// - The persistent tile scheduler launches one CTA per SM (cluster-rounded) and walks the tiles;
-//   the pingpong schedule (64-row tiles per warpgroup, one warpgroup's promotion overlapping the
-//   other's MMAs) is the alternative to measure against it on the H200.
+// - The persistent tile scheduler launches one CTA per SM (cluster-rounded) and walks the tiles.
+// The kernel itself is block_scaled_kernel.cuh's, for a configuration (ProductionConfig below);
+// the other configurations (pingpong with 64-row tiles per warpgroup, other clusters, stream-K)
+// are timed against this one by cpp/tests/hopper/sweep_block_scaled_gemm.cpp.
 // One instantiation per D dtype (fp32, bf16); the epilogue is D = acc + bias + beta * C with
 // C = D (beta 1 with accumulate, else 0: C is then not read) and a null bias reading as 0.
 //
@@ -50,21 +51,10 @@
 #include <cstdint>
 #include <string>
 
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/detail/blockwise_scale_layout.hpp"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/operations.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/kernel_hardware_info.h"
-#include "cutlass/numeric_types.h"
-
 #include "common/cuda_utils.cuh"
 #include "common/internal.h"
 #include "gemm/hopper/block_scaled_gemm.h"
+#include "gemm/hopper/block_scaled_kernel.cuh"
 #include "gemm/hopper/hopper_common.cuh"
 
 #if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
@@ -77,112 +67,10 @@ namespace {
 constexpr const char *kOp = "hopper_block_scaled_gemm";
 constexpr int64_t kScaleBlock = 128;
 
-// The kernel for one D element type (float or cutlass::bfloat16_t).
-template <typename ElementD>
-struct BlockScaledKernel {
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
-
-  // Scale granularity (M, N, K) = (1, 128, 128), both scale tensors K-major (see the top).
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
-                                                                cute::GMMA::Major::K>;
-  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-
-  using ElementAB = cutlass::float_e4m3_t;
-  using ElementBias = cutlass::bfloat16_t;
-  static constexpr int kAlignmentAB = 16;                     // elements: 16 bytes for TMA
-  static constexpr int kAlignmentD = 16 / sizeof(ElementD);   // elements: 16 bytes for TMA
-
-  // D = alpha * acc + bias[n] + beta * C, computed in fp32, C of D's type.
-  using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<ElementD, float, ElementBias, ElementD, float>;
-
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      ElementD, cutlass::layout::RowMajor, kAlignmentD,
-      ElementD, cutlass::layout::RowMajor, kAlignmentD,
-      cutlass::epilogue::TmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
-
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      ElementAB, cute::tuple<cutlass::layout::RowMajor, LayoutSFA>, kAlignmentAB,
-      ElementAB, cute::tuple<cutlass::layout::ColumnMajor, LayoutSFB>, kAlignmentAB,
-      float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
-
-  // Problem shape (M, N, K, L); the default tile scheduler of this schedule is the persistent one.
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
-                                                      CollectiveEpilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-};
+// The configuration te_gemm runs (block_scaled_kernel.cuh; the top of this file says why).
+using ProductionConfig = hopper::BlockScaledConfig<128, 128, 1, 2, hopper::Cooperative>;
 
 std::string num(int64_t v) { return std::to_string(v); }
-
-template <typename ElementD>
-te_status run_kernel(const GemmArgs &g, cudaStream_t stream) {
-  using K = BlockScaledKernel<ElementD>;
-  using Gemm = typename K::Gemm;
-  using StrideA = typename K::Kernel::StrideA;
-  using StrideB = typename K::Kernel::StrideB;
-  using StrideC = typename K::Kernel::StrideC;
-  using StrideD = typename K::Kernel::StrideD;
-
-  const int m = static_cast<int>(g.m), n = static_cast<int>(g.n), k = static_cast<int>(g.k);
-  // Row pitches in elements; the batch stride (L = 1) is the matrix size.
-  const StrideA stride_a = cute::make_stride(g.k, cute::Int<1>{}, g.m * g.k);
-  const StrideB stride_b = cute::make_stride(g.k, cute::Int<1>{}, g.n * g.k);
-  const StrideC stride_c = cute::make_stride(g.n, cute::Int<1>{}, g.m * g.n);
-  const StrideD stride_d = cute::make_stride(g.n, cute::Int<1>{}, g.m * g.n);
-  const auto problem = cute::make_shape(m, n, k, 1);
-
-  int sms = 0;
-  if (te_status st = sm_count(kOp, &sms)) return st;
-
-  typename Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  args.problem_shape = problem;
-  args.mainloop.ptr_A = static_cast<const typename K::ElementAB *>(g.a.data);
-  args.mainloop.dA = stride_a;
-  args.mainloop.ptr_B = static_cast<const typename K::ElementAB *>(g.b.data);
-  args.mainloop.dB = stride_b;
-  args.mainloop.ptr_SFA = g.a.scale_inv;
-  args.mainloop.layout_SFA = K::ScaleConfig::tile_atom_to_shape_SFA(problem);
-  args.mainloop.ptr_SFB = g.b.scale_inv;
-  args.mainloop.layout_SFB = K::ScaleConfig::tile_atom_to_shape_SFB(problem);
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = g.accumulate ? 1.0f : 0.0f;
-  args.epilogue.thread.bias_ptr = static_cast<const typename K::ElementBias *>(g.bias);  // null: 0
-  // C is D (in place). With beta = 0 the epilogue does not load it; it still gets a valid
-  // address, which its TMA descriptor is made from.
-  args.epilogue.ptr_C = static_cast<const ElementD *>(g.d);
-  args.epilogue.dC = stride_c;
-  args.epilogue.ptr_D = static_cast<ElementD *>(g.d);
-  args.epilogue.dD = stride_d;
-  args.hw_info.device_id = g.device;
-  args.hw_info.sm_count = sms;
-
-  if (cutlass::Status s = Gemm::can_implement(args); s != cutlass::Status::kSuccess) {
-    return hopper::cutlass_failure(kOp, "can_implement", s);
-  }
-  const size_t workspace = Gemm::get_workspace_size(args);
-  if (workspace > 0 && (g.workspace == nullptr || g.workspace_size < workspace)) {
-    return fail(TE_ERROR_VALUE, kOp, "workspace must hold " + num(static_cast<int64_t>(workspace)) +
-                                         " bytes, got " + num(static_cast<int64_t>(g.workspace_size)));
-  }
-  Gemm gemm;
-  // initialize() builds the TMA descriptors and raises the kernel's shared-memory limit.
-  if (cutlass::Status s = gemm.initialize(args, g.workspace, stream); s != cutlass::Status::kSuccess) {
-    return hopper::cutlass_failure(kOp, "initialize", s);
-  }
-  if (cutlass::Status s = gemm.run(stream); s != cutlass::Status::kSuccess) {
-    launch_status(kOp);  // clears a pending launch error; the CUTLASS status is the message
-    return hopper::cutlass_failure(kOp, "launch", s);
-  }
-  return launch_status(kOp);
-}
 
 bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -236,8 +124,8 @@ te_status hopper_block_scaled_gemm(const GemmArgs &g, te_stream stream) {
   int device = 0;
   if (te_status st = hopper::check_sm90(kOp, &device)) return st;
   const cudaStream_t s = cuda_stream(stream);
-  if (g.d_dtype == TE_DTYPE_FLOAT32) return run_kernel<float>(g, s);
-  return run_kernel<cutlass::bfloat16_t>(g, s);
+  if (g.d_dtype == TE_DTYPE_FLOAT32) return hopper::run_block_scaled<float, ProductionConfig>(kOp, g, s);
+  return hopper::run_block_scaled<cutlass::bfloat16_t, ProductionConfig>(kOp, g, s);
 }
 
 }  // namespace te
