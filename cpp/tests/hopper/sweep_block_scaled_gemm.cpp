@@ -23,19 +23,11 @@
 #include "common/numerics.h"
 #include "cutlass/version.h"
 #include "gemm/gemm_impl.h"
+#include "hopper/hopper_test.h"  // CUDA_OK, gpu_missing, kSkipped
 #include "hopper/sweep_variant.h"
 #include "transformer_engine/tensor.h"
 
 namespace {
-
-#define CUDA_OK(call)                                                                             \
-  do {                                                                                            \
-    const cudaError_t e_ = (call);                                                                \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
 
 constexpr int kBatches = 5;        // timed batches per case; the median batch is reported
 constexpr int kCallsPerBatch = 8;  // calls per batch (timed together by CUDA events)
@@ -202,19 +194,12 @@ int main(int argc, char **argv) {
     std::fprintf(stderr, "usage: %s OUT.json [GIT_COMMIT]\n", argv[0]);
     return 2;
   }
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::printf("skipped: no CUDA device\n");
-    return 77;
+  if (const std::string missing = hopper_test::gpu_missing(); !missing.empty()) {
+    std::printf("skipped: %s\n", missing.c_str());
+    return hopper_test::kSkipped;
   }
-  int device = 0, major = 0, minor = 0;
+  int device = 0;
   CUDA_OK(cudaGetDevice(&device));
-  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major != 9 || minor != 0) {
-    std::printf("skipped: the device is sm_%d%d, not sm_90\n", major, minor);
-    return 77;
-  }
   cudaDeviceProp prop;
   CUDA_OK(cudaGetDeviceProperties(&prop, device));
   char date[32];
