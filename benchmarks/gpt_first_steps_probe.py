@@ -6,8 +6,10 @@ jumps belong to the JAX model or to the training setup: it builds examples/train
 model (8 layers, hidden 2048, FFN 8192, 16 heads) in fp32 on the CPU, in PyTorch and in JAX, and
 runs the demo's own runner (AdamW, gradient clipping at 1.0, the demo's learning-rate ramp) for a
 few steps on the demo's batches, shortened to ``--batch`` x ``--seq`` tokens so that a step takes
-seconds. Per framework it records the initial gradient norm and each step's loss; with
-``--json`` it writes them.
+seconds. Per framework it records the initial gradient norm, each step's loss (on that step's
+batch, before its update) and the mean loss of two held-out batches after each step: batches this
+small differ in difficulty, so only the held-out loss tells a worse model from a harder
+batch. With ``--json`` it writes them.
 
     python benchmarks/gpt_first_steps_probe.py --steps 5 --json out.json     # a few minutes
 """
@@ -35,7 +37,7 @@ def _size(args):
                    ffn=4 * hidden, seq=args.seq, batch=args.batch, corpus_bytes=2 << 20)
 
 
-def _torch_run(size, batches, lrs) -> dict:
+def _torch_run(size, batches, held_out, lrs) -> dict:
     import torch
 
     model_torch = importlib.import_module("gpt.model_torch")
@@ -47,11 +49,15 @@ def _torch_run(size, batches, lrs) -> dict:
     norm = float(torch.linalg.vector_norm(torch.stack(
         [p.grad.norm() for p in runner.model.parameters() if p.grad is not None])))
     runner.opt.zero_grad(set_to_none=True)
-    losses = [float(runner.step(b, lr)) for b, lr in zip(batches, lrs, strict=True)]
-    return {"first_grad_norm": norm, "losses": losses, "versions": model_torch.versions()}
+    losses, held = [], [runner.evaluate(held_out)]
+    for b, lr in zip(batches, lrs, strict=True):
+        losses.append(float(runner.step(b, lr)))
+        held.append(runner.evaluate(held_out))
+    return {"first_grad_norm": norm, "losses": losses, "held_out_losses": held,
+            "versions": model_torch.versions()}
 
 
-def _jax_run(size, batches, lrs) -> dict:
+def _jax_run(size, batches, held_out, lrs) -> dict:
     import jax
     import jax.numpy as jnp
     import optax
@@ -61,8 +67,12 @@ def _jax_run(size, batches, lrs) -> dict:
     runner = model_jax.Runner(built, None, "cpu")
     grads = jax.grad(runner._loss)(runner.params, runner.others, jnp.asarray(batches[0]))
     norm = float(optax.global_norm(grads))
-    losses = [float(runner.step(b, lr)) for b, lr in zip(batches, lrs, strict=True)]
-    return {"first_grad_norm": norm, "losses": losses, "versions": model_jax.versions()}
+    losses, held = [], [runner.evaluate(held_out)]
+    for b, lr in zip(batches, lrs, strict=True):
+        losses.append(float(runner.step(b, lr)))
+        held.append(runner.evaluate(held_out))
+    return {"first_grad_norm": norm, "losses": losses, "held_out_losses": held,
+            "versions": model_jax.versions()}
 
 
 def main(argv=None) -> None:
@@ -73,20 +83,23 @@ def main(argv=None) -> None:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--frameworks", nargs="+", default=["torch", "jax"])
+    p.add_argument("--warmup", type=int, default=30, help="warm-up steps of the schedule")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     size = _size(args)
     corpus = data.load_corpus(size.corpus_bytes)
     batches = data.train_batches(corpus, args.steps, size.batch, size.seq, 0)
-    # The demo's schedule: 300 steps, warm-up 30, the GPU size's peak rate.
-    lrs = [loop.learning_rate(i + 1, 300, size.lr, 30) for i in range(args.steps)]
+    held_out = data.valid_batches(corpus, 2, size.batch, size.seq, 0)
+    # The demo's schedule: 300 steps, warm-up 30 (or --warmup), the GPU size's peak rate.
+    lrs = [loop.learning_rate(i + 1, 300, size.lr, args.warmup) for i in range(args.steps)]
     runs = {}
     for fw in args.frameworks:
         start = time.perf_counter()
-        runs[fw] = (_torch_run if fw == "torch" else _jax_run)(size, batches, lrs)
+        runs[fw] = (_torch_run if fw == "torch" else _jax_run)(size, batches, held_out, lrs)
         runs[fw]["seconds"] = time.perf_counter() - start
         print(f"{fw:6s} first grad norm {runs[fw]['first_grad_norm']:.3f}  losses "
-              + " ".join(f"{v:.3f}" for v in runs[fw]["losses"]), flush=True)
+              + " ".join(f"{v:.3f}" for v in runs[fw]["losses"]) + "  held out "
+              + " ".join(f"{v:.3f}" for v in runs[fw]["held_out_losses"]), flush=True)
     if args.json:
         out = {"benchmark": "gpt_first_steps_probe",
                "environment": {"device": f"cpu ({platform.machine()})",
@@ -95,7 +108,7 @@ def main(argv=None) -> None:
                "description": __doc__.split("\n\n")[1].replace("\n", " "),
                "config": {"layers": size.layers, "hidden": size.hidden, "heads": size.heads,
                           "ffn": size.ffn, "seq": size.seq, "batch": size.batch,
-                          "dtype": "float32", "peak_lr": size.lr, "warmup": 30,
+                          "dtype": "float32", "peak_lr": size.lr, "warmup": args.warmup,
                           "learning_rates": lrs},
                "runs": runs}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
