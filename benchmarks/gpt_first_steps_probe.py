@@ -37,6 +37,16 @@ def _size(args):
                    ffn=4 * hidden, seq=args.seq, batch=args.batch, corpus_bytes=2 << 20)
 
 
+def _train(runner, batches, held_out, lrs) -> dict:
+    """The demo runner's steps: each step's loss (before its update) and the held-out loss
+    before the first step and after each."""
+    losses, held = [], [runner.evaluate(held_out)]
+    for b, lr in zip(batches, lrs, strict=True):
+        losses.append(float(runner.step(b, lr)))
+        held.append(runner.evaluate(held_out))
+    return {"losses": losses, "held_out_losses": held}
+
+
 def _torch_run(size, batches, held_out, lrs) -> dict:
     import torch
 
@@ -49,11 +59,7 @@ def _torch_run(size, batches, held_out, lrs) -> dict:
     norm = float(torch.linalg.vector_norm(torch.stack(
         [p.grad.norm() for p in runner.model.parameters() if p.grad is not None])))
     runner.opt.zero_grad(set_to_none=True)
-    losses, held = [], [runner.evaluate(held_out)]
-    for b, lr in zip(batches, lrs, strict=True):
-        losses.append(float(runner.step(b, lr)))
-        held.append(runner.evaluate(held_out))
-    return {"first_grad_norm": norm, "losses": losses, "held_out_losses": held,
+    return {"first_grad_norm": norm, **_train(runner, batches, held_out, lrs),
             "versions": model_torch.versions()}
 
 
@@ -67,11 +73,7 @@ def _jax_run(size, batches, held_out, lrs) -> dict:
     runner = model_jax.Runner(built, None, "cpu")
     grads = jax.grad(runner._loss)(runner.params, runner.others, jnp.asarray(batches[0]))
     norm = float(optax.global_norm(grads))
-    losses, held = [], [runner.evaluate(held_out)]
-    for b, lr in zip(batches, lrs, strict=True):
-        losses.append(float(runner.step(b, lr)))
-        held.append(runner.evaluate(held_out))
-    return {"first_grad_norm": norm, "losses": losses, "held_out_losses": held,
+    return {"first_grad_norm": norm, **_train(runner, batches, held_out, lrs),
             "versions": model_jax.versions()}
 
 
