@@ -118,3 +118,30 @@ def test_whole_stack_step_traces_as_one_graph(kind, make):
             torch.testing.assert_close(a.grad, b.grad, rtol=COMPILE_RTOL, atol=1e-7,
                                        msg=lambda m, name=name: f"{name}: {m}")
             a.grad = b.grad = None
+
+
+def test_autocast_first_entered_in_a_compiled_step(monkeypatch):
+    """A compiled step whose fp8_autocast is the process's first asks FP8 availability outside
+    the graph: on a GPU the first answer needs device queries Dynamo cannot trace (the
+    device's name), stood in for here by a function it may not trace."""
+    from transformer_engine.pytorch import fp8
+
+    calls = []
+
+    @torch.compiler.disable
+    def untraceable():
+        calls.append(1)
+        return True, "a test device"
+
+    monkeypatch.setattr(fp8, "_fp8_availability", untraceable)
+    monkeypatch.setattr(fp8, "_AVAILABLE", {})
+    torch.manual_seed(0)
+    layer = te.Linear(16, 16)
+    x = torch.randn(16, 16)
+
+    def step(x):
+        with te.fp8_autocast(enabled=True):
+            return layer(x)
+
+    out = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    assert calls and out.shape == (16, 16)

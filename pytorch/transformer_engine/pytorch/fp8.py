@@ -130,6 +130,7 @@ def refresh_recorded(scale: torch.Tensor) -> None:
             copy.copy_(source)
 
 
+@torch.compiler.assume_constant_result
 def is_fp8_available() -> tuple[bool, str]:
     """Whether te modules can run in FP8 here, and why (or why not).
 
@@ -137,6 +138,10 @@ def is_fp8_available() -> tuple[bool, str]:
     FP8 operands exactly as the GPU would (FP8 values, fp32 accumulation), only slowly, so FP8
     numerics can be developed and tested on a CPU. On CUDA, FP8 tensor cores need compute
     capability 8.9 (Ada) or newer and a core built with its CUDA kernels.
+
+    A process constant: torch.compile calls it while tracing and keeps the answer, rather than
+    tracing it (the device queries it makes on a first call, such as the device's name, are not
+    traceable, so a compiled step whose autocast was the process's first failed on a GPU).
     """
     global _CUDA
     if _CUDA is None:  # asked at every autocast entry: ~1 us each, and it cannot change
