@@ -1,6 +1,7 @@
-# Shared by the one-call GPU scripts (gpu_quick.sh, gpu_layer.sh); sourced, not run. Expects
+# Shared by the one-call GPU scripts (scripts/gpu_*.sh); sourced, not run. Expects
 # $out (the output folder) and $budget (seconds); leaves the working directory at the
 # repository root and gives:
+#   suffix         "_h100" on an H100, else "": results from an H100 go beside the H200's
 #   left S         seconds from now until second S of the run
 #   upto S L       the smaller of `left S` and L
 #   step NAME L CMD...   runs CMD within L seconds, logged to $out/log.txt with its exit status
@@ -17,6 +18,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-wheels .whl/*.whl \
     && export PYTHONPATH=/tmp/te-wheels${PYTHONPATH:+:$PYTHONPATH}
 fi
+suffix=""
+nvidia-smi -L 2>/dev/null | grep -q H100 && suffix=_h100
 left() { echo $(( $1 - ($(date +%s) - start) )); }
 upto() { local l; l=$(left "$1"); [ "$l" -lt "$2" ] && echo "$l" || echo "$2"; }
 step() {

@@ -14,8 +14,6 @@ nvidia-smi -L >> "$log"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-cutlass .whl_cutlass/*.whl \
   >> "$log" 2>&1
 cutlass=/tmp/te-cutlass/cutlass_library/source/include
-suffix=""
-nvidia-smi -L | grep -q H100 && suffix=_h100
 step configure 60 cmake -S cpp -B /tmp/te-cpp-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DTE_WITH_CUDA=ON -DTE_CUDA_ARCHITECTURES=90a -DTE_WITH_CUTLASS=ON \
   -DTE_CUTLASS_INCLUDE="$cutlass" -DTE_BUILD_TESTS=ON

@@ -13,8 +13,6 @@ budget=${TE_GPU_BUDGET_S:-580}
 source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack
 export TE_BENCH_RESULTS=$out
-suffix=""
-nvidia-smi -L | grep -q H100 && suffix=_h100
 # what the build left, shared out: te.Linear's host time and the compile probe first (at most
 # 15% each), then the model benchmark
 rest=$(left "$budget")

@@ -14,9 +14,6 @@ budget=${TE_GPU_BUDGET_S:-575}
 source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack
 export TE_BENCH_RESULTS=$out
-# results from an H100 go beside the H200's, not over them
-suffix=""
-nvidia-smi -L | grep -q H100 && suffix=_h100
 # what the build left, shared out: the tests first, then the layer benchmark
 rest=$(left "$budget")
 step cuda_tests "$(upto $((budget - rest * 7 / 10)) 100)" \
