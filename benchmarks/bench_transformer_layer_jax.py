@@ -223,8 +223,9 @@ def run_contenders(shape, implementation, timing, layers: int = 0,
     return rows
 
 
-def main_model(smoke: bool) -> None:
-    """The model stack (--model): every hidden size, all contenders, model_jax.json."""
+def main_model(smoke: bool, name: str) -> None:
+    """The model stack (--model): every hidden size, all contenders, ``name``.json, rewritten
+    after each hidden size (a run cut short keeps the sizes it finished)."""
     size = SMOKE_MODEL if smoke else dict(layers=MODEL_LAYERS, seq=MODEL_SEQ,
                                           batch=MODEL_BATCH, hiddens=MODEL_HIDDENS,
                                           head_dim=MODEL_HEAD_DIM)
@@ -234,30 +235,32 @@ def main_model(smoke: bool) -> None:
     rows = []
     for hidden in size["hiddens"]:
         shape = (size["seq"], size["batch"], hidden, 4 * hidden, hidden // size["head_dim"])
-        for name, row in run_contenders(shape, implementation, timing, size["layers"],
-                                        dropout=0.0).items():
+        for contender, row in run_contenders(shape, implementation, timing, size["layers"],
+                                             dropout=0.0).items():
             rows.append({**row, "hidden": hidden})
             if "median_ms" in row:
-                print(f"hidden {hidden:5d} {name:36s} {row['median_ms']:9.3f} ms  "
+                print(f"hidden {hidden:5d} {contender:36s} {row['median_ms']:9.3f} ms  "
                       f"{row.get('speedup_vs_flax_bf16', float('nan')):.2f}x flax bf16")
-    payload = {
-        "description": "jitted training step of a stack of layers (bench_model.py's stack: "
-                       "value_and_grad of the output's mean square over params, fp8_metas and "
-                       "input; SGD): our Flax TransformerLayer in FP8 and bf16 beside flax's "
-                       "layer, no dropout; speedup_vs_flax_bf16 = flax ms / ms",
-        "config": {**size, "layout": "bshd", "dtype": "bfloat16", "mask": "causal",
-                   "recipes": {k: repr(v) for k, v in RECIPES.items()},
-                   "attention_implementation_of_flax_layer": implementation,
-                   "jax": jax.__version__, "flax": flax.__version__,
-                   "jax_devices": [str(d) for d in jax.devices()]},
-        "training_step": rows,
-    }
+        payload = {
+            "description": "jitted training step of a stack of layers (bench_model.py's "
+                           "stack: value_and_grad of the output's mean square over params, "
+                           "fp8_metas and input; SGD): our Flax TransformerLayer in FP8 and "
+                           "bf16 beside flax's layer, no dropout; speedup_vs_flax_bf16 = flax "
+                           "ms / ms",
+            "config": {**size, "layout": "bshd", "dtype": "bfloat16", "mask": "causal",
+                       "recipes": {k: repr(v) for k, v in RECIPES.items()},
+                       "attention_implementation_of_flax_layer": implementation,
+                       "jax": jax.__version__, "flax": flax.__version__,
+                       "jax_devices": [str(d) for d in jax.devices()]},
+            "training_step": rows,
+        }
+        if smoke:
+            continue
+        from harness import write_result  # torch-based; imported only for a real run
+
+        write_result(name, payload)
     if smoke:
         print(json.dumps(payload, indent=1)[:2000])
-        return
-    from harness import write_result  # torch-based; imported only for a real run
-
-    write_result("model_jax", payload)
 
 
 def main() -> None:
@@ -265,9 +268,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, print, write nothing")
     parser.add_argument("--model", action="store_true",
                         help="the model stack of bench_model.py instead (model_jax.json)")
+    parser.add_argument("--name", default="model_jax", help="--model's result file name")
     args = parser.parse_args()
     if args.model:
-        main_model(args.smoke)
+        main_model(args.smoke, args.name)
         return
     shape = SMOKE_SHAPE if args.smoke else SHAPE
     timing = dict(batch=2, repeats=2, warmup=1) if args.smoke else dict(batch=5, repeats=10,

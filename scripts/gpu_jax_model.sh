@@ -2,7 +2,8 @@
 # The JAX model stack in one GPU run (10 minutes): builds the core (CUDA, sm_90a) and the jax
 # package, then times bench_model.py's stack under jax.jit (our Flax TransformerLayer in FP8 and
 # bf16 beside flax's layer with cuDNN attention, hidden 1024 / 2048 / 4096;
-# results/model_jax.json). Logs go to $1/log.txt, JSON to $1.
+# results/model_jax.json), after te.Linear's host time at the seed's shape. Logs go to
+# $1/log.txt, JSON to $1.
 #
 #   bash scripts/gpu_jax_model.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (580)
 set -u
@@ -12,5 +13,9 @@ source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack  # the core, and the torch package the benchmark harness imports
 step build_jax 120 python3 -m pip install --no-build-isolation --no-deps -q ./jax
 export TE_BENCH_RESULTS=$out
-step model_jax "$(left $((budget - 5)))" python3 benchmarks/bench_transformer_layer_jax.py --model
+# te.Linear's host time at the seed's shape first (a minute at most): results/linear_host_seed.json
+step linear_host "$(upto $((budget - 60)) 60)" python3 benchmarks/bench_linear.py --host-only \
+  --seed-shape-only --name "linear_host_seed$suffix"
+step model_jax "$(left $((budget - 5)))" python3 benchmarks/bench_transformer_layer_jax.py --model \
+  --name "model_jax$suffix"
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"
