@@ -24,10 +24,20 @@ Handle optional_handle(const char *op, const char *name, nb::handle obj, unsigne
 
 te_attention_config make_config(te_attn_layout layout, te_attn_mask_type mask_type, int64_t window_left,
                                 int64_t window_right, float softmax_scale, float dropout, int64_t max_seqlen_q,
-                                int64_t max_seqlen_kv, bool deterministic, te_attn_backend backend, bool inference) {
-  return te_attention_config{layout,       mask_type,     window_left,           window_right, softmax_scale,
-                             dropout,      max_seqlen_q,  max_seqlen_kv,         deterministic ? 1 : 0,
-                             backend,      inference ? 1 : 0};
+                                int64_t max_seqlen_kv, bool deterministic, te_attn_backend backend, bool inference,
+                                const std::vector<int64_t> &strides) {
+  te_attention_config c{layout,       mask_type,     window_left,           window_right, softmax_scale,
+                        dropout,      max_seqlen_q,  max_seqlen_kv,         deterministic ? 1 : 0,
+                        backend,      inference ? 1 : 0};
+  if (!strides.empty() && strides.size() != 6) {
+    raise_status(TE_ERROR_VALUE, "AttentionConfig: strides must be 6 values (row and head stride of q, k and v) "
+                                 "or empty (dense), got " + std::to_string(strides.size()) + " values");
+  }
+  for (size_t i = 0; i < strides.size(); i += 2) {
+    c.row_stride[i / 2] = strides[i];
+    c.head_stride[i / 2] = strides[i + 1];
+  }
+  return c;
 }
 
 // do_dtype: d_o's dtype, o_dtype when not given (it differs only for an FP8 backward).
@@ -86,7 +96,9 @@ void register_attention(nb::module_ &m) {
       .def(nb::new_(&make_config), "layout"_a, "mask_type"_a, nb::kw_only(), "window_left"_a = -1,
            "window_right"_a = -1, "softmax_scale"_a, "dropout"_a = 0.0f, "max_seqlen_q"_a = 0,
            "max_seqlen_kv"_a = 0, "deterministic"_a = false, "backend"_a = TE_ATTN_BACKEND_AUTO,
-           "inference"_a = false)
+           "inference"_a = false, "strides"_a = std::vector<int64_t>{},
+           "strides: (row, head) element strides of q, k and v in turn (dq, dk, dv share them), "
+           "or empty for dense operands (attention.h)")
       .def_ro("inference", &te_attention_config::inference)
       .def_ro("layout", &te_attention_config::layout)
       .def_ro("mask_type", &te_attention_config::mask_type)

@@ -79,6 +79,17 @@ typedef struct {
   te_attn_backend backend; /* TE_ATTN_BACKEND_AUTO or the one to run (an error if it cannot) */
   int32_t inference; /* forward: nonzero computes o only: softmax_lse must be NULL (a forward
                       * that no backward follows; cuDNN's FP8 forward is faster without it) */
+  /* Strides of q, k, v ([0], [1], [2]), which dq, dk, dv share in the backward, in elements:
+   * row_stride between consecutive tokens (rows of the layout: b * seqlen + s for BSHD,
+   * s * batch + b for SBHD), head_stride between consecutive heads; a head's elements are
+   * adjacent. 0 in both means dense (heads * head_dim, head_dim), the default. They let q, k
+   * and v be column slices of one projection output [tokens, F] read in place, and dq, dk,
+   * dv be written into one gradient of it (whose elements they must not share: a caller that
+   * sets strides vouches that dq, dk and dv do not overlap). BSHD and SBHD without a padding
+   * mask only; head_stride >= head_dim and row_stride >= (heads - 1) * head_stride +
+   * head_dim. o, d_o and softmax_lse stay dense. */
+  int64_t row_stride[3];
+  int64_t head_stride[3];
 } te_attention_config;
 
 /* The sizes and dtypes that decide which backend can run a call, without any buffer (the

@@ -136,6 +136,23 @@ float *fp32_out(Checker &check, const te_tensor *t, te_tensor_slot s, const std:
   return const_cast<float *>(fp32_slot(check, t, s, what, required));
 }
 
+// The memory that operand i (q, k, v; the buffer b, of sizes d) spans under the config's
+// strides, as a 1-d buffer for the overlap checks (b itself when dense).
+te_buffer operand_extent(const te_attention_config &c, int i, const te_buffer &b, const Dims &d) {
+  if (c.row_stride[i] == 0 && c.head_stride[i] == 0) return b;
+  te_buffer e = b;
+  e.ndim = 1;
+  e.shape[0] = d.rows == 0 || d.heads == 0 ? 0 : (d.rows - 1) * c.row_stride[i] + (d.heads - 1) * c.head_stride[i] + d.dim;
+  return e;
+}
+
+bool strided(const te_attention_config &c) {
+  for (int i = 0; i < 3; ++i) {
+    if (c.row_stride[i] != 0 || c.head_stride[i] != 0) return true;
+  }
+  return false;
+}
+
 // What forward and backward share: q/k/v, the problem, cu_seqlens and rng_state.
 struct Common {
   const te_buffer *q, *k, *v;
@@ -286,9 +303,11 @@ bool check_forward(Checker &check, const te_attention_config *config, const te_t
     return check.fail(TE_ERROR_VALUE, "softmax_fp8 must be NULL unless q, k and v are FP8, got a tensor");
   }
   if (check.status() != TE_SUCCESS) return false;
+  const te_buffer eq = operand_extent(*config, 0, *m.q, m.dq), ek = operand_extent(*config, 1, *m.k, m.dk),
+                  ev = operand_extent(*config, 2, *m.v, m.dv);
   return check.disjoint({{ob, "o.data"}, {lb, "softmax_lse.data"}, {slot(o, TE_SLOT_AMAX), "o.amax"},
                          {slot(s_fp8, TE_SLOT_AMAX), "softmax_fp8.amax"}},
-                        {{m.q, "q.data"}, {m.k, "k.data"}, {m.v, "v.data"}});
+                        {{&eq, "q.data"}, {&ek, "k.data"}, {&ev, "v.data"}});
 }
 
 // The FP8 factors of a backward with FP8 q/k/v (the dtypes are checked already).
@@ -389,10 +408,22 @@ bool check_backward(Checker &check, const te_attention_config *config, const te_
                                           " must be NULL unless q, k and v are FP8, got a tensor");
   }
   if (check.status() != TE_SUCCESS) return false;
+  const te_buffer eq = operand_extent(*config, 0, *m.q, m.dq), ek = operand_extent(*config, 1, *m.k, m.dk),
+                  ev = operand_extent(*config, 2, *m.v, m.dv);
+  const te_buffer edq = operand_extent(*config, 0, *g[0], m.dq), edk = operand_extent(*config, 1, *g[1], m.dk),
+                  edv = operand_extent(*config, 2, *g[2], m.dv);
+  const std::vector<Checker::Named> inputs = {{&eq, "q.data"},  {&ek, "k.data"},    {&ev, "v.data"},
+                                              {ob, "o.data"},   {dob, "d_o.data"}, {lb, "softmax_lse.data"}};
+  if (strided(*config)) {
+    // Strided gradients may interleave in one buffer (attention.h: the caller vouches that
+    // their elements differ); each is still checked against the inputs and dp's amax.
+    return check.disjoint({{&edq, "dq.data"}, {slot(dp_fp8, TE_SLOT_AMAX), "dp_fp8.amax"}}, inputs) &&
+           check.disjoint({{&edk, "dk.data"}, {slot(dp_fp8, TE_SLOT_AMAX), "dp_fp8.amax"}}, inputs) &&
+           check.disjoint({{&edv, "dv.data"}, {slot(dp_fp8, TE_SLOT_AMAX), "dp_fp8.amax"}}, inputs);
+  }
   return check.disjoint({{g[0], "dq.data"}, {g[1], "dk.data"}, {g[2], "dv.data"},
                          {slot(dp_fp8, TE_SLOT_AMAX), "dp_fp8.amax"}},
-                        {{m.q, "q.data"}, {m.k, "k.data"}, {m.v, "v.data"}, {ob, "o.data"}, {dob, "d_o.data"},
-                         {lb, "softmax_lse.data"}});
+                        inputs);
 }
 
 }  // namespace

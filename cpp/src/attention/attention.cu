@@ -33,6 +33,19 @@ __device__ bool row_of(const AttentionShape &s, const AttentionMask &m, const in
   return r->lo <= r->hi;
 }
 
+// Offset of row (b, pos) and head h of q, k or v (`op`), under the call's strides.
+__device__ __forceinline__ int64_t operand_at(const AttentionShape &s, AttnLayout layout, AttnOperand op, int64_t b,
+                                              int64_t pos, int64_t start, int64_t h) {
+  return attn_offset(layout, s.batch, op == kOperandQ ? s.seqlen_q : s.seqlen_kv, s.row_stride[op],
+                     s.head_stride[op], b, pos, start, h);
+}
+
+// The same row and head in a dense buffer of `heads` heads of `dim` (o, d_o, the fp32 sums).
+__device__ __forceinline__ int64_t dense_at(const AttentionShape &s, AttnLayout layout, bool query, int64_t heads,
+                                            int64_t dim, int64_t b, int64_t pos, int64_t start, int64_t h) {
+  return attn_offset(layout, s.batch, query ? s.seqlen_q : s.seqlen_kv, heads * dim, dim, b, pos, start, h);
+}
+
 // v through an FP8 format and back (attention_ref.cpp's round_fp8).
 __device__ __forceinline__ float round_fp8(float v, te_dtype dt, float scale, float descale) {
   const float x = v * scale;
@@ -56,11 +69,11 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttentionFo
   if (!row_of(s, a.mask, a.cu_seqlens_q, a.cu_seqlens_kv, &r)) return;
   const bool fp8 = a.qkv_dtype == TE_DTYPE_FLOAT8_E4M3;
   const float dq_ = fp8 ? *f.descale_q : 1.f, dk_ = fp8 ? *f.descale_k : 1.f, dv_ = fp8 ? *f.descale_v : 1.f;
-  const int64_t qi = attn_offset(a.layout, s.batch, s.seqlen_q, s.heads_q, dqk, r.b, r.i, r.L.q_start, r.h);
+  const int64_t qi = operand_at(s, a.layout, kOperandQ, r.b, r.i, r.L.q_start, r.h);
   for (int64_t d = threadIdx.x; d < dqk; d += kThreads) qrow[d] = attn_load(a.q, qi + d, a.qkv_dtype, dq_);
   __syncthreads();
   auto logit = [&](int64_t j) {
-    const int64_t kj = attn_offset(a.layout, s.batch, s.seqlen_kv, s.heads_kv, dqk, r.b, j, r.L.kv_start, r.g);
+    const int64_t kj = operand_at(s, a.layout, kOperandK, r.b, j, r.L.kv_start, r.g);
     float acc = 0.f;
     for (int64_t d = 0; d < dqk; ++d) acc += qrow[d] * attn_load(a.k, kj + d, a.qkv_dtype, dk_);
     return a.softmax_scale * acc;
@@ -98,14 +111,14 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttentionFo
     for (int64_t t = 0; t < n; ++t) {
       const float pt = ptile[t];
       if (pt == 0.f) continue;
-      const int64_t vj = attn_offset(a.layout, s.batch, s.seqlen_kv, s.heads_kv, dv, r.b, t0 + t, r.L.kv_start, r.g);
+      const int64_t vj = operand_at(s, a.layout, kOperandV, r.b, t0 + t, r.L.kv_start, r.g);
       for (int c = 0; c < kMaxD; ++c) {
         const int64_t d = threadIdx.x + c * kThreads;
         if (d < dv) acc[c] += pt * attn_load(a.v, vj + d, a.qkv_dtype, dv_);
       }
     }
   }
-  const int64_t oi = attn_offset(a.layout, s.batch, s.seqlen_q, s.heads_q, dv, r.b, r.i, r.L.q_start, r.h);
+  const int64_t oi = dense_at(s, a.layout, true, s.heads_q, dv, r.b, r.i, r.L.q_start, r.h);
   for (int c = 0; c < kMaxD; ++c) {
     const int64_t d = threadIdx.x + c * kThreads;
     if (d < dv) attn_store(a.o, oi + d, a.o_dtype, acc[c], f.scale_o, f.amax_o);
@@ -128,8 +141,9 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(AttentionB
   const bool do8 = a.do_dtype == TE_DTYPE_FLOAT8_E4M3 || a.do_dtype == TE_DTYPE_FLOAT8_E5M2;
   const float do_ = do8 ? *f.descale_do : 1.f, o_ = o8 ? *f.descale_o : 1.f;
   const bool fp8_ds = fp8 && do8;
-  const int64_t qi = attn_offset(a.layout, s.batch, s.seqlen_q, s.heads_q, dqk, r.b, r.i, r.L.q_start, r.h);
-  const int64_t oi = attn_offset(a.layout, s.batch, s.seqlen_q, s.heads_q, dv, r.b, r.i, r.L.q_start, r.h);
+  // q, k, v (and dq) where the call's strides put them; o, d_o and the dk/dv sums dense
+  const int64_t qi = operand_at(s, a.layout, kOperandQ, r.b, r.i, r.L.q_start, r.h);
+  const int64_t oi = dense_at(s, a.layout, true, s.heads_q, dv, r.b, r.i, r.L.q_start, r.h);
   float part = 0.f;  // dot(d_o_i, o_i) = sum_j p_j dp_j
   for (int64_t d = threadIdx.x; d < dqk; d += kThreads) qrow[d] = attn_load(a.q, qi + d, a.qkv_dtype, dq_);
   for (int64_t d = threadIdx.x; d < dv; d += kThreads) {
@@ -147,8 +161,8 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(AttentionB
     const int64_t j = t0 + threadIdx.x;
     float ds = 0.f, pd = 0.f;
     if (j <= r.hi) {
-      const int64_t kj = attn_offset(a.layout, s.batch, s.seqlen_kv, s.heads_kv, dqk, r.b, j, r.L.kv_start, r.g);
-      const int64_t vj = attn_offset(a.layout, s.batch, s.seqlen_kv, s.heads_kv, dv, r.b, j, r.L.kv_start, r.g);
+      const int64_t kj = operand_at(s, a.layout, kOperandK, r.b, j, r.L.kv_start, r.g);
+      const int64_t vj = operand_at(s, a.layout, kOperandV, r.b, j, r.L.kv_start, r.g);
       float x = 0.f, dpd = 0.f;
       for (int64_t d = 0; d < dqk; ++d) x += qrow[d] * attn_load(a.k, kj + d, a.qkv_dtype, dk_);
       for (int64_t d = 0; d < dv; ++d) dpd += dorow[d] * attn_load(a.v, vj + d, a.qkv_dtype, dv_);
@@ -169,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(AttentionB
     for (int64_t t = 0; t < n; ++t) {
       const float dst = dstile[t];
       if (dst == 0.f) continue;
-      const int64_t kj = attn_offset(a.layout, s.batch, s.seqlen_kv, s.heads_kv, dqk, r.b, t0 + t, r.L.kv_start, r.g);
+      const int64_t kj = operand_at(s, a.layout, kOperandK, r.b, t0 + t, r.L.kv_start, r.g);
       for (int c = 0; c < kMaxD; ++c) {
         const int64_t d = threadIdx.x + c * kThreads;
         if (d < dqk) dq[c] += dst * attn_load(a.k, kj + d, a.qkv_dtype, dk_);
@@ -177,12 +191,12 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(AttentionB
     }
     for (int64_t e = threadIdx.x; e < n * dqk; e += kThreads) {
       const int64_t t = e / dqk, d = e % dqk;
-      const int64_t kj = attn_offset(a.layout, s.batch, s.seqlen_kv, s.heads_kv, dqk, r.b, t0 + t, r.L.kv_start, r.g);
+      const int64_t kj = dense_at(s, a.layout, false, s.heads_kv, dqk, r.b, t0 + t, r.L.kv_start, r.g);
       if (dstile[t] != 0.f) atomicAdd(dk_acc + kj + d, dstile[t] * qrow[d]);
     }
     for (int64_t e = threadIdx.x; e < n * dv; e += kThreads) {
       const int64_t t = e / dv, d = e % dv;
-      const int64_t vj = attn_offset(a.layout, s.batch, s.seqlen_kv, s.heads_kv, dv, r.b, t0 + t, r.L.kv_start, r.g);
+      const int64_t vj = dense_at(s, a.layout, false, s.heads_kv, dv, r.b, t0 + t, r.L.kv_start, r.g);
       if (pdtile[t] != 0.f) atomicAdd(dv_acc + vj + d, pdtile[t] * dorow[d]);
     }
   }
@@ -192,10 +206,13 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(AttentionB
   }
 }
 
-__global__ void convert_kernel(const float *acc, void *out, int64_t n, te_dtype dt, const float *scale,
-                               float *amax) {
+// out (a gradient of `heads` heads of `dim`, under the strides) from its dense fp32 sums acc, or
+// zeros where acc is null.
+__global__ void convert_kernel(const float *acc, void *out, int64_t n, int64_t heads, int64_t dim, int64_t row_stride,
+                               int64_t head_stride, te_dtype dt, const float *scale, float *amax) {
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    attn_store(out, e, dt, acc[e], scale, amax);
+    attn_store(out, strided_element(e, heads, dim, row_stride, head_stride), dt, acc != nullptr ? acc[e] : 0.f,
+               scale, amax);
   }
 }
 
@@ -257,7 +274,14 @@ te_status attention_backward_cuda(const AttentionBackwardArgs &a, te_stream stre
   if (te_status e = cuda_status(op, cudaMemsetAsync(a.workspace, 0, attention_backward_cuda_workspace_size(s), st))) {
     return e;
   }
-  if (te_status e = cuda_status(op, cudaMemsetAsync(a.dq, 0, static_cast<size_t>(nq) * g, st))) return e;
+  const bool fp8 = is_fp8_dtype(a.grad_dtype);
+  if (s.dense()) {
+    if (te_status e = cuda_status(op, cudaMemsetAsync(a.dq, 0, static_cast<size_t>(nq) * g, st))) return e;
+  } else {  // a strided dq shares its buffer: only its own elements are zeroed
+    convert_kernel<<<grid_for(nq), 256, 0, st>>>(nullptr, a.dq, nq, s.heads_q, s.head_dim_qk, s.row_stride[kOperandQ],
+                                                 s.head_stride[kOperandQ], a.grad_dtype,
+                                                 fp8 ? a.fp8.scale_dq : nullptr, nullptr);
+  }
   if (is_fp8_dtype(a.grad_dtype)) {
     for (float *amax : {a.fp8.amax_dq, a.fp8.amax_dk, a.fp8.amax_dv}) {
       if (amax != nullptr) {
@@ -274,11 +298,12 @@ te_status attention_backward_cuda(const AttentionBackwardArgs &a, te_stream stre
     const size_t smem = static_cast<size_t>(s.head_dim_qk + s.head_dim_v + 2 * kTile + 32) * sizeof(float);
     attention_backward_kernel<<<grid, kThreads, smem, st>>>(a, dk_acc, dv_acc);
   }
-  const bool fp8 = is_fp8_dtype(a.grad_dtype);
-  convert_kernel<<<grid_for(nk), 256, 0, st>>>(dk_acc, a.dk, nk, a.grad_dtype, fp8 ? a.fp8.scale_dk : nullptr,
-                                               fp8 ? a.fp8.amax_dk : nullptr);
-  convert_kernel<<<grid_for(nv), 256, 0, st>>>(dv_acc, a.dv, nv, a.grad_dtype, fp8 ? a.fp8.scale_dv : nullptr,
-                                               fp8 ? a.fp8.amax_dv : nullptr);
+  convert_kernel<<<grid_for(nk), 256, 0, st>>>(dk_acc, a.dk, nk, s.heads_kv, s.head_dim_qk, s.row_stride[kOperandK],
+                                               s.head_stride[kOperandK], a.grad_dtype,
+                                               fp8 ? a.fp8.scale_dk : nullptr, fp8 ? a.fp8.amax_dk : nullptr);
+  convert_kernel<<<grid_for(nv), 256, 0, st>>>(dv_acc, a.dv, nv, s.heads_kv, s.head_dim_v, s.row_stride[kOperandV],
+                                               s.head_stride[kOperandV], a.grad_dtype,
+                                               fp8 ? a.fp8.scale_dv : nullptr, fp8 ? a.fp8.amax_dv : nullptr);
   return launch_status(op);
 }
 

@@ -39,6 +39,13 @@ AttentionShape shape_of(const te_attention_config &c, const te_attention_problem
     s.total_q = p.batch * p.seqlen_q;
     s.total_kv = p.batch * p.seqlen_kv;
   }
+  const int64_t heads[3] = {p.heads_q, p.heads_kv, p.heads_kv};
+  const int64_t dims[3] = {p.head_dim_qk, p.head_dim_qk, p.head_dim_v};
+  for (int i = 0; i < 3; ++i) {
+    const bool dense = c.row_stride[i] == 0 && c.head_stride[i] == 0;
+    s.row_stride[i] = dense ? heads[i] * dims[i] : c.row_stride[i];
+    s.head_stride[i] = dense ? dims[i] : c.head_stride[i];
+  }
   return s;
 }
 
@@ -140,6 +147,37 @@ bool check_attention_config(Checker &check, const te_attention_config *c) {
   return true;
 }
 
+// config.row_stride / head_stride: each operand dense (both 0) or strided without overlapping
+// itself; strides only where every backend takes them (no padding: the backends zero padded
+// rows and read ragged offsets as if dense).
+bool check_strides(Checker &check, const te_attention_config &c, const te_attention_problem &p) {
+  const char *names[3] = {"q", "k", "v"};
+  const int64_t heads[3] = {p.heads_q, p.heads_kv, p.heads_kv};
+  const int64_t dims[3] = {p.head_dim_qk, p.head_dim_qk, p.head_dim_v};
+  bool strided = false;
+  for (int i = 0; i < 3; ++i) {
+    const int64_t row = c.row_stride[i], head = c.head_stride[i];
+    if (row == 0 && head == 0) continue;
+    strided = true;
+    const std::string which = std::string("config.row_stride[") + num(i) + "] and head_stride[" + num(i) + "] (" +
+                              names[i] + ")";
+    if (head < dims[i] || row < (heads[i] - 1) * head + dims[i]) {
+      return check.fail(TE_ERROR_VALUE, which + " must be both 0 (dense) or give heads that do not overlap: "
+                                        "head_stride >= head_dim (" + num(dims[i]) + ") and row_stride >= "
+                                        "(heads - 1) * head_stride + head_dim, got " + num(row) + " and " +
+                                        num(head));
+    }
+  }
+  if (strided && (c.layout == TE_ATTN_LAYOUT_THD || is_padding(c.mask_type))) {
+    return check.fail(TE_ERROR_UNSUPPORTED, std::string("strided q, k and v (config.row_stride, head_stride) take "
+                                                        "the bshd and sbhd layouts without a padding mask, got "
+                                                        "layout ") +
+                                                (c.layout == TE_ATTN_LAYOUT_THD ? "thd" : "bshd/sbhd") +
+                                                " and mask " + attn_mask_name(c.mask_type));
+  }
+  return true;
+}
+
 bool check_attention_problem(Checker &check, const te_attention_config &c, const te_attention_problem &p,
                              bool backward) {
   const bool thd = c.layout == TE_ATTN_LAYOUT_THD;
@@ -160,6 +198,7 @@ bool check_attention_problem(Checker &check, const te_attention_config &c, const
     return check.fail(TE_ERROR_VALUE, "heads_q must be a multiple of heads_kv (GQA/MQA groups), got " +
                                           num(p.heads_q) + " query heads and " + num(p.heads_kv) + " kv heads");
   }
+  if (!check_strides(check, c, p)) return false;
   const bool fp8 = p.qkv_dtype == TE_DTYPE_FLOAT8_E4M3;
   if (!fp8 && !hp_dtype(p.qkv_dtype)) {
     return check.fail(TE_ERROR_TYPE, std::string("q, k and v must be float32, float16, bfloat16 or float8_e4m3, got ") +

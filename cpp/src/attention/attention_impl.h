@@ -38,7 +38,17 @@ struct AttentionShape {
   int64_t seqlen_q, seqlen_kv;  // THD and padding: the maximum over the batch
   int64_t head_dim_qk, head_dim_v;
   int64_t total_q, total_kv;  // THD: rows of q and of k/v; otherwise batch * seqlen
+  // Element strides of q, k, v (and dq, dk, dv) [0..2]: between rows (tokens) and between
+  // heads, resolved (dense ones are heads * head_dim and head_dim). o and d_o are dense.
+  int64_t row_stride[3], head_stride[3];
+  bool dense() const {
+    return row_stride[0] == heads_q * head_dim_qk && head_stride[0] == head_dim_qk &&
+           row_stride[1] == heads_kv * head_dim_qk && head_stride[1] == head_dim_qk &&
+           row_stride[2] == heads_kv * head_dim_v && head_stride[2] == head_dim_v;
+  }
 };
+
+enum AttnOperand { kOperandQ = 0, kOperandK = 1, kOperandV = 2 };
 
 struct AttentionMask {
   bool bottom_right;     // offset the diagonal by seqlen_kv - seqlen_q (per sequence)

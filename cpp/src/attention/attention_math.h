@@ -29,17 +29,25 @@ TE_HOST_DEVICE SeqLens seq_lens(const AttentionShape &s, bool padding, const int
   return r;
 }
 
-// Element offset of (b, position, head, 0) in a buffer of `heads` heads of `dim` elements.
-// THD positions count from the sequence's first row, `start`.
-TE_HOST_DEVICE int64_t attn_offset(AttnLayout layout, int64_t batch, int64_t seqlen, int64_t heads,
-                                   int64_t dim, int64_t b, int64_t pos, int64_t start, int64_t h) {
+// Element offset of (b, position, head, 0) in a buffer whose rows (tokens) are row_stride and
+// heads head_stride elements apart (dense: heads * dim and dim). THD positions count from the
+// sequence's first row, `start`.
+TE_HOST_DEVICE int64_t attn_offset(AttnLayout layout, int64_t batch, int64_t seqlen, int64_t row_stride,
+                                   int64_t head_stride, int64_t b, int64_t pos, int64_t start, int64_t h) {
   int64_t row;
   switch (layout) {
     case AttnLayout::BSHD: row = b * seqlen + pos; break;
     case AttnLayout::SBHD: row = pos * batch + b; break;
     default: row = start + pos; break;
   }
-  return (row * heads + h) * dim;
+  return row * row_stride + h * head_stride;
+}
+
+// Where element e of a dense [rows, heads, dim] operand sits under (row_stride, head_stride).
+TE_HOST_DEVICE int64_t strided_element(int64_t e, int64_t heads, int64_t dim, int64_t row_stride,
+                                       int64_t head_stride) {
+  const int64_t row = e / (heads * dim), rest = e % (heads * dim);
+  return row * row_stride + (rest / dim) * head_stride + rest % dim;
 }
 
 // The allowed keys [*lo, *hi] of query i (empty when *lo > *hi).

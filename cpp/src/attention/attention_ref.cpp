@@ -55,15 +55,20 @@ float dot(const Reader &a, int64_t ia, const Reader &b, int64_t ib, int64_t n) {
   return acc;
 }
 
-// Offsets of one (b, h) pair's rows.
+// Offsets of one (b, h) pair's rows: of q, k, v (`op`) as strided in the call, and dense ones
+// (of o, d_o and the gradients' fp32 sums).
 struct RowIndex {
   const AttentionShape &s;
   AttnLayout layout;
+  int64_t at(AttnOperand op, int64_t b, int64_t pos, int64_t start, int64_t h) const {
+    return attn_offset(layout, s.batch, op == kOperandQ ? s.seqlen_q : s.seqlen_kv, s.row_stride[op],
+                       s.head_stride[op], b, pos, start, h);
+  }
   int64_t q(int64_t b, int64_t i, int64_t start, int64_t h, int64_t dim) const {
-    return attn_offset(layout, s.batch, s.seqlen_q, s.heads_q, dim, b, i, start, h);
+    return attn_offset(layout, s.batch, s.seqlen_q, s.heads_q * dim, dim, b, i, start, h);
   }
   int64_t kv(int64_t b, int64_t j, int64_t start, int64_t g, int64_t dim) const {
-    return attn_offset(layout, s.batch, s.seqlen_kv, s.heads_kv, dim, b, j, start, g);
+    return attn_offset(layout, s.batch, s.seqlen_kv, s.heads_kv * dim, dim, b, j, start, g);
   }
 };
 
@@ -98,10 +103,10 @@ void attention_forward_ref(const AttentionForwardArgs &a) {
         int64_t lo, hi;
         allowed_keys(a.mask, i, L.q, L.kv, &lo, &hi);
         if (lo > hi) continue;
-        const int64_t qi = idx.q(b, i, L.q_start, h, s.head_dim_qk);
+        const int64_t qi = idx.at(kOperandQ, b, i, L.q_start, h);
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t j = lo; j <= hi; ++j) {
-          p[j] = a.softmax_scale * dot(q, qi, k, idx.kv(b, j, L.kv_start, g, s.head_dim_qk), s.head_dim_qk);
+          p[j] = a.softmax_scale * dot(q, qi, k, idx.at(kOperandK, b, j, L.kv_start, g), s.head_dim_qk);
           m = std::max(m, p[j]);
         }
         float sum = 0.0f;
@@ -119,7 +124,7 @@ void attention_forward_ref(const AttentionForwardArgs &a) {
             pj = dropout_keep(seed, offset, s, b, h, i, j, a.dropout) ? pj * keep_scale : 0.0f;
           }
           if (pj == 0.0f) continue;
-          const int64_t vj = idx.kv(b, j, L.kv_start, g, dv);
+          const int64_t vj = idx.at(kOperandV, b, j, L.kv_start, g);
           for (int64_t d = 0; d < dv; ++d) acc[d] += pj * v(vj + d);
         }
         const int64_t oi = idx.q(b, i, L.q_start, h, dv);
@@ -158,17 +163,18 @@ void attention_backward_ref(const AttentionBackwardArgs &a) {
         allowed_keys(a.mask, i, L.q, L.kv, &lo, &hi);
         if (lo > hi) continue;
         const float lse = a.softmax_lse[(b * s.heads_q + h) * s.seqlen_q + i];
-        const int64_t qi = idx.q(b, i, L.q_start, h, dqk), oi = idx.q(b, i, L.q_start, h, dv);
+        // q, k, v read where the call's strides put them; the gradients summed densely
+        const int64_t qi = idx.at(kOperandQ, b, i, L.q_start, h), oi = idx.q(b, i, L.q_start, h, dv);
         // sum_j p_j dp_j over the whole row, taken as dot(d_o_i, o_i) from the o given, as
         // the fused kernels and the CUDA math path take it (attention.h): so a call over some
         // of a row's keys, given the whole row's o and lse, gives those keys' share of the
         // gradients (ring attention).
         const float row_dot = dot(d_o, oi, o, oi, dv);
         for (int64_t j = lo; j <= hi; ++j) {
-          const float sj = a.softmax_scale * dot(q, qi, k, idx.kv(b, j, L.kv_start, g, dqk), dqk);
+          const float sj = a.softmax_scale * dot(q, qi, k, idx.at(kOperandK, b, j, L.kv_start, g), dqk);
           p[j] = std::exp(sj - lse);
           const bool keep = a.dropout <= 0.0f || dropout_keep(seed, offset, s, b, h, i, j, a.dropout);
-          const float dpd = dot(d_o, oi, v, idx.kv(b, j, L.kv_start, g, dv), dv);  // grad of dropped p
+          const float dpd = dot(d_o, oi, v, idx.at(kOperandV, b, j, L.kv_start, g), dv);  // grad of dropped p
           dp[j] = keep ? dpd * keep_scale : 0.0f;
           // dv_j += dropout(p_j) d_o_i, with p rounded as the forward rounded it
           const float pr = fp8 ? round_fp8(p[j], TE_DTYPE_FLOAT8_E4M3, *f.scale_s, *f.descale_s) : p[j];
@@ -178,14 +184,14 @@ void attention_backward_ref(const AttentionBackwardArgs &a) {
             for (int64_t d = 0; d < dv; ++d) dvj[d] += pd * d_o(oi + d);
           }
         }
-        float *dqi = &dq[qi];
+        float *dqi = &dq[idx.q(b, i, L.q_start, h, dqk)];
         for (int64_t j = lo; j <= hi; ++j) {
           float ds = a.softmax_scale * p[j] * (dp[j] - row_dot);
           note_amax(f.amax_dp, ds);
           if (fp8_ds) ds = round_fp8(ds, a.do_dtype, *f.scale_dp, *f.descale_dp);
           if (ds == 0.0f) continue;
-          const int64_t kj = idx.kv(b, j, L.kv_start, g, dqk);
-          float *dkj = &dk[kj];
+          const int64_t kj = idx.at(kOperandK, b, j, L.kv_start, g);
+          float *dkj = &dk[idx.kv(b, j, L.kv_start, g, dqk)];
           for (int64_t d = 0; d < dqk; ++d) {
             dqi[d] += ds * k(kj + d);
             dkj[d] += ds * q(qi + d);
@@ -199,14 +205,19 @@ void attention_backward_ref(const AttentionBackwardArgs &a) {
     const std::vector<float> &values;
     const float *scale;
     float *amax;
+    AttnOperand op;
+    int64_t heads, dim;
   };
   const bool fp8_grads = is_fp8(a.grad_dtype);
-  for (const Out &out : {Out{a.dq, dq, f.scale_dq, f.amax_dq}, Out{a.dk, dk, f.scale_dk, f.amax_dk},
-                         Out{a.dv, dvv, f.scale_dv, f.amax_dv}}) {
+  for (const Out &out : {Out{a.dq, dq, f.scale_dq, f.amax_dq, kOperandQ, s.heads_q, dqk},
+                         Out{a.dk, dk, f.scale_dk, f.amax_dk, kOperandK, s.heads_kv, dqk},
+                         Out{a.dv, dvv, f.scale_dv, f.amax_dv, kOperandV, s.heads_kv, dv}}) {
     if (fp8_grads && out.amax != nullptr) *out.amax = 0.0f;
     for (size_t e = 0; e < out.values.size(); ++e) {
       if (fp8_grads) note_amax(out.amax, out.values[e]);
-      write(out.data, static_cast<int64_t>(e), a.grad_dtype, out.values[e], out.scale);
+      const int64_t at = strided_element(static_cast<int64_t>(e), out.heads, out.dim, s.row_stride[out.op],
+                                         s.head_stride[out.op]);
+      write(out.data, at, a.grad_dtype, out.values[e], out.scale);
     }
   }
 }

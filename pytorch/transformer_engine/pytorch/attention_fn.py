@@ -23,6 +23,7 @@ from . import attention_bias, ops
 from .first_step import step_scales
 from .float8_tensor import Float8Tensor
 from .linear_fn import update_backward
+from .ops.attention import operand_strides_of
 from .quantization import Plan, record_amax
 
 __all__ = ["fused_attention", "fused_attention_fp8", "unfused_attention"]
@@ -54,8 +55,89 @@ class _FusedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+class _FusedAttentionPacked(torch.autograd.Function):
+    """Attention of q, k, v that tile one projection output ``qkv`` (packed_qkv): the core
+    reads them in place and writes dq, dk, dv into one gradient of qkv, so neither the dense
+    copies of q, k, v nor the concatenation of their gradients happen."""
+
+    @staticmethod
+    def forward(ctx, qkv, views, rng, params, deterministic):
+        q, k, v = (qkv.as_strided(*view) for view in views)
+        o, lse = ops.attention_forward(q, k, v, _NO_SEQLENS, _NO_SEQLENS, rng, *params)
+        ctx.save_for_backward(qkv, o, lse, rng)
+        ctx.views, ctx.params, ctx.deterministic = views, params, deterministic
+        return o
+
+    @staticmethod
+    def backward(ctx, d_o):
+        qkv, o, lse, rng = ctx.saved_tensors
+        q, k, v = (qkv.as_strided(*view) for view in ctx.views)
+        layout, mask, left, right, scale, dropout, _, _, backend = ctx.params
+        d_qkv = ops.attention_backward_packed(qkv, q, k, v, o, d_o.contiguous(), lse, rng, layout,
+                                              mask, left, right, scale, dropout,
+                                              ctx.deterministic, backend)
+        return d_qkv, None, None, None, None
+
+
+_NO_SEQLENS = torch.empty((0,), dtype=torch.int32)
+_TILINGS: dict = {}  # packed_qkv's verdicts by the views' geometry
+
+
+def _tiles(qkv: torch.Tensor, views: tuple) -> bool:
+    """Whether the views (shape, stride, offset from qkv's start) cover each element of the
+    contiguous qkv exactly once, with the same row stride: a projection output's heads."""
+    rows = None
+    spans = []
+    for shape, stride, offset in views:
+        st = operand_strides_of(shape, stride, qkv.element_size())
+        if st is None or offset < 0 or (offset * qkv.element_size()) % 16:
+            return False
+        row, head = st
+        if rows is not None and row != rows:
+            return False
+        rows = row
+        spans += [(offset + h * head, offset + h * head + shape[3]) for h in range(shape[2])]
+    spans.sort()
+    tokens = views[0][0][0] * views[0][0][1]
+    if any(v[0][0] * v[0][1] != tokens for v in views) or qkv.numel() != tokens * rows:
+        return False
+    at = 0
+    for start, end in spans:
+        if start != at:
+            return False
+        at = end
+    return at == rows
+
+
+def packed_qkv(q, k, v, params: Params) -> Optional[tuple]:
+    """(qkv, views) when q, k and v are views that tile one contiguous tensor (the heads of a
+    QKV projection's output, split by module._heads.split_heads) and the core takes them in
+    place (bshd/sbhd, no padding mask); None otherwise. Eager only: traced graphs keep the
+    dense path."""
+    qkv = q._base
+    if (qkv is None or k._base is not qkv or v._base is not qkv or not qkv.is_contiguous()
+            or torch.compiler.is_compiling() or params[0] == "thd"
+            or params[1].startswith("padding") or qkv.data_ptr() % 16):
+        return None
+    start = qkv.storage_offset()
+    views = tuple((t.shape, t.stride(), t.storage_offset() - start) for t in (q, k, v))
+    key = (qkv.shape, qkv.dtype, views)
+    fits = _TILINGS.get(key)
+    if fits is None:
+        if len(_TILINGS) >= 256:
+            _TILINGS.clear()
+        fits = _TILINGS[key] = _tiles(qkv, views)
+    if not fits:
+        return None
+    return qkv, tuple((shape, stride, offset + start) for shape, stride, offset in views)
+
+
 def fused_attention(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bool = False):
-    """o = attention(q, k, v) through the core (cu_q, cu_kv, rng: tensors, empty if absent)."""
+    """o = attention(q, k, v) through the core (cu_q, cu_kv, rng: tensors, empty if absent).
+    Views of one projection output are read in place (packed_qkv)."""
+    packed = packed_qkv(q, k, v, params) if cu_q.numel() == 0 else None
+    if packed is not None:
+        return _FusedAttentionPacked.apply(packed[0], packed[1], rng, params, deterministic)
     return _FusedAttention.apply(q, k, v, cu_q, cu_kv, rng, params, deterministic)
 
 

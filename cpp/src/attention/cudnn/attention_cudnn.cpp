@@ -104,12 +104,27 @@ struct Dims {
   std::vector<int64_t> dim, stride;
 };
 
-// An operand with `heads` heads of `head_dim` over `seqlen` positions, as [b, h, s, d].
-Dims bhsd(const Problem &p, int64_t heads, int64_t seqlen, int64_t head_dim) {
+// An operand with `heads` heads of `head_dim` over `seqlen` positions, as [b, h, s, d], its rows
+// (tokens) `row` and heads `head` elements apart (dense: heads * head_dim and head_dim).
+Dims bhsd(const Problem &p, int64_t heads, int64_t seqlen, int64_t head_dim, int64_t row, int64_t head) {
   const int64_t b = p.shape.batch;
-  if (p.layout == AttnLayout::SBHD) return {{b, heads, seqlen, head_dim}, {heads * head_dim, head_dim, b * heads * head_dim, 1}};
+  if (p.layout == AttnLayout::SBHD) return {{b, heads, seqlen, head_dim}, {row, head, b * row, 1}};
   // BSHD; THD too, whose batch stride the ragged offsets replace.
-  return {{b, heads, seqlen, head_dim}, {seqlen * heads * head_dim, head_dim, heads * head_dim, 1}};
+  return {{b, heads, seqlen, head_dim}, {seqlen * row, head, row, 1}};
+}
+
+// q, k or v (and its gradient) under the call's strides.
+Dims operand_dims(const Problem &p, AttnOperand op) {
+  const AttentionShape &s = p.shape;
+  const bool q = op == kOperandQ;
+  return bhsd(p, q ? s.heads_q : s.heads_kv, q ? s.seqlen_q : s.seqlen_kv,
+              op == kOperandV ? s.head_dim_v : s.head_dim_qk, s.row_stride[op], s.head_stride[op]);
+}
+
+// o and d_o: dense.
+Dims o_dims_of(const Problem &p) {
+  const AttentionShape &s = p.shape;
+  return bhsd(p, s.heads_q, s.seqlen_q, s.head_dim_v, s.heads_q * s.head_dim_v, s.head_dim_v);
 }
 
 Dims lse_dims(const Problem &p) {
@@ -141,9 +156,9 @@ Operands add_operands(fg::Graph &g, const Problem &p) {
   const AttentionShape &s = p.shape;
   const fe::DataType_t type = fe_type(p.qkv);
   Operands x;
-  x.q = input(g, "q", kQ, bhsd(p, s.heads_q, s.seqlen_q, s.head_dim_qk), type);
-  x.k = input(g, "k", kK, bhsd(p, s.heads_kv, s.seqlen_kv, s.head_dim_qk), type);
-  x.v = input(g, "v", kV, bhsd(p, s.heads_kv, s.seqlen_kv, s.head_dim_v), type);
+  x.q = input(g, "q", kQ, operand_dims(p, kOperandQ), type);
+  x.k = input(g, "k", kK, operand_dims(p, kOperandK), type);
+  x.v = input(g, "v", kV, operand_dims(p, kOperandV), type);
   if (p.padding()) {
     const Dims lengths{{s.batch, 1, 1, 1}, {1, 1, 1, 1}};
     x.seqlen_q = input(g, "seqlen_q", kSeqlenQ, lengths, fe::DataType_t::INT32);
@@ -210,7 +225,7 @@ std::shared_ptr<fg::Graph> forward_graph(const Problem &p, int sm) {
     o = r[0];
     stats = r[1];
   }
-  output(o, kO, bhsd(p, s.heads_q, s.seqlen_q, s.head_dim_v), fe_type(p.o));
+  output(o, kO, o_dims_of(p), fe_type(p.o));
   if (p.thd()) o->set_ragged_offset(x.offsets[kFamilyO]);
   if (!p.inference) output(stats, kStats, lse_dims(p), fe::DataType_t::FLOAT);
   return g;
@@ -220,7 +235,7 @@ std::shared_ptr<fg::Graph> backward_graph(const Problem &p, int sm) {
   const AttentionShape &s = p.shape;
   auto g = new_graph(p, sm);
   const Operands x = add_operands(*g, p);
-  const Dims o_dims = bhsd(p, s.heads_q, s.seqlen_q, s.head_dim_v);
+  const Dims o_dims = o_dims_of(p);
   // d_o has its own dtype: under the HYBRID recipe o is E4M3 and d_o E5M2 (cuDNN then also
   // quantizes ds, its "dP", to E5M2).
   TensorPtr o = input(*g, "o", kO, o_dims, fe_type(p.o));
@@ -254,9 +269,9 @@ std::shared_ptr<fg::Graph> backward_graph(const Problem &p, int sm) {
     grads = g->sdpa_backward(x.q, x.k, x.v, o, d_o, stats, a);
   }
   const fe::DataType_t grad = fe_type(p.grad);
-  output(grads[0], kDQ, bhsd(p, s.heads_q, s.seqlen_q, s.head_dim_qk), grad);
-  output(grads[1], kDK, bhsd(p, s.heads_kv, s.seqlen_kv, s.head_dim_qk), grad);
-  output(grads[2], kDV, bhsd(p, s.heads_kv, s.seqlen_kv, s.head_dim_v), grad);
+  output(grads[0], kDQ, operand_dims(p, kOperandQ), grad);
+  output(grads[1], kDK, operand_dims(p, kOperandK), grad);
+  output(grads[2], kDV, operand_dims(p, kOperandV), grad);
   if (p.thd()) {
     grads[0]->set_ragged_offset(x.offsets[kFamilyQ]);
     grads[1]->set_ragged_offset(x.offsets[kFamilyK]);

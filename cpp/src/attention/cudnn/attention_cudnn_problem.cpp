@@ -69,7 +69,8 @@ Key key_of(const Problem &p, int sm) {
   return {p.backward, static_cast<int64_t>(p.layout), s.batch, s.heads_q, s.heads_kv, s.seqlen_q, s.seqlen_kv,
           s.head_dim_qk, s.head_dim_v, p.wide_offsets(), p.padding(), p.mask.bottom_right, p.mask.window_left,
           p.mask.window_right, bits(p.softmax_scale), bits(p.dropout), p.qkv, p.o, p.d_o, p.grad, p.deterministic,
-          p.inference, p.device, sm};
+          p.inference, p.device, sm, s.row_stride[0], s.row_stride[1], s.row_stride[2], s.head_stride[0],
+          s.head_stride[1], s.head_stride[2]};
 }
 
 AuxLayout aux_layout(const Problem &p) {
@@ -164,6 +165,13 @@ std::string problem_reason(const Problem &p, int sm) {
   }
   if (!(p.dropout >= 0.0f && p.dropout < 1.0f)) return "dropout must be in [0, 1), got " + std::to_string(p.dropout);
   if (s.seqlen_q > INT32_MAX || s.seqlen_kv > INT32_MAX) return "sequence lengths must fit in int32";
+  const int64_t size = static_cast<int64_t>(te_dtype_size(p.qkv));
+  for (int i = 0; i < 3; ++i) {
+    if ((s.row_stride[i] * size) % 16 != 0 || (s.head_stride[i] * size) % 16 != 0) {
+      return std::string("strided ") + "qkv"[i] + " needs row and head strides of a multiple of 16 bytes, got " +
+             std::to_string(s.row_stride[i]) + " and " + std::to_string(s.head_stride[i]) + " elements";
+    }
+  }
   return "";
 }
 

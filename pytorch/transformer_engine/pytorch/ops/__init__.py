@@ -20,6 +20,7 @@ from .activation import (
 from .attention import (
     attention_backward,
     attention_backward_fp8,
+    attention_backward_packed,
     attention_forward,
     attention_forward_fp8,
     scaled_softmax_backward,
@@ -44,7 +45,7 @@ from .scaling import delayed_scaling_update, first_step_scale
 
 __all__ = ["activation_backward", "activation_backward_fp8", "activation_backward_scale",
            "activation_forward", "activation_forward_fp8", "activation_scale", "amax",
-           "attention_backward", "attention_backward_fp8",
+           "attention_backward", "attention_backward_fp8", "attention_backward_packed",
            "attention_forward", "attention_forward_fp8", "current_scale",
            "delayed_scaling_update", "dequantize", "first_step_scale", "gemm_fp8",
            "gemm_fp8_to_fp8", "grouped_gemm", "grouped_gemm_fp8",

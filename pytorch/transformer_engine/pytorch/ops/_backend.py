@@ -126,6 +126,13 @@ def raw(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), dtype, t.shape, t.get_device())
 
 
+def raw_view(t: torch.Tensor) -> tuple:
+    """raw() of a tensor whose strides the call gives the core separately (attention's
+    q, k, v read in place): no contiguity check."""
+    dtype = _te_dtypes.get(t.dtype) or _core_dtype(t.dtype)
+    return (t.data_ptr(), dtype, t.shape, t.get_device())
+
+
 def raw_element(t: torch.Tensor, index: int) -> tuple:
     """The fast form of element ``index`` of the flat, contiguous tensor ``t`` as a [1]
     buffer: what ``raw(t.view(-1)[index:index + 1])`` gives, without making the view (a

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ._backend import FP8_DTYPES, core, custom_op, raw, raw_element, stream_of
+from ._backend import FP8_DTYPES, core, custom_op, raw, raw_element, raw_view, stream_of
 
 _NS = "transformer_engine"
 LAYOUTS = ("bshd", "sbhd", "thd")
@@ -27,9 +27,51 @@ CORE_BACKENDS = ("cudnn", "cuda_math", "cpu")
 SOFTMAX_MASKS = ("none", "causal", "causal_bottom_right", "arbitrary")
 
 
+def operand_strides_of(shape, stride, element_size: int) -> Optional[tuple[int, int]]:
+    """(row, head) element strides of q, k or v of ``shape`` [s0, s1, heads, dim] (bshd or
+    sbhd) and ``stride`` read in place: its tokens (rows s0 * s1 in order) and heads at
+    regular strides, each head's elements adjacent, the strides 16-byte multiples (what cuDNN
+    takes). None when it must be copied."""
+    if len(shape) != 4 or stride[3] != 1 or shape[3] == 0:
+        return None
+    n0, n1, heads, dim = shape
+    head = stride[2] if heads > 1 else dim
+    row = stride[1] if n1 > 1 else stride[0] if n0 > 1 else heads * head
+    if n0 > 1 and n1 > 1 and stride[0] != n1 * row:
+        return None
+    if (head < dim or row < (heads - 1) * head + dim or (row * element_size) % 16
+            or (head * element_size) % 16):
+        return None
+    return row, head
+
+
+def operand_strides(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """operand_strides_of a tensor whose first element is also 16-byte aligned."""
+    if t.data_ptr() % 16:
+        return None
+    return operand_strides_of(t.shape, t.stride(), t.element_size())
+
+
+def qkv_strides(layout: str, mask: str, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> Optional[list[int]]:
+    """The config's strides for q, k, v as they are: [] when all three are contiguous, the six
+    strides when the core can read them in place (bshd/sbhd without padding), else None."""
+    if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
+        return []
+    if layout == "thd" or mask.startswith("padding"):
+        return None
+    out = []
+    for t in (q, k, v):
+        st = operand_strides(t)
+        if st is None:
+            return None
+        out += st
+    return out
+
+
 def config(layout: str, mask: str, window_left: int, window_right: int, softmax_scale: float,
            dropout: float, max_seqlen_q: int, max_seqlen_kv: int, deterministic: bool = False,
-           backend: str = "auto", inference: bool = False):
+           backend: str = "auto", inference: bool = False, strides: Optional[list] = None):
     """The core's AttentionConfig (about a microsecond to build; not cached, since cached
     binding objects would outlive the module at interpreter exit)."""
     if layout not in LAYOUTS:
@@ -45,7 +87,7 @@ def config(layout: str, mask: str, window_left: int, window_right: int, softmax_
                              softmax_scale=softmax_scale, dropout=dropout,
                              max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
                              deterministic=deterministic, backend=getattr(c.AttnBackend, backend),
-                             inference=inference)
+                             inference=inference, strides=strides or [])
 
 
 def _opt(t: torch.Tensor):
@@ -79,17 +121,24 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     """Returns (o in q's layout with v's head dim, softmax_lse [batch, heads_q, max_seqlen_q]
     fp32, empty with ``inference``: a forward that no backward follows). cu_seqlens_* (int32
     [batch + 1]) and rng_state (int64 [2]) may be empty."""
+    # q, k, v are read in place where the core can (views of one projection's output); else
+    # made dense
+    strides = qkv_strides(layout, mask, q, k, v)
+    if strides is None:
+        strides = []
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cfg = config(layout, mask, window_left, window_right, softmax_scale, dropout, max_seqlen_q,
-                 max_seqlen_kv, False, backend, inference)
+                 max_seqlen_kv, False, backend, inference, strides)
     o = _o_like(q, v, q.dtype)
     lse = _lse_like(q, layout, cu_seqlens_q, max_seqlen_q, inference)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu_seqlens_q, cu_seqlens_kv = cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous()
     rng_state = rng_state.contiguous()
     ws = _workspace_for(cfg, (layout, mask, window_left, window_right, softmax_scale, dropout,
-                              False, backend, inference), q, k, v, _TE_NAMES[q.dtype],
-                        _TE_NAMES[q.dtype], cu_seqlens_q, max_seqlen_q, max_seqlen_kv, False)
-    core().attention_forward(cfg, raw(q), raw(k), raw(v), raw(o), None if inference else raw(lse),
+                              False, backend, inference, tuple(strides)), q, k, v,
+                        _TE_NAMES[q.dtype], _TE_NAMES[q.dtype], cu_seqlens_q, max_seqlen_q,
+                        max_seqlen_kv, False)
+    core().attention_forward(cfg, raw_view(q), raw_view(k), raw_view(v), raw(o),
+                             None if inference else raw(lse),
                              cu_seqlens_q=_opt(cu_seqlens_q), cu_seqlens_kv=_opt(cu_seqlens_kv),
                              rng_state=_opt(rng_state), workspace=_raw_or_none(ws),
                              stream=stream_of(q))
@@ -139,6 +188,46 @@ def _(q, k, v, o, d_o, lse, cu_seqlens_q, cu_seqlens_kv, rng_state, layout, mask
       window_right, softmax_scale, dropout, max_seqlen_q, max_seqlen_kv, deterministic, backend,
       grad_dtype):
     return tuple(torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (q, k, v))
+
+
+@custom_op(f"{_NS}::attention_backward_packed", mutates_args=())
+def attention_backward_packed(qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, o: torch.Tensor, d_o: torch.Tensor,
+                              lse: torch.Tensor, rng_state: torch.Tensor, layout: str, mask: str,
+                              window_left: int, window_right: int, softmax_scale: float,
+                              dropout: float, deterministic: bool, backend: str) -> torch.Tensor:
+    """The gradient of qkv, a contiguous tensor that the views q, k, v tile exactly (each
+    element in one of them, as a projection's output holds the heads of q, k and v; see
+    attention_fn.packed_qkv), with dq, dk, dv written by the core in place, where q, k, v sit
+    in qkv: no copies and no concatenation. bshd/sbhd without padding."""
+    strides = qkv_strides(layout, mask, q, k, v)
+    if not strides:
+        raise ValueError("attention_backward_packed: q, k and v must be strided views the core "
+                         f"reads in place (bshd/sbhd, no padding mask), got strides "
+                         f"{q.stride()}, {k.stride()}, {v.stride()} for layout {layout!r} and "
+                         f"mask {mask!r}")
+    cfg = config(layout, mask, window_left, window_right, softmax_scale, dropout, 0, 0,
+                 deterministic, backend, False, strides)
+    d_qkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
+    start = d_qkv.storage_offset() - qkv.storage_offset()
+    dq, dk, dv = (d_qkv.as_strided(t.shape, t.stride(), t.storage_offset() + start)
+                  for t in (q, k, v))
+    o, d_o, lse, rng_state = (t.contiguous() for t in (o, d_o, lse, rng_state))
+    empty = q.new_empty((0,), dtype=torch.int32)
+    ws = _workspace_for(cfg, (layout, mask, window_left, window_right, softmax_scale, dropout,
+                              deterministic, backend, False, tuple(strides)), q, k, v,
+                        _TE_NAMES[o.dtype], _TE_NAMES[q.dtype], empty, 0, 0, True)
+    core().attention_backward(cfg, raw_view(q), raw_view(k), raw_view(v), raw(o), raw(d_o),
+                              raw(lse), dq=raw_view(dq), dk=raw_view(dk), dv=raw_view(dv),
+                              rng_state=_opt(rng_state), workspace=_raw_or_none(ws),
+                              stream=stream_of(q))
+    return d_qkv
+
+
+@attention_backward_packed.register_fake
+def _(qkv, q, k, v, o, d_o, lse, rng_state, layout, mask, window_left, window_right,
+      softmax_scale, dropout, deterministic, backend):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
 
 
 def _fp8(data: torch.Tensor, scale_inv: torch.Tensor):
