@@ -2,13 +2,15 @@
 // cluster, schedule, tile scheduler) under every raster order and swizzle, timed on the shapes
 // the recipe runs, beside cuBLASLt's block-scaled and per-tensor FP8 GEMMs in the same process.
 // Each variant's D is compared bit for bit with variant 0's (the configuration te_gemm runs),
-// whose correctness test_hopper_block_scaled_gemm establishes: a variant only re-tiles the same
-// sums, so anything but equal bits is a fault.
+// whose correctness test_hopper_block_scaled_gemm establishes: a data-parallel variant only
+// re-tiles the same sums, so anything but equal bits is a fault. Stream-K shares a tile's
+// k-blocks among CTAs and adds their partial sums in another order: its D may differ in the
+// last bit of an element, so it passes within kSplitTolerance of max |D| instead.
 //
 //   sweep_block_scaled_gemm OUT.json [GIT_COMMIT]
 //
 // Writes the JSON (device, CUTLASS version, date, shapes, medians) and prints a table. Exits
-// 77 without an sm_90 device, 1 when a variant's bits differ or a reference fails.
+// 77 without an sm_90 device, 1 when a variant disagrees with te_gemm's or a reference fails.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,6 +33,9 @@ namespace {
 
 constexpr int kBatches = 5;        // timed batches per case; the median batch is reported
 constexpr int kCallsPerBatch = 8;  // calls per batch (timed together by CUDA events)
+// Stream-K's bound, relative to max |D|: reordered fp32 sums then a bf16 rounding move an
+// element by at most about one bf16 unit in the last place (2^-8 of itself); twice that.
+constexpr double kSplitTolerance = 1.0 / 128;
 
 struct Shape {
   int64_t m, n, k;
@@ -286,15 +291,21 @@ int main(int argc, char **argv) {
       all[v].run(p.args(true, true, p.d, device), nullptr, best_raster, best_swizzle);
       CUDA_OK(cudaDeviceSynchronize());
       const Difference vs = compare(p.d, p.reference, elements);
-      if (vs.differing != 0) faults = true;
+      const bool agrees = vs.differing == 0 || (all[v].splits_k && vs.max_relative <= kSplitTolerance);
+      if (!agrees) faults = true;
+      std::string verdict = vs.differing == 0 ? "bits equal" : "BITS DIFFER: " + std::to_string(vs.differing);
+      if (vs.differing != 0 && all[v].splits_k) {
+        verdict = std::to_string(vs.differing) + " elements reordered, max " + std::to_string(vs.max_relative) +
+                  " of max |D|" + (agrees ? " (within stream-K's bound)" : " OVER stream-K's bound");
+      }
       std::printf("  %-44s %8.3f ms %7.1f TFLOP/s  (raster %d, swizzle %d)  %s\n", all[v].name.c_str(), best,
-                  p.tflops(best), best_raster, best_swizzle,
-                  vs.differing == 0 ? "bits equal" : ("BITS DIFFER: " + std::to_string(vs.differing)).c_str());
+                  p.tflops(best), best_raster, best_swizzle, verdict.c_str());
       row(where + ", \"impl\": " + json_string("hopper " + all[v].name) + ", \"variant\": " + std::to_string(v) +
           ", \"best\": true, \"raster\": " + std::to_string(best_raster) + ", \"swizzle\": " +
           std::to_string(best_swizzle) + ", \"median_ms\": " + std::to_string(best) + ", \"tflops\": " +
           std::to_string(p.tflops(best)) + ", \"bits_equal_to_production\": " +
-          (vs.differing == 0 ? "true" : "false") + ", \"differing\": " + std::to_string(vs.differing));
+          (vs.differing == 0 ? "true" : "false") + ", \"differing\": " + std::to_string(vs.differing) +
+          ", \"max_relative\": " + std::to_string(vs.max_relative) + ", \"agrees\": " + (agrees ? "true" : "false"));
     }
   }
 

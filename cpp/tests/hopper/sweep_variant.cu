@@ -5,6 +5,8 @@
 #include "gemm/hopper/block_scaled_kernel.cuh"
 #include "hopper/sweep_variant.h"
 
+#include <type_traits>
+
 #ifndef TE_SWEEP_VARIANT
 #error "compile with -DTE_SWEEP_VARIANT=<index>"
 #endif
@@ -48,4 +50,6 @@ te_status run(const te::GemmArgs &g, cudaStream_t stream, int raster, int swizzl
 #define TE_SWEEP_CAT2(a, b) a##b
 #define TE_SWEEP_CAT(a, b) TE_SWEEP_CAT2(a, b)
 
-sweep::Variant TE_SWEEP_CAT(sweep_variant_, TE_SWEEP_VARIANT)() { return {Config::name(), &run}; }
+sweep::Variant TE_SWEEP_CAT(sweep_variant_, TE_SWEEP_VARIANT)() {
+  return {Config::name(), std::is_same_v<typename Config::SchedulerT, cutlass::gemm::StreamKScheduler>, &run};
+}

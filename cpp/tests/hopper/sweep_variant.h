@@ -13,6 +13,9 @@ namespace sweep {
 
 struct Variant {
   std::string name;
+  // Stream-K: a tile's k-blocks may be shared by several CTAs, whose partial sums are added in
+  // another order than one CTA's; its D is then compared within a tolerance, not bit for bit.
+  bool splits_k;
   // raster: 0 CUTLASS's pick, 1 along M, 2 along N; swizzle: 1 (none), 2, 4 or 8
   te_status (*run)(const te::GemmArgs &, cudaStream_t, int raster, int swizzle);
 };
