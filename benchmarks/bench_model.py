@@ -29,7 +29,9 @@ synchronizing, per step: the host cost where the GPU is faster than the host, el
 median_ms. A second part times one fwd + bwd of single modules at a tiny shape (hidden 256,
 2 heads, 16 tokens, batch 1) on the host, synchronized at the end: the per-module overhead,
 as a ratio to nn.Linear(256, 256)'s (the FP8 ones also with LayerNormLinear's and
-LayerNormMLP's whole-block path off, compiled_blocks.enabled = False, for the comparison).
+LayerNormMLP's whole-block path off, compiled_blocks.enabled = False, and the layer with
+attention's q, k, v copied rather than read in place, attention_fn.packed_enabled = False,
+for the comparison).
 
     python benchmarks/bench_model.py                       # all cases; results/model.json
     python benchmarks/bench_model.py --hidden 4096 --variants 'torch/*' 'te_*/fp8_delayed/*'
@@ -57,7 +59,7 @@ import torch.nn.functional as F
 import harness
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from transformer_engine.pytorch import compiled_blocks
+from transformer_engine.pytorch import attention_fn, compiled_blocks
 
 HIDDENS = (1024, 2048, 4096)
 BATCH, SEQ, HEAD_DIM, BLOCKS = 4, 2048, 128, 4
@@ -361,17 +363,23 @@ def module_host_times(device: str, iters: int) -> list[dict]:
     linear = torch.nn.Linear(h, h, device=device, dtype=bf16)
     # (blocks: whether LayerNormLinear and LayerNormMLP run as whole blocks, compiled_blocks.py;
     # off, their step operators with the Python steps around them, for the comparison)
-    cases = {"te.MultiheadAttention + te.LayerNormMLP fp8_delayed": (pair, "fp8_delayed", True),
+    # (packed: whether attention reads q, k, v in place from the QKV output, attention_fn.py)
+    cases = {"te.MultiheadAttention + te.LayerNormMLP fp8_delayed":
+                 (pair, "fp8_delayed", True, True),
              "te.MultiheadAttention + te.LayerNormMLP fp8_delayed, whole blocks off":
-                 (pair, "fp8_delayed", False),
-             "te.MultiheadAttention + te.LayerNormMLP bf16": (pair, "bf16", True),
-             "te.TransformerLayer fp8_delayed": (layer, "fp8_delayed", True),
-             "te.TransformerLayer fp8_delayed, whole blocks off": (layer, "fp8_delayed", False),
-             "te.TransformerLayer bf16": (layer, "bf16", True),
-             "nn.Linear(256, 256) bf16": (linear, "bf16", True)}
+                 (pair, "fp8_delayed", False, True),
+             "te.MultiheadAttention + te.LayerNormMLP bf16": (pair, "bf16", True, True),
+             "te.TransformerLayer fp8_delayed": (layer, "fp8_delayed", True, True),
+             "te.TransformerLayer fp8_delayed, whole blocks off":
+                 (layer, "fp8_delayed", False, True),
+             "te.TransformerLayer fp8_delayed, packed attention off":
+                 (layer, "fp8_delayed", True, False),
+             "te.TransformerLayer bf16": (layer, "bf16", True, True),
+             "nn.Linear(256, 256) bf16": (linear, "bf16", True, True)}
     rows = []
-    for name, (module, recipe_name, blocks) in cases.items():
+    for name, (module, recipe_name, blocks, packed) in cases.items():
         compiled_blocks.enabled = blocks
+        attention_fn.packed_enabled = packed
         fp8_recipe = RECIPES[recipe_name]() if RECIPES[recipe_name] is not None else None
         params = list(module.parameters())
 
@@ -402,6 +410,7 @@ def module_host_times(device: str, iters: int) -> list[dict]:
             _cleanup(device)
         rows.append(row)
     compiled_blocks.enabled = True
+    attention_fn.packed_enabled = True
     base = rows[-1].get("host_ms")
     for row in rows:
         if base and "host_ms" in row:

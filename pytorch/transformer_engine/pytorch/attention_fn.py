@@ -80,6 +80,8 @@ class _FusedAttentionPacked(torch.autograd.Function):
 
 
 _NO_SEQLENS = torch.empty((0,), dtype=torch.int32)
+# Whether fused_attention reads packed q, k, v in place (benchmarks turn it off to compare).
+packed_enabled = True
 _TILINGS: dict = {}  # packed_qkv's verdicts by the views' geometry
 
 
@@ -135,7 +137,7 @@ def packed_qkv(q, k, v, params: Params) -> Optional[tuple]:
 def fused_attention(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bool = False):
     """o = attention(q, k, v) through the core (cu_q, cu_kv, rng: tensors, empty if absent).
     Views of one projection output are read in place (packed_qkv)."""
-    packed = packed_qkv(q, k, v, params) if cu_q.numel() == 0 else None
+    packed = packed_qkv(q, k, v, params) if packed_enabled and cu_q.numel() == 0 else None
     if packed is not None:
         return _FusedAttentionPacked.apply(packed[0], packed[1], rng, params, deterministic)
     return _FusedAttention.apply(q, k, v, cu_q, cu_kv, rng, params, deterministic)
