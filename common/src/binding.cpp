@@ -84,6 +84,7 @@ NB_MODULE(_core, m) {
   te_binding::register_norm(m);
   te_binding::register_attention(m);
   te_binding::register_rope(m);
+  te_binding::register_dropout(m);
 
   m.def("built_with_cuda", []() { return te_built_with_cuda() != 0; },
         "True when the core was compiled with its CUDA kernels.");

@@ -67,6 +67,7 @@ void register_activation(nb::module_ &m);
 void register_norm(nb::module_ &m);
 void register_attention(nb::module_ &m);
 void register_rope(nb::module_ &m);
+void register_dropout(nb::module_ &m);
 
 }  // namespace te_binding
 

@@ -57,10 +57,11 @@ def test_tiny_cpu_run_writes_every_case(tmp_path):
         "torch/bf16/eager", "torch/bf16/compile", "torch/bf16/reduce_overhead"}
     assert data["ratios"] == []  # no compiled torch peer in this run
     modules = {row["module"]: row for row in data["module_host"]}
-    assert len(modules) == 7  # two of them with the whole blocks off, for the comparison
+    assert len(modules) == 8  # three of them with a fast path off, for the comparison
     assert {n for n in modules if n.endswith("whole blocks off")} == {
         "te.MultiheadAttention + te.LayerNormMLP fp8_delayed, whole blocks off",
         "te.TransformerLayer fp8_delayed, whole blocks off"}
+    assert "te.TransformerLayer fp8_delayed, packed attention off" in modules
     for name, row in modules.items():
         assert _finite_positive(row["host_ms"]), name
         assert _finite_positive(row["ratio_to_nn_linear"]), name

@@ -5,6 +5,7 @@
 #include "transformer_engine/tensor.h"
 #include "transformer_engine/activation.h"
 #include "transformer_engine/attention.h"
+#include "transformer_engine/dropout.h"
 #include "transformer_engine/gemm.h"
 #include "transformer_engine/hopper_gemm.h"
 #include "transformer_engine/norm.h"

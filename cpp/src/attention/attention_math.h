@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "attention/attention_impl.h"
+#include "common/hash.h"
 #include "common/numerics.h"
 #include "transformer_engine/attention.h"
 
@@ -61,24 +62,14 @@ TE_HOST_DEVICE void allowed_keys(const AttentionMask &m, int64_t i, int64_t sq, 
   *hi = z;
 }
 
-// A 64-bit mix (splitmix64's finalizer): consecutive counters give independent-looking bits.
-TE_HOST_DEVICE uint64_t attn_mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
 // True when element (b, h, i, j) of the probabilities is kept: its counter
 // offset + ((b * heads + h) * seqlen_q + i) * seqlen_kv + j, hashed with the seed, gives a
-// uniform 24-bit u; the element drops when u < p * 2^24.
+// uniform 24-bit u (common/hash.h); the element drops when u < p.
 TE_HOST_DEVICE bool dropout_keep(uint64_t seed, uint64_t offset, const AttentionShape &s, int64_t b, int64_t h,
                                  int64_t i, int64_t j, float p) {
   const uint64_t counter =
       offset + static_cast<uint64_t>(((b * s.heads_q + h) * s.seqlen_q + i) * s.seqlen_kv + j);
-  const uint64_t bits = attn_mix64(counter ^ attn_mix64(seed));
-  const float u = static_cast<float>(bits >> 40) * (1.0f / 16777216.0f);
-  return u >= p;
+  return uniform24(counter, seed) >= p;
 }
 
 // The resolved arguments of te_scaled_softmax_forward / backward.

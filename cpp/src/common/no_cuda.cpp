@@ -3,6 +3,7 @@
 #include "activation/activation_impl.h"
 #include "attention/attention_math.h"
 #include "common/internal.h"
+#include "dropout/dropout_impl.h"
 #include "gemm/gemm_impl.h"
 #include "norm/norm_impl.h"
 #include "quantize/quantize_impl.h"
@@ -44,6 +45,9 @@ te_status scaled_softmax_forward_cuda(const SoftmaxForwardArgs &, te_stream) {
 }
 te_status scaled_softmax_backward_cuda(const SoftmaxBackwardArgs &, te_stream) {
   return no_cuda_build("scaled_softmax_backward");
+}
+te_status dropout_cuda(const DropoutArgs &args, te_stream) {
+  return no_cuda_build(args.residual != nullptr ? "dropout_add_forward" : "dropout");
 }
 te_status rope_cuda(const RopeArgs &args, te_stream) {
   return no_cuda_build(args.backward ? "rope_backward" : "rope_forward");

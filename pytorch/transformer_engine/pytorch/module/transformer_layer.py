@@ -18,6 +18,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from ..dropout_add_fn import dropout_add, fuses
 from ._checks import check_device, check_params_dtype, check_sizes
 from ._deferred_init import DeferredInit
 from ._main_grad import route_tree
@@ -312,6 +313,9 @@ class TransformerLayer(DeferredInit, torch.nn.Module):
         """residual + drop_path(dropout(h)) (without ``drop_path``: residual + dropout(h));
         both are identities outside training."""
         if self.training:
+            with_path = drop_path and self.drop_path_rate > 0.0
+            if self.hidden_dropout > 0.0 and not with_path and fuses(h, residual):
+                return dropout_add(h, residual, self.hidden_dropout)  # one kernel each way
             if self.hidden_dropout > 0.0:
                 h = F.dropout(h, self.hidden_dropout, True)
             if drop_path and self.drop_path_rate > 0.0:

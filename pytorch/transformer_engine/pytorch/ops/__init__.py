@@ -26,6 +26,7 @@ from .attention import (
     scaled_softmax_backward,
     scaled_softmax_forward,
 )
+from .dropout import dropout_add_forward, dropout_backward
 from .gemm import gemm_fp8, gemm_fp8_to_fp8, grouped_gemm, grouped_gemm_fp8
 from .norm import norm_backward, norm_forward, norm_forward_fp8
 from .quantize import (
@@ -47,7 +48,8 @@ __all__ = ["activation_backward", "activation_backward_fp8", "activation_backwar
            "activation_forward", "activation_forward_fp8", "activation_scale", "amax",
            "attention_backward", "attention_backward_fp8", "attention_backward_packed",
            "attention_forward", "attention_forward_fp8", "current_scale",
-           "delayed_scaling_update", "dequantize", "first_step_scale", "gemm_fp8",
+           "delayed_scaling_update", "dequantize", "dropout_add_forward", "dropout_backward",
+           "first_step_scale", "gemm_fp8",
            "gemm_fp8_to_fp8", "grouped_gemm", "grouped_gemm_fp8",
            "norm_backward", "norm_forward", "norm_forward_fp8",
            "quantize", "quantize_block", "quantize_current", "quantize_delayed",
