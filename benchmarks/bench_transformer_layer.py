@@ -191,6 +191,26 @@ def contenders(shape, device: str, smoke: bool) -> dict:
     return out
 
 
+def probe_parser(doc: str, name: str, steps: int, top: int) -> argparse.ArgumentParser:
+    """The arguments that the GPU probes of this layer share (kernel_profile.py,
+    gap_probe.py): steps, top, --only (repeatable) and the result's name."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--top", type=int, default=top)
+    parser.add_argument("--only", action="append", default=[],
+                        help="contenders whose name holds this text (repeatable; all if none)")
+    parser.add_argument("--name", default=name)
+    return parser
+
+
+def probed_contenders(only: list[str]):
+    """(name, step) of the getting-started shape's contenders on CUDA whose name holds one of
+    ``only`` (all when empty), for the probes."""
+    for name, step in contenders(SHAPES[0], "cuda", False).items():
+        if not only or any(o in name for o in only):
+            yield name, step
+
+
 def probe(steps: dict) -> tuple[dict, dict]:
     """Runs each contender's first step (torch.compile compiles here, once per contender):
     returns those that ran, with the seconds their first step took, and the errors of those

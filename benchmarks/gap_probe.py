@@ -16,7 +16,6 @@ A probe for finding the cause, not a timing.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -25,7 +24,7 @@ from bisect import bisect_right
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_transformer_layer import SHAPES, contenders
+from bench_transformer_layer import SHAPES, probe_parser, probed_contenders
 from harness import write_result
 
 _SYNCS = ("Synchronize", "cudaMemcpy", "cudaFree", "cudaMalloc", "cudaHostAlloc",
@@ -101,20 +100,12 @@ def analyse(events: list, steps: int, top: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--top", type=int, default=12)
-    parser.add_argument("--only", action="append", default=[],
-                        help="contenders whose name holds this text (repeatable; all if none)")
-    parser.add_argument("--name", default="gap_probe")
-    args = parser.parse_args()
+    args = probe_parser(__doc__, "gap_probe", 2, 12).parse_args()
     shape = SHAPES[0]
     rows = []
-    for name, step in contenders(shape, "cuda", False).items():
-        if args.only and not any(o in name for o in args.only):
-            continue
-        row = {"impl": name, "shape_sbhfn": list(shape), **analyse(_trace(step, args.steps),
-                                                                  args.steps, args.top)}
+    for name, step in probed_contenders(args.only):
+        row = {"impl": name, "shape_sbhfn": list(shape),
+               **analyse(_trace(step, args.steps), args.steps, args.top)}
         rows.append(row)
         print(f"{name}: span {row['span_us_per_step'] / 1e3:.2f} ms, busy "
               f"{row['busy_us_per_step'] / 1e3:.2f} ms, idle {row['idle_us_per_step'] / 1e3:.2f} "

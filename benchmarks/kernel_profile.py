@@ -15,14 +15,13 @@ times the step).
 
 from __future__ import annotations
 
-import argparse
 import re
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_transformer_layer import SHAPES, contenders
+from bench_transformer_layer import SHAPES, probe_parser, probed_contenders
 from harness import write_result
 
 # Kernel name pattern -> class, first match wins.
@@ -69,20 +68,12 @@ def profile_step(step, steps: int, top: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--only", action="append", default=[],
-                        help="contenders whose name holds this text (repeatable; all if none)")
-    parser.add_argument("--name", default="kernel_profile")
-    args = parser.parse_args()
+    args = probe_parser(__doc__, "kernel_profile", 3, 25).parse_args()
     shape = SHAPES[0]
     rows = []
-    for name, step in contenders(shape, "cuda", False).items():
-        if args.only and not any(o in name for o in args.only):
-            continue
-        row = {"impl": name, "shape_sbhfn": list(shape), **profile_step(step, args.steps,
-                                                                          args.top)}
+    for name, step in probed_contenders(args.only):
+        row = {"impl": name, "shape_sbhfn": list(shape),
+               **profile_step(step, args.steps, args.top)}
         rows.append(row)
         print(f"{name}: {row['kernel_us_per_step'] / 1e3:.2f} ms of kernels per step")
         for cls, us in row["classes_us_per_step"].items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from te_torch_tests._autograd_graph import node_names
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch import ops
@@ -49,24 +50,12 @@ def test_fuses_only_like_tensors():
     assert not fuses(x, torch.randn(4, 8, dtype=torch.float64))
 
 
-def _graph_names(out) -> set:
-    names, stack, seen = set(), [out.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack += [n for n, _ in node.next_functions]
-    return names
-
-
 def test_transformer_layer_fuses_hidden_dropout_in_training():
     layer = te.TransformerLayer(32, 64, 2, hidden_dropout=0.1, attention_dropout=0.0,
                                 params_dtype=torch.float32, device="cpu")
     x = torch.randn(6, 2, 32, requires_grad=True)
     out = layer(x)
-    assert "_DropoutAddBackward" in _graph_names(out)
+    assert "_DropoutAddBackward" in node_names(out)
     out.sum().backward()
     assert torch.isfinite(x.grad).all()
     layer.eval()

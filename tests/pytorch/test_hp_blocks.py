@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from te_torch_tests._autograd_graph import graph_nodes
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch import hp_blocks
@@ -91,14 +92,7 @@ def test_frozen_parts_and_an_input_without_gradient_cpu(kind, monkeypatch):
 
 
 def _nodes(y: torch.Tensor) -> int:
-    seen, todo = set(), [y.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        todo += [nxt for nxt, _ in fn.next_functions]
-    return sum(1 for fn in seen if type(fn).__name__ != "AccumulateGrad")
+    return sum(1 for fn in graph_nodes(y) if type(fn).__name__ != "AccumulateGrad")
 
 
 @pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP"])
