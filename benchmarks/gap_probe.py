@@ -3,8 +3,9 @@
 bench_transformer_layer.py's FP8 layer step takes longer than the sum of its kernels
 (kernel_profile.py): the difference is time the GPU waits. This runs a contender's step under
 torch.profiler (CPU and CUDA activities, Python stacks), reads the trace's kernels and CUDA
-runtime calls, and reports per step: the span from the first kernel's start to the last one's
-end, the kernels' busy time (their union), the idle time between, and the largest idle gaps.
+runtime and driver calls (cuBLASLt and cuDNN launch through the driver), and reports per
+step: the span from the first kernel's start to the last one's end, the kernels' busy time
+(their union), the idle time between, and the largest idle gaps.
 For each gap it names the kernels around it and what the host was doing: when the kernel after
 the gap was launched after the one before had ended, the GPU starved, and the gap lists the
 host's longest operators between that end and the launch (with their Python frame); a
@@ -54,7 +55,7 @@ def analyse(events: list, steps: int, top: int) -> dict:
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     kernels = sorted((e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
-    runtime = [e for e in spans if e.get("cat") == "cuda_runtime"]
+    runtime = [e for e in spans if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     launch_of = {e["args"].get("correlation"): e for e in runtime}
     host = sorted((e for e in spans if e.get("cat") in ("cpu_op", "python_function")),
                   key=lambda e: e["ts"])
@@ -111,8 +112,9 @@ def main() -> None:
               f"{row['busy_us_per_step'] / 1e3:.2f} ms, idle {row['idle_us_per_step'] / 1e3:.2f} "
               f"ms in {row['gaps_per_step']:.0f} gaps per step")
         for g in row["largest_gaps"]:
-            print(f"  {g['idle_us']:8.1f} us before {g['after'][:60]} "
-                  f"(launched {g.get('launched_us_after_idle_began', float('nan')):.1f} us in)")
+            when = g.get("launched_us_after_idle_began")
+            print(f"  {g['idle_us']:8.1f} us before {g['after'][:60]} (launched "
+                  f"{'?' if when is None else f'{when:.1f}'} us in)")
             for h in g.get("host_meanwhile", [])[:4]:
                 print(f"        host {h['us']:8.1f} us {h['name'][:90]}")
         for s in row["slow_runtime_calls"][:6]:
