@@ -223,7 +223,7 @@ def run_contenders(shape, implementation, timing, layers: int = 0,
     return rows
 
 
-def main_model(smoke: bool, name: str) -> None:
+def main_model(smoke: bool, name: str = "model_jax") -> None:
     """The model stack (--model): every hidden size, all contenders, ``name``.json, rewritten
     after each hidden size (a run cut short keeps the sizes it finished)."""
     size = SMOKE_MODEL if smoke else dict(layers=MODEL_LAYERS, seq=MODEL_SEQ,
