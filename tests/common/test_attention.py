@@ -1,7 +1,8 @@
 """Attention through the core's C API on its CPU reference (attention.h) against float64 numpy:
 outputs, softmax_lse and gradients for every mask, layout, GQA ratio and window; THD against
 padded BSHD; dropout's reproducibility; the backend query's reasons; the validation messages;
-and the scaled masked softmax of the unfused path.
+strided q, k, v read in place from one buffer (the dense call's bits); and the scaled masked
+softmax of the unfused path.
 
 Tolerance: fp32 math over at most 129 keys of dot products of 8-16 terms of N(0, 1) values;
 each fp32 sum errs by ~n * 2^-24 of its magnitude, so 2e-5 absolute plus 1e-4 relative
@@ -540,3 +541,59 @@ def test_inference_forward_writes_o_only(mask):
     with pytest.raises(ValueError, match="softmax_lse"):
         core.attention_forward(cfg(False), q, k, v, o, None, **cu)
     assert np.all(o == 7.0)
+
+
+# Strided q, k, v (attention.h's row_stride / head_stride): column slices of one projection
+# output [tokens, (heads_q + 2 * heads_kv) * dim], read in place, and dq, dk, dv written into
+# one buffer of that shape. The CPU reference must give the dense call's bits.
+def _view(buf: np.ndarray, offset: int, shape) -> tuple:
+    """The binding's raw form of a strided operand: (pointer, dtype, shape, device)."""
+    return (buf.ctypes.data + offset * buf.itemsize, core.DType.float32, tuple(shape), -1)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_strided_qkv_equal_dense(layout, interleaved):
+    b, s, h, hk, d = 2, 9, 4, 4 if interleaved else 2, 8
+    q, k, v, d_o = make(b, s, s, h, hk, d, d, layout, interleaved)
+    tq, tk, tv, tdo = (ref.to_layout(x, layout) for x in (q, k, v, d_o))
+    lead = tq.shape[:2]
+    width = (h + 2 * hk) * d
+    packed = np.zeros((*lead, width), np.float32)
+    if interleaved:  # per head: [q | k | v] (heads_q == heads_kv)
+        grouped = packed.reshape(*lead, h, 3, d)
+        grouped[..., 0, :], grouped[..., 1, :], grouped[..., 2, :] = tq, tk, tv
+        offsets, head = (0, d, 2 * d), 3 * d
+        strides = [width, head] * 3
+    else:  # [q heads | k heads | v heads]
+        packed[..., :h * d] = tq.reshape(*lead, -1)
+        packed[..., h * d:(h + hk) * d] = tk.reshape(*lead, -1)
+        packed[..., (h + hk) * d:] = tv.reshape(*lead, -1)
+        offsets = (0, h * d, (h + hk) * d)
+        strides = [width, d] * 3
+    cfg = core.AttentionConfig(getattr(core.AttnLayout, layout), core.AttnMask.causal,
+                               softmax_scale=0.3, strides=strides)
+    shapes = (tq.shape, tk.shape, tv.shape)
+    ops = [_view(packed, off, shape) for off, shape in zip(offsets, shapes, strict=True)]
+    o = np.zeros_like(tdo)
+    lse = np.zeros((b, h, s), np.float32)
+    core.attention_forward(cfg, *ops, o, lse)
+    grads = np.full_like(packed, np.nan)
+    outs = [_view(grads, off, shape) for off, shape in zip(offsets, shapes, strict=True)]
+    core.attention_backward(cfg, *ops, o, tdo, lse, dq=outs[0], dk=outs[1], dv=outs[2])
+    dense = core.AttentionConfig(getattr(core.AttnLayout, layout), core.AttnMask.causal,
+                                 softmax_scale=0.3)
+    o_ref, lse_ref = np.zeros_like(tdo), np.zeros_like(lse)
+    core.attention_forward(dense, tq, tk, tv, o_ref, lse_ref)
+    g_ref = [np.zeros_like(t) for t in (tq, tk, tv)]
+    core.attention_backward(dense, tq, tk, tv, o_ref, tdo, lse_ref, dq=g_ref[0], dk=g_ref[1],
+                            dv=g_ref[2])
+    assert np.array_equal(o, o_ref) and np.array_equal(lse, lse_ref)
+    assert not np.isnan(grads).any()  # every element is one of dq, dk, dv
+    if interleaved:
+        got = [grads.reshape(*lead, h, 3, d)[..., i, :] for i in range(3)]
+    else:
+        flat = [grads[..., :h * d], grads[..., h * d:(h + hk) * d], grads[..., (h + hk) * d:]]
+        got = [g.reshape(t.shape) for g, t in zip(flat, (tq, tk, tv), strict=True)]
+    for g, r in zip(got, g_ref, strict=True):
+        assert np.array_equal(g, r)
