@@ -3,9 +3,10 @@
 The contenders and the step are bench_transformer_layer_jax.py's ``--model`` ones (4 layers,
 8192 tokens as batch 4 x sequence 2048, hidden / 128 heads, a 4 x hidden MLP, no dropout): our
 Flax TransformerLayer in FP8 and bf16 beside flax's layer. torch.profiler's CUDA activity
-records every kernel the process launches (CUPTI sees XLA's fusions and the core's kernels
-alike), so one contender's steps run under it and the kernels are grouped by name, with a
-class per name (our core, XLA fusions, cuBLAS/cuDNN, copies). Per contender the JSON holds the
+comes from CUPTI, which records the kernels of the whole process, XLA's included (not yet
+checked on a GPU: a contender whose run records no kernel on a GPU says so), so one
+contender's steps run under it and the kernels are grouped by name, with a class per name
+(our core, XLA fusions, cuBLAS/cuDNN, copies). Per contender the JSON holds the
 kernels' time per step beside the step's wall time (the difference: the GPU waiting for the
 host or for XLA's runtime), and the top kernels. A probe for finding what to make faster, not
 a timing (bench_transformer_layer_jax.py --model times the steps).
@@ -106,6 +107,9 @@ def main() -> None:
         row = {"impl": name, "hidden": hidden, "layers": size["layers"],
                "custom_call_targets": info["custom_call_targets"],
                **profile_contender(run, args.steps, args.top)}
+        if torch.cuda.is_available() and row["launches_per_step"] == 0:
+            row["note"] = "the profiler recorded no kernel of this JAX step"
+            print(f"{name}: {row['note']}")
         rows.append(row)
         print(f"{name}: wall {row['wall_ms_per_step']:.3f} ms, kernels "
               f"{row['kernel_ms_per_step']:.3f} ms in {row['launches_per_step']:.0f} launches")
