@@ -35,12 +35,26 @@ _CLASSES = [  # (attention first: cuDNN's attention kernels have "wgmma" in thei
 ]
 
 
-def kernel_class(name: str) -> str:
+def kernel_class(name: str, classes=_CLASSES, other: str = "elementwise/other") -> str:
+    """The first class of ``classes`` ((class, pattern) pairs) whose pattern a kernel's name
+    matches (case-insensitive), else ``other``."""
     low = name.lower()
-    for cls, pattern in _CLASSES:
+    for cls, pattern in classes:
         if re.search(pattern, low):
             return cls
-    return "elementwise/other"
+    return other
+
+
+def kernels_by_name(prof, steps: int) -> list:
+    """(name, us per step, launches per step) of the CUDA kernels a profile recorded over
+    ``steps`` steps, the longest first."""
+    per_name: dict = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[e.name][0] += e.device_time
+            per_name[e.name][1] += 1
+    return sorted(((name, us / steps, n / steps) for name, (us, n) in per_name.items()),
+                  key=lambda r: -r[1])
 
 
 def profile_step(step, steps: int, top: int) -> dict:
@@ -51,13 +65,7 @@ def profile_step(step, steps: int, top: int) -> dict:
         for i in range(steps):
             step(i)
         torch.cuda.synchronize()
-    per_name: dict = defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[e.name][0] += e.device_time
-            per_name[e.name][1] += 1
-    kernels = sorted(((name, us / steps, n / steps) for name, (us, n) in per_name.items()),
-                     key=lambda r: -r[1])
+    kernels = kernels_by_name(prof, steps)
     classes: dict = defaultdict(float)
     for name, us, _ in kernels:
         classes[kernel_class(name)] += us

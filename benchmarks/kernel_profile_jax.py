@@ -17,7 +17,6 @@ a timing (bench_transformer_layer_jax.py --model times the steps).
 from __future__ import annotations
 
 import argparse
-import re
 import time
 from collections import defaultdict
 
@@ -26,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import bench_transformer_layer_jax as bench
+import kernel_profile
 from harness import write_result
 
 # Kernel name pattern -> class, first match wins.
@@ -39,11 +39,7 @@ _CLASSES = [
 
 
 def kernel_class(name: str) -> str:
-    low = name.lower()
-    for cls, pattern in _CLASSES:
-        if re.search(pattern, low):
-            return cls
-    return "other"
+    return kernel_profile.kernel_class(name, _CLASSES, "other")
 
 
 def profile_contender(run, steps: int, top: int) -> dict:
@@ -61,13 +57,7 @@ def profile_contender(run, steps: int, top: int) -> dict:
         for _ in range(steps):
             out = run()
         jax.block_until_ready(out)
-    per_name: dict = defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[e.name][0] += e.device_time
-            per_name[e.name][1] += 1
-    kernels = sorted(((n, us / steps, c / steps) for n, (us, c) in per_name.items()),
-                     key=lambda r: -r[1])
+    kernels = kernel_profile.kernels_by_name(prof, steps)
     classes: dict = defaultdict(lambda: [0.0, 0.0])
     for name, us, count in kernels:
         classes[kernel_class(name)][0] += us
