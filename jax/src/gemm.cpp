@@ -119,6 +119,7 @@ auto TeGroupedGemmBinding() {
 }  // namespace
 
 TE_JAX_DEFINE_HANDLERS(TeGemm, GemmImpl);
-TE_JAX_DEFINE_HANDLERS(TeGroupedGemm, GroupedGemmImpl);
+// (the ragged grouped GEMM reads the group sizes on the host)
+TE_JAX_DEFINE_HOST_SYNC_HANDLERS(TeGroupedGemm, GroupedGemmImpl);
 
 }  // namespace te_jax
