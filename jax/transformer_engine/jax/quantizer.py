@@ -179,10 +179,22 @@ def step_scale(qset: QuantizerSet, role: str, amax_of) -> jax.Array:
     gate = jnp.max(state["amax_history"], keepdims=True) + jnp.abs(state["scale"] - 1.0)
     # Under vmap the state is shared: the scale of one call on the whole batch.
     amax = _amax_of_all_mapped(amax_of(gate))
-    _, (scale,), _ = ops.delayed_scaling_update([amax], [state["scale"]],
-                                                role_dtype(qset.recipe, role), algo="max",
-                                                margin=_plan_of(qset.recipe).margin)
-    return scale
+    # The update's rule written in jnp rather than a call of the core's update: XLA fuses it
+    # into the ops around it, where a call per role was a kernel and a copy of the stored
+    # scale (the call writes in place) three times per GEMM at every step, for a rule that
+    # only the first step needs. Same bits: one IEEE division by the amax, one by 2^margin.
+    plan = _plan_of(qset.recipe)
+    return _delayed_scale(amax, state["scale"], plan.fp8_max_of(_PLAN_ROLE[role]), plan.margin)
+
+
+def _delayed_scale(amax, scale, fp8_max: float, margin: int):
+    """The core's delayed-scaling rule (numerics.h, delayed_scale) for an amax [1]: the
+    largest scale that keeps ``amax`` within ``fp8_max`` less the margin's powers of two
+    (float32's max where that overflows), or the stored ``scale`` where the amax is 0 or not
+    finite."""
+    computed = (fp8_max / amax) / (2.0 ** margin)
+    computed = jnp.where(jnp.isinf(computed), jnp.finfo(jnp.float32).max, computed)
+    return jnp.where(jnp.isfinite(amax) & (amax > 0), computed, scale).astype(jnp.float32)
 
 
 @jax.custom_batching.custom_vmap
@@ -248,9 +260,7 @@ def _update_with_callables(recipe: Recipe, plan: _plan.Plan, history, scale,
     if recipe.scaling_factor_compute_algo is not None:
         new_scale = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
     else:
-        computed = (fp8_max / amax) / (2.0 ** plan.margin)
-        computed = jnp.where(jnp.isinf(computed), jnp.finfo(jnp.float32).max, computed)
-        new_scale = jnp.where(jnp.isfinite(amax) & (amax > 0), computed, scale)
+        new_scale = _delayed_scale(amax, scale, fp8_max, plan.margin)
     history = jnp.roll(history, -1, axis=0).at[0].set(0.0)
     return {"scale": jnp.asarray(new_scale, jnp.float32).reshape(1), "amax_history": history}
 
