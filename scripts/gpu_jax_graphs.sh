@@ -15,7 +15,7 @@ build_torch_stack  # the core, and the torch package the benchmark harness impor
 step build_jax 120 python3 -m pip install --no-build-isolation --no-deps -q ./jax
 export TE_BENCH_RESULTS=$out
 step jax_cuda_tests "$(upto $((budget - 200)) 170)" python3 -m pytest -p no:cacheprovider -q \
-  -m cuda -rfE tests/jax
+  -m cuda -rfE -n 4 tests/jax
 step jax_profile_1024 "$(upto $((budget - 130)) 80)" python3 benchmarks/kernel_profile_jax.py \
   --hidden 1024 --name "kernel_profile_jax$suffix"
 step model_jax "$(left $((budget - 5)))" python3 benchmarks/bench_transformer_layer_jax.py --model \
