@@ -156,9 +156,7 @@ def prepare(name, model, fp8_recipe, x) -> tuple:
     info = {"name": name, "compile_s": time.perf_counter() - start,
             "te_fp8_gemms_in_hlo": hlo.count_fp8_gemms(text),
             "cublas_fp8_gemms_in_hlo": hlo.count_cublas_fp8_gemms(text),
-            "custom_call_targets": dict(hlo.target_counts(text)),
-            # how many of them XLA replays from its CUDA graphs (the rest run on the host)
-            "custom_calls_in_command_buffers": sum(hlo.command_buffer_targets(text).values())}
+            "custom_call_targets": dict(hlo.target_counts(text))}
 
     def run():
         out = step(*state, x)

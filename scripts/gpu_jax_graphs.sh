@@ -3,8 +3,9 @@
 # sm_90a) and the torch and jax packages; the JAX CUDA tests (test_command_buffers.py among
 # them: every kind of our call recorded, the same bits as with command buffers off); the
 # stack's kernels at hidden 1024 (kernel_profile_jax.py); then bench_transformer_layer_jax.py
-# --model at hidden 1024 / 2048 / 4096 (results/model_jax.json). Logs go to $1/log.txt, JSON to
-# $1.
+# --model at hidden 1024 / 2048 / 4096 (results/model_jax.json), and once more with XLA's command
+# buffers off (results/model_jax_command_buffers_off.json: XLA reads the flag at start, so a
+# second process). Logs go to $1/log.txt, JSON to $1.
 #
 #   bash scripts/gpu_jax_graphs.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (560)
 set -u
@@ -18,6 +19,9 @@ step jax_cuda_tests "$(upto $((budget - 200)) 170)" python3 -m pytest -p no:cach
   -m cuda -rfE -n 4 tests/jax
 step jax_profile_1024 "$(upto $((budget - 130)) 80)" python3 benchmarks/kernel_profile_jax.py \
   --hidden 1024 --name "kernel_profile_jax$suffix"
-step model_jax "$(left $((budget - 5)))" python3 benchmarks/bench_transformer_layer_jax.py --model \
-  --name "model_jax$suffix"
+step model_jax "$(upto $((budget - 120)) 160)" python3 benchmarks/bench_transformer_layer_jax.py \
+  --model --name "model_jax$suffix"
+step model_jax_off "$(left $((budget - 5)))" env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+  python3 benchmarks/bench_transformer_layer_jax.py --model \
+  --name "model_jax_command_buffers_off$suffix"
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"

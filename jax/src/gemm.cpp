@@ -120,6 +120,6 @@ auto TeGroupedGemmBinding() {
 
 TE_JAX_DEFINE_HANDLERS(TeGemm, GemmImpl);
 // (the ragged grouped GEMM reads the group sizes on the host)
-TE_JAX_DEFINE_HOST_SYNC_HANDLERS(TeGroupedGemm, GroupedGemmImpl);
+TE_JAX_DEFINE_UNGRAPHED_HANDLERS(TeGroupedGemm, GroupedGemmImpl);
 
 }  // namespace te_jax

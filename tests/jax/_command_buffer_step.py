@@ -26,7 +26,7 @@ def main(out_path: str, hlo_path: str) -> None:
     fp8_recipe = recipe.DelayedScaling(amax_history_len=4)
     layer = TransformerLayer(hidden_size=256, mlp_hidden_size=1024, num_attention_heads=2,
                              hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0,
-                             layernorm_type="layernorm", mlp_activations=("gelu",),
+                             layernorm_type="layernorm", mlp_activations=("gelu",), use_bias=True,
                              self_attn_mask_type="causal", transpose_batch_sequence=False,
                              enable_relative_embedding=False, dtype=jnp.bfloat16)
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 128, 256), jnp.bfloat16)

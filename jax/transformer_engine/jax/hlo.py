@@ -10,14 +10,10 @@ from collections import Counter
 
 from transformer_engine.jax._native import TARGETS
 
-__all__ = ["custom_calls", "count_fp8_gemms", "count_cublas_fp8_gemms",
-           "command_buffer_targets"]
+__all__ = ["custom_calls", "count_fp8_gemms", "count_cublas_fp8_gemms"]
 
 _TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 _FP8 = re.compile(r"\bf8e(4m3fn|5m2)\[")
-# A computation's first line: its name (with or without the "%" of older printers), its
-# signature, then "{" at the end; its last line is "}".
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?(?P<name>[\w.\-]+) .*\{$")
 
 
 def custom_calls(hlo_text: str) -> list[tuple[str, str]]:
@@ -54,22 +50,3 @@ def count_cublas_fp8_gemms(hlo_text: str) -> int:
     return sum(1 for t, ops in custom_calls(hlo_text)
                if t.startswith("__cublas") and ("f8" in t or _FP8.search(ops)))
 
-
-def command_buffer_targets(hlo_text: str) -> Counter:
-    """How many custom calls of each target XLA:GPU put into command buffers.
-
-    XLA outlines each run of ops that it records as one CUDA graph into a computation named
-    ``command_buffer`` (``.N`` when there are several) and replays the graph at every step; a
-    custom call outside them runs its handler on the host at every step. Only a handler
-    declared compatible with command buffers can be inside.
-    """
-    counts, inside = Counter(), False
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m is not None:
-            inside = m.group("name").startswith("command_buffer")
-        elif line.startswith("}"):
-            inside = False
-        elif inside and (t := _TARGET.search(line)) is not None:
-            counts[t.group("target")] += 1
-    return counts
