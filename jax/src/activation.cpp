@@ -156,8 +156,6 @@ auto TeActivationBackwardBinding() {
 }  // namespace
 
 TE_JAX_DEFINE_HANDLERS(TeActivationForward, ActivationForwardImpl);
-// (the backward's bias gradient sums partials in scratch memory from the core's stream-ordered
-// pool: a captured allocation is a graph node that XLA cannot embed as a child graph)
-TE_JAX_DEFINE_UNGRAPHED_HANDLERS(TeActivationBackward, ActivationBackwardImpl);
+TE_JAX_DEFINE_HANDLERS(TeActivationBackward, ActivationBackwardImpl);
 
 }  // namespace te_jax

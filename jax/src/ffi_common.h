@@ -188,24 +188,7 @@ struct CtxDecoding<te_jax::CudaDevice> {
 
 // Defines the two handler symbols of an op, `<name>Cpu` and `<name>Cuda`, from one Impl whose
 // last parameter is the Device and the op's binding `<name>Binding()` (everything but it).
-//
-// The CUDA handler is declared compatible with XLA's command buffers: XLA then records the
-// call into the CUDA graph of the ops around it (by stream capture) and replays it, rather
-// than cutting the graph at each of our calls and running the handler on the host at every
-// step. A jitted FP8 step holds a few hundred of our calls, so the cuts and the host work
-// were most of a small model's step. What makes a call capturable: the core's CUDA paths
-// enqueue work on the given stream only (no synchronization, no host reads of device data, no
-// memory allocated), and what the host decides depends on shapes and attributes alone, never
-// on the data, so a replay does what the capture recorded.
 #define TE_JAX_DEFINE_HANDLERS(name, impl)                                                   \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cpu, impl, name##Binding().Ctx<te_jax::CpuDevice>());  \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cuda, impl, name##Binding().Ctx<te_jax::CudaDevice>(), \
-                                {::xla::ffi::Traits::kCmdBufferCompatible})
-
-// The same for an op whose CUDA path cannot be recorded into a graph that XLA embeds as a
-// child graph (it reads device data on the host, or allocates stream-ordered memory): XLA
-// runs its handler at every call, outside any command buffer.
-#define TE_JAX_DEFINE_UNGRAPHED_HANDLERS(name, impl)                                         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cpu, impl, name##Binding().Ctx<te_jax::CpuDevice>());  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cuda, impl, name##Binding().Ctx<te_jax::CudaDevice>())
 

@@ -119,7 +119,6 @@ auto TeGroupedGemmBinding() {
 }  // namespace
 
 TE_JAX_DEFINE_HANDLERS(TeGemm, GemmImpl);
-// (the ragged grouped GEMM reads the group sizes on the host)
-TE_JAX_DEFINE_UNGRAPHED_HANDLERS(TeGroupedGemm, GroupedGemmImpl);
+TE_JAX_DEFINE_HANDLERS(TeGroupedGemm, GroupedGemmImpl);
 
 }  // namespace te_jax
