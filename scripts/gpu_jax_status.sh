@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The JAX stack's status in one short GPU run: builds the core (CUDA, sm_90a) and the torch and
-# jax packages; the CUDA activation tests (bit for bit against the CPU); the stack's kernels at
-# hidden 1024 (kernel_profile_jax.py); then bench_transformer_layer_jax.py --model with the
-# time left (it writes its JSON after each hidden size, 1024 first: results/model_jax.json).
+# jax packages; the CUDA activation tests (bit for bit against the CPU);
+# bench_transformer_layer_jax.py --model for about 90 s (it writes its JSON after each hidden
+# size, 1024 first: results/model_jax.json); then the stack's kernels at hidden 1024 with the
+# time left (kernel_profile_jax.py).
 # Logs go to $1/log.txt, JSON to $1.
 #
 #   bash scripts/gpu_jax_status.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (300)
@@ -15,8 +16,8 @@ step build_jax 120 python3 -m pip install --no-build-isolation --no-deps -q ./ja
 export TE_BENCH_RESULTS=$out
 step activation_tests "$(upto $((budget - 120)) 40)" python3 -m pytest -p no:cacheprovider -q \
   -m cuda -rfE tests/jax/test_cuda_layernorm_mlp.py
-step jax_profile_1024 "$(upto $((budget - 75)) 60)" python3 benchmarks/kernel_profile_jax.py \
-  --hidden 1024 --name "kernel_profile_jax$suffix"
-step model_jax "$(left $((budget - 3)))" python3 benchmarks/bench_transformer_layer_jax.py \
+step model_jax "$(upto $((budget - 60)) 95)" python3 benchmarks/bench_transformer_layer_jax.py \
   --model --name "model_jax$suffix"
+step jax_profile_1024 "$(left $((budget - 3)))" python3 benchmarks/kernel_profile_jax.py \
+  --hidden 1024 --name "kernel_profile_jax$suffix"
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"
