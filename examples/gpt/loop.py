@@ -16,6 +16,8 @@ from progress import Progress
 
 # The mean of the last steps' losses is the "final" training loss: one step's loss is noisy.
 FINAL_LOSS_STEPS = 10
+# Both runners clip the gradients' global norm to this before the optimizer step.
+CLIP_NORM = 1.0
 
 
 def learning_rate(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
@@ -31,10 +33,12 @@ class Runner(Protocol):
     """One model in one precision, with its optimizer (a framework's implementation)."""
 
     def step(self, batch: np.ndarray, lr: float):
-        """One optimizer step on ``batch`` (int32 [b, s + 1]); returns the loss, which may
-        stay on the device until ``losses`` reads it."""
+        """One optimizer step on ``batch`` (int32 [b, s + 1]); returns the step's loss and the
+        gradients' global norm before clipping (float32 [2]), which may stay on the device
+        until ``read`` reads them."""
 
-    def losses(self, handles: list) -> list[float]: ...
+    def read(self, handles: list) -> np.ndarray:
+        """The steps' [loss, gradient norm] rows: float [len(handles), 2]."""
 
     def sync(self) -> None:
         """Waits for the device's queued work (for timing)."""
@@ -60,6 +64,7 @@ class RunResult:
     peak_memory: int | None
     memory_note: str
     samples: list[np.ndarray] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # per step, before clipping
 
     @property
     def first_loss(self) -> float:
@@ -68,6 +73,13 @@ class RunResult:
     @property
     def final_loss(self) -> float:
         return float(np.mean(self.losses[-FINAL_LOSS_STEPS:]))
+
+    @property
+    def clipped(self) -> float:
+        """The fraction of steps whose gradients were clipped (their norm above CLIP_NORM):
+        clipping shortens those steps, so two runs that clip differently also step
+        differently."""
+        return float(np.mean(np.asarray(self.grad_norms) > CLIP_NORM)) if self.grad_norms else 0.0
 
 
 def run(label: str, runner: Runner, batches: list, valid: list, peak_lr: float, warmup: int,
@@ -84,7 +96,7 @@ def run(label: str, runner: Runner, batches: list, valid: list, peak_lr: float, 
             timed_from = time.perf_counter()
         handles.append(runner.step(batch, learning_rate(step, steps, peak_lr, warmup)))
         if step % 10 == 0 or step == steps:
-            progress.update(step, runner.losses(handles[-1:])[0], step * tokens)
+            progress.update(step, float(runner.read(handles[-1:])[0, 0]), step * tokens)
     runner.sync()
     timed = time.perf_counter() - timed_from
     seconds = progress.close()
@@ -92,5 +104,7 @@ def run(label: str, runner: Runner, batches: list, valid: list, peak_lr: float, 
     samples = []
     if new_tokens:
         samples = runner.sample(prompts, new_tokens, temperature, seed)
-    return RunResult(label, runner.losses(handles), runner.evaluate(valid),
-                     (steps - untimed) * tokens / timed, seconds, peak, note, list(samples))
+    stats = runner.read(handles)
+    return RunResult(label, [float(v) for v in stats[:, 0]], runner.evaluate(valid),
+                     (steps - untimed) * tokens / timed, seconds, peak, note, list(samples),
+                     [float(v) for v in stats[:, 1]])

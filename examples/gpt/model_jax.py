@@ -29,6 +29,7 @@ import transformer_engine.jax.flax as te_flax
 from transformer_engine.common import recipe
 
 from .data import VOCAB
+from .loop import CLIP_NORM
 
 RECIPES = {
     "delayed": lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID,
@@ -133,7 +134,7 @@ class Runner:
         self.others = jax.tree_util.tree_map(jnp.copy, self.others)
         decay = jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
         self.tx = optax.chain(
-            optax.clip_by_global_norm(1.0),
+            optax.clip_by_global_norm(CLIP_NORM),
             optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, b1=0.9, b2=0.95,
                                                   weight_decay=weight_decay, mask=decay))
         self.opt_state = self.tx.init(params)
@@ -152,10 +153,11 @@ class Runner:
             loss, (grads, other_grads) = jax.value_and_grad(self._loss, argnums=(0, 1))(
                 params, others, batch)
         opt_state[1].hyperparams["learning_rate"] = lr
+        norm = optax.global_norm(grads)  # what clip_by_global_norm compares with CLIP_NORM
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         others = te.update_collections(other_grads, others) if others else others
-        return loss, params, others, opt_state
+        return jnp.stack([loss, norm]).astype(jnp.float32), params, others, opt_state
 
     def _eval_loss(self, params, others, batch):
         with self._autocast():
@@ -166,8 +168,8 @@ class Runner:
             self.params, self.others, self.opt_state, jnp.asarray(batch), jnp.float32(lr))
         return loss
 
-    def losses(self, handles: list) -> list[float]:
-        return [float(v) for v in jax.device_get(handles)]
+    def read(self, handles: list) -> np.ndarray:
+        return np.asarray(jax.device_get(handles), np.float64).reshape(-1, 2)
 
     def sync(self) -> None:
         jax.block_until_ready(self.params)

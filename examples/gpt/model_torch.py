@@ -23,6 +23,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
 
 from .data import VOCAB
+from .loop import CLIP_NORM
 
 RECIPES = {
     "delayed": lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID,
@@ -126,13 +127,13 @@ class Runner:
             group["lr"] = lr
         loss = self._loss(self._tensor(batch))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP_NORM)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return torch.stack([loss.detach(), norm.to(loss.dtype)])
 
-    def losses(self, handles: list) -> list[float]:
-        return torch.stack(handles).tolist()
+    def read(self, handles: list) -> np.ndarray:
+        return torch.stack(handles).cpu().numpy()
 
     def sync(self) -> None:
         if self.device.type == "cuda":

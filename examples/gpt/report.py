@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from .data import decode
-from .loop import FINAL_LOSS_STEPS, RunResult
+from .loop import CLIP_NORM, FINAL_LOSS_STEPS, RunResult
 
 
 def _mib(n: int | None) -> str:
@@ -19,13 +19,19 @@ def _mib(n: int | None) -> str:
 
 def print_table(runs: dict[str, RunResult]) -> None:
     print(f"\n{'run':>16} {'first loss':>11} {'final loss':>11} {'valid loss':>11} "
-          f"{'tokens/s':>10} {'peak memory':>12}")
+          f"{'tokens/s':>10} {'peak memory':>12} {'grad norm':>10} {'clipped':>8}")
     for run in runs.values():
         print(f"{run.label:>16} {run.first_loss:11.4f} {run.final_loss:11.4f} "
-              f"{run.valid_loss:11.4f} {run.tokens_per_s:10.0f} {_mib(run.peak_memory):>12}")
+              f"{run.valid_loss:11.4f} {run.tokens_per_s:10.0f} {_mib(run.peak_memory):>12} "
+              f"{_median(run.grad_norms):10.3f} {run.clipped:8.0%}")
     notes = sorted({run.memory_note for run in runs.values()})
     print(f"(final loss: mean of the last {FINAL_LOSS_STEPS} steps; peak memory: "
-          f"{'; '.join(notes)})")
+          f"{'; '.join(notes)}; grad norm: the median over the steps of the gradients' "
+          f"global norm before clipping; clipped: the steps where it was above {CLIP_NORM})")
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(values)) if values else float("nan")
 
 
 def print_comparison(fp8: RunResult, high: RunResult, recipe_name: str, emulated: bool) -> None:
@@ -88,7 +94,8 @@ def write_json(path: str, runs: dict[str, RunResult], config: dict, device: str,
     for key, run in runs.items():
         fields = asdict(run)
         fields["samples"] = [decode(s) for s in run.samples]
-        fields.update(first_loss=run.first_loss, final_loss=run.final_loss)
+        fields.update(first_loss=run.first_loss, final_loss=run.final_loss,
+                      median_grad_norm=_median(run.grad_norms), clipped=run.clipped)
         out["runs"][key] = fields
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=1) + "\n")

@@ -50,7 +50,7 @@ def test_train_gpt_quick(tmp_path):
                "--plot", str(png), "--json", str(out)]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
-    for column in ("final loss", "valid loss", "tokens/s", "peak memory"):
+    for column in ("final loss", "valid loss", "tokens/s", "peak memory", "grad norm", "clipped"):
         assert column in result.stdout
     assert png.is_file() == (importlib.util.find_spec("matplotlib") is not None), result.stdout
     results = json.loads(out.read_text())
@@ -60,6 +60,10 @@ def test_train_gpt_quick(tmp_path):
         assert abs(run["first_loss"] - math.log(256)) < 0.5, run["first_loss"]
         assert run["final_loss"] < 0.6 * run["first_loss"], run
         assert math.isfinite(run["valid_loss"]) and run["tokens_per_s"] > 0
+        # The gradients' norm before clipping, one per step; clipped: the share above 1.
+        norms = run["grad_norms"]
+        assert len(norms) == len(run["losses"]) and all(0 < n < math.inf for n in norms), norms
+        assert run["clipped"] == sum(n > 1.0 for n in norms) / len(norms)
         # One continuation per prompt, decoded through the 'cache' collection.
         assert len(run["samples"]) == 3 and all(run["samples"]), run["samples"]
     gap = abs(fp8["final_loss"] - high["final_loss"]) / high["final_loss"]
