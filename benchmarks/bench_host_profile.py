@@ -13,7 +13,10 @@ Per case, over `--steps` steps issued back to back after warm-up (no synchroniza
     step come from: torch.profiler's Python stacks, grouped by their innermost frames, the
     most frequent first, with calls per step.
 The profiles are separate runs (each profiler slows what it watches); host_ms_per_step is
-measured without any.
+measured without any. On a GPU the op profile also records the CUDA runtime's calls, so a
+step that waits for the GPU shows the call that waits (a synchronization, a blocking copy).
+``--shape`` runs at another [batch, sequence, hidden] (heads: hidden / 128, at least 2), e.g.
+bench_model's 4 x 2048 x 1024, where the step's GPU work is real.
 
     python benchmarks/bench_host_profile.py                  # results/host_profile.json
     python benchmarks/bench_host_profile.py --device cpu --steps 3 --top 5   # smoke run
@@ -32,16 +35,20 @@ from torch.profiler import ProfilerActivity, profile
 import transformer_engine.pytorch as te
 from bench_model import RECIPES, TorchBlock, make_step, write
 
-HIDDEN, HEADS, TOKENS = 256, 2, 16  # bench_model's module probe shape: [1, 16, 256]
+SHAPE = (1, 16, 256)  # [batch, sequence, hidden]: bench_model's module probe shape
 
 
-def build(case: str, device: str) -> tuple[torch.nn.Module, object]:
+def heads_of(hidden: int) -> int:
+    return max(2, hidden // 128)
+
+
+def build(case: str, device: str, hidden: int) -> tuple[torch.nn.Module, object]:
     """(the block, its FP8 recipe or None) of a case: ``te_layer/<recipe>`` or ``torch/bf16``."""
     torch.manual_seed(0)
     stack, recipe_name = case.split("/")
     if stack == "torch":
-        return TorchBlock(HIDDEN, HEADS, device), None
-    layer = te.TransformerLayer(HIDDEN, 4 * HIDDEN, HEADS, hidden_dropout=0.0,
+        return TorchBlock(hidden, heads_of(hidden), device), None
+    layer = te.TransformerLayer(hidden, 4 * hidden, heads_of(hidden), hidden_dropout=0.0,
                                 attention_dropout=0.0, self_attn_mask_type="causal",
                                 attn_input_format="bshd", params_dtype=torch.bfloat16,
                                 device=device)
@@ -65,7 +72,9 @@ def host_ms(step, device: str, steps: int) -> float:
 
 def op_profile(step, device: str, steps: int, top: int) -> list[dict]:
     _sync(device)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    # (CUDA activity: the runtime's calls, a waiting one among them, become events too)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         _sync(device)
@@ -122,6 +131,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--name", default="host_profile")
+    parser.add_argument("--shape", type=int, nargs=3, default=list(SHAPE),
+                        metavar=("BATCH", "SEQ", "HIDDEN"))
     parser.add_argument("--sites", action="store_true",
                         help="also record where allocations and launches come from")
     parser.add_argument("--cases", nargs="*", default=["te_layer/fp8_delayed",
@@ -130,13 +141,14 @@ def main(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     rows = []
     for case in args.cases:
-        model, fp8_recipe = build(case, args.device)
-        x = torch.randn(1, TOKENS, HIDDEN, device=args.device, dtype=torch.bfloat16,
+        batch, seq, hidden = args.shape
+        model, fp8_recipe = build(case, args.device, hidden)
+        x = torch.randn(batch, seq, hidden, device=args.device, dtype=torch.bfloat16,
                         requires_grad=True)
         step = make_step(model, model, x, fp8_recipe)
         for _ in range(args.warmup):
             step()
-        rows.append({"case": case, "shape_bsh": [1, TOKENS, HIDDEN], "heads": HEADS,
+        rows.append({"case": case, "shape_bsh": [batch, seq, hidden], "heads": heads_of(hidden),
                      "steps": args.steps,
                      "host_ms_per_step": host_ms(step, args.device, args.steps),
                      "ops": op_profile(step, args.device, args.steps, args.top),
@@ -147,11 +159,12 @@ def main(argv: list[str] | None = None):
     timing = "wall clock" if args.device == "cuda" else "cpu wall clock (CPU kernels included)"
     return write(args.name, {
         "description": "host time of a training step (zero_grad, forward, backward of "
-                       "out.float().square().mean()) of one block at a tiny shape, issued back "
+                       "out.float().square().mean()) of one block at shape_bsh, issued back "
                        "to back: te_layer = te.TransformerLayer (causal, bshd, bf16 "
                        "parameters) under each recipe, torch = the same block from torch's "
-                       "modules; ops = torch.profiler CPU self time per step, python = "
-                       "cProfile own time per step (separate runs)",
+                       "modules; ops = torch.profiler CPU self time per step (with the CUDA "
+                       "runtime's calls on a GPU), python = cProfile own time per step "
+                       "(separate runs)",
         "config": {"device": args.device, "timing": timing, "warmup": args.warmup,
                    "top": args.top},
         "results": rows,
