@@ -67,9 +67,9 @@ void register_activation(nb::module_ &m) {
          nb::handle dbias, bool accumulate_amax, const Params &params, uintptr_t stream) {
         const char *op = "activation_backward";
         Handle g = make_handle(op, "grad_output", grad_output, 0);
-        Handle in = input.is_none() ? Handle() : make_handle(op, "input", input, 0);
+        Handle in = optional_handle(op, "input", input, 0);
         Handle gi = make_handle(op, "grad_input", grad_input, kAllSlots & ~(1u << TE_SLOT_SCALE));
-        Handle db = dbias.is_none() ? Handle() : make_handle(op, "dbias", dbias, kAllSlots);
+        Handle db = optional_handle(op, "dbias", dbias, kAllSlots);
         te_activation_params storage{};
         const te_activation_params *p = params_of(params, &storage);
         nb::gil_scoped_release release;

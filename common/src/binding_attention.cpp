@@ -18,10 +18,6 @@ using namespace nb::literals;
 
 namespace {
 
-Handle optional_handle(const char *op, const char *name, nb::handle obj, unsigned writable) {
-  return obj.is_none() ? Handle() : make_handle(op, name, obj, writable);
-}
-
 te_attention_config make_config(te_attn_layout layout, te_attn_mask_type mask_type, int64_t window_left,
                                 int64_t window_right, float softmax_scale, float dropout, int64_t max_seqlen_q,
                                 int64_t max_seqlen_kv, bool deterministic, te_attn_backend backend, bool inference,

@@ -11,7 +11,7 @@ void register_dropout(nb::module_ &m) {
       [](float p, nb::handle x, nb::handle residual, nb::handle rng_state, nb::handle y, uintptr_t stream) {
         const char *op = "dropout_add_forward";
         Handle hx = make_handle(op, "x", x, 0), hrng = make_handle(op, "rng_state", rng_state, 0);
-        Handle hr = residual.is_none() ? Handle() : make_handle(op, "residual", residual, 0);
+        Handle hr = optional_handle(op, "residual", residual, 0);
         Handle hy = make_handle(op, "y", y, 0);
         nb::gil_scoped_release release;
         check_status(te_dropout_add_forward(p, hx.get(), hr.get(), hrng.get(), hy.get(), as_stream(stream)));

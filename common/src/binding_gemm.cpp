@@ -62,8 +62,8 @@ void register_gemm(nb::module_ &m) {
         Handle ha = make_handle(op, "a", a, 0);
         Handle hb = make_handle(op, "b", b, 0);
         Handle hd = make_handle(op, "d", d, kAllSlots & ~(1u << TE_SLOT_SCALE));
-        Handle hbias = bias.is_none() ? Handle() : make_handle(op, "bias", bias, 0);
-        Handle hpre = pre_gelu_out.is_none() ? Handle() : make_handle(op, "pre_gelu_out", pre_gelu_out, kAllSlots);
+        Handle hbias = optional_handle(op, "bias", bias, 0);
+        Handle hpre = optional_handle(op, "pre_gelu_out", pre_gelu_out, kAllSlots);
         size_t ws_size = 0;
         void *ws = workspace_of(op, workspace, &ws_size);
         const te_gemm_config config{transpose_a ? 1 : 0, transpose_b ? 1 : 0, accumulate ? 1 : 0,
@@ -107,7 +107,7 @@ void register_gemm(nb::module_ &m) {
         Handle hb = make_handle(op, "b", b, 0);
         Handle hd = make_handle(op, "d", d, kAllSlots);
         Handle hs = make_handle(op, "group_sizes", group_sizes, 0);
-        Handle hbias = bias.is_none() ? Handle() : make_handle(op, "bias", bias, 0);
+        Handle hbias = optional_handle(op, "bias", bias, 0);
         size_t ws_size = 0;
         void *ws = workspace_of(op, workspace, &ws_size);
         const te_gemm_config config{transpose_a ? 1 : 0, transpose_b ? 1 : 0, accumulate ? 1 : 0,
@@ -140,7 +140,7 @@ void register_gemm(nb::module_ &m) {
         Handle ha = make_handle(op, "a", a, 0);
         Handle hb = make_handle(op, "b", b, 0);
         Handle hd = make_handle(op, "d", d, kAllSlots & ~(1u << TE_SLOT_SCALE));
-        Handle hbias = bias.is_none() ? Handle() : make_handle(op, "bias", bias, 0);
+        Handle hbias = optional_handle(op, "bias", bias, 0);
         size_t ws_size = 0;
         void *ws = workspace_of(op, workspace, &ws_size);
         // transpose_b = 1: the kernel takes B [N, K] only (K-major, as every FP8 GEMM).

@@ -7,14 +7,6 @@ namespace te_binding {
 
 using namespace nb::literals;
 
-namespace {
-
-Handle optional_handle(const char *op, const char *name, nb::handle obj, unsigned writable) {
-  return obj.is_none() ? Handle() : make_handle(op, name, obj, writable);
-}
-
-}  // namespace
-
 void register_norm(nb::module_ &m) {
   nb::enum_<te_norm_type>(m, "Norm", "The normalization of norm_forward / norm_backward.")
       .value("layernorm", TE_NORM_LAYERNORM)

@@ -7,10 +7,6 @@ using namespace nb::literals;
 
 namespace {
 
-Handle optional_handle(const char *op, const char *name, nb::handle obj) {
-  return obj.is_none() ? Handle() : make_handle(op, name, obj, 0);
-}
-
 // Forward and backward take the same arguments; only the roles of the arrays differ.
 void rope(bool backward, te_rope_format format, nb::handle input, nb::handle freqs, nb::handle output,
           bool interleaved, nb::handle cu_seqlens, nb::handle start_positions, uintptr_t stream) {

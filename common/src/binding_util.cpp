@@ -182,6 +182,10 @@ const char *const kSlotNames[TE_SLOT_COUNT] = {"data",      "columnwise_data",  
 
 
 // Builds a C handle for a Tensor (or a bare array, taken as a plain tensor's data).
+Handle optional_handle(const char *op, const char *name, nb::handle obj, unsigned writable_slots) {
+  return obj.is_none() ? Handle() : make_handle(op, name, obj, writable_slots);
+}
+
 Handle make_handle(const char *op, const char *name, nb::handle obj, unsigned writable_slots) {
   Tensor plain;
   const Tensor *t = &plain;

@@ -52,6 +52,9 @@ te_buffer to_buffer(const char *op, const std::string &what, nb::handle obj, boo
 // writable_slots must be writable arrays.
 Handle make_handle(const char *op, const char *name, nb::handle obj, unsigned writable_slots);
 
+// make_handle for an optional argument: None gives an empty handle (a NULL tensor to the core).
+Handle optional_handle(const char *op, const char *name, nb::handle obj, unsigned writable_slots = 0);
+
 // A plain handle (slot DATA only) for one array.
 Handle plain_handle(const char *op, const std::string &what, nb::handle obj, bool writable);
 
