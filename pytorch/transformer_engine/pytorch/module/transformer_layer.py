@@ -318,7 +318,7 @@ class TransformerLayer(DeferredInit, torch.nn.Module):
                 return dropout_add(h, residual, self.hidden_dropout)  # one kernel each way
             if self.hidden_dropout > 0.0:
                 h = F.dropout(h, self.hidden_dropout, True)
-            if drop_path and self.drop_path_rate > 0.0:
+            if with_path:
                 keep = 1.0 - self.drop_path_rate
                 shape = [1] * h.dim()
                 shape[self._batch_dim] = h.shape[self._batch_dim]
