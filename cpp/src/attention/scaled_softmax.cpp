@@ -22,14 +22,6 @@ const te_buffer *hp_data(Checker &check, const te_tensor *t, const char *name) {
   return b;
 }
 
-bool same_as(Checker &check, const te_buffer &b, const char *what, const te_buffer &like, const char *like_name) {
-  bool same = b.ndim == like.ndim && b.dtype == like.dtype;
-  for (int i = 0; same && i < b.ndim; ++i) same = b.shape[i] == like.shape[i];
-  if (same) return true;
-  return check.fail(TE_ERROR_VALUE, std::string(what) + " must have " + like_name + "'s shape and dtype (" +
-                                        describe(like) + "), got " + describe(b));
-}
-
 bool check_forward(Checker &check, te_softmax_mask_type mask_type, float scale, const te_tensor *x,
                    const te_tensor *mask, te_tensor *y, SoftmaxForwardArgs *a) {
   if (mask_type < 0 || mask_type >= TE_SOFTMAX_MASK_COUNT) {
@@ -42,7 +34,7 @@ bool check_forward(Checker &check, te_softmax_mask_type mask_type, float scale, 
     return check.fail(TE_ERROR_VALUE, "x.data must have 4 dimensions [batch, heads, sq, sk], got " + describe(*xb));
   }
   const te_buffer *yb = hp_data(check, y, "y");
-  if (yb == nullptr || !same_as(check, *yb, "y.data", *xb, "x")) return false;
+  if (yb == nullptr || !check.same_as(*yb, "y.data", *xb, "x")) return false;
   *a = SoftmaxForwardArgs{};
   a->mask_type = mask_type;
   a->scale = scale;
@@ -81,7 +73,7 @@ bool check_backward(Checker &check, float scale, const te_tensor *dy, const te_t
   if (!std::isfinite(scale)) return check.fail(TE_ERROR_VALUE, "scale must be finite, got " + std::to_string(scale));
   const te_buffer *dyb = hp_data(check, dy, "dy"), *yb = dyb ? hp_data(check, y, "y") : nullptr;
   const te_buffer *dxb = yb ? hp_data(check, dx, "dx") : nullptr;
-  if (dxb == nullptr || !same_as(check, *yb, "y.data", *dyb, "dy") || !same_as(check, *dxb, "dx.data", *dyb, "dy")) {
+  if (dxb == nullptr || !check.same_as(*yb, "y.data", *dyb, "dy") || !check.same_as(*dxb, "dx.data", *dyb, "dy")) {
     return false;
   }
   if (dyb->ndim < 1) return check.fail(TE_ERROR_VALUE, "dy.data must have at least 1 dimension, got a scalar");

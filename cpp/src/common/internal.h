@@ -97,6 +97,9 @@ class Checker {
   bool dtype_is(const te_buffer &buffer, const char *what, te_dtype dtype);
   bool numel_is(const te_buffer &buffer, const char *what, int64_t n);
   bool matrix_is(const te_buffer &buffer, const char *what, int64_t rows, int64_t cols);
+  // The shape and dtype of `like` (named like_name in the message).
+  bool same_as(const te_buffer &buffer, const std::string &what, const te_buffer &like,
+               const std::string &like_name);
   // A set slot holding one fp32 value on the call's device (a scale, scale_inv or amax).
   bool fp32_scalar(const te_buffer *buffer, const char *what) {
     return present(buffer, what) && same_device(*buffer, what) &&

@@ -129,6 +129,15 @@ bool Checker::numel_is(const te_buffer &b, const char *what, int64_t n) {
                                   (n == 1 ? " element" : " elements") + ", got " + describe(b));
 }
 
+bool Checker::same_as(const te_buffer &b, const std::string &what, const te_buffer &like,
+                      const std::string &like_name) {
+  bool same = b.ndim == like.ndim && b.dtype == like.dtype;
+  for (int d = 0; same && d < b.ndim; ++d) same = b.shape[d] == like.shape[d];
+  if (same) return true;
+  return fail(TE_ERROR_VALUE, what + " must have the shape and dtype of " + like_name + " (" + describe(like) +
+                                  "), got " + describe(b));
+}
+
 bool Checker::matrix_is(const te_buffer &b, const char *what, int64_t rows, int64_t cols) {
   if (rows_of(b) == rows && cols_of(b) == cols && b.ndim >= 1) return true;
   return fail(TE_ERROR_VALUE, std::string(what) + " must have shape [" + std::to_string(rows) +

@@ -18,15 +18,6 @@ const te_buffer *data_of(Checker &check, const te_tensor *t, const char *name) {
   return b;
 }
 
-bool same_shape(Checker &check, const te_buffer &b, const std::string &what, const te_buffer &like,
-                const char *like_name) {
-  bool same = b.ndim == like.ndim && b.dtype == like.dtype;
-  for (int d = 0; same && d < b.ndim; ++d) same = b.shape[d] == like.shape[d];
-  if (same) return true;
-  return check.fail(TE_ERROR_VALUE, what + " must have the shape and dtype of " + like_name + " (" +
-                                        describe(like) + "), got " + describe(b));
-}
-
 te_status run(const char *op, float p, const te_tensor *x, const char *x_name, const te_tensor *residual,
               const te_tensor *rng_state, te_tensor *out, const char *out_name, te_stream stream) {
   return guarded(op, [&]() -> te_status {
@@ -42,7 +33,7 @@ te_status run(const char *op, float p, const te_tensor *x, const char *x_name, c
     }
     const te_buffer *rb = nullptr;
     if (residual != nullptr && (!(rb = data_of(check, residual, "residual")) ||
-                                !same_shape(check, *rb, "residual.data", *xb, x_data.c_str()))) {
+                                !check.same_as(*rb, "residual.data", *xb, x_data))) {
       return check.status();
     }
     const te_buffer *rng = data_of(check, rng_state, "rng_state");
@@ -51,7 +42,7 @@ te_status run(const char *op, float p, const te_tensor *x, const char *x_name, c
       return check.status();
     }
     const te_buffer *ob = data_of(check, out, out_name);
-    if (ob == nullptr || !same_shape(check, *ob, out_data, *xb, x_data.c_str())) return check.status();
+    if (ob == nullptr || !check.same_as(*ob, out_data, *xb, x_data)) return check.status();
     // The output may be x's or the residual's own buffer (an in-place update, element by
     // element), but must not overlap either otherwise, nor the rng state.
     auto partial = [&](const te_buffer *in) { return in != nullptr && in->data != ob->data && overlap(*ob, *in); };
