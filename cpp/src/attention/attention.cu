@@ -33,19 +33,6 @@ __device__ bool row_of(const AttentionShape &s, const AttentionMask &m, const in
   return r->lo <= r->hi;
 }
 
-// Offset of row (b, pos) and head h of q, k or v (`op`), under the call's strides.
-__device__ __forceinline__ int64_t operand_at(const AttentionShape &s, AttnLayout layout, AttnOperand op, int64_t b,
-                                              int64_t pos, int64_t start, int64_t h) {
-  return attn_offset(layout, s.batch, op == kOperandQ ? s.seqlen_q : s.seqlen_kv, s.row_stride[op],
-                     s.head_stride[op], b, pos, start, h);
-}
-
-// The same row and head in a dense buffer of `heads` heads of `dim` (o, d_o, the fp32 sums).
-__device__ __forceinline__ int64_t dense_at(const AttentionShape &s, AttnLayout layout, bool query, int64_t heads,
-                                            int64_t dim, int64_t b, int64_t pos, int64_t start, int64_t h) {
-  return attn_offset(layout, s.batch, query ? s.seqlen_q : s.seqlen_kv, heads * dim, dim, b, pos, start, h);
-}
-
 // v through an FP8 format and back (attention_ref.cpp's round_fp8).
 __device__ __forceinline__ float round_fp8(float v, te_dtype dt, float scale, float descale) {
   const float x = v * scale;
@@ -69,11 +56,11 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttentionFo
   if (!row_of(s, a.mask, a.cu_seqlens_q, a.cu_seqlens_kv, &r)) return;
   const bool fp8 = a.qkv_dtype == TE_DTYPE_FLOAT8_E4M3;
   const float dq_ = fp8 ? *f.descale_q : 1.f, dk_ = fp8 ? *f.descale_k : 1.f, dv_ = fp8 ? *f.descale_v : 1.f;
-  const int64_t qi = operand_at(s, a.layout, kOperandQ, r.b, r.i, r.L.q_start, r.h);
+  const int64_t qi = operand_offset(s, a.layout, kOperandQ, r.b, r.i, r.L.q_start, r.h);
   for (int64_t d = threadIdx.x; d < dqk; d += kThreads) qrow[d] = attn_load(a.q, qi + d, a.qkv_dtype, dq_);
   __syncthreads();
   auto logit = [&](int64_t j) {
-    const int64_t kj = operand_at(s, a.layout, kOperandK, r.b, j, r.L.kv_start, r.g);
+    const int64_t kj = operand_offset(s, a.layout, kOperandK, r.b, j, r.L.kv_start, r.g);
     float acc = 0.f;
     for (int64_t d = 0; d < dqk; ++d) acc += qrow[d] * attn_load(a.k, kj + d, a.qkv_dtype, dk_);
     return a.softmax_scale * acc;
@@ -111,14 +98,14 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttentionFo
     for (int64_t t = 0; t < n; ++t) {
       const float pt = ptile[t];
       if (pt == 0.f) continue;
-      const int64_t vj = operand_at(s, a.layout, kOperandV, r.b, t0 + t, r.L.kv_start, r.g);
+      const int64_t vj = operand_offset(s, a.layout, kOperandV, r.b, t0 + t, r.L.kv_start, r.g);
       for (int c = 0; c < kMaxD; ++c) {
         const int64_t d = threadIdx.x + c * kThreads;
         if (d < dv) acc[c] += pt * attn_load(a.v, vj + d, a.qkv_dtype, dv_);
       }
     }
   }
-  const int64_t oi = dense_at(s, a.layout, true, s.heads_q, dv, r.b, r.i, r.L.q_start, r.h);
+  const int64_t oi = dense_offset(s, a.layout, true, s.heads_q, dv, r.b, r.i, r.L.q_start, r.h);
   for (int c = 0; c < kMaxD; ++c) {
     const int64_t d = threadIdx.x + c * kThreads;
     if (d < dv) attn_store(a.o, oi + d, a.o_dtype, acc[c], f.scale_o, f.amax_o);
@@ -142,8 +129,8 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(AttentionB
   const float do_ = do8 ? *f.descale_do : 1.f, o_ = o8 ? *f.descale_o : 1.f;
   const bool fp8_ds = fp8 && do8;
   // q, k, v (and dq) where the call's strides put them; o, d_o and the dk/dv sums dense
-  const int64_t qi = operand_at(s, a.layout, kOperandQ, r.b, r.i, r.L.q_start, r.h);
-  const int64_t oi = dense_at(s, a.layout, true, s.heads_q, dv, r.b, r.i, r.L.q_start, r.h);
+  const int64_t qi = operand_offset(s, a.layout, kOperandQ, r.b, r.i, r.L.q_start, r.h);
+  const int64_t oi = dense_offset(s, a.layout, true, s.heads_q, dv, r.b, r.i, r.L.q_start, r.h);
   float part = 0.f;  // dot(d_o_i, o_i) = sum_j p_j dp_j
   for (int64_t d = threadIdx.x; d < dqk; d += kThreads) qrow[d] = attn_load(a.q, qi + d, a.qkv_dtype, dq_);
   for (int64_t d = threadIdx.x; d < dv; d += kThreads) {
@@ -161,8 +148,8 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(AttentionB
     const int64_t j = t0 + threadIdx.x;
     float ds = 0.f, pd = 0.f;
     if (j <= r.hi) {
-      const int64_t kj = operand_at(s, a.layout, kOperandK, r.b, j, r.L.kv_start, r.g);
-      const int64_t vj = operand_at(s, a.layout, kOperandV, r.b, j, r.L.kv_start, r.g);
+      const int64_t kj = operand_offset(s, a.layout, kOperandK, r.b, j, r.L.kv_start, r.g);
+      const int64_t vj = operand_offset(s, a.layout, kOperandV, r.b, j, r.L.kv_start, r.g);
       float x = 0.f, dpd = 0.f;
       for (int64_t d = 0; d < dqk; ++d) x += qrow[d] * attn_load(a.k, kj + d, a.qkv_dtype, dk_);
       for (int64_t d = 0; d < dv; ++d) dpd += dorow[d] * attn_load(a.v, vj + d, a.qkv_dtype, dv_);
@@ -183,7 +170,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(AttentionB
     for (int64_t t = 0; t < n; ++t) {
       const float dst = dstile[t];
       if (dst == 0.f) continue;
-      const int64_t kj = operand_at(s, a.layout, kOperandK, r.b, t0 + t, r.L.kv_start, r.g);
+      const int64_t kj = operand_offset(s, a.layout, kOperandK, r.b, t0 + t, r.L.kv_start, r.g);
       for (int c = 0; c < kMaxD; ++c) {
         const int64_t d = threadIdx.x + c * kThreads;
         if (d < dqk) dq[c] += dst * attn_load(a.k, kj + d, a.qkv_dtype, dk_);
@@ -191,12 +178,12 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(AttentionB
     }
     for (int64_t e = threadIdx.x; e < n * dqk; e += kThreads) {
       const int64_t t = e / dqk, d = e % dqk;
-      const int64_t kj = dense_at(s, a.layout, false, s.heads_kv, dqk, r.b, t0 + t, r.L.kv_start, r.g);
+      const int64_t kj = dense_offset(s, a.layout, false, s.heads_kv, dqk, r.b, t0 + t, r.L.kv_start, r.g);
       if (dstile[t] != 0.f) atomicAdd(dk_acc + kj + d, dstile[t] * qrow[d]);
     }
     for (int64_t e = threadIdx.x; e < n * dv; e += kThreads) {
       const int64_t t = e / dv, d = e % dv;
-      const int64_t vj = dense_at(s, a.layout, false, s.heads_kv, dv, r.b, t0 + t, r.L.kv_start, r.g);
+      const int64_t vj = dense_offset(s, a.layout, false, s.heads_kv, dv, r.b, t0 + t, r.L.kv_start, r.g);
       if (pdtile[t] != 0.f) atomicAdd(dv_acc + vj + d, pdtile[t] * dorow[d]);
     }
   }

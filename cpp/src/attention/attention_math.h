@@ -44,6 +44,20 @@ TE_HOST_DEVICE int64_t attn_offset(AttnLayout layout, int64_t batch, int64_t seq
   return row * row_stride + h * head_stride;
 }
 
+// Offset of row (b, pos) and head h of q, k or v (`op`) under the call's strides.
+TE_HOST_DEVICE int64_t operand_offset(const AttentionShape &s, AttnLayout layout, AttnOperand op, int64_t b,
+                                      int64_t pos, int64_t start, int64_t h) {
+  return attn_offset(layout, s.batch, op == kOperandQ ? s.seqlen_q : s.seqlen_kv, s.row_stride[op],
+                     s.head_stride[op], b, pos, start, h);
+}
+
+// The same row and head in a dense buffer of `heads` heads of `dim` (o, d_o, the gradients'
+// fp32 sums); `query`: a row of q's sequence, else of k/v's.
+TE_HOST_DEVICE int64_t dense_offset(const AttentionShape &s, AttnLayout layout, bool query, int64_t heads,
+                                    int64_t dim, int64_t b, int64_t pos, int64_t start, int64_t h) {
+  return attn_offset(layout, s.batch, query ? s.seqlen_q : s.seqlen_kv, heads * dim, dim, b, pos, start, h);
+}
+
 // Where element e of a dense [rows, heads, dim] operand sits under (row_stride, head_stride).
 TE_HOST_DEVICE int64_t strided_element(int64_t e, int64_t heads, int64_t dim, int64_t row_stride,
                                        int64_t head_stride) {

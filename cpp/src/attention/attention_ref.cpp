@@ -61,14 +61,13 @@ struct RowIndex {
   const AttentionShape &s;
   AttnLayout layout;
   int64_t at(AttnOperand op, int64_t b, int64_t pos, int64_t start, int64_t h) const {
-    return attn_offset(layout, s.batch, op == kOperandQ ? s.seqlen_q : s.seqlen_kv, s.row_stride[op],
-                       s.head_stride[op], b, pos, start, h);
+    return operand_offset(s, layout, op, b, pos, start, h);
   }
   int64_t q(int64_t b, int64_t i, int64_t start, int64_t h, int64_t dim) const {
-    return attn_offset(layout, s.batch, s.seqlen_q, s.heads_q * dim, dim, b, i, start, h);
+    return dense_offset(s, layout, true, s.heads_q, dim, b, i, start, h);
   }
   int64_t kv(int64_t b, int64_t j, int64_t start, int64_t g, int64_t dim) const {
-    return attn_offset(layout, s.batch, s.seqlen_kv, s.heads_kv * dim, dim, b, j, start, g);
+    return dense_offset(s, layout, false, s.heads_kv, dim, b, j, start, g);
   }
 };
 
