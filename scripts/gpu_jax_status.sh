@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # The JAX stack's status in one short GPU run: builds the core (CUDA, sm_90a) and the torch and
-# jax packages; the CUDA activation tests (bit for bit against the CPU);
-# bench_transformer_layer_jax.py --model for about 90 s (it writes its JSON after each hidden
-# size, 1024 first: results/model_jax.json); then the stack's kernels at hidden 1024 with the
-# time left (kernel_profile_jax.py).
+# jax packages; the CUDA tests of the scale update and the activations (bit for bit against the
+# CPU); bench_transformer_layer_jax.py --model for about 90 s (it writes its JSON after each
+# hidden size, 1024 first: results/model_jax.json); the stack's kernels at hidden 1024
+# (kernel_profile_jax.py); then, with the time left, the JAX GPT demo (GPU size) with its
+# gradient norms (results/gpt_demo_jax_norms.json).
 # Logs go to $1/log.txt, JSON to $1.
 #
-#   bash scripts/gpu_jax_status.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (300)
+#   bash scripts/gpu_jax_status.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (590)
 set -u
 out=${1:?usage: gpu_jax_status.sh OUT_DIR}
-budget=${TE_GPU_BUDGET_S:-300}
+budget=${TE_GPU_BUDGET_S:-590}
 source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack  # the core, and the torch package the benchmark harness imports
 step build_jax 120 python3 -m pip install --no-build-isolation --no-deps -q ./jax
 export TE_BENCH_RESULTS=$out
-step activation_tests "$(upto $((budget - 120)) 40)" python3 -m pytest -p no:cacheprovider -q \
-  -m cuda -rfE tests/jax/test_cuda_layernorm_mlp.py
-step model_jax "$(upto $((budget - 60)) 95)" python3 benchmarks/bench_transformer_layer_jax.py \
+step cuda_tests "$(upto $((budget - 300)) 60)" python3 -m pytest -p no:cacheprovider -q \
+  -m cuda -rfE tests/common/test_scaling.py tests/jax/test_cuda.py tests/jax/test_cuda_layernorm_mlp.py
+step model_jax "$(upto $((budget - 240)) 95)" python3 benchmarks/bench_transformer_layer_jax.py \
   --model --name "model_jax$suffix"
-step jax_profile_1024 "$(left $((budget - 3)))" python3 benchmarks/kernel_profile_jax.py \
+step jax_profile_1024 "$(upto $((budget - 150)) 75)" python3 benchmarks/kernel_profile_jax.py \
   --hidden 1024 --name "kernel_profile_jax$suffix"
+step gpt_demo_jax "$(left $((budget - 5)))" python3 examples/train_gpt.py --framework jax \
+  --device cuda --plot "" --json "$out/gpt_demo_jax_norms$suffix.json"
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"

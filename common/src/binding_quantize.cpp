@@ -10,6 +10,40 @@ namespace te_binding {
 
 using namespace nb::literals;
 
+namespace {
+
+// The handles of a delayed-scaling call's groups: histories, step amaxes (when given), scales
+// and scale_invs, one entry each per group (checked here, by name).
+struct DelayedGroups {
+  std::vector<Handle> owned;
+  std::vector<te_tensor *> h, a, s, si;
+  DelayedGroups(const char *op, const std::vector<nb::object> &histories,
+                const std::vector<nb::object> *step_amaxes, const std::vector<nb::object> &scales,
+                const std::vector<nb::object> &scale_invs) {
+    const size_t n = histories.size();
+    if (scales.size() != n || scale_invs.size() != n || (step_amaxes && step_amaxes->size() != n)) {
+      throw nb::value_error((std::string(op) + ": " + (step_amaxes ? "step_amaxes, " : "") +
+                             "scales and scale_invs must have one entry per amax history (" + std::to_string(n) +
+                             "), got " + (step_amaxes ? std::to_string(step_amaxes->size()) + ", " : "") +
+                             std::to_string(scales.size()) + " and " + std::to_string(scale_invs.size()))
+                                .c_str());
+    }
+    auto add = [&](std::vector<te_tensor *> &to, const char *name, const nb::object &o, size_t i, bool writable) {
+      owned.push_back(plain_handle(op, std::string(name) + "[" + std::to_string(i) + "]", o, writable));
+      to.push_back(owned.back().get());
+    };
+    owned.reserve(4 * n);
+    for (size_t i = 0; i < n; ++i) {
+      add(h, "amax_histories", histories[i], i, true);
+      if (step_amaxes) add(a, "step_amaxes", (*step_amaxes)[i], i, false);
+      add(s, "scales", scales[i], i, true);
+      add(si, "scale_invs", scale_invs[i], i, true);
+    }
+  }
+};
+
+}  // namespace
+
 void register_quantize(nb::module_ &m) {
   m.def(
       "quantize",
@@ -102,31 +136,38 @@ void register_quantize(nb::module_ &m) {
       [](const std::vector<nb::object> &amax_histories, const std::vector<nb::object> &scales,
          const std::vector<nb::object> &scale_invs, te_dtype fp8_dtype, te_amax_compute_algo algo,
          int32_t margin, uintptr_t stream) {
-        const char *op = "delayed_scaling_update";
-        if (scales.size() != amax_histories.size() || scale_invs.size() != amax_histories.size()) {
-          throw nb::value_error((std::string(op) + ": scales and scale_invs must have one entry per "
-                                 "amax history (" + std::to_string(amax_histories.size()) + "), got " +
-                                 std::to_string(scales.size()) + " and " + std::to_string(scale_invs.size()))
-                                    .c_str());
-        }
-        std::vector<Handle> owned;
-        std::vector<te_tensor *> h, s, si;
-        for (size_t i = 0; i < amax_histories.size(); ++i) {
-          const std::string idx = "[" + std::to_string(i) + "]";
-          owned.push_back(plain_handle(op, "amax_histories" + idx, amax_histories[i], true));
-          h.push_back(owned.back().get());
-          owned.push_back(plain_handle(op, "scales" + idx, scales[i], true));
-          s.push_back(owned.back().get());
-          owned.push_back(plain_handle(op, "scale_invs" + idx, scale_invs[i], true));
-          si.push_back(owned.back().get());
-        }
+        DelayedGroups g("delayed_scaling_update", amax_histories, nullptr, scales, scale_invs);
         nb::gil_scoped_release release;
-        check_status(te_delayed_scaling_update(h.data(), s.data(), si.data(), h.size(), fp8_dtype,
+        check_status(te_delayed_scaling_update(g.h.data(), g.s.data(), g.si.data(), g.h.size(), fp8_dtype,
                                                algo, margin, as_stream(stream)));
       },
       "amax_histories"_a, "scales"_a, "scale_invs"_a, nb::kw_only(), "fp8_dtype"_a,
       "algo"_a = TE_AMAX_COMPUTE_MAX, "margin"_a = 0, "stream"_a = 0,
       "Delayed scaling: updates the scales of many amax histories in one call.");
+
+  m.def(
+      "delayed_scaling_update_with_amaxes",
+      [](const std::vector<nb::object> &amax_histories, const std::vector<nb::object> &step_amaxes,
+         const std::vector<nb::object> &scales, const std::vector<nb::object> &scale_invs,
+         const std::vector<te_dtype> &fp8_dtypes, te_amax_compute_algo algo, int32_t margin,
+         uintptr_t stream) {
+        const char *op = "delayed_scaling_update_with_amaxes";
+        DelayedGroups g(op, amax_histories, &step_amaxes, scales, scale_invs);
+        if (fp8_dtypes.size() != amax_histories.size()) {
+          throw nb::value_error((std::string(op) + ": fp8_dtypes must have one entry per amax history (" +
+                                 std::to_string(amax_histories.size()) + "), got " +
+                                 std::to_string(fp8_dtypes.size()))
+                                    .c_str());
+        }
+        nb::gil_scoped_release release;
+        check_status(te_delayed_scaling_update_with_amaxes(g.h.data(), g.a.data(), g.s.data(), g.si.data(),
+                                                           fp8_dtypes.data(), g.h.size(), algo, margin,
+                                                           as_stream(stream)));
+      },
+      "amax_histories"_a, "step_amaxes"_a, "scales"_a, "scale_invs"_a, nb::kw_only(), "fp8_dtypes"_a,
+      "algo"_a = TE_AMAX_COMPUTE_MAX, "margin"_a = 0, "stream"_a = 0,
+      "Delayed scaling of histories of several FP8 formats, each first recording its step's amax "
+      "into slot 0 (max, NaN kept): one call.");
 }
 
 }  // namespace te_binding

@@ -316,6 +316,32 @@ TEST_CASE(delayed_scaling_update_edge_cases) {
               TE_ERROR_VALUE, "scales[1] must have 1 element");
 }
 
+TEST_CASE(delayed_scaling_update_with_amaxes) {
+  // Two groups of two formats in one call, each recording its step's amax into slot 0 first.
+  std::vector<float> h0 = {3.0f, 1.0f, 2.0f}, h1 = {0.0f, 1.0f};
+  float a0 = 5.0f, a1 = kNaN, s0 = 1, s1 = 2, i0 = 0, i1 = 0;
+  TensorHandle H0, H1, A0, A1, S0, S1, I0, I1;
+  H0.set(TE_SLOT_DATA, h0.data(), TE_DTYPE_FLOAT32, {3});
+  H1.set(TE_SLOT_DATA, h1.data(), TE_DTYPE_FLOAT32, {2});
+  for (auto [t, p] : {std::pair{&A0, &a0}, {&A1, &a1}, {&S0, &s0}, {&S1, &s1}, {&I0, &i0}, {&I1, &i1}}) {
+    t->set(TE_SLOT_DATA, p, TE_DTYPE_FLOAT32, {1});
+  }
+  te_tensor *hs[] = {H0, H1}, *as[] = {A0, A1}, *ss[] = {S0, S1}, *is[] = {I0, I1};
+  const te_dtype dtypes[] = {TE_DTYPE_FLOAT8_E4M3, TE_DTYPE_FLOAT8_E5M2};
+  CHECK(te_delayed_scaling_update_with_amaxes(hs, as, ss, is, dtypes, 2, TE_AMAX_COMPUTE_MAX, 0, nullptr) ==
+        TE_SUCCESS);
+  CHECK(s0 == 448.0f / 5.0f && h0[0] == 0.0f && h0[1] == 2.0f && h0[2] == 5.0f);
+  CHECK(s1 == 2.0f && i1 == 0.5f && std::isnan(h1[1]));  // a NaN step keeps the scale
+  const te_dtype bad[] = {TE_DTYPE_FLOAT8_E4M3, TE_DTYPE_BFLOAT16};
+  h0 = {3.0f, 1.0f, 2.0f};
+  CHECK_ERROR(te_delayed_scaling_update_with_amaxes(hs, as, ss, is, bad, 2, TE_AMAX_COMPUTE_MAX, 0, nullptr),
+              TE_ERROR_TYPE, "delayed_scaling_update_with_amaxes", "fp8_dtypes[1]");
+  te_tensor *aliased[] = {S0, A1};  // a step amax that is a written scale
+  CHECK(te_delayed_scaling_update_with_amaxes(hs, aliased, ss, is, dtypes, 2, TE_AMAX_COMPUTE_MAX, 0, nullptr) !=
+        TE_SUCCESS);
+  CHECK(h0[0] == 3.0f && h0[2] == 2.0f);  // nothing written on failure
+}
+
 TEST_CASE(current_scaling_scale) {
   float amax = 2.0f, scale = 0, scale_inv = 0;
   uint8_t q = 0;

@@ -290,3 +290,98 @@ def test_delayed_update_over_many_steps(device, algo):
         ref.assert_float_equal(device.get(h_dev), history, f"step {step}: history")
         ref.assert_float_equal(device.get(s_dev), scale, f"step {step}: scale")
         ref.assert_float_equal(device.get(si_dev), scale_inv, f"step {step}: scale_inv")
+
+
+# ------------------------------------------------ delayed_scaling_update_with_amaxes
+
+
+def recorded(slot0, amax):
+    """scaling.h: history[0] = max(history[0], step_amax), NaN in either gives NaN."""
+    slot0, amax = np.float32(slot0), np.float32(amax)
+    return np.float32(np.nan) if np.isnan(slot0) or np.isnan(amax) else max(slot0, amax)
+
+
+def run_update_with_amaxes(device, groups, algo, margin):
+    """groups: (history, step_amax, scale, fmt). Returns [(history, scale, scale_inv)]."""
+    on_device = [(device.put(h), device.put(a), device.put(s),
+                  device.put(np.full(np.shape(s), 123.0, np.float32))) for h, a, s, _ in groups]
+    core.delayed_scaling_update_with_amaxes(
+        [g[0] for g in on_device], [g[1] for g in on_device], [g[2] for g in on_device],
+        [g[3] for g in on_device], fp8_dtypes=[fp8_dtype(g[3]) for g in groups],
+        algo=ALGOS[algo], margin=margin, stream=device.stream)
+    return [tuple(device.get(a) for a in (g[0], g[2], g[3])) for g in on_device]
+
+
+@pytest.mark.parametrize("margin", [0, 2])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_update_with_amaxes_records_then_updates(device, algo, margin):
+    """Each group as if its step amax had been maxed into slot 0 and then updated alone with
+    its own format: histories of every shape (H = 1, [H, n], 1024 rows), step amaxes above,
+    below and equal to slot 0, zero, NaN and Inf, E4M3 and E5M2 groups in the one call."""
+    rng = np.random.default_rng([margin, len(algo)])
+
+    def positive(*shape):
+        return (10.0 ** rng.uniform(-4, 4, size=shape)).astype(np.float32)
+
+    edge_columns = np.stack(list(EDGE_HISTORIES.values()), axis=1)  # [4, 11]
+    edge_amaxes = np.array([0.5, 0.0, 9.0, np.nan, 1.0, np.inf, 3.0, 0.0, 2.0, 1.0, 500.0],
+                           np.float32)
+    groups = [
+        (positive(1), positive(1), positive(1), ref.E4M3),
+        (positive(16), np.zeros(1, np.float32), positive(1), ref.E5M2),
+        (positive(1, 5), positive(5), positive(5), ref.E5M2),
+        (positive(7, 3), positive(3), positive(3), ref.E4M3),
+        (edge_columns, edge_amaxes, np.full(edge_columns.shape[1], 4.0, np.float32), ref.E4M3),
+        (positive(1024, 2), positive(2) * 1e4, positive(2), ref.E5M2),
+    ]
+    got = run_update_with_amaxes(device, groups, algo, margin)
+    for i, ((history, amax, scale, fmt), (h, s, si)) in enumerate(zip(groups, got, strict=True)):
+        with_amax = np.array(history, np.float32)
+        first = with_amax.reshape(with_amax.shape[0], -1)[0]
+        first[:] = [recorded(a, b) for a, b in zip(first, np.reshape(amax, -1), strict=True)]
+        want_h, want_s, want_si = ref.delayed_scaling_update(with_amax, scale, fmt.max, algo,
+                                                             margin)
+        ref.assert_float_equal(h, want_h, f"group {i}: history")
+        ref.assert_float_equal(s, want_s, f"group {i}: scale")
+        ref.assert_float_equal(si, want_si, f"group {i}: scale_inv")
+    if device.is_cuda:
+        on_cpu = run_update_with_amaxes(device.cpu, groups, algo, margin)
+        for i, (g, c) in enumerate(zip(got, on_cpu, strict=True)):
+            for name, a, b in zip(("history", "scale", "scale_inv"), g, c, strict=True):
+                ref.assert_float_equal(a, b, f"group {i}: {name}, CUDA vs CPU")
+
+
+def test_update_with_amaxes_documented_values(device):
+    """scaling.h's rule written out: the step's 5 beats slot 0's 3 (E4M3: 448 / 5); a NaN step
+    keeps the scale and stays in the history (E5M2)."""
+    groups = [(history_column(3.0, 1.0, 2.0), np.array([5.0], np.float32),
+               np.array([1.0], np.float32), ref.E4M3),
+              (history_column(0.0, 1.0), np.array([np.nan], np.float32),
+               np.array([2.0], np.float32), ref.E5M2)]
+    (h0, s0, _), (h1, s1, si1) = run_update_with_amaxes(device, groups, "max", 0)
+    np.testing.assert_array_equal(h0, [0.0, 2.0, 5.0])
+    assert s0[0] == np.float32(448.0 / 5.0)
+    assert s1[0] == 2.0 and si1[0] == 0.5 and np.isnan(h1[1])
+
+
+def test_update_with_amaxes_errors_write_nothing(device):
+    h, a, s, si = (device.put(np.array([1.0, 2.0], np.float32)), device.put(np.ones(1, np.float32)),
+                   device.put(np.ones(1, np.float32)), device.put(np.full(1, 7.0, np.float32)))
+    e4m3 = core.DType.float8_e4m3
+    calls = {
+        "fp8_dtypes must have one entry": dict(fp8_dtypes=[e4m3, e4m3]),
+        "fp8_dtypes[0] must be float8_e4m3 or float8_e5m2, got float32":
+            dict(fp8_dtypes=[core.DType.float32]),
+    }
+    for message, kwargs in calls.items():
+        with pytest.raises((ValueError, TypeError), match=message.replace("[", r"\[")):
+            core.delayed_scaling_update_with_amaxes([h], [a], [s], [si], stream=device.stream,
+                                                    **kwargs)
+    with pytest.raises(ValueError, match="step_amaxes, scales and scale_invs must have one entry"):
+        core.delayed_scaling_update_with_amaxes([h], [], [s], [si], fp8_dtypes=[e4m3])
+    with pytest.raises(ValueError, match=r"step_amaxes\[0\]"):
+        core.delayed_scaling_update_with_amaxes(
+            [h], [device.put(np.ones(2, np.float32))], [s], [si], fp8_dtypes=[e4m3],
+            stream=device.stream)
+    np.testing.assert_array_equal(device.get(h), [1.0, 2.0])
+    np.testing.assert_array_equal(device.get(si), [7.0])

@@ -107,6 +107,32 @@ def test_delayed_scaling_update_of_several_tensors(algo, margin):
         assert float(si[i][0]) == np.float32(1) / np.float32(es)
 
 
+def test_delayed_scaling_update_with_amaxes_records_each_step_amax():
+    """One call, two formats: each history as if its step amax had been maxed into slot 0 (NaN
+    kept) and the history updated alone with its own format."""
+    histories = [np.array([3.0, 0.5, 8.0], np.float32), np.array([0.0, 1.0, 0.0], np.float32),
+                 np.array([1.0, 2.0, 4.0], np.float32)]
+    amaxes = [np.array([9.0], np.float32), np.array([np.nan], np.float32),
+              np.array([0.5], np.float32)]
+    scales = [np.array([1.0], np.float32), np.array([4.0], np.float32), np.array([2.0], np.float32)]
+    dtypes = [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e5m2]
+    args = jax.device_put((histories, amaxes, scales))
+    h, s, si = jax.jit(lambda h, a, s: ops.delayed_scaling_update_with_amaxes(h, a, s, dtypes,
+                                                                              margin=1))(*args)
+    for a, e in zip(jax.tree.leaves(args), jax.tree.leaves((histories, amaxes, scales)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), e)  # the inputs are untouched
+    for i, name in enumerate(["float8_e4m3", "float8_e5m2", "float8_e5m2"]):
+        recorded = histories[i].copy()
+        recorded[0] = np.nan if np.isnan(amaxes[i][0]) else max(recorded[0], amaxes[i][0])
+        eh, es = ref.delayed_update(recorded, float(scales[i][0]), name, 1, "max")
+        np.testing.assert_array_equal(np.asarray(h[i]), eh)
+        assert float(s[i][0]) == np.float32(es)
+        assert float(si[i][0]) == np.float32(1) / np.float32(es)
+    with pytest.raises(ValueError, match="dtypes must have one entry per history"):
+        ops.delayed_scaling_update_with_amaxes(histories, amaxes, scales, dtypes[:2])
+
+
 @pytest.mark.parametrize("transpose_a, transpose_b", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_high_precision_gemm(transpose_a, transpose_b, dtype):

@@ -29,6 +29,20 @@ te_status te_delayed_scaling_update(te_tensor *const *amax_histories, te_tensor 
                                     te_dtype fp8_dtype, te_amax_compute_algo algo, int32_t margin,
                                     te_stream stream);
 
+/* The same update for groups of several FP8 formats, each history first recording the amax of
+ * the step that just ran: for a caller whose ops write a step's amax into a buffer of its own
+ * (a functional framework) rather than into slot 0 of the history. Group i as above, and
+ * [in] step_amaxes[i] DATA fp32 [n] (NULL: no recording for any group), before the update:
+ *   history[0] = max(history[0], step_amax) per column (NaN in either gives NaN);
+ * fp8_dtypes[i] (E4M3 or E5M2) is group i's format. One kernel launch on CUDA, whatever the mix
+ * of formats: te_delayed_scaling_update is this call with one format and no step amaxes. */
+te_status te_delayed_scaling_update_with_amaxes(te_tensor *const *amax_histories,
+                                                te_tensor *const *step_amaxes,
+                                                te_tensor *const *scales, te_tensor *const *scale_invs,
+                                                const te_dtype *fp8_dtypes, size_t num_tensors,
+                                                te_amax_compute_algo algo, int32_t margin,
+                                                te_stream stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

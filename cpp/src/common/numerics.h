@@ -171,6 +171,13 @@ TE_HOST_DEVICE float delayed_scale(float amax, float old_scale, float fp8_max_va
   return is_finite_float(s) ? s : kFloatMax;
 }
 
+// Slot 0 of an amax history after a step's amax is recorded into it: the larger of the two,
+// NaN (canonical) where either is NaN, so that a non-finite step is never forgotten.
+TE_HOST_DEVICE float recorded_amax(float slot0, float step_amax) {
+  if (is_nan_bits(float_bits(slot0)) || is_nan_bits(float_bits(step_amax))) return bits_float(kCanonicalNaN);
+  return step_amax > slot0 ? step_amax : slot0;
+}
+
 // MXFP8: the E8M0 scale_inv of a 32-element block, the power of two at or above
 // amax / fp8_max so that no element saturates; 0xFF (NaN) for a NaN or infinite amax.
 TE_HOST_DEVICE uint8_t e8m0_scale_inv_from_amax(float amax, float fp8_max_value) {

@@ -10,8 +10,9 @@
 // group by binary search over the groups' first block. Threads are laid out as
 // cols_per_block columns x (256 / cols_per_block) history rows, so consecutive threads read
 // consecutive columns of a row.
-//   1. Read pass: amax bits over the column (max of abs_bits, NaN on top, as the reference), and
-//      history[0]; reduced across the block in shared memory; one thread per column writes
+//   1. Read pass: history[0], with the step's amax recorded into it where the caller gives one
+//      (recorded_amax; kept in a register, the roll stores it), and the amax bits over the column
+//      (max of abs_bits, NaN on top, as the reference); reduced across the block in shared memory; one thread per column writes
 //      scale and scale_inv.
 //   2. Roll in place, new[i] = old[i + 1], new[H - 1] = old[0], new[0] = 0, by chunks of
 //      kValsPerThread rows per thread: read the chunk's sources, barrier, write. Chunk k reads
@@ -36,6 +37,8 @@ struct GroupDesc {
   float *history;
   float *scale;
   float *scale_inv;
+  const float *step_amax;  // or null
+  float fp8_max;
   int64_t history_len;
   int64_t columns;
   int64_t first_block;
@@ -47,7 +50,6 @@ struct Batch {
   GroupDesc groups[kCapacity];
   int32_t count;
   int32_t margin;
-  float fp8_max;
   bool algo_max;
 };
 
@@ -69,11 +71,11 @@ __global__ void __launch_bounds__(kThreads) delayed_scaling_update_kernel(const 
   float *col = g.history + j;  // element i of this column is col[i * n]
 
   uint32_t m = 0;
-  float first = 0.0f;
+  float first = 0.0f;  // slot 0 with the step's amax recorded: read here, never written back
   if (active) {
-    first = col[0];
+    first = g.step_amax != nullptr ? recorded_amax(col[0], g.step_amax[j]) : col[0];
     if (b.algo_max) {
-      for (int64_t i = ty; i < h; i += rows_per_pass) m = max(m, abs_bits(col[i * n]));
+      for (int64_t i = ty; i < h; i += rows_per_pass) m = max(m, abs_bits(i == 0 ? first : col[i * n]));
     } else {
       m = abs_bits(first);
     }
@@ -82,7 +84,7 @@ __global__ void __launch_bounds__(kThreads) delayed_scaling_update_kernel(const 
   __syncthreads();  // also: every read of pass 1 is done before the roll writes
   if (active && ty == 0) {
     for (int k = 1; k < rows_per_pass; ++k) m = max(m, partial[k * cpb + tx]);
-    const float s = delayed_scale(bits_float(m), g.scale[j], b.fp8_max, b.margin);
+    const float s = delayed_scale(bits_float(m), g.scale[j], g.fp8_max, b.margin);
     g.scale[j] = s;
     g.scale_inv[j] = canonical_div(1.0f, s);
   }
@@ -121,7 +123,6 @@ te_status launch_batch(const DelayedScalingArgs &a, const GroupDesc *groups, int
   std::copy(groups, groups + count, b.groups);
   b.count = count;
   b.margin = a.margin;
-  b.fp8_max = a.fp8_max;
   b.algo_max = a.algo == TE_AMAX_COMPUTE_MAX;
   delayed_scaling_update_kernel<kCapacity><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(b);
   return launch_status("delayed_scaling_update");
@@ -162,7 +163,8 @@ te_status delayed_scaling_update_cuda(const DelayedScalingArgs &a, te_stream str
     if (count == kLarge || blocks + need > kMaxBlocks) {
       if (te_status s = flush()) return s;
     }
-    batch[count++] = GroupDesc{g.history, g.scale, g.scale_inv, g.history_len, g.columns, blocks, cpb};
+    batch[count++] = GroupDesc{g.history, g.scale, g.scale_inv, g.step_amax, g.fp8_max,
+                               g.history_len, g.columns, blocks, cpb};
     blocks += need;
   }
   return flush();

@@ -1,4 +1,5 @@
-// C entry points te_compute_amax, te_compute_scale_from_amax and te_delayed_scaling_update.
+// C entry points te_compute_amax, te_compute_scale_from_amax, te_delayed_scaling_update and
+// te_delayed_scaling_update_with_amaxes.
 #include <cmath>
 #include <string>
 #include <vector>
@@ -36,6 +37,68 @@ bool fp8_dtype_of(Checker &check, const te_tensor *t, te_dtype *dtype) {
   }
   *dtype = b->dtype;
   return true;
+}
+
+
+// Both delayed-scaling entry points: checks every group (nothing is written on failure), then
+// one update of all of them. fp8_dtypes are checked by the callers.
+te_status delayed_update(Checker &check, te_tensor *const *amax_histories, te_tensor *const *step_amaxes,
+                         te_tensor *const *scales, te_tensor *const *scale_invs, const te_dtype *fp8_dtypes,
+                         size_t num_tensors, te_amax_compute_algo algo, int32_t margin, te_stream stream) {
+  if (algo != TE_AMAX_COMPUTE_MAX && algo != TE_AMAX_COMPUTE_MOST_RECENT) {
+    return check.reject(TE_ERROR_VALUE, "algo must be max (0) or most_recent (1), got " +
+                                            std::to_string(static_cast<int>(algo)));
+  }
+  if (margin < 0 || margin > 126) {
+    return check.reject(TE_ERROR_VALUE, "margin must be in [0, 126], got " + std::to_string(margin));
+  }
+  if (num_tensors > 0 && (amax_histories == nullptr || scales == nullptr || scale_invs == nullptr)) {
+    return check.reject(TE_ERROR_VALUE, "amax_histories, scales and scale_invs must be arrays, got NULL");
+  }
+  std::vector<DelayedScalingGroup> groups(num_tensors);
+  std::vector<Checker::Named> written;  // every history, scale and scale_inv
+  std::vector<Checker::Named> read;     // every step amax
+  for (size_t i = 0; i < num_tensors; ++i) {
+    const std::string idx = "[" + std::to_string(i) + "]";
+    if (!check.handle(amax_histories[i], ("amax_histories" + idx).c_str()) ||
+        !check.handle(scales[i], ("scales" + idx).c_str()) ||
+        !check.handle(scale_invs[i], ("scale_invs" + idx).c_str()) ||
+        (step_amaxes != nullptr && !check.handle(step_amaxes[i], ("step_amaxes" + idx).c_str()))) {
+      return check.status();
+    }
+    const te_buffer *h = nullptr, *s = nullptr, *si = nullptr, *a = nullptr;
+    const std::string hname = "amax_histories" + idx;
+    if (!check_fp32_buffer(check, amax_histories[i], hname, -1, &h)) return check.status();
+    if (h->ndim != 1 && h->ndim != 2) {
+      return check.reject(TE_ERROR_VALUE, hname + " must have shape [H] or [H, n], got " + describe(*h));
+    }
+    if (h->shape[0] < 1) {
+      return check.reject(TE_ERROR_VALUE, hname + " must have a history length H >= 1, got " + describe(*h));
+    }
+    const int64_t n = h->ndim == 2 ? h->shape[1] : 1;
+    if (!check_fp32_buffer(check, scales[i], "scales" + idx, n, &s) ||
+        !check_fp32_buffer(check, scale_invs[i], "scale_invs" + idx, n, &si) ||
+        (step_amaxes != nullptr && !check_fp32_buffer(check, step_amaxes[i], "step_amaxes" + idx, n, &a))) {
+      return check.status();
+    }
+    written.push_back({h, hname});
+    written.push_back({s, "scales" + idx});
+    written.push_back({si, "scale_invs" + idx});
+    if (a != nullptr) read.push_back({a, "step_amaxes" + idx});
+    groups[i] = DelayedScalingGroup{static_cast<float *>(h->data), h->shape[0], n,
+                                    static_cast<float *>(s->data), static_cast<float *>(si->data),
+                                    fp8_max(fp8_dtypes[i]),
+                                    a != nullptr ? static_cast<const float *>(a->data) : nullptr};
+  }
+  if (!check.disjoint(written, read)) return check.status();
+  if (num_tensors == 0) return TE_SUCCESS;
+  DelayedScalingArgs args{groups.data(), groups.size(), algo, margin};
+  if (check.device() == TE_DEVICE_CUDA) {
+    CudaDeviceScope on_device(check.device_id());
+    return delayed_scaling_update_cuda(args, stream);
+  }
+  delayed_scaling_update_ref(args);
+  return TE_SUCCESS;
 }
 
 }  // namespace
@@ -119,54 +182,32 @@ te_status te_delayed_scaling_update(te_tensor *const *amax_histories, te_tensor 
       return check.reject(TE_ERROR_TYPE, std::string("fp8_dtype must be float8_e4m3 or float8_e5m2, got ") +
                                     te_dtype_name(fp8_dtype));
     }
-    if (algo != TE_AMAX_COMPUTE_MAX && algo != TE_AMAX_COMPUTE_MOST_RECENT) {
-      return check.reject(TE_ERROR_VALUE, "algo must be max (0) or most_recent (1), got " +
-                                     std::to_string(static_cast<int>(algo)));
+    const std::vector<te_dtype> dtypes(num_tensors, fp8_dtype);
+    return te::delayed_update(check, amax_histories, nullptr, scales, scale_invs, dtypes.data(),
+                              num_tensors, algo, margin, stream);
+  });
+}
+
+te_status te_delayed_scaling_update_with_amaxes(te_tensor *const *amax_histories,
+                                                te_tensor *const *step_amaxes,
+                                                te_tensor *const *scales, te_tensor *const *scale_invs,
+                                                const te_dtype *fp8_dtypes, size_t num_tensors,
+                                                te_amax_compute_algo algo, int32_t margin,
+                                                te_stream stream) {
+  return te::guarded("delayed_scaling_update_with_amaxes", [&]() -> te_status {
+    te::Checker check("delayed_scaling_update_with_amaxes");
+    if (num_tensors > 0 && fp8_dtypes == nullptr) {
+      return check.reject(TE_ERROR_VALUE, "fp8_dtypes must be an array, got NULL");
     }
-    if (margin < 0 || margin > 126) {
-      return check.reject(TE_ERROR_VALUE, "margin must be in [0, 126], got " + std::to_string(margin));
-    }
-    if (num_tensors > 0 && (amax_histories == nullptr || scales == nullptr || scale_invs == nullptr)) {
-      return check.reject(TE_ERROR_VALUE, "amax_histories, scales and scale_invs must be arrays, got NULL");
-    }
-    std::vector<te::DelayedScalingGroup> groups(num_tensors);
-    std::vector<te::Checker::Named> written;  // every history, scale and scale_inv
     for (size_t i = 0; i < num_tensors; ++i) {
-      const std::string idx = "[" + std::to_string(i) + "]";
-      if (!check.handle(amax_histories[i], ("amax_histories" + idx).c_str()) ||
-          !check.handle(scales[i], ("scales" + idx).c_str()) ||
-          !check.handle(scale_invs[i], ("scale_invs" + idx).c_str())) {
-        return check.status();
+      if (!te::is_fp8(fp8_dtypes[i])) {
+        return check.reject(TE_ERROR_TYPE, "fp8_dtypes[" + std::to_string(i) +
+                                               "] must be float8_e4m3 or float8_e5m2, got " +
+                                               te_dtype_name(fp8_dtypes[i]));
       }
-      const te_buffer *h = nullptr, *s = nullptr, *si = nullptr;
-      const std::string hname = "amax_histories" + idx;
-      if (!te::check_fp32_buffer(check, amax_histories[i], hname, -1, &h)) return check.status();
-      if (h->ndim != 1 && h->ndim != 2) {
-        return check.reject(TE_ERROR_VALUE, hname + " must have shape [H] or [H, n], got " + te::describe(*h));
-      }
-      if (h->shape[0] < 1) {
-        return check.reject(TE_ERROR_VALUE, hname + " must have a history length H >= 1, got " + te::describe(*h));
-      }
-      const int64_t n = h->ndim == 2 ? h->shape[1] : 1;
-      if (!te::check_fp32_buffer(check, scales[i], "scales" + idx, n, &s) ||
-          !te::check_fp32_buffer(check, scale_invs[i], "scale_invs" + idx, n, &si)) {
-        return check.status();
-      }
-      written.push_back({h, hname});
-      written.push_back({s, "scales" + idx});
-      written.push_back({si, "scale_invs" + idx});
-      groups[i] = te::DelayedScalingGroup{static_cast<float *>(h->data), h->shape[0], n,
-                                          static_cast<float *>(s->data), static_cast<float *>(si->data)};
     }
-    if (!check.disjoint(written, {})) return check.status();
-    te::DelayedScalingArgs args{groups.data(), groups.size(), te::fp8_max(fp8_dtype), algo, margin};
-    if (num_tensors == 0) return TE_SUCCESS;
-    if (check.device() == TE_DEVICE_CUDA) {
-      te::CudaDeviceScope on_device(check.device_id());
-      return te::delayed_scaling_update_cuda(args, stream);
-    }
-    te::delayed_scaling_update_ref(args);
-    return TE_SUCCESS;
+    return te::delayed_update(check, amax_histories, step_amaxes, scales, scale_invs, fp8_dtypes,
+                              num_tensors, algo, margin, stream);
   });
 }
 

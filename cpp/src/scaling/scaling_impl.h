@@ -27,19 +27,21 @@ struct ScaleFromAmaxArgs {
   bool pow2;
 };
 
-// One amax history [history_len, columns] with its scales [columns].
+// One amax history [history_len, columns] with its scales [columns], its format's maximum and,
+// when the caller keeps them apart, the amaxes [columns] of the step that just ran.
 struct DelayedScalingGroup {
   float *history;
   int64_t history_len;
   int64_t columns;
   float *scale;
   float *scale_inv;
+  float fp8_max;
+  const float *step_amax = nullptr;  // recorded into slot 0 (recorded_amax) before the update
 };
 
 struct DelayedScalingArgs {
   const DelayedScalingGroup *groups;  // host array
   size_t num_groups;
-  float fp8_max;
   te_amax_compute_algo algo;
   int32_t margin;
 };

@@ -26,11 +26,12 @@ void delayed_scaling_update_ref(const DelayedScalingArgs &a) {
     const int64_t h = grp.history_len, n = grp.columns;
     for (int64_t j = 0; j < n; ++j) {
       float *col = grp.history + j;  // element i of this column is col[i * n]
+      if (grp.step_amax != nullptr) col[0] = recorded_amax(col[0], grp.step_amax[j]);
       uint32_t m = abs_bits(col[0]);
       if (a.algo == TE_AMAX_COMPUTE_MAX) {
         for (int64_t i = 1; i < h; ++i) m = std::max(m, abs_bits(col[i * n]));
       }
-      const float s = delayed_scale(bits_float(m), grp.scale[j], a.fp8_max, a.margin);
+      const float s = delayed_scale(bits_float(m), grp.scale[j], grp.fp8_max, a.margin);
       grp.scale[j] = s;
       grp.scale_inv[j] = canonical_div(1.0f, s);
       const float first = col[0];

@@ -200,25 +200,51 @@ def delayed_scaling_update(amax_histories: Sequence[jax.Array], scales: Sequence
     """Delayed scaling of several tensors of one FP8 ``dtype`` in one call.
 
     Returns the rolled histories (slot 0 zeroed for the next amax), the new scales and the
-    scale inverses. Each history is [H] or [H, n] float32 (slot 0: the amax of the step
-    that just ran), each scale [n] float32.
+    scale inverses. Each history is [H] or [H, n] float32 (slot 0: the amax of the step that
+    just ran), each scale [n] float32.
     """
+    return _delayed_update("delayed_scaling_update", amax_histories, None, scales,
+                           [dtype] * len(amax_histories), algo, margin)
+
+
+def delayed_scaling_update_with_amaxes(amax_histories: Sequence[jax.Array],
+                                       step_amaxes: Sequence[jax.Array],
+                                       scales: Sequence[jax.Array], dtypes: Sequence, *,
+                                       algo: str = "max", margin: int = 0
+                                       ) -> tuple[list, list, list]:
+    """Delayed scaling of tensors of any FP8 ``dtypes`` (one per tensor) in one call, each
+    history first recording its step's amax: slot 0 = max(slot 0, step amax), NaN kept.
+
+    ``step_amaxes`` are [n] float32, one per history [H] or [H, n]. Returns what
+    :func:`delayed_scaling_update` returns. One kernel where writing the amaxes into the
+    histories and updating per format would take a write per tensor and a call per format.
+    """
+    return _delayed_update("delayed_scaling_update_with_amaxes", amax_histories, step_amaxes,
+                           scales, dtypes, algo, margin)
+
+
+def _delayed_update(op: str, amax_histories, step_amaxes, scales, dtypes, algo: str,
+                    margin: int) -> tuple[list, list, list]:
     n = len(amax_histories)
-    if len(scales) != n:
-        raise ValueError(f"delayed_scaling_update: scales must have one entry per history ({n}), "
-                         f"got {len(scales)}")
+    for name, given in (("scales", scales), ("step_amaxes", step_amaxes), ("dtypes", dtypes)):
+        if given is not None and len(given) != n:
+            raise ValueError(f"{op}: {name} must have one entry per history ({n}), "
+                             f"got {len(given)}")
     if n == 0:
         return [], [], []
     if algo not in _AMAX_ALGOS:
-        raise ValueError("delayed_scaling_update: algo must be 'max' or 'most_recent', "
-                         f"got {algo!r}")
+        raise ValueError(f"{op}: algo must be 'max' or 'most_recent', got {algo!r}")
+    amaxes = list(step_amaxes or [])
     results = ([jax.ShapeDtypeStruct(h.shape, _F32) for h in amax_histories]
                + [jax.ShapeDtypeStruct(s.shape, _F32) for s in scales]
                + [jax.ShapeDtypeStruct(s.shape, _F32) for s in scales])
     # The core updates histories and scales in place: XLA gives it copies (the aliases).
+    first_scale = n + len(amaxes)
+    aliases = {i: i for i in range(n)} | {first_scale + i: n + i for i in range(n)}
     call = jax.ffi.ffi_call(TARGETS["delayed_scaling_update"], results, vmap_method=_VMAP,
-                            input_output_aliases={i: i for i in range(2 * n)})
-    out = call(*amax_histories, *scales, fp8_dtype=_te_fp8(dtype),
+                            input_output_aliases=aliases)
+    out = call(*amax_histories, *amaxes, *scales,
+               fp8_dtypes=np.array([_te_fp8(d) for d in dtypes], np.int32),
                algo=np.int32(_AMAX_ALGOS[algo]), margin=np.int32(margin))
     return list(out[:n]), list(out[n:2 * n]), list(out[2 * n:])
 

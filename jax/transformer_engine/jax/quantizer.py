@@ -223,26 +223,23 @@ def updated_state(recipe: Recipe, state: Mapping, amaxes: Mapping) -> dict:
     new scale from the history, and the history rolled by one with slot 0 cleared.
     """
     amaxes = {r: _amax_of_all_mapped(amaxes[r]) for r in ROLES}
-    # max with slot 0 (cleared by the last update): NaN propagates, as in the PyTorch package.
-    histories = {r: state[r]["amax_history"].at[0].max(amaxes[r][0]) for r in ROLES}
     scales = {r: state[r]["scale"] for r in ROLES}
-    new = {}
     plan = _plan_of(recipe)
     if plan.algo != "callable":
-        # One core call per FP8 format (input and weight share the forward one).
-        for roles in (("x", "kernel"), ("grad",)):
-            dtype = role_dtype(recipe, roles[0])
-            h, s, _ = ops.delayed_scaling_update([histories[r] for r in roles],
-                                                 [scales[r] for r in roles], dtype,
-                                                 algo=plan.algo, margin=plan.margin)
-            for r, hr, sr in zip(roles, h, s, strict=True):
-                new[r] = {"scale": sr, "amax_history": hr}
-        return new
+        # One core call for every role (each with its format): it records the amaxes into
+        # slot 0 itself, where a write per role and a call per format would be 5 launches.
+        h, s, _ = ops.delayed_scaling_update_with_amaxes(
+            [state[r]["amax_history"] for r in ROLES], [amaxes[r] for r in ROLES],
+            [scales[r] for r in ROLES], [role_dtype(recipe, r) for r in ROLES],
+            algo=plan.algo, margin=plan.margin)
+        return {r: {"scale": sr, "amax_history": hr}
+                for r, hr, sr in zip(ROLES, h, s, strict=True)}
     # User callables are written with jax ops (the recipe's contract): same rule, in jnp.
-    for r in ROLES:
-        new[r] = _update_with_callables(recipe, plan, histories[r], scales[r],
-                                        plan.fp8_max_of(_PLAN_ROLE[r]))
-    return new
+    # max with slot 0 (cleared by the last update): NaN propagates, as in the PyTorch package.
+    histories = {r: state[r]["amax_history"].at[0].max(amaxes[r][0]) for r in ROLES}
+    return {r: _update_with_callables(recipe, plan, histories[r], scales[r],
+                                      plan.fp8_max_of(_PLAN_ROLE[r]))
+            for r in ROLES}
 
 
 def _update_with_callables(recipe: Recipe, plan: _plan.Plan, history, scale,
