@@ -5,8 +5,8 @@ The contenders and the step are bench_transformer_layer_jax.py's ``--model`` one
 Flax TransformerLayer in FP8 and bf16 beside flax's layer. torch.profiler's CUDA activity
 comes from CUPTI, which records the kernels of the whole process, XLA's included (seen on
 an H100: results/kernel_profile_jax_h100*.json; a contender whose run records no kernel
-says so), so one contender's steps run under it and the kernels are grouped by name, with a class per name
-(our core, XLA fusions, cuBLAS/cuDNN, copies). Per contender the JSON holds the
+says so), so one contender's steps run under it and the kernels are grouped by name, with a
+class per name (our core, XLA fusions, cuBLAS/cuDNN, copies). Per contender the JSON holds the
 kernels' time per step beside the step's wall time (the difference: the GPU waiting for the
 host or for XLA's runtime), and the top kernels. A probe for finding what to make faster, not
 a timing (bench_transformer_layer_jax.py --model times the steps).
