@@ -67,7 +67,7 @@ ffi::Error result_tensor(const char *op, const char *name, const ffi::AnyBuffer 
 }
 
 ffi::Error ActivationForwardImpl(ffi::AnyBuffer input, ffi::AnyBuffer scale, ffi::AnyBuffer gate,
-                                 ffi::Result<ffi::AnyBuffer> output,
+                                 ffi::AnyBuffer amax_in, ffi::Result<ffi::AnyBuffer> output,
                                  ffi::Result<ffi::AnyBuffer> columnwise_output,
                                  ffi::Result<ffi::AnyBuffer> scale_inv,
                                  ffi::Result<ffi::AnyBuffer> amax, int32_t act, bool rowwise,
@@ -81,9 +81,11 @@ ffi::Error ActivationForwardImpl(ffi::AnyBuffer input, ffi::AnyBuffer scale, ffi
   TE_JAX_RETURN_IF_ERROR(result_tensor(op, "output", scale, *output, *columnwise_output,
                                        *scale_inv, *amax, gate, rowwise, columnwise, compute_amax,
                                        dev, &out));
+  bool accumulate = false;
+  TE_JAX_RETURN_IF_ERROR(amax_accumulation(op, amax_in, compute_amax, *amax, &accumulate));
   te_activation_params storage{};
   const te_activation_params *params = params_of(a, limit, alpha, linear_offset, &storage);
-  return from_status(te_activation_forward(a, params, in.get(), out.get(), 0, dev.stream));
+  return from_status(te_activation_forward(a, params, in.get(), out.get(), accumulate ? 1 : 0, dev.stream));
 }
 
 auto TeActivationForwardBinding() {
@@ -91,6 +93,7 @@ auto TeActivationForwardBinding() {
       .Arg<ffi::AnyBuffer>()  // input [.., K] fp32/fp16/bf16 (gated: K = 2N)
       .Arg<ffi::AnyBuffer>()  // scale fp32 [1] (read when the output is FP8)
       .Arg<ffi::AnyBuffer>()  // gate fp32 [1] of the output, or empty for none (tensor.h)
+      .Arg<ffi::AnyBuffer>()  // amax_in: fp32 [1] raised by this call (aliased to amax), or empty
       .Ret<ffi::AnyBuffer>()  // output [.., N]: high precision or FP8 (empty unless rowwise)
       .Ret<ffi::AnyBuffer>()  // columnwise_output: FP8 transpose [N, M] (empty unless columnwise)
       .Ret<ffi::AnyBuffer>()  // scale_inv fp32 [1] (FP8 output; else empty)
@@ -105,7 +108,7 @@ auto TeActivationForwardBinding() {
 }
 
 ffi::Error ActivationBackwardImpl(ffi::AnyBuffer grad_output, ffi::AnyBuffer input,
-                                  ffi::AnyBuffer scale, ffi::AnyBuffer gate,
+                                  ffi::AnyBuffer scale, ffi::AnyBuffer gate, ffi::AnyBuffer amax_in,
                                   ffi::Result<ffi::AnyBuffer> grad_input,
                                   ffi::Result<ffi::AnyBuffer> columnwise_grad_input,
                                   ffi::Result<ffi::AnyBuffer> scale_inv,
@@ -125,11 +128,13 @@ ffi::Error ActivationBackwardImpl(ffi::AnyBuffer grad_output, ffi::AnyBuffer inp
                                        *columnwise_grad_input, *scale_inv, *amax, gate, rowwise,
                                        columnwise, compute_amax, dev, &tdx));
   if (compute_dbias) TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dbias", *dbias, dev, &tdbias));
+  bool accumulate = false;
+  TE_JAX_RETURN_IF_ERROR(amax_accumulation(op, amax_in, compute_amax, *amax, &accumulate));
   te_activation_params storage{};
   const te_activation_params *params = params_of(a, limit, alpha, linear_offset, &storage);
   return from_status(te_activation_backward(a, params, tdy.get(), reads_input ? tx.get() : nullptr,
                                             tdx.get(), compute_dbias ? tdbias.get() : nullptr,
-                                            0, dev.stream));
+                                            accumulate ? 1 : 0, dev.stream));
 }
 
 auto TeActivationBackwardBinding() {
@@ -138,6 +143,7 @@ auto TeActivationBackwardBinding() {
       .Arg<ffi::AnyBuffer>()  // input [.., K], the forward's (empty for IDENTITY)
       .Arg<ffi::AnyBuffer>()  // scale fp32 [1] (read when grad_input is FP8)
       .Arg<ffi::AnyBuffer>()  // gate fp32 [1] of grad_input, or empty for none (tensor.h)
+      .Arg<ffi::AnyBuffer>()  // amax_in: fp32 [1] raised by this call (aliased to amax), or empty
       .Ret<ffi::AnyBuffer>()  // grad_input [.., K]: high precision or FP8 (empty unless rowwise)
       .Ret<ffi::AnyBuffer>()  // columnwise_grad_input: FP8 transpose [K, M] (empty unless columnwise)
       .Ret<ffi::AnyBuffer>()  // scale_inv fp32 [1] (FP8 grad_input; else empty)

@@ -157,6 +157,22 @@ inline std::optional<te_scaling_mode> scaling_mode_of(int32_t mode) {
   return static_cast<te_scaling_mode>(mode);
 }
 
+// Whether a call raises an amax computed before rather than writing its own: amax_in is that
+// amax ([1] fp32, aliased by the caller to the call's amax result, so XLA hands the handler
+// the result buffer holding it), or empty for a call that writes its amax afresh. *accumulate
+// tells which; a non-empty amax_in that is not the result's buffer is refused (the core would
+// raise a buffer XLA never filled).
+inline ffi::Error amax_accumulation(const char *op, const ffi::AnyBuffer &amax_in, bool compute_amax,
+                                    const ffi::AnyBuffer &amax, bool *accumulate) {
+  *accumulate = amax_in.element_count() > 0;
+  if (!*accumulate) return ffi::Error::Success();
+  if (!compute_amax) return invalid(op, "amax_in needs compute_amax (it is raised by this call's amax)");
+  if (amax_in.untyped_data() != amax.untyped_data()) {
+    return invalid(op, "amax_in must be aliased to the amax result (input_output_aliases)");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace te_jax
 
 namespace xla::ffi {

@@ -30,7 +30,8 @@ ffi::Error norm_config(const char *op, int32_t norm_type, float eps, bool zero_c
 }
 
 ffi::Error NormForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
-                           ffi::AnyBuffer scale, ffi::AnyBuffer gate, ffi::Result<ffi::AnyBuffer> y,
+                           ffi::AnyBuffer scale, ffi::AnyBuffer gate, ffi::AnyBuffer amax_in,
+                           ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::AnyBuffer> mu, ffi::Result<ffi::AnyBuffer> rsigma,
                            ffi::Result<ffi::AnyBuffer> y_fp8,
                            ffi::Result<ffi::AnyBuffer> y_fp8_columnwise,
@@ -45,6 +46,9 @@ ffi::Error NormForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffe
   if (!fp8 && (columnwise || compute_amax)) {
     return invalid(op, "columnwise and compute_amax need fp8 (they describe the FP8 output)");
   }
+  bool accumulate = false;
+  TE_JAX_RETURN_IF_ERROR(amax_accumulation(op, amax_in, compute_amax, *amax, &accumulate));
+  config.accumulate_amax = accumulate ? 1 : 0;
   const bool ln = config.type == TE_NORM_LAYERNORM;
   Tensor tx, tgamma, tbeta, ty, tq, tmu, trsigma;
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "x", x, dev, &tx));
@@ -79,6 +83,7 @@ auto TeNormForwardBinding() {
       .Arg<ffi::AnyBuffer>()  // beta [N] (LayerNorm; zero-size for RMSNorm)
       .Arg<ffi::AnyBuffer>()  // scale fp32 [1] of the FP8 output (read when fp8)
       .Arg<ffi::AnyBuffer>()  // gate fp32 [1] of the FP8 output, or empty for none (tensor.h)
+      .Arg<ffi::AnyBuffer>()  // amax_in: fp32 [1] raised by this call (aliased to amax), or empty
       .Ret<ffi::AnyBuffer>()  // y, x's shape and dtype (empty unless write_output)
       .Ret<ffi::AnyBuffer>()  // mu fp32 [M] (LayerNorm; zero-size for RMSNorm)
       .Ret<ffi::AnyBuffer>()  // rsigma fp32 [M]

@@ -10,7 +10,7 @@
 namespace te_jax {
 namespace {
 
-ffi::Error QuantizeImpl(ffi::AnyBuffer input, ffi::AnyBuffer scale,
+ffi::Error QuantizeImpl(ffi::AnyBuffer input, ffi::AnyBuffer scale, ffi::AnyBuffer amax_in,
                         ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> columnwise_data,
                         ffi::Result<ffi::AnyBuffer> scale_inv,
                         ffi::Result<ffi::AnyBuffer> columnwise_scale_inv,
@@ -39,7 +39,9 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer input, ffi::AnyBuffer scale,
     }
   }
   if (compute_amax) TE_JAX_RETURN_IF_ERROR(out.set(TE_SLOT_AMAX, "amax", *amax, dev));
-  const te_quantize_config config{force_pow2_scales ? 1 : 0, amax_epsilon, 0};
+  bool accumulate = false;
+  TE_JAX_RETURN_IF_ERROR(amax_accumulation(op, amax_in, compute_amax, *amax, &accumulate));
+  const te_quantize_config config{force_pow2_scales ? 1 : 0, amax_epsilon, accumulate ? 1 : 0};
   return from_status(te_quantize(in.get(), out.get(), &config, dev.stream));
 }
 
@@ -47,6 +49,7 @@ auto TeQuantizeBinding() {
   return ffi::Ffi::Bind()
       .Arg<ffi::AnyBuffer>()  // input: fp32/fp16/bf16
       .Arg<ffi::AnyBuffer>()  // scale: fp32 [1] (TENSOR mode; ignored by the block modes)
+      .Arg<ffi::AnyBuffer>()  // amax_in: fp32 [1] raised by this call (aliased to amax), or empty
       .Ret<ffi::AnyBuffer>()  // data: FP8, the input's shape (empty unless rowwise)
       .Ret<ffi::AnyBuffer>()  // columnwise_data: FP8 transpose [K, M] (empty unless columnwise)
       .Ret<ffi::AnyBuffer>()  // scale_inv: [1], or the row-wise block scales

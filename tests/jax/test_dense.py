@@ -3,6 +3,8 @@ transformations (jit, grad, vmap, donation), trace-time errors, and the HLO they
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -265,6 +267,11 @@ def test_hlo_holds_our_custom_calls():
     assert counts["te_quantize_ffi"] == 2 and counts["te_activation_backward_ffi"] == 2
     assert counts["te_compute_amax_ffi"] == 2  # the first-step amaxes of x and kernel
     assert counts["te_delayed_scaling_update_ffi"] == 1  # the step's update: every role
+    # Each cast raises its first-step twin's amax in that buffer (no zeroed amax of its own).
+    raising = [line for line in text.splitlines()
+               if re.search(r'custom_call_target="te_(quantize|activation_backward)_ffi"', line)
+               and "output_to_operand_aliasing" in line]
+    assert len(raising) == 3, raising
     assert hlo.count_fp8_gemms(text) == 3  # forward, dgrad, wgrad
     # Without autocast: the same three GEMMs in fp32 through our target, no XLA dot.
     text = _compiled(jax.grad(lambda p, x: _loss(layer.apply({"params": p}, x)), argnums=(0, 1)),

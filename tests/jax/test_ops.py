@@ -166,6 +166,47 @@ def test_fp8_gemm_and_output_amax(a_fmt, b_fmt):
     assert_close(amax, [np.abs(expected).max()], "fp8_exact")
 
 
+def _amax_raising_calls(x, scale, amax_into):
+    """Each op that casts a tensor and gives its amax, with ``amax_into``: (name, amax)."""
+    gamma, beta = jnp.ones(x.shape[-1], x.dtype), jnp.zeros(x.shape[-1], x.dtype)
+    e4m3, e5m2, gelu = jnp.float8_e4m3fn, jnp.float8_e5m2, ops.Activation.GELU
+    return {
+        "quantize": ops.quantize(x, scale, e4m3, amax_into=amax_into).amax,
+        "norm_forward_fp8": ops.norm_forward_fp8(x, gamma, beta, scale, e4m3,
+                                                 amax_into=amax_into)[1].amax,
+        "activation_forward_fp8": ops.activation_forward_fp8(x, gelu, scale, e4m3,
+                                                             amax_into=amax_into).amax,
+        "activation_backward_fp8": ops.activation_backward_fp8(x, x, gelu, scale, e5m2,
+                                                               amax_into=amax_into)[0].amax,
+    }
+
+
+@pytest.mark.parametrize("given", [0.0, 0.5, 1e6, np.nan], ids=["zero", "below", "above", "nan"])
+def test_amax_into_raises_the_given_amax(given):
+    """amax_into gives max(amax_into, the call's amax), NaN kept, under jit (where the
+    argument's buffer is the result's) and eagerly; the casts themselves are unchanged."""
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((32, 48)), jnp.bfloat16)
+    scale = jnp.array([2.0], jnp.float32)
+    own = _amax_raising_calls(x, scale, None)
+    given = jnp.array([given], jnp.float32)
+    for raised in (_amax_raising_calls(x, scale, given),
+                   jax.jit(lambda a: _amax_raising_calls(x, scale, a))(given)):
+        for name, amax in raised.items():
+            want = np.nan if np.isnan(given[0]) else max(float(given[0]), float(own[name][0]))
+            np.testing.assert_array_equal(np.asarray(amax), np.float32([want]), err_msg=name)
+    q0 = ops.quantize(x, scale, jnp.float8_e4m3fn)
+    q1 = ops.quantize(x, scale, jnp.float8_e4m3fn, amax_into=jnp.array([9.0], jnp.float32))
+    np.testing.assert_array_equal(np.asarray(q0.data, np.float32), np.asarray(q1.data, np.float32))
+
+
+def test_amax_into_leaves_its_argument_as_it_was():
+    given = jnp.array([0.25], jnp.float32)
+    x = jnp.full((16, 16), 3.0, jnp.float32)
+    amax = jax.jit(lambda a: ops.quantize(x, jnp.ones(1, jnp.float32), jnp.float8_e4m3fn,
+                                          amax_into=a).amax)(given)
+    assert float(amax[0]) == 3.0 and float(given[0]) == 0.25
+
+
 def test_core_errors_reach_python_with_the_core_message():
     # An FP8 GEMM with M = 8: the core's check (not ours) rejects it at run time.
     q = ops.quantize(jnp.ones((8, 16)), jnp.ones((1,)), jnp.float8_e4m3fn)

@@ -5,7 +5,8 @@ that computes it writes its FP8 data (row-wise and the transpose that the wgrad 
 and its amax in the same pass: the norm writes the first GEMM's input, the activation the
 second GEMM's input, the activation's backward the gradient of the first GEMM's output (with
 the bias gradient). A first step (an empty amax history) first asks the same kernel, gated
-on the history, for the tensor's amax (quantizer.step_scale). Current scaling needs the
+on the history, for the tensor's amax (quantizer.step_scale); the casting kernel then raises
+that amax with its own, which needs no zeroed buffer. Current scaling needs the
 tensor's amax before its scale, so the kernel writes the high-precision tensor and its amax,
 and a quantization follows; block scaling has no fused kernel and quantizes the
 high-precision tensor by blocks.
@@ -75,8 +76,9 @@ def norm_quantized(x2, gamma, beta, cfg: NormConfig, qset: QuantizerSet, need_ou
             return ops.norm_forward_fp8(x2, gamma, beta, qset.state["x"]["scale"], dtype,
                                         columnwise=False, gate=gate, **cfg.kwargs())[1].amax
 
-        return ops.norm_forward_fp8(x2, gamma, beta, step_scale(qset, "x", amax_of), dtype,
-                                    write_output=need_output, columnwise=True, compute_amax=True,
+        scale, first = step_scale(qset, "x", amax_of)
+        return ops.norm_forward_fp8(x2, gamma, beta, scale, dtype, write_output=need_output,
+                                    columnwise=True, compute_amax=True, amax_into=first,
                                     **cfg.kwargs())
     y, mu, rsigma = ops.norm_forward(x2, gamma, beta, **cfg.kwargs())
     return y, quantize_role(y, qset, "x"), mu, rsigma
@@ -92,7 +94,8 @@ def activation_quantized(h, act: ops.Activation, qset: QuantizerSet) -> ops.Quan
             return ops.activation_forward_fp8(h, act, qset.state["x"]["scale"], dtype,
                                               columnwise=False, gate=gate).amax
 
-        return ops.activation_forward_fp8(h, act, step_scale(qset, "x", amax_of), dtype)
+        scale, first = step_scale(qset, "x", amax_of)
+        return ops.activation_forward_fp8(h, act, scale, dtype, amax_into=first)
     if kind == "current":
         # the scale from an amax-only pass, then one FP8 pass (no high-precision act(h))
         amax = ops.activation_amax(h, act)
@@ -116,8 +119,9 @@ def grad_quantized(dy, act: ops.Activation, act_input: Optional[jax.Array], qset
             return ops.activation_backward_fp8(dy, act_input, act, qset.state["grad"]["scale"],
                                                dtype, columnwise=False, gate=gate)[0].amax
 
-        return ops.activation_backward_fp8(dy, act_input, act, step_scale(qset, "grad", amax_of),
-                                           dtype, dbias_dtype=dbias_dtype)
+        scale, first = step_scale(qset, "grad", amax_of)
+        return ops.activation_backward_fp8(dy, act_input, act, scale, dtype,
+                                           dbias_dtype=dbias_dtype, amax_into=first)
     if kind == "current":
         # the scale from dy's amax (or an amax-only pass of the activation's backward), then
         # one pass: act' * dy + bias gradient + cast + transpose (no high-precision copy)

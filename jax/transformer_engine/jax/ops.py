@@ -106,12 +106,15 @@ def _block_scale_shape(mode: ScalingMode, m: int, k: int) -> tuple[int, int]:
 def quantize(x: jax.Array, scale: Optional[jax.Array], dtype, *,
              scaling_mode: ScalingMode = ScalingMode.TENSOR, rowwise: bool = True,
              columnwise: bool = False, compute_amax: bool = True,
-             force_pow2_scales: bool = False, amax_epsilon: float = 0.0) -> QuantizedTensor:
+             force_pow2_scales: bool = False, amax_epsilon: float = 0.0,
+             amax_into: Optional[jax.Array] = None) -> QuantizedTensor:
     """Quantizes ``x`` (fp32/fp16/bf16) to FP8 ``dtype`` in one pass: the row-wise data, the
     column-wise (transposed) data, or both, and the amax.
 
     ``scale`` ([1] fp32) is the TENSOR mode's scale; the block modes compute theirs per block
-    (with ``force_pow2_scales`` and ``amax_epsilon``) and take ``scale=None``.
+    (with ``force_pow2_scales`` and ``amax_epsilon``) and take ``scale=None``. ``amax_into``
+    ([1] fp32, with ``compute_amax``): the amax returned is max(amax_into, max|x|), raised in
+    place of amax_into's buffer (no zeroing of a fresh one).
     """
     mode = ScalingMode(scaling_mode)
     if x.ndim < 1:
@@ -150,12 +153,14 @@ def quantize(x: jax.Array, scale: Optional[jax.Array], dtype, *,
         flat = (jax.ShapeDtypeStruct((m, k), fp8) if rowwise else _empty(fp8), *results[1:])
         out = part.quantize(x.reshape(m, k), scale, body, flat, rowwise=rowwise,
                             columnwise=columnwise, compute_amax=compute_amax)
+        out = _raised(out, 4, amax_into)
         data = out[0].reshape(x.shape) if rowwise else out[0]
         return QuantizedTensor(data, *out[1:])
-    call = jax.ffi.ffi_call(TARGETS["quantize"], results, vmap_method=_VMAP)
-    out = call(x, scale, scaling_mode=np.int32(mode), rowwise=bool(rowwise),
-               columnwise=bool(columnwise), compute_amax=bool(compute_amax),
-               force_pow2_scales=bool(force_pow2_scales), amax_epsilon=np.float32(amax_epsilon))
+    out = _call_raising_amax("quantize", results, (x, scale), 4, amax_into,
+                             scaling_mode=np.int32(mode), rowwise=bool(rowwise),
+                             columnwise=bool(columnwise), compute_amax=bool(compute_amax),
+                             force_pow2_scales=bool(force_pow2_scales),
+                             amax_epsilon=np.float32(amax_epsilon))
     return QuantizedTensor(*out)
 
 
@@ -183,6 +188,31 @@ def compute_amax(x: jax.Array, *, gate: Optional[jax.Array] = None) -> jax.Array
 
 def _gate(gate: Optional[jax.Array]) -> jax.Array:
     return _zeros_f32() if gate is None else jnp.reshape(gate, (1,)).astype(_F32)
+
+
+def _call_raising_amax(target: str, results, args: tuple, amax_index: int,
+                       amax_into: Optional[jax.Array], **attrs):
+    """``ffi_call(target)`` of an op whose handler takes a last argument ``amax_in``: with
+    ``amax_into`` ([1] fp32) the op raises that amax to max(itself, this call's) instead of
+    writing its own (result ``amax_index`` aliases it: XLA hands the core that buffer, and the
+    core skips the zeroing a fresh amax needs), else the argument is empty."""
+    aliases = {}
+    if amax_into is not None:
+        aliases = {len(args): amax_index}
+        amax_into = jnp.reshape(amax_into, (1,)).astype(_F32)
+    call = jax.ffi.ffi_call(TARGETS[target], results, vmap_method=_VMAP,
+                            input_output_aliases=aliases)
+    return call(*args, _zeros_f32() if amax_into is None else amax_into, **attrs)
+
+
+def _raised(out, amax_index: int, amax_into: Optional[jax.Array]):
+    """A partitioned call's results with its amax raised to ``amax_into`` (jnp: the
+    partitioned body writes its amax afresh)."""
+    if amax_into is None:
+        return out
+    out = list(out)
+    out[amax_index] = jnp.maximum(jnp.reshape(amax_into, (1,)).astype(_F32), out[amax_index])
+    return tuple(out)
 
 
 def scale_from_amax(amax: jax.Array, dtype, *, force_pow2_scales: bool = False,
@@ -386,7 +416,7 @@ def _norm_backward_workspace_bytes(rows: int, cols: int) -> int:
 
 
 def _norm_forward_call(x, gamma, beta, scale, fp8, *, norm_type, epsilon, zero_centered_gamma,
-                       write_output, columnwise, compute_amax, gate=None):
+                       write_output, columnwise, compute_amax, gate=None, amax_into=None):
     kind = NormType(norm_type)
     m, n = math.prod(x.shape[:-1]), x.shape[-1]
     ln = kind == NormType.LAYERNORM
@@ -417,12 +447,12 @@ def _norm_forward_call(x, gamma, beta, scale, fp8, *, norm_type, epsilon, zero_c
         for i in (0, 3):
             if results[i].shape == x.shape:
                 out[i] = out[i].reshape(x.shape)
-        return tuple(out)
-    call = jax.ffi.ffi_call(TARGETS["norm_forward"], results, vmap_method=_VMAP)
-    return call(*args, norm_type=np.int32(kind),
-                eps=np.float32(epsilon), zero_centered_gamma=bool(zero_centered_gamma),
-                write_output=bool(write_output), fp8=fp8 is not None,
-                columnwise=bool(columnwise), compute_amax=bool(compute_amax))
+        return _raised(out, 6, amax_into)
+    return _call_raising_amax("norm_forward", results, args, 6, amax_into,
+                              norm_type=np.int32(kind), eps=np.float32(epsilon),
+                              zero_centered_gamma=bool(zero_centered_gamma),
+                              write_output=bool(write_output), fp8=fp8 is not None,
+                              columnwise=bool(columnwise), compute_amax=bool(compute_amax))
 
 
 def norm_forward(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array], *,
@@ -445,20 +475,22 @@ def norm_forward_fp8(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
                      scale: jax.Array, dtype, *, norm_type: NormType = NormType.LAYERNORM,
                      epsilon: float = 1e-6, zero_centered_gamma: bool = False,
                      write_output: bool = False, columnwise: bool = True,
-                     compute_amax: bool = True, gate: Optional[jax.Array] = None):
+                     compute_amax: bool = True, gate: Optional[jax.Array] = None,
+                     amax_into: Optional[jax.Array] = None):
     """:func:`norm_forward` whose y comes out as per-tensor FP8 ``dtype`` with ``scale``
     ([1] float32), in the same pass: the operand of an FP8 GEMM.
 
     Returns ``(y, q, mu, rsigma)``: y in x's dtype when ``write_output`` (else None), q a
     :class:`QuantizedTensor` with the row-wise data, the transpose [N, M] when
-    ``columnwise``, scale_inv [1] and max|y| when ``compute_amax``.
+    ``columnwise``, scale_inv [1] and max|y| when ``compute_amax`` (max(amax_into, max|y|)
+    with ``amax_into``, raised in its buffer as :func:`quantize` does).
     """
     fp8 = jnp.dtype(dtype)
     _te_fp8(fp8)
     y, mu, rsigma, data, col, scale_inv, amax = _norm_forward_call(
         x, gamma, beta, scale, fp8, norm_type=norm_type, epsilon=epsilon,
         zero_centered_gamma=zero_centered_gamma, write_output=write_output,
-        columnwise=columnwise, compute_amax=compute_amax, gate=gate)
+        columnwise=columnwise, compute_amax=compute_amax, gate=gate, amax_into=amax_into)
     q = QuantizedTensor(data, col, scale_inv, _zeros_f32(), amax)
     return (y if write_output else None), q, mu, rsigma
 
@@ -577,7 +609,8 @@ def _as_rows(x: jax.Array) -> jax.Array:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-def _activation_forward_call(x, act, scale, gate, fp8, *, rowwise, columnwise, compute_amax):
+def _activation_forward_call(x, act, scale, gate, fp8, *, rowwise, columnwise, compute_amax,
+                             amax_into=None):
     """The activation's custom call: (y or FP8 data, transpose, scale_inv, amax); ``fp8``
     None gives y in x's dtype (none with ``rowwise`` False: the amax alone) and empty FP8
     slots."""
@@ -606,11 +639,11 @@ def _activation_forward_call(x, act, scale, gate, fp8, *, rowwise, columnwise, c
                                            compute_amax=compute_amax))
         if rowwise:
             out[0] = out[0].reshape(shape)
-        return tuple(out)
-    call = jax.ffi.ffi_call(TARGETS["activation_forward"], results, vmap_method=_VMAP)
-    return call(*args, act=np.int32(kind_of(act)), rowwise=bool(rowwise),
-                columnwise=bool(columnwise) and fp8 is not None,
-                compute_amax=bool(compute_amax), **_params_attrs(act))
+        return _raised(out, 3, amax_into)
+    return _call_raising_amax("activation_forward", results, args, 3, amax_into,
+                              act=np.int32(kind_of(act)), rowwise=bool(rowwise),
+                              columnwise=bool(columnwise) and fp8 is not None,
+                              compute_amax=bool(compute_amax), **_params_attrs(act))
 
 
 def activation_forward(x: jax.Array, act: Activation, *, compute_amax: bool = False):
@@ -632,21 +665,23 @@ def activation_amax(x: jax.Array, act) -> jax.Array:
 
 def activation_forward_fp8(x: jax.Array, act: Activation, scale: jax.Array, dtype, *,
                            rowwise: bool = True, columnwise: bool = True,
-                           compute_amax: bool = True,
-                           gate: Optional[jax.Array] = None) -> QuantizedTensor:
+                           compute_amax: bool = True, gate: Optional[jax.Array] = None,
+                           amax_into: Optional[jax.Array] = None) -> QuantizedTensor:
     """act(x) as per-tensor FP8 ``dtype`` with ``scale`` ([1] fp32), in one pass: the
-    row-wise data, the transpose [N, M], or both, with scale_inv and the amax."""
+    row-wise data, the transpose [N, M], or both, with scale_inv and the amax
+    (max(amax_into, max|act(x)|) with ``amax_into``, raised in its buffer as
+    :func:`quantize` does)."""
     act = act if isinstance(act, ClampedSwiGLU) else Activation(act)
     fp8 = jnp.dtype(dtype)
     _te_fp8(fp8)
     data, col, scale_inv, amax = _activation_forward_call(
         x, act, scale, gate, fp8, rowwise=rowwise, columnwise=columnwise,
-        compute_amax=compute_amax)
+        compute_amax=compute_amax, amax_into=amax_into)
     return QuantizedTensor(data, col, scale_inv, _zeros_f32(), amax)
 
 
 def _activation_backward_call(dy, x, act, scale, fp8, dbias_dtype, *, rowwise, columnwise,
-                              compute_amax, gate=None):
+                              compute_amax, gate=None, amax_into=None):
     """The activation's backward custom call: (grad_input or its FP8 data, transpose,
     scale_inv, amax, dbias); ``fp8`` None gives grad_input in dy's dtype."""
     act = act if isinstance(act, ClampedSwiGLU) else Activation(act)
@@ -689,12 +724,12 @@ def _activation_backward_call(dy, x, act, scale, fp8, dbias_dtype, *, rowwise, c
                                             compute_amax=compute_amax))
         if rowwise:
             out[0] = out[0].reshape(shape)
-        return tuple(out)
-    call = jax.ffi.ffi_call(TARGETS["activation_backward"], (*results, dbias), vmap_method=_VMAP)
-    return call(*args, act=np.int32(kind_of(act)), rowwise=bool(rowwise),
-                columnwise=bool(columnwise) and fp8 is not None,
-                compute_amax=bool(compute_amax), compute_dbias=dbias_dtype is not None,
-                **_params_attrs(act))
+        return _raised(out, 3, amax_into)
+    return _call_raising_amax("activation_backward", (*results, dbias), args, 3, amax_into,
+                              act=np.int32(kind_of(act)), rowwise=bool(rowwise),
+                              columnwise=bool(columnwise) and fp8 is not None,
+                              compute_amax=bool(compute_amax),
+                              compute_dbias=dbias_dtype is not None, **_params_attrs(act))
 
 
 def activation_backward(dy: jax.Array, x: Optional[jax.Array], act: Activation, *,
@@ -721,16 +756,18 @@ def activation_backward_amax(dy: jax.Array, x: jax.Array, act) -> jax.Array:
 def activation_backward_fp8(dy: jax.Array, x: Optional[jax.Array], act: Activation,
                             scale: jax.Array, dtype, *, dbias_dtype=None, rowwise: bool = True,
                             columnwise: bool = True, compute_amax: bool = True,
-                            gate: Optional[jax.Array] = None):
+                            gate: Optional[jax.Array] = None,
+                            amax_into: Optional[jax.Array] = None):
     """:func:`activation_backward` whose grad_input comes out as per-tensor FP8 ``dtype``
-    (row-wise and/or the transpose, scale_inv, amax), with the bias gradient of the fp32
-    values in the same pass. With IDENTITY this is the fused bias gradient + cast +
+    (row-wise and/or the transpose, scale_inv, amax: max(amax_into, this call's) with
+    ``amax_into``, raised in its buffer as :func:`quantize` does), with the bias gradient of
+    the fp32 values in the same pass. With IDENTITY this is the fused bias gradient + cast +
     transpose of a dense layer's grad_output. Returns ``(q, dbias)`` (dbias None unless
     ``dbias_dtype``)."""
     fp8 = jnp.dtype(dtype)
     _te_fp8(fp8)
     data, col, scale_inv, amax, dbias = _activation_backward_call(
         dy, x, act, scale, fp8, dbias_dtype, rowwise=rowwise, columnwise=columnwise,
-        compute_amax=compute_amax, gate=gate)
+        compute_amax=compute_amax, gate=gate, amax_into=amax_into)
     q = QuantizedTensor(data, col, scale_inv, _zeros_f32(), amax)
     return q, (dbias if dbias_dtype is not None else None)

@@ -140,10 +140,9 @@ def quantize_role(x2: jax.Array, qset: QuantizerSet, role: str, *,
     plan = _plan_of(recipe)
     dtype = role_dtype(recipe, role)
     if plan.kind == "delayed":
-        scale = step_scale(qset, role, lambda gate: ops.compute_amax(x2, gate=gate))
-        q = ops.quantize(x2, scale, dtype, rowwise=True, columnwise=columnwise,
-                         compute_amax=True)
-        return q
+        scale, first = step_scale(qset, role, lambda gate: ops.compute_amax(x2, gate=gate))
+        return ops.quantize(x2, scale, dtype, rowwise=True, columnwise=columnwise,
+                            compute_amax=True, amax_into=first)
     if plan.kind == "current":
         amax = ops.compute_amax(x2)
         scale, _ = ops.scale_from_amax(amax, dtype, force_pow2_scales=plan.force_pow2_scales,
@@ -160,8 +159,11 @@ def quantize_role(x2: jax.Array, qset: QuantizerSet, role: str, *,
     raise NotImplementedError(f"quantize_role: plan kind {plan.kind!r} is not supported")
 
 
-def step_scale(qset: QuantizerSet, role: str, amax_of) -> jax.Array:
-    """The scale that delayed scaling gives ``role``'s tensor in this step.
+def step_scale(qset: QuantizerSet, role: str, amax_of) -> tuple[jax.Array, jax.Array]:
+    """The scale that delayed scaling gives ``role``'s tensor in this step, and the gated
+    call's amax (the tensor's on a first step, else 0): the op that then casts the tensor
+    raises that amax with its own (``amax_into``), which gives the tensor's amax either way
+    and spares the zeroing of a fresh one.
 
     A role whose amax history is still empty (all zero with the initial scale of 1: a first
     step, or a reset state) is
@@ -177,14 +179,16 @@ def step_scale(qset: QuantizerSet, role: str, amax_of) -> jax.Array:
     # Empty: an all-zero history and the initial scale of 1 (a history of one step is all
     # zero again after each update; the scale tells the steps after the first apart).
     gate = jnp.max(state["amax_history"], keepdims=True) + jnp.abs(state["scale"] - 1.0)
+    first = amax_of(gate)
     # Under vmap the state is shared: the scale of one call on the whole batch.
-    amax = _amax_of_all_mapped(amax_of(gate))
+    amax = _amax_of_all_mapped(first)
     # The update's rule written in jnp rather than a call of the core's update: XLA fuses it
     # into the ops around it, where a call per role was a kernel and a copy of the stored
     # scale (the call writes in place) three times per GEMM at every step, for a rule that
     # only the first step needs. Same bits: one IEEE division by the amax, one by 2^margin.
     plan = _plan_of(qset.recipe)
-    return _delayed_scale(amax, state["scale"], plan.fp8_max_of(_PLAN_ROLE[role]), plan.margin)
+    scale = _delayed_scale(amax, state["scale"], plan.fp8_max_of(_PLAN_ROLE[role]), plan.margin)
+    return scale, first
 
 
 def _delayed_scale(amax, scale, fp8_max: float, margin: int):
