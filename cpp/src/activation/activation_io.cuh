@@ -21,8 +21,9 @@ constexpr int kThreads = kStageThreads;  // 256: 16 x 16 patches of 8x8
 constexpr int kPatchesPerRow = kTile / 8;
 
 // The kind of output, a template parameter so that the row loop has no branch on it: FP8 in
-// either format (row-wise and/or transposed), or high precision (fp32/fp16/bf16, row-wise).
-enum class Out { kHighPrecision, kE4M3, kE5M2 };
+// either format (row-wise and/or transposed), high precision (fp32/fp16/bf16, row-wise), or
+// none (the amax alone: current scaling's first pass), whose kernel then holds no store code.
+enum class Out { kHighPrecision, kE4M3, kE5M2, kAmaxOnly };
 
 struct ActParams {
   const void *input;
@@ -231,12 +232,25 @@ __device__ __forceinline__ uint32_t fp8x4_raw(float a, float b, float c, float d
 
 // Eight high-precision values of row-wise index i.. (fp32 NaN written as kCanonicalNaN; the
 // 16-bit conversions write their own canonical NaN). Fast: one or two 128-bit stores.
+// The 16-bit stores branch on the dtype (uniform across the grid) before converting: a select
+// between the two conversions computed both for every element, and the fp16 one (subnormals,
+// rounding) costs more than the activation's own arithmetic, in a kernel that is issue-bound.
 __device__ __forceinline__ void store_hp_one(void *out, int64_t i, te_dtype dt, float v) {
   if (dt == TE_DTYPE_FLOAT32) {
     static_cast<float *>(out)[i] = canonical(v);
+  } else if (dt == TE_DTYPE_BFLOAT16) {
+    static_cast<uint16_t *>(out)[i] = float_to_bf16(v);
   } else {
-    static_cast<uint16_t *>(out)[i] = dt == TE_DTYPE_BFLOAT16 ? float_to_bf16(v) : float_to_fp16(v);
+    static_cast<uint16_t *>(out)[i] = float_to_fp16(v);
   }
+}
+
+template <uint16_t (*kConvert)(float)>
+__device__ __forceinline__ uint4 pack_eight(const float (&y)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) w[k] = kConvert(y[2 * k]) | (static_cast<uint32_t>(kConvert(y[2 * k + 1])) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 __device__ __forceinline__ void store_hp_eight(void *out, int64_t i, te_dtype dt, const float (&y)[8]) {
@@ -244,16 +258,10 @@ __device__ __forceinline__ void store_hp_eight(void *out, int64_t i, te_dtype dt
     float4 *q = reinterpret_cast<float4 *>(static_cast<float *>(out) + i);
     q[0] = make_float4(canonical(y[0]), canonical(y[1]), canonical(y[2]), canonical(y[3]));
     q[1] = make_float4(canonical(y[4]), canonical(y[5]), canonical(y[6]), canonical(y[7]));
+  } else if (dt == TE_DTYPE_BFLOAT16) {
+    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + i) = pack_eight<float_to_bf16>(y);
   } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const bool bf = dt == TE_DTYPE_BFLOAT16;
-      const uint32_t a = bf ? float_to_bf16(y[2 * k]) : float_to_fp16(y[2 * k]);
-      const uint32_t b = bf ? float_to_bf16(y[2 * k + 1]) : float_to_fp16(y[2 * k + 1]);
-      w[k] = a | (b << 16);
-    }
-    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + i) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + i) = pack_eight<float_to_fp16>(y);
   }
 }
 

@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBl
   using S = Shape<kIn, kAct, kBackward>;
   using T = StagedTile<kIn>;
   constexpr int kOps = S::kOps, kOut = S::kOut;
-  constexpr bool kFp8 = kKind != Out::kHighPrecision;
+  constexpr bool kFp8 = kKind == Out::kE4M3 || kKind == Out::kE5M2;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ uint32_t warp_amax[kThreads / 32];
   const int pr = threadIdx.x / kPatchesPerRow, pc = threadIdx.x % kPatchesPerRow;
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBl
         if constexpr (kFp8) {
           lo[q][i] = fp8x4_raw<kKind>(y[q][0] * scale, y[q][1] * scale, y[q][2] * scale, y[q][3] * scale);
           hi[q][i] = fp8x4_raw<kKind>(y[q][4] * scale, y[q][5] * scale, y[q][6] * scale, y[q][7] * scale);
-        } else if (p.out != nullptr) {  // (none: an amax-only call)
+        } else if constexpr (kKind == Out::kHighPrecision) {
           const int64_t base = row * p.out_cols + q * p.n + pcol;  // row-wise index of y[q][0]
           if (p.fast) {
             if (row < p.rows && pcol < p.n) store_hp_eight(p.out, base, p.out_dtype, y[q]);
@@ -251,7 +251,10 @@ te_status launch(ActParams p, cudaStream_t stream, int sms) {
 
 template <te_dtype kIn, te_activation kAct, bool kBackward>
 te_status launch_kind(const ActParams &p, cudaStream_t stream, int sms) {
-  if (!p.fp8) return launch<kIn, kAct, kBackward, Out::kHighPrecision>(p, stream, sms);
+  if (!p.fp8) {  // an amax-only call (no output at all) has a kernel of its own, without stores
+    return p.out == nullptr ? launch<kIn, kAct, kBackward, Out::kAmaxOnly>(p, stream, sms)
+                            : launch<kIn, kAct, kBackward, Out::kHighPrecision>(p, stream, sms);
+  }
   if (p.out_dtype == TE_DTYPE_FLOAT8_E4M3) return launch<kIn, kAct, kBackward, Out::kE4M3>(p, stream, sms);
   return launch<kIn, kAct, kBackward, Out::kE5M2>(p, stream, sms);
 }
