@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The JAX stack's status in one short GPU run: builds the core (CUDA, sm_90a) and the torch and
 # jax packages; the CUDA tests of the scale update and the activations (bit for bit against the
-# CPU); bench_transformer_layer_jax.py --model for about 90 s (it writes its JSON after each
+# CPU; the core's activation tests of every output kind but the FP8 value sweeps); bench_transformer_layer_jax.py --model for about 90 s (it writes its JSON after each
 # hidden size, 1024 first: results/model_jax.json); the stack's kernels at hidden 1024
 # (kernel_profile_jax.py); then, with the time left, the JAX GPT demo (GPU size) with its
 # gradient norms (results/gpt_demo_jax_norms.json; TE_GPU_JAX_DEMO=0 leaves it out: about
@@ -18,6 +18,9 @@ step build_jax 120 python3 -m pip install --no-build-isolation --no-deps -q ./ja
 export TE_BENCH_RESULTS=$out
 step cuda_tests "$(upto $((budget - 20)) 60)" python3 -m pytest -p no:cacheprovider -q \
   -m cuda -rfE tests/common/test_scaling.py tests/jax/test_cuda.py tests/jax/test_cuda_layernorm_mlp.py
+step activation_tests "$(upto $((budget - 20)) 45)" python3 -m pytest -p no:cacheprovider -q \
+  -m cuda -rfE tests/common/test_activation.py \
+  -k "half_precision or nan or magnitudes or amax_only or many_tiles or degenerate or identity"
 step model_jax "$(upto $((budget - 20)) 100)" python3 benchmarks/bench_transformer_layer_jax.py \
   --model --name "model_jax$suffix"
 step jax_profile_1024 "$(upto $((budget - 5)) 75)" python3 benchmarks/kernel_profile_jax.py \
