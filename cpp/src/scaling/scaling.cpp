@@ -39,7 +39,6 @@ bool fp8_dtype_of(Checker &check, const te_tensor *t, te_dtype *dtype) {
   return true;
 }
 
-
 // Both delayed-scaling entry points: checks every group (nothing is written on failure), then
 // one update of all of them. fp8_dtypes are checked by the callers.
 te_status delayed_update(Checker &check, te_tensor *const *amax_histories, te_tensor *const *step_amaxes,
