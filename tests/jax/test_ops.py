@@ -207,6 +207,15 @@ def test_amax_into_leaves_its_argument_as_it_was():
     assert float(amax[0]) == 3.0 and float(given[0]) == 0.25
 
 
+def test_amax_into_is_checked_at_trace_time():
+    x, scale = jnp.ones((16, 16)), jnp.ones((1,))
+    with pytest.raises(ValueError, match="quantize: amax_into needs compute_amax=True"):
+        ops.quantize(x, scale, jnp.float8_e4m3fn, compute_amax=False, amax_into=jnp.zeros(1))
+    with pytest.raises(ValueError, match=r"activation_forward: amax_into must be a \[1\]"):
+        ops.activation_forward_fp8(x, ops.Activation.GELU, scale, jnp.float8_e4m3fn,
+                                   amax_into=jnp.zeros(2))
+
+
 def test_core_errors_reach_python_with_the_core_message():
     # An FP8 GEMM with M = 8: the core's check (not ours) rejects it at run time.
     q = ops.quantize(jnp.ones((8, 16)), jnp.ones((1,)), jnp.float8_e4m3fn)

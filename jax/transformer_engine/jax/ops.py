@@ -153,7 +153,7 @@ def quantize(x: jax.Array, scale: Optional[jax.Array], dtype, *,
         flat = (jax.ShapeDtypeStruct((m, k), fp8) if rowwise else _empty(fp8), *results[1:])
         out = part.quantize(x.reshape(m, k), scale, body, flat, rowwise=rowwise,
                             columnwise=columnwise, compute_amax=compute_amax)
-        out = _raised(out, 4, amax_into)
+        out = _raised("quantize", out, 4, amax_into)
         data = out[0].reshape(x.shape) if rowwise else out[0]
         return QuantizedTensor(data, *out[1:])
     out = _call_raising_amax("quantize", results, (x, scale), 4, amax_into,
@@ -198,6 +198,7 @@ def _call_raising_amax(target: str, results, args: tuple, amax_index: int,
     core skips the zeroing a fresh amax needs), else the argument is empty."""
     aliases = {}
     if amax_into is not None:
+        _check_amax_into(target, results, amax_index, amax_into)
         aliases = {len(args): amax_index}
         amax_into = jnp.reshape(amax_into, (1,)).astype(_F32)
     call = jax.ffi.ffi_call(TARGETS[target], results, vmap_method=_VMAP,
@@ -205,11 +206,21 @@ def _call_raising_amax(target: str, results, args: tuple, amax_index: int,
     return call(*args, _zeros_f32() if amax_into is None else amax_into, **attrs)
 
 
-def _raised(out, amax_index: int, amax_into: Optional[jax.Array]):
+def _check_amax_into(target: str, results, amax_index: int, amax_into) -> None:
+    if jnp.size(amax_into) != 1:
+        raise ValueError(f"{target}: amax_into must be a [1] float32 amax, got shape "
+                         f"{jnp.shape(amax_into)}")
+    if results[amax_index].shape != (1,):
+        raise ValueError(f"{target}: amax_into needs compute_amax=True (the call raises it "
+                         "with its own amax)")
+
+
+def _raised(target: str, out, amax_index: int, amax_into: Optional[jax.Array]):
     """A partitioned call's results with its amax raised to ``amax_into`` (jnp: the
     partitioned body writes its amax afresh)."""
     if amax_into is None:
         return out
+    _check_amax_into(target, out, amax_index, amax_into)
     out = list(out)
     out[amax_index] = jnp.maximum(jnp.reshape(amax_into, (1,)).astype(_F32), out[amax_index])
     return tuple(out)
@@ -447,7 +458,7 @@ def _norm_forward_call(x, gamma, beta, scale, fp8, *, norm_type, epsilon, zero_c
         for i in (0, 3):
             if results[i].shape == x.shape:
                 out[i] = out[i].reshape(x.shape)
-        return _raised(out, 6, amax_into)
+        return _raised("norm_forward", out, 6, amax_into)
     return _call_raising_amax("norm_forward", results, args, 6, amax_into,
                               norm_type=np.int32(kind), eps=np.float32(epsilon),
                               zero_centered_gamma=bool(zero_centered_gamma),
@@ -639,7 +650,7 @@ def _activation_forward_call(x, act, scale, gate, fp8, *, rowwise, columnwise, c
                                            compute_amax=compute_amax))
         if rowwise:
             out[0] = out[0].reshape(shape)
-        return _raised(out, 3, amax_into)
+        return _raised("activation_forward", out, 3, amax_into)
     return _call_raising_amax("activation_forward", results, args, 3, amax_into,
                               act=np.int32(kind_of(act)), rowwise=bool(rowwise),
                               columnwise=bool(columnwise) and fp8 is not None,
@@ -724,7 +735,7 @@ def _activation_backward_call(dy, x, act, scale, fp8, dbias_dtype, *, rowwise, c
                                             compute_amax=compute_amax))
         if rowwise:
             out[0] = out[0].reshape(shape)
-        return _raised(out, 3, amax_into)
+        return _raised("activation_backward", out, 3, amax_into)
     return _call_raising_amax("activation_backward", (*results, dbias), args, 3, amax_into,
                               act=np.int32(kind_of(act)), rowwise=bool(rowwise),
                               columnwise=bool(columnwise) and fp8 is not None,
