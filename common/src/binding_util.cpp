@@ -180,12 +180,12 @@ const char *const kSlotNames[TE_SLOT_COUNT] = {"data",      "columnwise_data",  
                                                "scale_inv", "columnwise_scale_inv", "amax",
                                                "gate"};
 
-
-// Builds a C handle for a Tensor (or a bare array, taken as a plain tensor's data).
+// make_handle for an optional argument: None gives an empty handle (a NULL tensor to the core).
 Handle optional_handle(const char *op, const char *name, nb::handle obj, unsigned writable_slots) {
   return obj.is_none() ? Handle() : make_handle(op, name, obj, writable_slots);
 }
 
+// Builds a C handle for a Tensor (or a bare array, taken as a plain tensor's data).
 Handle make_handle(const char *op, const char *name, nb::handle obj, unsigned writable_slots) {
   Tensor plain;
   const Tensor *t = &plain;
