@@ -7,6 +7,7 @@
 #   step NAME L CMD...   runs CMD within L seconds, logged to $out/log.txt with its exit status
 #   build_torch_stack    the core (CUDA, sm_90a) and the torch package, into this Python
 #                        (TE_GPU_REUSE_BUILD=1: kept from the run before where it imports)
+#   build_jax_stack      build_torch_stack (benchmark harnesses import torch), then the jax package
 # Wheels in .whl/ (brought for a machine without network: cudnn-frontend, torchao, nox) are
 # installed beside the machine's packages first.
 mkdir -p "$out"
@@ -43,4 +44,8 @@ build_torch_stack() {
     -C cmake.define.TE_WITH_CUDA=ON -C cmake.define.TE_CUDA_ARCHITECTURES=90a ./common
   step build_torch 120 env CXX=/usr/bin/g++ CC=/usr/bin/gcc python3 -m pip install \
     --no-build-isolation --no-deps -q ./pytorch
+}
+build_jax_stack() {
+  build_torch_stack
+  step build_jax 120 python3 -m pip install --no-build-isolation --no-deps -q ./jax
 }

@@ -11,8 +11,7 @@ set -u
 out=${1:?usage: gpu_gpt_demos.sh OUT_DIR}
 budget=${TE_GPU_BUDGET_S:-580}
 source "$(dirname "$0")/_gpu_run.sh"
-build_torch_stack
-step build_jax 120 python3 -m pip install --no-build-isolation --no-deps -q ./jax
+build_jax_stack
 # shellcheck disable=SC2086  # TE_GPT_ARGS is a list of arguments
 step demo_torch "$(upto $((budget - 150)) 200)" python3 examples/train_gpt.py --framework torch \
   --device cuda ${TE_GPT_ARGS:-} --json "$out/gpt_demo_torch$suffix.json" \

@@ -10,8 +10,7 @@ set -u
 out=${1:?usage: gpu_gpt_seeds.sh OUT_DIR}
 budget=${TE_GPU_BUDGET_S:-580}
 source "$(dirname "$0")/_gpu_run.sh"
-build_torch_stack
-step build_jax 120 python3 -m pip install --no-build-isolation --no-deps -q ./jax
+build_jax_stack
 for seed in 1 2; do
   step "torch_seed$seed" "$(upto $((budget - 100)) 110)" python3 examples/train_gpt.py \
     --framework torch --device cuda --seed "$seed" --plot "" \

@@ -10,8 +10,7 @@ set -u
 out=${1:?usage: gpu_jax.sh OUT_DIR}
 budget=${TE_JAX_BUDGET_S:-560}
 source "$(dirname "$0")/_gpu_run.sh"
-build_torch_stack
-step build_jax 120 python3 -m pip install --no-build-isolation --no-deps -q ./jax
+build_jax_stack
 export TE_BENCH_RESULTS=$out
 step graph_helpers "$(upto $((budget - 420)) 40)" python3 -m pytest -p no:cacheprovider -q -m cuda \
   -rfE tests/pytorch/test_graph_helpers.py

@@ -10,8 +10,7 @@ set -u
 out=${1:?usage: gpu_jax_model.sh OUT_DIR}
 budget=${TE_GPU_BUDGET_S:-580}
 source "$(dirname "$0")/_gpu_run.sh"
-build_torch_stack  # the core, and the torch package the benchmark harness imports
-step build_jax 120 python3 -m pip install --no-build-isolation --no-deps -q ./jax
+build_jax_stack
 export TE_BENCH_RESULTS=$out
 # te.Linear's host time at the seed's shape first (a minute at most): results/linear_host_seed.json
 step linear_host "$(upto $((budget - 60)) 60)" python3 benchmarks/bench_linear.py --host-only \

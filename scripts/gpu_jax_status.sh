@@ -13,8 +13,7 @@ set -u
 out=${1:?usage: gpu_jax_status.sh OUT_DIR}
 budget=${TE_GPU_BUDGET_S:-590}
 source "$(dirname "$0")/_gpu_run.sh"
-build_torch_stack  # the core, and the torch package the benchmark harness imports
-step build_jax 120 python3 -m pip install --no-build-isolation --no-deps -q ./jax
+build_jax_stack
 export TE_BENCH_RESULTS=$out
 step cuda_tests "$(upto $((budget - 20)) 60)" python3 -m pytest -p no:cacheprovider -q \
   -m cuda -rfE tests/common/test_scaling.py tests/jax/test_cuda.py tests/jax/test_cuda_layernorm_mlp.py

@@ -11,8 +11,7 @@ set -u
 out=${1:?usage: gpu_model_status.sh OUT_DIR}
 budget=${TE_GPU_BUDGET_S:-560}
 source "$(dirname "$0")/_gpu_run.sh"
-build_torch_stack
-step build_jax 120 python3 -m pip install --no-build-isolation --no-deps -q ./jax
+build_jax_stack
 export TE_BENCH_RESULTS=$out
 step cuda_tests "$(upto $((budget - 60)) 70)" python3 -m pytest -p no:cacheprovider -q -m cuda \
   -rfE -n 4 tests/common/test_dropout.py tests/pytorch/test_dropout_add.py \
