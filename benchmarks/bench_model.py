@@ -4,7 +4,9 @@ The model: 4 blocks on input [batch 4, seq 2048, hidden] (8192 tokens, bshd layo
 parameters, heads of 128 channels, ffn = 4 x hidden, hidden 1024, 2048 and 4096. Stacks:
   - te_mha_mlp: per block x = x + te.MultiheadAttention(x) (input LayerNorm, causal, no
     dropout), then x = x + te.LayerNormMLP(x) (GELU, tanh form);
-  - te_layer: 4 te.TransformerLayer (no dropout, causal);
+  - te_layer: 4 te.TransformerLayer (no dropout, causal), each step one autograd node where
+    the layer takes it (layer_block.py); te_layer_modules: the same layers through their
+    modules' path (layer_block.enabled = False), for the comparison;
   - torch: the same blocks from torch's modules in bf16 (nn.LayerNorm, nn.Linear,
     F.scaled_dot_product_attention(is_causal=True), tanh GELU MLP), the peer of both stacks.
 Ours run under three recipes, fp8_delayed (DelayedScaling), fp8_current
@@ -29,9 +31,9 @@ synchronizing, per step: the host cost where the GPU is faster than the host, el
 median_ms. A second part times one fwd + bwd of single modules at a tiny shape (hidden 256,
 2 heads, 16 tokens, batch 1) on the host, synchronized at the end: the per-module overhead,
 as a ratio to nn.Linear(256, 256)'s (the FP8 ones also with LayerNormLinear's and
-LayerNormMLP's whole-block path off, compiled_blocks.enabled = False, and the layer with
+LayerNormMLP's whole-block path off, compiled_blocks.enabled = False, the layer with
 attention's q, k, v copied rather than read in place, attention_fn.packed_enabled = False,
-for the comparison).
+and the layer through its modules' path, layer_block.enabled = False, for the comparison).
 
     python benchmarks/bench_model.py                       # all cases; results/model.json
     python benchmarks/bench_model.py --hidden 4096 --variants 'torch/*' 'te_*/fp8_delayed/*'
@@ -59,7 +61,7 @@ import torch.nn.functional as F
 import harness
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from transformer_engine.pytorch import attention_fn, compiled_blocks
+from transformer_engine.pytorch import attention_fn, compiled_blocks, layer_block
 
 HIDDENS = (1024, 2048, 4096)
 BATCH, SEQ, HEAD_DIM, BLOCKS = 4, 2048, 128, 4
@@ -68,7 +70,7 @@ TINY = {"hidden": 256, "heads": 2, "seq": 32, "batch": 2, "steps": 2, "module_it
 # The per-module host probe: GPU work of a few microseconds, so host cost is what shows.
 MODULE_HIDDEN, MODULE_HEADS, MODULE_TOKENS = 256, 2, 16
 
-STACKS = ("te_mha_mlp", "te_layer", "torch")
+STACKS = ("te_mha_mlp", "te_layer", "te_layer_modules", "torch")
 RECIPES = {"fp8_delayed": recipe.DelayedScaling, "fp8_current": recipe.Float8CurrentScaling,
            "bf16": None}
 EXECUTIONS = ("eager", "compile", "reduce_overhead", "cuda_graph", "graphed_modules")
@@ -142,7 +144,7 @@ def build(stack: str, hidden: int, heads: int, device) -> torch.nn.Module:
     torch.manual_seed(0)
     if stack == "te_mha_mlp":
         return TeBlocks(hidden, heads, BLOCKS, device)
-    if stack == "te_layer":
+    if stack in ("te_layer", "te_layer_modules"):
         return te_layers(hidden, heads, BLOCKS, device)
     return torch.nn.Sequential(*(TorchBlock(hidden, heads, device) for _ in range(BLOCKS)))
 
@@ -228,6 +230,7 @@ def run_case(stack, recipe_name, execution, shape, device, steps, backend) -> di
     """Builds a fresh model, runs its first step (compiles or captures here) and times it."""
     batch, seq, hidden, heads = shape
     torch._dynamo.reset()  # no compiled code or recompile count carried over from a case
+    layer_block.enabled = stack != "te_layer_modules"  # (the layer's step as one node or not)
     model = build(stack, hidden, heads, device)
     x = torch.randn(batch, seq, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     fp8_recipe = RECIPES[recipe_name]() if RECIPES[recipe_name] is not None else None
@@ -335,7 +338,7 @@ def ratios(rows: list[dict]) -> list[dict]:
     ms = {(r["hidden"], r["case"]): r["median_ms"] for r in rows if "median_ms" in r}
     out = []
     for hidden in sorted({r["hidden"] for r in rows}):
-        for stack in ("te_mha_mlp", "te_layer"):
+        for stack in ("te_mha_mlp", "te_layer", "te_layer_modules"):
             for recipe_name in RECIPES:
                 for ratio, ours, peer in RATIOS:
                     a = ms.get((hidden, f"{stack}/{recipe_name}/{ours}"))
@@ -364,22 +367,28 @@ def module_host_times(device: str, iters: int) -> list[dict]:
     # (blocks: whether LayerNormLinear and LayerNormMLP run as whole blocks, compiled_blocks.py;
     # off, their step operators with the Python steps around them, for the comparison)
     # (packed: whether attention reads q, k, v in place from the QKV output, attention_fn.py)
+    # (node: whether te.TransformerLayer's step is one autograd node, layer_block.py, which
+    # stands on the whole blocks and packed attention: off where either is)
     cases = {"te.MultiheadAttention + te.LayerNormMLP fp8_delayed":
-                 (pair, "fp8_delayed", True, True),
+                 (pair, "fp8_delayed", True, True, True),
              "te.MultiheadAttention + te.LayerNormMLP fp8_delayed, whole blocks off":
-                 (pair, "fp8_delayed", False, True),
-             "te.MultiheadAttention + te.LayerNormMLP bf16": (pair, "bf16", True, True),
-             "te.TransformerLayer fp8_delayed": (layer, "fp8_delayed", True, True),
+                 (pair, "fp8_delayed", False, True, True),
+             "te.MultiheadAttention + te.LayerNormMLP bf16": (pair, "bf16", True, True, True),
+             "te.TransformerLayer fp8_delayed": (layer, "fp8_delayed", True, True, True),
+             "te.TransformerLayer fp8_current": (layer, "fp8_current", True, True, True),
+             "te.TransformerLayer fp8_delayed, layer node off":
+                 (layer, "fp8_delayed", True, True, False),
              "te.TransformerLayer fp8_delayed, whole blocks off":
-                 (layer, "fp8_delayed", False, True),
+                 (layer, "fp8_delayed", False, True, True),
              "te.TransformerLayer fp8_delayed, packed attention off":
-                 (layer, "fp8_delayed", True, False),
-             "te.TransformerLayer bf16": (layer, "bf16", True, True),
-             "nn.Linear(256, 256) bf16": (linear, "bf16", True, True)}
+                 (layer, "fp8_delayed", True, False, True),
+             "te.TransformerLayer bf16": (layer, "bf16", True, True, True),
+             "nn.Linear(256, 256) bf16": (linear, "bf16", True, True, True)}
     rows = []
-    for name, (module, recipe_name, blocks, packed) in cases.items():
+    for name, (module, recipe_name, blocks, packed, node) in cases.items():
         compiled_blocks.enabled = blocks
         attention_fn.packed_enabled = packed
+        layer_block.enabled = node
         fp8_recipe = RECIPES[recipe_name]() if RECIPES[recipe_name] is not None else None
         params = list(module.parameters())
 
@@ -411,6 +420,7 @@ def module_host_times(device: str, iters: int) -> list[dict]:
         rows.append(row)
     compiled_blocks.enabled = True
     attention_fn.packed_enabled = True
+    layer_block.enabled = True
     base = rows[-1].get("host_ms")
     for row in rows:
         if base and "host_ms" in row:
@@ -489,7 +499,9 @@ def main(argv: list[str] | None = None) -> Path | None:
         "description": "training step (zero_grad, forward, backward of "
                        "out.float().square().mean()) of 4 blocks, bshd, bf16 parameters, "
                        "causal: te_mha_mlp = te.MultiheadAttention + te.LayerNormMLP with "
-                       "residuals, te_layer = te.TransformerLayer, torch = the same blocks "
+                       "residuals, te_layer = te.TransformerLayer (its step one autograd node "
+                       "where it takes it), te_layer_modules = te.TransformerLayer through its "
+                       "modules' path, torch = the same blocks "
                        "from torch modules (SDPA); executions eager, compile (inductor), "
                        "reduce_overhead, cuda_graph (whole step captured, replays timed), "
                        "graphed_modules (te.make_graphed_callables per module). "

@@ -42,7 +42,7 @@ def test_tiny_cpu_run_writes_every_case(tmp_path):
     assert env["device"].startswith("cpu") and env["git_commit"] == "test123" and env["date"]
     assert data["config"]["shapes_bsh_heads"] == [[2, 32, 256, 2]]
     rows = {row["case"]: row for row in data["results"]}
-    assert len(rows) == len(data["results"]) == 33  # 2 stacks x 3 recipes x 5 + torch's 3
+    assert len(rows) == len(data["results"]) == 48  # 3 stacks x 3 recipes x 5 + torch's 3
     for name, row in rows.items():
         stack, recipe, execution = name.split("/")
         assert "error" not in row, (name, row["error"])
@@ -57,11 +57,12 @@ def test_tiny_cpu_run_writes_every_case(tmp_path):
         "torch/bf16/eager", "torch/bf16/compile", "torch/bf16/reduce_overhead"}
     assert data["ratios"] == []  # no compiled torch peer in this run
     modules = {row["module"]: row for row in data["module_host"]}
-    assert len(modules) == 8  # three of them with a fast path off, for the comparison
+    assert len(modules) == 10  # four of them with a fast path off, for the comparison
     assert {n for n in modules if n.endswith("whole blocks off")} == {
         "te.MultiheadAttention + te.LayerNormMLP fp8_delayed, whole blocks off",
         "te.TransformerLayer fp8_delayed, whole blocks off"}
     assert "te.TransformerLayer fp8_delayed, packed attention off" in modules
+    assert "te.TransformerLayer fp8_delayed, layer node off" in modules
     for name, row in modules.items():
         assert _finite_positive(row["host_ms"]), name
         assert _finite_positive(row["ratio_to_nn_linear"]), name

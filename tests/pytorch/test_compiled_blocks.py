@@ -21,7 +21,13 @@ from te_torch_tests._train_steps import (
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from transformer_engine.pytorch import _compiled, compiled_blocks, compiled_forward, compiled_grads
+from transformer_engine.pytorch import (
+    _compiled,
+    compiled_blocks,
+    compiled_forward,
+    compiled_grads,
+    layer_block,
+)
 
 RECIPES = {**RECIPES,
            "delayed-most-recent": lambda: recipe.DelayedScaling(amax_history_len=3,
@@ -53,6 +59,7 @@ def _path(compiled: bool):
 def _restore():
     yield
     compiled_blocks.enabled = compiled_forward.enabled = compiled_grads.enabled = True
+    layer_block.enabled = True
 
 
 def _train(device, compiled: bool, module: str, recipe_name: str, dtype, bias: bool,
@@ -204,8 +211,10 @@ LAYERS = {
 def test_transformer_layer_same_bits_with_whole_blocks(device, record_calls, layer, recipe_name):
     """A TransformerLayer (its attention's QKV a LayerNormLinear, its MLP a LayerNormMLP) over
     several steps: the same outputs, gradients and FP8 state with the whole blocks on and
-    off, wherever its configuration lets them serve."""
+    off, wherever its configuration lets them serve. (The layer's step as one node, which
+    calls the blocks' operators itself, is off: test_layer_block.py compares it.)"""
     seen = record_calls(compiled_blocks, "layernorm_linear", "layernorm_mlp")
+    layer_block.enabled = False
 
     def train(on: bool):
         _path(on)

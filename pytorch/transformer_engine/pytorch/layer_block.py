@@ -1,0 +1,353 @@
+"""te.TransformerLayer's FP8 training step as one autograd node.
+
+A small layer's eager step is bound by host time. Through its modules, a TransformerLayer's
+forward runs six module forwards (the layer, attention, the QKV norm + projection, the core
+attention, the output projection, the MLP), each with its checks, plan lookups and state
+reads, and five autograd nodes (the joined QKV weight, the QKV block, attention, the
+projection, the MLP block), each with its Python wrappers forward and backward
+(``benchmarks/results/host_sites_h100.json``). Here the same step is one node whose forward and
+backward call the very operators those nodes call, with the same arguments, in the same order
+(so the same bits, ``tests/pytorch/test_layer_block.py``):
+
+    forward:  layernorm_linear_block_forward (QKV) -> attention_forward (q, k, v read in
+              place from the QKV output) -> linear_fp8_forward (projection) -> + x ->
+              layernorm_mlp_block_forward -> + residual
+    backward: the same blocks' backwards in reverse, the residual gradients added as autograd
+              adds them.
+
+The layer learns the step once per recipe and input (``_learn``: every condition the modules'
+own paths check, and the attention's backend), and later forwards under that recipe and input
+go straight to the node after a few checks of what can change between calls (``forward``), as
+te.Linear's steady path does (fast_linear.steady_forward).
+
+What it takes: an encoder layer with the pre-norm residuals (no post-norm, output norm or
+parallel attention-MLP), no dropout (hidden, attention, drop path), causal or no mask without
+a window, bshd or sbhd, no tensor, sequence or context parallelism, no RoPE, KV cache,
+attention bias, q/k norms or forward arguments other than the input, FP8 per-tensor delayed
+(core update, no amax group) or current scaling without FP8 attention, parameters that are plain
+tensors in the input's dtype that all need gradients, and the QKV weights back to back in one
+storage (as te.TransformerLayer lays them out). Everything else, and a delayed-scaling first
+step, takes the modules' path. ``enabled = False`` turns it off (for comparisons), and so
+does turning off what it stands on (compiled_blocks, fast_linear, attention_fn.packed_enabled).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from . import _compiled, attention_fn, compiled_blocks, fast_linear, fp8, layernorm_mlp_fn, ops
+from ._autograd import eager_apply
+from .attention_fn import _NO_SEQLENS, packed_qkv
+from .fp8 import COMPILED_ALGOS
+from .linear_fn import linear_backward
+from .module._attention_backend import _choose, _env_backend, _key
+from .module._heads import split_heads
+from .module._split_rows import _back_to_back
+from .module.attention import _resolve_window
+from .ops._backend import enum_code
+
+enabled = True
+
+# Learned verdicts per layer: the layer's configuration once, then (recipe, input) at a time.
+_STATIC_NO = "no"
+
+
+class _Step(NamedTuple):
+    """What a learned step needs besides the tensors it reads afresh each call."""
+
+    recipe: object
+    key: tuple  # (shape, dtype, device, x needs a gradient)
+    delayed: bool
+    qkv: compiled_blocks.Codes
+    proj: fast_linear.Codes
+    mlp: compiled_blocks.Codes
+    act: int
+    attention: tuple  # attention_fn's Params
+    views: tuple  # (shape, stride, offset from the QKV output's start) of q, k, v
+    deterministic: bool
+    splits: tuple  # rows of each QKV weight (and bias) block
+    has_qkv_bias: bool
+    rng: torch.Tensor  # (empty: no dropout; on the input's device, as the core attention's)
+
+
+def _parts(module) -> tuple[list, list]:
+    """The QKV weight and bias blocks of the layer's first attention module."""
+    if module._splits is None:
+        p = module._parameters
+        return [p["weight"]], ([p["bias"]] if p.get("bias") is not None else [])
+    weights = [module._parameters[n] for n in module.weight_names]
+    return weights, [module._parameters[n] for n in module.bias_names]
+
+
+def _static_ok(layer) -> bool:
+    """The layer's configuration: what no call can change."""
+    mha = layer.self_attention
+    qkv, dpa, proj, mlp = (mha._modules.get("layernorm_qkv"), mha.core_attention, mha.proj,
+                           layer.layernorm_mlp)
+    if (layer.layer_type != "encoder" or layer.parallel_attention_mlp or layer.output_layernorm
+            or layer.apply_residual_connection_post_layernorm or layer.hidden_dropout != 0.0
+            or layer.drop_path_rate != 0.0 or layer.fuse_wgrad_accumulation):
+        return False
+    if (qkv is None or mha.attention_type != "self" or mha.return_layernorm_output
+            or mha.return_bias or mha.qk_norm_type is not None or mha.tp_size != 1
+            or mha.fuse_wgrad_accumulation or dpa._cp is not None
+            or getattr(dpa, "softmax_offset", None) is not None or dpa.attention_dropout != 0.0
+            or mha.qkv_format not in ("bshd", "sbhd")):
+        return False
+    for m in (qkv, proj, mlp):
+        if (getattr(m, "tp_size", 1) != 1 or getattr(m, "sequence_parallel", False)
+                or getattr(m, "_tp_mode", None) is not None or m.fuse_wgrad_accumulation
+                or getattr(m, "return_bias", False)):
+            return False
+    if qkv.cfg.return_ln_out or mlp.cfg.return_ln_out or proj._splits is not None:
+        return False
+    return True
+
+
+def _need_all(tensors) -> bool:
+    for t in tensors:
+        if t is not None and not t.requires_grad:
+            return False
+    return True
+
+
+def _plain(tensors, dtype) -> bool:
+    for t in tensors:
+        if t is not None and (type(t) not in (torch.Tensor, torch.nn.Parameter)
+                              or t.dtype != dtype or not t.is_contiguous()):
+            return False
+    return True
+
+
+def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window) -> Optional[_Step]:
+    """The step for this recipe and input, or None where the modules' path must run (each
+    module's own rule, checked as its forward checks it)."""
+    mha = layer.self_attention
+    qkv_mod, dpa, proj, mlp = mha.layernorm_qkv, mha.core_attention, mha.proj, layer.layernorm_mlp
+    if mask not in ("causal", "no_mask"):
+        return None
+    window_pair = _resolve_window(mask, window)
+    if window_pair != ((-1, 0) if mask == "causal" else (-1, -1)):
+        return None
+    if getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False):
+        return None
+    if qkv_mod._weight_caches or proj._weight_caches or mlp._weight_caches:
+        return None
+    if (qkv_mod._wgrad_store is not None or proj._wgrad_store is not None
+            or mlp._wgrad_store is not None):
+        return None
+    weights, biases = _parts(qkv_mod)
+    if len(weights) > 1 and not _back_to_back(weights):
+        return None
+    if len(biases) > 1 and not _back_to_back(biases):
+        return None
+    dtype = x.dtype
+    tensors = (qkv_mod.layer_norm_weight, qkv_mod.layer_norm_bias, *weights, *biases,
+               proj._parameters.get("weight"), proj._parameters.get("bias"),
+               mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.fc1_weight, mlp.fc1_bias,
+               mlp.fc2_weight, mlp.fc2_bias)
+    if not (_plain(tensors, dtype) and _need_all(tensors)):
+        return None
+    plans = []
+    for m in (qkv_mod, proj, mlp):
+        plan, scales, history = m._fp8_meta_of(recipe)
+        _, bwd_recipe, group = m._backward_state(plan, recipe)
+        if bwd_recipe is not None or group is not None:
+            return None
+        if plan.kind == "delayed" and plan.algo not in COMPILED_ALGOS:
+            return None
+        if not _compiled.serves(plan, history, (x,)):
+            return None
+        plans.append(plan)
+    tokens = x.numel() // x.shape[-1]
+    k = x.shape[-1]
+    w_qkv_rows = sum(w.shape[0] for w in weights)
+    for n in (k, w_qkv_rows, mlp.fc1_weight.shape[0], mlp.fc2_weight.shape[1]):
+        if n % 16:
+            return None
+    if tokens == 0 or tokens % 16:
+        return None
+    if ops.activation.has_params(mlp._act) or layernorm_mlp_fn.large_block(
+            tokens, mlp.fc1_weight.shape[0], dtype):
+        return None
+    # The attention: q, k, v as the heads of the QKV output, read in place, on the backend the
+    # core attention would choose for them.
+    layout = mha.qkv_format
+    qkv_out = torch.empty((*x.shape[:-1], w_qkv_rows), dtype=dtype, device=x.device)
+    q, k_, v = split_heads(qkv_out, mha._local_groups, mha._parts, mha.head_dim,
+                           mha.qkv_weight_interleaved)
+    asked = dpa.attention_backend or _env_backend()
+    if asked not in ("auto", "cudnn", "cuda_math", "cpu"):
+        return None
+    attention_key = _key(q, k_, v, layout, mask, window_pair, dpa.softmax_scale, 0.0, None, 0, 0,
+                         "")
+    backend = _choose(attention_key, True, asked)
+    if backend in ("unfused", "!"):
+        return None
+    params = (layout, mask, window_pair[0], window_pair[1], float(dpa.softmax_scale), 0.0, 0, 0,
+              backend)
+    packed = packed_qkv(q, k_, v, params)
+    if packed is None:
+        return None
+    start = qkv_out.storage_offset()
+    views = tuple((shape, stride, offset - start) for shape, stride, offset in packed[1])
+    qkv_plan, proj_plan, mlp_plan = plans
+    return _Step(recipe, key, qkv_plan.kind == "delayed",
+                 compiled_blocks._codes(qkv_plan, qkv_mod.cfg), fast_linear.codes_of(proj_plan),
+                 compiled_blocks._codes(mlp_plan, mlp.cfg), enum_code("Activation", mlp._act),
+                 params, views, bool(dpa.deterministic), tuple(w.shape[0] for w in weights),
+                 bool(biases), torch.empty((0,), dtype=torch.int64, device=x.device))
+
+
+def forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The layer's step through the one node, or None where the modules' path must run. Called
+    by te.TransformerLayer.forward with no argument but the input."""
+    state = fp8.STATE
+    # (it stands on the whole blocks, te.Linear's compiled path and packed attention)
+    if not (enabled and state.enabled and _compiled.ops is not None and compiled_blocks.enabled
+            and fast_linear.enabled and attention_fn.packed_enabled):
+        return None
+    static = layer.__dict__.get("_layer_block_static")
+    if static is None:
+        static = layer.__dict__["_layer_block_static"] = _static_ok(layer)
+    if not static:
+        return None
+    recipe = state.recipe
+    if (type(x) is not torch.Tensor or state.group is not None or not torch.is_grad_enabled()
+            or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None):
+        return None
+    r = fp8.RECOMPUTE
+    if r.recording is not None or r.replay is not None:
+        return None
+    device_type = "cuda" if x.is_cuda else x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return None
+    key = (x.shape, x.dtype, x.device, x.requires_grad)
+    mha = layer.self_attention
+    qkv_mod, proj, mlp = mha.layernorm_qkv, mha.proj, layer.layernorm_mlp
+    step = layer.__dict__.get("_layer_block_step")
+    if (step is None or step.recipe is not recipe or step.key != key
+            or qkv_mod._fp8_recipe is not recipe or proj._fp8_recipe is not recipe
+            or mlp._fp8_recipe is not recipe):
+        step = _learn(layer, x, recipe, key, layer.self_attn_mask_type, layer.window_size)
+        layer.__dict__["_layer_block_step"] = step
+        if step is None:
+            return None
+    weights, biases = _parts(qkv_mod)
+    mp, pp = mlp._parameters, proj._parameters
+    tensors = (qkv_mod._parameters["layer_norm_weight"], qkv_mod._parameters.get("layer_norm_bias"),
+               pp["weight"], pp.get("bias"), mp["layer_norm_weight"], mp.get("layer_norm_bias"),
+               mp["fc1_weight"], mp.get("fc1_bias"), mp["fc2_weight"], mp.get("fc2_bias"),
+               *weights, *biases)
+    # (what a call may have changed since: parameters replaced or frozen, weights moved apart)
+    if not (_plain(tensors, x.dtype) and _need_all(tensors)):
+        return None
+    if len(weights) > 1 and not _back_to_back(weights):
+        return None
+    if len(biases) > 1 and not _back_to_back(biases):
+        return None
+    if qkv_mod._weight_caches or proj._weight_caches or mlp._weight_caches:
+        return None
+    states = []
+    for m in (qkv_mod, proj, mlp):
+        b = m._buffers
+        states.append((b["scale_fwd"], b["amax_history_fwd"],
+                       (b["amax_history_bwd"], b["scale_bwd"], b["scale_inv_bwd"])))
+        if step.delayed:
+            state.pending[id(m)] = (m, recipe, None)  # fp8.register_forward_amaxes
+    return _apply(x.contiguous(), step, states, len(weights), len(biases), *tensors)
+
+
+def _joined(parts: tuple) -> torch.Tensor:
+    """Blocks laid back to back in one storage as one tensor over it (_split_rows._JoinRows's
+    forward, without a node of its own: this node's backward splits the gradient)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    shape = (sum(p.shape[0] for p in parts),) + tuple(first.shape[1:])
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape,
+                                   first.stride())
+
+
+class _Layer(torch.autograd.Function):
+    """x -> x + proj(attention(qkv(norm(x)))) -> + mlp(norm(.)): the modules' numbers."""
+
+    @staticmethod
+    def forward(ctx, x, step: _Step, states, n_w: int, n_b: int, g1, beta1, w_p, b_p, g2, beta2,
+                w1, b1, w2, b2, *qkv_parts):
+        shape = x.shape
+        k = shape[-1]
+        x2 = x.view(-1, k)
+        w_qkv = _joined(qkv_parts[:n_w])
+        b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
+        (s1, h1, m1), (s2, h2, m2), (s3, h3, m3) = states
+        qkv, *saved1 = compiled_blocks._linear_forward(x2, g1, beta1, w_qkv, b_qkv, s1, h1,
+                                                       step.qkv, True, True)
+        start = qkv.storage_offset()
+        q, kk, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
+        o, lse = ops.attention_forward(q, kk, v, _NO_SEQLENS, _NO_SEQLENS, step.rng,
+                                       *step.attention)
+        o2 = o.view(-1, o.shape[-2] * o.shape[-1])
+        proj_out, x_sinv, pw_sinv, x_col, pw_col = fast_linear._forward(
+            o2, w_p, b_p, s2, h2, step.proj, True, True)
+        mid = x2 + proj_out
+        mlp_out, *saved3 = compiled_blocks._mlp_forward(mid, g2, beta2, w1, b1, w2, b2, s3, h3,
+                                                        step.mlp, step.act, (True,) * 4)
+        out = mid + mlp_out
+        ctx.save_for_backward(x2, g1, *saved1, qkv, o, lse, x_sinv, pw_sinv, x_col, pw_col, mid,
+                              g2, *saved3)
+        ctx.info = (step, (m1, m2, m3), n_w, n_b, shape,
+                    (beta1 is not None, b_p is not None, beta2 is not None, b1 is not None,
+                     b2 is not None), (w_p.dtype, w1.dtype, w2.dtype, w_qkv.dtype))
+        return out.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x2, g1, ln_sinv1, ln_col1, mu1, rs1, w_sinv1, w_col1, qkv, o, lse, x_sinv, pw_sinv,
+         x_col, pw_col, mid, g2, ln_sinv2, ln_col2, mu2, rs2, w1_sinv, w1_col, h, a_sinv, a_col,
+         w2_sinv, w2_col) = ctx.saved_tensors
+        step, (m1, m2, m3), n_w, n_b, shape, has, dtypes = ctx.info
+        has_beta1, has_bp, has_beta2, has_b1, has_b2 = has
+        wp_dtype, w1_dtype, w2_dtype, wqkv_dtype = dtypes
+        k = shape[-1]
+        g = grad.reshape(-1, k).contiguous()
+        c = step.mlp
+        d_mid, dg2, dbeta2, gw1, gb1, gw2, gb2 = compiled_blocks.layernorm_mlp_block_backward(
+            g, mid, mu2, rs2, g2, has_beta2, ln_sinv2, ln_col2, w1_sinv, w1_col, h, step.act,
+            a_sinv, a_col, w2_sinv, w2_col, *m3, c.norm, c.zero_centered_gamma, c.current,
+            c.fwd_dtype, c.bwd_dtype, c.pow2, c.epsilon, c.algo, c.margin, True, True, True, True,
+            w1_dtype, w1_dtype if has_b1 else None, w2_dtype, w2_dtype if has_b2 else None)
+        g_mid = g + d_mid
+        d_o, gw_p, gb_p = linear_backward(
+            g_mid, (x_col, x_sinv, pw_col, pw_sinv), step.proj.plan, m2, None, None,
+            (True, True, has_bp), (o.dtype, wp_dtype, wp_dtype if has_bp else None),
+            g_mid.shape)
+        start = qkv.storage_offset()
+        q, kk, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
+        layout, mask, left, right, scale, dropout, _, _, backend = step.attention
+        d_qkv = ops.attention_backward_packed(qkv, q, kk, v, o, d_o.view(o.shape), lse, step.rng,
+                                              layout, mask, left, right, scale, dropout,
+                                              step.deterministic, backend)
+        c = step.qkv
+        dx, dg1, dbeta1, gw, gb = compiled_blocks.layernorm_linear_block_backward(
+            d_qkv.view(-1, d_qkv.shape[-1]), x2, mu1, rs1, g1, has_beta1, ln_sinv1, ln_col1,
+            w_sinv1, w_col1, *m1, c.norm, c.zero_centered_gamma, c.current, c.fwd_dtype,
+            c.bwd_dtype, c.pow2, c.epsilon, c.algo, c.margin, True, True, wqkv_dtype,
+            wqkv_dtype if n_b else None)
+        dx = (g_mid + dx).view(shape)
+        w_grads = list(gw.split(list(step.splits))) if n_w > 1 else [gw]
+        b_grads = (list(gb.split(list(step.splits))) if n_b > 1 else [gb]) if n_b else []
+        return (dx, None, None, None, None, dg1, dbeta1 if has_beta1 else None, gw_p,
+                gb_p if has_bp else None, dg2, dbeta2 if has_beta2 else None, gw1,
+                gb1 if has_b1 else None, gw2, gb2 if has_b2 else None, *w_grads, *b_grads)
+
+
+_apply_layer = eager_apply(_Layer)
+
+
+def _apply(x, step, states, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2, b2, *parts):
+    return _apply_layer(x, step, states, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2,
+                        b2, *parts)

@@ -1,0 +1,129 @@
+"""te.TransformerLayer's FP8 step as one autograd node (layer_block.py).
+
+Where the layer takes it, it must give the bits of the modules' path: outputs, gradients and
+every FP8 buffer, step after step, under delayed and current scaling. Where it cannot (a
+delayed-scaling first step, dropout, RoPE, a mask argument), the modules' path runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from te_torch_tests._train_steps import RECIPES, assert_same_bits, record_steps
+
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch import layer_block
+
+LAYERS, STEPS = 2, 4
+
+# Layers over [.., 64] inputs that the node takes.
+CONFIGS = {
+    "layernorm-gelu": dict(),
+    "rmsnorm-swiglu-gqa": dict(normalization="RMSNorm", activation="swiglu", num_gqa_groups=2),
+    "fused-qkv-no-bias": dict(fuse_qkv_params=True, bias=False),
+    "sbhd-no-mask-zero-centered": dict(attn_input_format="sbhd", self_attn_mask_type="no_mask",
+                                       zero_centered_gamma=True),
+}
+
+
+def _layers(device, dtype=torch.bfloat16, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    kw.setdefault("self_attn_mask_type", "causal")
+    kw.setdefault("hidden_dropout", 0.0)
+    return torch.nn.Sequential(*(
+        te.TransformerLayer(64, 128, 4, attention_dropout=0.0, params_dtype=dtype, device=device,
+                            **kw) for _ in range(LAYERS)))
+
+
+@pytest.fixture
+def node_calls(monkeypatch) -> list:
+    """How many forwards the node ran (a counter around layer_block's apply)."""
+    calls = [0]
+    apply = layer_block._apply
+
+    def counted(*args):
+        calls[0] += 1
+        return apply(*args)
+
+    monkeypatch.setattr(layer_block, "_apply", counted)
+    return calls
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    yield
+    layer_block.enabled = True
+
+
+def _train(device, on: bool, recipe_name: str, dtype=torch.bfloat16, **kw) -> list:
+    layer_block.enabled = on
+    m = _layers(device, dtype, **kw)
+    torch.manual_seed(1)
+    return record_steps(m, RECIPES[recipe_name](), STEPS, device, dtype)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_node_gives_the_modules_bits(device, config, recipe_name, node_calls):
+    off = _train(device, False, recipe_name, **CONFIGS[config])
+    assert node_calls[0] == 0
+    on = _train(device, True, recipe_name, **CONFIGS[config])
+    # delayed scaling's first step scales from the tensors' own amaxes: the modules' path
+    first = 1 if recipe_name == "delayed" else 0
+    assert node_calls[0] == LAYERS * (STEPS - first)
+    assert_same_bits(off, on)
+
+
+def test_node_in_float32(node_calls):
+    off = _train("cpu", False, "current", torch.float32)
+    on = _train("cpu", True, "current", torch.float32)
+    assert node_calls[0] == LAYERS * STEPS
+    assert_same_bits(off, on)
+
+
+@pytest.mark.parametrize("case", ["hidden-dropout", "rope", "attention-mask-type",
+                                  "frozen-norm", "bf16", "post-norm"])
+def test_modules_path_where_the_node_does_not_apply(case, node_calls):
+    kw = {"hidden-dropout": dict(hidden_dropout=0.1),
+          "post-norm": dict(apply_residual_connection_post_layernorm=True)}.get(case, {})
+    m = _layers("cpu", **kw)
+    if case == "frozen-norm":
+        for layer in m:
+            layer.layernorm_mlp.layer_norm_weight.requires_grad_(False)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(2):
+        ctx = (te.fp8_autocast(fp8_recipe=RECIPES["current"]()) if case != "bf16"
+               else torch.autocast("cpu", enabled=False))
+        with ctx:
+            if case == "rope":
+                rope = te.RotaryPositionEmbedding(16)(16)
+                y = m[1](m[0](x, rotary_pos_emb=rope), rotary_pos_emb=rope)
+            elif case == "attention-mask-type":
+                y = m[1](m[0](x, self_attn_mask_type="no_mask"), self_attn_mask_type="no_mask")
+            else:
+                y = m(x)
+        y.float().sum().backward()
+    assert node_calls[0] == 0
+
+
+def test_node_relearns_when_the_input_changes(node_calls):
+    """A new input shape (or recipe) is learned afresh, and the bits stay the modules'."""
+    def run(on: bool) -> list:
+        layer_block.enabled = on
+        m = _layers("cpu")
+        torch.manual_seed(2)
+        r = RECIPES["current"]()
+        seen = []
+        for tokens in (16, 32, 16):
+            x = torch.randn(2, tokens, 64, dtype=torch.bfloat16, requires_grad=True)
+            with te.fp8_autocast(fp8_recipe=r):
+                y = m(x)
+            y.float().square().sum().backward()
+            seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+            m.zero_grad(set_to_none=True)
+        return seen
+
+    off = run(False)
+    on = run(True)
+    assert node_calls[0] == LAYERS * 3
+    assert_same_bits(off, on)
