@@ -127,3 +127,31 @@ def test_node_relearns_when_the_input_changes(node_calls):
     on = run(True)
     assert node_calls[0] == LAYERS * 3
     assert_same_bits(off, on)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_node_takes_mlps_the_modules_run_lean(device, recipe_name, node_calls, monkeypatch):
+    """An FC1 output at or above layernorm_mlp_fn.LEAN_BYTES: the modules' MLP runs its
+    memory-lean steps (delayed scaling: FC1's gradient in chunks), the node the block's
+    operators whole (below layer_block.WHOLE_MLP_BYTES); the same bits."""
+    from transformer_engine.pytorch import layernorm_mlp_fn
+
+    monkeypatch.setattr(layernorm_mlp_fn, "LEAN_BYTES", 1)
+    lean = [0]
+    chunked = layernorm_mlp_fn.large_block
+
+    def counted(*args):
+        lean[0] += chunked(*args)
+        return chunked(*args)
+
+    monkeypatch.setattr(layernorm_mlp_fn, "large_block", counted)
+    off = _train(device, False, recipe_name)
+    assert lean[0] > 0  # (the modules' path took the lean order)
+    on = _train(device, True, recipe_name)
+    first = 1 if recipe_name == "delayed" else 0
+    assert node_calls[0] == LAYERS * (STEPS - first)
+    assert_same_bits(off, on)
+    monkeypatch.setattr(layer_block, "WHOLE_MLP_BYTES", 1)
+    node_calls[0] = 0
+    _train(device, True, recipe_name)
+    assert node_calls[0] == 0

@@ -51,6 +51,18 @@ from .ops._backend import enum_code
 
 enabled = True
 
+# FC1 outputs up to this size take the MLP block's operators whole; larger ones take the
+# modules' path. The modules' MLP goes to its memory-lean Python steps from
+# layernorm_mlp_fn.LEAN_BYTES (128 MiB) on: FC2's saved input freed before its dgrad and, under
+# delayed scaling, FC1's gradient made in chunks. One backward call keeps FC1's output, FC2's
+# FP8 input and the activation's gradient until it returns instead: a transient peak of about
+# three FC1 outputs' worth in one layer's backward, for a step that is not bound by the host
+# (at hidden 2048 and 8192 tokens, FC1's output is 128 MiB and those steps' host time is the
+# step's time: benchmarks/results/model_layer_block_h100.json). Below 512 MiB, so that the
+# getting-started layer (16384 tokens, FFN 16384: 512 MiB) keeps the lean order and its
+# memory.
+WHOLE_MLP_BYTES = 4 * layernorm_mlp_fn.LEAN_BYTES
+
 # Learned verdicts per layer: the layer's configuration once, then (recipe, input) at a time.
 _STATIC_NO = "no"
 
@@ -170,8 +182,8 @@ def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window) -> Opt
             return None
     if tokens == 0 or tokens % 16:
         return None
-    if ops.activation.has_params(mlp._act) or layernorm_mlp_fn.large_block(
-            tokens, mlp.fc1_weight.shape[0], dtype):
+    if (ops.activation.has_params(mlp._act)
+            or tokens * mlp.fc1_weight.shape[0] * dtype.itemsize >= WHOLE_MLP_BYTES):
         return None
     # The attention: q, k, v as the heads of the QKV output, read in place, on the backend the
     # core attention would choose for them.
