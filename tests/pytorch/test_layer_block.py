@@ -155,3 +155,24 @@ def test_node_takes_mlps_the_modules_run_lean(device, recipe_name, node_calls, m
     node_calls[0] = 0
     _train(device, True, recipe_name)
     assert node_calls[0] == 0
+
+
+def test_a_declined_input_is_not_learned_again(monkeypatch):
+    """A recipe and input the node cannot take (here: a sliding window) are learned once: the
+    next calls go to the modules' path without learning again."""
+    learned = [0]
+    learn = layer_block._learn
+
+    def counted(*args):
+        learned[0] += 1
+        return learn(*args)
+
+    monkeypatch.setattr(layer_block, "_learn", counted)
+    m = _layers("cpu", window_size=(4, 0))
+    r = RECIPES["current"]()
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(3):
+        with te.fp8_autocast(fp8_recipe=r):
+            m(x).float().sum().backward()
+    assert learned[0] == LAYERS
+    assert all(isinstance(layer._layer_block_step, layer_block._Declined) for layer in m)

@@ -63,8 +63,12 @@ enabled = True
 # memory.
 WHOLE_MLP_BYTES = 4 * layernorm_mlp_fn.LEAN_BYTES
 
-# Learned verdicts per layer: the layer's configuration once, then (recipe, input) at a time.
-_STATIC_NO = "no"
+
+class _Declined(NamedTuple):
+    """A recipe and input the node does not take, whatever the next call brings."""
+
+    recipe: object
+    key: tuple
 
 
 class _Step(NamedTuple):
@@ -134,18 +138,21 @@ def _plain(tensors, dtype) -> bool:
     return True
 
 
-def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window) -> Optional[_Step]:
-    """The step for this recipe and input, or None where the modules' path must run (each
-    module's own rule, checked as its forward checks it)."""
+def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window):
+    """The step for this recipe and input; where the modules' path must run (each module's own
+    rule, checked as its forward checks it), a _Declined for this recipe and input, or None
+    where the reason may pass by the next call (a first step's empty history, a weight cache,
+    parameters replaced or frozen): the next call learns again."""
+    declined = _Declined(recipe, key)
     mha = layer.self_attention
     qkv_mod, dpa, proj, mlp = mha.layernorm_qkv, mha.core_attention, mha.proj, layer.layernorm_mlp
     if mask not in ("causal", "no_mask"):
-        return None
+        return declined
     window_pair = _resolve_window(mask, window)
     if window_pair != ((-1, 0) if mask == "causal" else (-1, -1)):
-        return None
+        return declined
     if getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False):
-        return None
+        return declined
     if qkv_mod._weight_caches or proj._weight_caches or mlp._weight_caches:
         return None
     if (qkv_mod._wgrad_store is not None or proj._wgrad_store is not None
@@ -168,9 +175,10 @@ def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window) -> Opt
         plan, scales, history = m._fp8_meta_of(recipe)
         _, bwd_recipe, group = m._backward_state(plan, recipe)
         if bwd_recipe is not None or group is not None:
-            return None
-        if plan.kind == "delayed" and plan.algo not in COMPILED_ALGOS:
-            return None
+            return declined
+        if plan.kind not in ("delayed", "current") or (plan.kind == "delayed"
+                                                       and plan.algo not in COMPILED_ALGOS):
+            return declined
         if not _compiled.serves(plan, history, (x,)):
             return None
         plans.append(plan)
@@ -179,12 +187,12 @@ def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window) -> Opt
     w_qkv_rows = sum(w.shape[0] for w in weights)
     for n in (k, w_qkv_rows, mlp.fc1_weight.shape[0], mlp.fc2_weight.shape[1]):
         if n % 16:
-            return None
+            return declined
     if tokens == 0 or tokens % 16:
-        return None
+        return declined
     if (ops.activation.has_params(mlp._act)
             or tokens * mlp.fc1_weight.shape[0] * dtype.itemsize >= WHOLE_MLP_BYTES):
-        return None
+        return declined
     # The attention: q, k, v as the heads of the QKV output, read in place, on the backend the
     # core attention would choose for them.
     layout = mha.qkv_format
@@ -193,17 +201,17 @@ def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window) -> Opt
                            mha.qkv_weight_interleaved)
     asked = dpa.attention_backend or _env_backend()
     if asked not in ("auto", "cudnn", "cuda_math", "cpu"):
-        return None
+        return declined
     attention_key = _key(q, k_, v, layout, mask, window_pair, dpa.softmax_scale, 0.0, None, 0, 0,
                          "")
     backend = _choose(attention_key, True, asked)
     if backend in ("unfused", "!"):
-        return None
+        return declined
     params = (layout, mask, window_pair[0], window_pair[1], float(dpa.softmax_scale), 0.0, 0, 0,
               backend)
     packed = packed_qkv(q, k_, v, params)
     if packed is None:
-        return None
+        return declined
     start = qkv_out.storage_offset()
     views = tuple((shape, stride, offset - start) for shape, stride, offset in packed[1])
     qkv_plan, proj_plan, mlp_plan = plans
@@ -242,12 +250,13 @@ def forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
     qkv_mod, proj, mlp = mha.layernorm_qkv, mha.proj, layer.layernorm_mlp
     step = layer.__dict__.get("_layer_block_step")
     if (step is None or step.recipe is not recipe or step.key != key
-            or qkv_mod._fp8_recipe is not recipe or proj._fp8_recipe is not recipe
-            or mlp._fp8_recipe is not recipe):
+            or (type(step) is _Step and (qkv_mod._fp8_recipe is not recipe
+                                         or proj._fp8_recipe is not recipe
+                                         or mlp._fp8_recipe is not recipe))):
         step = _learn(layer, x, recipe, key, layer.self_attn_mask_type, layer.window_size)
         layer.__dict__["_layer_block_step"] = step
-        if step is None:
-            return None
+    if type(step) is not _Step:
+        return None
     weights, biases = _parts(qkv_mod)
     mp, pp = mlp._parameters, proj._parameters
     tensors = (qkv_mod._parameters["layer_norm_weight"], qkv_mod._parameters.get("layer_norm_bias"),
