@@ -4,9 +4,9 @@ The model: 4 blocks on input [batch 4, seq 2048, hidden] (8192 tokens, bshd layo
 parameters, heads of 128 channels, ffn = 4 x hidden, hidden 1024, 2048 and 4096. Stacks:
   - te_mha_mlp: per block x = x + te.MultiheadAttention(x) (input LayerNorm, causal, no
     dropout), then x = x + te.LayerNormMLP(x) (GELU, tanh form);
-  - te_layer: 4 te.TransformerLayer (no dropout, causal), each step one autograd node where
-    the layer takes it (layer_block.py); te_layer_modules: the same layers through their
-    modules' path (layer_block.enabled = False), for the comparison;
+  - te_layer: 4 te.TransformerLayer (no dropout, causal), each step one autograd node (FP8
+    or bf16) where the layer takes it (layer_block.py); te_layer_modules: the same layers
+    through their modules' path (layer_block.enabled = False), for the comparison;
   - torch: the same blocks from torch's modules in bf16 (nn.LayerNorm, nn.Linear,
     F.scaled_dot_product_attention(is_causal=True), tanh GELU MLP), the peer of both stacks.
 Ours run under three recipes, fp8_delayed (DelayedScaling), fp8_current
@@ -52,6 +52,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -321,8 +324,11 @@ def bench_models(args, shapes: list[tuple], started: float, rows: list[dict]) ->
             print(f"{name:36s} hidden {shape[2]:5d}: skipped ({skip})")
             continue
         try:
-            row.update(run_case(stack, recipe_name, execution, shape, args.device, args.steps,
-                                args.compile_backend))
+            if args.isolate:
+                row.update(run_isolated(name, shape, args))
+            else:
+                row.update(run_case(stack, recipe_name, execution, shape, args.device,
+                                    args.steps, args.compile_backend))
             print(f"{name:36s} hidden {shape[2]:5d}: {row['median_ms']:9.3f} ms, host "
                   f"{row['host_issue_ms']:8.3f} ms/step, first step {row['first_step_s']:.1f} s")
         except Exception as err:  # noqa: BLE001 (recorded in the result, the run goes on)
@@ -331,6 +337,31 @@ def bench_models(args, shapes: list[tuple], started: float, rows: list[dict]) ->
         _cleanup(args.device)
         rows.append(row)
     return rows
+
+
+def run_isolated(name: str, shape: tuple, args) -> dict:
+    """run_case in a fresh Python process of this script (--isolate): in one long process the
+    cases measured late run slower than the same cases in a fresh one (host-bound steps:
+    results/model_layer_block_h100_b7a82ed.json against
+    model_layer_block_1024_separate_h100.json), so a comparison across cases is fair only
+    where each starts alike."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, __file__, "--device", args.device, "--variants", name,
+               "--module-iters", "0", "--name", "case", "--steps", str(args.steps),
+               "--compile-backend", args.compile_backend]
+        cmd += ["--tiny"] if args.tiny else ["--hidden", str(shape[2])]
+        done = subprocess.run(cmd, env={**os.environ, "TE_BENCH_RESULTS": tmp},
+                              capture_output=True, text=True, check=False)
+        path = Path(tmp) / "case.json"
+        if not path.exists():
+            raise RuntimeError(f"the case's process wrote no result (exit {done.returncode}): "
+                               f"{done.stderr.strip().splitlines()[-1:] or ''}")
+        (row,) = json.loads(path.read_text())["results"]
+    if "error" in row:
+        raise RuntimeError(row["error"])
+    return {k: v for k, v in row.items() if k not in ("op", "impl", "case", "stack", "recipe",
+                                                     "execution", "hidden", "shape_bsh",
+                                                     "heads")}
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -383,6 +414,7 @@ def module_host_times(device: str, iters: int) -> list[dict]:
              "te.TransformerLayer fp8_delayed, packed attention off":
                  (layer, "fp8_delayed", True, False, True),
              "te.TransformerLayer bf16": (layer, "bf16", True, True, True),
+             "te.TransformerLayer bf16, layer node off": (layer, "bf16", True, True, False),
              "nn.Linear(256, 256) bf16": (linear, "bf16", True, True, True)}
     rows = []
     for name, (module, recipe_name, blocks, packed, node) in cases.items():
@@ -471,6 +503,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     parser.add_argument("--module-iters", type=int,
                         help="iterations of the per-module host probe (default 200; 0 skips)")
     parser.add_argument("--name", default="model", help="the result file's name")
+    parser.add_argument("--isolate", action="store_true",
+                        help="each case in a fresh process of its own (see run_isolated)")
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
     args = parser.parse_args(argv)
     if args.list:
@@ -519,7 +553,8 @@ def main(argv: list[str] | None = None) -> Path | None:
                    "ffn": "4 x hidden", "dtype": "bfloat16", "timing": timing,
                    "steps": args.steps, "variants": args.variants, "budget_s": args.budget_s,
                    "compile_backend": args.compile_backend, "no_compile": args.no_compile,
-                   "wall_s": time.perf_counter() - started, "interrupted": interrupted},
+                   "wall_s": time.perf_counter() - started, "interrupted": interrupted,
+                   "isolate": args.isolate},
         "results": rows,
         "ratios": ratios(rows),
         "module_host": module_rows,

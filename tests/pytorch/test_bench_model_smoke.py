@@ -34,6 +34,21 @@ def _finite_positive(value) -> bool:
     return isinstance(value, float) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow  # two fresh processes of the benchmark
+def test_isolated_cases_run_in_processes_of_their_own(tmp_path):
+    """--isolate: each case in a fresh process; its row comes back into the one result."""
+    data = _run(tmp_path, "--no-compile", "--isolate", "--module-iters", "0", "--steps", "1",
+                "--variants", "te_layer/fp8_delayed/eager", "te_layer_modules/bf16/eager")
+    assert data["config"]["isolate"] is True
+    rows = {row["case"]: row for row in data["results"]}
+    assert set(rows) == {"te_layer/fp8_delayed/eager", "te_layer_modules/bf16/eager"}
+    for name, row in rows.items():
+        assert "error" not in row, (name, row["error"])
+        assert row["stack"] == name.split("/")[0] and row["hidden"] == 256
+        for key in ("median_ms", "host_issue_ms", "first_step_s"):
+            assert _finite_positive(row[key]), (name, key)
+
+
 @pytest.mark.slow  # about 15 s on a 2-core CPU: 7 models of 4 blocks, a few steps each
 def test_tiny_cpu_run_writes_every_case(tmp_path):
     data = _run(tmp_path, "--no-compile", "--steps", "1", "--module-iters", "3")
@@ -57,12 +72,13 @@ def test_tiny_cpu_run_writes_every_case(tmp_path):
         "torch/bf16/eager", "torch/bf16/compile", "torch/bf16/reduce_overhead"}
     assert data["ratios"] == []  # no compiled torch peer in this run
     modules = {row["module"]: row for row in data["module_host"]}
-    assert len(modules) == 10  # four of them with a fast path off, for the comparison
+    assert len(modules) == 11  # five of them with a fast path off, for the comparison
     assert {n for n in modules if n.endswith("whole blocks off")} == {
         "te.MultiheadAttention + te.LayerNormMLP fp8_delayed, whole blocks off",
         "te.TransformerLayer fp8_delayed, whole blocks off"}
     assert "te.TransformerLayer fp8_delayed, packed attention off" in modules
     assert "te.TransformerLayer fp8_delayed, layer node off" in modules
+    assert "te.TransformerLayer bf16, layer node off" in modules
     for name, row in modules.items():
         assert _finite_positive(row["host_ms"]), name
         assert _finite_positive(row["ratio_to_nn_linear"]), name

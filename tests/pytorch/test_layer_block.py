@@ -37,15 +37,18 @@ def _layers(device, dtype=torch.bfloat16, **kw) -> torch.nn.Module:
 
 @pytest.fixture
 def node_calls(monkeypatch) -> list:
-    """How many forwards the node ran (a counter around layer_block's apply)."""
+    """How many forwards the node ran, in FP8 or high precision (a counter around layer_block's
+    two applies)."""
     calls = [0]
-    apply = layer_block._apply
 
-    def counted(*args):
-        calls[0] += 1
-        return apply(*args)
+    def counting(apply):
+        def counted(*args):
+            calls[0] += 1
+            return apply(*args)
+        return counted
 
-    monkeypatch.setattr(layer_block, "_apply", counted)
+    for name in ("_apply", "_apply_hp"):
+        monkeypatch.setattr(layer_block, name, counting(getattr(layer_block, name)))
     return calls
 
 
@@ -82,7 +85,7 @@ def test_node_in_float32(node_calls):
 
 
 @pytest.mark.parametrize("case", ["hidden-dropout", "rope", "attention-mask-type",
-                                  "frozen-norm", "bf16", "post-norm"])
+                                  "frozen-norm", "calibrating", "post-norm"])
 def test_modules_path_where_the_node_does_not_apply(case, node_calls):
     kw = {"hidden-dropout": dict(hidden_dropout=0.1),
           "post-norm": dict(apply_residual_connection_post_layernorm=True)}.get(case, {})
@@ -92,8 +95,9 @@ def test_modules_path_where_the_node_does_not_apply(case, node_calls):
             layer.layernorm_mlp.layer_norm_weight.requires_grad_(False)
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
     for _ in range(2):
-        ctx = (te.fp8_autocast(fp8_recipe=RECIPES["current"]()) if case != "bf16"
-               else torch.autocast("cpu", enabled=False))
+        ctx = te.fp8_autocast(enabled=case != "calibrating", calibrating=case == "calibrating",
+                              fp8_recipe=RECIPES["delayed"]() if case == "calibrating"
+                              else RECIPES["current"]())
         with ctx:
             if case == "rope":
                 rope = te.RotaryPositionEmbedding(16)(16)
@@ -176,3 +180,28 @@ def test_a_declined_input_is_not_learned_again(monkeypatch):
             m(x).float().sum().backward()
     assert learned[0] == LAYERS
     assert all(isinstance(layer._layer_block_step, layer_block._Declined) for layer in m)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_node_outside_fp8_gives_the_modules_bits(device, config, node_calls):
+    """Outside fp8_autocast the node runs the blocks' high-precision steps: the same bits as
+    the modules' path (hp_blocks, te.Linear's F.linear, the same attention)."""
+    def train(on: bool) -> list:
+        layer_block.enabled = on
+        m = _layers(device, **CONFIGS[config])
+        torch.manual_seed(1)
+        seen = []
+        for step in range(STEPS):
+            x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(torch.bfloat16)
+            x.requires_grad_(True)
+            y = m(x)
+            y.backward(torch.randn_like(y))
+            seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+            m.zero_grad(set_to_none=True)
+        return seen
+
+    off = train(False)
+    assert node_calls[0] == 0
+    on = train(True)
+    assert node_calls[0] == LAYERS * STEPS
+    assert_same_bits(off, on)

@@ -1,4 +1,4 @@
-"""te.TransformerLayer's FP8 training step as one autograd node.
+"""te.TransformerLayer's training step as one autograd node, in FP8 and in high precision.
 
 A small layer's eager step is bound by host time. Through its modules, a TransformerLayer's
 forward runs six module forwards (the layer, attention, the QKV norm + projection, the core
@@ -6,14 +6,18 @@ attention, the output projection, the MLP), each with its checks, plan lookups a
 reads, and five autograd nodes (the joined QKV weight, the QKV block, attention, the
 projection, the MLP block), each with its Python wrappers forward and backward
 (``benchmarks/results/host_sites_h100.json``). Here the same step is one node whose forward and
-backward call the very operators those nodes call, with the same arguments, in the same order
-(so the same bits, ``tests/pytorch/test_layer_block.py``):
+backward make the very calls those nodes make, with the same arguments, in the same order
+(so the same bits, ``tests/pytorch/test_layer_block.py``). Under per-tensor FP8 (``_Layer``):
 
     forward:  layernorm_linear_block_forward (QKV) -> attention_forward (q, k, v read in
               place from the QKV output) -> linear_fp8_forward (projection) -> + x ->
               layernorm_mlp_block_forward -> + residual
     backward: the same blocks' backwards in reverse, the residual gradients added as autograd
               adds them.
+
+Outside fp8_autocast (``_LayerHP``): hp_blocks' steps for the QKV block and the MLP, F.linear
+for the projection, the same attention; backward by the same formulas. Both backwards free
+what the node made once it is read (release.py), as the modules' nodes let it go.
 
 The layer learns the step once per recipe and input (``_learn``: every condition the modules'
 own paths check, and the attention's backend), and later forwards under that recipe and input
@@ -23,12 +27,13 @@ te.Linear's steady path does (fast_linear.steady_forward).
 What it takes: an encoder layer with the pre-norm residuals (no post-norm, output norm or
 parallel attention-MLP), no dropout (hidden, attention, drop path), causal or no mask without
 a window, bshd or sbhd, no tensor, sequence or context parallelism, no RoPE, KV cache,
-attention bias, q/k norms or forward arguments other than the input, FP8 per-tensor delayed
-(core update, no amax group) or current scaling without FP8 attention, parameters that are plain
-tensors in the input's dtype that all need gradients, and the QKV weights back to back in one
-storage (as te.TransformerLayer lays them out). Everything else, and a delayed-scaling first
-step, takes the modules' path. ``enabled = False`` turns it off (for comparisons), and so
-does turning off what it stands on (compiled_blocks, fast_linear, attention_fn.packed_enabled).
+attention bias, q/k norms or forward arguments other than the input, parameters that are
+plain tensors in the input's dtype that all need gradients, the QKV weights back to back in
+one storage (as te.TransformerLayer lays them out), no deferred weight gradients; in FP8
+per-tensor delayed (core update, no amax group) or current scaling without FP8 attention; in
+high precision, not calibrating. Everything else, and a delayed-scaling first step, takes the
+modules' path. ``enabled = False`` turns it off (for comparisons), and so does turning off
+what it stands on (compiled_blocks, fast_linear, hp_blocks, attention_fn.packed_enabled).
 """
 
 from __future__ import annotations
@@ -36,18 +41,30 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import _compiled, attention_fn, compiled_blocks, fast_linear, fp8, layernorm_mlp_fn, ops
+from . import (
+    _compiled,
+    attention_fn,
+    compiled_blocks,
+    fast_linear,
+    fp8,
+    hp_blocks,
+    layernorm_mlp_fn,
+    ops,
+)
 from ._autograd import eager_apply
 from .attention_fn import _NO_SEQLENS, packed_qkv
 from .fp8 import COMPILED_ALGOS
+from .hp_blocks import _linear_grads
 from .linear_fn import linear_backward
 from .module._attention_backend import _choose, _env_backend, _key
 from .module._heads import split_heads
 from .module._split_rows import _back_to_back
 from .module.attention import _resolve_window
 from .ops._backend import enum_code
+from .release import may_release, release
 
 enabled = True
 
@@ -58,9 +75,9 @@ enabled = True
 # FP8 input and the activation's gradient until it returns instead: a transient peak of about
 # three FC1 outputs' worth in one layer's backward, for a step that is not bound by the host
 # (at hidden 2048 and 8192 tokens, FC1's output is 128 MiB and those steps' host time is the
-# step's time: benchmarks/results/model_layer_block_h100.json). Below 512 MiB, so that the
-# getting-started layer (16384 tokens, FFN 16384: 512 MiB) keeps the lean order and its
-# memory.
+# step's time: benchmarks/results/model_layer_block_h100_0901716.json). Below 512 MiB, so
+# that the getting-started layer (16384 tokens, FFN 16384: 512 MiB) keeps the lean order and
+# its memory.
 WHOLE_MLP_BYTES = 4 * layernorm_mlp_fn.LEAN_BYTES
 
 
@@ -87,6 +104,9 @@ class _Step(NamedTuple):
     splits: tuple  # rows of each QKV weight (and bias) block
     has_qkv_bias: bool
     rng: torch.Tensor  # (empty: no dropout; on the input's device, as the core attention's)
+    hp: bool  # outside fp8_autocast: the blocks' high-precision steps (hp_blocks.py)
+    norms: tuple  # ((norm, eps, zero_centered_gamma) of the QKV block, of the MLP)
+    act_name: str
 
 
 def _parts(module) -> tuple[list, list]:
@@ -151,9 +171,10 @@ def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window):
     window_pair = _resolve_window(mask, window)
     if window_pair != ((-1, 0) if mask == "causal" else (-1, -1)):
         return declined
+    hp = recipe is None
     if getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False):
         return declined
-    if qkv_mod._weight_caches or proj._weight_caches or mlp._weight_caches:
+    if not hp and (qkv_mod._weight_caches or proj._weight_caches or mlp._weight_caches):
         return None
     if (qkv_mod._wgrad_store is not None or proj._wgrad_store is not None
             or mlp._wgrad_store is not None):
@@ -171,7 +192,7 @@ def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window):
     if not (_plain(tensors, dtype) and _need_all(tensors)):
         return None
     plans = []
-    for m in (qkv_mod, proj, mlp):
+    for m in (() if hp else (qkv_mod, proj, mlp)):
         plan, scales, history = m._fp8_meta_of(recipe)
         _, bwd_recipe, group = m._backward_state(plan, recipe)
         if bwd_recipe is not None or group is not None:
@@ -185,14 +206,14 @@ def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window):
     tokens = x.numel() // x.shape[-1]
     k = x.shape[-1]
     w_qkv_rows = sum(w.shape[0] for w in weights)
-    for n in (k, w_qkv_rows, mlp.fc1_weight.shape[0], mlp.fc2_weight.shape[1]):
-        if n % 16:
+    if tokens == 0 or ops.activation.has_params(mlp._act):
+        return declined
+    if not hp:  # (the FP8 GEMMs' granules; the MLP block's operators whole)
+        for n in (k, w_qkv_rows, mlp.fc1_weight.shape[0], mlp.fc2_weight.shape[1], tokens):
+            if n % 16:
+                return declined
+        if tokens * mlp.fc1_weight.shape[0] * dtype.itemsize >= WHOLE_MLP_BYTES:
             return declined
-    if tokens == 0 or tokens % 16:
-        return declined
-    if (ops.activation.has_params(mlp._act)
-            or tokens * mlp.fc1_weight.shape[0] * dtype.itemsize >= WHOLE_MLP_BYTES):
-        return declined
     # The attention: q, k, v as the heads of the QKV output, read in place, on the backend the
     # core attention would choose for them.
     layout = mha.qkv_format
@@ -214,28 +235,38 @@ def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window):
         return declined
     start = qkv_out.storage_offset()
     views = tuple((shape, stride, offset - start) for shape, stride, offset in packed[1])
+    norms = tuple((m.cfg.norm, m.cfg.eps, m.cfg.zero_centered_gamma) for m in (qkv_mod, mlp))
+    common = (params, views, bool(dpa.deterministic), tuple(w.shape[0] for w in weights),
+              bool(biases), torch.empty((0,), dtype=torch.int64, device=x.device), hp, norms,
+              mlp._act)
+    if hp:
+        return _Step(None, key, False, None, None, None, 0, *common)
     qkv_plan, proj_plan, mlp_plan = plans
     return _Step(recipe, key, qkv_plan.kind == "delayed",
                  compiled_blocks._codes(qkv_plan, qkv_mod.cfg), fast_linear.codes_of(proj_plan),
                  compiled_blocks._codes(mlp_plan, mlp.cfg), enum_code("Activation", mlp._act),
-                 params, views, bool(dpa.deterministic), tuple(w.shape[0] for w in weights),
-                 bool(biases), torch.empty((0,), dtype=torch.int64, device=x.device))
+                 *common)
 
 
 def forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
     """The layer's step through the one node, or None where the modules' path must run. Called
     by te.TransformerLayer.forward with no argument but the input."""
     state = fp8.STATE
-    # (it stands on the whole blocks, te.Linear's compiled path and packed attention)
-    if not (enabled and state.enabled and _compiled.ops is not None and compiled_blocks.enabled
-            and fast_linear.enabled and attention_fn.packed_enabled):
+    # (it stands on packed attention and, in FP8, on the whole blocks and te.Linear's
+    # compiled path; in high precision on the blocks' one-node steps)
+    if not (enabled and attention_fn.packed_enabled):
+        return None
+    if state.enabled:
+        if not (_compiled.ops is not None and compiled_blocks.enabled and fast_linear.enabled):
+            return None
+    elif state.calibrating or not hp_blocks.enabled:
         return None
     static = layer.__dict__.get("_layer_block_static")
     if static is None:
         static = layer.__dict__["_layer_block_static"] = _static_ok(layer)
     if not static:
         return None
-    recipe = state.recipe
+    recipe = state.recipe if state.enabled else None
     if (type(x) is not torch.Tensor or state.group is not None or not torch.is_grad_enabled()
             or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None):
         return None
@@ -250,7 +281,7 @@ def forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
     qkv_mod, proj, mlp = mha.layernorm_qkv, mha.proj, layer.layernorm_mlp
     step = layer.__dict__.get("_layer_block_step")
     if (step is None or step.recipe is not recipe or step.key != key
-            or (type(step) is _Step and (qkv_mod._fp8_recipe is not recipe
+            or (type(step) is _Step and not step.hp and (qkv_mod._fp8_recipe is not recipe
                                          or proj._fp8_recipe is not recipe
                                          or mlp._fp8_recipe is not recipe))):
         step = _learn(layer, x, recipe, key, layer.self_attn_mask_type, layer.window_size)
@@ -270,6 +301,11 @@ def forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     if len(biases) > 1 and not _back_to_back(biases):
         return None
+    if step.hp:
+        if (qkv_mod._wgrad_store is not None or proj._wgrad_store is not None
+                or mlp._wgrad_store is not None):
+            return None
+        return _apply_hp(x.contiguous(), step, len(weights), len(biases), *tensors)
     if qkv_mod._weight_caches or proj._weight_caches or mlp._weight_caches:
         return None
     states = []
@@ -341,17 +377,25 @@ class _Layer(torch.autograd.Function):
             a_sinv, a_col, w2_sinv, w2_col, *m3, c.norm, c.zero_centered_gamma, c.current,
             c.fwd_dtype, c.bwd_dtype, c.pow2, c.epsilon, c.algo, c.margin, True, True, True, True,
             w1_dtype, w1_dtype if has_b1 else None, w2_dtype, w2_dtype if has_b2 else None)
+        # (what the node made goes once read, as the modules' nodes let it go: release.py)
+        free = may_release()
+        if free:
+            release(h, a_col, w2_col, ln_col2, w1_col, mid)
         g_mid = g + d_mid
         d_o, gw_p, gb_p = linear_backward(
             g_mid, (x_col, x_sinv, pw_col, pw_sinv), step.proj.plan, m2, None, None,
             (True, True, has_bp), (o.dtype, wp_dtype, wp_dtype if has_bp else None),
             g_mid.shape)
+        if free:
+            release(x_col, pw_col)
         start = qkv.storage_offset()
         q, kk, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
         layout, mask, left, right, scale, dropout, _, _, backend = step.attention
         d_qkv = ops.attention_backward_packed(qkv, q, kk, v, o, d_o.view(o.shape), lse, step.rng,
                                               layout, mask, left, right, scale, dropout,
                                               step.deterministic, backend)
+        if free:
+            release(qkv, o, lse)
         c = step.qkv
         dx, dg1, dbeta1, gw, gb = compiled_blocks.layernorm_linear_block_backward(
             d_qkv.view(-1, d_qkv.shape[-1]), x2, mu1, rs1, g1, has_beta1, ln_sinv1, ln_col1,
@@ -372,3 +416,84 @@ _apply_layer = eager_apply(_Layer)
 def _apply(x, step, states, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2, b2, *parts):
     return _apply_layer(x, step, states, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2,
                         b2, *parts)
+
+
+class _LayerHP(torch.autograd.Function):
+    """The same layer outside fp8_autocast: hp_blocks' calls for the QKV block and the MLP
+    (the norm's op, F.linear, the activation's op), F.linear for the projection (te.Linear's
+    high-precision step), attention on q, k, v read in place; backward by the same formulas
+    (hp_blocks._linear_grads for each F.linear), freeing what the node made once read, as the
+    modules' nodes would (release.py)."""
+
+    @staticmethod
+    def forward(ctx, x, step: _Step, n_w: int, n_b: int, g1, beta1, w_p, b_p, g2, beta2, w1, b1,
+                w2, b2, *qkv_parts):
+        shape = x.shape
+        x2 = x.view(-1, shape[-1])
+        w_qkv = _joined(qkv_parts[:n_w])
+        b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
+        (norm1, eps1, zc1), (norm2, eps2, zc2) = step.norms
+        ln1, mu1, rs1 = ops.norm_forward(x2, g1, beta1, norm1, eps1, zc1)
+        qkv = F.linear(ln1, w_qkv, b_qkv)
+        start = qkv.storage_offset()
+        q, kk, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
+        o, lse = ops.attention_forward(q, kk, v, _NO_SEQLENS, _NO_SEQLENS, step.rng,
+                                       *step.attention)
+        o2 = o.view(-1, o.shape[-2] * o.shape[-1])
+        mid = x2 + F.linear(o2, w_p, b_p)
+        ln2, mu2, rs2 = ops.norm_forward(mid, g2, beta2, norm2, eps2, zc2)
+        h = F.linear(ln2, w1, b1)
+        a = ops.activation_forward(h, step.act_name)
+        out = mid + F.linear(a, w2, b2)
+        ctx.save_for_backward(x2, mu1, rs1, g1, ln1, w_qkv, qkv, o, lse, w_p, mid, mu2, rs2, g2,
+                              ln2, w1, h, a, w2)
+        ctx.info = (step, n_w, n_b, shape, (beta1 is not None, b_p is not None,
+                                            beta2 is not None, b1 is not None, b2 is not None))
+        return out.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x2, mu1, rs1, g1, ln1, w_qkv, qkv, o, lse, w_p, mid, mu2, rs2, g2, ln2, w1, h, a,
+         w2) = ctx.saved_tensors
+        step, n_w, n_b, shape, has = ctx.info
+        has_beta1, has_bp, has_beta2, has_b1, has_b2 = has
+        (norm1, _, zc1), (norm2, _, zc2) = step.norms
+        free = may_release()
+        g = grad.reshape(-1, shape[-1])
+        d_a, gw2, gb2 = _linear_grads((True, True, True), g, a, w2, has_b2)
+        d_h, _ = ops.activation_backward(d_a.contiguous(), h, step.act_name, False)
+        del d_a
+        d_ln2, gw1, gb1 = _linear_grads((True, True, True), d_h, ln2, w1, has_b1)
+        del d_h
+        d_mid, dg2, dbeta2 = ops.norm_backward(d_ln2.contiguous(), mid, mu2, rs2, g2, norm2, zc2)
+        del d_ln2
+        if free:
+            release(a, h, ln2, mid)
+        g_mid = g + d_mid
+        d_o2, gw_p, gb_p = _linear_grads((True, True, True), g_mid,
+                                         o.view(-1, o.shape[-2] * o.shape[-1]), w_p, has_bp)
+        start = qkv.storage_offset()
+        q, kk, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
+        layout, mask, left, right, scale, dropout, _, _, backend = step.attention
+        d_qkv = ops.attention_backward_packed(qkv, q, kk, v, o, d_o2.view(o.shape), lse,
+                                              step.rng, layout, mask, left, right, scale,
+                                              dropout, step.deterministic, backend)
+        if free:
+            release(qkv, o, lse)
+        d_ln1, gw, gb = _linear_grads((True, True, True), d_qkv.view(-1, d_qkv.shape[-1]), ln1,
+                                      w_qkv, n_b > 0)
+        dx, dg1, dbeta1 = ops.norm_backward(d_ln1.contiguous(), x2, mu1, rs1, g1, norm1, zc1)
+        dx = (g_mid + dx).view(shape)
+        w_grads = list(gw.split(list(step.splits))) if n_w > 1 else [gw]
+        b_grads = (list(gb.split(list(step.splits))) if n_b > 1 else [gb]) if n_b else []
+        return (dx, None, None, None, dg1, dbeta1 if has_beta1 else None, gw_p,
+                gb_p if has_bp else None, dg2, dbeta2 if has_beta2 else None, gw1,
+                gb1 if has_b1 else None, gw2, gb2 if has_b2 else None, *w_grads, *b_grads)
+
+
+_apply_layer_hp = eager_apply(_LayerHP)
+
+
+def _apply_hp(x, step, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2, b2, *parts):
+    return _apply_layer_hp(x, step, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2, b2,
+                           *parts)
