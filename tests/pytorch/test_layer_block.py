@@ -84,7 +84,7 @@ def test_node_in_float32(node_calls):
     assert_same_bits(off, on)
 
 
-@pytest.mark.parametrize("case", ["hidden-dropout", "rope", "attention-mask-type",
+@pytest.mark.parametrize("case", ["hidden-dropout", "rope-pair", "attention-mask-type",
                                   "frozen-norm", "calibrating", "post-norm"])
 def test_modules_path_where_the_node_does_not_apply(case, node_calls):
     kw = {"hidden-dropout": dict(hidden_dropout=0.1),
@@ -99,9 +99,9 @@ def test_modules_path_where_the_node_does_not_apply(case, node_calls):
                               fp8_recipe=RECIPES["delayed"]() if case == "calibrating"
                               else RECIPES["current"]())
         with ctx:
-            if case == "rope":
+            if case == "rope-pair":  # (separate angles for q and k)
                 rope = te.RotaryPositionEmbedding(16)(16)
-                y = m[1](m[0](x, rotary_pos_emb=rope), rotary_pos_emb=rope)
+                y = m[1](m[0](x, rotary_pos_emb=(rope, rope)), rotary_pos_emb=(rope, rope))
             elif case == "attention-mask-type":
                 y = m[1](m[0](x, self_attn_mask_type="no_mask"), self_attn_mask_type="no_mask")
             else:
@@ -204,4 +204,38 @@ def test_node_outside_fp8_gives_the_modules_bits(device, config, node_calls):
     assert node_calls[0] == 0
     on = train(True)
     assert node_calls[0] == LAYERS * STEPS
+    assert_same_bits(off, on)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", None])
+@pytest.mark.parametrize("rope", ["full", "partial-interleaved"])
+def test_node_with_rope_gives_the_modules_bits(device, rope, recipe_name, node_calls):
+    """RoPE angles for q and k (te.RotaryPositionEmbedding's): q and k rotated by the core's
+    fused op in the node as in MultiheadAttention, the same bits; FP8 and high precision."""
+    kw = {"rotary_pos_interleaved": True} if rope == "partial-interleaved" else {}
+    dim = 8 if rope == "partial-interleaved" else 16
+
+    def train(on: bool) -> list:
+        layer_block.enabled = on
+        m = _layers(device, attn_input_format="bshd", **kw)
+        freqs = te.RotaryPositionEmbedding(dim, interleaved=rope != "full")(16).to(device)
+        torch.manual_seed(1)
+        seen = []
+        for step in range(STEPS):
+            x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(torch.bfloat16)
+            x.requires_grad_(True)
+            ctx = (te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()) if recipe_name
+                   else te.fp8_autocast(enabled=False))
+            with ctx:
+                y = m[1](m[0](x, rotary_pos_emb=freqs), rotary_pos_emb=freqs)
+            y.backward(torch.randn_like(y))
+            seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+            seen += [b.clone() for b in m.buffers()]
+            m.zero_grad(set_to_none=True)
+        return seen
+
+    off = train(False)
+    on = train(True)
+    first = 1 if recipe_name == "delayed" else 0
+    assert node_calls[0] == LAYERS * (STEPS - first)
     assert_same_bits(off, on)

@@ -26,8 +26,9 @@ te.Linear's steady path does (fast_linear.steady_forward).
 
 What it takes: an encoder layer with the pre-norm residuals (no post-norm, output norm or
 parallel attention-MLP), no dropout (hidden, attention, drop path), causal or no mask without
-a window, bshd or sbhd, no tensor, sequence or context parallelism, no RoPE, KV cache,
-attention bias, q/k norms or forward arguments other than the input, parameters that are
+a window, bshd or sbhd, no tensor, sequence or context parallelism, no KV cache, attention
+bias, q/k norms or forward arguments other than the input and one tensor of RoPE angles for
+q and k (te.RotaryPositionEmbedding's), parameters that are
 plain tensors in the input's dtype that all need gradients, the QKV weights back to back in
 one storage (as te.TransformerLayer lays them out), no deferred weight gradients; in FP8
 per-tensor delayed (core update, no amax group) or current scaling without FP8 attention; in
@@ -63,8 +64,10 @@ from .module._attention_backend import _choose, _env_backend, _key
 from .module._heads import split_heads
 from .module._split_rows import _back_to_back
 from .module.attention import _resolve_window
+from .ops import rope as rope_ops
 from .ops._backend import enum_code
 from .release import may_release, release
+from .rope import _check as _check_rope
 
 enabled = True
 
@@ -107,6 +110,7 @@ class _Step(NamedTuple):
     hp: bool  # outside fp8_autocast: the blocks' high-precision steps (hp_blocks.py)
     norms: tuple  # ((norm, eps, zero_centered_gamma) of the QKV block, of the MLP)
     act_name: str
+    rope_interleaved: bool
 
 
 def _parts(module) -> tuple[list, list]:
@@ -238,7 +242,7 @@ def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window):
     norms = tuple((m.cfg.norm, m.cfg.eps, m.cfg.zero_centered_gamma) for m in (qkv_mod, mlp))
     common = (params, views, bool(dpa.deterministic), tuple(w.shape[0] for w in weights),
               bool(biases), torch.empty((0,), dtype=torch.int64, device=x.device), hp, norms,
-              mlp._act)
+              mlp._act, bool(mha.rotary_pos_interleaved))
     if hp:
         return _Step(None, key, False, None, None, None, 0, *common)
     qkv_plan, proj_plan, mlp_plan = plans
@@ -248,9 +252,10 @@ def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window):
                  *common)
 
 
-def forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
+def forward(layer, x: torch.Tensor, rotary_pos_emb=None) -> Optional[torch.Tensor]:
     """The layer's step through the one node, or None where the modules' path must run. Called
-    by te.TransformerLayer.forward with no argument but the input."""
+    by te.TransformerLayer.forward with no argument but the input and RoPE's angles (one
+    tensor for q and k; a pair takes the modules' path)."""
     state = fp8.STATE
     # (it stands on packed attention and, in FP8, on the whole blocks and te.Linear's
     # compiled path; in high precision on the blocks' one-node steps)
@@ -276,7 +281,9 @@ def forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
     device_type = "cuda" if x.is_cuda else x.device.type
     if torch.is_autocast_enabled(device_type):
         return None
-    key = (x.shape, x.dtype, x.device, x.requires_grad)
+    if rotary_pos_emb is not None and type(rotary_pos_emb) is not torch.Tensor:
+        return None
+    key = (x.shape, x.dtype, x.device, x.requires_grad, rotary_pos_emb is not None)
     mha = layer.self_attention
     qkv_mod, proj, mlp = mha.layernorm_qkv, mha.proj, layer.layernorm_mlp
     step = layer.__dict__.get("_layer_block_step")
@@ -301,11 +308,12 @@ def forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     if len(biases) > 1 and not _back_to_back(biases):
         return None
+    freqs = rotary_pos_emb
     if step.hp:
         if (qkv_mod._wgrad_store is not None or proj._wgrad_store is not None
                 or mlp._wgrad_store is not None):
             return None
-        return _apply_hp(x.contiguous(), step, len(weights), len(biases), *tensors)
+        return _apply_hp(x.contiguous(), step, freqs, len(weights), len(biases), *tensors)
     if qkv_mod._weight_caches or proj._weight_caches or mlp._weight_caches:
         return None
     states = []
@@ -315,7 +323,59 @@ def forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
                        (b["amax_history_bwd"], b["scale_bwd"], b["scale_inv_bwd"])))
         if step.delayed:
             state.pending[id(m)] = (m, recipe, None)  # fp8.register_forward_amaxes
-    return _apply(x.contiguous(), step, states, len(weights), len(biases), *tensors)
+    return _apply(x.contiguous(), step, states, freqs, len(weights), len(biases), *tensors)
+
+
+def _attend(qkv: torch.Tensor, step: _Step, freqs: Optional[torch.Tensor]) -> tuple:
+    """(o, lse, what the backward reads of q, k, v, RoPE's angles as a matrix or None):
+    attention over the heads of the QKV output, read in place (_FusedAttentionPacked's call);
+    with RoPE angles, q and k rotated first (apply_rotary_pos_emb's checks and fused calls)
+    and q, k, v made dense (MultiheadAttention._rope, then _FusedAttention's calls)."""
+    start = qkv.storage_offset()
+    q, k, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
+    if freqs is None:
+        o, lse = ops.attention_forward(q, k, v, _NO_SEQLENS, _NO_SEQLENS, step.rng,
+                                       *step.attention)
+        return o, lse, (qkv,), None
+    layout, interleaved = step.attention[0], step.rope_interleaved
+    freqs = _check_rope(q, freqs, layout, None, 1, None)
+    q = rope_ops.rope_forward(q, freqs, layout, interleaved, None, None).contiguous()
+    k = rope_ops.rope_forward(k, freqs, layout, interleaved, None, None).contiguous()
+    v = v.contiguous()
+    o, lse = ops.attention_forward(q, k, v, _NO_SEQLENS, _NO_SEQLENS, step.rng, *step.attention)
+    return o, lse, (q, k, v), freqs
+
+
+def _attend_backward(d_o: torch.Tensor, o, lse, held: tuple, step: _Step, freqs, free: bool):
+    """The gradient of the QKV output [M, F] from d_o (in o's shape): _FusedAttentionPacked's
+    backward; with RoPE, _FusedAttention's, each rotation's backward, and the gradients of
+    q, k, v written where their views sit in the QKV output (the values autograd's backward
+    of the heads' split assembles)."""
+    layout, mask, left, right, scale, dropout, max_q, max_kv, backend = step.attention
+    if freqs is None:
+        (qkv,) = held
+        start = qkv.storage_offset()
+        q, k, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
+        d_qkv = ops.attention_backward_packed(qkv, q, k, v, o, d_o, lse, step.rng, layout,
+                                              mask, left, right, scale, dropout,
+                                              step.deterministic, backend)
+        if free:
+            release(qkv, o, lse)
+        return d_qkv.view(-1, d_qkv.shape[-1])
+    q, k, v = held
+    dq, dk, dv = ops.attention_backward(q, k, v, o, d_o, lse, _NO_SEQLENS, _NO_SEQLENS,
+                                        step.rng, layout, mask, left, right, scale, dropout,
+                                        max_q, max_kv, step.deterministic, backend, q.dtype)
+    if free:
+        release(q, k, v, o, lse)
+    interleaved = step.rope_interleaved
+    dq = rope_ops.rope_backward(dq, freqs, layout, interleaved, None, None)
+    dk = rope_ops.rope_backward(dk, freqs, layout, interleaved, None, None)
+    rows = sum(sh[-2] * sh[-1] for sh, _, _ in step.views)
+    d_qkv = dq.new_empty((dq.numel() // (dq.shape[-2] * dq.shape[-1]), rows))
+    for (sh, st, off), g in zip(step.views, (dq, dk, dv), strict=True):
+        d_qkv.as_strided(sh, st, off).copy_(g)
+    return d_qkv
 
 
 def _joined(parts: tuple) -> torch.Tensor:
@@ -333,8 +393,8 @@ class _Layer(torch.autograd.Function):
     """x -> x + proj(attention(qkv(norm(x)))) -> + mlp(norm(.)): the modules' numbers."""
 
     @staticmethod
-    def forward(ctx, x, step: _Step, states, n_w: int, n_b: int, g1, beta1, w_p, b_p, g2, beta2,
-                w1, b1, w2, b2, *qkv_parts):
+    def forward(ctx, x, step: _Step, states, freqs, n_w: int, n_b: int, g1, beta1, w_p, b_p, g2,
+                beta2, w1, b1, w2, b2, *qkv_parts):
         shape = x.shape
         k = shape[-1]
         x2 = x.view(-1, k)
@@ -343,10 +403,7 @@ class _Layer(torch.autograd.Function):
         (s1, h1, m1), (s2, h2, m2), (s3, h3, m3) = states
         qkv, *saved1 = compiled_blocks._linear_forward(x2, g1, beta1, w_qkv, b_qkv, s1, h1,
                                                        step.qkv, True, True)
-        start = qkv.storage_offset()
-        q, kk, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
-        o, lse = ops.attention_forward(q, kk, v, _NO_SEQLENS, _NO_SEQLENS, step.rng,
-                                       *step.attention)
+        o, lse, held, freqs = _attend(qkv, step, freqs)
         o2 = o.view(-1, o.shape[-2] * o.shape[-1])
         proj_out, x_sinv, pw_sinv, x_col, pw_col = fast_linear._forward(
             o2, w_p, b_p, s2, h2, step.proj, True, True)
@@ -354,8 +411,9 @@ class _Layer(torch.autograd.Function):
         mlp_out, *saved3 = compiled_blocks._mlp_forward(mid, g2, beta2, w1, b1, w2, b2, s3, h3,
                                                         step.mlp, step.act, (True,) * 4)
         out = mid + mlp_out
-        ctx.save_for_backward(x2, g1, *saved1, qkv, o, lse, x_sinv, pw_sinv, x_col, pw_col, mid,
-                              g2, *saved3)
+        ctx.save_for_backward(x2, g1, *saved1, o, lse, x_sinv, pw_sinv, x_col, pw_col, mid, g2,
+                              *saved3, *held)
+        ctx.freqs = freqs
         ctx.info = (step, (m1, m2, m3), n_w, n_b, shape,
                     (beta1 is not None, b_p is not None, beta2 is not None, b1 is not None,
                      b2 is not None), (w_p.dtype, w1.dtype, w2.dtype, w_qkv.dtype))
@@ -363,9 +421,9 @@ class _Layer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        (x2, g1, ln_sinv1, ln_col1, mu1, rs1, w_sinv1, w_col1, qkv, o, lse, x_sinv, pw_sinv,
-         x_col, pw_col, mid, g2, ln_sinv2, ln_col2, mu2, rs2, w1_sinv, w1_col, h, a_sinv, a_col,
-         w2_sinv, w2_col) = ctx.saved_tensors
+        (x2, g1, ln_sinv1, ln_col1, mu1, rs1, w_sinv1, w_col1, o, lse, x_sinv, pw_sinv, x_col,
+         pw_col, mid, g2, ln_sinv2, ln_col2, mu2, rs2, w1_sinv, w1_col, h, a_sinv, a_col, w2_sinv,
+         w2_col, *held) = ctx.saved_tensors
         step, (m1, m2, m3), n_w, n_b, shape, has, dtypes = ctx.info
         has_beta1, has_bp, has_beta2, has_b1, has_b2 = has
         wp_dtype, w1_dtype, w2_dtype, wqkv_dtype = dtypes
@@ -388,24 +446,17 @@ class _Layer(torch.autograd.Function):
             g_mid.shape)
         if free:
             release(x_col, pw_col)
-        start = qkv.storage_offset()
-        q, kk, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
-        layout, mask, left, right, scale, dropout, _, _, backend = step.attention
-        d_qkv = ops.attention_backward_packed(qkv, q, kk, v, o, d_o.view(o.shape), lse, step.rng,
-                                              layout, mask, left, right, scale, dropout,
-                                              step.deterministic, backend)
-        if free:
-            release(qkv, o, lse)
+        d_qkv = _attend_backward(d_o.view(o.shape), o, lse, held, step, ctx.freqs, free)
         c = step.qkv
         dx, dg1, dbeta1, gw, gb = compiled_blocks.layernorm_linear_block_backward(
-            d_qkv.view(-1, d_qkv.shape[-1]), x2, mu1, rs1, g1, has_beta1, ln_sinv1, ln_col1,
+            d_qkv, x2, mu1, rs1, g1, has_beta1, ln_sinv1, ln_col1,
             w_sinv1, w_col1, *m1, c.norm, c.zero_centered_gamma, c.current, c.fwd_dtype,
             c.bwd_dtype, c.pow2, c.epsilon, c.algo, c.margin, True, True, wqkv_dtype,
             wqkv_dtype if n_b else None)
         dx = (g_mid + dx).view(shape)
         w_grads = list(gw.split(list(step.splits))) if n_w > 1 else [gw]
         b_grads = (list(gb.split(list(step.splits))) if n_b > 1 else [gb]) if n_b else []
-        return (dx, None, None, None, None, dg1, dbeta1 if has_beta1 else None, gw_p,
+        return (dx, None, None, None, None, None, dg1, dbeta1 if has_beta1 else None, gw_p,
                 gb_p if has_bp else None, dg2, dbeta2 if has_beta2 else None, gw1,
                 gb1 if has_b1 else None, gw2, gb2 if has_b2 else None, *w_grads, *b_grads)
 
@@ -413,9 +464,10 @@ class _Layer(torch.autograd.Function):
 _apply_layer = eager_apply(_Layer)
 
 
-def _apply(x, step, states, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2, b2, *parts):
-    return _apply_layer(x, step, states, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2,
-                        b2, *parts)
+def _apply(x, step, states, freqs, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2, b2,
+           *parts):
+    return _apply_layer(x, step, states, freqs, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1,
+                        b1, w2, b2, *parts)
 
 
 class _LayerHP(torch.autograd.Function):
@@ -426,8 +478,8 @@ class _LayerHP(torch.autograd.Function):
     modules' nodes would (release.py)."""
 
     @staticmethod
-    def forward(ctx, x, step: _Step, n_w: int, n_b: int, g1, beta1, w_p, b_p, g2, beta2, w1, b1,
-                w2, b2, *qkv_parts):
+    def forward(ctx, x, step: _Step, freqs, n_w: int, n_b: int, g1, beta1, w_p, b_p, g2, beta2,
+                w1, b1, w2, b2, *qkv_parts):
         shape = x.shape
         x2 = x.view(-1, shape[-1])
         w_qkv = _joined(qkv_parts[:n_w])
@@ -435,26 +487,24 @@ class _LayerHP(torch.autograd.Function):
         (norm1, eps1, zc1), (norm2, eps2, zc2) = step.norms
         ln1, mu1, rs1 = ops.norm_forward(x2, g1, beta1, norm1, eps1, zc1)
         qkv = F.linear(ln1, w_qkv, b_qkv)
-        start = qkv.storage_offset()
-        q, kk, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
-        o, lse = ops.attention_forward(q, kk, v, _NO_SEQLENS, _NO_SEQLENS, step.rng,
-                                       *step.attention)
+        o, lse, held, freqs = _attend(qkv, step, freqs)
         o2 = o.view(-1, o.shape[-2] * o.shape[-1])
         mid = x2 + F.linear(o2, w_p, b_p)
         ln2, mu2, rs2 = ops.norm_forward(mid, g2, beta2, norm2, eps2, zc2)
         h = F.linear(ln2, w1, b1)
         a = ops.activation_forward(h, step.act_name)
         out = mid + F.linear(a, w2, b2)
-        ctx.save_for_backward(x2, mu1, rs1, g1, ln1, w_qkv, qkv, o, lse, w_p, mid, mu2, rs2, g2,
-                              ln2, w1, h, a, w2)
+        ctx.save_for_backward(x2, mu1, rs1, g1, ln1, w_qkv, o, lse, w_p, mid, mu2, rs2, g2, ln2,
+                              w1, h, a, w2, *held)
+        ctx.freqs = freqs
         ctx.info = (step, n_w, n_b, shape, (beta1 is not None, b_p is not None,
                                             beta2 is not None, b1 is not None, b2 is not None))
         return out.view(shape)
 
     @staticmethod
     def backward(ctx, grad):
-        (x2, mu1, rs1, g1, ln1, w_qkv, qkv, o, lse, w_p, mid, mu2, rs2, g2, ln2, w1, h, a,
-         w2) = ctx.saved_tensors
+        (x2, mu1, rs1, g1, ln1, w_qkv, o, lse, w_p, mid, mu2, rs2, g2, ln2, w1, h, a, w2,
+         *held) = ctx.saved_tensors
         step, n_w, n_b, shape, has = ctx.info
         has_beta1, has_bp, has_beta2, has_b1, has_b2 = has
         (norm1, _, zc1), (norm2, _, zc2) = step.norms
@@ -472,21 +522,13 @@ class _LayerHP(torch.autograd.Function):
         g_mid = g + d_mid
         d_o2, gw_p, gb_p = _linear_grads((True, True, True), g_mid,
                                          o.view(-1, o.shape[-2] * o.shape[-1]), w_p, has_bp)
-        start = qkv.storage_offset()
-        q, kk, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
-        layout, mask, left, right, scale, dropout, _, _, backend = step.attention
-        d_qkv = ops.attention_backward_packed(qkv, q, kk, v, o, d_o2.view(o.shape), lse,
-                                              step.rng, layout, mask, left, right, scale,
-                                              dropout, step.deterministic, backend)
-        if free:
-            release(qkv, o, lse)
-        d_ln1, gw, gb = _linear_grads((True, True, True), d_qkv.view(-1, d_qkv.shape[-1]), ln1,
-                                      w_qkv, n_b > 0)
+        d_qkv = _attend_backward(d_o2.view(o.shape), o, lse, held, step, ctx.freqs, free)
+        d_ln1, gw, gb = _linear_grads((True, True, True), d_qkv, ln1, w_qkv, n_b > 0)
         dx, dg1, dbeta1 = ops.norm_backward(d_ln1.contiguous(), x2, mu1, rs1, g1, norm1, zc1)
         dx = (g_mid + dx).view(shape)
         w_grads = list(gw.split(list(step.splits))) if n_w > 1 else [gw]
         b_grads = (list(gb.split(list(step.splits))) if n_b > 1 else [gb]) if n_b else []
-        return (dx, None, None, None, dg1, dbeta1 if has_beta1 else None, gw_p,
+        return (dx, None, None, None, None, dg1, dbeta1 if has_beta1 else None, gw_p,
                 gb_p if has_bp else None, dg2, dbeta2 if has_beta2 else None, gw1,
                 gb1 if has_b1 else None, gw2, gb2 if has_b2 else None, *w_grads, *b_grads)
 
@@ -494,6 +536,7 @@ class _LayerHP(torch.autograd.Function):
 _apply_layer_hp = eager_apply(_LayerHP)
 
 
-def _apply_hp(x, step, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2, b2, *parts):
-    return _apply_layer_hp(x, step, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2, b2,
-                           *parts)
+def _apply_hp(x, step, freqs, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2, b2,
+              *parts):
+    return _apply_layer_hp(x, step, freqs, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2,
+                           b2, *parts)

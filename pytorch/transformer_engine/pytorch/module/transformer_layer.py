@@ -262,12 +262,13 @@ class TransformerLayer(DeferredInit, torch.nn.Module):
         if (attention_mask is None and self_attn_mask_type in (None, self.self_attn_mask_type)
                 and window_size is None and encoder_output is None and enc_dec_attn_mask is None
                 and is_first_microbatch is None and not checkpoint_core_attention
-                and inference_params is None and rotary_pos_emb is None
-                and core_attention_bias_type == "no_bias" and core_attention_bias is None
+                and inference_params is None and core_attention_bias_type == "no_bias"
+                and core_attention_bias is None
                 and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_kv is None
                 and max_seqlen_q is None and max_seqlen_kv is None and pad_between_seqs is None
                 and cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None):
-            out = layer_block.forward(self, hidden_states)  # the step as one node, where it can
+            # the step as one node, where it can
+            out = layer_block.forward(self, hidden_states, rotary_pos_emb)
             if out is not None:
                 return out
         device_type = "cuda" if hidden_states.is_cuda else hidden_states.device.type
