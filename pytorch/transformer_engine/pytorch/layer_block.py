@@ -107,6 +107,7 @@ class _Step(NamedTuple):
     splits: tuple  # rows of each QKV weight (and bias) block
     has_qkv_bias: bool
     rng: torch.Tensor  # (empty: no dropout; on the input's device, as the core attention's)
+    no_seqlens: torch.Tensor  # (the dense call's empty cu_seqlens, on the input's device too)
     hp: bool  # outside fp8_autocast: the blocks' high-precision steps (hp_blocks.py)
     norms: tuple  # ((norm, eps, zero_centered_gamma) of the QKV block, of the MLP)
     act_name: str
@@ -241,8 +242,9 @@ def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window):
     views = tuple((shape, stride, offset - start) for shape, stride, offset in packed[1])
     norms = tuple((m.cfg.norm, m.cfg.eps, m.cfg.zero_centered_gamma) for m in (qkv_mod, mlp))
     common = (params, views, bool(dpa.deterministic), tuple(w.shape[0] for w in weights),
-              bool(biases), torch.empty((0,), dtype=torch.int64, device=x.device), hp, norms,
-              mlp._act, bool(mha.rotary_pos_interleaved))
+              bool(biases), torch.empty((0,), dtype=torch.int64, device=x.device),
+              torch.empty((0,), dtype=torch.int32, device=x.device), hp, norms, mlp._act,
+              bool(mha.rotary_pos_interleaved))
     if hp:
         return _Step(None, key, False, None, None, None, 0, *common)
     qkv_plan, proj_plan, mlp_plan = plans
@@ -342,7 +344,8 @@ def _attend(qkv: torch.Tensor, step: _Step, freqs: Optional[torch.Tensor]) -> tu
     q = rope_ops.rope_forward(q, freqs, layout, interleaved, None, None).contiguous()
     k = rope_ops.rope_forward(k, freqs, layout, interleaved, None, None).contiguous()
     v = v.contiguous()
-    o, lse = ops.attention_forward(q, k, v, _NO_SEQLENS, _NO_SEQLENS, step.rng, *step.attention)
+    o, lse = ops.attention_forward(q, k, v, step.no_seqlens, step.no_seqlens, step.rng,
+                                   *step.attention)
     return o, lse, (q, k, v), freqs
 
 
@@ -363,9 +366,10 @@ def _attend_backward(d_o: torch.Tensor, o, lse, held: tuple, step: _Step, freqs,
             release(qkv, o, lse)
         return d_qkv.view(-1, d_qkv.shape[-1])
     q, k, v = held
-    dq, dk, dv = ops.attention_backward(q, k, v, o, d_o, lse, _NO_SEQLENS, _NO_SEQLENS,
-                                        step.rng, layout, mask, left, right, scale, dropout,
-                                        max_q, max_kv, step.deterministic, backend, q.dtype)
+    dq, dk, dv = ops.attention_backward(q, k, v, o, d_o, lse, step.no_seqlens,
+                                        step.no_seqlens, step.rng, layout, mask, left, right,
+                                        scale, dropout, max_q, max_kv, step.deterministic,
+                                        backend, q.dtype)
     if free:
         release(q, k, v, o, lse)
     interleaved = step.rope_interleaved
