@@ -52,6 +52,22 @@ def node_calls(monkeypatch) -> list:
     return calls
 
 
+@pytest.fixture
+def attention_calls(monkeypatch) -> list:
+    """How many forwards the attention node ran (te.MultiheadAttention's), FP8 or not."""
+    calls = [0]
+
+    def counting(apply):
+        def counted(*args):
+            calls[0] += 1
+            return apply(*args)
+        return counted
+
+    for name in ("_apply_attention", "_apply_attention_hp"):
+        monkeypatch.setattr(layer_block, name, counting(getattr(layer_block, name)))
+    return calls
+
+
 @pytest.fixture(autouse=True)
 def _restore():
     yield
@@ -238,4 +254,69 @@ def test_node_with_rope_gives_the_modules_bits(device, rope, recipe_name, node_c
     on = train(True)
     first = 1 if recipe_name == "delayed" else 0
     assert node_calls[0] == LAYERS * (STEPS - first)
+    assert_same_bits(off, on)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", None])
+@pytest.mark.parametrize("config", ["plain", "rope-fused-qkv-rmsnorm"])
+def test_attention_node_gives_the_modules_bits(device, config, recipe_name, attention_calls):
+    """te.MultiheadAttention alone (input norm, self attention): its step as one node gives the
+    modules' bits, FP8 and high precision, with and without RoPE."""
+    rope = config != "plain"
+    kw = dict(fuse_qkv_params=True, normalization="RMSNorm") if rope else {}
+
+    def train(on: bool) -> list:
+        layer_block.enabled = on
+        torch.manual_seed(0)
+        m = te.MultiheadAttention(64, 4, attn_mask_type="causal", input_layernorm=True,
+                                  attention_dropout=0.0, qkv_format="bshd",
+                                  params_dtype=torch.bfloat16, device=device, **kw)
+        freqs = te.RotaryPositionEmbedding(16)(16).to(device) if rope else None
+        torch.manual_seed(1)
+        seen = []
+        for step in range(STEPS):
+            x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(torch.bfloat16)
+            x.requires_grad_(True)
+            ctx = (te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()) if recipe_name
+                   else te.fp8_autocast(enabled=False))
+            with ctx:
+                y = m(x, rotary_pos_emb=freqs)
+            y.backward(torch.randn_like(y))
+            seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+            seen += [b.clone() for b in m.buffers()]
+            m.zero_grad(set_to_none=True)
+        return seen
+
+    off = train(False)
+    assert attention_calls[0] == 0
+    on = train(True)
+    first = 1 if recipe_name == "delayed" else 0
+    assert attention_calls[0] == STEPS - first
+    assert_same_bits(off, on)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", None])
+def test_layer_with_dropout_takes_the_attention_node(recipe_name, node_calls, attention_calls):
+    """A layer the layer node does not take (hidden dropout) still runs its attention as one
+    node; the dropout draws the same masks, so the bits are the modules'."""
+    def train(on: bool) -> list:
+        layer_block.enabled = on
+        m = _layers("cpu", hidden_dropout=0.1)
+        torch.manual_seed(1)
+        seen = []
+        for step in range(STEPS):
+            x = (torch.randn(2, 16, 64) * (step + 1)).to(torch.bfloat16).requires_grad_(True)
+            ctx = (te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()) if recipe_name
+                   else te.fp8_autocast(enabled=False))
+            with ctx:
+                y = m(x)
+            y.backward(torch.randn_like(y))
+            seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+            m.zero_grad(set_to_none=True)
+        return seen
+
+    off = train(False)
+    on = train(True)
+    first = 1 if recipe_name == "delayed" else 0
+    assert node_calls[0] == 0 and attention_calls[0] == LAYERS * (STEPS - first)
     assert_same_bits(off, on)

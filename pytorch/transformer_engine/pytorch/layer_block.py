@@ -95,11 +95,11 @@ class _Step(NamedTuple):
     """What a learned step needs besides the tensors it reads afresh each call."""
 
     recipe: object
-    key: tuple  # (shape, dtype, device, x needs a gradient)
+    key: tuple  # (shape, dtype, device, x needs a gradient, RoPE angles given)
     delayed: bool
-    qkv: compiled_blocks.Codes
-    proj: fast_linear.Codes
-    mlp: compiled_blocks.Codes
+    qkv: Optional[compiled_blocks.Codes]
+    proj: Optional[fast_linear.Codes]
+    mlp: Optional[compiled_blocks.Codes]  # (None: the attention node)
     act: int
     attention: tuple  # attention_fn's Params
     views: tuple  # (shape, stride, offset from the QKV output's start) of q, k, v
@@ -109,13 +109,13 @@ class _Step(NamedTuple):
     rng: torch.Tensor  # (empty: no dropout; on the input's device, as the core attention's)
     no_seqlens: torch.Tensor  # (the dense call's empty cu_seqlens, on the input's device too)
     hp: bool  # outside fp8_autocast: the blocks' high-precision steps (hp_blocks.py)
-    norms: tuple  # ((norm, eps, zero_centered_gamma) of the QKV block, of the MLP)
-    act_name: str
+    norms: tuple  # ((norm, eps, zero_centered_gamma) of the QKV block, of the MLP or None)
+    act_name: Optional[str]
     rope_interleaved: bool
 
 
 def _parts(module) -> tuple[list, list]:
-    """The QKV weight and bias blocks of the layer's first attention module."""
+    """The QKV weight and bias blocks of the attention's first module."""
     if module._splits is None:
         p = module._parameters
         return [p["weight"]], ([p["bias"]] if p.get("bias") is not None else [])
@@ -123,29 +123,36 @@ def _parts(module) -> tuple[list, list]:
     return weights, [module._parameters[n] for n in module.bias_names]
 
 
-def _static_ok(layer) -> bool:
-    """The layer's configuration: what no call can change."""
-    mha = layer.self_attention
-    qkv, dpa, proj, mlp = (mha._modules.get("layernorm_qkv"), mha.core_attention, mha.proj,
-                           layer.layernorm_mlp)
-    if (layer.layer_type != "encoder" or layer.parallel_attention_mlp or layer.output_layernorm
-            or layer.apply_residual_connection_post_layernorm or layer.hidden_dropout != 0.0
-            or layer.drop_path_rate != 0.0 or layer.fuse_wgrad_accumulation):
-        return False
+def _attention_static_ok(mha) -> bool:
+    """A te.MultiheadAttention's configuration the nodes take: what no call can change."""
+    qkv, dpa, proj = mha._modules.get("layernorm_qkv"), mha.core_attention, mha.proj
     if (qkv is None or mha.attention_type != "self" or mha.return_layernorm_output
             or mha.return_bias or mha.qk_norm_type is not None or mha.tp_size != 1
             or mha.fuse_wgrad_accumulation or dpa._cp is not None
             or getattr(dpa, "softmax_offset", None) is not None or dpa.attention_dropout != 0.0
             or mha.qkv_format not in ("bshd", "sbhd")):
         return False
-    for m in (qkv, proj, mlp):
-        if (getattr(m, "tp_size", 1) != 1 or getattr(m, "sequence_parallel", False)
-                or getattr(m, "_tp_mode", None) is not None or m.fuse_wgrad_accumulation
-                or getattr(m, "return_bias", False)):
-            return False
-    if qkv.cfg.return_ln_out or mlp.cfg.return_ln_out or proj._splits is not None:
+    if qkv.cfg.return_ln_out or proj._splits is not None:
         return False
-    return True
+    return all(_module_static_ok(m) for m in (qkv, proj))
+
+
+def _module_static_ok(m) -> bool:
+    return not (getattr(m, "tp_size", 1) != 1 or getattr(m, "sequence_parallel", False)
+                or getattr(m, "_tp_mode", None) is not None or m.fuse_wgrad_accumulation
+                or getattr(m, "return_bias", False))
+
+
+def _layer_static_ok(layer) -> bool:
+    """A te.TransformerLayer's configuration the layer node takes."""
+    mlp = layer.layernorm_mlp
+    if (layer.layer_type != "encoder" or layer.parallel_attention_mlp or layer.output_layernorm
+            or layer.apply_residual_connection_post_layernorm or layer.hidden_dropout != 0.0
+            or layer.drop_path_rate != 0.0 or layer.fuse_wgrad_accumulation):
+        return False
+    if mlp.cfg.return_ln_out or not _module_static_ok(mlp):
+        return False
+    return _attention_static_ok(layer.self_attention)
 
 
 def _need_all(tensors) -> bool:
@@ -163,14 +170,28 @@ def _plain(tensors, dtype) -> bool:
     return True
 
 
-def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window):
-    """The step for this recipe and input; where the modules' path must run (each module's own
+def _tensors(mha, mlp) -> tuple:
+    """The parameters a node takes, in its order (the MLP's None for the attention node), then
+    the QKV weight blocks and bias blocks, and how many of each."""
+    qkv_mod, pp = mha.layernorm_qkv, mha.proj._parameters
+    weights, biases = _parts(qkv_mod)
+    qp = qkv_mod._parameters
+    mp = {} if mlp is None else mlp._parameters
+    return ((qp["layer_norm_weight"], qp.get("layer_norm_bias"), pp["weight"], pp.get("bias"),
+             mp.get("layer_norm_weight"), mp.get("layer_norm_bias"), mp.get("fc1_weight"),
+             mp.get("fc1_bias"), mp.get("fc2_weight"), mp.get("fc2_bias"), *weights, *biases),
+            len(weights), len(biases))
+
+
+def _learn(mha, mlp, x: torch.Tensor, recipe, key: tuple, mask: str, window):
+    """The step of ``mha`` (and ``mlp`` after it, for the layer node; None for the attention
+    node) for this recipe and input; where the modules' path must run (each module's own
     rule, checked as its forward checks it), a _Declined for this recipe and input, or None
     where the reason may pass by the next call (a first step's empty history, a weight cache,
     parameters replaced or frozen): the next call learns again."""
     declined = _Declined(recipe, key)
-    mha = layer.self_attention
-    qkv_mod, dpa, proj, mlp = mha.layernorm_qkv, mha.core_attention, mha.proj, layer.layernorm_mlp
+    qkv_mod, dpa, proj = mha.layernorm_qkv, mha.core_attention, mha.proj
+    modules = (qkv_mod, proj) if mlp is None else (qkv_mod, proj, mlp)
     if mask not in ("causal", "no_mask"):
         return declined
     window_pair = _resolve_window(mask, window)
@@ -179,25 +200,19 @@ def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window):
     hp = recipe is None
     if getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False):
         return declined
-    if not hp and (qkv_mod._weight_caches or proj._weight_caches or mlp._weight_caches):
+    if not hp and any(m._weight_caches for m in modules):
         return None
-    if (qkv_mod._wgrad_store is not None or proj._wgrad_store is not None
-            or mlp._wgrad_store is not None):
+    if any(m._wgrad_store is not None for m in modules):
         return None
-    weights, biases = _parts(qkv_mod)
-    if len(weights) > 1 and not _back_to_back(weights):
-        return None
-    if len(biases) > 1 and not _back_to_back(biases):
+    tensors, n_w, n_b = _tensors(mha, mlp)
+    weights, biases = tensors[10:10 + n_w], tensors[10 + n_w:]
+    if (n_w > 1 and not _back_to_back(weights)) or (n_b > 1 and not _back_to_back(biases)):
         return None
     dtype = x.dtype
-    tensors = (qkv_mod.layer_norm_weight, qkv_mod.layer_norm_bias, *weights, *biases,
-               proj._parameters.get("weight"), proj._parameters.get("bias"),
-               mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.fc1_weight, mlp.fc1_bias,
-               mlp.fc2_weight, mlp.fc2_bias)
     if not (_plain(tensors, dtype) and _need_all(tensors)):
         return None
     plans = []
-    for m in (() if hp else (qkv_mod, proj, mlp)):
+    for m in (() if hp else modules):
         plan, scales, history = m._fp8_meta_of(recipe)
         _, bwd_recipe, group = m._backward_state(plan, recipe)
         if bwd_recipe is not None or group is not None:
@@ -209,55 +224,54 @@ def _learn(layer, x: torch.Tensor, recipe, key: tuple, mask: str, window):
             return None
         plans.append(plan)
     tokens = x.numel() // x.shape[-1]
-    k = x.shape[-1]
     w_qkv_rows = sum(w.shape[0] for w in weights)
-    if tokens == 0 or ops.activation.has_params(mlp._act):
+    if tokens == 0 or (mlp is not None and ops.activation.has_params(mlp._act)):
         return declined
     if not hp:  # (the FP8 GEMMs' granules; the MLP block's operators whole)
-        for n in (k, w_qkv_rows, mlp.fc1_weight.shape[0], mlp.fc2_weight.shape[1], tokens):
-            if n % 16:
+        sizes = [x.shape[-1], w_qkv_rows, proj._parameters["weight"].shape[0], tokens]
+        if mlp is not None:
+            sizes += [mlp.fc1_weight.shape[0], mlp.fc2_weight.shape[1]]
+            if tokens * mlp.fc1_weight.shape[0] * dtype.itemsize >= WHOLE_MLP_BYTES:
                 return declined
-        if tokens * mlp.fc1_weight.shape[0] * dtype.itemsize >= WHOLE_MLP_BYTES:
+        if any(n % 16 for n in sizes):
             return declined
     # The attention: q, k, v as the heads of the QKV output, read in place, on the backend the
     # core attention would choose for them.
     layout = mha.qkv_format
     qkv_out = torch.empty((*x.shape[:-1], w_qkv_rows), dtype=dtype, device=x.device)
-    q, k_, v = split_heads(qkv_out, mha._local_groups, mha._parts, mha.head_dim,
-                           mha.qkv_weight_interleaved)
+    q, k, v = split_heads(qkv_out, mha._local_groups, mha._parts, mha.head_dim,
+                          mha.qkv_weight_interleaved)
     asked = dpa.attention_backend or _env_backend()
     if asked not in ("auto", "cudnn", "cuda_math", "cpu"):
         return declined
-    attention_key = _key(q, k_, v, layout, mask, window_pair, dpa.softmax_scale, 0.0, None, 0, 0,
-                         "")
-    backend = _choose(attention_key, True, asked)
+    backend = _choose(_key(q, k, v, layout, mask, window_pair, dpa.softmax_scale, 0.0, None, 0,
+                           0, ""), True, asked)
     if backend in ("unfused", "!"):
         return declined
     params = (layout, mask, window_pair[0], window_pair[1], float(dpa.softmax_scale), 0.0, 0, 0,
               backend)
-    packed = packed_qkv(q, k_, v, params)
+    packed = packed_qkv(q, k, v, params)
     if packed is None:
         return declined
     start = qkv_out.storage_offset()
     views = tuple((shape, stride, offset - start) for shape, stride, offset in packed[1])
-    norms = tuple((m.cfg.norm, m.cfg.eps, m.cfg.zero_centered_gamma) for m in (qkv_mod, mlp))
+    norms = tuple(None if m is None else (m.cfg.norm, m.cfg.eps, m.cfg.zero_centered_gamma)
+                  for m in (qkv_mod, mlp))
     common = (params, views, bool(dpa.deterministic), tuple(w.shape[0] for w in weights),
               bool(biases), torch.empty((0,), dtype=torch.int64, device=x.device),
-              torch.empty((0,), dtype=torch.int32, device=x.device), hp, norms, mlp._act,
-              bool(mha.rotary_pos_interleaved))
+              torch.empty((0,), dtype=torch.int32, device=x.device), hp, norms,
+              None if mlp is None else mlp._act, bool(mha.rotary_pos_interleaved))
     if hp:
         return _Step(None, key, False, None, None, None, 0, *common)
-    qkv_plan, proj_plan, mlp_plan = plans
-    return _Step(recipe, key, qkv_plan.kind == "delayed",
-                 compiled_blocks._codes(qkv_plan, qkv_mod.cfg), fast_linear.codes_of(proj_plan),
-                 compiled_blocks._codes(mlp_plan, mlp.cfg), enum_code("Activation", mlp._act),
-                 *common)
+    return _Step(recipe, key, plans[0].kind == "delayed",
+                 compiled_blocks._codes(plans[0], qkv_mod.cfg), fast_linear.codes_of(plans[1]),
+                 None if mlp is None else compiled_blocks._codes(plans[2], mlp.cfg),
+                 0 if mlp is None else enum_code("Activation", mlp._act), *common)
 
 
-def forward(layer, x: torch.Tensor, rotary_pos_emb=None) -> Optional[torch.Tensor]:
-    """The layer's step through the one node, or None where the modules' path must run. Called
-    by te.TransformerLayer.forward with no argument but the input and RoPE's angles (one
-    tensor for q and k; a pair takes the modules' path)."""
+def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
+    """The node's step of ``owner`` (the layer, or the attention module alone with ``mlp``
+    None), or None where the modules' path must run."""
     state = fp8.STATE
     # (it stands on packed attention and, in FP8, on the whole blocks and te.Linear's
     # compiled path; in high precision on the blocks' one-node steps)
@@ -268,9 +282,10 @@ def forward(layer, x: torch.Tensor, rotary_pos_emb=None) -> Optional[torch.Tenso
             return None
     elif state.calibrating or not hp_blocks.enabled:
         return None
-    static = layer.__dict__.get("_layer_block_static")
+    static = owner.__dict__.get("_layer_block_static")
     if static is None:
-        static = layer.__dict__["_layer_block_static"] = _static_ok(layer)
+        static = owner.__dict__["_layer_block_static"] = (
+            _attention_static_ok(mha) if mlp is None else _layer_static_ok(owner))
     if not static:
         return None
     recipe = state.recipe if state.enabled else None
@@ -286,46 +301,56 @@ def forward(layer, x: torch.Tensor, rotary_pos_emb=None) -> Optional[torch.Tenso
     if rotary_pos_emb is not None and type(rotary_pos_emb) is not torch.Tensor:
         return None
     key = (x.shape, x.dtype, x.device, x.requires_grad, rotary_pos_emb is not None)
-    mha = layer.self_attention
-    qkv_mod, proj, mlp = mha.layernorm_qkv, mha.proj, layer.layernorm_mlp
-    step = layer.__dict__.get("_layer_block_step")
+    modules = (mha.layernorm_qkv, mha.proj) if mlp is None else (mha.layernorm_qkv, mha.proj,
+                                                                 mlp)
+    step = owner.__dict__.get("_layer_block_step")
     if (step is None or step.recipe is not recipe or step.key != key
-            or (type(step) is _Step and not step.hp and (qkv_mod._fp8_recipe is not recipe
-                                         or proj._fp8_recipe is not recipe
-                                         or mlp._fp8_recipe is not recipe))):
-        step = _learn(layer, x, recipe, key, layer.self_attn_mask_type, layer.window_size)
-        layer.__dict__["_layer_block_step"] = step
+            or (type(step) is _Step and not step.hp
+                and any(m._fp8_recipe is not recipe for m in modules))):
+        step = _learn(mha, mlp, x, recipe, key, mask, window)
+        owner.__dict__["_layer_block_step"] = step
     if type(step) is not _Step:
         return None
-    weights, biases = _parts(qkv_mod)
-    mp, pp = mlp._parameters, proj._parameters
-    tensors = (qkv_mod._parameters["layer_norm_weight"], qkv_mod._parameters.get("layer_norm_bias"),
-               pp["weight"], pp.get("bias"), mp["layer_norm_weight"], mp.get("layer_norm_bias"),
-               mp["fc1_weight"], mp.get("fc1_bias"), mp["fc2_weight"], mp.get("fc2_bias"),
-               *weights, *biases)
+    tensors, n_w, n_b = _tensors(mha, mlp)
     # (what a call may have changed since: parameters replaced or frozen, weights moved apart)
     if not (_plain(tensors, x.dtype) and _need_all(tensors)):
         return None
-    if len(weights) > 1 and not _back_to_back(weights):
+    if ((n_w > 1 and not _back_to_back(tensors[10:10 + n_w]))
+            or (n_b > 1 and not _back_to_back(tensors[10 + n_w:]))):
         return None
-    if len(biases) > 1 and not _back_to_back(biases):
+    if any(m._wgrad_store is not None for m in modules):
         return None
-    freqs = rotary_pos_emb
+    args = (x.contiguous(), step, rotary_pos_emb, n_w, n_b)
     if step.hp:
-        if (qkv_mod._wgrad_store is not None or proj._wgrad_store is not None
-                or mlp._wgrad_store is not None):
-            return None
-        return _apply_hp(x.contiguous(), step, freqs, len(weights), len(biases), *tensors)
-    if qkv_mod._weight_caches or proj._weight_caches or mlp._weight_caches:
+        return (_apply_hp(*args, *tensors) if mlp is not None
+                else _apply_attention_hp(*args, *tensors[:4], *tensors[10:]))
+    if any(m._weight_caches for m in modules):
         return None
     states = []
-    for m in (qkv_mod, proj, mlp):
+    for m in modules:
         b = m._buffers
         states.append((b["scale_fwd"], b["amax_history_fwd"],
                        (b["amax_history_bwd"], b["scale_bwd"], b["scale_inv_bwd"])))
         if step.delayed:
             state.pending[id(m)] = (m, recipe, None)  # fp8.register_forward_amaxes
-    return _apply(x.contiguous(), step, states, freqs, len(weights), len(biases), *tensors)
+    if mlp is None:
+        return _apply_attention(*args[:2], states, *args[2:], *tensors[:4], *tensors[10:])
+    return _apply(*args[:2], states, *args[2:], *tensors)
+
+
+def forward(layer, x: torch.Tensor, rotary_pos_emb=None) -> Optional[torch.Tensor]:
+    """The layer's step through the one node, or None where the modules' path must run. Called
+    by te.TransformerLayer.forward with no argument but the input and RoPE's angles (one
+    tensor for q and k; a pair takes the modules' path)."""
+    return _run(layer, layer.self_attention, layer.layernorm_mlp, x, rotary_pos_emb,
+                layer.self_attn_mask_type, layer.window_size)
+
+
+def attention_forward(mha, x: torch.Tensor, rotary_pos_emb=None) -> Optional[torch.Tensor]:
+    """te.MultiheadAttention's step (norm, QKV projection, attention, output projection) through
+    one node, or None where the modules' path must run. Called by its forward with no argument
+    but the input and RoPE's angles."""
+    return _run(mha, mha, None, x, rotary_pos_emb, mha.attn_mask_type, mha.window_size)
 
 
 def _attend(qkv: torch.Tensor, step: _Step, freqs: Optional[torch.Tensor]) -> tuple:
@@ -393,6 +418,56 @@ def _joined(parts: tuple) -> torch.Tensor:
                                    first.stride())
 
 
+# ---------------------------------------------------------------- FP8 (per-tensor recipes)
+
+
+def _fp8_attention(x2, step: _Step, states, freqs, g1, beta1, w_qkv, b_qkv, w_p, b_p) -> tuple:
+    """(projection output [M, N], what the backward reads, q/k/v held, RoPE angles): the QKV
+    block's operator, attention, te.Linear's operator for the projection."""
+    (s1, h1, _), (s2, h2, _) = states[:2]
+    qkv, *saved = compiled_blocks._linear_forward(x2, g1, beta1, w_qkv, b_qkv, s1, h1, step.qkv,
+                                                  True, True)
+    o, lse, held, freqs = _attend(qkv, step, freqs)
+    o2 = o.view(-1, o.shape[-2] * o.shape[-1])
+    out, x_sinv, w_sinv, x_col, w_col = fast_linear._forward(o2, w_p, b_p, s2, h2, step.proj,
+                                                             True, True)
+    return out, (x2, g1, *saved, o, lse, x_sinv, w_sinv, x_col, w_col), held, freqs
+
+
+_FP8_ATTENTION_SAVED = 14  # (the tensors _fp8_attention saves)
+
+
+def _fp8_attention_backward(g, saved, held, step: _Step, metas, freqs, has: tuple,
+                            dtypes: tuple, n_b: int, free: bool) -> tuple:
+    """(grad of x [M, K], of gamma, of beta, of the QKV weight, of its bias, of the projection's
+    weight, of its bias) from g [M, N], the projection output's gradient."""
+    (x2, g1, ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, o, lse, x_sinv, pw_sinv, x_col,
+     pw_col) = saved
+    has_beta, has_bp = has
+    wp_dtype, wqkv_dtype = dtypes
+    m1, m2 = metas
+    d_o, gw_p, gb_p = linear_backward(
+        g, (x_col, x_sinv, pw_col, pw_sinv), step.proj.plan, m2, None, None,
+        (True, True, has_bp), (o.dtype, wp_dtype, wp_dtype if has_bp else None), g.shape)
+    if free:
+        release(x_col, pw_col)
+    d_qkv = _attend_backward(d_o.view(o.shape), o, lse, held, step, freqs, free)
+    c = step.qkv
+    dx, dg1, dbeta1, gw, gb = compiled_blocks.layernorm_linear_block_backward(
+        d_qkv, x2, mu, rsigma, g1, has_beta, ln_sinv, ln_col, w_sinv, w_col, *m1, c.norm,
+        c.zero_centered_gamma, c.current, c.fwd_dtype, c.bwd_dtype, c.pow2, c.epsilon, c.algo,
+        c.margin, True, True, wqkv_dtype, wqkv_dtype if n_b else None)
+    return dx, dg1, dbeta1 if has_beta else None, gw, gb, gw_p, gb_p if has_bp else None
+
+
+def _split_grads(step: _Step, n_w: int, n_b: int, gw, gb) -> list:
+    """The QKV weight's and bias's gradients split back into their blocks (_JoinRows's
+    backward)."""
+    w_grads = list(gw.split(list(step.splits))) if n_w > 1 else [gw]
+    b_grads = (list(gb.split(list(step.splits))) if n_b > 1 else [gb]) if n_b else []
+    return w_grads + b_grads
+
+
 class _Layer(torch.autograd.Function):
     """x -> x + proj(attention(qkv(norm(x)))) -> + mlp(norm(.)): the modules' numbers."""
 
@@ -400,39 +475,33 @@ class _Layer(torch.autograd.Function):
     def forward(ctx, x, step: _Step, states, freqs, n_w: int, n_b: int, g1, beta1, w_p, b_p, g2,
                 beta2, w1, b1, w2, b2, *qkv_parts):
         shape = x.shape
-        k = shape[-1]
-        x2 = x.view(-1, k)
+        x2 = x.view(-1, shape[-1])
         w_qkv = _joined(qkv_parts[:n_w])
         b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
-        (s1, h1, m1), (s2, h2, m2), (s3, h3, m3) = states
-        qkv, *saved1 = compiled_blocks._linear_forward(x2, g1, beta1, w_qkv, b_qkv, s1, h1,
-                                                       step.qkv, True, True)
-        o, lse, held, freqs = _attend(qkv, step, freqs)
-        o2 = o.view(-1, o.shape[-2] * o.shape[-1])
-        proj_out, x_sinv, pw_sinv, x_col, pw_col = fast_linear._forward(
-            o2, w_p, b_p, s2, h2, step.proj, True, True)
+        proj_out, saved, held, freqs = _fp8_attention(x2, step, states, freqs, g1, beta1, w_qkv,
+                                                      b_qkv, w_p, b_p)
         mid = x2 + proj_out
+        s3, h3, m3 = states[2]
         mlp_out, *saved3 = compiled_blocks._mlp_forward(mid, g2, beta2, w1, b1, w2, b2, s3, h3,
                                                         step.mlp, step.act, (True,) * 4)
         out = mid + mlp_out
-        ctx.save_for_backward(x2, g1, *saved1, o, lse, x_sinv, pw_sinv, x_col, pw_col, mid, g2,
-                              *saved3, *held)
+        ctx.save_for_backward(*saved, mid, g2, *saved3, *held)
         ctx.freqs = freqs
-        ctx.info = (step, (m1, m2, m3), n_w, n_b, shape,
+        ctx.info = (step, tuple(m for _, _, m in states), n_w, n_b, shape,
                     (beta1 is not None, b_p is not None, beta2 is not None, b1 is not None,
                      b2 is not None), (w_p.dtype, w1.dtype, w2.dtype, w_qkv.dtype))
         return out.view(shape)
 
     @staticmethod
     def backward(ctx, grad):
-        (x2, g1, ln_sinv1, ln_col1, mu1, rs1, w_sinv1, w_col1, o, lse, x_sinv, pw_sinv, x_col,
-         pw_col, mid, g2, ln_sinv2, ln_col2, mu2, rs2, w1_sinv, w1_col, h, a_sinv, a_col, w2_sinv,
-         w2_col, *held) = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        attention = saved[:_FP8_ATTENTION_SAVED]
+        (mid, g2, ln_sinv2, ln_col2, mu2, rs2, w1_sinv, w1_col, h, a_sinv, a_col, w2_sinv,
+         w2_col, *held) = saved[_FP8_ATTENTION_SAVED:]
         step, (m1, m2, m3), n_w, n_b, shape, has, dtypes = ctx.info
         has_beta1, has_bp, has_beta2, has_b1, has_b2 = has
         wp_dtype, w1_dtype, w2_dtype, wqkv_dtype = dtypes
-        k = shape[-1]
-        g = grad.reshape(-1, k).contiguous()
+        g = grad.reshape(-1, shape[-1]).contiguous()
         c = step.mlp
         d_mid, dg2, dbeta2, gw1, gb1, gw2, gb2 = compiled_blocks.layernorm_mlp_block_backward(
             g, mid, mu2, rs2, g2, has_beta2, ln_sinv2, ln_col2, w1_sinv, w1_col, h, step.act,
@@ -444,38 +513,82 @@ class _Layer(torch.autograd.Function):
         if free:
             release(h, a_col, w2_col, ln_col2, w1_col, mid)
         g_mid = g + d_mid
-        d_o, gw_p, gb_p = linear_backward(
-            g_mid, (x_col, x_sinv, pw_col, pw_sinv), step.proj.plan, m2, None, None,
-            (True, True, has_bp), (o.dtype, wp_dtype, wp_dtype if has_bp else None),
-            g_mid.shape)
-        if free:
-            release(x_col, pw_col)
-        d_qkv = _attend_backward(d_o.view(o.shape), o, lse, held, step, ctx.freqs, free)
-        c = step.qkv
-        dx, dg1, dbeta1, gw, gb = compiled_blocks.layernorm_linear_block_backward(
-            d_qkv, x2, mu1, rs1, g1, has_beta1, ln_sinv1, ln_col1,
-            w_sinv1, w_col1, *m1, c.norm, c.zero_centered_gamma, c.current, c.fwd_dtype,
-            c.bwd_dtype, c.pow2, c.epsilon, c.algo, c.margin, True, True, wqkv_dtype,
-            wqkv_dtype if n_b else None)
+        dx, dg1, dbeta1, gw, gb, gw_p, gb_p = _fp8_attention_backward(
+            g_mid, attention, held, step, (m1, m2), ctx.freqs, (has_beta1, has_bp),
+            (wp_dtype, wqkv_dtype), n_b, free)
         dx = (g_mid + dx).view(shape)
-        w_grads = list(gw.split(list(step.splits))) if n_w > 1 else [gw]
-        b_grads = (list(gb.split(list(step.splits))) if n_b > 1 else [gb]) if n_b else []
-        return (dx, None, None, None, None, None, dg1, dbeta1 if has_beta1 else None, gw_p,
-                gb_p if has_bp else None, dg2, dbeta2 if has_beta2 else None, gw1,
-                gb1 if has_b1 else None, gw2, gb2 if has_b2 else None, *w_grads, *b_grads)
+        return (dx, None, None, None, None, None, dg1, dbeta1, gw_p, gb_p, dg2,
+                dbeta2 if has_beta2 else None, gw1, gb1 if has_b1 else None, gw2,
+                gb2 if has_b2 else None, *_split_grads(step, n_w, n_b, gw, gb))
 
 
-_apply_layer = eager_apply(_Layer)
+class _Attention(torch.autograd.Function):
+    """x -> proj(attention(qkv(norm(x)))): te.MultiheadAttention's numbers."""
+
+    @staticmethod
+    def forward(ctx, x, step: _Step, states, freqs, n_w: int, n_b: int, g1, beta1, w_p, b_p,
+                *qkv_parts):
+        shape = x.shape
+        w_qkv = _joined(qkv_parts[:n_w])
+        b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
+        out, saved, held, freqs = _fp8_attention(x.view(-1, shape[-1]), step, states, freqs, g1,
+                                                 beta1, w_qkv, b_qkv, w_p, b_p)
+        ctx.save_for_backward(*saved, *held)
+        ctx.freqs = freqs
+        ctx.info = (step, tuple(m for _, _, m in states), n_w, n_b, shape,
+                    (beta1 is not None, b_p is not None), (w_p.dtype, w_qkv.dtype))
+        return out.view(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        step, metas, n_w, n_b, shape, has, dtypes = ctx.info
+        g = grad.reshape(-1, grad.shape[-1]).contiguous()
+        dx, dg1, dbeta1, gw, gb, gw_p, gb_p = _fp8_attention_backward(
+            g, saved[:_FP8_ATTENTION_SAVED], saved[_FP8_ATTENTION_SAVED:], step, metas, ctx.freqs,
+            has, dtypes, n_b, may_release())
+        return (dx.view(shape), None, None, None, None, None, dg1, dbeta1, gw_p, gb_p,
+                *_split_grads(step, n_w, n_b, gw, gb))
 
 
-def _apply(x, step, states, freqs, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2, b2,
-           *parts):
-    return _apply_layer(x, step, states, freqs, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1,
-                        b1, w2, b2, *parts)
+_apply = eager_apply(_Layer)
+_apply_attention = eager_apply(_Attention)
+
+
+# ---------------------------------------------------------------- high precision
+
+
+def _hp_attention(x2, step: _Step, freqs, g1, beta1, w_qkv, b_qkv, w_p, b_p) -> tuple:
+    """hp_blocks' QKV block, attention, F.linear (te.Linear's high-precision step)."""
+    norm, eps, zc = step.norms[0]
+    ln, mu, rsigma = ops.norm_forward(x2, g1, beta1, norm, eps, zc)
+    qkv = F.linear(ln, w_qkv, b_qkv)
+    o, lse, held, freqs = _attend(qkv, step, freqs)
+    out = F.linear(o.view(-1, o.shape[-2] * o.shape[-1]), w_p, b_p)
+    return out, (x2, mu, rsigma, g1, ln, w_qkv, o, lse, w_p), held, freqs
+
+
+_HP_ATTENTION_SAVED = 9
+
+
+def _hp_attention_backward(g, saved, held, step: _Step, freqs, has: tuple, n_b: int,
+                           free: bool) -> tuple:
+    """hp_blocks' formulas backward: as _fp8_attention_backward's."""
+    x2, mu, rsigma, g1, ln, w_qkv, o, lse, w_p = saved
+    has_beta, has_bp = has
+    norm, _, zc = step.norms[0]
+    d_o, gw_p, gb_p = _linear_grads((True, True, True), g, o.view(-1, o.shape[-2] * o.shape[-1]),
+                                    w_p, has_bp)
+    d_qkv = _attend_backward(d_o.view(o.shape), o, lse, held, step, freqs, free)
+    d_ln, gw, gb = _linear_grads((True, True, True), d_qkv, ln, w_qkv, n_b > 0)
+    if free:
+        release(ln)
+    dx, dg1, dbeta1 = ops.norm_backward(d_ln.contiguous(), x2, mu, rsigma, g1, norm, zc)
+    return dx, dg1, dbeta1 if has_beta else None, gw, gb, gw_p, gb_p if has_bp else None
 
 
 class _LayerHP(torch.autograd.Function):
-    """The same layer outside fp8_autocast: hp_blocks' calls for the QKV block and the MLP
+    """The layer node outside fp8_autocast: hp_blocks' calls for the QKV block and the MLP
     (the norm's op, F.linear, the activation's op), F.linear for the projection (te.Linear's
     high-precision step), attention on q, k, v read in place; backward by the same formulas
     (hp_blocks._linear_grads for each F.linear), freeing what the node made once read, as the
@@ -488,18 +601,15 @@ class _LayerHP(torch.autograd.Function):
         x2 = x.view(-1, shape[-1])
         w_qkv = _joined(qkv_parts[:n_w])
         b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
-        (norm1, eps1, zc1), (norm2, eps2, zc2) = step.norms
-        ln1, mu1, rs1 = ops.norm_forward(x2, g1, beta1, norm1, eps1, zc1)
-        qkv = F.linear(ln1, w_qkv, b_qkv)
-        o, lse, held, freqs = _attend(qkv, step, freqs)
-        o2 = o.view(-1, o.shape[-2] * o.shape[-1])
-        mid = x2 + F.linear(o2, w_p, b_p)
-        ln2, mu2, rs2 = ops.norm_forward(mid, g2, beta2, norm2, eps2, zc2)
+        proj_out, saved, held, freqs = _hp_attention(x2, step, freqs, g1, beta1, w_qkv, b_qkv,
+                                                     w_p, b_p)
+        mid = x2 + proj_out
+        norm, eps, zc = step.norms[1]
+        ln2, mu2, rs2 = ops.norm_forward(mid, g2, beta2, norm, eps, zc)
         h = F.linear(ln2, w1, b1)
         a = ops.activation_forward(h, step.act_name)
         out = mid + F.linear(a, w2, b2)
-        ctx.save_for_backward(x2, mu1, rs1, g1, ln1, w_qkv, o, lse, w_p, mid, mu2, rs2, g2, ln2,
-                              w1, h, a, w2, *held)
+        ctx.save_for_backward(*saved, mid, mu2, rs2, g2, ln2, w1, h, a, w2, *held)
         ctx.freqs = freqs
         ctx.info = (step, n_w, n_b, shape, (beta1 is not None, b_p is not None,
                                             beta2 is not None, b1 is not None, b2 is not None))
@@ -507,11 +617,11 @@ class _LayerHP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        (x2, mu1, rs1, g1, ln1, w_qkv, o, lse, w_p, mid, mu2, rs2, g2, ln2, w1, h, a, w2,
-         *held) = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        (mid, mu2, rs2, g2, ln2, w1, h, a, w2, *held) = saved[_HP_ATTENTION_SAVED:]
         step, n_w, n_b, shape, has = ctx.info
         has_beta1, has_bp, has_beta2, has_b1, has_b2 = has
-        (norm1, _, zc1), (norm2, _, zc2) = step.norms
+        norm2, _, zc2 = step.norms[1]
         free = may_release()
         g = grad.reshape(-1, shape[-1])
         d_a, gw2, gb2 = _linear_grads((True, True, True), g, a, w2, has_b2)
@@ -524,23 +634,40 @@ class _LayerHP(torch.autograd.Function):
         if free:
             release(a, h, ln2, mid)
         g_mid = g + d_mid
-        d_o2, gw_p, gb_p = _linear_grads((True, True, True), g_mid,
-                                         o.view(-1, o.shape[-2] * o.shape[-1]), w_p, has_bp)
-        d_qkv = _attend_backward(d_o2.view(o.shape), o, lse, held, step, ctx.freqs, free)
-        d_ln1, gw, gb = _linear_grads((True, True, True), d_qkv, ln1, w_qkv, n_b > 0)
-        dx, dg1, dbeta1 = ops.norm_backward(d_ln1.contiguous(), x2, mu1, rs1, g1, norm1, zc1)
+        dx, dg1, dbeta1, gw, gb, gw_p, gb_p = _hp_attention_backward(
+            g_mid, saved[:_HP_ATTENTION_SAVED], held, step, ctx.freqs, (has_beta1, has_bp), n_b,
+            free)
         dx = (g_mid + dx).view(shape)
-        w_grads = list(gw.split(list(step.splits))) if n_w > 1 else [gw]
-        b_grads = (list(gb.split(list(step.splits))) if n_b > 1 else [gb]) if n_b else []
-        return (dx, None, None, None, None, dg1, dbeta1 if has_beta1 else None, gw_p,
-                gb_p if has_bp else None, dg2, dbeta2 if has_beta2 else None, gw1,
-                gb1 if has_b1 else None, gw2, gb2 if has_b2 else None, *w_grads, *b_grads)
+        return (dx, None, None, None, None, dg1, dbeta1, gw_p, gb_p, dg2,
+                dbeta2 if has_beta2 else None, gw1, gb1 if has_b1 else None, gw2,
+                gb2 if has_b2 else None, *_split_grads(step, n_w, n_b, gw, gb))
 
 
-_apply_layer_hp = eager_apply(_LayerHP)
+class _AttentionHP(torch.autograd.Function):
+    """The attention node outside fp8_autocast."""
+
+    @staticmethod
+    def forward(ctx, x, step: _Step, freqs, n_w: int, n_b: int, g1, beta1, w_p, b_p, *qkv_parts):
+        shape = x.shape
+        w_qkv = _joined(qkv_parts[:n_w])
+        b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
+        out, saved, held, freqs = _hp_attention(x.view(-1, shape[-1]), step, freqs, g1, beta1,
+                                                w_qkv, b_qkv, w_p, b_p)
+        ctx.save_for_backward(*saved, *held)
+        ctx.freqs = freqs
+        ctx.info = (step, n_w, n_b, shape, (beta1 is not None, b_p is not None))
+        return out.view(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        step, n_w, n_b, shape, has = ctx.info
+        dx, dg1, dbeta1, gw, gb, gw_p, gb_p = _hp_attention_backward(
+            grad.reshape(-1, grad.shape[-1]), saved[:_HP_ATTENTION_SAVED],
+            saved[_HP_ATTENTION_SAVED:], step, ctx.freqs, has, n_b, may_release())
+        return (dx.view(shape), None, None, None, None, dg1, dbeta1, gw_p, gb_p,
+                *_split_grads(step, n_w, n_b, gw, gb))
 
 
-def _apply_hp(x, step, freqs, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2, b2,
-              *parts):
-    return _apply_layer_hp(x, step, freqs, n_w, n_b, g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2,
-                           b2, *parts)
+_apply_hp = eager_apply(_LayerHP)
+_apply_attention_hp = eager_apply(_AttentionHP)

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .. import attention_bias, distributed, fp8, padded_packing
+from .. import attention_bias, distributed, fp8, layer_block, padded_packing
 from ..checkpoint import checkpoint
 from ..float8_tensor import to_high_precision
 from ..rope import apply_rotary_pos_emb
@@ -310,6 +310,17 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
                      self.proj._parameters["weight"])
         if self.attention_type == "cross" and encoder_output is None:
             raise ValueError("te.MultiheadAttention: cross attention needs encoder_output")
+        if (attention_mask is None and encoder_output is None and window_size is None
+                and attn_mask_type in (None, self.attn_mask_type) and is_first_microbatch is None
+                and not checkpoint_core_attention and inference_params is None
+                and core_attention_bias_type == "no_bias" and core_attention_bias is None
+                and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_kv is None
+                and cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None
+                and max_seqlen_q is None and max_seqlen_kv is None and pad_between_seqs is None):
+            # the step as one node, where it can (layer_block.py)
+            out = layer_block.attention_forward(self, hidden_states, rotary_pos_emb)
+            if out is not None:
+                return out
         padded = padded_packing.forward_args("te.MultiheadAttention", pad_between_seqs,
                                              cu_seqlens_q_padded, cu_seqlens_kv_padded,
                                              self.qkv_format)
