@@ -35,10 +35,8 @@ def _layers(device, dtype=torch.bfloat16, **kw) -> torch.nn.Module:
                             **kw) for _ in range(LAYERS)))
 
 
-@pytest.fixture
-def node_calls(monkeypatch) -> list:
-    """How many forwards the node ran, in FP8 or high precision (a counter around layer_block's
-    two applies)."""
+def _count(monkeypatch, *names: str) -> list:
+    """A counter of the calls of layer_block's applies ``names``."""
     calls = [0]
 
     def counting(apply):
@@ -47,25 +45,40 @@ def node_calls(monkeypatch) -> list:
             return apply(*args)
         return counted
 
-    for name in ("_apply", "_apply_hp"):
+    for name in names:
         monkeypatch.setattr(layer_block, name, counting(getattr(layer_block, name)))
     return calls
+
+
+@pytest.fixture
+def node_calls(monkeypatch) -> list:
+    """How many forwards the layer node ran, in FP8 or high precision."""
+    return _count(monkeypatch, "_apply", "_apply_hp")
 
 
 @pytest.fixture
 def attention_calls(monkeypatch) -> list:
     """How many forwards the attention node ran (te.MultiheadAttention's), FP8 or not."""
-    calls = [0]
+    return _count(monkeypatch, "_apply_attention", "_apply_attention_hp")
 
-    def counting(apply):
-        def counted(*args):
-            calls[0] += 1
-            return apply(*args)
-        return counted
 
-    for name in ("_apply_attention", "_apply_attention_hp"):
-        monkeypatch.setattr(layer_block, name, counting(getattr(layer_block, name)))
-    return calls
+def _record(m: torch.nn.Module, recipe_name, device, forward=None) -> list:
+    """Every output, gradient and buffer of STEPS steps of ``m`` (``forward`` if given) on
+    record_steps' growing inputs, under RECIPES[recipe_name] (None: outside fp8_autocast)."""
+    torch.manual_seed(1)
+    seen = []
+    for step in range(STEPS):
+        x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(torch.bfloat16)
+        x.requires_grad_(True)
+        ctx = (te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()) if recipe_name
+               else te.fp8_autocast(enabled=False))
+        with ctx:
+            y = (forward or m)(x)
+        y.backward(torch.randn_like(y))
+        seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+        seen += [b.clone() for b in m.buffers()]
+        m.zero_grad(set_to_none=True)
+    return seen
 
 
 @pytest.fixture(autouse=True)
@@ -204,17 +217,7 @@ def test_node_outside_fp8_gives_the_modules_bits(device, config, node_calls):
     the modules' path (hp_blocks, te.Linear's F.linear, the same attention)."""
     def train(on: bool) -> list:
         layer_block.enabled = on
-        m = _layers(device, **CONFIGS[config])
-        torch.manual_seed(1)
-        seen = []
-        for step in range(STEPS):
-            x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(torch.bfloat16)
-            x.requires_grad_(True)
-            y = m(x)
-            y.backward(torch.randn_like(y))
-            seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
-            m.zero_grad(set_to_none=True)
-        return seen
+        return _record(_layers(device, **CONFIGS[config]), None, device)
 
     off = train(False)
     assert node_calls[0] == 0
@@ -235,20 +238,8 @@ def test_node_with_rope_gives_the_modules_bits(device, rope, recipe_name, node_c
         layer_block.enabled = on
         m = _layers(device, attn_input_format="bshd", **kw)
         freqs = te.RotaryPositionEmbedding(dim, interleaved=rope != "full")(16).to(device)
-        torch.manual_seed(1)
-        seen = []
-        for step in range(STEPS):
-            x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(torch.bfloat16)
-            x.requires_grad_(True)
-            ctx = (te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()) if recipe_name
-                   else te.fp8_autocast(enabled=False))
-            with ctx:
-                y = m[1](m[0](x, rotary_pos_emb=freqs), rotary_pos_emb=freqs)
-            y.backward(torch.randn_like(y))
-            seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
-            seen += [b.clone() for b in m.buffers()]
-            m.zero_grad(set_to_none=True)
-        return seen
+        return _record(m, recipe_name, device,
+                       lambda x: m[1](m[0](x, rotary_pos_emb=freqs), rotary_pos_emb=freqs))
 
     off = train(False)
     on = train(True)
@@ -272,20 +263,7 @@ def test_attention_node_gives_the_modules_bits(device, config, recipe_name, atte
                                   attention_dropout=0.0, qkv_format="bshd",
                                   params_dtype=torch.bfloat16, device=device, **kw)
         freqs = te.RotaryPositionEmbedding(16)(16).to(device) if rope else None
-        torch.manual_seed(1)
-        seen = []
-        for step in range(STEPS):
-            x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(torch.bfloat16)
-            x.requires_grad_(True)
-            ctx = (te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()) if recipe_name
-                   else te.fp8_autocast(enabled=False))
-            with ctx:
-                y = m(x, rotary_pos_emb=freqs)
-            y.backward(torch.randn_like(y))
-            seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
-            seen += [b.clone() for b in m.buffers()]
-            m.zero_grad(set_to_none=True)
-        return seen
+        return _record(m, recipe_name, device, lambda x: m(x, rotary_pos_emb=freqs))
 
     off = train(False)
     assert attention_calls[0] == 0
@@ -301,19 +279,7 @@ def test_layer_with_dropout_takes_the_attention_node(recipe_name, node_calls, at
     node; the dropout draws the same masks, so the bits are the modules'."""
     def train(on: bool) -> list:
         layer_block.enabled = on
-        m = _layers("cpu", hidden_dropout=0.1)
-        torch.manual_seed(1)
-        seen = []
-        for step in range(STEPS):
-            x = (torch.randn(2, 16, 64) * (step + 1)).to(torch.bfloat16).requires_grad_(True)
-            ctx = (te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()) if recipe_name
-                   else te.fp8_autocast(enabled=False))
-            with ctx:
-                y = m(x)
-            y.backward(torch.randn_like(y))
-            seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
-            m.zero_grad(set_to_none=True)
-        return seen
+        return _record(_layers("cpu", hidden_dropout=0.1), recipe_name, "cpu")
 
     off = train(False)
     on = train(True)
