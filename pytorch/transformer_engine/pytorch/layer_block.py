@@ -84,6 +84,19 @@ enabled = True
 WHOLE_MLP_BYTES = 4 * layernorm_mlp_fn.LEAN_BYTES
 
 
+_EMPTIES: dict = {}
+
+
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor of ``dtype`` on ``device``, one for the process (the attention calls'
+    absent rng state and cu_seqlens), so that a learned step holds no tensor of its own."""
+    key = (dtype, device)
+    t = _EMPTIES.get(key)
+    if t is None:
+        t = _EMPTIES[key] = torch.empty((0,), dtype=dtype, device=device)
+    return t
+
+
 class _Declined(NamedTuple):
     """A recipe and input the node does not take, whatever the next call brings."""
 
@@ -108,6 +121,7 @@ class _Step(NamedTuple):
     has_qkv_bias: bool
     rng: torch.Tensor  # (empty: no dropout; on the input's device, as the core attention's)
     no_seqlens: torch.Tensor  # (the dense call's empty cu_seqlens, on the input's device too)
+    # (both from _empty: one per device for the process, not held by the modules)
     hp: bool  # outside fp8_autocast: the blocks' high-precision steps (hp_blocks.py)
     norms: tuple  # ((norm, eps, zero_centered_gamma) of the QKV block, of the MLP or None)
     act_name: Optional[str]
@@ -258,8 +272,8 @@ def _learn(mha, mlp, x: torch.Tensor, recipe, key: tuple, mask: str, window):
     norms = tuple(None if m is None else (m.cfg.norm, m.cfg.eps, m.cfg.zero_centered_gamma)
                   for m in (qkv_mod, mlp))
     common = (params, views, bool(dpa.deterministic), tuple(w.shape[0] for w in weights),
-              bool(biases), torch.empty((0,), dtype=torch.int64, device=x.device),
-              torch.empty((0,), dtype=torch.int32, device=x.device), hp, norms,
+              bool(biases), _empty(torch.int64, x.device), _empty(torch.int32, x.device), hp,
+              norms,
               None if mlp is None else mlp._act, bool(mha.rotary_pos_interleaved))
     if hp:
         return _Step(None, key, False, None, None, None, 0, *common)
