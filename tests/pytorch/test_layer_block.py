@@ -286,3 +286,31 @@ def test_layer_with_dropout_takes_the_attention_node(recipe_name, node_calls, at
     first = 1 if recipe_name == "delayed" else 0
     assert node_calls[0] == 0 and attention_calls[0] == LAYERS * (STEPS - first)
     assert_same_bits(off, on)
+
+
+def test_settings_changed_after_a_step_are_read(node_calls, monkeypatch):
+    """The configuration is read at every call: a dropout rate set after the node served a
+    step sends the layer to the modules' path (which applies it), and a parameter frozen
+    since is not learned again at every call."""
+    learned = _count(monkeypatch, "_learn")
+    m = _layers("cpu")
+    r = RECIPES["current"]()
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        with te.fp8_autocast(fp8_recipe=r):
+            m(x).float().sum().backward()
+
+    step()
+    assert node_calls[0] == LAYERS and learned[0] == LAYERS
+    for layer in m:
+        layer.hidden_dropout = 0.1
+    step()
+    # (the layers' attention halves learn their own node's step then)
+    assert node_calls[0] == LAYERS and learned[0] == 2 * LAYERS
+    for layer in m:
+        layer.hidden_dropout = 0.0
+        layer.layernorm_mlp.fc1_weight.requires_grad_(False)
+    step()
+    step()
+    assert node_calls[0] == LAYERS and learned[0] == 2 * LAYERS

@@ -19,10 +19,12 @@ Outside fp8_autocast (``_LayerHP``): hp_blocks' steps for the QKV block and the 
 for the projection, the same attention; backward by the same formulas. Both backwards free
 what the node made once it is read (release.py), as the modules' nodes let it go.
 
-The layer learns the step once per recipe and input (``_learn``: every condition the modules'
-own paths check, and the attention's backend), and later forwards under that recipe and input
-go straight to the node after a few checks of what can change between calls (``forward``), as
-te.Linear's steady path does (fast_linear.steady_forward).
+The layer learns the step once per recipe, input and settings (``_learn``: every condition the
+modules' own paths check, and the attention's backend), and later forwards under them go
+straight to the node after the checks of what can change between calls (``_run``: the
+configuration, the parameters, the autocast), as te.Linear's steady path does
+(fast_linear.steady_forward). te.MultiheadAttention's step is such a node too
+(``attention_forward``): the first half of the layer's.
 
 What it takes: an encoder layer with the pre-norm residuals (no post-norm, output norm or
 parallel attention-MLP), no dropout (hidden, attention, drop path), causal or no mask without
@@ -108,7 +110,7 @@ class _Step(NamedTuple):
     """What a learned step needs besides the tensors it reads afresh each call."""
 
     recipe: object
-    key: tuple  # (shape, dtype, device, x needs a gradient, RoPE angles given)
+    key: tuple  # (the input's shape, dtype and device, RoPE, the settings _run lists)
     delayed: bool
     qkv: Optional[compiled_blocks.Codes]
     proj: Optional[fast_linear.Codes]
@@ -296,11 +298,9 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
             return None
     elif state.calibrating or not hp_blocks.enabled:
         return None
-    static = owner.__dict__.get("_layer_block_static")
-    if static is None:
-        static = owner.__dict__["_layer_block_static"] = (
-            _attention_static_ok(mha) if mlp is None else _layer_static_ok(owner))
-    if not static:
+    # The configuration, read at every call: users change dropout rates, and a context- or
+    # tensor-parallel group is set after construction.
+    if not (_attention_static_ok(mha) if mlp is None else _layer_static_ok(owner)):
         return None
     recipe = state.recipe if state.enabled else None
     if (type(x) is not torch.Tensor or state.group is not None or not torch.is_grad_enabled()
@@ -314,9 +314,27 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
         return None
     if rotary_pos_emb is not None and type(rotary_pos_emb) is not torch.Tensor:
         return None
-    key = (x.shape, x.dtype, x.device, x.requires_grad, rotary_pos_emb is not None)
     modules = (mha.layernorm_qkv, mha.proj) if mlp is None else (mha.layernorm_qkv, mha.proj,
                                                                  mlp)
+    # What can change from call to call, checked before anything is learned (so that a frozen
+    # parameter, say, does not send every call through the learning): parameters replaced,
+    # frozen or cast, the QKV blocks moved apart, deferred weight gradients, weight caches.
+    tensors, n_w, n_b = _tensors(mha, mlp)
+    if not (_plain(tensors, x.dtype) and _need_all(tensors)):
+        return None
+    if ((n_w > 1 and not _back_to_back(tensors[10:10 + n_w]))
+            or (n_b > 1 and not _back_to_back(tensors[10 + n_w:]))):
+        return None
+    if any(m._wgrad_store is not None for m in modules):
+        return None
+    if recipe is not None and any(m._weight_caches for m in modules):
+        return None
+    dpa = mha.core_attention
+    # (what the learned step depends on: the input, and the settings a user may change)
+    key = (x.shape, x.dtype, x.device, rotary_pos_emb is not None, mask, window,
+           dpa.attention_backend or _env_backend(), dpa.softmax_scale, dpa.deterministic,
+           mha.rotary_pos_interleaved, mha.layernorm_qkv.cfg,
+           None if mlp is None else (mlp.cfg, mlp._act))
     step = owner.__dict__.get("_layer_block_step")
     if (step is None or step.recipe is not recipe or step.key != key
             or (type(step) is _Step and not step.hp
@@ -325,21 +343,10 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
         owner.__dict__["_layer_block_step"] = step
     if type(step) is not _Step:
         return None
-    tensors, n_w, n_b = _tensors(mha, mlp)
-    # (what a call may have changed since: parameters replaced or frozen, weights moved apart)
-    if not (_plain(tensors, x.dtype) and _need_all(tensors)):
-        return None
-    if ((n_w > 1 and not _back_to_back(tensors[10:10 + n_w]))
-            or (n_b > 1 and not _back_to_back(tensors[10 + n_w:]))):
-        return None
-    if any(m._wgrad_store is not None for m in modules):
-        return None
     args = (x.contiguous(), step, rotary_pos_emb, n_w, n_b)
     if step.hp:
         return (_apply_hp(*args, *tensors) if mlp is not None
                 else _apply_attention_hp(*args, *tensors[:4], *tensors[10:]))
-    if any(m._weight_caches for m in modules):
-        return None
     states = []
     for m in modules:
         b = m._buffers
