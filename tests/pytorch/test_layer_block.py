@@ -30,9 +30,10 @@ def _layers(device, dtype=torch.bfloat16, **kw) -> torch.nn.Module:
     torch.manual_seed(0)
     kw.setdefault("self_attn_mask_type", "causal")
     kw.setdefault("hidden_dropout", 0.0)
+    kw.setdefault("attention_dropout", 0.0)
     return torch.nn.Sequential(*(
-        te.TransformerLayer(64, 128, 4, attention_dropout=0.0, params_dtype=dtype, device=device,
-                            **kw) for _ in range(LAYERS)))
+        te.TransformerLayer(64, 128, 4, params_dtype=dtype, device=device, **kw)
+        for _ in range(LAYERS)))
 
 
 def _count(monkeypatch, *names: str) -> list:
@@ -113,10 +114,10 @@ def test_node_in_float32(node_calls):
     assert_same_bits(off, on)
 
 
-@pytest.mark.parametrize("case", ["hidden-dropout", "rope-pair", "attention-mask-type",
+@pytest.mark.parametrize("case", ["drop-path", "rope-pair", "attention-mask-type",
                                   "frozen-norm", "calibrating", "post-norm"])
 def test_modules_path_where_the_node_does_not_apply(case, node_calls):
-    kw = {"hidden-dropout": dict(hidden_dropout=0.1),
+    kw = {"drop-path": dict(drop_path_rate=0.1),
           "post-norm": dict(apply_residual_connection_post_layernorm=True)}.get(case, {})
     m = _layers("cpu", **kw)
     if case == "frozen-norm":
@@ -273,13 +274,39 @@ def test_attention_node_gives_the_modules_bits(device, config, recipe_name, atte
     assert_same_bits(off, on)
 
 
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", None])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("rope", [False, True], ids=["packed", "rope"])
+def test_node_with_dropout_gives_the_modules_bits(device, rope, mode, recipe_name, node_calls):
+    """Hidden and attention dropout (NVIDIA's defaults, 0.1 each) in the node: the layer's
+    fused residual op and the core attention's dropout with rng states drawn in the modules'
+    order, so the same masks and bits; none in eval mode."""
+    def train(on: bool) -> list:
+        layer_block.enabled = on
+        m = _layers(device, hidden_dropout=0.1, attention_dropout=0.1, attn_input_format="bshd")
+        if rope:
+            freqs = te.RotaryPositionEmbedding(16)(16).to(device)
+            m.train(mode == "train")
+            return _record(m, recipe_name, device,
+                           lambda x: m[1](m[0](x, rotary_pos_emb=freqs), rotary_pos_emb=freqs))
+        m.train(mode == "train")
+        return _record(m, recipe_name, device)
+
+    off = train(False)
+    on = train(True)
+    first = 1 if recipe_name == "delayed" else 0
+    assert node_calls[0] == LAYERS * (STEPS - first)
+    assert_same_bits(off, on)
+
+
 @pytest.mark.parametrize("recipe_name", ["delayed", None])
-def test_layer_with_dropout_takes_the_attention_node(recipe_name, node_calls, attention_calls):
-    """A layer the layer node does not take (hidden dropout) still runs its attention as one
+def test_layer_with_drop_path_takes_the_attention_node(recipe_name, node_calls, attention_calls):
+    """A layer the layer node does not take (stochastic depth) still runs its attention as one
     node; the dropout draws the same masks, so the bits are the modules'."""
     def train(on: bool) -> list:
         layer_block.enabled = on
-        return _record(_layers("cpu", hidden_dropout=0.1), recipe_name, "cpu")
+        return _record(_layers("cpu", hidden_dropout=0.1, drop_path_rate=0.1), recipe_name,
+                       "cpu")
 
     off = train(False)
     on = train(True)
@@ -289,7 +316,7 @@ def test_layer_with_dropout_takes_the_attention_node(recipe_name, node_calls, at
 
 
 def test_settings_changed_after_a_step_are_read(node_calls, monkeypatch):
-    """The configuration is read at every call: a dropout rate set after the node served a
+    """The configuration is read at every call: a drop-path rate set after the node served a
     step sends the layer to the modules' path (which applies it), and a parameter frozen
     since is not learned again at every call."""
     learned = _count(monkeypatch, "_learn")
@@ -304,12 +331,12 @@ def test_settings_changed_after_a_step_are_read(node_calls, monkeypatch):
     step()
     assert node_calls[0] == LAYERS and learned[0] == LAYERS
     for layer in m:
-        layer.hidden_dropout = 0.1
+        layer.drop_path_rate = 0.1
     step()
     # (the layers' attention halves learn their own node's step then)
     assert node_calls[0] == LAYERS and learned[0] == 2 * LAYERS
     for layer in m:
-        layer.hidden_dropout = 0.0
+        layer.drop_path_rate = 0.0
         layer.layernorm_mlp.fc1_weight.requires_grad_(False)
     step()
     step()

@@ -27,7 +27,8 @@ configuration, the parameters, the autocast), as te.Linear's steady path does
 (``attention_forward``): the first half of the layer's.
 
 What it takes: an encoder layer with the pre-norm residuals (no post-norm, output norm or
-parallel attention-MLP), no dropout (hidden, attention, drop path), causal or no mask without
+parallel attention-MLP), no drop path (hidden and attention dropout as the modules apply
+them, with their rng states drawn in the same order; no rng tracker), causal or no mask without
 a window, bshd or sbhd, no tensor, sequence or context parallelism, no KV cache, attention
 bias, q/k norms or forward arguments other than the input and one tensor of RoPE angles for
 q and k (te.RotaryPositionEmbedding's), parameters that are
@@ -145,7 +146,8 @@ def _attention_static_ok(mha) -> bool:
     if (qkv is None or mha.attention_type != "self" or mha.return_layernorm_output
             or mha.return_bias or mha.qk_norm_type is not None or mha.tp_size != 1
             or mha.fuse_wgrad_accumulation or dpa._cp is not None
-            or getattr(dpa, "softmax_offset", None) is not None or dpa.attention_dropout != 0.0
+            or getattr(dpa, "softmax_offset", None) is not None
+            or (dpa.attention_dropout != 0.0 and dpa.get_rng_state_tracker is not None)
             or mha.qkv_format not in ("bshd", "sbhd")):
         return False
     if qkv.cfg.return_ln_out or proj._splits is not None:
@@ -163,8 +165,8 @@ def _layer_static_ok(layer) -> bool:
     """A te.TransformerLayer's configuration the layer node takes."""
     mlp = layer.layernorm_mlp
     if (layer.layer_type != "encoder" or layer.parallel_attention_mlp or layer.output_layernorm
-            or layer.apply_residual_connection_post_layernorm or layer.hidden_dropout != 0.0
-            or layer.drop_path_rate != 0.0 or layer.fuse_wgrad_accumulation):
+            or layer.apply_residual_connection_post_layernorm or layer.drop_path_rate != 0.0
+            or layer.fuse_wgrad_accumulation):
         return False
     if mlp.cfg.return_ln_out or not _module_static_ok(mlp):
         return False
@@ -199,7 +201,8 @@ def _tensors(mha, mlp) -> tuple:
             len(weights), len(biases))
 
 
-def _learn(mha, mlp, x: torch.Tensor, recipe, key: tuple, mask: str, window):
+def _learn(mha, mlp, x: torch.Tensor, recipe, key: tuple, mask: str, window,
+           dropout: float):
     """The step of ``mha`` (and ``mlp`` after it, for the layer node; None for the attention
     node) for this recipe and input; where the modules' path must run (each module's own
     rule, checked as its forward checks it), a _Declined for this recipe and input, or None
@@ -260,12 +263,12 @@ def _learn(mha, mlp, x: torch.Tensor, recipe, key: tuple, mask: str, window):
     asked = dpa.attention_backend or _env_backend()
     if asked not in ("auto", "cudnn", "cuda_math", "cpu"):
         return declined
-    backend = _choose(_key(q, k, v, layout, mask, window_pair, dpa.softmax_scale, 0.0, None, 0,
-                           0, ""), True, asked)
+    backend = _choose(_key(q, k, v, layout, mask, window_pair, dpa.softmax_scale, dropout, None,
+                           0, 0, ""), True, asked)
     if backend in ("unfused", "!"):
         return declined
-    params = (layout, mask, window_pair[0], window_pair[1], float(dpa.softmax_scale), 0.0, 0, 0,
-              backend)
+    params = (layout, mask, window_pair[0], window_pair[1], float(dpa.softmax_scale),
+              float(dropout), 0, 0, backend)
     packed = packed_qkv(q, k, v, params)
     if packed is None:
         return declined
@@ -330,8 +333,10 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     if recipe is not None and any(m._weight_caches for m in modules):
         return None
     dpa = mha.core_attention
+    attention_dropout = float(dpa.attention_dropout) if dpa.training else 0.0
     # (what the learned step depends on: the input, and the settings a user may change)
     key = (x.shape, x.dtype, x.device, rotary_pos_emb is not None, mask, window,
+           attention_dropout,
            dpa.attention_backend or _env_backend(), dpa.softmax_scale, dpa.deterministic,
            mha.rotary_pos_interleaved, mha.layernorm_qkv.cfg,
            None if mlp is None else (mlp.cfg, mlp._act))
@@ -339,11 +344,14 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     if (step is None or step.recipe is not recipe or step.key != key
             or (type(step) is _Step and not step.hp
                 and any(m._fp8_recipe is not recipe for m in modules))):
-        step = _learn(mha, mlp, x, recipe, key, mask, window)
+        step = _learn(mha, mlp, x, recipe, key, mask, window, attention_dropout)
         owner.__dict__["_layer_block_step"] = step
     if type(step) is not _Step:
         return None
-    args = (x.contiguous(), step, rotary_pos_emb, n_w, n_b)
+    # (the layer's hidden dropout in training, as TransformerLayer._residual applies it)
+    p = float(owner.hidden_dropout) if mlp is not None and owner.training else 0.0
+    args = (x.contiguous(), step, rotary_pos_emb if mlp is None else (rotary_pos_emb, p), n_w,
+            n_b)
     if step.hp:
         return (_apply_hp(*args, *tensors) if mlp is not None
                 else _apply_attention_hp(*args, *tensors[:4], *tensors[10:]))
@@ -381,18 +389,21 @@ def _attend(qkv: torch.Tensor, step: _Step, freqs: Optional[torch.Tensor]) -> tu
     and q, k, v made dense (MultiheadAttention._rope, then _FusedAttention's calls)."""
     start = qkv.storage_offset()
     q, k, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
+    # (attention dropout: a fresh rng state from the device's generator, drawn where
+    # DotProductAttention._fused draws it; the backward takes the same one)
+    rng = (torch.randint(0, 2**62, (2,), dtype=torch.int64, device=qkv.device)
+           if step.attention[5] > 0.0 else step.rng)
     if freqs is None:
-        o, lse = ops.attention_forward(q, k, v, _NO_SEQLENS, _NO_SEQLENS, step.rng,
-                                       *step.attention)
-        return o, lse, (qkv,), None
+        o, lse = ops.attention_forward(q, k, v, _NO_SEQLENS, _NO_SEQLENS, rng, *step.attention)
+        return o, lse, (qkv, rng), None
     layout, interleaved = step.attention[0], step.rope_interleaved
     freqs = _check_rope(q, freqs, layout, None, 1, None)
     q = rope_ops.rope_forward(q, freqs, layout, interleaved, None, None).contiguous()
     k = rope_ops.rope_forward(k, freqs, layout, interleaved, None, None).contiguous()
     v = v.contiguous()
-    o, lse = ops.attention_forward(q, k, v, step.no_seqlens, step.no_seqlens, step.rng,
+    o, lse = ops.attention_forward(q, k, v, step.no_seqlens, step.no_seqlens, rng,
                                    *step.attention)
-    return o, lse, (q, k, v), freqs
+    return o, lse, (q, k, v, rng), freqs
 
 
 def _attend_backward(d_o: torch.Tensor, o, lse, held: tuple, step: _Step, freqs, free: bool):
@@ -402,18 +413,18 @@ def _attend_backward(d_o: torch.Tensor, o, lse, held: tuple, step: _Step, freqs,
     of the heads' split assembles)."""
     layout, mask, left, right, scale, dropout, max_q, max_kv, backend = step.attention
     if freqs is None:
-        (qkv,) = held
+        qkv, rng = held
         start = qkv.storage_offset()
         q, k, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
-        d_qkv = ops.attention_backward_packed(qkv, q, k, v, o, d_o, lse, step.rng, layout,
-                                              mask, left, right, scale, dropout,
-                                              step.deterministic, backend)
+        d_qkv = ops.attention_backward_packed(qkv, q, k, v, o, d_o, lse, rng, layout, mask,
+                                              left, right, scale, dropout, step.deterministic,
+                                              backend)
         if free:
             release(qkv, o, lse)
         return d_qkv.view(-1, d_qkv.shape[-1])
-    q, k, v = held
+    q, k, v, rng = held
     dq, dk, dv = ops.attention_backward(q, k, v, o, d_o, lse, step.no_seqlens,
-                                        step.no_seqlens, step.rng, layout, mask, left, right,
+                                        step.no_seqlens, rng, layout, mask, left, right,
                                         scale, dropout, max_q, max_kv, step.deterministic,
                                         backend, q.dtype)
     if free:
@@ -426,6 +437,20 @@ def _attend_backward(d_o: torch.Tensor, o, lse, held: tuple, step: _Step, freqs,
     for (sh, st, off), g in zip(step.views, (dq, dk, dv), strict=True):
         d_qkv.as_strided(sh, st, off).copy_(g)
     return d_qkv
+
+
+def _residual(h: torch.Tensor, residual: torch.Tensor, p: float) -> tuple:
+    """(residual + dropout(h), the dropout's rng state or None): TransformerLayer._residual's
+    fused op with a fresh rng state where p > 0 (dropout_add_fn.dropout_add), else the add."""
+    if p == 0.0:
+        return residual + h, None
+    rng = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=h.device)
+    return ops.dropout_add_forward(h, residual, rng, p), rng
+
+
+def _residual_grad(g: torch.Tensor, rng: Optional[torch.Tensor], p: float) -> torch.Tensor:
+    """The gradient of h in _residual from the output's (the residual's is g itself)."""
+    return g if rng is None else ops.dropout_backward(g, rng, p)
 
 
 def _joined(parts: tuple) -> torch.Tensor:
@@ -493,21 +518,22 @@ class _Layer(torch.autograd.Function):
     """x -> x + proj(attention(qkv(norm(x)))) -> + mlp(norm(.)): the modules' numbers."""
 
     @staticmethod
-    def forward(ctx, x, step: _Step, states, freqs, n_w: int, n_b: int, g1, beta1, w_p, b_p, g2,
-                beta2, w1, b1, w2, b2, *qkv_parts):
+    def forward(ctx, x, step: _Step, states, call: tuple, n_w: int, n_b: int, g1, beta1, w_p, b_p,
+                g2, beta2, w1, b1, w2, b2, *qkv_parts):
+        freqs, p = call  # (RoPE's angles or None, the hidden dropout)
         shape = x.shape
         x2 = x.view(-1, shape[-1])
         w_qkv = _joined(qkv_parts[:n_w])
         b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
         proj_out, saved, held, freqs = _fp8_attention(x2, step, states, freqs, g1, beta1, w_qkv,
                                                       b_qkv, w_p, b_p)
-        mid = x2 + proj_out
+        mid, rng1 = _residual(proj_out, x2, p)
         s3, h3, m3 = states[2]
         mlp_out, *saved3 = compiled_blocks._mlp_forward(mid, g2, beta2, w1, b1, w2, b2, s3, h3,
                                                         step.mlp, step.act, (True,) * 4)
-        out = mid + mlp_out
+        out, rng2 = _residual(mlp_out, mid, p)
         ctx.save_for_backward(*saved, mid, g2, *saved3, *held)
-        ctx.freqs = freqs
+        ctx.freqs, ctx.dropout = freqs, (p, rng1, rng2)
         ctx.info = (step, tuple(m for _, _, m in states), n_w, n_b, shape,
                     (beta1 is not None, b_p is not None, beta2 is not None, b1 is not None,
                      b2 is not None), (w_p.dtype, w1.dtype, w2.dtype, w_qkv.dtype))
@@ -523,10 +549,12 @@ class _Layer(torch.autograd.Function):
         has_beta1, has_bp, has_beta2, has_b1, has_b2 = has
         wp_dtype, w1_dtype, w2_dtype, wqkv_dtype = dtypes
         g = grad.reshape(-1, shape[-1]).contiguous()
+        p, rng1, rng2 = ctx.dropout
         c = step.mlp
         d_mid, dg2, dbeta2, gw1, gb1, gw2, gb2 = compiled_blocks.layernorm_mlp_block_backward(
-            g, mid, mu2, rs2, g2, has_beta2, ln_sinv2, ln_col2, w1_sinv, w1_col, h, step.act,
-            a_sinv, a_col, w2_sinv, w2_col, *m3, c.norm, c.zero_centered_gamma, c.current,
+            _residual_grad(g, rng2, p), mid, mu2, rs2, g2, has_beta2, ln_sinv2, ln_col2, w1_sinv,
+            w1_col, h, step.act, a_sinv, a_col, w2_sinv, w2_col, *m3, c.norm,
+            c.zero_centered_gamma, c.current,
             c.fwd_dtype, c.bwd_dtype, c.pow2, c.epsilon, c.algo, c.margin, True, True, True, True,
             w1_dtype, w1_dtype if has_b1 else None, w2_dtype, w2_dtype if has_b2 else None)
         # (what the node made goes once read, as the modules' nodes let it go: release.py)
@@ -535,8 +563,8 @@ class _Layer(torch.autograd.Function):
             release(h, a_col, w2_col, ln_col2, w1_col, mid)
         g_mid = g + d_mid
         dx, dg1, dbeta1, gw, gb, gw_p, gb_p = _fp8_attention_backward(
-            g_mid, attention, held, step, (m1, m2), ctx.freqs, (has_beta1, has_bp),
-            (wp_dtype, wqkv_dtype), n_b, free)
+            _residual_grad(g_mid, rng1, p), attention, held, step, (m1, m2), ctx.freqs,
+            (has_beta1, has_bp), (wp_dtype, wqkv_dtype), n_b, free)
         dx = (g_mid + dx).view(shape)
         return (dx, None, None, None, None, None, dg1, dbeta1, gw_p, gb_p, dg2,
                 dbeta2 if has_beta2 else None, gw1, gb1 if has_b1 else None, gw2,
@@ -616,22 +644,23 @@ class _LayerHP(torch.autograd.Function):
     modules' nodes would (release.py)."""
 
     @staticmethod
-    def forward(ctx, x, step: _Step, freqs, n_w: int, n_b: int, g1, beta1, w_p, b_p, g2, beta2,
-                w1, b1, w2, b2, *qkv_parts):
+    def forward(ctx, x, step: _Step, call: tuple, n_w: int, n_b: int, g1, beta1, w_p, b_p, g2,
+                beta2, w1, b1, w2, b2, *qkv_parts):
+        freqs, p = call  # (RoPE's angles or None, the hidden dropout)
         shape = x.shape
         x2 = x.view(-1, shape[-1])
         w_qkv = _joined(qkv_parts[:n_w])
         b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
         proj_out, saved, held, freqs = _hp_attention(x2, step, freqs, g1, beta1, w_qkv, b_qkv,
                                                      w_p, b_p)
-        mid = x2 + proj_out
+        mid, rng1 = _residual(proj_out, x2, p)
         norm, eps, zc = step.norms[1]
         ln2, mu2, rs2 = ops.norm_forward(mid, g2, beta2, norm, eps, zc)
         h = F.linear(ln2, w1, b1)
         a = ops.activation_forward(h, step.act_name)
-        out = mid + F.linear(a, w2, b2)
+        out, rng2 = _residual(F.linear(a, w2, b2), mid, p)
         ctx.save_for_backward(*saved, mid, mu2, rs2, g2, ln2, w1, h, a, w2, *held)
-        ctx.freqs = freqs
+        ctx.freqs, ctx.dropout = freqs, (p, rng1, rng2)
         ctx.info = (step, n_w, n_b, shape, (beta1 is not None, b_p is not None,
                                             beta2 is not None, b1 is not None, b2 is not None))
         return out.view(shape)
@@ -645,7 +674,9 @@ class _LayerHP(torch.autograd.Function):
         norm2, _, zc2 = step.norms[1]
         free = may_release()
         g = grad.reshape(-1, shape[-1])
-        d_a, gw2, gb2 = _linear_grads((True, True, True), g, a, w2, has_b2)
+        p, rng1, rng2 = ctx.dropout
+        d_a, gw2, gb2 = _linear_grads((True, True, True), _residual_grad(g, rng2, p), a, w2,
+                                      has_b2)
         d_h, _ = ops.activation_backward(d_a.contiguous(), h, step.act_name, False)
         del d_a
         d_ln2, gw1, gb1 = _linear_grads((True, True, True), d_h, ln2, w1, has_b1)
@@ -656,8 +687,8 @@ class _LayerHP(torch.autograd.Function):
             release(a, h, ln2, mid)
         g_mid = g + d_mid
         dx, dg1, dbeta1, gw, gb, gw_p, gb_p = _hp_attention_backward(
-            g_mid, saved[:_HP_ATTENTION_SAVED], held, step, ctx.freqs, (has_beta1, has_bp), n_b,
-            free)
+            _residual_grad(g_mid, rng1, p), saved[:_HP_ATTENTION_SAVED], held, step, ctx.freqs,
+            (has_beta1, has_bp), n_b, free)
         dx = (g_mid + dx).view(shape)
         return (dx, None, None, None, None, dg1, dbeta1, gw_p, gb_p, dg2,
                 dbeta2 if has_beta2 else None, gw1, gb1 if has_b1 else None, gw2,
