@@ -341,3 +341,40 @@ def test_settings_changed_after_a_step_are_read(node_calls, monkeypatch):
     step()
     step()
     assert node_calls[0] == LAYERS and learned[0] == 2 * LAYERS
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", None])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_node_without_gradients_gives_the_modules_bits(device, mode, recipe_name, monkeypatch):
+    """Grad mode off (evaluation, inference): the forward alone through the nodes, the layer's
+    and the attention module's, as the modules make it then (no backward copies), with the
+    dropout of training mode; the same outputs and FP8 state."""
+    calls = _count(monkeypatch, "_infer")
+
+    def run(on: bool, layer: bool) -> list:
+        layer_block.enabled = on
+        torch.manual_seed(0)
+        m = (_layers(device, hidden_dropout=0.1, attention_dropout=0.1) if layer else
+             te.MultiheadAttention(64, 4, attn_mask_type="causal", input_layernorm=True,
+                                   attention_dropout=0.1, params_dtype=torch.bfloat16,
+                                   device=device))
+        m.train(mode == "train")
+        torch.manual_seed(1)
+        seen = []
+        with torch.no_grad():
+            for step in range(STEPS):
+                x = (torch.randn(2, 16, 64, device=device) * (step + 1)).to(torch.bfloat16)
+                ctx = (te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()) if recipe_name
+                       else te.fp8_autocast(enabled=False))
+                with ctx:
+                    seen.append(m(x))
+                seen += [b.clone() for b in m.buffers()]
+        return seen
+
+    first = 1 if recipe_name == "delayed" else 0
+    for layer, count in ((True, LAYERS), (False, 1)):
+        calls[0] = 0
+        off = run(False, layer)
+        on = run(True, layer)
+        assert calls[0] == count * (STEPS - first)
+        assert_same_bits(off, on)

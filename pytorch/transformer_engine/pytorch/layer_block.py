@@ -32,12 +32,14 @@ them, with their rng states drawn in the same order; no rng tracker), causal or 
 a window, bshd or sbhd, no tensor, sequence or context parallelism, no KV cache, attention
 bias, q/k norms or forward arguments other than the input and one tensor of RoPE angles for
 q and k (te.RotaryPositionEmbedding's), parameters that are
-plain tensors in the input's dtype that all need gradients, the QKV weights back to back in
-one storage (as te.TransformerLayer lays them out), no deferred weight gradients; in FP8
-per-tensor delayed (core update, no amax group) or current scaling without FP8 attention; in
-high precision, not calibrating. Everything else, and a delayed-scaling first step, takes the
-modules' path. ``enabled = False`` turns it off (for comparisons), and so does turning off
-what it stands on (compiled_blocks, fast_linear, hp_blocks, attention_fn.packed_enabled).
+plain tensors in the input's dtype that all need gradients (in grad mode), the QKV weights
+back to back in one storage (as te.TransformerLayer lays them out), no deferred weight
+gradients; in FP8 per-tensor delayed (core update, no amax group) or current scaling without
+FP8 attention; in high precision, not calibrating. Everything else, and a delayed-scaling
+first step, takes the modules' path. With grad mode off (evaluation, inference) the nodes run
+the forward alone (``_infer``), as the modules do then. ``enabled = False`` turns it off (for
+comparisons), and so does turning off what it stands on (compiled_blocks, fast_linear,
+hp_blocks, attention_fn.packed_enabled).
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ def _tensors(mha, mlp) -> tuple:
 
 
 def _learn(mha, mlp, x: torch.Tensor, recipe, key: tuple, mask: str, window,
-           dropout: float):
+           dropout: float, grad: bool):
     """The step of ``mha`` (and ``mlp`` after it, for the layer node; None for the attention
     node) for this recipe and input; where the modules' path must run (each module's own
     rule, checked as its forward checks it), a _Declined for this recipe and input, or None
@@ -228,7 +230,7 @@ def _learn(mha, mlp, x: torch.Tensor, recipe, key: tuple, mask: str, window,
     if (n_w > 1 and not _back_to_back(weights)) or (n_b > 1 and not _back_to_back(biases)):
         return None
     dtype = x.dtype
-    if not (_plain(tensors, dtype) and _need_all(tensors)):
+    if not (_plain(tensors, dtype) and (not grad or _need_all(tensors))):
         return None
     plans = []
     for m in (() if hp else modules):
@@ -264,7 +266,7 @@ def _learn(mha, mlp, x: torch.Tensor, recipe, key: tuple, mask: str, window,
     if asked not in ("auto", "cudnn", "cuda_math", "cpu"):
         return declined
     backend = _choose(_key(q, k, v, layout, mask, window_pair, dpa.softmax_scale, dropout, None,
-                           0, 0, ""), True, asked)
+                           0, 0, ""), grad, asked)
     if backend in ("unfused", "!"):
         return declined
     params = (layout, mask, window_pair[0], window_pair[1], float(dpa.softmax_scale),
@@ -306,7 +308,7 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     if not (_attention_static_ok(mha) if mlp is None else _layer_static_ok(owner)):
         return None
     recipe = state.recipe if state.enabled else None
-    if (type(x) is not torch.Tensor or state.group is not None or not torch.is_grad_enabled()
+    if (type(x) is not torch.Tensor or state.group is not None
             or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None):
         return None
     r = fp8.RECOMPUTE
@@ -323,7 +325,8 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     # parameter, say, does not send every call through the learning): parameters replaced,
     # frozen or cast, the QKV blocks moved apart, deferred weight gradients, weight caches.
     tensors, n_w, n_b = _tensors(mha, mlp)
-    if not (_plain(tensors, x.dtype) and _need_all(tensors)):
+    grad = torch.is_grad_enabled()  # (without it: the forward alone, nothing saved)
+    if not (_plain(tensors, x.dtype) and (not grad or _need_all(tensors))):
         return None
     if ((n_w > 1 and not _back_to_back(tensors[10:10 + n_w]))
             or (n_b > 1 and not _back_to_back(tensors[10 + n_w:]))):
@@ -335,7 +338,7 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     dpa = mha.core_attention
     attention_dropout = float(dpa.attention_dropout) if dpa.training else 0.0
     # (what the learned step depends on: the input, and the settings a user may change)
-    key = (x.shape, x.dtype, x.device, rotary_pos_emb is not None, mask, window,
+    key = (x.shape, x.dtype, x.device, grad, rotary_pos_emb is not None, mask, window,
            attention_dropout,
            dpa.attention_backend or _env_backend(), dpa.softmax_scale, dpa.deterministic,
            mha.rotary_pos_interleaved, mha.layernorm_qkv.cfg,
@@ -344,7 +347,7 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     if (step is None or step.recipe is not recipe or step.key != key
             or (type(step) is _Step and not step.hp
                 and any(m._fp8_recipe is not recipe for m in modules))):
-        step = _learn(mha, mlp, x, recipe, key, mask, window, attention_dropout)
+        step = _learn(mha, mlp, x, recipe, key, mask, window, attention_dropout, grad)
         owner.__dict__["_layer_block_step"] = step
     if type(step) is not _Step:
         return None
@@ -352,6 +355,11 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     p = float(owner.hidden_dropout) if mlp is not None and owner.training else 0.0
     args = (x.contiguous(), step, rotary_pos_emb if mlp is None else (rotary_pos_emb, p), n_w,
             n_b)
+    if not grad:
+        if not step.hp and step.delayed:
+            for m in modules:
+                state.pending[id(m)] = (m, recipe, None)  # fp8.register_forward_amaxes
+        return _infer(mlp is not None, modules, *args, *tensors)
     if step.hp:
         return (_apply_hp(*args, *tensors) if mlp is not None
                 else _apply_attention_hp(*args, *tensors[:4], *tensors[10:]))
@@ -723,3 +731,42 @@ class _AttentionHP(torch.autograd.Function):
 
 _apply_hp = eager_apply(_LayerHP)
 _apply_attention_hp = eager_apply(_AttentionHP)
+
+
+# ---------------------------------------------------------------- without gradients
+
+
+def _infer(layer: bool, modules: tuple, x, step: _Step, call, n_w: int, n_b: int, g1, beta1,
+           w_p, b_p, g2, beta2, w1, b1, w2, b2, *qkv_parts) -> torch.Tensor:
+    """The forward alone (grad mode off: evaluation, inference), as the modules make it then:
+    each block's operator without the backward's copies (FP8), or the blocks' calls (high
+    precision); nothing saved."""
+    freqs, p = call if layer else (call, 0.0)
+    shape = x.shape
+    x2 = x.view(-1, shape[-1])
+    w_qkv = _joined(qkv_parts[:n_w])
+    b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
+    if step.hp:
+        norm, eps, zc = step.norms[0]
+        qkv = F.linear(ops.norm_forward(x2, g1, beta1, norm, eps, zc)[0], w_qkv, b_qkv)
+    else:
+        states = [(m._buffers["scale_fwd"], m._buffers["amax_history_fwd"]) for m in modules]
+        qkv = compiled_blocks._linear_forward(x2, g1, beta1, w_qkv, b_qkv, *states[0],
+                                              step.qkv, False, False)[0]
+    o = _attend(qkv, step, freqs)[0]
+    o2 = o.view(-1, o.shape[-2] * o.shape[-1])
+    if step.hp:
+        out = F.linear(o2, w_p, b_p)
+    else:
+        out = fast_linear._forward(o2, w_p, b_p, *states[1], step.proj, False, False)[0]
+    if not layer:
+        return out.view(*shape[:-1], out.shape[-1])
+    mid = _residual(out, x2, p)[0]
+    if step.hp:
+        norm, eps, zc = step.norms[1]
+        h = F.linear(ops.norm_forward(mid, g2, beta2, norm, eps, zc)[0], w1, b1)
+        mlp_out = F.linear(ops.activation_forward(h, step.act_name), w2, b2)
+    else:
+        mlp_out = compiled_blocks._mlp_forward(mid, g2, beta2, w1, b1, w2, b2, *states[2],
+                                               step.mlp, step.act, (False,) * 4)[0]
+    return _residual(mlp_out, mid, p)[0].view(shape)
