@@ -447,6 +447,13 @@ def _attend_backward(d_o: torch.Tensor, o, lse, held: tuple, step: _Step, freqs,
     return d_qkv
 
 
+def _operands(x: torch.Tensor, qkv_parts: tuple, n_w: int, n_b: int) -> tuple:
+    """(x as [M, K], the QKV weight and bias joined over their blocks' storage; None without a
+    bias): what every node's forward starts from."""
+    return (x.view(-1, x.shape[-1]), _joined(qkv_parts[:n_w]),
+            _joined(qkv_parts[n_w:]) if n_b else None)
+
+
 def _residual(h: torch.Tensor, residual: torch.Tensor, p: float) -> tuple:
     """(residual + dropout(h), the dropout's rng state or None): TransformerLayer._residual's
     fused op with a fresh rng state where p > 0 (dropout_add_fn.dropout_add), else the add."""
@@ -530,9 +537,7 @@ class _Layer(torch.autograd.Function):
                 g2, beta2, w1, b1, w2, b2, *qkv_parts):
         freqs, p = call  # (RoPE's angles or None, the hidden dropout)
         shape = x.shape
-        x2 = x.view(-1, shape[-1])
-        w_qkv = _joined(qkv_parts[:n_w])
-        b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
+        x2, w_qkv, b_qkv = _operands(x, qkv_parts, n_w, n_b)
         proj_out, saved, held, freqs = _fp8_attention(x2, step, states, freqs, g1, beta1, w_qkv,
                                                       b_qkv, w_p, b_p)
         mid, rng1 = _residual(proj_out, x2, p)
@@ -586,10 +591,9 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, x, step: _Step, states, freqs, n_w: int, n_b: int, g1, beta1, w_p, b_p,
                 *qkv_parts):
         shape = x.shape
-        w_qkv = _joined(qkv_parts[:n_w])
-        b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
-        out, saved, held, freqs = _fp8_attention(x.view(-1, shape[-1]), step, states, freqs, g1,
-                                                 beta1, w_qkv, b_qkv, w_p, b_p)
+        x2, w_qkv, b_qkv = _operands(x, qkv_parts, n_w, n_b)
+        out, saved, held, freqs = _fp8_attention(x2, step, states, freqs, g1, beta1, w_qkv,
+                                                 b_qkv, w_p, b_p)
         ctx.save_for_backward(*saved, *held)
         ctx.freqs = freqs
         ctx.info = (step, tuple(m for _, _, m in states), n_w, n_b, shape,
@@ -656,9 +660,7 @@ class _LayerHP(torch.autograd.Function):
                 beta2, w1, b1, w2, b2, *qkv_parts):
         freqs, p = call  # (RoPE's angles or None, the hidden dropout)
         shape = x.shape
-        x2 = x.view(-1, shape[-1])
-        w_qkv = _joined(qkv_parts[:n_w])
-        b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
+        x2, w_qkv, b_qkv = _operands(x, qkv_parts, n_w, n_b)
         proj_out, saved, held, freqs = _hp_attention(x2, step, freqs, g1, beta1, w_qkv, b_qkv,
                                                      w_p, b_p)
         mid, rng1 = _residual(proj_out, x2, p)
@@ -709,10 +711,9 @@ class _AttentionHP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, step: _Step, freqs, n_w: int, n_b: int, g1, beta1, w_p, b_p, *qkv_parts):
         shape = x.shape
-        w_qkv = _joined(qkv_parts[:n_w])
-        b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
-        out, saved, held, freqs = _hp_attention(x.view(-1, shape[-1]), step, freqs, g1, beta1,
-                                                w_qkv, b_qkv, w_p, b_p)
+        x2, w_qkv, b_qkv = _operands(x, qkv_parts, n_w, n_b)
+        out, saved, held, freqs = _hp_attention(x2, step, freqs, g1, beta1, w_qkv, b_qkv, w_p,
+                                                b_p)
         ctx.save_for_backward(*saved, *held)
         ctx.freqs = freqs
         ctx.info = (step, n_w, n_b, shape, (beta1 is not None, b_p is not None))
@@ -743,9 +744,7 @@ def _infer(layer: bool, modules: tuple, x, step: _Step, call, n_w: int, n_b: int
     precision); nothing saved."""
     freqs, p = call if layer else (call, 0.0)
     shape = x.shape
-    x2 = x.view(-1, shape[-1])
-    w_qkv = _joined(qkv_parts[:n_w])
-    b_qkv = _joined(qkv_parts[n_w:]) if n_b else None
+    x2, w_qkv, b_qkv = _operands(x, qkv_parts, n_w, n_b)
     if step.hp:
         norm, eps, zc = step.norms[0]
         qkv = F.linear(ops.norm_forward(x2, g1, beta1, norm, eps, zc)[0], w_qkv, b_qkv)
