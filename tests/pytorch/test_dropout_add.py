@@ -50,10 +50,17 @@ def test_fuses_only_like_tensors():
     assert not fuses(x, torch.randn(4, 8, dtype=torch.float64))
 
 
-def test_transformer_layer_fuses_hidden_dropout_in_training():
+def test_transformer_layer_fuses_hidden_dropout_in_training(monkeypatch):
+    """Through the modules, the layer's residual + dropout is the fused op's node; the layer's
+    one-node step (layer_block.py) calls the same op inside its node instead
+    (test_layer_block.py compares the two bit for bit)."""
+    from transformer_engine.pytorch import layer_block
+
     layer = te.TransformerLayer(32, 64, 2, hidden_dropout=0.1, attention_dropout=0.0,
                                 params_dtype=torch.float32, device="cpu")
     x = torch.randn(6, 2, 32, requires_grad=True)
+    assert "_LayerHPBackward" in node_names(layer(x))
+    monkeypatch.setattr(layer_block, "enabled", False)
     out = layer(x)
     assert "_DropoutAddBackward" in node_names(out)
     out.sum().backward()
