@@ -280,8 +280,7 @@ def _learn(mha, mlp, x: torch.Tensor, recipe, key: tuple, mask: str, window,
                   for m in (qkv_mod, mlp))
     common = (params, views, bool(dpa.deterministic), tuple(w.shape[0] for w in weights),
               bool(biases), _empty(torch.int64, x.device), _empty(torch.int32, x.device), hp,
-              norms,
-              None if mlp is None else mlp._act, bool(mha.rotary_pos_interleaved))
+              norms, None if mlp is None else mlp._act, bool(mha.rotary_pos_interleaved))
     if hp:
         return _Step(None, key, False, None, None, None, 0, *common)
     return _Step(recipe, key, plans[0].kind == "delayed",
