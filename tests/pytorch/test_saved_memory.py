@@ -247,22 +247,7 @@ def _held(layer) -> list:
         for attr, value in vars(module).items():
             if attr not in ("_parameters", "_buffers", "_modules"):
                 walk(value, (name, attr))
-    # (a learned node step's empty placeholders are the process's, layer_block._empty)
-    return [w for w in held if w[1] != "_layer_block_step"] if _placeholders_only(layer) else held
-
-
-def _placeholders_only(layer) -> bool:
-    """Whether every tensor of the modules' learned node steps is one of layer_block's
-    process-wide empty placeholders."""
-    from transformer_engine.pytorch import layer_block
-
-    for module in layer.modules():
-        step = vars(module).get("_layer_block_step")
-        for value in (step or ()):
-            if isinstance(value, torch.Tensor) and not any(
-                    value is t for t in layer_block._EMPTIES.values()):
-                return False
-    return True
+    return held
 
 
 @pytest.mark.parametrize("name", ["delayed", "current"])

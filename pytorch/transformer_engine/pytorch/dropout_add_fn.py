@@ -10,7 +10,7 @@ import torch
 
 from . import ops
 
-__all__ = ["dropout_add", "fuses"]
+__all__ = ["dropout_add", "fuses", "rng_state"]
 
 
 class _DropoutAdd(torch.autograd.Function):
@@ -34,7 +34,13 @@ def fuses(x: torch.Tensor, residual: torch.Tensor) -> bool:
             and x.device == residual.device)
 
 
+def rng_state(device: torch.device) -> torch.Tensor:
+    """A fresh (seed, offset) for the core's dropout, here and in attention: drawn from torch's
+    generator of ``device``, so ``torch.manual_seed`` reproduces it, and every caller that
+    must draw the same masks as another draws it the same way."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
+
+
 def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float) -> torch.Tensor:
     """residual + dropout(x, p) in training (see fuses() for what it takes)."""
-    rng = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=x.device)
-    return _DropoutAdd.apply(x, residual, rng, float(p))
+    return _DropoutAdd.apply(x, residual, rng_state(x.device), float(p))

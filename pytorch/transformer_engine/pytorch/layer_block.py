@@ -62,6 +62,7 @@ from . import (
 )
 from ._autograd import eager_apply
 from .attention_fn import _NO_SEQLENS, packed_qkv
+from .dropout_add_fn import rng_state
 from .fp8 import COMPILED_ALGOS
 from .hp_blocks import _linear_grads
 from .linear_fn import linear_backward
@@ -89,17 +90,9 @@ enabled = True
 WHOLE_MLP_BYTES = 4 * layernorm_mlp_fn.LEAN_BYTES
 
 
-_EMPTIES: dict = {}
-
-
-def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An empty tensor of ``dtype`` on ``device``, one for the process (the attention calls'
-    absent rng state and cu_seqlens), so that a learned step holds no tensor of its own."""
-    key = (dtype, device)
-    t = _EMPTIES.get(key)
-    if t is None:
-        t = _EMPTIES[key] = torch.empty((0,), dtype=dtype, device=device)
-    return t
+# The attention calls' absent cu_seqlens and rng state: empty tensors, which the core's calls
+# take as absent whatever their device (ops/attention.py: _opt).
+_NO_RNG = torch.empty((0,), dtype=torch.int64)
 
 
 class _Declined(NamedTuple):
@@ -123,10 +116,6 @@ class _Step(NamedTuple):
     views: tuple  # (shape, stride, offset from the QKV output's start) of q, k, v
     deterministic: bool
     splits: tuple  # rows of each QKV weight (and bias) block
-    has_qkv_bias: bool
-    rng: torch.Tensor  # (empty: no dropout; on the input's device, as the core attention's)
-    no_seqlens: torch.Tensor  # (the dense call's empty cu_seqlens, on the input's device too)
-    # (both from _empty: one per device for the process, not held by the modules)
     hp: bool  # outside fp8_autocast: the blocks' high-precision steps (hp_blocks.py)
     norms: tuple  # ((norm, eps, zero_centered_gamma) of the QKV block, of the MLP or None)
     act_name: Optional[str]
@@ -190,26 +179,36 @@ def _plain(tensors, dtype) -> bool:
     return True
 
 
-def _tensors(mha, mlp) -> tuple:
-    """The parameters a node takes, in its order (the MLP's None for the attention node), then
-    the QKV weight blocks and bias blocks, and how many of each."""
+class _Params(NamedTuple):
+    """The parameters a node takes, read afresh at every call."""
+
+    attention: tuple  # (QKV norm's gamma, beta; projection's weight, bias)
+    mlp: tuple  # (norm's gamma, beta; FC1's weight, bias; FC2's weight, bias); () without one
+    weights: tuple  # the QKV weight's row blocks (one without parameters_split)
+    biases: tuple  # the QKV bias's row blocks (none without a bias)
+
+    def all(self) -> tuple:
+        return (*self.attention, *self.mlp, *self.weights, *self.biases)
+
+
+def _params(mha, mlp) -> _Params:
     qkv_mod, pp = mha.layernorm_qkv, mha.proj._parameters
     weights, biases = _parts(qkv_mod)
     qp = qkv_mod._parameters
-    mp = {} if mlp is None else mlp._parameters
-    return ((qp["layer_norm_weight"], qp.get("layer_norm_bias"), pp["weight"], pp.get("bias"),
-             mp.get("layer_norm_weight"), mp.get("layer_norm_bias"), mp.get("fc1_weight"),
-             mp.get("fc1_bias"), mp.get("fc2_weight"), mp.get("fc2_bias"), *weights, *biases),
-            len(weights), len(biases))
+    mlp_params = () if mlp is None else tuple(
+        mlp._parameters.get(n) for n in ("layer_norm_weight", "layer_norm_bias", "fc1_weight",
+                                         "fc1_bias", "fc2_weight", "fc2_bias"))
+    return _Params((qp["layer_norm_weight"], qp.get("layer_norm_bias"), pp["weight"],
+                    pp.get("bias")), mlp_params, tuple(weights), tuple(biases))
 
 
-def _learn(mha, mlp, x: torch.Tensor, recipe, key: tuple, mask: str, window,
+def _learn(mha, mlp, x: torch.Tensor, params: _Params, recipe, key: tuple, mask: str, window,
            dropout: float, grad: bool):
     """The step of ``mha`` (and ``mlp`` after it, for the layer node; None for the attention
-    node) for this recipe and input; where the modules' path must run (each module's own
-    rule, checked as its forward checks it), a _Declined for this recipe and input, or None
-    where the reason may pass by the next call (a first step's empty history, a weight cache,
-    parameters replaced or frozen): the next call learns again."""
+    node) for this recipe and input, whose call _run has checked; where the modules' path must
+    run (each module's own rule, checked as its forward checks it), a _Declined for this
+    recipe and input, or None where the reason passes by the next call (a delayed-scaling
+    first step's empty history): the next call learns again."""
     declined = _Declined(recipe, key)
     qkv_mod, dpa, proj = mha.layernorm_qkv, mha.core_attention, mha.proj
     modules = (qkv_mod, proj) if mlp is None else (qkv_mod, proj, mlp)
@@ -221,17 +220,7 @@ def _learn(mha, mlp, x: torch.Tensor, recipe, key: tuple, mask: str, window,
     hp = recipe is None
     if getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False):
         return declined
-    if not hp and any(m._weight_caches for m in modules):
-        return None
-    if any(m._wgrad_store is not None for m in modules):
-        return None
-    tensors, n_w, n_b = _tensors(mha, mlp)
-    weights, biases = tensors[10:10 + n_w], tensors[10 + n_w:]
-    if (n_w > 1 and not _back_to_back(weights)) or (n_b > 1 and not _back_to_back(biases)):
-        return None
-    dtype = x.dtype
-    if not (_plain(tensors, dtype) and (not grad or _need_all(tensors))):
-        return None
+    weights, dtype = params.weights, x.dtype
     plans = []
     for m in (() if hp else modules):
         plan, scales, history = m._fp8_meta_of(recipe)
@@ -269,17 +258,16 @@ def _learn(mha, mlp, x: torch.Tensor, recipe, key: tuple, mask: str, window,
                            0, 0, ""), grad, asked)
     if backend in ("unfused", "!"):
         return declined
-    params = (layout, mask, window_pair[0], window_pair[1], float(dpa.softmax_scale),
-              float(dropout), 0, 0, backend)
-    packed = packed_qkv(q, k, v, params)
+    attention = (layout, mask, window_pair[0], window_pair[1], float(dpa.softmax_scale),
+                 float(dropout), 0, 0, backend)
+    packed = packed_qkv(q, k, v, attention)
     if packed is None:
         return declined
     start = qkv_out.storage_offset()
     views = tuple((shape, stride, offset - start) for shape, stride, offset in packed[1])
     norms = tuple(None if m is None else (m.cfg.norm, m.cfg.eps, m.cfg.zero_centered_gamma)
                   for m in (qkv_mod, mlp))
-    common = (params, views, bool(dpa.deterministic), tuple(w.shape[0] for w in weights),
-              bool(biases), _empty(torch.int64, x.device), _empty(torch.int32, x.device), hp,
+    common = (attention, views, bool(dpa.deterministic), tuple(w.shape[0] for w in weights), hp,
               norms, None if mlp is None else mlp._act, bool(mha.rotary_pos_interleaved))
     if hp:
         return _Step(None, key, False, None, None, None, 0, *common)
@@ -323,12 +311,14 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     # What can change from call to call, checked before anything is learned (so that a frozen
     # parameter, say, does not send every call through the learning): parameters replaced,
     # frozen or cast, the QKV blocks moved apart, deferred weight gradients, weight caches.
-    tensors, n_w, n_b = _tensors(mha, mlp)
+    params = _params(mha, mlp)
+    tensors = params.all()
     grad = torch.is_grad_enabled()  # (without it: the forward alone, nothing saved)
     if not (_plain(tensors, x.dtype) and (not grad or _need_all(tensors))):
         return None
-    if ((n_w > 1 and not _back_to_back(tensors[10:10 + n_w]))
-            or (n_b > 1 and not _back_to_back(tensors[10 + n_w:]))):
+    n_w, n_b = len(params.weights), len(params.biases)
+    if ((n_w > 1 and not _back_to_back(params.weights))
+            or (n_b > 1 and not _back_to_back(params.biases))):
         return None
     if any(m._wgrad_store is not None for m in modules):
         return None
@@ -346,32 +336,30 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     if (step is None or step.recipe is not recipe or step.key != key
             or (type(step) is _Step and not step.hp
                 and any(m._fp8_recipe is not recipe for m in modules))):
-        step = _learn(mha, mlp, x, recipe, key, mask, window, attention_dropout, grad)
+        step = _learn(mha, mlp, x, params, recipe, key, mask, window, attention_dropout,
+                      grad)
         owner.__dict__["_layer_block_step"] = step
     if type(step) is not _Step:
         return None
+    x = x.contiguous()
     # (the layer's hidden dropout in training, as TransformerLayer._residual applies it)
     p = float(owner.hidden_dropout) if mlp is not None and owner.training else 0.0
-    args = (x.contiguous(), step, rotary_pos_emb if mlp is None else (rotary_pos_emb, p), n_w,
-            n_b)
-    if not grad:
-        if not step.hp and step.delayed:
-            for m in modules:
-                state.pending[id(m)] = (m, recipe, None)  # fp8.register_forward_amaxes
-        return _infer(mlp is not None, modules, *args, *tensors)
-    if step.hp:
-        return (_apply_hp(*args, *tensors) if mlp is not None
-                else _apply_attention_hp(*args, *tensors[:4], *tensors[10:]))
-    states = []
-    for m in modules:
-        b = m._buffers
-        states.append((b["scale_fwd"], b["amax_history_fwd"],
-                       (b["amax_history_bwd"], b["scale_bwd"], b["scale_inv_bwd"])))
-        if step.delayed:
+    call = rotary_pos_emb if mlp is None else (rotary_pos_emb, p)
+    blocks = (*params.attention, *params.mlp, *params.weights, *params.biases)
+    if not step.hp and step.delayed:
+        for m in modules:
             state.pending[id(m)] = (m, recipe, None)  # fp8.register_forward_amaxes
-    if mlp is None:
-        return _apply_attention(*args[:2], states, *args[2:], *tensors[:4], *tensors[10:])
-    return _apply(*args[:2], states, *args[2:], *tensors)
+    states = None if step.hp else tuple(
+        (m._buffers["scale_fwd"], m._buffers["amax_history_fwd"],
+         (m._buffers["amax_history_bwd"], m._buffers["scale_bwd"], m._buffers["scale_inv_bwd"]))
+        for m in modules)
+    if not grad:
+        return _infer(mlp is not None, states, x, step, call, n_w, n_b, params)
+    if step.hp:
+        apply = _apply_hp if mlp is not None else _apply_attention_hp
+        return apply(x, step, call, n_w, n_b, *blocks)
+    apply = _apply if mlp is not None else _apply_attention
+    return apply(x, step, states, call, n_w, n_b, *blocks)
 
 
 def forward(layer, x: torch.Tensor, rotary_pos_emb=None) -> Optional[torch.Tensor]:
@@ -396,10 +384,9 @@ def _attend(qkv: torch.Tensor, step: _Step, freqs: Optional[torch.Tensor]) -> tu
     and q, k, v made dense (MultiheadAttention._rope, then _FusedAttention's calls)."""
     start = qkv.storage_offset()
     q, k, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
-    # (attention dropout: a fresh rng state from the device's generator, drawn where
-    # DotProductAttention._fused draws it; the backward takes the same one)
-    rng = (torch.randint(0, 2**62, (2,), dtype=torch.int64, device=qkv.device)
-           if step.attention[5] > 0.0 else step.rng)
+    # (attention dropout: a fresh rng state, drawn where DotProductAttention._fused draws it;
+    # the backward takes the same one)
+    rng = rng_state(qkv.device) if step.attention[5] > 0.0 else _NO_RNG
     if freqs is None:
         o, lse = ops.attention_forward(q, k, v, _NO_SEQLENS, _NO_SEQLENS, rng, *step.attention)
         return o, lse, (qkv, rng), None
@@ -408,8 +395,7 @@ def _attend(qkv: torch.Tensor, step: _Step, freqs: Optional[torch.Tensor]) -> tu
     q = rope_ops.rope_forward(q, freqs, layout, interleaved, None, None).contiguous()
     k = rope_ops.rope_forward(k, freqs, layout, interleaved, None, None).contiguous()
     v = v.contiguous()
-    o, lse = ops.attention_forward(q, k, v, step.no_seqlens, step.no_seqlens, rng,
-                                   *step.attention)
+    o, lse = ops.attention_forward(q, k, v, _NO_SEQLENS, _NO_SEQLENS, rng, *step.attention)
     return o, lse, (q, k, v, rng), freqs
 
 
@@ -430,10 +416,9 @@ def _attend_backward(d_o: torch.Tensor, o, lse, held: tuple, step: _Step, freqs,
             release(qkv, o, lse)
         return d_qkv.view(-1, d_qkv.shape[-1])
     q, k, v, rng = held
-    dq, dk, dv = ops.attention_backward(q, k, v, o, d_o, lse, step.no_seqlens,
-                                        step.no_seqlens, rng, layout, mask, left, right,
-                                        scale, dropout, max_q, max_kv, step.deterministic,
-                                        backend, q.dtype)
+    dq, dk, dv = ops.attention_backward(q, k, v, o, d_o, lse, _NO_SEQLENS, _NO_SEQLENS, rng,
+                                        layout, mask, left, right, scale, dropout, max_q,
+                                        max_kv, step.deterministic, backend, q.dtype)
     if free:
         release(q, k, v, o, lse)
     interleaved = step.rope_interleaved
@@ -458,7 +443,7 @@ def _residual(h: torch.Tensor, residual: torch.Tensor, p: float) -> tuple:
     fused op with a fresh rng state where p > 0 (dropout_add_fn.dropout_add), else the add."""
     if p == 0.0:
         return residual + h, None
-    rng = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=h.device)
+    rng = rng_state(h.device)
     return ops.dropout_add_forward(h, residual, rng, p), rng
 
 
@@ -736,35 +721,36 @@ _apply_attention_hp = eager_apply(_AttentionHP)
 # ---------------------------------------------------------------- without gradients
 
 
-def _infer(layer: bool, modules: tuple, x, step: _Step, call, n_w: int, n_b: int, g1, beta1,
-           w_p, b_p, g2, beta2, w1, b1, w2, b2, *qkv_parts) -> torch.Tensor:
+def _infer(layer: bool, states, x, step: _Step, call, n_w: int, n_b: int,
+           params: _Params) -> torch.Tensor:
     """The forward alone (grad mode off: evaluation, inference), as the modules make it then:
     each block's operator without the backward's copies (FP8), or the blocks' calls (high
     precision); nothing saved."""
     freqs, p = call if layer else (call, 0.0)
+    g1, beta1, w_p, b_p = params.attention
     shape = x.shape
-    x2, w_qkv, b_qkv = _operands(x, qkv_parts, n_w, n_b)
+    x2, w_qkv, b_qkv = _operands(x, params.weights + params.biases, n_w, n_b)
     if step.hp:
         norm, eps, zc = step.norms[0]
         qkv = F.linear(ops.norm_forward(x2, g1, beta1, norm, eps, zc)[0], w_qkv, b_qkv)
     else:
-        states = [(m._buffers["scale_fwd"], m._buffers["amax_history_fwd"]) for m in modules]
-        qkv = compiled_blocks._linear_forward(x2, g1, beta1, w_qkv, b_qkv, *states[0],
+        qkv = compiled_blocks._linear_forward(x2, g1, beta1, w_qkv, b_qkv, *states[0][:2],
                                               step.qkv, False, False)[0]
     o = _attend(qkv, step, freqs)[0]
     o2 = o.view(-1, o.shape[-2] * o.shape[-1])
     if step.hp:
         out = F.linear(o2, w_p, b_p)
     else:
-        out = fast_linear._forward(o2, w_p, b_p, *states[1], step.proj, False, False)[0]
+        out = fast_linear._forward(o2, w_p, b_p, *states[1][:2], step.proj, False, False)[0]
     if not layer:
         return out.view(*shape[:-1], out.shape[-1])
     mid = _residual(out, x2, p)[0]
+    g2, beta2, w1, b1, w2, b2 = params.mlp
     if step.hp:
         norm, eps, zc = step.norms[1]
         h = F.linear(ops.norm_forward(mid, g2, beta2, norm, eps, zc)[0], w1, b1)
         mlp_out = F.linear(ops.activation_forward(h, step.act_name), w2, b2)
     else:
-        mlp_out = compiled_blocks._mlp_forward(mid, g2, beta2, w1, b1, w2, b2, *states[2],
+        mlp_out = compiled_blocks._mlp_forward(mid, g2, beta2, w1, b1, w2, b2, *states[2][:2],
                                                step.mlp, step.act, (False,) * 4)[0]
     return _residual(mlp_out, mid, p)[0].view(shape)

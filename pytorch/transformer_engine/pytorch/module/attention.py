@@ -14,6 +14,7 @@ from .. import attention_bias, distributed, ops, padded_packing
 from .. import fp8 as _fp8
 from ..attention_fn import fused_attention, fused_attention_fp8, unfused_attention
 from ..checkpoint import checkpoint
+from ..dropout_add_fn import rng_state
 from ..float8_tensor import Float8Tensor, to_high_precision
 from ..fp8 import STATE
 from ..ops.attention import LAYOUTS, MASKS
@@ -610,8 +611,7 @@ class DotProductAttention(FP8Module):
 
         cu_q, cu_kv = index(cu_q), index(cu_kv)
         if dropout > 0.0:
-            # From torch's default generator of q's device: torch.manual_seed reproduces it.
-            rng = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=q.device)
+            rng = rng_state(q.device)  # (torch.manual_seed reproduces it)
         else:
             rng = torch.empty((0,), dtype=torch.int64, device=q.device)
         params = (layout, mask, window[0], window[1], float(self.softmax_scale), float(dropout),
