@@ -9,6 +9,7 @@
 # probe. Logs go to $1/log.txt, JSON to $1.
 #
 #   bash scripts/gpu_layer_block.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (560)
+#   TE_GPU_VARIANTS: the bench cases' patterns instead of the default (unquoted, no spaces in one)
 set -u
 out=${1:?usage: gpu_layer_block.sh OUT_DIR}
 budget=${TE_GPU_BUDGET_S:-560}
@@ -18,9 +19,11 @@ export TE_BENCH_RESULTS=$out
 step cuda_tests "$(upto $((budget - 60)) 110)" python3 -m pytest -p no:cacheprovider -q -m cuda \
   -rfE -n 4 tests/pytorch/test_layer_block.py tests/pytorch/test_compiled_blocks.py \
   tests/pytorch/test_hp_blocks.py tests/pytorch/test_transformer_layer.py \
-  tests/pytorch/test_eager_step_never_waits.py
+  tests/pytorch/test_eager_step_never_waits.py tests/pytorch/test_graphed_callables.py \
+  tests/pytorch/test_cuda.py
 model_s=$(left $((budget - 5)))
+set -f  # the case patterns are globs for bench_model, not for the shell
 step bench_model "$model_s" python3 benchmarks/bench_model.py --hidden 1024 2048 --isolate \
   --budget-s $((model_s - 40)) --module-iters 200 --name "model_layer_block$suffix" --variants \
-  'te_layer/*/eager' 'te_layer_modules/*/eager' 'torch/bf16/eager' 'torch/bf16/compile'
+  ${TE_GPU_VARIANTS:-'te_layer/*/eager' 'te_layer_modules/*/eager' 'torch/bf16/eager' 'torch/bf16/compile'}
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"
