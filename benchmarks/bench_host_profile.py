@@ -15,6 +15,8 @@ Per case, over `--steps` steps issued back to back after warm-up (no synchroniza
 The profiles are separate runs (each profiler slows what it watches); host_ms_per_step is
 measured without any. On a GPU the op profile also records the CUDA runtime's calls, so a
 step that waits for the GPU shows the call that waits (a synchronization, a blocking copy).
+A case named ``<stack>/<recipe>/compile`` runs the block under torch.compile (default mode, the
+fp8_autocast outside it, as bench_model's compile execution does).
 ``--shape`` runs at another [batch, sequence, hidden] (heads: hidden / 128, at least 2), e.g.
 bench_model's 4 x 2048 x 1024, where the step's GPU work is real.
 
@@ -43,9 +45,10 @@ def heads_of(hidden: int) -> int:
 
 
 def build(case: str, device: str, hidden: int) -> tuple[torch.nn.Module, object]:
-    """(the block, its FP8 recipe or None) of a case: ``te_layer/<recipe>`` or ``torch/bf16``."""
+    """(the block, its FP8 recipe or None) of a case: ``te_layer/<recipe>`` or ``torch/bf16``
+    (a ``/compile`` suffix is the caller's)."""
     torch.manual_seed(0)
-    stack, recipe_name = case.split("/")
+    stack, recipe_name = case.split("/")[:2]
     if stack == "torch":
         return TorchBlock(hidden, heads_of(hidden), device), None
     layer = te.TransformerLayer(hidden, 4 * hidden, heads_of(hidden), hidden_dropout=0.0,
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None):
         model, fp8_recipe = build(case, args.device, hidden)
         x = torch.randn(batch, seq, hidden, device=args.device, dtype=torch.bfloat16,
                         requires_grad=True)
-        step = make_step(model, model, x, fp8_recipe)
+        forward = torch.compile(model) if case.endswith("/compile") else model
+        step = make_step(model, forward, x, fp8_recipe)
         for _ in range(args.warmup):
             step()
         rows.append({"case": case, "shape_bsh": [batch, seq, hidden], "heads": heads_of(hidden),

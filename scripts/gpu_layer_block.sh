@@ -10,6 +10,7 @@
 #
 #   bash scripts/gpu_layer_block.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (560)
 #   TE_GPU_VARIANTS: the bench cases' patterns instead of the default (unquoted, no spaces in one)
+#   TE_GPU_HIDDEN: the hidden sizes instead of "1024 2048"
 set -u
 out=${1:?usage: gpu_layer_block.sh OUT_DIR}
 budget=${TE_GPU_BUDGET_S:-560}
@@ -23,7 +24,7 @@ step cuda_tests "$(upto $((budget - 60)) 110)" python3 -m pytest -p no:cacheprov
   tests/pytorch/test_cuda.py
 model_s=$(left $((budget - 5)))
 set -f  # the case patterns are globs for bench_model, not for the shell
-step bench_model "$model_s" python3 benchmarks/bench_model.py --hidden 1024 2048 --isolate \
+step bench_model "$model_s" python3 benchmarks/bench_model.py --hidden ${TE_GPU_HIDDEN:-1024 2048} --isolate \
   --budget-s $((model_s - 40)) --module-iters 200 --name "model_layer_block$suffix" --variants \
   ${TE_GPU_VARIANTS:-'te_layer/*/eager' 'te_layer_modules/*/eager' 'torch/bf16/eager' 'torch/bf16/compile'}
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"
