@@ -7,6 +7,8 @@ delayed-scaling first step, dropout, RoPE, a mask argument), the modules' path r
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from te_torch_tests._train_steps import RECIPES, assert_same_bits, record_steps
@@ -378,3 +380,50 @@ def test_node_without_gradients_gives_the_modules_bits(device, mode, recipe_name
         on = run(True, layer)
         assert calls[0] == count * (STEPS - first)
         assert_same_bits(off, on)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", None])
+def test_whole_step_captured_in_a_cuda_graph_replays_as_eager(recipe_name, node_calls):
+    """A stack's whole training step (autocast, both layers' nodes, the loss's backward, the
+    delayed scale update) captured once with torch.cuda.graph, as torch's docs capture one,
+    then replayed on new inputs: every output, gradient and FP8 buffer as the same steps run
+    eagerly on a twin."""
+    m = _layers("cuda")
+    x = torch.randn(2, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step(module, inp):
+        ctx = (te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()) if recipe_name
+               else te.fp8_autocast(enabled=False))
+        with ctx:
+            y = module(inp)
+        y.float().square().mean().backward()
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: workspaces, plans, the learned steps
+        for _ in range(3):
+            step(m, x)
+    torch.cuda.current_stream().wait_stream(side)
+    twin = copy.deepcopy(m)
+    for p in (*m.parameters(), *twin.parameters(), x):
+        p.grad = None
+    before = node_calls[0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = step(m, x)
+    assert node_calls[0] == before + LAYERS  # the nodes were captured, not the modules' path
+    grads = [x.grad] + [p.grad for p in m.parameters()]
+    for i in range(3):
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x) * (i + 1))
+        graph.replay()
+        x_twin = x.detach().clone().requires_grad_()
+        for p in twin.parameters():
+            p.grad = None
+        y_eager = step(twin, x_twin)
+        torch.cuda.synchronize()
+        eager = [y_eager.detach(), x_twin.grad] + [p.grad for p in twin.parameters()]
+        assert_same_bits([y_static.detach()] + grads, eager)
+        assert_same_bits(list(m.buffers()), list(twin.buffers()))
