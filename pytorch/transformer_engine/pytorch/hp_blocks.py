@@ -50,7 +50,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _linear_grads(ctx_needs: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+def linear_grads(ctx_needs: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                   has_bias: bool):
     """F.linear's gradients of input, weight and bias, by autograd's formulas ([M, N] g and
     [M, K] x): F.linear is addmm (mm without a bias) of x and weight.t(), a column-major
@@ -82,7 +82,7 @@ class _LayerNormLinear(torch.autograd.Function):
         x, mu, rsigma, gamma, ln_out, weight = ctx.saved_tensors
         g = _rows(grad_output)
         needs = ctx.needs_input_grad
-        d_ln, grad_w, grad_b = _linear_grads(
+        d_ln, grad_w, grad_b = linear_grads(
             (any(needs[:3]), needs[3], needs[4]), g, ln_out, weight, ctx.has_bias)
         if may_release():
             release(ln_out)
@@ -118,7 +118,7 @@ class _LayerNormMLP(torch.autograd.Function):
         upstream = any(needs[:5])
         g = _rows(grad_output)
         free = may_release()
-        d_a, grad_w2, grad_b2 = _linear_grads((upstream, needs[5], needs[6]), g, a, w2,
+        d_a, grad_w2, grad_b2 = linear_grads((upstream, needs[5], needs[6]), g, a, w2,
                                               ctx.has_b2)
         if free:
             release(a)
@@ -128,7 +128,7 @@ class _LayerNormMLP(torch.autograd.Function):
             del d_a
             if free:
                 release(h)
-            d_ln, grad_w1, grad_b1 = _linear_grads((any(needs[:3]), needs[3], needs[4]), d_h,
+            d_ln, grad_w1, grad_b1 = linear_grads((any(needs[:3]), needs[3], needs[4]), d_h,
                                                    ln_out, w1, ctx.has_b1)
             del d_h
             if free:

@@ -64,16 +64,16 @@ from ._autograd import eager_apply
 from .attention_fn import _NO_SEQLENS, packed_qkv
 from .dropout_add_fn import rng_state
 from .fp8 import COMPILED_ALGOS
-from .hp_blocks import _linear_grads
+from .hp_blocks import linear_grads
 from .linear_fn import linear_backward
-from .module._attention_backend import _choose, _env_backend, _key
+from .module._attention_backend import backend_key, choose_backend, env_backend
 from .module._heads import split_heads
-from .module._split_rows import _back_to_back
-from .module.attention import _resolve_window
+from .module._split_rows import back_to_back
+from .module.attention import resolve_window
 from .ops import rope as rope_ops
 from .ops._backend import enum_code
 from .release import may_release, release
-from .rope import _check as _check_rope
+from .rope import checked_angles
 
 enabled = True
 
@@ -214,7 +214,7 @@ def _learn(mha, mlp, x: torch.Tensor, params: _Params, recipe, key: tuple, mask:
     modules = (qkv_mod, proj) if mlp is None else (qkv_mod, proj, mlp)
     if mask not in ("causal", "no_mask"):
         return declined
-    window_pair = _resolve_window(mask, window)
+    window_pair = resolve_window(mask, window)
     if window_pair != ((-1, 0) if mask == "causal" else (-1, -1)):
         return declined
     hp = recipe is None
@@ -251,11 +251,11 @@ def _learn(mha, mlp, x: torch.Tensor, params: _Params, recipe, key: tuple, mask:
     qkv_out = torch.empty((*x.shape[:-1], w_qkv_rows), dtype=dtype, device=x.device)
     q, k, v = split_heads(qkv_out, mha._local_groups, mha._parts, mha.head_dim,
                           mha.qkv_weight_interleaved)
-    asked = dpa.attention_backend or _env_backend()
+    asked = dpa.attention_backend or env_backend()
     if asked not in ("auto", "cudnn", "cuda_math", "cpu"):
         return declined
-    backend = _choose(_key(q, k, v, layout, mask, window_pair, dpa.softmax_scale, dropout, None,
-                           0, 0, ""), grad, asked)
+    backend = choose_backend(backend_key(q, k, v, layout, mask, window_pair, dpa.softmax_scale,
+                                         dropout, None, 0, 0, ""), grad, asked)
     if backend in ("unfused", "!"):
         return declined
     attention = (layout, mask, window_pair[0], window_pair[1], float(dpa.softmax_scale),
@@ -317,8 +317,8 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     if not (_plain(tensors, x.dtype) and (not grad or _need_all(tensors))):
         return None
     n_w, n_b = len(params.weights), len(params.biases)
-    if ((n_w > 1 and not _back_to_back(params.weights))
-            or (n_b > 1 and not _back_to_back(params.biases))):
+    if ((n_w > 1 and not back_to_back(params.weights))
+            or (n_b > 1 and not back_to_back(params.biases))):
         return None
     if any(m._wgrad_store is not None for m in modules):
         return None
@@ -329,7 +329,7 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     # (what the learned step depends on: the input, and the settings a user may change)
     key = (x.shape, x.dtype, x.device, grad, rotary_pos_emb is not None, mask, window,
            attention_dropout,
-           dpa.attention_backend or _env_backend(), dpa.softmax_scale, dpa.deterministic,
+           dpa.attention_backend or env_backend(), dpa.softmax_scale, dpa.deterministic,
            mha.rotary_pos_interleaved, mha.layernorm_qkv.cfg,
            None if mlp is None else (mlp.cfg, mlp._act))
     step = owner.__dict__.get("_layer_block_step")
@@ -391,7 +391,7 @@ def _attend(qkv: torch.Tensor, step: _Step, freqs: Optional[torch.Tensor]) -> tu
         o, lse = ops.attention_forward(q, k, v, _NO_SEQLENS, _NO_SEQLENS, rng, *step.attention)
         return o, lse, (qkv, rng), None
     layout, interleaved = step.attention[0], step.rope_interleaved
-    freqs = _check_rope(q, freqs, layout, None, 1, None)
+    freqs = checked_angles(q, freqs, layout, None, 1, None)
     q = rope_ops.rope_forward(q, freqs, layout, interleaved, None, None).contiguous()
     k = rope_ops.rope_forward(k, freqs, layout, interleaved, None, None).contiguous()
     v = v.contiguous()
@@ -622,10 +622,10 @@ def _hp_attention_backward(g, saved, held, step: _Step, freqs, has: tuple, n_b: 
     x2, mu, rsigma, g1, ln, w_qkv, o, lse, w_p = saved
     has_beta, has_bp = has
     norm, _, zc = step.norms[0]
-    d_o, gw_p, gb_p = _linear_grads((True, True, True), g, o.view(-1, o.shape[-2] * o.shape[-1]),
+    d_o, gw_p, gb_p = linear_grads((True, True, True), g, o.view(-1, o.shape[-2] * o.shape[-1]),
                                     w_p, has_bp)
     d_qkv = _attend_backward(d_o.view(o.shape), o, lse, held, step, freqs, free)
-    d_ln, gw, gb = _linear_grads((True, True, True), d_qkv, ln, w_qkv, n_b > 0)
+    d_ln, gw, gb = linear_grads((True, True, True), d_qkv, ln, w_qkv, n_b > 0)
     if free:
         release(ln)
     dx, dg1, dbeta1 = ops.norm_backward(d_ln.contiguous(), x2, mu, rsigma, g1, norm, zc)
@@ -636,7 +636,7 @@ class _LayerHP(torch.autograd.Function):
     """The layer node outside fp8_autocast: hp_blocks' calls for the QKV block and the MLP
     (the norm's op, F.linear, the activation's op), F.linear for the projection (te.Linear's
     high-precision step), attention on q, k, v read in place; backward by the same formulas
-    (hp_blocks._linear_grads for each F.linear), freeing what the node made once read, as the
+    (hp_blocks.linear_grads for each F.linear), freeing what the node made once read, as the
     modules' nodes would (release.py)."""
 
     @staticmethod
@@ -669,11 +669,11 @@ class _LayerHP(torch.autograd.Function):
         free = may_release()
         g = grad.reshape(-1, shape[-1])
         p, rng1, rng2 = ctx.dropout
-        d_a, gw2, gb2 = _linear_grads((True, True, True), _residual_grad(g, rng2, p), a, w2,
+        d_a, gw2, gb2 = linear_grads((True, True, True), _residual_grad(g, rng2, p), a, w2,
                                       has_b2)
         d_h, _ = ops.activation_backward(d_a.contiguous(), h, step.act_name, False)
         del d_a
-        d_ln2, gw1, gb1 = _linear_grads((True, True, True), d_h, ln2, w1, has_b1)
+        d_ln2, gw1, gb1 = linear_grads((True, True, True), d_h, ln2, w1, has_b1)
         del d_h
         d_mid, dg2, dbeta2 = ops.norm_backward(d_ln2.contiguous(), mid, mu2, rs2, g2, norm2, zc2)
         del d_ln2

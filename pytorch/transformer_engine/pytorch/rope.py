@@ -107,8 +107,8 @@ class RotaryPositionEmbedding(torch.nn.Module):
                 f"interleaved={self.interleaved}")
 
 
-def _check(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str, cu_seqlens, cp_size: int,
-           start_positions) -> torch.Tensor:
+def checked_angles(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str, cu_seqlens,
+                   cp_size: int, start_positions) -> torch.Tensor:
     """The angles as a matrix [rows, rot_dim], after checking every argument."""
     op = "apply_rotary_pos_emb"
     if cp_size != 1 and (tensor_format == "thd" or start_positions is not None):
@@ -277,7 +277,7 @@ def apply_rotary_pos_emb(
         # this rank's 2 * batch chunks (context_parallel_thd.py), each from its first position
         _, cu_seqlens, starts = context_parallel_thd.chunks(cu_seqlens, cp_size, cp_rank)
         start_positions, cp_size = starts.flatten(), 1
-    freqs2d = _check(t, freqs, tensor_format, cu_seqlens, cp_size, start_positions)
+    freqs2d = checked_angles(t, freqs, tensor_format, cu_seqlens, cp_size, start_positions)
     if fused:
         if t.dtype not in _FUSED_DTYPES:
             raise TypeError("apply_rotary_pos_emb: t must be float32, bfloat16 or float16 with "

@@ -33,7 +33,7 @@ _TE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16:
 _LOG = logging.getLogger("transformer_engine.attention")
 
 
-def _env_backend() -> str:
+def env_backend() -> str:
     return os.environ.get("TE_ATTENTION_BACKEND", "auto")
 
 
@@ -94,7 +94,7 @@ _CHOICES: dict = {}
 
 
 @torch._dynamo.assume_constant_result
-def _choose(key: tuple, grad: bool, asked: str) -> str:
+def choose_backend(key: tuple, grad: bool, asked: str) -> str:
     """The backend's name for a call (or an error message starting with '!')."""
     hit = _CHOICES.get((key, grad, asked))
     if hit is not None:
@@ -110,7 +110,7 @@ def _choose(key: tuple, grad: bool, asked: str) -> str:
     return name or "!"
 
 
-def _key(q, k, v, layout, mask, window, scale, dropout, cu_q, max_sq, max_skv,
+def backend_key(q, k, v, layout, mask, window, scale, dropout, cu_q, max_sq, max_skv,
          fp8_grad: str) -> tuple:
     """The backend choice's key; fp8_grad is "" without FP8, else the recipe's gradient
     format ("float8_e5m2" under HYBRID)."""
@@ -133,9 +133,9 @@ def _fp8_falls_back(key: tuple, grad: bool, asked: str, on_cuda: bool) -> bool:
     precision. The FP8 alternative would be the core's math path, correct but one to two
     orders of magnitude slower. Warns once per reason; an explicit attention_backend keeps
     what it asked for."""
-    if asked != "auto" or not on_cuda or _choose(key, grad, asked) not in ("cuda_math", "!"):
+    if asked != "auto" or not on_cuda or choose_backend(key, grad, asked) not in ("cuda_math", "!"):
         return False
-    if _choose(key[:-1] + ("",), grad, asked) != "cudnn":
+    if choose_backend(key[:-1] + ("",), grad, asked) != "cudnn":
         return False
     why = _CHOICES[(key, grad, asked)].reasons.get("cudnn", "")
     if why not in _FP8_FALLBACK_WARNED:

@@ -39,7 +39,7 @@ class _JoinRows(torch.autograd.Function):
         return tuple(out)
 
 
-def _back_to_back(parts: list[torch.Tensor]) -> bool:
+def back_to_back(parts: list[torch.Tensor]) -> bool:
     first = parts[0]
     if type(first) is not torch.nn.Parameter or not first.is_contiguous():
         return False  # e.g. FP8 weights of fp8_model_init: each is its own tensor
@@ -60,7 +60,7 @@ def join_rows(*groups: list[torch.Tensor]) -> list[torch.Tensor]:
     else a concatenation per group."""
     compiling = torch.compiler.is_compiling()
     shared = [i for i, g in enumerate(groups)
-              if len(g) > 1 and not compiling and _back_to_back(g)]
+              if len(g) > 1 and not compiling and back_to_back(g)]
     out = [g[0] if len(g) == 1 else None if i in shared else torch.cat(g)
            for i, g in enumerate(groups)]
     if shared:
@@ -75,7 +75,7 @@ def pack_rows(parts: list[torch.nn.Parameter]) -> None:
     """Moves the parameters' data into one storage, back to back (the parameters stay the same
     objects, so optimizers holding them are unaffected). A no-op where they already are, or
     where they cannot share one (FP8 weights, mixed dtypes or devices)."""
-    if len(parts) < 2 or _back_to_back(parts):
+    if len(parts) < 2 or back_to_back(parts):
         return
     first = parts[0]
     if any(type(p) is not torch.nn.Parameter or p.dtype != first.dtype

@@ -23,10 +23,10 @@ from ._attention_backend import (
     _CHOICES,
     BACKENDS,
     AttentionBackend,
-    _choose,
-    _env_backend,
     _fp8_falls_back,
-    _key,
+    backend_key,
+    choose_backend,
+    env_backend,
 )
 from ._checks import check_sizes, refuse_non_defaults
 from .base import FP8Module
@@ -39,7 +39,7 @@ __all__ = ["AttentionBackend", "DotProductAttention", "get_attention_backend"]
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
-def _resolve_window(mask: str, window) -> tuple[int, int]:
+def resolve_window(mask: str, window) -> tuple[int, int]:
     if window is None:
         window = (-1, -1)
     left, right = (int(w) for w in window)
@@ -128,14 +128,14 @@ def get_attention_backend(query, key, value, *, qkv_format: str = "sbhd",
     A backward is assumed when any input requires grad; ``fp8`` asks about FP8 attention under
     the default recipe (HYBRID: E5M2 gradients)."""
     _check_inputs(query, key, value, qkv_format)
-    window = _resolve_window(attn_mask_type, window_size)
+    window = resolve_window(attn_mask_type, window_size)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
-    k = _key(query, key, value, qkv_format, attn_mask_type, window, scale, attention_dropout,
+    k = backend_key(query, key, value, qkv_format, attn_mask_type, window, scale, attention_dropout,
              cu_seqlens_q, max_seqlen_q or 0, max_seqlen_kv or 0,
              Format.HYBRID.bwd_dtype_name if fp8 else "")
     grad = any(t.requires_grad for t in (query, key, value))
-    asked = attention_backend or _env_backend()
-    _choose(k, grad, asked)
+    asked = attention_backend or env_backend()
+    choose_backend(k, grad, asked)
     return _CHOICES[(k, grad, asked)]
 
 
@@ -446,14 +446,14 @@ class DotProductAttention(FP8Module):
                                        attn_mask_type, window_size, attention_backend, padded)
         layout = qkv_format or self.qkv_format
         mask = attn_mask_type or self.attn_mask_type
-        asked = attention_backend or self.attention_backend or _env_backend()
+        asked = attention_backend or self.attention_backend or env_backend()
         _check_names(layout, mask, asked)
         _check_inputs(query, key, value, layout)
         if query.shape[-2] != self.num_attention_heads or key.shape[-2] != self.num_gqa_groups:
             raise ValueError(f"DotProductAttention: query/key heads must be "
                              f"{self.num_attention_heads}/{self.num_gqa_groups}, got "
                              f"{query.shape[-2]}/{key.shape[-2]}")
-        window = _resolve_window(mask, window_size if window_size is not None else self.window_size)
+        window = resolve_window(mask, window_size if window_size is not None else self.window_size)
         padding = layout == "thd" or mask.startswith("padding")
         from_mask = padding and cu_seqlens_q is None and layout != "thd"
         if attention_mask is not None and (from_mask or mask == "arbitrary"):
@@ -488,16 +488,16 @@ class DotProductAttention(FP8Module):
             query, key, value = (to_high_precision(t) for t in (query, key, value))
         # The recipe's gradient format is d_o's in the FP8 backward (E5M2 under HYBRID).
         fp8_grad = recipe.fp8_format.bwd_dtype_name if recipe is not None else ""
-        key_ = _key(query, key, value, layout, mask, window, self.softmax_scale, dropout,
+        key_ = backend_key(query, key, value, layout, mask, window, self.softmax_scale, dropout,
                     cu_seqlens_q, max_seqlen_q or 0, max_seqlen_kv or 0, fp8_grad)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        name = _choose(key_, grad, asked)
+        name = choose_backend(key_, grad, asked)
         # Only a slow or missing FP8 choice can fall back: the usual cuDNN call skips this.
         if (recipe is not None and name in ("cuda_math", "!")
                 and _fp8_falls_back(key_, grad, asked, query.is_cuda)):
             query, key, value = (to_high_precision(t) for t in (query, key, value))
             recipe, key_ = None, key_[:-1] + ("",)
-            name = _choose(key_, grad, asked)
+            name = choose_backend(key_, grad, asked)
         if name == "!":
             raise RuntimeError(f"DotProductAttention: no backend can run this call (asked "
                                f"{asked}): {_CHOICES[(key_, grad, asked)].reasons}")
