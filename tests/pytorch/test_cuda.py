@@ -139,12 +139,13 @@ def test_cuda_and_cpu_give_the_same_fp8_step():
 
 
 def _saved_step(module, inp, r):
-    """One forward + backward under r; returns the output and what autograd saved (in the
-    order of the autograd function's save_for_backward)."""
+    """One forward + backward under r; returns the output and copies of what autograd saved
+    (in the order of the autograd function's save_for_backward), taken when it was saved: a
+    fused backward frees what its node made once it has read it (release.py)."""
     saved = []
 
     def pack(t):
-        saved.append(t)
+        saved.append(t.detach().clone())
         return t
 
     x = inp.clone().requires_grad_()
