@@ -145,3 +145,25 @@ def test_autocast_first_entered_in_a_compiled_step(monkeypatch):
 
     out = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
     assert calls and out.shape == (16, 16)
+
+
+def test_first_fp8_step_of_a_process_compiled():
+    """A fresh process whose first FP8 step is a compiled te.MultiheadAttention: the native
+    binding is first loaded while Dynamo traces, which must leave no guard on it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "import transformer_engine.pytorch as te\n"
+        "from transformer_engine.common import recipe\n"
+        "m = te.MultiheadAttention(64, 4, input_layernorm=True)\n"
+        "f = torch.compile(m, backend='eager', fullgraph=True)\n"
+        "for _ in range(2):\n"
+        "    with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):\n"
+        "        y = f(torch.randn(16, 2, 64))\n"
+        "    y.sum().backward()\n"
+        "print('ran')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "ran" in done.stdout, done.stderr[-3000:]

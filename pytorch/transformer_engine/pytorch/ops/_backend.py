@@ -73,13 +73,20 @@ def enum_code(kind: str, name: str) -> int:
     """The core's value of member ``name`` of the binding's enum ``kind`` (``DType``,
     ``AmaxComputeAlgo``, ``Norm``, ``Activation``), for the compiled operators, which take ints."""
     if torch.compiler.is_compiling():
-        # Not through the cache: a traced read of it becomes a guard on its contents, and a
-        # traced write then fails that guard (a second graph for the same step).
-        return int(getattr(getattr(core(), kind), name).value)
+        return _traced_enum_code(kind, name)
     c = _codes.get((kind, name))
     if c is None:
         c = _codes[(kind, name)] = int(_enum(kind, name).value)
     return c
+
+
+@torch._dynamo.assume_constant_result
+def _traced_enum_code(kind: str, name: str) -> int:
+    """enum_code for a traced graph, run at trace time and kept as a constant: traced, a read
+    of the cache would become a guard on its contents (which a traced write then fails), and
+    the binding's first load inside a trace a guard on a module object (which the compiler
+    cannot make: a process whose first FP8 step is compiled)."""
+    return int(_enum(kind, name).value)
 
 
 def dtype_code(name: str) -> int:
