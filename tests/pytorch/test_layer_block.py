@@ -427,3 +427,40 @@ def test_whole_step_captured_in_a_cuda_graph_replays_as_eager(recipe_name, node_
         eager = [y_eager.detach(), x_twin.grad] + [p.grad for p in twin.parameters()]
         assert_same_bits([y_static.detach()] + grads, eager)
         assert_same_bits(list(m.buffers()), list(twin.buffers()))
+
+
+@pytest.fixture
+def traced_node_calls(monkeypatch) -> list:
+    """How many times the layer node ran inside a compiled graph (layer_block_op)."""
+    from transformer_engine.pytorch import layer_block_op
+
+    calls = [0]
+    forward = layer_block_op._forward
+
+    def counted(*args):
+        calls[0] += not args[-1]  # (not the fake's trace-time runs)
+        return forward(*args)
+
+    monkeypatch.setattr(layer_block_op, "_forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_compiled_step_runs_the_node_with_the_eager_bits(device, recipe_name, traced_node_calls):
+    """torch.compile(fullgraph=True) of a layer stack: each layer's step past delayed scaling's
+    first is one custom op per direction running the node, and every output, gradient and FP8
+    buffer is the eager node's, step after step (a compiled first step included)."""
+    torch._dynamo.reset()
+    eager = _record(_layers(device), recipe_name, device)
+    m = _layers(device)
+    compiled = _record(m, recipe_name, device, torch.compile(m, fullgraph=True))
+    assert_same_bits(eager, compiled)
+    first = 1 if recipe_name == "delayed" else 0
+    assert traced_node_calls[0] == LAYERS * (STEPS - first)
+
+
+def test_compiled_step_with_dropout_takes_the_modules_path(traced_node_calls):
+    torch._dynamo.reset()
+    m = _layers("cpu", hidden_dropout=0.1)
+    _record(m, "current", "cpu", torch.compile(m, fullgraph=True))
+    assert traced_node_calls[0] == 0

@@ -50,18 +50,22 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from transformer_engine.common.recipe import DelayedScaling
+
 from . import (
     _compiled,
     attention_fn,
     compiled_blocks,
     fast_linear,
+    first_step,
     fp8,
     hp_blocks,
+    layer_block_op,
     layernorm_mlp_fn,
     ops,
 )
 from ._autograd import eager_apply
-from .attention_fn import _NO_SEQLENS, packed_qkv
+from .attention_fn import _NO_SEQLENS, _tiles, packed_qkv
 from .dropout_add_fn import rng_state
 from .fp8 import COMPILED_ALGOS
 from .hp_blocks import linear_grads
@@ -230,7 +234,8 @@ def _learn(mha, mlp, x: torch.Tensor, params: _Params, recipe, key: tuple, mask:
         if plan.kind not in ("delayed", "current") or (plan.kind == "delayed"
                                                        and plan.algo not in COMPILED_ALGOS):
             return declined
-        if not _compiled.serves(plan, history, (x,)):
+        if not (_compiled.serves_traced(plan, history) if torch.compiler.is_compiling()
+                else _compiled.serves(plan, history, (x,))):
             return None
         plans.append(plan)
     tokens = x.numel() // x.shape[-1]
@@ -260,11 +265,17 @@ def _learn(mha, mlp, x: torch.Tensor, params: _Params, recipe, key: tuple, mask:
         return declined
     attention = (layout, mask, window_pair[0], window_pair[1], float(dpa.softmax_scale),
                  float(dropout), 0, 0, backend)
-    packed = packed_qkv(q, k, v, attention)
-    if packed is None:
-        return declined
-    start = qkv_out.storage_offset()
-    views = tuple((shape, stride, offset - start) for shape, stride, offset in packed[1])
+    if torch.compiler.is_compiling():  # (packed_qkv reads the data pointer: eager only)
+        views = _traced_views(tuple(qkv_out.shape), dtype, mha._local_groups, mha._parts,
+                              mha.head_dim, mha.qkv_weight_interleaved)
+        if views is None:
+            return declined
+    else:
+        packed = packed_qkv(q, k, v, attention)
+        if packed is None:
+            return declined
+        start = qkv_out.storage_offset()
+        views = tuple((shape, stride, offset - start) for shape, stride, offset in packed[1])
     norms = tuple(None if m is None else (m.cfg.norm, m.cfg.eps, m.cfg.zero_centered_gamma)
                   for m in (qkv_mod, mlp))
     common = (attention, views, bool(dpa.deterministic), tuple(w.shape[0] for w in weights), hp,
@@ -275,6 +286,30 @@ def _learn(mha, mlp, x: torch.Tensor, params: _Params, recipe, key: tuple, mask:
                  compiled_blocks._codes(plans[0], qkv_mod.cfg), fast_linear.codes_of(plans[1]),
                  None if mlp is None else compiled_blocks._codes(plans[2], mlp.cfg),
                  0 if mlp is None else enum_code("Activation", mlp._act), *common)
+
+
+def _past_first_step(modules) -> bool:
+    """Whether a traced delayed-scaling step of ``modules`` is past the first step for each
+    (first_step.trace_module's "later"), known before any of them is traced: asking their
+    _fp8_meta_of would advance their first-step state, and the modules' path, if it runs
+    instead, must find that state as it was."""
+    for m in modules:
+        state = m._fp8_first_step
+        if state == "first" or (state == "eager" and any(
+                first_step.has_empty(m._buffers[name])
+                for name in ("amax_history_fwd", "amax_history_bwd"))):
+            return False
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def _traced_views(shape: tuple, dtype, groups, parts, head_dim, interleaved) -> Optional[tuple]:
+    """packed_qkv's views of q, k, v in a fresh QKV output of ``shape``, for a traced forward
+    (run once at trace time, on the meta device), or None where they do not tile it."""
+    qkv = torch.empty(shape, dtype=dtype, device="meta")
+    q, k, v = split_heads(qkv, groups, parts, head_dim, interleaved)
+    views = tuple((tuple(t.shape), tuple(t.stride()), t.storage_offset()) for t in (q, k, v))
+    return views if _tiles(qkv, views) else None
 
 
 def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
@@ -295,8 +330,12 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     if not (_attention_static_ok(mha) if mlp is None else _layer_static_ok(owner)):
         return None
     recipe = state.recipe if state.enabled else None
+    # (traced by torch.compile: the FP8 layer node as one custom op per direction,
+    # layer_block_op.py)
+    traced = torch.compiler.is_compiling()
     if (type(x) is not torch.Tensor or state.group is not None
-            or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None):
+            or (traced and (mlp is None or recipe is None or rotary_pos_emb is not None))
+            or (not traced and _get_current_dispatch_mode() is not None)):
         return None
     r = fp8.RECOMPUTE
     if r.recording is not None or r.replay is not None:
@@ -317,9 +356,9 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     if not (_plain(tensors, x.dtype) and (not grad or _need_all(tensors))):
         return None
     n_w, n_b = len(params.weights), len(params.biases)
-    if ((n_w > 1 and not back_to_back(params.weights))
-            or (n_b > 1 and not back_to_back(params.biases))):
-        return None
+    if not traced and ((n_w > 1 and not back_to_back(params.weights))
+                       or (n_b > 1 and not back_to_back(params.biases))):
+        return None  # (traced: the ops join the blocks, over their storage where they can)
     if any(m._wgrad_store is not None for m in modules):
         return None
     if recipe is not None and any(m._weight_caches for m in modules):
@@ -332,18 +371,24 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
            dpa.attention_backend or env_backend(), dpa.softmax_scale, dpa.deterministic,
            mha.rotary_pos_interleaved, mha.layernorm_qkv.cfg,
            None if mlp is None else (mlp.cfg, mlp._act))
-    step = owner.__dict__.get("_layer_block_step")
-    if (step is None or step.recipe is not recipe or step.key != key
-            or (type(step) is _Step and not step.hp
-                and any(m._fp8_recipe is not recipe for m in modules))):
-        step = _learn(mha, mlp, x, params, recipe, key, mask, window, attention_dropout,
-                      grad)
-        owner.__dict__["_layer_block_step"] = step
+    # (the layer's hidden dropout in training, as TransformerLayer._residual applies it)
+    p = float(owner.hidden_dropout) if mlp is not None and owner.training else 0.0
+    if traced:  # (learned at trace time, and kept by the graph)
+        if (not grad or p != 0.0 or attention_dropout != 0.0
+                or (isinstance(recipe, DelayedScaling) and not _past_first_step(modules))):
+            return None
+        step = _learn(mha, mlp, x, params, recipe, key, mask, window, attention_dropout, grad)
+    else:
+        step = owner.__dict__.get("_layer_block_step")
+        if (step is None or step.recipe is not recipe or step.key != key
+                or (type(step) is _Step and not step.hp
+                    and any(m._fp8_recipe is not recipe for m in modules))):
+            step = _learn(mha, mlp, x, params, recipe, key, mask, window, attention_dropout,
+                          grad)
+            owner.__dict__["_layer_block_step"] = step
     if type(step) is not _Step:
         return None
     x = x.contiguous()
-    # (the layer's hidden dropout in training, as TransformerLayer._residual applies it)
-    p = float(owner.hidden_dropout) if mlp is not None and owner.training else 0.0
     call = rotary_pos_emb if mlp is None else (rotary_pos_emb, p)
     blocks = (*params.attention, *params.mlp, *params.weights, *params.biases)
     if not step.hp and step.delayed:
@@ -353,6 +398,8 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
         (m._buffers["scale_fwd"], m._buffers["amax_history_fwd"],
          (m._buffers["amax_history_bwd"], m._buffers["scale_bwd"], m._buffers["scale_inv_bwd"]))
         for m in modules)
+    if traced:
+        return layer_block_op.apply(x, step, states, n_w, n_b, blocks)
     if not grad:
         return _infer(mlp is not None, states, x, step, call, n_w, n_b, params)
     if step.hp:
@@ -387,8 +434,11 @@ def _attend(qkv: torch.Tensor, step: _Step, freqs: Optional[torch.Tensor]) -> tu
     # (attention dropout: a fresh rng state, drawn where DotProductAttention._fused draws it;
     # the backward takes the same one)
     rng = rng_state(qkv.device) if step.attention[5] > 0.0 else _NO_RNG
+    no_seqlens = _NO_SEQLENS
+    if torch.compiler.is_compiling():  # (layer_block_op's fake: no real tensor may enter)
+        rng, no_seqlens = qkv.new_empty(0, dtype=torch.int64), qkv.new_empty(0, dtype=torch.int32)
     if freqs is None:
-        o, lse = ops.attention_forward(q, k, v, _NO_SEQLENS, _NO_SEQLENS, rng, *step.attention)
+        o, lse = ops.attention_forward(q, k, v, no_seqlens, no_seqlens, rng, *step.attention)
         return o, lse, (qkv, rng), None
     layout, interleaved = step.attention[0], step.rope_interleaved
     freqs = checked_angles(q, freqs, layout, None, 1, None)
