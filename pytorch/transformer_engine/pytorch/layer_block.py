@@ -37,9 +37,11 @@ back to back in one storage (as te.TransformerLayer lays them out), no deferred 
 gradients; in FP8 per-tensor delayed (core update, no amax group) or current scaling without
 FP8 attention; in high precision, not calibrating. Everything else, and a delayed-scaling
 first step, takes the modules' path. With grad mode off (evaluation, inference) the nodes run
-the forward alone (``_infer``), as the modules do then. ``enabled = False`` turns it off (for
-comparisons), and so does turning off what it stands on (compiled_blocks, fast_linear,
-hp_blocks, attention_fn.packed_enabled).
+the forward alone (``_infer``), as the modules do then. Traced by torch.compile, the FP8 layer
+node without dropout or RoPE, past delayed scaling's first step, is one custom op per
+direction running this node (``layer_block_op.py``); the rest traces the modules.
+``enabled = False`` turns it off (for comparisons), and so does turning off what it stands on
+(compiled_blocks, fast_linear, hp_blocks, attention_fn.packed_enabled).
 """
 
 from __future__ import annotations
