@@ -52,8 +52,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from transformer_engine.common.recipe import DelayedScaling
-
 from . import (
     _compiled,
     attention_fn,
@@ -78,6 +76,7 @@ from .module._split_rows import back_to_back
 from .module.attention import resolve_window
 from .ops import rope as rope_ops
 from .ops._backend import enum_code
+from .quantization import kind_of
 from .release import may_release, release
 from .rope import checked_angles
 
@@ -377,7 +376,7 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     p = float(owner.hidden_dropout) if mlp is not None and owner.training else 0.0
     if traced:  # (learned at trace time, and kept by the graph)
         if (not grad or p != 0.0 or attention_dropout != 0.0
-                or (isinstance(recipe, DelayedScaling) and not _past_first_step(modules))):
+                or (kind_of(recipe) == "delayed" and not _past_first_step(modules))):
             return None
         step = _learn(mha, mlp, x, params, recipe, key, mask, window, attention_dropout, grad)
     else:
