@@ -445,14 +445,16 @@ def traced_node_calls(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
-def test_compiled_step_runs_the_node_with_the_eager_bits(device, recipe_name, traced_node_calls):
+@pytest.mark.parametrize("recipe_name,config", [("delayed", "layernorm-gelu")] + [
+    ("current", c) for c in CONFIGS])
+def test_compiled_step_runs_the_node_with_the_eager_bits(device, recipe_name, config,
+                                                          traced_node_calls):
     """torch.compile(fullgraph=True) of a layer stack: each layer's step past delayed scaling's
     first is one custom op per direction running the node, and every output, gradient and FP8
     buffer is the eager node's, step after step (a compiled first step included)."""
     torch._dynamo.reset()
-    eager = _record(_layers(device), recipe_name, device)
-    m = _layers(device)
+    eager = _record(_layers(device, **CONFIGS[config]), recipe_name, device)
+    m = _layers(device, **CONFIGS[config])
     compiled = _record(m, recipe_name, device, torch.compile(m, fullgraph=True))
     assert_same_bits(eager, compiled)
     first = 1 if recipe_name == "delayed" else 0
