@@ -76,7 +76,7 @@ def _record(m: torch.nn.Module, recipe_name, device, forward=None) -> list:
         ctx = (te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()) if recipe_name
                else te.fp8_autocast(enabled=False))
         with ctx:
-            y = (forward or m)(x)
+            y = (m if forward is None else forward)(x)
         y.backward(torch.randn_like(y))
         seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
         seen += [b.clone() for b in m.buffers()]
@@ -463,6 +463,25 @@ def test_compiled_step_runs_the_node_with_the_eager_bits(device, recipe_name, co
 
 def test_compiled_step_with_dropout_takes_the_modules_path(traced_node_calls):
     torch._dynamo.reset()
-    m = _layers("cpu", hidden_dropout=0.1)
+    m = _layers("cpu", hidden_dropout=0.1, attention_dropout=0.1)
     _record(m, "current", "cpu", torch.compile(m, fullgraph=True))
     assert traced_node_calls[0] == 0
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_compiled_attention_runs_its_node_with_the_eager_bits(device, recipe_name,
+                                                              traced_node_calls):
+    """te.MultiheadAttention compiled: its node as one custom op per direction, the eager
+    node's bits."""
+    def mha():
+        torch.manual_seed(0)
+        return te.MultiheadAttention(64, 4, attn_mask_type="causal", input_layernorm=True,
+                                     attention_dropout=0.0, params_dtype=torch.bfloat16,
+                                     device=device)
+
+    torch._dynamo.reset()
+    eager = _record(mha(), recipe_name, device)
+    m = mha()
+    compiled = _record(m, recipe_name, device, torch.compile(m, fullgraph=True))
+    assert_same_bits(eager, compiled)
+    assert traced_node_calls[0] == STEPS - (1 if recipe_name == "delayed" else 0)

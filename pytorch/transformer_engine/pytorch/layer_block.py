@@ -37,9 +37,9 @@ back to back in one storage (as te.TransformerLayer lays them out), no deferred 
 gradients; in FP8 per-tensor delayed (core update, no amax group) or current scaling without
 FP8 attention; in high precision, not calibrating. Everything else, and a delayed-scaling
 first step, takes the modules' path. With grad mode off (evaluation, inference) the nodes run
-the forward alone (``_infer``), as the modules do then. Traced by torch.compile, the FP8 layer
-node without dropout or RoPE, past delayed scaling's first step, is one custom op per
-direction running this node (``layer_block_op.py``); the rest traces the modules.
+the forward alone (``_infer``), as the modules do then. Traced by torch.compile, the FP8 nodes
+without dropout or RoPE, past delayed scaling's first step, are one custom op per direction
+running the node (``layer_block_op.py``); the rest traces the modules.
 ``enabled = False`` turns it off (for comparisons), and so does turning off what it stands on
 (compiled_blocks, fast_linear, hp_blocks, attention_fn.packed_enabled).
 """
@@ -335,7 +335,7 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     # layer_block_op.py)
     traced = torch.compiler.is_compiling()
     if (type(x) is not torch.Tensor or state.group is not None
-            or (traced and (mlp is None or recipe is None or rotary_pos_emb is not None))
+            or (traced and (recipe is None or rotary_pos_emb is not None))
             or (not traced and _get_current_dispatch_mode() is not None)):
         return None
     r = fp8.RECOMPUTE

@@ -1,5 +1,5 @@
-"""te.TransformerLayer's FP8 node (layer_block.py) in the graphs torch.compile traces: one custom
-op for the layer's forward and one for its backward.
+"""te.TransformerLayer's and te.MultiheadAttention's FP8 nodes (layer_block.py) in the graphs
+torch.compile traces: one custom op for the node's forward and one for its backward.
 
 Traced through its modules, a layer becomes five custom ops per direction plus the glue
 inductor generates between them (the QKV weights concatenated, q, k, v copied dense, their
@@ -16,14 +16,15 @@ the layer's input and parameters reach the backward through autograd's saved inp
 joined QKV weight is one tensor inside the ops: its blocks' storage when they lie back to back
 (as te.TransformerLayer lays them out), else a concatenation, and its gradient is split back.
 
-What it takes: layer_block's FP8 layer node without RoPE and without dropout, in grad mode;
-anything else traced takes the modules' path as before.
+What it takes: layer_block's FP8 nodes (the layer's, the attention's) without RoPE and
+without dropout, in grad mode, past delayed scaling's first step; anything else traced takes
+the modules' path as before.
 """
 
 from __future__ import annotations
 
 import ast
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -51,8 +52,9 @@ def encode(step) -> str:
     """_encode of layer_block's _Step (traced: its fields as plain tuples)."""
     views = tuple((tuple(sh), tuple(st), int(off)) for sh, st, off in step.views)
     proj = step.proj
-    return _encode((step.delayed, tuple(step.qkv), (tuple(proj.plan), *tuple(proj)[1:]),
-                    tuple(step.mlp), step.act, tuple(step.attention), views, step.deterministic,
+    mlp = None if step.mlp is None else tuple(step.mlp)
+    return _encode((step.delayed, tuple(step.qkv), (tuple(proj.plan), *tuple(proj)[1:]), mlp,
+                    step.act, tuple(step.attention), views, step.deterministic,
                     tuple(step.splits), tuple(step.norms), step.act_name))
 
 
@@ -68,18 +70,33 @@ def _decode(key: str):
          act_name) = ast.literal_eval(key)
         step = _DECODED[key] = _Step(
             None, (), delayed, compiled_blocks.Codes(*qkv),
-            fast_linear.Codes(Plan(*proj[0]), *proj[1:]), compiled_blocks.Codes(*mlp), act,
+            fast_linear.Codes(Plan(*proj[0]), *proj[1:]),
+            None if mlp is None else compiled_blocks.Codes(*mlp), act,
             attention, tuple((torch.Size(sh), st, off) for sh, st, off in views), deterministic,
             splits, False, norms, act_name, False)
     return step
 
 
-def _states(scales, histories, bwd) -> tuple:
-    """layer_block's per-module state triples from the ops' lists."""
-    return tuple((scales[i], histories[i], tuple(bwd[3 * i:3 * i + 3])) for i in range(3))
+class _Kind(NamedTuple):
+    """What differs between the layer node's ops and the attention node's."""
+
+    name: str  # the ops' name prefix
+    modules: int  # FP8 modules (QKV, projection[, MLP])
+    leading: int  # parameters before the QKV blocks (attention's 4[, the MLP's 6])
+    made: int  # what the node saves that it made (without RoPE and dropout)
 
 
-def _joined_qkv(parts: list, splits: tuple, fake: bool) -> Optional[torch.Tensor]:
+_LAYER = _Kind("layer", 3, 10, 25)
+_ATTENTION = _Kind("attention", 2, 4, 13)
+
+
+def _states(kind: _Kind, scales, histories, bwd) -> tuple:
+    """layer_block's per-module state triples from the ops' arguments."""
+    return tuple((scales[i], histories[i], tuple(bwd[3 * i:3 * i + 3]))
+                 for i in range(kind.modules))
+
+
+def _joined_qkv(parts: list, fake: bool) -> Optional[torch.Tensor]:
     """The QKV weight (or bias) blocks as one tensor: over their storage when back to back."""
     if not parts:
         return None
@@ -93,32 +110,40 @@ def _joined_qkv(parts: list, splits: tuple, fake: bool) -> Optional[torch.Tensor
 
 
 # params: the node's blocks as layer_block passes them (_Params.all order): the attention's
-# (gamma1, beta1, proj weight, proj bias), the MLP's (gamma2, beta2, w1, b1, w2, b2), then the
-# QKV weight blocks and bias blocks (n_w, n_b of them).
+# (gamma1, beta1, proj weight, proj bias), the layer's MLP's (gamma2, beta2, w1, b1, w2, b2),
+# then the QKV weight blocks and bias blocks (n_w, n_b of them).
 
 
-def _forward(x, params, scales, histories, bwd, key: str, n_w: int, n_b: int, fake: bool):
-    from .layer_block import _Layer
+def _forward(kind: _Kind, x, params, scales, histories, bwd, key: str, n_w: int, n_b: int,
+             fake: bool) -> tuple:
+    from .layer_block import _Attention, _Layer
 
     step = _decode(key)
     if not fake and step.delayed:
         # (the graph takes this node past every module's first step, layer_block's
-        # _past_first_step; a compiled first step leaves its marks, which no graph takes, and the
-        # Python steps this node shares would read them)
-        for h in (*histories, bwd[0], bwd[3], bwd[6]):
+        # _past_first_step; a compiled first step leaves its marks, which no graph takes, and
+        # the Python steps this node shares would read them)
+        for h in (*histories, *bwd[::3]):
             first_step.written_elsewhere_all(h)
-    w_qkv = _joined_qkv(list(params[10:10 + n_w]), step.splits, fake)
-    b_qkv = _joined_qkv(list(params[10 + n_w:10 + n_w + n_b]), step.splits, fake)
+    lead = kind.leading
+    w_qkv = _joined_qkv(list(params[lead:lead + n_w]), fake)
+    b_qkv = _joined_qkv(list(params[lead + n_w:lead + n_w + n_b]), fake)
+    qkv = (w_qkv,) if b_qkv is None else (w_qkv, b_qkv)
     ctx = _Ctx()
-    out = _Layer.forward(ctx, x, step, _states(scales, histories, bwd), (None, 0.0), 1,
-                         int(b_qkv is not None), *params[:10], w_qkv,
-                         *(() if b_qkv is None else (b_qkv,)))
-    saved = ctx.saved_tensors
-    # what the node made: all but x2, gamma1 (the first two), gamma2 (after mid) and the
-    # attention's rng state (last; an empty constant without dropout)
-    made = (*saved[2:15], *saved[16:-1])
+    states = _states(kind, scales, histories, bwd)
+    if kind is _LAYER:
+        out = _Layer.forward(ctx, x, step, states, (None, 0.0), 1, len(qkv) - 1, *params[:lead],
+                             *qkv)
+        saved = ctx.saved_tensors
+        # (all but x2, gamma1 (the first two), gamma2 (after mid) and the attention's rng state
+        # (last; an empty constant without dropout))
+        made = (*saved[2:15], *saved[16:-1])
+    else:
+        out = _Attention.forward(ctx, x, step, states, None, 1, len(qkv) - 1, *params[:lead],
+                                 *qkv)
+        made = ctx.saved_tensors[2:-1]  # (all but x2, gamma1 and the rng state)
     if fake:
-        return [out, *made]
+        return (out, *made)
     # (an op's results may not share storage, and te.Linear's operator carves its input's and
     # weight's FP8 copies, and their scale_invs, from one allocation: the later of each pair,
     # the weight's, is copied)
@@ -127,98 +152,125 @@ def _forward(x, params, scales, histories, bwd, key: str, n_w: int, n_b: int, fa
         where = t.untyped_storage().data_ptr() if t.numel() else None
         results.append(t.clone() if where in seen else t)
         seen.add(where)
-    return results
+    return tuple(results)
 
 
-# (the FP8 state the ops write travels as single tensors: a functionalized graph takes no
-# written list)
-# (and its results as a fixed number of tensors: a functionalized op that writes its inputs
-# returns no list)
-_MADE = 25  # (what _Layer saves without RoPE and dropout, less x, the two gammas and the rng)
-
-
-def _results(n: int) -> str:
-    return "(" + ", ".join(["Tensor"] * n) + ")"
-
-
-@torch.library.custom_op(
-    f"{_NS}::layer_fp8_forward", mutates_args=("s1", "s2", "s3", "h1", "h2", "h3"),
-    schema="(Tensor x, Tensor?[] params, Tensor(a2!) s1, Tensor(a3!) s2, Tensor(a4!) s3, "
-           "Tensor(a5!) h1, Tensor(a6!) h2, Tensor(a7!) h3, Tensor[] bwd, str key, SymInt n_w, "
-           f"SymInt n_b) -> {_results(1 + _MADE)}")
-def layer_fp8_forward(x, params, s1, s2, s3, h1, h2, h3, bwd, key, n_w, n_b):
-    """The layer node's forward: [output, what the backward reads]; writes the amaxes (and,
-    under current scaling, the scales) of the three modules' forward state."""
-    return tuple(_forward(x, params, (s1, s2, s3), (h1, h2, h3), bwd, key, n_w, n_b, False))
-
-
-@layer_fp8_forward.register_fake
-def _(x, params, s1, s2, s3, h1, h2, h3, bwd, key, n_w, n_b):
-    # (the same Python on fake tensors: the blocks' and attention's ops give their fakes)
-    return tuple(_forward(x, params, (s1, s2, s3), (h1, h2, h3), bwd, key, n_w, n_b, True))
-
-
-def _backward(grad, x, params, made, bwd, key, n_w, n_b):
-    from .layer_block import _NO_RNG, _Layer
+def _backward(kind: _Kind, grad, x, params, made, bwd, key, n_w, n_b) -> tuple:
+    from .layer_block import _NO_RNG, _Attention, _Layer
 
     step = _decode(key)
     has_b = n_b > 0
-    g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2, b2 = params[:10]
+    lead = kind.leading
+    g1, beta1, w_p, b_p = params[:4]
     ctx = _Ctx()
-    ctx.saved_tensors = (x.view(-1, x.shape[-1]), g1, *made[:13], g2, *made[13:], _NO_RNG)
-    ctx.freqs, ctx.dropout = None, (0.0, None, None)
-    metas = tuple(tuple(bwd[3 * i:3 * i + 3]) for i in range(3))
-    ctx.info = (step, metas, 1, int(has_b), x.shape,
-                (beta1 is not None, b_p is not None, beta2 is not None, b1 is not None,
-                 b2 is not None), (w_p.dtype, w1.dtype, w2.dtype, params[10].dtype))
-    grads = _Layer.backward(ctx, grad)
-    # (the joined QKV weight's and bias's gradients whole: _LayerOp.backward splits them)
+    metas = tuple(tuple(bwd[3 * i:3 * i + 3]) for i in range(kind.modules))
+    x2 = x.view(-1, x.shape[-1])
+    ctx.freqs = None
+    if kind is _LAYER:
+        g2, beta2, w1, b1, w2, b2 = params[4:10]
+        ctx.saved_tensors = (x2, g1, *made[:13], g2, *made[13:], _NO_RNG)
+        ctx.dropout = (0.0, None, None)
+        ctx.info = (step, metas, 1, int(has_b), x.shape,
+                    (beta1 is not None, b_p is not None, beta2 is not None, b1 is not None,
+                     b2 is not None), (w_p.dtype, w1.dtype, w2.dtype, params[lead].dtype))
+        grads = _Layer.backward(ctx, grad)
+    else:
+        ctx.saved_tensors = (x2, g1, *made, _NO_RNG)
+        ctx.info = (step, metas, 1, int(has_b), x.shape, (beta1 is not None, b_p is not None),
+                    (w_p.dtype, params[lead].dtype))
+        grads = _Attention.backward(ctx, grad)
+    # (x's, the leading parameters', and the joined QKV weight's and bias's gradients whole:
+    # _NodeOp.backward splits them)
     out = [grads[0]]
-    for g in (*grads[6:16], grads[16], grads[17] if has_b else None):
+    for g in (*grads[6:6 + lead + 1], grads[7 + lead] if has_b else None):
         out.append(x.new_empty(0) if g is None else g)
-    return out
+    return tuple(out)
 
 
-_BWD = tuple(f"{name}{i}" for i in (1, 2, 3) for name in ("h", "s", "si"))
-
-
-@torch.library.custom_op(
-    f"{_NS}::layer_fp8_backward", mutates_args=_BWD,
-    schema="(Tensor grad, Tensor x, Tensor?[] params, Tensor[] made, "
-           + ", ".join(f"Tensor(b{i}!) {n}" for i, n in enumerate(_BWD))
-           + f", str key, SymInt n_w, SymInt n_b) -> {_results(13)}")
-def layer_fp8_backward(grad, x, params, made, h1, s1, si1, h2, s2, si2, h3, s3, si3, key, n_w,
-                       n_b):
-    """The layer node's backward: the gradients of x, of the attention's and MLP's ten
-    parameters and of the joined QKV weight and bias (empty where absent); writes the
-    gradients' amaxes and scales into the three modules' backward state (amax history, scale,
-    scale_inv of each)."""
-    return tuple(_backward(grad, x, params, made, (h1, s1, si1, h2, s2, si2, h3, s3, si3), key,
-                           n_w, n_b))
-
-
-@layer_fp8_backward.register_fake
-def _(grad, x, params, made, h1, s1, si1, h2, s2, si2, h3, s3, si3, key, n_w, n_b):
+def _backward_fake(kind: _Kind, x, params, n_w: int, n_b: int) -> tuple:
+    lead = kind.leading
     out = [torch.empty_like(x)]
-    out += [torch.empty_like(p) if p is not None else x.new_empty(0) for p in params[:10]]
-    w = params[10:10 + n_w]
+    out += [torch.empty_like(p) if p is not None else x.new_empty(0) for p in params[:lead]]
+    w = params[lead:lead + n_w]
     out.append(w[0].new_empty((sum(t.shape[0] for t in w), *w[0].shape[1:])))
-    b = params[10 + n_w:10 + n_w + n_b]
+    b = params[lead + n_w:lead + n_w + n_b]
     out.append(b[0].new_empty((sum(t.shape[0] for t in b),)) if n_b else x.new_empty(0))
     return tuple(out)
 
 
-class _LayerOp(torch.autograd.Function):
-    """The two ops as one autograd node of the traced graph (the blocks' custom ops make theirs
-    the same way: an op that writes the FP8 state takes no autograd formula of its own)."""
+# The ops' schemas, written out: the FP8 state they write travels as single tensors (a
+# functionalized graph takes no written list) and their results as a fixed number of tensors
+# (a functionalized op that writes its inputs returns no list).
+def _results(n: int) -> str:
+    return "(" + ", ".join(["Tensor"] * n) + ")"
+
+
+def _forward_schema(kind: _Kind) -> str:
+    written = [f"Tensor(a{i}!) s{i}" for i in range(kind.modules)]
+    written += [f"Tensor(b{i}!) h{i}" for i in range(kind.modules)]
+    return (f"(Tensor x, Tensor?[] params, {', '.join(written)}, Tensor[] bwd, str key, "
+            f"SymInt n_w, SymInt n_b) -> {_results(1 + kind.made)}")
+
+
+def _backward_schema(kind: _Kind) -> str:
+    written = [f"Tensor(c{3 * i + j}!) {name}{i}" for i in range(kind.modules)
+               for j, name in enumerate(("h", "s", "si"))]
+    return (f"(Tensor grad, Tensor x, Tensor?[] params, Tensor[] made, {', '.join(written)}, "
+            f"str key, SymInt n_w, SymInt n_b) -> {_results(1 + kind.leading + 2)}")
+
+
+def _written(schema: str) -> tuple:
+    return tuple(a.split()[-1] for a in schema.split(", ") if "!)" in a)
+
+
+def _define(kind: _Kind):
+    """The forward and backward custom ops of ``kind``'s node."""
+    m = kind.modules
+    fwd_schema, bwd_schema = _forward_schema(kind), _backward_schema(kind)
+
+    def forward(x, params, *rest):
+        scales, histories, (bwd, key, n_w, n_b) = rest[:m], rest[m:2 * m], rest[2 * m:]
+        return _forward(kind, x, params, scales, histories, bwd, key, n_w, n_b, False)
+
+    def forward_fake(x, params, *rest):
+        scales, histories, (bwd, key, n_w, n_b) = rest[:m], rest[m:2 * m], rest[2 * m:]
+        # (the same Python on fake tensors: the blocks' and attention's ops give their fakes)
+        return _forward(kind, x, params, scales, histories, bwd, key, n_w, n_b, True)
+
+    def backward(grad, x, params, made, *rest):
+        bwd, (key, n_w, n_b) = rest[:3 * m], rest[3 * m:]
+        return _backward(kind, grad, x, params, made, bwd, key, n_w, n_b)
+
+    def backward_fake(grad, x, params, made, *rest):
+        return _backward_fake(kind, x, params, *rest[3 * m + 1:])
+
+    fwd = torch.library.custom_op(f"{_NS}::{kind.name}_fp8_forward", forward,
+                                  mutates_args=_written(fwd_schema), schema=fwd_schema)
+    fwd.register_fake(forward_fake)
+    bwd = torch.library.custom_op(f"{_NS}::{kind.name}_fp8_backward", backward,
+                                  mutates_args=_written(bwd_schema), schema=bwd_schema)
+    bwd.register_fake(backward_fake)
+    return fwd, bwd
+
+
+# forward: the node's output and what it made for the backward; writes the amaxes (and, under
+# current scaling, the scales) of the modules' forward state. backward: the gradients of x, of
+# the leading parameters and of the joined QKV weight and bias (empty where absent); writes
+# the gradients' amaxes and scales into the modules' backward state.
+_OPS = {kind: _define(kind) for kind in (_LAYER, _ATTENTION)}
+
+
+class _NodeOp(torch.autograd.Function):
+    """A node's two ops as one autograd node of the traced graph (the blocks' custom ops make
+    theirs the same way: an op that writes the FP8 state takes no autograd formula of its
+    own)."""
 
     @staticmethod
-    def forward(ctx, x, key: str, n_w: int, n_b: int, scales: list, histories: list, bwd: list,
-                *params):
-        out, *made = layer_fp8_forward(x, list(params), *scales, *histories, bwd, key, n_w, n_b)
-        ctx.key, ctx.n_w, ctx.n_b, ctx.bwd = key, n_w, n_b, bwd
+    def forward(ctx, x, kind: _Kind, key: str, n_w: int, n_b: int, scales: list,
+                histories: list, bwd: list, *params):
+        out, *made = _OPS[kind][0](x, list(params), *scales, *histories, bwd, key, n_w, n_b)
+        ctx.kind, ctx.key, ctx.n_w, ctx.n_b, ctx.bwd = kind, key, n_w, n_b, bwd
         ctx.present = tuple(p is not None for p in params)
-        ctx.n_made = len(made)
         ctx.save_for_backward(x, *(p for p in params if p is not None), *made)
         return out
 
@@ -227,20 +279,23 @@ class _LayerOp(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         x = saved.pop(0)
         params = [saved.pop(0) if here else None for here in ctx.present]
-        out = layer_fp8_backward(grad.contiguous(), x, params, saved, *ctx.bwd, ctx.key,
-                                 ctx.n_w, ctx.n_b)
-        step = _decode(ctx.key)
-        n_w, n_b = ctx.n_w, ctx.n_b
-        w_grads = list(out[11].split(list(step.splits))) if n_w > 1 else [out[11]]
-        b_grads = (list(out[12].split(list(step.splits))) if n_b > 1 else [out[12]]) if n_b else []
-        grads = [g if here else None
-                 for g, here in zip((*out[1:11], *w_grads, *b_grads), ctx.present, strict=True)]
-        return (out[0], None, None, None, None, None, None, *grads)
+        kind, n_w, n_b = ctx.kind, ctx.n_w, ctx.n_b
+        out = _OPS[kind][1](grad.contiguous(), x, params, saved, *ctx.bwd, ctx.key, n_w, n_b)
+        splits = list(_decode(ctx.key).splits)
+        lead = kind.leading
+        w_grad, b_grad = out[1 + lead], out[2 + lead]
+        w_grads = list(w_grad.split(splits)) if n_w > 1 else [w_grad]
+        b_grads = (list(b_grad.split(splits)) if n_b > 1 else [b_grad]) if n_b else []
+        grads = [g if here else None for g, here in
+                 zip((*out[1:1 + lead], *w_grads, *b_grads), ctx.present, strict=True)]
+        return (out[0], None, None, None, None, None, None, None, *grads)
 
 
 def apply(x: torch.Tensor, step, states: tuple, n_w: int, n_b: int, params: tuple):
-    """The layer node's step in a traced graph: the output."""
+    """The step of layer_block's layer node (three modules' states) or attention node (two)
+    in a traced graph: the output."""
+    kind = _LAYER if len(states) == 3 else _ATTENTION
     scales = [s for s, _, _ in states]
     histories = [h for _, h, _ in states]
     bwd = [t for _, _, b in states for t in b]
-    return _LayerOp.apply(x, encode(step), n_w, n_b, scales, histories, bwd, *params)
+    return _NodeOp.apply(x, kind, encode(step), n_w, n_b, scales, histories, bwd, *params)
