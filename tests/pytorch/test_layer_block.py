@@ -461,11 +461,16 @@ def test_compiled_step_runs_the_node_with_the_eager_bits(device, recipe_name, co
     assert traced_node_calls[0] == LAYERS * (STEPS - first)
 
 
-def test_compiled_step_with_dropout_takes_the_modules_path(traced_node_calls):
+def test_compiled_step_with_dropout_runs_the_node_with_the_eager_bits(traced_node_calls):
+    """Hidden and attention dropout in a compiled step: the node's ops draw their rng states
+    as the eager node does, in the same order, so the same masks and the same bits."""
     torch._dynamo.reset()
-    m = _layers("cpu", hidden_dropout=0.1, attention_dropout=0.1)
-    _record(m, "current", "cpu", torch.compile(m, fullgraph=True))
-    assert traced_node_calls[0] == 0
+    kw = dict(hidden_dropout=0.1, attention_dropout=0.1)
+    eager = _record(_layers("cpu", **kw), "current", "cpu")
+    m = _layers("cpu", **kw)
+    compiled = _record(m, "current", "cpu", torch.compile(m, fullgraph=True))
+    assert_same_bits(eager, compiled)
+    assert traced_node_calls[0] == LAYERS * STEPS
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])

@@ -38,8 +38,8 @@ gradients; in FP8 per-tensor delayed (core update, no amax group) or current sca
 FP8 attention; in high precision, not calibrating. Everything else, and a delayed-scaling
 first step, takes the modules' path. With grad mode off (evaluation, inference) the nodes run
 the forward alone (``_infer``), as the modules do then. Traced by torch.compile, the FP8 nodes
-without dropout or RoPE, past delayed scaling's first step, are one custom op per direction
-running the node (``layer_block_op.py``); the rest traces the modules.
+without RoPE, past delayed scaling's first step, are one custom op per direction running the
+node (``layer_block_op.py``); the rest traces the modules.
 ``enabled = False`` turns it off (for comparisons), and so does turning off what it stands on
 (compiled_blocks, fast_linear, hp_blocks, attention_fn.packed_enabled).
 """
@@ -375,8 +375,7 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     # (the layer's hidden dropout in training, as TransformerLayer._residual applies it)
     p = float(owner.hidden_dropout) if mlp is not None and owner.training else 0.0
     if traced:  # (learned at trace time, and kept by the graph)
-        if (not grad or p != 0.0 or attention_dropout != 0.0
-                or (kind_of(recipe) == "delayed" and not _past_first_step(modules))):
+        if not grad or (kind_of(recipe) == "delayed" and not _past_first_step(modules)):
             return None
         step = _learn(mha, mlp, x, params, recipe, key, mask, window, attention_dropout, grad)
     else:
@@ -400,7 +399,7 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
          (m._buffers["amax_history_bwd"], m._buffers["scale_bwd"], m._buffers["scale_inv_bwd"]))
         for m in modules)
     if traced:
-        return layer_block_op.apply(x, step, states, n_w, n_b, blocks)
+        return layer_block_op.apply(x, step, states, p, n_w, n_b, blocks)
     if not grad:
         return _infer(mlp is not None, states, x, step, call, n_w, n_b, params)
     if step.hp:
@@ -434,10 +433,13 @@ def _attend(qkv: torch.Tensor, step: _Step, freqs: Optional[torch.Tensor]) -> tu
     q, k, v = (qkv.as_strided(sh, st, off + start) for sh, st, off in step.views)
     # (attention dropout: a fresh rng state, drawn where DotProductAttention._fused draws it;
     # the backward takes the same one)
-    rng = rng_state(qkv.device) if step.attention[5] > 0.0 else _NO_RNG
-    no_seqlens = _NO_SEQLENS
+    dropout = step.attention[5] > 0.0
     if torch.compiler.is_compiling():  # (layer_block_op's fake: no real tensor may enter)
-        rng, no_seqlens = qkv.new_empty(0, dtype=torch.int64), qkv.new_empty(0, dtype=torch.int32)
+        no_seqlens = qkv.new_empty(0, dtype=torch.int32)
+        rng = rng_state(qkv.device) if dropout else qkv.new_empty(0, dtype=torch.int64)
+    else:
+        no_seqlens = _NO_SEQLENS
+        rng = rng_state(qkv.device) if dropout else _NO_RNG
     if freqs is None:
         o, lse = ops.attention_forward(q, k, v, no_seqlens, no_seqlens, rng, *step.attention)
         return o, lse, (qkv, rng), None

@@ -16,9 +16,10 @@ the layer's input and parameters reach the backward through autograd's saved inp
 joined QKV weight is one tensor inside the ops: its blocks' storage when they lie back to back
 (as te.TransformerLayer lays them out), else a concatenation, and its gradient is split back.
 
-What it takes: layer_block's FP8 nodes (the layer's, the attention's) without RoPE and
-without dropout, in grad mode, past delayed scaling's first step; anything else traced takes
-the modules' path as before.
+Dropout's rng states are drawn inside the ops as the eager node draws them, in the same order,
+so a compiled step's masks are the eager step's. What it takes: layer_block's FP8 nodes (the
+layer's, the attention's) without RoPE, in grad mode, past delayed scaling's first step;
+anything else traced takes the modules' path as before.
 """
 
 from __future__ import annotations
@@ -83,11 +84,11 @@ class _Kind(NamedTuple):
     name: str  # the ops' name prefix
     modules: int  # FP8 modules (QKV, projection[, MLP])
     leading: int  # parameters before the QKV blocks (attention's 4[, the MLP's 6])
-    made: int  # what the node saves that it made (without RoPE and dropout)
+    made: int  # what the node makes for its backward (without RoPE), rng states included
 
 
-_LAYER = _Kind("layer", 3, 10, 25)
-_ATTENTION = _Kind("attention", 2, 4, 13)
+_LAYER = _Kind("layer", 3, 10, 28)
+_ATTENTION = _Kind("attention", 2, 4, 14)
 
 
 def _states(kind: _Kind, scales, histories, bwd) -> tuple:
@@ -114,9 +115,9 @@ def _joined_qkv(parts: list, fake: bool) -> Optional[torch.Tensor]:
 # then the QKV weight blocks and bias blocks (n_w, n_b of them).
 
 
-def _forward(kind: _Kind, x, params, scales, histories, bwd, key: str, n_w: int, n_b: int,
-             fake: bool) -> tuple:
-    from .layer_block import _Attention, _Layer
+def _forward(kind: _Kind, x, params, scales, histories, bwd, key: str, p: float, n_w: int,
+             n_b: int, fake: bool) -> tuple:
+    from .layer_block import _NO_RNG, _Attention, _Layer
 
     step = _decode(key)
     if not fake and step.delayed:
@@ -132,16 +133,20 @@ def _forward(kind: _Kind, x, params, scales, histories, bwd, key: str, n_w: int,
     ctx = _Ctx()
     states = _states(kind, scales, histories, bwd)
     if kind is _LAYER:
-        out = _Layer.forward(ctx, x, step, states, (None, 0.0), 1, len(qkv) - 1, *params[:lead],
+        out = _Layer.forward(ctx, x, step, states, (None, p), 1, len(qkv) - 1, *params[:lead],
                              *qkv)
         saved = ctx.saved_tensors
-        # (all but x2, gamma1 (the first two), gamma2 (after mid) and the attention's rng state
-        # (last; an empty constant without dropout))
-        made = (*saved[2:15], *saved[16:-1])
+        # (all but x2, gamma1 (the first two) and gamma2 (after mid); then the hidden
+        # dropout's two rng states)
+        _, rng1, rng2 = ctx.dropout
+        made = (*saved[2:15], *saved[16:], rng1, rng2)
     else:
         out = _Attention.forward(ctx, x, step, states, None, 1, len(qkv) - 1, *params[:lead],
                                  *qkv)
-        made = ctx.saved_tensors[2:-1]  # (all but x2, gamma1 and the rng state)
+        made = ctx.saved_tensors[2:]  # (all but x2 and gamma1)
+    # (no dropout: an empty rng state of the op's own for each, which the core takes as absent)
+    made = tuple(x.new_empty(0, dtype=torch.int64) if t is None or t is _NO_RNG else t
+                 for t in made)
     if fake:
         return (out, *made)
     # (an op's results may not share storage, and te.Linear's operator carves its input's and
@@ -155,8 +160,8 @@ def _forward(kind: _Kind, x, params, scales, histories, bwd, key: str, n_w: int,
     return tuple(results)
 
 
-def _backward(kind: _Kind, grad, x, params, made, bwd, key, n_w, n_b) -> tuple:
-    from .layer_block import _NO_RNG, _Attention, _Layer
+def _backward(kind: _Kind, grad, x, params, made, bwd, key, p, n_w, n_b) -> tuple:
+    from .layer_block import _Attention, _Layer
 
     step = _decode(key)
     has_b = n_b > 0
@@ -168,14 +173,14 @@ def _backward(kind: _Kind, grad, x, params, made, bwd, key, n_w, n_b) -> tuple:
     ctx.freqs = None
     if kind is _LAYER:
         g2, beta2, w1, b1, w2, b2 = params[4:10]
-        ctx.saved_tensors = (x2, g1, *made[:13], g2, *made[13:], _NO_RNG)
-        ctx.dropout = (0.0, None, None)
+        ctx.saved_tensors = (x2, g1, *made[:13], g2, *made[13:26])
+        ctx.dropout = (p, *((None, None) if p == 0.0 else made[26:]))
         ctx.info = (step, metas, 1, int(has_b), x.shape,
                     (beta1 is not None, b_p is not None, beta2 is not None, b1 is not None,
                      b2 is not None), (w_p.dtype, w1.dtype, w2.dtype, params[lead].dtype))
         grads = _Layer.backward(ctx, grad)
     else:
-        ctx.saved_tensors = (x2, g1, *made, _NO_RNG)
+        ctx.saved_tensors = (x2, g1, *made)
         ctx.info = (step, metas, 1, int(has_b), x.shape, (beta1 is not None, b_p is not None),
                     (w_p.dtype, params[lead].dtype))
         grads = _Attention.backward(ctx, grad)
@@ -209,14 +214,14 @@ def _forward_schema(kind: _Kind) -> str:
     written = [f"Tensor(a{i}!) s{i}" for i in range(kind.modules)]
     written += [f"Tensor(b{i}!) h{i}" for i in range(kind.modules)]
     return (f"(Tensor x, Tensor?[] params, {', '.join(written)}, Tensor[] bwd, str key, "
-            f"SymInt n_w, SymInt n_b) -> {_results(1 + kind.made)}")
+            f"float p, SymInt n_w, SymInt n_b) -> {_results(1 + kind.made)}")
 
 
 def _backward_schema(kind: _Kind) -> str:
     written = [f"Tensor(c{3 * i + j}!) {name}{i}" for i in range(kind.modules)
                for j, name in enumerate(("h", "s", "si"))]
     return (f"(Tensor grad, Tensor x, Tensor?[] params, Tensor[] made, {', '.join(written)}, "
-            f"str key, SymInt n_w, SymInt n_b) -> {_results(1 + kind.leading + 2)}")
+            f"str key, float p, SymInt n_w, SymInt n_b) -> {_results(1 + kind.leading + 2)}")
 
 
 def _written(schema: str) -> tuple:
@@ -229,20 +234,20 @@ def _define(kind: _Kind):
     fwd_schema, bwd_schema = _forward_schema(kind), _backward_schema(kind)
 
     def forward(x, params, *rest):
-        scales, histories, (bwd, key, n_w, n_b) = rest[:m], rest[m:2 * m], rest[2 * m:]
-        return _forward(kind, x, params, scales, histories, bwd, key, n_w, n_b, False)
+        scales, histories, (bwd, key, p, n_w, n_b) = rest[:m], rest[m:2 * m], rest[2 * m:]
+        return _forward(kind, x, params, scales, histories, bwd, key, p, n_w, n_b, False)
 
     def forward_fake(x, params, *rest):
-        scales, histories, (bwd, key, n_w, n_b) = rest[:m], rest[m:2 * m], rest[2 * m:]
+        scales, histories, (bwd, key, p, n_w, n_b) = rest[:m], rest[m:2 * m], rest[2 * m:]
         # (the same Python on fake tensors: the blocks' and attention's ops give their fakes)
-        return _forward(kind, x, params, scales, histories, bwd, key, n_w, n_b, True)
+        return _forward(kind, x, params, scales, histories, bwd, key, p, n_w, n_b, True)
 
     def backward(grad, x, params, made, *rest):
-        bwd, (key, n_w, n_b) = rest[:3 * m], rest[3 * m:]
-        return _backward(kind, grad, x, params, made, bwd, key, n_w, n_b)
+        bwd, (key, p, n_w, n_b) = rest[:3 * m], rest[3 * m:]
+        return _backward(kind, grad, x, params, made, bwd, key, p, n_w, n_b)
 
     def backward_fake(grad, x, params, made, *rest):
-        return _backward_fake(kind, x, params, *rest[3 * m + 1:])
+        return _backward_fake(kind, x, params, *rest[3 * m + 2:])
 
     fwd = torch.library.custom_op(f"{_NS}::{kind.name}_fp8_forward", forward,
                                   mutates_args=_written(fwd_schema), schema=fwd_schema)
@@ -266,10 +271,10 @@ class _NodeOp(torch.autograd.Function):
     own)."""
 
     @staticmethod
-    def forward(ctx, x, kind: _Kind, key: str, n_w: int, n_b: int, scales: list,
+    def forward(ctx, x, kind: _Kind, key: str, p: float, n_w: int, n_b: int, scales: list,
                 histories: list, bwd: list, *params):
-        out, *made = _OPS[kind][0](x, list(params), *scales, *histories, bwd, key, n_w, n_b)
-        ctx.kind, ctx.key, ctx.n_w, ctx.n_b, ctx.bwd = kind, key, n_w, n_b, bwd
+        out, *made = _OPS[kind][0](x, list(params), *scales, *histories, bwd, key, p, n_w, n_b)
+        ctx.kind, ctx.key, ctx.p, ctx.n_w, ctx.n_b, ctx.bwd = kind, key, p, n_w, n_b, bwd
         ctx.present = tuple(p is not None for p in params)
         ctx.save_for_backward(x, *(p for p in params if p is not None), *made)
         return out
@@ -280,7 +285,8 @@ class _NodeOp(torch.autograd.Function):
         x = saved.pop(0)
         params = [saved.pop(0) if here else None for here in ctx.present]
         kind, n_w, n_b = ctx.kind, ctx.n_w, ctx.n_b
-        out = _OPS[kind][1](grad.contiguous(), x, params, saved, *ctx.bwd, ctx.key, n_w, n_b)
+        out = _OPS[kind][1](grad.contiguous(), x, params, saved, *ctx.bwd, ctx.key, ctx.p, n_w,
+                            n_b)
         splits = list(_decode(ctx.key).splits)
         lead = kind.leading
         w_grad, b_grad = out[1 + lead], out[2 + lead]
@@ -288,14 +294,15 @@ class _NodeOp(torch.autograd.Function):
         b_grads = (list(b_grad.split(splits)) if n_b > 1 else [b_grad]) if n_b else []
         grads = [g if here else None for g, here in
                  zip((*out[1:1 + lead], *w_grads, *b_grads), ctx.present, strict=True)]
-        return (out[0], None, None, None, None, None, None, None, *grads)
+        return (out[0], None, None, None, None, None, None, None, None, *grads)
 
 
-def apply(x: torch.Tensor, step, states: tuple, n_w: int, n_b: int, params: tuple):
-    """The step of layer_block's layer node (three modules' states) or attention node (two)
-    in a traced graph: the output."""
+def apply(x: torch.Tensor, step, states: tuple, p: float, n_w: int, n_b: int, params: tuple):
+    """The step of layer_block's layer node (three modules' states; ``p`` its hidden dropout)
+    or attention node (two) in a traced graph: the output."""
     kind = _LAYER if len(states) == 3 else _ATTENTION
     scales = [s for s, _, _ in states]
     histories = [h for _, h, _ in states]
     bwd = [t for _, _, b in states for t in b]
-    return _NodeOp.apply(x, kind, encode(step), n_w, n_b, scales, histories, bwd, *params)
+    return _NodeOp.apply(x, kind, encode(step), float(p), n_w, n_b, scales, histories, bwd,
+                         *params)
