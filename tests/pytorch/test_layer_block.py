@@ -490,3 +490,23 @@ def test_compiled_attention_runs_its_node_with_the_eager_bits(device, recipe_nam
     compiled = _record(m, recipe_name, device, torch.compile(m, fullgraph=True))
     assert_same_bits(eager, compiled)
     assert traced_node_calls[0] == STEPS - (1 if recipe_name == "delayed" else 0)
+
+
+@pytest.mark.parametrize("rope", ["full", "partial-interleaved"])
+def test_compiled_step_with_rope_runs_the_node_with_the_eager_bits(device, rope,
+                                                                   traced_node_calls):
+    """RoPE angles in a compiled step: the node's ops take them, the eager node's bits."""
+    kw = {"rotary_pos_interleaved": True} if rope == "partial-interleaved" else {}
+    dim = 8 if rope == "partial-interleaved" else 16
+    freqs = te.RotaryPositionEmbedding(dim, interleaved=rope != "full")(16).to(device)
+
+    def step(m):
+        return lambda x: m[1](m[0](x, rotary_pos_emb=freqs), rotary_pos_emb=freqs)
+
+    torch._dynamo.reset()
+    eager_model = _layers(device, **kw)
+    eager = _record(eager_model, "current", device, step(eager_model))
+    m = _layers(device, **kw)
+    compiled = _record(m, "current", device, torch.compile(step(m), fullgraph=True))
+    assert_same_bits(eager, compiled)
+    assert traced_node_calls[0] == LAYERS * STEPS

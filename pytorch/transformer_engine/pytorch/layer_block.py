@@ -38,8 +38,8 @@ gradients; in FP8 per-tensor delayed (core update, no amax group) or current sca
 FP8 attention; in high precision, not calibrating. Everything else, and a delayed-scaling
 first step, takes the modules' path. With grad mode off (evaluation, inference) the nodes run
 the forward alone (``_infer``), as the modules do then. Traced by torch.compile, the FP8 nodes
-without RoPE, past delayed scaling's first step, are one custom op per direction running the
-node (``layer_block_op.py``); the rest traces the modules.
+past delayed scaling's first step are one custom op per direction running the node
+(``layer_block_op.py``); the rest traces the modules.
 ``enabled = False`` turns it off (for comparisons), and so does turning off what it stands on
 (compiled_blocks, fast_linear, hp_blocks, attention_fn.packed_enabled).
 """
@@ -335,7 +335,7 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     # layer_block_op.py)
     traced = torch.compiler.is_compiling()
     if (type(x) is not torch.Tensor or state.group is not None
-            or (traced and (recipe is None or rotary_pos_emb is not None))
+            or (traced and recipe is None)
             or (not traced and _get_current_dispatch_mode() is not None)):
         return None
     r = fp8.RECOMPUTE
@@ -399,7 +399,7 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
          (m._buffers["amax_history_bwd"], m._buffers["scale_bwd"], m._buffers["scale_inv_bwd"]))
         for m in modules)
     if traced:
-        return layer_block_op.apply(x, step, states, p, n_w, n_b, blocks)
+        return layer_block_op.apply(x, step, states, p, rotary_pos_emb, n_w, n_b, blocks)
     if not grad:
         return _infer(mlp is not None, states, x, step, call, n_w, n_b, params)
     if step.hp:
@@ -448,7 +448,7 @@ def _attend(qkv: torch.Tensor, step: _Step, freqs: Optional[torch.Tensor]) -> tu
     q = rope_ops.rope_forward(q, freqs, layout, interleaved, None, None).contiguous()
     k = rope_ops.rope_forward(k, freqs, layout, interleaved, None, None).contiguous()
     v = v.contiguous()
-    o, lse = ops.attention_forward(q, k, v, _NO_SEQLENS, _NO_SEQLENS, rng, *step.attention)
+    o, lse = ops.attention_forward(q, k, v, no_seqlens, no_seqlens, rng, *step.attention)
     return o, lse, (q, k, v, rng), freqs
 
 

@@ -17,9 +17,10 @@ joined QKV weight is one tensor inside the ops: its blocks' storage when they li
 (as te.TransformerLayer lays them out), else a concatenation, and its gradient is split back.
 
 Dropout's rng states are drawn inside the ops as the eager node draws them, in the same order,
-so a compiled step's masks are the eager step's. What it takes: layer_block's FP8 nodes (the
-layer's, the attention's) without RoPE, in grad mode, past delayed scaling's first step;
-anything else traced takes the modules' path as before.
+so a compiled step's masks are the eager step's. RoPE's angles are an
+argument of the ops (with them the node holds q, k, v dense, so the ops return more). What it
+takes: layer_block's FP8 nodes (the layer's, the attention's), in grad mode, past delayed
+scaling's first step; anything else traced takes the modules' path as before.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def encode(step) -> str:
     mlp = None if step.mlp is None else tuple(step.mlp)
     return _encode((step.delayed, tuple(step.qkv), (tuple(proj.plan), *tuple(proj)[1:]), mlp,
                     step.act, tuple(step.attention), views, step.deterministic,
-                    tuple(step.splits), tuple(step.norms), step.act_name))
+                    tuple(step.splits), tuple(step.norms), step.act_name,
+                    step.rope_interleaved))
 
 
 _DECODED: dict = {}
@@ -68,13 +70,13 @@ def _decode(key: str):
         from .layer_block import _Step
 
         (delayed, qkv, proj, mlp, act, attention, views, deterministic, splits, norms,
-         act_name) = ast.literal_eval(key)
+         act_name, rope_interleaved) = ast.literal_eval(key)
         step = _DECODED[key] = _Step(
             None, (), delayed, compiled_blocks.Codes(*qkv),
             fast_linear.Codes(Plan(*proj[0]), *proj[1:]),
             None if mlp is None else compiled_blocks.Codes(*mlp), act,
             attention, tuple((torch.Size(sh), st, off) for sh, st, off in views), deterministic,
-            splits, False, norms, act_name, False)
+            splits, False, norms, act_name, rope_interleaved)
     return step
 
 
@@ -87,8 +89,14 @@ class _Kind(NamedTuple):
     made: int  # what the node makes for its backward (without RoPE), rng states included
 
 
+# (with RoPE the node holds q, k and v rotated and dense instead of the QKV output, and the
+# angles as a matrix)
 _LAYER = _Kind("layer", 3, 10, 28)
+_LAYER_ROPE = _Kind("layer_rope", 3, 10, 31)
 _ATTENTION = _Kind("attention", 2, 4, 14)
+_ATTENTION_ROPE = _Kind("attention_rope", 2, 4, 17)
+_KINDS = {(True, False): _LAYER, (True, True): _LAYER_ROPE, (False, False): _ATTENTION,
+          (False, True): _ATTENTION_ROPE}
 
 
 def _states(kind: _Kind, scales, histories, bwd) -> tuple:
@@ -115,8 +123,8 @@ def _joined_qkv(parts: list, fake: bool) -> Optional[torch.Tensor]:
 # then the QKV weight blocks and bias blocks (n_w, n_b of them).
 
 
-def _forward(kind: _Kind, x, params, scales, histories, bwd, key: str, p: float, n_w: int,
-             n_b: int, fake: bool) -> tuple:
+def _forward(kind: _Kind, x, params, scales, histories, bwd, freqs, key: str, p: float,
+             n_w: int, n_b: int, fake: bool) -> tuple:
     from .layer_block import _NO_RNG, _Attention, _Layer
 
     step = _decode(key)
@@ -132,8 +140,8 @@ def _forward(kind: _Kind, x, params, scales, histories, bwd, key: str, p: float,
     qkv = (w_qkv,) if b_qkv is None else (w_qkv, b_qkv)
     ctx = _Ctx()
     states = _states(kind, scales, histories, bwd)
-    if kind is _LAYER:
-        out = _Layer.forward(ctx, x, step, states, (None, p), 1, len(qkv) - 1, *params[:lead],
+    if kind.modules == 3:
+        out = _Layer.forward(ctx, x, step, states, (freqs, p), 1, len(qkv) - 1, *params[:lead],
                              *qkv)
         saved = ctx.saved_tensors
         # (all but x2, gamma1 (the first two) and gamma2 (after mid); then the hidden
@@ -141,9 +149,11 @@ def _forward(kind: _Kind, x, params, scales, histories, bwd, key: str, p: float,
         _, rng1, rng2 = ctx.dropout
         made = (*saved[2:15], *saved[16:], rng1, rng2)
     else:
-        out = _Attention.forward(ctx, x, step, states, None, 1, len(qkv) - 1, *params[:lead],
+        out = _Attention.forward(ctx, x, step, states, freqs, 1, len(qkv) - 1, *params[:lead],
                                  *qkv)
         made = ctx.saved_tensors[2:]  # (all but x2 and gamma1)
+    if freqs is not None:  # (the angles as the node's matrix, a copy of its own)
+        made = (*made, ctx.freqs.clone())
     # (no dropout: an empty rng state of the op's own for each, which the core takes as absent)
     made = tuple(x.new_empty(0, dtype=torch.int64) if t is None or t is _NO_RNG else t
                  for t in made)
@@ -161,6 +171,7 @@ def _forward(kind: _Kind, x, params, scales, histories, bwd, key: str, p: float,
 
 
 def _backward(kind: _Kind, grad, x, params, made, bwd, key, p, n_w, n_b) -> tuple:
+    rope = kind in (_LAYER_ROPE, _ATTENTION_ROPE)
     from .layer_block import _Attention, _Layer
 
     step = _decode(key)
@@ -170,11 +181,14 @@ def _backward(kind: _Kind, grad, x, params, made, bwd, key, p, n_w, n_b) -> tupl
     ctx = _Ctx()
     metas = tuple(tuple(bwd[3 * i:3 * i + 3]) for i in range(kind.modules))
     x2 = x.view(-1, x.shape[-1])
-    ctx.freqs = None
-    if kind is _LAYER:
+    if rope:
+        made, ctx.freqs = made[:-1], made[-1]
+    else:
+        ctx.freqs = None
+    if kind.modules == 3:
         g2, beta2, w1, b1, w2, b2 = params[4:10]
-        ctx.saved_tensors = (x2, g1, *made[:13], g2, *made[13:26])
-        ctx.dropout = (p, *((None, None) if p == 0.0 else made[26:]))
+        ctx.saved_tensors = (x2, g1, *made[:13], g2, *made[13:-2])
+        ctx.dropout = (p, *((None, None) if p == 0.0 else made[-2:]))
         ctx.info = (step, metas, 1, int(has_b), x.shape,
                     (beta1 is not None, b_p is not None, beta2 is not None, b1 is not None,
                      b2 is not None), (w_p.dtype, w1.dtype, w2.dtype, params[lead].dtype))
@@ -213,8 +227,8 @@ def _results(n: int) -> str:
 def _forward_schema(kind: _Kind) -> str:
     written = [f"Tensor(a{i}!) s{i}" for i in range(kind.modules)]
     written += [f"Tensor(b{i}!) h{i}" for i in range(kind.modules)]
-    return (f"(Tensor x, Tensor?[] params, {', '.join(written)}, Tensor[] bwd, str key, "
-            f"float p, SymInt n_w, SymInt n_b) -> {_results(1 + kind.made)}")
+    return (f"(Tensor x, Tensor?[] params, {', '.join(written)}, Tensor[] bwd, Tensor? freqs, "
+            f"str key, float p, SymInt n_w, SymInt n_b) -> {_results(1 + kind.made)}")
 
 
 def _backward_schema(kind: _Kind) -> str:
@@ -234,13 +248,13 @@ def _define(kind: _Kind):
     fwd_schema, bwd_schema = _forward_schema(kind), _backward_schema(kind)
 
     def forward(x, params, *rest):
-        scales, histories, (bwd, key, p, n_w, n_b) = rest[:m], rest[m:2 * m], rest[2 * m:]
-        return _forward(kind, x, params, scales, histories, bwd, key, p, n_w, n_b, False)
+        scales, histories, (bwd, freqs, key, p, n_w, n_b) = rest[:m], rest[m:2 * m], rest[2 * m:]
+        return _forward(kind, x, params, scales, histories, bwd, freqs, key, p, n_w, n_b, False)
 
     def forward_fake(x, params, *rest):
-        scales, histories, (bwd, key, p, n_w, n_b) = rest[:m], rest[m:2 * m], rest[2 * m:]
+        scales, histories, (bwd, freqs, key, p, n_w, n_b) = rest[:m], rest[m:2 * m], rest[2 * m:]
         # (the same Python on fake tensors: the blocks' and attention's ops give their fakes)
-        return _forward(kind, x, params, scales, histories, bwd, key, p, n_w, n_b, True)
+        return _forward(kind, x, params, scales, histories, bwd, freqs, key, p, n_w, n_b, True)
 
     def backward(grad, x, params, made, *rest):
         bwd, (key, p, n_w, n_b) = rest[:3 * m], rest[3 * m:]
@@ -262,7 +276,7 @@ def _define(kind: _Kind):
 # current scaling, the scales) of the modules' forward state. backward: the gradients of x, of
 # the leading parameters and of the joined QKV weight and bias (empty where absent); writes
 # the gradients' amaxes and scales into the modules' backward state.
-_OPS = {kind: _define(kind) for kind in (_LAYER, _ATTENTION)}
+_OPS = {kind: _define(kind) for kind in _KINDS.values()}
 
 
 class _NodeOp(torch.autograd.Function):
@@ -271,9 +285,10 @@ class _NodeOp(torch.autograd.Function):
     own)."""
 
     @staticmethod
-    def forward(ctx, x, kind: _Kind, key: str, p: float, n_w: int, n_b: int, scales: list,
-                histories: list, bwd: list, *params):
-        out, *made = _OPS[kind][0](x, list(params), *scales, *histories, bwd, key, p, n_w, n_b)
+    def forward(ctx, x, kind: _Kind, key: str, p: float, freqs, n_w: int, n_b: int,
+                scales: list, histories: list, bwd: list, *params):
+        out, *made = _OPS[kind][0](x, list(params), *scales, *histories, bwd, freqs, key, p,
+                                   n_w, n_b)
         ctx.kind, ctx.key, ctx.p, ctx.n_w, ctx.n_b, ctx.bwd = kind, key, p, n_w, n_b, bwd
         ctx.present = tuple(p is not None for p in params)
         ctx.save_for_backward(x, *(p for p in params if p is not None), *made)
@@ -294,15 +309,16 @@ class _NodeOp(torch.autograd.Function):
         b_grads = (list(b_grad.split(splits)) if n_b > 1 else [b_grad]) if n_b else []
         grads = [g if here else None for g, here in
                  zip((*out[1:1 + lead], *w_grads, *b_grads), ctx.present, strict=True)]
-        return (out[0], None, None, None, None, None, None, None, None, *grads)
+        return (out[0], None, None, None, None, None, None, None, None, None, *grads)
 
 
-def apply(x: torch.Tensor, step, states: tuple, p: float, n_w: int, n_b: int, params: tuple):
+def apply(x: torch.Tensor, step, states: tuple, p: float, freqs: Optional[torch.Tensor],
+          n_w: int, n_b: int, params: tuple):
     """The step of layer_block's layer node (three modules' states; ``p`` its hidden dropout)
-    or attention node (two) in a traced graph: the output."""
-    kind = _LAYER if len(states) == 3 else _ATTENTION
+    or attention node (two) in a traced graph, with RoPE's ``freqs`` or None: the output."""
+    kind = _KINDS[(len(states) == 3, freqs is not None)]
     scales = [s for s, _, _ in states]
     histories = [h for _, h, _ in states]
     bwd = [t for _, _, b in states for t in b]
-    return _NodeOp.apply(x, kind, encode(step), float(p), n_w, n_b, scales, histories, bwd,
-                         *params)
+    return _NodeOp.apply(x, kind, encode(step), float(p), freqs, n_w, n_b, scales, histories,
+                         bwd, *params)
