@@ -38,7 +38,8 @@ _NS = "transformer_engine"
 
 
 class _Ctx:
-    """What _Layer's forward keeps for its backward, outside an autograd node."""
+    """What _Layer's or _Attention's forward keeps for its backward, outside an autograd
+    node."""
 
     def save_for_backward(self, *tensors) -> None:
         self.saved_tensors = tensors
@@ -65,6 +66,7 @@ _DECODED: dict = {}
 
 
 def _decode(key: str):
+    """The learned step of an op's string argument (read once per string)."""
     step = _DECODED.get(key)
     if step is None:
         from .layer_block import _Step
@@ -86,7 +88,7 @@ class _Kind(NamedTuple):
     name: str  # the ops' name prefix
     modules: int  # FP8 modules (QKV, projection[, MLP])
     leading: int  # parameters before the QKV blocks (attention's 4[, the MLP's 6])
-    made: int  # what the node makes for its backward (without RoPE), rng states included
+    made: int  # what the node makes for its backward, rng states (and RoPE's angles) included
 
 
 # (with RoPE the node holds q, k and v rotated and dense instead of the QKV output, and the
