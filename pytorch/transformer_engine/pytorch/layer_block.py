@@ -558,7 +558,18 @@ def _fp8_attention_backward(g, saved, held, step: _Step, metas, freqs, has: tupl
     return dx, dg1, dbeta1 if has_beta else None, gw, gb, gw_p, gb_p if has_bp else None
 
 
-def _split_grads(step: _Step, n_w: int, n_b: int, gw, gb) -> list:
+def fp8_info(step: _Step, metas: tuple, n_w: int, n_b: int, shape, leading: tuple,
+             w_qkv_dtype: torch.dtype) -> tuple:
+    """What an FP8 node's backward reads besides its saved tensors (its ctx.info), from the
+    parameters before the QKV blocks (the attention's four, then the layer's MLP's six): which
+    betas and biases there are, and the weights' dtypes (the projection's[, FC1's, FC2's], the
+    QKV weight's)."""
+    weights = (leading[2], leading[6], leading[8]) if len(leading) == 10 else (leading[2],)
+    return (step, metas, n_w, n_b, shape, tuple(t is not None for t in leading[1::2]),
+            (*(w.dtype for w in weights), w_qkv_dtype))
+
+
+def split_grads(step: _Step, n_w: int, n_b: int, gw, gb) -> list:
     """The QKV weight's and bias's gradients split back into their blocks (_JoinRows's
     backward)."""
     w_grads = list(gw.split(list(step.splits))) if n_w > 1 else [gw]
@@ -584,9 +595,8 @@ class _Layer(torch.autograd.Function):
         out, rng2 = _residual(mlp_out, mid, p)
         ctx.save_for_backward(*saved, mid, g2, *saved3, *held)
         ctx.freqs, ctx.dropout = freqs, (p, rng1, rng2)
-        ctx.info = (step, tuple(m for _, _, m in states), n_w, n_b, shape,
-                    (beta1 is not None, b_p is not None, beta2 is not None, b1 is not None,
-                     b2 is not None), (w_p.dtype, w1.dtype, w2.dtype, w_qkv.dtype))
+        ctx.info = fp8_info(step, tuple(m for _, _, m in states), n_w, n_b, shape,
+                            (g1, beta1, w_p, b_p, g2, beta2, w1, b1, w2, b2), w_qkv.dtype)
         return out.view(shape)
 
     @staticmethod
@@ -618,7 +628,7 @@ class _Layer(torch.autograd.Function):
         dx = (g_mid + dx).view(shape)
         return (dx, None, None, None, None, None, dg1, dbeta1, gw_p, gb_p, dg2,
                 dbeta2 if has_beta2 else None, gw1, gb1 if has_b1 else None, gw2,
-                gb2 if has_b2 else None, *_split_grads(step, n_w, n_b, gw, gb))
+                gb2 if has_b2 else None, *split_grads(step, n_w, n_b, gw, gb))
 
 
 class _Attention(torch.autograd.Function):
@@ -633,8 +643,8 @@ class _Attention(torch.autograd.Function):
                                                  b_qkv, w_p, b_p)
         ctx.save_for_backward(*saved, *held)
         ctx.freqs = freqs
-        ctx.info = (step, tuple(m for _, _, m in states), n_w, n_b, shape,
-                    (beta1 is not None, b_p is not None), (w_p.dtype, w_qkv.dtype))
+        ctx.info = fp8_info(step, tuple(m for _, _, m in states), n_w, n_b, shape,
+                            (g1, beta1, w_p, b_p), w_qkv.dtype)
         return out.view(*shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -646,7 +656,7 @@ class _Attention(torch.autograd.Function):
             g, saved[:_FP8_ATTENTION_SAVED], saved[_FP8_ATTENTION_SAVED:], step, metas, ctx.freqs,
             has, dtypes, n_b, may_release())
         return (dx.view(shape), None, None, None, None, None, dg1, dbeta1, gw_p, gb_p,
-                *_split_grads(step, n_w, n_b, gw, gb))
+                *split_grads(step, n_w, n_b, gw, gb))
 
 
 _apply = eager_apply(_Layer)
@@ -739,7 +749,7 @@ class _LayerHP(torch.autograd.Function):
         dx = (g_mid + dx).view(shape)
         return (dx, None, None, None, None, dg1, dbeta1, gw_p, gb_p, dg2,
                 dbeta2 if has_beta2 else None, gw1, gb1 if has_b1 else None, gw2,
-                gb2 if has_b2 else None, *_split_grads(step, n_w, n_b, gw, gb))
+                gb2 if has_b2 else None, *split_grads(step, n_w, n_b, gw, gb))
 
 
 class _AttentionHP(torch.autograd.Function):
@@ -764,7 +774,7 @@ class _AttentionHP(torch.autograd.Function):
             grad.reshape(-1, grad.shape[-1]), saved[:_HP_ATTENTION_SAVED],
             saved[_HP_ATTENTION_SAVED:], step, ctx.freqs, has, n_b, may_release())
         return (dx.view(shape), None, None, None, None, dg1, dbeta1, gw_p, gb_p,
-                *_split_grads(step, n_w, n_b, gw, gb))
+                *split_grads(step, n_w, n_b, gw, gb))
 
 
 _apply_hp = eager_apply(_LayerHP)

@@ -164,41 +164,52 @@ def _forward(kind: _Kind, x, params, scales, histories, bwd, freqs, key: str, p:
     # (an op's results may not share storage, and te.Linear's operator carves its input's and
     # weight's FP8 copies, and their scale_invs, from one allocation: the later of each pair,
     # the weight's, is copied)
-    seen, results = set(), [out]
-    for t in made:
-        where = t.untyped_storage().data_ptr() if t.numel() else None
-        results.append(t.clone() if where in seen else t)
-        seen.add(where)
-    return tuple(results)
+    shared = _SHARED.get((kind, key))
+    if shared is None:
+        shared = _SHARED[(kind, key)] = _sharing(made)
+    return (out, *(t.clone() if i in shared else t for i, t in enumerate(made)))
+
+
+# (kind, step) -> the indices of the results that share storage with an earlier one: the same
+# at every call of a step, so found at its first
+_SHARED: dict = {}
+
+
+def _sharing(tensors: tuple) -> frozenset:
+    seen, found = set(), set()
+    for i, t in enumerate(tensors):
+        if t.numel():
+            where = t.untyped_storage().data_ptr()
+            if where in seen:
+                found.add(i)
+            seen.add(where)
+    return frozenset(found)
 
 
 def _backward(kind: _Kind, grad, x, params, made, bwd, key, p, n_w, n_b) -> tuple:
     rope = kind in (_LAYER_ROPE, _ATTENTION_ROPE)
-    from .layer_block import _Attention, _Layer
+    from .layer_block import _Attention, _Layer, fp8_info
 
     step = _decode(key)
     has_b = n_b > 0
     lead = kind.leading
-    g1, beta1, w_p, b_p = params[:4]
+    g1 = params[0]
     ctx = _Ctx()
     metas = tuple(tuple(bwd[3 * i:3 * i + 3]) for i in range(kind.modules))
+    # (the ops take the QKV blocks joined: one weight and at most one bias)
+    ctx.info = fp8_info(step, metas, 1, int(has_b), x.shape, tuple(params[:lead]),
+                        params[lead].dtype)
     x2 = x.view(-1, x.shape[-1])
     if rope:
         made, ctx.freqs = made[:-1], made[-1]
     else:
         ctx.freqs = None
-    if kind.modules == 3:
-        g2, beta2, w1, b1, w2, b2 = params[4:10]
-        ctx.saved_tensors = (x2, g1, *made[:13], g2, *made[13:-2])
+    if kind.modules == 3:  # (gamma2 follows mid in _Layer's saved tensors)
+        ctx.saved_tensors = (x2, g1, *made[:13], params[4], *made[13:-2])
         ctx.dropout = (p, *((None, None) if p == 0.0 else made[-2:]))
-        ctx.info = (step, metas, 1, int(has_b), x.shape,
-                    (beta1 is not None, b_p is not None, beta2 is not None, b1 is not None,
-                     b2 is not None), (w_p.dtype, w1.dtype, w2.dtype, params[lead].dtype))
         grads = _Layer.backward(ctx, grad)
     else:
         ctx.saved_tensors = (x2, g1, *made)
-        ctx.info = (step, metas, 1, int(has_b), x.shape, (beta1 is not None, b_p is not None),
-                    (w_p.dtype, params[lead].dtype))
         grads = _Attention.backward(ctx, grad)
     # (x's, the leading parameters', and the joined QKV weight's and bias's gradients whole:
     # _NodeOp.backward splits them)
@@ -304,13 +315,12 @@ class _NodeOp(torch.autograd.Function):
         kind, n_w, n_b = ctx.kind, ctx.n_w, ctx.n_b
         out = _OPS[kind][1](grad.contiguous(), x, params, saved, *ctx.bwd, ctx.key, ctx.p, n_w,
                             n_b)
-        splits = list(_decode(ctx.key).splits)
+        from .layer_block import split_grads
+
         lead = kind.leading
-        w_grad, b_grad = out[1 + lead], out[2 + lead]
-        w_grads = list(w_grad.split(splits)) if n_w > 1 else [w_grad]
-        b_grads = (list(b_grad.split(splits)) if n_b > 1 else [b_grad]) if n_b else []
+        qkv_grads = split_grads(_decode(ctx.key), n_w, n_b, out[1 + lead], out[2 + lead])
         grads = [g if here else None for g, here in
-                 zip((*out[1:1 + lead], *w_grads, *b_grads), ctx.present, strict=True)]
+                 zip((*out[1:1 + lead], *qkv_grads), ctx.present, strict=True)]
         return (out[0], None, None, None, None, None, None, None, None, None, *grads)
 
 
