@@ -56,13 +56,13 @@ def _count(monkeypatch, *names: str) -> list:
 @pytest.fixture
 def node_calls(monkeypatch) -> list:
     """How many forwards the layer node ran, in FP8 or high precision."""
-    return _count(monkeypatch, "_apply", "_apply_hp")
+    return _count(monkeypatch, "apply_layer", "apply_layer_hp")
 
 
 @pytest.fixture
 def attention_calls(monkeypatch) -> list:
     """How many forwards the attention node ran (te.MultiheadAttention's), FP8 or not."""
-    return _count(monkeypatch, "_apply_attention", "_apply_attention_hp")
+    return _count(monkeypatch, "apply_attention", "apply_attention_hp")
 
 
 def _record(m: torch.nn.Module, recipe_name, device, forward=None) -> list:
@@ -351,7 +351,7 @@ def test_node_without_gradients_gives_the_modules_bits(device, mode, recipe_name
     """Grad mode off (evaluation, inference): the forward alone through the nodes, the layer's
     and the attention module's, as the modules make it then (no backward copies), with the
     dropout of training mode; the same outputs and FP8 state."""
-    calls = _count(monkeypatch, "_infer")
+    calls = _count(monkeypatch, "infer")
 
     def run(on: bool, layer: bool) -> list:
         layer_block.enabled = on

@@ -5,11 +5,11 @@ Traced through its modules, a layer becomes five custom ops per direction plus t
 inductor generates between them (the QKV weights concatenated, q, k, v copied dense, their
 gradients concatenated, the residual adds), each call and launch paid on the host at every
 step: the compiled step took longer than the eager node's
-(``benchmarks/results/host_profile_compile_h100.json``). Here the graph holds one call per layer
-and direction, whose implementation is the eager node's forward or backward (``_Layer``), so
-the same kernels with the same arguments, and the same bits.
+(``benchmarks/results/host_profile_compile_h100.json``). Here the graph holds one call per
+layer and direction, whose implementation is the eager node's forward or backward
+(layer_block_nodes.Layer), so the same kernels with the same arguments, and the same bits.
 
-The learned step (layer_block._Step) travels in the graph as a string, the plain tuple of its
+The learned step (layer_block_nodes.Step) travels in the graph as a string, the plain tuple of its
 fields that ``_encode`` writes at trace time; the implementations read it back once
 (``_decode``, cached). The forward op returns the output and what it made for the backward;
 the layer's input and parameters reach the backward through autograd's saved inputs. The
@@ -31,6 +31,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import compiled_blocks, fast_linear, first_step
+from .layer_block_nodes import NO_RNG, Attention, Layer, Step, fp8_info, joined, split_grads
 from .module._split_rows import back_to_back
 from .quantization import Plan
 
@@ -38,7 +39,7 @@ _NS = "transformer_engine"
 
 
 class _Ctx:
-    """What _Layer's or _Attention's forward keeps for its backward, outside an autograd
+    """What Layer's or Attention's forward keeps for its backward, outside an autograd
     node."""
 
     def save_for_backward(self, *tensors) -> None:
@@ -69,11 +70,9 @@ def _decode(key: str):
     """The learned step of an op's string argument (read once per string)."""
     step = _DECODED.get(key)
     if step is None:
-        from .layer_block import _Step
-
         (delayed, qkv, proj, mlp, act, attention, views, deterministic, splits, norms,
          act_name, rope_interleaved) = ast.literal_eval(key)
-        step = _DECODED[key] = _Step(
+        step = _DECODED[key] = Step(
             None, (), delayed, compiled_blocks.Codes(*qkv),
             fast_linear.Codes(Plan(*proj[0]), *proj[1:]),
             None if mlp is None else compiled_blocks.Codes(*mlp), act,
@@ -114,9 +113,7 @@ def _joined_qkv(parts: list, fake: bool) -> Optional[torch.Tensor]:
     if len(parts) == 1:
         return parts[0]
     if not fake and back_to_back(parts):
-        from .layer_block import _joined
-
-        return _joined(tuple(parts))
+        return joined(tuple(parts))
     return torch.cat(parts)
 
 
@@ -127,8 +124,6 @@ def _joined_qkv(parts: list, fake: bool) -> Optional[torch.Tensor]:
 
 def _forward(kind: _Kind, x, params, scales, histories, bwd, freqs, key: str, p: float,
              n_w: int, n_b: int, fake: bool) -> tuple:
-    from .layer_block import _NO_RNG, _Attention, _Layer
-
     step = _decode(key)
     if not fake and step.delayed:
         # (the graph takes this node past every module's first step, layer_block's
@@ -143,7 +138,7 @@ def _forward(kind: _Kind, x, params, scales, histories, bwd, freqs, key: str, p:
     ctx = _Ctx()
     states = _states(kind, scales, histories, bwd)
     if kind.modules == 3:
-        out = _Layer.forward(ctx, x, step, states, (freqs, p), 1, len(qkv) - 1, *params[:lead],
+        out = Layer.forward(ctx, x, step, states, (freqs, p), 1, len(qkv) - 1, *params[:lead],
                              *qkv)
         saved = ctx.saved_tensors
         # (all but x2, gamma1 (the first two) and gamma2 (after mid); then the hidden
@@ -151,13 +146,13 @@ def _forward(kind: _Kind, x, params, scales, histories, bwd, freqs, key: str, p:
         _, rng1, rng2 = ctx.dropout
         made = (*saved[2:15], *saved[16:], rng1, rng2)
     else:
-        out = _Attention.forward(ctx, x, step, states, freqs, 1, len(qkv) - 1, *params[:lead],
+        out = Attention.forward(ctx, x, step, states, freqs, 1, len(qkv) - 1, *params[:lead],
                                  *qkv)
         made = ctx.saved_tensors[2:]  # (all but x2 and gamma1)
     if freqs is not None:  # (the angles as the node's matrix, a copy of its own)
         made = (*made, ctx.freqs.clone())
     # (no dropout: an empty rng state of the op's own for each, which the core takes as absent)
-    made = tuple(x.new_empty(0, dtype=torch.int64) if t is None or t is _NO_RNG else t
+    made = tuple(x.new_empty(0, dtype=torch.int64) if t is None or t is NO_RNG else t
                  for t in made)
     if fake:
         return (out, *made)
@@ -188,8 +183,6 @@ def _sharing(tensors: tuple) -> frozenset:
 
 def _backward(kind: _Kind, grad, x, params, made, bwd, key, p, n_w, n_b) -> tuple:
     rope = kind in (_LAYER_ROPE, _ATTENTION_ROPE)
-    from .layer_block import _Attention, _Layer, fp8_info
-
     step = _decode(key)
     has_b = n_b > 0
     lead = kind.leading
@@ -204,13 +197,13 @@ def _backward(kind: _Kind, grad, x, params, made, bwd, key, p, n_w, n_b) -> tupl
         made, ctx.freqs = made[:-1], made[-1]
     else:
         ctx.freqs = None
-    if kind.modules == 3:  # (gamma2 follows mid in _Layer's saved tensors)
+    if kind.modules == 3:  # (gamma2 follows mid in Layer's saved tensors)
         ctx.saved_tensors = (x2, g1, *made[:13], params[4], *made[13:-2])
         ctx.dropout = (p, *((None, None) if p == 0.0 else made[-2:]))
-        grads = _Layer.backward(ctx, grad)
+        grads = Layer.backward(ctx, grad)
     else:
         ctx.saved_tensors = (x2, g1, *made)
-        grads = _Attention.backward(ctx, grad)
+        grads = Attention.backward(ctx, grad)
     # (x's, the leading parameters', and the joined QKV weight's and bias's gradients whole:
     # _NodeOp.backward splits them)
     out = [grads[0]]
@@ -315,8 +308,6 @@ class _NodeOp(torch.autograd.Function):
         kind, n_w, n_b = ctx.kind, ctx.n_w, ctx.n_b
         out = _OPS[kind][1](grad.contiguous(), x, params, saved, *ctx.bwd, ctx.key, ctx.p, n_w,
                             n_b)
-        from .layer_block import split_grads
-
         lead = kind.leading
         qkv_grads = split_grads(_decode(ctx.key), n_w, n_b, out[1 + lead], out[2 + lead])
         grads = [g if here else None for g, here in
