@@ -118,3 +118,14 @@ def compiled_against_eager(m: torch.nn.Module, fp8_recipe, x: torch.Tensor, step
         compiled = run(torch.compile(step, fullgraph=True))
     return eager, compiled, {e.key for e in prof.key_averages()}
 
+
+def warm_up_for_capture(step, *args, times: int = 3) -> None:
+    """Runs ``step(*args)`` ``times`` times on a side stream before a CUDA graph captures it,
+    as torch's documentation warms up (workspaces, algorithm caches and lazy state are made
+    outside the graph), then orders the current stream after it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            step(*args)
+    torch.cuda.current_stream().wait_stream(side)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from te_torch_tests._tolerances import assert_gemm_close
+from te_torch_tests._train_steps import warm_up_for_capture
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
@@ -56,12 +57,7 @@ def test_cuda_graph_replays_an_fp8_training_step(r):
         y.backward(g)
         return y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: workspaces, algorithm caches, lazy state
-        for _ in range(3):
-            step(layer, x)
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_for_capture(step, layer, x)
     twin = copy.deepcopy(layer)  # where the layer stands before the captured steps
     for p in (*layer.parameters(), *twin.parameters(), x):
         p.grad = None
@@ -246,12 +242,7 @@ def test_cuda_graph_replays_a_layernorm_mlp_step(r, act):
         y.backward(g)
         return y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step(mlp, x)
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_for_capture(step, mlp, x)
     twin = copy.deepcopy(mlp)
     for p in (*mlp.parameters(), *twin.parameters(), x):
         p.grad = None

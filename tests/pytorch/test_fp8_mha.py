@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from te_torch_tests._train_steps import warm_up_for_capture
 from te_torch_tests.test_attention import _assert_fp8_close
 
 import transformer_engine.pytorch as te
@@ -436,12 +437,7 @@ def test_mha_fp8_mha_step_replays_in_a_cuda_graph():
         y.backward(g)
         return y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: workspaces, plans, lazy state
-        for _ in range(3):
-            step(mha, x)
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_for_capture(step, mha, x)
     twin = copy.deepcopy(mha)
     for p in (*mha.parameters(), *twin.parameters(), x):
         p.grad = None

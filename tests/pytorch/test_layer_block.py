@@ -11,7 +11,12 @@ import copy
 
 import pytest
 import torch
-from te_torch_tests._train_steps import RECIPES, assert_same_bits, record_steps
+from te_torch_tests._train_steps import (
+    RECIPES,
+    assert_same_bits,
+    record_steps,
+    warm_up_for_capture,
+)
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch import layer_block
@@ -400,12 +405,7 @@ def test_whole_step_captured_in_a_cuda_graph_replays_as_eager(recipe_name, node_
         y.float().square().mean().backward()
         return y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: workspaces, plans, the learned steps
-        for _ in range(3):
-            step(m, x)
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_for_capture(step, m, x)
     twin = copy.deepcopy(m)
     for p in (*m.parameters(), *twin.parameters(), x):
         p.grad = None

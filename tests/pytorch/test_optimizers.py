@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from te_torch_tests._train_steps import warm_up_for_capture
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch.float8_tensor import Float8Tensor
@@ -313,11 +314,7 @@ def test_capturable_cuda_graph():
         p.grad = s
     for s, g in zip(static, grads[0], strict=True):
         s.copy_(g)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        opt.step()  # warm-up: makes the states outside the graph
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_for_capture(opt.step, times=1)  # (makes the states outside the graph)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         opt.step()
