@@ -40,6 +40,15 @@ RECIPES = {
 _NORMS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
 # te.TransformerLayer's default initialization (PyTorch), used for the Flax layers too.
 _INIT_STD = 0.023
+
+
+def _normal(std: float):
+    """N(0, std^2) drawn in float32 and rounded to the parameter's dtype, as torch's
+    ``normal_`` draws for a bf16 tensor (flax's ``initializers.normal`` drawn in bf16 takes
+    only 128 distinct values). The TE modules draw their kernels this way themselves."""
+    def init(key, shape, dtype=jnp.float32):
+        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return init
 # TE's activations by the PyTorch names; a pair is a gated unit (act(x W1) * (x W2)).
 _ACTIVATIONS = {"gelu": ("gelu",), "swiglu": ("silu", "linear")}
 
@@ -67,7 +76,7 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, decode: bool = False) -> jax.Array:
         size = self.size
-        x = nn.Embed(VOCAB, size.hidden, embedding_init=nn.initializers.normal(0.02),
+        x = nn.Embed(VOCAB, size.hidden, embedding_init=_normal(0.02),
                      dtype=self.dtype, param_dtype=self.dtype, name="embed")(tokens)
         for i in range(size.layers):
             x = te_flax.TransformerLayer(

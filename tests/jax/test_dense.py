@@ -114,6 +114,20 @@ def test_dense_general_dtype_is_the_parameters_and_computes_in_the_inputs():
     assert same.init(jax.random.PRNGKey(0), x)["params"]["kernel"].dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_kernels_are_drawn_in_float32(dtype):
+    # The float32 draw rounded to the parameters' dtype (flax draws in that dtype, which in
+    # bf16 leaves 128 distinct values: module.py's _as_matrix_init says why that hurts FP8).
+    x = jnp.ones((4, 64))
+    half = DenseGeneral(features=256, dtype=dtype).init(jax.random.PRNGKey(0), x)
+    full = DenseGeneral(features=256).init(jax.random.PRNGKey(0), x)
+    kernel = half["params"]["kernel"]
+    assert kernel.dtype == dtype
+    rounded = full["params"]["kernel"].astype(dtype)
+    np.testing.assert_array_equal(np.asarray(kernel), np.asarray(rounded))
+    assert len(np.unique(np.asarray(kernel, np.float32))) > 1000
+
+
 def test_dense_general_records_logical_axes():
     layer = DenseGeneral(features=32, kernel_axes=("embed", "mlp"), bias_axes=("mlp",))
     variables = layer.init(jax.random.PRNGKey(0), jnp.ones((16, 64)))

@@ -40,10 +40,21 @@ def _as_tuple(v) -> tuple:
     return tuple(v) if isinstance(v, Sequence) else (v,)
 
 
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def _as_matrix_init(init: Initializer, n_in: int) -> Initializer:
+    """``init`` over the flattened [contracted, kept] matrix, drawn in float32 and rounded to a
+    16-bit parameter dtype. Flax's random initializers drawn directly in bf16 (or fp16) take
+    only 128 distinct values; weights on that lattice sit on FP8's rounding boundaries
+    together, so the first small updates flip many of their FP8 values at once and FP8
+    training sees those updates about 1.6 times as large as they are. torch's ``normal_``
+    draws in float32 for a bf16 tensor too."""
+
     def matrix_init(key, shape, dtype):
         flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:])) if n_in else (math.prod(shape),)
-        return jnp.reshape(init(key, flat, dtype), shape)
+        draw = jnp.float32 if jnp.dtype(dtype) in _HALF else dtype
+        return jnp.reshape(init(key, flat, draw), shape).astype(dtype)
 
     return matrix_init
 
