@@ -395,6 +395,9 @@ def module_host_times(device: str, iters: int) -> list[dict]:
     layer = te.TransformerLayer(h, 4 * h, MODULE_HEADS, hidden_dropout=0.0, attention_dropout=0.0,
                                 self_attn_mask_type="causal", attn_input_format="bshd", **kw)
     linear = torch.nn.Linear(h, h, device=device, dtype=bf16)
+    # (torch's own block of the same layers: what a block of plain torch modules costs on
+    # this host, the yardstick for the TE blocks beside nn.Linear's)
+    torch_block = TorchBlock(h, MODULE_HEADS, device)
     # (blocks: whether LayerNormLinear and LayerNormMLP run as whole blocks, compiled_blocks.py;
     # off, their step operators with the Python steps around them, for the comparison)
     # (packed: whether attention reads q, k, v in place from the QKV output, attention_fn.py)
@@ -415,6 +418,8 @@ def module_host_times(device: str, iters: int) -> list[dict]:
                  (layer, "fp8_delayed", True, False, True),
              "te.TransformerLayer bf16": (layer, "bf16", True, True, True),
              "te.TransformerLayer bf16, layer node off": (layer, "bf16", True, True, False),
+             "torch block (nn.LayerNorm, nn.Linear, SDPA) bf16":
+                 (torch_block, "bf16", True, True, True),
              "nn.Linear(256, 256) bf16": (linear, "bf16", True, True, True)}
     rows = []
     for name, (module, recipe_name, blocks, packed, node) in cases.items():

@@ -72,7 +72,8 @@ def test_tiny_cpu_run_writes_every_case(tmp_path):
         "torch/bf16/eager", "torch/bf16/compile", "torch/bf16/reduce_overhead"}
     assert data["ratios"] == []  # no compiled torch peer in this run
     modules = {row["module"]: row for row in data["module_host"]}
-    assert len(modules) == 11  # five of them with a fast path off, for the comparison
+    assert len(modules) == 12  # five of them with a fast path off, for the comparison
+    assert "torch block (nn.LayerNorm, nn.Linear, SDPA) bf16" in modules
     assert {n for n in modules if n.endswith("whole blocks off")} == {
         "te.MultiheadAttention + te.LayerNormMLP fp8_delayed, whole blocks off",
         "te.TransformerLayer fp8_delayed, whole blocks off"}
