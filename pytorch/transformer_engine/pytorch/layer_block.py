@@ -314,7 +314,7 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
     # layer_block_op.py)
     traced = torch.compiler.is_compiling()
     if (type(x) is not torch.Tensor or state.group is not None
-            or (traced and recipe is None)
+            or (traced and (recipe is None or (x.is_cuda and not layer_block_op.on_cuda)))
             or (not traced and _get_current_dispatch_mode() is not None)):
         return None
     r = fp8.RECOMPUTE

@@ -37,6 +37,12 @@ from .quantization import Plan
 
 _NS = "transformer_engine"
 
+# Whether a graph traced on CUDA takes the ops. Off: on an H100 the first compiled step of a
+# layer through them never returned (the CUDA tests and the benchmark alike), while the same
+# ops run on the CPU, and the modules' trace runs on CUDA. Until that is understood, a CUDA
+# graph traces the modules' path, as before the ops existed.
+on_cuda = False
+
 
 class _Ctx:
     """What Layer's or Attention's forward keeps for its backward, outside an autograd
