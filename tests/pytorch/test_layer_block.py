@@ -8,6 +8,7 @@ delayed-scaling first step, dropout, RoPE, a mask argument), the modules' path r
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -513,3 +514,40 @@ def test_compiled_step_with_rope_runs_the_node_with_the_eager_bits(device, rope,
     compiled = _record(m, "current", device, torch.compile(step(m), fullgraph=True))
     assert_same_bits(eager, compiled)
     assert traced_node_calls[0] == LAYERS * STEPS
+
+
+def test_compiled_node_traces_through_the_blocks_fakes(monkeypatch):
+    """The forward op's fake implementation runs the eager node's Python on fake tensors: its
+    blocks' calls must reach their ops' fake implementations, never the C++ operators (which
+    on CUDA read the fake tensors' data pointers and failed the trace)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from transformer_engine.pytorch import _compiled, compiled_blocks, fast_linear, layer_block_op
+
+    def refuse_fakes(name, fn):
+        def checked(*args):
+            assert not any(isinstance(a, FakeTensor) for a in args), name
+            return fn(*args)
+        return checked
+
+    for op in (compiled_blocks.layernorm_linear_block_forward,
+               compiled_blocks.layernorm_mlp_block_forward):
+        monkeypatch.setattr(op, "__wrapped__", refuse_fakes(str(op), op.__wrapped__))
+    monkeypatch.setattr(fast_linear, "_operator", refuse_fakes("te.Linear's operator",
+                                                               fast_linear._operator))
+    # (as torch releases before 2.13 run a fake implementation: torch.compiler.is_compiling()
+    # False in it; later ones answer True there, which hid the fault on the CPU)
+    forward = layer_block_op._forward
+
+    def fake_runs_natively(*args):
+        if not args[-1]:
+            return forward(*args)
+        with mock.patch.object(torch.compiler, "is_compiling", lambda: False):
+            return forward(*args)
+
+    monkeypatch.setattr(layer_block_op, "_forward", fake_runs_natively)
+    torch._dynamo.reset()
+    m = _layers("cpu")
+    eager = _record(_layers("cpu"), "current", "cpu")
+    assert_same_bits(eager, _record(m, "current", "cpu", torch.compile(m, fullgraph=True)))
+    assert not _compiled.faking

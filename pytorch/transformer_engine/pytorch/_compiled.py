@@ -98,12 +98,24 @@ def serves_traced(plan, history) -> bool:
                                       and first_step._compiled == "later")
 
 
+# True while layer_block_op's fake implementation runs the eager node's Python on fake
+# tensors: that code runs natively (torch.compiler.is_compiling() is False there), yet its
+# tensors are fake and must reach the operators' fake implementations, never the C++ ones.
+faking = False
+
+
+def tracing() -> bool:
+    """Whether the calls being made build a graph (traced by torch.compile, or a fake
+    implementation's run) rather than run kernels."""
+    return faking or torch.compiler.is_compiling()
+
+
 def call(op, *args):
     """One of the compiled operators' custom ops: traced, through the operator (one graph node
     with its fake implementation's shapes); in eager mode its implementation straight away (the
     caller has checked what the custom op's eager test would check again, and each check costs
     host time)."""
-    return op(*args) if torch.compiler.is_compiling() else op.__wrapped__(*args)
+    return op(*args) if tracing() else op.__wrapped__(*args)
 
 
 def raise_if_failed(status: int) -> None:

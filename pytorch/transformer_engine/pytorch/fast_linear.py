@@ -182,7 +182,7 @@ def _forward(inp, weight, bias, scales, history, codes: Codes, need_dgrad: bool,
     """The operator, in eager mode straight away, traced as linear_block_forward."""
     args = (inp, weight, bias, scales, history, codes.current, codes.fp8_dtype, codes.pow2,
             codes.epsilon, need_dgrad, need_wgrad)
-    if torch.compiler.is_compiling():
+    if _compiled.tracing():
         return linear_block_forward(*args)
     return _operator(*args, False)
 

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from . import compiled_blocks, fast_linear, ops
+from . import _compiled, compiled_blocks, fast_linear, ops
 from ._autograd import eager_apply
 from .attention_fn import _NO_SEQLENS
 from .dropout_add_fn import rng_state
@@ -64,7 +64,7 @@ def _attend(qkv: torch.Tensor, step: Step, freqs: Optional[torch.Tensor]) -> tup
     # (attention dropout: a fresh rng state, drawn where DotProductAttention._fused draws it;
     # the backward takes the same one)
     dropout = step.attention[5] > 0.0
-    if torch.compiler.is_compiling():  # (layer_block_op's fake: no real tensor may enter)
+    if _compiled.tracing():  # (layer_block_op's fake: no real tensor may enter)
         no_seqlens = qkv.new_empty(0, dtype=torch.int32)
         rng = rng_state(qkv.device) if dropout else qkv.new_empty(0, dtype=torch.int64)
     else:

@@ -30,17 +30,17 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import compiled_blocks, fast_linear, first_step
+from . import _compiled, compiled_blocks, fast_linear, first_step
 from .layer_block_nodes import NO_RNG, Attention, Layer, Step, fp8_info, joined, split_grads
 from .module._split_rows import back_to_back
 from .quantization import Plan
 
 _NS = "transformer_engine"
 
-# Whether a graph traced on CUDA takes the ops. Off: on an H100 the first compiled step of a
-# layer through them never returned (the CUDA tests and the benchmark alike), while the same
-# ops run on the CPU, and the modules' trace runs on CUDA. Until that is understood, a CUDA
-# graph traces the modules' path, as before the ops existed.
+# Whether a graph traced on CUDA takes the ops. Off until a GPU has run them: their fake
+# implementation used to reach the blocks' C++ operators (torch.compiler.is_compiling() is
+# False in code that a fake implementation runs), which on CUDA read a fake tensor's data
+# pointer and failed the trace; _compiled.faking now sends those calls to the operators' fakes.
 on_cuda = False
 
 
@@ -265,8 +265,14 @@ def _define(kind: _Kind):
 
     def forward_fake(x, params, *rest):
         scales, histories, (bwd, freqs, key, p, n_w, n_b) = rest[:m], rest[m:2 * m], rest[2 * m:]
-        # (the same Python on fake tensors: the blocks' and attention's ops give their fakes)
-        return _forward(kind, x, params, scales, histories, bwd, freqs, key, p, n_w, n_b, True)
+        # (the same Python on fake tensors: the blocks' and attention's ops give their fakes;
+        # _compiled.faking sends the blocks' calls to their ops, not the C++ operators)
+        _compiled.faking = True
+        try:
+            return _forward(kind, x, params, scales, histories, bwd, freqs, key, p, n_w, n_b,
+                            True)
+        finally:
+            _compiled.faking = False
 
     def backward(grad, x, params, made, *rest):
         bwd, (key, p, n_w, n_b) = rest[:3 * m], rest[3 * m:]
