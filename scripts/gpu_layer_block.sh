@@ -17,7 +17,7 @@ budget=${TE_GPU_BUDGET_S:-560}
 source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack
 export TE_BENCH_RESULTS=$out
-step cuda_tests "$(upto $((budget - 60)) 110)" python3 -m pytest -p no:cacheprovider -v -m cuda \
+step cuda_tests "$(upto $((budget - 60)) 180)" python3 -m pytest -p no:cacheprovider -v -m cuda \
   -rfE -n 4 tests/pytorch/test_layer_block.py tests/pytorch/test_compiled_blocks.py \
   tests/pytorch/test_hp_blocks.py tests/pytorch/test_transformer_layer.py \
   tests/pytorch/test_eager_step_never_waits.py tests/pytorch/test_graphed_callables.py \
