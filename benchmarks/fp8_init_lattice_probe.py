@@ -54,12 +54,6 @@ def _drawn_in_bf16(std: float):
     return init
 
 
-def _drawn_in_fp32(std: float):
-    def init(key, shape, dtype=jnp.float32):
-        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-    return init
-
-
 def dense_ratio(draw, k: int = 2048, m: int = 256) -> dict:
     recipe = mj.RECIPES["delayed"]()
     x = jax.random.normal(jax.random.PRNGKey(0), (m, k), jnp.float32).astype(jnp.bfloat16)
@@ -112,7 +106,7 @@ def main() -> None:
     jax.config.update("jax_default_device", jax.devices("cpu")[0])
     rows = []
     for how, draw in (("drawn in bf16 (flax's initializers)", _drawn_in_bf16),
-                      ("drawn in float32, rounded to bf16", _drawn_in_fp32)):
+                      ("drawn in float32, rounded to bf16", mj._normal)):
         row = {"kernels": how, "dense": dense_ratio(draw), "gpt": gpt_gap(draw)}
         print(json.dumps(row))
         rows.append(row)

@@ -40,6 +40,8 @@ RECIPES = {
 _NORMS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
 # te.TransformerLayer's default initialization (PyTorch), used for the Flax layers too.
 _INIT_STD = 0.023
+# TE's activations by the PyTorch names; a pair is a gated unit (act(x W1) * (x W2)).
+_ACTIVATIONS = {"gelu": ("gelu",), "swiglu": ("silu", "linear")}
 
 
 def _normal(std: float):
@@ -49,8 +51,6 @@ def _normal(std: float):
     def init(key, shape, dtype=jnp.float32):
         return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
     return init
-# TE's activations by the PyTorch names; a pair is a gated unit (act(x W1) * (x W2)).
-_ACTIVATIONS = {"gelu": ("gelu",), "swiglu": ("silu", "linear")}
 
 
 def default_device() -> str:
