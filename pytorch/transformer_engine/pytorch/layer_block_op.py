@@ -37,10 +37,12 @@ from .quantization import Plan
 
 _NS = "transformer_engine"
 
-# Whether a graph traced on CUDA takes the ops. Off until a GPU has run them: their fake
-# implementation used to reach the blocks' C++ operators (torch.compiler.is_compiling() is
-# False in code that a fake implementation runs), which on CUDA read a fake tensor's data
-# pointer and failed the trace; _compiled.faking now sends those calls to the operators' fakes.
+# Whether a graph traced on CUDA takes the ops. They give the eager node's bits there (the
+# CUDA tests pass on an H100), but the step is slower than through the modules: each op call
+# adds torch.library's Python layers to the eager node's host time, and the compiled region
+# its guards and runtime wrappers, so four layers took 9.92 ms against eager's 6.64
+# (benchmarks/results/model_layer_op_on_h100.json; the modules' trace: 1.25x eager,
+# model_layer_op_off_h100.json). Off until the ops cost less than the glue they replace.
 on_cuda = False
 
 
