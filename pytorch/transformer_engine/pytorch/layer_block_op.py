@@ -33,17 +33,19 @@ import torch
 from . import _compiled, compiled_blocks, fast_linear, first_step
 from .layer_block_nodes import NO_RNG, Attention, Layer, Step, fp8_info, joined, split_grads
 from .module._split_rows import back_to_back
+from .ops._backend import library
 from .quantization import Plan
 
 _NS = "transformer_engine"
 
 # Whether a graph traced on CUDA takes the ops. They give the eager node's bits there (the
-# CUDA tests pass on an H100), but the step is slower than through the modules: each op call
-# adds torch.library's Python layers to the eager node's host time, and the compiled region
-# its guards and runtime wrappers: on one H100, four layers at hidden 1024 took 7.42 ms with
-# the ops, 6.79 through the modules and 6.73 eager (benchmarks/results/
-# model_layer_op_{on,off}_b_h100.json). Off until the ops cost less than the glue they
-# replace.
+# CUDA tests pass on an H100), but the step was slower than through the modules: each op call
+# added torch.library.custom_op's Python layers to the eager node's host time, and the
+# compiled region its guards and runtime wrappers: on one H100, four layers at hidden 1024
+# took 7.42 ms with the ops, 6.79 through the modules and 6.73 eager (benchmarks/results/
+# model_layer_op_{on,off}_b_h100.json). The ops are now defined without those layers (_define;
+# on the CPU a compiled layer step's cost over eager fell from about 1.35 ms to 0.8), which
+# no GPU has timed yet: off until one shows the ops cost less than the modules' trace.
 on_cuda = False
 
 
@@ -253,10 +255,6 @@ def _backward_schema(kind: _Kind) -> str:
             f"str key, float p, SymInt n_w, SymInt n_b) -> {_results(1 + kind.leading + 2)}")
 
 
-def _written(schema: str) -> tuple:
-    return tuple(a.split()[-1] for a in schema.split(", ") if "!)" in a)
-
-
 def _define(kind: _Kind):
     """The forward and backward custom ops of ``kind``'s node."""
     m = kind.modules
@@ -284,13 +282,20 @@ def _define(kind: _Kind):
     def backward_fake(grad, x, params, made, *rest):
         return _backward_fake(kind, x, params, *rest[3 * m + 2:])
 
-    fwd = torch.library.custom_op(f"{_NS}::{kind.name}_fp8_forward", forward,
-                                  mutates_args=_written(fwd_schema), schema=fwd_schema)
-    fwd.register_fake(forward_fake)
-    bwd = torch.library.custom_op(f"{_NS}::{kind.name}_fp8_backward", backward,
-                                  mutates_args=_written(bwd_schema), schema=bwd_schema)
-    bwd.register_fake(backward_fake)
-    return fwd, bwd
+    # (defined as the blocks' ops are, _backend.custom_op: one kernel for every device, without
+    # torch.library.custom_op's Python autograd, version-counter and dynamo layers, which
+    # cost about 90 us a call on the CPU here against 10, and these ops need none of them)
+    lib = library(_NS)
+    ops = []
+    for name, schema, impl, fake in ((f"{kind.name}_fp8_forward", fwd_schema, forward,
+                                      forward_fake),
+                                     (f"{kind.name}_fp8_backward", bwd_schema, backward,
+                                      backward_fake)):
+        lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+        lib.impl(name, impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{_NS}::{name}", fake, lib=lib)
+        ops.append(getattr(getattr(torch.ops, _NS), name).default)
+    return tuple(ops)
 
 
 # forward: the node's output and what it made for the backward; writes the amaxes (and, under

@@ -266,7 +266,7 @@ def plain_eager(args, kwargs=None) -> bool:
 _LIBRARIES: dict[str, torch.library.Library] = {}
 
 
-def _library(namespace: str) -> torch.library.Library:
+def library(namespace: str) -> torch.library.Library:
     lib = _LIBRARIES.get(namespace)
     if lib is None:
         lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "DEF")
@@ -297,7 +297,7 @@ def custom_op(name: str, *, mutates_args=()):
     namespace, short = name.split("::")
 
     def wrap(fn):
-        lib = _library(namespace)
+        lib = library(namespace)
         schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
         lib.define(short + schema, tags=(torch.Tag.pt2_compliant_tag,))
         lib.impl(short, fn, "CompositeExplicitAutograd")
