@@ -22,6 +22,8 @@ bench_model's 4 x 2048 x 1024, where the step's GPU work is real.
 
     python benchmarks/bench_host_profile.py                  # results/host_profile.json
     python benchmarks/bench_host_profile.py --device cpu --steps 3 --top 5   # smoke run
+    python benchmarks/bench_host_profile.py --rounds 7 --cases te_layer/fp8_delayed \
+        te_layer/fp8_delayed/compile    # eager against compiled host time, no profiles
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import time
 
 import torch
@@ -141,10 +144,14 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--cases", nargs="*", default=["te_layer/fp8_delayed",
                                                        "te_layer/fp8_current", "te_layer/bf16",
                                                        "torch/bf16"])
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="time the cases this many times in turn (the host's drift falls "
+                             "on all alike) and record the rounds and their median, without "
+                             "the profiles")
     args = parser.parse_args(argv)
-    rows = []
+    rows, steps = [], []
+    batch, seq, hidden = args.shape
     for case in args.cases:
-        batch, seq, hidden = args.shape
         model, fp8_recipe = build(case, args.device, hidden)
         x = torch.randn(batch, seq, hidden, device=args.device, dtype=torch.bfloat16,
                         requires_grad=True)
@@ -152,14 +159,23 @@ def main(argv: list[str] | None = None):
         step = make_step(model, forward, x, fp8_recipe)
         for _ in range(args.warmup):
             step()
+        steps.append(step)
         rows.append({"case": case, "shape_bsh": [batch, seq, hidden], "heads": heads_of(hidden),
-                     "steps": args.steps,
-                     "host_ms_per_step": host_ms(step, args.device, args.steps),
-                     "ops": op_profile(step, args.device, args.steps, args.top),
-                     "python": python_profile(step, args.device, args.steps, args.top)})
-        if args.sites:
-            rows[-1]["sites"] = site_profile(step, args.device, min(args.steps, 20), args.top)
-        print(f"{case}: {rows[-1]['host_ms_per_step']:.3f} ms per step")
+                     "steps": args.steps})
+    if args.rounds:
+        for _ in range(args.rounds):
+            for row, step in zip(rows, steps, strict=True):
+                row.setdefault("rounds_ms", []).append(host_ms(step, args.device, args.steps))
+        for row in rows:
+            row["host_ms_per_step"] = statistics.median(row["rounds_ms"])
+    for row, step in zip(rows, steps, strict=True):
+        if not args.rounds:
+            row.update(host_ms_per_step=host_ms(step, args.device, args.steps),
+                       ops=op_profile(step, args.device, args.steps, args.top),
+                       python=python_profile(step, args.device, args.steps, args.top))
+            if args.sites:
+                row["sites"] = site_profile(step, args.device, min(args.steps, 20), args.top)
+        print(f"{row['case']}: {row['host_ms_per_step']:.3f} ms per step")
     timing = "wall clock" if args.device == "cuda" else "cpu wall clock (CPU kernels included)"
     return write(args.name, {
         "description": "host time of a training step (zero_grad, forward, backward of "
@@ -170,7 +186,7 @@ def main(argv: list[str] | None = None):
                        "runtime's calls on a GPU), python = cProfile own time per step "
                        "(separate runs)",
         "config": {"device": args.device, "timing": timing, "warmup": args.warmup,
-                   "top": args.top},
+                   "top": args.top, "rounds": args.rounds},
         "results": rows,
     }, args.device)
 

@@ -33,3 +33,18 @@ def test_tiny_cpu_run_writes_both_profiles(tmp_path):
     # the FP8 layer's block operators are among what the profiler saw
     names = {op["name"] for op in data["results"][0]["ops"]}
     assert any(name.startswith("te_eager::") for name in names), names
+
+
+def test_rounds_time_the_cases_in_turn_without_profiles(tmp_path):
+    env = {**os.environ, "TE_BENCH_RESULTS": str(tmp_path)}
+    cases = ["te_layer/bf16", "torch/bf16"]
+    result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--steps", "1",
+                             "--warmup", "1", "--rounds", "3", "--cases", *cases],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+    data = json.loads((tmp_path / "host_profile.json").read_text())
+    assert data["config"]["rounds"] == 3
+    for row in data["results"]:
+        assert len(row["rounds_ms"]) == 3 and all(t > 0 for t in row["rounds_ms"])
+        assert row["host_ms_per_step"] == sorted(row["rounds_ms"])[1]
+        assert "ops" not in row and "python" not in row

@@ -44,8 +44,9 @@ _NS = "transformer_engine"
 # compiled region its guards and runtime wrappers: on one H100, four layers at hidden 1024
 # took 7.42 ms with the ops, 6.79 through the modules and 6.73 eager (benchmarks/results/
 # model_layer_op_{on,off}_b_h100.json). The ops are now defined without those layers (_define;
-# on the CPU a compiled layer step's cost over eager fell from about 1.35 ms to 0.8), which
-# no GPU has timed yet: off until one shows the ops cost less than the modules' trace.
+# on the CPU a compiled layer step's cost over eager fell from 1.40 ms to 0.62,
+# host_profile_layer_op_{custom_op_,}cpu.json), which no GPU has timed yet: off until one
+# shows the ops cost less than the modules' trace.
 on_cuda = False
 
 
@@ -284,7 +285,8 @@ def _define(kind: _Kind):
 
     # (defined as the blocks' ops are, _backend.custom_op: one kernel for every device, without
     # torch.library.custom_op's Python autograd, version-counter and dynamo layers, which
-    # cost about 90 us a call on the CPU here against 10, and these ops need none of them)
+    # these ops do not need and which cost about 0.4 ms a call in a compiled CPU step:
+    # benchmarks/results/host_probes.md)
     lib = library(_NS)
     ops = []
     for name, schema, impl, fake in ((f"{kind.name}_fp8_forward", fwd_schema, forward,
