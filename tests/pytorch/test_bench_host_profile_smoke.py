@@ -13,14 +13,19 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_host_profile.py"
 
 
-def test_tiny_cpu_run_writes_both_profiles(tmp_path):
+def _run(tmp_path, *args: str) -> dict:
+    """The script on the CPU with ``args``, writing into tmp_path: its JSON."""
     env = {**os.environ, "TE_BENCH_RESULTS": str(tmp_path), "TE_GIT_COMMIT": "test123"}
-    cases = ["te_layer/fp8_delayed", "torch/bf16"]
-    result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--steps", "2",
-                             "--warmup", "1", "--top", "3", "--cases", *cases],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--warmup", "1",
+                             *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
-    data = json.loads((tmp_path / "host_profile.json").read_text())
+    return json.loads((tmp_path / "host_profile.json").read_text())
+
+
+def test_tiny_cpu_run_writes_both_profiles(tmp_path):
+    cases = ["te_layer/fp8_delayed", "torch/bf16"]
+    data = _run(tmp_path, "--steps", "2", "--top", "3", "--cases", *cases)
     assert data["benchmark"] == "host_profile"
     assert data["environment"]["git_commit"] == "test123"
     assert [r["case"] for r in data["results"]] == cases
@@ -36,13 +41,8 @@ def test_tiny_cpu_run_writes_both_profiles(tmp_path):
 
 
 def test_rounds_time_the_cases_in_turn_without_profiles(tmp_path):
-    env = {**os.environ, "TE_BENCH_RESULTS": str(tmp_path)}
-    cases = ["te_layer/bf16", "torch/bf16"]
-    result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--steps", "1",
-                             "--warmup", "1", "--rounds", "3", "--cases", *cases],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
-    data = json.loads((tmp_path / "host_profile.json").read_text())
+    data = _run(tmp_path, "--steps", "1", "--rounds", "3", "--cases", "te_layer/bf16",
+                "torch/bf16")
     assert data["config"]["rounds"] == 3
     for row in data["results"]:
         assert len(row["rounds_ms"]) == 3 and all(t > 0 for t in row["rounds_ms"])
