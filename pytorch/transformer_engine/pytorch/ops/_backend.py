@@ -267,6 +267,7 @@ _LIBRARIES: dict[str, torch.library.Library] = {}
 
 
 def library(namespace: str) -> torch.library.Library:
+    """The package's operator library of ``namespace`` (one per namespace, made on first use)."""
     lib = _LIBRARIES.get(namespace)
     if lib is None:
         lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "DEF")
