@@ -33,7 +33,7 @@ import torch
 from . import _compiled, compiled_blocks, fast_linear, first_step
 from .layer_block_nodes import NO_RNG, Attention, Layer, Step, fp8_info, joined, split_grads
 from .module._split_rows import back_to_back
-from .ops._backend import library
+from .ops._backend import custom_op
 from .quantization import Plan
 
 _NS = "transformer_engine"
@@ -283,21 +283,15 @@ def _define(kind: _Kind):
     def backward_fake(grad, x, params, made, *rest):
         return _backward_fake(kind, x, params, *rest[3 * m + 2:])
 
-    # (defined as the blocks' ops are, _backend.custom_op: one kernel for every device, without
-    # torch.library.custom_op's Python autograd, version-counter and dynamo layers, which
-    # these ops do not need and which cost about 0.4 ms a call in a compiled CPU step:
+    # (_backend.custom_op, as the blocks' ops: one kernel for every device, not
+    # torch.library.custom_op, whose Python autograd, version-counter and dynamo layers these
+    # ops do not need and which cost about 0.4 ms a call in a compiled CPU step:
     # benchmarks/results/host_probes.md)
-    lib = library(_NS)
-    ops = []
-    for name, schema, impl, fake in ((f"{kind.name}_fp8_forward", fwd_schema, forward,
-                                      forward_fake),
-                                     (f"{kind.name}_fp8_backward", bwd_schema, backward,
-                                      backward_fake)):
-        lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
-        lib.impl(name, impl, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{_NS}::{name}", fake, lib=lib)
-        ops.append(getattr(getattr(torch.ops, _NS), name).default)
-    return tuple(ops)
+    fwd = custom_op(f"{_NS}::{kind.name}_fp8_forward", schema=fwd_schema)(forward)
+    fwd.register_fake(forward_fake)
+    bwd = custom_op(f"{_NS}::{kind.name}_fp8_backward", schema=bwd_schema)(backward)
+    bwd.register_fake(backward_fake)
+    return fwd.op, bwd.op
 
 
 # forward: the node's output and what it made for the backward; writes the amaxes (and, under

@@ -266,17 +266,17 @@ def plain_eager(args, kwargs=None) -> bool:
 _LIBRARIES: dict[str, torch.library.Library] = {}
 
 
-def library(namespace: str) -> torch.library.Library:
-    """The package's operator library of ``namespace`` (one per namespace, made on first use)."""
+def _library(namespace: str) -> torch.library.Library:
     lib = _LIBRARIES.get(namespace)
     if lib is None:
         lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "DEF")
     return lib
 
 
-def custom_op(name: str, *, mutates_args=()):
+def custom_op(name: str, *, mutates_args=(), schema: Optional[str] = None):
     """A torch operator ``name`` ("namespace::op") over ``fn``, whose eager calls skip the
-    dispatcher.
+    dispatcher. ``schema`` (its written-out form, e.g. "(Tensor(a!) x) -> Tensor") stands for
+    the one torch infers from ``fn``'s annotations, for functions that take ``*args``.
 
     Tracing (torch.compile, fake tensors) goes through the registered operator, which is what
     makes the op one graph node with its fake implementation. An eager call with plain tensors
@@ -298,9 +298,9 @@ def custom_op(name: str, *, mutates_args=()):
     namespace, short = name.split("::")
 
     def wrap(fn):
-        lib = library(namespace)
-        schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
-        lib.define(short + schema, tags=(torch.Tag.pt2_compliant_tag,))
+        lib = _library(namespace)
+        written = schema or torch.library.infer_schema(fn, mutates_args=mutates_args)
+        lib.define(short + written, tags=(torch.Tag.pt2_compliant_tag,))
         lib.impl(short, fn, "CompositeExplicitAutograd")
         op = getattr(getattr(torch.ops, namespace), short).default
         params = list(inspect.signature(fn).parameters.values())
