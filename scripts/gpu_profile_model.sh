@@ -13,7 +13,7 @@ budget=${TE_GPU_BUDGET_S:-560}
 source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack
 export TE_BENCH_RESULTS=$out
-step layer_tests "$(upto $((budget - 330)) 70)" python3 -m pytest -p no:cacheprovider -q -m cuda -rfE \
+step layer_tests "$(upto $((budget - 250)) 60)" python3 -m pytest -p no:cacheprovider -q -m cuda -rfE \
   -n 4 tests/pytorch/test_layer_block.py
 step kprof_1024 "$(upto $((budget - 270)) 70)" python3 benchmarks/kernel_profile_model.py --hidden 1024 \
   --name "kernel_profile_model_1024$suffix"

@@ -121,21 +121,11 @@ def _operands(x: torch.Tensor, qkv_parts: tuple, n_w: int, n_b: int) -> tuple:
             joined(qkv_parts[n_w:]) if n_b else None)
 
 
-def _add_into(fresh: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """fresh + other, written into ``fresh`` (a tensor this node made and nothing else reads)
-    where that gives the same tensor: one allocation less, and the same bits, as a sum of two
-    numbers rounds the same in either order."""
-    if fresh.dtype == other.dtype and fresh.shape == other.shape:
-        return fresh.add_(other)
-    return other + fresh
-
-
 def _residual(h: torch.Tensor, residual: torch.Tensor, p: float) -> tuple:
     """(residual + dropout(h), the dropout's rng state or None): TransformerLayer._residual's
-    fused op with a fresh rng state where p > 0 (dropout_add_fn.dropout_add), else the add
-    (into h, the block's fresh output)."""
+    fused op with a fresh rng state where p > 0 (dropout_add_fn.dropout_add), else the add."""
     if p == 0.0:
-        return _add_into(h, residual), None
+        return residual + h, None
     rng = rng_state(h.device)
     return ops.dropout_add_forward(h, residual, rng, p), rng
 
@@ -261,11 +251,11 @@ class Layer(torch.autograd.Function):
         free = may_release()
         if free:
             release(h, a_col, w2_col, ln_col2, w1_col, mid)
-        g_mid = _add_into(d_mid, g)  # (d_mid: the norm backward's fresh output)
+        g_mid = g + d_mid
         dx, dg1, dbeta1, gw, gb, gw_p, gb_p = _fp8_attention_backward(
             _residual_grad(g_mid, rng1, p), attention, held, step, (m1, m2), ctx.freqs,
             (has_beta1, has_bp), (wp_dtype, wqkv_dtype), n_b, free)
-        dx = _add_into(dx, g_mid).view(shape)
+        dx = (g_mid + dx).view(shape)
         return (dx, None, None, None, None, None, dg1, dbeta1, gw_p, gb_p, dg2,
                 dbeta2 if has_beta2 else None, gw1, gb1 if has_b1 else None, gw2,
                 gb2 if has_b2 else None, *split_grads(step, n_w, n_b, gw, gb))
@@ -382,11 +372,11 @@ class LayerHP(torch.autograd.Function):
         del d_ln2
         if free:
             release(a, h, ln2, mid)
-        g_mid = _add_into(d_mid, g)  # (d_mid: the norm backward's fresh output)
+        g_mid = g + d_mid
         dx, dg1, dbeta1, gw, gb, gw_p, gb_p = _hp_attention_backward(
             _residual_grad(g_mid, rng1, p), saved[:_HP_ATTENTION_SAVED], held, step, ctx.freqs,
             (has_beta1, has_bp), n_b, free)
-        dx = _add_into(dx, g_mid).view(shape)
+        dx = (g_mid + dx).view(shape)
         return (dx, None, None, None, None, dg1, dbeta1, gw_p, gb_p, dg2,
                 dbeta2 if has_beta2 else None, gw1, gb1 if has_b1 else None, gw2,
                 gb2 if has_b2 else None, *split_grads(step, n_w, n_b, gw, gb))
