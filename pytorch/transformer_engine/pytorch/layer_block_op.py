@@ -45,8 +45,11 @@ _NS = "transformer_engine"
 # took 7.42 ms with the ops, 6.79 through the modules and 6.73 eager (benchmarks/results/
 # model_layer_op_{on,off}_b_h100.json). The ops are now defined without those layers (_define;
 # on the CPU a compiled layer step's cost over eager fell from 1.40 ms to 0.62,
-# host_profile_layer_op_{custom_op_,}cpu.json), which no GPU has timed yet: off until one
-# shows the ops cost less than the modules' trace.
+# host_profile_layer_op_{custom_op_,}cpu.json). One H100 run has timed them since: 8.76 ms
+# with them against 6.80 through the modules (model_layer_op_on_lean_h100.json,
+# model_inplace_1024_h100.json), but its tree also had in-place residual adds in the eager
+# node (since backed out) under which that node's own eager step was slow (11.95 ms), so the
+# run does not settle it. Off until a clean run shows the ops ahead.
 on_cuda = False
 
 
