@@ -9,7 +9,14 @@ output [M, N] (bf16 in, E4M3/E5M2 out, both the row-wise and the transposed copy
     gelu backward    2 (grad_output) + 2 (x) + 1 + 1    = 6 B   (+ dbias, negligible)
     swiglu backward  2 (grad_output) + 4 (a, b) + 2 + 2 = 10 B  (grad_input is [M, 2N])
 
+The bf16 layers' path (bf16 in, bf16 out, no FP8: `ops.activation_forward` and
+`ops.activation_backward`, as te.TransformerLayer's bf16 node calls them) is timed too, against
+torch's F.gelu and aten.gelu_backward, eager and compiled, at the same shape:
+    gelu forward bf16   2 (x) + 2                       = 4 B
+    gelu backward bf16  2 (grad_output) + 2 (x) + 2     = 6 B
+
     python benchmarks/bench_activation.py          # writes benchmarks/results/activation.json
+    python benchmarks/bench_activation.py --only-bf16 --name activation_bf16
 """
 
 from __future__ import annotations
@@ -156,23 +163,70 @@ def bench(act: str, direction: str, compiled) -> list[dict]:
     return rows
 
 
+def torch_gelu_fwd_bf16(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def torch_gelu_bwd_bf16(g, x):
+    return torch.ops.aten.gelu_backward(g, x, approximate="tanh")
+
+
+def bench_bf16(direction: str) -> list[dict]:
+    """GELU with a bf16 output, ours (the torch package's ops) beside torch's, and whether the
+    two give the same bits."""
+    from transformer_engine.pytorch import ops
+
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    if direction == "forward":
+        args, peer = (x,), torch_gelu_fwd_bf16
+        ours = lambda i: ops.activation_forward(x, "gelu")  # noqa: E731
+    else:
+        g = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        args, peer = (g, x), torch_gelu_bwd_bf16
+        ours = lambda i: ops.activation_backward(g, x, "gelu", False)[0]  # noqa: E731
+    compiled = torch.compile(peer)
+    cases = {"transformer_engine": ours, "torch_eager": lambda i: peer(*args),
+             "torch_compile": lambda i: compiled(*args)}
+    nbytes = (4 if direction == "forward" else 6) * M * N
+    rows = []
+    for impl, fn in cases.items():
+        row = {"op": f"gelu_{direction}_bf16", "impl": impl, "timing": "launches",
+               "shape": [M, N], "input_dtype": "bfloat16", "output_dtype": "bfloat16",
+               "bytes_moved": nbytes}
+        t = time_cuda(fn, **TIMING)
+        tbps = nbytes / (t["median_ms"] * 1e-3) / 1e12
+        row.update(t, effective_tbps=tbps, percent_of_h200_copy=100 * tbps / H200_COPY_TBPS)
+        rows.append(row)
+        print(f"{row['op']:20s} {impl:20s}: {t['median_ms']:.4f} ms {tbps:.2f} TB/s")
+    same = (ours(0) == peer(*args)).float().mean().item()
+    rows.append({"op": f"gelu_{direction}_bf16", "impl": "check", "equal_to_torch": same})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", default="activation")
+    parser.add_argument("--only-bf16", action="store_true",
+                        help="only the bf16-output GELU against torch's")
     args = parser.parse_args()
-    compiled = {key: torch.compile(fn) for key, fn in TORCH.items()}
     copy_tbps = measure_copy_tbps()
     print(f"device copy: {copy_tbps:.2f} TB/s")
     rows = []
+    if not args.only_bf16:
+        compiled = {key: torch.compile(fn) for key, fn in TORCH.items()}
+        for direction in ("forward", "backward"):
+            for act in ("gelu", "swiglu"):
+                rows += bench(act, direction, compiled)
+                torch.cuda.empty_cache()  # the previous case's tensors are gone
     for direction in ("forward", "backward"):
-        for act in ("gelu", "swiglu"):
-            rows += bench(act, direction, compiled)
-            torch.cuda.empty_cache()  # the previous case's tensors are gone
+        rows += bench_bf16(direction)
+        torch.cuda.empty_cache()
     write_result(
         args.name,
         {
             "description": "Fused GELU / SwiGLU: forward to FP8 E4M3 + transpose + amax, backward "
-            "with dbias + FP8 E5M2 cast + transpose, bf16 16384x16384 (gated input 16384x32768)",
+            "with dbias + FP8 E5M2 cast + transpose, bf16 16384x16384 (gated input 16384x32768); "
+            "and GELU bf16 in, bf16 out, forward and backward, against torch's",
             "h200_copy_tbps_baseline": H200_COPY_TBPS,
             "measured_copy_tbps": copy_tbps,
             "results": rows,
