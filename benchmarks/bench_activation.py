@@ -80,6 +80,29 @@ def _stream() -> int:  # read at call time: CUDA graph capture runs on a side st
     return torch.cuda.current_stream().cuda_stream
 
 
+def timed_rows(cases: dict, base: dict, nbytes: int, timers) -> list[dict]:
+    """One row per implementation of ``cases`` and timer of ``timers`` ((name, harness timer)
+    pairs): ``base`` with the timing, its effective bandwidth over ``nbytes``, or the error a
+    path raised (a benchmark records what it saw)."""
+    rows = []
+    for impl, fn in cases.items():
+        for timing, timer in timers:
+            row = {**base, "impl": impl, "timing": timing, "bytes_moved": nbytes}
+            try:
+                t = timer(fn, **TIMING)
+            except Exception as e:  # noqa: BLE001 - a benchmark records what it saw
+                row["error"] = f"{type(e).__name__}: {e}"
+                print(f"{row['op']:20s} {impl:20s} {timing:10s}: {row['error']}")
+                rows.append(row)
+                continue
+            tbps = nbytes / (t["median_ms"] * 1e-3) / 1e12
+            row.update(t, effective_tbps=tbps, percent_of_h200_copy=100 * tbps / H200_COPY_TBPS)
+            rows.append(row)
+            print(f"{row['op']:20s} {impl:20s} {timing:10s}: {t['median_ms']:.4f} ms "
+                  f"{tbps:.2f} TB/s")
+    return rows
+
+
 def bench(act: str, direction: str, compiled) -> list[dict]:
     _core = core()
     gated = act == "swiglu"
@@ -115,32 +138,11 @@ def bench(act: str, direction: str, compiled) -> list[dict]:
         "torch_eager": lambda i: TORCH[act, direction](*args),
         "torch_compile": lambda i: compiled[act, direction](*args),
     }
-    nbytes = BYTES_PER_ELEMENT[act, direction] * M * N
-    rows = []
-    for impl, fn in cases.items():
-        for timing, timer in (("launches", time_cuda), ("cuda_graph", time_cuda_graph)):
-            row = {
-                "op": f"{act}_{direction}",
-                "impl": impl,
-                "timing": timing,
-                "shape": [M, k],
-                "input_dtype": "bfloat16",
-                "output_dtype": "float8_e4m3" if direction == "forward" else "float8_e5m2",
-                "bytes_moved": nbytes,
-            }
-            try:
-                t = timer(fn, **TIMING)
-            except Exception as e:  # noqa: BLE001 - a benchmark records what it saw
-                row["error"] = f"{type(e).__name__}: {e}"
-                print(f"{row['op']:16s} {impl:20s} {timing:10s}: {row['error']}")
-                rows.append(row)
-                continue
-            tbps = nbytes / (t["median_ms"] * 1e-3) / 1e12
-            row.update(t, effective_tbps=tbps, percent_of_h200_copy=100 * tbps / H200_COPY_TBPS)
-            rows.append(row)
-            print(
-                f"{row['op']:16s} {impl:20s} {timing:10s}: {t['median_ms']:.4f} ms {tbps:.2f} TB/s"
-            )
+    out_dtype = "float8_e4m3" if direction == "forward" else "float8_e5m2"
+    rows = timed_rows(cases, {"op": f"{act}_{direction}", "shape": [M, k],
+                              "input_dtype": "bfloat16", "output_dtype": out_dtype},
+                      BYTES_PER_ELEMENT[act, direction] * M * N,
+                      (("launches", time_cuda), ("cuda_graph", time_cuda_graph)))
     # How close torch's bytes are to ours (torch rounds its activation to bf16 before the cast,
     # the core casts the fp32 value, so a few bytes differ by one code).
     ours(0)
@@ -187,17 +189,9 @@ def bench_bf16(direction: str) -> list[dict]:
     compiled = torch.compile(peer)
     cases = {"transformer_engine": ours, "torch_eager": lambda i: peer(*args),
              "torch_compile": lambda i: compiled(*args)}
-    nbytes = (4 if direction == "forward" else 6) * M * N
-    rows = []
-    for impl, fn in cases.items():
-        row = {"op": f"gelu_{direction}_bf16", "impl": impl, "timing": "launches",
-               "shape": [M, N], "input_dtype": "bfloat16", "output_dtype": "bfloat16",
-               "bytes_moved": nbytes}
-        t = time_cuda(fn, **TIMING)
-        tbps = nbytes / (t["median_ms"] * 1e-3) / 1e12
-        row.update(t, effective_tbps=tbps, percent_of_h200_copy=100 * tbps / H200_COPY_TBPS)
-        rows.append(row)
-        print(f"{row['op']:20s} {impl:20s}: {t['median_ms']:.4f} ms {tbps:.2f} TB/s")
+    rows = timed_rows(cases, {"op": f"gelu_{direction}_bf16", "shape": [M, N],
+                              "input_dtype": "bfloat16", "output_dtype": "bfloat16"},
+                      (4 if direction == "forward" else 6) * M * N, (("launches", time_cuda),))
     same = (ours(0) == peer(*args)).float().mean().item()
     rows.append({"op": f"gelu_{direction}_bf16", "impl": "check", "equal_to_torch": same})
     return rows

@@ -75,6 +75,16 @@ def profile_step(step, steps: int, top: int) -> dict:
                          "launches_per_step": n} for name, us, n in kernels[:top]]}
 
 
+def report(label: str, row: dict, top: int = 12) -> None:
+    """Prints a profile_step row: its kernel time, its classes and its ``top`` kernels."""
+    print(f"{label}: {row['kernel_us_per_step'] / 1e3:.2f} ms of kernels per step")
+    for cls, us in row["classes_us_per_step"].items():
+        print(f"    {cls:18s} {us / 1e3:7.2f} ms")
+    for k in row["kernels"][:top]:
+        print(f"      {k['us_per_step'] / 1e3:7.3f} ms x{k['launches_per_step']:4.0f} "
+              f"{k['name'][:110]}")
+
+
 def main() -> None:
     args = probe_parser(__doc__, "kernel_profile", 3, 25).parse_args()
     shape = SHAPES[0]
@@ -83,12 +93,7 @@ def main() -> None:
         row = {"impl": name, "shape_sbhfn": list(shape),
                **profile_step(step, args.steps, args.top)}
         rows.append(row)
-        print(f"{name}: {row['kernel_us_per_step'] / 1e3:.2f} ms of kernels per step")
-        for cls, us in row["classes_us_per_step"].items():
-            print(f"    {cls:18s} {us / 1e3:7.2f} ms")
-        for k in row["kernels"][:12]:
-            print(f"      {k['us_per_step'] / 1e3:7.3f} ms x{k['launches_per_step']:4.0f} "
-                  f"{k['name'][:110]}")
+        report(name, row)
     write_result(args.name, {
         "description": "GPU kernel time per training step of one Transformer layer, by kernel "
                        "name (torch.profiler CUDA activity, after 3 warm-up steps): a probe of "

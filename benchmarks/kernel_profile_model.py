@@ -14,13 +14,12 @@ for choosing which kernels to fuse or speed up, not a timing to quote as a speed
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 
 import torch
 
 import harness
 from bench_model import BATCH, HEAD_DIM, RECIPES, SEQ, build, make_step
-from kernel_profile import profile_step
+from kernel_profile import profile_step, report
 from transformer_engine.pytorch import layer_block
 
 CASES = ("te_layer/fp8_delayed", "te_layer/fp8_current", "te_layer/bf16", "torch/bf16")
@@ -55,17 +54,8 @@ def main() -> None:
         for case in args.cases:
             row = profile_case(case, hidden, args.steps, args.top)
             rows.append(row)
-            print(f"hidden {hidden} {case}: step {row['step_median_ms']:.3f} ms, kernels "
-                  f"{row['kernel_us_per_step'] / 1e3:.3f} ms, idle "
-                  f"{row['gpu_idle_us_per_step'] / 1e3:.3f} ms")
-            for cls, us in row["classes_us_per_step"].items():
-                print(f"    {cls:18s} {us / 1e3:7.3f} ms")
-            for k in row["kernels"][:args.top]:
-                print(f"      {k['us_per_step'] / 1e3:7.3f} ms x{k['launches_per_step']:4.0f} "
-                      f"{k['name'][:110]}")
-    by_class: dict = defaultdict(dict)
-    for row in rows:
-        by_class[f"{row['hidden']}"][row["case"]] = row["classes_us_per_step"]
+            report(f"hidden {hidden} {case} (step {row['step_median_ms']:.3f} ms, GPU idle "
+                   f"{row['gpu_idle_us_per_step'] / 1e3:.3f} ms)", row, args.top)
     harness.write_result(args.name, {
         "description": "GPU kernel time per training step of bench_model.py's 4-block stack "
                        "(eager), by kernel name (torch.profiler CUDA activity, after warm-up), "
@@ -74,7 +64,6 @@ def main() -> None:
                        "the time goes, not a timing",
         "config": {"steps": args.steps, "top": args.top, "batch": BATCH, "seq": SEQ,
                    "head_dim": HEAD_DIM},
-        "classes_by_hidden": by_class,
         "results": rows})
 
 
