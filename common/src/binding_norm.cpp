@@ -41,7 +41,7 @@ void register_norm(nb::module_ &m) {
       "norm_backward",
       [](te_norm_type norm, nb::handle grad_output, nb::handle input, nb::handle mu, nb::handle rsigma,
          nb::handle gamma, nb::handle grad_input, nb::handle grad_gamma, nb::handle grad_beta,
-         bool zero_centered_gamma, nb::handle workspace, uintptr_t stream) {
+         nb::handle grad_input_add, bool zero_centered_gamma, nb::handle workspace, uintptr_t stream) {
         const char *op = "norm_backward";
         Handle dy = make_handle(op, "grad_output", grad_output, 0);
         Handle x = make_handle(op, "input", input, 0);
@@ -51,17 +51,20 @@ void register_norm(nb::module_ &m) {
         Handle dx = make_handle(op, "grad_input", grad_input, kAllSlots);
         Handle dg = make_handle(op, "grad_gamma", grad_gamma, kAllSlots);
         Handle db = optional_handle(op, "grad_beta", grad_beta, kAllSlots);
+        Handle add = optional_handle(op, "grad_input_add", grad_input_add, 0);
         size_t ws_size = 0;
         void *ws = workspace_of(op, workspace, &ws_size);
         const te_norm_config config{norm, 0.0f, zero_centered_gamma ? 1 : 0, 0};
         nb::gil_scoped_release release;
-        check_status(te_norm_backward(&config, dy.get(), x.get(), hm.get(), hr.get(), g.get(), dx.get(),
-                                      dg.get(), db.get(), ws, ws_size, as_stream(stream)));
+        check_status(te_norm_backward(&config, dy.get(), x.get(), hm.get(), hr.get(), g.get(), add.get(),
+                                      dx.get(), dg.get(), db.get(), ws, ws_size, as_stream(stream)));
       },
       "norm"_a, "grad_output"_a, "input"_a, "mu"_a.none(), "rsigma"_a, "gamma"_a, nb::kw_only(),
-      "grad_input"_a, "grad_gamma"_a, "grad_beta"_a = nb::none(), "zero_centered_gamma"_a = false,
-      "workspace"_a = nb::none(), "stream"_a = 0,
-      "LayerNorm / RMSNorm backward: grad_input, grad_gamma and (LayerNorm) grad_beta.");
+      "grad_input"_a, "grad_gamma"_a, "grad_beta"_a = nb::none(), "grad_input_add"_a = nb::none(),
+      "zero_centered_gamma"_a = false, "workspace"_a = nb::none(), "stream"_a = 0,
+      "LayerNorm / RMSNorm backward: grad_input, grad_gamma and (LayerNorm) grad_beta; with "
+      "grad_input_add (grad_input's shape and dtype: a residual gradient), grad_input is "
+      "rounded(rounded(dx) + grad_input_add).");
 
   m.def("norm_backward_workspace_size", &te_norm_backward_workspace_size, "rows"_a, "cols"_a,
         "Bytes of CUDA workspace norm_backward needs for an [rows, cols] input.");

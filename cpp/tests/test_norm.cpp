@@ -63,7 +63,8 @@ TEST_CASE(rmsnorm_backward_of_a_constant_row_is_zero) {
   tdg.set(TE_SLOT_DATA, dg.data(), TE_DTYPE_FLOAT32, {8});
   trs.set(TE_SLOT_DATA, rs.data(), TE_DTYPE_FLOAT32, {1});
   const te_norm_config cfg{TE_NORM_RMSNORM, 0.0f, 0};
-  CHECK(te_norm_backward(&cfg, tdy, tx, nullptr, trs, tg, tdx, tdg, nullptr, nullptr, 0, nullptr) == TE_SUCCESS);
+  CHECK(te_norm_backward(&cfg, tdy, tx, nullptr, trs, tg, nullptr, tdx, tdg, nullptr, nullptr, 0, nullptr) ==
+        TE_SUCCESS);
   for (int i = 0; i < 8; ++i) CHECK(dx[i] == 0.0f && dg[i] == 1.0f);
 }
 

@@ -123,7 +123,7 @@ ffi::Error NormBackwardImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer 
   }
   const Workspace ws = workspace_of(*workspace, dev);
   return from_status(te_norm_backward(&config, tdy.get(), tx.get(), ln ? tmu.get() : nullptr,
-                                      trsigma.get(), tgamma.get(), tdx.get(), tdgamma.get(),
+                                      trsigma.get(), tgamma.get(), nullptr, tdx.get(), tdgamma.get(),
                                       ln ? tdbeta.get() : nullptr, ws.data, ws.bytes, dev.stream));
 }
 

@@ -322,7 +322,8 @@ def backward_reference(dy, x, gamma, norm, eps, zero_centered):
     return dx, (dy64 * xhat).sum(0), dy64.sum(0), rsigma, np.abs(dyg), np.abs(dy64)
 
 
-def run_backward(device, dy, x, gamma, norm, mu, rsigma, zero_centered=False):
+def run_backward(device, dy, x, gamma, norm, mu, rsigma, zero_centered=False, add=None):
+    """add: grad_input_add (x's shape; grad_input takes its dtype)."""
     m, n = ref.matrix(x).shape
     arrays = {"dx": np.full(x.shape, np.nan, x.dtype), "dgamma": np.full(n, np.nan, gamma.dtype)}
     if norm == "layernorm":
@@ -341,6 +342,7 @@ def run_backward(device, dy, x, gamma, norm, mu, rsigma, zero_centered=False):
         grad_input=on["dx"],
         grad_gamma=on["dgamma"],
         grad_beta=on.get("dbeta"),
+        grad_input_add=None if add is None else device.put(add),
         zero_centered_gamma=zero_centered,
         workspace=ws,
         stream=device.stream,
@@ -386,6 +388,36 @@ def test_backward(device, norm, dtype, shape, zero_centered):
         assert (np.abs(got["dbeta"].astype(np.float64) - dbeta) <= b_bound + 1e-30).all(), "dbeta"
     if device.is_cuda:
         cpu = run_backward(device.cpu, dy, x, gamma, norm, mu, fwd["rsigma"], zero_centered)
+        for k in cpu:
+            np.testing.assert_array_equal(bits(got[k]), bits(cpu[k]), err_msg=f"cuda != cpu: {k}")
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+@pytest.mark.parametrize("dtype", list(HP))
+# (3, 5), (17, 33): the general kernel; (70, 256), (40, 8192): rows in registers (but fp32 at 8192)
+@pytest.mark.parametrize("shape", [(3, 5), (17, 33), (70, 256), (40, 8192)])
+def test_backward_adds_the_residual_gradient(device, norm, dtype, shape):
+    """grad_input_add gives the bits of dx written in the dtype, then added in a separate step
+    (fp32 sum, rounded to the dtype: what torch's add of the two does); the column sums are
+    unchanged. A NaN in the added gradient comes out as the reference's NaN."""
+    rng = np.random.default_rng(stable_seed("add", norm, dtype, shape))
+    x, gamma, _ = make_inputs(rng, shape, dtype, dtype)
+    dy = rng.standard_normal(shape).astype(np.float32).astype(HP[dtype])
+    add = (rng.standard_normal(shape) * 4).astype(np.float32).astype(HP[dtype])
+    add.reshape(-1)[rng.integers(add.size)] = np.nan
+    fwd = run_forward(device.cpu, x, gamma, gamma, norm)
+    mu = fwd.get("mu", np.zeros(fwd["rsigma"].shape, np.float32))
+    plain = run_backward(device, dy, x, gamma, norm, mu, fwd["rsigma"])
+    got = run_backward(device, dy, x, gamma, norm, mu, fwd["rsigma"], add=add)
+    want = (plain["dx"].astype(np.float32) + add.astype(np.float32)).astype(HP[dtype])
+    np.testing.assert_array_equal(bits(np.where(np.isnan(want), np.nan, want).astype(HP[dtype])),
+                                  bits(np.where(np.isnan(got["dx"]), np.nan, got["dx"])
+                                       .astype(HP[dtype])), err_msg="dx")
+    for k in ("dgamma", "dbeta"):
+        if k in plain:
+            np.testing.assert_array_equal(bits(got[k]), bits(plain[k]), err_msg=k)
+    if device.is_cuda:
+        cpu = run_backward(device.cpu, dy, x, gamma, norm, mu, fwd["rsigma"], add=add)
         for k in cpu:
             np.testing.assert_array_equal(bits(got[k]), bits(cpu[k]), err_msg=f"cuda != cpu: {k}")
 
@@ -457,6 +489,17 @@ def test_errors(cpu):
             grad_gamma=np.zeros(8, f32),
             grad_beta=np.zeros(8, f32),
         )
+    backward = dict(grad_input=y, grad_gamma=np.zeros(8, f32), grad_beta=np.zeros(8, f32))
+    with pytest.raises(
+        TypeError, match=r"^norm_backward: grad_input_add.data must be float32, got float16"
+    ):
+        core.norm_backward(ln, x, x, mu, rs, g, grad_input_add=x.astype(np.float16), **backward)
+    with pytest.raises(
+        ValueError, match=r"^norm_backward: grad_input_add.data must have shape \[4, 8\]"
+    ):
+        core.norm_backward(ln, x, x, mu, rs, g, grad_input_add=np.zeros((4, 4), f32), **backward)
+    with pytest.raises(ValueError, match=r"^norm_backward: grad_input.data must not overlap"):
+        core.norm_backward(ln, x, x, mu, rs, g, grad_input_add=y, **backward)
     assert np.all(y == 0) and np.all(rs == 0)  # nothing written by the failed calls
 
 

@@ -59,6 +59,10 @@ size_t te_norm_backward_workspace_size(int64_t rows, int64_t cols);
  * [in] grad_output, input: DATA, the same shape and dtype (fp32/fp16/bf16);
  * [in] mu (LayerNorm; NULL for RMSNorm), rsigma: DATA [M] fp32, as the forward wrote them;
  * [in] gamma: DATA [N], the input's dtype or fp32;
+ * [in] grad_input_add: DATA like grad_input (shape and dtype), or NULL: a gradient that reaches
+ *   the input by another path (a residual connection), added in: grad_input is then
+ *   rounded(rounded(dx) + grad_input_add) with dx the formula above, each rounding to
+ *   grad_input's dtype: the bits of writing dx and adding the two in a separate step;
  * [out] grad_input: DATA, the input's shape, fp32/fp16/bf16;
  * [out] grad_gamma: DATA [N], gamma's dtype; [out] grad_beta: DATA [N], gamma's dtype
  *   (LayerNorm; NULL for RMSNorm);
@@ -66,9 +70,9 @@ size_t te_norm_backward_workspace_size(int64_t rows, int64_t cols);
  *   (CUDA path only). */
 te_status te_norm_backward(const te_norm_config *config, const te_tensor *grad_output,
                            const te_tensor *input, const te_tensor *mu, const te_tensor *rsigma,
-                           const te_tensor *gamma, te_tensor *grad_input, te_tensor *grad_gamma,
-                           te_tensor *grad_beta, void *workspace, size_t workspace_size,
-                           te_stream stream);
+                           const te_tensor *gamma, const te_tensor *grad_input_add,
+                           te_tensor *grad_input, te_tensor *grad_gamma, te_tensor *grad_beta,
+                           void *workspace, size_t workspace_size, te_stream stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

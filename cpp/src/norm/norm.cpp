@@ -172,7 +172,8 @@ bool check_forward(Checker &check, const te_norm_config *config, const te_tensor
 
 bool check_backward(Checker &check, const te_norm_config *config, const te_tensor *grad_output,
                     const te_tensor *input, const te_tensor *mu, const te_tensor *rsigma, const te_tensor *gamma,
-                    te_tensor *grad_input, te_tensor *grad_gamma, te_tensor *grad_beta, NormBackwardArgs *a) {
+                    const te_tensor *grad_input_add, te_tensor *grad_input, te_tensor *grad_gamma,
+                    te_tensor *grad_beta, NormBackwardArgs *a) {
   if (!check_config(check, config) || !check.handle(grad_output, "grad_output") ||
       !check.handle(input, "input") || !check.handle(grad_input, "grad_input")) {
     return false;
@@ -200,6 +201,16 @@ bool check_backward(Checker &check, const te_norm_config *config, const te_tenso
       !check.matrix_is(*dx, "grad_input.data", a->rows, a->cols)) {
     return false;
   }
+  const te_buffer *add = nullptr;
+  if (grad_input_add != nullptr) {
+    if (!check.handle(grad_input_add, "grad_input_add")) return false;
+    add = slot(grad_input_add, TE_SLOT_DATA);
+    if (!check.present(add, "grad_input_add.data") || !check.same_device(*add, "grad_input_add.data") ||
+        !check.dtype_is(*add, "grad_input_add.data", dx->dtype) ||
+        !check.matrix_is(*add, "grad_input_add.data", a->rows, a->cols)) {
+      return false;
+    }
+  }
   a->weight_dtype = TE_DTYPE_COUNT;
   if (!check_vector(check, gamma, "gamma", a->cols, x->dtype, &a->weight_dtype) ||
       !check_vector(check, grad_gamma, "grad_gamma", a->cols, x->dtype, &a->weight_dtype)) {
@@ -222,10 +233,12 @@ bool check_backward(Checker &check, const te_norm_config *config, const te_tenso
                        {x, "input.data"},
                        {ln ? slot(mu, TE_SLOT_DATA) : nullptr, "mu.data"},
                        {slot(rsigma, TE_SLOT_DATA), "rsigma.data"},
-                       {slot(gamma, TE_SLOT_DATA), "gamma.data"}})) {
+                       {slot(gamma, TE_SLOT_DATA), "gamma.data"},
+                       {add, "grad_input_add.data"}})) {
     return false;
   }
   a->grad_output = dy->data;
+  a->grad_add = add != nullptr ? add->data : nullptr;
   a->input = x->data;
   a->input_dtype = x->dtype;
   a->mu = ln ? static_cast<const float *>(slot(mu, TE_SLOT_DATA)->data) : nullptr;
@@ -269,14 +282,14 @@ size_t te_norm_backward_workspace_size(int64_t rows, int64_t cols) {
 
 te_status te_norm_backward(const te_norm_config *config, const te_tensor *grad_output,
                            const te_tensor *input, const te_tensor *mu, const te_tensor *rsigma,
-                           const te_tensor *gamma, te_tensor *grad_input, te_tensor *grad_gamma,
-                           te_tensor *grad_beta, void *workspace, size_t workspace_size,
-                           te_stream stream) {
+                           const te_tensor *gamma, const te_tensor *grad_input_add,
+                           te_tensor *grad_input, te_tensor *grad_gamma, te_tensor *grad_beta,
+                           void *workspace, size_t workspace_size, te_stream stream) {
   return te::guarded("norm_backward", [&]() -> te_status {
     te::Checker check("norm_backward");
     te::NormBackwardArgs args;
-    if (!te::check_backward(check, config, grad_output, input, mu, rsigma, gamma, grad_input, grad_gamma,
-                            grad_beta, &args)) {
+    if (!te::check_backward(check, config, grad_output, input, mu, rsigma, gamma, grad_input_add, grad_input,
+                            grad_gamma, grad_beta, &args)) {
       return check.status();
     }
     args.workspace = workspace;

@@ -91,7 +91,8 @@ te_status norm_backward_cuda(const NormBackwardArgs &a, te_stream stream) {
     if (groups > 0x7FFFFFFF) return fail(TE_ERROR_UNSUPPORTED, kOp, "rows must be below 2^36 on CUDA");
     const size_t es = te_dtype_size(a.input_dtype);
     const bool vector_io = rows_aligned(a.input, a.cols, es) && rows_aligned(a.grad_output, a.cols, es) &&
-                           rows_aligned(a.grad_input, a.cols, te_dtype_size(a.grad_input_dtype));
+                           rows_aligned(a.grad_input, a.cols, te_dtype_size(a.grad_input_dtype)) &&
+                           (a.grad_add == nullptr || rows_aligned(a.grad_add, a.cols, te_dtype_size(a.grad_input_dtype)));
     te_status st = with_hp_dtype(a.input_dtype, [&](auto in) {
       return backward<decltype(in)::value>(a, vector_io, partials, groups, s);
     });

@@ -15,7 +15,8 @@
 //     only it touches (for want of registers: 64 columns of three arrays at 8192), laid out so
 //     that its 128-bit accesses are conflict-free, and writes them out when its group is done;
 //   - dx is converted by the hardware (bit-equal to the reference but for NaN, which the vectors
-//     holding one take the reference's conversion for).
+//     holding one take the reference's conversion for); so is its rounding before a residual
+//     gradient is added (grad_add: one more vector read per vector written, in the second pass).
 // norm_backward_any_kernel takes every other row: one block per group, global reads per pass.
 #ifndef TRANSFORMER_ENGINE_SRC_NORM_NORM_BACKWARD_CUH_
 #define TRANSFORMER_ENGINE_SRC_NORM_NORM_BACKWARD_CUH_
@@ -34,6 +35,14 @@ constexpr int kBackwardVecs = sizeof(typename Hp<kIn>::Storage) == 2 ? 8 : 4;
 // Bytes of the per-thread arrays: gains and partial dgamma (and dbeta), 8 floats per vector.
 constexpr size_t backward_own_bytes(bool ln, int vecs) {
   return static_cast<size_t>(ln ? 3 : 2) * vecs * 2 * kThreads * sizeof(float4);
+}
+
+// dx rounded to dtype d by the hardware's conversion (norm_add_rounded's first rounding; equal
+// to the reference's for every value but NaN, which stays a NaN and is canonicalized on store).
+__device__ __forceinline__ float round_hw(float v, te_dtype d) {
+  if (d == TE_DTYPE_BFLOAT16) return __bfloat162float(__float2bfloat16_rn(v));
+  if (d == TE_DTYPE_FLOAT16) return __half2float(__float2half_rn(v));
+  return v;
 }
 
 template <te_dtype kIn, int kVecs, bool kLn>
@@ -141,6 +150,12 @@ __global__ void __launch_bounds__(kThreads)
         }
         slot(1, j, 0) = pg[0], slot(1, j, 1) = pg[1];
         if (kLn) slot(2, j, 0) = pb[0], slot(2, j, 1) = pb[1];
+        if (a.grad_add != nullptr) {
+          float add[8];
+          load_any8(a.grad_add, r * n + col(j), a.grad_input_dtype, add);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) dx[e] = round_hw(dx[e], a.grad_input_dtype) + add[e];
+        }
         const float m = abs_max8(dx);
         store_hp8(a.grad_input, r * n + col(j), a.grad_input_dtype, dx, m != m);
       }
@@ -209,6 +224,10 @@ __global__ void __launch_bounds__(kThreads)
         dx[e] = norm_grad_input(dv[e] * gain[i0 + e], xhat, m1, m2, rsigma, ln);
         part_g[i0 + e] += dv[e] * xhat;
         part_b[i0 + e] += dv[e];
+        if (a.grad_add != nullptr) {
+          dx[e] = norm_add_rounded(dx[e], load_any(a.grad_add, r * n + i0 + e, a.grad_input_dtype),
+                                   a.grad_input_dtype);
+        }
       }
       if (whole) {
         store_any8(a.grad_input, r * n + i0, a.grad_input_dtype, dx);

@@ -50,6 +50,7 @@ struct NormBackwardArgs {
   const float *mu, *rsigma;
   const void *gamma;
   te_dtype weight_dtype;
+  const void *grad_add = nullptr;  // [rows, cols] in grad_input_dtype, or null (norm.h)
   void *grad_input;
   te_dtype grad_input_dtype;
   void *grad_gamma, *grad_beta;  // [cols] in weight_dtype; grad_beta null for RMSNorm
@@ -86,6 +87,15 @@ TE_HOST_DEVICE float norm_grad_input(float dyg, float xhat, float m1, float m2, 
                                      bool layernorm) {
   const float t = layernorm ? dyg - m1 : dyg;
   return (t - xhat * m2) * rsigma;
+}
+
+// grad_input's value with the residual gradient `add` added as norm.h states it: dx rounded to
+// the dtype, then the sum (which the store rounds).
+TE_HOST_DEVICE float norm_add_rounded(float dx, float add, te_dtype dtype) {
+  const float rounded = dtype == TE_DTYPE_FLOAT32   ? dx
+                        : dtype == TE_DTYPE_FLOAT16 ? fp16_to_float(float_to_fp16(dx))
+                                                    : bf16_to_float(float_to_bf16(dx));
+  return rounded + add;
 }
 
 void norm_forward_ref(const NormForwardArgs &args);

@@ -83,7 +83,10 @@ void norm_backward_ref(const NormBackwardArgs &a) {
       const float m1 = ln ? row_sum(n, [&](int64_t j) { return dy[j] * g[j]; }) / static_cast<float>(n) : 0.0f;
       const float m2 = row_sum(n, [&](int64_t j) { return (dy[j] * g[j]) * xhat[j]; }) / static_cast<float>(n);
       for (int64_t j = 0; j < n; ++j) {
-        const float dx = norm_grad_input(dy[j] * g[j], xhat[j], m1, m2, rsigma, ln);
+        float dx = norm_grad_input(dy[j] * g[j], xhat[j], m1, m2, rsigma, ln);
+        if (a.grad_add != nullptr) {
+          dx = norm_add_rounded(dx, load_hp(a.grad_add, r * n + j, a.grad_input_dtype), a.grad_input_dtype);
+        }
         store_hp(a.grad_input, r * n + j, a.grad_input_dtype, dx);
         part_g[j] += dy[j] * xhat[j];
         part_b[j] += dy[j];

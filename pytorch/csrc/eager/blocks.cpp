@@ -87,15 +87,21 @@ std::vector<Fp8Weight> cast_weights(const std::vector<Tensor> &weights, const st
 }
 
 // The norm's backward (ops.norm_backward): (grad_input [M, K] in x's dtype, grad_gamma and
-// grad_beta in gamma's dtype; grad_beta [0] without beta). dy [M, K] in x's dtype.
+// grad_beta in gamma's dtype; grad_beta [0] without beta). dy [M, K] in x's dtype. grad_add
+// (x's shape and dtype): a residual gradient the core adds into grad_input (norm.h).
 std::tuple<Tensor, Tensor, Tensor> norm_backward(const Tensor &dy, const Tensor &x, const Tensor &mu,
                                                  const Tensor &rsigma, const Tensor &gamma, bool has_beta,
-                                                 int64_t norm, bool zero_centered_gamma, te_stream stream,
+                                                 int64_t norm, bool zero_centered_gamma,
+                                                 const std::optional<Tensor> &grad_add, te_stream stream,
                                                  const char *op) {
   const int64_t m = x.size(0), k = x.size(1);
   const te_dtype x_dtype = core_dtype(x.scalar_type(), op), g_dtype = core_dtype(gamma.scalar_type(), op);
   TE_EAGER_CHECK(dy.dim() == 2 && dy.size(0) == m && dy.size(1) == k && dy.scalar_type() == x.scalar_type(), op,
                  ": the norm's grad_output must match its input");
+  TE_EAGER_CHECK(!grad_add.has_value() || (grad_add->dim() == 2 && grad_add->size(0) == m &&
+                                            grad_add->size(1) == k && grad_add->is_contiguous() &&
+                                            grad_add->scalar_type() == x.scalar_type()),
+                 op, ": grad_input_add must be a contiguous [M, K] matrix in the norm input's dtype");
   const int32_t g_torch = torch_dtype(gamma.scalar_type());
   Tensor dx = empty({m, k}, torch_dtype(x.scalar_type()), x);
   Tensor dgamma = empty({k}, g_torch, x);
@@ -107,19 +113,20 @@ std::tuple<Tensor, Tensor, Tensor> norm_backward(const Tensor &dy, const Tensor 
     ws = empty({static_cast<int64_t>(std::max<size_t>(ws_size, 1))}, aoti_torch_dtype_uint8(), x);
   }
   const bool layernorm = static_cast<te_norm_type>(norm) == TE_NORM_LAYERNORM;
-  Handle hdy(op), hx(op), hmu(op), hr(op), hg(op), hdx(op), hdg(op), hdb(op);
+  Handle hdy(op), hx(op), hmu(op), hr(op), hg(op), hadd(op), hdx(op), hdg(op), hdb(op);
   hdy.set(TE_SLOT_DATA, buffer(dy.data_ptr(), x_dtype, {m, k}, x));
   hx.set(TE_SLOT_DATA, buffer(x.data_ptr(), x_dtype, {m, k}, x));
   if (layernorm) hmu.set(TE_SLOT_DATA, buffer(mu.data_ptr(), TE_DTYPE_FLOAT32, {m}, x));
   hr.set(TE_SLOT_DATA, buffer(rsigma.data_ptr(), TE_DTYPE_FLOAT32, {m}, x));
   hg.set(TE_SLOT_DATA, buffer(gamma.data_ptr(), g_dtype, {k}, x));
+  if (grad_add.has_value()) hadd.set(TE_SLOT_DATA, buffer(grad_add->data_ptr(), x_dtype, {m, k}, x));
   hdx.set(TE_SLOT_DATA, buffer(dx.data_ptr(), x_dtype, {m, k}, x));
   hdg.set(TE_SLOT_DATA, buffer(dgamma.data_ptr(), g_dtype, {k}, x));
   if (has_beta) hdb.set(TE_SLOT_DATA, buffer(dbeta.data_ptr(), g_dtype, {k}, x));
   const te_norm_config config{static_cast<te_norm_type>(norm), 0.0f, zero_centered_gamma ? 1 : 0, 0};
-  check(te_norm_backward(&config, hdy.get(), hx.get(), layernorm ? hmu.get() : nullptr, hr.get(), hg.get(), hdx.get(),
-                         hdg.get(), has_beta ? hdb.get() : nullptr, x.is_cuda() ? ws.data_ptr() : nullptr, ws_size,
-                         stream),
+  check(te_norm_backward(&config, hdy.get(), hx.get(), layernorm ? hmu.get() : nullptr, hr.get(), hg.get(),
+                         grad_add.has_value() ? hadd.get() : nullptr, hdx.get(), hdg.get(), has_beta ? hdb.get() : nullptr, x.is_cuda() ? ws.data_ptr() : nullptr,
+                         ws_size, stream),
         op);
   return {dx, dgamma, dbeta};
 }
@@ -173,10 +180,12 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_linear_fp8
     bool zero_centered_gamma, Tensor ln_sinv, Tensor ln_col, Tensor w_sinv, Tensor w_col, Tensor grad_history,
     Tensor grad_scale, Tensor grad_scale_inv, Tensor workspace, bool current, int64_t fwd_dtype, int64_t bwd_dtype,
     bool pow2, double epsilon, int64_t algo, int64_t margin, bool need_dgrad, bool need_wgrad,
-    ScalarType weight_dtype, std::optional<ScalarType> bias_dtype, int64_t stream) {
+    ScalarType weight_dtype, std::optional<ScalarType> bias_dtype, std::optional<Tensor> grad_input_add,
+    int64_t stream) {
   return guarded(kLnLinearBackward, grad_output, [&]() -> std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> {
     const char *op = kLnLinearBackward;
     TE_EAGER_CHECK(x.dim() == 2, op, ": x must be the norm's input [M, K]");
+    TE_EAGER_CHECK(need_dgrad || !grad_input_add.has_value(), op, ": grad_input_add needs need_dgrad");
     auto [status, d_ln, grad_weight, grad_bias] = linear_fp8_backward(
         grad_output, std::nullopt, TE_ACTIVATION_IDENTITY, ln_sinv, w_sinv, ln_col, w_col, grad_history, grad_scale,
         grad_scale_inv, 0, true, workspace, current, fwd_dtype, bwd_dtype, pow2, epsilon, algo, margin, need_dgrad,
@@ -188,7 +197,7 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_linear_fp8
       dbeta = empty({0}, aoti_torch_dtype_float32(), grad_output);
     } else {
       std::tie(dx, dgamma, dbeta) = norm_backward(d_ln, x, mu, rsigma, gamma, has_beta, norm, zero_centered_gamma,
-                                                  reinterpret_cast<te_stream>(stream), op);
+                                                  grad_input_add, reinterpret_cast<te_stream>(stream), op);
     }
     return {dx, dgamma, dbeta, grad_weight, grad_bias};
   });
@@ -256,7 +265,7 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> laye
     Tensor grad_scale_inv, Tensor workspace, bool current, int64_t fwd_dtype, int64_t bwd_dtype, bool pow2,
     double epsilon, int64_t algo, int64_t margin, bool need_dgrad, bool need_wgrad1, bool need_fc1,
     bool need_wgrad2, ScalarType w1_dtype, std::optional<ScalarType> b1_dtype, ScalarType w2_dtype,
-    std::optional<ScalarType> b2_dtype, int64_t stream) {
+    std::optional<ScalarType> b2_dtype, std::optional<Tensor> grad_input_add, int64_t stream) {
   using Outputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
   return guarded(kMlpBackward, grad_output, [&]() -> Outputs {
     const char *op = kMlpBackward;
@@ -264,6 +273,8 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> laye
     TE_EAGER_CHECK(!need_fc1 || need_dgrad || need_wgrad1, op,
                    ": FC1's backward must need its dgrad or wgrad when it runs");
     TE_EAGER_CHECK(x.dim() == 2 && h.dim() == 2, op, ": x and h must be matrices");
+    TE_EAGER_CHECK((need_fc1 && need_dgrad) || !grad_input_add.has_value(), op,
+                   ": grad_input_add needs need_fc1 and need_dgrad");
     auto [status2, grad_act, grad_w2, grad_b2] = linear_fp8_backward(
         grad_output, std::nullopt, TE_ACTIVATION_IDENTITY, a_sinv, w2_sinv, a_col, w2_col, grad_history, grad_scale,
         grad_scale_inv, 1, !need_fc1, workspace, current, fwd_dtype, bwd_dtype, pow2, epsilon, algo, margin, need_fc1,
@@ -282,7 +293,7 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> laye
     }
     if (need_fc1 && need_dgrad) {
       std::tie(dx, dgamma, dbeta) = norm_backward(d_ln, x, mu, rsigma, gamma, has_beta, norm, zero_centered_gamma,
-                                                  reinterpret_cast<te_stream>(stream), op);
+                                                  grad_input_add, reinterpret_cast<te_stream>(stream), op);
     }
     return {dx, dgamma, dbeta, grad_w1, grad_b1, grad_w2, grad_b2};
   });

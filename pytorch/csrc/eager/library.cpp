@@ -119,7 +119,7 @@ STABLE_TORCH_LIBRARY(te_eager, m) {
       "Tensor w_col, Tensor(a!) grad_history, Tensor(b!) grad_scale, Tensor(c!) grad_scale_inv, "
       "Tensor(d!) workspace, bool current, int fwd_dtype, int bwd_dtype, bool pow2, float epsilon, int algo, "
       "int margin, bool need_dgrad, bool need_wgrad, ScalarType weight_dtype, ScalarType? bias_dtype, "
-      "int stream) -> (int, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor? grad_input_add, int stream) -> (int, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "layernorm_mlp_fp8_forward(Tensor input, Tensor gamma, Tensor? beta, int norm, float eps, "
       "bool zero_centered_gamma, Tensor w1, Tensor? b1, int act, Tensor w2, Tensor? b2, Tensor scales, "
@@ -133,7 +133,8 @@ STABLE_TORCH_LIBRARY(te_eager, m) {
       "Tensor(a!) grad_history, Tensor(b!) grad_scale, Tensor(c!) grad_scale_inv, Tensor(d!) workspace, "
       "bool current, int fwd_dtype, int bwd_dtype, bool pow2, float epsilon, int algo, int margin, "
       "bool need_dgrad, bool need_wgrad1, bool need_fc1, bool need_wgrad2, ScalarType w1_dtype, "
-      "ScalarType? b1_dtype, ScalarType w2_dtype, ScalarType? b2_dtype, int stream) -> (int, Tensor, Tensor, "
+      "ScalarType? b1_dtype, ScalarType w2_dtype, ScalarType? b2_dtype, Tensor? grad_input_add, int stream) "
+      "-> (int, Tensor, Tensor, "
       "Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "delayed_scaling_update(Tensor(a!)[] histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, "

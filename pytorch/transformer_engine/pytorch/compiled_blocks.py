@@ -170,15 +170,18 @@ def layernorm_linear_block_backward(
         grad_scale: torch.Tensor, grad_scale_inv: torch.Tensor, norm: int,
         zero_centered_gamma: bool, current: bool, fwd_dtype: int, bwd_dtype: int, pow2: bool,
         epsilon: float, algo: int, margin: int, need_dgrad: bool, need_wgrad: bool,
-        weight_dtype: torch.dtype, bias_dtype: Optional[torch.dtype]
+        weight_dtype: torch.dtype, bias_dtype: Optional[torch.dtype],
+        grad_input_add: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """blocks.cpp's layernorm_linear_fp8_backward: (grad_input, grad_gamma, grad_beta,
-    grad_weight, grad_bias), empty where not computed."""
+    grad_weight, grad_bias), empty where not computed. ``grad_input_add`` (x's shape and
+    dtype, with need_dgrad): a residual gradient added into grad_input by the norm's backward,
+    with the bits of adding it in a step of its own."""
     status, *grads = _compiled.ops.layernorm_linear_fp8_backward.default(
         g, x, mu, rsigma, gamma, has_beta, norm, zero_centered_gamma, ln_sinv, ln_col, w_sinv,
         w_col, grad_history, grad_scale, grad_scale_inv, _workspace(g), current, fwd_dtype,
         bwd_dtype, pow2, epsilon, algo, margin, need_dgrad, need_wgrad, weight_dtype,
-        bias_dtype, stream_of(g))
+        bias_dtype, grad_input_add, stream_of(g))
     _compiled.raise_if_failed(status)
     return tuple(grads)
 
@@ -186,7 +189,8 @@ def layernorm_linear_block_backward(
 @layernorm_linear_block_backward.register_fake
 def _(g, x, mu, rsigma, gamma, has_beta, ln_sinv, ln_col, w_sinv, w_col, grad_history,
       grad_scale, grad_scale_inv, norm, zero_centered_gamma, current, fwd_dtype, bwd_dtype, pow2,
-      epsilon, algo, margin, need_dgrad, need_wgrad, weight_dtype, bias_dtype):
+      epsilon, algo, margin, need_dgrad, need_wgrad, weight_dtype, bias_dtype,
+      grad_input_add=None):
     m, k = x.shape
     n = g.shape[1]
     f32 = torch.float32
@@ -238,17 +242,19 @@ def layernorm_mlp_block_backward(
         norm: int, zero_centered_gamma: bool, current: bool, fwd_dtype: int, bwd_dtype: int,
         pow2: bool, epsilon: float, algo: int, margin: int, need_dgrad: bool,
         need_wgrad1: bool, need_fc1: bool, need_wgrad2: bool, w1_dtype: torch.dtype,
-        b1_dtype: Optional[torch.dtype], w2_dtype: torch.dtype, b2_dtype: Optional[torch.dtype]
+        b1_dtype: Optional[torch.dtype], w2_dtype: torch.dtype, b2_dtype: Optional[torch.dtype],
+        grad_input_add: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """blocks.cpp's layernorm_mlp_fp8_backward: (grad_input, grad_gamma, grad_beta, FC1's
-    grad_weight and grad_bias, FC2's), empty where not computed."""
+    grad_weight and grad_bias, FC2's), empty where not computed; ``grad_input_add`` as in
+    layernorm_linear_block_backward (with need_fc1 and need_dgrad)."""
     status, *grads = _compiled.ops.layernorm_mlp_fp8_backward.default(
         g, x, mu, rsigma, gamma, has_beta, norm, zero_centered_gamma, ln_sinv, ln_col, w1_sinv,
         w1_col, h, act, a_sinv, a_col, w2_sinv, w2_col, grad_history, grad_scale,
         grad_scale_inv, _workspace(g), current, fwd_dtype, bwd_dtype, pow2, epsilon, algo,
         margin, need_dgrad, need_wgrad1, need_fc1, need_wgrad2, w1_dtype, b1_dtype, w2_dtype,
-        b2_dtype, stream_of(g))
+        b2_dtype, grad_input_add, stream_of(g))
     _compiled.raise_if_failed(status)
     return tuple(grads)
 
@@ -257,7 +263,8 @@ def layernorm_mlp_block_backward(
 def _(g, x, mu, rsigma, gamma, has_beta, ln_sinv, ln_col, w1_sinv, w1_col, h, act, a_sinv,
       a_col, w2_sinv, w2_col, grad_history, grad_scale, grad_scale_inv, norm,
       zero_centered_gamma, current, fwd_dtype, bwd_dtype, pow2, epsilon, algo, margin,
-      need_dgrad, need_wgrad1, need_fc1, need_wgrad2, w1_dtype, b1_dtype, w2_dtype, b2_dtype):
+      need_dgrad, need_wgrad1, need_fc1, need_wgrad2, w1_dtype, b1_dtype, w2_dtype, b2_dtype,
+      grad_input_add=None):
     m, k = x.shape
     n, f_rows = g.shape[1], h.shape[1]
     f = a_col.shape[0] if need_wgrad2 else w2_col.shape[0]

@@ -130,6 +130,14 @@ def _residual(h: torch.Tensor, residual: torch.Tensor, p: float) -> tuple:
     return ops.dropout_add_forward(h, residual, rng, p), rng
 
 
+def _addable(g: torch.Tensor, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """g, a residual gradient reaching the norm input x, where the norm's backward can add it
+    into its grad_input itself (x's shape and dtype: the core's grad_input_add, the bits of
+    the add as a step of its own, one launch and one tensor fewer); else None, and the caller
+    adds it."""
+    return g if g.shape == x.shape and g.dtype == x.dtype else None
+
+
 def _residual_grad(g: torch.Tensor, rng: Optional[torch.Tensor], p: float) -> torch.Tensor:
     """The gradient of h in _residual from the output's (the residual's is g itself)."""
     return g if rng is None else ops.dropout_backward(g, rng, p)
@@ -166,9 +174,10 @@ _FP8_ATTENTION_SAVED = 14  # (the tensors _fp8_attention saves)
 
 
 def _fp8_attention_backward(g, saved, held, step: Step, metas, freqs, has: tuple,
-                            dtypes: tuple, n_b: int, free: bool) -> tuple:
+                            dtypes: tuple, n_b: int, free: bool, grad_add=None) -> tuple:
     """(grad of x [M, K], of gamma, of beta, of the QKV weight, of its bias, of the projection's
-    weight, of its bias) from g [M, N], the projection output's gradient."""
+    weight, of its bias) from g [M, N], the projection output's gradient; grad_add (an
+    _addable residual gradient of x) added into x's."""
     (x2, g1, ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, o, lse, x_sinv, pw_sinv, x_col,
      pw_col) = saved
     has_beta, has_bp = has
@@ -184,7 +193,7 @@ def _fp8_attention_backward(g, saved, held, step: Step, metas, freqs, has: tuple
     dx, dg1, dbeta1, gw, gb = compiled_blocks.layernorm_linear_block_backward(
         d_qkv, x2, mu, rsigma, g1, has_beta, ln_sinv, ln_col, w_sinv, w_col, *m1, c.norm,
         c.zero_centered_gamma, c.current, c.fwd_dtype, c.bwd_dtype, c.pow2, c.epsilon, c.algo,
-        c.margin, True, True, wqkv_dtype, wqkv_dtype if n_b else None)
+        c.margin, True, True, wqkv_dtype, wqkv_dtype if n_b else None, grad_add)
     return dx, dg1, dbeta1 if has_beta else None, gw, gb, gw_p, gb_p if has_bp else None
 
 
@@ -241,21 +250,25 @@ class Layer(torch.autograd.Function):
         g = grad.reshape(-1, shape[-1]).contiguous()
         p, rng1, rng2 = ctx.dropout
         c = step.mlp
-        d_mid, dg2, dbeta2, gw1, gb1, gw2, gb2 = compiled_blocks.layernorm_mlp_block_backward(
+        g_add = _addable(g, mid)
+        g_mid, dg2, dbeta2, gw1, gb1, gw2, gb2 = compiled_blocks.layernorm_mlp_block_backward(
             _residual_grad(g, rng2, p), mid, mu2, rs2, g2, has_beta2, ln_sinv2, ln_col2, w1_sinv,
             w1_col, h, step.act, a_sinv, a_col, w2_sinv, w2_col, *m3, c.norm,
             c.zero_centered_gamma, c.current,
             c.fwd_dtype, c.bwd_dtype, c.pow2, c.epsilon, c.algo, c.margin, True, True, True, True,
-            w1_dtype, w1_dtype if has_b1 else None, w2_dtype, w2_dtype if has_b2 else None)
+            w1_dtype, w1_dtype if has_b1 else None, w2_dtype, w2_dtype if has_b2 else None,
+            g_add)
         # (what the node made goes once read, as the modules' nodes let it go: release.py)
         free = may_release()
         if free:
             release(h, a_col, w2_col, ln_col2, w1_col, mid)
-        g_mid = g + d_mid
+        if g_add is None:
+            g_mid = g + g_mid
+        x_add = _addable(g_mid, attention[0])
         dx, dg1, dbeta1, gw, gb, gw_p, gb_p = _fp8_attention_backward(
             _residual_grad(g_mid, rng1, p), attention, held, step, (m1, m2), ctx.freqs,
-            (has_beta1, has_bp), (wp_dtype, wqkv_dtype), n_b, free)
-        dx = (g_mid + dx).view(shape)
+            (has_beta1, has_bp), (wp_dtype, wqkv_dtype), n_b, free, x_add)
+        dx = (dx if x_add is not None else g_mid + dx).view(shape)
         return (dx, None, None, None, None, None, dg1, dbeta1, gw_p, gb_p, dg2,
                 dbeta2 if has_beta2 else None, gw1, gb1 if has_b1 else None, gw2,
                 gb2 if has_b2 else None, *split_grads(step, n_w, n_b, gw, gb))
@@ -310,7 +323,7 @@ _HP_ATTENTION_SAVED = 9
 
 
 def _hp_attention_backward(g, saved, held, step: Step, freqs, has: tuple, n_b: int,
-                           free: bool) -> tuple:
+                           free: bool, grad_add=None) -> tuple:
     """hp_blocks' formulas backward: as _fp8_attention_backward's."""
     x2, mu, rsigma, g1, ln, w_qkv, o, lse, w_p = saved
     has_beta, has_bp = has
@@ -321,7 +334,8 @@ def _hp_attention_backward(g, saved, held, step: Step, freqs, has: tuple, n_b: i
     d_ln, gw, gb = linear_grads((True, True, True), d_qkv, ln, w_qkv, n_b > 0)
     if free:
         release(ln)
-    dx, dg1, dbeta1 = ops.norm_backward(d_ln.contiguous(), x2, mu, rsigma, g1, norm, zc)
+    dx, dg1, dbeta1 = ops.norm_backward(d_ln.contiguous(), x2, mu, rsigma, g1, norm, zc,
+                                        grad_add)
     return dx, dg1, dbeta1 if has_beta else None, gw, gb, gw_p, gb_p if has_bp else None
 
 
@@ -368,15 +382,19 @@ class LayerHP(torch.autograd.Function):
         del d_a
         d_ln2, gw1, gb1 = linear_grads((True, True, True), d_h, ln2, w1, has_b1)
         del d_h
-        d_mid, dg2, dbeta2 = ops.norm_backward(d_ln2.contiguous(), mid, mu2, rs2, g2, norm2, zc2)
+        g_add = _addable(g, mid)
+        g_mid, dg2, dbeta2 = ops.norm_backward(d_ln2.contiguous(), mid, mu2, rs2, g2, norm2, zc2,
+                                               g_add)
         del d_ln2
         if free:
             release(a, h, ln2, mid)
-        g_mid = g + d_mid
+        if g_add is None:
+            g_mid = g + g_mid
+        x_add = _addable(g_mid, saved[0])
         dx, dg1, dbeta1, gw, gb, gw_p, gb_p = _hp_attention_backward(
             _residual_grad(g_mid, rng1, p), saved[:_HP_ATTENTION_SAVED], held, step, ctx.freqs,
-            (has_beta1, has_bp), n_b, free)
-        dx = (g_mid + dx).view(shape)
+            (has_beta1, has_bp), n_b, free, x_add)
+        dx = (dx if x_add is not None else g_mid + dx).view(shape)
         return (dx, None, None, None, None, dg1, dbeta1, gw_p, gb_p, dg2,
                 dbeta2 if has_beta2 else None, gw1, gb1 if has_b1 else None, gw2,
                 gb2 if has_b2 else None, *split_grads(step, n_w, n_b, gw, gb))

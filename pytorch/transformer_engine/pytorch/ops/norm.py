@@ -168,14 +168,18 @@ def _grads(x: torch.Tensor, gamma: torch.Tensor, norm: str):
 
 @custom_op(f"{_NS}::norm_backward", mutates_args=())
 def norm_backward(dy: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, rsigma: torch.Tensor,
-                  gamma: torch.Tensor, norm: str, zero_centered_gamma: bool
+                  gamma: torch.Tensor, norm: str, zero_centered_gamma: bool,
+                  grad_input_add: Optional[torch.Tensor] = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (grad_input in x's dtype, grad_gamma and grad_beta in gamma's dtype; grad_beta
-    empty for RMSNorm) from the forward's x, mu (ignored for RMSNorm) and rsigma."""
+    empty for RMSNorm) from the forward's x, mu (ignored for RMSNorm) and rsigma.
+    ``grad_input_add`` (x's shape and dtype): a residual gradient added into grad_input, with
+    the bits of ``grad_input_add + grad_input`` taken in a step of its own."""
     _check("norm_backward", x, gamma, None, norm, False)
-    if dy.shape != x.shape or dy.dtype != x.dtype:
-        raise ValueError(f"norm_backward: grad_output must match the input ({list(x.shape)}, "
-                         f"{x.dtype}), got {list(dy.shape)}, {dy.dtype}")
+    for name, t in (("grad_output", dy), ("grad_input_add", grad_input_add)):
+        if t is not None and (t.shape != x.shape or t.dtype != x.dtype):
+            raise ValueError(f"norm_backward: {name} must match the input ({list(x.shape)}, "
+                             f"{x.dtype}), got {list(t.shape)}, {t.dtype}")
     dx, dgamma, dbeta = _grads(x, gamma, norm)
     if x.numel() == 0:  # no rows: the column sums are empty sums
         dgamma.zero_()
@@ -189,9 +193,11 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, rsigma: t
         workspace = torch.empty((max(size, 1),), dtype=torch.uint8, device=x.device)
     dy, x, rsigma, gamma = dy.contiguous(), x.contiguous(), rsigma.contiguous(), gamma.contiguous()
     mu = mu.contiguous() if norm == "layernorm" else None
+    add_t = None if grad_input_add is None else grad_input_add.contiguous()  # (alive for the call)
+    add = None if add_t is None else raw(add_t)
     c.norm_backward(_te_norm(norm), raw(dy), raw(x), None if mu is None else raw(mu),
                     raw(rsigma), raw(gamma), grad_input=raw(dx), grad_gamma=raw(dgamma),
-                    grad_beta=raw(dbeta) if norm == "layernorm" else None,
+                    grad_beta=raw(dbeta) if norm == "layernorm" else None, grad_input_add=add,
                     zero_centered_gamma=zero_centered_gamma,
                     workspace=None if workspace is None else raw(workspace),
                     stream=stream_of(x))
@@ -199,6 +205,6 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, rsigma: t
 
 
 @norm_backward.register_fake
-def _(dy, x, mu, rsigma, gamma, norm, zero_centered_gamma):
+def _(dy, x, mu, rsigma, gamma, norm, zero_centered_gamma, grad_input_add=None):
     _check("norm_backward", x, gamma, None, norm, False)
     return _grads(x, gamma, norm)
