@@ -394,8 +394,9 @@ def test_backward(device, norm, dtype, shape, zero_centered):
 
 @pytest.mark.parametrize("norm", list(NORMS))
 @pytest.mark.parametrize("dtype", list(HP))
-# (3, 5), (17, 33): the general kernel; (70, 256), (40, 8192): rows in registers (but fp32 at 8192)
-@pytest.mark.parametrize("shape", [(3, 5), (17, 33), (70, 256), (40, 8192)])
+# (3, 5), (17, 33): the general kernel; the others rows in registers, 1, 2, 4 and 8 vectors per
+# thread for 16-bit inputs (fp32 at 8192: the general kernel)
+@pytest.mark.parametrize("shape", [(3, 5), (17, 33), (70, 256), (16, 2048), (64, 4096), (40, 8192)])
 def test_backward_adds_the_residual_gradient(device, norm, dtype, shape):
     """grad_input_add gives the bits of dx written in the dtype, then added in a separate step
     (fp32 sum, rounded to the dtype: what torch's add of the two does); the column sums are

@@ -90,12 +90,13 @@ TE_HOST_DEVICE float norm_grad_input(float dyg, float xhat, float m1, float m2, 
 }
 
 // grad_input's value with the residual gradient `add` added as norm.h states it: dx rounded to
-// the dtype, then the sum (which the store rounds).
+// the dtype, then the sum (which the store rounds), a NaN sum as the canonical NaN (an fp32
+// grad_input keeps it as it is, and the CPU would pass an operand's NaN through).
 TE_HOST_DEVICE float norm_add_rounded(float dx, float add, te_dtype dtype) {
   const float rounded = dtype == TE_DTYPE_FLOAT32   ? dx
                         : dtype == TE_DTYPE_FLOAT16 ? fp16_to_float(float_to_fp16(dx))
                                                     : bf16_to_float(float_to_bf16(dx));
-  return rounded + add;
+  return canonical(rounded + add);
 }
 
 void norm_forward_ref(const NormForwardArgs &args);
