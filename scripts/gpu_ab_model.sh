@@ -8,6 +8,8 @@
 # bf16-output GELU against torch's (bench_activation.py --only-bf16). Logs go to $1/log.txt, JSON to $1:
 # model_ab_a{round}*.json, model_ab_b{round}*.json, activation_bf16*.json.
 #
+# scripts/ab_patches/ holds the patches of changes waiting for such a run.
+#
 #   bash scripts/gpu_ab_model.sh OUT_DIR PATCH [ROUNDS]   # TE_GPU_BUDGET_S: seconds to use (560)
 set -u
 out=${1:?usage: gpu_ab_model.sh OUT_DIR PATCH [ROUNDS]}

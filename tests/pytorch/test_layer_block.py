@@ -20,7 +20,7 @@ from te_torch_tests._train_steps import (
 )
 
 import transformer_engine.pytorch as te
-from transformer_engine.pytorch import layer_block
+from transformer_engine.pytorch import layer_block, layer_block_nodes
 
 LAYERS, STEPS = 2, 4
 
@@ -94,6 +94,7 @@ def _record(m: torch.nn.Module, recipe_name, device, forward=None) -> list:
 def _restore():
     yield
     layer_block.enabled = True
+    layer_block_nodes.fold_residual_grads = False
 
 
 def _train(device, on: bool, recipe_name: str, dtype=torch.bfloat16, **kw) -> list:
@@ -112,6 +113,36 @@ def test_node_gives_the_modules_bits(device, config, recipe_name, node_calls):
     # delayed scaling's first step scales from the tensors' own amaxes: the modules' path
     first = 1 if recipe_name == "delayed" else 0
     assert node_calls[0] == LAYERS * (STEPS - first)
+    assert_same_bits(off, on)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", None])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("config", ["layernorm-gelu", "rmsnorm-swiglu-gqa"])
+def test_node_folding_residual_grads_gives_the_modules_bits(device, config, dropout, recipe_name,
+                                                            node_calls, monkeypatch):
+    """With fold_residual_grads, the node's backward adds both residual gradients inside its
+    norms' backward (grad_input_add), with the bits of the modules' separate adds."""
+    folded = []
+
+    def addable(g, x):
+        out = _addable(g, x)
+        folded.append(out is not None)
+        return out
+
+    _addable = layer_block_nodes._addable
+    monkeypatch.setattr(layer_block_nodes, "_addable", addable)
+
+    def train(on: bool) -> list:
+        layer_block.enabled = layer_block_nodes.fold_residual_grads = on
+        m = _layers(device, hidden_dropout=dropout, **CONFIGS[config])
+        return _record(m, recipe_name, device)
+
+    off = train(False)
+    on = train(True)
+    first = 1 if recipe_name == "delayed" else 0
+    assert node_calls[0] == LAYERS * (STEPS - first)
+    assert folded and all(folded)
     assert_same_bits(off, on)
 
 

@@ -130,11 +130,20 @@ def _residual(h: torch.Tensor, residual: torch.Tensor, p: float) -> tuple:
     return ops.dropout_add_forward(h, residual, rng, p), rng
 
 
+# Whether the nodes' backward adds its residual gradients inside the norms' backward (the
+# core's grad_input_add: one launch and one tensor fewer a residual, the same bits) instead of
+# as adds of their own. Off until a GPU run shows it faster: its first kernel doubled the norm
+# backward's time at hidden 4096 (kernel_profile_model_fold_4096_h100.json), and the kernel
+# that since loads the residual gradient with the next row has not yet run on a GPU.
+fold_residual_grads = False
+
+
 def _addable(g: torch.Tensor, x: torch.Tensor) -> Optional[torch.Tensor]:
-    """g, a residual gradient reaching the norm input x, where the norm's backward can add it
-    into its grad_input itself (x's shape and dtype: the core's grad_input_add, the bits of
-    the add as a step of its own, one launch and one tensor fewer); else None, and the caller
-    adds it."""
+    """g, a residual gradient reaching the norm input x, where the norm's backward is to add
+    it into its grad_input itself (fold_residual_grads, and x's shape and dtype); else None,
+    and the caller adds it."""
+    if not fold_residual_grads:
+        return None
     return g if g.shape == x.shape and g.dtype == x.dtype else None
 
 
