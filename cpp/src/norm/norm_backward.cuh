@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     next_x[j].zero(), next_dy[j].zero();
-    if (kAdd) next_add[j].zero();
+    if constexpr (kAdd) next_add[j].zero();
   }
   float next_mu = 0.0f, next_rs = 0.0f;
   auto load = [&](int64_t row) {  // row == rows: none
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kThreads)
       if (row < rows && j < vecs) {
         next_x[j].load(a.input, row * n + col(j));
         next_dy[j].load(a.grad_output, row * n + col(j));
-        if (kAdd) next_add[j].load(a.grad_add, row * n + col(j));
+        if constexpr (kAdd) next_add[j].load(a.grad_add, row * n + col(j));
       }
     }
     if (row < rows) {
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) {
         x[j] = next_x[j], dy[j] = next_dy[j];
-        if (kAdd) add[j] = next_add[j];
+        if constexpr (kAdd) add[j] = next_add[j];
       }
       const float mu = next_mu, rsigma = next_rs;
       load(after(r));
