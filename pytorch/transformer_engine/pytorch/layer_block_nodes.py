@@ -260,7 +260,7 @@ class Layer(torch.autograd.Function):
         p, rng1, rng2 = ctx.dropout
         c = step.mlp
         g_add = _addable(g, mid)
-        g_mid, dg2, dbeta2, gw1, gb1, gw2, gb2 = compiled_blocks.layernorm_mlp_block_backward(
+        d_mid, dg2, dbeta2, gw1, gb1, gw2, gb2 = compiled_blocks.layernorm_mlp_block_backward(
             _residual_grad(g, rng2, p), mid, mu2, rs2, g2, has_beta2, ln_sinv2, ln_col2, w1_sinv,
             w1_col, h, step.act, a_sinv, a_col, w2_sinv, w2_col, *m3, c.norm,
             c.zero_centered_gamma, c.current,
@@ -271,8 +271,7 @@ class Layer(torch.autograd.Function):
         free = may_release()
         if free:
             release(h, a_col, w2_col, ln_col2, w1_col, mid)
-        if g_add is None:
-            g_mid = g + g_mid
+        g_mid = d_mid if g_add is not None else g + d_mid  # (d_mid holds g when folded)
         x_add = _addable(g_mid, attention[0])
         dx, dg1, dbeta1, gw, gb, gw_p, gb_p = _fp8_attention_backward(
             _residual_grad(g_mid, rng1, p), attention, held, step, (m1, m2), ctx.freqs,
@@ -392,13 +391,12 @@ class LayerHP(torch.autograd.Function):
         d_ln2, gw1, gb1 = linear_grads((True, True, True), d_h, ln2, w1, has_b1)
         del d_h
         g_add = _addable(g, mid)
-        g_mid, dg2, dbeta2 = ops.norm_backward(d_ln2.contiguous(), mid, mu2, rs2, g2, norm2, zc2,
+        d_mid, dg2, dbeta2 = ops.norm_backward(d_ln2.contiguous(), mid, mu2, rs2, g2, norm2, zc2,
                                                g_add)
         del d_ln2
         if free:
             release(a, h, ln2, mid)
-        if g_add is None:
-            g_mid = g + g_mid
+        g_mid = d_mid if g_add is not None else g + d_mid  # (d_mid holds g when folded)
         x_add = _addable(g_mid, saved[0])
         dx, dg1, dbeta1, gw, gb, gw_p, gb_p = _hp_attention_backward(
             _residual_grad(g_mid, rng1, p), saved[:_HP_ATTENTION_SAVED], held, step, ctx.freqs,
