@@ -4,9 +4,8 @@
 # 1024 eager, each case in a fresh process, in rounds A, B, A, B, ..., where B is the installed
 # package with PATCH applied (a patch made in the repository root, `git diff` style) and A the
 # package as built. Host speed moves between machines and over hours, so only rounds of one
-# run compare. The first A round also times torch's eager step, and the run first times the
-# bf16-output GELU against torch's (bench_activation.py --only-bf16). Logs go to $1/log.txt, JSON to $1:
-# model_ab_a{round}*.json, model_ab_b{round}*.json, activation_bf16*.json.
+# run compare. The first A round also times torch's eager step. Logs go to $1/log.txt, JSON
+# to $1: model_ab_a{round}*.json, model_ab_b{round}*.json.
 #
 # scripts/ab_patches/ holds the patches of changes waiting for such a run.
 #
@@ -22,7 +21,6 @@ export TE_BENCH_RESULTS=$out
 installed=$(python3 -c "import os, transformer_engine.pytorch as t; print(os.path.dirname(t.__file__))")
 # (the patch names files as pytorch/transformer_engine/pytorch/<file>: strip 4 levels)
 patch --dry-run -s -d "$installed" -p4 < "$patch_file" >> "$log" 2>&1 || { echo "== patch does not apply" >> "$log"; exit 1; }
-step act_bf16 "$(upto 200 60)" python3 benchmarks/bench_activation.py --only-bf16 --name "activation_bf16$suffix"
 set -f  # the case patterns are globs for bench_model, not for the shell
 for r in $(seq 1 "$rounds"); do
   for side in a b; do

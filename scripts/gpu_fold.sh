@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One GPU run deciding layer_block_nodes.fold_residual_grads (the layer node adding its
+# backward's residual gradients inside the norms' backward): builds the core (CUDA, sm_90a) and
+# the torch package as committed, runs the norm and layer node CUDA tests (the folded backward
+# against the modules' bits among them), profiles the FP8 stack at hidden 4096 kernel by kernel
+# with the fold off and on (the norm backward's time against the adds it saves), then times
+# the stack at 1024 in rounds off / on (scripts/gpu_ab_model.sh with
+# scripts/ab_patches/fold_residual_grads.patch). Logs go to $1/log.txt and $1/ab/log.txt,
+# JSON to $1: kernel_profile_model_fold_{off,on}_4096*.json, ab/model_ab_{a,b}*.json.
+#
+#   bash scripts/gpu_fold.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (560)
+set -u
+out=${1:?usage: gpu_fold.sh OUT_DIR}
+budget=${TE_GPU_BUDGET_S:-560}
+source "$(dirname "$0")/_gpu_run.sh"
+build_torch_stack
+export TE_BENCH_RESULTS=$out
+step tests "$(upto $((budget - 300)) 120)" python3 -m pytest -p no:cacheprovider -q -m cuda -rfE -n 4 \
+  tests/common/test_norm.py tests/pytorch/test_layer_block.py
+installed=$(python3 -c "import os, transformer_engine.pytorch as t; print(os.path.dirname(t.__file__))")
+for fold in off on; do
+  [ "$fold" = on ] && sed -i 's/^fold_residual_grads = False$/fold_residual_grads = True/' \
+    "$installed/layer_block_nodes.py"
+  grep -n "^fold_residual_grads" "$installed/layer_block_nodes.py" >> "$log"
+  deadline=$((budget - 230)); [ "$fold" = on ] && deadline=$((budget - 170))
+  step "kprof_$fold" "$(upto "$deadline" 60)" python3 \
+    benchmarks/kernel_profile_model.py --hidden 4096 --cases te_layer/fp8_delayed \
+    --name "kernel_profile_model_fold_${fold}_4096$suffix"
+done
+sed -i 's/^fold_residual_grads = True$/fold_residual_grads = False/' "$installed/layer_block_nodes.py"
+TE_GPU_REUSE_BUILD=1 TE_GPU_BUDGET_S=$(left $((budget - 5))) bash "$(dirname "$0")/gpu_ab_model.sh" \
+  "$out/ab" "$(dirname "$0")/ab_patches/fold_residual_grads.patch" 2
+echo "== done at $(( $(date +%s) - start ))s" >> "$log"
