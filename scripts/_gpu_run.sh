@@ -8,6 +8,9 @@
 #   build_torch_stack    the core (CUDA, sm_90a) and the torch package, into this Python
 #                        (TE_GPU_REUSE_BUILD=1: kept from the run before where it imports)
 #   build_jax_stack      build_torch_stack (benchmark harnesses import torch), then the jax package
+#   torch_package        the installed transformer_engine.pytorch's folder (to patch what runs)
+#   set_flag FILE NAME VALUE   sets the module-level `NAME = ...` line of FILE in that folder to
+#                        VALUE (True/False) and logs the line
 # Wheels in .whl/ (brought for a machine without network: cudnn-frontend, torchao, nox) are
 # installed beside the machine's packages first.
 mkdir -p "$out"
@@ -44,6 +47,15 @@ build_torch_stack() {
     -C cmake.define.TE_WITH_CUDA=ON -C cmake.define.TE_CUDA_ARCHITECTURES=90a ./common
   step build_torch 120 env CXX=/usr/bin/g++ CC=/usr/bin/gcc python3 -m pip install \
     --no-build-isolation --no-deps -q ./pytorch
+}
+torch_package() {
+  python3 -c "import os, transformer_engine.pytorch as t; print(os.path.dirname(t.__file__))"
+}
+set_flag() {
+  local file
+  file="$(torch_package)/$1"
+  sed -i "s/^$2 = \(True\|False\)\$/$2 = $3/" "$file"
+  grep -n "^$2 = " "$file" >> "$log"
 }
 build_jax_stack() {
   build_torch_stack

@@ -18,7 +18,7 @@ budget=${TE_GPU_BUDGET_S:-560}
 source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack
 export TE_BENCH_RESULTS=$out
-installed=$(python3 -c "import os, transformer_engine.pytorch as t; print(os.path.dirname(t.__file__))")
+installed=$(torch_package)
 # (the patch names files as pytorch/transformer_engine/pytorch/<file>: strip 4 levels)
 patch --dry-run -s -d "$installed" -p4 < "$patch_file" >> "$log" 2>&1 || { echo "== patch does not apply" >> "$log"; exit 1; }
 set -f  # the case patterns are globs for bench_model, not for the shell

@@ -17,17 +17,14 @@ build_torch_stack
 export TE_BENCH_RESULTS=$out
 step tests "$(upto $((budget - 300)) 120)" python3 -m pytest -p no:cacheprovider -q -m cuda -rfE -n 4 \
   tests/common/test_norm.py tests/pytorch/test_layer_block.py
-installed=$(python3 -c "import os, transformer_engine.pytorch as t; print(os.path.dirname(t.__file__))")
 for fold in off on; do
-  [ "$fold" = on ] && sed -i 's/^fold_residual_grads = False$/fold_residual_grads = True/' \
-    "$installed/layer_block_nodes.py"
-  grep -n "^fold_residual_grads" "$installed/layer_block_nodes.py" >> "$log"
+  [ "$fold" = on ] && set_flag layer_block_nodes.py fold_residual_grads True
   deadline=$((budget - 230)); [ "$fold" = on ] && deadline=$((budget - 170))
   step "kprof_$fold" "$(upto "$deadline" 60)" python3 \
     benchmarks/kernel_profile_model.py --hidden 4096 --cases te_layer/fp8_delayed \
     --name "kernel_profile_model_fold_${fold}_4096$suffix"
 done
-sed -i 's/^fold_residual_grads = True$/fold_residual_grads = False/' "$installed/layer_block_nodes.py"
+set_flag layer_block_nodes.py fold_residual_grads False
 TE_GPU_REUSE_BUILD=1 TE_GPU_BUDGET_S=$(left $((budget - 5))) bash "$(dirname "$0")/gpu_ab_model.sh" \
   "$out/ab" "$(dirname "$0")/ab_patches/fold_residual_grads.patch" 2
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"

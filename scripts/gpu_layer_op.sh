@@ -20,9 +20,7 @@ step bench_off "$(upto $((budget - 150)) 130)" python3 benchmarks/bench_model.py
   --isolate --budget-s 110 --module-iters 200 --name "model_layer_op_off$suffix" \
   --variants 'te_layer/fp8_delayed/eager' 'te_layer/fp8_delayed/compile'
 set +f
-installed=$(python3 -c "import os, transformer_engine.pytorch as t; print(os.path.dirname(t.__file__))")
-sed -i 's/^on_cuda = False$/on_cuda = True/' "$installed/layer_block_op.py"
-grep -n "^on_cuda" "$installed/layer_block_op.py" >> "$log"
+set_flag layer_block_op.py on_cuda True
 step op_tests "$(upto $((budget - 110)) 90)" python3 -m pytest -p no:cacheprovider -q -m cuda -rfE \
   -n 4 tests/pytorch/test_layer_block.py -k "compiled"
 set -f
