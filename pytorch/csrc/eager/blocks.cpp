@@ -125,8 +125,8 @@ std::tuple<Tensor, Tensor, Tensor> norm_backward(const Tensor &dy, const Tensor 
   if (has_beta) hdb.set(TE_SLOT_DATA, buffer(dbeta.data_ptr(), g_dtype, {k}, x));
   const te_norm_config config{static_cast<te_norm_type>(norm), 0.0f, zero_centered_gamma ? 1 : 0, 0};
   check(te_norm_backward(&config, hdy.get(), hx.get(), layernorm ? hmu.get() : nullptr, hr.get(), hg.get(),
-                         grad_add.has_value() ? hadd.get() : nullptr, hdx.get(), hdg.get(), has_beta ? hdb.get() : nullptr, x.is_cuda() ? ws.data_ptr() : nullptr,
-                         ws_size, stream),
+                         grad_add.has_value() ? hadd.get() : nullptr, hdx.get(), hdg.get(),
+                         has_beta ? hdb.get() : nullptr, x.is_cuda() ? ws.data_ptr() : nullptr, ws_size, stream),
         op);
   return {dx, dgamma, dbeta};
 }
