@@ -5,8 +5,11 @@
 # against the modules' bits among them), profiles the FP8 stack at hidden 4096 kernel by kernel
 # with the fold off and on (the norm backward's time against the adds it saves), then times
 # the stack at 1024 in rounds off / on (scripts/gpu_ab_model.sh with
-# scripts/ab_patches/fold_residual_grads.patch). Logs go to $1/log.txt and $1/ab/log.txt,
-# JSON to $1: kernel_profile_model_fold_{off,on}_4096*.json, ab/model_ab_{a,b}*.json.
+# scripts/ab_patches/fold_residual_grads.patch). The activations' CUDA tests of 16-bit outputs
+# and bench_activation's bf16 GELU against torch's come first: the norms and activations share
+# the hardware 16-bit conversion (cuda_utils.cuh, pack_hp8), and the A/B's bf16 steps time it
+# in the model. Logs go to $1/log.txt and $1/ab/log.txt, JSON to $1:
+# activation_bf16*.json, kernel_profile_model_fold_{off,on}_4096*.json, ab/model_ab_{a,b}*.json.
 #
 #   bash scripts/gpu_fold.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (560)
 set -u
@@ -16,7 +19,10 @@ source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack
 export TE_BENCH_RESULTS=$out
 step tests "$(upto $((budget - 300)) 120)" python3 -m pytest -p no:cacheprovider -q -m cuda -rfE -n 4 \
-  tests/common/test_norm.py tests/pytorch/test_layer_block.py
+  tests/common/test_norm.py tests/pytorch/test_layer_block.py tests/common/test_activation.py \
+  -k "not test_activation or half_precision or nan or many_tiles or known"
+step act_bench "$(upto $((budget - 270)) 40)" python3 benchmarks/bench_activation.py --only-bf16 \
+  --name "activation_bf16$suffix"
 for fold in off on; do
   [ "$fold" = on ] && set_flag layer_block_nodes.py fold_residual_grads True
   deadline=$((budget - 230)); [ "$fold" = on ] && deadline=$((budget - 170))

@@ -459,6 +459,49 @@ def _with_specials(rng, x, dtype):
     return x
 
 
+@pytest.mark.parametrize("shape", [(32, 64), (17, 40)], ids=["fast", "masked"])
+@pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("act", ["identity", "gelu", "swiglu"])
+def test_half_precision_outputs_with_nan_and_extremes(device, act, direction, out_dtype, shape):
+    """16-bit outputs of NaNs (both signs, any payload), infinities, subnormals and values that
+    round to the format's limits, beside rows without any: each value the fp32 one rounded to
+    nearest even, each NaN the reference's one pattern (0x7FC0 bf16, 0x7E00 fp16), on the
+    CUDA kernel's fast path (vectors converted by the hardware, NaN patterns put back) and on
+    its masked path."""
+    rng = np.random.default_rng([7, ACTS.index(act), *shape])
+    x = random_values(rng, input_shape(act, shape), np.float32)
+    specials = np.concatenate([
+        SPECIAL,
+        np.array([0x7FC00001, 0xFFC00000, 0x7F800001, 0xFF812345], np.uint32).view(np.float32),
+        np.array([65519.0, 65520.0, -65520.0, 6e-8, 3e-8, -2.9e-8, 1e-39, -1e-39,
+                  3.3961776e38, 3.3961778e38], np.float32),
+    ])
+    # Specials in the first rows only, so that later rows of the same patches and whole
+    # patches elsewhere hold none.
+    flat = x.reshape(-1)
+    flat[: specials.size] = specials
+    g = None
+    if direction == "backward":
+        g = random_values(rng, shape, np.float32, -1.0, 1.0)
+        g.reshape(-1)[-specials.size:] = specials  # and in the incoming gradient
+
+    def again(d):
+        return run(d, act, direction, x, g, out_dtype=out_dtype)
+
+    got = again(device)
+    wide = run(device.cpu, act, direction, x, g)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref.assert_float_equal(got["data"], wide["data"].astype(DTYPES[out_dtype]),
+                               "data = fp32 rounded")
+    bits = got["data"].view(np.uint16)
+    nan = np.isnan(got["data"].astype(np.float32))
+    assert nan.any()
+    assert np.all(bits[nan] == (0x7FC0 if out_dtype == "bfloat16" else 0x7E00)), "NaN pattern"
+    np.testing.assert_array_equal(nan, np.isnan(wide["data"]))
+    check_cuda_matches_cpu(device, got, again)
+
+
 @pytest.mark.parametrize("in_dtype", DTYPES)
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 @pytest.mark.parametrize("act", ["identity", "gelu", "srelu", "swiglu"])

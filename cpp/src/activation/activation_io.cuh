@@ -230,11 +230,8 @@ __device__ __forceinline__ uint32_t fp8x4_raw(float a, float b, float c, float d
   return fp8x4_nan_raw<kFp8Dtype<kKind>>(a, b, c, d);
 }
 
-// Eight high-precision values of row-wise index i.. (fp32 NaN written as kCanonicalNaN; the
-// 16-bit conversions write their own canonical NaN). Fast: one or two 128-bit stores.
-// The 16-bit stores branch on the dtype (uniform across the grid) before converting: a select
-// between the two conversions computed both for every element, and the fp16 one (subnormals,
-// rounding) costs more than the activation's own arithmetic, in a kernel that is issue-bound.
+// One high-precision value at row-wise index i (fp32 NaN written as kCanonicalNaN; the 16-bit
+// conversions write their own canonical NaN): the masked path's store.
 __device__ __forceinline__ void store_hp_one(void *out, int64_t i, te_dtype dt, float v) {
   if (dt == TE_DTYPE_FLOAT32) {
     static_cast<float *>(out)[i] = canonical(v);
@@ -245,23 +242,26 @@ __device__ __forceinline__ void store_hp_one(void *out, int64_t i, te_dtype dt, 
   }
 }
 
-template <uint16_t (*kConvert)(float)>
-__device__ __forceinline__ uint4 pack_eight(const float (&y)[8]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) w[k] = kConvert(y[2 * k]) | (static_cast<uint32_t>(kConvert(y[2 * k + 1])) << 16);
-  return make_uint4(w[0], w[1], w[2], w[3]);
+// Eight high-precision values as one or two 128-bit words: 16-bit types by the hardware's
+// conversion (pack_hp8: the reference's bits, its NaN pattern put back where nan says a value
+// may be one), fp32 as they are (NaN as kCanonicalNaN where nan). The store branches on the
+// dtype (uniform across the grid) before converting, so that only one conversion is issued.
+__device__ __forceinline__ uint4 pack_hp16_eight(te_dtype dt, const float (&y)[8], bool nan) {
+  return dt == TE_DTYPE_BFLOAT16 ? pack_hp8<true>(y, nan) : pack_hp8<false>(y, nan);
 }
 
-__device__ __forceinline__ void store_hp_eight(void *out, int64_t i, te_dtype dt, const float (&y)[8]) {
+__device__ __forceinline__ void store_hp_eight(void *out, int64_t i, te_dtype dt, const float (&y)[8], bool nan) {
   if (dt == TE_DTYPE_FLOAT32) {
     float4 *q = reinterpret_cast<float4 *>(static_cast<float *>(out) + i);
-    q[0] = make_float4(canonical(y[0]), canonical(y[1]), canonical(y[2]), canonical(y[3]));
-    q[1] = make_float4(canonical(y[4]), canonical(y[5]), canonical(y[6]), canonical(y[7]));
-  } else if (dt == TE_DTYPE_BFLOAT16) {
-    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + i) = pack_eight<float_to_bf16>(y);
+    if (nan) {
+      q[0] = make_float4(canonical(y[0]), canonical(y[1]), canonical(y[2]), canonical(y[3]));
+      q[1] = make_float4(canonical(y[4]), canonical(y[5]), canonical(y[6]), canonical(y[7]));
+    } else {
+      q[0] = make_float4(y[0], y[1], y[2], y[3]);
+      q[1] = make_float4(y[4], y[5], y[6], y[7]);
+    }
   } else {
-    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + i) = pack_eight<float_to_fp16>(y);
+    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + i) = pack_hp16_eight(dt, y, nan);
   }
 }
 

@@ -126,15 +126,18 @@ __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBl
           patch_amax = act::max_keep_nan(patch_amax, fabsf(y[q][j]));
           if constexpr (kBackward) csum[q][j] += y[q][j];
         }
+        // (NaN so far in the patch: the high-precision stores then put back the reference's
+        // NaN pattern)
+        [[maybe_unused]] const bool nan = patch_amax != patch_amax;
         if constexpr (kFp8) {
           lo[q][i] = fp8x4_raw<kKind>(y[q][0] * scale, y[q][1] * scale, y[q][2] * scale, y[q][3] * scale);
           hi[q][i] = fp8x4_raw<kKind>(y[q][4] * scale, y[q][5] * scale, y[q][6] * scale, y[q][7] * scale);
         } else if constexpr (kKind == Out::kHighPrecision) {
           const int64_t base = row * p.out_cols + q * p.n + pcol;  // row-wise index of y[q][0]
           if (defer_hp) {
-            hp16[q][i] = p.out_dtype == TE_DTYPE_BFLOAT16 ? pack_eight<float_to_bf16>(y[q]) : pack_eight<float_to_fp16>(y[q]);
+            hp16[q][i] = pack_hp16_eight(p.out_dtype, y[q], nan);
           } else if (p.fast) {
-            if (row < p.rows && pcol < p.n) store_hp_eight(p.out, base, p.out_dtype, y[q]);
+            if (row < p.rows && pcol < p.n) store_hp_eight(p.out, base, p.out_dtype, y[q], nan);
           } else if (row < p.rows) {
 #pragma unroll
             for (int j = 0; j < 8; ++j) {

@@ -7,6 +7,8 @@
 #ifndef TRANSFORMER_ENGINE_SRC_COMMON_CUDA_UTILS_CUH_
 #define TRANSFORMER_ENGINE_SRC_COMMON_CUDA_UTILS_CUH_
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -232,6 +234,45 @@ __device__ __forceinline__ void load_hp8(const void *p, int64_t i, float (&x)[8]
   } else {
     decode_hp8<kIn>(*reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(p) + i), x);
   }
+}
+
+// Two 16-bit halves of w (bf16, else fp16) with every NaN set to the reference's one pattern
+// (float_to_bf16: 0x7FC0, float_to_fp16: 0x7E00), whatever its sign and payload.
+template <bool kBf16>
+__device__ __forceinline__ uint32_t canonical_hp_nan2(uint32_t w) {
+  constexpr uint32_t kInf = kBf16 ? 0x7F80u : 0x7C00u;
+  constexpr uint32_t kNaN = kBf16 ? 0x7FC07FC0u : 0x7E007E00u;
+  // Adding 0x8000 - (inf + 1) to a half's magnitude sets its bit 15 exactly when it is a NaN
+  // (no carry leaves the half: 0x7FFF plus the addend stays below 0x10000).
+  constexpr uint32_t kBias = (0x8000u - (kInf + 1)) * 0x00010001u;
+  const uint32_t top = ((w & 0x7FFF7FFFu) + kBias) & 0x80008000u;
+  const uint32_t mask = top | (top - (top >> 15));  // 0xFFFF in NaN halves
+  return (w & ~mask) | (kNaN & mask);
+}
+
+// 8 values packed as bf16 (kBf16) or fp16 by the hardware's conversion, one instruction per
+// two values: it rounds to nearest even, keeps subnormals and overflows to infinity exactly as
+// float_to_bf16 and float_to_fp16 do, and differs from them only in NaN's pattern, which a
+// vector that may hold a NaN (nan) gets replaced with the reference's. The software
+// conversions cost 6 to 12 integer instructions a value, in kernels that are issue-bound.
+template <bool kBf16>
+__device__ __forceinline__ uint4 pack_hp8(const float (&v)[8], bool nan) {
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (kBf16) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+      w[k] = *reinterpret_cast<const uint32_t *>(&h);
+    } else {
+      const __half2 h = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
+      w[k] = *reinterpret_cast<const uint32_t *>(&h);
+    }
+  }
+  if (nan) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = canonical_hp_nan2<kBf16>(w[k]);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // 8 consecutive high-precision elements as loaded, decoded later: loads are issued before any

@@ -148,20 +148,6 @@ __device__ __forceinline__ void store_any8(void *p, int64_t i, te_dtype d, const
   *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(p) + i) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Two 16-bit halves of w (bf16, else fp16) with every NaN set to the reference's one pattern
-// (float_to_bf16: 0x7FC0, float_to_fp16: 0x7E00), whatever its sign and payload.
-template <bool kBf16>
-__device__ __forceinline__ uint32_t canonical_hp_nan2(uint32_t w) {
-  constexpr uint32_t kInf = kBf16 ? 0x7F80u : 0x7C00u;
-  constexpr uint32_t kNaN = kBf16 ? 0x7FC07FC0u : 0x7E007E00u;
-  // Adding 0x8000 - (inf + 1) to a half's magnitude sets its bit 15 exactly when it is a NaN
-  // (no carry leaves the half: 0x7FFF plus the addend stays below 0x10000).
-  constexpr uint32_t kBias = (0x8000u - (kInf + 1)) * 0x00010001u;
-  const uint32_t top = ((w & 0x7FFF7FFFu) + kBias) & 0x80008000u;
-  const uint32_t mask = top | (top - (top >> 15));  // 0xFFFF in NaN halves
-  return (w & ~mask) | (kNaN & mask);
-}
-
 // As store_any8, with the hardware conversions (one instruction per two values): they round to
 // nearest even, keep subnormals and overflow to infinity exactly like float_to_bf16 and
 // float_to_fp16, and differ only in NaN's pattern, which a vector that may hold one (nan:
@@ -171,24 +157,8 @@ __device__ __forceinline__ void store_hp8(void *p, int64_t i, te_dtype d, const 
     store_any8(p, i, d, v);
     return;
   }
-  uint32_t w[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    if (d == TE_DTYPE_BFLOAT16) {
-      const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
-      w[k] = *reinterpret_cast<const uint32_t *>(&h);
-    } else {
-      const __half2 h = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
-      w[k] = *reinterpret_cast<const uint32_t *>(&h);
-    }
-  }
-  if (nan) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      w[k] = d == TE_DTYPE_BFLOAT16 ? canonical_hp_nan2<true>(w[k]) : canonical_hp_nan2<false>(w[k]);
-    }
-  }
-  *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(p) + i) = make_uint4(w[0], w[1], w[2], w[3]);
+  *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(p) + i) =
+      d == TE_DTYPE_BFLOAT16 ? pack_hp8<true>(v, nan) : pack_hp8<false>(v, nan);
 }
 
 // A row's 8-element vectors read from global memory on every pass (the general kernels:
