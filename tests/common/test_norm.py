@@ -262,10 +262,45 @@ def test_forward_fp8_nan_and_scale_edges(device, fp8, scale, out_dtype):
     assert nan_rows[5] and np.isnan(got["y"][5].astype(np.float32)).all() and nan_rows.sum() == 1
     if device.is_cuda:
         cpu = run_forward(device.cpu, x, gamma, beta, "layernorm", **kw)
-        for k in ("q", "qt", "y", "scale_inv"):
+        for k in ("q", "qt", "y", "scale_inv", "mu", "rsigma", "amax"):
             np.testing.assert_array_equal(bits(got[k]), bits(cpu[k]), err_msg=f"cuda != cpu: {k}")
-        for k in ("mu", "rsigma", "amax"):
-            ref.assert_float_equal(got[k], cpu[k], f"cuda != cpu: {k}")
+
+
+# NaNs of other payloads and signs than the one the norm writes (0x7FC00000).
+FOREIGN_NANS = np.array([0x7FC00001, 0xFFC00000, 0x7F800001, 0xFFFFFFFF],
+                        np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+@pytest.mark.parametrize("n", [1024, 1000], ids=["rows_kernel", "general_kernel"])
+def test_fp32_nan_is_one_pattern(device, norm, n):
+    """fp32 inputs holding NaNs of any payload and sign, and an infinity (whose row's statistics
+    turn NaN by arithmetic, inf - inf or inf * 0): every NaN the norm writes, in y, mu, rsigma,
+    amax, dx, dgamma and dbeta, is 0x7FC00000, and on CUDA each output equals the CPU's bit for
+    bit (the x86 CPU makes negative NaNs, the GPU 0x7FFFFFFF: both are rewritten)."""
+    rng = np.random.default_rng(stable_seed(norm, n))
+    x, gamma, beta = make_inputs(rng, (32, n), "float32", "float32")
+    x[3, 7], x[9, 0], x[12, n - 1] = FOREIGN_NANS[:3]
+    x[20, 5] = np.inf
+    kw = dict(out_dtype="float32", fp8="e4m3", scale=2.0)
+    fwd = run_forward(device, x, gamma, beta, norm, **kw)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    dy[25, 3] = FOREIGN_NANS[3]
+    back = run_backward(device, dy, x, gamma, norm, fwd.get("mu"), fwd["rsigma"])
+    got = {**fwd, **back}
+    nan_rows = np.isnan(got["y"]).any(axis=1)
+    np.testing.assert_array_equal(np.flatnonzero(nan_rows), [3, 9, 12, 20])
+    assert np.isnan(got["amax"]).all() and np.isnan(got["dgamma"]).all()
+    for k in ("y", "mu", "rsigma", "amax", "dx", "dgamma", "dbeta"):
+        if k in got:
+            nan = np.isnan(got[k])
+            assert np.all(bits(got[k])[nan] == 0x7FC00000), f"{k}: NaN pattern"
+    if device.is_cuda:
+        cpu_fwd = run_forward(device.cpu, x, gamma, beta, norm, **kw)
+        cpu = {**cpu_fwd, **run_backward(device.cpu, dy, x, gamma, norm, cpu_fwd.get("mu"),
+                                         cpu_fwd["rsigma"])}
+        for k in got:
+            np.testing.assert_array_equal(bits(got[k]), bits(cpu[k]), err_msg=f"cuda != cpu: {k}")
 
 
 @pytest.mark.parametrize("norm", list(NORMS))

@@ -8,7 +8,9 @@
  * Statistics and y are computed in fp32 from the decoded input. Row sums are taken in one fixed
  * order (the same on the CPU and CUDA), so every output is bit-identical across devices:
  * element i of a row goes to lane (i / 8) % 128, lanes accumulate in increasing i, and the 128
- * lanes are added pairwise (lane l += lane l + s for s = 64, 32, ..., 1).
+ * lanes are added pairwise (lane l += lane l + s for s = 64, 32, ..., 1). A NaN is written as
+ * the one pattern of its dtype, whatever arithmetic made it (fp32 0x7FC00000, bf16 0x7FC0,
+ * fp16 0x7E00, FP8 0x7F): outputs, statistics, amax and the gradients alike.
  */
 #ifndef TRANSFORMER_ENGINE_NORM_H_
 #define TRANSFORMER_ENGINE_NORM_H_

@@ -115,7 +115,7 @@ __device__ __forceinline__ float load_any(const void *p, int64_t i, te_dtype d) 
 
 __device__ __forceinline__ void store_any(void *p, int64_t i, te_dtype d, float v) {
   switch (d) {
-    case TE_DTYPE_FLOAT32: static_cast<float *>(p)[i] = v; break;
+    case TE_DTYPE_FLOAT32: static_cast<float *>(p)[i] = canonical(v); break;
     case TE_DTYPE_FLOAT16: static_cast<uint16_t *>(p)[i] = float_to_fp16(v); break;
     default: static_cast<uint16_t *>(p)[i] = float_to_bf16(v); break;
   }
@@ -134,8 +134,8 @@ __device__ __forceinline__ void load_any8(const void *p, int64_t i, te_dtype d, 
 __device__ __forceinline__ void store_any8(void *p, int64_t i, te_dtype d, const float (&v)[8]) {
   if (d == TE_DTYPE_FLOAT32) {
     float4 *q = reinterpret_cast<float4 *>(static_cast<float *>(p) + i);
-    q[0] = make_float4(v[0], v[1], v[2], v[3]);
-    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+    q[0] = make_float4(canonical(v[0]), canonical(v[1]), canonical(v[2]), canonical(v[3]));
+    q[1] = make_float4(canonical(v[4]), canonical(v[5]), canonical(v[6]), canonical(v[7]));
     return;
   }
   uint32_t w[4];
@@ -154,7 +154,13 @@ __device__ __forceinline__ void store_any8(void *p, int64_t i, te_dtype d, const
 // abs_max8 is NaN) gets replaced with the reference's.
 __device__ __forceinline__ void store_hp8(void *p, int64_t i, te_dtype d, const float (&v)[8], bool nan) {
   if (d == TE_DTYPE_FLOAT32) {
-    store_any8(p, i, d, v);
+    if (nan) {
+      store_any8(p, i, d, v);
+    } else {
+      float4 *q = reinterpret_cast<float4 *>(static_cast<float *>(p) + i);
+      q[0] = make_float4(v[0], v[1], v[2], v[3]);
+      q[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
     return;
   }
   *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(p) + i) =

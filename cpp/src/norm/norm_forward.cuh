@@ -324,8 +324,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
       for (int r = 0; r < kRows; ++r) {
         rs[r] = norm_rsigma(acc[r], n, a.eps);
         if (t == 0 && row0 + r < rows) {
-          if (kLn) a.mu[row0 + r] = mu[r];
-          a.rsigma[row0 + r] = rs[r];
+          if (kLn) a.mu[row0 + r] = canonical(mu[r]);
+          a.rsigma[row0 + r] = canonical(rs[r]);
         }
       }
       // y of the vector v of row r; returns max |y|, NaN if one is.
@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
   if constexpr (kFp8) {
     const uint32_t block = block_max<kBlockThreads>(float_bits(amax), warp_amax);
     if (threadIdx.x == 0) {
-      if (a.amax != nullptr) atomic_max_amax(a.amax, block);
+      if (a.amax != nullptr) atomic_max_amax(a.amax, is_nan_bits(block) ? kCanonicalNaN : block);
       if (blockIdx.x == 0) *a.scale_inv = canonical_div(1.0f, scale);
     }
   }
@@ -439,8 +439,8 @@ __global__ void __launch_bounds__(kThreads) norm_forward_any_kernel(const NormFo
   group_lane_sums(acc, scratch[1], 1);
   const float rsigma = norm_rsigma(acc[0], n, a.eps);
   if (threadIdx.x == 0) {
-    if (ln) a.mu[r] = mu;
-    a.rsigma[r] = rsigma;
+    if (ln) a.mu[r] = canonical(mu);
+    a.rsigma[r] = canonical(rsigma);
   }
   const float scale = a.has_fp8 ? *a.scale : 1.0f;
   const bool e4m3 = a.fp8_dtype == TE_DTYPE_FLOAT8_E4M3;
@@ -492,7 +492,7 @@ __global__ void __launch_bounds__(kThreads) norm_forward_any_kernel(const NormFo
   if (a.has_fp8) {
     const uint32_t m = block_max<kThreads>(float_bits(amax), warp_amax);
     if (threadIdx.x == 0) {
-      if (a.amax != nullptr) atomic_max_amax(a.amax, m);
+      if (a.amax != nullptr) atomic_max_amax(a.amax, is_nan_bits(m) ? kCanonicalNaN : m);
       if (blockIdx.x == 0) *a.scale_inv = canonical_div(1.0f, scale);
     }
   }

@@ -41,11 +41,11 @@ void norm_forward_ref(const NormForwardArgs &a) {
       return d * d;
     });
     const float rsigma = norm_rsigma(sum_sq, n, a.eps);
-    if (ln) a.mu[r] = mu;
-    a.rsigma[r] = rsigma;
+    if (ln) a.mu[r] = canonical(mu);
+    a.rsigma[r] = canonical(rsigma);
     for (int64_t j = 0; j < n; ++j) {
       const float y = norm_output(norm_xhat(x[j], mu, rsigma, ln), g[j], b[j], ln);
-      if (a.output != nullptr) store_hp(a.output, r * n + j, a.output_dtype, y);
+      if (a.output != nullptr) store_hp(a.output, r * n + j, a.output_dtype, canonical(y));
       if (a.has_fp8) {
         const uint8_t q = to_fp8(y * scale, a.fp8_dtype);
         a.fp8[r * n + j] = q;
@@ -57,7 +57,7 @@ void norm_forward_ref(const NormForwardArgs &a) {
   if (a.has_fp8) {
     *a.scale_inv = canonical_div(1.0f, scale);
     if (a.amax != nullptr) {
-      *a.amax = bits_float(a.accumulate_amax ? std::max(float_bits(*a.amax), amax_bits) : amax_bits);
+      *a.amax = canonical(bits_float(a.accumulate_amax ? std::max(float_bits(*a.amax), amax_bits) : amax_bits));
     }
   }
 }
@@ -87,7 +87,7 @@ void norm_backward_ref(const NormBackwardArgs &a) {
         if (a.grad_add != nullptr) {
           dx = norm_add_rounded(dx, load_hp(a.grad_add, r * n + j, a.grad_input_dtype), a.grad_input_dtype);
         }
-        store_hp(a.grad_input, r * n + j, a.grad_input_dtype, dx);
+        store_hp(a.grad_input, r * n + j, a.grad_input_dtype, canonical(dx));
         part_g[j] += dy[j] * xhat[j];
         part_b[j] += dy[j];
       }
@@ -98,8 +98,8 @@ void norm_backward_ref(const NormBackwardArgs &a) {
     }
   }
   for (int64_t j = 0; j < n; ++j) {
-    store_hp(a.grad_gamma, j, a.weight_dtype, dgamma[j]);
-    if (ln) store_hp(a.grad_beta, j, a.weight_dtype, dbeta[j]);
+    store_hp(a.grad_gamma, j, a.weight_dtype, canonical(dgamma[j]));
+    if (ln) store_hp(a.grad_beta, j, a.weight_dtype, canonical(dbeta[j]));
   }
 }
 
