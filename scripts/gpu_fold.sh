@@ -11,16 +11,16 @@
 # in the model. Logs go to $1/log.txt and $1/ab/log.txt, JSON to $1:
 # activation_bf16*.json, kernel_profile_model_fold_{off,on}_4096*.json, ab/model_ab_{a,b}*.json.
 #
-#   bash scripts/gpu_fold.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (560)
+#   bash scripts/gpu_fold.sh OUT_DIR [ROUNDS]   # TE_GPU_BUDGET_S: seconds to use (560); ROUNDS of
+#                                               # the A/B (2; 0: none, for a later call)
 set -u
 out=${1:?usage: gpu_fold.sh OUT_DIR}
 budget=${TE_GPU_BUDGET_S:-560}
 source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack
 export TE_BENCH_RESULTS=$out
-step tests "$(upto $((budget - 300)) 120)" python3 -m pytest -p no:cacheprovider -q -m cuda -rfE -n 4 \
-  tests/common/test_norm.py tests/pytorch/test_layer_block.py tests/common/test_activation.py \
-  -k "not test_activation or half_precision or nan or many_tiles or known"
+step tests "$(upto $((budget - 300)) 180)" python3 -m pytest -p no:cacheprovider -q -m cuda -rfE -n 4 \
+  tests/common/test_norm.py tests/pytorch/test_layer_block.py tests/common/test_activation.py
 step act_bench "$(upto $((budget - 270)) 40)" python3 benchmarks/bench_activation.py --only-bf16 \
   --name "activation_bf16$suffix"
 for fold in off on; do
@@ -31,6 +31,7 @@ for fold in off on; do
     --name "kernel_profile_model_fold_${fold}_4096$suffix"
 done
 set_flag layer_block_nodes.py fold_residual_grads False
+[ "${2:-2}" = 0 ] && { echo "== done at $(( $(date +%s) - start ))s" >> "$log"; exit 0; }
 TE_GPU_REUSE_BUILD=1 TE_GPU_BUDGET_S=$(left $((budget - 5))) bash "$(dirname "$0")/gpu_ab_model.sh" \
-  "$out/ab" "$(dirname "$0")/ab_patches/fold_residual_grads.patch" 2
+  "$out/ab" "$(dirname "$0")/ab_patches/fold_residual_grads.patch" "${2:-2}"
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"

@@ -230,6 +230,12 @@ __device__ __forceinline__ uint32_t fp8x4_raw(float a, float b, float c, float d
   return fp8x4_nan_raw<kFp8Dtype<kKind>>(a, b, c, d);
 }
 
+// fp8x4_raw for values none of which is an infinity.
+template <Out kKind>
+__device__ __forceinline__ uint32_t fp8x4_raw_no_inf(float a, float b, float c, float d) {
+  return fp8x4_nan_raw_no_inf<kFp8Dtype<kKind>>(a, b, c, d);
+}
+
 // One high-precision value at row-wise index i (fp32 NaN written as kCanonicalNaN; the 16-bit
 // conversions write their own canonical NaN): the masked path's store.
 __device__ __forceinline__ void store_hp_one(void *out, int64_t i, te_dtype dt, float v) {

@@ -410,6 +410,20 @@ __device__ __forceinline__ uint32_t fp8x4_nan_raw(float a, float b, float c, flo
 #endif
 }
 
+// fp8x4_nan_raw without the infinity fix-up (4 to 5 integer instructions a value): its bytes
+// whenever none of a..d is an infinity, for callers that know (a bound on the magnitudes).
+template <te_dtype kFp8>
+__device__ __forceinline__ uint32_t fp8x4_nan_raw_no_inf(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  constexpr __nv_fp8_interpretation_t kKind = kFp8 == TE_DTYPE_FLOAT8_E4M3 ? __NV_E4M3 : __NV_E5M2;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kKind);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kKind);
+  return lo | (hi << 16);
+#else
+  return fp8x4_nan_raw<kFp8>(a, b, c, d);
+#endif
+}
+
 template <te_dtype kFp8>
 __device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
