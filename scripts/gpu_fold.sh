@@ -19,21 +19,23 @@ budget=${TE_GPU_BUDGET_S:-560}
 source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack
 export TE_BENCH_RESULTS=$out
-step tests "$(upto $((budget - 300)) 180)" python3 -m pytest -p no:cacheprovider -q -m cuda -rfE -n 4 \
+rounds=${2:-2}
+late=$(( rounds > 0 ? 0 : 160 ))  # (without the A/B, its share goes to the steps before it)
+step tests "$(upto $((budget - 300 + late)) 180)" python3 -m pytest -p no:cacheprovider -q -m cuda -rfE -n 4 \
   tests/common/test_norm.py tests/pytorch/test_layer_block.py tests/common/test_activation.py
-step act_bench "$(upto $((budget - 270)) 40)" python3 benchmarks/bench_activation.py --only-bf16 \
+step act_bench "$(upto $((budget - 270 + late)) 40)" python3 benchmarks/bench_activation.py --only-bf16 \
   --name "activation_bf16$suffix"
 # (fold off: the bf16 layer too, whose GELU and norms take the 16-bit stores)
 for fold in off on; do
   cases=(te_layer/fp8_delayed te_layer/bf16)
   [ "$fold" = on ] && { set_flag layer_block_nodes.py fold_residual_grads True; cases=(te_layer/fp8_delayed); }
-  deadline=$((budget - 230)); [ "$fold" = on ] && deadline=$((budget - 170))
+  deadline=$((budget - 230 + late)); [ "$fold" = on ] && deadline=$((budget - 170 + late))
   step "kprof_$fold" "$(upto "$deadline" 100)" python3 \
     benchmarks/kernel_profile_model.py --hidden 4096 --cases "${cases[@]}" \
     --name "kernel_profile_model_fold_${fold}_4096$suffix"
 done
 set_flag layer_block_nodes.py fold_residual_grads False
-[ "${2:-2}" = 0 ] && { echo "== done at $(( $(date +%s) - start ))s" >> "$log"; exit 0; }
+[ "$rounds" = 0 ] && { echo "== done at $(( $(date +%s) - start ))s" >> "$log"; exit 0; }
 TE_GPU_REUSE_BUILD=1 TE_GPU_BUDGET_S=$(left $((budget - 5))) bash "$(dirname "$0")/gpu_ab_model.sh" \
-  "$out/ab" "$(dirname "$0")/ab_patches/fold_residual_grads.patch" "${2:-2}"
+  "$out/ab" "$(dirname "$0")/ab_patches/fold_residual_grads.patch" "$rounds"
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"
