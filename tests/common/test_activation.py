@@ -460,15 +460,16 @@ def _with_specials(rng, x, dtype):
 
 
 @pytest.mark.parametrize("shape", [(32, 64), (17, 40)], ids=["fast", "masked"])
-@pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("out_dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 @pytest.mark.parametrize("act", ["identity", "gelu", "swiglu"])
-def test_half_precision_outputs_with_nan_and_extremes(device, act, direction, out_dtype, shape):
-    """16-bit outputs of NaNs (both signs, any payload), infinities, subnormals and values that
-    round to the format's limits, beside rows without any: each value the fp32 one rounded to
-    nearest even, each NaN the reference's one pattern (0x7FC0 bf16, 0x7E00 fp16), on the
-    CUDA kernel's fast path (vectors converted by the hardware, NaN patterns put back) and on
-    its masked path."""
+def test_high_precision_outputs_with_nan_and_extremes(device, act, direction, out_dtype, shape):
+    """High-precision outputs of NaNs (both signs, any payload), infinities, subnormals and
+    values that round to the 16-bit formats' limits, beside rows without any: each value the
+    fp32 one rounded to nearest even, each NaN the reference's one pattern (0x7FC00000 fp32,
+    0x7FC0 bf16, 0x7E00 fp16), on CUDA in the flat kernel (non-gated, no dbias: 16-bit vectors
+    converted by the hardware, NaN patterns put back), the tiled kernel's fast path (swiglu)
+    and its masked path."""
     rng = np.random.default_rng([7, ACTS.index(act), *shape])
     x = random_values(rng, input_shape(act, shape), np.float32)
     specials = np.concatenate([
@@ -494,10 +495,11 @@ def test_half_precision_outputs_with_nan_and_extremes(device, act, direction, ou
     with np.errstate(over="ignore", invalid="ignore"):
         ref.assert_float_equal(got["data"], wide["data"].astype(DTYPES[out_dtype]),
                                "data = fp32 rounded")
-    bits = got["data"].view(np.uint16)
+    bits = got["data"].view(np.uint32 if out_dtype == "float32" else np.uint16)
     nan = np.isnan(got["data"].astype(np.float32))
     assert nan.any()
-    assert np.all(bits[nan] == (0x7FC0 if out_dtype == "bfloat16" else 0x7E00)), "NaN pattern"
+    pattern = {"float32": 0x7FC00000, "bfloat16": 0x7FC0, "float16": 0x7E00}[out_dtype]
+    assert np.all(bits[nan] == pattern), "NaN pattern"
     np.testing.assert_array_equal(nan, np.isnan(wide["data"]))
     check_cuda_matches_cpu(device, got, again)
 
@@ -706,6 +708,23 @@ def test_many_tiles_per_block_on_cuda(cuda_device, act, direction, shape):
 
     def again(d):
         return run(d, act, direction, x, g, fmt=fmt, scale=np.float32(1.5), dbias_dtype=with_dbias)
+
+    got = again(cuda_device)
+    check_cuda_matches_cpu(cuda_device, got, again)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("out_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("act", ["gelu", "silu", "relu", "identity"])
+def test_flat_kernel_strides_on_cuda(cuda_device, act, direction, out_dtype):
+    """The flat kernel (non-gated, high precision, no dbias) over more element groups than its
+    one-wave grid takes at once, the last stride partial: every output (and the amax) equals
+    the CPU's bits."""
+    x, g = make_inputs(act, direction, (2048, 2312), "bfloat16", 11)
+
+    def again(d):
+        return run(d, act, direction, x, g, out_dtype=out_dtype)
 
     got = again(cuda_device)
     check_cuda_matches_cpu(cuda_device, got, again)

@@ -42,6 +42,8 @@
 //   - Residency on Hopper: a one-operand 16-bit kernel takes 64 KiB of shared memory and at
 //     most 128 registers, so two or three blocks share an SM; the other staged ones take
 //     128-192 KiB, one block per SM, their loads covered by the stage ahead.
+// Calls that need no tile (non-gated, a high-precision output or the amax alone, no dbias, on
+// the fast path) take the flat kernel of activation_flat.cuh instead, with more warps per SM.
 // The fast path needs M % 16 == 0, N % 8 == 0 and 16-byte aligned operands (8 bytes for FP8
 // rows); other shapes run the same kernel with masked scalar loads and stores, so the order of
 // every sum is the same.
@@ -135,6 +137,8 @@ te_status activation_cuda(const ActivationArgs &a, te_stream stream_handle) {
   p.out_dtype = a.out_dtype;
   p.fp8 = a.fp8_out();
   p.fast = fast_path(a);
+  // Element by element, with no tile to build: activation_flat.cuh.
+  p.flat = p.fast && !p.fp8 && a.dbias == nullptr && !a.gated;
   // The blocks atomicMax into amax: zeroed first unless it accumulates.
   if (a.amax != nullptr && !a.accumulate_amax) {
     if (te_status s = cuda_status(kOp, cudaMemsetAsync(a.amax, 0, sizeof(float), stream))) return s;

@@ -41,6 +41,7 @@ struct ActParams {
   te_dtype out_dtype;
   bool fp8;
   bool fast;
+  bool flat;  // non-gated, high precision or amax only, no dbias, fast path: activation_flat.cuh
 };
 
 // ---------------------------------------------------------------------------------------------

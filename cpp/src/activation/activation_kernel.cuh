@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "activation/activation_flat.cuh"
 #include "activation/activation_io.cuh"
 
 namespace te {
@@ -296,6 +297,9 @@ te_status launch(ActParams p, cudaStream_t stream, int sms) {
 
 template <te_dtype kIn, te_activation kAct, bool kBackward>
 te_status launch_kind(const ActParams &p, cudaStream_t stream, int sms) {
+  if constexpr (!act::kIsGated<kAct>) {
+    if (p.flat) return launch_flat<kIn, kAct, kBackward>(p, stream, sms);
+  }
   if (!p.fp8) {  // an amax-only call (no output at all) has a kernel of its own, without stores
     return p.out == nullptr ? launch<kIn, kAct, kBackward, Out::kAmaxOnly>(p, stream, sms)
                             : launch<kIn, kAct, kBackward, Out::kHighPrecision>(p, stream, sms);
