@@ -392,26 +392,9 @@ __device__ __forceinline__ uint32_t fp8_inf_fixup(uint32_t w, float a, float b, 
   return (w | (ones * 0x7Fu)) & ~(ones << 7);
 }
 
-// The satfinite conversion with infinities fixed up, NaN bytes not yet canonical: for callers
-// that canonicalize only when a NaN can be present (the reference's bits on sm_80, canonical).
-template <te_dtype kFp8>
-__device__ __forceinline__ uint32_t fp8x4_nan_raw(float a, float b, float c, float d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  constexpr __nv_fp8_interpretation_t kKind = kFp8 == TE_DTYPE_FLOAT8_E4M3 ? __NV_E4M3 : __NV_E5M2;
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kKind);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kKind);
-  return fp8_inf_fixup<kFp8>(lo | (hi << 16), a, b, c, d);
-#else
-  // sm_80: no FP8 hardware; the reference's own bit-level conversion.
-  auto q = [](float x) -> uint32_t {
-    return kFp8 == TE_DTYPE_FLOAT8_E4M3 ? float_to_e4m3(x) : float_to_e5m2(x);
-  };
-  return q(a) | (q(b) << 8) | (q(c) << 16) | (q(d) << 24);
-#endif
-}
-
-// fp8x4_nan_raw without the infinity fix-up (4 to 5 integer instructions a value): its bytes
-// whenever none of a..d is an infinity, for callers that know (a bound on the magnitudes).
+// The satfinite conversion alone, NaN bytes not yet canonical: fp8x4_nan_raw's bytes whenever
+// none of a..d is an infinity, for callers that know (a bound on the magnitudes) and so skip
+// the fix-up (4 to 5 integer instructions a value). sm_80: the reference's own conversion.
 template <te_dtype kFp8>
 __device__ __forceinline__ uint32_t fp8x4_nan_raw_no_inf(float a, float b, float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -420,7 +403,21 @@ __device__ __forceinline__ uint32_t fp8x4_nan_raw_no_inf(float a, float b, float
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kKind);
   return lo | (hi << 16);
 #else
-  return fp8x4_nan_raw<kFp8>(a, b, c, d);
+  auto q = [](float x) -> uint32_t {
+    return kFp8 == TE_DTYPE_FLOAT8_E4M3 ? float_to_e4m3(x) : float_to_e5m2(x);
+  };
+  return q(a) | (q(b) << 8) | (q(c) << 16) | (q(d) << 24);
+#endif
+}
+
+// The satfinite conversion with infinities fixed up, NaN bytes not yet canonical: for callers
+// that canonicalize only when a NaN can be present (the reference's bits on sm_80, canonical).
+template <te_dtype kFp8>
+__device__ __forceinline__ uint32_t fp8x4_nan_raw(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return fp8_inf_fixup<kFp8>(fp8x4_nan_raw_no_inf<kFp8>(a, b, c, d), a, b, c, d);
+#else
+  return fp8x4_nan_raw_no_inf<kFp8>(a, b, c, d);  // the reference's conversion: infinities too
 #endif
 }
 
