@@ -86,11 +86,12 @@ te_status launch_flat(const ActParams &p, cudaStream_t stream, int sms) {
   const int64_t groups = p.rows * p.n / 8;
   if (groups == 0) return TE_SUCCESS;
   const int64_t per_block = static_cast<int64_t>(kFlatThreads) * kFlatUnroll;
-  const int64_t grid = std::min<int64_t>((groups + per_block - 1) / per_block, static_cast<int64_t>(sms) * kFlatBlocksPerSm);
+  const auto grid = static_cast<unsigned>(
+      std::min<int64_t>((groups + per_block - 1) / per_block, static_cast<int64_t>(sms) * kFlatBlocksPerSm));
   if (p.out != nullptr) {
-    activation_flat_kernel<kIn, kAct, kBackward, true><<<static_cast<unsigned>(grid), kFlatThreads, 0, stream>>>(p, groups);
+    activation_flat_kernel<kIn, kAct, kBackward, true><<<grid, kFlatThreads, 0, stream>>>(p, groups);
   } else {
-    activation_flat_kernel<kIn, kAct, kBackward, false><<<static_cast<unsigned>(grid), kFlatThreads, 0, stream>>>(p, groups);
+    activation_flat_kernel<kIn, kAct, kBackward, false><<<grid, kFlatThreads, 0, stream>>>(p, groups);
   }
   return launch_status(kOp);
 }
