@@ -10,7 +10,7 @@
 // striding over it, each thread issuing its loads for kFlatUnroll groups before the first use,
 // and as many warps per SM as the registers allow.
 //
-// Numerics: the element values come from activation_math.h, the stores from store_hp_eight and
+// Numerics: the element values come from activation_math.h, the stores from store_hp8 and
 // the amax from max_keep_nan as in the tiled kernel, so both write the same bits (and the CPU
 // reference's: activation_ref.cpp).
 #ifndef TRANSFORMER_ENGINE_SRC_ACTIVATION_ACTIVATION_FLAT_CUH_
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kFlatThreads, kFlatBlocksPerSm)
         group_amax = act::max_keep_nan(group_amax, fabsf(y[j]));
       }
       amax = act::max_keep_nan(amax, group_amax);
-      if constexpr (kStore) store_hp_eight(p.out, g * 8, p.out_dtype, y, group_amax != group_amax);
+      if constexpr (kStore) store_hp8(p.out, g * 8, p.out_dtype, y, group_amax != group_amax);
     }
   }
   if (p.amax != nullptr) {

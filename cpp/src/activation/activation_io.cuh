@@ -223,20 +223,6 @@ __device__ __forceinline__ void row_values(const float (&x)[kOps][8], float (&y)
 template <Out kKind>
 constexpr te_dtype kFp8Dtype = kKind == Out::kE4M3 ? TE_DTYPE_FLOAT8_E4M3 : TE_DTYPE_FLOAT8_E5M2;
 
-// Four values to FP8, the first in the lowest byte, as fp8x4 does (infinities included) but with
-// NaN bytes left as the hardware makes them: the kernel canonicalizes a patch's bytes only when
-// it holds a NaN.
-template <Out kKind>
-__device__ __forceinline__ uint32_t fp8x4_raw(float a, float b, float c, float d) {
-  return fp8x4_nan_raw<kFp8Dtype<kKind>>(a, b, c, d);
-}
-
-// fp8x4_raw for values none of which is an infinity.
-template <Out kKind>
-__device__ __forceinline__ uint32_t fp8x4_raw_no_inf(float a, float b, float c, float d) {
-  return fp8x4_nan_raw_no_inf<kFp8Dtype<kKind>>(a, b, c, d);
-}
-
 // One high-precision value at row-wise index i (fp32 NaN written as kCanonicalNaN; the 16-bit
 // conversions write their own canonical NaN): the masked path's store.
 __device__ __forceinline__ void store_hp_one(void *out, int64_t i, te_dtype dt, float v) {
@@ -246,29 +232,6 @@ __device__ __forceinline__ void store_hp_one(void *out, int64_t i, te_dtype dt, 
     static_cast<uint16_t *>(out)[i] = float_to_bf16(v);
   } else {
     static_cast<uint16_t *>(out)[i] = float_to_fp16(v);
-  }
-}
-
-// Eight high-precision values as one or two 128-bit words: 16-bit types by the hardware's
-// conversion (pack_hp8: the reference's bits, its NaN pattern put back where nan says a value
-// may be one), fp32 as they are (NaN as kCanonicalNaN where nan). The store branches on the
-// dtype (uniform across the grid) before converting, so that only one conversion is issued.
-__device__ __forceinline__ uint4 pack_hp16_eight(te_dtype dt, const float (&y)[8], bool nan) {
-  return dt == TE_DTYPE_BFLOAT16 ? pack_hp8<true>(y, nan) : pack_hp8<false>(y, nan);
-}
-
-__device__ __forceinline__ void store_hp_eight(void *out, int64_t i, te_dtype dt, const float (&y)[8], bool nan) {
-  if (dt == TE_DTYPE_FLOAT32) {
-    float4 *q = reinterpret_cast<float4 *>(static_cast<float *>(out) + i);
-    if (nan) {
-      q[0] = make_float4(canonical(y[0]), canonical(y[1]), canonical(y[2]), canonical(y[3]));
-      q[1] = make_float4(canonical(y[4]), canonical(y[5]), canonical(y[6]), canonical(y[7]));
-    } else {
-      q[0] = make_float4(y[0], y[1], y[2], y[3]);
-      q[1] = make_float4(y[4], y[5], y[6], y[7]);
-    }
-  } else {
-    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + i) = pack_hp16_eight(dt, y, nan);
   }
 }
 

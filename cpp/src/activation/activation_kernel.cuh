@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBl
   const float abs_scale = fabsf(scale);
   // y * scale is NaN only where y is, unless scale is 0, infinite or NaN: then every patch's
   // FP8 bytes are checked for NaN codes, not only those of patches with a NaN value.
-  const bool check_all = kFp8 && !(fabsf(scale) <= kFloatMax && scale != 0.0f);
+  const bool check_all = kFp8 && !(abs_scale <= kFloatMax && scale != 0.0f);
   // The transposed FP8 output (fast path) and the dbias column sums go from thread to thread
   // through shared memory, behind barriers; without them a block needs none.
   const bool transpose = kFp8 && p.out_t != nullptr && p.fast;
@@ -137,23 +137,14 @@ __global__ void __launch_bounds__(kThreads, (Shape<kIn, kAct, kBackward>::kMinBl
           float s[8];
 #pragma unroll
           for (int j = 0; j < 8; ++j) s[j] = y[q][j] * scale;
-          // No scaled value is infinite where the row's largest magnitude times |scale| is
-          // finite (rounding is monotone): then the conversion needs no infinity fix-up, which
-          // costs this issue-bound kernel 4 to 5 integer instructions a value. (A NaN row_amax
-          // or scale takes the fix-up path; NaN bytes are the patch's canonicalization's.)
-          if (row_amax * abs_scale <= kFloatMax) {
-            lo[q][i] = fp8x4_raw_no_inf<kKind>(s[0], s[1], s[2], s[3]);
-            hi[q][i] = fp8x4_raw_no_inf<kKind>(s[4], s[5], s[6], s[7]);
-          } else {
-            lo[q][i] = fp8x4_raw<kKind>(s[0], s[1], s[2], s[3]);
-            hi[q][i] = fp8x4_raw<kKind>(s[4], s[5], s[6], s[7]);
-          }
+          const uint2 w = fp8x8_nan_raw<kFp8Dtype<kKind>>(s, row_amax, abs_scale);
+          lo[q][i] = w.x, hi[q][i] = w.y;
         } else if constexpr (kKind == Out::kHighPrecision) {
           const int64_t base = row * p.out_cols + q * p.n + pcol;  // row-wise index of y[q][0]
           if (defer_hp) {
-            hp16[q][i] = pack_hp16_eight(p.out_dtype, y[q], nan);
+            hp16[q][i] = pack_hp16x8(p.out_dtype, y[q], nan);
           } else if (p.fast) {
-            if (row < p.rows && pcol < p.n) store_hp_eight(p.out, base, p.out_dtype, y[q], nan);
+            if (row < p.rows && pcol < p.n) store_hp8(p.out, base, p.out_dtype, y[q], nan);
           } else if (row < p.rows) {
 #pragma unroll
             for (int j = 0; j < 8; ++j) {

@@ -275,6 +275,30 @@ __device__ __forceinline__ uint4 pack_hp8(const float (&v)[8], bool nan) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// 8 values as the 16-bit dtype d (bf16, else fp16) packed by pack_hp8; the branch on d (uniform
+// across a grid) comes before the conversion, so that only one is issued.
+__device__ __forceinline__ uint4 pack_hp16x8(te_dtype d, const float (&v)[8], bool nan) {
+  return d == TE_DTYPE_BFLOAT16 ? pack_hp8<true>(v, nan) : pack_hp8<false>(v, nan);
+}
+
+// 8 high-precision values at p + i (16-byte aligned) in dtype d, with the reference's bits:
+// 16-bit ones by pack_hp16x8, fp32 ones as they are, each NaN as kCanonicalNaN where nan says
+// one may be there (a NaN max |v|, say).
+__device__ __forceinline__ void store_hp8(void *p, int64_t i, te_dtype d, const float (&v)[8], bool nan) {
+  if (d != TE_DTYPE_FLOAT32) {
+    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(p) + i) = pack_hp16x8(d, v, nan);
+    return;
+  }
+  float4 *q = reinterpret_cast<float4 *>(static_cast<float *>(p) + i);
+  if (nan) {
+    q[0] = make_float4(canonical(v[0]), canonical(v[1]), canonical(v[2]), canonical(v[3]));
+    q[1] = make_float4(canonical(v[4]), canonical(v[5]), canonical(v[6]), canonical(v[7]));
+  } else {
+    q[0] = make_float4(v[0], v[1], v[2], v[3]);
+    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
 // 8 consecutive high-precision elements as loaded, decoded later: loads are issued before any
 // arithmetic, and 16-bit types stay packed (4 registers) until then.
 template <te_dtype kIn>
@@ -419,6 +443,20 @@ __device__ __forceinline__ uint32_t fp8x4_nan_raw(float a, float b, float c, flo
 #else
   return fp8x4_nan_raw_no_inf<kFp8>(a, b, c, d);  // the reference's conversion: infinities too
 #endif
+}
+
+// 8 scaled values s (row-wise bytes: s[0..3] in .x, s[4..7] in .y) as fp8x4_nan_raw writes
+// them, given m = max |v| of the unscaled values and |scale|. No scaled value is infinite
+// where m * |scale| is finite (rounding is monotone), and then the infinity fix-up is skipped:
+// 4 to 5 integer instructions a value in kernels that are issue-bound. (A NaN m or scale takes
+// the fix-up path; NaN bytes are left to the caller's canonicalization.)
+template <te_dtype kFp8>
+__device__ __forceinline__ uint2 fp8x8_nan_raw(const float (&s)[8], float m, float abs_scale) {
+  if (m * abs_scale <= kFloatMax) {
+    return make_uint2(fp8x4_nan_raw_no_inf<kFp8>(s[0], s[1], s[2], s[3]),
+                      fp8x4_nan_raw_no_inf<kFp8>(s[4], s[5], s[6], s[7]));
+  }
+  return make_uint2(fp8x4_nan_raw<kFp8>(s[0], s[1], s[2], s[3]), fp8x4_nan_raw<kFp8>(s[4], s[5], s[6], s[7]));
 }
 
 template <te_dtype kFp8>

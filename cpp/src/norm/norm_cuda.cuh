@@ -148,25 +148,6 @@ __device__ __forceinline__ void store_any8(void *p, int64_t i, te_dtype d, const
   *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(p) + i) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// As store_any8, with the hardware conversions (one instruction per two values): they round to
-// nearest even, keep subnormals and overflow to infinity exactly like float_to_bf16 and
-// float_to_fp16, and differ only in NaN's pattern, which a vector that may hold one (nan:
-// abs_max8 is NaN) gets replaced with the reference's.
-__device__ __forceinline__ void store_hp8(void *p, int64_t i, te_dtype d, const float (&v)[8], bool nan) {
-  if (d == TE_DTYPE_FLOAT32) {
-    if (nan) {
-      store_any8(p, i, d, v);
-    } else {
-      float4 *q = reinterpret_cast<float4 *>(static_cast<float *>(p) + i);
-      q[0] = make_float4(v[0], v[1], v[2], v[3]);
-      q[1] = make_float4(v[4], v[5], v[6], v[7]);
-    }
-    return;
-  }
-  *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(p) + i) =
-      d == TE_DTYPE_BFLOAT16 ? pack_hp8<true>(v, nan) : pack_hp8<false>(v, nan);
-}
-
 // A row's 8-element vectors read from global memory on every pass (the general kernels:
 // any length, any alignment); elements past the row end read as 0 and are never used.
 template <te_dtype kIn>

@@ -47,20 +47,6 @@ namespace norm_cuda {
 
 constexpr te_dtype kNoFp8 = TE_DTYPE_COUNT;
 
-// 8 scaled values to FP8 without the NaN canonicalization of fp8x4 (applied by the caller when
-// needed); infinities come out as fp8x4 writes them. m: max |v| of the unscaled values. No
-// scaled value is infinite where m * |scale| is finite (rounding is monotone), and then the
-// conversion skips the infinity fix-up: 4 to 5 integer instructions a value, a third of this
-// kernel's work per element. (A NaN m or scale takes the fix-up path.)
-template <te_dtype kFp8>
-__device__ __forceinline__ uint2 fp8x8_raw(const float (&s)[8], float m, float abs_scale) {
-  if (m * abs_scale <= kFloatMax) {
-    return make_uint2(fp8x4_nan_raw_no_inf<kFp8>(s[0], s[1], s[2], s[3]),
-                      fp8x4_nan_raw_no_inf<kFp8>(s[4], s[5], s[6], s[7]));
-  }
-  return make_uint2(fp8x4_nan_raw<kFp8>(s[0], s[1], s[2], s[3]), fp8x4_nan_raw<kFp8>(s[4], s[5], s[6], s[7]));
-}
-
 // The 8 elements of a vector of a row held in registers, as decode_pass has them (fp16 by the
 // hardware conversion, exact but for NaN payloads, which no output passes on), but visible to
 // the compiler: the passes over a row share one decode per element, the row kept decoded in
@@ -373,7 +359,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) norm_forward_rows_kernel(con
             float s[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) s[e] = y[e] * scale;
-            uint2 q = fp8x8_raw<kF8>(s, m, abs_scale);
+            uint2 q = fp8x8_nan_raw<kF8>(s, m, abs_scale);
             const float probe = fmax_nan(m, scale_probe);
             if (probe != probe) q = make_uint2(canonical_fp8_nan<kF8>(q.x), canonical_fp8_nan<kF8>(q.y));  // rare
             if (valid) *reinterpret_cast<uint2 *>(fp8_row[r] + j * kThreads * kNormVec) = q;
