@@ -4,8 +4,9 @@
 # 1024 eager, each case in a fresh process, in rounds A, B, A, B, ..., where B is the installed
 # package with PATCH applied (a patch made in the repository root, `git diff` style) and A the
 # package as built. Host speed moves between machines and over hours, so only rounds of one
-# run compare. The first A round also times torch's eager step. Logs go to $1/log.txt, JSON
-# to $1: model_ab_a{round}*.json, model_ab_b{round}*.json.
+# run compare. The first A round also times torch's step in the same executions. Logs go to
+# $1/log.txt, JSON to $1: model_ab_a{round}*.json, model_ab_b{round}*.json. TE_AB_EXECUTION:
+# the execution timed (eager; compile for changes that only traced graphs see).
 #
 # scripts/ab_patches/ holds the patches of changes waiting for such a run.
 #
@@ -15,6 +16,7 @@ out=${1:?usage: gpu_ab_model.sh OUT_DIR PATCH [ROUNDS]}
 patch_file=$(realpath "${2:?usage: gpu_ab_model.sh OUT_DIR PATCH [ROUNDS]}")
 rounds=${3:-2}
 budget=${TE_GPU_BUDGET_S:-560}
+execution=${TE_AB_EXECUTION:-eager}
 source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack
 export TE_BENCH_RESULTS=$out
@@ -24,8 +26,8 @@ patch --dry-run -s -d "$installed" -p4 < "$patch_file" >> "$log" 2>&1 || { echo 
 set -f  # the case patterns are globs for bench_model, not for the shell
 for r in $(seq 1 "$rounds"); do
   for side in a b; do
-    variants=("te_layer/fp8_delayed/eager" "te_layer/bf16/eager")
-    [ "$r$side" = 1a ] && variants+=("torch/bf16/eager")
+    variants=("te_layer/fp8_delayed/$execution" "te_layer/bf16/$execution")
+    [ "$r$side" = 1a ] && variants+=("torch/bf16/$execution")
     [ "$side" = b ] && patch -s -d "$installed" -p4 < "$patch_file"
     # (the rounds left split the time left evenly)
     runs_left=$(( (rounds - r) * 2 + 1 )); [ "$side" = a ] && runs_left=$((runs_left + 1))
