@@ -8,7 +8,7 @@
 # $1/log.txt, JSON to $1: model_ab_a{round}*.json, model_ab_b{round}*.json. TE_AB_EXECUTION:
 # the execution timed (eager; compile for changes that only traced graphs see).
 #
-# scripts/ab_patches/ holds the patches of changes waiting for such a run.
+# Patches of changes waiting for such a run go in scripts/ab_patches/.
 #
 #   bash scripts/gpu_ab_model.sh OUT_DIR PATCH [ROUNDS]   # TE_GPU_BUDGET_S: seconds to use (560)
 set -u

@@ -90,11 +90,14 @@ def _record(m: torch.nn.Module, recipe_name, device, forward=None) -> list:
     return seen
 
 
+_FOLD_DEFAULT = layer_block_nodes.fold_residual_grads
+
+
 @pytest.fixture(autouse=True)
 def _restore():
     yield
     layer_block.enabled = True
-    layer_block_nodes.fold_residual_grads = False
+    layer_block_nodes.fold_residual_grads = _FOLD_DEFAULT
 
 
 def _train(device, on: bool, recipe_name: str, dtype=torch.bfloat16, **kw) -> list:

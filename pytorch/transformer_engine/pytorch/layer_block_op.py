@@ -48,8 +48,10 @@ _NS = "transformer_engine"
 # host_profile_layer_op_{custom_op_,}cpu.json). One H100 run has timed them since: 8.76 ms
 # with them against 6.80 through the modules (model_layer_op_on_lean_h100.json,
 # model_inplace_1024_h100.json), but its tree also had in-place residual adds in the eager
-# node (since backed out) under which that node's own eager step was slow (11.95 ms), so the
-# run does not settle it. Off until a clean run shows the ops ahead.
+# node (since backed out) under which that node's own eager step was slow (11.95 ms), so that
+# run did not settle it. A clean A/B on an H200 (compiled steps, two rounds each way in one
+# run) did: 10.33 / 8.00 ms through the modules, 12.45 / 10.74 with the ops
+# (model_ab_layer_ops_compile_{a,b}{1,2}.json). Off.
 on_cuda = False
 
 
