@@ -259,9 +259,10 @@ def _bwd(cfg, act, recipe, return_ln, residuals, cotangents):
         x2, gamma, mu, rsigma, y, k1, h, a, k2, b1, b2 = residuals
         da = ops.gemm(d_out, k2, transpose_b=True)
         dk2 = ops.gemm(a, d_out, transpose_a=True)
-        # (the bias gradient as FC2's, by XLA's reduction: without a bias gradient to sum, the
-        # core's non-gated activation backward runs its flat kernel, which on an H200 moved
-        # 3.8 TB/s where the tiled kernel that also sums columns moved ~2.2: activation.cu)
+        # (the bias gradient as FC2's, by XLA's reduction: without column sums to make, the
+        # core's non-gated activation backward runs its flat kernel, activation_flat.cuh; the
+        # GELU backward moved 3.81 TB/s that way on an H200, benchmarks/results/
+        # activation_bf16.json, where the tiled kernel had moved 2.19 on an H100)
         dh, _, _ = ops.activation_backward(da, h, act)
         db1 = _bias_grad(dh, b1)
         dy = ops.gemm(dh, k1, transpose_b=True)
