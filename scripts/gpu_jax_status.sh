@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The JAX stack's status in one short GPU run: builds the core (CUDA, sm_90a) and the torch and
-# jax packages; the CUDA tests of the scale update and the activations (bit for bit against the
-# CPU; the core's activation tests of every output kind but the FP8 value sweeps); bench_transformer_layer_jax.py --model for about 90 s (it writes its JSON after each
-# hidden size, 1024 first: results/model_jax.json); the stack's kernels at hidden 1024
+# jax packages; the CUDA tests of the scale update, the packed self-attention (bit for bit
+# against the copies' attention) and the activations (bit for bit against the CPU; the core's
+# activation tests of every output kind but the FP8 value sweeps);
+# bench_transformer_layer_jax.py --model for about 90 s (it writes its JSON after each hidden
+# size, 1024 first: results/model_jax.json); the stack's kernels at hidden 1024
 # (kernel_profile_jax.py); then, with the time left, the JAX GPT demo (GPU size) with its
-# gradient norms (results/gpt_demo_jax_norms.json; TE_GPU_JAX_DEMO=0 leaves it out: about
-# 320 s without it).
+# gradient norms (results/gpt_demo_jax_norms.json; TE_GPU_JAX_DEMO=0 leaves it out: about 320 s
+# without it).
 # Logs go to $1/log.txt, JSON to $1.
 #
 #   bash scripts/gpu_jax_status.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (590)
@@ -16,7 +18,8 @@ source "$(dirname "$0")/_gpu_run.sh"
 build_jax_stack
 export TE_BENCH_RESULTS=$out
 step cuda_tests "$(upto $((budget - 20)) 60)" python3 -m pytest -p no:cacheprovider -q \
-  -m cuda -rfE tests/common/test_scaling.py tests/jax/test_cuda.py tests/jax/test_cuda_layernorm_mlp.py
+  -m cuda -rfE tests/common/test_scaling.py tests/jax/test_cuda.py tests/jax/test_cuda_layernorm_mlp.py \
+  tests/jax/test_packed_attention.py
 step activation_tests "$(upto $((budget - 20)) 45)" python3 -m pytest -p no:cacheprovider -q \
   -m cuda -rfE tests/common/test_activation.py \
   -k "half_precision or nan or magnitudes or amax_only or many_tiles or degenerate or identity"

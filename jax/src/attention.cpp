@@ -3,6 +3,12 @@
 // cu_seqlens_q / cu_seqlens_kv (int32 [batch + 1]) and rng_state (see rng_tensor) are zero-size
 // buffers when the call has no padding mask or no dropout. The CUDA workspace is an extra
 // result, sized by the Python side with te_attention_workspace_size (workspace_of, ffi_common.h).
+//
+// The packed handlers take self-attention's q, k and v as the three parts of one projection
+// output qkv [b, s, 3, heads, head_dim] (sbhd: [s, b, 3, ...]) and read them in place through
+// the config's strides (attention.h); the backward writes dq, dk and dv where they sit in one
+// dqkv of qkv's shape. XLA would otherwise copy the three parts out of the projection's output
+// and join their gradients back into one.
 #include "ffi_common.h"
 #include "handlers.h"
 #include "transformer_engine/attention.h"
@@ -172,9 +178,117 @@ auto TeAttentionBackwardBinding() {
       .Attr<int32_t>("backend");
 }
 
+// Part p (q, k, v) of a packed qkv buffer [s0, s1, 3, heads, head_dim] as a [s0, s1, heads,
+// head_dim] tensor over its elements in place, with its strides set in cfg.
+ffi::Error packed_parts(const char *op, const char *what, const ffi::AnyBuffer &qkv, const Device &dev,
+                        te_attention_config *cfg, Tensor (&parts)[3]) {
+  te_buffer whole;
+  TE_JAX_RETURN_IF_ERROR(to_buffer(op, what, qkv, dev, &whole));
+  if (whole.ndim != 5 || whole.shape[2] != 3) {
+    std::string shape;
+    for (int32_t i = 0; i < whole.ndim; ++i) shape += (i ? ", " : "") + std::to_string(whole.shape[i]);
+    return invalid(op, std::string(what) + " must be [s0, s1, 3, heads, head_dim], got [" + shape + "]");
+  }
+  const int64_t heads = whole.shape[3], dim = whole.shape[4];
+  const size_t element = whole.dtype == TE_DTYPE_FLOAT32 ? 4 : 2;  // (the attention dtypes)
+  for (int p = 0; p < 3; ++p) {
+    te_buffer part = whole;
+    part.ndim = 4;
+    part.shape[2] = heads;
+    part.shape[3] = dim;
+    part.data = static_cast<char *>(whole.data) + static_cast<size_t>(p * heads * dim) * element;
+    TE_JAX_RETURN_IF_ERROR(parts[p].init(op, TE_SCALING_TENSOR));
+    TE_JAX_RETURN_IF_ERROR(parts[p].set(TE_SLOT_DATA, part));
+    cfg->row_stride[p] = 3 * heads * dim;
+    cfg->head_stride[p] = dim;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error AttentionForwardPackedImpl(ffi::AnyBuffer qkv, ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> o,
+                                      ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
+                                      int32_t layout, int32_t mask, int64_t window_left, int64_t window_right,
+                                      float softmax_scale, float dropout, int32_t backend, Device dev) {
+  constexpr const char *op = "attention_forward_packed";
+  te_attention_config cfg;
+  TE_JAX_RETURN_IF_ERROR(make_config(op, layout, mask, window_left, window_right, softmax_scale, dropout, 0, 0,
+                                     false, backend, &cfg));
+  Tensor parts[3], to, tl;
+  Optional trng;
+  TE_JAX_RETURN_IF_ERROR(packed_parts(op, "qkv", qkv, dev, &cfg, parts));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", *o, dev, &to));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", *lse, dev, &tl));
+  TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
+  const Workspace ws = workspace_of(*workspace, dev);
+  return from_status(te_attention_forward(&cfg, parts[0].get(), parts[1].get(), parts[2].get(), to.get(), tl.get(),
+                                          nullptr, nullptr, trng.present ? trng.t.get() : nullptr, nullptr, ws.data,
+                                          ws.bytes, dev.stream));
+}
+
+auto TeAttentionForwardPackedBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()  // qkv [s0, s1, 3, heads, head_dim]
+      .Arg<ffi::AnyBuffer>()  // rng_state int64 [2] or zero-size
+      .Ret<ffi::AnyBuffer>()  // o [s0, s1, heads, head_dim]
+      .Ret<ffi::AnyBuffer>()  // softmax_lse fp32 [batch, heads, seqlen]
+      .Ret<ffi::AnyBuffer>()  // workspace uint8
+      .Attr<int32_t>("layout")
+      .Attr<int32_t>("mask_type")
+      .Attr<int64_t>("window_left")
+      .Attr<int64_t>("window_right")
+      .Attr<float>("softmax_scale")
+      .Attr<float>("dropout")
+      .Attr<int32_t>("backend");
+}
+
+ffi::Error AttentionBackwardPackedImpl(ffi::AnyBuffer qkv, ffi::AnyBuffer o, ffi::AnyBuffer d_o, ffi::AnyBuffer lse,
+                                       ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> dqkv,
+                                       ffi::Result<ffi::AnyBuffer> workspace, int32_t layout, int32_t mask,
+                                       int64_t window_left, int64_t window_right, float softmax_scale, float dropout,
+                                       bool deterministic, int32_t backend, Device dev) {
+  constexpr const char *op = "attention_backward_packed";
+  te_attention_config cfg;
+  TE_JAX_RETURN_IF_ERROR(make_config(op, layout, mask, window_left, window_right, softmax_scale, dropout, 0, 0,
+                                     deterministic, backend, &cfg));
+  Tensor parts[3], grads[3], to, tdo, tl;
+  Optional trng;
+  TE_JAX_RETURN_IF_ERROR(packed_parts(op, "qkv", qkv, dev, &cfg, parts));
+  TE_JAX_RETURN_IF_ERROR(packed_parts(op, "dqkv", *dqkv, dev, &cfg, grads));  // (the same strides)
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", o, dev, &to));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "d_o", d_o, dev, &tdo));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", lse, dev, &tl));
+  TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
+  const Workspace ws = workspace_of(*workspace, dev);
+  return from_status(te_attention_backward(&cfg, parts[0].get(), parts[1].get(), parts[2].get(), to.get(),
+                                           tdo.get(), tl.get(), nullptr, nullptr,
+                                           trng.present ? trng.t.get() : nullptr, nullptr, grads[0].get(),
+                                           grads[1].get(), grads[2].get(), nullptr, ws.data, ws.bytes, dev.stream));
+}
+
+auto TeAttentionBackwardPackedBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()  // qkv
+      .Arg<ffi::AnyBuffer>()  // o
+      .Arg<ffi::AnyBuffer>()  // d_o
+      .Arg<ffi::AnyBuffer>()  // softmax_lse
+      .Arg<ffi::AnyBuffer>()  // rng_state or zero-size
+      .Ret<ffi::AnyBuffer>()  // dqkv, qkv's shape
+      .Ret<ffi::AnyBuffer>()  // workspace uint8
+      .Attr<int32_t>("layout")
+      .Attr<int32_t>("mask_type")
+      .Attr<int64_t>("window_left")
+      .Attr<int64_t>("window_right")
+      .Attr<float>("softmax_scale")
+      .Attr<float>("dropout")
+      .Attr<bool>("deterministic")
+      .Attr<int32_t>("backend");
+}
+
 }  // namespace
 
 TE_JAX_DEFINE_HANDLERS(TeAttentionForward, AttentionForwardImpl);
 TE_JAX_DEFINE_HANDLERS(TeAttentionBackward, AttentionBackwardImpl);
+TE_JAX_DEFINE_HANDLERS(TeAttentionForwardPacked, AttentionForwardPackedImpl);
+TE_JAX_DEFINE_HANDLERS(TeAttentionBackwardPacked, AttentionBackwardPackedImpl);
 
 }  // namespace te_jax

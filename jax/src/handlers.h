@@ -20,6 +20,8 @@
   X("te_activation_backward_ffi", TeActivationBackward) \
   X("te_attention_forward_ffi", TeAttentionForward)     \
   X("te_attention_backward_ffi", TeAttentionBackward)   \
+  X("te_attention_forward_packed_ffi", TeAttentionForwardPacked)   \
+  X("te_attention_backward_packed_ffi", TeAttentionBackwardPacked) \
   X("te_rope_forward_ffi", TeRopeForward)               \
   X("te_rope_backward_ffi", TeRopeBackward)
 

@@ -28,6 +28,8 @@ TARGETS = {
     "activation_backward": "te_activation_backward_ffi",
     "attention_forward": "te_attention_forward_ffi",
     "attention_backward": "te_attention_backward_ffi",
+    "attention_forward_packed": "te_attention_forward_packed_ffi",
+    "attention_backward_packed": "te_attention_backward_packed_ffi",
     "rope_forward": "te_rope_forward_ffi",
     "rope_backward": "te_rope_backward_ffi",
 }

@@ -285,6 +285,105 @@ def _attention_bwd(params, cp, residuals, d_o):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+# --- self-attention over one packed projection output -------------------------------------
+
+
+def _packed_strides(qkv) -> list[int]:
+    """The config's (row, head) strides of q, k and v read in place from qkv [s0, s1, 3, heads,
+    head_dim]: their tokens 3 * heads * head_dim elements apart, their heads head_dim."""
+    heads, dim = qkv.shape[3], qkv.shape[4]
+    return [3 * heads * dim, dim] * 3
+
+
+def _packed_workspace_bytes(qkv, params, backward: bool) -> int:
+    if jax.default_backend() == "cpu":
+        return 0
+    from transformer_engine.common import core
+
+    c = core()
+    layout, mask, wl, wr, scale, dropout, _, _, deterministic = params
+    cfg = c.AttentionConfig(c.AttnLayout(layout), c.AttnMask(mask), window_left=wl,
+                            window_right=wr, softmax_scale=scale, dropout=dropout,
+                            deterministic=deterministic, strides=_packed_strides(qkv))
+    te = getattr(c.DType, _TE_NAMES[jnp.dtype(qkv.dtype)])
+    b, s = (qkv.shape[0], qkv.shape[1]) if layout == LAYOUTS["bshd"] else (qkv.shape[1],
+                                                                             qkv.shape[0])
+    heads, dim = qkv.shape[3], qkv.shape[4]
+    sizes = [b, heads, heads, s, s, dim, dim, b * s, b * s]
+    return int(c.attention_workspace_size(cfg, sizes, te, te, te, device_id=0,
+                                          backward=backward))
+
+
+def _packed_attrs(params) -> dict:
+    attrs = _attrs(params)
+    del attrs["max_seqlen_q"], attrs["max_seqlen_kv"]
+    return attrs
+
+
+def _forward_packed_call(qkv, rng, params):
+    layout = params[0]
+    b, s = (qkv.shape[0], qkv.shape[1]) if layout == LAYOUTS["bshd"] else (qkv.shape[1],
+                                                                             qkv.shape[0])
+    results = (jax.ShapeDtypeStruct((*qkv.shape[:2], *qkv.shape[3:]), qkv.dtype),
+               jax.ShapeDtypeStruct((b, qkv.shape[3], s), jnp.float32),
+               jax.ShapeDtypeStruct((_packed_workspace_bytes(qkv, params, False),), jnp.uint8))
+    call = jax.ffi.ffi_call(TARGETS["attention_forward_packed"], results, vmap_method=_VMAP)
+    o, lse, _ = call(qkv, rng, **_packed_attrs(params))
+    return o, lse
+
+
+def _backward_packed_call(qkv, o, d_o, lse, rng, params):
+    results = (jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
+               jax.ShapeDtypeStruct((_packed_workspace_bytes(qkv, params, True),), jnp.uint8))
+    call = jax.ffi.ffi_call(TARGETS["attention_backward_packed"], results, vmap_method=_VMAP)
+    dqkv, _ = call(qkv, o, d_o, lse, rng, **_packed_attrs(params),
+                   deterministic=bool(params[8]))
+    return dqkv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _attention_packed(qkv, rng, params):
+    return _forward_packed_call(qkv, rng, params)[0]
+
+
+def _attention_packed_fwd(qkv, rng, params):
+    o, lse = _forward_packed_call(qkv, rng, params)
+    return o, (qkv, o, lse, rng)
+
+
+def _attention_packed_bwd(params, residuals, d_o):
+    qkv, o, lse, rng = residuals
+    return _backward_packed_call(qkv, o, d_o.astype(o.dtype), lse, rng, params), None
+
+
+_attention_packed.defvjp(_attention_packed_fwd, _attention_packed_bwd)
+
+
+def packed_self_attention(qkv: jax.Array, *, qkv_layout: str, attn_mask_type: str,
+                          window_size: Optional[tuple[int, int]], scale_factor: float,
+                          dropout_probability: float, dropout_rng: Optional[jax.Array],
+                          deterministic: bool = False) -> Optional[jax.Array]:
+    """fused_attn of q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2] for qkv [batch, seqlen,
+    3, heads, dim] (``"bshd"``; ``"sbhd"``: [seqlen, batch, ...]), the three read in place and
+    their gradients written into one of qkv's shape: the numbers of fused_attn on the three
+    slices, without copying them out or joining their gradients. None where that does not
+    apply (a padding mask, another layout, rows or heads not at 16-byte multiples, a mesh in
+    context), and the caller slices."""
+    layout = qkv_layout.lower()
+    if (layout not in ("bshd", "sbhd") or attn_mask_type.startswith("padding")
+            or attn_mask_type not in MASKS or qkv.ndim != 5 or qkv.shape[2] != 3
+            or jnp.dtype(qkv.dtype) not in _DTYPES or _partitioner() is not None):
+        return None
+    if (qkv.shape[4] * jnp.dtype(qkv.dtype).itemsize) % 16:
+        return None
+    left, right = window_size if window_size is not None else (-1, -1)
+    rng = (jax.random.bits(dropout_rng, (4,), jnp.uint32) if dropout_probability > 0.0
+           else jnp.zeros((0,), jnp.uint32))
+    params = (LAYOUTS[layout], MASKS[attn_mask_type], int(left), int(right), float(scale_factor),
+              float(dropout_probability), 0, 0, bool(deterministic))
+    return _attention_packed(qkv, rng, params)
+
+
 def _check(q, k, v, layout: str) -> None:
     rank = 3 if layout == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -11,7 +11,7 @@ import flax.linen as nn
 
 import jax
 import jax.numpy as jnp
-from transformer_engine.jax.attention import MASKS, fused_attn
+from transformer_engine.jax.attention import MASKS, fused_attn, packed_self_attention
 from transformer_engine.jax.flax._checks import check_float_dtype, check_mask, check_sizes
 from transformer_engine.jax.flax._heads_projection import HeadsProjection
 from transformer_engine.jax.flax._rotary import rotary_pos_emb
@@ -42,6 +42,12 @@ _BIAS_TYPES = (None, "no_bias", "pre_scale_bias", "post_scale_bias")
 # "kv" a query kernel and one [hidden, 2, G * D], "none" three kernels. Inputs stay [b, s, ..]
 # or [s, b, ..] by transpose_batch_sequence, as for DotProductAttention's NVIDIA names.
 _PACKINGS = {"bs3hd": "qkv", "bshd_bs2hd": "kv", "bshd_bshd_bshd": "none", "bshd": "none"}
+
+
+# Whether self-attention over the fused QKV projection reads q, k and v in place from its
+# output (attention.packed_self_attention) rather than from copies: the same numbers (the
+# core reads the same elements), without the copies out and the join of the gradients.
+packed_enabled = True
 
 
 def token_axes(seq_first: bool, *rest: Optional[str],
@@ -325,7 +331,8 @@ class MultiHeadAttention(nn.Module):
         if bias is not None and bias_type == "no_bias":
             raise ValueError(f"{name}: a bias was given but attn_bias_type is 'no_bias'")
         d = self.head_dim
-        q, k, v, ln_out = self._project(inputs_q, inputs_kv, is_self, heads, groups, layout)
+        q, k, v, ln_out, packed = self._project(inputs_q, inputs_kv, is_self, heads, groups,
+                                                layout)
         seq_axis = 0 if self.transpose_batch_sequence else 1
         cache = self._cache(k, v) if decode else None
         start = cache["index"] if cache is not None else None
@@ -368,7 +375,16 @@ class MultiHeadAttention(nn.Module):
             if layout.repeat_kv:
                 k, v = (constrain(jnp.repeat(t, heads // groups, axis=2),
                                   layout.tokens("heads", "head_dim")) for t in (k, v))
-            x = self._fused(q, k, v, mask, mask_type, scale, rate, rng)
+            x = None
+            if packed is not None and packed_enabled and not self.enable_rotary_pos_emb:
+                # q, k, v read in place from the projection's output, their gradients written
+                # into one (no copies; None where the fused attention cannot read them so)
+                x = packed_self_attention(
+                    packed, qkv_layout="sbhd" if self.transpose_batch_sequence else "bshd",
+                    attn_mask_type=mask_type, window_size=self.window_size, scale_factor=scale,
+                    dropout_probability=rate, dropout_rng=rng)
+            if x is None:
+                x = self._fused(q, k, v, mask, mask_type, scale, rate, rng)
         x = x.reshape(*x.shape[:2], heads * d)
         # Row parallel under tp: each device's heads meet their rows of the kernel, and the
         # partial outputs are summed.
@@ -391,7 +407,9 @@ class MultiHeadAttention(nn.Module):
         return self.kernel_init if self.kernel_init is not None else default_kernel_init()
 
     def _project(self, inputs_q, inputs_kv, is_self, heads, groups, layout):
-        """q [.., .., H, D], k and v [.., .., G, D], and the normed input (or None).
+        """q [.., .., H, D], k and v [.., .., G, D], the normed input (or None), and the fused
+        projection's output [.., .., 3, H, D] whose parts q, k and v are (or None: separate
+        projections, or head-major under tensor parallelism).
 
         Column parallel under tp: each device computes its own heads of q, k and v (the
         fused kernels multiply head-major, see :class:`HeadsProjection`)."""
@@ -420,6 +438,7 @@ class MultiHeadAttention(nn.Module):
         tokens = layout.tokens("embed")
         want_ln = self.return_layernorm_output
         packing = self._packing(is_self, heads, groups)
+        packed = None  # (the packed projection output, where q, k, v are its three parts)
         if packing == "qkv":
             qkv, ln_out = HeadsProjection(
                 parts=3, heads=heads, head_dim=d, return_layernorm_output=want_ln,
@@ -427,6 +446,9 @@ class MultiHeadAttention(nn.Module):
                 input_axes=tokens, head_major=layout.head_major, head_axis="heads", name="qkv",
                 **fused, **norm)(inputs_q)
             q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+            # (the projection's output as it lies, [.., 3, heads, head_dim]: the swap undoes
+            # HeadsProjection's head-major view, so XLA makes no copy of it)
+            packed = None if layout.head_major else jnp.swapaxes(qkv, -3, -2).astype(dtype)
         else:
             q, ln_out = LayerNormDenseGeneral(features=heads * d, return_layernorm_output=True,
                                               kernel_init=query_init, layernorm_input_axes=tokens,
@@ -450,7 +472,7 @@ class MultiHeadAttention(nn.Module):
                       layout.tokens("heads", "head_dim"))
         k, v = (constrain(t.reshape(*t.shape[:2], groups, d).astype(dtype),
                           layout.tokens(layout.kv_heads, "head_dim")) for t in (k, v))
-        return q, k, v, ln_out
+        return q, k, v, ln_out, packed
 
     def _packing(self, is_self, heads, groups) -> str:
         """"qkv", "kv" or "none": how the Q, K, V projections are packed (see qkv_layout)."""
