@@ -5,10 +5,11 @@
 // result, sized by the Python side with te_attention_workspace_size (workspace_of, ffi_common.h).
 //
 // The packed handlers take self-attention's q, k and v as the three parts of one projection
-// output qkv [b, s, 3, heads, head_dim] (sbhd: [s, b, 3, ...]) and read them in place through
-// the config's strides (attention.h); the backward writes dq, dk and dv where they sit in one
-// dqkv of qkv's shape. XLA would otherwise copy the three parts out of the projection's output
-// and join their gradients back into one.
+// output qkv [b, s, 3, heads, head_dim] (sbhd: [s, b, 3, ...]), or k and v as the two parts of
+// a KV projection's output beside a dense q (GQA, cross-attention), and read them in place
+// through the config's strides (attention.h); the backward writes the gradients where the
+// operands sit, into arrays of their shapes. XLA would otherwise copy the parts out of the
+// projection's output and join their gradients back into one.
 #include "ffi_common.h"
 #include "handlers.h"
 #include "transformer_engine/attention.h"
@@ -178,44 +179,57 @@ auto TeAttentionBackwardBinding() {
       .Attr<int32_t>("backend");
 }
 
-// Part p (q, k, v) of a packed qkv buffer [s0, s1, 3, heads, head_dim] as a [s0, s1, heads,
-// head_dim] tensor over its elements in place, with its strides set in cfg.
-ffi::Error packed_parts(const char *op, const char *what, const ffi::AnyBuffer &qkv, const Device &dev,
-                        te_attention_config *cfg, Tensor (&parts)[3]) {
+// Parts first..first + count - 1 of a packed buffer [s0, s1, parts, heads, head_dim] (q, k, v
+// of a QKV projection's output, or k, v of a KV one) as [s0, s1, heads, head_dim] tensors over
+// their elements in place, operands first..first + count - 1 of cfg, whose strides they get.
+ffi::Error packed_parts(const char *op, const char *what, const ffi::AnyBuffer &packed, int64_t parts,
+                        const Device &dev, int first, te_attention_config *cfg, Tensor *out) {
   te_buffer whole;
-  TE_JAX_RETURN_IF_ERROR(to_buffer(op, what, qkv, dev, &whole));
-  if (whole.ndim != 5 || whole.shape[2] != 3) {
+  TE_JAX_RETURN_IF_ERROR(to_buffer(op, what, packed, dev, &whole));
+  if (whole.ndim != 5 || whole.shape[2] != parts) {
     std::string shape;
     for (int32_t i = 0; i < whole.ndim; ++i) shape += (i ? ", " : "") + std::to_string(whole.shape[i]);
-    return invalid(op, std::string(what) + " must be [s0, s1, 3, heads, head_dim], got [" + shape + "]");
+    return invalid(op, std::string(what) + " must be [s0, s1, " + std::to_string(parts) +
+                           ", heads, head_dim], got [" + shape + "]");
   }
   const int64_t heads = whole.shape[3], dim = whole.shape[4];
   const size_t element = whole.dtype == TE_DTYPE_FLOAT32 ? 4 : 2;  // (the attention dtypes)
-  for (int p = 0; p < 3; ++p) {
+  for (int p = 0; p < parts; ++p) {
     te_buffer part = whole;
     part.ndim = 4;
     part.shape[2] = heads;
     part.shape[3] = dim;
     part.data = static_cast<char *>(whole.data) + static_cast<size_t>(p * heads * dim) * element;
-    TE_JAX_RETURN_IF_ERROR(parts[p].init(op, TE_SCALING_TENSOR));
-    TE_JAX_RETURN_IF_ERROR(parts[p].set(TE_SLOT_DATA, part));
-    cfg->row_stride[p] = 3 * heads * dim;
-    cfg->head_stride[p] = dim;
+    TE_JAX_RETURN_IF_ERROR(out[p].init(op, TE_SCALING_TENSOR));
+    TE_JAX_RETURN_IF_ERROR(out[p].set(TE_SLOT_DATA, part));
+    cfg->row_stride[first + p] = parts * heads * dim;
+    cfg->head_stride[first + p] = dim;
   }
   return ffi::Error::Success();
 }
 
-ffi::Error AttentionForwardPackedImpl(ffi::AnyBuffer qkv, ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> o,
-                                      ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
-                                      int32_t layout, int32_t mask, int64_t window_left, int64_t window_right,
-                                      float softmax_scale, float dropout, int32_t backend, Device dev) {
+// q, k, v of a packed call: with kv zero-size, the three parts of q (a QKV projection's output
+// [s0, s1, 3, heads, head_dim]); else q dense [s0, s1, heads, head_dim] and the two parts of kv
+// [s0, s1', 2, kv heads, head_dim].
+ffi::Error packed_operands(const char *op, const char *q_name, const char *kv_name, const ffi::AnyBuffer &q,
+                           const ffi::AnyBuffer &kv, const Device &dev, te_attention_config *cfg, Tensor (&qkv)[3]) {
+  if (kv.element_count() == 0) return packed_parts(op, q_name, q, 3, dev, 0, cfg, qkv);
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, q_name, q, dev, &qkv[0]));
+  return packed_parts(op, kv_name, kv, 2, dev, 1, cfg, qkv + 1);
+}
+
+ffi::Error AttentionForwardPackedImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer rng,
+                                      ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                                      ffi::Result<ffi::AnyBuffer> workspace, int32_t layout, int32_t mask,
+                                      int64_t window_left, int64_t window_right, float softmax_scale, float dropout,
+                                      int32_t backend, Device dev) {
   constexpr const char *op = "attention_forward_packed";
   te_attention_config cfg;
   TE_JAX_RETURN_IF_ERROR(make_config(op, layout, mask, window_left, window_right, softmax_scale, dropout, 0, 0,
                                      false, backend, &cfg));
   Tensor parts[3], to, tl;
   Optional trng;
-  TE_JAX_RETURN_IF_ERROR(packed_parts(op, "qkv", qkv, dev, &cfg, parts));
+  TE_JAX_RETURN_IF_ERROR(packed_operands(op, "q", "kv", q, kv, dev, &cfg, parts));
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", *o, dev, &to));
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", *lse, dev, &tl));
   TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
@@ -227,10 +241,11 @@ ffi::Error AttentionForwardPackedImpl(ffi::AnyBuffer qkv, ffi::AnyBuffer rng, ff
 
 auto TeAttentionForwardPackedBinding() {
   return ffi::Ffi::Bind()
-      .Arg<ffi::AnyBuffer>()  // qkv [s0, s1, 3, heads, head_dim]
+      .Arg<ffi::AnyBuffer>()  // q: qkv [s0, s1, 3, heads, head_dim], or q [s0, s1, heads, head_dim]
+      .Arg<ffi::AnyBuffer>()  // kv [s0, s1', 2, kv heads, head_dim], or zero-size with a qkv
       .Arg<ffi::AnyBuffer>()  // rng_state int64 [2] or zero-size
       .Ret<ffi::AnyBuffer>()  // o [s0, s1, heads, head_dim]
-      .Ret<ffi::AnyBuffer>()  // softmax_lse fp32 [batch, heads, seqlen]
+      .Ret<ffi::AnyBuffer>()  // softmax_lse fp32 [batch, heads, seqlen_q]
       .Ret<ffi::AnyBuffer>()  // workspace uint8
       .Attr<int32_t>("layout")
       .Attr<int32_t>("mask_type")
@@ -241,19 +256,21 @@ auto TeAttentionForwardPackedBinding() {
       .Attr<int32_t>("backend");
 }
 
-ffi::Error AttentionBackwardPackedImpl(ffi::AnyBuffer qkv, ffi::AnyBuffer o, ffi::AnyBuffer d_o, ffi::AnyBuffer lse,
-                                       ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> dqkv,
-                                       ffi::Result<ffi::AnyBuffer> workspace, int32_t layout, int32_t mask,
-                                       int64_t window_left, int64_t window_right, float softmax_scale, float dropout,
-                                       bool deterministic, int32_t backend, Device dev) {
+ffi::Error AttentionBackwardPackedImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer o, ffi::AnyBuffer d_o,
+                                       ffi::AnyBuffer lse, ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> dq,
+                                       ffi::Result<ffi::AnyBuffer> dkv, ffi::Result<ffi::AnyBuffer> workspace,
+                                       int32_t layout, int32_t mask, int64_t window_left, int64_t window_right,
+                                       float softmax_scale, float dropout, bool deterministic, int32_t backend,
+                                       Device dev) {
   constexpr const char *op = "attention_backward_packed";
   te_attention_config cfg;
   TE_JAX_RETURN_IF_ERROR(make_config(op, layout, mask, window_left, window_right, softmax_scale, dropout, 0, 0,
                                      deterministic, backend, &cfg));
   Tensor parts[3], grads[3], to, tdo, tl;
   Optional trng;
-  TE_JAX_RETURN_IF_ERROR(packed_parts(op, "qkv", qkv, dev, &cfg, parts));
-  TE_JAX_RETURN_IF_ERROR(packed_parts(op, "dqkv", *dqkv, dev, &cfg, grads));  // (the same strides)
+  TE_JAX_RETURN_IF_ERROR(packed_operands(op, "q", "kv", q, kv, dev, &cfg, parts));
+  // (the gradients in their operands' layouts: the same strides)
+  TE_JAX_RETURN_IF_ERROR(packed_operands(op, "dq", "dkv", *dq, *dkv, dev, &cfg, grads));
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", o, dev, &to));
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "d_o", d_o, dev, &tdo));
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", lse, dev, &tl));
@@ -267,12 +284,14 @@ ffi::Error AttentionBackwardPackedImpl(ffi::AnyBuffer qkv, ffi::AnyBuffer o, ffi
 
 auto TeAttentionBackwardPackedBinding() {
   return ffi::Ffi::Bind()
-      .Arg<ffi::AnyBuffer>()  // qkv
+      .Arg<ffi::AnyBuffer>()  // q (qkv or q, as the forward's)
+      .Arg<ffi::AnyBuffer>()  // kv or zero-size
       .Arg<ffi::AnyBuffer>()  // o
       .Arg<ffi::AnyBuffer>()  // d_o
       .Arg<ffi::AnyBuffer>()  // softmax_lse
       .Arg<ffi::AnyBuffer>()  // rng_state or zero-size
-      .Ret<ffi::AnyBuffer>()  // dqkv, qkv's shape
+      .Ret<ffi::AnyBuffer>()  // dq, q's shape (dqkv with a qkv)
+      .Ret<ffi::AnyBuffer>()  // dkv, kv's shape (zero-size with a qkv)
       .Ret<ffi::AnyBuffer>()  // workspace uint8
       .Attr<int32_t>("layout")
       .Attr<int32_t>("mask_type")

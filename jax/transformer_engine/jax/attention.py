@@ -285,17 +285,33 @@ def _attention_bwd(params, cp, residuals, d_o):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-# --- self-attention over one packed projection output -------------------------------------
+# --- attention over packed projection outputs ------------------------------------------------
+# q is either a QKV projection's output [s0, s1, 3, heads, dim] (kv then has no element) or a
+# dense q [s0, s1, heads, dim] beside a KV projection's output kv [s0, s1', 2, kv heads, dim].
 
 
-def _packed_strides(qkv) -> list[int]:
-    """The config's (row, head) strides of q, k and v read in place from qkv [s0, s1, 3, heads,
-    head_dim]: their tokens 3 * heads * head_dim elements apart, their heads head_dim."""
-    heads, dim = qkv.shape[3], qkv.shape[4]
-    return [3 * heads * dim, dim] * 3
+def _packed_strides(q, kv) -> list[int]:
+    """The config's (row, head) strides of q, k and v read in place: a part of a [.., parts,
+    heads, dim] output has its tokens parts * heads * dim elements apart, its heads dim; a
+    dense q has (0, 0)."""
+    if kv.size == 0:
+        return [3 * q.shape[3] * q.shape[4], q.shape[4]] * 3
+    return [0, 0] + [2 * kv.shape[3] * kv.shape[4], kv.shape[4]] * 2
 
 
-def _packed_workspace_bytes(qkv, params, backward: bool) -> int:
+def _packed_sizes(q, kv, layout: int) -> list[int]:
+    """_sizes of the packed call: batch, heads of q and of k/v, lengths, head dims, rows."""
+    first = layout == LAYOUTS["bshd"]
+    if kv.size == 0:
+        b, s = (q.shape[0], q.shape[1]) if first else (q.shape[1], q.shape[0])
+        heads, dim = q.shape[3], q.shape[4]
+        return [b, heads, heads, s, s, dim, dim, b * s, b * s]
+    b, sq = (q.shape[0], q.shape[1]) if first else (q.shape[1], q.shape[0])
+    skv = kv.shape[1] if first else kv.shape[0]
+    return [b, q.shape[2], kv.shape[3], sq, skv, q.shape[3], kv.shape[4], b * sq, b * skv]
+
+
+def _packed_workspace_bytes(q, kv, params, backward: bool) -> int:
     if jax.default_backend() == "cpu":
         return 0
     from transformer_engine.common import core
@@ -304,14 +320,10 @@ def _packed_workspace_bytes(qkv, params, backward: bool) -> int:
     layout, mask, wl, wr, scale, dropout, _, _, deterministic = params
     cfg = c.AttentionConfig(c.AttnLayout(layout), c.AttnMask(mask), window_left=wl,
                             window_right=wr, softmax_scale=scale, dropout=dropout,
-                            deterministic=deterministic, strides=_packed_strides(qkv))
-    te = getattr(c.DType, _TE_NAMES[jnp.dtype(qkv.dtype)])
-    b, s = (qkv.shape[0], qkv.shape[1]) if layout == LAYOUTS["bshd"] else (qkv.shape[1],
-                                                                             qkv.shape[0])
-    heads, dim = qkv.shape[3], qkv.shape[4]
-    sizes = [b, heads, heads, s, s, dim, dim, b * s, b * s]
-    return int(c.attention_workspace_size(cfg, sizes, te, te, te, device_id=0,
-                                          backward=backward))
+                            deterministic=deterministic, strides=_packed_strides(q, kv))
+    te = getattr(c.DType, _TE_NAMES[jnp.dtype(q.dtype)])
+    return int(c.attention_workspace_size(cfg, _packed_sizes(q, kv, layout), te, te, te,
+                                          device_id=0, backward=backward))
 
 
 def _packed_attrs(params) -> dict:
@@ -320,68 +332,83 @@ def _packed_attrs(params) -> dict:
     return attrs
 
 
-def _forward_packed_call(qkv, rng, params):
-    layout = params[0]
-    b, s = (qkv.shape[0], qkv.shape[1]) if layout == LAYOUTS["bshd"] else (qkv.shape[1],
-                                                                             qkv.shape[0])
-    results = (jax.ShapeDtypeStruct((*qkv.shape[:2], *qkv.shape[3:]), qkv.dtype),
-               jax.ShapeDtypeStruct((b, qkv.shape[3], s), jnp.float32),
-               jax.ShapeDtypeStruct((_packed_workspace_bytes(qkv, params, False),), jnp.uint8))
+def _forward_packed_call(q, kv, rng, params):
+    b, heads, _, sq = _packed_sizes(q, kv, params[0])[:4]
+    o_shape = (*q.shape[:2], *q.shape[-2:]) if kv.size == 0 else q.shape
+    results = (jax.ShapeDtypeStruct(o_shape, q.dtype),
+               jax.ShapeDtypeStruct((b, heads, sq), jnp.float32),
+               jax.ShapeDtypeStruct((_packed_workspace_bytes(q, kv, params, False),), jnp.uint8))
     call = jax.ffi.ffi_call(TARGETS["attention_forward_packed"], results, vmap_method=_VMAP)
-    o, lse, _ = call(qkv, rng, **_packed_attrs(params))
+    o, lse, _ = call(q, kv, rng, **_packed_attrs(params))
     return o, lse
 
 
-def _backward_packed_call(qkv, o, d_o, lse, rng, params):
-    results = (jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
-               jax.ShapeDtypeStruct((_packed_workspace_bytes(qkv, params, True),), jnp.uint8))
+def _backward_packed_call(q, kv, o, d_o, lse, rng, params):
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(kv.shape, kv.dtype),
+               jax.ShapeDtypeStruct((_packed_workspace_bytes(q, kv, params, True),), jnp.uint8))
     call = jax.ffi.ffi_call(TARGETS["attention_backward_packed"], results, vmap_method=_VMAP)
-    dqkv, _ = call(qkv, o, d_o, lse, rng, **_packed_attrs(params),
-                   deterministic=bool(params[8]))
-    return dqkv
+    dq, dkv, _ = call(q, kv, o, d_o, lse, rng, **_packed_attrs(params),
+                      deterministic=bool(params[8]))
+    return dq, dkv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _attention_packed(qkv, rng, params):
-    return _forward_packed_call(qkv, rng, params)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention_packed(q, kv, rng, params):
+    return _forward_packed_call(q, kv, rng, params)[0]
 
 
-def _attention_packed_fwd(qkv, rng, params):
-    o, lse = _forward_packed_call(qkv, rng, params)
-    return o, (qkv, o, lse, rng)
+def _attention_packed_fwd(q, kv, rng, params):
+    o, lse = _forward_packed_call(q, kv, rng, params)
+    return o, (q, kv, o, lse, rng)
 
 
 def _attention_packed_bwd(params, residuals, d_o):
-    qkv, o, lse, rng = residuals
-    return _backward_packed_call(qkv, o, d_o.astype(o.dtype), lse, rng, params), None
+    q, kv, o, lse, rng = residuals
+    dq, dkv = _backward_packed_call(q, kv, o, d_o.astype(o.dtype), lse, rng, params)
+    return dq, dkv, None
 
 
 _attention_packed.defvjp(_attention_packed_fwd, _attention_packed_bwd)
 
 
-def packed_self_attention(qkv: jax.Array, *, qkv_layout: str, attn_mask_type: str,
-                          window_size: Optional[tuple[int, int]], scale_factor: float,
-                          dropout_probability: float, dropout_rng: Optional[jax.Array],
-                          deterministic: bool = False) -> Optional[jax.Array]:
-    """fused_attn of q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2] for qkv [batch, seqlen,
-    3, heads, dim] (``"bshd"``; ``"sbhd"``: [seqlen, batch, ...]), the three read in place and
-    their gradients written into one of qkv's shape: the numbers of fused_attn on the three
-    slices, without copying them out or joining their gradients. None where that does not
+def _packable(q, kv, layout: str) -> bool:
+    """Whether q and kv have the shapes packed_attention reads in place, each head's bytes a
+    multiple of 16 (where cuDNN reads a strided operand)."""
+    if kv.size == 0:
+        ok = q.ndim == 5 and q.shape[2] == 3
+    else:
+        batch_axis = 0 if layout == "bshd" else 1
+        ok = (q.ndim == 4 and kv.ndim == 5 and kv.shape[2] == 2 and q.shape[3] == kv.shape[4]
+              and q.shape[2] % kv.shape[3] == 0 and q.shape[batch_axis] == kv.shape[batch_axis])
+    return ok and (q.shape[-1] * jnp.dtype(q.dtype).itemsize) % 16 == 0
+
+
+def packed_attention(q: jax.Array, kv: Optional[jax.Array] = None, *, qkv_layout: str,
+                     attn_mask_type: str, window_size: Optional[tuple[int, int]],
+                     scale_factor: float, dropout_probability: float,
+                     dropout_rng: Optional[jax.Array],
+                     deterministic: bool = False) -> Optional[jax.Array]:
+    """fused_attn over projection outputs read in place: with ``kv`` None, q, k, v =
+    q[:, :, 0], q[:, :, 1], q[:, :, 2] of a QKV output [batch, seqlen, 3, heads, dim]
+    (``"bshd"``; ``"sbhd"``: [seqlen, batch, ...]); else k, v = kv[:, :, 0], kv[:, :, 1] of a
+    KV output [batch, seqlen_kv, 2, kv heads, dim] beside a dense q [batch, seqlen, heads,
+    dim]. The gradients come back in the arrays' own shapes. The numbers of fused_attn on the
+    parts, without copying them out or joining their gradients. None where that does not
     apply (a padding mask, another layout, rows or heads not at 16-byte multiples, a mesh in
     context), and the caller slices."""
     layout = qkv_layout.lower()
+    kv = jnp.zeros((0,), q.dtype) if kv is None else kv
     if (layout not in ("bshd", "sbhd") or attn_mask_type.startswith("padding")
-            or attn_mask_type not in MASKS or qkv.ndim != 5 or qkv.shape[2] != 3
-            or jnp.dtype(qkv.dtype) not in _DTYPES or _partitioner() is not None):
-        return None
-    if (qkv.shape[4] * jnp.dtype(qkv.dtype).itemsize) % 16:
+            or attn_mask_type not in MASKS or jnp.dtype(q.dtype) not in _DTYPES
+            or kv.dtype != q.dtype or _partitioner() is not None
+            or not _packable(q, kv, layout)):
         return None
     left, right = window_size if window_size is not None else (-1, -1)
     rng = (jax.random.bits(dropout_rng, (4,), jnp.uint32) if dropout_probability > 0.0
            else jnp.zeros((0,), jnp.uint32))
     params = (LAYOUTS[layout], MASKS[attn_mask_type], int(left), int(right), float(scale_factor),
               float(dropout_probability), 0, 0, bool(deterministic))
-    return _attention_packed(qkv, rng, params)
+    return _attention_packed(q, kv, rng, params)
 
 
 def _check(q, k, v, layout: str) -> None:

@@ -11,7 +11,7 @@ import flax.linen as nn
 
 import jax
 import jax.numpy as jnp
-from transformer_engine.jax.attention import MASKS, fused_attn, packed_self_attention
+from transformer_engine.jax.attention import MASKS, fused_attn, packed_attention
 from transformer_engine.jax.flax._checks import check_float_dtype, check_mask, check_sizes
 from transformer_engine.jax.flax._heads_projection import HeadsProjection
 from transformer_engine.jax.flax._rotary import rotary_pos_emb
@@ -44,9 +44,9 @@ _BIAS_TYPES = (None, "no_bias", "pre_scale_bias", "post_scale_bias")
 _PACKINGS = {"bs3hd": "qkv", "bshd_bs2hd": "kv", "bshd_bshd_bshd": "none", "bshd": "none"}
 
 
-# Whether self-attention over the fused QKV projection reads q, k and v in place from its
-# output (attention.packed_self_attention) rather than from copies: the same numbers (the
-# core reads the same elements), without the copies out and the join of the gradients.
+# Whether attention reads q, k and v (or k and v) in place from the fused projections' outputs
+# (attention.packed_attention) rather than from copies: the same numbers (the core reads the
+# same elements), without the copies out and the join of the gradients.
 packed_enabled = True
 
 
@@ -379,8 +379,8 @@ class MultiHeadAttention(nn.Module):
             if packed is not None and packed_enabled and not self.enable_rotary_pos_emb:
                 # q, k, v read in place from the projection's output, their gradients written
                 # into one (no copies; None where the fused attention cannot read them so)
-                x = packed_self_attention(
-                    packed, qkv_layout="sbhd" if self.transpose_batch_sequence else "bshd",
+                x = packed_attention(
+                    *packed, qkv_layout="sbhd" if self.transpose_batch_sequence else "bshd",
                     attn_mask_type=mask_type, window_size=self.window_size, scale_factor=scale,
                     dropout_probability=rate, dropout_rng=rng)
             if x is None:
@@ -407,9 +407,10 @@ class MultiHeadAttention(nn.Module):
         return self.kernel_init if self.kernel_init is not None else default_kernel_init()
 
     def _project(self, inputs_q, inputs_kv, is_self, heads, groups, layout):
-        """q [.., .., H, D], k and v [.., .., G, D], the normed input (or None), and the fused
-        projection's output [.., .., 3, H, D] whose parts q, k and v are (or None: separate
-        projections, or head-major under tensor parallelism).
+        """q [.., .., H, D], k and v [.., .., G, D], the normed input (or None), and what
+        attention.packed_attention reads them from in place: (the QKV projection's output
+        [.., .., 3, H, D], None) or (q, the KV projection's output [.., .., 2, G, D]); None
+        with separate K and V projections, or head-major under tensor parallelism.
 
         Column parallel under tp: each device computes its own heads of q, k and v (the
         fused kernels multiply head-major, see :class:`HeadsProjection`)."""
@@ -438,7 +439,7 @@ class MultiHeadAttention(nn.Module):
         tokens = layout.tokens("embed")
         want_ln = self.return_layernorm_output
         packing = self._packing(is_self, heads, groups)
-        packed = None  # (the packed projection output, where q, k, v are its three parts)
+        packed_qkv = packed_kv = None  # (the fused projections' outputs, as they lie)
         if packing == "qkv":
             qkv, ln_out = HeadsProjection(
                 parts=3, heads=heads, head_dim=d, return_layernorm_output=want_ln,
@@ -448,7 +449,7 @@ class MultiHeadAttention(nn.Module):
             q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
             # (the projection's output as it lies, [.., 3, heads, head_dim]: the swap undoes
             # HeadsProjection's head-major view, so XLA makes no copy of it)
-            packed = None if layout.head_major else jnp.swapaxes(qkv, -3, -2).astype(dtype)
+            packed_qkv = None if layout.head_major else jnp.swapaxes(qkv, -3, -2).astype(dtype)
         else:
             q, ln_out = LayerNormDenseGeneral(features=heads * d, return_layernorm_output=True,
                                               kernel_init=query_init, layernorm_input_axes=tokens,
@@ -463,6 +464,7 @@ class MultiHeadAttention(nn.Module):
                     head_major=layout.head_major, head_axis=layout.kv_heads, name="kv",
                     **kv_fused, **common)(kv_in)
                 k, v = kv[..., 0, :], kv[..., 1, :]
+                packed_kv = None if layout.head_major else jnp.swapaxes(kv, -3, -2).astype(dtype)
             else:
                 k = DenseGeneral(features=groups * d, axis=-1, kernel_init=kernel_init,
                                  input_axes=tokens, name="key", **kv_separate, **common)(kv_in)
@@ -472,6 +474,8 @@ class MultiHeadAttention(nn.Module):
                       layout.tokens("heads", "head_dim"))
         k, v = (constrain(t.reshape(*t.shape[:2], groups, d).astype(dtype),
                           layout.tokens(layout.kv_heads, "head_dim")) for t in (k, v))
+        packed = ((packed_qkv, None) if packed_qkv is not None
+                  else (q, packed_kv) if packed_kv is not None else None)
         return q, k, v, ln_out, packed
 
     def _packing(self, is_self, heads, groups) -> str:
