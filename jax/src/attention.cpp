@@ -10,6 +10,8 @@
 // through the config's strides (attention.h); the backward writes the gradients where the
 // operands sit, into arrays of their shapes. XLA would otherwise copy the parts out of the
 // projection's output and join their gradients back into one.
+#include <utility>
+
 #include "ffi_common.h"
 #include "handlers.h"
 #include "transformer_engine/attention.h"
@@ -71,6 +73,37 @@ ffi::Error make_config(const char *op, int32_t layout, int32_t mask, int64_t win
   return ffi::Error::Success();
 }
 
+// The attributes every attention binding takes after its buffers: layout, mask and softmax.
+template <typename Binding>
+auto with_softmax_attrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<int32_t>("layout")
+      .template Attr<int32_t>("mask_type")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<float>("softmax_scale")
+      .template Attr<float>("dropout");
+}
+
+// The forward's call once q, k and v are described: o, softmax_lse, the optional buffers (cu_q
+// and cu_kv may be null: no padding) and the workspace.
+ffi::Error run_forward(const char *op, const te_attention_config &cfg, Tensor (&qkv)[3], const ffi::AnyBuffer *cu_q,
+                       const ffi::AnyBuffer *cu_kv, const ffi::AnyBuffer &rng, const ffi::AnyBuffer &o,
+                       const ffi::AnyBuffer &lse, const ffi::AnyBuffer &workspace, const Device &dev) {
+  Tensor to, tl;
+  Optional tcq, tck, trng;
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", o, dev, &to));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", lse, dev, &tl));
+  if (cu_q != nullptr) TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_q", *cu_q, dev, &tcq));
+  if (cu_kv != nullptr) TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_kv", *cu_kv, dev, &tck));
+  TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
+  const Workspace ws = workspace_of(workspace, dev);
+  return from_status(te_attention_forward(&cfg, qkv[0].get(), qkv[1].get(), qkv[2].get(), to.get(), tl.get(),
+                                          tcq.present ? tcq.t.get() : nullptr, tck.present ? tck.t.get() : nullptr,
+                                          trng.present ? trng.t.get() : nullptr, nullptr, ws.data, ws.bytes,
+                                          dev.stream));
+}
+
 ffi::Error AttentionForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer cu_q,
                                 ffi::AnyBuffer cu_kv, ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> o,
                                 ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
@@ -81,25 +114,15 @@ ffi::Error AttentionForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   te_attention_config cfg;
   TE_JAX_RETURN_IF_ERROR(make_config(op, layout, mask, window_left, window_right, softmax_scale, dropout,
                                      max_seqlen_q, max_seqlen_kv, false, backend, &cfg));
-  Tensor tq, tk, tv, to, tl;
-  Optional tcq, tck, trng;
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "q", q, dev, &tq));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "k", k, dev, &tk));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "v", v, dev, &tv));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", *o, dev, &to));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", *lse, dev, &tl));
-  TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_q", cu_q, dev, &tcq));
-  TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_kv", cu_kv, dev, &tck));
-  TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
-  const Workspace ws = workspace_of(*workspace, dev);
-  return from_status(te_attention_forward(&cfg, tq.get(), tk.get(), tv.get(), to.get(), tl.get(),
-                                          tcq.present ? tcq.t.get() : nullptr, tck.present ? tck.t.get() : nullptr,
-                                          trng.present ? trng.t.get() : nullptr, nullptr, ws.data, ws.bytes,
-                                          dev.stream));
+  Tensor qkv[3];
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "q", q, dev, &qkv[0]));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "k", k, dev, &qkv[1]));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "v", v, dev, &qkv[2]));
+  return run_forward(op, cfg, qkv, &cu_q, &cu_kv, rng, *o, *lse, *workspace, dev);
 }
 
 auto TeAttentionForwardBinding() {
-  return ffi::Ffi::Bind()
+  return with_softmax_attrs(ffi::Ffi::Bind()
       .Arg<ffi::AnyBuffer>()  // q
       .Arg<ffi::AnyBuffer>()  // k
       .Arg<ffi::AnyBuffer>()  // v
@@ -108,16 +131,31 @@ auto TeAttentionForwardBinding() {
       .Arg<ffi::AnyBuffer>()  // rng_state int64 [2] or zero-size
       .Ret<ffi::AnyBuffer>()  // o
       .Ret<ffi::AnyBuffer>()  // softmax_lse fp32 [batch, heads_q, max_seqlen_q]
-      .Ret<ffi::AnyBuffer>()  // workspace uint8
-      .Attr<int32_t>("layout")
-      .Attr<int32_t>("mask_type")
-      .Attr<int64_t>("window_left")
-      .Attr<int64_t>("window_right")
-      .Attr<float>("softmax_scale")
-      .Attr<float>("dropout")
+      .Ret<ffi::AnyBuffer>())  // workspace uint8
       .Attr<int64_t>("max_seqlen_q")
       .Attr<int64_t>("max_seqlen_kv")
       .Attr<int32_t>("backend");
+}
+
+// The backward's call once q, k, v and their gradients are described.
+ffi::Error run_backward(const char *op, const te_attention_config &cfg, Tensor (&qkv)[3], Tensor (&grads)[3],
+                        const ffi::AnyBuffer &o, const ffi::AnyBuffer &d_o, const ffi::AnyBuffer &lse,
+                        const ffi::AnyBuffer *cu_q, const ffi::AnyBuffer *cu_kv, const ffi::AnyBuffer &rng,
+                        const ffi::AnyBuffer &workspace, const Device &dev) {
+  Tensor to, tdo, tl;
+  Optional tcq, tck, trng;
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", o, dev, &to));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "d_o", d_o, dev, &tdo));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", lse, dev, &tl));
+  if (cu_q != nullptr) TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_q", *cu_q, dev, &tcq));
+  if (cu_kv != nullptr) TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_kv", *cu_kv, dev, &tck));
+  TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
+  const Workspace ws = workspace_of(workspace, dev);
+  return from_status(te_attention_backward(&cfg, qkv[0].get(), qkv[1].get(), qkv[2].get(), to.get(), tdo.get(),
+                                           tl.get(), tcq.present ? tcq.t.get() : nullptr,
+                                           tck.present ? tck.t.get() : nullptr, trng.present ? trng.t.get() : nullptr,
+                                           nullptr, grads[0].get(), grads[1].get(), grads[2].get(), nullptr, ws.data,
+                                           ws.bytes, dev.stream));
 }
 
 ffi::Error AttentionBackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
@@ -131,29 +169,18 @@ ffi::Error AttentionBackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuf
   te_attention_config cfg;
   TE_JAX_RETURN_IF_ERROR(make_config(op, layout, mask, window_left, window_right, softmax_scale, dropout,
                                      max_seqlen_q, max_seqlen_kv, deterministic, backend, &cfg));
-  Tensor tq, tk, tv, to, tdo, tl, tdq, tdk, tdv;
-  Optional tcq, tck, trng;
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "q", q, dev, &tq));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "k", k, dev, &tk));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "v", v, dev, &tv));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", o, dev, &to));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "d_o", d_o, dev, &tdo));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", lse, dev, &tl));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dq", *dq, dev, &tdq));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dk", *dk, dev, &tdk));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dv", *dv, dev, &tdv));
-  TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_q", cu_q, dev, &tcq));
-  TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_kv", cu_kv, dev, &tck));
-  TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
-  const Workspace ws = workspace_of(*workspace, dev);
-  return from_status(te_attention_backward(&cfg, tq.get(), tk.get(), tv.get(), to.get(), tdo.get(), tl.get(),
-                                           tcq.present ? tcq.t.get() : nullptr, tck.present ? tck.t.get() : nullptr,
-                                           trng.present ? trng.t.get() : nullptr, nullptr, tdq.get(), tdk.get(),
-                                           tdv.get(), nullptr, ws.data, ws.bytes, dev.stream));
+  Tensor qkv[3], grads[3];
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "q", q, dev, &qkv[0]));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "k", k, dev, &qkv[1]));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "v", v, dev, &qkv[2]));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dq", *dq, dev, &grads[0]));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dk", *dk, dev, &grads[1]));
+  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "dv", *dv, dev, &grads[2]));
+  return run_backward(op, cfg, qkv, grads, o, d_o, lse, &cu_q, &cu_kv, rng, *workspace, dev);
 }
 
 auto TeAttentionBackwardBinding() {
-  return ffi::Ffi::Bind()
+  return with_softmax_attrs(ffi::Ffi::Bind()
       .Arg<ffi::AnyBuffer>()  // q
       .Arg<ffi::AnyBuffer>()  // k
       .Arg<ffi::AnyBuffer>()  // v
@@ -166,13 +193,7 @@ auto TeAttentionBackwardBinding() {
       .Ret<ffi::AnyBuffer>()  // dq
       .Ret<ffi::AnyBuffer>()  // dk
       .Ret<ffi::AnyBuffer>()  // dv
-      .Ret<ffi::AnyBuffer>()  // workspace uint8
-      .Attr<int32_t>("layout")
-      .Attr<int32_t>("mask_type")
-      .Attr<int64_t>("window_left")
-      .Attr<int64_t>("window_right")
-      .Attr<float>("softmax_scale")
-      .Attr<float>("dropout")
+      .Ret<ffi::AnyBuffer>())  // workspace uint8
       .Attr<int64_t>("max_seqlen_q")
       .Attr<int64_t>("max_seqlen_kv")
       .Attr<bool>("deterministic")
@@ -227,32 +248,19 @@ ffi::Error AttentionForwardPackedImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::
   te_attention_config cfg;
   TE_JAX_RETURN_IF_ERROR(make_config(op, layout, mask, window_left, window_right, softmax_scale, dropout, 0, 0,
                                      false, backend, &cfg));
-  Tensor parts[3], to, tl;
-  Optional trng;
+  Tensor parts[3];
   TE_JAX_RETURN_IF_ERROR(packed_operands(op, "q", "kv", q, kv, dev, &cfg, parts));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", *o, dev, &to));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", *lse, dev, &tl));
-  TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
-  const Workspace ws = workspace_of(*workspace, dev);
-  return from_status(te_attention_forward(&cfg, parts[0].get(), parts[1].get(), parts[2].get(), to.get(), tl.get(),
-                                          nullptr, nullptr, trng.present ? trng.t.get() : nullptr, nullptr, ws.data,
-                                          ws.bytes, dev.stream));
+  return run_forward(op, cfg, parts, nullptr, nullptr, rng, *o, *lse, *workspace, dev);
 }
 
 auto TeAttentionForwardPackedBinding() {
-  return ffi::Ffi::Bind()
+  return with_softmax_attrs(ffi::Ffi::Bind()
       .Arg<ffi::AnyBuffer>()  // q: qkv [s0, s1, 3, heads, head_dim], or q [s0, s1, heads, head_dim]
       .Arg<ffi::AnyBuffer>()  // kv [s0, s1', 2, kv heads, head_dim], or zero-size with a qkv
       .Arg<ffi::AnyBuffer>()  // rng_state int64 [2] or zero-size
       .Ret<ffi::AnyBuffer>()  // o [s0, s1, heads, head_dim]
       .Ret<ffi::AnyBuffer>()  // softmax_lse fp32 [batch, heads, seqlen_q]
-      .Ret<ffi::AnyBuffer>()  // workspace uint8
-      .Attr<int32_t>("layout")
-      .Attr<int32_t>("mask_type")
-      .Attr<int64_t>("window_left")
-      .Attr<int64_t>("window_right")
-      .Attr<float>("softmax_scale")
-      .Attr<float>("dropout")
+      .Ret<ffi::AnyBuffer>())  // workspace uint8
       .Attr<int32_t>("backend");
 }
 
@@ -266,24 +274,15 @@ ffi::Error AttentionBackwardPackedImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi:
   te_attention_config cfg;
   TE_JAX_RETURN_IF_ERROR(make_config(op, layout, mask, window_left, window_right, softmax_scale, dropout, 0, 0,
                                      deterministic, backend, &cfg));
-  Tensor parts[3], grads[3], to, tdo, tl;
-  Optional trng;
+  Tensor parts[3], grads[3];
   TE_JAX_RETURN_IF_ERROR(packed_operands(op, "q", "kv", q, kv, dev, &cfg, parts));
   // (the gradients in their operands' layouts: the same strides)
   TE_JAX_RETURN_IF_ERROR(packed_operands(op, "dq", "dkv", *dq, *dkv, dev, &cfg, grads));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", o, dev, &to));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "d_o", d_o, dev, &tdo));
-  TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", lse, dev, &tl));
-  TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
-  const Workspace ws = workspace_of(*workspace, dev);
-  return from_status(te_attention_backward(&cfg, parts[0].get(), parts[1].get(), parts[2].get(), to.get(),
-                                           tdo.get(), tl.get(), nullptr, nullptr,
-                                           trng.present ? trng.t.get() : nullptr, nullptr, grads[0].get(),
-                                           grads[1].get(), grads[2].get(), nullptr, ws.data, ws.bytes, dev.stream));
+  return run_backward(op, cfg, parts, grads, o, d_o, lse, nullptr, nullptr, rng, *workspace, dev);
 }
 
 auto TeAttentionBackwardPackedBinding() {
-  return ffi::Ffi::Bind()
+  return with_softmax_attrs(ffi::Ffi::Bind()
       .Arg<ffi::AnyBuffer>()  // q (qkv or q, as the forward's)
       .Arg<ffi::AnyBuffer>()  // kv or zero-size
       .Arg<ffi::AnyBuffer>()  // o
@@ -292,13 +291,7 @@ auto TeAttentionBackwardPackedBinding() {
       .Arg<ffi::AnyBuffer>()  // rng_state or zero-size
       .Ret<ffi::AnyBuffer>()  // dq, q's shape (dqkv with a qkv)
       .Ret<ffi::AnyBuffer>()  // dkv, kv's shape (zero-size with a qkv)
-      .Ret<ffi::AnyBuffer>()  // workspace uint8
-      .Attr<int32_t>("layout")
-      .Attr<int32_t>("mask_type")
-      .Attr<int64_t>("window_left")
-      .Attr<int64_t>("window_right")
-      .Attr<float>("softmax_scale")
-      .Attr<float>("dropout")
+      .Ret<ffi::AnyBuffer>())  // workspace uint8
       .Attr<bool>("deterministic")
       .Attr<int32_t>("backend");
 }

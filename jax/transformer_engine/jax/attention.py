@@ -80,9 +80,10 @@ def _sizes(q, k, v, layout: str, batch: int, max_sq: int, max_skv: int) -> list[
     return [b, q.shape[2], k.shape[2], sq, skv, q.shape[3], v.shape[3], b * sq, b * skv]
 
 
-def _workspace_bytes(params, sizes, dtype, backward: bool) -> int:
+def _workspace_bytes(params, sizes, dtype, backward: bool, strides=()) -> int:
     """CUDA workspace of the call, asked of the core for device 0 (0 when JAX runs on the CPU:
-    the CPU reference needs none)."""
+    the CPU reference needs none); ``strides`` those of q, k, v read in place (the packed
+    calls)."""
     if jax.default_backend() == "cpu":
         return 0
     from transformer_engine.common import core
@@ -92,7 +93,7 @@ def _workspace_bytes(params, sizes, dtype, backward: bool) -> int:
     cfg = c.AttentionConfig(c.AttnLayout(layout), c.AttnMask(mask), window_left=wl,
                             window_right=wr, softmax_scale=scale, dropout=dropout,
                             max_seqlen_q=max_sq, max_seqlen_kv=max_skv,
-                            deterministic=deterministic)
+                            deterministic=deterministic, strides=list(strides))
     te = getattr(c.DType, _TE_NAMES[jnp.dtype(dtype)])
     return int(c.attention_workspace_size(cfg, sizes, te, te, te, device_id=0, backward=backward))
 
@@ -312,18 +313,8 @@ def _packed_sizes(q, kv, layout: int) -> list[int]:
 
 
 def _packed_workspace_bytes(q, kv, params, backward: bool) -> int:
-    if jax.default_backend() == "cpu":
-        return 0
-    from transformer_engine.common import core
-
-    c = core()
-    layout, mask, wl, wr, scale, dropout, _, _, deterministic = params
-    cfg = c.AttentionConfig(c.AttnLayout(layout), c.AttnMask(mask), window_left=wl,
-                            window_right=wr, softmax_scale=scale, dropout=dropout,
-                            deterministic=deterministic, strides=_packed_strides(q, kv))
-    te = getattr(c.DType, _TE_NAMES[jnp.dtype(q.dtype)])
-    return int(c.attention_workspace_size(cfg, _packed_sizes(q, kv, layout), te, te, te,
-                                          device_id=0, backward=backward))
+    return _workspace_bytes(params, _packed_sizes(q, kv, params[0]), q.dtype, backward,
+                            _packed_strides(q, kv))
 
 
 def _packed_attrs(params) -> dict:
