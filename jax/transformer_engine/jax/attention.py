@@ -300,16 +300,19 @@ def _packed_strides(q, kv) -> list[int]:
     return [0, 0] + [2 * kv.shape[3] * kv.shape[4], kv.shape[4]] * 2
 
 
-def _packed_sizes(q, kv, layout: int) -> list[int]:
-    """_sizes of the packed call: batch, heads of q and of k/v, lengths, head dims, rows."""
-    first = layout == LAYOUTS["bshd"]
+def _part_shapes(q, kv) -> tuple:
+    """The shapes of q, k and v as the packed call reads them (each [s0, s1, heads, dim])."""
     if kv.size == 0:
-        b, s = (q.shape[0], q.shape[1]) if first else (q.shape[1], q.shape[0])
-        heads, dim = q.shape[3], q.shape[4]
-        return [b, heads, heads, s, s, dim, dim, b * s, b * s]
-    b, sq = (q.shape[0], q.shape[1]) if first else (q.shape[1], q.shape[0])
-    skv = kv.shape[1] if first else kv.shape[0]
-    return [b, q.shape[2], kv.shape[3], sq, skv, q.shape[3], kv.shape[4], b * sq, b * skv]
+        part = (*q.shape[:2], *q.shape[3:])
+        return part, part, part
+    part = (*kv.shape[:2], *kv.shape[3:])
+    return q.shape, part, part
+
+
+def _packed_sizes(q, kv, layout: int) -> list[int]:
+    """_sizes of the packed call."""
+    parts = (jax.ShapeDtypeStruct(shape, q.dtype) for shape in _part_shapes(q, kv))
+    return _sizes(*parts, list(LAYOUTS)[layout], None, 0, 0)
 
 
 def _packed_workspace_bytes(q, kv, params, backward: bool) -> int:
@@ -325,8 +328,7 @@ def _packed_attrs(params) -> dict:
 
 def _forward_packed_call(q, kv, rng, params):
     b, heads, _, sq = _packed_sizes(q, kv, params[0])[:4]
-    o_shape = (*q.shape[:2], *q.shape[-2:]) if kv.size == 0 else q.shape
-    results = (jax.ShapeDtypeStruct(o_shape, q.dtype),
+    results = (jax.ShapeDtypeStruct(_part_shapes(q, kv)[0], q.dtype),
                jax.ShapeDtypeStruct((b, heads, sq), jnp.float32),
                jax.ShapeDtypeStruct((_packed_workspace_bytes(q, kv, params, False),), jnp.uint8))
     call = jax.ffi.ffi_call(TARGETS["attention_forward_packed"], results, vmap_method=_VMAP)

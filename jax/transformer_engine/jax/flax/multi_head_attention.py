@@ -345,6 +345,7 @@ class MultiHeadAttention(nn.Module):
                 q_offset = 0 if query_position_offset is None else query_position_offset
             q = rotary_pos_emb(q, offset=q_offset, **rope)
             k = rotary_pos_emb(k, offset=start if start is not None else 0, **rope)
+            packed = None  # (the projections' outputs no longer hold the rotated q and k)
         scale = 1.0 / math.sqrt(d) if self.scale_attn_logits else 1.0
         rate = 0.0 if deterministic else dropout
         rng = self.make_rng(self.dropout_rng_name) if rate > 0.0 else None
@@ -375,16 +376,7 @@ class MultiHeadAttention(nn.Module):
             if layout.repeat_kv:
                 k, v = (constrain(jnp.repeat(t, heads // groups, axis=2),
                                   layout.tokens("heads", "head_dim")) for t in (k, v))
-            x = None
-            if packed is not None and packed_enabled and not self.enable_rotary_pos_emb:
-                # q, k, v read in place from the projection's output, their gradients written
-                # into one (no copies; None where the fused attention cannot read them so)
-                x = packed_attention(
-                    *packed, qkv_layout="sbhd" if self.transpose_batch_sequence else "bshd",
-                    attn_mask_type=mask_type, window_size=self.window_size, scale_factor=scale,
-                    dropout_probability=rate, dropout_rng=rng)
-            if x is None:
-                x = self._fused(q, k, v, mask, mask_type, scale, rate, rng)
+            x = self._fused(q, k, v, mask, mask_type, scale, rate, rng, packed)
         x = x.reshape(*x.shape[:2], heads * d)
         # Row parallel under tp: each device's heads meet their rows of the kernel, and the
         # partial outputs are summed.
@@ -532,8 +524,16 @@ class MultiHeadAttention(nn.Module):
         k_pos = jnp.arange(length)
         return k, v, cur + jnp.arange(q.shape[seq_axis]), k_pos, k_pos < cur + n
 
-    def _fused(self, q, k, v, mask, mask_type, scale, rate, rng):
+    def _fused(self, q, k, v, mask, mask_type, scale, rate, rng, packed=None):
+        """The fused attention; with ``packed`` (_project's), q, k, v read in place from the
+        projections' outputs where packed_attention can, else from the copies."""
         layout = "sbhd" if self.transpose_batch_sequence else "bshd"
+        if packed is not None and packed_enabled:
+            x = packed_attention(*packed, qkv_layout=layout, attn_mask_type=mask_type,
+                                 window_size=self.window_size, scale_factor=scale,
+                                 dropout_probability=rate, dropout_rng=rng)
+            if x is not None:
+                return x
         cu_q = cu_kv = None
         if mask_type.startswith("padding"):
             if mask is None:
