@@ -85,23 +85,35 @@ auto with_softmax_attrs(Binding binding) {
       .template Attr<float>("dropout");
 }
 
-// The forward's call once q, k and v are described: o, softmax_lse, the optional buffers (cu_q
-// and cu_kv may be null: no padding) and the workspace.
+// A call's optional buffers as the core takes them (a pointer each, null where absent: cu_q and
+// cu_kv themselves may be null, no padding) and its workspace.
+struct Extras {
+  Optional cu_q, cu_kv, rng;
+  Workspace ws;
+  const te_tensor *get(const Optional &o) const { return o.present ? o.t.get() : nullptr; }
+};
+
+ffi::Error extras_of(const char *op, const ffi::AnyBuffer *cu_q, const ffi::AnyBuffer *cu_kv,
+                     const ffi::AnyBuffer &rng, const ffi::AnyBuffer &workspace, const Device &dev, Extras *e) {
+  if (cu_q != nullptr) TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_q", *cu_q, dev, &e->cu_q));
+  if (cu_kv != nullptr) TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_kv", *cu_kv, dev, &e->cu_kv));
+  TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &e->rng));
+  e->ws = workspace_of(workspace, dev);
+  return ffi::Error::Success();
+}
+
+// The forward's call once q, k and v are described: o, softmax_lse and the extras.
 ffi::Error run_forward(const char *op, const te_attention_config &cfg, Tensor (&qkv)[3], const ffi::AnyBuffer *cu_q,
                        const ffi::AnyBuffer *cu_kv, const ffi::AnyBuffer &rng, const ffi::AnyBuffer &o,
                        const ffi::AnyBuffer &lse, const ffi::AnyBuffer &workspace, const Device &dev) {
   Tensor to, tl;
-  Optional tcq, tck, trng;
+  Extras e;
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", o, dev, &to));
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", lse, dev, &tl));
-  if (cu_q != nullptr) TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_q", *cu_q, dev, &tcq));
-  if (cu_kv != nullptr) TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_kv", *cu_kv, dev, &tck));
-  TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
-  const Workspace ws = workspace_of(workspace, dev);
+  TE_JAX_RETURN_IF_ERROR(extras_of(op, cu_q, cu_kv, rng, workspace, dev, &e));
   return from_status(te_attention_forward(&cfg, qkv[0].get(), qkv[1].get(), qkv[2].get(), to.get(), tl.get(),
-                                          tcq.present ? tcq.t.get() : nullptr, tck.present ? tck.t.get() : nullptr,
-                                          trng.present ? trng.t.get() : nullptr, nullptr, ws.data, ws.bytes,
-                                          dev.stream));
+                                          e.get(e.cu_q), e.get(e.cu_kv), e.get(e.rng), nullptr, e.ws.data,
+                                          e.ws.bytes, dev.stream));
 }
 
 ffi::Error AttentionForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer cu_q,
@@ -143,19 +155,15 @@ ffi::Error run_backward(const char *op, const te_attention_config &cfg, Tensor (
                         const ffi::AnyBuffer *cu_q, const ffi::AnyBuffer *cu_kv, const ffi::AnyBuffer &rng,
                         const ffi::AnyBuffer &workspace, const Device &dev) {
   Tensor to, tdo, tl;
-  Optional tcq, tck, trng;
+  Extras e;
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "o", o, dev, &to));
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "d_o", d_o, dev, &tdo));
   TE_JAX_RETURN_IF_ERROR(plain_tensor(op, "softmax_lse", lse, dev, &tl));
-  if (cu_q != nullptr) TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_q", *cu_q, dev, &tcq));
-  if (cu_kv != nullptr) TE_JAX_RETURN_IF_ERROR(optional_tensor(op, "cu_seqlens_kv", *cu_kv, dev, &tck));
-  TE_JAX_RETURN_IF_ERROR(rng_tensor(op, rng, dev, &trng));
-  const Workspace ws = workspace_of(workspace, dev);
+  TE_JAX_RETURN_IF_ERROR(extras_of(op, cu_q, cu_kv, rng, workspace, dev, &e));
   return from_status(te_attention_backward(&cfg, qkv[0].get(), qkv[1].get(), qkv[2].get(), to.get(), tdo.get(),
-                                           tl.get(), tcq.present ? tcq.t.get() : nullptr,
-                                           tck.present ? tck.t.get() : nullptr, trng.present ? trng.t.get() : nullptr,
-                                           nullptr, grads[0].get(), grads[1].get(), grads[2].get(), nullptr, ws.data,
-                                           ws.bytes, dev.stream));
+                                           tl.get(), e.get(e.cu_q), e.get(e.cu_kv), e.get(e.rng), nullptr,
+                                           grads[0].get(), grads[1].get(), grads[2].get(), nullptr, e.ws.data,
+                                           e.ws.bytes, dev.stream));
 }
 
 ffi::Error AttentionBackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
