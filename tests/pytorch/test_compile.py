@@ -167,3 +167,52 @@ def test_first_fp8_step_of_a_process_compiled():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and "ran" in done.stdout, done.stderr[-3000:]
+
+
+def test_workspace_made_outside_the_calling_thread():
+    """The GEMM workspace's allocation runs on a thread of its own (so a CUDA graph pool the
+    caller allocates into does not get it), and what it raises reaches the caller."""
+    import threading
+
+    from transformer_engine.pytorch.ops import _backend
+
+    made_on = _backend._outside_graph_pools(threading.get_ident)
+    assert made_on != threading.get_ident()
+
+    def fail():
+        raise MemoryError("no room")
+
+    with pytest.raises(MemoryError, match="no room"):
+        _backend._outside_graph_pools(fail)
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_as_the_first_fp8_steps_of_a_process():
+    """torch.compile(mode="reduce-overhead") of FP8 TransformerLayer steps in a fresh process:
+    the first GEMM (in the graphs' warm-up call) makes the process's GEMM workspace, which
+    must not come from the graphs' pool (the mode refuses a pool tensor that outlives the
+    call). Three steps, the same loss as eager steps from the same weights."""
+    import subprocess
+    import sys
+
+    code = (
+        "import copy, torch\n"
+        "import transformer_engine.pytorch as te\n"
+        "from transformer_engine.common import recipe\n"
+        "torch.manual_seed(0)\n"
+        "eager = te.TransformerLayer(256, 1024, 4, hidden_dropout=0.0, attention_dropout=0.0,\n"
+        "                            params_dtype=torch.bfloat16, device='cuda')\n"
+        "model = copy.deepcopy(eager)\n"
+        "def step(m, x):\n"
+        "    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):\n"
+        "        return m(x)\n"
+        "compiled = torch.compile(lambda x: step(model, x), mode='reduce-overhead')\n"
+        "for i in range(3):\n"
+        "    x = torch.randn(128, 2, 256, device='cuda', dtype=torch.bfloat16)\n"
+        "    a = compiled(x).float().square().mean(); a.backward()\n"
+        "    b = step(eager, x).float().square().mean(); b.backward()\n"
+        "    torch.testing.assert_close(a, b, rtol=2e-2, atol=0)\n"
+        "print('ran')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "ran" in done.stdout, done.stderr[-3000:]

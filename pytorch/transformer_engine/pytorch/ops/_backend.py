@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from typing import Optional
 
 import torch
@@ -209,18 +210,46 @@ def workspace_for(t: torch.Tensor) -> torch.Tensor | None:
 def raw_workspace_for(t: torch.Tensor) -> tuple | None:
     """The fast form (raw()) of the GEMM workspace of t's CUDA device, None on the CPU, whose
     GEMM needs none: one uint8 buffer of ``gemm_workspace_size()`` bytes per device, kept for
-    the process (so its fast form is made once too). Allocated on first use: run one eager step
-    before capturing a CUDA graph (as warm-up always requires), so it is not a graph
-    allocation."""
+    the process (so its fast form is made once too). Allocated on first use, outside any CUDA
+    graph's memory pool (_outside_graph_pools), except while a graph is being captured: a
+    first call inside torch.cuda.graph (no warm-up step before) leaves it in that graph's
+    pool, where it stays valid as long as the process keeps it."""
     if not t.is_cuda:
         return None
     index = t.get_device()
     entry = _workspaces.get(index)
     if entry is None:
         size = max(int(core().gemm_workspace_size()), 1)
-        ws = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
+        device = torch.device("cuda", index)
+        if torch.cuda.is_current_stream_capturing():
+            ws = torch.empty(size, dtype=torch.uint8, device=device)
+        else:
+            ws = _outside_graph_pools(lambda: torch.empty(size, dtype=torch.uint8, device=device))
         entry = _workspaces[index] = (ws, raw(ws))
     return entry[1]
+
+
+def _outside_graph_pools(make):
+    """``make()`` run on a thread of its own, so that what it allocates comes from torch's
+    ordinary memory and not from a CUDA graph pool the calling thread allocates into:
+    torch.compile's reduce-overhead mode runs a graph's first (warm-up) call with the calling
+    thread's allocations sent to the graphs' pool, and refuses a pool allocation that
+    outlives the call without being one of its outputs, which a workspace kept for the
+    process is."""
+    made, failed = [], []
+
+    def run():
+        try:
+            made.append(make())
+        except BaseException as e:  # (re-raised on the calling thread)
+            failed.append(e)
+
+    worker = threading.Thread(target=run, name="transformer_engine workspace")
+    worker.start()
+    worker.join()
+    if failed:
+        raise failed[0]
+    return made[0]
 
 
 def block_grid(rows: int, cols: int, mode: str) -> tuple[int, int]:
