@@ -147,12 +147,19 @@ def test_autocast_first_entered_in_a_compiled_step(monkeypatch):
     assert calls and out.shape == (16, 16)
 
 
-def test_first_fp8_step_of_a_process_compiled():
-    """A fresh process whose first FP8 step is a compiled te.MultiheadAttention: the native
-    binding is first loaded while Dynamo traces, which must leave no guard on it."""
+def _runs_in_a_fresh_process(code: str) -> None:
+    """Runs ``code`` in a new Python process, which must print 'ran' and exit 0."""
     import subprocess
     import sys
 
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "ran" in done.stdout, done.stderr[-3000:]
+
+
+def test_first_fp8_step_of_a_process_compiled():
+    """A fresh process whose first FP8 step is a compiled te.MultiheadAttention: the native
+    binding is first loaded while Dynamo traces, which must leave no guard on it."""
     code = (
         "import torch\n"
         "import transformer_engine.pytorch as te\n"
@@ -164,9 +171,7 @@ def test_first_fp8_step_of_a_process_compiled():
         "        y = f(torch.randn(16, 2, 64))\n"
         "    y.sum().backward()\n"
         "print('ran')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and "ran" in done.stdout, done.stderr[-3000:]
+    _runs_in_a_fresh_process(code)
 
 
 def test_workspace_made_outside_the_calling_thread():
@@ -192,9 +197,6 @@ def test_reduce_overhead_as_the_first_fp8_steps_of_a_process():
     the first GEMM (in the graphs' warm-up call) makes the process's GEMM workspace, which
     must not come from the graphs' pool (the mode refuses a pool tensor that outlives the
     call). Three steps, the same loss as eager steps from the same weights."""
-    import subprocess
-    import sys
-
     code = (
         "import copy, torch\n"
         "import transformer_engine.pytorch as te\n"
@@ -213,6 +215,4 @@ def test_reduce_overhead_as_the_first_fp8_steps_of_a_process():
         "    b = step(eager, x).float().square().mean(); b.backward()\n"
         "    torch.testing.assert_close(a, b, rtol=2e-2, atol=0)\n"
         "print('ran')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and "ran" in done.stdout, done.stderr[-3000:]
+    _runs_in_a_fresh_process(code)
