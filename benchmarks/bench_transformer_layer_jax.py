@@ -36,7 +36,7 @@ import optax
 
 import transformer_engine.jax as te
 from transformer_engine.common import recipe
-from transformer_engine.jax import hlo
+from transformer_engine.jax import hlo, quantizer
 
 SHAPE = (2048, 8, 4096, 16384, 32)  # seqlen, batch, hidden, ffn, heads
 SMOKE_SHAPE = (32, 2, 64, 128, 4)
@@ -44,6 +44,10 @@ HIDDEN_DROPOUT = 0.1
 ATTENTION_DROPOUT = 0.0  # jax.nn.dot_product_attention has no dropout: 0 for all alike
 RECIPES = {"delayed": recipe.DelayedScaling(), "current": recipe.Float8CurrentScaling()}
 BASELINE = "flax_layer_bf16"
+# The first-step probe's contender (--first-step-probe): FP8 delayed scaling traced without
+# the first-step rule (quantizer.first_step_rule), to show what the rule's launches cost a
+# step; past the first step it computes the same bits as the delayed contender.
+NO_FIRST_STEP_RULE = "te_transformer_layer_fp8_delayed_no_first_step_rule"
 TARGET_FP8_VS_FLAX = 1.5
 
 
@@ -91,10 +95,10 @@ class FlaxLayer(nn.Module):
         return x + dropout(nn.Dense(hidden, **kw)(h))
 
 
-def contenders(shape, implementation, layers: int = 0, dropout: float = HIDDEN_DROPOUT
-               ) -> dict:
+def contenders(shape, implementation, layers: int = 0, dropout: float = HIDDEN_DROPOUT,
+               first_step_probe: bool = False) -> dict:
     """name -> (flax module, the recipe it runs under, or None); ``layers`` > 0: a stack of
-    that many layers of each kind."""
+    that many layers of each kind; ``first_step_probe``: NO_FIRST_STEP_RULE too."""
     from transformer_engine.jax.flax import TransformerLayer
 
     _, _, hidden, ffn, heads = shape
@@ -115,16 +119,22 @@ def contenders(shape, implementation, layers: int = 0, dropout: float = HIDDEN_D
         return Stack(make, layers) if layers else make()
 
     out = {f"te_transformer_layer_fp8_{name}": (build(ours), r) for name, r in RECIPES.items()}
+    if first_step_probe:
+        out[NO_FIRST_STEP_RULE] = (build(ours), RECIPES["delayed"])
     out["te_transformer_layer_bf16"] = (build(ours), None)
     out[BASELINE] = (build(flax_layer), None)
     return out
 
 
-def make_step(model: nn.Module, fp8_recipe, tx):
+def make_step(model: nn.Module, fp8_recipe, tx, first_step_rule: bool = True):
     def loss_fn(params, other, x, key):
-        with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
-            out = model.apply({"params": params, **other}, x, deterministic=False,
-                              rngs={"dropout": key})
+        quantizer.first_step_rule = first_step_rule  # (read while this function is traced)
+        try:
+            with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+                out = model.apply({"params": params, **other}, x, deterministic=False,
+                                  rngs={"dropout": key})
+        finally:
+            quantizer.first_step_rule = True
         return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))
@@ -149,7 +159,7 @@ def prepare(name, model, fp8_recipe, x) -> tuple:
         variables = jax.jit(lambda k, d: model.init({"params": k, "dropout": d}, x,
                                                     deterministic=False))(keys[0], keys[1])
     other, params = flax.core.pop(variables, "params")
-    step = make_step(model, fp8_recipe, tx)
+    step = make_step(model, fp8_recipe, tx, first_step_rule=name != NO_FIRST_STEP_RULE)
     state = [params, other, tx.init(params), keys[2]]
     start = time.perf_counter()
     text = step.lower(*state, x).compile().as_text()
@@ -198,13 +208,14 @@ def model_flops(shape) -> float:
 
 
 def run_contenders(shape, implementation, timing, layers: int = 0,
-                   dropout: float = HIDDEN_DROPOUT) -> dict:
+                   dropout: float = HIDDEN_DROPOUT, first_step_probe: bool = False) -> dict:
     """name -> row: compile info, step times, TFLOP/s (per layer count) and the speedup over
     the flax bf16 contender."""
     s, b, hidden, _, _ = shape
     x = jax.random.normal(jax.random.PRNGKey(2), (b, s, hidden), jnp.bfloat16)
     runs, rows = {}, {}
-    for name, (model, fp8_recipe) in contenders(shape, implementation, layers, dropout).items():
+    for name, (model, fp8_recipe) in contenders(shape, implementation, layers, dropout,
+                                                 first_step_probe).items():
         try:
             runs[name], rows[name] = prepare(name, model, fp8_recipe, x)
             runs[name]()  # one step outside the timing: a contender that fails, fails here
@@ -223,7 +234,7 @@ def run_contenders(shape, implementation, timing, layers: int = 0,
     return rows
 
 
-def main_model(smoke: bool, name: str = "model_jax") -> None:
+def main_model(smoke: bool, name: str = "model_jax", first_step_probe: bool = False) -> None:
     """The model stack (--model): every hidden size, all contenders, ``name``.json, rewritten
     after each hidden size (a run cut short keeps the sizes it finished)."""
     size = SMOKE_MODEL if smoke else dict(layers=MODEL_LAYERS, seq=MODEL_SEQ,
@@ -236,7 +247,8 @@ def main_model(smoke: bool, name: str = "model_jax") -> None:
     for hidden in size["hiddens"]:
         shape = (size["seq"], size["batch"], hidden, 4 * hidden, hidden // size["head_dim"])
         for contender, row in run_contenders(shape, implementation, timing, size["layers"],
-                                             dropout=0.0).items():
+                                             dropout=0.0,
+                                             first_step_probe=first_step_probe).items():
             rows.append({**row, "hidden": hidden})
             if "median_ms" in row:
                 print(f"hidden {hidden:5d} {contender:36s} {row['median_ms']:9.3f} ms  "
@@ -269,9 +281,12 @@ def main() -> None:
     parser.add_argument("--model", action="store_true",
                         help="the model stack of bench_model.py instead (model_jax.json)")
     parser.add_argument("--name", default="model_jax", help="--model's result file name")
+    parser.add_argument("--first-step-probe", action="store_true",
+                        help="--model: also time FP8 delayed scaling traced without the "
+                             "first-step rule (" + NO_FIRST_STEP_RULE + ")")
     args = parser.parse_args()
     if args.model:
-        main_model(args.smoke, args.name)
+        main_model(args.smoke, args.name, args.first_step_probe)
         return
     shape = SMOKE_SHAPE if args.smoke else SHAPE
     timing = dict(batch=2, repeats=2, warmup=1) if args.smoke else dict(batch=5, repeats=10,

@@ -80,6 +80,8 @@ def main() -> None:
                         help="contenders whose name holds this text (repeatable; all if none)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, print, write nothing")
     parser.add_argument("--name", default="kernel_profile_jax")
+    parser.add_argument("--first-step-probe", action="store_true",
+                        help="also FP8 delayed scaling traced without the first-step rule")
     args = parser.parse_args()
     size = (bench.SMOKE_MODEL if args.smoke else
             dict(layers=bench.MODEL_LAYERS, seq=bench.MODEL_SEQ, batch=bench.MODEL_BATCH,
@@ -90,7 +92,9 @@ def main() -> None:
     x = jax.random.normal(jax.random.PRNGKey(2), (shape[1], shape[0], hidden), jax.numpy.bfloat16)
     rows = []
     for name, (model, fp8_recipe) in bench.contenders(shape, implementation, size["layers"],
-                                                       dropout=0.0).items():
+                                                       dropout=0.0,
+                                                       first_step_probe=args.first_step_probe
+                                                       ).items():
         if args.only and not any(o in name for o in args.only):
             continue
         run, info = bench.prepare(name, model, fp8_recipe, x)

@@ -5,9 +5,10 @@
 # activation tests of every output kind but the FP8 value sweeps);
 # bench_transformer_layer_jax.py --model for about 90 s (it writes its JSON after each hidden
 # size, 1024 first: results/model_jax.json); the stack's kernels at hidden 1024
-# (kernel_profile_jax.py); then, with the time left, the JAX GPT demo (GPU size) with its
-# gradient norms (results/gpt_demo_jax_norms.json; TE_GPU_JAX_DEMO=0 leaves it out: about 320 s
-# without it).
+# (kernel_profile_jax.py); both with the first-step probe (FP8 delayed traced without the
+# first-step rule, to show what the rule's launches cost a step); then, with the time left,
+# the JAX GPT demo (GPU size) with its gradient norms (results/gpt_demo_jax_norms.json;
+# TE_GPU_JAX_DEMO=0 leaves it out: about 320 s without it).
 # Logs go to $1/log.txt, JSON to $1.
 #
 #   bash scripts/gpu_jax_status.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (590)
@@ -24,9 +25,9 @@ step activation_tests "$(upto $((budget - 20)) 45)" python3 -m pytest -p no:cach
   -m cuda -rfE tests/common/test_activation.py \
   -k "half_precision or nan or magnitudes or amax_only or many_tiles or degenerate or identity"
 step model_jax "$(upto $((budget - 20)) 100)" python3 benchmarks/bench_transformer_layer_jax.py \
-  --model --name "model_jax$suffix"
+  --model --first-step-probe --name "model_jax$suffix"
 step jax_profile_1024 "$(upto $((budget - 5)) 75)" python3 benchmarks/kernel_profile_jax.py \
-  --hidden 1024 --name "kernel_profile_jax$suffix"
+  --hidden 1024 --first-step-probe --name "kernel_profile_jax$suffix"
 if [ "${TE_GPU_JAX_DEMO:-1}" = 1 ]; then
   step gpt_demo_jax "$(left $((budget - 5)))" python3 examples/train_gpt.py --framework jax \
     --device cuda --plot "" --json "$out/gpt_demo_jax_norms$suffix.json"

@@ -310,6 +310,35 @@ def test_fp8_delayed_scaling_metas_follow_the_gradient_and_stay_close_to_fp32():
         assert_relative_rms_error(a, e, "fp8_backward_vs_fp32")
 
 
+def test_first_step_rule_changes_no_bit_after_the_first_step(monkeypatch):
+    """Past its first step the delayed-scaling state takes every gated call's early return, so
+    a step traced without the rule (quantizer.first_step_rule, the benchmarks' probe of its
+    cost) gives the same output, gradients and next state, bit for bit; on a first step the
+    two differ (the rule's scales come from the tensors' own amaxes)."""
+    from transformer_engine.jax import quantizer
+
+    fp8_recipe = recipe.DelayedScaling(amax_history_len=3)
+    layer, params, x, _ = _layer_setup("encoder-causal-rope_consecutive")
+    with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+        variables = jax.jit(lambda k, x: layer.init(k, x, deterministic=True))(
+            jax.random.PRNGKey(1), x)
+    c = jnp.asarray(np.random.default_rng(5).standard_normal(x.shape), x.dtype) * 1e-3
+    first = {"fp8_metas": variables["fp8_metas"]}
+    (_, state), _ = _fp8_step(layer, fp8_recipe, x, c)(params, first)  # the first step
+    runs = {}
+    for rule in (True, False):
+        monkeypatch.setattr(quantizer, "first_step_rule", rule)
+        step = _fp8_step(layer, fp8_recipe, x, c)  # (traced afresh: the rule is read then)
+        runs[rule] = (step(params, state), step(params, first))
+    later_on, first_on = runs[True]
+    later_off, first_off = runs[False]
+    for a, b in zip(jax.tree.leaves(later_on), jax.tree.leaves(later_off), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(first_on), jax.tree.leaves(first_off),
+                               strict=True))
+
+
 def test_fp8_current_scaling_is_close_to_fp32_and_keeps_no_state():
     fp8_recipe = recipe.Float8CurrentScaling()
     layer, params, x, args = _layer_setup("decoder-relpos-padding_causal-mqa-residual_post_ln")

@@ -159,11 +159,19 @@ def quantize_role(x2: jax.Array, qset: QuantizerSet, role: str, *,
     raise NotImplementedError(f"quantize_role: plan kind {plan.kind!r} is not supported")
 
 
-def step_scale(qset: QuantizerSet, role: str, amax_of) -> tuple[jax.Array, jax.Array]:
+# Whether delayed scaling applies its first-step rule (step_scale). On in every use; turned off
+# only by the benchmarks' probe of what the rule's launches cost a step (past the first step
+# the rule changes no bit, so a step without it computes the same as one with it).
+first_step_rule = True
+
+
+def step_scale(qset: QuantizerSet, role: str,
+               amax_of) -> tuple[jax.Array, Optional[jax.Array]]:
     """The scale that delayed scaling gives ``role``'s tensor in this step, and the gated
     call's amax (the tensor's on a first step, else 0): the op that then casts the tensor
     raises that amax with its own (``amax_into``), which gives the tensor's amax either way
-    and spares the zeroing of a fresh one.
+    and spares the zeroing of a fresh one. With ``first_step_rule`` off: the stored scale and
+    None (the cast writes its amax afresh).
 
     A role whose amax history is still empty (all zero with the initial scale of 1: a first
     step, or a reset state) is
@@ -176,6 +184,8 @@ def step_scale(qset: QuantizerSet, role: str, amax_of) -> tuple[jax.Array, jax.A
     return); an amax of 0 leaves the stored scale, as the update's rule does.
     """
     state = qset.state[role]
+    if not first_step_rule:
+        return state["scale"], None
     # Empty: an all-zero history and the initial scale of 1 (a history of one step is all
     # zero again after each update; the scale tells the steps after the first apart).
     gate = jnp.max(state["amax_history"], keepdims=True) + jnp.abs(state["scale"] - 1.0)
