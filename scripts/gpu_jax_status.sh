@@ -3,7 +3,7 @@
 # jax packages; the CUDA tests of the scale update, the packed self-attention (bit for bit
 # against the copies' attention) and the activations (bit for bit against the CPU; the core's
 # activation tests of every output kind but the FP8 value sweeps);
-# bench_transformer_layer_jax.py --model for about 90 s (it writes its JSON after each hidden
+# bench_transformer_layer_jax.py --model for about 130 s (it writes its JSON after each hidden
 # size, 1024 first: results/model_jax.json); the stack's kernels at hidden 1024
 # (kernel_profile_jax.py); both with the first-step probe (FP8 delayed traced without the
 # first-step rule, to show what the rule's launches cost a step); then, with the time left,
@@ -24,9 +24,9 @@ step cuda_tests "$(upto $((budget - 20)) 60)" python3 -m pytest -p no:cacheprovi
 step activation_tests "$(upto $((budget - 20)) 45)" python3 -m pytest -p no:cacheprovider -q \
   -m cuda -rfE tests/common/test_activation.py \
   -k "half_precision or nan or magnitudes or amax_only or many_tiles or degenerate or identity"
-step model_jax "$(upto $((budget - 20)) 100)" python3 benchmarks/bench_transformer_layer_jax.py \
+step model_jax "$(upto $((budget - 20)) 140)" python3 benchmarks/bench_transformer_layer_jax.py \
   --model --first-step-probe --name "model_jax$suffix"
-step jax_profile_1024 "$(upto $((budget - 5)) 75)" python3 benchmarks/kernel_profile_jax.py \
+step jax_profile_1024 "$(upto $((budget - 5)) 90)" python3 benchmarks/kernel_profile_jax.py \
   --hidden 1024 --first-step-probe --name "kernel_profile_jax$suffix"
 if [ "${TE_GPU_JAX_DEMO:-1}" = 1 ]; then
   step gpt_demo_jax "$(left $((budget - 5)))" python3 examples/train_gpt.py --framework jax \
