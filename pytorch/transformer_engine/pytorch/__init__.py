@@ -23,6 +23,7 @@ from .availability import (
     is_mxfp8_available,
     is_nvfp4_available,
 )
+from .calibration import QuantizationCalibrationConfig
 from .checkpoint import checkpoint
 from .cpu_offload import get_cpu_offload_context, mark_not_offload
 from .cross_entropy import parallel_cross_entropy
@@ -69,7 +70,7 @@ __version__ = "0.1.0"
 __all__ = ["AttentionBackend", "CudaRNGStatesTracker", "DotProductAttention",
            "Float8BlockQuantizer", "Float8CurrentScalingQuantizer", "Float8Quantizer",
            "Float8Tensor", "Fp8Padding", "Fp8Unpadding", "GroupedLinear", "InferenceParams",
-           "QuantizedTensor", "Quantizer",
+           "QuantizationCalibrationConfig", "QuantizedTensor", "Quantizer",
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "__version__",
            "apply_rotary_pos_emb", "autocast", "checkpoint", "fp8_autocast", "fp8_model_init",

@@ -22,6 +22,7 @@ import torch
 from transformer_engine.common.recipe import DelayedScaling, Recipe
 
 from . import _compiled, float8_tensor, ops
+from .calibration import QuantizationCalibrationConfig
 from .ops._backend import algo_code, dtype_code, plain_eager, stream_of
 from .quantization import kind_of
 
@@ -35,6 +36,9 @@ class _State:
     recipe: Optional[Recipe] = None
     group: Any = None  # torch.distributed ProcessGroup or None
     depth: int = 0
+    # the calibration metadata's config while a forward calibrates with FP8 off, else None
+    # (calibration.py)
+    calibration: Optional[QuantizationCalibrationConfig] = None
     # id(module) -> (module, recipe, group): forward amaxes waiting for the exit update.
     pending: dict = dataclasses.field(default_factory=dict)
 
@@ -189,10 +193,14 @@ class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a func
         enabled: compute in FP8 (False: high precision, e.g. to switch FP8 off in a region).
         calibrating: with ``enabled=False``, compute in high precision but record the
             forward amaxes of delayed scaling, so the scales are ready when FP8 is switched
-            on (with FP8 enabled they are recorded anyway).
+            on (with FP8 enabled they are recorded anyway), and the calibration metadata of
+            the default :class:`QuantizationCalibrationConfig` (calibration.py).
         fp8_recipe: how tensors are scaled; ``DelayedScaling()`` when None.
         fp8_group: process group whose ranks share amaxes (all-reduce MAX) before the scale
             update, when the recipe has ``reduce_amax``; None means no reduction.
+        calibration_config: a :class:`QuantizationCalibrationConfig`: calibrate (as
+            ``calibrating=True``) and keep the calibration metadata by it. Needs
+            ``enabled=False``: FP8 forwards do not record it.
 
     Example:
         >>> with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):  # doctest: +SKIP
@@ -204,8 +212,23 @@ class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a func
     """
 
     def __init__(self, enabled: bool = True, calibrating: bool = False,
-                 fp8_recipe: Optional[Recipe] = None, fp8_group: Any = None) -> None:
+                 fp8_recipe: Optional[Recipe] = None, fp8_group: Any = None,
+                 calibration_config: Optional[QuantizationCalibrationConfig] = None) -> None:
+        if calibration_config is not None:
+            if not isinstance(calibration_config, QuantizationCalibrationConfig):
+                raise TypeError("fp8_autocast: calibration_config must be a "
+                                "QuantizationCalibrationConfig or None, got "
+                                f"{type(calibration_config).__name__}")
+            if enabled:
+                raise NotImplementedError(
+                    "fp8_autocast: calibration_config is recorded by calibrating forwards "
+                    "with FP8 off here (enabled=False); FP8 forwards (enabled=True) do not "
+                    "record calibration metadata")
+            calibrating = True
+        elif calibrating and not enabled:
+            calibration_config = QuantizationCalibrationConfig()
         self._args = (bool(enabled), bool(calibrating), fp8_recipe, fp8_group)
+        self._calibration = calibration_config
         self._saved: list = []  # the state each (re-)entry replaced, innermost last
 
     def __enter__(self) -> None:
@@ -222,24 +245,28 @@ class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a func
                 and not torch.compiler.is_compiling()):
             _fit_unused(recipe.amax_history_len)
         state = STATE
-        self._saved.append((state.enabled, state.calibrating, state.recipe, state.group))
-        state.enabled, state.calibrating, state.recipe, state.group = (
-            enabled, calibrating, recipe, group)
+        self._saved.append((state.enabled, state.calibrating, state.recipe, state.group,
+                            state.calibration))
+        state.enabled, state.calibrating, state.recipe, state.group, state.calibration = (
+            enabled, calibrating, recipe, group, self._calibration)
         state.depth += 1
 
     def __exit__(self, *exc) -> None:
         state = STATE
         state.depth -= 1
-        state.enabled, state.calibrating, state.recipe, state.group = self._saved.pop()
+        (state.enabled, state.calibrating, state.recipe, state.group,
+         state.calibration) = self._saved.pop()
         if state.depth == 0 and state.pending:
             pending, state.pending = state.pending, {}
             update_forward_scales(pending.values())
 
 
 def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
-             amax_reduction_group: Any = None) -> fp8_autocast:
+             amax_reduction_group: Any = None,
+             calibration_config: Optional[QuantizationCalibrationConfig] = None
+             ) -> fp8_autocast:
     """The same as :func:`fp8_autocast`, with the newer argument names."""
-    return fp8_autocast(enabled, calibrating, recipe, amax_reduction_group)
+    return fp8_autocast(enabled, calibrating, recipe, amax_reduction_group, calibration_config)
 
 
 @contextlib.contextmanager

@@ -46,6 +46,12 @@ class FP8GlobalStateManager:
         return fp8.STATE.calibrating
 
     @classmethod
+    def get_calibration_config(cls):
+        """The QuantizationCalibrationConfig a calibrating forward keeps its calibration
+        metadata by (calibration.py); None where no forward calibrates with FP8 off."""
+        return fp8.STATE.calibration
+
+    @classmethod
     def with_fp8_parameters(cls) -> bool:
         """Inside ``fp8_model_init`` / ``quantized_model_init(enabled=True)``."""
         return fp8.MODEL_INIT.enabled
@@ -90,18 +96,18 @@ class FP8GlobalStateManager:
     def get_fp8_autocast_state(cls) -> tuple:
         """A snapshot of the autocast state, for :meth:`set_fp8_autocast_state`."""
         s = fp8.STATE
-        return (s.enabled, s.calibrating, s.recipe, s.group, s.depth)
+        return (s.enabled, s.calibrating, s.recipe, s.group, s.depth, s.calibration)
 
     @classmethod
     def set_fp8_autocast_state(cls, state: tuple) -> None:
         """Restores a snapshot of :meth:`get_fp8_autocast_state` (forward scale updates
         still pending stay pending until the outermost autocast exits)."""
-        if not (isinstance(state, tuple) and len(state) == 5):
+        if not (isinstance(state, tuple) and len(state) == 6):
             raise TypeError("FP8GlobalStateManager.set_fp8_autocast_state: state must be the "
                             "tuple get_fp8_autocast_state returned, got "
                             f"{type(state).__name__}")
         s = fp8.STATE
-        s.enabled, s.calibrating, s.recipe, s.group, s.depth = state
+        s.enabled, s.calibrating, s.recipe, s.group, s.depth, s.calibration = state
 
     @classmethod
     def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
@@ -119,5 +125,6 @@ class FP8GlobalStateManager:
         pending forward scale updates are dropped."""
         s = fp8.STATE
         s.enabled, s.calibrating, s.recipe, s.group, s.depth = False, False, None, None, 0
+        s.calibration = None
         s.pending = {}
         fp8.MODEL_INIT.enabled, fp8.MODEL_INIT.recipe = False, None

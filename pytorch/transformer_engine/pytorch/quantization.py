@@ -137,6 +137,7 @@ _NVIDIA_NAMES = {
     "is_fp8_available": "availability", "is_fp8_block_scaling_available": "availability",
     "is_mxfp8_available": "availability", "is_nvfp4_available": "availability",
     "get_default_recipe": "availability",
+    "QuantizationCalibrationConfig": "calibration",
 }
 
 

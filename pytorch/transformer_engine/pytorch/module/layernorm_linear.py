@@ -12,7 +12,7 @@ import torch
 
 from transformer_engine.common.recipe import Recipe
 
-from .. import compiled_blocks, distributed, fp8, hp_blocks, ops, sequence_parallel
+from .. import calibration, compiled_blocks, distributed, fp8, hp_blocks, ops, sequence_parallel
 from ..float8_tensor import Float8Tensor
 from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig, NormLinearConsts
 from ..quantization import kind_of, record_amax
@@ -373,6 +373,9 @@ class LayerNormLinear(_LinearBase):
                         ops.amax(ln_out.detach().reshape(-1, ln_out.shape[-1])))
             record_amax(self.amax_history_fwd, 1, ops.amax(stored.detach()))
             fp8.register_forward_amaxes(self, state.recipe)
+        if state.calibrating and state.calibration is not None:
+            calibration.record(self, (("input", ln_out, True), ("weight", weight, False)),
+                               state.recipe, state.calibration)
         out = hp_linear(ln_out, w, b, self._wgrad_store)
         return (out, ln_out) if cfg.return_ln_out else out
 

@@ -14,7 +14,7 @@ import torch
 from transformer_engine.common.activation_params import check_no_params, clamped_swiglu_params
 from transformer_engine.common.recipe import Recipe
 
-from .. import compiled_blocks, distributed, fp8, hp_blocks, ops
+from .. import calibration, compiled_blocks, distributed, fp8, hp_blocks, ops
 from ..checkpoint import checkpoint
 from ..float8_tensor import Float8Tensor
 from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction, MlpConsts, large_block
@@ -414,6 +414,12 @@ class LayerNormMLP(FP8Module):
         a = apply_activation(h, self._act)
         if state.calibrating and kind_of(state.recipe) == "delayed":
             self._calibrate(ln_out, a, state.recipe)
+        if state.calibrating and state.calibration is not None:
+            calibration.record(self, (("fc1_input", ln_out, True),
+                                      ("fc1_weight", self.fc1_weight, False),
+                                      ("fc2_input", a, True),
+                                      ("fc2_weight", self.fc2_weight, False)),
+                               state.recipe, state.calibration)
         out = hp_linear(a, w2, b2, stores[1])
         return (out, ln_out) if cfg.return_ln_out else out
 

@@ -11,7 +11,7 @@ import torch
 from transformer_engine.common.plan import GEMM_GRANULE
 from transformer_engine.common.recipe import Recipe
 
-from .. import distributed, fast_linear, fp8, ops, sequence_parallel
+from .. import calibration, distributed, fast_linear, fp8, ops, sequence_parallel
 from ..float8_tensor import Float8Tensor, to_high_precision
 from ..linear_fn import Fp8LinearFunction, LinearConsts, takes_fp8_input
 from ..quantization import kind_of, plan_of, record_amax
@@ -490,6 +490,12 @@ class Linear(_LinearBase):
         check_float_input(self._name, "input", inp)
         if state.calibrating and kind_of(state.recipe) == "delayed":
             self._calibrate(inp, weight, state.recipe)
+        if state.calibrating and state.calibration is not None:
+            # (a GroupedLinear's group keeps it on the grouped module, which names itself
+            # and the group's index for the call: GroupedLinear.forward)
+            owner, group = self.__dict__.get("_calibration_into", (self, -1))
+            calibration.record(owner, (("input", inp, True), ("weight", weight, False)),
+                               state.recipe, state.calibration, group)
         # .to() (a no-op for the same dtype) keeps autograd's link to the parameter; a
         # Float8Tensor weight dequantizes in it (__torch_dispatch__).
         return hp_linear(inp, weight.to(inp.dtype),
