@@ -126,3 +126,52 @@ def test_nvidia_operations_not_here_name_themselves():
         te.ops.Linear(8, 8, device="cpu", tensor_parallel_mode="column")
     with pytest.raises(ValueError, match="te.ops.Bias: size must be a positive int"):
         te.ops.Bias(0, device="cpu")
+
+
+def _expert_mlp(experts: int, hidden: int, ffn: int) -> te.ops.Sequential:
+    return te.ops.Sequential(
+        te.ops.GroupedLinear(experts, hidden, 2 * ffn, bias=False, device="cpu"),
+        te.ops.SwiGLU(),
+        te.ops.GroupedLinear(experts, ffn, hidden, bias=False, device="cpu"))
+
+
+def test_grouped_linear_takes_its_split_sizes_as_an_extra_input():
+    torch.manual_seed(0)
+    mlp = _expert_mlp(4, 64, 32)
+    assert isinstance(mlp[0], te.ops.BasicOperation) and mlp[0].num_groups == 4
+    assert [n for n, _ in mlp[0].named_parameters()][:2] == ["gemms.0.weight", "gemms.1.weight"]
+    assert {"0.weight0", "0.weight3", "2.weight0"} <= set(mlp.state_dict())  # NVIDIA's names
+    x = torch.randn(64, 64)
+    sizes = torch.tensor([16, 0, 32, 16])  # (an empty group)
+    got = mlp(x, sizes, sizes)
+    parts = []
+    for g, rows in enumerate(torch.split(x, sizes.tolist())):
+        a, b = (rows @ getattr(mlp[0], f"weight{g}").t()).chunk(2, dim=-1)
+        parts.append((torch.nn.functional.silu(a) * b) @ getattr(mlp[2], f"weight{g}").t())
+    torch.testing.assert_close(got, torch.cat(parts), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mlp(x, [16, 0, 32, 16], sizes.tolist()), got, rtol=0, atol=0)
+
+
+def test_grouped_linear_in_fp8_is_te_grouped_linear():
+    torch.manual_seed(0)
+    mlp = _expert_mlp(2, 64, 32)
+    x = torch.randn(32, 64, requires_grad=True)
+    sizes = [16, 16]
+    with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+        got = mlp(x, torch.tensor(sizes), torch.tensor(sizes))
+        want = mlp[2](mlp[1](te.GroupedLinear.forward(mlp[0], x, sizes)), sizes)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got.sum().backward()
+    assert all(p.grad is not None for p in mlp.parameters())
+
+
+def test_grouped_linear_refusals_name_the_argument():
+    mlp = _expert_mlp(2, 64, 32)
+    with pytest.raises(ValueError, match="operations take 2 extra inputs .*got 1"):
+        mlp(torch.randn(8, 64), [4, 4])
+    with pytest.raises(TypeError, match="split_sizes must be a 1-D integer tensor"):
+        mlp[0](torch.randn(8, 64), torch.tensor([4.0, 4.0]))
+    with pytest.raises(NotImplementedError, match="single_grouped_weight=True is not supported"):
+        te.ops.GroupedLinear(2, 64, 64, single_grouped_weight=True, device="cpu")
+    with pytest.raises(NotImplementedError, match="scale_bias=True is not supported"):
+        te.ops.GroupedLinear(2, 64, 64, scale_bias=True, device="cpu")

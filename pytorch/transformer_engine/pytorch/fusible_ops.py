@@ -2,13 +2,12 @@
 
 NVIDIA TE's ``transformer_engine.pytorch.ops`` holds composable operations (``Sequential``,
 ``Linear``, ``Bias``, norms, activations) that its ``Sequential`` may fuse. Here they are plain
-modules over this package's: ``Linear`` is te.Linear (FP8 inside ``fp8_autocast``), the norms
-are te.LayerNorm / te.RMSNorm, the activations compute what the core's activations compute, in
-torch ops. ``Sequential`` runs them in order and fuses a norm with the Linear after it (as
-te.LayerNormLinear computes them); other neighbours are not fused (for the whole MLP block use
-te.LayerNormMLP). NVIDIA's
-operations not listed in ``NAMES`` raise a NotImplementedError naming themselves
-(``ops/__init__.py``).
+modules over this package's: ``Linear`` is te.Linear (FP8 inside ``fp8_autocast``),
+``GroupedLinear`` te.GroupedLinear, the norms are te.LayerNorm / te.RMSNorm, the activations
+compute what the core's activations compute, in torch ops. ``Sequential`` runs them in order
+and fuses a norm with the Linear after it (as te.LayerNormLinear computes them); other
+neighbours are not fused (for the whole MLP block use te.LayerNormMLP). NVIDIA's operations
+not listed in ``NAMES`` raise a NotImplementedError naming themselves (``ops/__init__.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 
 from .module._checks import refuse_non_defaults
 from .module._deferred_init import DeferredInit
+from .module.grouped_linear import GroupedLinear as _GroupedLinear
 from .module.layernorm import LayerNorm as _LayerNorm
 from .module.layernorm import RMSNorm as _RMSNorm
 from .module.layernorm_mlp import apply_activation
@@ -50,10 +50,19 @@ class Sequential(torch.nn.Sequential):
     FP8 input in its own pass (te.LayerNormLinear's computation, its bits, with the two
     operations' parameters and the Linear's FP8 state). Other neighbours run one after the
     other. A fused pair runs without the two modules' own forward calls (their forward hooks
-    do not fire)."""
+    do not fire).
 
-    def forward(self, x):
+    ``forward(x, *extra_inputs)``: an operation that takes inputs besides ``x`` (its
+    ``num_extra_inputs``: a ``GroupedLinear``'s split sizes) takes the next ones in order, as
+    NVIDIA's Sequential hands them out; there must be exactly as many as they take."""
+
+    def forward(self, x, *extra_inputs):
         ops = list(self)
+        wanted = sum(getattr(op, "num_extra_inputs", 0) for op in ops)
+        if len(extra_inputs) != wanted:
+            raise ValueError(f"te.ops.Sequential: its operations take {wanted} extra inputs "
+                             f"(one split-size list per GroupedLinear), got {len(extra_inputs)}")
+        extras = iter(extra_inputs)
         i = 0
         while i < len(ops):
             op = ops[i]
@@ -62,7 +71,8 @@ class Sequential(torch.nn.Sequential):
                 x = ops[i + 1]._forward_after_norm(x, op)
                 i += 2
             else:
-                x = op(x)
+                taken = [next(extras) for _ in range(getattr(op, "num_extra_inputs", 0))]
+                x = op(x, *taken)
                 i += 1
         return x
 
@@ -97,6 +107,47 @@ class BasicLinear(Linear):
                  dtype: Optional[torch.dtype] = None, **kwargs) -> None:
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype,
                          **kwargs)
+
+
+class GroupedLinear(_GroupedLinear):
+    """``y_i = x_i @ weight_i^T (+ bias_i)`` over consecutive row groups of ``x``:
+    te.GroupedLinear (FP8 inside ``fp8_autocast``; NVIDIA's ``weight{i}`` / ``bias{i}``
+    names) under NVIDIA's te.ops keywords. ``forward(x, split_sizes)``, in a ``Sequential``
+    the next extra input: the rows of each group, a list of ints or a 1-D integer tensor. A
+    tensor is read on the host (``tolist()``): on a GPU that waits for the device, where
+    NVIDIA's operation keeps the sizes on the device."""
+
+    _name = "te.ops.GroupedLinear"
+    num_extra_inputs = 1
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, *,
+                 bias: bool = True, device: Device = None, dtype: Optional[torch.dtype] = None,
+                 rng_state_tracker_function=None, accumulate_into_main_grad: bool = False,
+                 single_grouped_weight: bool = False, single_grouped_bias: bool = False,
+                 delay_wgrad_compute: bool = False, scale_bias: bool = False) -> None:
+        op = self._name
+        refuse_non_defaults(op, "the groups' weights and biases are separate parameters here",
+                            single_grouped_weight=(single_grouped_weight, False),
+                            single_grouped_bias=(single_grouped_bias, False))
+        refuse_non_defaults(op, "the bias is added unscaled here (te.moe_unpermute applies "
+                            "the routing probabilities)", scale_bias=(scale_bias, False))
+        refuse_non_defaults(op, "use te.GroupedLinear(fuse_wgrad_accumulation=True, "
+                            "get_rng_state_tracker=...) for these",
+                            rng_state_tracker_function=(rng_state_tracker_function, None),
+                            accumulate_into_main_grad=(accumulate_into_main_grad, False))
+        super().__init__(num_groups, in_features, out_features, bias=bias, params_dtype=dtype,
+                         device=device, delay_wgrad_compute=delay_wgrad_compute)
+        self.num_groups = self.num_gemms  # (NVIDIA's attribute)
+
+    def forward(self, x: torch.Tensor, split_sizes) -> torch.Tensor:
+        if isinstance(split_sizes, torch.Tensor):
+            if (split_sizes.dim() != 1 or split_sizes.is_floating_point()
+                    or split_sizes.is_complex()):
+                raise TypeError(f"{self._name}: split_sizes must be a 1-D integer tensor or a "
+                                f"list of ints, got a {split_sizes.dim()}-D {split_sizes.dtype} "
+                                "tensor")
+            split_sizes = split_sizes.tolist()
+        return super().forward(x, split_sizes)
 
 
 class Bias(DeferredInit, torch.nn.Module):
@@ -278,11 +329,11 @@ class ClampedSwiGLU(torch.nn.Module):
         return apply_activation(x, self._act)
 
 
-NAMES = ("Sequential", "FusibleOperation", "BasicOperation", "Linear", "BasicLinear", "Bias",
-         "LayerNorm", "RMSNorm", "Identity", "Reshape", "ConstantScale", "Dropout", "GELU",
-         "QGELU", "ReLU", "SReLU", "SiLU", "GEGLU", "QGEGLU", "ReGLU", "SReGLU", "SwiGLU",
-         "ClampedSwiGLU")
+NAMES = ("Sequential", "FusibleOperation", "BasicOperation", "Linear", "BasicLinear",
+         "GroupedLinear", "Bias", "LayerNorm", "RMSNorm", "Identity", "Reshape", "ConstantScale",
+         "Dropout", "GELU", "QGELU", "ReLU", "SReLU", "SiLU", "GEGLU", "QGEGLU", "ReGLU",
+         "SReGLU", "SwiGLU", "ClampedSwiGLU")
 
-for _op in (Linear, Bias, LayerNorm, RMSNorm, Identity, Reshape, ConstantScale, Dropout,
-            _Activation, ClampedSwiGLU):
+for _op in (Linear, GroupedLinear, Bias, LayerNorm, RMSNorm, Identity, Reshape, ConstantScale,
+            Dropout, _Activation, ClampedSwiGLU):
     BasicOperation.register(_op)

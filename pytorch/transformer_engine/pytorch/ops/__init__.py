@@ -61,8 +61,7 @@ __all__ = ["activation_backward", "activation_backward_fp8", "activation_backwar
 # NVIDIA's te.ops operations that have no counterpart here (fusible_ops.py has the others).
 _NVIDIA_UNSUPPORTED = ("FusedOperation", "Quantize",
                        "AddExtraInput", "AddInPlace", "MakeExtraOutput", "AllGather",
-                       "AllReduce", "ReduceScatter", "L2Normalization",
-                       "GroupedLinear")
+                       "AllReduce", "ReduceScatter", "L2Normalization")
 
 
 def __getattr__(name: str):
