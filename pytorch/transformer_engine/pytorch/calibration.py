@@ -61,37 +61,38 @@ class QuantizationCalibrationConfig:
                              f"must be non-negative and finite, got {decay}")
 
 
-def _value(t: torch.Tensor, kind: str, recipe) -> torch.Tensor:
-    """The operand's kept value, [1] fp32: its amax, or current scaling's scale_inv."""
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """A GEMM operand as the high-precision [rows, features] matrix a calibration reads."""
     if isinstance(t, Float8Tensor):
         t = t.dequantize()  # (an FP8 weight)
-    x = t.detach()
-    x = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    if kind == "delayed":
-        return ops.amax(x)
-    plan = plan_of(recipe)
-    scale, _ = ops.current_scale(x.contiguous(), plan.fwd_dtype, plan.force_pow2_scales,
-                                 plan.amax_epsilon)
-    return torch.reciprocal(scale)
+    return t.detach().reshape(-1, t.shape[-1])
 
 
 def record(module: torch.nn.Module, operands, recipe, config: QuantizationCalibrationConfig,
-           gemm: int = -1) -> None:
+           gemm: int = -1, amaxes=None) -> None:
     """Keeps the calibration metadata of ``operands`` ((name, tensor, is_activation), ...) on
     ``module`` under ``recipe`` (module docstring); ``gemm`` >= 0: a GroupedLinear's group,
-    whose names carry ``_gemm<i>``."""
-    if config is None or torch._C._current_graph_task_id() != -1:
-        return  # (not calibrating, or a forward recomputed inside a backward)
-    kept = _KEPT.get(kind_of(recipe))
-    if kept is None:
+    whose names carry ``_gemm<i>``; ``amaxes``: the operands' amaxes where the caller has them
+    (delayed scaling records them in its history too)."""
+    if torch._C._current_graph_task_id() != -1:
+        return  # (a forward recomputed inside a backward)
+    kind = kind_of(recipe)
+    if kind not in _KEPT:
         return
-    metadata, recipe_name = kept
+    metadata, recipe_name = _KEPT[kind]
+    if kind == "delayed":
+        values = amaxes if amaxes is not None else [ops.amax(rows(t)) for _, t, _ in operands]
+    else:
+        plan = plan_of(recipe)
+        values = [torch.reciprocal(ops.current_scale(rows(t).contiguous(), plan.fwd_dtype,
+                                                     plan.force_pow2_scales,
+                                                     plan.amax_epsilon)[0])
+                  for _, t, _ in operands]
     decay = float(config.transformer_engine_calibration_decay)
     group = f"_gemm{gemm}" if gemm >= 0 else ""
-    for operand, t, activation in operands:
-        value = _value(t, kind_of(recipe), recipe)
+    for (operand, _, activation), value in zip(operands, values, strict=True):
         name = f"{operand}{group}_tensor_{metadata}_{recipe_name}{SUFFIX}"
         last = module._buffers.get(name)
-        if activation and decay > 0 and last is not None and last.device == value.device:
+        if activation and decay > 0 and last is not None:
             value = torch.maximum(value, last * decay)
         module.register_buffer(name, value, persistent=False)

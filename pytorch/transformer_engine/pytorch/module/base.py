@@ -22,9 +22,9 @@ import torch
 
 from transformer_engine.common.recipe import DelayedScaling, Recipe
 
-from .. import first_step, fp8
+from .. import calibration, first_step, fp8, ops
 from ..float8_tensor import Float8Tensor
-from ..quantization import Operand, Plan, plan_of, quantize
+from ..quantization import Operand, Plan, kind_of, plan_of, quantize, record_amax
 from . import _nvidia_state
 from ._deferred_init import DeferredInit
 
@@ -334,6 +334,25 @@ class FP8Module(DeferredInit, torch.nn.Module):
         elif self._weight_caches:
             self._weight_caches.pop(gemm, None)
         return op
+
+    def _calibrate_gemm_operands(self, operands, state, owner=None, gemm: int = -1) -> None:
+        """A calibrating forward's bookkeeping (FP8 off) for the module's GEMM operands,
+        ((name, tensor, is_activation), ...) in the order of its forward history's columns:
+        under delayed scaling their amaxes go into that history for the next scale update;
+        with a calibration config (fp8.py) the calibration metadata is kept too, on
+        ``owner`` (default: this module; a GroupedLinear's group: the grouped module, its
+        index ``gemm``), from the same amaxes."""
+        recipe = state.recipe
+        amaxes = None
+        if kind_of(recipe) == "delayed":
+            self._fit_fp8_meta(recipe)
+            amaxes = [ops.amax(calibration.rows(t)) for _, t, _ in operands]
+            for column, amax in enumerate(amaxes):
+                record_amax(self.amax_history_fwd, column, amax)
+            fp8.register_forward_amaxes(self, recipe)
+        if state.calibration is not None:
+            calibration.record(self if owner is None else owner, operands, recipe,
+                               state.calibration, gemm, amaxes)
 
     def _fit_fp8_meta(self, recipe: DelayedScaling) -> None:
         """Meets a delayed recipe: a new history length starts the histories afresh."""

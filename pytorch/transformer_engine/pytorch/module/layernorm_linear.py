@@ -12,10 +12,8 @@ import torch
 
 from transformer_engine.common.recipe import Recipe
 
-from .. import calibration, compiled_blocks, distributed, fp8, hp_blocks, ops, sequence_parallel
-from ..float8_tensor import Float8Tensor
+from .. import compiled_blocks, distributed, fp8, hp_blocks, sequence_parallel
 from ..layernorm_linear_fn import Fp8LayerNormLinearFunction, NormConfig, NormLinearConsts
-from ..quantization import kind_of, record_amax
 from ._checks import check_device, check_params_dtype, check_sizes, refuse_unbuilt
 from ._deferred_wgrad import linear as hp_linear
 from ._main_grad import route_to_main_grad
@@ -366,16 +364,9 @@ class LayerNormLinear(_LinearBase):
                 return hp_blocks.layernorm_linear(inp, gamma, beta, w, b, cfg.norm, cfg.eps,
                                                   cfg.zero_centered_gamma)
             ln_out = apply_norm(inp, gamma, beta, cfg.norm, cfg.eps, cfg.zero_centered_gamma)
-        if state.calibrating and kind_of(state.recipe) == "delayed":
-            self._fit_fp8_meta(state.recipe)
-            stored = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
-            record_amax(self.amax_history_fwd, 0,
-                        ops.amax(ln_out.detach().reshape(-1, ln_out.shape[-1])))
-            record_amax(self.amax_history_fwd, 1, ops.amax(stored.detach()))
-            fp8.register_forward_amaxes(self, state.recipe)
-        if state.calibrating and state.calibration is not None:
-            calibration.record(self, (("input", ln_out, True), ("weight", weight, False)),
-                               state.recipe, state.calibration)
+        if state.calibrating:
+            self._calibrate_gemm_operands((("input", ln_out, True), ("weight", weight, False)),
+                                          state)
         out = hp_linear(ln_out, w, b, self._wgrad_store)
         return (out, ln_out) if cfg.return_ln_out else out
 

@@ -14,12 +14,11 @@ import torch
 from transformer_engine.common.activation_params import check_no_params, clamped_swiglu_params
 from transformer_engine.common.recipe import Recipe
 
-from .. import calibration, compiled_blocks, distributed, fp8, hp_blocks, ops
+from .. import compiled_blocks, distributed, fp8, hp_blocks, ops
 from ..checkpoint import checkpoint
 from ..float8_tensor import Float8Tensor
 from ..layernorm_mlp_fn import Fp8LayerNormMLPFunction, MlpConsts, large_block
 from ..ops.activation import GATED, clamped_swiglu
-from ..quantization import kind_of, record_amax
 from ._checks import check_params_dtype, check_sizes, refuse_unbuilt
 from ._deferred_wgrad import linear as hp_linear
 from ._deferred_wgrad import run_store
@@ -412,25 +411,13 @@ class LayerNormMLP(FP8Module):
         stores = self._wgrad_store or (None, None)
         h = hp_linear(ln_out, w1, b1, stores[0])
         a = apply_activation(h, self._act)
-        if state.calibrating and kind_of(state.recipe) == "delayed":
-            self._calibrate(ln_out, a, state.recipe)
-        if state.calibrating and state.calibration is not None:
-            calibration.record(self, (("fc1_input", ln_out, True),
-                                      ("fc1_weight", self.fc1_weight, False),
-                                      ("fc2_input", a, True),
-                                      ("fc2_weight", self.fc2_weight, False)),
-                               state.recipe, state.calibration)
+        if state.calibrating:
+            self._calibrate_gemm_operands((("fc1_input", ln_out, True),
+                                           ("fc1_weight", self.fc1_weight, False),
+                                           ("fc2_input", a, True),
+                                           ("fc2_weight", self.fc2_weight, False)), state)
         out = hp_linear(a, w2, b2, stores[1])
         return (out, ln_out) if cfg.return_ln_out else out
-
-    def _calibrate(self, ln_out, a, recipe: Recipe) -> None:
-        """Records the amaxes of the four forward operands (high-precision compute)."""
-        self._fit_fp8_meta(recipe)
-        for column, t in enumerate((ln_out, self.fc1_weight, a, self.fc2_weight)):
-            t = t.dequantize() if isinstance(t, Float8Tensor) else t
-            record_amax(self.amax_history_fwd, column,
-                        ops.amax(t.detach().reshape(-1, t.shape[-1])))
-        fp8.register_forward_amaxes(self, recipe)
 
     def _fp8_forward(self, inp, fc2_bias, recipe: Recipe, is_first_microbatch, norm=None,
                      normalized: bool = False):

@@ -11,10 +11,10 @@ import torch
 from transformer_engine.common.plan import GEMM_GRANULE
 from transformer_engine.common.recipe import Recipe
 
-from .. import calibration, distributed, fast_linear, fp8, ops, sequence_parallel
+from .. import distributed, fast_linear, fp8, sequence_parallel
 from ..float8_tensor import Float8Tensor, to_high_precision
 from ..linear_fn import Fp8LinearFunction, LinearConsts, takes_fp8_input
-from ..quantization import kind_of, plan_of, record_amax
+from ..quantization import plan_of
 from ._checks import (
     check_device,
     check_float_input,
@@ -488,14 +488,12 @@ class Linear(_LinearBase):
         if isinstance(inp, Float8Tensor):
             inp = to_high_precision(inp)
         check_float_input(self._name, "input", inp)
-        if state.calibrating and kind_of(state.recipe) == "delayed":
-            self._calibrate(inp, weight, state.recipe)
-        if state.calibrating and state.calibration is not None:
-            # (a GroupedLinear's group keeps it on the grouped module, which names itself
-            # and the group's index for the call: GroupedLinear.forward)
+        if state.calibrating:
+            # (a GroupedLinear's group keeps its calibration metadata on the grouped module,
+            # which names itself and the group's index for the call: GroupedLinear.forward)
             owner, group = self.__dict__.get("_calibration_into", (self, -1))
-            calibration.record(owner, (("input", inp, True), ("weight", weight, False)),
-                               state.recipe, state.calibration, group)
+            self._calibrate_gemm_operands((("input", inp, True), ("weight", weight, False)),
+                                          state, owner, group)
         # .to() (a no-op for the same dtype) keeps autograd's link to the parameter; a
         # Float8Tensor weight dequantizes in it (__torch_dispatch__).
         return hp_linear(inp, weight.to(inp.dtype),
@@ -554,13 +552,6 @@ class Linear(_LinearBase):
                 return sequence_parallel.gather_fp8(shard, group)
         return distributed.gather_from_sequence_parallel(inp, group)
 
-    def _calibrate(self, inp: torch.Tensor, weight: torch.Tensor, recipe: Recipe) -> None:
-        """Records the forward amaxes (high-precision compute) for the next scale update."""
-        self._fit_fp8_meta(recipe)
-        w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
-        record_amax(self.amax_history_fwd, 0, ops.amax(inp.detach().reshape(-1, inp.shape[-1])))
-        record_amax(self.amax_history_fwd, 1, ops.amax(w.detach()))
-        fp8.register_forward_amaxes(self, recipe)
 
 _FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
