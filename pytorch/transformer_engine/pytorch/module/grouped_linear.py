@@ -168,13 +168,16 @@ class GroupedLinear(DeferredInit, torch.nn.Module):
         outs, biases = [], []
         for i, (gemm, part) in enumerate(zip(self.gemms, torch.split(rows, splits),
                                              strict=True)):
-            # (a calibrating forward keeps each group's calibration metadata on this module,
-            # as input_gemm<i>_... and weight_gemm<i>_...: calibration.py)
-            gemm.__dict__["_calibration_into"] = (self, i)
-            try:
+            if state.calibrating:
+                # (each group keeps its calibration metadata on this module, as
+                # input_gemm<i>_... and weight_gemm<i>_...: calibration.py)
+                gemm.__dict__["_calibration_into"] = (self, i)
+                try:
+                    y = gemm(part, is_first_microbatch)
+                finally:
+                    del gemm.__dict__["_calibration_into"]
+            else:
                 y = gemm(part, is_first_microbatch)
-            finally:
-                del gemm.__dict__["_calibration_into"]
             if self.return_bias:
                 y, b = y
                 biases.append(b)
