@@ -196,7 +196,9 @@ def test_reduce_overhead_as_the_first_fp8_steps_of_a_process():
     """torch.compile(mode="reduce-overhead") of FP8 TransformerLayer steps in a fresh process:
     the first GEMM (in the graphs' warm-up call) makes the process's GEMM workspace, which
     must not come from the graphs' pool (the mode refuses a pool tensor that outlives the
-    call). Three steps, the same loss as eager steps from the same weights."""
+    call). Three steps, the same loss as eager steps from the same weights; gradients are
+    reset before each step, as a training loop's zero_grad does (the mode's gradients live in
+    its graphs' memory, which the next replay rewrites, so they cannot accumulate)."""
     code = (
         "import copy, torch\n"
         "import transformer_engine.pytorch as te\n"
@@ -210,6 +212,7 @@ def test_reduce_overhead_as_the_first_fp8_steps_of_a_process():
         "        return m(x)\n"
         "compiled = torch.compile(lambda x: step(model, x), mode='reduce-overhead')\n"
         "for i in range(3):\n"
+        "    model.zero_grad(set_to_none=True); eager.zero_grad(set_to_none=True)\n"
         "    x = torch.randn(128, 2, 256, device='cuda', dtype=torch.bfloat16)\n"
         "    a = compiled(x).float().square().mean(); a.backward()\n"
         "    b = step(eager, x).float().square().mean(); b.backward()\n"
