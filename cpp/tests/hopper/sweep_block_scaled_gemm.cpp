@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <random>
 #include <string>
@@ -25,6 +26,7 @@
 #include "common/numerics.h"
 #include "cutlass/version.h"
 #include "gemm/gemm_impl.h"
+#include "gemm/hopper/block_scaled_wgmma.h"
 #include "hopper/hopper_test.h"  // CUDA_OK, gpu_missing, kSkipped
 #include "hopper/sweep_variant.h"
 #include "transformer_engine/tensor.h"
@@ -53,11 +55,30 @@ const Shape kShapes[] = {
     {15872, 4096, 16384, "5B fc2 fwd / fc1 dgrad"},
     {15872, 4096, 12288, "5B qkv dgrad"},
     {2048, 3072, 768, "seed linear"},
+    // awkward edges: M not a multiple of 128, N a single or odd count of 128-column blocks or
+    // not a multiple of 128, K one block or not a multiple of 128
+    {1000, 3072, 768, "M 1000"},
+    {520, 200, 128, "K one block, N 200"},
+    {256, 16, 4096, "N 16"},
+    {384, 384, 336, "K 336"},
 };
 
+// Our hand-written kernel (block_scaled_wgmma.cu) with a cluster of cluster_n CTAs along N; the
+// sweep's swizzle s picks its tile-order groups of 2 * s row blocks.
+// overlap: the next k-block's WGMMAs issued before this one's promotion (two sets of block sums).
+template <int cluster_n, bool overlap>
+te_status run_wgmma(const te::GemmArgs &g, cudaStream_t stream, int, int swizzle) {
+  return te::hopper::block_scaled_wgmma_gemm("block_scaled_sweep", g, stream, {cluster_n, 2 * swizzle, overlap});
+}
+
+// Indices 0 .. 6: sweep_variant.cu's CUTLASS configurations; 7 .. 10: the hand-written kernel.
 std::vector<sweep::Variant> variants() {
   return {sweep_variant_0(), sweep_variant_1(), sweep_variant_2(), sweep_variant_3(),
-          sweep_variant_4(), sweep_variant_5(), sweep_variant_6()};
+          sweep_variant_4(), sweep_variant_5(), sweep_variant_6(),
+          {"wgmma 128x128x128 cluster 1x2 (ours)", false, &run_wgmma<2, false>, false},
+          {"wgmma 128x128x128 cluster 1x1 (ours)", false, &run_wgmma<1, false>, false},
+          {"wgmma 128x128x128 cluster 1x2 overlapped (ours)", false, &run_wgmma<2, true>, false},
+          {"wgmma 128x128x128 cluster 1x1 overlapped (ours)", false, &run_wgmma<1, true>, false}};
 }
 
 // Device buffers of one problem: FP8 operands with both scale forms, D and a spare D.
@@ -212,6 +233,21 @@ int main(int argc, char **argv) {
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
 
   const std::vector<sweep::Variant> all = variants();
+  // Optional third argument: the indices to time, comma-separated (default: all; 0, the
+  // reference for the bits, always runs).
+  std::vector<bool> wanted(all.size(), argc <= 3);
+  if (argc > 3) {
+    for (const char *c = argv[3]; *c != '\0';) {
+      char *end = nullptr;
+      const long index = std::strtol(c, &end, 10);
+      if (end == c || index < 0 || index >= static_cast<long>(all.size())) {
+        std::fprintf(stderr, "bad variant list '%s'\n", argv[3]);
+        return 2;
+      }
+      wanted[index] = true;
+      c = *end == ',' ? end + 1 : end;
+    }
+  }
   std::string rows;
   auto row = [&](const std::string &fields) { rows += (rows.empty() ? "\n    {" : ",\n    {") + fields + "}"; };
   bool faults = false;
@@ -262,9 +298,11 @@ int main(int argc, char **argv) {
     }
 
     for (size_t v = 0; v < all.size(); ++v) {
+      if (!wanted[v]) continue;
       double best = -1;
       int best_raster = 0, best_swizzle = 1;
       for (int raster : {0, 1, 2}) {
+        if (raster != 0 && !all[v].has_raster) continue;
         for (int swizzle : {1, 2, 4, 8}) {
           const te::GemmArgs g = p.args(true, true, p.d, device);
           std::string error;

@@ -18,6 +18,9 @@ struct Variant {
   bool splits_k;
   // raster: 0 CUTLASS's pick, 1 along M, 2 along N; swizzle: 1 (none), 2, 4 or 8
   te_status (*run)(const te::GemmArgs &, cudaStream_t, int raster, int swizzle);
+  // false: the kernel has no raster option (only raster 0 is timed; swizzle picks its own
+  // tile-order option instead)
+  bool has_raster = true;
 };
 
 constexpr int kSweepVariants = 7;  // sweep_variant.cu's indices 0 .. 6; 0 is te_gemm's

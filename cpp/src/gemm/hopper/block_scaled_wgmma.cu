@@ -1,0 +1,470 @@
+// The block-scaled FP8 GEMM of the DeepSeek-V3 recipe on Hopper (sm_90a), written directly on
+// TMA, mbarriers and WGMMA (wgmma_primitives.cuh), without CUTLASS's mainloop:
+//
+//   D[m, n] = sum over K blocks b of  sa[m, b] * sb[n / 128, b] * sum_{k in b} A[m, k] B[n, k]
+//             (+ D[m, n] with accumulate) (+ bias[n])
+//
+// with block_scaled_gemm.h's operands and layouts (A [M, K] and B [N, K] E4M3, K contiguous; sa
+// [M, ceil(K/128)] and sb [ceil(N/128), ceil(K/128)] fp32, row-major).
+//
+// Shape of the kernel (one CTA per SM, persistent):
+// - Tile 128 x 128, k-block 128. 128 along K is the scale block, so each k-block is one
+//   promotion; 128 along N is B's scale block, so one B scale per k-block and tile.
+// - Three warpgroups. The first is the producer: one thread issues the TMA loads of A's and B's
+//   k-block tiles into a ring of kStages stages (16 KiB each, 128-byte swizzle) and gives its
+//   registers back (setmaxnreg). The other two are consumers of 64 rows each: per k-block they
+//   wait for the stage, run four m64n128k32 WGMMAs into a block sum, wait for them, free the
+//   stage, and promote: acc = fma(block, sa[row] * sb, acc) (CUTLASS's blockwise mainloop does
+//   the same arithmetic, so both give the same bits). While one consumer promotes, the other's
+//   WGMMAs keep the tensor cores busy.
+// - Each consumer thread holds 64 accumulators and 64 block sums (the WGMMA fragment of two rows
+//   and 32 columns); the promotion is why the tile cannot grow to 128 x 256 in registers.
+// - With a cluster of two CTAs along N (the default), each CTA loads half of the A tile they
+//   share and multicasts it to both, halving A's traffic from L2; a stage is then free once the
+//   consumers of both CTAs have read it, so each consumer warp arrives on both CTAs' barriers.
+// - The persistent loop walks the tiles in groups of group_m row blocks, column by column, so
+//   that the tiles in flight at once share their A and B blocks in L2.
+// - Epilogue: the consumers write D from registers (two columns per store), adding D's old value
+//   and the bias in fp32 first, while the producer already loads the next tile's k-blocks.
+//
+// Rows past M, columns past N and K past its end read zeros (TMA's out-of-bounds fill) and are not
+// stored; a CTA whose column is past N still runs the mainloop when its cluster partner needs its
+// half of A and its arrivals.
+#include "gemm/hopper/block_scaled_wgmma.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "common/cuda_utils.cuh"
+#include "common/internal.h"
+#include "gemm/hopper/wgmma_primitives.cuh"
+
+namespace te {
+namespace hopper {
+namespace {
+
+constexpr int kBlockM = 128;
+constexpr int kBlockN = 128;
+constexpr int kBlockK = 128;
+constexpr int kStages = 6;
+constexpr uint32_t kTileBytes = kBlockM * kBlockK;  // an A or B k-block tile: 16 KiB of FP8
+constexpr int kThreads = 384;                       // producer + two consumer warpgroups
+constexpr int kConsumerWarps = 8;
+// 128 * 40 + 256 * 232 registers fit the SM's 65536.
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;
+// The stages (1024-byte aligned for the swizzle), then the full and empty barriers.
+constexpr size_t kSharedBytes = 1024 + 2 * kStages * kTileBytes + 2 * kStages * sizeof(uint64_t);
+
+struct Params {
+  int m, n, kblocks;
+  int m_blocks, n_blocks;
+  int columns;  // cluster columns: ceil(n_blocks / cluster)
+  int tiles;    // m_blocks * columns: the persistent loop's units, one per cluster
+  int group_m;
+  const float *sa, *sb;
+  void *d;
+  const __nv_bfloat16 *bias;
+  int accumulate;
+};
+
+// Tile t of the loop: its row block and cluster column.
+__device__ __forceinline__ void tile_at(const Params &p, int t, int *mb, int *column) {
+  const int per_group = p.group_m * p.columns;
+  const int group = t / per_group;
+  const int first = group * p.group_m;
+  const int rows = min(p.m_blocks - first, p.group_m);
+  const int r = t - group * per_group;
+  *mb = first + r % rows;
+  *column = r / rows;
+}
+
+__device__ __forceinline__ float load_d(const float *p) { return *p; }
+__device__ __forceinline__ float load_d(const __nv_bfloat16 *p) { return __bfloat162float(*p); }
+
+__device__ __forceinline__ void store_pair(float *out, float v0, float v1) {
+  *reinterpret_cast<float2 *>(out) = make_float2(v0, v1);
+}
+__device__ __forceinline__ void store_pair(__nv_bfloat16 *out, float v0, float v1) {
+  *reinterpret_cast<__nv_bfloat162 *>(out) = __floats2bfloat162_rn(v0, v1);
+}
+
+// The consumers' place in the ring of stages.
+struct Ring {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// A consumer thread's scale rows: A's for its two fragment rows, B's for the tile's columns.
+struct Scales {
+  const float *a0, *a1, *b;
+  // The promotion factors of k-block kb for the two rows: sa * sb, as CUTLASS's blockwise
+  // mainloop forms them.
+  __device__ __forceinline__ float2 at(int kb) const {
+    const float sb = __ldg(b + kb);
+    return make_float2(__ldg(a0 + kb) * sb, __ldg(a1 + kb) * sb);
+  }
+};
+
+__device__ __forceinline__ void fence_block(float (&part)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) ptx::register_fence(part[i]);
+}
+
+// The four WGMMAs of one k-block (K = 128 as four k32 steps) into part, committed as a group.
+__device__ __forceinline__ void issue_block(float (&part)[64], const uint8_t *a, const uint8_t *b) {
+  fence_block(part);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < kBlockK / 32; ++k) {
+    ptx::wgmma_m64n128k32(part, ptx::wgmma_descriptor(a + k * 32), ptx::wgmma_descriptor(b + k * 32),
+                          k);
+  }
+  ptx::wgmma_commit();
+  fence_block(part);
+}
+
+// acc += part * scale of its row (fragment elements with bit 1 set are the second row).
+__device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64], float2 scale) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], (i & 2) ? scale.y : scale.x, acc[i]);
+}
+
+// The stage is read: free it for this CTA's producer and, in a cluster, the other CTA's (which
+// multicasts its half of A into it). One arrival per warp and CTA.
+template <int kCluster>
+__device__ __forceinline__ void release_stage(uint64_t *empty, int stage, int lane) {
+  if constexpr (kCluster > 1) {
+    if (lane < kCluster) ptx::mbarrier_arrive_cluster(&empty[stage], lane);
+  } else {
+    if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
+  }
+}
+
+
+// The overlapped mainloop's steps. Each keeps one block's WGMMAs in flight: first issues block
+// 0; step issues the next block into cur, then waits for the block before it (in prev), frees its
+// stage and promotes it; finish waits for the last block (in prev) and promotes it. The loop
+// around them has the same block sums in flight on every path, so that ptxas can see that a
+// promotion never reads registers a WGMMA is still writing (else it serializes the WGMMAs).
+struct Overlapped {
+  Ring ring;
+  int pending_stage = 0;
+  float2 pending_scale;
+  const Scales &scales;
+  uint64_t *full, *empty;
+  const uint8_t *a, *b;
+  int lane;
+
+  __device__ __forceinline__ void issue(float (&cur)[64], int kb) {
+    const float2 scale = scales.at(kb);
+    ptx::mbarrier_wait(&full[ring.stage], ring.phase);
+    issue_block(cur, a + ring.stage * kTileBytes, b + ring.stage * kTileBytes);
+    pending_stage = ring.stage;
+    pending_scale = scale;
+    ring.advance();
+  }
+  template <int kCluster>
+  __device__ __forceinline__ void retire(float (&acc)[64], float (&prev)[64], int stage,
+                                         float2 scale) {
+    fence_block(prev);
+    release_stage<kCluster>(empty, stage, lane);
+    promote(acc, prev, scale);
+  }
+  template <int kCluster>
+  __device__ __forceinline__ void step(float (&acc)[64], float (&cur)[64], float (&prev)[64],
+                                       int kb) {
+    const int stage = pending_stage;
+    const float2 scale = pending_scale;
+    issue(cur, kb);
+    ptx::wgmma_wait<1>();
+    retire<kCluster>(acc, prev, stage, scale);
+  }
+  template <int kCluster>
+  __device__ __forceinline__ void finish(float (&acc)[64], float (&prev)[64]) {
+    ptx::wgmma_wait<0>();
+    retire<kCluster>(acc, prev, pending_stage, pending_scale);
+  }
+};
+
+template <typename DT, int kCluster, bool kOverlap>
+__global__ void __launch_bounds__(kThreads, 1)
+    block_scaled_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
+                              const __grid_constant__ CUtensorMap map_b, const Params p) {
+  extern __shared__ uint8_t shared_raw[];
+  uint8_t *shared = reinterpret_cast<uint8_t *>(
+      (reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t *tiles_a = shared;
+  uint8_t *tiles_b = shared + kStages * kTileBytes;
+  uint64_t *full = reinterpret_cast<uint64_t *>(tiles_b + kStages * kTileBytes);
+  uint64_t *empty = full + kStages;
+
+  const int warpgroup = threadIdx.x / 128;
+  const uint32_t rank = kCluster > 1 ? ptx::cluster_cta_rank() : 0;
+  const int cluster = blockIdx.x / kCluster;
+  const int clusters = gridDim.x / kCluster;
+
+  if (threadIdx.x == 0) {
+    ptx::prefetch_tensor_map(&map_a);
+    ptx::prefetch_tensor_map(&map_b);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&full[s], 1);
+      ptx::mbarrier_init(&empty[s], kConsumerWarps * kCluster);
+    }
+    ptx::fence_barrier_init();
+  }
+  if (kCluster > 1) {
+    ptx::cluster_sync();
+  } else {
+    __syncthreads();
+  }
+
+  if (warpgroup == 0) {
+    ptx::registers_release<kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int t = cluster; t < p.tiles; t += clusters) {
+        int mb, column;
+        tile_at(p, t, &mb, &column);
+        const int nb = column * kCluster + static_cast<int>(rank);
+        for (int kb = 0; kb < p.kblocks; ++kb) {
+          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+          ptx::mbarrier_arrive_expect_bytes(&full[stage], 2 * kTileBytes);
+          uint8_t *a = tiles_a + stage * kTileBytes;
+          if constexpr (kCluster > 1) {
+            constexpr int kRows = kBlockM / kCluster;  // this CTA's share of the A tile
+            ptx::tma_load_2d_multicast(a + rank * kRows * kBlockK, &map_a, &full[stage],
+                                       kb * kBlockK, mb * kBlockM + static_cast<int>(rank) * kRows,
+                                       static_cast<uint16_t>((1u << kCluster) - 1));
+          } else {
+            ptx::tma_load_2d(a, &map_a, &full[stage], kb * kBlockK, mb * kBlockM);
+          }
+          ptx::tma_load_2d(tiles_b + stage * kTileBytes, &map_b, &full[stage], kb * kBlockK,
+                           nb * kBlockN);
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+  } else {
+    ptx::registers_claim<kConsumerRegisters>();
+    const int half = warpgroup - 1;  // rows 64 * half .. of the tile
+    const int warp = (threadIdx.x / 32) % 4;
+    const int lane = threadIdx.x % 32;
+    Ring ring;
+    // Block sums: one set, or two when the next block's WGMMAs overlap this one's promotion.
+    float part[64], part2[kOverlap ? 64 : 1];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) part[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < (kOverlap ? 64 : 1); ++i) part2[i] = 0.0f;
+
+    for (int t = cluster; t < p.tiles; t += clusters) {
+      int mb, column;
+      tile_at(p, t, &mb, &column);
+      const int nb = column * kCluster + static_cast<int>(rank);
+      // This thread's two rows of the WGMMA fragment: row0 and row0 + 8.
+      const int row0 = mb * kBlockM + half * 64 + warp * 16 + lane / 4;
+      Scales scales;
+      scales.a0 = p.sa + static_cast<size_t>(min(row0, p.m - 1)) * p.kblocks;
+      scales.a1 = p.sa + static_cast<size_t>(min(row0 + 8, p.m - 1)) * p.kblocks;
+      scales.b = p.sb + static_cast<size_t>(min(nb, p.n_blocks - 1)) * p.kblocks;
+      const uint8_t *a = tiles_a + half * 64 * kBlockK;
+
+      float acc[64];
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+
+      if constexpr (!kOverlap) {
+        for (int kb = 0; kb < p.kblocks; ++kb) {
+          const float2 scale = scales.at(kb);
+          ptx::mbarrier_wait(&full[ring.stage], ring.phase);
+          issue_block(part, a + ring.stage * kTileBytes, tiles_b + ring.stage * kTileBytes);
+          ptx::wgmma_wait<0>();
+          fence_block(part);
+          release_stage<kCluster>(empty, ring.stage, lane);
+          promote(acc, part, scale);
+          ring.advance();
+        }
+      } else {
+        // Block kb's WGMMAs are issued before block kb - 1 is promoted, into the other set of
+        // block sums, so that this warpgroup's tensor-core work goes on during its promotion.
+        Overlapped o{ring, 0, make_float2(0.0f, 0.0f), scales, full, empty, a, tiles_b, lane};
+        o.issue(part, 0);
+        int kb = 1;
+        for (; kb + 1 < p.kblocks; kb += 2) {
+          o.step<kCluster>(acc, part2, part, kb);
+          o.step<kCluster>(acc, part, part2, kb + 1);
+        }
+        if (kb < p.kblocks) {
+          o.step<kCluster>(acc, part2, part, kb);
+          o.finish<kCluster>(acc, part2);
+        } else {
+          o.finish<kCluster>(acc, part);
+        }
+        ring = o.ring;
+      }
+
+      if (nb < p.n_blocks) {
+        // Fragment element i: row row0 + 8 * ((i >> 1) & 1), column 8 * (i / 4) + 2 * (lane % 4)
+        // + (i & 1); pairs (i, i + 1) are adjacent columns. N is even, so a pair is in or out.
+        const int col0 = nb * kBlockN + 2 * (lane % 4);
+        DT *d = static_cast<DT *>(p.d);
+#pragma unroll
+        for (int i = 0; i < 64; i += 2) {
+          const int row = row0 + ((i & 2) ? 8 : 0);
+          const int col = col0 + 8 * (i / 4);
+          if (row < p.m && col < p.n) {
+            DT *out = d + static_cast<size_t>(row) * p.n + col;
+            float v0 = acc[i], v1 = acc[i + 1];
+            if (p.accumulate) {
+              v0 += load_d(out);
+              v1 += load_d(out + 1);
+            }
+            if (p.bias != nullptr) {
+              v0 += __bfloat162float(p.bias[col]);
+              v1 += __bfloat162float(p.bias[col + 1]);
+            }
+            store_pair(out, v0, v1);
+          }
+        }
+      }
+    }
+  }
+  // No CTA leaves while its cluster partner may still deliver to its shared memory or arrive on
+  // its barriers. (The producer warp's lanes meet first: the cluster barrier is warp-aligned.)
+  if constexpr (kCluster > 1) {
+    __syncwarp();
+    ptx::cluster_sync();
+  }
+}
+
+// The driver's cuTensorMapEncodeTiled, through the runtime (no link to libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void *fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// The TMA map of an FP8 [rows, k] row-major operand, loaded in boxes of box_rows x 128 with the
+// 128-byte swizzle that the WGMMA descriptors expect; out-of-bounds boxes read zeros.
+te_status make_operand_map(const char *op, const char *name, CUtensorMap *map, const void *data,
+                           int64_t rows, int64_t k, uint32_t box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) {
+    return fail(TE_ERROR_RUNTIME, op, "the driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12)");
+  }
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k)};  // bytes from one row to the next
+  const cuuint32_t box[2] = {kBlockK, box_rows};
+  const cuuint32_t steps[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void *>(data), dims,
+                            strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return fail(TE_ERROR_RUNTIME, op,
+                std::string("cuTensorMapEncodeTiled failed for ") + name + " (CUresult " +
+                    std::to_string(static_cast<int>(r)) + ")");
+  }
+  return TE_SUCCESS;
+}
+
+constexpr int kMaxDevices = 64;
+
+template <typename DT, int kCluster, bool kOverlap>
+te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, int group_m) {
+  auto *kernel = block_scaled_wgmma_kernel<DT, kCluster, kOverlap>;
+  CUtensorMap map_a, map_b;
+  if (te_status st = make_operand_map(op, "A", &map_a, g.a.data, g.m, g.k, kBlockM / kCluster)) return st;
+  if (te_status st = make_operand_map(op, "B", &map_b, g.b.data, g.n, g.k, kBlockN)) return st;
+
+  Params p{};
+  p.m = static_cast<int>(g.m);
+  p.n = static_cast<int>(g.n);
+  p.kblocks = static_cast<int>(ceil_div(g.k, int64_t{kBlockK}));
+  p.m_blocks = static_cast<int>(ceil_div(g.m, int64_t{kBlockM}));
+  p.n_blocks = static_cast<int>(ceil_div(g.n, int64_t{kBlockN}));
+  p.columns = (p.n_blocks + kCluster - 1) / kCluster;
+  p.tiles = p.m_blocks * p.columns;
+  p.group_m = group_m < 1 ? 1 : group_m;
+  p.sa = g.a.scale_inv;
+  p.sb = g.b.scale_inv;
+  p.d = g.d;
+  p.bias = static_cast<const __nv_bfloat16 *>(g.bias);
+  p.accumulate = g.accumulate ? 1 : 0;
+
+  if (te_status st = cuda_status(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                          static_cast<int>(kSharedBytes)))) {
+    return st;
+  }
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = kCluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(kCluster);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSharedBytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+
+  // Clusters resident at once (one CTA per SM; a cluster's CTAs share a GPC), per device.
+  static std::atomic<int> resident[kMaxDevices];
+  const int device = g.device >= 0 && g.device < kMaxDevices ? g.device : 0;
+  int clusters = resident[device].load(std::memory_order_relaxed);
+  if (clusters <= 0) {
+    if (te_status st = cuda_status(op, cudaOccupancyMaxActiveClusters(&clusters, kernel, &config))) return st;
+    if (clusters <= 0) return fail(TE_ERROR_RUNTIME, op, "no cluster of the kernel fits on the device");
+    resident[device].store(clusters, std::memory_order_relaxed);
+  }
+  config.gridDim = dim3(static_cast<unsigned>((clusters < p.tiles ? clusters : p.tiles) * kCluster));
+  if (te_status st = cuda_status(op, cudaLaunchKernelEx(&config, kernel, map_a, map_b, p))) return st;
+  return launch_status(op);
+}
+
+template <typename DT>
+te_status launch_d(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOptions o) {
+  if (o.cluster_n == 1 && o.overlap) return launch<DT, 1, true>(op, g, stream, o.group_m);
+  if (o.cluster_n == 1) return launch<DT, 1, false>(op, g, stream, o.group_m);
+  if (o.cluster_n == 2 && o.overlap) return launch<DT, 2, true>(op, g, stream, o.group_m);
+  if (o.cluster_n == 2) return launch<DT, 2, false>(op, g, stream, o.group_m);
+  return fail(TE_ERROR_VALUE, op, "cluster_n must be 1 or 2, got " + std::to_string(o.cluster_n));
+}
+
+}  // namespace
+
+te_status block_scaled_wgmma_gemm(const char *op, const GemmArgs &g, cudaStream_t stream,
+                                  WgmmaOptions options) {
+  if (g.d_dtype == TE_DTYPE_FLOAT32) return launch_d<float>(op, g, stream, options);
+  return launch_d<__nv_bfloat16>(op, g, stream, options);
+}
+
+}  // namespace hopper
+}  // namespace te

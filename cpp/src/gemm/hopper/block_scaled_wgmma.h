@@ -1,0 +1,35 @@
+// Our hand-written Hopper (sm_90a) kernel for the block-scaled FP8 GEMM (block_scaled_wgmma.cu):
+// TMA, warp-specialized producer and consumer warpgroups, WGMMA with the per-128-block promotion
+// of the DeepSeek-V3 recipe, a persistent tile loop. It computes what hopper_block_scaled_gemm
+// does (block_scaled_gemm.h states the problem and hopper_block_scaled_gemm_support the calls it
+// takes) without CUTLASS's mainloop.
+#ifndef TRANSFORMER_ENGINE_SRC_GEMM_HOPPER_BLOCK_SCALED_WGMMA_H_
+#define TRANSFORMER_ENGINE_SRC_GEMM_HOPPER_BLOCK_SCALED_WGMMA_H_
+
+#include <cuda_runtime.h>
+
+#include "gemm/gemm_impl.h"
+
+namespace te {
+namespace hopper {
+
+struct WgmmaOptions {
+  // CTAs of a cluster along N that share each A tile (TMA multicast): 1 or 2.
+  int cluster_n = 2;
+  // Tile order: the persistent loop walks column-major within groups of this many 128-row
+  // blocks, so that the CTAs running at once share A and B tiles in L2.
+  int group_m = 16;
+  // Two sets of block sums per consumer thread: the WGMMAs of k-block kb + 1 are issued before
+  // block kb is promoted (64 more registers per thread).
+  bool overlap = false;
+};
+
+// Runs g (accepted by hopper_block_scaled_gemm_support) on the current device, which must be an
+// sm_90, and stream, in op's name.
+te_status block_scaled_wgmma_gemm(const char *op, const GemmArgs &g, cudaStream_t stream,
+                                  WgmmaOptions options = {});
+
+}  // namespace hopper
+}  // namespace te
+
+#endif  // TRANSFORMER_ENGINE_SRC_GEMM_HOPPER_BLOCK_SCALED_WGMMA_H_
