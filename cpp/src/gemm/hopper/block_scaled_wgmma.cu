@@ -37,7 +37,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -394,8 +393,6 @@ te_status make_operand_map(const char *op, const char *name, CUtensorMap *map, c
   return TE_SUCCESS;
 }
 
-constexpr int kMaxDevices = 64;
-
 template <typename DT, int kCluster, bool kOverlap>
 te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, int group_m) {
   auto *kernel = block_scaled_wgmma_kernel<DT, kCluster, kOverlap>;
@@ -435,15 +432,12 @@ te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, int gro
   config.attrs = &attribute;
   config.numAttrs = 1;
 
-  // Clusters resident at once (one CTA per SM; a cluster's CTAs share a GPC), per device.
-  static std::atomic<int> resident[kMaxDevices];
-  const int device = g.device >= 0 && g.device < kMaxDevices ? g.device : 0;
-  int clusters = resident[device].load(std::memory_order_relaxed);
-  if (clusters <= 0) {
-    if (te_status st = cuda_status(op, cudaOccupancyMaxActiveClusters(&clusters, kernel, &config))) return st;
-    if (clusters <= 0) return fail(TE_ERROR_RUNTIME, op, "no cluster of the kernel fits on the device");
-    resident[device].store(clusters, std::memory_order_relaxed);
-  }
+  // One CTA per SM, as CUTLASS's persistent kernels size their grids. The first GPU run took
+  // the grid from cudaOccupancyMaxActiveClusters instead, and the two-CTA clusters ran at about
+  // half the speed of single CTAs; whether that grid was the cause is not yet measured.
+  int sms = 0;
+  if (te_status st = sm_count(op, &sms)) return st;
+  const int clusters = sms / kCluster > 0 ? sms / kCluster : 1;
   config.gridDim = dim3(static_cast<unsigned>((clusters < p.tiles ? clusters : p.tiles) * kCluster));
   if (te_status st = cuda_status(op, cudaLaunchKernelEx(&config, kernel, map_a, map_b, p))) return st;
   return launch_status(op);
