@@ -71,14 +71,32 @@ te_status run_wgmma(const te::GemmArgs &g, cudaStream_t stream, int, int swizzle
   return te::hopper::block_scaled_wgmma_gemm("block_scaled_sweep", g, stream, {cluster_n, 2 * swizzle, overlap});
 }
 
-// Indices 0 .. 6: sweep_variant.cu's CUTLASS configurations; 7 .. 10: the hand-written kernel.
+// The same with the grid cudaOccupancyMaxActiveClusters gives (the first run's, under which the
+// two-CTA clusters ran at half speed), against the default of one CTA per SM.
+template <int cluster_n, bool overlap>
+te_status run_wgmma_resident_grid(const te::GemmArgs &g, cudaStream_t stream, int, int swizzle) {
+  te::hopper::WgmmaOptions o{cluster_n, 2 * swizzle, overlap};
+  static int resident = 0;
+  if (resident == 0) {
+    if (te_status st = te::hopper::block_scaled_wgmma_resident_clusters("block_scaled_sweep", o, &resident)) {
+      return st;
+    }
+    std::printf("  (cudaOccupancyMaxActiveClusters: %d clusters of %d)\n", resident, cluster_n);
+  }
+  o.clusters = resident;
+  return te::hopper::block_scaled_wgmma_gemm("block_scaled_sweep", g, stream, o);
+}
+
+// Indices 0 .. 6: sweep_variant.cu's CUTLASS configurations; 7 .. 12: the hand-written kernel.
 std::vector<sweep::Variant> variants() {
   return {sweep_variant_0(), sweep_variant_1(), sweep_variant_2(), sweep_variant_3(),
           sweep_variant_4(), sweep_variant_5(), sweep_variant_6(),
           {"wgmma 128x128x128 cluster 1x2 (ours)", false, &run_wgmma<2, false>, false},
           {"wgmma 128x128x128 cluster 1x1 (ours)", false, &run_wgmma<1, false>, false},
           {"wgmma 128x128x128 cluster 1x2 overlapped (ours)", false, &run_wgmma<2, true>, false},
-          {"wgmma 128x128x128 cluster 1x1 overlapped (ours)", false, &run_wgmma<1, true>, false}};
+          {"wgmma 128x128x128 cluster 1x1 overlapped (ours)", false, &run_wgmma<1, true>, false},
+          {"wgmma 1x2 overlapped, occupancy-query grid", false, &run_wgmma_resident_grid<2, true>, false},
+          {"wgmma 1x1 overlapped, occupancy-query grid", false, &run_wgmma_resident_grid<1, true>, false}};
 }
 
 // Device buffers of one problem: FP8 operands with both scale forms, D and a spare D.

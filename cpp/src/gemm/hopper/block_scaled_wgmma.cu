@@ -393,9 +393,42 @@ te_status make_operand_map(const char *op, const char *name, CUtensorMap *map, c
   return TE_SUCCESS;
 }
 
+// The launch configuration of the kernel (its shared-memory limit raised first), for a grid of
+// `clusters` clusters.
 template <typename DT, int kCluster, bool kOverlap>
-te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, int group_m) {
+te_status configure(const char *op, cudaStream_t stream, int clusters, cudaLaunchAttribute *attribute,
+                    cudaLaunchConfig_t *config) {
   auto *kernel = block_scaled_wgmma_kernel<DT, kCluster, kOverlap>;
+  if (te_status st = cuda_status(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                          static_cast<int>(kSharedBytes)))) {
+    return st;
+  }
+  *attribute = cudaLaunchAttribute{};
+  attribute->id = cudaLaunchAttributeClusterDimension;
+  attribute->val.clusterDim.x = kCluster;
+  attribute->val.clusterDim.y = 1;
+  attribute->val.clusterDim.z = 1;
+  *config = cudaLaunchConfig_t{};
+  config->gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
+  config->blockDim = dim3(kThreads);
+  config->dynamicSmemBytes = kSharedBytes;
+  config->stream = stream;
+  config->attrs = attribute;
+  config->numAttrs = 1;
+  return TE_SUCCESS;
+}
+
+template <typename DT, int kCluster, bool kOverlap>
+te_status resident(const char *op, int *clusters) {
+  cudaLaunchAttribute attribute;
+  cudaLaunchConfig_t config;
+  if (te_status st = configure<DT, kCluster, kOverlap>(op, nullptr, 1, &attribute, &config)) return st;
+  return cuda_status(op, cudaOccupancyMaxActiveClusters(clusters, block_scaled_wgmma_kernel<DT, kCluster, kOverlap>,
+                                                        &config));
+}
+
+template <typename DT, int kCluster, bool kOverlap>
+te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOptions o) {
   CUtensorMap map_a, map_b;
   if (te_status st = make_operand_map(op, "A", &map_a, g.a.data, g.m, g.k, kBlockM / kCluster)) return st;
   if (te_status st = make_operand_map(op, "B", &map_b, g.b.data, g.n, g.k, kBlockN)) return st;
@@ -408,56 +441,66 @@ te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, int gro
   p.n_blocks = static_cast<int>(ceil_div(g.n, int64_t{kBlockN}));
   p.columns = (p.n_blocks + kCluster - 1) / kCluster;
   p.tiles = p.m_blocks * p.columns;
-  p.group_m = group_m < 1 ? 1 : group_m;
+  p.group_m = o.group_m < 1 ? 1 : o.group_m;
   p.sa = g.a.scale_inv;
   p.sb = g.b.scale_inv;
   p.d = g.d;
   p.bias = static_cast<const __nv_bfloat16 *>(g.bias);
   p.accumulate = g.accumulate ? 1 : 0;
 
-  if (te_status st = cuda_status(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                          static_cast<int>(kSharedBytes)))) {
+  // One CTA per SM by default, as CUTLASS's persistent kernels size their grids. The first GPU
+  // run took the grid from cudaOccupancyMaxActiveClusters instead, and the two-CTA clusters ran
+  // at about half the speed of single CTAs; whether that grid was the cause is not yet measured
+  // (the sweep times both).
+  int clusters = o.clusters;
+  if (clusters <= 0) {
+    int sms = 0;
+    if (te_status st = sm_count(op, &sms)) return st;
+    clusters = sms / kCluster > 0 ? sms / kCluster : 1;
+  }
+  if (clusters > p.tiles) clusters = p.tiles;
+  cudaLaunchAttribute attribute;
+  cudaLaunchConfig_t config;
+  if (te_status st = configure<DT, kCluster, kOverlap>(op, stream, clusters, &attribute, &config)) return st;
+  if (te_status st = cuda_status(op, cudaLaunchKernelEx(&config, block_scaled_wgmma_kernel<DT, kCluster, kOverlap>,
+                                                        map_a, map_b, p))) {
     return st;
   }
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = kCluster;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(kCluster);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSharedBytes;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-
-  // One CTA per SM, as CUTLASS's persistent kernels size their grids. The first GPU run took
-  // the grid from cudaOccupancyMaxActiveClusters instead, and the two-CTA clusters ran at about
-  // half the speed of single CTAs; whether that grid was the cause is not yet measured.
-  int sms = 0;
-  if (te_status st = sm_count(op, &sms)) return st;
-  const int clusters = sms / kCluster > 0 ? sms / kCluster : 1;
-  config.gridDim = dim3(static_cast<unsigned>((clusters < p.tiles ? clusters : p.tiles) * kCluster));
-  if (te_status st = cuda_status(op, cudaLaunchKernelEx(&config, kernel, map_a, map_b, p))) return st;
   return launch_status(op);
 }
 
-template <typename DT>
-te_status launch_d(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOptions o) {
-  if (o.cluster_n == 1 && o.overlap) return launch<DT, 1, true>(op, g, stream, o.group_m);
-  if (o.cluster_n == 1) return launch<DT, 1, false>(op, g, stream, o.group_m);
-  if (o.cluster_n == 2 && o.overlap) return launch<DT, 2, true>(op, g, stream, o.group_m);
-  if (o.cluster_n == 2) return launch<DT, 2, false>(op, g, stream, o.group_m);
+// Calls F<DT, cluster, overlap>::run(args...) for the options' configuration.
+template <template <typename, int, bool> class F, typename DT, typename... Args>
+te_status dispatch(const char *op, WgmmaOptions o, Args... args) {
+  if (o.cluster_n == 1 && o.overlap) return F<DT, 1, true>::run(op, args...);
+  if (o.cluster_n == 1) return F<DT, 1, false>::run(op, args...);
+  if (o.cluster_n == 2 && o.overlap) return F<DT, 2, true>::run(op, args...);
+  if (o.cluster_n == 2) return F<DT, 2, false>::run(op, args...);
   return fail(TE_ERROR_VALUE, op, "cluster_n must be 1 or 2, got " + std::to_string(o.cluster_n));
 }
+
+template <typename DT, int kCluster, bool kOverlap>
+struct Launch {
+  static te_status run(const char *op, const GemmArgs *g, cudaStream_t stream, WgmmaOptions o) {
+    return launch<DT, kCluster, kOverlap>(op, *g, stream, o);
+  }
+};
+
+template <typename DT, int kCluster, bool kOverlap>
+struct Resident {
+  static te_status run(const char *op, int *clusters) { return resident<DT, kCluster, kOverlap>(op, clusters); }
+};
 
 }  // namespace
 
 te_status block_scaled_wgmma_gemm(const char *op, const GemmArgs &g, cudaStream_t stream,
                                   WgmmaOptions options) {
-  if (g.d_dtype == TE_DTYPE_FLOAT32) return launch_d<float>(op, g, stream, options);
-  return launch_d<__nv_bfloat16>(op, g, stream, options);
+  if (g.d_dtype == TE_DTYPE_FLOAT32) return dispatch<Launch, float>(op, options, &g, stream, options);
+  return dispatch<Launch, __nv_bfloat16>(op, options, &g, stream, options);
+}
+
+te_status block_scaled_wgmma_resident_clusters(const char *op, WgmmaOptions options, int *clusters) {
+  return dispatch<Resident, __nv_bfloat16>(op, options, clusters);
 }
 
 }  // namespace hopper

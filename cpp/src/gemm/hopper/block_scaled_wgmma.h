@@ -24,12 +24,18 @@ struct WgmmaOptions {
   // Two sets of block sums per consumer thread: the WGMMAs of k-block kb + 1 are issued before
   // block kb is promoted (64 more registers per thread).
   bool overlap = true;
+  // Clusters launched: 0 for one CTA per SM (the SM count / cluster_n), else this many.
+  int clusters = 0;
 };
 
 // Runs g (accepted by hopper_block_scaled_gemm_support) on the current device, which must be an
 // sm_90, and stream, in op's name.
 te_status block_scaled_wgmma_gemm(const char *op, const GemmArgs &g, cudaStream_t stream,
                                   WgmmaOptions options = {});
+
+// How many clusters of the kernel (bf16 D) cudaOccupancyMaxActiveClusters says fit on the current
+// device at once (for the sweep, which times grids of that size against the default).
+te_status block_scaled_wgmma_resident_clusters(const char *op, WgmmaOptions options, int *clusters);
 
 }  // namespace hopper
 }  // namespace te
