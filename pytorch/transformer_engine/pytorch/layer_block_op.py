@@ -51,7 +51,11 @@ _NS = "transformer_engine"
 # node (since backed out) under which that node's own eager step was slow (11.95 ms), so that
 # run did not settle it. A clean A/B on an H200 (compiled steps, two rounds each way in one
 # run) did: 10.33 / 8.00 ms through the modules, 12.45 / 10.74 with the ops
-# (model_ab_layer_ops_compile_{a,b}{1,2}.json). Off.
+# (model_ab_layer_ops_compile_{a,b}{1,2}.json). Kernel profiles since (H100, each in its own
+# process) show where: with the ops the compiled step runs the eager node's kernels (5.24 ms,
+# through the modules 5.80) but leaves the GPU idle longer (2.36 ms against 1.57; eager 0.68),
+# so their cost is on the host (kernel_profile_compiled_{ops_on,ops_off,eager}_b34cae1_h100.json).
+# Off.
 on_cuda = False
 
 
