@@ -448,10 +448,8 @@ te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOp
   p.bias = static_cast<const __nv_bfloat16 *>(g.bias);
   p.accumulate = g.accumulate ? 1 : 0;
 
-  // One CTA per SM by default, as CUTLASS's persistent kernels size their grids. The first GPU
-  // run took the grid from cudaOccupancyMaxActiveClusters instead, and the two-CTA clusters ran
-  // at about half the speed of single CTAs; whether that grid was the cause is not yet measured
-  // (the sweep times both).
+  // One CTA per SM by default, as CUTLASS's persistent kernels size their grids (the first GPU
+  // run took the grid from cudaOccupancyMaxActiveClusters; the sweep times both).
   int clusters = o.clusters;
   if (clusters <= 0) {
     int sms = 0;

@@ -37,13 +37,16 @@ __device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t *bar, uint
 }
 
 // One arrival on the barrier at bar's offset in the shared memory of cluster CTA `cta` (this
-// CTA's own when cta is its rank).
+// CTA's own when cta is its rank). At the default CTA scope: the consumers free a stage whose
+// reads (WGMMAs) have completed and they wrote nothing the other CTA reads, so there is nothing
+// to release to the cluster; with .release.cluster, ptxas puts a GPU-wide memory barrier
+// (MEMBAR.ALL.GPU) before every arrival.
 __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t *bar, uint32_t cta) {
   asm volatile(
       "{\n"
       ".reg .b32 remote;\n"
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
       "}\n" ::"r"(smem_address(bar)),
       "r"(cta)
       : "memory");
