@@ -400,3 +400,57 @@ def test_dpa_refusals_and_keyword_only_tail():
     m = te.DotProductAttention(2, 16, None, 0.0, "bshd", "causal", (-1, 0), name="attn",
                                device=CPU)
     assert (m.qkv_format, m.window_size, m.name) == ("bshd", (-1, 0), "attn")
+
+
+# A Llama decoder layer as NVIDIA's Llama tutorial builds it: te.TransformerLayer with RMSNorm,
+# SwiGLU, grouped-query attention and separate q/k/v weights, loaded from a Hugging Face style
+# state dict by parameter name and run with rotary embeddings.
+
+def test_llama_style_decoder_layer_loads_by_name_and_runs():
+    import transformer_engine as te_root
+    from transformer_engine.common import recipe
+    from transformer_engine.pytorch.attention import RotaryPositionEmbedding
+
+    hidden, ffn, heads, kv_heads, seq = 64, 96, 4, 2, 8
+    layer = te_root.pytorch.TransformerLayer(
+        hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads, bias=False,
+        layernorm_epsilon=1e-5, hidden_dropout=0, attention_dropout=0, fuse_qkv_params=False,
+        normalization="RMSNorm", activation="swiglu", attn_input_format="bshd",
+        num_gqa_groups=kv_heads, device=CPU)
+    head_dim = hidden // heads
+    torch.manual_seed(0)
+    # Our name -> the tensor a checkpoint would give it (gate and up rows stacked into fc1).
+    gate, up = torch.randn(ffn, hidden), torch.randn(ffn, hidden)
+    given = {
+        "self_attention.layernorm_qkv.layer_norm_weight": torch.rand(hidden) + 0.5,
+        "self_attention.layernorm_qkv.query_weight": torch.randn(hidden, hidden),
+        "self_attention.layernorm_qkv.key_weight": torch.randn(kv_heads * head_dim, hidden),
+        "self_attention.layernorm_qkv.value_weight": torch.randn(kv_heads * head_dim, hidden),
+        "self_attention.proj.weight": torch.randn(hidden, hidden),
+        "layernorm_mlp.layer_norm_weight": torch.rand(hidden) + 0.5,
+        "layernorm_mlp.fc1_weight": torch.cat([gate, up]),
+        "layernorm_mlp.fc2_weight": torch.randn(hidden, ffn),
+    }
+    state = layer.state_dict()
+    for name, value in given.items():
+        assert state[name].shape == value.shape, name
+        state[name].data[:] = value * 0.05
+    params = dict(layer.named_parameters())
+    for name, value in given.items():
+        torch.testing.assert_close(params[name].detach(), value * 0.05, rtol=0, atol=0)
+
+    rope = RotaryPositionEmbedding(head_dim)(max_seq_len=seq)
+    x = torch.randn(2, seq, hidden, requires_grad=True)
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
+    out = layer(x, attention_mask=None, rotary_pos_emb=rope)
+    masked = layer(x, attention_mask=causal, self_attn_mask_type="arbitrary",
+                   rotary_pos_emb=rope)
+    assert out.shape == masked.shape == x.shape
+    # True marks a masked-out position: an explicit causal mask is the causal mask type.
+    torch.testing.assert_close(masked, out, rtol=1e-5, atol=1e-5)
+    (out.sum() + masked.sum()).backward()
+    assert torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(params[n].grad).all() for n in given)
+    with te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling()):
+        fp8_out = layer(x, attention_mask=None, rotary_pos_emb=rope)
+    assert fp8_out.shape == x.shape and torch.isfinite(fp8_out).all()
