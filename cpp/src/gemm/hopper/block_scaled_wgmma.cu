@@ -467,38 +467,30 @@ te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOp
   return launch_status(op);
 }
 
-// Calls F<DT, cluster, overlap>::run(args...) for the options' configuration.
-template <template <typename, int, bool> class F, typename DT, typename... Args>
-te_status dispatch(const char *op, WgmmaOptions o, Args... args) {
-  if (o.cluster_n == 1 && o.overlap) return F<DT, 1, true>::run(op, args...);
-  if (o.cluster_n == 1) return F<DT, 1, false>::run(op, args...);
-  if (o.cluster_n == 2 && o.overlap) return F<DT, 2, true>::run(op, args...);
-  if (o.cluster_n == 2) return F<DT, 2, false>::run(op, args...);
+template <typename DT>
+te_status launch_d(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOptions o) {
+  if (o.cluster_n == 1 && o.overlap) return launch<DT, 1, true>(op, g, stream, o);
+  if (o.cluster_n == 1) return launch<DT, 1, false>(op, g, stream, o);
+  if (o.cluster_n == 2 && o.overlap) return launch<DT, 2, true>(op, g, stream, o);
+  if (o.cluster_n == 2) return launch<DT, 2, false>(op, g, stream, o);
   return fail(TE_ERROR_VALUE, op, "cluster_n must be 1 or 2, got " + std::to_string(o.cluster_n));
 }
-
-template <typename DT, int kCluster, bool kOverlap>
-struct Launch {
-  static te_status run(const char *op, const GemmArgs *g, cudaStream_t stream, WgmmaOptions o) {
-    return launch<DT, kCluster, kOverlap>(op, *g, stream, o);
-  }
-};
-
-template <typename DT, int kCluster, bool kOverlap>
-struct Resident {
-  static te_status run(const char *op, int *clusters) { return resident<DT, kCluster, kOverlap>(op, clusters); }
-};
 
 }  // namespace
 
 te_status block_scaled_wgmma_gemm(const char *op, const GemmArgs &g, cudaStream_t stream,
                                   WgmmaOptions options) {
-  if (g.d_dtype == TE_DTYPE_FLOAT32) return dispatch<Launch, float>(op, options, &g, stream, options);
-  return dispatch<Launch, __nv_bfloat16>(op, options, &g, stream, options);
+  if (g.d_dtype == TE_DTYPE_FLOAT32) return launch_d<float>(op, g, stream, options);
+  return launch_d<__nv_bfloat16>(op, g, stream, options);
 }
 
-te_status block_scaled_wgmma_resident_clusters(const char *op, WgmmaOptions options, int *clusters) {
-  return dispatch<Resident, __nv_bfloat16>(op, options, clusters);
+te_status block_scaled_wgmma_resident_clusters(const char *op, WgmmaOptions o, int *clusters) {
+  using BF16 = __nv_bfloat16;
+  if (o.cluster_n == 1 && o.overlap) return resident<BF16, 1, true>(op, clusters);
+  if (o.cluster_n == 1) return resident<BF16, 1, false>(op, clusters);
+  if (o.cluster_n == 2 && o.overlap) return resident<BF16, 2, true>(op, clusters);
+  if (o.cluster_n == 2) return resident<BF16, 2, false>(op, clusters);
+  return fail(TE_ERROR_VALUE, op, "cluster_n must be 1 or 2, got " + std::to_string(o.cluster_n));
 }
 
 }  // namespace hopper
