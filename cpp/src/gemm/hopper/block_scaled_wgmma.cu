@@ -8,17 +8,21 @@
 // [M, ceil(K/128)] and sb [ceil(N/128), ceil(K/128)] fp32, row-major).
 //
 // Shape of the kernel (one CTA per SM, persistent):
-// - Tile 128 x 128, k-block 128. 128 along K is the scale block, so each k-block is one
-//   promotion; 128 along N is B's scale block, so one B scale per k-block and tile.
+// - Tile 128 x 128 (or 128 x 256, WgmmaOptions::block_n), k-block 128. 128 along K is the scale
+//   block, so each k-block is one promotion; 128 along N is B's scale block, so one B scale per
+//   k-block and 128-column half.
 // - Three warpgroups. The first is the producer: one thread issues the TMA loads of A's and B's
-//   k-block tiles into a ring of kStages stages (16 KiB each, 128-byte swizzle) and gives its
-//   registers back (setmaxnreg). The other two are consumers of 64 rows each: per k-block they
+//   k-block tiles into a ring of stages (16 KiB per 128 x 128 tile, 128-byte swizzle) and gives
+//   its registers back (setmaxnreg). The other two are consumers of 64 rows each: per k-block they
 //   wait for the stage, run four m64n128k32 WGMMAs into a block sum, wait for them, free the
 //   stage, and promote: acc = fma(block, sa[row] * sb, acc) (CUTLASS's blockwise mainloop does
 //   the same arithmetic, so both give the same bits). While one consumer promotes, the other's
 //   WGMMAs keep the tensor cores busy.
-// - Each consumer thread holds 64 accumulators and 64 block sums (the WGMMA fragment of two rows
-//   and 32 columns); the promotion is why the tile cannot grow to 128 x 256 in registers.
+// - Each consumer thread holds 64 accumulators per 128 columns and 64 block sums (the WGMMA
+//   fragment of two rows and 32 columns). The 128-column tile can hold a second set of block
+//   sums, so that the next k-block's WGMMAs run during this one's promotion (overlap); the
+//   256-column tile, 128 accumulators and one set, cannot. It trades that for L2 traffic: per
+//   k-block it loads 48 KiB for twice the 128 x 128 tile's work, which loads 32 KiB.
 // - With a cluster of two CTAs along N (the default), each CTA loads half of the A tile they
 //   share and multicasts it to both, halving A's traffic from L2; a stage is then free once the
 //   consumers of both CTAs have read it, so each consumer warp arrives on both CTAs' barriers.
@@ -49,22 +53,31 @@ namespace hopper {
 namespace {
 
 constexpr int kBlockM = 128;
-constexpr int kBlockN = 128;
 constexpr int kBlockK = 128;
-constexpr int kStages = 6;
-constexpr uint32_t kTileBytes = kBlockM * kBlockK;  // an A or B k-block tile: 16 KiB of FP8
+constexpr uint32_t kTileBytes = kBlockM * kBlockK;  // a 128 x 128 k-block tile: 16 KiB of FP8
 constexpr int kThreads = 384;                       // producer + two consumer warpgroups
 constexpr int kConsumerWarps = 8;
 // 128 * 40 + 256 * 232 registers fit the SM's 65536.
 constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;
-// The stages (1024-byte aligned for the swizzle), then the full and empty barriers.
-constexpr size_t kSharedBytes = 1024 + 2 * kStages * kTileBytes + 2 * kStages * sizeof(uint64_t);
+
+// The tile's width: kHalves 128-column halves (B's scale blocks). A stage holds A's k-block tile
+// and B's kHalves tiles; as many stages as fit in the 227 KiB of shared memory a CTA may have.
+template <int kHalves>
+struct Width {
+  static_assert(kHalves == 1 || kHalves == 2, "the tile is 128 or 256 columns wide");
+  static constexpr int kBlockN = 128 * kHalves;
+  static constexpr uint32_t kStageBytes = (1 + kHalves) * kTileBytes;
+  static constexpr int kStages = kHalves == 1 ? 6 : 4;
+  // The stages (1024-byte aligned for the swizzle), then the full and empty barriers.
+  static constexpr size_t kSharedBytes = 1024 + kStages * kStageBytes + 2 * kStages * sizeof(uint64_t);
+};
 
 struct Params {
   int m, n, kblocks;
-  int m_blocks, n_blocks;
-  int columns;  // cluster columns: ceil(n_blocks / cluster)
+  int m_blocks, n_blocks;  // tiles along M and N
+  int sb_rows;             // B's 128-row scale blocks: ceil(n / 128)
+  int columns;             // cluster columns: ceil(n_blocks / cluster)
   int tiles;    // m_blocks * columns: the persistent loop's units, one per cluster
   int group_m;
   const float *sa, *sb;
@@ -94,7 +107,8 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16 *out, float v0, float v
   *reinterpret_cast<__nv_bfloat162 *>(out) = __floats2bfloat162_rn(v0, v1);
 }
 
-// The consumers' place in the ring of stages.
+// A place in the ring of stages (the producer's or a consumer's).
+template <int kStages>
 struct Ring {
   int stage = 0;
   uint32_t phase = 0;
@@ -106,7 +120,8 @@ struct Ring {
   }
 };
 
-// A consumer thread's scale rows: A's for its two fragment rows, B's for the tile's columns.
+// A consumer thread's scale rows: A's for its two fragment rows, B's for one 128-column half of
+// the tile.
 struct Scales {
   const float *a0, *a1, *b;
   // The promotion factors of k-block kb for the two rows: sa * sb, as CUTLASS's blockwise
@@ -122,7 +137,8 @@ __device__ __forceinline__ void fence_block(float (&part)[64]) {
   for (int i = 0; i < 64; ++i) ptx::register_fence(part[i]);
 }
 
-// The four WGMMAs of one k-block (K = 128 as four k32 steps) into part, committed as a group.
+// The four WGMMAs of one k-block (K = 128 as four k32 steps) of a 64 x 128 piece into part,
+// committed as a group.
 __device__ __forceinline__ void issue_block(float (&part)[64], const uint8_t *a, const uint8_t *b) {
   fence_block(part);
   ptx::wgmma_fence();
@@ -152,14 +168,15 @@ __device__ __forceinline__ void release_stage(uint64_t *empty, int stage, int la
   }
 }
 
-
-// The overlapped mainloop's steps. Each keeps one block's WGMMAs in flight: first issues block
-// 0; step issues the next block into cur, then waits for the block before it (in prev), frees its
-// stage and promotes it; finish waits for the last block (in prev) and promotes it. The loop
-// around them has the same block sums in flight on every path, so that ptxas can see that a
-// promotion never reads registers a WGMMA is still writing (else it serializes the WGMMAs).
+// The overlapped mainloop's steps (128-column tiles only: a second set of block sums for a
+// 256-column tile would not fit in registers). Each keeps one block's WGMMAs in flight: first
+// issues block 0; step issues the next block into cur, then waits for the block before it (in
+// prev), frees its stage and promotes it; finish waits for the last block (in prev) and promotes
+// it. The loop around them has the same block sums in flight on every path, so that ptxas can
+// see that a promotion never reads registers a WGMMA is still writing (else it serializes the
+// WGMMAs).
 struct Overlapped {
-  Ring ring;
+  Ring<Width<1>::kStages> ring;
   int pending_stage = 0;
   float2 pending_scale;
   const Scales &scales;
@@ -198,17 +215,23 @@ struct Overlapped {
   }
 };
 
-template <typename DT, int kCluster, bool kOverlap>
+// kHalves: the tile is 128 x (128 * kHalves). With two halves a consumer keeps 128 accumulators
+// and one set of 64 block sums, and runs each k-block as two 64 x 128 pieces: WGMMAs of the
+// first half, wait, promote; then the second half's. The other consumer's WGMMAs keep the tensor
+// cores busy meanwhile, and each A tile that comes from L2 serves twice the work.
+template <typename DT, int kCluster, bool kOverlap, int kHalves>
 __global__ void __launch_bounds__(kThreads, 1)
     block_scaled_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
                               const __grid_constant__ CUtensorMap map_b, const Params p) {
+  using W = Width<kHalves>;
+  static_assert(!kOverlap || kHalves == 1, "the overlapped mainloop needs 128-column tiles");
   extern __shared__ uint8_t shared_raw[];
   uint8_t *shared = reinterpret_cast<uint8_t *>(
       (reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t{1023});
-  uint8_t *tiles_a = shared;
-  uint8_t *tiles_b = shared + kStages * kTileBytes;
-  uint64_t *full = reinterpret_cast<uint64_t *>(tiles_b + kStages * kTileBytes);
-  uint64_t *empty = full + kStages;
+  uint8_t *tiles_a = shared;                              // stage s: s * kTileBytes
+  uint8_t *tiles_b = shared + W::kStages * kTileBytes;    // stage s: s * kHalves * kTileBytes
+  uint64_t *full = reinterpret_cast<uint64_t *>(tiles_b + W::kStages * kHalves * kTileBytes);
+  uint64_t *empty = full + W::kStages;
 
   const int warpgroup = threadIdx.x / 128;
   const uint32_t rank = kCluster > 1 ? ptx::cluster_cta_rank() : 0;
@@ -218,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     ptx::prefetch_tensor_map(&map_a);
     ptx::prefetch_tensor_map(&map_b);
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < W::kStages; ++s) {
       ptx::mbarrier_init(&full[s], 1);
       ptx::mbarrier_init(&empty[s], kConsumerWarps * kCluster);
     }
@@ -233,15 +256,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     ptx::registers_release<kProducerRegisters>();
     if (threadIdx.x == 0) {
-      int stage = 0;
-      uint32_t phase = 0;
+      Ring<W::kStages> ring;
       for (int t = cluster; t < p.tiles; t += clusters) {
         int mb, column;
         tile_at(p, t, &mb, &column);
         const int nb = column * kCluster + static_cast<int>(rank);
         for (int kb = 0; kb < p.kblocks; ++kb) {
-          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
-          ptx::mbarrier_arrive_expect_bytes(&full[stage], 2 * kTileBytes);
+          const int stage = ring.stage;
+          ptx::mbarrier_wait(&empty[stage], ring.phase ^ 1);
+          ptx::mbarrier_arrive_expect_bytes(&full[stage], W::kStageBytes);
           uint8_t *a = tiles_a + stage * kTileBytes;
           if constexpr (kCluster > 1) {
             constexpr int kRows = kBlockM / kCluster;  // this CTA's share of the A tile
@@ -251,12 +274,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           } else {
             ptx::tma_load_2d(a, &map_a, &full[stage], kb * kBlockK, mb * kBlockM);
           }
-          ptx::tma_load_2d(tiles_b + stage * kTileBytes, &map_b, &full[stage], kb * kBlockK,
-                           nb * kBlockN);
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h) {
+            ptx::tma_load_2d(tiles_b + (stage * kHalves + h) * kTileBytes, &map_b, &full[stage],
+                             kb * kBlockK, nb * W::kBlockN + h * 128);
           }
+          ring.advance();
         }
       }
     }
@@ -265,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int half = warpgroup - 1;  // rows 64 * half .. of the tile
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
-    Ring ring;
+    Ring<W::kStages> ring;
     // Block sums: one set, or two when the next block's WGMMAs overlap this one's promotion.
     float part[64], part2[kOverlap ? 64 : 1];
 #pragma unroll
@@ -279,67 +302,83 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int nb = column * kCluster + static_cast<int>(rank);
       // This thread's two rows of the WGMMA fragment: row0 and row0 + 8.
       const int row0 = mb * kBlockM + half * 64 + warp * 16 + lane / 4;
-      Scales scales;
-      scales.a0 = p.sa + static_cast<size_t>(min(row0, p.m - 1)) * p.kblocks;
-      scales.a1 = p.sa + static_cast<size_t>(min(row0 + 8, p.m - 1)) * p.kblocks;
-      scales.b = p.sb + static_cast<size_t>(min(nb, p.n_blocks - 1)) * p.kblocks;
+      Scales scales[kHalves];
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        scales[h].a0 = p.sa + static_cast<size_t>(min(row0, p.m - 1)) * p.kblocks;
+        scales[h].a1 = p.sa + static_cast<size_t>(min(row0 + 8, p.m - 1)) * p.kblocks;
+        scales[h].b = p.sb + static_cast<size_t>(min(nb * kHalves + h, p.sb_rows - 1)) * p.kblocks;
+      }
       const uint8_t *a = tiles_a + half * 64 * kBlockK;
 
-      float acc[64];
+      float acc[kHalves][64];
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+      for (int h = 0; h < kHalves; ++h) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+      }
 
       if constexpr (!kOverlap) {
         for (int kb = 0; kb < p.kblocks; ++kb) {
-          const float2 scale = scales.at(kb);
+          float2 scale[kHalves];
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h) scale[h] = scales[h].at(kb);
           ptx::mbarrier_wait(&full[ring.stage], ring.phase);
-          issue_block(part, a + ring.stage * kTileBytes, tiles_b + ring.stage * kTileBytes);
-          ptx::wgmma_wait<0>();
-          fence_block(part);
-          release_stage<kCluster>(empty, ring.stage, lane);
-          promote(acc, part, scale);
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h) {
+            issue_block(part, a + ring.stage * kTileBytes,
+                        tiles_b + (ring.stage * kHalves + h) * kTileBytes);
+            ptx::wgmma_wait<0>();
+            fence_block(part);
+            if (h == kHalves - 1) release_stage<kCluster>(empty, ring.stage, lane);
+            promote(acc[h], part, scale[h]);
+          }
           ring.advance();
         }
       } else {
         // Block kb's WGMMAs are issued before block kb - 1 is promoted, into the other set of
         // block sums, so that this warpgroup's tensor-core work goes on during its promotion.
-        Overlapped o{ring, 0, make_float2(0.0f, 0.0f), scales, full, empty, a, tiles_b, lane};
+        Overlapped o{ring, 0, make_float2(0.0f, 0.0f), scales[0], full, empty, a, tiles_b, lane};
         o.issue(part, 0);
         int kb = 1;
         for (; kb + 1 < p.kblocks; kb += 2) {
-          o.step<kCluster>(acc, part2, part, kb);
-          o.step<kCluster>(acc, part, part2, kb + 1);
+          o.step<kCluster>(acc[0], part2, part, kb);
+          o.step<kCluster>(acc[0], part, part2, kb + 1);
         }
         if (kb < p.kblocks) {
-          o.step<kCluster>(acc, part2, part, kb);
-          o.finish<kCluster>(acc, part2);
+          o.step<kCluster>(acc[0], part2, part, kb);
+          o.finish<kCluster>(acc[0], part2);
         } else {
-          o.finish<kCluster>(acc, part);
+          o.finish<kCluster>(acc[0], part);
         }
         ring = o.ring;
       }
 
       if (nb < p.n_blocks) {
         // Fragment element i: row row0 + 8 * ((i >> 1) & 1), column 8 * (i / 4) + 2 * (lane % 4)
-        // + (i & 1); pairs (i, i + 1) are adjacent columns. N is even, so a pair is in or out.
-        const int col0 = nb * kBlockN + 2 * (lane % 4);
+        // + (i & 1) of its half; pairs (i, i + 1) are adjacent columns. N is even, so a pair is
+        // in or out.
         DT *d = static_cast<DT *>(p.d);
 #pragma unroll
-        for (int i = 0; i < 64; i += 2) {
-          const int row = row0 + ((i & 2) ? 8 : 0);
-          const int col = col0 + 8 * (i / 4);
-          if (row < p.m && col < p.n) {
-            DT *out = d + static_cast<size_t>(row) * p.n + col;
-            float v0 = acc[i], v1 = acc[i + 1];
-            if (p.accumulate) {
-              v0 += load_d(out);
-              v1 += load_d(out + 1);
+        for (int h = 0; h < kHalves; ++h) {
+          const int col0 = nb * W::kBlockN + h * 128 + 2 * (lane % 4);
+#pragma unroll
+          for (int i = 0; i < 64; i += 2) {
+            const int row = row0 + ((i & 2) ? 8 : 0);
+            const int col = col0 + 8 * (i / 4);
+            if (row < p.m && col < p.n) {
+              DT *out = d + static_cast<size_t>(row) * p.n + col;
+              float v0 = acc[h][i], v1 = acc[h][i + 1];
+              if (p.accumulate) {
+                v0 += load_d(out);
+                v1 += load_d(out + 1);
+              }
+              if (p.bias != nullptr) {
+                v0 += __bfloat162float(p.bias[col]);
+                v1 += __bfloat162float(p.bias[col + 1]);
+              }
+              store_pair(out, v0, v1);
             }
-            if (p.bias != nullptr) {
-              v0 += __bfloat162float(p.bias[col]);
-              v1 += __bfloat162float(p.bias[col + 1]);
-            }
-            store_pair(out, v0, v1);
           }
         }
       }
@@ -395,12 +434,12 @@ te_status make_operand_map(const char *op, const char *name, CUtensorMap *map, c
 
 // The launch configuration of the kernel (its shared-memory limit raised first), for a grid of
 // `clusters` clusters.
-template <typename DT, int kCluster, bool kOverlap>
+template <typename DT, int kCluster, bool kOverlap, int kHalves>
 te_status configure(const char *op, cudaStream_t stream, int clusters, cudaLaunchAttribute *attribute,
                     cudaLaunchConfig_t *config) {
-  auto *kernel = block_scaled_wgmma_kernel<DT, kCluster, kOverlap>;
+  auto *kernel = block_scaled_wgmma_kernel<DT, kCluster, kOverlap, kHalves>;
   if (te_status st = cuda_status(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                          static_cast<int>(kSharedBytes)))) {
+                                                          static_cast<int>(Width<kHalves>::kSharedBytes)))) {
     return st;
   }
   *attribute = cudaLaunchAttribute{};
@@ -411,34 +450,35 @@ te_status configure(const char *op, cudaStream_t stream, int clusters, cudaLaunc
   *config = cudaLaunchConfig_t{};
   config->gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
   config->blockDim = dim3(kThreads);
-  config->dynamicSmemBytes = kSharedBytes;
+  config->dynamicSmemBytes = Width<kHalves>::kSharedBytes;
   config->stream = stream;
   config->attrs = attribute;
   config->numAttrs = 1;
   return TE_SUCCESS;
 }
 
-template <typename DT, int kCluster, bool kOverlap>
+template <typename DT, int kCluster, bool kOverlap, int kHalves>
 te_status resident(const char *op, int *clusters) {
   cudaLaunchAttribute attribute;
   cudaLaunchConfig_t config;
-  if (te_status st = configure<DT, kCluster, kOverlap>(op, nullptr, 1, &attribute, &config)) return st;
-  return cuda_status(op, cudaOccupancyMaxActiveClusters(clusters, block_scaled_wgmma_kernel<DT, kCluster, kOverlap>,
+  if (te_status st = configure<DT, kCluster, kOverlap, kHalves>(op, nullptr, 1, &attribute, &config)) return st;
+  return cuda_status(op, cudaOccupancyMaxActiveClusters(clusters, block_scaled_wgmma_kernel<DT, kCluster, kOverlap, kHalves>,
                                                         &config));
 }
 
-template <typename DT, int kCluster, bool kOverlap>
+template <typename DT, int kCluster, bool kOverlap, int kHalves>
 te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOptions o) {
   CUtensorMap map_a, map_b;
   if (te_status st = make_operand_map(op, "A", &map_a, g.a.data, g.m, g.k, kBlockM / kCluster)) return st;
-  if (te_status st = make_operand_map(op, "B", &map_b, g.b.data, g.n, g.k, kBlockN)) return st;
+  if (te_status st = make_operand_map(op, "B", &map_b, g.b.data, g.n, g.k, 128)) return st;
 
   Params p{};
   p.m = static_cast<int>(g.m);
   p.n = static_cast<int>(g.n);
   p.kblocks = static_cast<int>(ceil_div(g.k, int64_t{kBlockK}));
   p.m_blocks = static_cast<int>(ceil_div(g.m, int64_t{kBlockM}));
-  p.n_blocks = static_cast<int>(ceil_div(g.n, int64_t{kBlockN}));
+  p.n_blocks = static_cast<int>(ceil_div(g.n, int64_t{Width<kHalves>::kBlockN}));
+  p.sb_rows = static_cast<int>(ceil_div(g.n, int64_t{128}));
   p.columns = (p.n_blocks + kCluster - 1) / kCluster;
   p.tiles = p.m_blocks * p.columns;
   p.group_m = o.group_m < 1 ? 1 : o.group_m;
@@ -459,21 +499,41 @@ te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOp
   if (clusters > p.tiles) clusters = p.tiles;
   cudaLaunchAttribute attribute;
   cudaLaunchConfig_t config;
-  if (te_status st = configure<DT, kCluster, kOverlap>(op, stream, clusters, &attribute, &config)) return st;
-  if (te_status st = cuda_status(op, cudaLaunchKernelEx(&config, block_scaled_wgmma_kernel<DT, kCluster, kOverlap>,
+  if (te_status st = configure<DT, kCluster, kOverlap, kHalves>(op, stream, clusters, &attribute, &config)) return st;
+  if (te_status st = cuda_status(op, cudaLaunchKernelEx(&config, block_scaled_wgmma_kernel<DT, kCluster, kOverlap, kHalves>,
                                                         map_a, map_b, p))) {
     return st;
   }
   return launch_status(op);
 }
 
+// Options the kernel has an instantiation for, else a clear error.
+te_status check_options(const char *op, WgmmaOptions o) {
+  if (o.cluster_n != 1 && o.cluster_n != 2) {
+    return fail(TE_ERROR_VALUE, op, "cluster_n must be 1 or 2, got " + std::to_string(o.cluster_n));
+  }
+  if (o.block_n != 128 && o.block_n != 256) {
+    return fail(TE_ERROR_VALUE, op, "block_n must be 128 or 256, got " + std::to_string(o.block_n));
+  }
+  if (o.block_n == 256 && o.overlap) {
+    return fail(TE_ERROR_VALUE, op,
+                "block_n 256 has no overlapped mainloop (a second set of block sums does not fit "
+                "in registers): set overlap = false");
+  }
+  return TE_SUCCESS;
+}
+
 template <typename DT>
 te_status launch_d(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOptions o) {
-  if (o.cluster_n == 1 && o.overlap) return launch<DT, 1, true>(op, g, stream, o);
-  if (o.cluster_n == 1) return launch<DT, 1, false>(op, g, stream, o);
-  if (o.cluster_n == 2 && o.overlap) return launch<DT, 2, true>(op, g, stream, o);
-  if (o.cluster_n == 2) return launch<DT, 2, false>(op, g, stream, o);
-  return fail(TE_ERROR_VALUE, op, "cluster_n must be 1 or 2, got " + std::to_string(o.cluster_n));
+  if (te_status st = check_options(op, o)) return st;
+  const bool one = o.cluster_n == 1;
+  if (o.block_n == 256) {
+    return one ? launch<DT, 1, false, 2>(op, g, stream, o) : launch<DT, 2, false, 2>(op, g, stream, o);
+  }
+  if (o.overlap) {
+    return one ? launch<DT, 1, true, 1>(op, g, stream, o) : launch<DT, 2, true, 1>(op, g, stream, o);
+  }
+  return one ? launch<DT, 1, false, 1>(op, g, stream, o) : launch<DT, 2, false, 1>(op, g, stream, o);
 }
 
 }  // namespace
@@ -486,11 +546,15 @@ te_status block_scaled_wgmma_gemm(const char *op, const GemmArgs &g, cudaStream_
 
 te_status block_scaled_wgmma_resident_clusters(const char *op, WgmmaOptions o, int *clusters) {
   using BF16 = __nv_bfloat16;
-  if (o.cluster_n == 1 && o.overlap) return resident<BF16, 1, true>(op, clusters);
-  if (o.cluster_n == 1) return resident<BF16, 1, false>(op, clusters);
-  if (o.cluster_n == 2 && o.overlap) return resident<BF16, 2, true>(op, clusters);
-  if (o.cluster_n == 2) return resident<BF16, 2, false>(op, clusters);
-  return fail(TE_ERROR_VALUE, op, "cluster_n must be 1 or 2, got " + std::to_string(o.cluster_n));
+  if (te_status st = check_options(op, o)) return st;
+  const bool one = o.cluster_n == 1;
+  if (o.block_n == 256) {
+    return one ? resident<BF16, 1, false, 2>(op, clusters) : resident<BF16, 2, false, 2>(op, clusters);
+  }
+  if (o.overlap) {
+    return one ? resident<BF16, 1, true, 1>(op, clusters) : resident<BF16, 2, true, 1>(op, clusters);
+  }
+  return one ? resident<BF16, 1, false, 1>(op, clusters) : resident<BF16, 2, false, 1>(op, clusters);
 }
 
 }  // namespace hopper

@@ -26,6 +26,9 @@ struct WgmmaOptions {
   bool overlap = true;
   // Clusters launched: 0 for one CTA per SM (the SM count / cluster_n), else this many.
   int clusters = 0;
+  // The tile's width: 128, or 256 (two 128-column halves per k-block, each A tile from L2
+  // serving twice the work; no overlapped form: set overlap = false).
+  int block_n = 128;
 };
 
 // Runs g (accepted by hopper_block_scaled_gemm_support) on the current device, which must be an
