@@ -66,11 +66,12 @@ const Shape kShapes[] = {
 // Our hand-written kernel (block_scaled_wgmma.cu) with a cluster of cluster_n CTAs along N; the
 // sweep's swizzle s picks its tile-order groups of 2 * s row blocks.
 // overlap: the next k-block's WGMMAs issued before this one's promotion (two sets of block sums);
-// block_n: the tile's width (128 or 256).
-template <int cluster_n, bool overlap, int block_n = 128>
+// block_n: the tile's width (128 or 256); cluster_m: 2 for a pair along M sharing B.
+template <int cluster_n, bool overlap, int block_n = 128, int cluster_m = 1>
 te_status run_wgmma(const te::GemmArgs &g, cudaStream_t stream, int, int swizzle) {
   te::hopper::WgmmaOptions o{cluster_n, 2 * swizzle, overlap};
   o.block_n = block_n;
+  o.cluster_m = cluster_m;
   return te::hopper::block_scaled_wgmma_gemm("block_scaled_sweep", g, stream, o);
 }
 
@@ -90,7 +91,7 @@ te_status run_wgmma_resident_grid(const te::GemmArgs &g, cudaStream_t stream, in
   return te::hopper::block_scaled_wgmma_gemm("block_scaled_sweep", g, stream, o);
 }
 
-// Indices 0 .. 6: sweep_variant.cu's CUTLASS configurations; 7 .. 14: the hand-written kernel.
+// Indices 0 .. 6: sweep_variant.cu's CUTLASS configurations; 7 .. 15: the hand-written kernel.
 std::vector<sweep::Variant> variants() {
   return {sweep_variant_0(), sweep_variant_1(), sweep_variant_2(), sweep_variant_3(),
           sweep_variant_4(), sweep_variant_5(), sweep_variant_6(),
@@ -101,7 +102,8 @@ std::vector<sweep::Variant> variants() {
           {"wgmma 1x2 overlapped, occupancy-query grid", false, &run_wgmma_resident_grid<2, true>, false},
           {"wgmma 1x1 overlapped, occupancy-query grid", false, &run_wgmma_resident_grid<1, true>, false},
           {"wgmma 128x256x128 cluster 1x2 (ours)", false, &run_wgmma<2, false, 256>, false},
-          {"wgmma 128x256x128 cluster 1x1 (ours)", false, &run_wgmma<1, false, 256>, false}};
+          {"wgmma 128x256x128 cluster 1x1 (ours)", false, &run_wgmma<1, false, 256>, false},
+          {"wgmma 128x256x128 cluster 2x1 (ours)", false, &run_wgmma<1, false, 256, 2>, false}};
 }
 
 // Device buffers of one problem: FP8 operands with both scale forms, D and a spare D.

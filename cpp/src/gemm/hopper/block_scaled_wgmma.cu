@@ -23,17 +23,19 @@
 //   sums, so that the next k-block's WGMMAs run during this one's promotion (overlap); the
 //   256-column tile, 128 accumulators and one set, cannot. It trades that for L2 traffic: per
 //   k-block it loads 48 KiB for twice the 128 x 128 tile's work, which loads 32 KiB.
-// - With a cluster of two CTAs along N (the default), each CTA loads half of the A tile they
-//   share and multicasts it to both, halving A's traffic from L2; a stage is then free once the
-//   consumers of both CTAs have read it, so each consumer warp arrives on both CTAs' barriers.
+// - With a cluster of two CTAs along N (cluster_n = 2), each CTA loads half of the A tile they
+//   share and multicasts it to both, halving A's traffic from L2; along M (cluster_m = 2, for
+//   the 256-column tile, whose B tile is the larger) they share B the same way. A stage is then
+//   free once the consumers of both CTAs have read it, so each consumer warp arrives on both
+//   CTAs' barriers.
 // - The persistent loop walks the tiles in groups of group_m row blocks, column by column, so
 //   that the tiles in flight at once share their A and B blocks in L2.
 // - Epilogue: the consumers write D from registers (two columns per store), adding D's old value
 //   and the bias in fp32 first, while the producer already loads the next tile's k-blocks.
 //
 // Rows past M, columns past N and K past its end read zeros (TMA's out-of-bounds fill) and are not
-// stored; a CTA whose column is past N still runs the mainloop when its cluster partner needs its
-// half of A and its arrivals.
+// stored; a CTA whose tile is past M or N still runs the mainloop when its cluster partner needs its
+// half of the shared tile and its arrivals.
 #include "gemm/hopper/block_scaled_wgmma.h"
 
 #include <cuda.h>
@@ -73,12 +75,20 @@ struct Width {
   static constexpr size_t kSharedBytes = 1024 + kStages * kStageBytes + 2 * kStages * sizeof(uint64_t);
 };
 
+// The CTAs of a cluster: one, or a pair that shares one operand's k-block tiles (each CTA loads
+// half of the shared tile and multicasts it to both): side by side along N sharing A, or one
+// above the other along M sharing B.
+enum class Pair { kNone, kAlongN, kAlongM };
+
+template <Pair kPair>
+constexpr int kClusterSize = kPair == Pair::kNone ? 1 : 2;
+
 struct Params {
   int m, n, kblocks;
   int m_blocks, n_blocks;  // tiles along M and N
   int sb_rows;             // B's 128-row scale blocks: ceil(n / 128)
-  int columns;             // cluster columns: ceil(n_blocks / cluster)
-  int tiles;    // m_blocks * columns: the persistent loop's units, one per cluster
+  int rows, columns;       // the cluster's units: m_blocks and n_blocks over the pair's extent
+  int tiles;               // rows * columns: the persistent loop's units, one per cluster
   int group_m;
   const float *sa, *sb;
   void *d;
@@ -86,15 +96,17 @@ struct Params {
   int accumulate;
 };
 
-// Tile t of the loop: its row block and cluster column.
-__device__ __forceinline__ void tile_at(const Params &p, int t, int *mb, int *column) {
+// Unit t of the loop: the row block and column block of this CTA (cluster rank `rank`).
+template <Pair kPair>
+__device__ __forceinline__ void tile_at(const Params &p, int t, uint32_t rank, int *mb, int *nb) {
   const int per_group = p.group_m * p.columns;
   const int group = t / per_group;
   const int first = group * p.group_m;
-  const int rows = min(p.m_blocks - first, p.group_m);
+  const int rows = min(p.rows - first, p.group_m);
   const int r = t - group * per_group;
-  *mb = first + r % rows;
-  *column = r / rows;
+  const int row = first + r % rows, column = r / rows;
+  *mb = kPair == Pair::kAlongM ? 2 * row + static_cast<int>(rank) : row;
+  *nb = kPair == Pair::kAlongN ? 2 * column + static_cast<int>(rank) : column;
 }
 
 __device__ __forceinline__ float load_d(const float *p) { return *p; }
@@ -219,12 +231,14 @@ struct Overlapped {
 // and one set of 64 block sums, and runs each k-block as two 64 x 128 pieces: WGMMAs of the
 // first half, wait, promote; then the second half's. The other consumer's WGMMAs keep the tensor
 // cores busy meanwhile, and each A tile that comes from L2 serves twice the work.
-template <typename DT, int kCluster, bool kOverlap, int kHalves>
+template <typename DT, Pair kPair, bool kOverlap, int kHalves>
 __global__ void __launch_bounds__(kThreads, 1)
     block_scaled_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
                               const __grid_constant__ CUtensorMap map_b, const Params p) {
   using W = Width<kHalves>;
   static_assert(!kOverlap || kHalves == 1, "the overlapped mainloop needs 128-column tiles");
+  constexpr int kCluster = kClusterSize<kPair>;
+  constexpr uint16_t kBoth = 3;  // the multicast mask of a pair
   extern __shared__ uint8_t shared_raw[];
   uint8_t *shared = reinterpret_cast<uint8_t *>(
       (reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t{1023});
@@ -258,26 +272,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       Ring<W::kStages> ring;
       for (int t = cluster; t < p.tiles; t += clusters) {
-        int mb, column;
-        tile_at(p, t, &mb, &column);
-        const int nb = column * kCluster + static_cast<int>(rank);
+        int mb, nb;
+        tile_at<kPair>(p, t, rank, &mb, &nb);
         for (int kb = 0; kb < p.kblocks; ++kb) {
           const int stage = ring.stage;
           ptx::mbarrier_wait(&empty[stage], ring.phase ^ 1);
           ptx::mbarrier_arrive_expect_bytes(&full[stage], W::kStageBytes);
           uint8_t *a = tiles_a + stage * kTileBytes;
-          if constexpr (kCluster > 1) {
-            constexpr int kRows = kBlockM / kCluster;  // this CTA's share of the A tile
+          uint8_t *b = tiles_b + stage * kHalves * kTileBytes;
+          if constexpr (kPair == Pair::kAlongN) {
+            constexpr int kRows = kBlockM / 2;  // this CTA's share of the A tile
             ptx::tma_load_2d_multicast(a + rank * kRows * kBlockK, &map_a, &full[stage],
                                        kb * kBlockK, mb * kBlockM + static_cast<int>(rank) * kRows,
-                                       static_cast<uint16_t>((1u << kCluster) - 1));
+                                       kBoth);
           } else {
             ptx::tma_load_2d(a, &map_a, &full[stage], kb * kBlockK, mb * kBlockM);
           }
+          if constexpr (kPair == Pair::kAlongM) {
+            constexpr int kRows = W::kBlockN / 2;  // this CTA's share of the B tile
+            ptx::tma_load_2d_multicast(b + rank * kRows * kBlockK, &map_b, &full[stage],
+                                       kb * kBlockK, nb * W::kBlockN + static_cast<int>(rank) * kRows,
+                                       kBoth);
+          } else {
 #pragma unroll
-          for (int h = 0; h < kHalves; ++h) {
-            ptx::tma_load_2d(tiles_b + (stage * kHalves + h) * kTileBytes, &map_b, &full[stage],
-                             kb * kBlockK, nb * W::kBlockN + h * 128);
+            for (int h = 0; h < kHalves; ++h) {
+              ptx::tma_load_2d(b + h * kTileBytes, &map_b, &full[stage], kb * kBlockK,
+                               nb * W::kBlockN + h * 128);
+            }
           }
           ring.advance();
         }
@@ -297,9 +318,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < (kOverlap ? 64 : 1); ++i) part2[i] = 0.0f;
 
     for (int t = cluster; t < p.tiles; t += clusters) {
-      int mb, column;
-      tile_at(p, t, &mb, &column);
-      const int nb = column * kCluster + static_cast<int>(rank);
+      int mb, nb;
+      tile_at<kPair>(p, t, rank, &mb, &nb);
       // This thread's two rows of the WGMMA fragment: row0 and row0 + 8.
       const int row0 = mb * kBlockM + half * 64 + warp * 16 + lane / 4;
       Scales scales[kHalves];
@@ -434,10 +454,11 @@ te_status make_operand_map(const char *op, const char *name, CUtensorMap *map, c
 
 // The launch configuration of the kernel (its shared-memory limit raised first), for a grid of
 // `clusters` clusters.
-template <typename DT, int kCluster, bool kOverlap, int kHalves>
+template <typename DT, Pair kPair, bool kOverlap, int kHalves>
 te_status configure(const char *op, cudaStream_t stream, int clusters, cudaLaunchAttribute *attribute,
                     cudaLaunchConfig_t *config) {
-  auto *kernel = block_scaled_wgmma_kernel<DT, kCluster, kOverlap, kHalves>;
+  constexpr int kCluster = kClusterSize<kPair>;
+  auto *kernel = block_scaled_wgmma_kernel<DT, kPair, kOverlap, kHalves>;
   if (te_status st = cuda_status(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                           static_cast<int>(Width<kHalves>::kSharedBytes)))) {
     return st;
@@ -457,20 +478,24 @@ te_status configure(const char *op, cudaStream_t stream, int clusters, cudaLaunc
   return TE_SUCCESS;
 }
 
-template <typename DT, int kCluster, bool kOverlap, int kHalves>
+template <typename DT, Pair kPair, bool kOverlap, int kHalves>
 te_status resident(const char *op, int *clusters) {
   cudaLaunchAttribute attribute;
   cudaLaunchConfig_t config;
-  if (te_status st = configure<DT, kCluster, kOverlap, kHalves>(op, nullptr, 1, &attribute, &config)) return st;
-  return cuda_status(op, cudaOccupancyMaxActiveClusters(clusters, block_scaled_wgmma_kernel<DT, kCluster, kOverlap, kHalves>,
+  if (te_status st = configure<DT, kPair, kOverlap, kHalves>(op, nullptr, 1, &attribute, &config)) return st;
+  return cuda_status(op, cudaOccupancyMaxActiveClusters(clusters, block_scaled_wgmma_kernel<DT, kPair, kOverlap, kHalves>,
                                                         &config));
 }
 
-template <typename DT, int kCluster, bool kOverlap, int kHalves>
+template <typename DT, Pair kPair, bool kOverlap, int kHalves>
 te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOptions o) {
   CUtensorMap map_a, map_b;
-  if (te_status st = make_operand_map(op, "A", &map_a, g.a.data, g.m, g.k, kBlockM / kCluster)) return st;
-  if (te_status st = make_operand_map(op, "B", &map_b, g.b.data, g.n, g.k, 128)) return st;
+  constexpr int kCluster = kClusterSize<kPair>;
+  // Boxes: a pair's shared tile in halves, B's unshared tile in 128-row halves.
+  const uint32_t box_a = kPair == Pair::kAlongN ? kBlockM / 2 : kBlockM;
+  const uint32_t box_b = kPair == Pair::kAlongM ? Width<kHalves>::kBlockN / 2 : 128;
+  if (te_status st = make_operand_map(op, "A", &map_a, g.a.data, g.m, g.k, box_a)) return st;
+  if (te_status st = make_operand_map(op, "B", &map_b, g.b.data, g.n, g.k, box_b)) return st;
 
   Params p{};
   p.m = static_cast<int>(g.m);
@@ -479,8 +504,9 @@ te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOp
   p.m_blocks = static_cast<int>(ceil_div(g.m, int64_t{kBlockM}));
   p.n_blocks = static_cast<int>(ceil_div(g.n, int64_t{Width<kHalves>::kBlockN}));
   p.sb_rows = static_cast<int>(ceil_div(g.n, int64_t{128}));
-  p.columns = (p.n_blocks + kCluster - 1) / kCluster;
-  p.tiles = p.m_blocks * p.columns;
+  p.rows = kPair == Pair::kAlongM ? (p.m_blocks + 1) / 2 : p.m_blocks;
+  p.columns = kPair == Pair::kAlongN ? (p.n_blocks + 1) / 2 : p.n_blocks;
+  p.tiles = p.rows * p.columns;
   p.group_m = o.group_m < 1 ? 1 : o.group_m;
   p.sa = g.a.scale_inv;
   p.sb = g.b.scale_inv;
@@ -499,8 +525,8 @@ te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOp
   if (clusters > p.tiles) clusters = p.tiles;
   cudaLaunchAttribute attribute;
   cudaLaunchConfig_t config;
-  if (te_status st = configure<DT, kCluster, kOverlap, kHalves>(op, stream, clusters, &attribute, &config)) return st;
-  if (te_status st = cuda_status(op, cudaLaunchKernelEx(&config, block_scaled_wgmma_kernel<DT, kCluster, kOverlap, kHalves>,
+  if (te_status st = configure<DT, kPair, kOverlap, kHalves>(op, stream, clusters, &attribute, &config)) return st;
+  if (te_status st = cuda_status(op, cudaLaunchKernelEx(&config, block_scaled_wgmma_kernel<DT, kPair, kOverlap, kHalves>,
                                                         map_a, map_b, p))) {
     return st;
   }
@@ -511,6 +537,12 @@ te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOp
 te_status check_options(const char *op, WgmmaOptions o) {
   if (o.cluster_n != 1 && o.cluster_n != 2) {
     return fail(TE_ERROR_VALUE, op, "cluster_n must be 1 or 2, got " + std::to_string(o.cluster_n));
+  }
+  if (o.cluster_m != 1 && o.cluster_m != 2) {
+    return fail(TE_ERROR_VALUE, op, "cluster_m must be 1 or 2, got " + std::to_string(o.cluster_m));
+  }
+  if (o.cluster_m == 2 && (o.cluster_n == 2 || o.block_n != 256)) {
+    return fail(TE_ERROR_VALUE, op, "cluster_m = 2 takes cluster_n = 1 and block_n = 256");
   }
   if (o.block_n != 128 && o.block_n != 256) {
     return fail(TE_ERROR_VALUE, op, "block_n must be 128 or 256, got " + std::to_string(o.block_n));
@@ -523,17 +555,22 @@ te_status check_options(const char *op, WgmmaOptions o) {
   return TE_SUCCESS;
 }
 
+// The instantiations, in check_options' terms.
 template <typename DT>
 te_status launch_d(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOptions o) {
   if (te_status st = check_options(op, o)) return st;
-  const bool one = o.cluster_n == 1;
+  const bool pair = o.cluster_n == 2;
+  if (o.cluster_m == 2) return launch<DT, Pair::kAlongM, false, 2>(op, g, stream, o);
   if (o.block_n == 256) {
-    return one ? launch<DT, 1, false, 2>(op, g, stream, o) : launch<DT, 2, false, 2>(op, g, stream, o);
+    return pair ? launch<DT, Pair::kAlongN, false, 2>(op, g, stream, o)
+                : launch<DT, Pair::kNone, false, 2>(op, g, stream, o);
   }
   if (o.overlap) {
-    return one ? launch<DT, 1, true, 1>(op, g, stream, o) : launch<DT, 2, true, 1>(op, g, stream, o);
+    return pair ? launch<DT, Pair::kAlongN, true, 1>(op, g, stream, o)
+                : launch<DT, Pair::kNone, true, 1>(op, g, stream, o);
   }
-  return one ? launch<DT, 1, false, 1>(op, g, stream, o) : launch<DT, 2, false, 1>(op, g, stream, o);
+  return pair ? launch<DT, Pair::kAlongN, false, 1>(op, g, stream, o)
+              : launch<DT, Pair::kNone, false, 1>(op, g, stream, o);
 }
 
 }  // namespace
@@ -547,14 +584,18 @@ te_status block_scaled_wgmma_gemm(const char *op, const GemmArgs &g, cudaStream_
 te_status block_scaled_wgmma_resident_clusters(const char *op, WgmmaOptions o, int *clusters) {
   using BF16 = __nv_bfloat16;
   if (te_status st = check_options(op, o)) return st;
-  const bool one = o.cluster_n == 1;
+  const bool pair = o.cluster_n == 2;
+  if (o.cluster_m == 2) return resident<BF16, Pair::kAlongM, false, 2>(op, clusters);
   if (o.block_n == 256) {
-    return one ? resident<BF16, 1, false, 2>(op, clusters) : resident<BF16, 2, false, 2>(op, clusters);
+    return pair ? resident<BF16, Pair::kAlongN, false, 2>(op, clusters)
+                : resident<BF16, Pair::kNone, false, 2>(op, clusters);
   }
   if (o.overlap) {
-    return one ? resident<BF16, 1, true, 1>(op, clusters) : resident<BF16, 2, true, 1>(op, clusters);
+    return pair ? resident<BF16, Pair::kAlongN, true, 1>(op, clusters)
+                : resident<BF16, Pair::kNone, true, 1>(op, clusters);
   }
-  return one ? resident<BF16, 1, false, 1>(op, clusters) : resident<BF16, 2, false, 1>(op, clusters);
+  return pair ? resident<BF16, Pair::kAlongN, false, 1>(op, clusters)
+              : resident<BF16, Pair::kNone, false, 1>(op, clusters);
 }
 
 }  // namespace hopper

@@ -24,11 +24,14 @@ struct WgmmaOptions {
   // Two sets of block sums per consumer thread: the WGMMAs of k-block kb + 1 are issued before
   // block kb is promoted (64 more registers per thread).
   bool overlap = true;
-  // Clusters launched: 0 for one CTA per SM (the SM count / cluster_n), else this many.
+  // Clusters launched: 0 for one CTA per SM (the SM count / the cluster's CTAs), else this many.
   int clusters = 0;
   // The tile's width: 128, or 256 (two 128-column halves per k-block, each A tile from L2
   // serving twice the work; no overlapped form: set overlap = false).
   int block_n = 128;
+  // CTAs of a cluster along M that share each B tile (TMA multicast): 1, or 2 with
+  // cluster_n = 1 and block_n = 256 (whose B tile is the larger operand tile).
+  int cluster_m = 1;
 };
 
 // Runs g (accepted by hopper_block_scaled_gemm_support) on the current device, which must be an
