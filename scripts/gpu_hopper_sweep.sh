@@ -24,6 +24,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-cut
 cutlass=/tmp/te-cutlass/cutlass_library/source/include
 if [ -n "${TE_SWEEP_TEST_WGMMA:-}" ]; then
   f=cpp/src/gemm/hopper/block_scaled_gemm.cu
+  cp $f /tmp/te-block-scaled-gemm.cu  # restored after the build
   sed -i 's|^#include "gemm/hopper/block_scaled_gemm.h"$|&\n#include "gemm/hopper/block_scaled_wgmma.h"|' $f
   sed -i "s|^  const cudaStream_t s = cuda_stream(stream);\$|&\n  { hopper::WgmmaOptions o; $TE_SWEEP_TEST_WGMMA return hopper::block_scaled_wgmma_gemm(kOp, g, s, o); }|" $f
   echo "test_hopper_block_scaled_gemm runs the hand-written kernel: $TE_SWEEP_TEST_WGMMA" >> "$log"
@@ -34,6 +35,7 @@ step configure 60 cmake -S cpp -B /tmp/te-cpp-build -G Ninja -DCMAKE_BUILD_TYPE=
   -DTE_CUTLASS_INCLUDE="$cutlass" -DTE_BUILD_TESTS=ON
 step build "$(upto $((budget - 150)) 420)" cmake --build /tmp/te-cpp-build -j 16 \
   --target test_hopper_block_scaled_gemm sweep_block_scaled_gemm
+[ -n "${TE_SWEEP_TEST_WGMMA:-}" ] && cp /tmp/te-block-scaled-gemm.cu cpp/src/gemm/hopper/block_scaled_gemm.cu
 obj=$(find /tmp/te-cpp-build -name "block_scaled_wgmma.cu.o" | head -1)
 [ -n "$obj" ] && echo "QGMMA in block_scaled_wgmma's SASS: $(cuobjdump -sass "$obj" | grep -c QGMMA)" \
   >> "$log"
