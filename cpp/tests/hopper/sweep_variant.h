@@ -21,6 +21,10 @@ struct Variant {
   // false: the kernel has no raster option (only raster 0 is timed; swizzle picks its own
   // tile-order option instead)
   bool has_raster = true;
+  // Per-tensor scales (the hand-written kernel's per-tensor form): timed on per-tensor operands
+  // and checked against cuBLASLt's per-tensor GEMM with fast accumulation (within a bound: the
+  // two add the same products in their own orders).
+  bool per_tensor = false;
 };
 
 constexpr int kSweepVariants = 7;  // sweep_variant.cu's indices 0 .. 6; 0 is te_gemm's

@@ -149,16 +149,22 @@ __device__ __forceinline__ void fence_block(float (&part)[64]) {
   for (int i = 0; i < 64; ++i) ptx::register_fence(part[i]);
 }
 
-// The four WGMMAs of one k-block (K = 128 as four k32 steps) of a 64 x 128 piece into part,
-// committed as a group.
+// The four WGMMAs of one k-block (K = 128 as four k32 steps) of a 64 x 128 piece: into d, which
+// the first one overwrites when `fresh`, else added to d. Not committed.
+__device__ __forceinline__ void issue_wgmmas(float (&d)[64], const uint8_t *a, const uint8_t *b,
+                                             bool fresh) {
+#pragma unroll
+  for (int k = 0; k < kBlockK / 32; ++k) {
+    ptx::wgmma_m64n128k32(d, ptx::wgmma_descriptor(a + k * 32), ptx::wgmma_descriptor(b + k * 32),
+                          fresh ? k : 1);
+  }
+}
+
+// One k-block's WGMMAs into the block sum part, committed as a group.
 __device__ __forceinline__ void issue_block(float (&part)[64], const uint8_t *a, const uint8_t *b) {
   fence_block(part);
   ptx::wgmma_fence();
-#pragma unroll
-  for (int k = 0; k < kBlockK / 32; ++k) {
-    ptx::wgmma_m64n128k32(part, ptx::wgmma_descriptor(a + k * 32), ptx::wgmma_descriptor(b + k * 32),
-                          k);
-  }
+  issue_wgmmas(part, a, b, true);
   ptx::wgmma_commit();
   fence_block(part);
 }
@@ -231,12 +237,13 @@ struct Overlapped {
 // and one set of 64 block sums, and runs each k-block as two 64 x 128 pieces: WGMMAs of the
 // first half, wait, promote; then the second half's. The other consumer's WGMMAs keep the tensor
 // cores busy meanwhile, and each A tile that comes from L2 serves twice the work.
-template <typename DT, Pair kPair, bool kOverlap, int kHalves>
+template <typename DT, Pair kPair, bool kOverlap, int kHalves, bool kBlockScaled>
 __global__ void __launch_bounds__(kThreads, 1)
     block_scaled_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
                               const __grid_constant__ CUtensorMap map_b, const Params p) {
   using W = Width<kHalves>;
-  static_assert(!kOverlap || kHalves == 1, "the overlapped mainloop needs 128-column tiles");
+  static_assert(!kOverlap || (kHalves == 1 && kBlockScaled),
+                "the overlapped mainloop promotes block sums of 128-column tiles");
   constexpr int kCluster = kClusterSize<kPair>;
   constexpr uint16_t kBoth = 3;  // the multicast mask of a pair
   extern __shared__ uint8_t shared_raw[];
@@ -324,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int row0 = mb * kBlockM + half * 64 + warp * 16 + lane / 4;
       Scales scales[kHalves];
 #pragma unroll
-      for (int h = 0; h < kHalves; ++h) {
+      for (int h = 0; h < kHalves && kBlockScaled; ++h) {
         scales[h].a0 = p.sa + static_cast<size_t>(min(row0, p.m - 1)) * p.kblocks;
         scales[h].a1 = p.sa + static_cast<size_t>(min(row0 + 8, p.m - 1)) * p.kblocks;
         scales[h].b = p.sb + static_cast<size_t>(min(nb * kHalves + h, p.sb_rows - 1)) * p.kblocks;
@@ -338,7 +345,34 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
       }
 
-      if constexpr (!kOverlap) {
+      if constexpr (!kBlockScaled) {
+        // Per-tensor scales: the WGMMAs add every k-block into acc (the tensor cores' own
+        // accumulation, cuBLASLt's fast accumulation), one k-block's group in flight while the
+        // next is issued; the scales multiply D once, in the epilogue.
+        int previous = -1;
+        for (int kb = 0; kb < p.kblocks; ++kb) {
+          ptx::mbarrier_wait(&full[ring.stage], ring.phase);
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h) fence_block(acc[h]);
+          ptx::wgmma_fence();
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h) {
+            issue_wgmmas(acc[h], a + ring.stage * kTileBytes,
+                         tiles_b + (ring.stage * kHalves + h) * kTileBytes, false);
+          }
+          ptx::wgmma_commit();
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h) fence_block(acc[h]);
+          ptx::wgmma_wait<1>();
+          if (previous >= 0) release_stage<kCluster>(empty, previous, lane);
+          previous = ring.stage;
+          ring.advance();
+        }
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) fence_block(acc[h]);
+        if (previous >= 0) release_stage<kCluster>(empty, previous, lane);
+      } else if constexpr (!kOverlap) {
         for (int kb = 0; kb < p.kblocks; ++kb) {
           float2 scale[kHalves];
 #pragma unroll
@@ -379,6 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // + (i & 1) of its half; pairs (i, i + 1) are adjacent columns. N is even, so a pair is
         // in or out.
         DT *d = static_cast<DT *>(p.d);
+        const float tensor_scale = kBlockScaled ? 1.0f : __ldg(p.sa) * __ldg(p.sb);
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) {
           const int col0 = nb * W::kBlockN + h * 128 + 2 * (lane % 4);
@@ -389,6 +424,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (row < p.m && col < p.n) {
               DT *out = d + static_cast<size_t>(row) * p.n + col;
               float v0 = acc[h][i], v1 = acc[h][i + 1];
+              if constexpr (!kBlockScaled) {
+                v0 *= tensor_scale;
+                v1 *= tensor_scale;
+              }
               if (p.accumulate) {
                 v0 += load_d(out);
                 v1 += load_d(out + 1);
@@ -454,11 +493,11 @@ te_status make_operand_map(const char *op, const char *name, CUtensorMap *map, c
 
 // The launch configuration of the kernel (its shared-memory limit raised first), for a grid of
 // `clusters` clusters.
-template <typename DT, Pair kPair, bool kOverlap, int kHalves>
+template <typename DT, Pair kPair, bool kOverlap, int kHalves, bool kBlockScaled>
 te_status configure(const char *op, cudaStream_t stream, int clusters, cudaLaunchAttribute *attribute,
                     cudaLaunchConfig_t *config) {
   constexpr int kCluster = kClusterSize<kPair>;
-  auto *kernel = block_scaled_wgmma_kernel<DT, kPair, kOverlap, kHalves>;
+  auto *kernel = block_scaled_wgmma_kernel<DT, kPair, kOverlap, kHalves, kBlockScaled>;
   if (te_status st = cuda_status(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                           static_cast<int>(Width<kHalves>::kSharedBytes)))) {
     return st;
@@ -478,16 +517,16 @@ te_status configure(const char *op, cudaStream_t stream, int clusters, cudaLaunc
   return TE_SUCCESS;
 }
 
-template <typename DT, Pair kPair, bool kOverlap, int kHalves>
+template <typename DT, Pair kPair, bool kOverlap, int kHalves, bool kBlockScaled>
 te_status resident(const char *op, int *clusters) {
   cudaLaunchAttribute attribute;
   cudaLaunchConfig_t config;
-  if (te_status st = configure<DT, kPair, kOverlap, kHalves>(op, nullptr, 1, &attribute, &config)) return st;
-  return cuda_status(op, cudaOccupancyMaxActiveClusters(clusters, block_scaled_wgmma_kernel<DT, kPair, kOverlap, kHalves>,
+  if (te_status st = configure<DT, kPair, kOverlap, kHalves, kBlockScaled>(op, nullptr, 1, &attribute, &config)) return st;
+  return cuda_status(op, cudaOccupancyMaxActiveClusters(clusters, block_scaled_wgmma_kernel<DT, kPair, kOverlap, kHalves, kBlockScaled>,
                                                         &config));
 }
 
-template <typename DT, Pair kPair, bool kOverlap, int kHalves>
+template <typename DT, Pair kPair, bool kOverlap, int kHalves, bool kBlockScaled>
 te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOptions o) {
   CUtensorMap map_a, map_b;
   constexpr int kCluster = kClusterSize<kPair>;
@@ -525,8 +564,8 @@ te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOp
   if (clusters > p.tiles) clusters = p.tiles;
   cudaLaunchAttribute attribute;
   cudaLaunchConfig_t config;
-  if (te_status st = configure<DT, kPair, kOverlap, kHalves>(op, stream, clusters, &attribute, &config)) return st;
-  if (te_status st = cuda_status(op, cudaLaunchKernelEx(&config, block_scaled_wgmma_kernel<DT, kPair, kOverlap, kHalves>,
+  if (te_status st = configure<DT, kPair, kOverlap, kHalves, kBlockScaled>(op, stream, clusters, &attribute, &config)) return st;
+  if (te_status st = cuda_status(op, cudaLaunchKernelEx(&config, block_scaled_wgmma_kernel<DT, kPair, kOverlap, kHalves, kBlockScaled>,
                                                         map_a, map_b, p))) {
     return st;
   }
@@ -534,7 +573,7 @@ te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOp
 }
 
 // Options the kernel has an instantiation for, else a clear error.
-te_status check_options(const char *op, WgmmaOptions o) {
+te_status check_options(const char *op, WgmmaOptions o, bool blocked) {
   if (o.cluster_n != 1 && o.cluster_n != 2) {
     return fail(TE_ERROR_VALUE, op, "cluster_n must be 1 or 2, got " + std::to_string(o.cluster_n));
   }
@@ -547,6 +586,11 @@ te_status check_options(const char *op, WgmmaOptions o) {
   if (o.block_n != 128 && o.block_n != 256) {
     return fail(TE_ERROR_VALUE, op, "block_n must be 128 or 256, got " + std::to_string(o.block_n));
   }
+  if (!blocked && o.overlap) {
+    return fail(TE_ERROR_VALUE, op,
+                "per-tensor scales have no overlapped mainloop (there are no block sums to "
+                "promote): set overlap = false");
+  }
   if (o.block_n == 256 && o.overlap) {
     return fail(TE_ERROR_VALUE, op,
                 "block_n 256 has no overlapped mainloop (a second set of block sums does not fit "
@@ -555,22 +599,42 @@ te_status check_options(const char *op, WgmmaOptions o) {
   return TE_SUCCESS;
 }
 
+// Block-scaled (A 1x128, B 128x128) or per-tensor (both [1]) scales, else a clear error.
+te_status scaling_of(const char *op, const GemmArgs &g, bool *blocked) {
+  *blocked = g.a.mode == TE_SCALING_BLOCK_1X128 && g.b.mode == TE_SCALING_BLOCK_128X128;
+  if (*blocked || (g.a.mode == TE_SCALING_TENSOR && g.b.mode == TE_SCALING_TENSOR)) return TE_SUCCESS;
+  return fail(TE_ERROR_UNSUPPORTED, op,
+              "the hand-written kernel takes A 1x128 with B 128x128 block scales, or per-tensor "
+              "scales on both");
+}
+
 // The instantiations, in check_options' terms.
 template <typename DT>
 te_status launch_d(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOptions o) {
-  if (te_status st = check_options(op, o)) return st;
+  bool blocked = true;
+  if (te_status st = scaling_of(op, g, &blocked)) return st;
+  if (te_status st = check_options(op, o, blocked)) return st;
   const bool pair = o.cluster_n == 2;
-  if (o.cluster_m == 2) return launch<DT, Pair::kAlongM, false, 2>(op, g, stream, o);
+  if (!blocked) {
+    if (o.cluster_m == 2) return launch<DT, Pair::kAlongM, false, 2, false>(op, g, stream, o);
+    if (o.block_n == 256) {
+      return pair ? launch<DT, Pair::kAlongN, false, 2, false>(op, g, stream, o)
+                  : launch<DT, Pair::kNone, false, 2, false>(op, g, stream, o);
+    }
+    return pair ? launch<DT, Pair::kAlongN, false, 1, false>(op, g, stream, o)
+                : launch<DT, Pair::kNone, false, 1, false>(op, g, stream, o);
+  }
+  if (o.cluster_m == 2) return launch<DT, Pair::kAlongM, false, 2, true>(op, g, stream, o);
   if (o.block_n == 256) {
-    return pair ? launch<DT, Pair::kAlongN, false, 2>(op, g, stream, o)
-                : launch<DT, Pair::kNone, false, 2>(op, g, stream, o);
+    return pair ? launch<DT, Pair::kAlongN, false, 2, true>(op, g, stream, o)
+                : launch<DT, Pair::kNone, false, 2, true>(op, g, stream, o);
   }
   if (o.overlap) {
-    return pair ? launch<DT, Pair::kAlongN, true, 1>(op, g, stream, o)
-                : launch<DT, Pair::kNone, true, 1>(op, g, stream, o);
+    return pair ? launch<DT, Pair::kAlongN, true, 1, true>(op, g, stream, o)
+                : launch<DT, Pair::kNone, true, 1, true>(op, g, stream, o);
   }
-  return pair ? launch<DT, Pair::kAlongN, false, 1>(op, g, stream, o)
-              : launch<DT, Pair::kNone, false, 1>(op, g, stream, o);
+  return pair ? launch<DT, Pair::kAlongN, false, 1, true>(op, g, stream, o)
+              : launch<DT, Pair::kNone, false, 1, true>(op, g, stream, o);
 }
 
 }  // namespace
@@ -583,19 +647,19 @@ te_status block_scaled_wgmma_gemm(const char *op, const GemmArgs &g, cudaStream_
 
 te_status block_scaled_wgmma_resident_clusters(const char *op, WgmmaOptions o, int *clusters) {
   using BF16 = __nv_bfloat16;
-  if (te_status st = check_options(op, o)) return st;
+  if (te_status st = check_options(op, o, true)) return st;
   const bool pair = o.cluster_n == 2;
-  if (o.cluster_m == 2) return resident<BF16, Pair::kAlongM, false, 2>(op, clusters);
+  if (o.cluster_m == 2) return resident<BF16, Pair::kAlongM, false, 2, true>(op, clusters);
   if (o.block_n == 256) {
-    return pair ? resident<BF16, Pair::kAlongN, false, 2>(op, clusters)
-                : resident<BF16, Pair::kNone, false, 2>(op, clusters);
+    return pair ? resident<BF16, Pair::kAlongN, false, 2, true>(op, clusters)
+                : resident<BF16, Pair::kNone, false, 2, true>(op, clusters);
   }
   if (o.overlap) {
-    return pair ? resident<BF16, Pair::kAlongN, true, 1>(op, clusters)
-                : resident<BF16, Pair::kNone, true, 1>(op, clusters);
+    return pair ? resident<BF16, Pair::kAlongN, true, 1, true>(op, clusters)
+                : resident<BF16, Pair::kNone, true, 1, true>(op, clusters);
   }
-  return pair ? resident<BF16, Pair::kAlongN, false, 1>(op, clusters)
-              : resident<BF16, Pair::kNone, false, 1>(op, clusters);
+  return pair ? resident<BF16, Pair::kAlongN, false, 1, true>(op, clusters)
+              : resident<BF16, Pair::kNone, false, 1, true>(op, clusters);
 }
 
 }  // namespace hopper

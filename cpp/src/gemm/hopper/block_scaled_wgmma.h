@@ -35,7 +35,10 @@ struct WgmmaOptions {
 };
 
 // Runs g (accepted by hopper_block_scaled_gemm_support) on the current device, which must be an
-// sm_90, and stream, in op's name.
+// sm_90, and stream, in op's name. It also takes g with per-tensor scales on both operands
+// (otherwise the same calls): D = sa * sb * (A B^T, the tensor cores' own fp32 accumulation
+// over all of K, as cuBLASLt's fast accumulation), the base for our per-tensor and grouped
+// kernels; the overlapped form does not apply there (overlap must be false).
 te_status block_scaled_wgmma_gemm(const char *op, const GemmArgs &g, cudaStream_t stream,
                                   WgmmaOptions options = {});
 
