@@ -16,6 +16,10 @@
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
+# The results name the tree's commit. The GPU machine's copy of the tree may carry an older
+# .git, which `git rev-parse` would name instead, so without TE_GIT_COMMIT from the caller the
+# results say "unset" rather than a wrong commit.
+export TE_GIT_COMMIT=${TE_GIT_COMMIT:-unset}
 start=$(date +%s)
 log=$out/log.txt
 if compgen -G ".whl/*.whl" > /dev/null; then
