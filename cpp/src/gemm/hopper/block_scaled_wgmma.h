@@ -13,8 +13,9 @@
 namespace te {
 namespace hopper {
 
-// The defaults are the fastest configuration of the first H100 sweep
-// (benchmarks/results/hopper_block_scaled_sweep_9ea8328_h100.json).
+// The defaults (128 x 128 tiles, single CTAs, overlapped) are the fastest configuration on
+// small problems; on large ones block_n = 256 with cluster_m = 2 is, by about 10%
+// (benchmarks/results/hopper_block_scaled_sweep_f139d55_h100.json).
 struct WgmmaOptions {
   // CTAs of a cluster along N that share each A tile (TMA multicast): 1 or 2.
   int cluster_n = 1;
