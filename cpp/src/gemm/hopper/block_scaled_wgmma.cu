@@ -233,6 +233,133 @@ struct Overlapped {
   }
 };
 
+// Where a consumer warpgroup finds its k-block tiles and how it frees them: its 64 rows of each
+// A stage, the B stages (kHalves 128-row tiles each), the barriers, and its lane.
+struct ConsumerStages {
+  const uint8_t *a, *b;
+  uint64_t *full, *empty;
+  int lane;
+};
+
+// Per-tensor scales: the WGMMAs add every k-block into acc (the tensor cores' own accumulation,
+// cuBLASLt's fast accumulation), one k-block's group in flight while the next is issued; the
+// scales multiply D once, in the epilogue.
+template <int kCluster, int kHalves, int kStages>
+__device__ __forceinline__ void tensor_mainloop(float (&acc)[kHalves][64], Ring<kStages> &ring,
+                                                const ConsumerStages &at, int kblocks) {
+  int previous = -1;
+  for (int kb = 0; kb < kblocks; ++kb) {
+    ptx::mbarrier_wait(&at.full[ring.stage], ring.phase);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) fence_block(acc[h]);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      issue_wgmmas(acc[h], at.a + ring.stage * kTileBytes,
+                   at.b + (ring.stage * kHalves + h) * kTileBytes, false);
+    }
+    ptx::wgmma_commit();
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) fence_block(acc[h]);
+    ptx::wgmma_wait<1>();
+    if (previous >= 0) release_stage<kCluster>(at.empty, previous, at.lane);
+    previous = ring.stage;
+    ring.advance();
+  }
+  ptx::wgmma_wait<0>();
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) fence_block(acc[h]);
+  if (previous >= 0) release_stage<kCluster>(at.empty, previous, at.lane);
+}
+
+// Block scales, one set of block sums: per k-block and 128-column half, the WGMMAs into part,
+// wait, promote into the half's accumulators (the other consumer's WGMMAs keep the tensor cores
+// busy meanwhile).
+template <int kCluster, int kHalves, int kStages>
+__device__ __forceinline__ void serial_mainloop(float (&acc)[kHalves][64], float (&part)[64],
+                                                const Scales (&scales)[kHalves],
+                                                Ring<kStages> &ring, const ConsumerStages &at,
+                                                int kblocks) {
+  for (int kb = 0; kb < kblocks; ++kb) {
+    float2 scale[kHalves];
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) scale[h] = scales[h].at(kb);
+    ptx::mbarrier_wait(&at.full[ring.stage], ring.phase);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      issue_block(part, at.a + ring.stage * kTileBytes,
+                  at.b + (ring.stage * kHalves + h) * kTileBytes);
+      ptx::wgmma_wait<0>();
+      fence_block(part);
+      if (h == kHalves - 1) release_stage<kCluster>(at.empty, ring.stage, at.lane);
+      promote(acc[h], part, scale[h]);
+    }
+    ring.advance();
+  }
+}
+
+// Block scales, two sets of block sums (128-column tiles): block kb's WGMMAs are issued before
+// block kb - 1 is promoted, into the other set, so that this warpgroup's tensor-core work goes
+// on during its promotion.
+template <int kCluster>
+__device__ __forceinline__ void overlapped_mainloop(float (&acc)[64], float (&part)[64],
+                                                    float (&part2)[64], const Scales &scales,
+                                                    Ring<Width<1>::kStages> &ring,
+                                                    const ConsumerStages &at, int kblocks) {
+  Overlapped o{ring, 0, make_float2(0.0f, 0.0f), scales, at.full, at.empty, at.a, at.b, at.lane};
+  o.issue(part, 0);
+  int kb = 1;
+  for (; kb + 1 < kblocks; kb += 2) {
+    o.step<kCluster>(acc, part2, part, kb);
+    o.step<kCluster>(acc, part, part2, kb + 1);
+  }
+  if (kb < kblocks) {
+    o.step<kCluster>(acc, part2, part, kb);
+    o.finish<kCluster>(acc, part2);
+  } else {
+    o.finish<kCluster>(acc, part);
+  }
+  ring = o.ring;
+}
+
+// Writes this thread's accumulators of tile column block nb to D (rows row0 and row0 + 8 of the
+// fragment), times the per-tensor scales where there are some, plus D's old value
+// (accumulate) and the bias, in fp32. Fragment element i: row row0 + 8 * ((i >> 1) & 1), column
+// 8 * (i / 4) + 2 * (lane % 4) + (i & 1) of its half; pairs (i, i + 1) are adjacent columns. N
+// is even, so a pair is in or out.
+template <typename DT, int kHalves, bool kBlockScaled>
+__device__ __forceinline__ void store_tile(const Params &p, const float (&acc)[kHalves][64], int row0,
+                                           int nb, int lane) {
+  DT *d = static_cast<DT *>(p.d);
+  const float tensor_scale = kBlockScaled ? 1.0f : __ldg(p.sa) * __ldg(p.sb);
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) {
+    const int col0 = nb * Width<kHalves>::kBlockN + h * 128 + 2 * (lane % 4);
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+      const int row = row0 + ((i & 2) ? 8 : 0);
+      const int col = col0 + 8 * (i / 4);
+      if (row < p.m && col < p.n) {
+        DT *out = d + static_cast<size_t>(row) * p.n + col;
+        float v0 = acc[h][i], v1 = acc[h][i + 1];
+        if constexpr (!kBlockScaled) {
+          v0 *= tensor_scale;
+          v1 *= tensor_scale;
+        }
+        if (p.accumulate) {
+          v0 += load_d(out);
+          v1 += load_d(out + 1);
+        }
+        if (p.bias != nullptr) {
+          v0 += __bfloat162float(p.bias[col]);
+          v1 += __bfloat162float(p.bias[col + 1]);
+        }
+        store_pair(out, v0, v1);
+      }
+    }
+  }
+}
+
 // kHalves: the tile is 128 x (128 * kHalves). With two halves a consumer keeps 128 accumulators
 // and one set of 64 block sums, and runs each k-block as two 64 x 128 pieces: WGMMAs of the
 // first half, wait, promote; then the second half's. The other consumer's WGMMAs keep the tensor
@@ -345,102 +472,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
       }
 
+      const ConsumerStages at{a, tiles_b, full, empty, lane};
       if constexpr (!kBlockScaled) {
-        // Per-tensor scales: the WGMMAs add every k-block into acc (the tensor cores' own
-        // accumulation, cuBLASLt's fast accumulation), one k-block's group in flight while the
-        // next is issued; the scales multiply D once, in the epilogue.
-        int previous = -1;
-        for (int kb = 0; kb < p.kblocks; ++kb) {
-          ptx::mbarrier_wait(&full[ring.stage], ring.phase);
-#pragma unroll
-          for (int h = 0; h < kHalves; ++h) fence_block(acc[h]);
-          ptx::wgmma_fence();
-#pragma unroll
-          for (int h = 0; h < kHalves; ++h) {
-            issue_wgmmas(acc[h], a + ring.stage * kTileBytes,
-                         tiles_b + (ring.stage * kHalves + h) * kTileBytes, false);
-          }
-          ptx::wgmma_commit();
-#pragma unroll
-          for (int h = 0; h < kHalves; ++h) fence_block(acc[h]);
-          ptx::wgmma_wait<1>();
-          if (previous >= 0) release_stage<kCluster>(empty, previous, lane);
-          previous = ring.stage;
-          ring.advance();
-        }
-        ptx::wgmma_wait<0>();
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) fence_block(acc[h]);
-        if (previous >= 0) release_stage<kCluster>(empty, previous, lane);
+        tensor_mainloop<kCluster, kHalves>(acc, ring, at, p.kblocks);
       } else if constexpr (!kOverlap) {
-        for (int kb = 0; kb < p.kblocks; ++kb) {
-          float2 scale[kHalves];
-#pragma unroll
-          for (int h = 0; h < kHalves; ++h) scale[h] = scales[h].at(kb);
-          ptx::mbarrier_wait(&full[ring.stage], ring.phase);
-#pragma unroll
-          for (int h = 0; h < kHalves; ++h) {
-            issue_block(part, a + ring.stage * kTileBytes,
-                        tiles_b + (ring.stage * kHalves + h) * kTileBytes);
-            ptx::wgmma_wait<0>();
-            fence_block(part);
-            if (h == kHalves - 1) release_stage<kCluster>(empty, ring.stage, lane);
-            promote(acc[h], part, scale[h]);
-          }
-          ring.advance();
-        }
+        serial_mainloop<kCluster, kHalves>(acc, part, scales, ring, at, p.kblocks);
       } else {
-        // Block kb's WGMMAs are issued before block kb - 1 is promoted, into the other set of
-        // block sums, so that this warpgroup's tensor-core work goes on during its promotion.
-        Overlapped o{ring, 0, make_float2(0.0f, 0.0f), scales[0], full, empty, a, tiles_b, lane};
-        o.issue(part, 0);
-        int kb = 1;
-        for (; kb + 1 < p.kblocks; kb += 2) {
-          o.step<kCluster>(acc[0], part2, part, kb);
-          o.step<kCluster>(acc[0], part, part2, kb + 1);
-        }
-        if (kb < p.kblocks) {
-          o.step<kCluster>(acc[0], part2, part, kb);
-          o.finish<kCluster>(acc[0], part2);
-        } else {
-          o.finish<kCluster>(acc[0], part);
-        }
-        ring = o.ring;
+        overlapped_mainloop<kCluster>(acc[0], part, part2, scales[0], ring, at, p.kblocks);
       }
-
-      if (nb < p.n_blocks) {
-        // Fragment element i: row row0 + 8 * ((i >> 1) & 1), column 8 * (i / 4) + 2 * (lane % 4)
-        // + (i & 1) of its half; pairs (i, i + 1) are adjacent columns. N is even, so a pair is
-        // in or out.
-        DT *d = static_cast<DT *>(p.d);
-        const float tensor_scale = kBlockScaled ? 1.0f : __ldg(p.sa) * __ldg(p.sb);
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) {
-          const int col0 = nb * W::kBlockN + h * 128 + 2 * (lane % 4);
-#pragma unroll
-          for (int i = 0; i < 64; i += 2) {
-            const int row = row0 + ((i & 2) ? 8 : 0);
-            const int col = col0 + 8 * (i / 4);
-            if (row < p.m && col < p.n) {
-              DT *out = d + static_cast<size_t>(row) * p.n + col;
-              float v0 = acc[h][i], v1 = acc[h][i + 1];
-              if constexpr (!kBlockScaled) {
-                v0 *= tensor_scale;
-                v1 *= tensor_scale;
-              }
-              if (p.accumulate) {
-                v0 += load_d(out);
-                v1 += load_d(out + 1);
-              }
-              if (p.bias != nullptr) {
-                v0 += __bfloat162float(p.bias[col]);
-                v1 += __bfloat162float(p.bias[col + 1]);
-              }
-              store_pair(out, v0, v1);
-            }
-          }
-        }
-      }
+      if (nb < p.n_blocks) store_tile<DT, kHalves, kBlockScaled>(p, acc, row0, nb, lane);
     }
   }
   // No CTA leaves while its cluster partner may still deliver to its shared memory or arrive on
