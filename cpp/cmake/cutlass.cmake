@@ -64,7 +64,7 @@ function(te_add_cutlass_kernels)
   endif()
 
   set(dir ${CMAKE_CURRENT_SOURCE_DIR}/src/gemm/hopper)
-  add_library(te_cutlass_hopper OBJECT ${dir}/block_scaled_gemm.cu ${dir}/block_scaled_wgmma.cu
+  add_library(te_cutlass_hopper OBJECT ${dir}/block_scaled_gemm.cu ${dir}/block_scaled_wgmma.cu ${dir}/tma_operand.cu
               ${dir}/grouped_gemm.cu ${dir}/argument_staging.cu)
   set_target_properties(te_cutlass_hopper PROPERTIES
     CUDA_ARCHITECTURES 90a POSITION_INDEPENDENT_CODE ON CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON)

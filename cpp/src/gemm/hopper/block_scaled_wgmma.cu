@@ -36,10 +36,13 @@
 // Rows past M, columns past N and K past its end read zeros (TMA's out-of-bounds fill) and are not
 // stored; a CTA whose tile is past M or N still runs the mainloop when its cluster partner needs its
 // half of the shared tile and its arrivals.
+//
+// Files: the consumers' mainloops are in wgmma_mainloop.cuh, the operands' TMA descriptors are
+// made by tma_operand.cu; this file holds the producer, the tile loop, the epilogue and the
+// launch.
 #include "gemm/hopper/block_scaled_wgmma.h"
 
 #include <cuda.h>
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -48,16 +51,15 @@
 
 #include "common/cuda_utils.cuh"
 #include "common/internal.h"
-#include "gemm/hopper/wgmma_primitives.cuh"
+#include "gemm/hopper/tma_operand.h"
+#include "gemm/hopper/wgmma_mainloop.cuh"
 
 namespace te {
 namespace hopper {
 namespace {
 
-constexpr int kBlockM = 128;
-constexpr int kBlockK = 128;
-constexpr uint32_t kTileBytes = kBlockM * kBlockK;  // a 128 x 128 k-block tile: 16 KiB of FP8
-constexpr int kThreads = 384;                       // producer + two consumer warpgroups
+constexpr int kBlockM = 128;     // (kBlockK and kTileBytes: wgmma_mainloop.cuh)
+constexpr int kThreads = 384;    // producer + two consumer warpgroups
 constexpr int kConsumerWarps = 8;
 // 128 * 40 + 256 * 232 registers fit the SM's 65536.
 constexpr int kProducerRegisters = 40;
@@ -119,209 +121,6 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16 *out, float v0, float v
   *reinterpret_cast<__nv_bfloat162 *>(out) = __floats2bfloat162_rn(v0, v1);
 }
 
-// A place in the ring of stages (the producer's or a consumer's).
-template <int kStages>
-struct Ring {
-  int stage = 0;
-  uint32_t phase = 0;
-  __device__ __forceinline__ void advance() {
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
-  }
-};
-
-// A consumer thread's scale rows: A's for its two fragment rows, B's for one 128-column half of
-// the tile.
-struct Scales {
-  const float *a0, *a1, *b;
-  // The promotion factors of k-block kb for the two rows: sa * sb, as CUTLASS's blockwise
-  // mainloop forms them.
-  __device__ __forceinline__ float2 at(int kb) const {
-    const float sb = __ldg(b + kb);
-    return make_float2(__ldg(a0 + kb) * sb, __ldg(a1 + kb) * sb);
-  }
-};
-
-__device__ __forceinline__ void fence_block(float (&part)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) ptx::register_fence(part[i]);
-}
-
-// The four WGMMAs of one k-block (K = 128 as four k32 steps) of a 64 x 128 piece: into d, which
-// the first one overwrites when `fresh`, else added to d. Not committed.
-__device__ __forceinline__ void issue_wgmmas(float (&d)[64], const uint8_t *a, const uint8_t *b,
-                                             bool fresh) {
-#pragma unroll
-  for (int k = 0; k < kBlockK / 32; ++k) {
-    ptx::wgmma_m64n128k32(d, ptx::wgmma_descriptor(a + k * 32), ptx::wgmma_descriptor(b + k * 32),
-                          fresh ? k : 1);
-  }
-}
-
-// One k-block's WGMMAs into the block sum part, committed as a group.
-__device__ __forceinline__ void issue_block(float (&part)[64], const uint8_t *a, const uint8_t *b) {
-  fence_block(part);
-  ptx::wgmma_fence();
-  issue_wgmmas(part, a, b, true);
-  ptx::wgmma_commit();
-  fence_block(part);
-}
-
-// acc += part * scale of its row (fragment elements with bit 1 set are the second row).
-__device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64], float2 scale) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], (i & 2) ? scale.y : scale.x, acc[i]);
-}
-
-// The stage is read: free it for this CTA's producer and, in a cluster, the other CTA's (which
-// multicasts its half of A into it). One arrival per warp and CTA.
-template <int kCluster>
-__device__ __forceinline__ void release_stage(uint64_t *empty, int stage, int lane) {
-  if constexpr (kCluster > 1) {
-    if (lane < kCluster) ptx::mbarrier_arrive_cluster(&empty[stage], lane);
-  } else {
-    if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
-  }
-}
-
-// The overlapped mainloop's steps (128-column tiles only: a second set of block sums for a
-// 256-column tile would not fit in registers). Each keeps one block's WGMMAs in flight: first
-// issues block 0; step issues the next block into cur, then waits for the block before it (in
-// prev), frees its stage and promotes it; finish waits for the last block (in prev) and promotes
-// it. The loop around them has the same block sums in flight on every path, so that ptxas can
-// see that a promotion never reads registers a WGMMA is still writing (else it serializes the
-// WGMMAs).
-struct Overlapped {
-  Ring<Width<1>::kStages> ring;
-  int pending_stage = 0;
-  float2 pending_scale;
-  const Scales &scales;
-  uint64_t *full, *empty;
-  const uint8_t *a, *b;
-  int lane;
-
-  __device__ __forceinline__ void issue(float (&cur)[64], int kb) {
-    const float2 scale = scales.at(kb);
-    ptx::mbarrier_wait(&full[ring.stage], ring.phase);
-    issue_block(cur, a + ring.stage * kTileBytes, b + ring.stage * kTileBytes);
-    pending_stage = ring.stage;
-    pending_scale = scale;
-    ring.advance();
-  }
-  template <int kCluster>
-  __device__ __forceinline__ void retire(float (&acc)[64], float (&prev)[64], int stage,
-                                         float2 scale) {
-    fence_block(prev);
-    release_stage<kCluster>(empty, stage, lane);
-    promote(acc, prev, scale);
-  }
-  template <int kCluster>
-  __device__ __forceinline__ void step(float (&acc)[64], float (&cur)[64], float (&prev)[64],
-                                       int kb) {
-    const int stage = pending_stage;
-    const float2 scale = pending_scale;
-    issue(cur, kb);
-    ptx::wgmma_wait<1>();
-    retire<kCluster>(acc, prev, stage, scale);
-  }
-  template <int kCluster>
-  __device__ __forceinline__ void finish(float (&acc)[64], float (&prev)[64]) {
-    ptx::wgmma_wait<0>();
-    retire<kCluster>(acc, prev, pending_stage, pending_scale);
-  }
-};
-
-// Where a consumer warpgroup finds its k-block tiles and how it frees them: its 64 rows of each
-// A stage, the B stages (kHalves 128-row tiles each), the barriers, and its lane.
-struct ConsumerStages {
-  const uint8_t *a, *b;
-  uint64_t *full, *empty;
-  int lane;
-};
-
-// Per-tensor scales: the WGMMAs add every k-block into acc (the tensor cores' own accumulation,
-// cuBLASLt's fast accumulation), one k-block's group in flight while the next is issued; the
-// scales multiply D once, in the epilogue.
-template <int kCluster, int kHalves, int kStages>
-__device__ __forceinline__ void tensor_mainloop(float (&acc)[kHalves][64], Ring<kStages> &ring,
-                                                const ConsumerStages &at, int kblocks) {
-  int previous = -1;
-  for (int kb = 0; kb < kblocks; ++kb) {
-    ptx::mbarrier_wait(&at.full[ring.stage], ring.phase);
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) fence_block(acc[h]);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) {
-      issue_wgmmas(acc[h], at.a + ring.stage * kTileBytes,
-                   at.b + (ring.stage * kHalves + h) * kTileBytes, false);
-    }
-    ptx::wgmma_commit();
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) fence_block(acc[h]);
-    ptx::wgmma_wait<1>();
-    if (previous >= 0) release_stage<kCluster>(at.empty, previous, at.lane);
-    previous = ring.stage;
-    ring.advance();
-  }
-  ptx::wgmma_wait<0>();
-#pragma unroll
-  for (int h = 0; h < kHalves; ++h) fence_block(acc[h]);
-  if (previous >= 0) release_stage<kCluster>(at.empty, previous, at.lane);
-}
-
-// Block scales, one set of block sums: per k-block and 128-column half, the WGMMAs into part,
-// wait, promote into the half's accumulators (the other consumer's WGMMAs keep the tensor cores
-// busy meanwhile).
-template <int kCluster, int kHalves, int kStages>
-__device__ __forceinline__ void serial_mainloop(float (&acc)[kHalves][64], float (&part)[64],
-                                                const Scales (&scales)[kHalves],
-                                                Ring<kStages> &ring, const ConsumerStages &at,
-                                                int kblocks) {
-  for (int kb = 0; kb < kblocks; ++kb) {
-    float2 scale[kHalves];
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) scale[h] = scales[h].at(kb);
-    ptx::mbarrier_wait(&at.full[ring.stage], ring.phase);
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) {
-      issue_block(part, at.a + ring.stage * kTileBytes,
-                  at.b + (ring.stage * kHalves + h) * kTileBytes);
-      ptx::wgmma_wait<0>();
-      fence_block(part);
-      if (h == kHalves - 1) release_stage<kCluster>(at.empty, ring.stage, at.lane);
-      promote(acc[h], part, scale[h]);
-    }
-    ring.advance();
-  }
-}
-
-// Block scales, two sets of block sums (128-column tiles): block kb's WGMMAs are issued before
-// block kb - 1 is promoted, into the other set, so that this warpgroup's tensor-core work goes
-// on during its promotion.
-template <int kCluster>
-__device__ __forceinline__ void overlapped_mainloop(float (&acc)[64], float (&part)[64],
-                                                    float (&part2)[64], const Scales &scales,
-                                                    Ring<Width<1>::kStages> &ring,
-                                                    const ConsumerStages &at, int kblocks) {
-  Overlapped o{ring, 0, make_float2(0.0f, 0.0f), scales, at.full, at.empty, at.a, at.b, at.lane};
-  o.issue(part, 0);
-  int kb = 1;
-  for (; kb + 1 < kblocks; kb += 2) {
-    o.step<kCluster>(acc, part2, part, kb);
-    o.step<kCluster>(acc, part, part2, kb + 1);
-  }
-  if (kb < kblocks) {
-    o.step<kCluster>(acc, part2, part, kb);
-    o.finish<kCluster>(acc, part2);
-  } else {
-    o.finish<kCluster>(acc, part);
-  }
-  ring = o.ring;
-}
-
 // Writes this thread's accumulators of tile column block nb to D (rows row0 and row0 + 8 of the
 // fragment), times the per-tensor scales where there are some, plus D's old value
 // (accumulate) and the bias, in fp32. Fragment element i: row row0 + 8 * ((i >> 1) & 1), column
@@ -360,10 +159,8 @@ __device__ __forceinline__ void store_tile(const Params &p, const float (&acc)[k
   }
 }
 
-// kHalves: the tile is 128 x (128 * kHalves). With two halves a consumer keeps 128 accumulators
-// and one set of 64 block sums, and runs each k-block as two 64 x 128 pieces: WGMMAs of the
-// first half, wait, promote; then the second half's. The other consumer's WGMMAs keep the tensor
-// cores busy meanwhile, and each A tile that comes from L2 serves twice the work.
+// The kernel of one configuration: D's type, the cluster, the overlapped mainloop or not, tiles
+// of 128 x (128 * kHalves), block or per-tensor scales.
 template <typename DT, Pair kPair, bool kOverlap, int kHalves, bool kBlockScaled>
 __global__ void __launch_bounds__(kThreads, 1)
     block_scaled_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
@@ -491,45 +288,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// The driver's cuTensorMapEncodeTiled, through the runtime (no link to libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void *fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  return encode;
-}
-
-// The TMA map of an FP8 [rows, k] row-major operand, loaded in boxes of box_rows x 128 with the
-// 128-byte swizzle that the WGMMA descriptors expect; out-of-bounds boxes read zeros.
-te_status make_operand_map(const char *op, const char *name, CUtensorMap *map, const void *data,
-                           int64_t rows, int64_t k, uint32_t box_rows) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr) {
-    return fail(TE_ERROR_RUNTIME, op, "the driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12)");
-  }
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k)};  // bytes from one row to the next
-  const cuuint32_t box[2] = {kBlockK, box_rows};
-  const cuuint32_t steps[2] = {1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void *>(data), dims,
-                            strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    return fail(TE_ERROR_RUNTIME, op,
-                std::string("cuTensorMapEncodeTiled failed for ") + name + " (CUresult " +
-                    std::to_string(static_cast<int>(r)) + ")");
-  }
-  return TE_SUCCESS;
-}
+// One instantiation of the kernel, as a value (with_config passes it to a generic lambda).
+template <typename DT, Pair kPair, bool kOverlap, int kHalves, bool kBlockScaled>
+struct Config {};
 
 // The launch configuration of the kernel (its shared-memory limit raised first), for a grid of
 // `clusters` clusters.
@@ -558,23 +319,15 @@ te_status configure(const char *op, cudaStream_t stream, int clusters, cudaLaunc
 }
 
 template <typename DT, Pair kPair, bool kOverlap, int kHalves, bool kBlockScaled>
-te_status resident(const char *op, int *clusters) {
-  cudaLaunchAttribute attribute;
-  cudaLaunchConfig_t config;
-  if (te_status st = configure<DT, kPair, kOverlap, kHalves, kBlockScaled>(op, nullptr, 1, &attribute, &config)) return st;
-  return cuda_status(op, cudaOccupancyMaxActiveClusters(clusters, block_scaled_wgmma_kernel<DT, kPair, kOverlap, kHalves, kBlockScaled>,
-                                                        &config));
-}
-
-template <typename DT, Pair kPair, bool kOverlap, int kHalves, bool kBlockScaled>
-te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOptions o) {
+te_status launch(const char *op, Config<DT, kPair, kOverlap, kHalves, kBlockScaled>, const GemmArgs &g,
+                 cudaStream_t stream, WgmmaOptions o) {
   CUtensorMap map_a, map_b;
   constexpr int kCluster = kClusterSize<kPair>;
   // Boxes: a pair's shared tile in halves, B's unshared tile in 128-row halves.
   const uint32_t box_a = kPair == Pair::kAlongN ? kBlockM / 2 : kBlockM;
   const uint32_t box_b = kPair == Pair::kAlongM ? Width<kHalves>::kBlockN / 2 : 128;
-  if (te_status st = make_operand_map(op, "A", &map_a, g.a.data, g.m, g.k, box_a)) return st;
-  if (te_status st = make_operand_map(op, "B", &map_b, g.b.data, g.n, g.k, box_b)) return st;
+  if (te_status st = make_fp8_operand_map(op, "A", &map_a, g.a.data, g.m, g.k, box_a)) return st;
+  if (te_status st = make_fp8_operand_map(op, "B", &map_b, g.b.data, g.n, g.k, box_b)) return st;
 
   Params p{};
   p.m = static_cast<int>(g.m);
@@ -604,11 +357,11 @@ te_status launch(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOp
   if (clusters > p.tiles) clusters = p.tiles;
   cudaLaunchAttribute attribute;
   cudaLaunchConfig_t config;
-  if (te_status st = configure<DT, kPair, kOverlap, kHalves, kBlockScaled>(op, stream, clusters, &attribute, &config)) return st;
-  if (te_status st = cuda_status(op, cudaLaunchKernelEx(&config, block_scaled_wgmma_kernel<DT, kPair, kOverlap, kHalves, kBlockScaled>,
-                                                        map_a, map_b, p))) {
+  if (te_status st = configure<DT, kPair, kOverlap, kHalves, kBlockScaled>(op, stream, clusters, &attribute, &config)) {
     return st;
   }
+  auto *kernel = block_scaled_wgmma_kernel<DT, kPair, kOverlap, kHalves, kBlockScaled>;
+  if (te_status st = cuda_status(op, cudaLaunchKernelEx(&config, kernel, map_a, map_b, p))) return st;
   return launch_status(op);
 }
 
@@ -648,33 +401,45 @@ te_status scaling_of(const char *op, const GemmArgs &g, bool *blocked) {
               "scales on both");
 }
 
-// The instantiations, in check_options' terms.
+template <typename DT, Pair kPair, bool kOverlap, int kHalves, bool kBlockScaled>
+te_status resident(const char *op, Config<DT, kPair, kOverlap, kHalves, kBlockScaled>, int *clusters) {
+  cudaLaunchAttribute attribute;
+  cudaLaunchConfig_t config;
+  if (te_status st = configure<DT, kPair, kOverlap, kHalves, kBlockScaled>(op, nullptr, 1, &attribute, &config)) {
+    return st;
+  }
+  auto *kernel = block_scaled_wgmma_kernel<DT, kPair, kOverlap, kHalves, kBlockScaled>;
+  return cuda_status(op, cudaOccupancyMaxActiveClusters(clusters, kernel, &config));
+}
+
+// fn(Config<...>{}) for the instantiation that options o ask for, with block or per-tensor
+// scales (`blocked`), once check_options has accepted them: the one list of instantiations.
+template <typename DT, typename Fn>
+te_status with_config(const char *op, WgmmaOptions o, bool blocked, Fn fn) {
+  if (te_status st = check_options(op, o, blocked)) return st;
+  const bool pair = o.cluster_n == 2;
+  if (!blocked) {
+    if (o.cluster_m == 2) return fn(Config<DT, Pair::kAlongM, false, 2, false>{});
+    if (o.block_n == 256) {
+      return pair ? fn(Config<DT, Pair::kAlongN, false, 2, false>{}) : fn(Config<DT, Pair::kNone, false, 2, false>{});
+    }
+    return pair ? fn(Config<DT, Pair::kAlongN, false, 1, false>{}) : fn(Config<DT, Pair::kNone, false, 1, false>{});
+  }
+  if (o.cluster_m == 2) return fn(Config<DT, Pair::kAlongM, false, 2, true>{});
+  if (o.block_n == 256) {
+    return pair ? fn(Config<DT, Pair::kAlongN, false, 2, true>{}) : fn(Config<DT, Pair::kNone, false, 2, true>{});
+  }
+  if (o.overlap) {
+    return pair ? fn(Config<DT, Pair::kAlongN, true, 1, true>{}) : fn(Config<DT, Pair::kNone, true, 1, true>{});
+  }
+  return pair ? fn(Config<DT, Pair::kAlongN, false, 1, true>{}) : fn(Config<DT, Pair::kNone, false, 1, true>{});
+}
+
 template <typename DT>
 te_status launch_d(const char *op, const GemmArgs &g, cudaStream_t stream, WgmmaOptions o) {
   bool blocked = true;
   if (te_status st = scaling_of(op, g, &blocked)) return st;
-  if (te_status st = check_options(op, o, blocked)) return st;
-  const bool pair = o.cluster_n == 2;
-  if (!blocked) {
-    if (o.cluster_m == 2) return launch<DT, Pair::kAlongM, false, 2, false>(op, g, stream, o);
-    if (o.block_n == 256) {
-      return pair ? launch<DT, Pair::kAlongN, false, 2, false>(op, g, stream, o)
-                  : launch<DT, Pair::kNone, false, 2, false>(op, g, stream, o);
-    }
-    return pair ? launch<DT, Pair::kAlongN, false, 1, false>(op, g, stream, o)
-                : launch<DT, Pair::kNone, false, 1, false>(op, g, stream, o);
-  }
-  if (o.cluster_m == 2) return launch<DT, Pair::kAlongM, false, 2, true>(op, g, stream, o);
-  if (o.block_n == 256) {
-    return pair ? launch<DT, Pair::kAlongN, false, 2, true>(op, g, stream, o)
-                : launch<DT, Pair::kNone, false, 2, true>(op, g, stream, o);
-  }
-  if (o.overlap) {
-    return pair ? launch<DT, Pair::kAlongN, true, 1, true>(op, g, stream, o)
-                : launch<DT, Pair::kNone, true, 1, true>(op, g, stream, o);
-  }
-  return pair ? launch<DT, Pair::kAlongN, false, 1, true>(op, g, stream, o)
-              : launch<DT, Pair::kNone, false, 1, true>(op, g, stream, o);
+  return with_config<DT>(op, o, blocked, [&](auto config) { return launch(op, config, g, stream, o); });
 }
 
 }  // namespace
@@ -686,20 +451,7 @@ te_status block_scaled_wgmma_gemm(const char *op, const GemmArgs &g, cudaStream_
 }
 
 te_status block_scaled_wgmma_resident_clusters(const char *op, WgmmaOptions o, int *clusters) {
-  using BF16 = __nv_bfloat16;
-  if (te_status st = check_options(op, o, true)) return st;
-  const bool pair = o.cluster_n == 2;
-  if (o.cluster_m == 2) return resident<BF16, Pair::kAlongM, false, 2, true>(op, clusters);
-  if (o.block_n == 256) {
-    return pair ? resident<BF16, Pair::kAlongN, false, 2, true>(op, clusters)
-                : resident<BF16, Pair::kNone, false, 2, true>(op, clusters);
-  }
-  if (o.overlap) {
-    return pair ? resident<BF16, Pair::kAlongN, true, 1, true>(op, clusters)
-                : resident<BF16, Pair::kNone, true, 1, true>(op, clusters);
-  }
-  return pair ? resident<BF16, Pair::kAlongN, false, 1, true>(op, clusters)
-              : resident<BF16, Pair::kNone, false, 1, true>(op, clusters);
+  return with_config<__nv_bfloat16>(op, o, true, [&](auto config) { return resident(op, config, clusters); });
 }
 
 }  // namespace hopper
