@@ -1,19 +1,15 @@
 #!/usr/bin/env bash
 # The block-scaled FP8 GEMM's variant sweep in one GPU run (10 minutes): builds the C++ core
 # (CUDA, sm_90a) with CUTLASS's headers (the nvidia-cutlass wheel, brought in .whl_cutlass/) and
-# its tests, runs test_hopper_block_scaled_gemm (the production kernel against the CPU path and
-# cuBLASLt), then sweep_block_scaled_gemm (cpp/tests/hopper: every configuration beside
-# cuBLASLt, results/hopper_block_scaled_sweep.json). Logs go to $1/log.txt, JSON to $1. It also
+# its tests, runs test_hopper_block_scaled_gemm (the production kernel and each configuration of
+# the hand-written one against the CPU path, the production kernel against cuBLASLt too), then
+# sweep_block_scaled_gemm (cpp/tests/hopper: every configuration beside cuBLASLt,
+# results/hopper_block_scaled_sweep.json). Logs go to $1/log.txt, JSON to $1. It also
 # counts the FP8 WGMMAs (QGMMA) in the SASS of the hand-written kernel (block_scaled_wgmma.cu).
 # A second call on a machine that still holds the build rebuilds only what changed.
 #
 #   bash scripts/gpu_hopper_sweep.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (580)
 #   TE_SWEEP_VARIANTS=0,7,8: time only these variants (sweep_block_scaled_gemm.cpp's indices)
-#   TE_SWEEP_TEST_WGMMA="o.block_n = 256; o.overlap = false;": for this run only, points
-#     te_hopper_block_scaled_gemm at the hand-written kernel with these WgmmaOptions settings
-#     (on the machine's copy of the tree), so that its test checks that kernel (fp32 and bf16 D,
-#     bias, accumulation) against the CPU path; the sweep checks every variant's bf16 D against
-#     the CUTLASS kernel's
 set -u
 out=${1:?usage: gpu_hopper_sweep.sh OUT_DIR}
 budget=${TE_GPU_BUDGET_S:-580}
@@ -22,20 +18,11 @@ nvidia-smi -L >> "$log"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-cutlass .whl_cutlass/*.whl \
   >> "$log" 2>&1
 cutlass=/tmp/te-cutlass/cutlass_library/source/include
-if [ -n "${TE_SWEEP_TEST_WGMMA:-}" ]; then
-  f=cpp/src/gemm/hopper/block_scaled_gemm.cu
-  cp $f /tmp/te-block-scaled-gemm.cu  # restored after the build
-  sed -i 's|^#include "gemm/hopper/block_scaled_gemm.h"$|&\n#include "gemm/hopper/block_scaled_wgmma.h"|' $f
-  sed -i "s|^  const cudaStream_t s = cuda_stream(stream);\$|&\n  { hopper::WgmmaOptions o; $TE_SWEEP_TEST_WGMMA return hopper::block_scaled_wgmma_gemm(kOp, g, s, o); }|" $f
-  echo "test_hopper_block_scaled_gemm runs the hand-written kernel: $TE_SWEEP_TEST_WGMMA" >> "$log"
-  grep -n "wgmma" $f >> "$log"
-fi
 step configure 60 cmake -S cpp -B /tmp/te-cpp-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DTE_WITH_CUDA=ON -DTE_CUDA_ARCHITECTURES=90a -DTE_WITH_CUTLASS=ON \
   -DTE_CUTLASS_INCLUDE="$cutlass" -DTE_BUILD_TESTS=ON
 step build "$(upto $((budget - 150)) 420)" cmake --build /tmp/te-cpp-build -j 16 \
   --target test_hopper_block_scaled_gemm sweep_block_scaled_gemm
-[ -n "${TE_SWEEP_TEST_WGMMA:-}" ] && cp /tmp/te-block-scaled-gemm.cu cpp/src/gemm/hopper/block_scaled_gemm.cu
 obj=$(find /tmp/te-cpp-build -name "block_scaled_wgmma.cu.o" | head -1)
 [ -n "$obj" ] && echo "QGMMA in block_scaled_wgmma's SASS: $(cuobjdump -sass "$obj" | grep -c QGMMA)" \
   >> "$log"

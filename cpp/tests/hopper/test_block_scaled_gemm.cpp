@@ -2,7 +2,9 @@
 // te_hopper_block_scaled_gemm, against the CPU path (te_gemm on CPU buffers) and cuBLASLt (te_gemm
 // on CUDA buffers): A [M, K] E4M3 with 1x128 scales, B [N, K] E4M3 with 128x128 scales, D fp32 or
 // bf16, with and without bias and accumulation, on awkward shapes (M not a multiple of 128,
-// K = 128, K not a multiple of 128, N = 16) and a large one (2048 x 2048 x 4096).
+// K = 128, K not a multiple of 128, N = 16) and a large one (2048 x 2048 x 4096). The
+// hand-written kernel (block_scaled_wgmma.cu), which te_gemm does not call yet, runs every case
+// too, in each of its configurations, against the CPU path the same way.
 // te_gemm on CUDA buffers is cuBLASLt only from M * N * K = 2^34 on (the large cases): below
 // it the dispatch rule (gemm_cuda.cu) runs this kernel there too, so the "cublaslt" lines of
 // the small cases compare the kernel with itself through te_gemm.
@@ -55,6 +57,7 @@
 
 #include "common/numerics.h"
 #include "gemm/hopper/block_scaled_gemm.h"
+#include "gemm/hopper/block_scaled_wgmma.h"
 #include "hopper_test.h"
 #include "test_util.h"
 
@@ -157,9 +160,24 @@ Problem make_random(const Case &c, uint32_t seed) {
   return p;
 }
 
-// The three paths run the same te_gemm arguments; only where the buffers live and which
-// function takes them differ.
-enum class Path { kCpu, kCublas, kHopper };
+// The paths run the same te_gemm arguments; only where the buffers live and which function
+// takes them differ (the hand-written kernel takes them resolved, as te_gemm would pass them).
+enum class Path { kCpu, kCublas, kHopper, kHandWritten };
+
+// The hand-written kernel's configurations under test (WgmmaOptions: cluster_n, group_m,
+// overlap, clusters, block_n, cluster_m).
+struct HandWritten {
+  const char *name;
+  te::hopper::WgmmaOptions options;
+};
+const HandWritten kHandWritten[] = {
+    {"128x128 1x1 overlapped", {1, 2, true, 0, 128, 1}},
+    {"128x128 1x2", {2, 2, false, 0, 128, 1}},
+    {"128x128 1x2 overlapped", {2, 2, true, 0, 128, 1}},
+    {"128x256 1x1", {1, 2, false, 0, 256, 1}},
+    {"128x256 1x2", {2, 2, false, 0, 256, 1}},
+    {"128x256 2x1", {1, 2, false, 0, 256, 2}},
+};
 
 struct Result {
   te_status status = TE_SUCCESS;
@@ -171,7 +189,7 @@ struct Result {
 
 // Runs one path on p. timed_iters > 0 (CUDA paths): also times that many calls after the checked
 // one (D is then overwritten, or accumulated into, again).
-Result run_path(Path path, const Problem &p, int timed_iters = 0) {
+Result run_path(Path path, const Problem &p, int timed_iters = 0, te::hopper::WgmmaOptions options = {}) {
   const Case &c = p.c;
   Result r;
   const te_gemm_config cfg{0, 1, c.accumulate ? 1 : 0, 1, 0};
@@ -222,9 +240,31 @@ Result run_path(Path path, const Problem &p, int timed_iters = 0) {
   bind(td, TE_SLOT_DATA, TE_DEVICE_CUDA, dev, d, c.d_dtype, {c.m, c.n});
   if (c.bias) bind(tbias, TE_SLOT_DATA, TE_DEVICE_CUDA, dev, bias, TE_DTYPE_BFLOAT16, {c.n});
   te_tensor *bias_t = c.bias ? tbias.t : nullptr;
+  te::GemmArgs g{};
+  g.m = c.m;
+  g.n = c.n;
+  g.k = c.k;
+  g.a = {a, TE_DTYPE_FLOAT8_E4M3, c.m, c.k, false, TE_SCALING_BLOCK_1X128, static_cast<const float *>(sa)};
+  g.b = {b, TE_DTYPE_FLOAT8_E4M3, c.n, c.k, true, TE_SCALING_BLOCK_128X128, static_cast<const float *>(sb)};
+  g.fp8 = true;
+  g.d = d;
+  g.d_dtype = c.d_dtype;
+  g.bias = c.bias ? bias : nullptr;
+  g.bias_dtype = TE_DTYPE_BFLOAT16;
+  g.accumulate = c.accumulate;
+  g.split_accumulator = true;
+  g.workspace = ws;
+  g.workspace_size = ws_bytes;
+  g.device = dev;
   auto call = [&]() {
-    return path == Path::kHopper ? te_hopper_block_scaled_gemm(ta, tb, td, bias_t, &cfg, ws, ws_bytes, nullptr)
-                                 : te_gemm(ta, tb, td, bias_t, nullptr, &cfg, ws, ws_bytes, nullptr);
+    switch (path) {
+      case Path::kHopper:
+        return te_hopper_block_scaled_gemm(ta, tb, td, bias_t, &cfg, ws, ws_bytes, nullptr);
+      case Path::kHandWritten:
+        return te::hopper::block_scaled_wgmma_gemm("test_hopper_block_scaled_gemm", g, nullptr, options);
+      default:
+        return te_gemm(ta, tb, td, bias_t, nullptr, &cfg, ws, ws_bytes, nullptr);
+    }
   };
   r.status = call();
   r.message = r.status == TE_SUCCESS ? "" : te_last_error();
@@ -326,6 +366,22 @@ void run_case(const Case &c, uint32_t seed) {
     if (have_cublas) {
       const double vs_cublas = compare_bounded(p, t, ours.d, cublas.d, 2, &over);
       std::printf("    hopper vs cublaslt: max error / bound %.3g, %lld over\n", vs_cublas,
+                  static_cast<long long>(over));
+      CHECK(over == 0);
+    }
+  }
+  for (const HandWritten &h : kHandWritten) {
+    const Result mine = run_path(Path::kHandWritten, p, 0, h.options);
+    if (!ours_ran(mine.status, mine.message, mine.guards_intact)) continue;
+    if (c.exact) {
+      const int64_t diff = bit_differences(mine.d, cpu.d);
+      std::printf("    exact data: hand-written %s vs cpu %lld differing bytes\n", h.name,
+                  static_cast<long long>(diff));
+      CHECK(diff == 0);
+    } else {
+      int64_t over = 0;
+      const double vs_cpu = compare_bounded(p, abs_product(p), mine.d, cpu.d, 1, &over);
+      std::printf("    hand-written %s vs cpu: max error / bound %.3g, %lld over\n", h.name, vs_cpu,
                   static_cast<long long>(over));
       CHECK(over == 0);
     }
