@@ -159,9 +159,14 @@ auto TeActivationBackwardBinding() {
       .Attr<float>("linear_offset");
 }
 
+// The same op with dbias, under a target of its own that stays outside XLA's graphs (its
+// partial sums come from the core's stream-ordered pool: ffi_common.h).
+auto TeActivationBackwardDbiasBinding() { return TeActivationBackwardBinding(); }
+
 }  // namespace
 
 TE_JAX_DEFINE_HANDLERS(TeActivationForward, ActivationForwardImpl);
 TE_JAX_DEFINE_HANDLERS(TeActivationBackward, ActivationBackwardImpl);
+TE_JAX_DEFINE_HANDLERS_OUTSIDE_GRAPHS(TeActivationBackwardDbias, ActivationBackwardImpl);
 
 }  // namespace te_jax

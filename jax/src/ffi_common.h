@@ -204,7 +204,24 @@ struct CtxDecoding<te_jax::CudaDevice> {
 
 // Defines the two handler symbols of an op, `<name>Cpu` and `<name>Cuda`, from one Impl whose
 // last parameter is the Device and the op's binding `<name>Binding()` (everything but it).
+//
+// The CUDA handler is marked compatible with XLA's command buffers: XLA then captures it with
+// the fusions and library calls around it into one CUDA graph, where each call was a launch
+// of its own from the host (XLA runs a command buffer's first execution op by op, so the
+// core's one-time set-up, the cuBLASLt handle and the cuDNN plans, happens outside capture).
+// That holds for an op whose CUDA path only launches kernels and library calls on the stream
+// into buffers XLA passes, and never waits for the device: every op's, except the two that
+// TE_JAX_DEFINE_HANDLERS_OUTSIDE_GRAPHS defines.
 #define TE_JAX_DEFINE_HANDLERS(name, impl)                                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cpu, impl, name##Binding().Ctx<te_jax::CpuDevice>());  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cuda, impl, name##Binding().Ctx<te_jax::CudaDevice>(), \
+                                {xla::ffi::Traits::kCmdBufferCompatible})
+
+// The same for an op that XLA must not capture into a graph: one that waits for the device
+// (the ragged grouped GEMM reads its group sizes on the host) or takes device memory of its
+// own (the activation's backward with dbias allocates its partial sums from the core's
+// stream-ordered pool, and a graph node that allocates cannot sit in XLA's nested graphs).
+#define TE_JAX_DEFINE_HANDLERS_OUTSIDE_GRAPHS(name, impl)                                    \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cpu, impl, name##Binding().Ctx<te_jax::CpuDevice>());  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cuda, impl, name##Binding().Ctx<te_jax::CudaDevice>())
 

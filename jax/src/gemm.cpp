@@ -119,6 +119,6 @@ auto TeGroupedGemmBinding() {
 }  // namespace
 
 TE_JAX_DEFINE_HANDLERS(TeGemm, GemmImpl);
-TE_JAX_DEFINE_HANDLERS(TeGroupedGemm, GroupedGemmImpl);
+TE_JAX_DEFINE_HANDLERS_OUTSIDE_GRAPHS(TeGroupedGemm, GroupedGemmImpl);
 
 }  // namespace te_jax

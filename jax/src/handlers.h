@@ -18,6 +18,7 @@
   X("te_norm_backward_ffi", TeNormBackward)             \
   X("te_activation_forward_ffi", TeActivationForward)   \
   X("te_activation_backward_ffi", TeActivationBackward) \
+  X("te_activation_backward_dbias_ffi", TeActivationBackwardDbias) \
   X("te_attention_forward_ffi", TeAttentionForward)     \
   X("te_attention_backward_ffi", TeAttentionBackward)   \
   X("te_attention_forward_packed_ffi", TeAttentionForwardPacked)   \

@@ -736,7 +736,9 @@ def _activation_backward_call(dy, x, act, scale, fp8, dbias_dtype, *, rowwise, c
         if rowwise:
             out[0] = out[0].reshape(shape)
         return _raised("activation_backward", out, 3, amax_into)
-    return _call_raising_amax("activation_backward", (*results, dbias), args, 3, amax_into,
+    # (with dbias under a target that XLA leaves out of its CUDA graphs: _native.TARGETS)
+    target = "activation_backward" if dbias_dtype is None else "activation_backward_dbias"
+    return _call_raising_amax(target, (*results, dbias), args, 3, amax_into,
                               act=np.int32(kind_of(act)), rowwise=bool(rowwise),
                               columnwise=bool(columnwise) and fp8 is not None,
                               compute_amax=bool(compute_amax),
