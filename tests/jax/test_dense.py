@@ -285,8 +285,9 @@ def test_hlo_holds_our_custom_calls():
     assert counts["te_compute_amax_ffi"] == 2  # the first-step amaxes of x and kernel
     assert counts["te_delayed_scaling_update_ffi"] == 1  # the step's update: every role
     # Each cast raises its first-step twin's amax in that buffer (no zeroed amax of its own).
+    casts = r'custom_call_target="te_(quantize|activation_backward(_dbias)?)_ffi"'
     raising = [line for line in text.splitlines()
-               if re.search(r'custom_call_target="te_(quantize|activation_backward(_dbias)?)_ffi"', line)
+               if re.search(casts, line)
                and "output_to_operand_aliasing" in line]
     assert len(raising) == 3, raising
     assert hlo.count_fp8_gemms(text) == 3  # forward, dgrad, wgrad
