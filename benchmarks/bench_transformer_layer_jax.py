@@ -166,9 +166,7 @@ def prepare(name, model, fp8_recipe, x) -> tuple:
     info = {"name": name, "compile_s": time.perf_counter() - start,
             "te_fp8_gemms_in_hlo": hlo.count_fp8_gemms(text),
             "cublas_fp8_gemms_in_hlo": hlo.count_cublas_fp8_gemms(text),
-            "custom_call_targets": dict(hlo.target_counts(text)),
-            # (ours that XLA runs inside its CUDA graphs: jax/src/ffi_common.h)
-            "custom_calls_in_command_buffers": dict(hlo.command_buffer_targets(text))}
+            "custom_call_targets": dict(hlo.target_counts(text))}
 
     def run():
         out = step(*state, x)

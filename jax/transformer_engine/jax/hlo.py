@@ -10,13 +10,10 @@ from collections import Counter
 
 from transformer_engine.jax._native import TARGETS
 
-__all__ = ["custom_calls", "count_fp8_gemms", "count_cublas_fp8_gemms",
-           "command_buffer_targets"]
+__all__ = ["custom_calls", "count_fp8_gemms", "count_cublas_fp8_gemms"]
 
 _TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 _FP8 = re.compile(r"\bf8e(4m3fn|5m2)\[")
-# A computation's first line: "[ENTRY ]%name (params) -> result {".
-_COMPUTATION = re.compile(r"^(ENTRY )?%?(?P<name>[\w.\-]+) .*\{\s*$")
 
 
 def custom_calls(hlo_text: str) -> list[tuple[str, str]]:
@@ -53,21 +50,3 @@ def count_cublas_fp8_gemms(hlo_text: str) -> int:
     return sum(1 for t, ops in custom_calls(hlo_text)
                if t.startswith("__cublas") and ("f8" in t or _FP8.search(ops)))
 
-
-def command_buffer_targets(hlo_text: str) -> Counter:
-    """How many custom calls of each target sit in XLA's command buffers (the computations
-    that XLA:GPU's scheduling outlines as ``command_buffer*`` and runs as one CUDA graph) in
-    optimized HLO; empty where XLA made none (the CPU, or command buffers turned off)."""
-    counts: Counter = Counter()
-    inside = False
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header is not None:
-            inside = header.group("name").startswith("command_buffer")
-        elif line.startswith("}"):
-            inside = False
-        elif inside:
-            m = _TARGET.search(line)
-            if m is not None and "custom-call(" in line:
-                counts[m.group("target")] += 1
-    return counts
