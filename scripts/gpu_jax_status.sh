@@ -20,6 +20,7 @@ build_jax_stack
 export TE_BENCH_RESULTS=$out
 step cuda_tests "$(upto $((budget - 20)) 60)" python3 -m pytest -p no:cacheprovider -q \
   -m cuda -rfE tests/common/test_scaling.py tests/jax/test_cuda.py tests/jax/test_cuda_layernorm_mlp.py \
+  tests/jax/test_cuda_graphs.py \
   tests/jax/test_packed_attention.py
 step activation_tests "$(upto $((budget - 20)) 45)" python3 -m pytest -p no:cacheprovider -q \
   -m cuda -rfE tests/common/test_activation.py \
