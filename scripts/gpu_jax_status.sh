@@ -18,7 +18,7 @@ budget=${TE_GPU_BUDGET_S:-590}
 source "$(dirname "$0")/_gpu_run.sh"
 build_jax_stack
 export TE_BENCH_RESULTS=$out
-step cuda_tests "$(upto $((budget - 20)) 60)" python3 -m pytest -p no:cacheprovider -q \
+step cuda_tests "$(upto $((budget - 20)) 90)" python3 -m pytest -p no:cacheprovider -q \
   -m cuda -rfE tests/common/test_scaling.py tests/jax/test_cuda.py tests/jax/test_cuda_layernorm_mlp.py \
   tests/jax/test_cuda_graphs.py \
   tests/jax/test_packed_attention.py
