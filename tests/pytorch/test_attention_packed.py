@@ -92,6 +92,52 @@ def test_multihead_attention_reads_qkv_in_place():
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("layout,interleaved,groups", [("bshd", False, None),
+                                                        ("sbhd", True, None),
+                                                        ("bshd", True, 1)])
+def test_compiled_multihead_attention_reads_qkv_in_place(layout, interleaved, groups):
+    """A traced step cannot look at the views' storage: te.MultiheadAttention gives the
+    attention the views it made, so the compiled step reads q, k, v in place and writes their
+    gradients into one buffer (no copies of them, no concatenation) and matches eager."""
+    import copy
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    code = []
+
+    def keep(gm, example_inputs):
+        code.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mha = te.MultiheadAttention(64, 2, input_layernorm=True, attention_dropout=0.0,
+                                qkv_format=layout, num_gqa_groups=groups,
+                                qkv_weight_interleaved=interleaved, params_dtype=torch.float32)
+    eager = copy.deepcopy(mha)
+    compiled = torch.compile(mha, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
+                             fullgraph=True)
+    x = torch.randn(16, 2, 64) if layout == "sbhd" else torch.randn(2, 16, 64)
+    for model in (compiled, eager):
+        model(x).square().mean().backward()
+    for (name, a), b in zip(mha.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+    graphs = "\n".join(code)
+    assert "attention_backward_packed" in graphs
+    assert "attention_backward.default" not in graphs and ".clone(" not in graphs
+
+
+def test_packed_backward_refuses_views_of_another_tensor():
+    """The gradients are written where q, k, v sit in qkv: tensors outside it are refused."""
+    x = _projection("bshd", 8, 2, 2, 2, 16, torch.float32, "cpu").detach()
+    q, k, v = split_heads(x, 2, (1, 1, 1), 16, False)
+    o, lse = ops.attention_forward(q, k, v, E32, E32, E64, *_params("bshd"))
+    with pytest.raises(ValueError, match="views of the contiguous qkv"):
+        ops.attention_backward_packed(x.clone(), q, k, v, o, torch.ones_like(o), lse, E64,
+                                      "bshd", "causal", -1, 0, 0.25, 0.0, False, "auto")
+
+
 def test_core_rejects_bad_strides():
     raw = ops._backend.raw
     q, o, lse = torch.zeros(4, 1, 2, 16), torch.zeros(4, 1, 2, 16), torch.zeros(4, 2, 1)

@@ -62,7 +62,7 @@ class _FusedAttentionPacked(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, views, rng, params, deterministic):
-        q, k, v = (qkv.as_strided(*view) for view in views)
+        q, k, v = _views(qkv, views)
         o, lse = ops.attention_forward(q, k, v, _NO_SEQLENS, _NO_SEQLENS, rng, *params)
         ctx.save_for_backward(qkv, o, lse, rng)
         ctx.views, ctx.params, ctx.deterministic = views, params, deterministic
@@ -71,12 +71,24 @@ class _FusedAttentionPacked(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_o):
         qkv, o, lse, rng = ctx.saved_tensors
-        q, k, v = (qkv.as_strided(*view) for view in ctx.views)
+        q, k, v = _views(qkv, ctx.views)
         layout, mask, left, right, scale, dropout, _, _, backend = ctx.params
         d_qkv = ops.attention_backward_packed(qkv, q, k, v, o, d_o.contiguous(), lse, rng, layout,
                                               mask, left, right, scale, dropout,
                                               ctx.deterministic, backend)
         return d_qkv, None, None, None, None
+
+
+def _views(qkv: torch.Tensor, views: tuple) -> tuple:
+    """q, k, v as views of qkv: (shape, stride, offset from qkv's first element) each. A
+    forward traced by dynamo, which cannot read storage offsets, takes them from a slice of
+    the flattened qkv (as_strided keeps the slice's offset); elsewhere (eager, or the
+    backward traced on fake tensors) one as_strided each, the cheaper call."""
+    if torch.compiler.is_compiling():
+        flat = qkv.view(-1)
+        return tuple(flat[offset:].as_strided(shape, stride) for shape, stride, offset in views)
+    start = qkv.storage_offset()
+    return tuple(qkv.as_strided(shape, stride, start + offset) for shape, stride, offset in views)
 
 
 _NO_SEQLENS = torch.empty((0,), dtype=torch.int32)
@@ -112,10 +124,11 @@ def _tiles(qkv: torch.Tensor, views: tuple) -> bool:
 
 
 def packed_qkv(q, k, v, params: Params) -> Optional[tuple]:
-    """(qkv, views) when q, k and v are views that tile one contiguous tensor (the heads of a
-    QKV projection's output, split by module._heads.split_heads) and the core takes them in
-    place (bshd/sbhd, no padding mask); None otherwise. Eager only: traced graphs keep the
-    dense path."""
+    """(qkv, views: (shape, stride, offset from qkv's first element) of q, k, v) when q, k and
+    v are views that tile one contiguous tensor (the heads of a QKV projection's output, split
+    by module._heads.split_heads) and the core takes them in place (bshd/sbhd, no padding
+    mask); None otherwise. Eager only: a trace cannot read the views' storage (a traced
+    MultiheadAttention gives fused_attention the views itself)."""
     qkv = q._base
     if (qkv is None or k._base is not qkv or v._base is not qkv or not qkv.is_contiguous()
             or torch.compiler.is_compiling() or params[0] == "thd"
@@ -129,15 +142,23 @@ def packed_qkv(q, k, v, params: Params) -> Optional[tuple]:
         if len(_TILINGS) >= 256:
             _TILINGS.clear()
         fits = _TILINGS[key] = _tiles(qkv, views)
-    if not fits:
-        return None
-    return qkv, tuple((shape, stride, offset + start) for shape, stride, offset in views)
+    return (qkv, views) if fits else None
 
 
-def fused_attention(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bool = False):
+def fused_attention(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bool = False,
+                    packed: Optional[tuple] = None):
     """o = attention(q, k, v) through the core (cu_q, cu_kv, rng: tensors, empty if absent).
-    Views of one projection output are read in place (packed_qkv)."""
-    packed = packed_qkv(q, k, v, params) if packed_enabled and cu_q.numel() == 0 else None
+    Views of one projection output are read in place: found by packed_qkv, or given as
+    ``packed`` = (qkv, views) by a caller that made q, k, v as those views of qkv (a traced
+    MultiheadAttention, where packed_qkv cannot look at the views' storage)."""
+    if not packed_enabled or cu_q.numel() != 0:
+        packed = None
+    elif packed is None:
+        packed = packed_qkv(q, k, v, params)
+    elif (params[0] == "thd" or params[1].startswith("padding")
+          or any(tuple(t.shape) != tuple(shape) or tuple(t.stride()) != tuple(stride)
+                 for t, (shape, stride, _) in zip((q, k, v), packed[1], strict=True))):
+        packed = None
     if packed is not None:
         return _FusedAttentionPacked.apply(packed[0], packed[1], rng, params, deterministic)
     return _FusedAttention.apply(q, k, v, cu_q, cu_kv, rng, params, deterministic)

@@ -65,7 +65,7 @@ from . import (
     layernorm_mlp_fn,
     ops,
 )
-from .attention_fn import _tiles, packed_qkv
+from .attention_fn import packed_qkv
 from .fp8 import COMPILED_ALGOS
 from .layer_block_nodes import (
     Step,
@@ -76,7 +76,7 @@ from .layer_block_nodes import (
     infer,
 )
 from .module._attention_backend import backend_key, choose_backend, env_backend
-from .module._heads import split_heads
+from .module._heads import packed_views, split_heads
 from .module._split_rows import back_to_back
 from .module.attention import resolve_window
 from .ops._backend import enum_code
@@ -246,16 +246,15 @@ def _learn(mha, mlp, x: torch.Tensor, params: _Params, recipe, key: tuple, mask:
     attention = (layout, mask, window_pair[0], window_pair[1], float(dpa.softmax_scale),
                  float(dropout), 0, 0, backend)
     if torch.compiler.is_compiling():  # (packed_qkv reads the data pointer: eager only)
-        views = _traced_views(tuple(qkv_out.shape), dtype, mha._local_groups, mha._parts,
-                              mha.head_dim, mha.qkv_weight_interleaved)
+        views = packed_views(tuple(qkv_out.shape), dtype, mha._local_groups, mha._parts,
+                             mha.head_dim, mha.qkv_weight_interleaved)
         if views is None:
             return declined
     else:
         packed = packed_qkv(q, k, v, attention)
         if packed is None:
             return declined
-        start = qkv_out.storage_offset()
-        views = tuple((shape, stride, offset - start) for shape, stride, offset in packed[1])
+        views = packed[1]
     norms = tuple(None if m is None else (m.cfg.norm, m.cfg.eps, m.cfg.zero_centered_gamma)
                   for m in (qkv_mod, mlp))
     common = (attention, views, bool(dpa.deterministic), tuple(w.shape[0] for w in weights), hp,
@@ -280,16 +279,6 @@ def _past_first_step(modules) -> bool:
                 for name in ("amax_history_fwd", "amax_history_bwd"))):
             return False
     return True
-
-
-@torch._dynamo.assume_constant_result
-def _traced_views(shape: tuple, dtype, groups, parts, head_dim, interleaved) -> Optional[tuple]:
-    """packed_qkv's views of q, k, v in a fresh QKV output of ``shape``, for a traced forward
-    (run once at trace time, on the meta device), or None where they do not tile it."""
-    qkv = torch.empty(shape, dtype=dtype, device="meta")
-    q, k, v = split_heads(qkv, groups, parts, head_dim, interleaved)
-    views = tuple((tuple(t.shape), tuple(t.stride()), t.storage_offset()) for t in (q, k, v))
-    return views if _tiles(qkv, views) else None
 
 
 def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):

@@ -14,11 +14,14 @@ Query head ``n`` attends with key/value group ``n // (heads // groups)`` in both
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from ..attention_fn import _tiles
 from ..float8_tensor import Float8Tensor
 
-__all__ = ["split_heads"]
+__all__ = ["packed_views", "split_heads"]
 
 
 def _split_data(x: torch.Tensor, groups: int, parts: tuple, head_dim: int,
@@ -74,3 +77,16 @@ def split_heads(x: torch.Tensor, groups: int, parts: tuple, head_dim: int,
     if isinstance(x, Float8Tensor):
         return _SplitHeadsFP8.apply(x, (groups, tuple(parts), head_dim, interleaved))
     return tuple(_split_data(x, groups, parts, head_dim, interleaved))
+
+
+@torch._dynamo.assume_constant_result
+def packed_views(shape: tuple, dtype, groups: int, parts: tuple, head_dim: int,
+                 interleaved: bool) -> Optional[tuple]:
+    """split_heads' views of q, k, v in a fresh projection output of ``shape``, as
+    (shape, stride, storage offset) each, when they tile it (what attention reads in place:
+    attention_fn.packed_qkv), else None. For a traced forward, where the views' own storage
+    cannot be inspected: run once at trace time, on the meta device."""
+    qkv = torch.empty(shape, dtype=dtype, device="meta")
+    q, k, v = split_heads(qkv, groups, parts, head_dim, interleaved)
+    views = tuple((tuple(t.shape), tuple(t.stride()), t.storage_offset()) for t in (q, k, v))
+    return views if _tiles(qkv, views) else None

@@ -3,6 +3,7 @@ over the backend that ``_attention_backend.py`` chooses; the checks of its input
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Union
 
@@ -339,7 +340,7 @@ class DotProductAttention(FP8Module):
                 alibi_slopes=None, fast_zero_fill: bool = True, inference_params=None,
                 pad_between_seqs: Optional[bool] = None, fp8_output: bool = False,
                 num_splits: Optional[int] = None, *, attention_backend=None, query=None,
-                key=None, value=None):
+                key=None, value=None, _packed: Optional[tuple] = None):
         """Attention of ``query_layer``, ``key_layer``, ``value_layer`` (NVIDIA's names and
         order; ``query``, ``key``, ``value`` are accepted as keywords too).
 
@@ -351,7 +352,8 @@ class DotProductAttention(FP8Module):
         sequences, ``inference_params`` (use te.MultiheadAttention's) and ``fp8_output``
         outside ``fp8_mha`` are not implemented: they raise. ``num_splits`` (NVIDIA's split of
         the keys over several FlashAttention-3 kernels) takes None or 1: no backend here splits
-        them."""
+        them. (``_packed``: te.MultiheadAttention's (qkv, views) when q, k, v are those
+        views of its projection's output, for a traced step: attention_fn.fused_attention.)"""
         if num_splits is not None and num_splits != 1:
             # refused, not ignored: split keys merge partial results, which round otherwise
             raise NotImplementedError(f"DotProductAttention: num_splits={num_splits} is not "
@@ -391,6 +393,8 @@ class DotProductAttention(FP8Module):
                 bias, padded)
         recompute = _fp8.RECOMPUTE
         attend = self._attend if self._cp is None else self._attend_context_parallel
+        if _packed is not None and self._cp is None:
+            attend = functools.partial(self._attend, packed=_packed)
         tracker = self.get_rng_state_tracker
         if (tracker is not None and not self.sequence_parallel and self.training
                 and self.attention_dropout > 0):
@@ -439,7 +443,7 @@ class DotProductAttention(FP8Module):
 
     def _attend(self, query, key, value, attention_mask, qkv_format, cu_seqlens_q,
                 cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
-                attention_backend, bias=None, padded=None):
+                attention_backend, bias=None, padded=None, packed=None):
         if padded is not None:
             return self._attend_padded(query, key, value, attention_mask, qkv_format,
                                        cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
@@ -510,7 +514,8 @@ class DotProductAttention(FP8Module):
                                   max_seqlen_kv or 0, attention_mask)
         else:
             o = self._fused(query, key, value, layout, mask, window, dropout, cu_seqlens_q,
-                            cu_seqlens_kv, max_seqlen_q or 0, max_seqlen_kv or 0, name, recipe)
+                            cu_seqlens_kv, max_seqlen_q or 0, max_seqlen_kv or 0, name, recipe,
+                            packed)
             if isinstance(o, Float8Tensor):  # fp8_mha: flattened over the heads already
                 return o
         return o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
@@ -602,7 +607,7 @@ class DotProductAttention(FP8Module):
         _fp8.register_forward_amaxes(self, recipe)
 
     def _fused(self, q, k, v, layout, mask, window, dropout, cu_q, cu_kv, max_sq, max_skv,
-               backend, recipe: Optional[Recipe]):
+               backend, recipe: Optional[Recipe], packed: Optional[tuple] = None):
         # Separate empties: torch.compile rejects one tensor passed twice to an autograd.Function.
         def index(cu):
             if cu is None:
@@ -618,7 +623,7 @@ class DotProductAttention(FP8Module):
                   int(max_sq), int(max_skv), backend)
         if recipe is not None:
             return self._fused_fp8(q, k, v, cu_q, cu_kv, rng, params, recipe)
-        return fused_attention(q, k, v, cu_q, cu_kv, rng, params, self.deterministic)
+        return fused_attention(q, k, v, cu_q, cu_kv, rng, params, self.deterministic, packed)
 
     def _fused_fp8(self, q, k, v, cu_q, cu_kv, rng, params, recipe: Recipe):
         if kind_of(recipe) == "delayed":  # before _fp8_meta_of registers anything

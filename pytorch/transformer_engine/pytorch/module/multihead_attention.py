@@ -28,7 +28,7 @@ from ..float8_tensor import to_high_precision
 from ..rope import apply_rotary_pos_emb
 from ._checks import check_device, check_params_dtype, check_sizes
 from ._deferred_init import DeferredInit
-from ._heads import split_heads
+from ._heads import packed_views, split_heads
 from ._main_grad import route_tree
 from .attention import DotProductAttention, _runs_fp8
 from .base import set_group_of_children
@@ -389,6 +389,9 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
             o = checkpoint(self.core_attention, q, k, v, qkv_format=layout,
                            get_rng_state_tracker=self.get_rng_state_tracker, **attend)
         else:
+            if (torch.compiler.is_compiling() and self.attention_type == "self"
+                    and rotary_pos_emb is None and not norm_qk and cache is None):
+                attend["_packed"] = self._packed(projected)
             o = self.core_attention(q, k, v, qkv_format=layout, **attend)
         if unpack is not None:  # a cached packed step attended as padded bshd
             o = unpack(to_high_precision(o))
@@ -441,6 +444,18 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
                 "parallelism is not implemented (a rank's rows of [q | k | v] would not hold "
                 "whole key/value groups); use qkv_weight_interleaved=True")
         return tp
+
+    def _packed(self, projected) -> Optional[tuple]:
+        """(projected, the views of q, k, v in it) for a traced step whose q, k, v are
+        split_heads' views of the plain QKV output ``projected``: attention then reads them in
+        place and writes their gradients into one gradient of it (attention_fn's packed path,
+        which in eager finds the views itself from their storage; a trace cannot look there).
+        None where the views do not tile it."""
+        if type(projected) is not torch.Tensor or self.core_attention._cp is not None:
+            return None
+        views = packed_views(tuple(projected.shape), projected.dtype, self._local_groups,
+                             self._parts, self.head_dim, self.qkv_weight_interleaved)
+        return None if views is None else (projected, views)
 
     def _norm_qk(self, q, k):
         """qk_norm_type over each head's features of q and k."""

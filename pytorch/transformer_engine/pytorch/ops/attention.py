@@ -206,6 +206,13 @@ def attention_backward_packed(qkv: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                          f"reads in place (bshd/sbhd, no padding mask), got strides "
                          f"{q.stride()}, {k.stride()}, {v.stride()} for layout {layout!r} and "
                          f"mask {mask!r}")
+    # The gradients are written where q, k, v sit in qkv: they must be views of it (a
+    # compiler that handed the op copies of them would otherwise get gradients misplaced).
+    begin, size = qkv.data_ptr(), qkv.numel() * qkv.element_size()
+    if not qkv.is_contiguous() or any(not begin <= t.data_ptr() < begin + size
+                                      for t in (q, k, v)):
+        raise ValueError("attention_backward_packed: q, k and v must be views of the "
+                         "contiguous qkv, got tensors outside it")
     cfg = config(layout, mask, window_left, window_right, softmax_scale, dropout, 0, 0,
                  deterministic, backend, False, strides)
     d_qkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
