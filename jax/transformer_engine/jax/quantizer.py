@@ -187,11 +187,8 @@ def step_scale(qset: QuantizerSet, role: str,
     if not first_step_rule:
         return state["scale"], None
     # Empty: an all-zero history and the initial scale of 1 (a history of one step is all
-    # zero again after each update; the scale tells the steps after the first apart). One
-    # reduction over both, which XLA makes one kernel (a max of the history plus |scale - 1|
-    # was two: the reduction, then the add); only gate == 0 matters, and NaN stays nonzero.
-    gate = jnp.max(jnp.concatenate([state["amax_history"].reshape(-1),
-                                    jnp.abs(state["scale"] - 1.0).reshape(-1)]), keepdims=True)
+    # zero again after each update; the scale tells the steps after the first apart).
+    gate = jnp.max(state["amax_history"], keepdims=True) + jnp.abs(state["scale"] - 1.0)
     first = amax_of(gate)
     # Under vmap the state is shared: the scale of one call on the whole batch.
     amax = _amax_of_all_mapped(first)
