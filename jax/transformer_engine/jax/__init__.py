@@ -18,6 +18,8 @@ for the CPU and CUDA platforms.
   FP8 state that ``dense`` quantizes with; :func:`update_collections` merges the new state.
 * :mod:`transformer_engine.jax.flax`: the ``DenseGeneral``, ``LayerNorm``, ``LayerNormDenseGeneral``
   and ``LayerNormMLP`` linen modules.
+* :mod:`transformer_engine.jax.permutation`: a mixture-of-experts block's token movement
+  (``token_dispatch``, ``token_combine``, ``sort_chunks_by_index``; NVIDIA's path).
 * :mod:`transformer_engine.jax.ops`: the custom calls themselves.
 * NVIDIA's module paths: :mod:`~transformer_engine.jax.sharding` (``MeshResource``,
   ``global_shard_guard``), :mod:`~transformer_engine.jax.quantize` (``ScalingMode``,
