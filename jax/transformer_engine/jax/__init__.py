@@ -19,7 +19,9 @@ for the CPU and CUDA platforms.
 * :mod:`transformer_engine.jax.flax`: the ``DenseGeneral``, ``LayerNorm``, ``LayerNormDenseGeneral``
   and ``LayerNormMLP`` linen modules.
 * :mod:`transformer_engine.jax.permutation`: a mixture-of-experts block's token movement
-  (``token_dispatch``, ``token_combine``, ``sort_chunks_by_index``; NVIDIA's path).
+  (``token_dispatch``, ``token_combine``, ``sort_chunks_by_index``) and
+  :mod:`transformer_engine.jax.router` its router (``fused_topk_with_score_function``,
+  ``fused_moe_aux_loss``); NVIDIA's paths.
 * :mod:`transformer_engine.jax.ops`: the custom calls themselves.
 * NVIDIA's module paths: :mod:`~transformer_engine.jax.sharding` (``MeshResource``,
   ``global_shard_guard``), :mod:`~transformer_engine.jax.quantize` (``ScalingMode``,
