@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The JAX stack's status in one short GPU run: builds the core (CUDA, sm_90a) and the torch and
 # jax packages; the CUDA tests of the scale update, the packed self-attention (bit for bit
-# against the copies' attention) and the activations (bit for bit against the CPU; the core's
+# against the copies' attention), XLA's command buffers, the MoE token movement and router (on
+# the GPU backend) and the activations (bit for bit against the CPU; the core's
 # activation tests of every output kind but the FP8 value sweeps);
 # bench_transformer_layer_jax.py --model for about 130 s (it writes its JSON after each hidden
 # size, 1024 first: results/model_jax.json); the stack's kernels at hidden 1024
@@ -22,6 +23,10 @@ step cuda_tests "$(upto $((budget - 20)) 90)" python3 -m pytest -p no:cacheprovi
   -m cuda -rfE tests/common/test_scaling.py tests/jax/test_cuda.py tests/jax/test_cuda_layernorm_mlp.py \
   tests/jax/test_cuda_graphs.py \
   tests/jax/test_packed_attention.py
+# (the MoE token movement and router are jnp: on this machine they run on the GPU backend)
+step moe_tests "$(upto $((budget - 20)) 45)" python3 -m pytest -p no:cacheprovider -q -rfE \
+  tests/jax/test_permutation.py tests/jax/test_router.py tests/cross/test_same_permutation.py \
+  tests/cross/test_same_router.py
 step activation_tests "$(upto $((budget - 20)) 45)" python3 -m pytest -p no:cacheprovider -q \
   -m cuda -rfE tests/common/test_activation.py \
   -k "half_precision or nan or magnitudes or amax_only or many_tiles or degenerate or identity"
