@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "jax" / "examples"
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
@@ -40,11 +41,13 @@ def test_training_loop_with_optax():
     assert np.count_nonzero(last["x_amax_history"]) == 3  # H - 1 amaxes, slot 0 cleared
 
 
-def test_moe_training_loop():
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_moe_training_loop(fp8):
     """The mixture-of-experts example: router, token movement, grouped GEMMs and the combine
-    in one jitted step; the task loss falls and every expert keeps tokens."""
+    in one jitted step (in FP8 over the padded dispatch); the task loss falls and every
+    expert keeps tokens."""
     train = runpy.run_path(str(EXAMPLES / "train_moe.py"), run_name="example")["train"]
-    losses, per_expert = train(steps=40)
+    losses, per_expert = train(steps=40, fp8=fp8)
     task = np.array([t for t, _ in losses])
     assert np.all(np.isfinite(task)) and np.all(np.isfinite([a for _, a in losses]))
     assert task[-1] < 0.4 * task[0], task

@@ -9,7 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_engine.jax.permutation import sort_chunks_by_index, token_combine, token_dispatch
+from transformer_engine.jax.permutation import (
+    sort_chunks_by_index,
+    token_combine,
+    token_dispatch,
+    token_dispatch_padded,
+)
 
 
 def _routing(tokens: int, experts: int, topk: int, seed: int = 0) -> np.ndarray:
@@ -123,6 +128,31 @@ def test_probs_gradient_goes_back_to_its_entry():
     np.testing.assert_array_equal(grad, expected)
 
 
+def test_padded_dispatch_pads_each_expert_to_the_alignment():
+    tokens, experts, hidden, align = 20, 5, 4, 8
+    routing = _routing(tokens, experts, 2, seed=12)
+    x = np.arange(tokens * hidden, dtype=np.float32).reshape(tokens, hidden) + 1
+    probs = np.random.default_rng(13).random((tokens, experts)).astype(np.float32) * routing
+    out, permuted_probs, row_id_map, sizes = jax.jit(
+        token_dispatch_padded, static_argnums=(2, 3))(
+        jnp.asarray(x), jnp.asarray(routing), tokens * 2, align, jnp.asarray(probs))
+    assert out.shape == (tokens * 2 + experts * (align - 1), hidden)
+    counts = routing.sum(axis=0)
+    np.testing.assert_array_equal(np.asarray(sizes), -(-counts // align) * align)
+    out, permuted_probs = np.asarray(out), np.asarray(permuted_probs)
+    start = 0
+    for e in range(experts):  # each expert's tokens in order, then zero rows
+        group = out[start:start + int(sizes[e])]
+        np.testing.assert_array_equal(group[:counts[e]], x[routing[:, e] == 1])
+        np.testing.assert_array_equal(group[counts[e]:], 0)
+        np.testing.assert_array_equal(permuted_probs[start:start + counts[e]],
+                                      probs[routing[:, e] == 1, e])
+        start += int(sizes[e])
+    np.testing.assert_array_equal(out[start:], 0)
+    back = np.asarray(token_combine(jnp.asarray(out), row_id_map, jnp.asarray(probs)))
+    np.testing.assert_allclose(back, x * probs.sum(axis=1, keepdims=True), rtol=1e-6)
+
+
 def test_sort_chunks_by_index_reorders_and_its_map_inverts():
     x = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
     sizes, order = np.array([3, 0, 4, 2]), np.array([2, 0, 3, 1])
@@ -148,6 +178,8 @@ def test_bad_arguments_name_the_op():
         token_dispatch(x, routing, 4, probs=jnp.ones((4, 2)))
     with pytest.raises(ValueError, match="token_dispatch: inp must be"):
         token_dispatch(jnp.ones(4), routing, 4)
+    with pytest.raises(ValueError, match="token_dispatch_padded: align_size must be"):
+        token_dispatch_padded(x, routing, 4, 0)
     with pytest.raises(ValueError, match="token_combine: merging_probs must be"):
         token_combine(x, jnp.zeros((4, 3), jnp.int32), jnp.ones((4, 2)))
     with pytest.raises(ValueError, match="token_combine: row_id_map must be"):

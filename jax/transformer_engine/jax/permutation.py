@@ -5,6 +5,10 @@ tokens to their experts and back, and chunks of rows reordered.
   grouped by expert (expert 0's tokens first, each expert's in token order; the layout
   :func:`transformer_engine.jax.grouped_dense` takes with the experts' row counts), with the
   router's probabilities moved alike.
+* :func:`token_dispatch_padded`: the same with each expert's rows padded to a multiple of
+  ``align_size`` (zero rows), and the padded row counts: what FP8 grouped GEMMs take (their
+  group sizes must be multiples of 16). Ours; NVIDIA's PyTorch API has the like
+  ``moe_permute_and_pad_with_probs``.
 * :func:`token_combine`: the experts' rows back to their tokens, each token's rows summed,
   weighted by the merging probabilities.
 * :func:`sort_chunks_by_index`: chunks of rows put in another order (expert-parallel
@@ -23,7 +27,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["token_dispatch", "token_combine", "sort_chunks_by_index"]
+__all__ = ["token_dispatch", "token_dispatch_padded", "token_combine", "sort_chunks_by_index"]
 
 
 def _rows(op: str, name: str, x: jax.Array) -> jax.Array:
@@ -56,19 +60,8 @@ def _sources(row_id_map: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
     return source, filled
 
 
-def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
-                   probs: Optional[jax.Array] = None
-                   ) -> tuple[jax.Array, Optional[jax.Array], jax.Array]:
-    """``inp`` [tokens, hidden] (or [batch, sequence, hidden]) grouped by expert:
-    (permuted [num_out_tokens, hidden], permuted probs [num_out_tokens] or None, row_id_map
-    [tokens, experts] for :func:`token_combine`).
-
-    ``routing_map`` [tokens, experts] (or [batch, sequence, experts]), nonzero where a token
-    goes to an expert. ``num_out_tokens`` (a Python int: it sizes the output under jit) is
-    usually the routing map's sum; fewer keeps the first rows (dropping from the last
-    experts), more leaves zero rows at the end. ``probs``, the router's [tokens, experts]
-    probabilities, come out in the rows' order."""
-    op = "token_dispatch"
+def _check_dispatch(op: str, inp, routing_map, num_out_tokens, probs) -> tuple:
+    """(inp as [tokens, hidden], routing_map as [tokens, experts]) after the checks."""
     x = _rows(op, "inp", inp)
     if jnp.ndim(routing_map) not in (2, 3):
         raise ValueError(f"{op}: routing_map must be [tokens, experts] or [batch, sequence, "
@@ -84,15 +77,68 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
     if probs is not None and tuple(jnp.shape(probs)) != tuple(jnp.shape(routing_map)):
         raise ValueError(f"{op}: probs must have routing_map's shape "
                          f"{tuple(jnp.shape(routing_map))}, got {tuple(jnp.shape(probs))}")
-    row_id_map = _row_id_map(routing, num_out_tokens)
-    source, filled = _sources(row_id_map, num_out_tokens)
-    experts = routing.shape[1]
+    return x, routing
+
+
+def _gather(x, probs, row_id_map, rows: int) -> tuple:
+    """(the permuted rows [rows, hidden], their probs or None): each row the token (and
+    probability) the row-id map sends there, zero where none does."""
+    source, filled = _sources(row_id_map, rows)
+    experts = row_id_map.shape[1]
     out = jnp.where(filled[:, None], x[source // experts], jnp.zeros((), x.dtype))
-    permuted_probs = None
-    if probs is not None:
-        flat_probs = jnp.reshape(probs, (-1,))
-        permuted_probs = jnp.where(filled, flat_probs[source], jnp.zeros((), flat_probs.dtype))
+    if probs is None:
+        return out, None
+    flat_probs = jnp.reshape(probs, (-1,))
+    return out, jnp.where(filled, flat_probs[source], jnp.zeros((), flat_probs.dtype))
+
+
+def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
+                   probs: Optional[jax.Array] = None
+                   ) -> tuple[jax.Array, Optional[jax.Array], jax.Array]:
+    """``inp`` [tokens, hidden] (or [batch, sequence, hidden]) grouped by expert:
+    (permuted [num_out_tokens, hidden], permuted probs [num_out_tokens] or None, row_id_map
+    [tokens, experts] for :func:`token_combine`).
+
+    ``routing_map`` [tokens, experts] (or [batch, sequence, experts]), nonzero where a token
+    goes to an expert. ``num_out_tokens`` (a Python int: it sizes the output under jit) is
+    usually the routing map's sum; fewer keeps the first rows (dropping from the last
+    experts), more leaves zero rows at the end. ``probs``, the router's [tokens, experts]
+    probabilities, come out in the rows' order."""
+    x, routing = _check_dispatch("token_dispatch", inp, routing_map, num_out_tokens, probs)
+    row_id_map = _row_id_map(routing, num_out_tokens)
+    out, permuted_probs = _gather(x, probs, row_id_map, num_out_tokens)
     return out, permuted_probs, row_id_map
+
+
+def token_dispatch_padded(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
+                          align_size: int, probs: Optional[jax.Array] = None
+                          ) -> tuple[jax.Array, Optional[jax.Array], jax.Array, jax.Array]:
+    """:func:`token_dispatch` with each expert's rows followed by zero rows up to a multiple of
+    ``align_size``: (permuted [num_out_tokens + experts * (align_size - 1), hidden], permuted
+    probs or None, row_id_map, group_sizes [experts] int32, the padded row counts).
+
+    The output's row count is the bound of the padding (a static shape; the routing is known
+    on the device only): the padded groups come first, zero rows after them. Every routed
+    (token, expert) must fit, so ``num_out_tokens`` must be at least the routing map's sum;
+    rows past the bound are dropped and the sizes clipped to it. ``row_id_map`` points at the
+    real rows, so :func:`token_combine` skips the padding."""
+    op = "token_dispatch_padded"
+    x, routing = _check_dispatch(op, inp, routing_map, num_out_tokens, probs)
+    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 1:
+        raise ValueError(f"{op}: align_size must be a Python int >= 1, got {align_size!r}")
+    chosen = routing != 0
+    experts = chosen.shape[1]
+    rows = num_out_tokens + experts * (align_size - 1)
+    counts = jnp.sum(chosen, axis=0, dtype=jnp.int32)
+    padded = (counts + align_size - 1) // align_size * align_size
+    starts = jnp.cumsum(padded) - padded
+    rank = jnp.cumsum(chosen.astype(jnp.int32), axis=0) - 1  # a token's place in its expert
+    row = starts[None, :] + rank
+    row_id_map = jnp.where(chosen & (row < rows), row, -1)
+    ends = jnp.minimum(starts + padded, rows)
+    group_sizes = ends - jnp.minimum(starts, rows)
+    out, permuted_probs = _gather(x, probs, row_id_map, rows)
+    return out, permuted_probs, row_id_map, group_sizes
 
 
 def token_combine(inp: jax.Array, row_id_map: jax.Array,
