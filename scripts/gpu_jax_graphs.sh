@@ -3,10 +3,10 @@
 # (CUDA, sm_90a) and the torch and jax packages; the JAX CUDA tests (test_cuda_graphs.py: the
 # same FP8 steps with command buffers on and off give the same bits); then
 # bench_transformer_layer_jax.py --model twice, each in its own process with the flax bf16
-# stack beside it: as XLA runs it by default (our handlers captured with the fusions around
-# them, results/model_jax_graphs.json) and with CUSTOM_CALL left out of XLA's command buffer
-# kinds (every custom call launched from the host, as before the handlers were marked:
-# results/model_jax_graphs_off.json).
+# stack beside it: with XLA's default command buffer kinds (where XLA forms graphs with custom
+# calls it may capture ours, results/model_jax_graphs.json) and with CUSTOM_CALL left out of
+# them (every custom call launched from the host, as before the handlers were marked:
+# results/model_jax_graphs_off.json). At 1dea7a2 on an H100 the two steps were alike.
 # Logs go to $1/log.txt, JSON to $1.
 #
 #   bash scripts/gpu_jax_graphs.sh OUT_DIR        # TE_GPU_BUDGET_S: seconds to use (590)

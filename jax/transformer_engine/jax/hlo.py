@@ -49,4 +49,3 @@ def count_cublas_fp8_gemms(hlo_text: str) -> int:
     """XLA's own cuBLAS(Lt) GEMM custom calls with FP8 operands (what flax's fp8_ops become)."""
     return sum(1 for t, ops in custom_calls(hlo_text)
                if t.startswith("__cublas") and ("f8" in t or _FP8.search(ops)))
-
