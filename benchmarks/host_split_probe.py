@@ -70,7 +70,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--tokens", type=int, nargs=2, default=(4, 2048))
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--unfused", action="store_true",
+                        help="the node's attention half as separate operator calls "
+                             "(layer_block_nodes.fused_attention_block off)")
     args = parser.parse_args()
+    nodes.fused_attention_block = not args.unfused
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     h, (b, s) = args.hidden, args.tokens
     heads = h // 128 if h >= 128 else 2
@@ -98,6 +102,8 @@ def main() -> None:
     _wrap(nodes.compiled_blocks, "_mlp_forward", "fwd: MLP block operator")
     _wrap(nodes.fast_linear, "_forward", "fwd: projection operator")
     _wrap(nodes, "_attend", "fwd: attention (_attend)")
+    _wrap(nodes, "_fp8_attention_fused", "fwd: attention half, one operator")
+    _wrap(nodes, "_projection_attention_backward", "bwd: projection + attention, one operator")
     _wrap(ops, "attention_forward", "fwd: attention: ops.attention_forward")
     _wrap(nodes, "_residual", "fwd: residual adds")
     _wrap(nodes.compiled_blocks, "layernorm_mlp_block_backward", "bwd: MLP block operator")
@@ -138,23 +144,23 @@ def main() -> None:
     alone["residual add [M, H]"] = _median_us(lambda: residual + residual, device, 200)
     # attention at the layer's shape, q, k, v packed in one [M, 3H] output as the node has them
     qkv = torch.randn(b, s, 3 * h, device=device, dtype=torch.bfloat16)
-    q, k, v = (qkv.view(b, s, 3, heads, 128)[:, :, i] for i in range(3))
+    q, k, v = (qkv.view(b, s, 3, heads, h // heads)[:, :, i] for i in range(3))
     empty32 = torch.empty(0, dtype=torch.int32, device=device)
     empty64 = torch.empty(0, dtype=torch.int64, device=device)
-    call = (q, k, v, empty32, empty32, empty64, "bshd", "causal", -1, 0, 128 ** -0.5, 0.0, s, s,
-            "auto")
+    scale = (h // heads) ** -0.5
+    call = (q, k, v, empty32, empty32, empty64, "bshd", "causal", -1, 0, scale, 0.0, s, s, "auto")
     alone["ops.attention_forward (packed)"] = _median_us(
         lambda: ops.attention_forward(*call), device, 100)
     o, lse = ops.attention_forward(*call)
     d_o = torch.randn_like(o)
-    bcall = (qkv, q, k, v, o, d_o, lse, empty64, "bshd", "causal", -1, 0, 128 ** -0.5, 0.0,
+    bcall = (qkv, q, k, v, o, d_o, lse, empty64, "bshd", "causal", -1, 0, scale, 0.0,
              False, "auto")
     alone["ops.attention_backward_packed"] = _median_us(
         lambda: ops.attention_backward_packed(*bcall), device, 100)
     if device.type == "cuda":
         c = attention_ops.core()
         strides = attention_ops.qkv_strides("bshd", "causal", q, k, v)
-        cfg = attention_ops.config("bshd", "causal", -1, 0, 128 ** -0.5, 0.0, s, s, False,
+        cfg = attention_ops.config("bshd", "causal", -1, 0, scale, 0.0, s, s, False,
                                    "auto", False, strides)
         ws = attention_ops._workspace_for(cfg, ("probe",), q, k, v, "bfloat16", "bfloat16",
                                           empty32, s, s, False)
@@ -165,15 +171,16 @@ def main() -> None:
             lambda: c.attention_forward(cfg, *raws, o_raw, lse_raw, workspace=ws_raw,
                                         stream=stream), device, 100)
         alone["building the config"] = _median_us(
-            lambda: attention_ops.config("bshd", "causal", -1, 0, 128 ** -0.5, 0.0, s, s, False,
-                                         "auto", False, strides), device, 200)
+            lambda: attention_ops.config("bshd", "causal", -1, 0, scale, 0.0, s, s, False, "auto",
+                                         False, strides), device, 200)
 
     result = {
         "benchmark": "host_split_probe",
         "environment": environment() if device.type == "cuda" else {"device": "cpu"},
         "description": __doc__.split("\n\n")[0],
         "config": {"hidden": h, "heads": heads, "shape_bsh": [b, s, h], "steps": n,
-                   "recipe": "DelayedScaling", "device": device.type},
+                   "recipe": "DelayedScaling", "device": device.type,
+                   "fused_attention_block": nodes.fused_attention_block},
         "step_host_us_median": round(statistics.median(step_times) * 1e6, 1),
         "per_step_us": per_step,
         "calls_per_step": calls,

@@ -341,6 +341,70 @@ def test_node_with_dropout_gives_the_modules_bits(device, rope, mode, recipe_nam
     assert_same_bits(off, on)
 
 
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("case", ["layernorm-gelu", "rmsnorm-swiglu-gqa", "fused-qkv-no-bias",
+                                  "sbhd-no-mask-zero-centered", "dropout", "attention-alone"])
+def test_fused_attention_half_gives_the_nodes_bits(device, case, recipe_name, monkeypatch):
+    """The FP8 nodes' attention half through attention_block.cpp's operators (one forward
+    call, one projection-and-attention backward call) gives the bits of the node's operator
+    calls one by one, and does run: once per layer and step in each direction."""
+    calls = {"forward": 0, "backward": 0}
+
+    def counting(name, fn):
+        def counted(*args):
+            calls[name] += 1
+            return fn(*args)
+        return counted
+
+    monkeypatch.setattr(layer_block_nodes, "_fp8_attention_fused",
+                        counting("forward", layer_block_nodes._fp8_attention_fused))
+    monkeypatch.setattr(layer_block_nodes, "_projection_attention_backward",
+                        counting("backward", layer_block_nodes._projection_attention_backward))
+
+    def train(fused: bool) -> list:
+        monkeypatch.setattr(layer_block_nodes, "fused_attention_block", fused)
+        if case == "attention-alone":
+            torch.manual_seed(0)
+            m = te.MultiheadAttention(64, 4, attn_mask_type="causal", input_layernorm=True,
+                                      attention_dropout=0.0, qkv_format="bshd",
+                                      params_dtype=torch.bfloat16, device=device)
+        elif case == "dropout":
+            m = _layers(device, hidden_dropout=0.1, attention_dropout=0.1)
+        else:
+            m = _layers(device, **CONFIGS[case])
+        return _record(m, recipe_name, device)
+
+    unfused = train(False)
+    assert calls == {"forward": 0, "backward": 0}
+    fused = train(True)
+    layers = 1 if case == "attention-alone" else LAYERS
+    steps = STEPS - (1 if recipe_name == "delayed" else 0)
+    assert calls == {"forward": layers * steps, "backward": layers * steps}
+    assert_same_bits(unfused, fused)
+
+
+def test_fused_attention_half_reports_a_bad_call():
+    """A call the operator cannot serve fails with the operator's name and what was wrong,
+    and writes nothing."""
+    from transformer_engine.pytorch import _compiled
+    if _compiled.ops is None:
+        pytest.skip("the compiled eager ops are not built")
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    g, beta = torch.ones(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.bfloat16)
+    w = torch.randn(192, 64, dtype=torch.bfloat16)
+    wp = torch.randn(64, 64, dtype=torch.bfloat16)
+    scales, history = torch.ones(3), torch.zeros(4, 3)
+    before = history.clone()
+    status, *_ = _compiled.ops.attention_block_fp8_forward.default(
+        x, g, beta, 0, 1e-5, False, w, None, wp, None, scales, history, scales, history,
+        _compiled.NO_TENSOR, True, 3, False, 0.0, [1, 16, 4, 16] * 2 + [0] * 19, [], 0, 1, -1, 0,
+        0.25, 0.0, -1, _compiled.NO_TENSOR, None, 0.0, _compiled.NO_TENSOR, 0)
+    assert status != 0
+    message = _compiled.ops.last_error.default()
+    assert "attention_block_fp8_forward" in message and "view of k" in message
+    assert torch.equal(history, before)
+
+
 @pytest.mark.parametrize("recipe_name", ["delayed", None])
 def test_layer_with_drop_path_takes_the_attention_node(recipe_name, node_calls, attention_calls):
     """A layer the layer node does not take (stochastic depth) still runs its attention as one

@@ -139,6 +139,8 @@ void check_block_input(const Tensor &input, const Tensor &gamma, const char *op)
                  ": the norm's parameters must be on the input's device");
 }
 
+}  // namespace
+
 constexpr const char *kLnLinearForward = "te_eager.layernorm_linear_fp8_forward";
 
 // LayerNormLinear's FP8 forward (layernorm_linear_fn.Fp8LayerNormLinearFunction.forward with a
@@ -166,6 +168,8 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> laye
     return {out, ln_sinv, ln_col, mu, rsigma, w.sinv, w.col};
   });
 }
+
+namespace {
 
 constexpr const char *kLnLinearBackward = "te_eager.layernorm_linear_fp8_backward";
 

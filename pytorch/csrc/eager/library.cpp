@@ -5,9 +5,10 @@
 // spent around the kernels, not in them (benchmarks/results/host_probes.md). te.Linear's FP8
 // forward (linear.cpp), a norm or an activation with the FP8 GEMM after it (fused_forward.cpp),
 // the backward of any per-tensor FP8 linear layer (linear.cpp), LayerNormLinear's and
-// LayerNormMLP's whole forward and whole backward (blocks.cpp, composed of the others) and
-// delayed scaling's scale update (here) are each one call into the core's C API, with outputs
-// from torch's allocator.
+// LayerNormMLP's whole forward and whole backward (blocks.cpp, composed of the others), a
+// Transformer layer's attention half forward and its projection and attention backward
+// (attention_block.cpp) and delayed scaling's scale update (here) are each one call into the
+// core's C API, with outputs from torch's allocator.
 // Each computes what the Python steps compute, with the same core calls and arguments (so the
 // same bits), for the inputs its Python caller accepts; it checks them again and fails (never
 // writes) on anything else.
@@ -136,6 +137,22 @@ STABLE_TORCH_LIBRARY(te_eager, m) {
       "ScalarType? b1_dtype, ScalarType w2_dtype, ScalarType? b2_dtype, Tensor? grad_input_add, int stream) "
       "-> (int, Tensor, Tensor, "
       "Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "attention_block_fp8_forward(Tensor input, Tensor gamma, Tensor? beta, int norm, float eps, "
+      "bool zero_centered_gamma, Tensor w_qkv, Tensor? b_qkv, Tensor w_proj, Tensor? b_proj, Tensor qkv_scales, "
+      "Tensor(a!) qkv_history, Tensor proj_scales, Tensor(b!) proj_history, Tensor(c!) workspace, bool current, "
+      "int fp8_dtype, bool pow2, float epsilon, int[] views, int[] strides, int layout, int mask, "
+      "int window_left, int window_right, float softmax_scale, float dropout, int backend, Tensor attention_rng, "
+      "Tensor? residual, float residual_dropout, Tensor residual_rng, int stream) -> (int, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "attention_block_fp8_backward(Tensor grad_output, Tensor qkv, Tensor o, Tensor lse, Tensor attention_rng, "
+      "Tensor x_sinv, Tensor pw_sinv, Tensor x_col, Tensor pw_col, Tensor(a!) grad_history, "
+      "Tensor(b!) grad_scale, Tensor(c!) grad_scale_inv, Tensor(d!) workspace, bool current, int fwd_dtype, "
+      "int bwd_dtype, bool pow2, float epsilon, int algo, int margin, ScalarType weight_dtype, "
+      "ScalarType? bias_dtype, int[] views, int[] strides, int layout, int mask, int window_left, "
+      "int window_right, float softmax_scale, float dropout, bool deterministic, int backend, int stream) "
+      "-> (int, Tensor, Tensor, Tensor)");
   m.def(
       "delayed_scaling_update(Tensor(a!)[] histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, "
       "int fp8_dtype, int algo, int margin, int stream) -> int");

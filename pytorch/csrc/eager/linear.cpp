@@ -27,6 +27,8 @@ void check_linear(const Tensor &input, const Tensor &weight, const std::optional
   }
 }
 
+}  // namespace
+
 // input [..., K] @ weight[N, K]^T (+ bias) with both operands cast to `fp8_dtype` (a te_dtype
 // code) as the GEMM's row-wise operands and, where the backward needs them, as column-wise
 // copies. Delayed scaling (current = false) casts with scales[0] (input) and scales[1] (weight)
@@ -110,8 +112,6 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward(
     return {out, x_sinv_t, w_sinv_t, x_col_t, w_col_t};
   });
 }
-
-}  // namespace
 
 constexpr const char *kLinearBackward = "te_eager.linear_fp8_backward";
 

@@ -1,8 +1,8 @@
-// The te_eager operators that the whole-block operators (blocks.cpp) are made of: each is a
-// step of a fused block, callable on its own from Python and composed here in C++. Their
-// contracts are at their definitions (fused_forward.cpp, linear.cpp); the schemas in
-// library.cpp. Each returns a status first (common.h: guarded), which `ok` turns back into an
-// exception inside a composing operator, whose own guard reports it.
+// The te_eager operators that the whole-block operators (blocks.cpp, attention_block.cpp) are
+// made of: each is a step of a fused block, callable on its own from Python and composed here
+// in C++. Their contracts are at their definitions (fused_forward.cpp, linear.cpp, blocks.cpp);
+// the schemas in library.cpp. Each returns a status first (common.h: guarded), which `ok`
+// turns back into an exception inside a composing operator, whose own guard reports it.
 #pragma once
 
 #include "common.h"
@@ -25,6 +25,16 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> act_linear_fp8_forward(
     Tensor h, int64_t act, Tensor w_data, Tensor w_sinv, std::optional<Tensor> bias, Tensor scales, Tensor history,
     Tensor workspace, bool current, int64_t fp8_dtype, bool pow2, double epsilon, bool need_col,
     int64_t stream_handle);
+
+std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> linear_fp8_forward(
+    Tensor input, Tensor weight, std::optional<Tensor> bias, Tensor scales, Tensor history, Tensor workspace,
+    bool current, int64_t fp8_dtype, bool pow2, double epsilon, bool need_dgrad, bool need_wgrad, bool own_buffers,
+    int64_t stream_handle);
+
+std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_linear_fp8_forward(
+    Tensor input, Tensor gamma, std::optional<Tensor> beta, int64_t norm, double eps, bool zero_centered_gamma,
+    Tensor weight, std::optional<Tensor> bias, Tensor scales, Tensor history, Tensor workspace, bool current,
+    int64_t fp8_dtype, bool pow2, double epsilon, bool need_dgrad, bool need_wgrad, int64_t stream);
 
 std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
     Tensor grad_output, std::optional<Tensor> act_input, int64_t act, Tensor x_sinv, Tensor w_sinv, Tensor x_col,

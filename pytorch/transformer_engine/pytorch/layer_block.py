@@ -73,6 +73,7 @@ from .layer_block_nodes import (
     apply_attention_hp,
     apply_layer,
     apply_layer_hp,
+    block_args,
     infer,
 )
 from .module._attention_backend import backend_key, choose_backend, env_backend
@@ -264,7 +265,8 @@ def _learn(mha, mlp, x: torch.Tensor, params: _Params, recipe, key: tuple, mask:
     return Step(recipe, key, plans[0].kind == "delayed",
                  compiled_blocks._codes(plans[0], qkv_mod.cfg), fast_linear.codes_of(plans[1]),
                  None if mlp is None else compiled_blocks._codes(plans[2], mlp.cfg),
-                 0 if mlp is None else enum_code("Activation", mlp._act), *common)
+                 0 if mlp is None else enum_code("Activation", mlp._act), *common,
+                 block_args(attention, views, dtype.itemsize))
 
 
 def _past_first_step(modules) -> bool:

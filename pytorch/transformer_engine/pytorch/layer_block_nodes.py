@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from . import _compiled, compiled_blocks, fast_linear, ops
+from . import _compiled, compiled_blocks, compiled_grads, fast_linear, ops
 from ._autograd import eager_apply
 from .attention_fn import _NO_SEQLENS
 from .dropout_add_fn import rng_state
@@ -52,6 +52,7 @@ class Step(NamedTuple):
     norms: tuple  # ((norm, eps, zero_centered_gamma) of the QKV block, of the MLP or None)
     act_name: Optional[str]
     rope_interleaved: bool
+    block: Optional["BlockArgs"] = None  # attention_block.cpp's arguments, None: not served
 
 
 def _attend(qkv: torch.Tensor, step: Step, freqs: Optional[torch.Tensor]) -> tuple:
@@ -166,18 +167,109 @@ def joined(parts: tuple) -> torch.Tensor:
 
 # ---------------------------------------------------------------- FP8 (per-tensor recipes)
 
+# Whether the FP8 nodes make their attention half through attention_block.cpp's operators (the
+# QKV block, attention, the projection and the residual add in one call forward; the
+# projection's and attention's backward in one call) where the step allows it (no RoPE, eager,
+# step.block), instead of the operators' calls one by one with Python between them: the same
+# core calls, so the same bits, and less host time.
+fused_attention_block = True
 
-def _fp8_attention(x2, step: Step, states, freqs, g1, beta1, w_qkv, b_qkv, w_p, b_p) -> tuple:
-    """(projection output [M, N], what the backward reads, q/k/v held, RoPE angles): the QKV
-    block's operator, attention, te.Linear's operator for the projection."""
+_LAYOUTS = {"bshd": 0, "sbhd": 1}  # (te_attn_layout)
+_BACKENDS = {"auto": -1, "cudnn": 0, "cuda_math": 1, "cpu": 2}  # (te_attn_backend)
+
+
+class BlockArgs(NamedTuple):
+    """What attention_block.cpp's operators take of a step's attention: q, k, v's views of
+    the QKV output flattened (shape, stride, offset each), their strides as the core's config
+    has them (ops.attention.qkv_strides), and the config's codes."""
+
+    views: list
+    strides: list
+    layout: int
+    mask: int
+    window_left: int
+    window_right: int
+    softmax_scale: float
+    dropout: float
+    backend: int
+
+
+def _dense(shape, stride) -> bool:
+    expected = 1
+    for n, st in zip(reversed(shape), reversed(stride), strict=True):
+        if n != 1 and st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def block_args(attention: tuple, views: tuple, element_size: int) -> Optional[BlockArgs]:
+    """The fused operators' arguments of a step's attention (layer_block._learn), or None
+    where they do not serve it: what ops.attention_forward would read in place, q, k, v at
+    16-byte offsets in the QKV output (which starts at an allocation's alignment)."""
+    layout, mask, left, right, scale, dropout, _, _, backend = attention
+    if layout not in _LAYOUTS or mask not in ops.attention.MASKS or mask.startswith("padding"):
+        return None
+    if backend not in _BACKENDS:
+        return None
+    strides, flat = [], []
+    for shape, stride, offset in views:
+        st = ops.attention.operand_strides_of(shape, stride, element_size)
+        if st is None or (offset * element_size) % 16:
+            return None
+        strides += st
+        flat += [*shape, *stride, offset]
+    if all(_dense(sh, st) for sh, st, _ in views):
+        strides = []
+    return BlockArgs(flat, strides, _LAYOUTS[layout], ops.attention.MASKS.index(mask), left,
+                     right, scale, dropout, _BACKENDS[backend])
+
+
+def _fused(step: Step, freqs) -> bool:
+    return (fused_attention_block and step.block is not None and freqs is None
+            and not _compiled.tracing())
+
+
+def _fp8_attention(x2, step: Step, states, freqs, g1, beta1, w_qkv, b_qkv, w_p, b_p,
+                   p: Optional[float] = None) -> tuple:
+    """(projection output [M, N], what the backward reads, q/k/v held, RoPE angles, None):
+    the QKV block's operator, attention, te.Linear's operator for the projection. With p (the
+    hidden dropout) the output is x2 + dropout(projection output) instead (_residual), and
+    the last item that dropout's rng state (None without one)."""
     (s1, h1, _), (s2, h2, _) = states[:2]
+    if _fused(step, freqs):
+        return _fp8_attention_fused(x2, step, s1, h1, s2, h2, g1, beta1, w_qkv, b_qkv, w_p, b_p,
+                                    p)
     qkv, *saved = compiled_blocks._linear_forward(x2, g1, beta1, w_qkv, b_qkv, s1, h1, step.qkv,
                                                   True, True)
     o, lse, held, freqs = _attend(qkv, step, freqs)
     o2 = o.view(-1, o.shape[-2] * o.shape[-1])
     out, x_sinv, w_sinv, x_col, w_col = fast_linear._forward(o2, w_p, b_p, s2, h2, step.proj,
                                                              True, True)
-    return out, (x2, g1, *saved, o, lse, x_sinv, w_sinv, x_col, w_col), held, freqs
+    rng = None
+    if p is not None:
+        out, rng = _residual(out, x2, p)
+    return out, (x2, g1, *saved, o, lse, x_sinv, w_sinv, x_col, w_col), held, freqs, rng
+
+
+def _fp8_attention_fused(x2, step: Step, s1, h1, s2, h2, g1, beta1, w_qkv, b_qkv, w_p, b_p,
+                         p: Optional[float]) -> tuple:
+    """_fp8_attention's forward as attention_block.cpp's one operator call."""
+    c, b = step.qkv, step.block
+    rng = rng_state(x2.device) if b.dropout > 0.0 else NO_RNG
+    residual_rng = rng_state(x2.device) if p is not None and p > 0.0 else NO_RNG
+    ws = ops._backend.workspace_for(x2)
+    status, out, *saved, qkv, o, lse, x_sinv, w_sinv, x_col, w_col = \
+        _compiled.ops.attention_block_fp8_forward.default(
+            x2, g1, beta1, c.norm, c.eps, c.zero_centered_gamma, w_qkv,
+            compiled_blocks._in_dtype(b_qkv, x2), w_p, b_p, s1, compiled_blocks._state(s1, h1),
+            s2, h2, _compiled.NO_TENSOR if ws is None else ws, c.current, c.fwd_dtype, c.pow2,
+            c.epsilon, b.views, b.strides, b.layout, b.mask, b.window_left, b.window_right,
+            b.softmax_scale, b.dropout, b.backend, rng, None if p is None else x2,
+            0.0 if p is None else p, residual_rng, ops._backend.stream_of(x2))
+    _compiled.raise_if_failed(status)
+    return (out, (x2, g1, *saved, o, lse, x_sinv, w_sinv, x_col, w_col), (qkv, rng), None,
+            None if p is None or p == 0.0 else residual_rng)
 
 
 _FP8_ATTENTION_SAVED = 14  # (the tensors _fp8_attention saves)
@@ -193,18 +285,46 @@ def _fp8_attention_backward(g, saved, held, step: Step, metas, freqs, has: tuple
     has_beta, has_bp = has
     wp_dtype, wqkv_dtype = dtypes
     m1, m2 = metas
-    d_o, gw_p, gb_p = linear_backward(
-        g, (x_col, x_sinv, pw_col, pw_sinv), step.proj.plan, m2, None, None,
-        (True, True, has_bp), (o.dtype, wp_dtype, wp_dtype if has_bp else None), g.shape)
-    if free:
-        release(x_col, pw_col)
-    d_qkv = _attend_backward(d_o.view(o.shape), o, lse, held, step, freqs, free)
+    proj_saved = (x_col, x_sinv, pw_col, pw_sinv)
+    if _fused(step, freqs) and compiled_grads.usable(step.proj.plan, None, m2[0], g.shape[0], g,
+                                                     *proj_saved):
+        d_qkv, gw_p, gb_p = _projection_attention_backward(g, o, lse, held, x_sinv, pw_sinv,
+                                                           x_col, pw_col, step, m2, wp_dtype,
+                                                           has_bp)
+        if free:
+            release(x_col, pw_col, held[0], o, lse)
+    else:
+        d_o, gw_p, gb_p = linear_backward(
+            g, proj_saved, step.proj.plan, m2, None, None, (True, True, has_bp),
+            (o.dtype, wp_dtype, wp_dtype if has_bp else None), g.shape)
+        if free:
+            release(x_col, pw_col)
+        d_qkv = _attend_backward(d_o.view(o.shape), o, lse, held, step, freqs, free)
     c = step.qkv
     dx, dg1, dbeta1, gw, gb = compiled_blocks.layernorm_linear_block_backward(
         d_qkv, x2, mu, rsigma, g1, has_beta, ln_sinv, ln_col, w_sinv, w_col, *m1, c.norm,
         c.zero_centered_gamma, c.current, c.fwd_dtype, c.bwd_dtype, c.pow2, c.epsilon, c.algo,
         c.margin, True, True, wqkv_dtype, wqkv_dtype if n_b else None, grad_add)
     return dx, dg1, dbeta1 if has_beta else None, gw, gb, gw_p, gb_p if has_bp else None
+
+
+def _projection_attention_backward(g, o, lse, held, x_sinv, pw_sinv, x_col, pw_col,
+                                   step: Step, meta: tuple, wp_dtype, has_bp: bool) -> tuple:
+    """(grad of the QKV output [M, F], of the projection's weight, of its bias or None): the
+    projection's linear_backward and _attend_backward as attention_block.cpp's one operator
+    call."""
+    qkv, rng = held
+    c, b = step.proj, step.block
+    plan = c.plan
+    ws = ops._backend.workspace_for(g)
+    status, d_qkv, gw_p, gb_p = _compiled.ops.attention_block_fp8_backward.default(
+        g, qkv, o, lse, rng, x_sinv, pw_sinv, x_col, pw_col, *meta,
+        _compiled.NO_TENSOR if ws is None else ws, c.current, c.fp8_dtype, c.bwd_dtype, c.pow2,
+        c.epsilon, c.algo, plan.margin, wp_dtype, wp_dtype if has_bp else None, b.views,
+        b.strides, b.layout, b.mask, b.window_left, b.window_right, b.softmax_scale, b.dropout,
+        step.deterministic, b.backend, ops._backend.stream_of(g))
+    _compiled.raise_if_failed(status)
+    return d_qkv, gw_p, gb_p if has_bp else None
 
 
 def fp8_info(step: Step, metas: tuple, n_w: int, n_b: int, shape, leading: tuple,
@@ -235,9 +355,8 @@ class Layer(torch.autograd.Function):
         freqs, p = call  # (RoPE's angles or None, the hidden dropout)
         shape = x.shape
         x2, w_qkv, b_qkv = _operands(x, qkv_parts, n_w, n_b)
-        proj_out, saved, held, freqs = _fp8_attention(x2, step, states, freqs, g1, beta1, w_qkv,
-                                                      b_qkv, w_p, b_p)
-        mid, rng1 = _residual(proj_out, x2, p)
+        mid, saved, held, freqs, rng1 = _fp8_attention(x2, step, states, freqs, g1, beta1, w_qkv,
+                                                       b_qkv, w_p, b_p, p)
         s3, h3, m3 = states[2]
         mlp_out, *saved3 = compiled_blocks._mlp_forward(mid, g2, beta2, w1, b1, w2, b2, s3, h3,
                                                         step.mlp, step.act, (True,) * 4)
@@ -291,8 +410,8 @@ class Attention(torch.autograd.Function):
                 *qkv_parts):
         shape = x.shape
         x2, w_qkv, b_qkv = _operands(x, qkv_parts, n_w, n_b)
-        out, saved, held, freqs = _fp8_attention(x2, step, states, freqs, g1, beta1, w_qkv,
-                                                 b_qkv, w_p, b_p)
+        out, saved, held, freqs, _ = _fp8_attention(x2, step, states, freqs, g1, beta1, w_qkv,
+                                                    b_qkv, w_p, b_p)
         ctx.save_for_backward(*saved, *held)
         ctx.freqs = freqs
         ctx.info = fp8_info(step, tuple(m for _, _, m in states), n_w, n_b, shape,
