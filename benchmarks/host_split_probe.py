@@ -97,6 +97,19 @@ def main() -> None:
         step()
     _sync(device)
 
+    # What torch's profiler records of a step (its own overhead included: counts, not times,
+    # are what to read here): operators, allocations, the CUDA runtime's calls.
+    from torch.profiler import ProfilerActivity, profile
+    profiled_steps = 5
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(profiled_steps):
+            _sync(device)
+            step()
+    _sync(device)
+    recorded = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:40]
+    profiled = [{"name": e.key, "calls_per_step": e.count / profiled_steps,
+                 "self_us_per_step": round(e.self_cpu_time_total / profiled_steps, 1)}
+                for e in recorded]
     # The node's calls, by the names it reaches them through.
     _wrap(nodes.compiled_blocks, "_linear_forward", "fwd: QKV block operator")
     _wrap(nodes.compiled_blocks, "_mlp_forward", "fwd: MLP block operator")
@@ -187,6 +200,7 @@ def main() -> None:
         "node_forward_python_us": round(per_step.get("node forward (whole)", 0) - fwd_parts, 1),
         "node_backward_python_us": round(per_step.get("node backward (whole)", 0) - bwd_parts, 1),
         "alone_us": {k: round(v, 1) for k, v in alone.items()},
+        "profiled": profiled,
     }
     text = json.dumps(result, indent=1)
     print(text)
