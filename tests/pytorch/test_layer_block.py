@@ -345,9 +345,10 @@ def test_node_with_dropout_gives_the_modules_bits(device, rope, mode, recipe_nam
 @pytest.mark.parametrize("case", ["layernorm-gelu", "rmsnorm-swiglu-gqa", "fused-qkv-no-bias",
                                   "sbhd-no-mask-zero-centered", "dropout", "attention-alone"])
 def test_fused_attention_half_gives_the_nodes_bits(device, case, recipe_name, monkeypatch):
-    """The FP8 nodes' attention half through attention_block.cpp's operators (one forward
-    call, one projection-and-attention backward call) gives the bits of the node's operator
-    calls one by one, and does run: once per layer and step in each direction."""
+    """The FP8 nodes through attention_block.cpp's operators (the layer's forward in one call,
+    the attention's alone in one; one projection-and-attention backward call) give the bits
+    of the node's operator calls one by one, and do run: once per layer and step in each
+    direction."""
     calls = {"forward": 0, "backward": 0}
 
     def counting(name, fn):
@@ -356,8 +357,11 @@ def test_fused_attention_half_gives_the_nodes_bits(device, case, recipe_name, mo
             return fn(*args)
         return counted
 
-    monkeypatch.setattr(layer_block_nodes, "_fp8_attention_fused",
-                        counting("forward", layer_block_nodes._fp8_attention_fused))
+    # (the layer's forward is one call of layer_fp8_forward, the attention's alone one of
+    # attention_block_fp8_forward)
+    for name in ("_fp8_attention_fused", "_fp8_layer_fused"):
+        monkeypatch.setattr(layer_block_nodes, name,
+                            counting("forward", getattr(layer_block_nodes, name)))
     monkeypatch.setattr(layer_block_nodes, "_projection_attention_backward",
                         counting("backward", layer_block_nodes._projection_attention_backward))
 
@@ -402,6 +406,19 @@ def test_fused_attention_half_reports_a_bad_call():
     assert status != 0
     message = _compiled.ops.last_error.default()
     assert "attention_block_fp8_forward" in message and "view of k" in message
+    assert torch.equal(history, before)
+    # the whole layer's forward: an MLP weight of the wrong shape, found before any step runs
+    views = [1, 16, 4, 16, 3072, 192, 16, 1, 0, 1, 16, 4, 16, 3072, 192, 16, 1, 64,
+             1, 16, 4, 16, 3072, 192, 16, 1, 128]
+    status, *_ = _compiled.ops.layer_fp8_forward.default(
+        x, g, beta, 0, 1e-5, False, w, None, wp, None, scales, history, scales, history,
+        _compiled.NO_TENSOR, True, 3, False, 0.0, views, [192, 16] * 3, 0, 1, -1, 0, 0.25,
+        0.0, -1, _compiled.NO_TENSOR, g, beta, 0, 1e-5, False, torch.randn(128, 32).bfloat16(),
+        None, 0, torch.randn(64, 128).bfloat16(), None, scales, history, 0.0,
+        _compiled.NO_TENSOR, _compiled.NO_TENSOR, 0)
+    assert status != 0
+    message = _compiled.ops.last_error.default()
+    assert "layer_fp8_forward" in message and "MLP's weights" in message
     assert torch.equal(history, before)
 
 

@@ -1,7 +1,8 @@
 // The attention half of a Transformer layer under per-tensor FP8 (layer_block_nodes.py's
 // nodes), with few operator calls: the forward from the input to the residual sum is one call
 // (the QKV block, attention over the heads of its output read in place, the projection, the
-// residual add), and the backward two: the projection's and attention's backward here, then
+// residual add; with the MLP block and its residual after it, the whole layer's forward), and
+// the backward two: the projection's and attention's backward here, then
 // blocks.cpp's QKV block backward once the Python caller has freed what attention read (as the
 // Python steps free it).
 //
@@ -149,6 +150,22 @@ void set_rng(Handle &h, const Tensor &rng, double p, const char *op) {
   h.set(TE_SLOT_DATA, whole(rng, TE_DTYPE_INT64));
 }
 
+// residual + dropout(h) with dropout p > 0 (te_dropout_add_forward, rng_state int64 [2]),
+// else residual + h: layer_block_nodes._residual's two ways, so its bits.
+Tensor add_residual(const Tensor &h, const Tensor &residual, double p, const Tensor &rng, te_stream stream,
+                    const char *op) {
+  if (p <= 0.0) return torch::stable::subtract(residual, h, -1.0);  // r - (-1) * h = r + h, exactly
+  Tensor y = empty({h.size(0), h.size(1)}, torch_dtype(h.scalar_type()), h);
+  const te_dtype dtype = core_dtype(h.scalar_type(), op);
+  Handle hx(op), hr(op), hy(op), hrng(op);
+  hx.set(TE_SLOT_DATA, whole(h, dtype));
+  hr.set(TE_SLOT_DATA, whole(residual, dtype));
+  hy.set(TE_SLOT_DATA, whole(y, dtype));
+  set_rng(hrng, rng, p, op);
+  check(te_dropout_add_forward(static_cast<float>(p), hx.get(), hr.get(), hrng.get(), hy.get(), stream), op);
+  return y;
+}
+
 constexpr const char *kForward = "te_eager.attention_block_fp8_forward";
 
 // x [M, K] -> proj(attention(qkv(norm(x)))) (+ the residual, dropout(.) + residual with
@@ -215,25 +232,61 @@ attention_block_fp8_forward(Tensor input, Tensor gamma, std::optional<Tensor> be
         linear_fp8_forward(o2, w_proj, b_proj, proj_scales, proj_history, workspace, current, fp8_dtype, pow2, epsilon,
                            true, true, false, stream_handle);
     ok(status2);
-    if (residual.has_value()) {
-      const Tensor &r = *residual;
-      if (residual_dropout > 0.0) {
-        Tensor y = empty({out.size(0), out.size(1)}, torch_dtype(out.scalar_type()), out);
-        const te_dtype od = core_dtype(out.scalar_type(), op);
-        Handle hx(op), hr(op), hy(op), hrng(op);
-        hx.set(TE_SLOT_DATA, whole(out, od));
-        hr.set(TE_SLOT_DATA, whole(r, od));
-        hy.set(TE_SLOT_DATA, whole(y, od));
-        set_rng(hrng, residual_rng, residual_dropout, op);
-        check(te_dropout_add_forward(static_cast<float>(residual_dropout), hx.get(), hr.get(), hrng.get(), hy.get(),
-                                     stream),
-              op);
-        out = y;
-      } else {
-        out = torch::stable::subtract(r, out, -1.0);  // r - (-1) * out = r + out, exactly
-      }
-    }
+    if (residual.has_value()) out = add_residual(out, *residual, residual_dropout, residual_rng, stream, op);
     return {out, ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, qkv, o, lse, x_sinv, pw_sinv, x_col, pw_col};
+  });
+}
+
+constexpr const char *kLayerForward = "te_eager.layer_fp8_forward";
+
+// A pre-norm Transformer layer's whole forward, x [M, K] -> mid + mlp(norm(mid)) with mid =
+// x + proj(attention(qkv(norm(x)))) (each residual with dropout p > 0 when residual_dropout
+// is): attention_block_fp8_forward with the residual, then layernorm_mlp_fp8_forward of mid
+// (every gradient needed) and the second residual add. rng states: attention's, then the two
+// residuals' (empty where not used).
+//
+// Returns (output [M, K], the attention half's thirteen tensors that its backward reads (as
+// attention_block_fp8_forward returns them after its output), mid, the MLP's eleven (as
+// layernorm_mlp_fp8_forward returns them after its output)).
+std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+           Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+           Tensor>
+layer_fp8_forward(Tensor input, Tensor gamma, std::optional<Tensor> beta, int64_t norm, double eps,
+                  bool zero_centered_gamma, Tensor w_qkv, std::optional<Tensor> b_qkv, Tensor w_proj,
+                  std::optional<Tensor> b_proj, Tensor qkv_scales, Tensor qkv_history, Tensor proj_scales,
+                  Tensor proj_history, Tensor workspace, bool current, int64_t fp8_dtype, bool pow2, double epsilon,
+                  std::vector<int64_t> views, std::vector<int64_t> strides, int64_t layout, int64_t mask,
+                  int64_t window_left, int64_t window_right, double softmax_scale, double dropout, int64_t backend,
+                  Tensor attention_rng, Tensor gamma2, std::optional<Tensor> beta2, int64_t norm2, double eps2,
+                  bool zero_centered_gamma2, Tensor w1, std::optional<Tensor> b1, int64_t act, Tensor w2,
+                  std::optional<Tensor> b2, Tensor mlp_scales, Tensor mlp_history, double residual_dropout,
+                  Tensor residual_rng1, Tensor residual_rng2, int64_t stream_handle) {
+  using Outputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                             Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                             Tensor, Tensor, Tensor, Tensor>;
+  return guarded(kLayerForward, input, [&]() -> Outputs {
+    const char *op = kLayerForward;
+    // (the MLP's operands are checked before anything runs: a failed call writes nothing)
+    TE_EAGER_CHECK(w1.dim() == 2 && w2.dim() == 2 && w1.size(1) == input.size(1) && w2.size(0) == input.size(1), op,
+                   ": the MLP's weights must be [F, K] and [K, F'] for the input's K = ", input.size(1));
+    TE_EAGER_CHECK(gamma2.dim() == 1 && gamma2.size(0) == input.size(1), op,
+                   ": the MLP norm's gamma must be a [", input.size(1), "] vector");
+    auto [status1, mid, ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, qkv, o, lse, x_sinv, pw_sinv, x_col, pw_col] =
+        attention_block_fp8_forward(input, gamma, beta, norm, eps, zero_centered_gamma, w_qkv, b_qkv, w_proj, b_proj,
+                                    qkv_scales, qkv_history, proj_scales, proj_history, workspace, current, fp8_dtype,
+                                    pow2, epsilon, views, strides, layout, mask, window_left, window_right,
+                                    softmax_scale, dropout, backend, attention_rng, input, residual_dropout,
+                                    residual_rng1, stream_handle);
+    ok(status1);
+    auto [status2, mlp_out, ln_sinv2, ln_col2, mu2, rsigma2, w1_sinv, w1_col, h, a_sinv, a_col, w2_sinv, w2_col] =
+        layernorm_mlp_fp8_forward(mid, gamma2, beta2, norm2, eps2, zero_centered_gamma2, w1, b1, act, w2, b2,
+                                  mlp_scales, mlp_history, workspace, current, fp8_dtype, pow2, epsilon, true, true,
+                                  true, true, stream_handle);
+    ok(status2);
+    Tensor out = add_residual(mlp_out, mid, residual_dropout, residual_rng2, reinterpret_cast<te_stream>(stream_handle),
+                              op);
+    return {out, ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, qkv, o, lse, x_sinv, pw_sinv, x_col, pw_col,
+            mid, ln_sinv2, ln_col2, mu2, rsigma2, w1_sinv, w1_col, h, a_sinv, a_col, w2_sinv, w2_col};
   });
 }
 
@@ -306,4 +359,5 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> attention_block_fp8_backward(
 STABLE_TORCH_LIBRARY_IMPL(te_eager, CompositeExplicitAutograd, m) {
   m.impl("attention_block_fp8_forward", TORCH_BOX(&te_eager::attention_block_fp8_forward));
   m.impl("attention_block_fp8_backward", TORCH_BOX(&te_eager::attention_block_fp8_backward));
+  m.impl("layer_fp8_forward", TORCH_BOX(&te_eager::layer_fp8_forward));
 }

@@ -207,6 +207,8 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_linear_fp8
   });
 }
 
+}  // namespace
+
 constexpr const char *kMlpForward = "te_eager.layernorm_mlp_fp8_forward";
 
 // LayerNormMLP's FP8 forward (layernorm_mlp_fn.Fp8LayerNormMLPFunction.forward with fresh
@@ -246,6 +248,8 @@ layernorm_mlp_fp8_forward(Tensor input, Tensor gamma, std::optional<Tensor> beta
     return {out, ln_sinv, ln_col, mu, rsigma, w[0].sinv, w[0].col, h, a_sinv, a_col, w[1].sinv, w[1].col};
   });
 }
+
+namespace {
 
 constexpr const char *kMlpBackward = "te_eager.layernorm_mlp_fp8_backward";
 

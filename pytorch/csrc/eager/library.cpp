@@ -146,6 +146,17 @@ STABLE_TORCH_LIBRARY(te_eager, m) {
       "Tensor? residual, float residual_dropout, Tensor residual_rng, int stream) -> (int, Tensor, Tensor, "
       "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "layer_fp8_forward(Tensor input, Tensor gamma, Tensor? beta, int norm, float eps, "
+      "bool zero_centered_gamma, Tensor w_qkv, Tensor? b_qkv, Tensor w_proj, Tensor? b_proj, Tensor qkv_scales, "
+      "Tensor(a!) qkv_history, Tensor proj_scales, Tensor(b!) proj_history, Tensor(c!) workspace, bool current, "
+      "int fp8_dtype, bool pow2, float epsilon, int[] views, int[] strides, int layout, int mask, "
+      "int window_left, int window_right, float softmax_scale, float dropout, int backend, Tensor attention_rng, "
+      "Tensor gamma2, Tensor? beta2, int norm2, float eps2, bool zero_centered_gamma2, Tensor w1, Tensor? b1, "
+      "int act, Tensor w2, Tensor? b2, Tensor mlp_scales, Tensor(d!) mlp_history, float residual_dropout, "
+      "Tensor residual_rng1, Tensor residual_rng2, int stream) -> (int, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "attention_block_fp8_backward(Tensor grad_output, Tensor qkv, Tensor o, Tensor lse, Tensor attention_rng, "
       "Tensor x_sinv, Tensor pw_sinv, Tensor x_col, Tensor pw_col, Tensor(a!) grad_history, "
       "Tensor(b!) grad_scale, Tensor(c!) grad_scale_inv, Tensor(d!) workspace, bool current, int fwd_dtype, "

@@ -36,6 +36,13 @@ std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> laye
     Tensor weight, std::optional<Tensor> bias, Tensor scales, Tensor history, Tensor workspace, bool current,
     int64_t fp8_dtype, bool pow2, double epsilon, bool need_dgrad, bool need_wgrad, int64_t stream);
 
+std::tuple<int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
+layernorm_mlp_fp8_forward(Tensor input, Tensor gamma, std::optional<Tensor> beta, int64_t norm, double eps,
+                          bool zero_centered_gamma, Tensor w1, std::optional<Tensor> b1, int64_t act, Tensor w2,
+                          std::optional<Tensor> b2, Tensor scales, Tensor history, Tensor workspace, bool current,
+                          int64_t fp8_dtype, bool pow2, double epsilon, bool need_dgrad, bool need_wgrad1,
+                          bool need_fc1, bool need_wgrad2, int64_t stream);
+
 std::tuple<int64_t, Tensor, Tensor, Tensor> linear_fp8_backward(
     Tensor grad_output, std::optional<Tensor> act_input, int64_t act, Tensor x_sinv, Tensor w_sinv, Tensor x_col,
     Tensor w_col, Tensor grad_history, Tensor grad_scale, Tensor grad_scale_inv, int64_t column, bool update,

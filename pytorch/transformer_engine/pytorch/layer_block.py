@@ -262,11 +262,14 @@ def _learn(mha, mlp, x: torch.Tensor, params: _Params, recipe, key: tuple, mask:
               norms, None if mlp is None else mlp._act, bool(mha.rotary_pos_interleaved))
     if hp:
         return Step(None, key, False, None, None, None, 0, *common)
-    return Step(recipe, key, plans[0].kind == "delayed",
-                 compiled_blocks._codes(plans[0], qkv_mod.cfg), fast_linear.codes_of(plans[1]),
-                 None if mlp is None else compiled_blocks._codes(plans[2], mlp.cfg),
-                 0 if mlp is None else enum_code("Activation", mlp._act), *common,
-                 block_args(attention, views, dtype.itemsize))
+    codes = (compiled_blocks._codes(plans[0], qkv_mod.cfg), fast_linear.codes_of(plans[1]),
+             None if mlp is None else compiled_blocks._codes(plans[2], mlp.cfg))
+    # (the fused calls cast every operand with the QKV block's codes: the plans must agree)
+    casts = {(c.current, c.fwd_dtype, c.pow2, c.epsilon) for c in codes[::2] if c is not None}
+    casts.add((codes[1].current, codes[1].fp8_dtype, codes[1].pow2, codes[1].epsilon))
+    return Step(recipe, key, plans[0].kind == "delayed", *codes,
+                0 if mlp is None else enum_code("Activation", mlp._act), *common,
+                block_args(attention, views, dtype.itemsize) if len(casts) == 1 else None)
 
 
 def _past_first_step(modules) -> bool:

@@ -308,6 +308,38 @@ def _fp8_attention_backward(g, saved, held, step: Step, metas, freqs, has: tuple
     return dx, dg1, dbeta1 if has_beta else None, gw, gb, gw_p, gb_p if has_bp else None
 
 
+def _fp8_layer_fused(x2, step: Step, states, p: float, g1, beta1, w_qkv, b_qkv, w_p, b_p, g2,
+                     beta2, w1, b1, w2, b2) -> tuple:
+    """Layer's forward (_fp8_attention with its residual, the MLP block's operator, the second
+    residual) as attention_block.cpp's one layer_fp8_forward call: (output, the attention
+    half's saved tensors, mid, the MLP's saved tensors, q/k/v held, the two residuals' rng
+    states or None)."""
+    (s1, h1, _), (s2, h2, _), (s3, h3, _) = states
+    c, m, b = step.qkv, step.mlp, step.block
+    rng = rng_state(x2.device) if b.dropout > 0.0 else NO_RNG
+    if p > 0.0:
+        rng1, rng2 = rng_state(x2.device), rng_state(x2.device)
+    else:
+        rng1 = rng2 = NO_RNG
+    ws = ops._backend.workspace_for(x2)
+    status, out, *outs = _compiled.ops.layer_fp8_forward.default(
+        x2, g1, beta1, c.norm, c.eps, c.zero_centered_gamma, w_qkv,
+        compiled_blocks._in_dtype(b_qkv, x2), w_p, b_p, s1, compiled_blocks._state(s1, h1), s2,
+        h2, _compiled.NO_TENSOR if ws is None else ws, c.current, c.fwd_dtype, c.pow2, c.epsilon,
+        b.views, b.strides, b.layout, b.mask, b.window_left, b.window_right, b.softmax_scale,
+        b.dropout, b.backend, rng, g2, beta2, m.norm, m.eps, m.zero_centered_gamma, w1,
+        compiled_blocks._in_dtype(b1, x2), step.act, w2, compiled_blocks._in_dtype(b2, x2), s3,
+        compiled_blocks._state(s3, h3), p, rng1, rng2, ops._backend.stream_of(x2))
+    _compiled.raise_if_failed(status)
+    ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, qkv, o, lse, x_sinv, pw_sinv, x_col, pw_col = \
+        outs[:13]
+    saved = (x2, g1, ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, o, lse, x_sinv, pw_sinv, x_col,
+             pw_col)
+    dropped = p > 0.0
+    return (out, saved, outs[13], outs[14:], (qkv, rng), rng1 if dropped else None,
+            rng2 if dropped else None)
+
+
 def _projection_attention_backward(g, o, lse, held, x_sinv, pw_sinv, x_col, pw_col,
                                    step: Step, meta: tuple, wp_dtype, has_bp: bool) -> tuple:
     """(grad of the QKV output [M, F], of the projection's weight, of its bias or None): the
@@ -355,12 +387,16 @@ class Layer(torch.autograd.Function):
         freqs, p = call  # (RoPE's angles or None, the hidden dropout)
         shape = x.shape
         x2, w_qkv, b_qkv = _operands(x, qkv_parts, n_w, n_b)
-        mid, saved, held, freqs, rng1 = _fp8_attention(x2, step, states, freqs, g1, beta1, w_qkv,
-                                                       b_qkv, w_p, b_p, p)
-        s3, h3, m3 = states[2]
-        mlp_out, *saved3 = compiled_blocks._mlp_forward(mid, g2, beta2, w1, b1, w2, b2, s3, h3,
-                                                        step.mlp, step.act, (True,) * 4)
-        out, rng2 = _residual(mlp_out, mid, p)
+        if _fused(step, freqs):
+            out, saved, mid, saved3, held, rng1, rng2 = _fp8_layer_fused(
+                x2, step, states, p, g1, beta1, w_qkv, b_qkv, w_p, b_p, g2, beta2, w1, b1, w2, b2)
+        else:
+            mid, saved, held, freqs, rng1 = _fp8_attention(x2, step, states, freqs, g1, beta1,
+                                                           w_qkv, b_qkv, w_p, b_p, p)
+            s3, h3, _ = states[2]
+            mlp_out, *saved3 = compiled_blocks._mlp_forward(mid, g2, beta2, w1, b1, w2, b2, s3,
+                                                            h3, step.mlp, step.act, (True,) * 4)
+            out, rng2 = _residual(mlp_out, mid, p)
         ctx.save_for_backward(*saved, mid, g2, *saved3, *held)
         ctx.freqs, ctx.dropout = freqs, (p, rng1, rng2)
         ctx.info = fp8_info(step, tuple(m for _, _, m in states), n_w, n_b, shape,
