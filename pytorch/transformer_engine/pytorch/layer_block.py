@@ -118,7 +118,8 @@ def _parts(module) -> tuple[list, list]:
 
 def _attention_static_ok(mha) -> bool:
     """A te.MultiheadAttention's configuration the nodes take: what no call can change."""
-    qkv, dpa, proj = mha._modules.get("layernorm_qkv"), mha.core_attention, mha.proj
+    sub = mha._modules  # (submodules read from their dict: nn.Module's __getattr__ is slow)
+    qkv, dpa, proj = sub.get("layernorm_qkv"), sub["core_attention"], sub["proj"]
     if (qkv is None or mha.attention_type != "self" or mha.return_layernorm_output
             or mha.return_bias or mha.qk_norm_type is not None or mha.tp_size != 1
             or mha.fuse_wgrad_accumulation or dpa._cp is not None
@@ -139,27 +140,26 @@ def _module_static_ok(m) -> bool:
 
 def _layer_static_ok(layer) -> bool:
     """A te.TransformerLayer's configuration the layer node takes."""
-    mlp = layer.layernorm_mlp
+    mlp = layer._modules["layernorm_mlp"]
     if (layer.layer_type != "encoder" or layer.parallel_attention_mlp or layer.output_layernorm
             or layer.apply_residual_connection_post_layernorm or layer.drop_path_rate != 0.0
             or layer.fuse_wgrad_accumulation):
         return False
     if mlp.cfg.return_ln_out or not _module_static_ok(mlp):
         return False
-    return _attention_static_ok(layer.self_attention)
+    return _attention_static_ok(layer._modules["self_attention"])
 
 
-def _need_all(tensors) -> bool:
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain(tensors, dtype, need_grads: bool) -> bool:
+    """Whether the node takes these parameters: plain contiguous tensors of the input's
+    dtype, each requiring its gradient when ``need_grads``."""
     for t in tensors:
-        if t is not None and not t.requires_grad:
-            return False
-    return True
-
-
-def _plain(tensors, dtype) -> bool:
-    for t in tensors:
-        if t is not None and (type(t) not in (torch.Tensor, torch.nn.Parameter)
-                              or t.dtype != dtype or not t.is_contiguous()):
+        if t is not None and (type(t) not in _PLAIN or t.dtype != dtype
+                              or not t.is_contiguous()
+                              or (need_grads and not t.requires_grad)):
             return False
     return True
 
@@ -177,7 +177,8 @@ class _Params(NamedTuple):
 
 
 def _params(mha, mlp) -> _Params:
-    qkv_mod, pp = mha.layernorm_qkv, mha.proj._parameters
+    sub = mha._modules
+    qkv_mod, pp = sub["layernorm_qkv"], sub["proj"]._parameters
     weights, biases = _parts(qkv_mod)
     qp = qkv_mod._parameters
     mlp_params = () if mlp is None else tuple(
@@ -319,15 +320,16 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
         return None
     if rotary_pos_emb is not None and type(rotary_pos_emb) is not torch.Tensor:
         return None
-    modules = (mha.layernorm_qkv, mha.proj) if mlp is None else (mha.layernorm_qkv, mha.proj,
-                                                                 mlp)
+    sub = mha._modules
+    modules = ((sub["layernorm_qkv"], sub["proj"]) if mlp is None
+               else (sub["layernorm_qkv"], sub["proj"], mlp))
     # What can change from call to call, checked before anything is learned (so that a frozen
     # parameter, say, does not send every call through the learning): parameters replaced,
     # frozen or cast, the QKV blocks moved apart, deferred weight gradients, weight caches.
     params = _params(mha, mlp)
     tensors = params.all()
     grad = torch.is_grad_enabled()  # (without it: the forward alone, nothing saved)
-    if not (_plain(tensors, x.dtype) and (not grad or _need_all(tensors))):
+    if not _plain(tensors, x.dtype, grad):
         return None
     n_w, n_b = len(params.weights), len(params.biases)
     if not traced and ((n_w > 1 and not back_to_back(params.weights))
@@ -337,13 +339,13 @@ def _run(owner, mha, mlp, x: torch.Tensor, rotary_pos_emb, mask: str, window):
         return None
     if recipe is not None and any(m._weight_caches for m in modules):
         return None
-    dpa = mha.core_attention
+    dpa = sub["core_attention"]
     attention_dropout = float(dpa.attention_dropout) if dpa.training else 0.0
     # (what the learned step depends on: the input, and the settings a user may change)
     key = (x.shape, x.dtype, x.device, grad, rotary_pos_emb is not None, mask, window,
            attention_dropout,
            dpa.attention_backend or env_backend(), dpa.softmax_scale, dpa.deterministic,
-           mha.rotary_pos_interleaved, mha.layernorm_qkv.cfg,
+           mha.rotary_pos_interleaved, modules[0].cfg,
            None if mlp is None else (mlp.cfg, mlp._act))
     # (the layer's hidden dropout in training, as TransformerLayer._residual applies it)
     p = float(owner.hidden_dropout) if mlp is not None and owner.training else 0.0
@@ -386,7 +388,8 @@ def forward(layer, x: torch.Tensor, rotary_pos_emb=None) -> Optional[torch.Tenso
     """The layer's step through the one node, or None where the modules' path must run. Called
     by te.TransformerLayer.forward with no argument but the input and RoPE's angles (one
     tensor for q and k; a pair takes the modules' path)."""
-    return _run(layer, layer.self_attention, layer.layernorm_mlp, x, rotary_pos_emb,
+    sub = layer._modules
+    return _run(layer, sub["self_attention"], sub["layernorm_mlp"], x, rotary_pos_emb,
                 layer.self_attn_mask_type, layer.window_size)
 
 

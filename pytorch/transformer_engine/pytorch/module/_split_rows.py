@@ -40,18 +40,24 @@ class _JoinRows(torch.autograd.Function):
 
 
 def back_to_back(parts: list[torch.Tensor]) -> bool:
+    """Whether the contiguous parameters ``parts`` of one dtype and row shape follow each
+    other in the first one's storage, which can then be read as one tensor of all their rows.
+    (Each part is checked to lie inside that storage's bytes rather than to hold that storage
+    itself: storages never share bytes, so the two are the same test, and a layer step asks it
+    at every call, where each storage object costs host time.)"""
     first = parts[0]
     if type(first) is not torch.nn.Parameter or not first.is_contiguous():
         return False  # e.g. FP8 weights of fp8_model_init: each is its own tensor
-    end = first.data_ptr() + first.numel() * first.element_size()
-    storage = first.untyped_storage().data_ptr()
+    storage = first.untyped_storage()
+    limit = storage.data_ptr() + storage.nbytes()
+    size = first.element_size()
+    end = first.data_ptr() + first.numel() * size
     for p in parts[1:]:
-        if (type(p) is not torch.nn.Parameter or not p.is_contiguous()
-                or p.dtype != first.dtype or p.shape[1:] != first.shape[1:]
-                or p.untyped_storage().data_ptr() != storage or p.data_ptr() != end):
+        if (type(p) is not torch.nn.Parameter or p.data_ptr() != end or not p.is_contiguous()
+                or p.dtype != first.dtype or p.shape[1:] != first.shape[1:]):
             return False
-        end += p.numel() * p.element_size()
-    return True
+        end += p.numel() * size
+    return end <= limit
 
 
 def join_rows(*groups: list[torch.Tensor]) -> list[torch.Tensor]:
