@@ -301,10 +301,13 @@ def _fp8_attention_backward(g, saved, held, step: Step, metas, freqs, has: tuple
             release(x_col, pw_col)
         d_qkv = _attend_backward(d_o.view(o.shape), o, lse, held, step, freqs, free)
     c = step.qkv
-    dx, dg1, dbeta1, gw, gb = compiled_blocks.layernorm_linear_block_backward(
-        d_qkv, x2, mu, rsigma, g1, has_beta, ln_sinv, ln_col, w_sinv, w_col, *m1, c.norm,
-        c.zero_centered_gamma, c.current, c.fwd_dtype, c.bwd_dtype, c.pow2, c.epsilon, c.algo,
-        c.margin, True, True, wqkv_dtype, wqkv_dtype if n_b else None, grad_add)
+    # (_compiled.call: in eager mode the operator's call straight away, the arguments known
+    # to be plain tensors)
+    dx, dg1, dbeta1, gw, gb = _compiled.call(
+        compiled_blocks.layernorm_linear_block_backward, d_qkv, x2, mu, rsigma, g1, has_beta,
+        ln_sinv, ln_col, w_sinv, w_col, *m1, c.norm, c.zero_centered_gamma, c.current,
+        c.fwd_dtype, c.bwd_dtype, c.pow2, c.epsilon, c.algo, c.margin, True, True, wqkv_dtype,
+        wqkv_dtype if n_b else None, grad_add)
     return dx, dg1, dbeta1 if has_beta else None, gw, gb, gw_p, gb_p if has_bp else None
 
 
@@ -416,13 +419,12 @@ class Layer(torch.autograd.Function):
         p, rng1, rng2 = ctx.dropout
         c = step.mlp
         g_add = _addable(g, mid)
-        d_mid, dg2, dbeta2, gw1, gb1, gw2, gb2 = compiled_blocks.layernorm_mlp_block_backward(
-            _residual_grad(g, rng2, p), mid, mu2, rs2, g2, has_beta2, ln_sinv2, ln_col2, w1_sinv,
-            w1_col, h, step.act, a_sinv, a_col, w2_sinv, w2_col, *m3, c.norm,
-            c.zero_centered_gamma, c.current,
-            c.fwd_dtype, c.bwd_dtype, c.pow2, c.epsilon, c.algo, c.margin, True, True, True, True,
-            w1_dtype, w1_dtype if has_b1 else None, w2_dtype, w2_dtype if has_b2 else None,
-            g_add)
+        d_mid, dg2, dbeta2, gw1, gb1, gw2, gb2 = _compiled.call(
+            compiled_blocks.layernorm_mlp_block_backward, _residual_grad(g, rng2, p), mid, mu2,
+            rs2, g2, has_beta2, ln_sinv2, ln_col2, w1_sinv, w1_col, h, step.act, a_sinv, a_col,
+            w2_sinv, w2_col, *m3, c.norm, c.zero_centered_gamma, c.current, c.fwd_dtype,
+            c.bwd_dtype, c.pow2, c.epsilon, c.algo, c.margin, True, True, True, True, w1_dtype,
+            w1_dtype if has_b1 else None, w2_dtype, w2_dtype if has_b2 else None, g_add)
         # (what the node made goes once read, as the modules' nodes let it go: release.py)
         free = may_release()
         if free:
