@@ -120,6 +120,7 @@ def main() -> None:
     _wrap(nodes.fast_linear, "_forward", "fwd: projection operator")
     _wrap(nodes, "_attend", "fwd: attention (_attend)")
     _wrap(nodes, "_fp8_attention_fused", "fwd: attention half, one operator")
+    _wrap(nodes, "_fp8_layer_fused", "fwd: the whole layer, one operator")
     _wrap(nodes, "_projection_attention_backward", "bwd: projection + attention, one operator")
     _wrap(ops, "attention_forward", "fwd: attention: ops.attention_forward")
     _wrap(nodes, "_residual", "fwd: residual adds")
