@@ -12,12 +12,12 @@ budget=${TE_GPU_BUDGET_S:-400}
 source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack
 commit=${TE_GIT_COMMIT:-unset}
-step compiled_tests_fused "$(upto $((budget - 60)) 60)" python3 -m pytest -p no:cacheprovider -q \
-  -m cuda -rfE tests/pytorch/test_layer_block.py -k "compiled and delayed"
 set_flag layer_block_nodes.py fused_attention_block False
-step compiled_tests_unfused "$(upto $((budget - 60)) 60)" python3 -m pytest -p no:cacheprovider -q \
+step compiled_tests_unfused "$(upto $((budget - 30)) 60)" python3 -m pytest -p no:cacheprovider -q \
   -m cuda -rfE tests/pytorch/test_layer_block.py -k "compiled and delayed"
 set_flag layer_block_nodes.py fused_attention_block True
+step compiled_tests_fused "$(upto $((budget - 5)) 60)" python3 -m pytest -p no:cacheprovider -q \
+  -m cuda -rfE tests/pytorch/test_layer_block.py -k "compiled and delayed"
 step probe_fused "$(upto $((budget - 40)) 50)" python3 benchmarks/host_split_probe.py \
   --out "$out/host_split_probe_fused_$commit$suffix.json"
 step probe_unfused "$(upto $((budget - 5)) 50)" python3 benchmarks/host_split_probe.py --unfused \
