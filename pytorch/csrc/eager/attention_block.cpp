@@ -100,12 +100,13 @@ te_attention_problem problem_of(const Views &v, int64_t layout, te_dtype dtype, 
   return p;
 }
 
-// The CUDA workspace of a call (an empty tensor on the CPU). Its size is the core's query,
-// which plans the call and costs tens of microseconds, so it is asked once per kind of call
-// (ops.attention._workspace_for keeps its own sizes the same way).
-Tensor attention_workspace(const te_attention_config &c, const te_attention_problem &p, bool backward, const Tensor &on,
-                           const char *op) {
-  if (!on.is_cuda()) return empty({0}, aoti_torch_dtype_uint8(), on);
+// The CUDA workspace of a call: none on the CPU or where the call needs none (an allocation
+// costs host time). Its size is the core's query, which plans the call and costs tens of
+// microseconds, so it is asked once per kind of call (ops.attention._workspace_for keeps its
+// own sizes the same way).
+std::optional<Tensor> attention_workspace(const te_attention_config &c, const te_attention_problem &p, bool backward,
+                                          const Tensor &on, const char *op) {
+  if (!on.is_cuda()) return std::nullopt;
   static std::mutex mutex;
   static std::map<std::string, size_t> sizes;
   std::string key(reinterpret_cast<const char *>(&c), sizeof(c));
@@ -123,8 +124,12 @@ Tensor attention_workspace(const te_attention_config &c, const te_attention_prob
       sizes.emplace(std::move(key), bytes);
     }
   }
-  return empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, aoti_torch_dtype_uint8(), on);
+  if (bytes == 0) return std::nullopt;
+  return empty({static_cast<int64_t>(bytes)}, aoti_torch_dtype_uint8(), on);
 }
+
+void *data_of(const std::optional<Tensor> &t) { return t.has_value() ? t->data_ptr() : nullptr; }
+size_t bytes_of(const std::optional<Tensor> &t) { return t.has_value() ? static_cast<size_t>(t->numel()) : 0; }
 
 // A 4-d view's buffer (its strides are the config's).
 te_buffer view_buffer(char *base, const Views &v, int i, te_dtype dtype, size_t element, const Tensor &on) {
@@ -212,7 +217,7 @@ attention_block_fp8_forward(Tensor input, Tensor gamma, std::optional<Tensor> be
     const std::vector<int64_t> o_shape = {v.shape[0][0], v.shape[0][1], v.shape[0][2], v.shape[2][3]};
     Tensor o = empty(o_shape, torch_dtype(qkv.scalar_type()), qkv);
     Tensor lse = empty({problem.batch, problem.heads_q, problem.seqlen_q}, aoti_torch_dtype_float32(), qkv);
-    Tensor ws = attention_workspace(config, problem, false, qkv, op);
+    const std::optional<Tensor> ws = attention_workspace(config, problem, false, qkv, op);
     char *base = static_cast<char *>(qkv.data_ptr());
     const size_t element = te_dtype_size(dtype);
     Handle hq(op), hk(op), hv(op), ho(op), hl(op), rng(op);
@@ -223,8 +228,7 @@ attention_block_fp8_forward(Tensor input, Tensor gamma, std::optional<Tensor> be
     hl.set(TE_SLOT_DATA, whole(lse, TE_DTYPE_FLOAT32));
     set_rng(rng, attention_rng, dropout, op);
     check(te_attention_forward(&config, hq.get(), hk.get(), hv.get(), ho.get(), hl.get(), nullptr, nullptr,
-                               dropout > 0.0 ? rng.get() : nullptr, nullptr, qkv.is_cuda() ? ws.data_ptr() : nullptr,
-                               qkv.is_cuda() ? static_cast<size_t>(ws.numel()) : 0, stream),
+                               dropout > 0.0 ? rng.get() : nullptr, nullptr, data_of(ws), bytes_of(ws), stream),
           op);
     const int64_t m = input.size(0);
     Tensor o2 = piece(o, {m, o.numel() / m}, 0);
@@ -328,7 +332,7 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> attention_block_fp8_backward(
     ok(status);
     TE_EAGER_CHECK(d_o.numel() == o.numel(), op, ": the projection's grad_input must have o's elements");
     Tensor d_qkv = empty({qkv.size(0), qkv.size(1)}, torch_dtype(qkv.scalar_type()), qkv);
-    Tensor ws = attention_workspace(config, problem, true, qkv, op);
+    const std::optional<Tensor> ws = attention_workspace(config, problem, true, qkv, op);
     char *base = static_cast<char *>(qkv.data_ptr()), *d_base = static_cast<char *>(d_qkv.data_ptr());
     const size_t element = te_dtype_size(dtype);
     Handle hq(op), hk(op), hv(op), ho(op), hdo(op), hl(op), rng(op), hdq(op), hdk(op), hdv(op);
@@ -346,8 +350,7 @@ std::tuple<int64_t, Tensor, Tensor, Tensor> attention_block_fp8_backward(
     set_rng(rng, attention_rng, dropout, op);
     check(te_attention_backward(&config, hq.get(), hk.get(), hv.get(), ho.get(), hdo.get(), hl.get(), nullptr, nullptr,
                                 dropout > 0.0 ? rng.get() : nullptr, nullptr, hdq.get(), hdk.get(), hdv.get(), nullptr,
-                                qkv.is_cuda() ? ws.data_ptr() : nullptr,
-                                qkv.is_cuda() ? static_cast<size_t>(ws.numel()) : 0, stream),
+                                data_of(ws), bytes_of(ws), stream),
           op);
     return {d_qkv, grad_weight, grad_bias};
   });
