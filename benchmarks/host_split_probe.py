@@ -115,22 +115,25 @@ def main() -> None:
                  "self_us_per_step": round(e.self_cpu_time_total / profiled_steps, 1)}
                 for e in recorded]
     # The node's calls, by the names it reaches them through.
-    _wrap(nodes.compiled_blocks, "_linear_forward", "fwd: QKV block operator")
-    _wrap(nodes.compiled_blocks, "_mlp_forward", "fwd: MLP block operator")
-    _wrap(nodes.fast_linear, "_forward", "fwd: projection operator")
-    _wrap(nodes, "_attend", "fwd: attention (_attend)")
-    _wrap(nodes, "_fp8_attention_fused", "fwd: attention half, one operator")
-    _wrap(nodes, "_fp8_layer_fused", "fwd: the whole layer, one operator")
-    _wrap(nodes, "_projection_attention_backward", "bwd: projection + attention, one operator")
-    _wrap(ops, "attention_forward", "fwd: attention: ops.attention_forward")
-    _wrap(nodes, "_residual", "fwd: residual adds")
-    _wrap(nodes.compiled_blocks, "layernorm_mlp_block_backward", "bwd: MLP block operator")
-    _wrap(nodes.compiled_blocks, "layernorm_linear_block_backward", "bwd: QKV block operator")
-    _wrap(nodes, "linear_backward", "bwd: projection (linear_backward)")
-    _wrap(nodes, "_attend_backward", "bwd: attention (_attend_backward)")
-    _wrap(ops, "attention_backward_packed", "bwd: attention: ops.attention_backward_packed")
-    _wrap(nodes, "release", "bwd: release")
-    _wrap(nodes, "split_grads", "bwd: split_grads")
+    blocks = nodes.compiled_blocks
+    for owner, attr, name in (
+            (blocks, "_linear_forward", "fwd: QKV block operator"),
+            (blocks, "_mlp_forward", "fwd: MLP block operator"),
+            (nodes.fast_linear, "_forward", "fwd: projection operator"),
+            (nodes, "_attend", "fwd: attention (_attend)"),
+            (nodes, "_fp8_attention_fused", "fwd: attention half, one operator"),
+            (nodes, "_fp8_layer_fused", "fwd: the whole layer, one operator"),
+            (ops, "attention_forward", "fwd: attention: ops.attention_forward"),
+            (nodes, "_residual", "fwd: residual adds"),
+            (nodes, "_projection_attention_backward", "bwd: projection + attention, one operator"),
+            (blocks, "layernorm_mlp_block_backward", "bwd: MLP block operator"),
+            (blocks, "layernorm_linear_block_backward", "bwd: QKV block operator"),
+            (nodes, "linear_backward", "bwd: projection (linear_backward)"),
+            (nodes, "_attend_backward", "bwd: attention (_attend_backward)"),
+            (ops, "attention_backward_packed", "bwd: attention: ops.attention_backward_packed"),
+            (nodes, "release", "bwd: release"),
+            (nodes, "split_grads", "bwd: split_grads")):
+        _wrap(owner, attr, name)
     fwd, bwd = nodes.Layer.forward, nodes.Layer.backward
     nodes.Layer.forward = staticmethod(_timed("node forward (whole)", fwd))
     nodes.Layer.backward = staticmethod(_timed("node backward (whole)", bwd))
