@@ -121,7 +121,6 @@ def main() -> None:
             (blocks, "_mlp_forward", "fwd: MLP block operator"),
             (nodes.fast_linear, "_forward", "fwd: projection operator"),
             (nodes, "_attend", "fwd: attention (_attend)"),
-            (nodes, "_fp8_attention_fused", "fwd: attention half, one operator"),
             (nodes, "_fp8_layer_fused", "fwd: the whole layer, one operator"),
             (ops, "attention_forward", "fwd: attention: ops.attention_forward"),
             (nodes, "_residual", "fwd: residual adds"),

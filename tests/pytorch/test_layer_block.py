@@ -358,10 +358,9 @@ def test_fused_attention_half_gives_the_nodes_bits(device, case, recipe_name, mo
         return counted
 
     # (the layer's forward is one call of layer_fp8_forward, the attention's alone one of
-    # attention_block_fp8_forward)
-    for name in ("_fp8_attention_fused", "_fp8_layer_fused"):
-        monkeypatch.setattr(layer_block_nodes, name,
-                            counting("forward", getattr(layer_block_nodes, name)))
+    # attention_block_fp8_forward: each makes its attention half's arguments once)
+    monkeypatch.setattr(layer_block_nodes, "_attention_half",
+                        counting("forward", layer_block_nodes._attention_half))
     monkeypatch.setattr(layer_block_nodes, "_projection_attention_backward",
                         counting("backward", layer_block_nodes._projection_attention_backward))
 
@@ -402,7 +401,7 @@ def test_fused_attention_half_reports_a_bad_call():
     status, *_ = _compiled.ops.attention_block_fp8_forward.default(
         x, g, beta, 0, 1e-5, False, w, None, wp, None, scales, history, scales, history,
         _compiled.NO_TENSOR, True, 3, False, 0.0, [1, 16, 4, 16] * 2 + [0] * 19, [], 0, 1, -1, 0,
-        0.25, 0.0, -1, _compiled.NO_TENSOR, None, 0.0, _compiled.NO_TENSOR, 0)
+        0.25, 0.0, -1, _compiled.NO_TENSOR, 0)
     assert status != 0
     message = _compiled.ops.last_error.default()
     assert "attention_block_fp8_forward" in message and "view of k" in message

@@ -1,8 +1,7 @@
 // The attention half of a Transformer layer under per-tensor FP8 (layer_block_nodes.py's
-// nodes), with few operator calls: the forward from the input to the residual sum is one call
-// (the QKV block, attention over the heads of its output read in place, the projection, the
-// residual add; with the MLP block and its residual after it, the whole layer's forward), and
-// the backward two: the projection's and attention's backward here, then
+// nodes), with few operator calls: its forward is one call (the QKV block, attention over the
+// heads of its output read in place, the projection; with the residual, the MLP block and the
+// second residual after it, the whole layer's forward), and the backward two: the projection's and attention's backward here, then
 // blocks.cpp's QKV block backward once the Python caller has freed what attention read (as the
 // Python steps free it).
 //
@@ -173,10 +172,9 @@ Tensor add_residual(const Tensor &h, const Tensor &residual, double p, const Ten
 
 constexpr const char *kForward = "te_eager.attention_block_fp8_forward";
 
-// x [M, K] -> proj(attention(qkv(norm(x)))) (+ the residual, dropout(.) + residual with
-// residual_dropout > 0): layernorm_linear_fp8_forward (need_dgrad and need_wgrad), attention
-// over `views` of its output with `strides`, then linear_fp8_forward of o [M, H * D] (both
-// copies, shared buffers: the eager step's), then te_dropout_add_forward or the add.
+// x [M, K] -> proj(attention(qkv(norm(x)))): layernorm_linear_fp8_forward (need_dgrad and
+// need_wgrad), attention over `views` of its output with `strides`, then linear_fp8_forward of
+// o [M, H * D] (both copies, shared buffers: the eager step's).
 //
 // Returns (output [M, N], then what the backward reads: the QKV block's six
 // (layernorm_linear_fp8_forward's), the QKV output, o, softmax_lse, and the projection's four
@@ -189,8 +187,7 @@ attention_block_fp8_forward(Tensor input, Tensor gamma, std::optional<Tensor> be
                             Tensor proj_history, Tensor workspace, bool current, int64_t fp8_dtype, bool pow2,
                             double epsilon, std::vector<int64_t> views, std::vector<int64_t> strides, int64_t layout,
                             int64_t mask, int64_t window_left, int64_t window_right, double softmax_scale,
-                            double dropout, int64_t backend, Tensor attention_rng, std::optional<Tensor> residual,
-                            double residual_dropout, Tensor residual_rng, int64_t stream_handle) {
+                            double dropout, int64_t backend, Tensor attention_rng, int64_t stream_handle) {
   using Outputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                              Tensor, Tensor, Tensor>;
   return guarded(kForward, input, [&]() -> Outputs {
@@ -201,12 +198,6 @@ attention_block_fp8_forward(Tensor input, Tensor gamma, std::optional<Tensor> be
     const Views v = views_of(views, input.size(0) * w_qkv.size(0), op);
     const te_attention_config config =
         config_of(layout, mask, window_left, window_right, softmax_scale, dropout, false, backend, strides, op);
-    if (residual.has_value()) {
-      const Tensor &r = *residual;
-      TE_EAGER_CHECK(r.dim() == 2 && r.size(0) == input.size(0) && r.size(1) == w_proj.size(0) && r.is_contiguous() &&
-                         r.scalar_type() == input.scalar_type(),
-                     op, ": the residual must be a contiguous matrix of the output's shape and dtype");
-    }
     auto [status1, qkv, ln_sinv, ln_col, mu, rsigma, w_sinv, w_col] = layernorm_linear_fp8_forward(
         input, gamma, beta, norm, eps, zero_centered_gamma, w_qkv, b_qkv, qkv_scales, qkv_history, workspace, current,
         fp8_dtype, pow2, epsilon, true, true, stream_handle);
@@ -236,7 +227,6 @@ attention_block_fp8_forward(Tensor input, Tensor gamma, std::optional<Tensor> be
         linear_fp8_forward(o2, w_proj, b_proj, proj_scales, proj_history, workspace, current, fp8_dtype, pow2, epsilon,
                            true, true, false, stream_handle);
     ok(status2);
-    if (residual.has_value()) out = add_residual(out, *residual, residual_dropout, residual_rng, stream, op);
     return {out, ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, qkv, o, lse, x_sinv, pw_sinv, x_col, pw_col};
   });
 }
@@ -245,8 +235,8 @@ constexpr const char *kLayerForward = "te_eager.layer_fp8_forward";
 
 // A pre-norm Transformer layer's whole forward, x [M, K] -> mid + mlp(norm(mid)) with mid =
 // x + proj(attention(qkv(norm(x)))) (each residual with dropout p > 0 when residual_dropout
-// is): attention_block_fp8_forward with the residual, then layernorm_mlp_fp8_forward of mid
-// (every gradient needed) and the second residual add. rng states: attention's, then the two
+// is): attention_block_fp8_forward, the residual add, layernorm_mlp_fp8_forward of mid (every
+// gradient needed) and the second residual add. rng states: attention's, then the two
 // residuals' (empty where not used).
 //
 // Returns (output [M, K], the attention half's thirteen tensors that its backward reads (as
@@ -275,20 +265,22 @@ layer_fp8_forward(Tensor input, Tensor gamma, std::optional<Tensor> beta, int64_
                    ": the MLP's weights must be [F, K] and [K, F'] for the input's K = ", input.size(1));
     TE_EAGER_CHECK(gamma2.dim() == 1 && gamma2.size(0) == input.size(1), op,
                    ": the MLP norm's gamma must be a [", input.size(1), "] vector");
-    auto [status1, mid, ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, qkv, o, lse, x_sinv, pw_sinv, x_col, pw_col] =
+    TE_EAGER_CHECK(input.dim() == 2 && input.is_contiguous() && w_proj.dim() == 2 && w_proj.size(0) == input.size(1),
+                   op, ": input must be a contiguous matrix [M, K] and the projection's weight [K, N]");
+    const te_stream stream = reinterpret_cast<te_stream>(stream_handle);
+    auto [status1, proj_out, ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, qkv, o, lse, x_sinv, pw_sinv, x_col, pw_col] =
         attention_block_fp8_forward(input, gamma, beta, norm, eps, zero_centered_gamma, w_qkv, b_qkv, w_proj, b_proj,
                                     qkv_scales, qkv_history, proj_scales, proj_history, workspace, current, fp8_dtype,
                                     pow2, epsilon, views, strides, layout, mask, window_left, window_right,
-                                    softmax_scale, dropout, backend, attention_rng, input, residual_dropout,
-                                    residual_rng1, stream_handle);
+                                    softmax_scale, dropout, backend, attention_rng, stream_handle);
     ok(status1);
+    Tensor mid = add_residual(proj_out, input, residual_dropout, residual_rng1, stream, op);
     auto [status2, mlp_out, ln_sinv2, ln_col2, mu2, rsigma2, w1_sinv, w1_col, h, a_sinv, a_col, w2_sinv, w2_col] =
         layernorm_mlp_fp8_forward(mid, gamma2, beta2, norm2, eps2, zero_centered_gamma2, w1, b1, act, w2, b2,
                                   mlp_scales, mlp_history, workspace, current, fp8_dtype, pow2, epsilon, true, true,
                                   true, true, stream_handle);
     ok(status2);
-    Tensor out = add_residual(mlp_out, mid, residual_dropout, residual_rng2, reinterpret_cast<te_stream>(stream_handle),
-                              op);
+    Tensor out = add_residual(mlp_out, mid, residual_dropout, residual_rng2, stream, op);
     return {out, ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, qkv, o, lse, x_sinv, pw_sinv, x_col, pw_col,
             mid, ln_sinv2, ln_col2, mu2, rsigma2, w1_sinv, w1_col, h, a_sinv, a_col, w2_sinv, w2_col};
   });

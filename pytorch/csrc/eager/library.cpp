@@ -143,8 +143,8 @@ STABLE_TORCH_LIBRARY(te_eager, m) {
       "Tensor(a!) qkv_history, Tensor proj_scales, Tensor(b!) proj_history, Tensor(c!) workspace, bool current, "
       "int fp8_dtype, bool pow2, float epsilon, int[] views, int[] strides, int layout, int mask, "
       "int window_left, int window_right, float softmax_scale, float dropout, int backend, Tensor attention_rng, "
-      "Tensor? residual, float residual_dropout, Tensor residual_rng, int stream) -> (int, Tensor, Tensor, "
-      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "int stream) -> (int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "layer_fp8_forward(Tensor input, Tensor gamma, Tensor? beta, int norm, float eps, "
       "bool zero_centered_gamma, Tensor w_qkv, Tensor? b_qkv, Tensor w_proj, Tensor? b_proj, Tensor qkv_scales, "

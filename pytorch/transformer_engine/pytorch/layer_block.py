@@ -247,6 +247,7 @@ def _learn(mha, mlp, x: torch.Tensor, params: _Params, recipe, key: tuple, mask:
         return declined
     attention = (layout, mask, window_pair[0], window_pair[1], float(dpa.softmax_scale),
                  float(dropout), 0, 0, backend)
+    strides = None  # (of q, k, v read in place, as the core's config takes them: eager only)
     if torch.compiler.is_compiling():  # (packed_qkv reads the data pointer: eager only)
         views = packed_views(tuple(qkv_out.shape), dtype, mha._local_groups, mha._parts,
                              mha.head_dim, mha.qkv_weight_interleaved)
@@ -257,6 +258,7 @@ def _learn(mha, mlp, x: torch.Tensor, params: _Params, recipe, key: tuple, mask:
         if packed is None:
             return declined
         views = packed[1]
+        strides = ops.attention.qkv_strides(layout, mask, q, k, v)
     norms = tuple(None if m is None else (m.cfg.norm, m.cfg.eps, m.cfg.zero_centered_gamma)
                   for m in (qkv_mod, mlp))
     common = (attention, views, bool(dpa.deterministic), tuple(w.shape[0] for w in weights), hp,
@@ -270,7 +272,7 @@ def _learn(mha, mlp, x: torch.Tensor, params: _Params, recipe, key: tuple, mask:
     casts.add((codes[1].current, codes[1].fp8_dtype, codes[1].pow2, codes[1].epsilon))
     return Step(recipe, key, plans[0].kind == "delayed", *codes,
                 0 if mlp is None else enum_code("Activation", mlp._act), *common,
-                block_args(attention, views, dtype.itemsize) if len(casts) == 1 else None)
+                block_args(attention, views, strides) if len(casts) == 1 else None)
 
 
 def _past_first_step(modules) -> bool:

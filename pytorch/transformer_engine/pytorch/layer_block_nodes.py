@@ -194,33 +194,14 @@ class BlockArgs(NamedTuple):
     backend: int
 
 
-def _dense(shape, stride) -> bool:
-    expected = 1
-    for n, st in zip(reversed(shape), reversed(stride), strict=True):
-        if n != 1 and st != expected:
-            return False
-        expected *= n
-    return True
-
-
-def block_args(attention: tuple, views: tuple, element_size: int) -> Optional[BlockArgs]:
+def block_args(attention: tuple, views: tuple, strides: Optional[list]) -> Optional[BlockArgs]:
     """The fused operators' arguments of a step's attention (layer_block._learn), or None
-    where they do not serve it: what ops.attention_forward would read in place, q, k, v at
-    16-byte offsets in the QKV output (which starts at an allocation's alignment)."""
+    where they do not serve it. ``strides``: ops.attention.qkv_strides of q, k, v as the
+    step's views of a fresh QKV output (None: not read in place)."""
     layout, mask, left, right, scale, dropout, _, _, backend = attention
-    if layout not in _LAYOUTS or mask not in ops.attention.MASKS or mask.startswith("padding"):
+    if strides is None or layout not in _LAYOUTS or backend not in _BACKENDS:
         return None
-    if backend not in _BACKENDS:
-        return None
-    strides, flat = [], []
-    for shape, stride, offset in views:
-        st = ops.attention.operand_strides_of(shape, stride, element_size)
-        if st is None or (offset * element_size) % 16:
-            return None
-        strides += st
-        flat += [*shape, *stride, offset]
-    if all(_dense(sh, st) for sh, st, _ in views):
-        strides = []
+    flat = [n for shape, stride, offset in views for n in (*shape, *stride, offset)]
     return BlockArgs(flat, strides, _LAYOUTS[layout], ops.attention.MASKS.index(mask), left,
                      right, scale, dropout, _BACKENDS[backend])
 
@@ -230,46 +211,53 @@ def _fused(step: Step, freqs) -> bool:
             and not _compiled.tracing())
 
 
-def _fp8_attention(x2, step: Step, states, freqs, g1, beta1, w_qkv, b_qkv, w_p, b_p,
-                   p: Optional[float] = None) -> tuple:
-    """(projection output [M, N], what the backward reads, q/k/v held, RoPE angles, None):
-    the QKV block's operator, attention, te.Linear's operator for the projection. With p (the
-    hidden dropout) the output is x2 + dropout(projection output) instead (_residual), and
-    the last item that dropout's rng state (None without one)."""
-    (s1, h1, _), (s2, h2, _) = states[:2]
+def _fp8_attention(x2, step: Step, states, freqs, g1, beta1, w_qkv, b_qkv, w_p, b_p) -> tuple:
+    """(projection output [M, N], what the backward reads, q/k/v held, RoPE angles): the QKV
+    block's operator, attention, te.Linear's operator for the projection (attention_block.cpp's
+    one call where _fused)."""
     if _fused(step, freqs):
-        return _fp8_attention_fused(x2, step, s1, h1, s2, h2, g1, beta1, w_qkv, b_qkv, w_p, b_p,
-                                    p)
+        rng = _attention_rng(step, x2)
+        status, out, *outs = _compiled.ops.attention_block_fp8_forward.default(
+            *_attention_half(x2, step, states, g1, beta1, w_qkv, b_qkv, w_p, b_p, rng),
+            ops._backend.stream_of(x2))
+        _compiled.raise_if_failed(status)
+        return (out, _attention_saved(x2, g1, outs), (outs[6], rng), None)
+    (s1, h1, _), (s2, h2, _) = states[:2]
     qkv, *saved = compiled_blocks._linear_forward(x2, g1, beta1, w_qkv, b_qkv, s1, h1, step.qkv,
                                                   True, True)
     o, lse, held, freqs = _attend(qkv, step, freqs)
     o2 = o.view(-1, o.shape[-2] * o.shape[-1])
     out, x_sinv, w_sinv, x_col, w_col = fast_linear._forward(o2, w_p, b_p, s2, h2, step.proj,
                                                              True, True)
-    rng = None
-    if p is not None:
-        out, rng = _residual(out, x2, p)
-    return out, (x2, g1, *saved, o, lse, x_sinv, w_sinv, x_col, w_col), held, freqs, rng
+    return out, (x2, g1, *saved, o, lse, x_sinv, w_sinv, x_col, w_col), held, freqs
 
 
-def _fp8_attention_fused(x2, step: Step, s1, h1, s2, h2, g1, beta1, w_qkv, b_qkv, w_p, b_p,
-                         p: Optional[float]) -> tuple:
-    """_fp8_attention's forward as attention_block.cpp's one operator call."""
+def _attention_rng(step: Step, x2) -> torch.Tensor:
+    """The attention dropout's rng state of a fused call (drawn where _attend draws it)."""
+    return rng_state(x2.device) if step.block.dropout > 0.0 else NO_RNG
+
+
+def _attention_half(x2, step: Step, states, g1, beta1, w_qkv, b_qkv, w_p, b_p, rng) -> tuple:
+    """attention_block.cpp's forward arguments of the attention half, as both fused forwards
+    take them first: the QKV block's as compiled_blocks._linear_forward passes them, the
+    projection's as fast_linear._forward does, the attention's (step.block)."""
+    (s1, h1, _), (s2, h2, _) = states[:2]
     c, b = step.qkv, step.block
-    rng = rng_state(x2.device) if b.dropout > 0.0 else NO_RNG
-    residual_rng = rng_state(x2.device) if p is not None and p > 0.0 else NO_RNG
     ws = ops._backend.workspace_for(x2)
-    status, out, *saved, qkv, o, lse, x_sinv, w_sinv, x_col, w_col = \
-        _compiled.ops.attention_block_fp8_forward.default(
-            x2, g1, beta1, c.norm, c.eps, c.zero_centered_gamma, w_qkv,
+    return (x2, g1, beta1, c.norm, c.eps, c.zero_centered_gamma, w_qkv,
             compiled_blocks._in_dtype(b_qkv, x2), w_p, b_p, s1, compiled_blocks._state(s1, h1),
             s2, h2, _compiled.NO_TENSOR if ws is None else ws, c.current, c.fwd_dtype, c.pow2,
             c.epsilon, b.views, b.strides, b.layout, b.mask, b.window_left, b.window_right,
-            b.softmax_scale, b.dropout, b.backend, rng, None if p is None else x2,
-            0.0 if p is None else p, residual_rng, ops._backend.stream_of(x2))
-    _compiled.raise_if_failed(status)
-    return (out, (x2, g1, *saved, o, lse, x_sinv, w_sinv, x_col, w_col), (qkv, rng), None,
-            None if p is None or p == 0.0 else residual_rng)
+            b.softmax_scale, b.dropout, b.backend, rng)
+
+
+def _attention_saved(x2, g1, outs) -> tuple:
+    """What _fp8_attention saves, from a fused forward's outputs after its first (the QKV
+    block's six, the QKV output, o, softmax_lse, the projection's four)."""
+    ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, _, o, lse, x_sinv, pw_sinv, x_col, pw_col = \
+        outs[:13]
+    return (x2, g1, ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, o, lse, x_sinv, pw_sinv, x_col,
+            pw_col)
 
 
 _FP8_ATTENTION_SAVED = 14  # (the tensors _fp8_attention saves)
@@ -313,34 +301,26 @@ def _fp8_attention_backward(g, saved, held, step: Step, metas, freqs, has: tuple
 
 def _fp8_layer_fused(x2, step: Step, states, p: float, g1, beta1, w_qkv, b_qkv, w_p, b_p, g2,
                      beta2, w1, b1, w2, b2) -> tuple:
-    """Layer's forward (_fp8_attention with its residual, the MLP block's operator, the second
+    """Layer's forward (_fp8_attention, the residual, the MLP block's operator, the second
     residual) as attention_block.cpp's one layer_fp8_forward call: (output, the attention
     half's saved tensors, mid, the MLP's saved tensors, q/k/v held, the two residuals' rng
-    states or None)."""
-    (s1, h1, _), (s2, h2, _), (s3, h3, _) = states
-    c, m, b = step.qkv, step.mlp, step.block
-    rng = rng_state(x2.device) if b.dropout > 0.0 else NO_RNG
+    states or None). rng states drawn in the order of the calls one by one."""
+    rng = _attention_rng(step, x2)
     if p > 0.0:
         rng1, rng2 = rng_state(x2.device), rng_state(x2.device)
     else:
         rng1 = rng2 = NO_RNG
-    ws = ops._backend.workspace_for(x2)
+    s3, h3, _ = states[2]
+    m = step.mlp
     status, out, *outs = _compiled.ops.layer_fp8_forward.default(
-        x2, g1, beta1, c.norm, c.eps, c.zero_centered_gamma, w_qkv,
-        compiled_blocks._in_dtype(b_qkv, x2), w_p, b_p, s1, compiled_blocks._state(s1, h1), s2,
-        h2, _compiled.NO_TENSOR if ws is None else ws, c.current, c.fwd_dtype, c.pow2, c.epsilon,
-        b.views, b.strides, b.layout, b.mask, b.window_left, b.window_right, b.softmax_scale,
-        b.dropout, b.backend, rng, g2, beta2, m.norm, m.eps, m.zero_centered_gamma, w1,
-        compiled_blocks._in_dtype(b1, x2), step.act, w2, compiled_blocks._in_dtype(b2, x2), s3,
-        compiled_blocks._state(s3, h3), p, rng1, rng2, ops._backend.stream_of(x2))
+        *_attention_half(x2, step, states, g1, beta1, w_qkv, b_qkv, w_p, b_p, rng), g2, beta2,
+        m.norm, m.eps, m.zero_centered_gamma, w1, compiled_blocks._in_dtype(b1, x2), step.act,
+        w2, compiled_blocks._in_dtype(b2, x2), s3, compiled_blocks._state(s3, h3), p, rng1,
+        rng2, ops._backend.stream_of(x2))
     _compiled.raise_if_failed(status)
-    ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, qkv, o, lse, x_sinv, pw_sinv, x_col, pw_col = \
-        outs[:13]
-    saved = (x2, g1, ln_sinv, ln_col, mu, rsigma, w_sinv, w_col, o, lse, x_sinv, pw_sinv, x_col,
-             pw_col)
     dropped = p > 0.0
-    return (out, saved, outs[13], outs[14:], (qkv, rng), rng1 if dropped else None,
-            rng2 if dropped else None)
+    return (out, _attention_saved(x2, g1, outs), outs[13], outs[14:], (outs[6], rng),
+            rng1 if dropped else None, rng2 if dropped else None)
 
 
 def _projection_attention_backward(g, o, lse, held, x_sinv, pw_sinv, x_col, pw_col,
@@ -395,8 +375,9 @@ class Layer(torch.autograd.Function):
             out, saved, mid, saved3, held, rng1, rng2 = _fp8_layer_fused(
                 x2, step, states, p, g1, beta1, w_qkv, b_qkv, w_p, b_p, g2, beta2, w1, b1, w2, b2)
         else:
-            mid, saved, held, freqs, rng1 = _fp8_attention(x2, step, states, freqs, g1, beta1,
-                                                           w_qkv, b_qkv, w_p, b_p, p)
+            proj_out, saved, held, freqs = _fp8_attention(x2, step, states, freqs, g1, beta1,
+                                                          w_qkv, b_qkv, w_p, b_p)
+            mid, rng1 = _residual(proj_out, x2, p)
             s3, h3, _ = states[2]
             mlp_out, *saved3 = compiled_blocks._mlp_forward(mid, g2, beta2, w1, b1, w2, b2, s3,
                                                             h3, step.mlp, step.act, (True,) * 4)
@@ -449,8 +430,8 @@ class Attention(torch.autograd.Function):
                 *qkv_parts):
         shape = x.shape
         x2, w_qkv, b_qkv = _operands(x, qkv_parts, n_w, n_b)
-        out, saved, held, freqs, _ = _fp8_attention(x2, step, states, freqs, g1, beta1, w_qkv,
-                                                    b_qkv, w_p, b_p)
+        out, saved, held, freqs = _fp8_attention(x2, step, states, freqs, g1, beta1, w_qkv,
+                                                 b_qkv, w_p, b_p)
         ctx.save_for_backward(*saved, *held)
         ctx.freqs = freqs
         ctx.info = fp8_info(step, tuple(m for _, _, m in states), n_w, n_b, shape,
