@@ -1,9 +1,9 @@
 // The attention half of a Transformer layer under per-tensor FP8 (layer_block_nodes.py's
 // nodes), with few operator calls: its forward is one call (the QKV block, attention over the
 // heads of its output read in place, the projection; with the residual, the MLP block and the
-// second residual after it, the whole layer's forward), and the backward two: the projection's and attention's backward here, then
-// blocks.cpp's QKV block backward once the Python caller has freed what attention read (as the
-// Python steps free it).
+// second residual after it, the whole layer's forward), and the backward two: the projection's
+// and attention's backward here, then blocks.cpp's QKV block backward once the Python caller
+// has freed what attention read (as the Python steps free it).
 //
 // The same core calls with the same arguments as the Python steps (ops.attention_forward and
 // attention_backward_packed, fast_linear, linear_backward, the residual add of
@@ -135,14 +135,6 @@ te_buffer view_buffer(char *base, const Views &v, int i, te_dtype dtype, size_t 
   te_buffer b = buffer(base + v.offset[i] * static_cast<int64_t>(element), dtype, {}, on);
   b.ndim = 4;
   for (int d = 0; d < 4; ++d) b.shape[d] = v.shape[i][d];
-  return b;
-}
-
-// A whole contiguous tensor's buffer.
-te_buffer whole(const Tensor &t, te_dtype dtype) {
-  te_buffer b = buffer(t.data_ptr(), dtype, {}, t);
-  b.ndim = static_cast<int32_t>(t.dim());
-  for (int64_t d = 0; d < t.dim(); ++d) b.shape[d] = t.size(d);
   return b;
 }
 

@@ -76,6 +76,14 @@ inline te_buffer buffer(void *data, te_dtype dtype, std::initializer_list<int64_
   return b;
 }
 
+// A whole contiguous tensor's buffer, in its own shape.
+inline te_buffer whole(const Tensor &t, te_dtype dtype) {
+  te_buffer b = buffer(t.data_ptr(), dtype, {}, t);
+  b.ndim = static_cast<int32_t>(t.dim());
+  for (int64_t d = 0; d < t.dim(); ++d) b.shape[d] = t.size(d);
+  return b;
+}
+
 // Float element i of a contiguous fp32 tensor as a [1] buffer (a scale, an amax history slot).
 inline te_buffer element(const Tensor &t, int64_t i) {
   return buffer(static_cast<float *>(t.data_ptr()) + i, TE_DTYPE_FLOAT32, {1}, t);

@@ -53,20 +53,14 @@ void scale_update(std::vector<Tensor> histories, std::vector<Tensor> scales, std
   if (n == 0) return;
   std::deque<Handle> handles;  // (a deque: handles do not move)
   std::vector<te_tensor *> h(n), s(n), si(n);
-  const auto whole = [](const Tensor &t) {
-    te_buffer b = buffer(t.data_ptr(), TE_DTYPE_FLOAT32, {}, t);
-    b.ndim = static_cast<int32_t>(t.dim());
-    for (int64_t i = 0; i < t.dim(); ++i) b.shape[i] = t.size(i);
-    return b;
-  };
   for (size_t i = 0; i < n; ++i) {
     for (const Tensor *t : {&histories[i], &scales[i], &scale_invs[i]}) {
       TE_EAGER_CHECK(t->scalar_type() == ScalarType::Float && t->is_contiguous(), op,
                       ": histories, scales and scale_invs must be contiguous float32 tensors");
     }
-    h[i] = handles.emplace_back(op).set(TE_SLOT_DATA, whole(histories[i])).get();
-    s[i] = handles.emplace_back(op).set(TE_SLOT_DATA, whole(scales[i])).get();
-    si[i] = handles.emplace_back(op).set(TE_SLOT_DATA, whole(scale_invs[i])).get();
+    h[i] = handles.emplace_back(op).set(TE_SLOT_DATA, whole(histories[i], TE_DTYPE_FLOAT32)).get();
+    s[i] = handles.emplace_back(op).set(TE_SLOT_DATA, whole(scales[i], TE_DTYPE_FLOAT32)).get();
+    si[i] = handles.emplace_back(op).set(TE_SLOT_DATA, whole(scale_invs[i], TE_DTYPE_FLOAT32)).get();
   }
   check(te_delayed_scaling_update(h.data(), s.data(), si.data(), n, static_cast<te_dtype>(fp8_dtype),
                                   static_cast<te_amax_compute_algo>(algo), static_cast<int32_t>(margin),
