@@ -6,9 +6,9 @@
 // forward (linear.cpp), a norm or an activation with the FP8 GEMM after it (fused_forward.cpp),
 // the backward of any per-tensor FP8 linear layer (linear.cpp), LayerNormLinear's and
 // LayerNormMLP's whole forward and whole backward (blocks.cpp, composed of the others), a
-// Transformer layer's attention half forward and its projection and attention backward
-// (attention_block.cpp) and delayed scaling's scale update (here) are each one call into the
-// core's C API, with outputs from torch's allocator.
+// Transformer layer's whole forward, its attention half's forward and that half's projection
+// and attention backward (attention_block.cpp) and delayed scaling's scale update (here) are
+// each one call into the core's C API, with outputs from torch's allocator.
 // Each computes what the Python steps compute, with the same core calls and arguments (so the
 // same bits), for the inputs its Python caller accepts; it checks them again and fails (never
 // writes) on anything else.
