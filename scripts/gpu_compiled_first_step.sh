@@ -1,25 +1,36 @@
 #!/usr/bin/env bash
-# One GPU run: the compiled layer tests that compare a torch.compile'd FP8 delayed-scaling
-# stack with eager (test_layer_block.py -k compiled, CUDA) with the eager node's fused calls
-# on and off (layer_block_nodes.fused_attention_block), to tell whether those calls are what
-# a failure comes from; then host_split_probe.py with the fused calls and without. Logs go to
+# One GPU run for the compiled FP8 layer step: compiled_first_step_probe.py (which path gives
+# a compiled delayed first step other bits than eager), the compiled layer tests
+# (test_layer_block.py -k compiled, CUDA), then an A/B of four FP8 layers at hidden 1024
+# compiled with the layer node's ops (layer_block_op.on_cuda) and through the modules, rounds
+# on, off, on, off (the flag set in the installed package), each case in a process of its own,
+# with the eager FP8 step and torch's compiled step in the first round. Logs go to
 # $1/log.txt, JSON to $1.
 #
-#   bash scripts/gpu_compiled_first_step.sh OUT_DIR    # TE_GPU_BUDGET_S: seconds to use (400)
+#   bash scripts/gpu_compiled_first_step.sh OUT_DIR    # TE_GPU_BUDGET_S: seconds to use (560)
 set -u
 out=${1:?usage: gpu_compiled_first_step.sh OUT_DIR}
-budget=${TE_GPU_BUDGET_S:-400}
+budget=${TE_GPU_BUDGET_S:-560}
 source "$(dirname "$0")/_gpu_run.sh"
 build_torch_stack
 commit=${TE_GIT_COMMIT:-unset}
-set_flag layer_block_nodes.py fused_attention_block False
-step compiled_tests_unfused "$(upto $((budget - 30)) 60)" python3 -m pytest -p no:cacheprovider -q \
-  -m cuda -rfE tests/pytorch/test_layer_block.py -k "compiled and delayed"
-set_flag layer_block_nodes.py fused_attention_block True
-step compiled_tests_fused "$(upto $((budget - 5)) 60)" python3 -m pytest -p no:cacheprovider -q \
-  -m cuda -rfE tests/pytorch/test_layer_block.py -k "compiled and delayed"
-step probe_fused "$(upto $((budget - 40)) 50)" python3 benchmarks/host_split_probe.py \
-  --out "$out/host_split_probe_fused_$commit$suffix.json"
-step probe_unfused "$(upto $((budget - 5)) 50)" python3 benchmarks/host_split_probe.py --unfused \
-  --out "$out/host_split_probe_unfused_$commit$suffix.json"
+export TE_BENCH_RESULTS=$out
+step first_step_probe "$(upto $((budget - 60)) 90)" python3 benchmarks/compiled_first_step_probe.py
+step compiled_tests "$(upto $((budget - 60)) 150)" python3 -m pytest -p no:cacheprovider -q \
+  -m cuda -rfE tests/pytorch/test_layer_block.py -k compiled
+set -f  # the case patterns are globs for bench_model, not for the shell
+for round in 1 2; do
+  for side in on off; do
+    variants=("te_layer/fp8_delayed/compile")
+    [ "$round$side" = 1on ] && variants+=("te_layer/fp8_delayed/eager" "torch/bf16/compile")
+    [ "$side" = on ] && set_flag layer_block_op.py on_cuda True
+    runs_left=$(( (2 - round) * 2 + 1 )); [ "$side" = on ] && runs_left=$((runs_left + 1))
+    share=$(( $(left $((budget - 5))) / runs_left ))
+    step "model_$round$side" "$(upto $((budget - 5)) "$share")" python3 benchmarks/bench_model.py \
+      --hidden 1024 --isolate --budget-s $((share - 10)) --module-iters 0 \
+      --name "model_layer_op_${side}${round}_$commit$suffix" --variants "${variants[@]}"
+    [ "$side" = on ] && set_flag layer_block_op.py on_cuda False
+  done
+done
+set +f
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"

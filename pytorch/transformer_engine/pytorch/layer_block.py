@@ -247,12 +247,14 @@ def _learn(mha, mlp, x: torch.Tensor, params: _Params, recipe, key: tuple, mask:
         return declined
     attention = (layout, mask, window_pair[0], window_pair[1], float(dpa.softmax_scale),
                  float(dropout), 0, 0, backend)
-    strides = None  # (of q, k, v read in place, as the core's config takes them: eager only)
     if torch.compiler.is_compiling():  # (packed_qkv reads the data pointer: eager only)
         views = packed_views(tuple(qkv_out.shape), dtype, mha._local_groups, mha._parts,
                              mha.head_dim, mha.qkv_weight_interleaved)
         if views is None:
             return declined
+        # (of q, k, v read in place, as the core's config takes them; the QKV output is a
+        # fresh allocation inside the node's op)
+        strides = ops.attention.qkv_strides_of(layout, mask, views, dtype.itemsize)
     else:
         packed = packed_qkv(q, k, v, attention)
         if packed is None:

@@ -31,7 +31,16 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _compiled, compiled_blocks, fast_linear, first_step
-from .layer_block_nodes import NO_RNG, Attention, Layer, Step, fp8_info, joined, split_grads
+from .layer_block_nodes import (
+    NO_RNG,
+    Attention,
+    BlockArgs,
+    Layer,
+    Step,
+    fp8_info,
+    joined,
+    split_grads,
+)
 from .module._split_rows import back_to_back
 from .ops._backend import custom_op
 from .quantization import Plan
@@ -78,10 +87,12 @@ def encode(step) -> str:
     views = tuple((tuple(sh), tuple(st), int(off)) for sh, st, off in step.views)
     proj = step.proj
     mlp = None if step.mlp is None else tuple(step.mlp)
+    block = None if step.block is None else tuple(
+        tuple(f) if isinstance(f, list) else f for f in step.block)
     return _encode((step.delayed, tuple(step.qkv), (tuple(proj.plan), *tuple(proj)[1:]), mlp,
                     step.act, tuple(step.attention), views, step.deterministic,
                     tuple(step.splits), tuple(step.norms), step.act_name,
-                    step.rope_interleaved))
+                    step.rope_interleaved, block))
 
 
 _DECODED: dict = {}
@@ -92,13 +103,14 @@ def _decode(key: str):
     step = _DECODED.get(key)
     if step is None:
         (delayed, qkv, proj, mlp, act, attention, views, deterministic, splits, norms,
-         act_name, rope_interleaved) = ast.literal_eval(key)
+         act_name, rope_interleaved, block) = ast.literal_eval(key)
         step = _DECODED[key] = Step(
             None, (), delayed, compiled_blocks.Codes(*qkv),
             fast_linear.Codes(Plan(*proj[0]), *proj[1:]),
             None if mlp is None else compiled_blocks.Codes(*mlp), act,
             attention, tuple((torch.Size(sh), st, off) for sh, st, off in views), deterministic,
-            splits, False, norms, act_name, rope_interleaved)
+            splits, False, norms, act_name, rope_interleaved,
+            None if block is None else BlockArgs(list(block[0]), list(block[1]), *block[2:]))
     return step
 
 

@@ -69,6 +69,34 @@ def qkv_strides(layout: str, mask: str, q: torch.Tensor, k: torch.Tensor,
     return out
 
 
+def qkv_strides_of(layout: str, mask: str, views: tuple, element_size: int
+                   ) -> Optional[list[int]]:
+    """qkv_strides of q, k, v given as (shape, stride, offset) views of one buffer whose first
+    element is 16-byte aligned (a fresh allocation): what a traced step, which cannot look at
+    tensors, knows of them."""
+    if all(_is_contiguous(shape, stride) for shape, stride, _ in views):
+        return []
+    if layout == "thd" or mask.startswith("padding"):
+        return None
+    out = []
+    for shape, stride, offset in views:
+        st = None if (offset * element_size) % 16 else operand_strides_of(shape, stride,
+                                                                           element_size)
+        if st is None:
+            return None
+        out += st
+    return out
+
+
+def _is_contiguous(shape, stride) -> bool:
+    expected = 1
+    for n, s in zip(reversed(shape), reversed(stride), strict=True):
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
 def config(layout: str, mask: str, window_left: int, window_right: int, softmax_scale: float,
            dropout: float, max_seqlen_q: int, max_seqlen_kv: int, deterministic: bool = False,
            backend: str = "auto", inference: bool = False, strides: Optional[list] = None):
