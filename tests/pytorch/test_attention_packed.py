@@ -82,6 +82,26 @@ def test_which_views_are_packed():
     assert packed_qkv(q, k, k, params) is None
 
 
+@pytest.mark.parametrize("layout", ["sbhd", "bshd"])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("groups,dim", [(4, 16), (1, 16), (2, 64), (4, 4)])
+@pytest.mark.parametrize("mask", ["causal", "padding_causal"])
+def test_strides_of_views_are_the_tensors_strides(layout, interleaved, groups, dim, mask):
+    """A traced step gives the core q, k, v's strides from their views alone
+    (qkv_strides_of): the strides qkv_strides reads off the tensors, None included."""
+    heads = 4
+    x = _projection(layout, 8, 2, heads, groups, dim, torch.bfloat16, "cpu")
+    q, k, v = split_heads(x.detach().clone(), groups, (heads // groups, 1, 1), dim, interleaved)
+    start = q._base.storage_offset() if q._base is not None else 0
+    views = tuple((tuple(t.shape), tuple(t.stride()), t.storage_offset() - start)
+                  for t in (q, k, v))
+    want = ops.attention.qkv_strides(layout, mask, q, k, v)
+    assert ops.attention.qkv_strides_of(layout, mask, views, 2) == want
+    if want:  # (a view starting off a 16-byte boundary is not read in place)
+        shifted = tuple((sh, st, off + 1) for sh, st, off in views)
+        assert ops.attention.qkv_strides_of(layout, mask, shifted, 2) is None
+
+
 def test_multihead_attention_reads_qkv_in_place():
     mha = te.MultiheadAttention(64, 4, attention_dropout=0.0, attn_mask_type="causal",
                                 params_dtype=torch.float32, device="cpu")
