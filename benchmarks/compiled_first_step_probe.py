@@ -7,7 +7,8 @@ the eager layer node's, bit for bit (with the largest difference where they diff
   eager modules       layer_block off: the modules one by one
   eager modules, copy the same with q, k, v copied dense (attention_fn.packed_enabled off)
   compiled            torch.compile(fullgraph=True): a delayed first step traces the modules
-  compiled, copy      the same with q, k, v copied dense
+                      (q, k, v copied dense: multihead_attention.traced_in_place off)
+  compiled, in place  the same with the traced step reading q, k, v in place (on)
 
 A compiled first step that differs from "eager modules" points at the trace; one that equals
 "eager modules" but not "eager node" at the node. Prints; writes nothing.
@@ -24,6 +25,7 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
 from transformer_engine.pytorch import attention_fn, layer_block
+from transformer_engine.pytorch.module import multihead_attention
 
 
 def stack(device: str) -> torch.nn.Module:
@@ -34,8 +36,10 @@ def stack(device: str) -> torch.nn.Module:
                             attention_dropout=0.0) for _ in range(2)))
 
 
-def first_step(device: str, compiled: bool, node: bool, packed: bool) -> list:
+def first_step(device: str, compiled: bool, node: bool, packed: bool,
+               traced_in_place: bool = False) -> list:
     layer_block.enabled, attention_fn.packed_enabled = node, packed
+    multihead_attention.traced_in_place = traced_in_place
     try:
         torch._dynamo.reset()
         m = stack(device)
@@ -48,6 +52,7 @@ def first_step(device: str, compiled: bool, node: bool, packed: bool) -> list:
         return [y.detach(), x.grad]
     finally:
         layer_block.enabled, attention_fn.packed_enabled = True, True
+        multihead_attention.traced_in_place = False
 
 
 def main() -> None:
@@ -56,7 +61,7 @@ def main() -> None:
     args = p.parse_args()
     ways = {"eager node": (False, True, True), "eager modules": (False, False, True),
             "eager modules, copy": (False, False, False), "compiled": (True, True, True),
-            "compiled, copy": (True, True, False)}
+            "compiled, in place": (True, True, True, True)}
     seen = {name: first_step(args.device, *how) for name, how in ways.items()}
     want = seen["eager node"]
     for name, got in seen.items():

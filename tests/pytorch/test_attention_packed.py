@@ -115,15 +115,22 @@ def test_multihead_attention_reads_qkv_in_place():
 @pytest.mark.parametrize("layout,interleaved,groups", [("bshd", False, None),
                                                         ("sbhd", True, None),
                                                         ("bshd", True, 1)])
-def test_compiled_multihead_attention_reads_qkv_in_place(layout, interleaved, groups):
-    """A traced step cannot look at the views' storage: te.MultiheadAttention gives the
-    attention the views it made, so the compiled step reads q, k, v in place and writes their
-    gradients into one buffer (no copies of them, no concatenation) and matches eager."""
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "default"])
+def test_compiled_multihead_attention_reads_qkv_in_place(layout, interleaved, groups, in_place,
+                                                         monkeypatch):
+    """A traced step cannot look at the views' storage: with multihead_attention's
+    traced_in_place te.MultiheadAttention gives the attention the views it made, so the
+    compiled step reads q, k, v in place and writes their gradients into one buffer (no
+    copies of them, no concatenation) and matches eager. By default (off) the traced step
+    takes the dense attention."""
     import copy
 
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
+    from transformer_engine.pytorch.module import multihead_attention
+
+    monkeypatch.setattr(multihead_attention, "traced_in_place", in_place)
     code = []
 
     def keep(gm, example_inputs):
@@ -144,8 +151,10 @@ def test_compiled_multihead_attention_reads_qkv_in_place(layout, interleaved, gr
     for (name, a), b in zip(mha.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
     graphs = "\n".join(code)
-    assert "attention_backward_packed" in graphs
-    assert "attention_backward.default" not in graphs and ".clone(" not in graphs
+    assert ("attention_backward_packed" in graphs) == in_place
+    assert ("attention_backward.default" in graphs) == (not in_place)
+    if in_place:
+        assert ".clone(" not in graphs
 
 
 def test_packed_backward_refuses_views_of_another_tensor():
