@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run for the compiled FP8 layer step: compiled_first_step_probe.py (which path gives
-# a compiled delayed first step other bits than eager), the compiled layer tests
+# a compiled delayed first step other bits than eager) and Inductor's code of the way that
+# differed (in the log), the compiled layer tests
 # (test_layer_block.py -k compiled, CUDA), then an A/B of four FP8 layers at hidden 1024
 # compiled with the layer node's ops (layer_block_op.on_cuda) and through the modules, rounds
 # on, off, on, off (the flag set in the installed package), each case in a process of its own,
@@ -16,8 +17,14 @@ build_torch_stack
 commit=${TE_GIT_COMMIT:-unset}
 export TE_BENCH_RESULTS=$out
 step first_step_probe "$(upto $((budget - 60)) 90)" python3 benchmarks/compiled_first_step_probe.py
+# Inductor's code for the compiled first step reading q, k, v in place (the way that gave
+# other bits on an H100), for reading offline beside the CPU's
+step inplace_code "$(upto $((budget - 60)) 40)" env TORCH_LOGS=output_code python3 -c "import sys; \
+  sys.path.insert(0, 'benchmarks'); import compiled_first_step_probe as p; \
+  p.first_step('cuda', True, True, True, True)"
 step compiled_tests "$(upto $((budget - 60)) 150)" python3 -m pytest -p no:cacheprovider -q \
-  -m cuda -rfE tests/pytorch/test_layer_block.py -k compiled
+  -m cuda -rfE tests/pytorch/test_layer_block.py tests/pytorch/test_attention_packed.py \
+  -k compiled
 set -f  # the case patterns are globs for bench_model, not for the shell
 for round in 1 2; do
   for side in on off; do
