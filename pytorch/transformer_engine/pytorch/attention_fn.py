@@ -22,6 +22,7 @@ from transformer_engine.common.plan import FP8_MAX
 from . import attention_bias, ops
 from .first_step import step_scales
 from .float8_tensor import Float8Tensor
+from .head_views import head_views
 from .linear_fn import update_backward
 from .ops.attention import operand_strides_of
 from .quantization import Plan, record_amax
@@ -61,32 +62,37 @@ class _FusedAttentionPacked(torch.autograd.Function):
     copies of q, k, v nor the concatenation of their gradients happen."""
 
     @staticmethod
-    def forward(ctx, qkv, views, rng, params, deterministic):
-        q, k, v = _views(qkv, views)
+    def forward(ctx, qkv, views, rng, params, deterministic, split=None):
+        q, k, v = _views(qkv, views, split)
         o, lse = ops.attention_forward(q, k, v, _NO_SEQLENS, _NO_SEQLENS, rng, *params)
         ctx.save_for_backward(qkv, o, lse, rng)
-        ctx.views, ctx.params, ctx.deterministic = views, params, deterministic
+        ctx.views, ctx.params, ctx.deterministic, ctx.split = views, params, deterministic, split
         return o
 
     @staticmethod
     def backward(ctx, d_o):
         qkv, o, lse, rng = ctx.saved_tensors
-        q, k, v = _views(qkv, ctx.views)
+        q, k, v = _views(qkv, ctx.views, ctx.split)
         layout, mask, left, right, scale, dropout, _, _, backend = ctx.params
         d_qkv = ops.attention_backward_packed(qkv, q, k, v, o, d_o.contiguous(), lse, rng, layout,
                                               mask, left, right, scale, dropout,
                                               ctx.deterministic, backend)
-        return d_qkv, None, None, None, None
+        return d_qkv, None, None, None, None, None
 
 
-def _views(qkv: torch.Tensor, views: tuple) -> tuple:
+def _views(qkv: torch.Tensor, views: tuple, split: Optional[tuple] = None) -> tuple:
     """q, k, v as views of qkv: (shape, stride, offset from qkv's first element) each. A
-    forward traced by dynamo, which cannot read storage offsets, takes them from a slice of
-    the flattened qkv (as_strided keeps the slice's offset); elsewhere (eager, or the
-    backward traced on fake tensors) one as_strided each, the cheaper call."""
+    forward traced by dynamo, which cannot read storage offsets, makes them with view and
+    split ops from ``split``, head_views' (groups, parts, head_dim, interleaved): not with
+    as_strided of a slice, whose offset Inductor drops in some torch releases (on an H100
+    with torch 2.11 that read k and v from q's place). Elsewhere (eager, or a backward traced
+    on fake tensors outside dynamo) one as_strided each at an explicit offset, the cheaper
+    call."""
     if torch.compiler.is_compiling():
-        flat = qkv.view(-1)
-        return tuple(flat[offset:].as_strided(shape, stride) for shape, stride, offset in views)
+        if split is None:
+            raise ValueError("attention: a traced step reading q, k, v in place needs their "
+                             "split (head_views' arguments), got none")
+        return tuple(head_views(qkv, *split))
     start = qkv.storage_offset()
     return tuple(qkv.as_strided(shape, stride, start + offset) for shape, stride, offset in views)
 
@@ -160,7 +166,7 @@ def fused_attention(q, k, v, cu_q, cu_kv, rng, params: Params, deterministic: bo
                  for t, (shape, stride, _) in zip((q, k, v), packed[1], strict=True))):
         packed = None
     if packed is not None:
-        return _FusedAttentionPacked.apply(packed[0], packed[1], rng, params, deterministic)
+        return _FusedAttentionPacked.apply(*packed[:2], rng, params, deterministic, *packed[2:])
     return _FusedAttention.apply(q, k, v, cu_q, cu_kv, rng, params, deterministic)
 
 

@@ -20,21 +20,9 @@ import torch
 
 from ..attention_fn import _tiles
 from ..float8_tensor import Float8Tensor
+from ..head_views import head_views
 
 __all__ = ["packed_views", "split_heads"]
-
-
-def _split_data(x: torch.Tensor, groups: int, parts: tuple, head_dim: int,
-                interleaved: bool) -> list:
-    """Views of x [..., F] as [..., parts_i * groups, head_dim] (copies where the heads of a
-    part are not adjacent: the interleaved order with more than one group)."""
-    lead = x.shape[:-1]
-    if not interleaved or groups == 1:  # one view and one split (host time: every forward)
-        heads = x.view(*lead, x.shape[-1] // head_dim, head_dim)
-        return list(torch.split(heads, [p * groups for p in parts], dim=-2))
-    grouped = x.view(*lead, groups, sum(parts), head_dim)
-    return [t.reshape(*lead, groups * p, head_dim)
-            for t, p in zip(torch.split(grouped, list(parts), dim=-2), parts, strict=True)]
 
 
 def _join_grads(grads: list, lead: tuple, groups: int, parts: tuple, head_dim: int,
@@ -55,7 +43,7 @@ class _SplitHeadsFP8(torch.autograd.Function):
     def forward(ctx, x, layout: tuple):
         groups, parts, head_dim, interleaved = layout
         ctx.lead, ctx.layout, ctx.dtype = x.shape[:-1], layout, x.dtype
-        pieces = _split_data(x._data, groups, parts, head_dim, interleaved)
+        pieces = head_views(x._data, groups, parts, head_dim, interleaved)
         return tuple(Float8Tensor(p.contiguous(), x._scale_inv, x._fp8_dtype, x.dtype)
                      for p in pieces)
 
@@ -76,7 +64,7 @@ def split_heads(x: torch.Tensor, groups: int, parts: tuple, head_dim: int,
     Float8Tensors."""
     if isinstance(x, Float8Tensor):
         return _SplitHeadsFP8.apply(x, (groups, tuple(parts), head_dim, interleaved))
-    return tuple(_split_data(x, groups, parts, head_dim, interleaved))
+    return tuple(head_views(x, groups, parts, head_dim, interleaved))
 
 
 @torch._dynamo.assume_constant_result

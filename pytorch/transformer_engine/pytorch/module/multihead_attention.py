@@ -68,12 +68,14 @@ def zero_biases(module: torch.nn.Module) -> None:
 
 
 # Whether a traced step of the modules reads q, k, v in place from the QKV output (the views
-# given to the attention: _packed). Off: on an H100 a compiled FP8 first step through the
-# modules gave other outputs than eager and garbage input gradients with it on, the eager
-# bits with it off (benchmarks/compiled_first_step_probe.py; benchmarks/results/
-# gpu_checks.md), and the cause is not found. CPU graphs read them in place correctly
-# (tests/pytorch/test_attention_packed.py turns it on); the layer nodes' traced ops, which
-# read them in place inside the op, are not affected.
+# given to the attention: _packed). Off: on an H100 (torch 2.11) a compiled FP8 first step
+# through the modules gave other outputs than eager and garbage input gradients with it on,
+# the eager bits with it off (benchmarks/compiled_first_step_probe.py; benchmarks/results/
+# gpu_checks.md). The likely cause, Inductor dropping the offset of an as_strided view of a
+# slice in that release, is gone (attention_fn._views makes them with view and split ops),
+# but that has not run on a GPU yet: on again once the probe gives the eager bits there.
+# CPU graphs read them in place correctly (tests/pytorch/test_attention_packed.py turns it
+# on); the layer nodes' traced ops, which read them in place inside the op, are not affected.
 traced_in_place = False
 
 class MultiheadAttention(DeferredInit, torch.nn.Module):
@@ -456,16 +458,18 @@ class MultiheadAttention(DeferredInit, torch.nn.Module):
         return tp
 
     def _packed(self, projected) -> Optional[tuple]:
-        """(projected, the views of q, k, v in it) for a traced step whose q, k, v are
-        split_heads' views of the plain QKV output ``projected``: attention then reads them in
-        place and writes their gradients into one gradient of it (attention_fn's packed path,
-        which in eager finds the views itself from their storage; a trace cannot look there).
-        None where the views do not tile it."""
+        """(projected, the views of q, k, v in it, head_views' arguments that make them) for a
+        traced step whose q, k, v are split_heads' views of the plain QKV output
+        ``projected``: attention then reads them in place and writes their gradients into one
+        gradient of it (attention_fn's packed path, which in eager finds the views itself
+        from their storage; a trace cannot look there). None where the views do not tile
+        it."""
         if type(projected) is not torch.Tensor or self.core_attention._cp is not None:
             return None
-        views = packed_views(tuple(projected.shape), projected.dtype, self._local_groups,
-                             self._parts, self.head_dim, self.qkv_weight_interleaved)
-        return None if views is None else (projected, views)
+        split = (self._local_groups, tuple(self._parts), self.head_dim,
+                 self.qkv_weight_interleaved)
+        views = packed_views(tuple(projected.shape), projected.dtype, *split)
+        return None if views is None else (projected, views, split)
 
     def _norm_qk(self, q, k):
         """qk_norm_type over each head's features of q and k."""
