@@ -593,7 +593,7 @@ def test_compiled_step_with_dropout_runs_the_node_with_the_eager_bits(traced_nod
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
 def test_compiled_modules_path_matches_the_modules(device, recipe_name):
-    """A compiled stack through its modules (the traced path a CUDA graph takes by default,
+    """A compiled stack through its modules (the path a graph traced on CUDA takes by default,
     layer_block_op.on_cuda off) at every step: the eager modules' outputs bit for bit, and
     their input gradient within 2% in norm, every gradient finite. (Not bits backward:
     Inductor adds the backward's bf16 terms in fp32 with one rounding where eager rounds each

@@ -27,7 +27,7 @@ __all__ = ["packed_views", "split_heads"]
 
 def _join_grads(grads: list, lead: tuple, groups: int, parts: tuple, head_dim: int,
                 interleaved: bool) -> torch.Tensor:
-    """The inverse of _split_data for the gradients: [..., F]."""
+    """The inverse of head_views for the gradients: [..., F]."""
     if not interleaved or groups == 1:
         return torch.cat([g.reshape(*lead, -1) for g in grads], dim=-1)
     grouped = [g.reshape(*lead, groups, p, head_dim) for g, p in zip(grads, parts, strict=True)]

@@ -78,6 +78,7 @@ def zero_biases(module: torch.nn.Module) -> None:
 # on); the layer nodes' traced ops, which read them in place inside the op, are not affected.
 traced_in_place = False
 
+
 class MultiheadAttention(DeferredInit, torch.nn.Module):
     """Self- or cross-attention with its projections, in FP8 under :func:`fp8_autocast`.
 

@@ -45,28 +45,16 @@ def operand_strides_of(shape, stride, element_size: int) -> Optional[tuple[int, 
     return row, head
 
 
-def operand_strides(t: torch.Tensor) -> Optional[tuple[int, int]]:
-    """operand_strides_of a tensor whose first element is also 16-byte aligned."""
-    if t.data_ptr() % 16:
-        return None
-    return operand_strides_of(t.shape, t.stride(), t.element_size())
-
-
 def qkv_strides(layout: str, mask: str, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> Optional[list[int]]:
     """The config's strides for q, k, v as they are: [] when all three are contiguous, the six
     strides when the core can read them in place (bshd/sbhd without padding), else None."""
     if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
         return []
-    if layout == "thd" or mask.startswith("padding"):
-        return None
-    out = []
-    for t in (q, k, v):
-        st = operand_strides(t)
-        if st is None:
-            return None
-        out += st
-    return out
+    # (each at its address in elements: an offset from address 0, which is aligned)
+    size = q.element_size()
+    return _in_place_strides(layout, mask, tuple((t.shape, t.stride(), t.data_ptr() // size)
+                                                 for t in (q, k, v)), size)
 
 
 def qkv_strides_of(layout: str, mask: str, views: tuple, element_size: int
@@ -76,6 +64,14 @@ def qkv_strides_of(layout: str, mask: str, views: tuple, element_size: int
     tensors, knows of them."""
     if all(_is_contiguous(shape, stride) for shape, stride, _ in views):
         return []
+    return _in_place_strides(layout, mask, views, element_size)
+
+
+def _in_place_strides(layout: str, mask: str, views: tuple, element_size: int
+                      ) -> Optional[list[int]]:
+    """The six strides of (shape, stride, offset from a 16-byte boundary) views the core reads
+    in place, or None: each 16-byte aligned and operand_strides_of's form, bshd/sbhd without
+    padding."""
     if layout == "thd" or mask.startswith("padding"):
         return None
     out = []
