@@ -11,6 +11,11 @@
 #   torch_package        the installed transformer_engine.pytorch's folder (to patch what runs)
 #   set_flag FILE NAME VALUE   sets the module-level `NAME = ...` line of FILE in that folder to
 #                        VALUE (True/False) and logs the line
+#   ab_model FILE NAME ON OFF RESULT CASE [FIRST...]   bench_model's CASE at hidden 1024 in
+#                        rounds on, off, on, off, with FILE's NAME set to ON or OFF (its own
+#                        value back after), each case in a process of its own, the FIRST cases
+#                        too in the first round; JSON RESULT_{on,off}{1,2}_$commit$suffix.json
+#                        (expects $commit)
 # Wheels in .whl/ (brought for a machine without network: cudnn-frontend, torchao, nox) are
 # installed beside the machine's packages first.
 mkdir -p "$out"
@@ -64,4 +69,27 @@ set_flag() {
 build_jax_stack() {
   build_torch_stack
   step build_jax 120 python3 -m pip install --no-build-isolation --no-deps -q ./jax
+}
+ab_model() {
+  local file=$1 name=$2 on=$3 off=$4 result=$5 base=$6 was round side runs_left share
+  shift 6
+  was=$(sed -n "s/^$name = \(True\|False\)\$/\1/p" "$(torch_package)/$file")
+  set -f  # the case patterns are globs for bench_model, not for the shell
+  for round in 1 2; do
+    for side in on off; do
+      local variants=("$base")
+      [ "$round$side" = 1on ] && variants+=("$@")
+      local value=$off
+      [ "$side" = on ] && value=$on
+      set_flag "$file" "$name" "$value"
+      runs_left=$(( (2 - round) * 2 + 1 )); [ "$side" = on ] && runs_left=$((runs_left + 1))
+      share=$(( $(left $((budget - 5))) / runs_left ))
+      step "model_$round$side" "$(upto $((budget - 5)) "$share")" \
+        python3 benchmarks/bench_model.py --hidden 1024 --isolate --budget-s $((share - 10)) \
+        --module-iters 0 \
+        --name "${result}_${side}${round}_$commit$suffix" --variants "${variants[@]}"
+    done
+  done
+  set_flag "$file" "$name" "$was"
+  set +f
 }

@@ -21,19 +21,6 @@ step probe_fused "$(upto $((budget - 60)) 60)" python3 benchmarks/host_split_pro
   --out "$out/host_split_probe_fused_$commit$suffix.json"
 step probe_unfused "$(upto $((budget - 60)) 60)" python3 benchmarks/host_split_probe.py --unfused \
   --out "$out/host_split_probe_unfused_$commit$suffix.json"
-set -f  # the case patterns are globs for bench_model, not for the shell
-for round in 1 2; do
-  for side in on off; do
-    variants=("te_layer/fp8_delayed/eager")
-    [ "$round$side" = 1on ] && variants+=("torch/bf16/compile" "torch/bf16/eager")
-    [ "$side" = off ] && set_flag layer_block_nodes.py fused_attention_block False
-    runs_left=$(( (2 - round) * 2 + 1 )); [ "$side" = on ] && runs_left=$((runs_left + 1))
-    share=$(( $(left $((budget - 5))) / runs_left ))
-    step "model_$round$side" "$(upto $((budget - 5)) "$share")" python3 benchmarks/bench_model.py \
-      --hidden 1024 --isolate --budget-s $((share - 10)) --module-iters 0 \
-      --name "model_attention_block_${side}${round}_$commit$suffix" --variants "${variants[@]}"
-    [ "$side" = off ] && set_flag layer_block_nodes.py fused_attention_block True
-  done
-done
-set +f
+ab_model layer_block_nodes.py fused_attention_block True False model_attention_block \
+  te_layer/fp8_delayed/eager torch/bf16/compile torch/bf16/eager
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"

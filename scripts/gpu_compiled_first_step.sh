@@ -25,19 +25,6 @@ step inplace_code "$(upto $((budget - 60)) 40)" env TORCH_LOGS=output_code pytho
 step compiled_tests "$(upto $((budget - 60)) 150)" python3 -m pytest -p no:cacheprovider -q \
   -m cuda -rfE tests/pytorch/test_layer_block.py tests/pytorch/test_attention_packed.py \
   -k compiled
-set -f  # the case patterns are globs for bench_model, not for the shell
-for round in 1 2; do
-  for side in on off; do
-    variants=("te_layer/fp8_delayed/compile")
-    [ "$round$side" = 1on ] && variants+=("te_layer/fp8_delayed/eager" "torch/bf16/compile")
-    [ "$side" = on ] && set_flag layer_block_op.py on_cuda True
-    runs_left=$(( (2 - round) * 2 + 1 )); [ "$side" = on ] && runs_left=$((runs_left + 1))
-    share=$(( $(left $((budget - 5))) / runs_left ))
-    step "model_$round$side" "$(upto $((budget - 5)) "$share")" python3 benchmarks/bench_model.py \
-      --hidden 1024 --isolate --budget-s $((share - 10)) --module-iters 0 \
-      --name "model_layer_op_${side}${round}_$commit$suffix" --variants "${variants[@]}"
-    [ "$side" = on ] && set_flag layer_block_op.py on_cuda False
-  done
-done
-set +f
+ab_model layer_block_op.py on_cuda True False model_layer_op te_layer/fp8_delayed/compile \
+  te_layer/fp8_delayed/eager torch/bf16/compile
 echo "== done at $(( $(date +%s) - start ))s" >> "$log"
