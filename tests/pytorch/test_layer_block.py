@@ -566,17 +566,27 @@ def traced_node_calls(monkeypatch) -> list:
 @pytest.mark.parametrize("recipe_name,config", [("delayed", "layernorm-gelu")] + [
     ("current", c) for c in CONFIGS])
 def test_compiled_step_runs_the_node_with_the_eager_bits(device, recipe_name, config,
-                                                          traced_node_calls):
+                                                          traced_node_calls, monkeypatch):
     """torch.compile(fullgraph=True) of a layer stack: each layer's step past delayed scaling's
-    first is one custom op per direction running the node, and every output, gradient and FP8
-    buffer is the eager node's, step after step (a compiled first step included)."""
+    first is one custom op per direction running the node, with the node's fused calls
+    (attention_block.cpp's layer forward), and every output, gradient and FP8 buffer is the
+    eager node's, step after step (a compiled first step included)."""
     torch._dynamo.reset()
     eager = _record(_layers(device, **CONFIGS[config]), recipe_name, device)
     m = _layers(device, **CONFIGS[config])
+    fused = [0]
+    half = layer_block_nodes._attention_half
+
+    def counted(*args):
+        fused[0] += 1
+        return half(*args)
+
+    monkeypatch.setattr(layer_block_nodes, "_attention_half", counted)
     compiled = _record(m, recipe_name, device, torch.compile(m, fullgraph=True))
     assert_same_bits(eager, compiled)
     first = 1 if recipe_name == "delayed" else 0
     assert traced_node_calls[0] == LAYERS * (STEPS - first)
+    assert fused[0] == LAYERS * (STEPS - first)
 
 
 def test_compiled_step_with_dropout_runs_the_node_with_the_eager_bits(traced_node_calls):
