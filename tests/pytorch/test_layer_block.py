@@ -233,17 +233,22 @@ def test_node_takes_mlps_the_modules_run_lean(device, recipe_name, node_calls, m
     assert node_calls[0] == 0
 
 
+def _count_calls(monkeypatch, owner, name: str) -> list:
+    """[calls so far] of ``owner.name``, wrapped for the test."""
+    calls, fn = [0], getattr(owner, name)
+
+    def counted(*args):
+        calls[0] += 1
+        return fn(*args)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 def test_a_declined_input_is_not_learned_again(monkeypatch):
     """A recipe and input the node cannot take (here: a sliding window) are learned once: the
     next calls go to the modules' path without learning again."""
-    learned = [0]
-    learn = layer_block._learn
-
-    def counted(*args):
-        learned[0] += 1
-        return learn(*args)
-
-    monkeypatch.setattr(layer_block, "_learn", counted)
+    learned = _count_calls(monkeypatch, layer_block, "_learn")
     m = _layers("cpu", window_size=(4, 0))
     r = RECIPES["current"]()
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
@@ -574,14 +579,7 @@ def test_compiled_step_runs_the_node_with_the_eager_bits(device, recipe_name, co
     torch._dynamo.reset()
     eager = _record(_layers(device, **CONFIGS[config]), recipe_name, device)
     m = _layers(device, **CONFIGS[config])
-    fused = [0]
-    half = layer_block_nodes._attention_half
-
-    def counted(*args):
-        fused[0] += 1
-        return half(*args)
-
-    monkeypatch.setattr(layer_block_nodes, "_attention_half", counted)
+    fused = _count_calls(monkeypatch, layer_block_nodes, "_attention_half")
     compiled = _record(m, recipe_name, device, torch.compile(m, fullgraph=True))
     assert_same_bits(eager, compiled)
     first = 1 if recipe_name == "delayed" else 0
