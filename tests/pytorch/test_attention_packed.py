@@ -115,13 +115,13 @@ def test_multihead_attention_reads_qkv_in_place():
 @pytest.mark.parametrize("layout,interleaved,groups", [("bshd", False, None),
                                                         ("sbhd", True, None),
                                                         ("bshd", True, 1)])
-@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "default"])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
 def test_compiled_multihead_attention_reads_qkv_in_place(layout, interleaved, groups, in_place,
                                                          monkeypatch):
     """A traced step cannot look at the views' storage: with multihead_attention's
     traced_in_place te.MultiheadAttention gives the attention the views it made, so the
     compiled step reads q, k, v in place and writes their gradients into one buffer (no
-    copies of them, no concatenation) and matches eager. By default (off) the traced step
+    copies of them, no concatenation) and matches eager (the default). Off, the traced step
     takes the dense attention."""
     import copy
 

@@ -554,9 +554,7 @@ def traced_node_calls(monkeypatch) -> list:
     """How many times the layer node ran inside a compiled graph (layer_block_op)."""
     from transformer_engine.pytorch import layer_block_op
 
-    # (off by default for graphs traced on CUDA, where the modules' path ran faster; the ops
-    # are tested there all the same)
-    monkeypatch.setattr(layer_block_op, "on_cuda", True)
+    monkeypatch.setattr(layer_block_op, "on_cuda", True)  # (the default)
     calls = [0]
     forward = layer_block_op._forward
 
@@ -599,13 +597,18 @@ def test_compiled_step_with_dropout_runs_the_node_with_the_eager_bits(traced_nod
     assert traced_node_calls[0] == LAYERS * STEPS
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
-def test_compiled_modules_path_matches_the_modules(device, recipe_name):
-    """A compiled stack through its modules (the path a graph traced on CUDA takes by default,
-    layer_block_op.on_cuda off) at every step: the eager modules' outputs bit for bit, and
-    their input gradient within 2% in norm, every gradient finite. (Not bits backward:
-    Inductor adds the backward's bf16 terms in fp32 with one rounding where eager rounds each
-    add, and the FP8 casts of the gradients widen that; 0.4% measured on the CPU.)"""
+def test_compiled_modules_path_matches_the_modules(device, recipe_name, in_place, monkeypatch):
+    """A compiled stack through its modules (the path a traced step takes without the layer
+    node, layer_block.enabled off), q, k, v read in place or copied
+    (multihead_attention.traced_in_place), at every step: the eager modules' outputs bit for
+    bit, and their input gradient within 2% in norm, every gradient finite. (Not bits
+    backward: Inductor adds the backward's bf16 terms in fp32 with one rounding where eager
+    rounds each add, and the FP8 casts of the gradients widen that; 0.4% measured on the CPU.)"""
+    from transformer_engine.pytorch.module import multihead_attention
+
+    monkeypatch.setattr(multihead_attention, "traced_in_place", in_place)
     layer_block.enabled = False  # (the node neither eager nor traced; _restore turns it on)
     torch._dynamo.reset()
     eager = _record(_layers(device), recipe_name, device)

@@ -64,8 +64,13 @@ _NS = "transformer_engine"
 # process) show where: with the ops the compiled step runs the eager node's kernels (5.24 ms,
 # through the modules 5.80) but leaves the GPU idle longer (2.36 ms against 1.57; eager 0.68),
 # so their cost is on the host (kernel_profile_compiled_{ops_on,ops_off,eager}_b34cae1_h100.json).
-# Off.
-on_cuda = False
+# Since c5087fa the ops make the eager node's fused calls (attention_block.cpp), and the host
+# time turned: on one H100, one layer's compiled step at the tiny shape took 4.14 ms with the
+# ops against 5.61 through the modules (eager 3.32 and 3.08; host_profile_layer_op_rounds_
+# 9938805_h100.json, host_profile_modules_path_9938805_h100.json), and four layers at hidden
+# 1024 7.05 / 8.87 ms with them against 9.03 / 8.32 (model_layer_op_{on,off}{1,2}_6d20565_
+# h100.json; that run's modules path read q, k, v through the wrong in-place views). On.
+on_cuda = True
 
 
 class _Ctx:

@@ -68,15 +68,13 @@ def zero_biases(module: torch.nn.Module) -> None:
 
 
 # Whether a traced step of the modules reads q, k, v in place from the QKV output (the views
-# given to the attention: _packed). Off: on an H100 (torch 2.11) a compiled FP8 first step
-# through the modules gave other outputs than eager and garbage input gradients with it on,
-# the eager bits with it off (benchmarks/compiled_first_step_probe.py; benchmarks/results/
-# gpu_checks.md). The likely cause, Inductor dropping the offset of an as_strided view of a
-# slice in that release, is gone (attention_fn._views makes them with view and split ops),
-# but that has not run on a GPU yet: on again once the probe gives the eager bits there.
-# CPU graphs read them in place correctly (tests/pytorch/test_attention_packed.py turns it
-# on); the layer nodes' traced ops, which read them in place inside the op, are not affected.
-traced_in_place = False
+# given to the attention: _packed). On an H100 (torch 2.11) 70e8ec9's views, as_strided of a
+# slice of the QKV output, gave a compiled FP8 first step other outputs than eager and garbage
+# input gradients: Inductor most likely dropped the slice's storage offset. The views are now
+# made with view and split ops (head_views.py), and with them the compiled first step gives
+# the eager bits there, in place or copied (benchmarks/compiled_first_step_probe.py;
+# benchmarks/results/compiled_first_step_probe_9938805_h100.txt). Off: q, k, v copied dense.
+traced_in_place = True
 
 
 class MultiheadAttention(DeferredInit, torch.nn.Module):
