@@ -197,14 +197,27 @@ def _git_commit() -> str | None:
         return None
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def environment() -> dict:
     """Device, driver-visible versions and date of this run."""
     import transformer_engine.common as te_common
 
+    cuda = torch.cuda.is_available()
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
-        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())),
+        # (a CPU run, for the host-time probes: the CPU's model name where Linux gives it)
+        "device": torch.cuda.get_device_name() if cuda else f"cpu: {_cpu_name()}",
+        "compute_capability": (".".join(map(str, torch.cuda.get_device_capability())) if cuda
+                               else None),
         "torch": torch.__version__,
         "cuda_runtime_of_torch": torch.version.cuda,
         "transformer_engine": te_common.__version__,
