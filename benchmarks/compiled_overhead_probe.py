@@ -9,7 +9,9 @@ wall clocks and the device synchronized only at the ends of each measured batch:
 
   - forward and backward (the loss's backward included) as the caller sees them;
   - the time inside the node's forward and backward (both modes);
-  - compiled: the time inside the ops' implementations around the node (their glue).
+  - compiled: the time inside the ops' implementations around the node (their glue), and
+    inside Inductor's compiled graphs (forward and backward together) around the ops (the
+    graph's own code and each op's trip through the dispatcher into its Python kernel).
 
 The difference between the modes outside the node is what the compiled region adds: its
 guards, AOTAutograd's runtime wrappers, the graph's own calls and checks, and each op's trip
@@ -33,7 +35,8 @@ from harness import environment, write_result
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch import layer_block_nodes, layer_block_op
 
-_SPENT = {"node_forward": 0.0, "node_backward": 0.0, "op_forward": 0.0, "op_backward": 0.0}
+_SPENT = {"node_forward": 0.0, "node_backward": 0.0, "op_forward": 0.0, "op_backward": 0.0,
+          "graphs": 0.0}
 
 
 def _timed(name: str, fn):
@@ -53,6 +56,13 @@ def _instrument() -> None:
     layer.backward = staticmethod(_timed("node_backward", layer.backward))
     layer_block_op._forward = _timed("op_forward", layer_block_op._forward)
     layer_block_op._backward = _timed("op_backward", layer_block_op._backward)
+    # (Inductor's compiled graphs, forward and backward: what their own code adds around the
+    # ops is graphs less op_*)
+    from torch._inductor import output_code
+
+    graph = output_code.CompiledFxGraph
+    call = graph.__call__
+    graph.__call__ = lambda self, inputs: _timed("graphs", call)(self, inputs)
 
 
 def _sync(device: str) -> None:
@@ -136,9 +146,9 @@ def main() -> None:
             row = {"mode": mode, "layers": layers, "hidden": args.hidden,
                    "shape_bsh": [*args.tokens, args.hidden], **{k: round(v, 1)
                                                                for k, v in best.items()}}
-            if mode == "eager":  # (no op in eager mode)
-                row.pop("op_forward_us")
-                row.pop("op_backward_us")
+            if mode == "eager":  # (no op and no graph in eager mode)
+                for k in ("op_forward_us", "op_backward_us", "graphs_us"):
+                    row.pop(k)
             results.append(row)
             print(f"{mode:8s} layers {layers}: forward {row['forward_us']:8.1f} us "
                   f"(node {row['node_forward_us']:8.1f}), backward {row['backward_us']:8.1f} "
@@ -150,7 +160,8 @@ def main() -> None:
                         "stack, eager and torch.compile default mode: forward_us and "
                         "backward_us as the caller sees them (the loss's backward included), "
                         "node_*: inside layer_block_nodes.Layer's forward/backward, op_*: "
-                        "inside layer_block_op's op implementations (compiled only); each "
+                        "inside layer_block_op's op implementations, graphs_us: inside "
+                        "Inductor's compiled graphs, forward and backward (compiled only); each "
                         "row the round (of `rounds`, modes alternating) with the smallest "
                         "median step"),
         "config": {"device": args.device, "steps": args.steps, "rounds": args.rounds,
