@@ -31,6 +31,17 @@ from transformer_engine.pytorch.ops._backend import custom_op
 NODES = 4
 
 
+def _backward_op(name: str):
+    """A node's backward op: the gradient (cloned) from it and a list of tensors it only
+    takes."""
+    @custom_op(name, schema="(Tensor g, Tensor[] ts) -> Tensor")
+    def backward(g, ts):
+        return g.clone()
+
+    backward.register_fake(lambda g, ts: torch.empty_like(g))
+    return backward
+
+
 def _node_with_results(n: int, device: str):
     schema = "(Tensor x) -> (" + ", ".join(["Tensor"] * (n + 1)) + ")"
 
@@ -40,12 +51,7 @@ def _node_with_results(n: int, device: str):
 
     forward.register_fake(lambda x: (torch.empty_like(x), *(x.new_empty(4) for _ in range(n))))
 
-    @custom_op(f"call_cost_probe::results_backward_{n}",
-               schema="(Tensor g, Tensor[] made) -> Tensor")
-    def backward(g, made):
-        return g.clone()
-
-    backward.register_fake(lambda g, made: torch.empty_like(g))
+    backward = _backward_op(f"call_cost_probe::results_backward_{n}")
 
     class Node(torch.autograd.Function):
         @staticmethod
@@ -68,12 +74,7 @@ def _node_with_inputs(n: int, device: str):
 
     forward.register_fake(lambda x, ts: torch.empty_like(x))
 
-    @custom_op(f"call_cost_probe::inputs_backward_{n}",
-               schema="(Tensor g, Tensor[] ts) -> Tensor")
-    def backward(g, ts):
-        return g.clone()
-
-    backward.register_fake(lambda g, ts: torch.empty_like(g))
+    backward = _backward_op(f"call_cost_probe::inputs_backward_{n}")
 
     class Node(torch.autograd.Function):
         @staticmethod
