@@ -61,8 +61,7 @@ def _instrument() -> None:
     from torch._inductor import output_code
 
     graph = output_code.CompiledFxGraph
-    call = graph.__call__
-    graph.__call__ = lambda self, inputs: _timed("graphs", call)(self, inputs)
+    graph.__call__ = _timed("graphs", graph.__call__)
 
 
 def _sync(device: str) -> None:
@@ -153,7 +152,7 @@ def main() -> None:
             print(f"{mode:8s} layers {layers}: forward {row['forward_us']:8.1f} us "
                   f"(node {row['node_forward_us']:8.1f}), backward {row['backward_us']:8.1f} "
                   f"us (node {row['node_backward_us']:8.1f})")
-    path = write_result(args.name, {
+    write_result(args.name, {
         "benchmark": args.name,
         "environment": environment(),
         "description": ("host time per step of an FP8 (DelayedScaling) te.TransformerLayer "
@@ -169,7 +168,6 @@ def main() -> None:
                    "timing": "wall clock, synchronized at the ends of each batch"},
         "results": results,
     })
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,11 @@
 # a compiled delayed first step other bits than eager) and Inductor's code of the way that
 # differed (in the log), the compiled layer tests
 # (test_layer_block.py -k compiled, CUDA), compiled_overhead_probe.py (what the compiled region
-# adds around the layer node's calls) and compiled_call_cost_probe.py, then an A/B of four FP8 layers at hidden 1024
-# compiled with the layer node's ops (layer_block_op.on_cuda) and through the modules, rounds
-# on, off, on, off (the flag set in the installed package), each case in a process of its own,
-# with the eager FP8 step and torch's compiled step in the first round. Logs go to
-# $1/log.txt, JSON to $1.
+# adds around the layer node's calls) and compiled_call_cost_probe.py, then an A/B of four FP8
+# layers at hidden 1024 compiled with the layer node's ops (layer_block_op.on_cuda) and
+# through the modules, rounds on, off, on, off (the flag set in the installed package), each
+# case in a process of its own, with the eager FP8 step and torch's compiled step in the first
+# round. Logs go to $1/log.txt, JSON to $1.
 #
 #   bash scripts/gpu_compiled_first_step.sh OUT_DIR    # TE_GPU_BUDGET_S: seconds to use (560)
 set -u
@@ -27,8 +27,8 @@ step compiled_tests "$(upto $((budget - 60)) 150)" python3 -m pytest -p no:cache
   -m cuda -rfE tests/pytorch/test_layer_block.py tests/pytorch/test_attention_packed.py \
   -k compiled
 # what the compiled region adds around the layer node's calls, one and four layers, tiny shape
-step compiled_overhead "$(upto $((budget - 60)) 120)" python3 benchmarks/compiled_overhead_probe.py \
-  --name "compiled_overhead_${commit}${suffix}"
+step compiled_overhead "$(upto $((budget - 60)) 120)" \
+  python3 benchmarks/compiled_overhead_probe.py --name "compiled_overhead_${commit}${suffix}"
 step call_cost "$(upto $((budget - 60)) 60)" python3 benchmarks/compiled_call_cost_probe.py \
   --name "compiled_call_cost_${commit}${suffix}"
 ab_model layer_block_op.py on_cuda True False model_layer_op te_layer/fp8_delayed/compile \
